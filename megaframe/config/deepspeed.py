@@ -1,0 +1,87 @@
+"""to_ds_config(): the only place where DeepSpeed JSON keys are written."""
+from __future__ import annotations
+
+from typing import Any
+
+from megaframe.config.schema import TrainConfig
+from megaframe.config.validate import Layout
+
+# DeepSpeed prints its own progress every N steps; our trainer owns the console.
+_NEVER = 10**9
+
+
+def _offload_block(device: str, cfg: TrainConfig, swap_subdir: str) -> dict[str, Any]:
+    block: dict[str, Any] = {"device": device, "pin_memory": cfg.offload.pin_memory}
+    if device == "nvme":
+        block["nvme_path"] = f"{cfg.offload.nvme_path}/{swap_subdir}"
+    return block
+
+
+def zero_block(cfg: TrainConfig) -> dict[str, Any]:
+    """The zero_optimization section, offload included."""
+    z = cfg.zero
+    block: dict[str, Any] = {"stage": z.stage}
+    if z.stage == 0:
+        return block
+    block.update(
+        overlap_comm=z.overlap_comm,
+        contiguous_gradients=z.contiguous_gradients,
+        reduce_bucket_size=z.reduce_bucket_size,
+        allgather_bucket_size=z.allgather_bucket_size,
+    )
+    if z.stage == 3:
+        block.update(
+            stage3_prefetch_bucket_size=z.stage3_prefetch_bucket_size,
+            stage3_param_persistence_threshold=z.stage3_param_persistence_threshold,
+            stage3_max_live_parameters=z.stage3_max_live_parameters,
+        )
+    if cfg.offload.optimizer != "none":
+        block["offload_optimizer"] = _offload_block(cfg.offload.optimizer, cfg, "optimizer")
+    if cfg.offload.param != "none":
+        block["offload_param"] = _offload_block(cfg.offload.param, cfg, "param")
+    return block
+
+
+def precision_block(cfg: TrainConfig) -> dict[str, Any]:
+    """bf16 / fp16 sections (fp32 needs none)."""
+    p = cfg.precision
+    if p.dtype == "bf16":
+        return {"bf16": {"enabled": True}}
+    if p.dtype == "fp16":
+        return {"fp16": {"enabled": True, "loss_scale": 0,  # 0 = dynamic loss scaling
+                         "initial_scale_power": p.initial_scale_power,
+                         "loss_scale_window": p.loss_scale_window,
+                         "hysteresis": p.hysteresis, "min_loss_scale": p.min_loss_scale}}
+    return {}
+
+
+def to_ds_config(cfg: TrainConfig, layout: Layout, accelerator: str = "cpu") -> dict[str, Any]:
+    """Translate the typed config into DeepSpeed's config dict.
+
+    The LR schedule is not here: it is a torch LambdaLR handed to deepspeed.initialize (see
+    engine/schedule.py), because DeepSpeed's built-in schedulers warm up from min_lr (linear decay)
+    or logarithmically, unlike Megatron's linear warmup from 0.
+    """
+    o = cfg.optim
+    optimizer_params: dict[str, Any] = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
+                                        "weight_decay": o.weight_decay}
+    if accelerator == "cpu" and cfg.offload.optimizer == "none":
+        # FusedAdam needs a ~45 s JIT build and gains nothing on CPU; torch's AdamW is the same math.
+        optimizer_params["torch_adam"] = True
+    ds: dict[str, Any] = {
+        "train_batch_size": layout.global_batch_size,
+        "train_micro_batch_size_per_gpu": layout.micro_batch_size,
+        "gradient_accumulation_steps": layout.grad_accum_steps,
+        # DeepSpeed's default when the key is absent is 1.0, not "off": always write it.
+        "gradient_clipping": o.grad_clip,
+        "optimizer": {"type": "AdamW", "params": optimizer_params},
+        "zero_optimization": zero_block(cfg),
+        "steps_per_print": _NEVER,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+    ds.update(precision_block(cfg))
+    if "nvme" in (cfg.offload.optimizer, cfg.offload.param):
+        ds["aio"] = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
+                     "single_submit": False, "overlap_events": True}
+    return ds

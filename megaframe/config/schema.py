@@ -1,0 +1,155 @@
+"""Typed configuration: one dataclass per Hydra config group, composed into TrainConfig.
+
+Hydra merges YAML into these dataclasses, so unknown keys and wrong types fail at compose time;
+library code only ever sees these objects (via OmegaConf.to_object), never a DictConfig.
+Cross-field rules live in validate.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+@dataclass
+class ModelConfig:
+    """Shape and flavour of the GPT (Megatron key names)."""
+
+    arch: str = "gpt2"  # gpt2 | llama: only a label; the fields below decide the blocks
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_kv_heads: Optional[int] = None  # None = num_attention_heads (no grouped-query attention)
+    ffn_hidden_size: Optional[int] = None  # None = 4h (gelu) or 8h/3 rounded up to 64 (swiglu)
+    vocab_size: Optional[int] = None  # None = the tokenizer's vocabulary
+    make_vocab_size_divisible_by: int = 128
+    seq_length: int = 128
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    activation: str = "gelu"  # gelu | swiglu
+    position_embedding: str = "learned"  # learned | rope
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    bias: bool = True  # biases in linear layers and LayerNorm (GPT-2 yes, Llama no)
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout and batch sizes."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: Optional[int] = None  # None = world_size / (tp * pp)
+    micro_batch_size: int = 4
+    global_batch_size: int = 16
+    activation_checkpointing: bool = False
+    sequence_parallel: bool = False
+    pipeline_partition: str = "uniform"  # uniform | parameters
+
+
+@dataclass
+class ZeroConfig:
+    """ZeRO stage and the DeepSpeed knobs users tune."""
+
+    stage: int = 0
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+
+
+@dataclass
+class OffloadConfig:
+    """ZeRO-Offload (cpu) and ZeRO-Infinity (nvme) targets."""
+
+    optimizer: str = "none"  # none | cpu | nvme
+    param: str = "none"  # none | cpu | nvme (needs ZeRO-3)
+    nvme_path: Optional[str] = None
+    pin_memory: bool = False
+
+
+@dataclass
+class PrecisionConfig:
+    """Training dtype; fp16 settings apply only to dtype=fp16."""
+
+    dtype: str = "fp32"  # fp32 | bf16 | fp16
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the learning-rate schedule (linear warmup from 0, then decay to min_lr)."""
+
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    weight_decay: float = 0.1
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    lr_decay: str = "cosine"  # cosine | linear | constant
+    grad_clip: float = 1.0  # 0 disables clipping
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from."""
+
+    path: Optional[str] = None  # prefix of a .bin/.idx pair; None = the built-in demo corpus
+    tokenizer: str = "byte"  # byte | a local Hugging Face tokenizer directory
+    valid_fraction: float = 0.05
+    cache_dir: Optional[str] = None  # None = $XDG_CACHE_HOME/megaframe or ~/.cache/megaframe
+
+
+@dataclass
+class LoopConfig:
+    """The training loop: length, cadence of logs/evals/checkpoints, resumption."""
+
+    max_steps: int = 300
+    seed: int = 1234
+    log_interval: int = 10
+    eval_interval: int = 50  # 0 disables periodic eval
+    eval_steps: int = 4
+    save_interval: int = 100  # 0 = save only at the end
+    resume: str = "auto"  # auto | none | a checkpoint directory
+    exit_at_step: Optional[int] = None  # stop early (saving a checkpoint) without changing the schedule
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases run settings."""
+
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "megaframe"
+    name: Optional[str] = None
+    entity: Optional[str] = None
+    group: Optional[str] = None
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go."""
+
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    progress_bar: bool = True
+
+
+@dataclass
+class TrainConfig:
+    """The whole run: what every entry point receives after composition."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: LoopConfig = field(default_factory=LoopConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -1,0 +1,275 @@
+"""Cross-field rules, checked before any process group, model or engine exists.
+
+Each rule is a function that returns None or a one-line message naming the key(s) and the fix.
+DeepSpeed enforces several of these late (or silently ignores them); we refuse them up front.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+from megaframe.config.schema import TrainConfig
+
+
+class ConfigError(ValueError):
+    """A configuration the run cannot honour; str(err) is a single line for the user."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel degrees resolved against the world size, plus the derived step shape."""
+
+    tp: int
+    pp: int
+    dp: int
+    world_size: int
+    micro_batch_size: int
+    global_batch_size: int
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-batches per rank per optimizer step (pipeline micro-batches when pp > 1)."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+
+def _choices(key: str, value, allowed: Iterable) -> Optional[str]:
+    allowed = list(allowed)
+    if value not in allowed:
+        return f"{key}={value!r} is not one of {allowed}"
+    return None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def requested_world_size(cfg: TrainConfig) -> int:
+    """World size the config asks for when no launcher dictates one (dp=None means 1 replica)."""
+    return cfg.parallel.tp * cfg.parallel.pp * (cfg.parallel.dp or 1)
+
+
+def resolve_layout(cfg: TrainConfig, world_size: int) -> Layout:
+    """Degrees for this world; raises ConfigError when tp*pp*dp cannot equal world_size."""
+    p = cfg.parallel
+    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp)):
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1")
+    if p.dp is not None and p.dp < 1:
+        raise ConfigError(f"parallel.dp={p.dp} must be >= 1 (or null to fill the world)")
+    model_parallel = p.tp * p.pp
+    if p.dp is None:
+        if world_size % model_parallel:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by parallel.tp*parallel.pp={model_parallel}; "
+                f"launch a multiple of {model_parallel} ranks")
+        dp = world_size // model_parallel
+    else:
+        dp = p.dp
+        if model_parallel * dp != world_size:
+            raise ConfigError(
+                f"parallel.tp*parallel.pp*parallel.dp={p.tp}*{p.pp}*{dp}={model_parallel * dp} but the world "
+                f"size is {world_size}; set parallel.dp={world_size // model_parallel if world_size % model_parallel == 0 else 'null'} "
+                f"or launch {model_parallel * dp} ranks")
+    return Layout(p.tp, p.pp, dp, world_size, p.micro_batch_size, p.global_batch_size)
+
+
+# ---- rules on single groups -------------------------------------------------------------------
+
+def check_model(cfg: TrainConfig) -> Optional[str]:
+    m = cfg.model
+    for key, value, allowed in (("model.arch", m.arch, ["gpt2", "llama"]),
+                                ("model.norm", m.norm, ["layernorm", "rmsnorm"]),
+                                ("model.activation", m.activation, ["gelu", "swiglu"]),
+                                ("model.position_embedding", m.position_embedding, ["learned", "rope"])):
+        if err := _choices(key, value, allowed):
+            return err
+    for key, value in (("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
+                       ("model.num_attention_heads", m.num_attention_heads),
+                       ("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)):
+        if value < 1:
+            return f"{key}={value} must be >= 1"
+    if m.seq_length < 1:
+        return f"model.seq_length={m.seq_length} must be >= 1"
+    if m.hidden_size % m.num_attention_heads:
+        heads = [h for h in _divisors(m.hidden_size) if h <= 4 * m.num_attention_heads]
+        return (f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+                f"{m.num_attention_heads}; pick heads in {heads[-6:]}")
+    kv = m.num_kv_heads if m.num_kv_heads is not None else m.num_attention_heads
+    if kv < 1 or m.num_attention_heads % kv:
+        return (f"model.num_kv_heads={m.num_kv_heads} must divide model.num_attention_heads="
+                f"{m.num_attention_heads}; pick one of {_divisors(m.num_attention_heads)}")
+    if m.position_embedding == "rope" and (m.hidden_size // m.num_attention_heads) % 2:
+        return (f"model.position_embedding=rope needs an even head size, got hidden_size/heads="
+                f"{m.hidden_size // m.num_attention_heads}")
+    if m.ffn_hidden_size is not None and m.ffn_hidden_size < 1:
+        return f"model.ffn_hidden_size={m.ffn_hidden_size} must be >= 1 (or null for the default)"
+    if m.vocab_size is not None and m.vocab_size < 1:
+        return f"model.vocab_size={m.vocab_size} must be >= 1 (or null to take the tokenizer's)"
+    if not 0.0 <= m.dropout < 1.0:
+        return f"model.dropout={m.dropout} must be in [0, 1)"
+    return None
+
+
+def check_optim(cfg: TrainConfig) -> Optional[str]:
+    o = cfg.optim
+    if err := _choices("optim.lr_decay", o.lr_decay, ["cosine", "linear", "constant"]):
+        return err
+    if o.lr <= 0:
+        return f"optim.lr={o.lr} must be > 0"
+    if not 0 <= o.min_lr <= o.lr:
+        return f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}]"
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        return f"optim.betas={list(o.betas)} must be two numbers in [0, 1), e.g. [0.9,0.95]"
+    if o.warmup_steps < 0 or o.grad_clip < 0 or o.weight_decay < 0:
+        return "optim.warmup_steps, optim.grad_clip and optim.weight_decay must be >= 0"
+    return None
+
+
+def check_train(cfg: TrainConfig) -> Optional[str]:
+    t = cfg.train
+    if t.max_steps < 1:
+        return f"train.max_steps={t.max_steps} must be >= 1"
+    for key, value in (("train.log_interval", t.log_interval),):
+        if value < 1:
+            return f"{key}={value} must be >= 1"
+    for key, value in (("train.eval_interval", t.eval_interval), ("train.save_interval", t.save_interval),
+                       ("train.eval_steps", t.eval_steps)):
+        if value < 0:
+            return f"{key}={value} must be >= 0 (0 disables it)"
+    if t.exit_at_step is not None and not 1 <= t.exit_at_step <= t.max_steps:
+        return f"train.exit_at_step={t.exit_at_step} must be in [1, train.max_steps={t.max_steps}] or null"
+    if t.resume not in ("auto", "none") and not Path(t.resume).is_dir():
+        return f"train.resume={t.resume!r}: no such checkpoint directory; use auto, none or an existing path"
+    if err := _choices("logging.wandb.mode", cfg.logging.wandb.mode, ["offline", "online", "disabled"]):
+        return err
+    return None
+
+
+def check_data(cfg: TrainConfig) -> Optional[str]:
+    d = cfg.data
+    if not 0.0 <= d.valid_fraction < 1.0:
+        return f"data.valid_fraction={d.valid_fraction} must be in [0, 1)"
+    if cfg.train.eval_interval and d.valid_fraction == 0:
+        return "data.valid_fraction=0 leaves nothing to evaluate; set train.eval_interval=0 or a fraction > 0"
+    if d.tokenizer != "byte" and not Path(d.tokenizer).is_dir():
+        return f"data.tokenizer={d.tokenizer!r} is neither 'byte' nor a local Hugging Face tokenizer directory"
+    if d.path is None:
+        return None
+    for suffix in (".bin", ".idx"):
+        if not Path(d.path + suffix).is_file():
+            return (f"data.path={d.path}: {d.path}{suffix} not found; build it with "
+                    f"'python tools/preprocess_data.py --input FILES --output-prefix {d.path}'")
+    meta_file = Path(d.path + ".json")
+    if cfg.model.vocab_size is not None and meta_file.is_file():
+        data_vocab = json.loads(meta_file.read_text()).get("vocab_size")
+        if data_vocab and cfg.model.vocab_size < data_vocab:
+            return (f"model.vocab_size={cfg.model.vocab_size} is smaller than the dataset's vocabulary "
+                    f"{data_vocab} ({meta_file}); set model.vocab_size=null or >= {data_vocab}")
+    return None
+
+
+def check_zero_offload(cfg: TrainConfig) -> Optional[str]:
+    stage, off = cfg.zero.stage, cfg.offload
+    if err := _choices("zero.stage", stage, [0, 1, 2, 3]):
+        return err
+    for key, value in (("offload.optimizer", off.optimizer), ("offload.param", off.param)):
+        if err := _choices(key, value, ["none", "cpu", "nvme"]):
+            return err
+    if off.optimizer != "none" and stage == 0:
+        return f"offload.optimizer={off.optimizer} needs ZeRO; use zero=stage1, stage2 or stage3"
+    if off.param != "none" and stage != 3:
+        return f"offload.param={off.param} needs zero=stage3 (zero.stage={stage}); use zero=stage3 or offload.param=none"
+    if "nvme" in (off.optimizer, off.param):
+        if stage != 3:
+            # ZeRO-1/2 with device nvme silently falls back to CPU offload in DeepSpeed.
+            return (f"NVMe offload needs zero=stage3 (zero.stage={stage}); DeepSpeed would silently use CPU "
+                    f"memory instead. Use zero=stage3 or offload=cpu")
+        if not off.nvme_path:
+            return "offload=nvme needs offload.nvme_path=/a/fast/local/dir for the swap files"
+    return None
+
+
+def check_pipeline(cfg: TrainConfig) -> Optional[str]:
+    p = cfg.parallel
+    if err := _choices("parallel.pipeline_partition", p.pipeline_partition, ["uniform", "parameters"]):
+        return err
+    if p.pp > 1 and cfg.zero.stage >= 2:
+        return (f"parallel.pp={p.pp} with zero.stage={cfg.zero.stage}: DeepSpeed's pipeline engine supports "
+                f"ZeRO stage 0 or 1 only; use zero=stage1")
+    if p.pp > cfg.model.num_layers:
+        return f"parallel.pp={p.pp} exceeds model.num_layers={cfg.model.num_layers}; use pp <= num_layers"
+    return None
+
+
+def check_batch(cfg: TrainConfig, layout: Layout) -> Optional[str]:
+    p = cfg.parallel
+    if p.micro_batch_size < 1 or p.global_batch_size < 1:
+        return "parallel.micro_batch_size and parallel.global_batch_size must be >= 1"
+    per_step = p.micro_batch_size * layout.dp
+    if p.global_batch_size % per_step:
+        ok = [g for g in range(per_step, 4 * p.global_batch_size + per_step, per_step)][:4]
+        return (f"parallel.global_batch_size={p.global_batch_size} is not divisible by "
+                f"parallel.micro_batch_size*dp={p.micro_batch_size}*{layout.dp}={per_step}; "
+                f"use a global batch in {ok} or change micro_batch_size")
+    return None
+
+
+def check_not_yet_supported(cfg: TrainConfig) -> Optional[str]:
+    p = cfg.parallel
+    if p.tp > 1:
+        return f"parallel.tp={p.tp}: tensor parallelism is not implemented in this version; use parallel.tp=1"
+    if p.pp > 1:
+        return f"parallel.pp={p.pp}: pipeline parallelism is not implemented in this version; use parallel.pp=1"
+    if p.sequence_parallel:
+        return "parallel.sequence_parallel=true needs tensor parallelism, which is not implemented in this version"
+    return None
+
+
+def check_precision(cfg: TrainConfig, fp16_supported: Callable[[], bool]) -> Optional[str]:
+    dtype = cfg.precision.dtype
+    if err := _choices("precision.dtype", dtype, ["fp32", "bf16", "fp16"]):
+        return err
+    if dtype == "fp16" and not fp16_supported():
+        return ("precision=fp16: this device has no fp16 support (DeepSpeed refuses it); "
+                "use precision=bf16 or precision=fp32")
+    return None
+
+
+def device_supports_fp16() -> bool:
+    """Whether DeepSpeed's accelerator on this machine accepts fp16 (CPU: only with AVX512-FP16)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().is_fp16_supported())
+
+
+def validate(cfg: TrainConfig, world_size: int,
+             fp16_supported: Callable[[], bool] = device_supports_fp16) -> Layout:
+    """Run every rule; raise ConfigError with the first message, else return the resolved layout."""
+    for rule in (check_model, check_optim, check_train, check_data, check_zero_offload, check_pipeline,
+                 check_not_yet_supported):
+        if err := rule(cfg):
+            raise ConfigError(err)
+    layout = resolve_layout(cfg, world_size)
+    if err := check_batch(cfg, layout):
+        raise ConfigError(err)
+    if err := check_precision(cfg, fp16_supported):
+        raise ConfigError(err)
+    return layout
+
+
+def ffn_hidden_size(cfg_model) -> int:
+    """The MLP width: configured, or 4h for GELU / 8h/3 rounded up to a multiple of 64 for SwiGLU."""
+    if cfg_model.ffn_hidden_size is not None:
+        return cfg_model.ffn_hidden_size
+    if cfg_model.activation == "swiglu":
+        return 64 * math.ceil(8 * cfg_model.hidden_size / 3 / 64)
+    return 4 * cfg_model.hidden_size
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: round the vocabulary up to a multiple of divisible_by * tp."""
+    multiple = divisible_by * tp
+    return multiple * math.ceil(vocab_size / multiple)

@@ -1,0 +1,235 @@
+"""The training loop: data -> DeepSpeed steps -> metrics -> evals -> checkpoints -> W&B."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megaframe.config.deepspeed import to_ds_config
+from megaframe.config.schema import TrainConfig
+from megaframe.config.validate import Layout
+from megaframe.data import micro_batches, eval_batches
+from megaframe.engine import checkpoint
+from megaframe.engine.data_setup import DataSplits, build_data
+from megaframe.engine.schedule import lr_scheduler_factory
+from megaframe.model.factory import build_model, count_parameters, resolve_dims
+from megaframe.parallel.state import ParallelState
+from megaframe.tracking.flops import flops_per_token
+from megaframe.tracking.metrics import MetricsLog
+from megaframe.tracking.progress import Progress
+from megaframe.tracking.wandb_run import WandbRun
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """Join the launcher's process group, or make a world of one when there is no launcher."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+
+
+def decay_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only; biases and norm gains are not decayed (as Megatron does)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def grad_norm(model: torch.nn.Module, ps: ParallelState) -> float:
+    """L2 norm of the (already data-parallel-reduced) gradients, each parameter counted once.
+
+    Tensor-parallel shards (marked `tensor_model_parallel`) are summed over the TP group;
+    parameters replicated across TP ranks are counted on TP rank 0 only.
+    """
+    sq = torch.zeros(1, dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is not None and (ps.tp_rank == 0 or getattr(p, "tensor_model_parallel", False)):
+            sq += p.grad.detach().double().pow(2).sum()
+    if ps.tp > 1:
+        dist.all_reduce(sq, group=ps.tp_group)
+    return sq.sqrt().item()
+
+
+class Trainer:
+    """Owns one run: the engine, the data, the loop and everything it writes to the run dir."""
+
+    def __init__(self, cfg: TrainConfig, layout: Layout, run_dir: Path):
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        self.cfg, self.layout, self.run_dir = cfg, layout, Path(run_dir)
+        self.ps = ParallelState.build(layout.tp, layout.pp, layout.dp)
+        self.is_logger = self.ps.rank == 0
+        self.data: DataSplits = build_data(cfg.data, cfg.model.seq_length)
+        self.dims = resolve_dims(cfg.model, self.data.vocab_size, tp=layout.tp)
+        torch.manual_seed(cfg.train.seed)  # dropout streams; weights come from init_parameters
+        model = build_model(self.dims, self.ps, cfg.train.seed, cfg.parallel.activation_checkpointing)
+        self.num_parameters = count_parameters(model)
+        self.ds_config = to_ds_config(cfg, layout, accelerator=get_accelerator().device_name())
+        self.engine, _, _, self.lr_scheduler = deepspeed.initialize(
+            model=model, model_parameters=decay_param_groups(model, cfg.optim.weight_decay),
+            config=self.ds_config, lr_scheduler=lr_scheduler_factory(cfg.optim, cfg.train.max_steps),
+            mpu=self.ps)
+        self.flops_per_token = flops_per_token(self.dims)
+        self.tokens_per_step = layout.global_batch_size * cfg.model.seq_length
+        self.checkpoint_dir = self.run_dir / "checkpoints"
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.wandb: Optional[WandbRun] = None
+        self.progress: Optional[Progress] = None
+        self.step = 0
+        # DeepSpeed reports the global norm from its ZeRO / mixed-precision optimizers; at ZeRO-0 in
+        # fp32 it clips with a plain torch optimizer and discards the norm, so we take it ourselves.
+        self._norm_from_grads = cfg.zero.stage == 0 and cfg.precision.dtype == "fp32"
+        self.last_grad_norm = float("nan")
+
+    # ---- collectives over the data-parallel replicas -----------------------------------------
+    def _dp_mean(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        if self.layout.dp > 1:
+            dist.all_reduce(t, group=self.ps.dp_group)
+        return t.item() / self.layout.dp
+
+    # ---- one optimizer step and one evaluation ------------------------------------------------
+    def train_step(self) -> tuple[float, float]:
+        """Run the step's micro-batches; return (mean loss over the global batch, lr used)."""
+        batches = micro_batches(self.data.train, self.step, self.layout.global_batch_size,
+                                self.layout.micro_batch_size, self.ps.dp_rank, self.layout.dp,
+                                self.cfg.train.seed)
+        lr = self.lr_scheduler.get_last_lr()[0]
+        total = 0.0
+        for inputs, targets in batches:
+            loss = self.engine(inputs, targets)
+            self.engine.backward(loss)
+            if self.engine.is_gradient_accumulation_boundary() and self._norm_from_grads:
+                self.last_grad_norm = grad_norm(self.engine.module, self.ps)
+            self.engine.step()
+            total += loss.item()
+        if not self._norm_from_grads:
+            self.last_grad_norm = float(self.engine.get_global_grad_norm())
+        return self._dp_mean(total / len(batches)), lr
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over train.eval_steps global batches of held-out samples (same in every layout)."""
+        self.engine.eval()
+        # eval_steps global batches, fed as micro-batches: the same samples in every layout
+        batches = eval_batches(self.data.valid, self.cfg.train.eval_steps * self.layout.grad_accum_steps,
+                               self.layout.micro_batch_size, self.ps.dp_rank, self.layout.dp)
+        total = sum(self.engine(inputs, targets).item() for inputs, targets in batches)
+        self.engine.train()
+        return self._dp_mean(total / len(batches))
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    def _resume(self) -> None:
+        path = checkpoint.resolve_resume(self.cfg.train.resume, self.checkpoint_dir)
+        if path is None:
+            return
+        point = checkpoint.load(self.engine, path)
+        self.step = point.step
+        if self.is_logger:
+            dropped = self.metrics.truncate_after(self.step)
+            print(f"resumed from {path} at step {self.step}"
+                  + (f" (dropped {dropped} metrics records logged after it)" if dropped else ""), flush=True)
+
+    def _save(self) -> None:
+        state = {"step": self.step, "consumed_samples": self.step * self.layout.global_batch_size,
+                 "global_batch_size": self.layout.global_batch_size}
+        checkpoint.save(self.engine, self.checkpoint_dir, self.step, state)
+
+    def _log(self, record: dict) -> None:
+        if not self.is_logger:
+            return
+        self.metrics.append(record)
+        self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def _summary(self) -> str:
+        c = self.cfg
+        return (f"megaframe: {c.model.arch} {self.num_parameters / 1e6:.2f}M params "
+                f"(layers={c.model.num_layers} hidden={c.model.hidden_size} heads={c.model.num_attention_heads} "
+                f"vocab={self.dims.vocab_size} padded to {self.dims.padded_vocab_size}) | "
+                f"layout tp={self.layout.tp} pp={self.layout.pp} dp={self.layout.dp} | zero={c.zero.stage} "
+                f"offload={c.offload.optimizer}/{c.offload.param} precision={c.precision.dtype} | "
+                f"batch micro={self.layout.micro_batch_size} global={self.layout.global_batch_size} "
+                f"accum={self.layout.grad_accum_steps} seq={c.model.seq_length} | "
+                f"train samples={len(self.data.train)} valid samples={len(self.data.valid)} | run dir {self.run_dir}")
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def fit(self) -> None:
+        """Train to train.max_steps (or train.exit_at_step), evaluating and saving on schedule."""
+        t = self.cfg.train
+        self._resume()
+        if self.is_logger:
+            print(self._summary(), flush=True)
+            self.wandb = WandbRun(self.cfg.logging.wandb, self.run_dir, dataclasses.asdict(self.cfg))
+            self.progress = Progress(t.max_steps, self.step, enabled=self.cfg.logging.progress_bar)
+        stop_at = t.exit_at_step or t.max_steps
+        if self.step == 0 and t.eval_interval:
+            self._log({"step": 0, "eval_loss": self.evaluate(), "consumed_samples": 0})
+        interval_loss, interval_steps, interval_time = 0.0, 0, 0.0
+        while self.step < stop_at:
+            start = time.perf_counter()
+            loss, lr = self.train_step()
+            interval_time += time.perf_counter() - start
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {self.step + 1}; lower optim.lr or check the data")
+            self.step += 1
+            interval_loss, interval_steps = interval_loss + loss, interval_steps + 1
+            if self.step % t.log_interval == 0 or self.step == stop_at:
+                tokens_per_s = interval_steps * self.tokens_per_step / interval_time
+                record = {"step": self.step, "loss": interval_loss / interval_steps, "lr": lr,
+                          "grad_norm": self.last_grad_norm,
+                          "tokens_per_s": tokens_per_s,
+                          "tflops": tokens_per_s * self.flops_per_token / self.layout.world_size / 1e12,
+                          "consumed_samples": self.step * self.layout.global_batch_size,
+                          "step_time_s": interval_time / interval_steps}
+                self._log(record)
+                if self.progress:
+                    self.progress.update(self.step, record)
+                interval_loss, interval_steps, interval_time = 0.0, 0, 0.0
+            if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.max_steps):
+                eval_loss = self.evaluate()
+                self._log({"step": self.step, "eval_loss": eval_loss,
+                           "consumed_samples": self.step * self.layout.global_batch_size})
+                if self.progress:
+                    self.progress.write(f"step {self.step}: eval_loss {eval_loss:.4f}")
+            if (t.save_interval and self.step % t.save_interval == 0) or self.step == stop_at:
+                self._save()
+
+    def close(self) -> None:
+        """Flush W&B and leave the process group cleanly (avoids aborts at interpreter exit)."""
+        if self.progress:
+            self.progress.close()
+        if self.wandb:
+            self.wandb.finish()
+        if dist.is_initialized():
+            dist.barrier()
+
+
+def train(cfg: TrainConfig, layout: Layout, run_dir: Path) -> None:
+    """Entry point for one rank: build everything, fit, shut down cleanly."""
+    init_distributed()
+    trainer = Trainer(cfg, layout, run_dir)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,59 @@
+"""metrics.jsonl: one JSON object per logged step, kept as one continuous record across resumes."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write via a temp file in the same directory and rename, so readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class MetricsLog:
+    """Appends records to RUN_DIR/metrics.jsonl (call from the one rank that logs)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def truncate_after(self, step: int) -> int:
+        """Drop records of steps after `step` (logged past the checkpoint we resume from).
+
+        Returns how many records were dropped. The rewrite is atomic: a crash keeps the old file.
+        """
+        if not self.path.exists():
+            return 0
+        kept, dropped = [], 0
+        for line in self.path.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a crash mid-write
+                dropped += 1
+                continue
+            if record.get("step", 0) > step:
+                dropped += 1
+            else:
+                kept.append(line)
+        if dropped:
+            atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+        return dropped
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Add one record and flush it to disk."""
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, sort_keys=False) + "\n")
+            f.flush()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """All records of a metrics.jsonl file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

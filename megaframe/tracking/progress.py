@@ -1,0 +1,32 @@
+"""Rank-0 console progress: a tqdm bar with loss, tokens/s and ETA."""
+from __future__ import annotations
+
+from tqdm import tqdm
+
+
+class Progress:
+    """A progress bar over optimizer steps; disabled it prints one line per log step instead."""
+
+    def __init__(self, total_steps: int, start_step: int, enabled: bool = True):
+        self.enabled = enabled
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                        dynamic_ncols=True) if enabled else None
+
+    def update(self, step: int, record: dict) -> None:
+        postfix = {"loss": f"{record['loss']:.4f}", "tok/s": f"{record['tokens_per_s']:.0f}",
+                   "lr": f"{record['lr']:.2e}"}
+        if self.bar is not None:
+            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.update(step - self.bar.n)
+        else:
+            print(f"step {step}: " + " ".join(f"{k}={v}" for k, v in postfix.items()), flush=True)
+
+    def write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

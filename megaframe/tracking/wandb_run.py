@@ -1,0 +1,47 @@
+"""Weights & Biases: offline by default, never waits on a network, resumes the same run id."""
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+from megaframe.config.schema import WandbConfig
+from megaframe.tracking.metrics import atomic_write_text
+
+
+class WandbRun:
+    """A thin holder for one wandb run (or nothing, when disabled)."""
+
+    def __init__(self, cfg: WandbConfig, run_dir: Path, config: dict[str, Any]):
+        self.run = None
+        if cfg.mode == "disabled":
+            return
+        # offline must never touch the network, and wandb's own files belong in the run dir
+        os.environ.setdefault("WANDB_SILENT", "true")
+        os.environ.setdefault("WANDB_DIR", str(run_dir))
+        import wandb
+
+        id_file = run_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
+        if not id_file.exists():
+            atomic_write_text(id_file, run_id + "\n")
+        self.run = wandb.init(
+            project=cfg.project, entity=cfg.entity, name=cfg.name, group=cfg.group, mode=cfg.mode,
+            dir=str(run_dir), config=config, id=run_id, resume="allow",
+            settings=wandb.Settings(console="off"),
+        )
+
+    @property
+    def directory(self) -> Optional[str]:
+        """The run's folder on disk (offline-run-… under RUN_DIR/wandb)."""
+        return None if self.run is None else os.path.dirname(self.run.dir)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
