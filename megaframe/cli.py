@@ -8,6 +8,7 @@ megaframe-train [OVERRIDE ...]
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -31,14 +32,14 @@ _HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "
 def _one_line(ex: BaseException) -> str:
     """Hydra/OmegaConf errors are multi-line; users get the key, the problem and the fix in one line."""
     from hydra.errors import MissingConfigException
-    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
     cause = ex.__cause__ if isinstance(ex.__cause__, OmegaConfBaseException) else ex
     if isinstance(ex, MissingConfigException) and ex.options:
         group = ex.missing_cfg_file.rsplit("/", 1)[0] if ex.missing_cfg_file else "?"
         name = ex.missing_cfg_file.rsplit("/", 1)[-1] if ex.missing_cfg_file else "?"
         return f"{group}={name}: no such option; available: {', '.join(sorted(ex.options))}"
-    if isinstance(cause, ConfigKeyError):
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         full_key = getattr(cause, "full_key", None) or getattr(cause, "key", "?")
         known = _known_keys(str(full_key))
         hint = f"; known keys there: {', '.join(known)}" if known else ""
@@ -60,6 +61,17 @@ def _known_keys(full_key: str) -> list[str]:
     return list(node.keys()) if OmegaConf.is_dict(node) else []
 
 
+def _extra_keys(obj, prefix: str = "") -> list[str]:
+    """Keys present on the typed config that its dataclass does not declare (added with `+key=`)."""
+    declared = {f.name for f in dataclasses.fields(obj)}
+    extra = [f"{prefix}{name}" for name in vars(obj) if name not in declared]
+    for name in declared:
+        value = getattr(obj, name)
+        if dataclasses.is_dataclass(value):
+            extra += _extra_keys(value, f"{prefix}{name}.")
+    return extra
+
+
 def compose(overrides: Sequence[str]) -> tuple[TrainConfig, str]:
     """Compose conf/ with the overrides; return the typed config and the resolved hydra.run.dir."""
     from hydra import compose as hydra_compose, initialize_config_dir
@@ -74,10 +86,12 @@ def compose(overrides: Sequence[str]) -> tuple[TrainConfig, str]:
             with open_dict(composed):
                 del composed["hydra"]
             typed = OmegaConf.to_object(composed)
-    except ConfigError:
-        raise
     except Exception as ex:  # Hydra / OmegaConf composition errors of every kind
         raise ConfigError(_one_line(ex)) from ex
+    if extra := _extra_keys(typed):
+        # `+key=value` would otherwise attach a key that nothing reads: a typo the user never sees
+        known = _known_keys(extra[0])
+        raise ConfigError(f"unknown key '{extra[0]}'" + (f"; known keys there: {', '.join(known)}" if known else ""))
     return typed, run_dir
 
 

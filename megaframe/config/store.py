@@ -1,13 +1,22 @@
-"""Registers the typed schema with Hydra so YAML groups merge into dataclasses."""
+"""Registers the typed schema and the recipes with Hydra."""
 from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from megaframe.config.schema import TrainConfig
+from megaframe.paths import recipes_dir
 
 SCHEMA_NAME = "megaframe_schema"
 
 
 def register_configs() -> None:
-    """Store TrainConfig as the schema that conf/config.yaml lists first in its defaults."""
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=TrainConfig)
+    """Store TrainConfig as the schema conf/config.yaml lists first, and recipes/*.yaml as group `recipe`.
+
+    Recipes live at the top of the repo (not under conf/) so users find them; registering them here
+    makes `recipe=NAME` work from a checkout and from an installed wheel alike.
+    """
+    store = ConfigStore.instance()
+    store.store(name=SCHEMA_NAME, node=TrainConfig)
+    for path in sorted(recipes_dir().glob("*.yaml")):
+        store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")

@@ -248,11 +248,12 @@ def device_supports_fp16() -> bool:
 def validate(cfg: TrainConfig, world_size: int,
              fp16_supported: Callable[[], bool] = device_supports_fp16) -> Layout:
     """Run every rule; raise ConfigError with the first message, else return the resolved layout."""
-    for rule in (check_model, check_optim, check_train, check_data, check_zero_offload, check_pipeline,
-                 check_not_yet_supported):
+    for rule in (check_model, check_optim, check_train, check_data, check_zero_offload, check_pipeline):
         if err := rule(cfg):
             raise ConfigError(err)
     layout = resolve_layout(cfg, world_size)
+    if err := check_not_yet_supported(cfg):
+        raise ConfigError(err)
     if err := check_batch(cfg, layout):
         raise ConfigError(err)
     if err := check_precision(cfg, fp16_supported):

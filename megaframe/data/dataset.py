@@ -1,0 +1,220 @@
+"""Layout-invariant sampling: which tokens each global step trains on depends only on (step, batch size, seed).
+
+Document ranges are "document positions": an int d means the start of document d; a fractional
+position d + f means f of the way (in tokens, rounded down) through document d. Integer ranges are
+the common case; fractions only appear when split_documents must split a single-document dataset.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from megaframe.data.indexed import DataError, IndexedDataset
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "SampleSet",
+    "TokenStream",
+    "eval_batches",
+    "global_batch_indices",
+    "micro_batches",
+    "split_documents",
+]
+
+DocRange = tuple[float, float]
+Batch = tuple["torch.Tensor", "torch.Tensor"]
+
+# Guards ceil() against float noise: 0.07 * 100 is 7.000000000000001, which must count as 7 documents.
+_FRACTION_TOLERANCE = 1e-9
+
+
+def split_documents(num_documents: int, valid_fraction: float) -> tuple[DocRange, DocRange]:
+    """(train, valid) document-position ranges: the last ceil(valid_fraction * n) documents are validation.
+
+    With n >= 2 both ranges are whole documents and each side gets at least one. With a single
+    document the split falls inside it: train = (0, 1 - valid_fraction), valid = (1 - valid_fraction, 1),
+    which TokenStream turns into token ranges. valid_fraction == 0 gives an empty valid range (n, n).
+    """
+    if num_documents < 1:
+        raise DataError(
+            f"split_documents: num_documents={num_documents}; the dataset is empty, rebuild it with more text"
+        )
+    if not 0.0 <= valid_fraction < 1.0:
+        raise DataError(f"data.valid_fraction={valid_fraction}: must be in [0, 1)")
+    if valid_fraction == 0.0:
+        return (0, num_documents), (num_documents, num_documents)
+    if num_documents == 1:
+        boundary = 1.0 - valid_fraction
+        return (0, boundary), (boundary, 1)
+    num_valid = math.ceil(valid_fraction * num_documents - _FRACTION_TOLERANCE)
+    num_valid = min(max(num_valid, 1), num_documents - 1)
+    boundary_doc = num_documents - num_valid
+    return (0, boundary_doc), (boundary_doc, num_documents)
+
+
+def _token_position(dataset: IndexedDataset, doc_position: float) -> int:
+    document = math.floor(doc_position)
+    if document == len(dataset):
+        return dataset.num_tokens
+    doc_begin, doc_end = int(dataset.doc_offsets[document]), int(dataset.doc_offsets[document + 1])
+    return doc_begin + int((doc_position - document) * (doc_end - doc_begin))
+
+
+class TokenStream:
+    """The contiguous tokens covering document positions [doc_start, doc_end) of a dataset."""
+
+    def __init__(self, dataset: IndexedDataset, doc_start: float, doc_end: float) -> None:
+        """Resolve the document-position range to token offsets (a view, nothing is copied)."""
+        if not 0 <= doc_start <= doc_end <= len(dataset):
+            raise DataError(
+                f"data.path={dataset.prefix}: document range [{doc_start}, {doc_end}) is outside "
+                f"[0, {len(dataset)}]; take ranges from split_documents(len(dataset), ...)"
+            )
+        self.dataset = dataset
+        self.doc_start = doc_start
+        self.doc_end = doc_end
+        self.token_start = _token_position(dataset, doc_start)
+        self.token_end = _token_position(dataset, doc_end)
+        self.tokens: np.ndarray = dataset.tokens[self.token_start : self.token_end]
+
+    def __len__(self) -> int:
+        """Number of tokens in the stream."""
+        return self.token_end - self.token_start
+
+    def __repr__(self) -> str:
+        """Short description with the document and token ranges."""
+        return (
+            f"TokenStream({self.dataset.prefix}, docs=[{self.doc_start}, {self.doc_end}), "
+            f"tokens=[{self.token_start}, {self.token_end}))"
+        )
+
+
+class SampleSet:
+    """Non-overlapping training windows over a TokenStream; sample i holds seq_length + 1 tokens."""
+
+    def __init__(self, stream: TokenStream, seq_length: int) -> None:
+        """Cut `stream` into (len(stream) - 1) // seq_length windows; DataError if that is zero."""
+        if seq_length < 1:
+            raise DataError(f"model.seq_length={seq_length}: must be at least 1")
+        self.stream = stream
+        self.seq_length = seq_length
+        # Windows share their boundary token (target of one = input of the next), hence the -1.
+        self.num_samples = max((len(stream) - 1) // seq_length, 0)
+        if self.num_samples == 0:
+            raise DataError(
+                f"data.path={stream.dataset.prefix}: only {len(stream)} tokens in documents "
+                f"[{stream.doc_start}, {stream.doc_end}), fewer than model.seq_length+1={seq_length + 1}; "
+                "use more text or a shorter seq_length"
+            )
+
+    def __len__(self) -> int:
+        """Number of samples."""
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        """Tokens [index * seq_length, index * seq_length + seq_length + 1) of the stream."""
+        position = int(index)
+        if not 0 <= position < self.num_samples:
+            raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
+        start = position * self.seq_length
+        return self.stream.tokens[start : start + self.seq_length + 1]
+
+    def batch(self, indices: Sequence[int] | np.ndarray) -> Batch:
+        """(inputs, targets), each an int64 tensor of shape (len(indices), seq_length), targets shifted by one."""
+        # Imported lazily so tools that only build datasets do not pay for importing torch.
+        import torch
+
+        windows = np.stack([self[index] for index in indices]).astype(np.int64)
+        tokens = torch.from_numpy(windows)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+@lru_cache(maxsize=2)
+def _epoch_permutation(seed: int, epoch: int, num_samples: int) -> np.ndarray:
+    # Two entries cover the steady state: the current epoch and the next one a step may spill into.
+    permutation = np.random.default_rng([seed, epoch]).permutation(num_samples)
+    permutation.setflags(write=False)
+    return permutation
+
+
+def global_batch_indices(step: int, global_batch_size: int, num_samples: int, seed: int) -> np.ndarray:
+    """Sample indices of global step `step`: positions [step*G, (step+1)*G) of an endless chain of seeded epochs.
+
+    Epoch e is np.random.default_rng([seed, e]).permutation(num_samples). The result depends only
+    on the arguments (not on data-parallel size, micro-batch size or earlier calls), and only the
+    epochs this step touches are generated.
+    """
+    if step < 0:
+        raise DataError(f"step={step}: must be non-negative")
+    if global_batch_size < 1:
+        raise DataError(f"train.global_batch_size={global_batch_size}: must be at least 1")
+    if num_samples < 1:
+        raise DataError(f"num_samples={num_samples}: the training set is empty; use more text or a shorter seq_length")
+    if seed < 0:
+        raise DataError(f"seed={seed}: must be non-negative (numpy SeedSequence requirement)")
+    indices = np.empty(global_batch_size, dtype=np.int64)
+    position = step * global_batch_size
+    filled = 0
+    while filled < global_batch_size:
+        epoch, offset = divmod(position, num_samples)
+        take = min(num_samples - offset, global_batch_size - filled)
+        indices[filled : filled + take] = _epoch_permutation(seed, epoch, num_samples)[offset : offset + take]
+        filled += take
+        position += take
+    return indices
+
+
+def _check_rank(dp_rank: int, dp: int) -> None:
+    if dp < 1 or not 0 <= dp_rank < dp:
+        raise DataError(f"dp_rank={dp_rank}, dp={dp}: need dp >= 1 and 0 <= dp_rank < dp")
+
+
+def micro_batches(
+    samples: SampleSet,
+    step: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp: int,
+    seed: int,
+) -> list[Batch]:
+    """This rank's micro-batches for global step `step`: its contiguous 1/dp slice of the step, in order."""
+    _check_rank(dp_rank, dp)
+    if micro_batch_size < 1 or global_batch_size % (micro_batch_size * dp) != 0:
+        raise DataError(
+            f"train.global_batch_size={global_batch_size}: must be divisible by "
+            f"micro_batch_size*dp={micro_batch_size}*{dp}; adjust the batch sizes"
+        )
+    step_indices = global_batch_indices(step, global_batch_size, len(samples), seed)
+    per_rank = global_batch_size // dp
+    rank_indices = step_indices[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    return [
+        samples.batch(rank_indices[start : start + micro_batch_size])
+        for start in range(0, per_rank, micro_batch_size)
+    ]
+
+
+def eval_batches(samples: SampleSet, num_batches: int, batch_size: int, dp_rank: int, dp: int) -> list[Batch]:
+    """This rank's evaluation micro-batches: global eval batch b is samples [b*B*dp, (b+1)*B*dp) (wrapping).
+
+    `batch_size` is per rank, so the evaluated set is the first num_batches * batch_size * dp
+    samples; ranks take contiguous slices of each global eval batch, so concatenating the ranks'
+    batches gives the same tokens as dp=1 with batch_size * dp.
+    """
+    _check_rank(dp_rank, dp)
+    if num_batches < 0 or batch_size < 1:
+        raise DataError(
+            f"eval num_batches={num_batches}, batch_size={batch_size}: need num_batches >= 0 and batch_size >= 1"
+        )
+    batches = []
+    for batch_number in range(num_batches):
+        rank_start = (batch_number * dp + dp_rank) * batch_size
+        indices = np.arange(rank_start, rank_start + batch_size, dtype=np.int64) % len(samples)
+        batches.append(samples.batch(indices))
+    return batches

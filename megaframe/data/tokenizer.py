@@ -1,0 +1,96 @@
+"""Tokenizers for building datasets: a dependency-free byte tokenizer and local Hugging Face tokenizers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable, Protocol, runtime_checkable
+
+from megaframe.data.indexed import DataError
+
+__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "build_tokenizer"]
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What dataset building needs from a tokenizer."""
+
+    name: str
+    vocab_size: int
+    eod_id: int
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without special tokens."""
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`, dropping the end-of-document token."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, plus end-of-document token 256."""
+
+    name = "byte"
+    vocab_size = 257
+    eod_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        """UTF-8 bytes of `text`."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`; invalid UTF-8 becomes U+FFFD and end-of-document tokens are skipped."""
+        byte_values = [int(token) for token in ids if int(token) != self.eod_id]
+        invalid = [value for value in byte_values if not 0 <= value < 256]
+        if invalid:
+            raise DataError(
+                f"ByteTokenizer.decode: ids must be in 0..256, got {invalid[0]}; decode with the dataset's tokenizer"
+            )
+        return bytes(byte_values).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer loaded from a local directory (never downloads)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        """Load the tokenizer saved (save_pretrained) in directory `path`."""
+        # Imported here so byte-level runs never pay for importing transformers.
+        from transformers import AutoTokenizer
+
+        self.name = str(path)
+        try:
+            self._tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as error:  # transformers raises OSError, ValueError, KeyError... depending on what is missing
+            reason = " ".join(str(error).split())[:300]
+            raise DataError(
+                f"data.tokenizer={path}: cannot load a tokenizer from this directory "
+                f"({type(error).__name__}: {reason}); "
+                "point it at a directory written by save_pretrained()"
+            ) from None
+        if self._tokenizer.eos_token_id is None:
+            raise DataError(
+                f"data.tokenizer={path}: tokenizer has no eos_token to mark document ends; "
+                "set eos_token in its tokenizer_config.json"
+            )
+        self.vocab_size = len(self._tokenizer)
+        self.eod_id = int(self._tokenizer.eos_token_id)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` without BOS/EOS or other special tokens."""
+        # verbose=False: documents are routinely longer than model_max_length, which is fine here.
+        return list(self._tokenizer.encode(text, add_special_tokens=False, verbose=False))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`, dropping the end-of-document token."""
+        return self._tokenizer.decode([int(token) for token in ids if int(token) != self.eod_id])
+
+
+def build_tokenizer(spec: str | os.PathLike[str]) -> ByteTokenizer | HFTokenizer:
+    """'byte' -> ByteTokenizer; an existing local directory -> HFTokenizer; anything else -> DataError."""
+    if str(spec) == "byte":
+        return ByteTokenizer()
+    if Path(spec).is_dir():
+        return HFTokenizer(spec)
+    raise DataError(
+        f"data.tokenizer={spec}: not 'byte' and not a local directory; use 'byte' or the path of a "
+        "directory saved with save_pretrained() (nothing is downloaded)"
+    )

@@ -1,0 +1,9 @@
+"""Test-session environment: DeepSpeed on CPU, one JIT cache for every test process."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# DeepSpeed JIT-compiles its CPU ops on first use; one cache for every test process (and CI).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "megaframe" / "torch_extensions"))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -1,0 +1,63 @@
+"""Every validation rule, as a user meets it: one line on stderr naming the key, exit code 2,
+no traceback, and nothing started (no DeepSpeed engine, no process group, no run dir)."""
+from __future__ import annotations
+
+import pytest
+
+from helpers import cli_env, run_cli
+from megaframe.config.validate import device_supports_fp16
+
+# (overrides, environment, fragments the one-line message must contain)
+CASES = {
+    "unknown key": (["model.hidden_sise=64"], {}, ["unknown key 'model.hidden_sise'", "hidden_size"]),
+    "unknown key added with +": (["+optim.momentum=0.9"], {}, ["unknown key 'optim.momentum'", "betas"]),
+    "unknown group option": (["model=gpt_huge"], {}, ["model=gpt_huge", "gpt_tiny", "llama_tiny"]),
+    "wrong type": (["model.num_layers=four"], {}, ["model.num_layers", "four"]),
+    "hidden not divisible by heads": (["model.hidden_size=130"], {}, ["model.hidden_size=130", "model.num_attention_heads=4"]),
+    "kv heads do not divide heads": (["model.num_kv_heads=3"], {}, ["model.num_kv_heads=3", "[1, 2, 4]"]),
+    "global batch not divisible": (["parallel.global_batch_size=20", "parallel.micro_batch_size=8"], {},
+                                   ["parallel.global_batch_size=20", "micro_batch_size*dp=8*1=8"]),
+    "global batch not divisible by dp": (["parallel.dp=2", "parallel.global_batch_size=24", "parallel.micro_batch_size=8"], {},
+                                         ["parallel.global_batch_size=24", "8*2=16"]),
+    "tp*pp*dp != world (launcher)": (["parallel.dp=4"], {"WORLD_SIZE": "2", "RANK": "0"},
+                                     ["parallel.tp*parallel.pp*parallel.dp=1*1*4=4", "world size is 2"]),
+    "world not divisible by tp*pp": (["parallel.pp=2", "model.num_layers=4", "zero=stage1"], {"WORLD_SIZE": "3", "RANK": "0"},
+                                     ["world size 3", "parallel.tp*parallel.pp=2"]),
+    "seq_length < 1": (["model.seq_length=0"], {}, ["model.seq_length=0", ">= 1"]),
+    "missing data path": (["data.path=/nonexistent/corpus"], {}, ["data.path=/nonexistent/corpus", ".bin not found", "preprocess_data.py"]),
+    "nvme without path": (["zero=stage3", "offload=nvme"], {}, ["offload.nvme_path"]),
+    "nvme with zero < 3": (["zero=stage2", "offload.optimizer=nvme", "offload.nvme_path=/tmp/x"], {},
+                           ["NVMe offload needs zero=stage3", "zero.stage=2"]),
+    "param offload without zero 3": (["zero=stage2", "offload.param=cpu"], {}, ["offload.param=cpu", "zero=stage3"]),
+    "optimizer offload without zero": (["offload=cpu"], {}, ["offload.optimizer=cpu", "zero=stage1"]),
+    "pipeline with zero >= 2": (["parallel.pp=2", "zero=stage2"], {}, ["parallel.pp=2", "zero.stage=2", "zero=stage1"]),
+    "bad choice": (["model.norm=batchnorm"], {}, ["model.norm='batchnorm'", "layernorm", "rmsnorm"]),
+    "resume path missing": (["train.resume=/nonexistent/ckpt"], {}, ["train.resume", "/nonexistent/ckpt"]),
+}
+
+
+def _assert_refused(result, fragments: list[str]) -> None:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1, f"expected one line, got:\n{result.stderr}"
+    assert lines[0].startswith("megaframe-train: error: "), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "DeepSpeed info" not in result.stdout and "deepspeed.initialize" not in result.stdout
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_config_is_refused_with_one_line(case, tmp_path):
+    overrides, env, fragments = CASES[case]
+    result = run_cli([*overrides, f"hydra.run.dir={tmp_path / 'run'}"], env=cli_env(**env), timeout=120)
+    _assert_refused(result, fragments)
+    assert not (tmp_path / "run").exists(), "a refused config must not create a run dir"
+
+
+def test_fp16_refused_where_the_device_lacks_it(tmp_path):
+    result = run_cli(["precision=fp16", f"hydra.run.dir={tmp_path / 'run'}", "train.max_steps=1"], timeout=300)
+    if device_supports_fp16():  # a GPU or an AVX512-FP16 CPU: the run must go through
+        assert result.returncode == 0, result.stderr
+    else:
+        _assert_refused(result, ["precision=fp16", "precision=bf16"])

@@ -1,0 +1,68 @@
+"""The validation rules on typed configs, without processes."""
+from __future__ import annotations
+
+import pytest
+
+from megaframe.config.schema import TrainConfig
+from megaframe.config.validate import (ConfigError, ffn_hidden_size, padded_vocab_size, requested_world_size,
+                                       resolve_layout, validate)
+
+
+def _never_fp16() -> bool:
+    return False
+
+
+def test_default_config_is_valid_and_resolves_dp_from_world():
+    cfg = TrainConfig()
+    assert validate(cfg, 1, _never_fp16).dp == 1
+    layout = validate(cfg, 4, _never_fp16)
+    assert (layout.tp, layout.pp, layout.dp, layout.world_size) == (1, 1, 4, 4)
+    assert layout.grad_accum_steps == cfg.parallel.global_batch_size // (cfg.parallel.micro_batch_size * 4)
+
+
+def test_requested_world_size_counts_every_axis():
+    cfg = TrainConfig()
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp = 2, 3, 4
+    assert requested_world_size(cfg) == 24
+    cfg.parallel.dp = None
+    assert requested_world_size(cfg) == 6
+
+
+def test_explicit_dp_must_match_world():
+    cfg = TrainConfig()
+    cfg.parallel.dp = 2
+    with pytest.raises(ConfigError, match=r"world size is 4; set parallel.dp=4"):
+        resolve_layout(cfg, 4)
+
+
+def test_fp16_rule_asks_the_device():
+    cfg = TrainConfig()
+    cfg.precision.dtype = "fp16"
+    with pytest.raises(ConfigError, match="no fp16 support"):
+        validate(cfg, 1, _never_fp16)
+    assert validate(cfg, 1, lambda: True).world_size == 1
+
+
+def test_nvme_with_stage3_and_path_is_accepted(tmp_path):
+    cfg = TrainConfig()
+    cfg.zero.stage = 3
+    cfg.offload.optimizer = cfg.offload.param = "nvme"
+    cfg.offload.nvme_path = str(tmp_path)
+    validate(cfg, 1, _never_fp16)
+
+
+def test_tensor_and_pipeline_parallel_are_refused_until_implemented():
+    cfg = TrainConfig()
+    cfg.parallel.tp = 2
+    with pytest.raises(ConfigError, match="parallel.tp=2: tensor parallelism is not implemented"):
+        validate(cfg, 2, _never_fp16)
+
+
+def test_derived_sizes():
+    cfg = TrainConfig()
+    cfg.model.hidden_size = 96
+    assert ffn_hidden_size(cfg.model) == 384
+    cfg.model.activation = "swiglu"
+    assert ffn_hidden_size(cfg.model) == 256  # 8*96/3 = 256, already a multiple of 64
+    assert padded_vocab_size(257, 128, 1) == 384
+    assert padded_vocab_size(50257, 128, 8) == 51200  # GPT-2's vocabulary under Megatron, TP 8

@@ -1,0 +1,228 @@
+"""Tests for the memory-mapped indexed dataset format and its atomic writer."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megaframe.data import DataError, IndexedDataset, IndexedDatasetWriter, best_dtype
+
+BYTE_METADATA = {"tokenizer": "byte", "vocab_size": 257, "eod_id": 256}
+DOCUMENTS = [[1, 2, 3, 256], [], [255, 256], list(range(100)) + [256]]
+
+
+def write_dataset(prefix: Path, documents: list, metadata: dict | None = None, dtype=np.uint16) -> Path:
+    """Write `documents` with IndexedDatasetWriter and return the prefix."""
+    with IndexedDatasetWriter(prefix, dtype=dtype) as writer:
+        for document in documents:
+            writer.add_document(document)
+        writer.finalize(dict(metadata or BYTE_METADATA))
+    return prefix
+
+
+def final_paths(prefix: Path) -> list[Path]:
+    return [Path(f"{prefix}{suffix}") for suffix in (".bin", ".idx", ".json")]
+
+
+def assert_one_line(error: pytest.ExceptionInfo) -> None:
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_round_trip(tmp_path: Path, dtype) -> None:
+    prefix = write_dataset(tmp_path / "sub" / "ds", DOCUMENTS, dtype=dtype)
+    dataset = IndexedDataset(prefix)
+    assert len(dataset) == len(DOCUMENTS)
+    for index, document in enumerate(DOCUMENTS):
+        assert dataset[index].tolist() == document
+    assert dataset[-1].tolist() == DOCUMENTS[-1]
+    assert dataset.tokens.tolist() == [token for document in DOCUMENTS for token in document]
+    assert dataset.doc_offsets.tolist() == [0, 4, 4, 6, 107]
+    assert dataset.tokens.dtype == np.dtype(dtype)
+    assert dataset.num_tokens == 107
+    assert dataset.vocab_size == 257 and dataset.eod_id == 256
+    with pytest.raises(IndexError):
+        dataset[len(DOCUMENTS)]
+    dataset.verify()
+
+
+def test_metadata_written_and_extended(tmp_path: Path) -> None:
+    prefix = write_dataset(tmp_path / "ds", DOCUMENTS, {**BYTE_METADATA, "source": "unit-test"})
+    metadata = json.loads((tmp_path / "ds.json").read_text())
+    assert metadata["tokenizer"] == "byte"
+    assert metadata["vocab_size"] == 257
+    assert metadata["eod_id"] == 256
+    assert metadata["num_documents"] == 4
+    assert metadata["num_tokens"] == 107
+    assert metadata["source"] == "unit-test"
+    assert IndexedDataset(prefix).metadata == metadata
+
+
+def test_memmap_is_read_only(tmp_path: Path) -> None:
+    dataset = IndexedDataset(write_dataset(tmp_path / "ds", DOCUMENTS))
+    with pytest.raises(ValueError):
+        dataset.tokens[0] = 7
+
+
+def test_pickle_reopens_by_prefix(tmp_path: Path) -> None:
+    dataset = IndexedDataset(write_dataset(tmp_path / "ds", DOCUMENTS))
+    restored = pickle.loads(pickle.dumps(dataset))
+    assert restored.prefix == dataset.prefix
+    assert np.array_equal(restored.tokens, dataset.tokens)
+
+
+def test_best_dtype() -> None:
+    assert best_dtype(257) == np.uint16
+    assert best_dtype(50257) == np.uint16
+    assert best_dtype(65536) == np.uint16
+    assert best_dtype(65537) == np.int32
+    assert best_dtype(256_000) == np.int32
+    with pytest.raises(DataError):
+        best_dtype(0)
+
+
+@pytest.mark.parametrize("bad_document", [[70_000], [-1], [1.5], [[1, 2]]])
+def test_writer_rejects_tokens_that_do_not_fit(tmp_path: Path, bad_document) -> None:
+    with IndexedDatasetWriter(tmp_path / "ds") as writer:
+        with pytest.raises(DataError) as error:
+            writer.add_document(bad_document)
+    assert_one_line(error)
+
+
+def test_finalize_requires_tokenizer_metadata(tmp_path: Path) -> None:
+    with IndexedDatasetWriter(tmp_path / "ds") as writer:
+        writer.add_document([1, 2])
+        with pytest.raises(DataError, match="vocab_size"):
+            writer.finalize({"tokenizer": "byte", "eod_id": 256})
+        assert not any(path.exists() for path in final_paths(tmp_path / "ds"))
+        writer.finalize(BYTE_METADATA)  # the mistake is recoverable: nothing was discarded
+    assert IndexedDataset(tmp_path / "ds")[0].tolist() == [1, 2]
+
+
+def test_finalize_rejects_tokens_beyond_vocab(tmp_path: Path) -> None:
+    with IndexedDatasetWriter(tmp_path / "ds") as writer:
+        writer.add_document([300])
+        with pytest.raises(DataError, match="vocab_size=257"):
+            writer.finalize(BYTE_METADATA)
+
+
+def test_interrupted_writer_leaves_no_final_files(tmp_path: Path) -> None:
+    prefix = tmp_path / "ds"
+    with pytest.raises(KeyboardInterrupt):
+        with IndexedDatasetWriter(prefix) as writer:
+            writer.add_document([1, 2, 3])
+            raise KeyboardInterrupt
+    assert not any(path.exists() for path in final_paths(prefix))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_crash_before_finalize_keeps_previous_copy(tmp_path: Path) -> None:
+    prefix = write_dataset(tmp_path / "ds", DOCUMENTS)
+    before = {path: path.read_bytes() for path in final_paths(prefix)}
+    # No context manager and no finalize: what a killed process leaves behind.
+    writer = IndexedDatasetWriter(prefix)
+    writer.add_document([9, 9, 9])
+    writer._bin_file.flush()
+    assert {path: path.read_bytes() for path in final_paths(prefix)} == before
+    assert IndexedDataset(prefix)[0].tolist() == DOCUMENTS[0]
+    writer.abort()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ds.bin", "ds.idx", "ds.json"]
+
+
+def test_crash_midway_through_commit_never_looks_valid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Same sizes as the old copy, so only the commit order can keep the new .bin from passing as the old dataset.
+    prefix = write_dataset(tmp_path / "ds", [[1, 2, 3]])
+    real_replace = os.replace
+    replaced: list[str] = []
+
+    def replace_then_crash(source: str, destination: str | Path) -> None:
+        if str(destination).endswith(".idx"):
+            raise OSError("simulated crash between renames")
+        replaced.append(str(destination))
+        real_replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", replace_then_crash)
+    with pytest.raises(OSError, match="simulated"):
+        write_dataset(prefix, [[7, 8, 9]])
+    assert replaced == [f"{prefix}.bin"]
+    with pytest.raises(DataError, match="json not found"):
+        IndexedDataset(prefix)
+
+
+def test_finalize_replaces_previous_copy(tmp_path: Path) -> None:
+    prefix = write_dataset(tmp_path / "ds", DOCUMENTS)
+    write_dataset(prefix, [[5, 6]])
+    dataset = IndexedDataset(prefix)
+    assert len(dataset) == 1 and dataset[0].tolist() == [5, 6]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ds.bin", "ds.idx", "ds.json"]
+
+
+def test_writer_is_single_use(tmp_path: Path) -> None:
+    writer = IndexedDatasetWriter(tmp_path / "ds")
+    writer.add_document([1])
+    writer.finalize(BYTE_METADATA)
+    with pytest.raises(DataError):
+        writer.add_document([2])
+    with pytest.raises(DataError):
+        IndexedDatasetWriter(tmp_path / "empty").finalize(BYTE_METADATA)
+
+
+@pytest.mark.parametrize("suffix", [".idx", ".bin", ".json"])
+def test_missing_file_is_reported(tmp_path: Path, suffix: str) -> None:
+    prefix = write_dataset(tmp_path / "ds", DOCUMENTS)
+    Path(f"{prefix}{suffix}").unlink()
+    with pytest.raises(DataError) as error:
+        IndexedDataset(prefix)
+    assert f"data.path={prefix}: {prefix}{suffix} not found" in str(error.value)
+    assert "tools/preprocess_data.py" in str(error.value)
+    assert_one_line(error)
+
+
+def test_truncated_bin_is_detected(tmp_path: Path) -> None:
+    prefix = write_dataset(tmp_path / "ds", DOCUMENTS)
+    bin_path = Path(f"{prefix}.bin")
+    bin_path.write_bytes(bin_path.read_bytes()[:-2])
+    with pytest.raises(DataError, match="truncated") as error:
+        IndexedDataset(prefix)
+    assert_one_line(error)
+
+
+def test_corrupted_bin_fails_verify(tmp_path: Path) -> None:
+    prefix = write_dataset(tmp_path / "ds", DOCUMENTS)
+    bin_path = Path(f"{prefix}.bin")
+    corrupted = bytearray(bin_path.read_bytes())
+    corrupted[10] ^= 0xFF
+    bin_path.write_bytes(bytes(corrupted))
+    dataset = IndexedDataset(prefix)  # same size: only the checksum can tell
+    with pytest.raises(DataError, match="checksum"):
+        dataset.verify()
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda data: b"XXXXXXXX" + data[8:], "magic"),
+        (lambda data: data[:-8], "truncated"),
+        (lambda data: data[:20], "truncated"),
+        (lambda data: data[:8] + (99).to_bytes(4, "little") + data[12:], "version"),
+    ],
+)
+def test_corrupt_idx_is_detected(tmp_path: Path, damage, message: str) -> None:
+    prefix = write_dataset(tmp_path / "ds", DOCUMENTS)
+    idx_path = Path(f"{prefix}.idx")
+    idx_path.write_bytes(damage(idx_path.read_bytes()))
+    with pytest.raises(DataError, match=message):
+        IndexedDataset(prefix)
+
+
+def test_json_from_another_build_is_detected(tmp_path: Path) -> None:
+    first = write_dataset(tmp_path / "first", DOCUMENTS)
+    second = write_dataset(tmp_path / "second", [[7] * 107])
+    Path(f"{first}.json").write_bytes(Path(f"{second}.json").read_bytes())
+    with pytest.raises(DataError, match="different build"):
+        IndexedDataset(first)

@@ -1,0 +1,74 @@
+#!/usr/bin/env python
+"""Tokenize .txt / .jsonl text into a megaframe indexed dataset (PREFIX.bin, PREFIX.idx, PREFIX.json)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+# Run from a source checkout without installing: `python tools/preprocess_data.py ...` puts tools/,
+# not the repo root, on sys.path. An installed megaframe takes precedence.
+if importlib.util.find_spec("megaframe") is None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megaframe.data import DataError, build_tokenizer, preprocess  # noqa: E402
+
+PROG = "preprocess_data"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line interface of the tool."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Tokenize text files into PREFIX.bin/.idx/.json for megaframe training (data.path=PREFIX).",
+    )
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="files or directories (walked recursively, sorted); .txt = one document per file, "
+        ".jsonl = one document per line",
+    )
+    parser.add_argument(
+        "--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin, PREFIX.idx, PREFIX.json"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default="byte",
+        metavar="byte|DIR",
+        help="'byte' (UTF-8 bytes, vocab 257) or a local Hugging Face tokenizer directory (default: byte)",
+    )
+    parser.add_argument(
+        "--json-key", default="text", metavar="KEY", help="field of each .jsonl line holding the text (default: text)"
+    )
+    parser.add_argument(
+        "--no-append-eod",
+        dest="append_eod",
+        action="store_false",
+        help="do not append the end-of-document token after each document",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the tool; returns the process exit code (2 on bad input)."""
+    args = build_parser().parse_args(argv)
+    try:
+        tokenizer = build_tokenizer(args.tokenizer)
+        summary = preprocess(args.input, args.output_prefix, tokenizer, args.json_key, args.append_eod)
+    except (DataError, OSError) as error:
+        message = " ".join(str(error).split())
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 2
+    print(
+        f"{PROG}: wrote {summary['output_prefix']}.{{bin,idx,json}}: {summary['num_documents']} documents, "
+        f"{summary['num_tokens']} tokens from {summary['num_files']} files in {summary['seconds']:.2f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
