@@ -1,0 +1,85 @@
+"""megaframe-train as a user types it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, TINY, assert_ok, cli_env, curve, read_metrics, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def test_default_run_learns(tmp_path):
+    """No arguments: the tiny GPT on the demo corpus, eval loss falls by at least 30%."""
+    result = subprocess.run(["megaframe-train"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
+                            timeout=600)
+    assert_ok(result)
+    (run_dir,) = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
+    records = read_metrics(run_dir)
+    evals = curve(records, "eval_loss")
+    first, last = evals[0][1], evals[-1][1]
+    assert last <= 0.7 * first, f"eval loss {first:.3f} -> {last:.3f} fell by less than 30%"
+    train_record = next(r for r in records if "loss" in r)
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "consumed_samples"):
+        assert key in train_record
+    assert (run_dir / "config.yaml").is_file() and (run_dir / ".hydra" / "config.yaml").is_file()
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "global_step300"
+    # W&B is offline by default and keeps its run inside the run dir
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert "train:" in result.stderr and "tok/s" in result.stderr  # rank-0 progress bar
+
+
+def test_llama_bf16_zero2(tmp_path):
+    result = run_cli(["model=llama_tiny", "precision=bf16", "zero=stage2", "train.max_steps=20",
+                      "train.eval_interval=10", "logging.wandb.mode=disabled", f"hydra.run.dir={tmp_path}"])
+    assert_ok(result)
+    losses = [v for _, v in curve(read_metrics(tmp_path), "loss")]
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_cfg_job_prints_composed_config():
+    result = run_cli(["model=llama_tiny", "parallel.global_batch_size=32", "--cfg", "job"], timeout=120)
+    assert_ok(result)
+    assert "activation: swiglu" in result.stdout and "global_batch_size: 32" in result.stdout
+    assert "hydra:" not in result.stdout
+
+
+def test_train_on_preprocessed_jsonl(tmp_path):
+    """The user's own corpus: preprocess a .jsonl file, then train on it."""
+    corpus = tmp_path / "corpus.jsonl"
+    lines = [json.dumps({"text": f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 20})
+             for i in range(40)]
+    corpus.write_text("\n".join(lines) + "\n")
+    prefix = tmp_path / "data" / "corpus"
+    prep = subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(corpus),
+                           "--output-prefix", str(prefix)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert_ok(prep)
+    result = run_cli([*TINY, "train.max_steps=12", f"data.path={prefix}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert_ok(result)
+    assert "train samples=" in result.stdout
+    losses = [v for _, v in curve(read_metrics(tmp_path / "run"), "loss")]
+    assert losses[-1] < losses[0]
+
+
+def test_installed_wheel_finds_conf_and_recipes(tmp_path):
+    """A plain (non-editable) install, used from outside the repo, carries conf/ and recipes/."""
+    target = tmp_path / "site"
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-q",
+                              "--target", str(target), str(REPO)], capture_output=True, text=True, timeout=600)
+    assert_ok(install)
+    assert (target / "megaframe" / "_conf" / "config.yaml").is_file()
+    assert (target / "megaframe" / "_recipes" / "llama2_7b.yaml").is_file()
+    env = cli_env(PYTHONPATH=str(target))
+    probe = subprocess.run([sys.executable, "-c", "import megaframe.paths as p; print(p.conf_dir()); print(p.recipes_dir())"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert_ok(probe)
+    assert probe.stdout.split() == [str(target / "megaframe" / "_conf"), str(target / "megaframe" / "_recipes")]
+    result = subprocess.run([sys.executable, "-m", "megaframe.train", "recipe=llama2_7b", "--cfg", "job"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert_ok(result)
+    assert "hidden_size: 4096" in result.stdout and "ffn_hidden_size: 11008" in result.stdout

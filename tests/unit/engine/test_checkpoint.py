@@ -1,0 +1,58 @@
+"""Checkpoint publication is atomic: a save that dies half-way leaves the previous one in charge."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megaframe.engine import checkpoint
+
+
+class FakeEngine:
+    """Writes a file per save like DeepSpeed does; can be told to die in the middle of a save."""
+
+    def __init__(self, crash: bool = False):
+        self.crash = crash
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        assert save_latest is False  # `latest` is ours to publish, atomically
+        path = Path(save_dir) / tag
+        path.mkdir(parents=True)
+        (path / "mp_rank_00_model_states.pt").write_text(str(client_state["step"]))
+        if self.crash:
+            raise RuntimeError("killed mid-save")
+
+
+def test_save_publishes_tag_and_latest(tmp_path):
+    checkpoint.save(FakeEngine(), tmp_path, 4, {"step": 4})
+    assert checkpoint.find_latest(tmp_path) == tmp_path / "global_step4"
+    assert (tmp_path / "global_step4" / "rng_rank0.pt").is_file()
+    assert not list(tmp_path.glob("tmp-*"))
+
+
+def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
+    checkpoint.save(FakeEngine(), tmp_path, 4, {"step": 4})
+    with pytest.raises(RuntimeError, match="killed mid-save"):
+        checkpoint.save(FakeEngine(crash=True), tmp_path, 8, {"step": 8})
+    assert checkpoint.find_latest(tmp_path) == tmp_path / "global_step4"
+    assert not (tmp_path / "global_step8").exists()
+    # the next save clears the debris and publishes normally
+    checkpoint.save(FakeEngine(), tmp_path, 8, {"step": 8})
+    assert checkpoint.find_latest(tmp_path) == tmp_path / "global_step8"
+    assert not list(tmp_path.glob("tmp-*"))
+
+
+def test_resave_of_same_step_replaces_it(tmp_path):
+    checkpoint.save(FakeEngine(), tmp_path, 4, {"step": 4})
+    checkpoint.save(FakeEngine(), tmp_path, 4, {"step": 4})
+    assert checkpoint.find_latest(tmp_path) == tmp_path / "global_step4"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step4", "latest"]
+
+
+def test_resolve_resume(tmp_path):
+    assert checkpoint.resolve_resume("auto", tmp_path) is None
+    assert checkpoint.resolve_resume("none", tmp_path) is None
+    checkpoint.save(FakeEngine(), tmp_path, 2, {"step": 2})
+    assert checkpoint.resolve_resume("auto", tmp_path) == tmp_path / "global_step2"
+    assert checkpoint.resolve_resume(str(tmp_path), tmp_path / "elsewhere") == tmp_path / "global_step2"
+    assert checkpoint.resolve_resume(str(tmp_path / "global_step2"), tmp_path) == tmp_path / "global_step2"

@@ -1,0 +1,30 @@
+"""metrics.jsonl bookkeeping and the FLOPs formula."""
+from __future__ import annotations
+
+from megaframe.config.schema import ModelConfig
+from megaframe.model.factory import resolve_dims
+from megaframe.tracking.flops import flops_per_token, matmul_parameters
+from megaframe.tracking.metrics import MetricsLog, read_metrics
+
+
+def test_truncate_after_drops_later_and_torn_records(tmp_path):
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    for step in range(1, 6):
+        log.append({"step": step, "loss": float(step)})
+    with open(log.path, "a") as f:
+        f.write('{"step": 6, "lo')  # torn by a crash mid-write
+    assert log.truncate_after(3) == 3
+    assert [r["step"] for r in read_metrics(log.path)] == [1, 2, 3]
+    assert log.truncate_after(3) == 0
+
+
+def test_flops_per_token_follows_palm():
+    """6N + 12·L·h·s with N = matmul parameters (LM head included, input embedding excluded)."""
+    cfg = ModelConfig(arch="llama", num_layers=32, hidden_size=4096, num_attention_heads=32,
+                      ffn_hidden_size=11008, vocab_size=32000, seq_length=4096, norm="rmsnorm",
+                      activation="swiglu", position_embedding="rope", tie_embeddings=False, bias=False)
+    dims = resolve_dims(cfg, 32000)
+    # Llama-2 7B: 6,738,415,616 parameters minus the 32000x4096 input embedding and the norms
+    norms = 32 * 2 * 4096 + 4096
+    assert matmul_parameters(dims) == 6_738_415_616 - 32000 * 4096 - norms
+    assert flops_per_token(dims) == 6 * matmul_parameters(dims) + 12 * 32 * 4096 * 4096
