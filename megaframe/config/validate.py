@@ -217,14 +217,32 @@ def check_batch(cfg: TrainConfig, layout: Layout) -> Optional[str]:
     return None
 
 
+def check_tensor_parallel(cfg: TrainConfig) -> Optional[str]:
+    """tp must split the query heads and the MLP; the padded vocabulary is a multiple of tp by construction."""
+    p, m = cfg.parallel, cfg.model
+    tp = p.tp
+    if tp == 1:
+        if p.sequence_parallel:
+            return "parallel.sequence_parallel=true needs parallel.tp > 1 (it splits the sequence over TP ranks)"
+        return None
+    heads = m.num_attention_heads
+    if heads % tp:
+        return (f"parallel.tp={tp} does not divide model.num_attention_heads={heads}; "
+                f"pick tp in {_divisors(heads)}")
+    # kv heads: split when tp divides them, else replicated on every TP rank (see model/gpt.py)
+    ffn = ffn_hidden_size(m)
+    if ffn % tp:
+        return f"parallel.tp={tp} does not divide model.ffn_hidden_size={ffn}; pick tp in {_divisors(ffn)[:8]}"
+    if p.sequence_parallel and m.seq_length % tp:
+        return (f"parallel.sequence_parallel=true needs model.seq_length={m.seq_length} divisible by "
+                f"parallel.tp={tp}")
+    return None
+
+
 def check_not_yet_supported(cfg: TrainConfig) -> Optional[str]:
     p = cfg.parallel
-    if p.tp > 1:
-        return f"parallel.tp={p.tp}: tensor parallelism is not implemented in this version; use parallel.tp=1"
     if p.pp > 1:
         return f"parallel.pp={p.pp}: pipeline parallelism is not implemented in this version; use parallel.pp=1"
-    if p.sequence_parallel:
-        return "parallel.sequence_parallel=true needs tensor parallelism, which is not implemented in this version"
     return None
 
 
@@ -252,8 +270,9 @@ def validate(cfg: TrainConfig, world_size: int,
         if err := rule(cfg):
             raise ConfigError(err)
     layout = resolve_layout(cfg, world_size)
-    if err := check_not_yet_supported(cfg):
-        raise ConfigError(err)
+    for rule in (check_tensor_parallel, check_not_yet_supported):
+        if err := rule(cfg):
+            raise ConfigError(err)
     if err := check_batch(cfg, layout):
         raise ConfigError(err)
     if err := check_precision(cfg, fp16_supported):

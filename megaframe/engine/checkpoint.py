@@ -35,6 +35,7 @@ class ResumePoint:
     path: Path
     step: int
     client_state: dict[str, Any]
+    rng_state: dict[str, Any]
 
 
 def _barrier() -> None:
@@ -46,7 +47,8 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def save(engine, save_dir: Path, step: int, client_state: dict[str, Any]) -> Path:
+def save(engine, save_dir: Path, step: int, client_state: dict[str, Any],
+         rng_state: Optional[dict[str, Any]] = None) -> Path:
     """Save every rank's shard, then (rank 0) publish it: rename into place, update `latest`."""
     save_dir = Path(save_dir)
     tag = tag_for(step)
@@ -56,7 +58,7 @@ def save(engine, save_dir: Path, step: int, client_state: dict[str, Any]) -> Pat
         shutil.rmtree(save_dir / tmp_tag, ignore_errors=True)  # debris of a save that crashed
     _barrier()
     engine.save_checkpoint(str(save_dir), tag=tmp_tag, client_state=client_state, save_latest=False)
-    torch.save({"cpu": torch.get_rng_state()}, save_dir / tmp_tag / f"rng_rank{_rank()}.pt")
+    torch.save({"cpu": torch.get_rng_state(), **(rng_state or {})}, save_dir / tmp_tag / f"rng_rank{_rank()}.pt")
     _barrier()
     final = save_dir / tag
     if _rank() == 0:
@@ -94,12 +96,15 @@ def resolve_resume(resume: str, run_checkpoints: Path) -> Optional[Path]:
 
 
 def load(engine, path: Path) -> ResumePoint:
-    """Load model, optimizer, scheduler and this rank's RNG from a checkpoint directory."""
+    """Load model, optimizer, scheduler and this rank's RNG from a checkpoint directory.
+
+    The returned rng_state holds what the caller passed to save() besides the CPU generator."""
     path = Path(path)
     loaded, client_state = engine.load_checkpoint(str(path.parent), tag=path.name)
     if loaded is None:
         raise RuntimeError(f"train.resume: DeepSpeed could not load a checkpoint from {path}")
     rng_file = path / f"rng_rank{_rank()}.pt"
-    if rng_file.exists():
-        torch.set_rng_state(torch.load(rng_file, weights_only=True)["cpu"])
-    return ResumePoint(path=path, step=int(client_state["step"]), client_state=client_state)
+    rng_state = torch.load(rng_file, weights_only=True) if rng_file.exists() else {}
+    if "cpu" in rng_state:
+        torch.set_rng_state(rng_state["cpu"])
+    return ResumePoint(path=path, step=int(client_state["step"]), client_state=client_state, rng_state=rng_state)

@@ -78,11 +78,15 @@ class Trainer:
         self.cfg, self.layout, self.run_dir = cfg, layout, Path(run_dir)
         self.ps = ParallelState.build(layout.tp, layout.pp, layout.dp)
         self.is_logger = self.ps.rank == 0
+        if self.is_logger:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         self.data: DataSplits = build_data(cfg.data, cfg.model.seq_length)
         self.dims = resolve_dims(cfg.model, self.data.vocab_size, tp=layout.tp)
         torch.manual_seed(cfg.train.seed)  # dropout streams; weights come from init_parameters
-        model = build_model(self.dims, self.ps, cfg.train.seed, cfg.parallel.activation_checkpointing)
-        self.num_parameters = count_parameters(model)
+        model = build_model(self.dims, self.ps, cfg.train.seed, cfg.parallel.activation_checkpointing,
+                            cfg.parallel.sequence_parallel)
+        self.model = model
+        self.num_parameters = count_parameters(model, full=True)
         self.ds_config = to_ds_config(cfg, layout, accelerator=get_accelerator().device_name())
         self.engine, _, _, self.lr_scheduler = deepspeed.initialize(
             model=model, model_parameters=decay_param_groups(model, cfg.optim.weight_decay),
@@ -144,6 +148,8 @@ class Trainer:
             return
         point = checkpoint.load(self.engine, path)
         self.step = point.step
+        if "tp_dropout" in point.rng_state:
+            self.model.rng.load_state_dict(point.rng_state["tp_dropout"])
         if self.is_logger:
             dropped = self.metrics.truncate_after(self.step)
             print(f"resumed from {path} at step {self.step}"
@@ -152,7 +158,8 @@ class Trainer:
     def _save(self) -> None:
         state = {"step": self.step, "consumed_samples": self.step * self.layout.global_batch_size,
                  "global_batch_size": self.layout.global_batch_size}
-        checkpoint.save(self.engine, self.checkpoint_dir, self.step, state)
+        checkpoint.save(self.engine, self.checkpoint_dir, self.step, state,
+                        rng_state={"tp_dropout": self.model.rng.state_dict()})
 
     def _log(self, record: dict) -> None:
         if not self.is_logger:

@@ -1,11 +1,14 @@
 """build_model(): resolves the config into GPTDims and builds an initialised model."""
 from __future__ import annotations
 
+import math
+
 import torch.nn as nn
 
 from megaframe.config.schema import ModelConfig
 from megaframe.config.validate import ffn_hidden_size, padded_vocab_size
 from megaframe.model.gpt import GPT, GPTDims, init_parameters
+from megaframe.parallel.random import TPDropoutRNG
 from megaframe.parallel.state import ParallelState
 
 
@@ -33,15 +36,22 @@ def resolve_dims(cfg: ModelConfig, tokenizer_vocab_size: int, tp: int = 1) -> GP
     )
 
 
-def build_model(dims: GPTDims, ps: ParallelState, seed: int, activation_checkpointing: bool = False) -> nn.Module:
-    """An initialised GPT for this rank's place in the layout (tp = pp = 1 in this version)."""
-    if ps.tp != 1 or ps.pp != 1:
-        raise NotImplementedError("tensor and pipeline parallel models are not built by this version")
-    model = GPT(dims, activation_checkpointing=activation_checkpointing)
+def build_model(dims: GPTDims, ps: ParallelState, seed: int, activation_checkpointing: bool = False,
+                sequence_parallel: bool = False) -> nn.Module:
+    """An initialised GPT holding this rank's tensor-parallel shard (pipeline stages: not yet)."""
+    if ps.pp != 1:
+        raise NotImplementedError("pipeline-parallel models are not built by this version")
+    model = GPT(dims, tp=ps.tp_region(sequence_parallel), rng=TPDropoutRNG(seed, ps.tp_rank),
+                activation_checkpointing=activation_checkpointing)
     init_parameters(model, "", dims, seed)
     return model
 
 
-def count_parameters(model: nn.Module) -> int:
-    """Parameters of this rank's module (ZeRO-3-partitioned parameters count their full size)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+def count_parameters(model: nn.Module, full: bool = False) -> int:
+    """Parameters of this rank's module (ZeRO-3-partitioned ones at their gathered size);
+    full=True counts tensor-parallel shards at their unsharded size, i.e. the whole model."""
+    total = 0
+    for p in model.parameters():
+        shape = getattr(p, "partition_shape", None) if full else None
+        total += math.prod(shape) if shape else getattr(p, "ds_numel", p.numel())
+    return total

@@ -1,18 +1,26 @@
 """GPT in two flavours, chosen by config: GPT-2 (LayerNorm, GELU, learned positions, tied
 embeddings) and Llama (RMSNorm, SwiGLU, RoPE, grouped-query attention, untied head).
 
-Reads top to bottom like nanoGPT. Parallelism stays outside: blocks are built from plain layers
-here; tensor-parallel variants replace them through the factory.
+Reads top to bottom like nanoGPT. Linear layers are Megatron's column/row-parallel ones; with
+tp=1 they are plain linears and every collective is the identity. Under tensor parallelism a rank
+holds its slice of the heads, MLP width and vocabulary; under sequence parallelism the residual
+stream between TP regions is split along the sequence.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megaframe.parallel.layers import ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding
+from megaframe.parallel.mappings import gather_from_tp_region, scatter_to_sequence_parallel_region
+from megaframe.parallel.random import TPDropoutRNG
 
 
 @dataclass(frozen=True)
@@ -42,30 +50,58 @@ class GPTDims:
         return self.hidden_size // self.num_heads
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm whose gain (and bias) gradients are summed over TP ranks under sequence parallelism."""
+
+    def __init__(self, dims: GPTDims, tp: TPGroup):
+        super().__init__()
+        self.tp, self.eps = tp, dims.norm_eps
+        self.weight = nn.Parameter(torch.ones(dims.hidden_size))
+        self.bias = nn.Parameter(torch.zeros(dims.hidden_size)) if dims.bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.tp.sync_grad(self.bias)
+        return F.layer_norm(x, x.shape[-1:], self.tp.sync_grad(self.weight), bias, self.eps)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Llama): no mean subtraction, no bias."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dims: GPTDims, tp: TPGroup):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.tp, self.eps = tp, dims.norm_eps
+        self.weight = nn.Parameter(torch.ones(dims.hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in fp32 for stability under bf16, as Llama does
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.tp.sync_grad(self.weight) * x32.to(x.dtype)
 
 
-def build_norm(dims: GPTDims) -> nn.Module:
+def build_norm(dims: GPTDims, tp: TPGroup) -> nn.Module:
     """LayerNorm or RMSNorm as the config says."""
-    if dims.norm == "rmsnorm":
-        return RMSNorm(dims.hidden_size, dims.norm_eps)
-    return nn.LayerNorm(dims.hidden_size, eps=dims.norm_eps, bias=dims.bias)
+    return RMSNorm(dims, tp) if dims.norm == "rmsnorm" else LayerNorm(dims, tp)
+
+
+class Dropout(nn.Module):
+    """Dropout drawing from the per-TP-rank stream when its input differs across TP ranks."""
+
+    def __init__(self, p: float, rng: Optional[TPDropoutRNG], split_across_tp: bool):
+        super().__init__()
+        self.p, self.rng, self.split = p, rng, split_across_tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if self.split and self.rng is not None:
+            with self.rng.fork():
+                return F.dropout(x, self.p, training=True)
+        return F.dropout(x, self.p, training=True)
 
 
 def rope_tables(dims: GPTDims, seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (T, hs), in the rotate-half layout Hugging Face's Llama uses."""
+    """fp32 cos/sin tables of shape (T, hs), in the rotate-half layout Hugging Face's Llama uses."""
     inv_freq = 1.0 / (dims.rope_theta ** (torch.arange(0, dims.head_dim, 2, device=device).float() / dims.head_dim))
     angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)  # (T, hs/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, hs)
@@ -73,72 +109,106 @@ def rope_tables(dims: GPTDims, seq_len: int, device=None) -> tuple[torch.Tensor,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, nh, T, hs) query/key vectors by position."""
+    """Rotate (B, nh, T, hs) query/key vectors by position (in fp32, also under bf16)."""
+    x32 = x.float()
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+    rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
+    return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+class ReplicatedLinear(nn.Module):
+    """A full linear layer on every TP rank whose ranks use different parts of its output
+    (kv heads when tp exceeds them): its gradient is summed over the TP group."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.tp.sync_grad(self.bias, on_shards=True)
+        return F.linear(x, self.tp.sync_grad(self.weight, on_shards=True), bias)
 
 
 class Attention(nn.Module):
-    """Causal self-attention with optional grouped-query heads and RoPE."""
+    """Causal self-attention; query heads split over TP ranks, kv heads split or (if fewer) replicated."""
 
-    def __init__(self, dims: GPTDims):
+    def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG]):
         super().__init__()
-        self.dims = dims
-        hs = dims.head_dim
-        self.q_proj = nn.Linear(dims.hidden_size, dims.num_heads * hs, bias=dims.bias)
-        self.k_proj = nn.Linear(dims.hidden_size, dims.num_kv_heads * hs, bias=dims.bias)
-        self.v_proj = nn.Linear(dims.hidden_size, dims.num_kv_heads * hs, bias=dims.bias)
-        self.out_proj = nn.Linear(dims.num_heads * hs, dims.hidden_size, bias=dims.bias)
-        self.resid_dropout = nn.Dropout(dims.dropout)
+        self.dims, self.tp, self.rng = dims, tp, rng
+        hs, nkv = dims.head_dim, dims.num_kv_heads
+        self.local_heads = dims.num_heads // tp.size
+        self.q_proj = ColumnParallelLinear(dims.hidden_size, dims.num_heads * hs, tp, dims.bias, enter=False)
+        if nkv % tp.size == 0:
+            self.k_proj = ColumnParallelLinear(dims.hidden_size, nkv * hs, tp, dims.bias, enter=False)
+            self.v_proj = ColumnParallelLinear(dims.hidden_size, nkv * hs, tp, dims.bias, enter=False)
+            kv_start = tp.rank * (nkv // tp.size)
+        else:
+            self.k_proj = ReplicatedLinear(dims.hidden_size, nkv * hs, tp, dims.bias)
+            self.v_proj = ReplicatedLinear(dims.hidden_size, nkv * hs, tp, dims.bias)
+            kv_start = 0
+        # the kv head serving each local query head (grouped-query attention); None when one-to-one
+        q_start, group = tp.rank * self.local_heads, dims.num_heads // nkv
+        kv_index = (q_start + torch.arange(self.local_heads)) // group - kv_start
+        one_to_one = group == 1 and nkv % tp.size == 0
+        self.register_buffer("kv_index", None if one_to_one else kv_index, persistent=False)
+        self.out_proj = RowParallelLinear(dims.num_heads * hs, dims.hidden_size, tp, dims.bias)
+        self.resid_dropout = Dropout(dims.dropout, rng, split_across_tp=tp.sequence_parallel)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        x = self.tp.enter(x)  # (B, T, C) on every TP rank (all-gathered along T under SP)
         B, T, _ = x.shape
         hs = self.dims.head_dim
-        q = self.q_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.k_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        q = self.q_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh/tp, T, hs)
+        k = self.k_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nkv local, T, hs)
         v = self.v_proj(x).view(B, T, -1, hs).transpose(1, 2)
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group of q heads
-            repeat = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dims.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hs)
+        if self.kv_index is not None:
+            k, v = k[:, self.kv_index], v[:, self.kv_index]  # (B, nh/tp, T, hs)
+        p = self.dims.dropout if self.training else 0.0
+        if p and self.rng is not None:  # attention dropout acts on this rank's heads only
+            with self.rng.fork():
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh/tp * hs)
         return self.resid_dropout(self.out_proj(y))
 
 
 class MLP(nn.Module):
-    """GELU MLP (GPT-2) or SwiGLU (Llama)."""
+    """GELU MLP (GPT-2) or SwiGLU (Llama): column-parallel up/gate, row-parallel down."""
 
-    def __init__(self, dims: GPTDims):
+    def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG]):
         super().__init__()
+        self.tp = tp
         self.swiglu = dims.activation == "swiglu"
-        self.up_proj = nn.Linear(dims.hidden_size, dims.ffn_hidden_size, bias=dims.bias)
+        self.up_proj = ColumnParallelLinear(dims.hidden_size, dims.ffn_hidden_size, tp, dims.bias, enter=False)
         if self.swiglu:
-            self.gate_proj = nn.Linear(dims.hidden_size, dims.ffn_hidden_size, bias=dims.bias)
-        self.down_proj = nn.Linear(dims.ffn_hidden_size, dims.hidden_size, bias=dims.bias)
-        self.dropout = nn.Dropout(dims.dropout)
+            self.gate_proj = ColumnParallelLinear(dims.hidden_size, dims.ffn_hidden_size, tp, dims.bias, enter=False)
+        self.down_proj = RowParallelLinear(dims.ffn_hidden_size, dims.hidden_size, tp, dims.bias)
+        self.dropout = Dropout(dims.dropout, rng, split_across_tp=tp.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.tp.enter(x)
         if self.swiglu:
-            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (B, T, ffn/tp)
         else:
             h = F.gelu(self.up_proj(x), approximate="tanh")  # GPT-2's "gelu_new"
         return self.dropout(self.down_proj(h))
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block."""
+    """Pre-norm transformer block (on sequence shards between the TP regions under SP)."""
 
-    def __init__(self, dims: GPTDims):
+    def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG]):
         super().__init__()
-        self.attn_norm = build_norm(dims)
-        self.attn = Attention(dims)
-        self.mlp_norm = build_norm(dims)
-        self.mlp = MLP(dims)
+        self.attn_norm = build_norm(dims, tp)
+        self.attn = Attention(dims, tp, rng)
+        self.mlp_norm = build_norm(dims, tp)
+        self.mlp = MLP(dims, tp, rng)
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)
@@ -147,55 +217,77 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token embedding plus learned positions (GPT-2) or nothing (RoPE acts inside attention)."""
+    """Vocabulary-parallel token embedding plus learned positions (GPT-2); RoPE acts in attention."""
 
-    def __init__(self, dims: GPTDims):
+    def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG]):
         super().__init__()
-        self.tok = nn.Embedding(dims.padded_vocab_size, dims.hidden_size)
+        self.tp = tp
+        self.tok = VocabParallelEmbedding(dims.padded_vocab_size, dims.hidden_size, tp)
         self.pos = nn.Embedding(dims.seq_length, dims.hidden_size) if dims.position_embedding == "learned" else None
-        self.dropout = nn.Dropout(dims.dropout)
+        self.dropout = Dropout(dims.dropout, rng, split_across_tp=tp.sequence_parallel)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx)  # (B, T, C)
+        x = self.tok(idx)  # (B, T, C), summed over the vocabulary shards
         if self.pos is not None:
             x = x + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        if self.tp.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.tp.group)  # (B, T/tp, C)
         return self.dropout(x)
 
 
 class GPT(nn.Module):
     """The language model: forward(idx, targets) returns the mean next-token loss (fp32)."""
 
-    def __init__(self, dims: GPTDims, activation_checkpointing: bool = False):
+    def __init__(self, dims: GPTDims, tp: TPGroup = TPGroup(), rng: Optional[TPDropoutRNG] = None,
+                 activation_checkpointing: bool = False):
         super().__init__()
-        self.dims = dims
+        self.dims, self.tp, self.rng = dims, tp, rng
         self.activation_checkpointing = activation_checkpointing
-        self.embed = Embedding(dims)
-        self.blocks = nn.ModuleList([Block(dims) for _ in range(dims.num_layers)])
-        self.final_norm = build_norm(dims)
-        self.head = None if dims.tie_embeddings else nn.Linear(dims.hidden_size, dims.padded_vocab_size, bias=False)
-        if dims.position_embedding == "rope":
-            cos, sin = rope_tables(dims, dims.seq_length)
-            # not parameters and not in checkpoints: a pure function of the config
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+        self.embed = Embedding(dims, tp, rng)
+        self.blocks = nn.ModuleList([Block(dims, tp, rng) for _ in range(dims.num_layers)])
+        self.final_norm = build_norm(dims, tp)
+        self.head = None if dims.tie_embeddings else ColumnParallelLinear(
+            dims.hidden_size, dims.padded_vocab_size, tp, bias=False)
+
+    def _run_block(self, block: Block, x: torch.Tensor, rope) -> torch.Tensor:
+        if not (self.activation_checkpointing and self.training):
+            return block(x, rope)
+        if self.rng is None or self.dims.dropout == 0.0:
+            return checkpoint(block, x, rope, use_reentrant=False)
+        # The recomputation must redraw the TP-stream dropout masks of the first pass without
+        # disturbing the stream's later position (torch only restores the default generator).
+        first_pass_states, calls = self.rng.state_dict(), [0]
+
+        def run(x):
+            calls[0] += 1
+            if calls[0] == 1:
+                return block(x, rope)
+            now = self.rng.state_dict()
+            self.rng.load_state_dict(first_pass_states)
+            try:
+                return block(x, rope)
+            finally:
+                self.rng.load_state_dict(now)
+        return checkpoint(run, x, use_reentrant=False)
+
+    def parallel_logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """This TP rank's slice of the padded-vocabulary logits, (B, T, padded_vocab / tp)."""
+        x = self.embed(idx)
+        rope = rope_tables(self.dims, idx.shape[1], idx.device) if self.dims.position_embedding == "rope" else None
+        for block in self.blocks:
+            x = self._run_block(block, x, rope)
+        x = self.final_norm(x)
+        if self.head is not None:
+            return self.head(x)
+        return F.linear(self.tp.enter(x), self.embed.tok.weight)  # tied: the embedding's vocabulary shard
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits over the real vocabulary, (B, T, vocab_size); padded rows are dropped."""
-        x = self.embed(idx)
-        rope = (self.rope_cos.to(x.dtype), self.rope_sin.to(x.dtype)) if self.dims.position_embedding == "rope" else None
-        for block in self.blocks:
-            if self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, rope, use_reentrant=False)
-            else:
-                x = block(x, rope)
-        x = self.final_norm(x)
-        weight = self.embed.tok.weight if self.head is None else self.head.weight
-        logits = F.linear(x, weight)
-        return logits[..., : self.dims.vocab_size]
+        """Full logits over the real vocabulary, (B, T, vocab_size), gathered from the TP ranks."""
+        return gather_from_tp_region(self.parallel_logits(idx), self.tp.group)[..., : self.dims.vocab_size]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.logits(idx)
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return vocab_parallel_cross_entropy(self.parallel_logits(idx), targets, self.tp,
+                                            self.embed.tok.vocab_start, self.dims.vocab_size)
 
 
 # ---- layout-invariant initialisation ---------------------------------------------------------

@@ -72,6 +72,13 @@ class ParallelState:
                 return ranks
         return [self.rank]  # an axis of size 1 has no comm list
 
+    def tp_region(self, sequence_parallel: bool = False):
+        """The TPGroup that tensor-parallel layers take."""
+        from megaframe.parallel.layers import TPGroup
+
+        return TPGroup(group=self.tp_group if self.tp > 1 else None, size=self.tp, rank=self.tp_rank,
+                       sequence_parallel=sequence_parallel and self.tp > 1)
+
     @property
     def tp_rank(self) -> int:
         return self.coords.tp_rank

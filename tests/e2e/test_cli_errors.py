@@ -31,6 +31,11 @@ CASES = {
     "param offload without zero 3": (["zero=stage2", "offload.param=cpu"], {}, ["offload.param=cpu", "zero=stage3"]),
     "optimizer offload without zero": (["offload=cpu"], {}, ["offload.optimizer=cpu", "zero=stage1"]),
     "pipeline with zero >= 2": (["parallel.pp=2", "zero=stage2"], {}, ["parallel.pp=2", "zero.stage=2", "zero=stage1"]),
+    "tp does not divide heads": (["parallel.tp=3"], {}, ["parallel.tp=3 does not divide model.num_attention_heads=4", "[1, 2, 4]"]),
+    "tp does not divide ffn": (["parallel.tp=2", "model.ffn_hidden_size=510"], {}, ["parallel.tp=2 does not divide model.ffn_hidden_size=510"]),
+    "sequence parallel without tp": (["parallel.sequence_parallel=true"], {}, ["parallel.sequence_parallel=true needs parallel.tp > 1"]),
+    "sequence parallel, seq not divisible": (["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_length=127"], {},
+                                             ["model.seq_length=127 divisible by parallel.tp=2"]),
     "bad choice": (["model.norm=batchnorm"], {}, ["model.norm='batchnorm'", "layernorm", "rmsnorm"]),
     "resume path missing": (["train.resume=/nonexistent/ckpt"], {}, ["train.resume", "/nonexistent/ckpt"]),
 }

@@ -51,11 +51,31 @@ def test_nvme_with_stage3_and_path_is_accepted(tmp_path):
     validate(cfg, 1, _never_fp16)
 
 
-def test_tensor_and_pipeline_parallel_are_refused_until_implemented():
+def test_pipeline_parallel_is_refused_until_implemented():
     cfg = TrainConfig()
-    cfg.parallel.tp = 2
-    with pytest.raises(ConfigError, match="parallel.tp=2: tensor parallelism is not implemented"):
+    cfg.parallel.pp = 2
+    with pytest.raises(ConfigError, match="parallel.pp=2: pipeline parallelism is not implemented"):
         validate(cfg, 2, _never_fp16)
+
+
+def test_tensor_parallel_rules():
+    cfg = TrainConfig()  # 4 heads, ffn 4*64
+    cfg.parallel.tp = 4
+    assert validate(cfg, 4, _never_fp16).tp == 4
+    cfg.model.num_kv_heads = 2  # fewer kv heads than TP ranks: replicated, allowed
+    assert validate(cfg, 4, _never_fp16).tp == 4
+    cfg.parallel.tp = 3
+    with pytest.raises(ConfigError, match=r"parallel.tp=3 does not divide model.num_attention_heads=4; pick tp in \[1, 2, 4\]"):
+        validate(cfg, 3, _never_fp16)
+    cfg.parallel.tp, cfg.model.ffn_hidden_size = 2, 255
+    with pytest.raises(ConfigError, match="parallel.tp=2 does not divide model.ffn_hidden_size=255"):
+        validate(cfg, 2, _never_fp16)
+    cfg.model.ffn_hidden_size, cfg.parallel.sequence_parallel, cfg.model.seq_length = 256, True, 33
+    with pytest.raises(ConfigError, match="model.seq_length=33 divisible by parallel.tp=2"):
+        validate(cfg, 2, _never_fp16)
+    cfg.parallel.tp = 1
+    with pytest.raises(ConfigError, match="sequence_parallel=true needs parallel.tp > 1"):
+        validate(cfg, 1, _never_fp16)
 
 
 def test_derived_sizes():

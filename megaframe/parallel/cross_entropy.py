@@ -1,0 +1,34 @@
+"""Cross-entropy over vocabulary-parallel logits, without ever gathering the full logits."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megaframe.parallel.layers import TPGroup
+from megaframe.parallel.mappings import reduce_from_tp_region
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TPGroup, vocab_start: int,
+                                 vocab_size: int, ignore_index: int = -100) -> torch.Tensor:
+    """Mean next-token loss over non-ignored targets.
+
+    logits: (..., n) this rank's columns [vocab_start, vocab_start + n) of the padded vocabulary.
+    Columns at or beyond vocab_size (Megatron's padding) get no probability mass.
+    """
+    logits = logits.float()
+    n = logits.shape[-1]
+    column_ids = torch.arange(vocab_start, vocab_start + n, device=logits.device)
+    logits = logits.masked_fill(column_ids >= vocab_size, float("-inf"))
+    with torch.no_grad():  # the max only stabilises exp(); it cancels in the loss and its gradient
+        row_max = logits.max(dim=-1).values
+        if tp.size > 1:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp.group)
+    shifted = logits - row_max.unsqueeze(-1)
+    sum_exp = reduce_from_tp_region(shifted.exp().sum(dim=-1), tp.group)
+    local_target = targets - vocab_start
+    mine = (local_target >= 0) & (local_target < n)
+    target_logit = shifted.gather(-1, local_target.clamp(0, n - 1).unsqueeze(-1)).squeeze(-1)
+    target_logit = reduce_from_tp_region(target_logit.masked_fill(~mine, 0.0), tp.group)
+    losses = sum_exp.log() - target_logit
+    keep = targets != ignore_index
+    return losses.masked_fill(~keep, 0.0).sum() / keep.sum().clamp(min=1)

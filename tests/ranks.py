@@ -1,0 +1,63 @@
+"""run_ranks: real processes on gloo with a file store (no port races), for in-process rank tests."""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn: Callable, world_size: int, workdir: str, kwargs: dict) -> None:
+    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.pop("LOCAL_SIZE", None)  # DeepSpeed would leave 66 MiB shm buffers behind
+    torch.set_num_threads(1)
+    out = Path(workdir) / f"rank{rank}.pt"
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, **kwargs)
+        dist.barrier()
+        torch.save({"ok": True, "result": result}, out)
+    except BaseException:
+        torch.save({"ok": False, "error": traceback.format_exc()}, out)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, tmp_path: Path, timeout: float = 600, **kwargs: Any) -> list[Any]:
+    """Run fn(rank, world_size, **kwargs) in world_size forked processes; return each rank's result.
+
+    fork (not spawn) keeps test-local functions usable; a rank that raises fails the test with its
+    traceback, and a run past `timeout` seconds is killed rather than left to hang CI.
+    """
+    workdir = Path(tmp_path) / f"ranks-{time.monotonic_ns()}"
+    workdir.mkdir(parents=True)
+    context = mp.start_processes(_entry, args=(fn, world_size, str(workdir), kwargs), nprocs=world_size,
+                                 join=False, start_method="fork")
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks did not finish within {timeout}s")
+    except mp.ProcessRaisedException:
+        pass  # reported below with every failing rank's traceback
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    results = []
+    for rank in range(world_size):
+        path = workdir / f"rank{rank}.pt"
+        if not path.exists():
+            raise RuntimeError(f"rank {rank} died without a result (exit code {context.processes[rank].exitcode})")
+        record = torch.load(path, weights_only=False)
+        if not record["ok"]:
+            raise RuntimeError(f"rank {rank} failed:\n{record['error']}")
+        results.append(record["result"])
+    return results
