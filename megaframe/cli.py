@@ -20,6 +20,7 @@ from omegaconf import OmegaConf, open_dict
 from megaframe.config.schema import TrainConfig
 from megaframe.config.store import register_configs
 from megaframe.config.validate import ConfigError, Layout, requested_world_size, validate
+from megaframe.config.validate import warnings as validate_warnings
 from megaframe.paths import conf_dir
 
 PROG = "megaframe-train"
@@ -175,6 +176,9 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
         _run_hydra(args)
         return
     cfg, layout, run_dir = check(args)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for warning in validate_warnings(cfg, layout):
+            print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
     launched = _launcher_world_size() is not None
     if not launched and layout.world_size > 1:
         from megaframe.engine.data_setup import dataset_prefix

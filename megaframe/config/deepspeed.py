@@ -81,6 +81,11 @@ def to_ds_config(cfg: TrainConfig, layout: Layout, accelerator: str = "cpu") -> 
         "zero_allow_untested_optimizer": True,
     }
     ds.update(precision_block(cfg))
+    if layout.pp > 1 and cfg.parallel.sequence_parallel:
+        # The pipeline engine assumes activations are replicated across TP ranks and sends each rank
+        # a 1/tp slice, re-gathered on arrival. Under SP every TP rank holds a different sequence
+        # shard, already 1/tp of the activation: slicing and re-gathering would mix shards.
+        ds["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     if "nvme" in (cfg.offload.optimizer, cfg.offload.param):
         ds["aio"] = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
                      "single_submit": False, "overlap_events": True}

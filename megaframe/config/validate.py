@@ -239,11 +239,14 @@ def check_tensor_parallel(cfg: TrainConfig) -> Optional[str]:
     return None
 
 
-def check_not_yet_supported(cfg: TrainConfig) -> Optional[str]:
-    p = cfg.parallel
-    if p.pp > 1:
-        return f"parallel.pp={p.pp}: pipeline parallelism is not implemented in this version; use parallel.pp=1"
-    return None
+def warnings(cfg: TrainConfig, layout: Layout) -> list[str]:
+    """Legal but wasteful settings, printed once before launch."""
+    found = []
+    if layout.pp > 1 and layout.grad_accum_steps < layout.pp:
+        found.append(f"parallel.pp={layout.pp} with {layout.grad_accum_steps} micro-batches per step leaves stages "
+                     f"idle; raise parallel.global_batch_size to >= {layout.pp * layout.micro_batch_size * layout.dp} "
+                     f"(bubble (p-1)/(m+p-1) = {(layout.pp - 1) / (layout.grad_accum_steps + layout.pp - 1):.0%})")
+    return found
 
 
 def check_precision(cfg: TrainConfig, fp16_supported: Callable[[], bool]) -> Optional[str]:
@@ -270,7 +273,7 @@ def validate(cfg: TrainConfig, world_size: int,
         if err := rule(cfg):
             raise ConfigError(err)
     layout = resolve_layout(cfg, world_size)
-    for rule in (check_tensor_parallel, check_not_yet_supported):
+    for rule in (check_tensor_parallel,):
         if err := rule(cfg):
             raise ConfigError(err)
     if err := check_batch(cfg, layout):

@@ -20,6 +20,7 @@ from megaframe.engine import checkpoint
 from megaframe.engine.data_setup import DataSplits, build_data
 from megaframe.engine.schedule import lr_scheduler_factory
 from megaframe.model.factory import build_model, count_parameters, resolve_dims
+from megaframe.model.pipeline import build_pipeline_model
 from megaframe.parallel.state import ParallelState
 from megaframe.tracking.flops import flops_per_token
 from megaframe.tracking.metrics import MetricsLog
@@ -34,13 +35,12 @@ def _free_port() -> int:
 
 
 def init_distributed() -> None:
-    """Join the launcher's process group, or make a world of one when there is no launcher."""
+    """Join the launcher's process group (or make a world of one when there is no launcher) and
+    register it with deepspeed.comm, which PipelineModule needs before deepspeed.initialize."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    if dist.is_initialized():
-        return
-    if "RANK" not in os.environ:
+    if not dist.is_initialized() and "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
@@ -56,15 +56,19 @@ def decay_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict
 def grad_norm(model: torch.nn.Module, ps: ParallelState) -> float:
     """L2 norm of the (already data-parallel-reduced) gradients, each parameter counted once.
 
-    Tensor-parallel shards (marked `tensor_model_parallel`) are summed over the TP group;
-    parameters replicated across TP ranks are counted on TP rank 0 only.
+    Tensor-parallel shards (marked `tensor_model_parallel`) are summed over the TP group and
+    parameters replicated across TP ranks counted on TP rank 0 only; pipeline stages are summed,
+    with a tied embedding counted once (DeepSpeed marks its other copies `ds_pipe_replicated`).
     """
     sq = torch.zeros(1, dtype=torch.float64)
     for p in model.parameters():
-        if p.grad is not None and (ps.tp_rank == 0 or getattr(p, "tensor_model_parallel", False)):
+        if p.grad is None or getattr(p, "ds_pipe_replicated", False):
+            continue
+        if ps.tp_rank == 0 or getattr(p, "tensor_model_parallel", False):
             sq += p.grad.detach().double().pow(2).sum()
-    if ps.tp > 1:
-        dist.all_reduce(sq, group=ps.tp_group)
+    for degree, group in ((ps.tp, ps.tp_group), (ps.pp, ps.pp_group)):
+        if degree > 1:
+            dist.all_reduce(sq, group=group)
     return sq.sqrt().item()
 
 
@@ -76,6 +80,7 @@ class Trainer:
         from deepspeed.accelerator import get_accelerator
 
         self.cfg, self.layout, self.run_dir = cfg, layout, Path(run_dir)
+        init_distributed()
         self.ps = ParallelState.build(layout.tp, layout.pp, layout.dp)
         self.is_logger = self.ps.rank == 0
         if self.is_logger:
@@ -83,15 +88,20 @@ class Trainer:
         self.data: DataSplits = build_data(cfg.data, cfg.model.seq_length)
         self.dims = resolve_dims(cfg.model, self.data.vocab_size, tp=layout.tp)
         torch.manual_seed(cfg.train.seed)  # dropout streams; weights come from init_parameters
-        model = build_model(self.dims, self.ps, cfg.train.seed, cfg.parallel.activation_checkpointing,
-                            cfg.parallel.sequence_parallel)
+        p = cfg.parallel
+        self.pipelined = layout.pp > 1
+        if self.pipelined:
+            model = build_pipeline_model(self.dims, self.ps, cfg.train.seed, p.pipeline_partition,
+                                         p.activation_checkpointing, p.sequence_parallel)
+        else:
+            model = build_model(self.dims, self.ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel)
         self.model = model
-        self.num_parameters = count_parameters(model, full=True)
+        self.num_parameters = self._count_parameters(model)
         self.ds_config = to_ds_config(cfg, layout, accelerator=get_accelerator().device_name())
         self.engine, _, _, self.lr_scheduler = deepspeed.initialize(
             model=model, model_parameters=decay_param_groups(model, cfg.optim.weight_decay),
             config=self.ds_config, lr_scheduler=lr_scheduler_factory(cfg.optim, cfg.train.max_steps),
-            mpu=self.ps)
+            mpu=None if self.pipelined else self.ps)  # a PipelineModule brings its own grid as mpu
         self.flops_per_token = flops_per_token(self.dims)
         self.tokens_per_step = layout.global_batch_size * cfg.model.seq_length
         self.checkpoint_dir = self.run_dir / "checkpoints"
@@ -99,10 +109,35 @@ class Trainer:
         self.wandb: Optional[WandbRun] = None
         self.progress: Optional[Progress] = None
         self.step = 0
-        # DeepSpeed reports the global norm from its ZeRO / mixed-precision optimizers; at ZeRO-0 in
-        # fp32 it clips with a plain torch optimizer and discards the norm, so we take it ourselves.
-        self._norm_from_grads = cfg.zero.stage == 0 and cfg.precision.dtype == "fp32"
         self.last_grad_norm = float("nan")
+        # DeepSpeed's ZeRO and mixed-precision optimizers compute the global norm; at ZeRO-0 in fp32
+        # it clips through utils.clip_grad_norm_, which discards the norm and, under a pipeline,
+        # counts a tied embedding twice. There we measure and clip ourselves, where both engines
+        # hold final (reduced, unclipped) gradients: in _take_model_step.
+        self._norm_from_grads = cfg.zero.stage == 0 and cfg.precision.dtype == "fp32"
+        if self._norm_from_grads:
+            take_model_step = self.engine._take_model_step
+            self.engine._config.gradient_clipping = 0.0
+
+            def measure_clip_step(*args, **kwargs):
+                self.last_grad_norm = grad_norm(self.engine.module, self.ps)
+                if cfg.optim.grad_clip > 0 and self.last_grad_norm > cfg.optim.grad_clip:
+                    scale = cfg.optim.grad_clip / (self.last_grad_norm + 1e-6)
+                    for param in self.engine.module.parameters():
+                        if param.grad is not None:
+                            param.grad.mul_(scale)
+                return take_model_step(*args, **kwargs)
+            self.engine._take_model_step = measure_clip_step
+
+    def _count_parameters(self, model: torch.nn.Module) -> int:
+        """The whole model's parameters: TP shards at full size, pipeline stages summed."""
+        local = sum(count_parameters(m, full=True) for m in model.children()
+                    if not (self.pipelined and m is getattr(model, "tied_modules", None) and not self.ps.is_first_stage))
+        if self.pipelined and self.ps.pp > 1:
+            total = torch.tensor([local], dtype=torch.int64)
+            dist.all_reduce(total, group=self.ps.pp_group)
+            return int(total.item())
+        return local
 
     # ---- collectives over the data-parallel replicas -----------------------------------------
     def _dp_mean(self, value: float) -> float:
@@ -118,17 +153,19 @@ class Trainer:
                                 self.layout.micro_batch_size, self.ps.dp_rank, self.layout.dp,
                                 self.cfg.train.seed)
         lr = self.lr_scheduler.get_last_lr()[0]
-        total = 0.0
-        for inputs, targets in batches:
-            loss = self.engine(inputs, targets)
-            self.engine.backward(loss)
-            if self.engine.is_gradient_accumulation_boundary() and self._norm_from_grads:
-                self.last_grad_norm = grad_norm(self.engine.module, self.ps)
-            self.engine.step()
-            total += loss.item()
+        if self.pipelined:  # the engine runs the micro-batches through its 1F1B schedule
+            loss = float(self.engine.train_batch(data_iter=iter(batches)))  # already averaged over DP
+        else:
+            total = 0.0
+            for inputs, targets in batches:
+                micro_loss = self.engine(inputs, targets)
+                self.engine.backward(micro_loss)
+                self.engine.step()
+                total += micro_loss.item()
+            loss = self._dp_mean(total / len(batches))
         if not self._norm_from_grads:
             self.last_grad_norm = float(self.engine.get_global_grad_norm())
-        return self._dp_mean(total / len(batches)), lr
+        return loss, lr
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -137,9 +174,12 @@ class Trainer:
         # eval_steps global batches, fed as micro-batches: the same samples in every layout
         batches = eval_batches(self.data.valid, self.cfg.train.eval_steps * self.layout.grad_accum_steps,
                                self.layout.micro_batch_size, self.ps.dp_rank, self.layout.dp)
-        total = sum(self.engine(inputs, targets).item() for inputs, targets in batches)
+        if self.pipelined:
+            mean = float(self.engine.eval_batch(iter(batches), num_micro_batches=len(batches)))
+        else:
+            mean = sum(self.engine(inputs, targets).item() for inputs, targets in batches) / len(batches)
         self.engine.train()
-        return self._dp_mean(total / len(batches))
+        return self._dp_mean(mean)
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def _resume(self) -> None:

@@ -235,6 +235,34 @@ class Embedding(nn.Module):
         return self.dropout(x)
 
 
+def run_block(block: Block, x: torch.Tensor, rope, rng: Optional[TPDropoutRNG], recompute: bool) -> torch.Tensor:
+    """block(x), optionally with activation checkpointing (recompute in backward)."""
+    if not recompute:
+        return block(x, rope)
+    if rng is None or not any(isinstance(m, Dropout) and m.p > 0 for m in block.modules()):
+        return checkpoint(block, x, rope, use_reentrant=False)
+    # The recomputation must redraw the TP-stream dropout masks of the first pass without
+    # disturbing the stream's later position (torch only restores the default generator).
+    first_pass_states, calls = rng.state_dict(), [0]
+
+    def run(x):
+        calls[0] += 1
+        if calls[0] == 1:
+            return block(x, rope)
+        now = rng.state_dict()
+        rng.load_state_dict(first_pass_states)
+        try:
+            return block(x, rope)
+        finally:
+            rng.load_state_dict(now)
+    return checkpoint(run, x, use_reentrant=False)
+
+
+def tied_head_logits(embedding: "Embedding", x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's LM head: the token embedding's vocabulary shard, used as an output projection."""
+    return F.linear(embedding.tp.enter(x), embedding.tok.weight)
+
+
 class GPT(nn.Module):
     """The language model: forward(idx, targets) returns the mean next-token loss (fp32)."""
 
@@ -249,37 +277,14 @@ class GPT(nn.Module):
         self.head = None if dims.tie_embeddings else ColumnParallelLinear(
             dims.hidden_size, dims.padded_vocab_size, tp, bias=False)
 
-    def _run_block(self, block: Block, x: torch.Tensor, rope) -> torch.Tensor:
-        if not (self.activation_checkpointing and self.training):
-            return block(x, rope)
-        if self.rng is None or self.dims.dropout == 0.0:
-            return checkpoint(block, x, rope, use_reentrant=False)
-        # The recomputation must redraw the TP-stream dropout masks of the first pass without
-        # disturbing the stream's later position (torch only restores the default generator).
-        first_pass_states, calls = self.rng.state_dict(), [0]
-
-        def run(x):
-            calls[0] += 1
-            if calls[0] == 1:
-                return block(x, rope)
-            now = self.rng.state_dict()
-            self.rng.load_state_dict(first_pass_states)
-            try:
-                return block(x, rope)
-            finally:
-                self.rng.load_state_dict(now)
-        return checkpoint(run, x, use_reentrant=False)
-
     def parallel_logits(self, idx: torch.Tensor) -> torch.Tensor:
         """This TP rank's slice of the padded-vocabulary logits, (B, T, padded_vocab / tp)."""
         x = self.embed(idx)
         rope = rope_tables(self.dims, idx.shape[1], idx.device) if self.dims.position_embedding == "rope" else None
         for block in self.blocks:
-            x = self._run_block(block, x, rope)
+            x = run_block(block, x, rope, self.rng, self.activation_checkpointing and self.training)
         x = self.final_norm(x)
-        if self.head is not None:
-            return self.head(x)
-        return F.linear(self.tp.enter(x), self.embed.tok.weight)  # tied: the embedding's vocabulary shard
+        return self.head(x) if self.head is not None else tied_head_logits(self.embed, x)
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         """Full logits over the real vocabulary, (B, T, vocab_size), gathered from the TP ranks."""

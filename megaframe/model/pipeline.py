@@ -1,0 +1,99 @@
+"""The GPT as a DeepSpeed PipelineModule, from the same blocks as the plain model.
+
+Layer list: Embedding | Block x num_layers | FinalNorm | LM head (GPT-2's head is the token
+embedding again, a TiedLayerSpec shared by the first and last stage). Every layer initialises its
+parameters from their canonical names (embed.*, blocks.{i}.*, final_norm.*, head.*), so a
+pipelined model starts from exactly the weights of the plain one.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+from megaframe.model.gpt import (Block, Embedding, GPTDims, build_norm, init_parameters, rope_tables, run_block,
+                                 tied_head_logits)
+from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megaframe.parallel.layers import ColumnParallelLinear, TPGroup
+from megaframe.parallel.random import TPDropoutRNG
+from megaframe.parallel.state import ParallelState
+
+
+class EmbeddingPipe(Embedding):
+    """Stage-0 layer: token ids (B, T) -> hidden states."""
+
+    def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG], seed: int):
+        super().__init__(dims, tp, rng)
+        init_parameters(self, "embed", dims, seed)
+
+
+class BlockPipe(nn.Module):
+    """One transformer block; RoPE tables are recomputed here since stages pass only hidden states."""
+
+    def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG], seed: int, index: int,
+                 recompute: bool):
+        super().__init__()
+        self.dims, self.rng, self.recompute = dims, rng, recompute
+        self.block = Block(dims, tp, rng)
+        init_parameters(self.block, f"blocks.{index}", dims, seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rope = rope_tables(self.dims, self.dims.seq_length, x.device) if self.dims.position_embedding == "rope" else None
+        return run_block(self.block, x, rope, self.rng, self.recompute and self.training)
+
+
+class FinalNormPipe(nn.Module):
+    """The final norm before the LM head."""
+
+    def __init__(self, dims: GPTDims, tp: TPGroup, seed: int):
+        super().__init__()
+        self.norm = build_norm(dims, tp)
+        init_parameters(self.norm, "final_norm", dims, seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
+
+class HeadPipe(ColumnParallelLinear):
+    """Untied LM head (Llama): column-parallel over the padded vocabulary."""
+
+    def __init__(self, dims: GPTDims, tp: TPGroup, seed: int):
+        super().__init__(dims.hidden_size, dims.padded_vocab_size, tp, bias=False)
+        init_parameters(self, "head", dims, seed)
+
+
+class VocabParallelLoss:
+    """PipelineModule's loss_fn: cross-entropy over this TP rank's vocabulary shard of the logits."""
+
+    def __init__(self, dims: GPTDims, tp: TPGroup):
+        self.tp, self.vocab_size = tp, dims.vocab_size
+        self.vocab_start = tp.rank * (dims.padded_vocab_size // tp.size)
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, self.tp, self.vocab_start, self.vocab_size)
+
+
+PARTITION_METHODS = {"uniform": "type:BlockPipe", "parameters": "parameters"}
+
+
+def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition: str = "uniform",
+                         activation_checkpointing: bool = False, sequence_parallel: bool = False) -> PipelineModule:
+    """This rank's stage of the pipelined GPT; the rank grid is ParallelState's topology."""
+    tp = ps.tp_region(sequence_parallel)
+    rng = TPDropoutRNG(seed, ps.tp_rank)
+    embed_args = (EmbeddingPipe, dims, tp, rng, seed)
+    layers: list = [TiedLayerSpec("embed", *embed_args, tied_weight_attr=["tok.weight"])
+                    if dims.tie_embeddings else LayerSpec(*embed_args)]
+    layers += [LayerSpec(BlockPipe, dims, tp, rng, seed, i, activation_checkpointing) for i in range(dims.num_layers)]
+    layers.append(LayerSpec(FinalNormPipe, dims, tp, seed))
+    if dims.tie_embeddings:
+        layers.append(TiedLayerSpec("embed", *embed_args, forward_fn=tied_head_logits, tied_weight_attr=["tok.weight"]))
+    else:
+        layers.append(LayerSpec(HeadPipe, dims, tp, seed))
+    # "uniform" balances transformer blocks (Megatron's notion), not DeepSpeed's raw layer count
+    model = PipelineModule(layers=layers, loss_fn=VocabParallelLoss(dims, tp), topology=ps.topology,
+                           partition_method=PARTITION_METHODS[partition], activation_checkpoint_interval=0)
+    model.rng = rng  # a tied embedding's non-owning copies carry DeepSpeed's ds_pipe_replicated=True
+    return model
