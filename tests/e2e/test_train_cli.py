@@ -96,3 +96,17 @@ def test_tensor_parallel_from_the_command_line(tmp_path):
     losses = curve(read_metrics(tp2), "loss")
     assert losses[-1][1] < losses[0][1] - 0.3
     assert [v for _, v in losses] == pytest.approx([v for _, v in curve(read_metrics(single), "loss")], rel=1e-5)
+
+
+def test_3d_layout_from_the_command_line(tmp_path):
+    """`megaframe-train parallel.tp=2 parallel.pp=2 parallel.dp=2`: 8 self-launched ranks on this machine;
+    the loss reaches rank 0's metrics.jsonl, the partition is printed, checkpoints are saved."""
+    result = run_cli(["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "train.max_steps=6", "train.eval_interval=3",
+                      "train.log_interval=1", "logging.wandb.mode=disabled", f"hydra.run.dir={tmp_path}"], timeout=900)
+    assert_ok(result)
+    assert "launching 8 ranks" in result.stdout and "stage=1 layers=" in result.stdout
+    assert "warning: parallel.pp=2 with 1 micro-batches" in result.stderr
+    records = read_metrics(tmp_path)
+    assert [s for s, _ in curve(records, "loss")] == list(range(1, 7)) and len(curve(records, "eval_loss")) == 3
+    assert all(r["grad_norm"] > 0 for r in records if "loss" in r)
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "global_step6"
