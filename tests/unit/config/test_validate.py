@@ -51,11 +51,16 @@ def test_nvme_with_stage3_and_path_is_accepted(tmp_path):
     validate(cfg, 1, _never_fp16)
 
 
-def test_pipeline_parallel_is_refused_until_implemented():
-    cfg = TrainConfig()
-    cfg.parallel.pp = 2
-    with pytest.raises(ConfigError, match="parallel.pp=2: pipeline parallelism is not implemented"):
+def test_pipeline_rules():
+    cfg = TrainConfig()  # 2 layers
+    cfg.parallel.pp, cfg.zero.stage = 2, 1
+    assert validate(cfg, 2, _never_fp16).pp == 2
+    cfg.zero.stage = 2
+    with pytest.raises(ConfigError, match="DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; use zero=stage1"):
         validate(cfg, 2, _never_fp16)
+    cfg.zero.stage, cfg.parallel.pp = 1, 3
+    with pytest.raises(ConfigError, match="parallel.pp=3 exceeds model.num_layers=2"):
+        validate(cfg, 3, _never_fp16)
 
 
 def test_tensor_parallel_rules():
