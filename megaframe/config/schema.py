@@ -141,6 +141,13 @@ class LoggingConfig:
 
 
 @dataclass
+class HardwareConfig:
+    """What the device can do, for MFU."""
+
+    peak_tflops: Optional[float] = None  # dense peak per device; None = look the GPU up (none on CPU)
+
+
+@dataclass
 class TrainConfig:
     """The whole run: what every entry point receives after composition."""
 
@@ -153,3 +160,4 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: LoopConfig = field(default_factory=LoopConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)

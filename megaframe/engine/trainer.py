@@ -22,8 +22,8 @@ from megaframe.engine.schedule import lr_scheduler_factory
 from megaframe.model.factory import build_model, count_parameters, resolve_dims
 from megaframe.model.pipeline import build_pipeline_model
 from megaframe.parallel.state import ParallelState
-from megaframe.tracking.flops import flops_per_token
-from megaframe.tracking.metrics import MetricsLog
+from megaframe.tracking.flops import flops_per_token, peak_tflops
+from megaframe.tracking.metrics import MetricsLog, memory_gb, run_metadata
 from megaframe.tracking.progress import Progress
 from megaframe.tracking.wandb_run import WandbRun
 
@@ -103,6 +103,7 @@ class Trainer:
             config=self.ds_config, lr_scheduler=lr_scheduler_factory(cfg.optim, cfg.train.max_steps),
             mpu=None if self.pipelined else self.ps)  # a PipelineModule brings its own grid as mpu
         self.flops_per_token = flops_per_token(self.dims)
+        self.peak_tflops = peak_tflops(cfg.hardware.peak_tflops)
         self.tokens_per_step = layout.global_batch_size * cfg.model.seq_length
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
@@ -110,24 +111,28 @@ class Trainer:
         self.progress: Optional[Progress] = None
         self.step = 0
         self.last_grad_norm = float("nan")
-        # DeepSpeed's ZeRO and mixed-precision optimizers compute the global norm; at ZeRO-0 in fp32
-        # it clips through utils.clip_grad_norm_, which discards the norm and, under a pipeline,
-        # counts a tied embedding twice. There we measure and clip ourselves, where both engines
-        # hold final (reduced, unclipped) gradients: in _take_model_step.
         self._norm_from_grads = cfg.zero.stage == 0 and cfg.precision.dtype == "fp32"
         if self._norm_from_grads:
-            take_model_step = self.engine._take_model_step
-            self.engine._config.gradient_clipping = 0.0
+            self._measure_and_clip_in_step()
 
-            def measure_clip_step(*args, **kwargs):
-                self.last_grad_norm = grad_norm(self.engine.module, self.ps)
-                if cfg.optim.grad_clip > 0 and self.last_grad_norm > cfg.optim.grad_clip:
-                    scale = cfg.optim.grad_clip / (self.last_grad_norm + 1e-6)
-                    for param in self.engine.module.parameters():
-                        if param.grad is not None:
-                            param.grad.mul_(scale)
-                return take_model_step(*args, **kwargs)
-            self.engine._take_model_step = measure_clip_step
+    def _measure_and_clip_in_step(self) -> None:
+        """DeepSpeed's ZeRO and mixed-precision optimizers compute the global norm; at ZeRO-0 in fp32
+        it clips through utils.clip_grad_norm_, which discards the norm and, under a pipeline,
+        counts a tied embedding twice. There we measure and clip ourselves, where both engines
+        hold final (reduced, unclipped) gradients: in _take_model_step."""
+        take_model_step = self.engine._take_model_step
+        self.engine._config.gradient_clipping = 0.0
+        clip = self.cfg.optim.grad_clip
+
+        def measure_clip_step(*args, **kwargs):
+            self.last_grad_norm = grad_norm(self.engine.module, self.ps)
+            if clip > 0 and self.last_grad_norm > clip:
+                scale = clip / (self.last_grad_norm + 1e-6)
+                for param in self.engine.module.parameters():
+                    if param.grad is not None:
+                        param.grad.mul_(scale)
+            return take_model_step(*args, **kwargs)
+        self.engine._take_model_step = measure_clip_step
 
     def _count_parameters(self, model: torch.nn.Module) -> int:
         """The whole model's parameters: TP shards at full size, pipeline stages summed."""
@@ -207,6 +212,25 @@ class Trainer:
         self.metrics.append(record)
         self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
+    def _train_record(self, loss: float, lr: float, steps: int, seconds: float) -> dict:
+        """One metrics.jsonl line: loss, schedule, throughput, MFU (when the peak is known), memory."""
+        tokens_per_s = steps * self.tokens_per_step / seconds
+        tflops = tokens_per_s * self.flops_per_token / self.layout.world_size / 1e12  # model TFLOP/s per device
+        record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": self.last_grad_norm,
+                  "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.layout.world_size,
+                  "tflops": tflops, "consumed_samples": self.step * self.layout.global_batch_size,
+                  "consumed_tokens": self.step * self.tokens_per_step, "step_time_s": seconds / steps,
+                  "memory_gb": memory_gb()}
+        if self.peak_tflops:
+            record["mfu"] = tflops / self.peak_tflops
+        if self.cfg.precision.dtype == "fp16":
+            # DeepSpeed's fp16 optimizers name the current scale differently (cur_scale / loss_scale)
+            scale = next((getattr(self.engine.optimizer, a) for a in ("cur_scale", "loss_scale")
+                          if isinstance(getattr(self.engine.optimizer, a, None), (int, float, torch.Tensor))), None)
+            record["loss_scale"] = None if scale is None else float(scale)
+            record["skipped_steps"] = int(self.engine.skipped_steps)
+        return record
+
     def _summary(self) -> str:
         c = self.cfg
         return (f"megaframe: {c.model.arch} {self.num_parameters / 1e6:.2f}M params "
@@ -225,7 +249,10 @@ class Trainer:
         self._resume()
         if self.is_logger:
             print(self._summary(), flush=True)
-            self.wandb = WandbRun(self.cfg.logging.wandb, self.run_dir, dataclasses.asdict(self.cfg))
+            layout = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp}
+            wandb_config = {**dataclasses.asdict(self.cfg), "run": run_metadata(self.layout.world_size, layout)}
+            default_name = f"{self.cfg.model.arch}-{self.num_parameters / 1e6:.0f}M-tp{self.layout.tp}pp{self.layout.pp}dp{self.layout.dp}"
+            self.wandb = WandbRun(self.cfg.logging.wandb, self.run_dir, wandb_config, default_name=default_name)
             self.progress = Progress(t.max_steps, self.step, enabled=self.cfg.logging.progress_bar)
         stop_at = t.exit_at_step or t.max_steps
         if self.step == 0 and t.eval_interval:
@@ -240,13 +267,7 @@ class Trainer:
             self.step += 1
             interval_loss, interval_steps = interval_loss + loss, interval_steps + 1
             if self.step % t.log_interval == 0 or self.step == stop_at:
-                tokens_per_s = interval_steps * self.tokens_per_step / interval_time
-                record = {"step": self.step, "loss": interval_loss / interval_steps, "lr": lr,
-                          "grad_norm": self.last_grad_norm,
-                          "tokens_per_s": tokens_per_s,
-                          "tflops": tokens_per_s * self.flops_per_token / self.layout.world_size / 1e12,
-                          "consumed_samples": self.step * self.layout.global_batch_size,
-                          "step_time_s": interval_time / interval_steps}
+                record = self._train_record(interval_loss / interval_steps, lr, interval_steps, interval_time)
                 self._log(record)
                 if self.progress:
                     self.progress.update(self.step, record)

@@ -100,8 +100,20 @@ class Dropout(nn.Module):
         return F.dropout(x, self.p, training=True)
 
 
+_ROPE_CACHE: dict = {}
+
+
 def rope_tables(dims: GPTDims, seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos/sin tables of shape (T, hs), in the rotate-half layout Hugging Face's Llama uses."""
+    """fp32 cos/sin tables of shape (T, hs), in the rotate-half layout Hugging Face's Llama uses.
+
+    Cached: they depend only on the shape, and recomputing them every forward costs time."""
+    key = (dims.head_dim, dims.rope_theta, seq_len, str(device))
+    if key not in _ROPE_CACHE:
+        _ROPE_CACHE[key] = _rope_tables(dims, seq_len, device)
+    return _ROPE_CACHE[key]
+
+
+def _rope_tables(dims: GPTDims, seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (dims.rope_theta ** (torch.arange(0, dims.head_dim, 2, device=device).float() / dims.head_dim))
     angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)  # (T, hs/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, hs)
@@ -131,6 +143,10 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, self.tp.sync_grad(self.weight, on_shards=True), bias)
 
 
+# torch >= 2.5 lets SDPA serve several query heads from one kv head without copying k and v
+_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
 class Attention(nn.Module):
     """Causal self-attention; query heads split over TP ranks, kv heads split or (if fewer) replicated."""
 
@@ -150,9 +166,17 @@ class Attention(nn.Module):
             kv_start = 0
         # the kv head serving each local query head (grouped-query attention); None when one-to-one
         q_start, group = tp.rank * self.local_heads, dims.num_heads // nkv
-        kv_index = (q_start + torch.arange(self.local_heads)) // group - kv_start
+        kv_index = [(q_start + j) // group - kv_start for j in range(self.local_heads)]  # plain ints: meta-safe
         one_to_one = group == 1 and nkv % tp.size == 0
-        self.register_buffer("kv_index", None if one_to_one else kv_index, persistent=False)
+        # SDPA repeats kv heads itself (no copy) when each local kv head serves the same number of
+        # consecutive query heads; other mappings (kv replicated over more TP ranks than kv heads)
+        # index explicitly
+        local_kv = len(set(kv_index))
+        per_kv = self.local_heads // local_kv
+        self.sdpa_gqa = (_SDPA_HAS_GQA and not one_to_one and self.local_heads % local_kv == 0
+                         and kv_index == [i // per_kv for i in range(self.local_heads)])
+        explicit = None if one_to_one or self.sdpa_gqa else torch.tensor(kv_index)
+        self.register_buffer("kv_index", explicit, persistent=False)
         self.out_proj = RowParallelLinear(dims.num_heads * hs, dims.hidden_size, tp, dims.bias)
         self.resid_dropout = Dropout(dims.dropout, rng, split_across_tp=tp.sequence_parallel)
 
@@ -169,11 +193,12 @@ class Attention(nn.Module):
         if self.kv_index is not None:
             k, v = k[:, self.kv_index], v[:, self.kv_index]  # (B, nh/tp, T, hs)
         p = self.dims.dropout if self.training else 0.0
+        gqa = {"enable_gqa": True} if self.sdpa_gqa else {}
         if p and self.rng is not None:  # attention dropout acts on this rank's heads only
             with self.rng.fork():
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, **gqa)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, **gqa)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh/tp * hs)
         return self.resid_dropout(self.out_proj(y))
 

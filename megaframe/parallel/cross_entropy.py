@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megaframe.parallel.layers import TPGroup
 from megaframe.parallel.mappings import reduce_from_tp_region
@@ -15,6 +16,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp
     logits: (..., n) this rank's columns [vocab_start, vocab_start + n) of the padded vocabulary.
     Columns at or beyond vocab_size (Megatron's padding) get no probability mass.
     """
+    if tp.size == 1:  # one rank holds every column: torch's fused kernel, padded columns sliced off
+        logits = logits[..., :vocab_size].float()
+        return F.cross_entropy(logits.reshape(-1, vocab_size), targets.reshape(-1), ignore_index=ignore_index)
     logits = logits.float()
     n = logits.shape[-1]
     column_ids = torch.arange(vocab_start, vocab_start + n, device=logits.device)

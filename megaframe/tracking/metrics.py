@@ -57,3 +57,34 @@ class MetricsLog:
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """All records of a metrics.jsonl file."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def memory_gb() -> float:
+    """This rank's memory: peak CUDA allocation on a GPU, resident set size on CPU (GiB)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import psutil  # a dependency of deepspeed
+
+    return psutil.Process().memory_info().rss / 2**30
+
+
+def run_metadata(world_size: int, layout: dict[str, int]) -> dict[str, Any]:
+    """What a tracked run should say about where it ran: layout, versions, git commit."""
+    import platform
+    import subprocess
+
+    import deepspeed
+    import torch
+
+    import megaframe
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(megaframe.__file__).parent, text=True,
+                                capture_output=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None  # installed from a wheel, or no git
+    return {"world_size": world_size, "layout": layout, "git_commit": commit,
+            "versions": {"megaframe": megaframe.__version__, "torch": torch.__version__,
+                         "deepspeed": deepspeed.__version__, "python": platform.python_version()}}

@@ -28,3 +28,23 @@ def test_flops_per_token_follows_palm():
     norms = 32 * 2 * 4096 + 4096
     assert matmul_parameters(dims) == 6_738_415_616 - 32000 * 4096 - norms
     assert flops_per_token(dims) == 6 * matmul_parameters(dims) + 12 * 32 * 4096 * 4096
+
+
+def test_flops_formula_gives_gpt3s_published_training_compute():
+    """GPT-3 175B (Brown et al. 2020, table D.1): 3.14e23 FLOPs for 300B tokens, i.e. 6·N·D."""
+    from megaframe.config.schema import ModelConfig as MC
+
+    cfg = MC(num_layers=96, hidden_size=12288, num_attention_heads=96, ffn_hidden_size=49152, seq_length=2048,
+             vocab_size=50257)
+    n = matmul_parameters(resolve_dims(cfg, 50257))
+    assert 6 * n * 300e9 == __import__("pytest").approx(3.14e23, rel=0.01)
+
+
+def test_mfu_needs_a_known_peak():
+    import torch
+
+    from megaframe.tracking.flops import peak_tflops
+
+    assert peak_tflops(123.0) == 123.0
+    if not torch.cuda.is_available():
+        assert peak_tflops(None) is None  # no standard CPU peak: no MFU unless configured

@@ -1,0 +1,49 @@
+"""What a run reports: metrics.jsonl fields, MFU only against a known peak, the offline W&B run."""
+from __future__ import annotations
+
+import pytest
+
+from helpers import TINY, assert_ok, curve, read_metrics, run_cli
+from megaframe.tracking.wandb_offline import read_offline_run
+
+pytestmark = pytest.mark.slow
+
+
+def test_offline_wandb_run_holds_config_and_metrics(tmp_path):
+    args = [a for a in TINY if not a.startswith("logging.wandb")]
+    result = run_cli([*args, "train.max_steps=6", "logging.wandb.mode=offline", "hardware.peak_tflops=0.5",
+                      f"hydra.run.dir={tmp_path}"])
+    assert_ok(result)
+    records = read_metrics(tmp_path)
+    train = [r for r in records if "loss" in r]
+    for r in train:
+        assert r["mfu"] == pytest.approx(r["tflops"] / 0.5)
+        assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"])
+        assert r["memory_gb"] > 0.05 and r["consumed_tokens"] == r["step"] * 8 * 32
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    run = read_offline_run(run_file)
+    assert run["config"]["model"]["hidden_size"] == 64 and run["config"]["parallel"]["global_batch_size"] == 8
+    assert run["config"]["run"]["world_size"] == 1 and run["config"]["run"]["layout"] == {"tp": 1, "pp": 1, "dp": 1}
+    assert run["config"]["run"]["versions"]["deepspeed"]
+    logged = [(row["_step"], row["loss"]) for row in run["history"] if "loss" in row]
+    assert logged == curve(records, "loss")
+    assert [row["eval_loss"] for row in run["history"] if "eval_loss" in row] == [v for _, v in curve(records, "eval_loss")]
+
+
+def test_no_mfu_on_cpu_without_a_configured_peak(tmp_path):
+    assert_ok(run_cli([*TINY, "train.max_steps=2", f"hydra.run.dir={tmp_path}"]))
+    assert all("mfu" not in r for r in read_metrics(tmp_path))
+
+
+def test_bench_tool_compares_three_frameworks():
+    import subprocess
+    import sys
+
+    from helpers import REPO, cli_env
+
+    result = subprocess.run([sys.executable, "tools/bench.py", "--steps", "2", "--warmup", "1"], cwd=REPO,
+                            env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert_ok(result)
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "tokens/s" not in line]
+    assert [row.split("|")[1].strip() for row in rows] == ["megaframe", "pytorch", "transformers"]
+    assert all(float(row.split("|")[2].replace(",", "")) > 0 for row in rows)
