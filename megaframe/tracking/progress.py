@@ -14,7 +14,9 @@ class Progress:
 
     def update(self, step: int, record: dict) -> None:
         postfix = {"loss": f"{record['loss']:.4f}", "tok/s": f"{record['tokens_per_s']:.0f}",
-                   "lr": f"{record['lr']:.2e}"}
+                   "TFLOP/s": f"{record['tflops']:.3g}", "lr": f"{record['lr']:.2e}"}
+        if "mfu" in record:
+            postfix["MFU"] = f"{record['mfu']:.1%}"
         if self.bar is not None:
             self.bar.set_postfix(postfix, refresh=False)
             self.bar.update(step - self.bar.n)
