@@ -24,6 +24,7 @@ from megaframe.config.validate import warnings as validate_warnings
 from megaframe.paths import conf_dir
 
 PROG = "megaframe-train"
+_SELF_LAUNCHED = "MEGAFRAME_SELF_LAUNCHED"  # set for the ranks _self_launch starts
 # Hydra's own flags (help, --cfg job, multirun, ...): Hydra handles them, we do not pre-validate.
 _HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-p", "--package",
                 "--resolve", "-m", "--multirun", "-cp", "--config-path", "-cn", "--config-name",
@@ -102,6 +103,11 @@ def _launcher_world_size() -> Optional[int]:
     return int(value) if value else None
 
 
+def _rank() -> int:
+    """This process's rank under a launcher, 0 otherwise."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def _fail(message: str) -> None:
     print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -120,7 +126,7 @@ def check(overrides: Sequence[str]) -> tuple[TrainConfig, Layout, str]:
 
 def _self_launch(overrides: list[str], world: int, run_dir: str) -> int:
     """Re-run this command as `world` ranks under torch.distributed.run on this host."""
-    env = dict(os.environ)
+    env = dict(os.environ, **{_SELF_LAUNCHED: "1"})
     # one BLAS thread per rank unless the user chose: ranks would otherwise oversubscribe the cores
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
@@ -156,7 +162,7 @@ def _task(dict_cfg) -> None:
     except ConfigError as err:
         _fail(str(err))
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if _rank() == 0:
         atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True))
     train(cfg, layout, run_dir)
 
@@ -176,7 +182,8 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
         _run_hydra(args)
         return
     cfg, layout, run_dir = check(args)
-    if int(os.environ.get("RANK", "0")) == 0:
+    # a self-launched rank 0 runs this again: the parent has already warned
+    if _rank() == 0 and not os.environ.get(_SELF_LAUNCHED):
         for warning in validate_warnings(cfg, layout):
             print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
     launched = _launcher_world_size() is not None
@@ -187,6 +194,6 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
         sys.exit(_self_launch(args, layout.world_size, run_dir))
     if launched and layout.world_size > 1 and not any(a.startswith("hydra.run.dir=") for a in args):
         args.append(f"hydra.run.dir={_shared_run_dir(run_dir)}")
-    if int(os.environ.get("RANK", "0")) != 0:
+    if _rank() != 0:
         args.append("hydra.output_subdir=null")  # rank 0 alone writes .hydra/
     _run_hydra(args)

@@ -1,7 +1,6 @@
 """Helpers shared by the tests (importable because pytest puts tests/ on sys.path)."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -38,7 +37,9 @@ def run_cli(args: list[str], *, launcher: list[str] | None = None, cwd: Path | N
 
 def read_metrics(run_dir: Path) -> list[dict]:
     """Records of RUN_DIR/metrics.jsonl."""
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+    from megaframe.tracking.metrics import read_metrics as read_file
+
+    return read_file(Path(run_dir) / "metrics.jsonl")
 
 
 def curve(records: list[dict], key: str) -> list[tuple[int, float]]:

@@ -58,7 +58,6 @@ def _measure(micro_batches: int, steps: int) -> dict:
         dist.barrier()
         start = time.perf_counter()
         trainer.train_step()
-        trainer.step += 1
         if step >= warmup:
             step_time += time.perf_counter() - start
     trainer.close()

@@ -97,10 +97,9 @@ class Trainer:
             model = build_model(self.dims, self.ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel)
         self.model = model
         self.num_parameters = self._count_parameters(model)
-        self.ds_config = to_ds_config(cfg, layout, accelerator=get_accelerator().device_name())
         self.engine, _, _, self.lr_scheduler = deepspeed.initialize(
             model=model, model_parameters=decay_param_groups(model, cfg.optim.weight_decay),
-            config=self.ds_config, lr_scheduler=lr_scheduler_factory(cfg.optim, cfg.train.max_steps),
+            config=to_ds_config(cfg, layout, accelerator=get_accelerator().device_name()), lr_scheduler=lr_scheduler_factory(cfg.optim, cfg.train.max_steps),
             mpu=None if self.pipelined else self.ps)  # a PipelineModule brings its own grid as mpu
         self.flops_per_token = flops_per_token(self.dims)
         self.peak_tflops = peak_tflops(cfg.hardware.peak_tflops)
@@ -144,6 +143,11 @@ class Trainer:
             return int(total.item())
         return local
 
+    @property
+    def consumed_samples(self) -> int:
+        """Samples trained on so far (the data position is a pure function of the step)."""
+        return self.step * self.layout.global_batch_size
+
     # ---- collectives over the data-parallel replicas -----------------------------------------
     def _dp_mean(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)
@@ -153,7 +157,8 @@ class Trainer:
 
     # ---- one optimizer step and one evaluation ------------------------------------------------
     def train_step(self) -> tuple[float, float]:
-        """Run the step's micro-batches; return (mean loss over the global batch, lr used)."""
+        """Run the step's micro-batches and advance self.step; return (mean loss over the global
+        batch, lr used)."""
         batches = micro_batches(self.data.train, self.step, self.layout.global_batch_size,
                                 self.layout.micro_batch_size, self.ps.dp_rank, self.layout.dp,
                                 self.cfg.train.seed)
@@ -170,6 +175,7 @@ class Trainer:
             loss = self._dp_mean(total / len(batches))
         if not self._norm_from_grads:
             self.last_grad_norm = float(self.engine.get_global_grad_norm())
+        self.step += 1
         return loss, lr
 
     @torch.no_grad()
@@ -201,7 +207,7 @@ class Trainer:
                   + (f" (dropped {dropped} metrics records logged after it)" if dropped else ""), flush=True)
 
     def _save(self) -> None:
-        state = {"step": self.step, "consumed_samples": self.step * self.layout.global_batch_size,
+        state = {"step": self.step, "consumed_samples": self.consumed_samples,
                  "global_batch_size": self.layout.global_batch_size}
         checkpoint.save(self.engine, self.checkpoint_dir, self.step, state,
                         rng_state={"tp_dropout": self.model.rng.state_dict()})
@@ -218,7 +224,7 @@ class Trainer:
         tflops = tokens_per_s * self.flops_per_token / self.layout.world_size / 1e12  # model TFLOP/s per device
         record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": self.last_grad_norm,
                   "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.layout.world_size,
-                  "tflops": tflops, "consumed_samples": self.step * self.layout.global_batch_size,
+                  "tflops": tflops, "consumed_samples": self.consumed_samples,
                   "consumed_tokens": self.step * self.tokens_per_step, "step_time_s": seconds / steps,
                   "memory_gb": memory_gb()}
         if self.peak_tflops:
@@ -263,8 +269,7 @@ class Trainer:
             loss, lr = self.train_step()
             interval_time += time.perf_counter() - start
             if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {self.step + 1}; lower optim.lr or check the data")
-            self.step += 1
+                raise FloatingPointError(f"loss is {loss} at step {self.step}; lower optim.lr or check the data")
             interval_loss, interval_steps = interval_loss + loss, interval_steps + 1
             if self.step % t.log_interval == 0 or self.step == stop_at:
                 record = self._train_record(interval_loss / interval_steps, lr, interval_steps, interval_time)
@@ -274,8 +279,7 @@ class Trainer:
                 interval_loss, interval_steps, interval_time = 0.0, 0, 0.0
             if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.max_steps):
                 eval_loss = self.evaluate()
-                self._log({"step": self.step, "eval_loss": eval_loss,
-                           "consumed_samples": self.step * self.layout.global_batch_size})
+                self._log({"step": self.step, "eval_loss": eval_loss, "consumed_samples": self.consumed_samples})
                 if self.progress:
                     self.progress.write(f"step {self.step}: eval_loss {eval_loss:.4f}")
             if (t.save_interval and self.step % t.save_interval == 0) or self.step == stop_at:
@@ -293,7 +297,6 @@ class Trainer:
 
 def train(cfg: TrainConfig, layout: Layout, run_dir: Path) -> None:
     """Entry point for one rank: build everything, fit, shut down cleanly."""
-    init_distributed()
     trainer = Trainer(cfg, layout, run_dir)
     try:
         trainer.fit()

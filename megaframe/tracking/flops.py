@@ -23,10 +23,9 @@ def matmul_parameters(dims: GPTDims) -> int:
     return dims.num_layers * (attn + mlp) + dims.padded_vocab_size * h
 
 
-def flops_per_token(dims: GPTDims, seq_length: int | None = None) -> float:
+def flops_per_token(dims: GPTDims) -> float:
     """Training FLOPs per token (forward + backward), attention scores included."""
-    s = seq_length or dims.seq_length
-    return 6.0 * matmul_parameters(dims) + 12.0 * dims.num_layers * dims.hidden_size * s
+    return 6.0 * matmul_parameters(dims) + 12.0 * dims.num_layers * dims.hidden_size * dims.seq_length
 
 
 def peak_tflops(configured: Optional[float]) -> Optional[float]:

@@ -32,11 +32,6 @@ class WandbRun:
             settings=wandb.Settings(console="off"),
         )
 
-    @property
-    def directory(self) -> Optional[str]:
-        """The run's folder on disk (offline-run-… under RUN_DIR/wandb)."""
-        return None if self.run is None else os.path.dirname(self.run.dir)
-
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if self.run is not None:
             self.run.log(metrics, step=step)
