@@ -246,7 +246,7 @@ class Trainer:
                 f"offload={c.offload.optimizer}/{c.offload.param} precision={c.precision.dtype} | "
                 f"batch micro={self.layout.micro_batch_size} global={self.layout.global_batch_size} "
                 f"accum={self.layout.grad_accum_steps} seq={c.model.seq_length} | "
-                f"train samples={len(self.data.train)} valid samples={len(self.data.valid)} | run dir {self.run_dir}")
+                f"train samples={len(self.data.train)} valid samples={len(self.data.valid or ())} | run dir {self.run_dir}")
 
     # ---- the loop ----------------------------------------------------------------------------
     def fit(self) -> None:

@@ -110,3 +110,12 @@ def test_3d_layout_from_the_command_line(tmp_path):
     assert [s for s, _ in curve(records, "loss")] == list(range(1, 7)) and len(curve(records, "eval_loss")) == 3
     assert all(r["grad_norm"] > 0 for r in records if "loss" in r)
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "global_step6"
+
+
+def test_training_without_a_validation_split(tmp_path):
+    """data.valid_fraction=0 with evaluation off is a legal config: it must train, not crash."""
+    result = run_cli([*TINY, "data.valid_fraction=0", "train.eval_interval=0", "train.max_steps=3",
+                      f"hydra.run.dir={tmp_path}"])
+    assert_ok(result)
+    assert "valid samples=0" in result.stdout
+    assert [s for s, _ in curve(read_metrics(tmp_path), "loss")] == [1, 2, 3]
