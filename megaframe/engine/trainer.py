@@ -60,12 +60,12 @@ def grad_norm(model: torch.nn.Module, ps: ParallelState) -> float:
     parameters replicated across TP ranks counted on TP rank 0 only; pipeline stages are summed,
     with a tied embedding counted once (DeepSpeed marks its other copies `ds_pipe_replicated`).
     """
-    sq = torch.zeros(1, dtype=torch.float64)
-    for p in model.parameters():
-        if p.grad is None or getattr(p, "ds_pipe_replicated", False):
-            continue
-        if ps.tp_rank == 0 or getattr(p, "tensor_model_parallel", False):
-            sq += p.grad.detach().double().pow(2).sum()
+    grads = [p.grad.detach() for p in model.parameters()
+             if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
+             and (ps.tp_rank == 0 or getattr(p, "tensor_model_parallel", False))]
+    # one fused pass (as clip_grad_norm_ does); per-tensor norms are squared and summed in fp64
+    norms = torch._foreach_norm(grads) if grads else []
+    sq = torch.stack(norms).double().pow(2).sum().reshape(1) if norms else torch.zeros(1, dtype=torch.float64)
     for degree, group in ((ps.tp, ps.tp_group), (ps.pp, ps.pp_group)):
         if degree > 1:
             dist.all_reduce(sq, group=group)
@@ -113,6 +113,10 @@ class Trainer:
         self._norm_from_grads = cfg.zero.stage == 0 and cfg.precision.dtype == "fp32"
         if self._norm_from_grads:
             self._measure_and_clip_in_step()
+        if self._norm_from_grads and not self.pipelined and layout.dp == 1:
+            # one replica: DeepSpeed would still flatten, all-reduce (over a group of one) and copy
+            # back every gradient each step; TP gradients are already summed inside autograd
+            self.engine.enable_backward_allreduce = False
 
     def _measure_and_clip_in_step(self) -> None:
         """DeepSpeed's ZeRO and mixed-precision optimizers compute the global norm; at ZeRO-0 in fp32
@@ -127,9 +131,7 @@ class Trainer:
             self.last_grad_norm = grad_norm(self.engine.module, self.ps)
             if clip > 0 and self.last_grad_norm > clip:
                 scale = clip / (self.last_grad_norm + 1e-6)
-                for param in self.engine.module.parameters():
-                    if param.grad is not None:
-                        param.grad.mul_(scale)
+                torch._foreach_mul_([p.grad for p in self.engine.module.parameters() if p.grad is not None], scale)
             return take_model_step(*args, **kwargs)
         self.engine._take_model_step = measure_clip_step
 
