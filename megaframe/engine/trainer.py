@@ -239,6 +239,15 @@ class Trainer:
             record["skipped_steps"] = int(self.engine.skipped_steps)
         return record
 
+    def _wandb_names(self) -> tuple[str, str]:
+        """Default W&B (name, group): the group is the recipe's (recipes set logging.wandb.group) or
+        the model's arch and size, so one model's layouts sit together; the name adds the layout."""
+        c = self.cfg
+        group = c.logging.wandb.group or f"{c.model.arch}-{self.num_parameters / 1e6:.0f}M"
+        name = (f"{group}-tp{self.layout.tp}pp{self.layout.pp}dp{self.layout.dp}-zero{c.zero.stage}"
+                f"-{c.precision.dtype}")
+        return name, group
+
     def _summary(self) -> str:
         c = self.cfg
         return (f"megaframe: {c.model.arch} {self.num_parameters / 1e6:.2f}M params "
@@ -259,8 +268,7 @@ class Trainer:
             print(self._summary(), flush=True)
             layout = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp}
             wandb_config = {**dataclasses.asdict(self.cfg), "run": run_metadata(self.layout.world_size, layout)}
-            default_name = f"{self.cfg.model.arch}-{self.num_parameters / 1e6:.0f}M-tp{self.layout.tp}pp{self.layout.pp}dp{self.layout.dp}"
-            self.wandb = WandbRun(self.cfg.logging.wandb, self.run_dir, wandb_config, default_name=default_name)
+            self.wandb = WandbRun(self.cfg.logging.wandb, self.run_dir, wandb_config, *self._wandb_names())
             self.progress = Progress(t.max_steps, self.step, enabled=self.cfg.logging.progress_bar)
         stop_at = t.exit_at_step or t.max_steps
         if self.step == 0 and t.eval_interval:

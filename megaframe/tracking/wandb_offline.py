@@ -41,20 +41,23 @@ def _payloads(data: bytes) -> Iterator[bytes]:
 
 
 def read_offline_run(run_file: Path) -> dict[str, Any]:
-    """{'config': {key: value}, 'history': [{key: value}, ...]} from a run-ID.wandb file."""
+    """{'config': {key: value}, 'history': [{key: value}, ...], 'id', 'name', 'group'} from a run-ID.wandb file."""
     from wandb.proto import wandb_internal_pb2
 
     config: dict[str, Any] = {}
     history: list[dict[str, Any]] = []
+    run_info: dict[str, str] = {}
     for payload in _payloads(Path(run_file).read_bytes()):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(payload)
         kind = record.WhichOneof("record_type")
         # the config given to wandb.init travels in the run record; later updates as config records
+        if kind == "run":
+            run_info = {"id": record.run.run_id, "name": record.run.display_name, "group": record.run.run_group}
         updates = record.run.config.update if kind == "run" else record.config.update if kind == "config" else ()
         for item in updates:
             config[item.key] = json.loads(item.value_json)
         if kind == "history":
             row = {item.key or ".".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
             history.append(row)
-    return {"config": config, "history": history}
+    return {"config": config, "history": history, **run_info}

@@ -13,7 +13,8 @@ from megaframe.tracking.metrics import atomic_write_text
 class WandbRun:
     """A thin holder for one wandb run (or nothing, when disabled)."""
 
-    def __init__(self, cfg: WandbConfig, run_dir: Path, config: dict[str, Any], default_name: Optional[str] = None):
+    def __init__(self, cfg: WandbConfig, run_dir: Path, config: dict[str, Any],
+                 default_name: Optional[str] = None, default_group: Optional[str] = None):
         self.run = None
         if cfg.mode == "disabled":
             return
@@ -27,7 +28,8 @@ class WandbRun:
         if not id_file.exists():
             atomic_write_text(id_file, run_id + "\n")
         self.run = wandb.init(
-            project=cfg.project, entity=cfg.entity, name=cfg.name or default_name, group=cfg.group, mode=cfg.mode,
+            project=cfg.project, entity=cfg.entity, name=cfg.name or default_name, group=cfg.group or default_group,
+            mode=cfg.mode,
             dir=str(run_dir), config=config, id=run_id, resume="allow",
             settings=wandb.Settings(console="off"),
         )
