@@ -1,0 +1,115 @@
+"""Tensor-parallel layers against nn.Linear / nn.Embedding holding the full weight, and
+vocab-parallel cross-entropy against F.cross_entropy, with real gloo ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megaframe.parallel.layers import ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding
+from megaframe.parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
+from ranks import run_ranks
+
+B, T, IN, OUT, VOCAB, PADDED = 2, 4, 6, 8, 13, 16
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return dict(x=torch.randn(B, T, IN, generator=g), w=torch.randn(OUT, IN, generator=g),
+                b=torch.randn(OUT, generator=g), gy=torch.randn(B, T, OUT, generator=g),
+                w_row=torch.randn(IN, OUT, generator=g), b_row=torch.randn(IN, generator=g),
+                gy_row=torch.randn(B, T, IN, generator=g), emb=torch.randn(PADDED, IN, generator=g),
+                ids=torch.randint(0, VOCAB, (B, T), generator=g), logits=torch.randn(B, T, PADDED, generator=g))
+
+
+def _reference() -> dict:
+    d = _data()
+    out = {}
+    x = d["x"].clone().requires_grad_(True)
+    lin = torch.nn.Linear(IN, OUT)
+    with torch.no_grad():
+        lin.weight.copy_(d["w"]); lin.bias.copy_(d["b"])
+    y = lin(x); y.backward(d["gy"])
+    out["col"] = (y.detach(), x.grad, lin.weight.grad, lin.bias.grad)
+    h = d["gy"].clone().requires_grad_(True)
+    row = torch.nn.Linear(OUT, IN)
+    with torch.no_grad():
+        row.weight.copy_(d["w_row"]); row.bias.copy_(d["b_row"])
+    y = row(h); y.backward(d["gy_row"])
+    out["row"] = (y.detach(), h.grad, row.weight.grad, row.bias.grad)
+    emb = torch.nn.Embedding(PADDED, IN)
+    with torch.no_grad():
+        emb.weight.copy_(d["emb"])
+    e = emb(d["ids"]); e.backward(d["x"])
+    out["emb"] = (e.detach(), emb.weight.grad)
+    logits = d["logits"].clone().requires_grad_(True)
+    targets = d["ids"].clone(); targets[0, :2] = -100
+    loss = F.cross_entropy(logits[..., :VOCAB].reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-100)
+    loss.backward()
+    out["ce"] = (loss.detach(), logits.grad)
+    return out
+
+
+def _tp_layers(rank: int, world: int, sequence_parallel: bool) -> dict:
+    d = _data()
+    tp = TPGroup(group=dist.group.WORLD, size=world, rank=rank, sequence_parallel=sequence_parallel)
+    shard = lambda t, dim: t.chunk(world, dim=dim)[rank]
+    seq = lambda t: t.chunk(world, dim=1)[rank] if sequence_parallel else t  # this rank's input rows
+    out = {}
+    # column-parallel: full input (or this rank's sequence shard under SP), output columns split
+    col = ColumnParallelLinear(IN, OUT, tp)
+    with torch.no_grad():
+        col.weight.copy_(shard(d["w"], 0)); col.bias.copy_(shard(d["b"], 0))
+    x = seq(d["x"]).clone().requires_grad_(True)
+    y = col(x); y.backward(shard(d["gy"], -1))
+    out["col"] = (y.detach(), x.grad, col.weight.grad, col.bias.grad)
+    # row-parallel: input columns split, output summed (reduce-scattered along T under SP)
+    row = RowParallelLinear(OUT, IN, tp)
+    with torch.no_grad():
+        row.weight.copy_(shard(d["w_row"], 1)); row.bias.copy_(d["b_row"])
+    h = shard(d["gy"], -1).clone().requires_grad_(True)
+    y = row(h); y.backward(seq(d["gy_row"]))
+    out["row"] = (y.detach(), h.grad, row.weight.grad, row.bias.grad)
+    emb = VocabParallelEmbedding(PADDED, IN, tp)
+    with torch.no_grad():
+        emb.weight.copy_(shard(d["emb"], 0))
+    e = emb(d["ids"]); e.backward(d["x"])
+    out["emb"] = (e.detach(), emb.weight.grad)
+    logits = shard(d["logits"], -1).clone().requires_grad_(True)
+    targets = d["ids"].clone(); targets[0, :2] = -100
+    loss = vocab_parallel_cross_entropy(logits, targets, tp, vocab_start=rank * PADDED // world, vocab_size=VOCAB)
+    loss.backward()
+    out["ce"] = (loss.detach(), logits.grad)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_layers_match_full_weight_modules(world, sequence_parallel, tmp_path):
+    ref = _reference()
+    results = run_ranks(_tp_layers, world, tmp_path, sequence_parallel=sequence_parallel)
+    close = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    seq = lambda t, r: t.chunk(world, dim=1)[r] if sequence_parallel else t
+    for rank, got in enumerate(results):
+        shard = lambda t, dim: t.chunk(world, dim=dim)[rank]
+        y, gx, gw, gb = got["col"]
+        ry, rgx, rgw, rgb = ref["col"]
+        assert close(y, shard(ry, -1)), "column output"
+        assert close(gx, seq(rgx, rank)), "column input grad (all-reduced / reduce-scattered)"
+        assert close(gw, shard(rgw, 0)) and close(gb, shard(rgb, 0)), "column weight/bias grads"
+        y, gh, gw, gb = got["row"]
+        ry, rgh, rgw, rgb = ref["row"]
+        assert close(y, seq(ry, rank)), "row output"
+        assert close(gh, shard(rgh, -1)), "row input grad"
+        assert close(gw, shard(rgw, 1)), "row weight grad"
+        # the bias is replicated; under SP each rank sees its sequence shard, summed over TP by sync_grad
+        assert close(gb, rgb), "row bias grad"
+        e, gemb = got["emb"]
+        assert close(e, ref["emb"][0]) and close(gemb, shard(ref["emb"][1], 0)), "vocab-parallel embedding"
+        loss, glogits = got["ce"]
+        assert close(loss, ref["ce"][0]), "vocab-parallel cross-entropy"
+        assert close(glogits, shard(ref["ce"][1], -1)), "its gradient (padded columns get none)"
+        columns = torch.arange(rank * PADDED // world, (rank + 1) * PADDED // world)
+        assert torch.all(glogits[..., columns >= VOCAB] == 0), "padded vocabulary columns got gradient"
