@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 from megaframe.config.schema import ModelConfig
 from megaframe.convert import files
-from megaframe.convert.hf import ConvertError, from_hf, to_hf
+from megaframe.convert.hf import ConvertError, config_from_hf, state_from_hf, to_hf
 
 PROG = "megaframe-convert"
 
@@ -93,8 +93,9 @@ def _set_special_tokens(hf_config, tokenizer_dir: Path) -> None:
 def import_hf(hf_dir: Path, out: Path, force: bool = False) -> tuple[ModelConfig, str]:
     """Write a model-only (step 0) layout-free checkpoint of HF model `hf_dir` to `out`."""
     hf_dir = Path(hf_dir)
-    hf_config, hf_state = files.read_hf_dir(hf_dir)
-    cfg, state = from_hf(hf_config, hf_state)
+    hf_config = files.read_hf_config(hf_dir)
+    cfg = config_from_hf(hf_config)  # refuse an unsupported model before reading gigabytes of weights
+    state = state_from_hf(cfg, files.read_hf_weights(hf_dir))
     record = {"step": 0, "consumed_samples": 0, "model": dataclasses.asdict(cfg),
               "source": {"hf_dir": str(hf_dir.resolve()), "model_type": hf_config["model_type"]}}
     tokenizer = hf_dir if files.has_tokenizer(hf_dir) else None

@@ -35,17 +35,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 # ---- Hugging Face directories ----------------------------------------------------------------
 
-def read_hf_dir(hf_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """config.json as a dict and every weight tensor of a local HF model directory."""
-    hf_dir = Path(hf_dir)
-    config_file = hf_dir / "config.json"
+def read_hf_config(hf_dir: Path) -> dict:
+    """config.json of a local HF model directory, as a dict."""
+    config_file = Path(hf_dir) / "config.json"
     if not config_file.is_file():
         raise ConvertError(f"{hf_dir}: no config.json; pass a directory written by save_pretrained()")
-    config = json.loads(config_file.read_text())
+    return json.loads(config_file.read_text())
+
+
+def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """Every weight tensor of a local HF model directory."""
     state: dict[str, torch.Tensor] = {}
-    for path in _weight_files(hf_dir):
+    for path in _weight_files(Path(hf_dir)):
         state.update(load_weights_file(path))
-    return config, state
+    return state
 
 
 def _weight_files(hf_dir: Path) -> list[Path]:

@@ -157,19 +157,29 @@ def _gpt2_to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]):
 
 def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(ModelConfig, canonical fp32 state dict) for an HF config.json dict and its weights."""
+    cfg = config_from_hf(hf_config)
+    return cfg, state_from_hf(cfg, hf_state)
+
+
+def config_from_hf(hf_config: dict) -> ModelConfig:
+    """The megaframe ModelConfig of an HF config.json dict; refuses what megaframe cannot reproduce."""
     model_type = hf_config.get("model_type")
     if model_type not in ("llama", "gpt2"):
         raise ConvertError(f"config.json model_type={model_type!r} is not supported; from-hf reads 'llama' and 'gpt2' models")
-    cfg = (_llama_config if model_type == "llama" else _gpt2_config)(hf_config)
+    return (_llama_config if model_type == "llama" else _gpt2_config)(hf_config)
+
+
+def state_from_hf(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The canonical fp32 state dict of HF weights for the model `cfg` (from config_from_hf)."""
     hf_state = {name: t.to(torch.float32) for name, t in hf_state.items()
                 if not name.endswith(_IGNORED_HF_SUFFIXES)}
-    if model_type == "llama":
-        hf_state = _with_prefix(hf_state, "model.")
-        state = _take(hf_state, {theirs: ours for ours, theirs in _llama_names(cfg).items()}, cfg)
+    if flavour(cfg) == "llama":
+        names = {theirs: ours for ours, theirs in _llama_names(cfg).items()}
+        state = _take(_with_prefix(hf_state, "model."), names, cfg, embed="model.embed_tokens.weight")
     else:
         state = _gpt2_from_hf(cfg, _with_prefix(hf_state, "transformer."))
     check_canonical(cfg, state, "the HF weights")
-    return cfg, state
+    return state
 
 
 def _refuse(key: str, value, why: str) -> ConvertError:
@@ -235,14 +245,14 @@ def _with_prefix(hf_state: dict[str, torch.Tensor], prefix: str) -> dict[str, to
     return {name if name == "lm_head.weight" else prefix + name: t for name, t in hf_state.items()}
 
 
-def _take(hf_state: dict[str, torch.Tensor], names: dict[str, str], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """{megaframe name: tensor} through names {HF name: megaframe name}; a tied lm_head copy is dropped."""
+def _take(hf_state: dict[str, torch.Tensor], names: dict[str, str], cfg: ModelConfig,
+          embed: str) -> dict[str, torch.Tensor]:
+    """{megaframe name: tensor} through names {HF name: megaframe name}; the copy of the token
+    embedding `embed` that a tied model may store as lm_head.weight is dropped."""
     hf_state = dict(hf_state)
     tied = hf_state.pop("lm_head.weight", None) if cfg.tie_embeddings else None
-    if tied is not None and "head.weight" not in names.values():
-        embed = next(h for h, m in names.items() if m == "embed.tok.weight")
-        if embed in hf_state and not torch.equal(tied, hf_state[embed]):
-            raise _refuse("tie_word_embeddings", True, "but lm_head.weight differs from the token embedding")
+    if tied is not None and embed in hf_state and not torch.equal(tied, hf_state[embed]):
+        raise _refuse("tie_word_embeddings", True, "but lm_head.weight differs from the token embedding")
     _expect_names(hf_state, names.keys(), "the HF weights", cfg)
     return {names[name]: t for name, t in hf_state.items()}
 
@@ -257,7 +267,7 @@ def _gpt2_from_hf(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[s
                  "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
                  "mlp.c_proj.weight", "mlp.c_proj.bias"]
     hf_names |= {f"transformer.h.{i}.{n}" for i in range(cfg.num_layers) for n in per_block}
-    s = _take(hf_state, {name: name for name in hf_names}, cfg)
+    s = _take(hf_state, {name: name for name in hf_names}, cfg, embed="transformer.wte.weight")
     state = {"embed.tok.weight": s["transformer.wte.weight"], "embed.pos.weight": s["transformer.wpe.weight"],
              "final_norm.weight": s["transformer.ln_f.weight"], "final_norm.bias": s["transformer.ln_f.bias"]}
     if not cfg.tie_embeddings:
