@@ -9,6 +9,8 @@ the padding depends on the layout and is never stored.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -22,9 +24,12 @@ class StateMismatch(ValueError):
 
 
 @torch.no_grad()
-def full_state_dict(model: nn.Module, vocab_size: int) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, vocab_size: Optional[int] = None) -> dict[str, torch.Tensor]:
     """{canonical name: full fp32 tensor} of a non-pipelined GPT, gathering tensor-parallel shards
-    (a collective over the model's TP group when it is split: every TP rank must call this)."""
+    (a collective over the model's TP group when it is split: every TP rank must call this).
+    Vocabulary rows are cut to vocab_size (default: the model's dims.vocab_size)."""
+    if vocab_size is None:
+        vocab_size = model.dims.vocab_size
     tp_group = getattr(getattr(model, "tp", None), "group", None)
     full = {}
     for name, param in model.named_parameters():

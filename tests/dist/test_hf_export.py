@@ -38,8 +38,8 @@ def train_and_snapshot(rank: int, world: int, runs: dict, ids: torch.Tensor) -> 
             trainer.close()
         module = trainer.engine.module.eval()
         vocab = trainer.dims.vocab_size
-        full = full_state_dict(module, vocab)
-        initial = full_state_dict(build_model(trainer.dims, trainer.ps, cfg.train.seed), vocab)
+        full = full_state_dict(module)
+        initial = full_state_dict(build_model(trainer.dims, trainer.ps, cfg.train.seed))
         # the universal writer is the ckpt branch's; this writes the same format from the trained module
         record = {"step": trainer.step, "consumed_samples": trainer.consumed_samples,
                   "model": {**dataclasses.asdict(cfg.model), "vocab_size": vocab}, "tokenizer": cfg.data.tokenizer}

@@ -52,7 +52,7 @@ def megaframe_logits(rank: int, world: int, checkpoints: dict, ids: torch.Tensor
         model = build_model(dims, ParallelState.build(world, 1, 1), seed=7).eval()  # seed: overwritten below
         load_full_state(model, tensors)
         assert model.embed.tok.weight.shape[0] == 256  # this rank's half of the padded vocabulary
-        gathered = full_state_dict(model, cfg.vocab_size)
+        gathered = full_state_dict(model)
         round_trip = gathered.keys() == tensors.keys() and all(torch.equal(gathered[k], tensors[k]) for k in tensors)
         with torch.no_grad():
             out[kind] = {"logits": model.logits(ids), "round_trip": round_trip}

@@ -44,7 +44,7 @@ def test_export_matches_transformers_and_imports_back(name, tmp_path):
 
     cfg = VARIANTS[name]
     model = random_model(cfg)
-    full = full_state_dict(model, VOCAB)
+    full = full_state_dict(model)
     assert full["embed.tok.weight"].shape[0] == VOCAB
     write_layout_free(tmp_path / "ckpt", full, {"step": 3, "consumed_samples": 24, "model": dataclasses.asdict(cfg)})
 
@@ -97,7 +97,7 @@ def test_export_of_a_run_with_an_hf_tokenizer_copies_it(tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>").save_pretrained(tmp_path / "tok")
     cfg = GPT2
     state = {"step": 1, "consumed_samples": 8, "model": dataclasses.asdict(cfg), "tokenizer": str(tmp_path / "tok")}
-    write_layout_free(tmp_path / "run" / "checkpoints" / "global_step1", full_state_dict(random_model(cfg), VOCAB), state)
+    write_layout_free(tmp_path / "run" / "checkpoints" / "global_step1", full_state_dict(random_model(cfg)), state)
     (tmp_path / "run" / "checkpoints" / "latest").write_text("global_step1\n")
 
     export_hf(tmp_path / "run" / "checkpoints", tmp_path / "hf")  # resolves `latest`
