@@ -54,6 +54,7 @@ def export_hf(ckpt: Path, out: Path, force: bool = False) -> str:
     """Write the transformers directory for checkpoint `ckpt` to `out`; return a summary line."""
     from safetensors.torch import save_file
 
+    files.refuse_existing(out, force)
     ckpt = files.resolve_checkpoint(ckpt)
     state, tensors = files.read_layout_free(ckpt)
     cfg = model_config(state, ckpt)
@@ -93,6 +94,7 @@ def _set_special_tokens(hf_config, tokenizer_dir: Path) -> None:
 def import_hf(hf_dir: Path, out: Path, force: bool = False) -> tuple[ModelConfig, str]:
     """Write a model-only (step 0) layout-free checkpoint of HF model `hf_dir` to `out`."""
     hf_dir = Path(hf_dir)
+    files.refuse_existing(out, force)  # before reading gigabytes of weights
     hf_config = files.read_hf_config(hf_dir)
     cfg = config_from_hf(hf_config)  # refuse an unsupported model before reading gigabytes of weights
     state = state_from_hf(cfg, files.read_hf_weights(hf_dir))

@@ -100,11 +100,16 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
 
 # ---- atomic directories ----------------------------------------------------------------------
 
+def refuse_existing(final: Path, force: bool) -> None:
+    """Refuse to touch an existing output directory unless the user passed --force."""
+    if Path(final).exists() and not force:
+        raise ConvertError(f"{final} already exists; choose a new output directory or pass --force to replace it")
+
+
 def staging_dir(final: Path, force: bool) -> Path:
     """A fresh temporary sibling of `final` to write into (refusing an existing final without force)."""
     final = Path(final)
-    if final.exists() and not force:
-        raise ConvertError(f"{final} already exists; choose a new output directory or pass --force to replace it")
+    refuse_existing(final, force)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
