@@ -1,0 +1,140 @@
+"""`megaframe-convert` (= `python -m megaframe.convert`, `tools/convert_checkpoint.py`):
+
+  to-hf CKPT OUT      a layout-free megaframe checkpoint -> a transformers model directory
+  from-hf HF_DIR OUT  a local Llama / GPT-2 transformers directory -> a model-only megaframe checkpoint
+
+Bad input ends with one line `megaframe-convert: error: ...` and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from megaframe.config.schema import ModelConfig
+from megaframe.convert import files
+from megaframe.convert.hf import ConvertError, config_from_hf, state_from_hf, to_hf
+
+PROG = "megaframe-convert"
+
+
+def model_config(state: dict, where: Path) -> ModelConfig:
+    """The ModelConfig recorded in a checkpoint's state.json."""
+    recorded = state.get("model")
+    if not isinstance(recorded, dict):
+        raise ConvertError(f"{where}: state.json has no 'model' section; cannot tell the model's shape")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    if unknown := sorted(recorded.keys() - known):
+        raise ConvertError(f"{where}: state.json model.{unknown[0]} is not a ModelConfig field of this megaframe version")
+    return ModelConfig(**recorded)
+
+
+def model_overrides(cfg: ModelConfig) -> list[str]:
+    """`model.KEY=VALUE` Hydra overrides that recreate `cfg` on the megaframe-train command line."""
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)}
+    # JSON spells null/true/false and numbers as Hydra's override grammar reads them
+    return [f"model.{key}={value if isinstance(value, str) else json.dumps(value)}" for key, value in values.items()]
+
+
+def _tokenizer_source(ckpt: Path, state: dict) -> Optional[Path]:
+    """The checkpoint's copied tokenizer/, else the run's data.tokenizer directory, else None (byte)."""
+    if files.has_tokenizer(ckpt / files.TOKENIZER_DIR):
+        return ckpt / files.TOKENIZER_DIR
+    recorded = state.get("tokenizer")
+    if recorded and recorded != "byte" and files.has_tokenizer(Path(recorded)):
+        return Path(recorded)
+    return None
+
+
+def export_hf(ckpt: Path, out: Path, force: bool = False) -> str:
+    """Write the transformers directory for checkpoint `ckpt` to `out`; return a summary line."""
+    from safetensors.torch import save_file
+
+    files.refuse_existing(out, force)
+    ckpt = files.resolve_checkpoint(ckpt)
+    state, tensors = files.read_layout_free(ckpt)
+    cfg = model_config(state, ckpt)
+    padded_rows = tensors["embed.tok.weight"].shape[0]
+    hf_config, hf_state = to_hf(cfg, tensors)
+    tmp = files.staging_dir(out, force)
+    try:
+        tokenizer = _tokenizer_source(ckpt, state)
+        if tokenizer is not None:
+            files.copy_tokenizer(tokenizer, tmp)
+            _set_special_tokens(hf_config, tmp)
+        hf_config.save_pretrained(str(tmp))
+        save_file(hf_state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        files.publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    params = sum(t.numel() for t in hf_state.values())
+    dropped = padded_rows - hf_config.vocab_size
+    return (f"wrote {out}: {hf_config.architectures[0]} from {ckpt} (step {state.get('step', '?')}), "
+            f"{params / 1e6:.2f}M parameters, vocab {hf_config.vocab_size}"
+            + (f" ({dropped} padded rows dropped)" if dropped else "")
+            + (f", tokenizer from {tokenizer}" if tokenizer else ", no HF tokenizer (the run used bytes)"))
+
+
+def _set_special_tokens(hf_config, tokenizer_dir: Path) -> None:
+    """bos/eos/pad ids of the copied tokenizer, so generate() stops where the model was taught to."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, key, None)
+        if value is not None and value < hf_config.vocab_size:
+            setattr(hf_config, key, value)
+
+
+def import_hf(hf_dir: Path, out: Path, force: bool = False) -> tuple[ModelConfig, str]:
+    """Write a model-only (step 0) layout-free checkpoint of HF model `hf_dir` to `out`."""
+    hf_dir = Path(hf_dir)
+    files.refuse_existing(out, force)  # before reading gigabytes of weights
+    hf_config = files.read_hf_config(hf_dir)
+    cfg = config_from_hf(hf_config)  # refuse an unsupported model before reading gigabytes of weights
+    state = state_from_hf(cfg, files.read_hf_weights(hf_dir))
+    record = {"step": 0, "consumed_samples": 0, "model": dataclasses.asdict(cfg),
+              "source": {"hf_dir": str(hf_dir.resolve()), "model_type": hf_config["model_type"]}}
+    tokenizer = hf_dir if files.has_tokenizer(hf_dir) else None
+    files.write_layout_free(out, state, record, tokenizer_src=tokenizer, force=force)
+    params = sum(t.numel() for t in state.values())
+    summary = (f"wrote {out}: {cfg.arch} checkpoint from {hf_dir}, {params / 1e6:.2f}M parameters, "
+               f"vocab {cfg.vocab_size}" + (", tokenizer copied to tokenizer/" if tokenizer else ", no tokenizer found"))
+    return cfg, summary
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: two subcommands."""
+    parser = argparse.ArgumentParser(prog=PROG, description="Convert between megaframe checkpoints and Hugging Face models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    to = sub.add_parser("to-hf", help="megaframe checkpoint -> transformers model directory")
+    to.add_argument("ckpt", type=Path, help="layout-free checkpoint dir, or a run's checkpoints/ dir (uses `latest`)")
+    to.add_argument("out", type=Path, help="output directory (AutoModelForCausalLM.from_pretrained loads it)")
+    frm = sub.add_parser("from-hf", help="local Llama / GPT-2 transformers directory -> megaframe checkpoint")
+    frm.add_argument("hf_dir", type=Path, help="directory with config.json and safetensors / .bin weights")
+    frm.add_argument("out", type=Path, help="output checkpoint directory (train.resume=OUT)")
+    for p in (to, frm):
+        p.add_argument("--force", action="store_true", help="replace OUT if it exists (only once the new one is complete)")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Entry point of `megaframe-convert`."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "to-hf":
+            print(export_hf(args.ckpt, args.out, args.force), flush=True)
+        else:
+            cfg, summary = import_hf(args.hf_dir, args.out, args.force)
+            tokenizer = f" data.tokenizer={args.out}/tokenizer" if files.has_tokenizer(args.hf_dir) else ""
+            print(summary, flush=True)
+            print("continue pre-training with:\n  megaframe-train " + " ".join(model_overrides(cfg))
+                  + f"{tokenizer} train.resume={args.out}", flush=True)
+    except ConvertError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)

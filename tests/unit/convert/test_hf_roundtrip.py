@@ -1,0 +1,107 @@
+"""megaframe -> transformers -> megaframe on random tiny models: logits agree through `transformers`,
+and importing the export gives back the same config and tensors."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megaframe.config.schema import ModelConfig
+from megaframe.convert.cli import export_hf, import_hf, model_overrides
+from megaframe.convert.files import read_layout_free, write_layout_free
+from megaframe.model.factory import build_model, resolve_dims
+from megaframe.model.full_state import full_state_dict
+from megaframe.parallel.state import ParallelState
+
+VOCAB = 300  # padded to 384: the export must drop 84 rows
+LLAMA = ModelConfig(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+                    ffn_hidden_size=96, vocab_size=VOCAB, seq_length=32, norm="rmsnorm", norm_eps=1e-5,
+                    activation="swiglu", position_embedding="rope", rope_theta=500.0, tie_embeddings=False, bias=False)
+GPT2 = ModelConfig(arch="gpt2", num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=160,
+                   vocab_size=VOCAB, seq_length=32)
+VARIANTS = {
+    "llama-gqa": LLAMA,
+    "llama-tied-bias": dataclasses.replace(LLAMA, tie_embeddings=True, bias=True, num_kv_heads=4),
+    "gpt2": GPT2,
+    "gpt2-untied-nobias": dataclasses.replace(GPT2, tie_embeddings=False, bias=False, norm_eps=1e-6),
+}
+
+
+def random_model(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
+    """A tp=1 megaframe GPT whose every parameter (norm gains, biases, padded rows too) is random."""
+    model = build_model(resolve_dims(cfg, VOCAB), ParallelState(1, 1, 1, 0), seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.2)
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_export_matches_transformers_and_imports_back(name, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = VARIANTS[name]
+    model = random_model(cfg)
+    full = full_state_dict(model)
+    assert full["embed.tok.weight"].shape[0] == VOCAB
+    write_layout_free(tmp_path / "ckpt", full, {"step": 3, "consumed_samples": 24, "model": dataclasses.asdict(cfg)})
+
+    export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == ("LlamaForCausalLM" if cfg.arch == "llama" else "GPT2LMHeadModel")
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = model.logits(ids), hf(ids).logits
+    assert got.shape == want.shape == (2, 24, VOCAB)
+    assert (got - want).abs().max().item() < 1e-4
+
+    imported_cfg, _ = import_hf(tmp_path / "hf", tmp_path / "back")
+    state, tensors = read_layout_free(tmp_path / "back")
+    assert state["step"] == 0 and state["model"] == dataclasses.asdict(imported_cfg)
+    if cfg.bias or cfg.arch == "llama":  # HF GPT-2 always has biases: a bias-free one comes back with zero biases
+        assert imported_cfg == cfg
+        assert tensors.keys() == full.keys()
+        for key, value in full.items():
+            assert torch.equal(tensors[key], value), key
+
+
+def test_to_hf_drops_padded_vocabulary_rows():
+    from megaframe.convert.hf import to_hf
+
+    model = random_model(GPT2)
+    padded = {name: p.detach().clone() for name, p in model.named_parameters()}  # tp=1 names are canonical
+    assert padded["embed.tok.weight"].shape[0] == 384
+    config, hf_state = to_hf(GPT2, padded)
+    assert config.vocab_size == VOCAB
+    assert torch.equal(hf_state["transformer.wte.weight"], padded["embed.tok.weight"][:VOCAB])
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "gpt2"])
+def test_printed_overrides_compose_to_the_same_model_config(name):
+    from megaframe.cli import compose
+
+    cfg = VARIANTS[name]
+    composed, _ = compose(model_overrides(cfg))  # on top of the default model group (gpt_tiny)
+    assert composed.model == cfg
+
+
+def test_export_of_a_run_with_an_hf_tokenizer_copies_it(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(VOCAB - 1)} | {"<eos>": VOCAB - 1}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>").save_pretrained(tmp_path / "tok")
+    cfg = GPT2
+    state = {"step": 1, "consumed_samples": 8, "model": dataclasses.asdict(cfg), "tokenizer": str(tmp_path / "tok")}
+    write_layout_free(tmp_path / "run" / "checkpoints" / "global_step1", full_state_dict(random_model(cfg)), state)
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("global_step1\n")
+
+    export_hf(tmp_path / "run" / "checkpoints", tmp_path / "hf")  # resolves `latest`
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tokenizer.encode("w5 w7") == [5, 7]
+    from transformers import AutoConfig
+    assert AutoConfig.from_pretrained(tmp_path / "hf").eos_token_id == VOCAB - 1

@@ -1,0 +1,149 @@
+"""from-hf refuses what megaframe cannot reproduce (one line naming the HF config key) and never
+unpickles arbitrary objects."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import REPO, cli_env
+from megaframe.convert.cli import import_hf
+from megaframe.convert.files import read_layout_free
+from megaframe.convert.hf import ConvertError
+
+
+def tiny_hf_config(kind: str, **config):
+    from transformers import GPT2Config, LlamaConfig
+
+    if kind == "llama":
+        return LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, **config)
+    return GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2, n_positions=16, **config)
+
+
+def tiny_hf(kind: str, **config):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_hf_config(kind, **config))
+
+
+def convert(hf_dir, out) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megaframe.convert", "from-hf", str(hf_dir), str(out)],
+                          cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_cli_refuses_rope_scaling_in_one_line(tmp_path):
+    tiny_hf_config("llama").save_pretrained(tmp_path / "hf")  # refused before any weights are read
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    config.pop("rope_parameters", None)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    result = convert(tmp_path / "hf", tmp_path / "out")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert result.stderr.startswith("megaframe-convert: error: config.json rope_scaling=")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind, key, value", [
+    ("llama", "hidden_act", "gelu"),
+    ("llama", "attention_dropout", 0.1),
+    ("llama", "head_dim", 32),
+    ("llama", "mlp_bias", True),
+    ("llama", "rope_parameters", {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+    ("gpt2", "scale_attn_by_inverse_layer_idx", True),
+    ("gpt2", "scale_attn_weights", False),
+    ("gpt2", "activation_function", "relu"),
+    ("gpt2", "attn_pdrop", 0.0),
+    ("gpt2", "model_type", "gpt_neox"),
+])
+def test_unsupported_hf_config_is_refused_naming_its_key(kind, key, value, tmp_path):
+    tiny_hf_config(kind).save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config[key] = value
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConvertError, match=f"config.json {key}[.=]") as error:
+        import_hf(tmp_path / "hf", tmp_path / "out")
+    assert "\n" not in str(error.value)
+
+
+def test_supported_variants_import(tmp_path):
+    """The checks above refuse only what they name: bf16 weights, tied Llama, rope_theta import."""
+    model = tiny_hf("llama", tie_word_embeddings=True, rope_theta=321.0).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "hf")
+    cfg, _ = import_hf(tmp_path / "hf", tmp_path / "out")
+    assert cfg.tie_embeddings and cfg.rope_theta == 321.0 and cfg.num_kv_heads == 1
+    _, tensors = read_layout_free(tmp_path / "out")
+    assert all(t.dtype == torch.float32 for t in tensors.values())
+    assert torch.equal(tensors["embed.tok.weight"], model.model.embed_tokens.weight.float())
+
+
+def test_sharded_safetensors_import(tmp_path):
+    model = tiny_hf("llama")
+    model.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    import_hf(tmp_path / "hf", tmp_path / "out")
+    _, tensors = read_layout_free(tmp_path / "out")
+    assert torch.equal(tensors["blocks.0.mlp.down_proj.weight"], model.model.layers[0].mlp.down_proj.weight)
+    assert torch.equal(tensors["head.weight"], model.lm_head.weight)
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):  # unpickling this calls open(marker, "w"): code execution
+        return (open, (str(self.marker), "w"))
+
+
+def _gpt2_bin(tmp_path, extra=None):
+    """A GPT-2 directory whose weights are a pytorch_model.bin pickle (optionally with `extra` inside)."""
+    model = tiny_hf("gpt2")
+    model.config.save_pretrained(tmp_path / "hf")
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    if extra is not None:
+        weights["transformer.h.0.attn.bias"] = extra
+    torch.save(weights, tmp_path / "hf" / "pytorch_model.bin")
+    return model
+
+
+def test_plain_tensor_bin_weights_import(tmp_path):
+    model = _gpt2_bin(tmp_path)
+    import_hf(tmp_path / "hf", tmp_path / "out")
+    _, tensors = read_layout_free(tmp_path / "out")
+    assert torch.equal(tensors["embed.pos.weight"], model.transformer.wpe.weight)
+
+
+def test_malicious_pickle_is_refused_without_running_it(tmp_path):
+    marker = tmp_path / "pwned"
+    _gpt2_bin(tmp_path, extra=_RunsCode(marker))
+    with pytest.raises(ConvertError, match="refusing to load: it is not a plain tensor file"):
+        import_hf(tmp_path / "hf", tmp_path / "out")
+    assert not marker.exists()
+    assert not (tmp_path / "out").exists()
+
+
+def test_corrupt_checkpoint_is_refused_by_its_manifest(tmp_path):
+    tiny_hf("gpt2").save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "out")
+    with open(tmp_path / "out" / "model.safetensors", "r+b") as f:
+        f.seek(-4, 2)
+        f.write(b"\x00\x01\x02\x03")
+    with pytest.raises(ConvertError, match="model.safetensors is missing or does not match manifest.json"):
+        read_layout_free(tmp_path / "out")
+
+
+def test_existing_output_is_kept_unless_forced(tmp_path):
+    tiny_hf("gpt2").save_pretrained(tmp_path / "hf")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep").write_text("x")
+    with pytest.raises(ConvertError, match="already exists"):
+        import_hf(tmp_path / "hf", tmp_path / "out")
+    assert (tmp_path / "out" / "keep").exists()
+    import_hf(tmp_path / "hf", tmp_path / "out", force=True)
+    assert not (tmp_path / "out" / "keep").exists() and (tmp_path / "out" / "manifest.json").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging debris
