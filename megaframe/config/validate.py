@@ -178,17 +178,38 @@ def check_zero_offload(cfg: TrainConfig) -> Optional[str]:
     for key, value in (("offload.optimizer", off.optimizer), ("offload.param", off.param)):
         if err := _choices(key, value, ["none", "cpu", "nvme"]):
             return err
-    if off.optimizer != "none" and stage == 0:
-        return f"offload.optimizer={off.optimizer} needs ZeRO; use zero=stage1, stage2 or stage3"
     if off.param != "none" and stage != 3:
         return f"offload.param={off.param} needs zero=stage3 (zero.stage={stage}); use zero=stage3 or offload.param=none"
-    if "nvme" in (off.optimizer, off.param):
-        if stage != 3:
-            # ZeRO-1/2 with device nvme silently falls back to CPU offload in DeepSpeed.
-            return (f"NVMe offload needs zero=stage3 (zero.stage={stage}); DeepSpeed would silently use CPU "
-                    f"memory instead. Use zero=stage3 or offload=cpu")
-        if not off.nvme_path:
-            return "offload=nvme needs offload.nvme_path=/a/fast/local/dir for the swap files"
+    if off.optimizer == "nvme" and stage != 3:
+        # at ZeRO-1/2 DeepSpeed silently treats device nvme as cpu
+        return (f"offload.optimizer=nvme: NVMe offload needs zero=stage3 (zero.stage={stage}); below it DeepSpeed "
+                f"would silently use CPU memory instead. Use zero=stage3, or offload.optimizer=cpu with zero=stage1/2")
+    if off.optimizer == "cpu" and stage == 0:
+        return "offload.optimizer=cpu needs ZeRO (zero.stage=0); use zero=stage1, stage2 or stage3"
+    if "nvme" in (off.optimizer, off.param) and not off.nvme_path:
+        return "offload=nvme needs offload.nvme_path=/a/fast/local/dir for the swap files"
+    return check_zero_knobs(cfg)
+
+
+def check_zero_knobs(cfg: TrainConfig) -> Optional[str]:
+    """Sizes and counts DeepSpeed would otherwise reject late (or divide by)."""
+    z, off = cfg.zero, cfg.offload
+    for key, value in (("zero.reduce_bucket_size", z.reduce_bucket_size),
+                       ("zero.allgather_bucket_size", z.allgather_bucket_size),
+                       ("zero.stage3_prefetch_bucket_size", z.stage3_prefetch_bucket_size),
+                       ("zero.stage3_max_live_parameters", z.stage3_max_live_parameters),
+                       ("offload.optimizer_buffer_count", off.optimizer_buffer_count),
+                       ("offload.param_buffer_count", off.param_buffer_count),
+                       ("offload.param_buffer_size", off.param_buffer_size),
+                       ("offload.aio_block_size", off.aio_block_size),
+                       ("offload.aio_queue_depth", off.aio_queue_depth),
+                       ("offload.aio_intra_op_parallelism", off.aio_intra_op_parallelism)):
+        if value < 1:
+            return f"{key}={value} must be >= 1"
+    for key, value in (("zero.stage3_param_persistence_threshold", z.stage3_param_persistence_threshold),
+                       ("offload.param_max_in_cpu", off.param_max_in_cpu)):
+        if value < 0:
+            return f"{key}={value} must be >= 0"
     return None
 
 
@@ -253,6 +274,15 @@ def check_precision(cfg: TrainConfig, fp16_supported: Callable[[], bool]) -> Opt
     dtype = cfg.precision.dtype
     if err := _choices("precision.dtype", dtype, ["fp32", "bf16", "fp16"]):
         return err
+    p = cfg.precision
+    if dtype == "fp16":
+        for key, value, low in (("precision.initial_scale_power", p.initial_scale_power, 0),
+                                ("precision.loss_scale_window", p.loss_scale_window, 1),
+                                ("precision.hysteresis", p.hysteresis, 1)):
+            if value < low:
+                return f"{key}={value} must be >= {low}"
+        if p.min_loss_scale <= 0:
+            return f"precision.min_loss_scale={p.min_loss_scale} must be > 0"
     if dtype == "fp16" and not fp16_supported():
         return ("precision=fp16: this device has no fp16 support (DeepSpeed refuses it); "
                 "use precision=bf16 or precision=fp32")
