@@ -171,6 +171,48 @@ def check_data(cfg: TrainConfig) -> Optional[str]:
     return None
 
 
+def combination_problem(stage: int, optimizer: str, param: str, pp: int) -> Optional[str]:
+    """Why DeepSpeed cannot run this ZeRO stage x offload x pipeline combination (None: it can)."""
+    if param != "none" and stage != 3:
+        return f"offload.param={param} needs zero=stage3 (zero.stage={stage})"
+    if optimizer == "nvme" and stage != 3:
+        # at ZeRO-1/2 DeepSpeed silently treats device nvme as cpu
+        return (f"offload.optimizer=nvme: NVMe offload needs zero=stage3 (zero.stage={stage}); below it DeepSpeed "
+                f"would silently use CPU memory instead")
+    if optimizer == "cpu" and stage == 0:
+        return "offload.optimizer=cpu needs ZeRO (zero.stage=0)"
+    if pp > 1 and stage >= 2:
+        return (f"parallel.pp={pp} with zero.stage={stage}: DeepSpeed's pipeline engine supports ZeRO stage 0 "
+                f"or 1 only")
+    return None
+
+
+def combination_alternatives(stage: int, optimizer: str, param: str, pp: int, most: int = 2) -> list[str]:
+    """The nearest legal settings of zero.stage / offload.optimizer / offload.param, as CLI overrides.
+
+    Only those that change the fewest keys; among them, ones that keep the user's offload (raise
+    the stage) before ones that drop it, then the nearest stage.
+    """
+    current = (stage, optimizer, param)
+    found = []
+    for s in range(4):
+        for o in ("none", "cpu", "nvme"):
+            for p in ("none", "cpu", "nvme"):
+                if (s, o, p) == current or combination_problem(s, o, p, pp):
+                    continue
+                changed = [(key, new) for key, old, new in (("zero", stage, s), ("offload.optimizer", optimizer, o),
+                                                            ("offload.param", param, p)) if old != new]
+                dropped = sum(old != "none" and new == "none" for old, new in ((optimizer, o), (param, p)))
+                found.append(((len(changed), dropped, abs(s - stage)),
+                              " ".join(f"zero=stage{v}" if k == "zero" else f"{k}={v}" for k, v in changed)))
+    found.sort()
+    return [text for rank, text in found if rank[0] == found[0][0][0]][:most]
+
+
+def _either(options: list[str]) -> str:
+    return options[0] if len(options) == 1 else ", ".join(options[:-1]) + " or " + options[-1]
+
+
 def check_zero_offload(cfg: TrainConfig) -> Optional[str]:
     stage, off = cfg.zero.stage, cfg.offload
     if err := _choices("zero.stage", stage, [0, 1, 2, 3]):
@@ -178,14 +220,8 @@ def check_zero_offload(cfg: TrainConfig) -> Optional[str]:
     for key, value in (("offload.optimizer", off.optimizer), ("offload.param", off.param)):
         if err := _choices(key, value, ["none", "cpu", "nvme"]):
             return err
-    if off.param != "none" and stage != 3:
-        return f"offload.param={off.param} needs zero=stage3 (zero.stage={stage}); use zero=stage3 or offload.param=none"
-    if off.optimizer == "nvme" and stage != 3:
-        # at ZeRO-1/2 DeepSpeed silently treats device nvme as cpu
-        return (f"offload.optimizer=nvme: NVMe offload needs zero=stage3 (zero.stage={stage}); below it DeepSpeed "
-                f"would silently use CPU memory instead. Use zero=stage3, or offload.optimizer=cpu with zero=stage1/2")
-    if off.optimizer == "cpu" and stage == 0:
-        return "offload.optimizer=cpu needs ZeRO (zero.stage=0); use zero=stage1, stage2 or stage3"
+    if problem := combination_problem(stage, off.optimizer, off.param, cfg.parallel.pp):
+        return f"{problem}; use {_either(combination_alternatives(stage, off.optimizer, off.param, cfg.parallel.pp))}"
     if "nvme" in (off.optimizer, off.param) and not off.nvme_path:
         return "offload=nvme needs offload.nvme_path=/a/fast/local/dir for the swap files"
     return check_zero_knobs(cfg)
@@ -217,9 +253,6 @@ def check_pipeline(cfg: TrainConfig) -> Optional[str]:
     p = cfg.parallel
     if err := _choices("parallel.pipeline_partition", p.pipeline_partition, ["uniform", "parameters"]):
         return err
-    if p.pp > 1 and cfg.zero.stage >= 2:
-        return (f"parallel.pp={p.pp} with zero.stage={cfg.zero.stage}: DeepSpeed's pipeline engine supports "
-                f"ZeRO stage 0 or 1 only; use zero=stage1")
     if p.pp > cfg.model.num_layers:
         return f"parallel.pp={p.pp} exceeds model.num_layers={cfg.model.num_layers}; use pp <= num_layers"
     return None
