@@ -60,3 +60,34 @@ class NvmeSwap:
             parent.rmdir()  # only when no other run swaps there
         except OSError:
             pass
+
+
+def honour_explicit_zero_init_dtype() -> None:
+    """Work around DeepSpeed 0.19's zero.Init dtype choice (idempotent).
+
+    Given an explicit dtype, Init computes `dtype or fp16 if <device has fp16> else bf16` (operator
+    precedence), so on a device without fp16 (CPUs) an fp32 model gets an NVMe parameter swapper
+    built for bf16, and swapped-in weights come back as bf16: the first forward fails with a dtype
+    mismatch. The engine always passes the model's own dtype; this makes Init keep it, as intended.
+    """
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as ZeroInit
+
+    if getattr(ZeroInit._set_dtype, "honours_explicit_dtype", False):
+        return
+    choose_dtype = ZeroInit._set_dtype
+
+    def set_dtype(self, ds_config, dtype):
+        choose_dtype(self, ds_config, dtype)
+        if dtype is not None:
+            self.dtype = dtype
+    set_dtype.honours_explicit_dtype = True
+    ZeroInit._set_dtype = set_dtype
+
+
+def open_nvme_swap(offload) -> NvmeSwap | None:
+    """This process's swap folder when anything is offloaded to NVMe (offload: OffloadConfig), else None."""
+    if "nvme" not in (offload.optimizer, offload.param):
+        return None
+    if offload.param == "nvme":
+        honour_explicit_zero_init_dtype()
+    return NvmeSwap(offload.nvme_path)

@@ -18,7 +18,7 @@ from megaframe.config.validate import Layout
 from megaframe.data import micro_batches, eval_batches
 from megaframe.engine import checkpoint
 from megaframe.engine.data_setup import DataSplits, build_data
-from megaframe.engine.nvme_swap import NvmeSwap
+from megaframe.engine.nvme_swap import open_nvme_swap
 from megaframe.engine.schedule import lr_scheduler_factory
 from megaframe.model.factory import build_model, count_parameters, resolve_dims
 from megaframe.model.pipeline import build_pipeline_model
@@ -98,7 +98,7 @@ class Trainer:
             model = build_model(self.dims, self.ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel)
         self.model = model
         self.num_parameters = self._count_parameters(model)
-        self.nvme_swap = NvmeSwap(cfg.offload.nvme_path) if "nvme" in (cfg.offload.optimizer, cfg.offload.param) else None
+        self.nvme_swap = open_nvme_swap(cfg.offload)
         ds_config = to_ds_config(cfg, layout, accelerator=get_accelerator().device_name(),
                                  swap_dir=str(self.nvme_swap.path) if self.nvme_swap else None)
         self.engine, _, _, self.lr_scheduler = deepspeed.initialize(
