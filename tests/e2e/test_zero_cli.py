@@ -11,7 +11,7 @@ from helpers import REPO, assert_ok, read_metrics, run_cli
 from megaframe.config.compat import Combination, refusal
 
 pytestmark = pytest.mark.slow
-SHORT = ["train.max_steps=3", "train.eval_interval=0", "logging.wandb.mode=disabled", "logging.progress_bar=false"]
+SHORT = ["train.max_steps=3", "train.log_interval=1", "train.eval_interval=0", "logging.wandb.mode=disabled", "logging.progress_bar=false"]
 
 
 def _readme_commands() -> list[list[str]]:
