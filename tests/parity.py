@@ -11,15 +11,26 @@ FLAVOURS = {"gpt2": ["model=gpt_tiny"], "llama": ["model=llama_tiny"]}  # llama_
 RTOL = 1e-5
 
 
-def train_runs(rank: int, world: int, runs: list[tuple[list[str], str]]) -> None:
-    """Train each (overrides, run_dir) in turn inside these ranks (saves a process start per config)."""
+def pretend_fp16_device() -> None:
+    """Test-only: tell DeepSpeed's capability check that this CPU has fp16 (the arithmetic then runs on
+    the CPU). validate()'s default fp16 rule asks the same accelerator, so it accepts fp16 too."""
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().is_fp16_supported = lambda: True
+
+
+def train_runs(rank: int, world: int, runs: list[tuple[list[str], str]], fp16: bool = False) -> None:
+    """Train each (overrides, run_dir) in turn inside these ranks (saves a process start per config);
+    fp16=True runs them on a pretended fp16 device (pretend_fp16_device)."""
     from megaframe.cli import compose
     from megaframe.config.validate import validate
     from megaframe.engine.trainer import Trainer
 
+    if fp16:
+        pretend_fp16_device()
     for overrides, run_dir in runs:
         cfg, _ = compose(overrides)
-        trainer = Trainer(cfg, validate(cfg, world), Path(run_dir))
+        trainer = Trainer(cfg, validate(cfg, world), Path(run_dir))  # validation asks the same check
         try:
             trainer.fit()
         finally:

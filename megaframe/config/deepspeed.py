@@ -1,7 +1,7 @@
 """to_ds_config(): the only place where DeepSpeed JSON keys are written."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
@@ -10,15 +10,23 @@ from megaframe.config.validate import Layout
 _NEVER = 10**9
 
 
-def _offload_block(device: str, cfg: TrainConfig, swap_subdir: str) -> dict[str, Any]:
-    block: dict[str, Any] = {"device": device, "pin_memory": cfg.offload.pin_memory}
+def _offload_block(kind: str, device: str, cfg: TrainConfig, swap_dir: Optional[str]) -> dict[str, Any]:
+    """offload_optimizer (kind "optimizer") or offload_param (kind "param")."""
+    off = cfg.offload
+    block: dict[str, Any] = {"device": device, "pin_memory": off.pin_memory}
     if device == "nvme":
-        block["nvme_path"] = f"{cfg.offload.nvme_path}/{swap_subdir}"
+        # DeepSpeed adds its own zero_stage_3/{optimizer,fp32params}/rankN folders below this
+        block["nvme_path"] = swap_dir or off.nvme_path
+        if kind == "optimizer":
+            block["buffer_count"] = off.optimizer_buffer_count
+        else:
+            block.update(buffer_count=off.param_buffer_count, buffer_size=off.param_buffer_size,
+                         max_in_cpu=off.param_max_in_cpu)
     return block
 
 
-def zero_block(cfg: TrainConfig) -> dict[str, Any]:
-    """The zero_optimization section, offload included."""
+def zero_block(cfg: TrainConfig, swap_dir: Optional[str] = None) -> dict[str, Any]:
+    """The zero_optimization section, offload included (swap_dir: this process's NVMe folder)."""
     z = cfg.zero
     block: dict[str, Any] = {"stage": z.stage}
     if z.stage == 0:
@@ -36,9 +44,9 @@ def zero_block(cfg: TrainConfig) -> dict[str, Any]:
             stage3_max_live_parameters=z.stage3_max_live_parameters,
         )
     if cfg.offload.optimizer != "none":
-        block["offload_optimizer"] = _offload_block(cfg.offload.optimizer, cfg, "optimizer")
+        block["offload_optimizer"] = _offload_block("optimizer", cfg.offload.optimizer, cfg, swap_dir)
     if cfg.offload.param != "none":
-        block["offload_param"] = _offload_block(cfg.offload.param, cfg, "param")
+        block["offload_param"] = _offload_block("param", cfg.offload.param, cfg, swap_dir)
     return block
 
 
@@ -55,8 +63,11 @@ def precision_block(cfg: TrainConfig) -> dict[str, Any]:
     return {}
 
 
-def to_ds_config(cfg: TrainConfig, layout: Layout, accelerator: str = "cpu") -> dict[str, Any]:
+def to_ds_config(cfg: TrainConfig, layout: Layout, accelerator: str = "cpu",
+                 swap_dir: Optional[str] = None) -> dict[str, Any]:
     """Translate the typed config into DeepSpeed's config dict.
+
+    swap_dir: where this process's NVMe swap files go (engine/nvme_swap.py); None = offload.nvme_path.
 
     The LR schedule is not here: it is a torch LambdaLR handed to deepspeed.initialize (see
     engine/schedule.py), because DeepSpeed's built-in schedulers warm up from min_lr (linear decay)
@@ -67,6 +78,7 @@ def to_ds_config(cfg: TrainConfig, layout: Layout, accelerator: str = "cpu") -> 
                                         "weight_decay": o.weight_decay}
     if accelerator == "cpu" and cfg.offload.optimizer == "none":
         # FusedAdam needs a ~45 s JIT build and gains nothing on CPU; torch's AdamW is the same math.
+        # With offload DeepSpeed uses its CPU Adam (JIT-built once into TORCH_EXTENSIONS_DIR).
         optimizer_params["torch_adam"] = True
     ds: dict[str, Any] = {
         "train_batch_size": layout.global_batch_size,
@@ -75,7 +87,7 @@ def to_ds_config(cfg: TrainConfig, layout: Layout, accelerator: str = "cpu") -> 
         # DeepSpeed's default when the key is absent is 1.0, not "off": always write it.
         "gradient_clipping": o.grad_clip,
         "optimizer": {"type": "AdamW", "params": optimizer_params},
-        "zero_optimization": zero_block(cfg),
+        "zero_optimization": zero_block(cfg, swap_dir),
         "steps_per_print": _NEVER,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
@@ -87,6 +99,8 @@ def to_ds_config(cfg: TrainConfig, layout: Layout, accelerator: str = "cpu") -> 
         # shard, already 1/tp of the activation: slicing and re-gathering would mix shards.
         ds["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     if "nvme" in (cfg.offload.optimizer, cfg.offload.param):
-        ds["aio"] = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
-                     "single_submit": False, "overlap_events": True}
+        off = cfg.offload
+        ds["aio"] = {"block_size": off.aio_block_size, "queue_depth": off.aio_queue_depth,
+                     "intra_op_parallelism": off.aio_intra_op_parallelism,
+                     "single_submit": off.aio_single_submit, "overlap_events": off.aio_overlap_events}
     return ds

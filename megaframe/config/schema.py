@@ -66,10 +66,20 @@ class ZeroConfig:
 class OffloadConfig:
     """ZeRO-Offload (cpu) and ZeRO-Infinity (nvme) targets."""
 
-    optimizer: str = "none"  # none | cpu | nvme
+    optimizer: str = "none"  # none | cpu | nvme (nvme needs ZeRO-3)
     param: str = "none"  # none | cpu | nvme (needs ZeRO-3)
-    nvme_path: Optional[str] = None
-    pin_memory: bool = False
+    nvme_path: Optional[str] = None  # swap files go to NVME_PATH/megaframe-swap/HOST-PID, removed at exit
+    pin_memory: bool = False  # page-locked CPU buffers: faster copies to a GPU, no use on CPU
+    optimizer_buffer_count: int = 4  # nvme: optimizer-state swap buffers
+    param_buffer_count: int = 5  # nvme: parameter swap buffers ...
+    param_buffer_size: int = 100_000_000  # ... of this many elements each; >= the largest parameter
+    param_max_in_cpu: int = 1_000_000_000  # nvme: parameter elements also kept in CPU memory
+    # DeepSpeed's async-IO engine for nvme (its "aio" section)
+    aio_block_size: int = 1_048_576
+    aio_queue_depth: int = 8
+    aio_intra_op_parallelism: int = 1  # I/O threads per rank
+    aio_single_submit: bool = False
+    aio_overlap_events: bool = True
 
 
 @dataclass

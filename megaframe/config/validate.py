@@ -171,6 +171,48 @@ def check_data(cfg: TrainConfig) -> Optional[str]:
     return None
 
 
+def combination_problem(stage: int, optimizer: str, param: str, pp: int) -> Optional[str]:
+    """Why DeepSpeed cannot run this ZeRO stage x offload x pipeline combination (None: it can)."""
+    if param != "none" and stage != 3:
+        return f"offload.param={param} needs zero=stage3 (zero.stage={stage})"
+    if optimizer == "nvme" and stage != 3:
+        # at ZeRO-1/2 DeepSpeed silently treats device nvme as cpu
+        return (f"offload.optimizer=nvme: NVMe offload needs zero=stage3 (zero.stage={stage}); below it DeepSpeed "
+                f"would silently use CPU memory instead")
+    if optimizer == "cpu" and stage == 0:
+        return "offload.optimizer=cpu needs ZeRO (zero.stage=0)"
+    if pp > 1 and stage >= 2:
+        return (f"parallel.pp={pp} with zero.stage={stage}: DeepSpeed's pipeline engine supports ZeRO stage 0 "
+                f"or 1 only")
+    return None
+
+
+def combination_alternatives(stage: int, optimizer: str, param: str, pp: int, most: int = 2) -> list[str]:
+    """The nearest legal settings of zero.stage / offload.optimizer / offload.param, as CLI overrides.
+
+    Only those that change the fewest keys; among them, ones that keep the user's offload (raise
+    the stage) before ones that drop it, then the nearest stage.
+    """
+    current = (stage, optimizer, param)
+    found = []
+    for s in range(4):
+        for o in ("none", "cpu", "nvme"):
+            for p in ("none", "cpu", "nvme"):
+                if (s, o, p) == current or combination_problem(s, o, p, pp):
+                    continue
+                changed = [(key, new) for key, old, new in (("zero", stage, s), ("offload.optimizer", optimizer, o),
+                                                            ("offload.param", param, p)) if old != new]
+                dropped = sum(old != "none" and new == "none" for old, new in ((optimizer, o), (param, p)))
+                found.append(((len(changed), dropped, abs(s - stage)),
+                              " ".join(f"zero=stage{v}" if k == "zero" else f"{k}={v}" for k, v in changed)))
+    found.sort()
+    return [text for rank, text in found if rank[0] == found[0][0][0]][:most]
+
+
+def _either(options: list[str]) -> str:
+    return options[0] if len(options) == 1 else ", ".join(options[:-1]) + " or " + options[-1]
+
+
 def check_zero_offload(cfg: TrainConfig) -> Optional[str]:
     stage, off = cfg.zero.stage, cfg.offload
     if err := _choices("zero.stage", stage, [0, 1, 2, 3]):
@@ -178,17 +220,32 @@ def check_zero_offload(cfg: TrainConfig) -> Optional[str]:
     for key, value in (("offload.optimizer", off.optimizer), ("offload.param", off.param)):
         if err := _choices(key, value, ["none", "cpu", "nvme"]):
             return err
-    if off.optimizer != "none" and stage == 0:
-        return f"offload.optimizer={off.optimizer} needs ZeRO; use zero=stage1, stage2 or stage3"
-    if off.param != "none" and stage != 3:
-        return f"offload.param={off.param} needs zero=stage3 (zero.stage={stage}); use zero=stage3 or offload.param=none"
-    if "nvme" in (off.optimizer, off.param):
-        if stage != 3:
-            # ZeRO-1/2 with device nvme silently falls back to CPU offload in DeepSpeed.
-            return (f"NVMe offload needs zero=stage3 (zero.stage={stage}); DeepSpeed would silently use CPU "
-                    f"memory instead. Use zero=stage3 or offload=cpu")
-        if not off.nvme_path:
-            return "offload=nvme needs offload.nvme_path=/a/fast/local/dir for the swap files"
+    if problem := combination_problem(stage, off.optimizer, off.param, cfg.parallel.pp):
+        return f"{problem}; use {_either(combination_alternatives(stage, off.optimizer, off.param, cfg.parallel.pp))}"
+    if "nvme" in (off.optimizer, off.param) and not off.nvme_path:
+        return "offload=nvme needs offload.nvme_path=/a/fast/local/dir for the swap files"
+    return check_zero_knobs(cfg)
+
+
+def check_zero_knobs(cfg: TrainConfig) -> Optional[str]:
+    """Sizes and counts DeepSpeed would otherwise reject late (or divide by)."""
+    z, off = cfg.zero, cfg.offload
+    for key, value in (("zero.reduce_bucket_size", z.reduce_bucket_size),
+                       ("zero.allgather_bucket_size", z.allgather_bucket_size),
+                       ("zero.stage3_prefetch_bucket_size", z.stage3_prefetch_bucket_size),
+                       ("zero.stage3_max_live_parameters", z.stage3_max_live_parameters),
+                       ("offload.optimizer_buffer_count", off.optimizer_buffer_count),
+                       ("offload.param_buffer_count", off.param_buffer_count),
+                       ("offload.param_buffer_size", off.param_buffer_size),
+                       ("offload.aio_block_size", off.aio_block_size),
+                       ("offload.aio_queue_depth", off.aio_queue_depth),
+                       ("offload.aio_intra_op_parallelism", off.aio_intra_op_parallelism)):
+        if value < 1:
+            return f"{key}={value} must be >= 1"
+    for key, value in (("zero.stage3_param_persistence_threshold", z.stage3_param_persistence_threshold),
+                       ("offload.param_max_in_cpu", off.param_max_in_cpu)):
+        if value < 0:
+            return f"{key}={value} must be >= 0"
     return None
 
 
@@ -196,9 +253,6 @@ def check_pipeline(cfg: TrainConfig) -> Optional[str]:
     p = cfg.parallel
     if err := _choices("parallel.pipeline_partition", p.pipeline_partition, ["uniform", "parameters"]):
         return err
-    if p.pp > 1 and cfg.zero.stage >= 2:
-        return (f"parallel.pp={p.pp} with zero.stage={cfg.zero.stage}: DeepSpeed's pipeline engine supports "
-                f"ZeRO stage 0 or 1 only; use zero=stage1")
     if p.pp > cfg.model.num_layers:
         return f"parallel.pp={p.pp} exceeds model.num_layers={cfg.model.num_layers}; use pp <= num_layers"
     return None
@@ -253,6 +307,15 @@ def check_precision(cfg: TrainConfig, fp16_supported: Callable[[], bool]) -> Opt
     dtype = cfg.precision.dtype
     if err := _choices("precision.dtype", dtype, ["fp32", "bf16", "fp16"]):
         return err
+    p = cfg.precision
+    if dtype == "fp16":
+        for key, value, low in (("precision.initial_scale_power", p.initial_scale_power, 0),
+                                ("precision.loss_scale_window", p.loss_scale_window, 1),
+                                ("precision.hysteresis", p.hysteresis, 1)):
+            if value < low:
+                return f"{key}={value} must be >= {low}"
+        if p.min_loss_scale <= 0:
+            return f"precision.min_loss_scale={p.min_loss_scale} must be > 0"
     if dtype == "fp16" and not fp16_supported():
         return ("precision=fp16: this device has no fp16 support (DeepSpeed refuses it); "
                 "use precision=bf16 or precision=fp32")

@@ -18,6 +18,7 @@ from megaframe.config.validate import Layout
 from megaframe.data import micro_batches, eval_batches
 from megaframe.engine import checkpoint
 from megaframe.engine.data_setup import DataSplits, build_data
+from megaframe.engine.nvme_swap import open_nvme_swap
 from megaframe.engine.schedule import lr_scheduler_factory
 from megaframe.model.factory import build_model, count_parameters, resolve_dims
 from megaframe.model.pipeline import build_pipeline_model
@@ -97,9 +98,12 @@ class Trainer:
             model = build_model(self.dims, self.ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel)
         self.model = model
         self.num_parameters = self._count_parameters(model)
+        self.nvme_swap = open_nvme_swap(cfg.offload)
+        ds_config = to_ds_config(cfg, layout, accelerator=get_accelerator().device_name(),
+                                 swap_dir=str(self.nvme_swap.path) if self.nvme_swap else None)
         self.engine, _, _, self.lr_scheduler = deepspeed.initialize(
             model=model, model_parameters=decay_param_groups(model, cfg.optim.weight_decay),
-            config=to_ds_config(cfg, layout, accelerator=get_accelerator().device_name()), lr_scheduler=lr_scheduler_factory(cfg.optim, cfg.train.max_steps),
+            config=ds_config, lr_scheduler=lr_scheduler_factory(cfg.optim, cfg.train.max_steps),
             mpu=None if self.pipelined else self.ps)  # a PipelineModule brings its own grid as mpu
         self.flops_per_token = flops_per_token(self.dims)
         self.peak_tflops = peak_tflops(cfg.hardware.peak_tflops)
@@ -301,6 +305,8 @@ class Trainer:
             self.progress.close()
         if self.wandb:
             self.wandb.finish()
+        if self.nvme_swap:
+            self.nvme_swap.remove()
         if dist.is_initialized():
             dist.barrier()
 

@@ -91,3 +91,19 @@ def test_derived_sizes():
     assert ffn_hidden_size(cfg.model) == 256  # 8*96/3 = 256, already a multiple of 64
     assert padded_vocab_size(257, 128, 1) == 384
     assert padded_vocab_size(50257, 128, 8) == 51200  # GPT-2's vocabulary under Megatron, TP 8
+
+
+@pytest.mark.parametrize("group,key,value,fragment", [
+    ("zero", "reduce_bucket_size", 0, "zero.reduce_bucket_size=0 must be >= 1"),
+    ("zero", "stage3_param_persistence_threshold", -1, "zero.stage3_param_persistence_threshold=-1 must be >= 0"),
+    ("offload", "param_buffer_size", 0, "offload.param_buffer_size=0 must be >= 1"),
+    ("offload", "aio_queue_depth", 0, "offload.aio_queue_depth=0 must be >= 1"),
+    ("precision", "hysteresis", 0, "precision.hysteresis=0 must be >= 1"),
+    ("precision", "min_loss_scale", 0.0, "precision.min_loss_scale=0.0 must be > 0"),
+])
+def test_zero_offload_and_loss_scaling_knobs_are_checked(group, key, value, fragment):
+    cfg = TrainConfig()
+    cfg.precision.dtype = "fp16"
+    setattr(getattr(cfg, group), key, value)
+    with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
+        validate(cfg, 1, lambda: True)
