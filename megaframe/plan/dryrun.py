@@ -9,6 +9,7 @@ allocated, so even a 1T-parameter model's stage takes well under a second.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn as nn
@@ -35,16 +36,21 @@ def _layer_parameters(dims: GPTDims, tp: TPGroup) -> list[int]:
     return [sum(p.numel() for p in m.parameters()) for m in modules]
 
 
+@lru_cache(maxsize=64)
+def _deepspeed_partition(weights: tuple, pp: int) -> tuple:
+    from deepspeed.runtime.utils import partition_balanced
+
+    return tuple(int(p) for p in partition_balanced(weights=list(weights), num_parts=pp))
+
+
 def _partition(dims: GPTDims, tp: TPGroup, pp: int, partition: str) -> list[int]:
     """PipelineModule._partition_layers, with DeepSpeed's own helper (deliberately not the planner's
     faster re-implementation, so the dry run checks it)."""
-    from deepspeed.runtime.utils import partition_balanced
-
     if partition == "uniform":  # "type:BlockPipe": weight 1 for blocks, 0 for the other layers
         weights = [0, *[1] * dims.num_layers, 0, 0]
     else:
         weights = _layer_parameters(dims, tp)
-    return [int(p) for p in partition_balanced(weights=weights, num_parts=pp)]
+    return list(_deepspeed_partition(tuple(weights), pp))
 
 
 def _stage_modules(dims: GPTDims, tp: TPGroup, start: int, stop: int,

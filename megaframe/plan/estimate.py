@@ -38,7 +38,7 @@ class StageEstimate:
     activations_per_micro_batch: float
     in_flight: int
     activations: float  # saved for backward at the 1F1B peak (in_flight micro-batches)
-    working: float  # transient: recomputed block, logits, pipeline buffers
+    working: float  # transient: recomputed block, logits, pipeline buffers, ZeRO's reduce bucket
     peak: float
 
 
@@ -119,7 +119,7 @@ def _ring(n: int) -> float:
 
 
 def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reserved: float,
-                   host_counts_as_device: bool) -> StageEstimate:
+                   host_counts_as_device: bool, bucket_elements: int = 500_000_000) -> StageEstimate:
     """Memory of one rank of pipeline stage `stage`."""
     params = stage_parameters(dims, lay.tp, lay.pp, stage, lay.partition)
     blocks = stage_blocks(dims, lay.tp, lay.pp, stage, lay.partition)
@@ -133,6 +133,10 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
         working += logits_working_bytes(dims, shape)
     if lay.pp > 1 and not last:  # the pipeline engine's output buffers, one per micro-batch in flight
         working += in_flight * dims.seq_length * lay.micro_batch_size * dims.hidden_size * ACTIVATION_BYTES[dtype]
+    if lay.zero_stage >= 1:
+        # DeepSpeed's ZeRO allocates its gradient reduce bucket at full zero.reduce_bucket_size
+        # (measured: 1 GB in bf16 at the default 5e8 elements, see BENCHMARKS.md)
+        working += bucket_elements * STATE_BYTES[dtype][1]
     activations = in_flight * per_micro
     # on this host "offloaded" states stay in the same RAM the ranks share
     peak = states.device + activations + working + reserved + (states.host if host_counts_as_device else 0.0)
@@ -144,14 +148,14 @@ def _stages_to_report(pp: int) -> list[int]:
 
 
 def estimate(dims: GPTDims, lay: PlanLayout, dtype: str, cluster: ClusterConfig, mfu: float,
-             all_stages: bool = False) -> Estimate:
+             all_stages: bool = False, bucket_elements: int = 500_000_000) -> Estimate:
     """Memory, FLOPs, time and communication of `lay` for the model `dims` on `cluster`."""
     local = cluster.gpus_per_node is None
     ranks_on_host = lay.world_size if local else min(lay.world_size, cluster.gpus_per_node)
     capacity = device_capacity(cluster, ranks_on_host)
     reserved = cluster.reserved_gb * GIB
     stage_ids = range(lay.pp) if all_stages or lay.pp <= 8 else _stages_to_report(lay.pp)
-    stages = [estimate_stage(dims, lay, dtype, s, reserved, local) for s in stage_ids]
+    stages = [estimate_stage(dims, lay, dtype, s, reserved, local, bucket_elements) for s in stage_ids]
     worst = max(stages, key=lambda st: st.peak)
     tokens = lay.global_batch_size * dims.seq_length
     flops = flops_per_token(dims) * tokens
@@ -214,4 +218,5 @@ def _ranked_step_time(lay: PlanLayout, cluster: ClusterConfig, compute: float, c
 def estimate_config(cfg: TrainConfig, layout: Layout, all_stages: bool = False) -> Estimate:
     """estimate() for a composed, validated config."""
     dims = resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp)
-    return estimate(dims, plan_layout(cfg, layout), cfg.precision.dtype, cfg.cluster, cfg.plan.mfu, all_stages)
+    return estimate(dims, plan_layout(cfg, layout), cfg.precision.dtype, cfg.cluster, cfg.plan.mfu, all_stages,
+                    cfg.zero.reduce_bucket_size)
