@@ -254,13 +254,15 @@ class Trainer:
                 f"\n{plan_summary(self.memory_plan)}")
 
     def _log_model_states(self) -> None:
-        """Once per process, after its first step: every rank's held model states, to rank 0 (collective)."""
+        """Once per process, after its first step: every rank's held model states, to rank 0 (collective).
+        metrics.jsonl gets them once per run (step 1), so a resumed run's records equal an uninterrupted one's."""
         per_rank = gather_model_states(self.engine)
         self._model_states_logged = True
         if self.is_logger:
-            # metrics.jsonl only: W&B's charts take scalars, not per-rank tables
-            self.metrics.append(model_states_record(self.step, per_rank, self.memory_plan, self.layout.pp,
-                                                    self.layout.tp, self.layout.dp))
+            if self.step == 1:  # metrics.jsonl only: W&B's charts take scalars, not per-rank tables
+                self.metrics.append({**model_states_record(self.step, per_rank, self.memory_plan, self.layout.pp,
+                                                           self.layout.tp, self.layout.dp),
+                                     "consumed_samples": self.consumed_samples})
             (self.progress.write if self.progress else print)(model_states_line(per_rank))
 
     # ---- the loop ----------------------------------------------------------------------------

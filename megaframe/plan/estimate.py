@@ -97,11 +97,19 @@ def host_memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+def local_gpu_memory() -> Optional[float]:
+    """This host's GPU memory (cluster=local on a GPU machine), None without a GPU."""
+    import torch
+
+    return float(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else None
+
+
 def device_capacity(cluster: ClusterConfig, ranks_on_host: int) -> float:
-    """Bytes one rank may use: the GPU's memory, or (local) this host's RAM shared by its ranks."""
+    """Bytes one rank may use: the cluster's GPU memory; on cluster=local this host's GPU, or
+    without one its RAM shared by its ranks."""
     if cluster.memory_gb is not None:
         return cluster.memory_gb * GIB
-    return host_memory_bytes() / max(1, ranks_on_host)
+    return local_gpu_memory() or host_memory_bytes() / max(1, ranks_on_host)
 
 
 def plan_layout(cfg: TrainConfig, layout: Layout) -> PlanLayout:
@@ -154,8 +162,12 @@ def estimate(dims: GPTDims, lay: PlanLayout, dtype: str, cluster: ClusterConfig,
     ranks_on_host = lay.world_size if local else min(lay.world_size, cluster.gpus_per_node)
     capacity = device_capacity(cluster, ranks_on_host)
     reserved = cluster.reserved_gb * GIB
+    # deep pipelines: the first stage (most micro-batches in flight, the embedding), a middle one and
+    # the last (the logits) bound the others, which hold the same blocks with fewer in flight
     stage_ids = range(lay.pp) if all_stages or lay.pp <= 8 else _stages_to_report(lay.pp)
-    stages = [estimate_stage(dims, lay, dtype, s, reserved, local, bucket_elements) for s in stage_ids]
+    # CPU ranks: offloaded states live in the same RAM
+    host_is_device = local and cluster.memory_gb is None and local_gpu_memory() is None
+    stages = [estimate_stage(dims, lay, dtype, s, reserved, host_is_device, bucket_elements) for s in stage_ids]
     worst = max(stages, key=lambda st: st.peak)
     tokens = lay.global_batch_size * dims.seq_length
     flops = flops_per_token(dims) * tokens
