@@ -63,6 +63,7 @@ def test_parallel_auto_picks_a_fitting_layout_and_trains(tmp_path):
                       "train.max_steps=2", "train.eval_interval=0", f"hydra.run.dir={tmp_path}"])
     assert_ok(result)
     assert "parallel=auto chose tp=1 pp=1 dp=1" in result.stdout
+    assert "memory plan per rank" in result.stdout and "model states held" in result.stdout  # start-up summary
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
     held = next(r for r in records if "model_states_bytes_per_rank" in r)
