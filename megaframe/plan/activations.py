@@ -117,8 +117,9 @@ def stage_activation_bytes(dims: GPTDims, shape: ActivationShape, blocks: int, f
     """Bytes one micro-batch leaves saved on a stage of `blocks` blocks (without the recompute working set)."""
     per_block = block_input_bytes(dims, shape) if recompute else block_activation_bytes(dims, shape)
     total = blocks * per_block
-    if blocks and dims.position_embedding == "rope":
-        total += 2 * dims.seq_length * dims.head_dim * 4  # RoPE's fp32 cos/sin: cached, one copy per process
+    if blocks and dims.position_embedding == "rope" and not recompute:
+        # RoPE's fp32 cos/sin: cached, one copy per process (recomputation saves only block inputs)
+        total += 2 * dims.seq_length * dims.head_dim * 4
     if first:
         total += embedding_activation_bytes(dims, shape)
     if last:
