@@ -263,7 +263,7 @@ class Trainer:
                 self.metrics.append({**model_states_record(self.step, per_rank, self.memory_plan, self.layout.pp,
                                                            self.layout.tp, self.layout.dp),
                                      "consumed_samples": self.consumed_samples})
-            (self.progress.write if self.progress else print)(model_states_line(per_rank))
+            (self.progress.write if self.progress else print)(model_states_line(per_rank, self.memory_plan))
 
     # ---- the loop ----------------------------------------------------------------------------
     def fit(self) -> None:

@@ -13,6 +13,10 @@ from megaframe.plan.measure import held_model_states
 from megaframe.plan.memory import GIB
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
 def memory_plan(cfg: TrainConfig, layout: Layout) -> Optional[Estimate]:
     """The planner's estimate for this run (None if it cannot be made, e.g. an unreadable tokenizer)."""
     try:
@@ -26,10 +30,10 @@ def plan_summary(est: Optional[Estimate]) -> str:
     if est is None:
         return "memory plan: unavailable"
     worst = next(s for s in est.stages if s.stage == est.peak_stage)
-    return (f"memory plan per rank (stage {est.peak_stage}): weights {worst.states.weights / GIB:.3f} + grads "
-            f"{worst.states.gradients / GIB:.3f} + optimizer {worst.states.optimizer / GIB:.3f} GiB "
-            f"(offloaded {worst.states.host / GIB:.3f}), activations {worst.activations / GIB:.3f} GiB, "
-            f"peak {est.peak / GIB:.2f} of {est.capacity / GIB:.2f} GiB ({'fits' if est.fits else 'DOES NOT FIT'})")
+    return (f"memory plan per rank (stage {est.peak_stage}): weights {_size(worst.states.weights)} + grads "
+            f"{_size(worst.states.gradients)} + optimizer {_size(worst.states.optimizer)} "
+            f"(offloaded {_size(worst.states.host)}), activations {_size(worst.activations)}, "
+            f"peak {_size(est.peak)} of {_size(est.capacity)} ({'fits' if est.fits else 'DOES NOT FIT'})")
 
 
 def gather_model_states(engine) -> list[dict[str, int]]:
@@ -54,11 +58,19 @@ def model_states_record(step: int, per_rank: list[dict[str, int]], est: Optional
             "model_states_bytes_planned_per_stage": planned}
 
 
-def model_states_line(per_rank: list[dict[str, int]]) -> str:
-    """Console line: rank 0's measured model states and the largest over ranks."""
+def model_states_line(per_rank: list[dict[str, int]], est: Optional[Estimate] = None) -> str:
+    """Console line: rank 0's measured model states next to the ZeRO paper's (the planner's) for
+    its stage, and the largest over ranks."""
     def total(r: dict) -> int:
         return r["weights"] + r["gradients"] + r["optimizer"]
     first, largest = per_rank[0], max(per_rank, key=total)
-    return (f"model states held (measured after the first step), rank 0: weights {first['weights'] / GIB:.3f} + "
-            f"grads {first['gradients'] / GIB:.3f} + optimizer {first['optimizer'] / GIB:.3f} GiB, reduce bucket "
-            f"{first['buckets'] / GIB:.3f} GiB; largest rank {total(largest) / GIB:.3f} GiB")
+    paper = ""
+    stage0 = next((s for s in est.stages if s.stage == 0), None) if est is not None else None
+    if stage0 is not None:
+        st = stage0.states
+        paper = (f" (ZeRO paper: {_size(st.weights)} + {_size(st.gradients)} + {_size(st.optimizer)}"
+                 f"{f', offloaded {_size(st.host)}' if st.host else ''})")
+    return (f"model states held (measured after the first step), rank 0: weights {_size(first['weights'])} + "
+            f"grads {_size(first['gradients'])} + optimizer {_size(first['optimizer'])}{paper}, reduce "
+            f"bucket {_size(first['buckets'])}, other {_size(first['other'])}; largest rank "
+            f"{_size(total(largest))}")
