@@ -1,4 +1,4 @@
-"""`python -m megaframe.plan [--json] [OVERRIDE ...]`: the same as `megaframe-plan`."""
+"""`python -m megaframe.plan [--json] [--dry-run=RANK] [OVERRIDE ...]`: the same as `megaframe-plan`."""
 from megaframe.plan.cli import main
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`megaframe-plan [--json] [OVERRIDE ...]`: will this layout fit, and which layouts would?
+"""`megaframe-plan [--json] [--dry-run=RANK] [OVERRIDE ...]`: will this layout fit, and which layouts would?
 
 Same composition and validation as megaframe-train (one-line errors, exit code 2). The world size
 is cluster.nodes x cluster.gpus_per_node when nodes is set, otherwise tp*pp*dp of the config.
@@ -79,22 +79,53 @@ def _fail(prog: str, message: str) -> None:
     sys.exit(2)
 
 
+def _dry_run_flag(args: list[str]) -> tuple[list[str], Optional[int]]:
+    """`--dry-run=RANK`: also build rank RANK's shard on the meta device and count it."""
+    ranks = [a.split("=", 1)[1] for a in args if a.startswith("--dry-run=")]
+    rest = [a for a in args if not a.startswith("--dry-run=")]
+    if ranks and not ranks[-1].isdigit():
+        _fail(PROG, f"--dry-run={ranks[-1]}: give a rank number, e.g. --dry-run=0")
+    return rest, int(ranks[-1]) if ranks else None
+
+
+def dry_run_report(cfg: TrainConfig, layout: Layout, rank: int) -> dict:
+    """The meta-device build of `rank` next to the planner's count for its stage."""
+    from megaframe.model.factory import resolve_dims
+    from megaframe.plan.dryrun import dry_run
+    from megaframe.plan.estimate import planning_vocab_size
+    from megaframe.plan.memory import stage_parameters
+
+    if not 0 <= rank < layout.world_size:
+        raise ConfigError(f"--dry-run={rank}: the layout has ranks 0..{layout.world_size - 1}")
+    dims = resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp)
+    built = dry_run(dims, layout.tp, layout.pp, layout.dp, rank, cfg.parallel.pipeline_partition)
+    planned = stage_parameters(dims, layout.tp, layout.pp, built.stage, cfg.parallel.pipeline_partition)
+    return {"rank": rank, "stage": built.stage, "tp_rank": built.tp_rank, "layers": built.layers,
+            "parameters": built.parameters, "planner_parameters": planned}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     from megaframe.cli import compose
 
     args = list(sys.argv[1:] if argv is None else argv)
     want_json = "--json" in args
-    args = [a for a in args if a != "--json"]
+    args, dry_rank = _dry_run_flag([a for a in args if a != "--json"])
     try:
         cfg, _ = compose(args)
         layout, est, alternatives = plan(cfg, planned_world_size(cfg))
+        dry = dry_run_report(cfg, layout, dry_rank) if dry_rank is not None else None
     except ConfigError as err:
         _fail(PROG, str(err))
     auto = alternatives[0] if cfg.parallel.auto and alternatives else None
     if want_json or cfg.plan.json:
-        print(as_json(est, cfg.plan.mfu, alternatives, auto))
+        print(as_json(est, cfg.plan.mfu, alternatives, auto, dry))
     else:
         print(table(est, cfg.plan.mfu, alternatives, auto))
+        if dry is not None:
+            layers = dry["layers"] if len(dry["layers"]) <= 6 else [*dry["layers"][:3], "...", *dry["layers"][-2:]]
+            print(f"\ndry run (meta device, no process group): rank {dry['rank']} = stage {dry['stage']}, tp rank "
+                  f"{dry['tp_rank']}: {', '.join(layers)}; {dry['parameters']:,} parameters "
+                  f"(planner: {dry['planner_parameters']:,})")
 
 
 if __name__ == "__main__":

@@ -63,9 +63,11 @@ def table(est: Estimate, mfu: float, alternatives: list[Estimate] | None = None,
 
 
 def as_json(est: Estimate, mfu: float, alternatives: list[Estimate] | None = None,
-            auto: Optional[Estimate] = None) -> str:
+            auto: Optional[Estimate] = None, dry_run: Optional[dict] = None) -> str:
     """The same content as table(), machine-readable."""
     data = {"plan": est.to_dict(), "mfu": mfu, "verdict": verdict(est)}
+    if dry_run is not None:
+        data["dry_run"] = dry_run
     if alternatives is not None:
         data["alternatives"] = [alt.to_dict() for alt in alternatives]
     if auto is not None:

@@ -20,9 +20,12 @@ def test_gpt_1t_fits_with_its_authors_layout_on_h100():
     table = run_plan(["recipe=gpt_1t", "cluster=h100_80g"])
     assert_ok(table)
     assert "tp=8 pp=64 dp=6" in table.stdout and "FITS" in table.stdout and "3072 devices" in table.stdout
-    result = run_plan(["--json", "recipe=gpt_1t", "cluster=h100_80g", "cluster.nodes=384"])
+    result = run_plan(["--json", "--dry-run=3071", "recipe=gpt_1t", "cluster=h100_80g", "cluster.nodes=384"])
     assert_ok(result)
-    plan = json.loads(result.stdout)["plan"]
+    report = json.loads(result.stdout)
+    plan, dry = report["plan"], report["dry_run"]
+    assert (dry["stage"], dry["tp_rank"]) == (63, 7) and dry["layers"][-1] == "head (tied embed)"
+    assert dry["parameters"] == dry["planner_parameters"] == plan["stages"][-1]["parameters"]
     assert plan["fits"] and plan["world_size"] == 3072 and 0 < plan["peak"] <= plan["capacity"] == 80 * 2**30
     assert plan["total_parameters"] == pytest.approx(1.0e12, rel=0.01)
     assert {"tp", "pp", "dp"} <= set(plan["comm_bytes"]) and plan["flops_per_step"] > 0 and plan["step_time_s"] > 0
