@@ -57,7 +57,7 @@ def test_train_refuses_a_recipe_this_machine_cannot_hold_before_any_rank_starts(
     assert len(lines) == 1 and lines[0].startswith("megaframe-train: error: the planner says this will not fit")
     assert "does NOT fit on local" in lines[0] and "GiB per device" in lines[0]
     assert "launching" not in result.stdout and "DeepSpeed info" not in result.stdout + result.stderr
-    assert time.monotonic() - start < 240  # seconds (about 10 on an idle machine)
+    assert time.monotonic() - start < 240  # seconds; measured 21 s on the shared, loaded 2-core machine
 
 
 @pytest.mark.slow
