@@ -182,6 +182,13 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
         _run_hydra(args)
         return
     cfg, layout, run_dir = check(args)
+    if not os.environ.get(_SELF_LAUNCHED):  # the parent already planned for the ranks it launched
+        from megaframe.plan.cli import preflight
+
+        planned = preflight(cfg, layout, args, PROG)  # exits 2 when the layout cannot fit
+        if planned is not args:  # parallel=auto chose a layout: the ranks get it as overrides
+            args = planned
+            cfg, layout, run_dir = check(args)
     # a self-launched rank 0 runs this again: the parent has already warned
     if _rank() == 0 and not os.environ.get(_SELF_LAUNCHED):
         for warning in validate_warnings(cfg, layout):

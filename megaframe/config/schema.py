@@ -46,6 +46,7 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     sequence_parallel: bool = False
     pipeline_partition: str = "uniform"  # uniform | parameters
+    auto: bool = False  # parallel=auto: the planner picks tp/pp/dp, ZeRO, offload and recompute before launch
 
 
 @dataclass
@@ -158,6 +159,30 @@ class HardwareConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """The machines a layout is planned for (megaframe-plan, parallel=auto, the pre-launch check)."""
+
+    name: str = "local"
+    gpus_per_node: Optional[int] = None  # None (local) = the ranks launched on this host
+    nodes: Optional[int] = None  # None = as many as the layout needs; set: world = nodes * gpus_per_node
+    memory_gb: Optional[float] = None  # per device, GiB; None (local) = this host's RAM / ranks
+    peak_tflops: Optional[float] = None  # dense bf16 per device; None = unknown (step time not estimated)
+    intra_node_gbps: float = 10.0  # GB/s per device and direction inside a node (NVLink)
+    inter_node_gbps: float = 10.0  # GB/s per device and direction between nodes (InfiniBand)
+    host_gbps: float = 10.0  # GB/s device <-> host memory per device (PCIe), for offload
+    reserved_gb: float = 0.5  # per device, outside the model's plan: runtime context, comm buffers, allocator slack
+
+
+@dataclass
+class PlanConfig:
+    """Assumptions of the memory/time planner (megaframe/plan)."""
+
+    mfu: float = 0.4  # model FLOPs utilisation assumed for step-time estimates
+    check: bool = True  # megaframe-train refuses, before launch, a layout the planner says does not fit
+    json: bool = False  # megaframe-plan prints JSON instead of the table (same as --json)
+
+
+@dataclass
 class TrainConfig:
     """The whole run: what every entry point receives after composition."""
 
@@ -171,3 +196,5 @@ class TrainConfig:
     train: LoopConfig = field(default_factory=LoopConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)

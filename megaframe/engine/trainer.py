@@ -23,6 +23,8 @@ from megaframe.engine.schedule import lr_scheduler_factory
 from megaframe.model.factory import build_model, count_parameters, resolve_dims
 from megaframe.model.pipeline import build_pipeline_model
 from megaframe.parallel.state import ParallelState
+from megaframe.plan.startup import (gather_model_states, memory_plan, model_states_line, model_states_record,
+                                    plan_summary)
 from megaframe.tracking.flops import flops_per_token, peak_tflops
 from megaframe.tracking.metrics import MetricsLog, memory_gb, run_metadata
 from megaframe.tracking.progress import Progress
@@ -108,6 +110,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.dims)
         self.peak_tflops = peak_tflops(cfg.hardware.peak_tflops)
         self.tokens_per_step = layout.global_batch_size * cfg.model.seq_length
+        self.memory_plan = memory_plan(cfg, layout)
+        self._model_states_logged = False
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.wandb: Optional[WandbRun] = None
@@ -261,7 +265,20 @@ class Trainer:
                 f"offload={c.offload.optimizer}/{c.offload.param} precision={c.precision.dtype} | "
                 f"batch micro={self.layout.micro_batch_size} global={self.layout.global_batch_size} "
                 f"accum={self.layout.grad_accum_steps} seq={c.model.seq_length} | "
-                f"train samples={len(self.data.train)} valid samples={len(self.data.valid or ())} | run dir {self.run_dir}")
+                f"train samples={len(self.data.train)} valid samples={len(self.data.valid or ())} | run dir {self.run_dir}"
+                f"\n{plan_summary(self.memory_plan)}")
+
+    def _log_model_states(self) -> None:
+        """Once per process, after its first step: every rank's held model states, to rank 0 (collective).
+        metrics.jsonl gets them once per run (step 1), so a resumed run's records equal an uninterrupted one's."""
+        per_rank = gather_model_states(self.engine)
+        self._model_states_logged = True
+        if self.is_logger:
+            if self.step == 1:  # metrics.jsonl only: W&B's charts take scalars, not per-rank tables
+                self.metrics.append({**model_states_record(self.step, per_rank, self.memory_plan, self.layout.pp,
+                                                           self.layout.tp, self.layout.dp),
+                                     "consumed_samples": self.consumed_samples})
+            (self.progress.write if self.progress else print)(model_states_line(per_rank, self.memory_plan))
 
     # ---- the loop ----------------------------------------------------------------------------
     def fit(self) -> None:
@@ -285,6 +302,8 @@ class Trainer:
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {self.step}; lower optim.lr or check the data")
             interval_loss, interval_steps = interval_loss + loss, interval_steps + 1
+            if not self._model_states_logged:
+                self._log_model_states()
             if self.step % t.log_interval == 0 or self.step == stop_at:
                 record = self._train_record(interval_loss / interval_steps, lr, interval_steps, interval_time)
                 self._log(record)

@@ -1,0 +1,127 @@
+"""Activation memory: bytes saved for backward, per micro-batch, and the 1F1B in-flight count.
+
+Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer Models") count,
+per layer and 16-bit activations, s·b·h·(34 + 5·a·s/h) bytes: 2 bytes per element of the two norm
+inputs, the QKV input, Q, K, V, the out-projection input, the MLP input, its 4h-wide GeLU input
+and output (16 elements of s·b·h), 1-byte masks of two dropouts (2 s·b·h bytes) and the
+a·s² attention scores, softmax and dropout mask (5·a·s²·b bytes).
+
+This code base's block differs, and the formula below follows it tensor by tensor:
+- no dropout masks when model.dropout=0 (the recipes' pre-training setting), a mask byte per
+  element otherwise;
+- attention is torch SDPA (flash/memory-efficient): no s² scores, but it keeps its output (which
+  the out-projection also keeps: same storage) and a fp32 logsumexp of a·s·b;
+- element size is the activation dtype (4 for fp32, 2 for bf16/fp16); norms keep fp32 statistics;
+- Llama flavour: RMSNorm computes in fp32 (keeps its fp32 input and normalised value); RoPE's
+  multiplies by the constant cos/sin tables keep only the (shared, cached) tables, so q and k are
+  kept once, rotated, by SDPA; SwiGLU keeps gate, silu(gate), up and their product;
+- grouped-query attention: K and V are kv_heads wide (SDPA repeats them without copies);
+- tensor parallelism t divides everything inside the TP regions; the norm inputs/outputs are
+  replicated (Korthikanti's 10 + 24/t), and with sequence parallelism split along the sequence.
+  Unlike Megatron, our SP saves the all-gathered norm output for the QKV/MLP linears (not the
+  shard), so only the norm's own tensors shrink by t;
+- full recomputation keeps each block's input (Korthikanti's 2·s·b·h), plus one block's
+  activations alive while its backward recomputes it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megaframe.model.gpt import GPTDims
+from megaframe.plan.memory import ACTIVATION_BYTES
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """What the activation formulas need beyond the model shape."""
+
+    micro_batch_size: int
+    tp: int = 1
+    sequence_parallel: bool = False
+    dtype: str = "bf16"
+
+
+def _norm_bytes(dims: GPTDims, tokens: float, e: int) -> float:
+    """Bytes a norm keeps for backward on `tokens` tokens (its output is counted by its consumer)."""
+    h = dims.hidden_size
+    if dims.norm == "rmsnorm":
+        # x.float() (fp32 input copy; the input itself in fp32), rsqrt statistics, normalised value in the activation dtype
+        return tokens * (4 * h + 4 + e * h)
+    return tokens * (e * h + 2 * e)  # input + mean and rstd (in the activation dtype on CPU)
+
+
+def block_activation_bytes(dims: GPTDims, shape: ActivationShape) -> float:
+    """Bytes one transformer block saves for backward on one TP rank for one micro-batch."""
+    e = ACTIVATION_BYTES[shape.dtype]
+    t = shape.tp
+    sb = dims.seq_length * shape.micro_batch_size
+    sb_norm = sb / t if shape.sequence_parallel and t > 1 else sb  # norms run on sequence shards under SP
+    h, hs, f = dims.hidden_size, dims.head_dim, dims.ffn_hidden_size
+    q = dims.num_heads * hs // t
+    kv = dims.num_kv_heads * hs // t if dims.num_kv_heads % t == 0 else dims.num_kv_heads * hs
+    heads = dims.num_heads // t
+    mask = 1 if dims.dropout > 0 else 0
+
+    attention = sb * e * h  # QKV input (the norm output; shared by the three projections)
+    attention += sb * e * (q + 2 * kv)  # Q, K (rotated under RoPE), V kept by SDPA
+    attention += sb * e * q + sb * heads * 4  # SDPA output (= out-projection input) and fp32 logsumexp
+    attention += sb_norm * mask * h  # residual dropout mask
+
+    mlp = sb * e * h  # MLP input (the norm output, shared by up/gate)
+    mlp += sb * e * (f // t) * (4 if dims.activation == "swiglu" else 2)
+    mlp += sb_norm * mask * h
+    return 2 * _norm_bytes(dims, sb_norm, e) + attention + mlp
+
+
+def block_input_bytes(dims: GPTDims, shape: ActivationShape) -> float:
+    """What full recomputation keeps per block: its input (a sequence shard under SP)."""
+    sb = dims.seq_length * shape.micro_batch_size
+    split = shape.tp if shape.sequence_parallel and shape.tp > 1 else 1
+    return sb / split * dims.hidden_size * ACTIVATION_BYTES[shape.dtype]
+
+
+def embedding_activation_bytes(dims: GPTDims, shape: ActivationShape) -> float:
+    """First stage: token ids kept by the lookup (int64) and their out-of-shard mask."""
+    sb = dims.seq_length * shape.micro_batch_size
+    return sb * (8 + 1)
+
+
+def head_activation_bytes(dims: GPTDims, shape: ActivationShape) -> float:
+    """Last stage: final norm and the loss's fp32 softmax-sized tensor (Korthikanti's 4·s·b·v).
+
+    One rank: F.cross_entropy keeps log_softmax over the real vocabulary; TP: our vocab-parallel
+    loss keeps exp() of this rank's padded-vocabulary shard."""
+    e = ACTIVATION_BYTES[shape.dtype]
+    sb = dims.seq_length * shape.micro_batch_size
+    sb_norm = sb / shape.tp if shape.sequence_parallel and shape.tp > 1 else sb
+    vocab = dims.vocab_size if shape.tp == 1 else dims.padded_vocab_size // shape.tp
+    head_input = sb * e * dims.hidden_size  # the final norm's output, gathered under SP
+    return _norm_bytes(dims, sb_norm, e) + head_input + sb * 4 * vocab + sb * 8  # + int64 targets
+
+
+def logits_working_bytes(dims: GPTDims, shape: ActivationShape) -> float:
+    """Transient on the last stage, not kept for backward: the logits and their fp32 copy."""
+    e = ACTIVATION_BYTES[shape.dtype]
+    sb = dims.seq_length * shape.micro_batch_size
+    vocab = dims.padded_vocab_size // shape.tp
+    return sb * vocab * (e + 4)
+
+
+def in_flight_micro_batches(pp: int, stage: int, micro_batches: int) -> int:
+    """1F1B: stage i runs pp - i forwards before its first backward (Narayanan et al. 2021)."""
+    return max(1, min(pp - stage, micro_batches))
+
+
+def stage_activation_bytes(dims: GPTDims, shape: ActivationShape, blocks: int, first: bool, last: bool,
+                           recompute: bool) -> float:
+    """Bytes one micro-batch leaves saved on a stage of `blocks` blocks (without the recompute working set)."""
+    per_block = block_input_bytes(dims, shape) if recompute else block_activation_bytes(dims, shape)
+    total = blocks * per_block
+    if blocks and dims.position_embedding == "rope" and not recompute:
+        # RoPE's fp32 cos/sin: cached, one copy per process (recomputation saves only block inputs)
+        total += 2 * dims.seq_length * dims.head_dim * 4
+    if first:
+        total += embedding_activation_bytes(dims, shape)
+    if last:
+        total += head_activation_bytes(dims, shape)
+    return total

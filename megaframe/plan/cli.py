@@ -1,0 +1,132 @@
+"""`megaframe-plan [--json] [--dry-run=RANK] [OVERRIDE ...]`: will this layout fit, and which layouts would?
+
+Same composition and validation as megaframe-train (one-line errors, exit code 2). The world size
+is cluster.nodes x cluster.gpus_per_node when nodes is set, otherwise tp*pp*dp of the config.
+Also the pre-launch gate megaframe-train calls: preflight() applies parallel=auto and refuses a
+layout that does not fit before any rank starts.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from typing import Optional, Sequence
+
+from megaframe.config.schema import TrainConfig
+from megaframe.config.validate import ConfigError, Layout, requested_world_size, validate
+from megaframe.plan.estimate import Estimate, estimate_config, plan_layout
+from megaframe.plan.report import as_json, gib, table, verdict
+from megaframe.plan.search import fitting_layouts, layout_overrides
+
+PROG = "megaframe-plan"
+
+
+def planned_world_size(cfg: TrainConfig, launched: Optional[int] = None) -> int:
+    """Ranks the plan is for: a launcher's world, the cluster's nodes x GPUs, or tp*pp*dp."""
+    if launched:
+        return launched
+    c = cfg.cluster
+    if c.nodes is not None and c.gpus_per_node is not None:
+        return c.nodes * c.gpus_per_node
+    return requested_world_size(cfg)
+
+
+def _check_cluster(cfg: TrainConfig) -> None:
+    c = cfg.cluster
+    if c.nodes is not None and c.nodes < 1:
+        raise ConfigError(f"cluster.nodes={c.nodes} must be >= 1 (or null: as many as the layout needs)")
+    if c.memory_gb is not None and c.memory_gb <= 0:
+        raise ConfigError(f"cluster.memory_gb={c.memory_gb} must be > 0 (or null: this host's RAM)")
+    if not 0 < cfg.plan.mfu <= 1:
+        raise ConfigError(f"plan.mfu={cfg.plan.mfu} must be in (0, 1], e.g. plan.mfu=0.4")
+
+
+def plan(cfg: TrainConfig, world: int) -> tuple[Layout, Estimate, Optional[list[Estimate]]]:
+    """Validate for `world` ranks and estimate; alternatives when it does not fit or parallel.auto."""
+    _check_cluster(cfg)
+    layout = validate(cfg, world)
+    est = estimate_config(cfg, layout)
+    alternatives = fitting_layouts(cfg, plan_layout(cfg, layout)) if cfg.parallel.auto or not est.fits else None
+    return layout, est, alternatives
+
+
+def preflight(cfg: TrainConfig, layout: Layout, args: list[str], prog: str) -> list[str]:
+    """Before megaframe-train launches: apply parallel=auto (returns the overrides the ranks must get)
+    and refuse, with the planner's verdict, a layout the cluster cannot hold (exit code 2)."""
+    if not cfg.plan.check and not cfg.parallel.auto:
+        return args
+    try:
+        _check_cluster(cfg)
+        est = estimate_config(cfg, layout)
+        alternatives = fitting_layouts(cfg, plan_layout(cfg, layout), limit=1) if cfg.parallel.auto or not est.fits else []
+    except ConfigError as err:
+        _fail(prog, str(err))
+    if cfg.parallel.auto:
+        if not alternatives:
+            _fail(prog, f"parallel=auto: no layout of {layout.world_size} ranks fits cluster={cfg.cluster.name} "
+                        f"({gib(est.capacity)} per device); add devices or shrink parallel.micro_batch_size")
+        chosen = alternatives[0].layout
+        print(f"{prog}: parallel=auto chose {chosen.describe()} (peak {gib(alternatives[0].peak)})", flush=True)
+        return [*args, *layout_overrides(chosen)]
+    if not est.fits:
+        best = f"; a layout that fits: {alternatives[0].layout.describe()}" if alternatives else \
+            "; no layout of this many ranks fits (add devices or shrink parallel.micro_batch_size)"
+        _fail(prog, f"the planner says this will not fit: {verdict(est)}{best} (plan.check=false skips this check)")
+    return args
+
+
+def _fail(prog: str, message: str) -> None:
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _dry_run_flag(args: list[str]) -> tuple[list[str], Optional[int]]:
+    """`--dry-run=RANK`: also build rank RANK's shard on the meta device and count it."""
+    ranks = [a.split("=", 1)[1] for a in args if a.startswith("--dry-run=")]
+    rest = [a for a in args if not a.startswith("--dry-run=")]
+    if ranks and not ranks[-1].isdigit():
+        _fail(PROG, f"--dry-run={ranks[-1]}: give a rank number, e.g. --dry-run=0")
+    return rest, int(ranks[-1]) if ranks else None
+
+
+def dry_run_report(cfg: TrainConfig, layout: Layout, rank: int) -> dict:
+    """The meta-device build of `rank` next to the planner's count for its stage."""
+    from megaframe.model.factory import resolve_dims
+    from megaframe.plan.dryrun import dry_run
+    from megaframe.plan.estimate import planning_vocab_size
+    from megaframe.plan.memory import stage_parameters
+
+    if not 0 <= rank < layout.world_size:
+        raise ConfigError(f"--dry-run={rank}: the layout has ranks 0..{layout.world_size - 1}")
+    dims = resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp)
+    built = dry_run(dims, layout.tp, layout.pp, layout.dp, rank, cfg.parallel.pipeline_partition)
+    planned = stage_parameters(dims, layout.tp, layout.pp, built.stage, cfg.parallel.pipeline_partition)
+    return {"rank": rank, "stage": built.stage, "tp_rank": built.tp_rank, "layers": built.layers,
+            "parameters": built.parameters, "planner_parameters": planned}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    from megaframe.cli import compose
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    want_json = "--json" in args
+    args, dry_rank = _dry_run_flag([a for a in args if a != "--json"])
+    try:
+        cfg, _ = compose(args)
+        layout, est, alternatives = plan(cfg, planned_world_size(cfg))
+        dry = dry_run_report(cfg, layout, dry_rank) if dry_rank is not None else None
+    except ConfigError as err:
+        _fail(PROG, str(err))
+    auto = alternatives[0] if cfg.parallel.auto and alternatives else None
+    if want_json or cfg.plan.json:
+        print(as_json(est, cfg.plan.mfu, alternatives, auto, dry))
+    else:
+        print(table(est, cfg.plan.mfu, alternatives, auto))
+        if dry is not None:
+            layers = dry["layers"] if len(dry["layers"]) <= 6 else [*dry["layers"][:3], "...", *dry["layers"][-2:]]
+            print(f"\ndry run (meta device, no process group): rank {dry['rank']} = stage {dry['stage']}, tp rank "
+                  f"{dry['tp_rank']}: {', '.join(layers)}; {dry['parameters']:,} parameters "
+                  f"(planner: {dry['planner_parameters']:,})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Dry run: build one rank's shard of a model on the meta device, without process groups.
+
+Rank r of a world tp*pp*dp gets its coordinates from the same topology the pipeline engine uses,
+its layer range from the same DeepSpeed partitioning PipelineModule applies, and its layers from
+the same module classes (model/pipeline.py wraps exactly these: EmbeddingPipe is an Embedding,
+BlockPipe holds a Block, FinalNormPipe a norm, HeadPipe is a ColumnParallelLinear). No weights are
+allocated, so even a 1T-parameter model's stage takes well under a second.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn as nn
+
+from megaframe.model.gpt import GPT, Block, Embedding, GPTDims, build_norm
+from megaframe.parallel.layers import ColumnParallelLinear, TPGroup
+from megaframe.parallel.state import rank_coords
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """What the meta-device build of one rank holds."""
+
+    rank: int
+    stage: int
+    tp_rank: int
+    layers: list[str]
+    parameters: int
+
+
+def _layer_parameters(dims: GPTDims, tp: TPGroup) -> list[int]:
+    """Per-layer parameter counts as DeepSpeed's "parameters" method measures them (built layers)."""
+    _, modules = _stage_modules(dims, tp, 0, dims.num_layers + 3, share_tied=False)
+    return [sum(p.numel() for p in m.parameters()) for m in modules]
+
+
+@lru_cache(maxsize=64)
+def _deepspeed_partition(weights: tuple, pp: int) -> tuple:
+    from deepspeed.runtime.utils import partition_balanced
+
+    return tuple(int(p) for p in partition_balanced(weights=list(weights), num_parts=pp))
+
+
+def _partition(dims: GPTDims, tp: TPGroup, pp: int, partition: str) -> list[int]:
+    """PipelineModule._partition_layers, with DeepSpeed's own helper (deliberately not the planner's
+    faster re-implementation, so the dry run checks it)."""
+    if partition == "uniform":  # "type:BlockPipe": weight 1 for blocks, 0 for the other layers
+        weights = [0, *[1] * dims.num_layers, 0, 0]
+    else:
+        weights = _layer_parameters(dims, tp)
+    return list(_deepspeed_partition(tuple(weights), pp))
+
+
+def _stage_modules(dims: GPTDims, tp: TPGroup, start: int, stop: int,
+                   share_tied: bool = True) -> tuple[list[str], nn.ModuleList]:
+    """Layers [start, stop) of PipelineModule's list: embed | blocks | final norm | head."""
+    last = dims.num_layers + 2
+    names, modules, tied = [], nn.ModuleList(), None
+    for index in range(start, stop):
+        if index == 0 or (index == last and dims.tie_embeddings):
+            names.append("embed" if index == 0 else "head (tied embed)")
+            if tied is None or not share_tied:  # DeepSpeed builds a tied module once per stage
+                tied = Embedding(dims, tp, None)
+                modules.append(tied)
+        elif index <= dims.num_layers:
+            names.append(f"block {index - 1}")
+            modules.append(Block(dims, tp, None))
+        elif index == dims.num_layers + 1:
+            names.append("final_norm")
+            modules.append(build_norm(dims, tp))
+        else:
+            names.append("head")
+            modules.append(ColumnParallelLinear(dims.hidden_size, dims.padded_vocab_size, tp, bias=False))
+    return names, modules
+
+
+def dry_run(dims: GPTDims, tp: int, pp: int, dp: int, rank: int, partition: str = "uniform") -> DryRun:
+    """Build rank `rank`'s shard on the meta device and count its parameters."""
+    coords = rank_coords(tp, pp, dp, rank)
+    group = TPGroup(group=None, size=tp, rank=coords.tp_rank)
+    with torch.device("meta"):
+        if pp == 1:
+            model = GPT(dims, group)
+            names = ["embed", *[f"block {i}" for i in range(dims.num_layers)], "final_norm",
+                     "head (tied embed)" if dims.tie_embeddings else "head"]
+        else:
+            parts = _partition(dims, group, pp, partition)
+            names, model = _stage_modules(dims, group, parts[coords.pp_rank], parts[coords.pp_rank + 1])
+        count = sum(p.numel() for p in model.parameters())
+    return DryRun(rank, coords.pp_rank, coords.tp_rank, names, count)
+
+
+def stage_rank(tp: int, pp: int, dp: int, stage: int) -> int:
+    """The first global rank of pipeline stage `stage` (tp fastest, then dp, then pp)."""
+    return stage * tp * dp

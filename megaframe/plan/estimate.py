@@ -1,0 +1,234 @@
+"""estimate(): memory per rank, FLOPs, step time and communication of one layout on one cluster.
+
+The peak of a pipeline stage is its model states + the activations of the micro-batches 1F1B
+keeps in flight on it + transient working sets (one block's activations while recomputation
+rebuilds them, the last stage's logits) + the cluster's reserved runtime memory. The step time
+is the model FLOPs at the assumed MFU, stretched by the pipeline bubble (p-1)/m and the forward
+that full recomputation repeats (+1/3), plus communication we assume is exposed: TP and PP
+transfers fully, data-parallel traffic beyond what the backward pass (2/3 of compute) hides,
+and offload transfers over the host link. It ranks layouts; it is not a benchmark.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from megaframe.config.schema import ClusterConfig, TrainConfig
+from megaframe.config.validate import Layout
+from megaframe.model.factory import resolve_dims
+from megaframe.model.gpt import GPTDims
+from megaframe.plan.activations import (ActivationShape, block_activation_bytes, in_flight_micro_batches,
+                                        logits_working_bytes, stage_activation_bytes)
+from megaframe.plan.memory import (ACTIVATION_BYTES, GIB, STATE_BYTES, ModelStates, PlanLayout, model_state_bytes,
+                                   stage_blocks, stage_parameters, total_parameters)
+from megaframe.tracking.flops import flops_per_token
+
+
+@dataclass
+class StageEstimate:
+    """One pipeline stage, as any of its ranks sees it."""
+
+    stage: int
+    blocks: int
+    parameters: int
+    states: ModelStates
+    activations_per_micro_batch: float
+    in_flight: int
+    activations: float  # saved for backward at the 1F1B peak (in_flight micro-batches)
+    working: float  # transient: recomputed block, logits, pipeline buffers, ZeRO's reduce bucket
+    peak: float
+
+
+@dataclass
+class Estimate:
+    """What megaframe-plan prints for one layout."""
+
+    layout: PlanLayout
+    cluster: str
+    total_parameters: int
+    stages: list[StageEstimate]
+    capacity: float  # bytes per device
+    reserved: float
+    peak: float
+    peak_stage: int
+    flops_per_step: float
+    tokens_per_step: int
+    step_time_s: Optional[float]  # model FLOPs at the assumed MFU (None without a peak TFLOP/s)
+    ranked_step_time_s: float  # with bubble, recomputation and exposed communication (see module doc)
+    comm_bytes: dict = field(default_factory=dict)  # per rank per step: tp, pp, dp
+    host_bytes: float = 0.0  # per rank, offloaded states
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.capacity
+
+    @property
+    def margin(self) -> float:
+        return self.capacity - self.peak
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(fits=self.fits, margin=self.margin, layout=asdict(self.layout),
+                 layout_text=self.layout.describe(), world_size=self.layout.world_size)
+        for s, stage in zip(d["stages"], self.stages):
+            s["states"]["device"] = stage.states.device
+        return d
+
+
+def planning_vocab_size(cfg: TrainConfig) -> int:
+    """The vocabulary the run will use, without opening the dataset: model.vocab_size, the
+    dataset's recorded vocabulary, or the tokenizer's."""
+    if cfg.model.vocab_size is not None:
+        return cfg.model.vocab_size
+    if cfg.data.path and Path(cfg.data.path + ".json").is_file():
+        recorded = json.loads(Path(cfg.data.path + ".json").read_text()).get("vocab_size")
+        if recorded:
+            return int(recorded)
+    from megaframe.data.tokenizer import build_tokenizer
+
+    return build_tokenizer(cfg.data.tokenizer).vocab_size
+
+
+def host_memory_bytes() -> float:
+    """This host's physical memory."""
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def local_gpu_memory() -> Optional[float]:
+    """This host's GPU memory (cluster=local on a GPU machine), None without a GPU."""
+    import torch
+
+    return float(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else None
+
+
+def device_capacity(cluster: ClusterConfig, ranks_on_host: int) -> float:
+    """Bytes one rank may use: the cluster's GPU memory; on cluster=local this host's GPU, or
+    without one its RAM shared by its ranks."""
+    if cluster.memory_gb is not None:
+        return cluster.memory_gb * GIB
+    return local_gpu_memory() or host_memory_bytes() / max(1, ranks_on_host)
+
+
+def plan_layout(cfg: TrainConfig, layout: Layout) -> PlanLayout:
+    """The PlanLayout a resolved config describes."""
+    return PlanLayout(tp=layout.tp, pp=layout.pp, dp=layout.dp, micro_batch_size=layout.micro_batch_size,
+                      global_batch_size=layout.global_batch_size, zero_stage=cfg.zero.stage,
+                      offload_optimizer=cfg.offload.optimizer, offload_param=cfg.offload.param,
+                      recompute=cfg.parallel.activation_checkpointing,
+                      sequence_parallel=cfg.parallel.sequence_parallel, partition=cfg.parallel.pipeline_partition)
+
+
+def _ring(n: int) -> float:
+    """Ring all-reduce moves 2(n-1)/n of the buffer per rank."""
+    return 2 * (n - 1) / n if n > 1 else 0.0
+
+
+def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reserved: float,
+                   host_counts_as_device: bool, bucket_elements: int = 500_000_000) -> StageEstimate:
+    """Memory of one rank of pipeline stage `stage`."""
+    params = stage_parameters(dims, lay.tp, lay.pp, stage, lay.partition)
+    blocks = stage_blocks(dims, lay.tp, lay.pp, stage, lay.partition)
+    states = model_state_bytes(params, lay.dp, lay.zero_stage, dtype, lay.offload_optimizer, lay.offload_param)
+    shape = ActivationShape(lay.micro_batch_size, lay.tp, lay.sequence_parallel, dtype)
+    first, last = stage == 0, stage == lay.pp - 1
+    per_micro = stage_activation_bytes(dims, shape, blocks, first, last, lay.recompute)
+    in_flight = in_flight_micro_batches(lay.pp, stage, lay.micro_batches)
+    working = block_activation_bytes(dims, shape) if lay.recompute and blocks else 0.0
+    if last:
+        working += logits_working_bytes(dims, shape)
+    if lay.pp > 1 and not last:  # the pipeline engine's output buffers, one per micro-batch in flight
+        working += in_flight * dims.seq_length * lay.micro_batch_size * dims.hidden_size * ACTIVATION_BYTES[dtype]
+    if lay.zero_stage >= 1:
+        # DeepSpeed's ZeRO allocates its gradient reduce bucket at full zero.reduce_bucket_size
+        # (measured: 1 GB in bf16 at the default 5e8 elements, see BENCHMARKS.md)
+        working += bucket_elements * STATE_BYTES[dtype][1]
+    activations = in_flight * per_micro
+    # on this host "offloaded" states stay in the same RAM the ranks share
+    peak = states.device + activations + working + reserved + (states.host if host_counts_as_device else 0.0)
+    return StageEstimate(stage, blocks, params, states, per_micro, in_flight, activations, working, peak)
+
+
+def _stages_to_report(pp: int) -> list[int]:
+    return sorted({0, pp // 2, pp - 1})
+
+
+def estimate(dims: GPTDims, lay: PlanLayout, dtype: str, cluster: ClusterConfig, mfu: float,
+             all_stages: bool = False, bucket_elements: int = 500_000_000) -> Estimate:
+    """Memory, FLOPs, time and communication of `lay` for the model `dims` on `cluster`."""
+    local = cluster.gpus_per_node is None
+    ranks_on_host = lay.world_size if local else min(lay.world_size, cluster.gpus_per_node)
+    capacity = device_capacity(cluster, ranks_on_host)
+    reserved = cluster.reserved_gb * GIB
+    # deep pipelines: the first stage (most micro-batches in flight, the embedding), a middle one and
+    # the last (the logits) bound the others, which hold the same blocks with fewer in flight
+    stage_ids = range(lay.pp) if all_stages or lay.pp <= 8 else _stages_to_report(lay.pp)
+    # CPU ranks: offloaded states live in the same RAM
+    host_is_device = local and cluster.memory_gb is None and local_gpu_memory() is None
+    stages = [estimate_stage(dims, lay, dtype, s, reserved, host_is_device, bucket_elements) for s in stage_ids]
+    worst = max(stages, key=lambda st: st.peak)
+    tokens = lay.global_batch_size * dims.seq_length
+    flops = flops_per_token(dims) * tokens
+    step_time = flops / (lay.world_size * cluster.peak_tflops * 1e12 * mfu) if cluster.peak_tflops else None
+    comm = communication_bytes(dims, lay, dtype, worst)
+    ranked = _ranked_step_time(lay, cluster, flops / (lay.world_size * (cluster.peak_tflops or 1.0) * 1e12 * mfu),
+                               comm, worst)
+    return Estimate(layout=lay, cluster=cluster.name, total_parameters=total_parameters(dims), stages=stages,
+                    capacity=capacity, reserved=reserved, peak=worst.peak, peak_stage=worst.stage,
+                    flops_per_step=flops, tokens_per_step=tokens, step_time_s=step_time,
+                    ranked_step_time_s=ranked, comm_bytes=comm, host_bytes=max(s.states.host for s in stages))
+
+
+def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: StageEstimate) -> dict:
+    """Bytes one rank sends per optimizer step (ring algorithms; REFERENCE.md, Pipeline and communication).
+
+    TP: 2 all-reduces forward and 2 backward per block and micro-batch of s·b·h (3 forward with
+    recomputation; SP moves the same volume as all-gather + reduce-scatter). PP: each micro-batch's
+    activation forward and its gradient back, split over TP ranks as DeepSpeed's pipe_partitioned does.
+    DP: gradient all-reduce 2Ψ·(n-1)/n once per step (ZeRO-0/1: reduce-scatter + all-gather, same
+    volume). DeepSpeed's ZeRO-2 reduce-scatters gradients after every micro-batch's backward, and
+    ZeRO-3 also all-gathers the weights in every micro-batch's forward and backward (1.5x of
+    ZeRO-0's volume when m = 1, growing with m).
+    """
+    e = ACTIVATION_BYTES[dtype]
+    sbh = dims.seq_length * lay.micro_batch_size * dims.hidden_size * e
+    m = lay.micro_batches
+    collectives = 4 + (2 if lay.recompute else 0)
+    tp = stage.blocks * m * collectives * _ring(lay.tp) * sbh
+    pp = 2 * m * sbh / lay.tp if lay.pp > 1 else 0.0
+    weight_bytes, grad_bytes, _ = STATE_BYTES[dtype]
+    one_way = _ring(lay.dp) / 2 * stage.parameters  # (n-1)/n of the rank's parameters
+    if lay.zero_stage <= 1:
+        dp = one_way * (grad_bytes + weight_bytes if lay.zero_stage == 1 else 2 * grad_bytes)
+    elif lay.zero_stage == 2:
+        dp = one_way * (m * grad_bytes + weight_bytes)
+    else:
+        dp = one_way * m * (grad_bytes + 2 * weight_bytes)
+    return {"tp": tp, "pp": pp, "dp": dp}
+
+
+def _ranked_step_time(lay: PlanLayout, cluster: ClusterConfig, compute: float, comm: dict,
+                      stage: StageEstimate) -> float:
+    """Seconds per step used to rank layouts (module docstring)."""
+    gpn = cluster.gpus_per_node or lay.world_size
+    bubble = (lay.pp - 1) / lay.micro_batches
+    compute = compute * (1 + bubble) * (4 / 3 if lay.recompute else 1.0)
+    gbps = 1e9
+    tp_bw = cluster.intra_node_gbps if lay.tp <= gpn else cluster.inter_node_gbps
+    pp_bw = cluster.intra_node_gbps if lay.tp * lay.pp <= gpn else cluster.inter_node_gbps
+    dp_bw = cluster.intra_node_gbps if lay.world_size <= gpn else cluster.inter_node_gbps
+    exposed = comm["tp"] / (tp_bw * gbps) + comm["pp"] / (pp_bw * gbps)
+    exposed += max(0.0, comm["dp"] / (dp_bw * gbps) - compute * 2 / 3)
+    if lay.offload_optimizer != "none" or lay.offload_param != "none":
+        # gradients to the host and updated weights back, every step
+        exposed += stage.parameters * 4 / (cluster.host_gbps * gbps)
+    return compute + exposed
+
+
+def estimate_config(cfg: TrainConfig, layout: Layout, all_stages: bool = False) -> Estimate:
+    """estimate() for a composed, validated config."""
+    dims = resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp)
+    return estimate(dims, plan_layout(cfg, layout), cfg.precision.dtype, cfg.cluster, cfg.plan.mfu, all_stages,
+                    cfg.zero.reduce_bucket_size)

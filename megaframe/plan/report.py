@@ -1,0 +1,75 @@
+"""The planner's output: a readable table, JSON, and the one-line verdict megaframe-train prints."""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from megaframe.plan.estimate import Estimate
+from megaframe.plan.memory import GIB
+
+
+def gib(value: float) -> str:
+    return f"{value / GIB:,.2f} GiB"
+
+
+def _count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.2f}{unit}"
+    return f"{n:,.0f}"
+
+
+def _seconds(value: Optional[float]) -> str:
+    return "n/a (set cluster.peak_tflops)" if value is None else f"{value:,.2f} s"
+
+
+def verdict(est: Estimate) -> str:
+    """'fits' or 'does not fit', with the numbers."""
+    word = "fits" if est.fits else "does NOT fit"
+    return (f"{est.layout.describe()} {word} on {est.cluster}: peak {gib(est.peak)} (stage {est.peak_stage}) "
+            f"vs {gib(est.capacity)} per device, margin {gib(est.margin)}")
+
+
+def table(est: Estimate, mfu: float, alternatives: list[Estimate] | None = None, auto: Optional[Estimate] = None) -> str:
+    """The report megaframe-plan prints."""
+    lay = est.layout
+    lines = [f"megaframe-plan: {_count(est.total_parameters)} parameters ({est.total_parameters:,}) on {lay.world_size} "
+             f"devices, cluster {est.cluster}",
+             f"layout: {lay.describe()} | micro-batch {lay.micro_batch_size}, global batch {lay.global_batch_size}, "
+             f"{lay.micro_batches} micro-batch(es) per step",
+             "",
+             f"{'stage':>5} {'blocks':>6} {'params/rank':>14} {'weights':>12} {'grads':>12} {'optimizer':>12} "
+             f"{'offloaded':>12} {'act/micro':>12} {'in flight':>9} {'activations':>12} {'working':>12} {'peak':>12}"]
+    for s in est.stages:
+        lines.append(f"{s.stage:>5} {s.blocks:>6} {s.parameters:>14,} {gib(s.states.weights):>12} "
+                     f"{gib(s.states.gradients):>12} {gib(s.states.optimizer):>12} {gib(s.states.host):>12} "
+                     f"{gib(s.activations_per_micro_batch):>12} {s.in_flight:>9} {gib(s.activations):>12} "
+                     f"{gib(s.working):>12} {gib(s.peak):>12}")
+    lines += ["",
+              f"peak {gib(est.peak)} (stage {est.peak_stage}, incl. {gib(est.reserved)} reserved) vs {gib(est.capacity)} "
+              f"per device: {'FITS' if est.fits else 'DOES NOT FIT'}, margin {gib(est.margin)}",
+              f"per step: {est.flops_per_step:.3e} model FLOPs, {est.tokens_per_step:,} tokens; "
+              f"step time at {mfu:.0%} MFU {_seconds(est.step_time_s)}",
+              "communication per rank per step: " + ", ".join(f"{k.upper()} {gib(v)}" for k, v in est.comm_bytes.items())]
+    if alternatives is not None:
+        lines += ["", "layouts that fit, fastest first (estimated step time with bubble, recompute and exposed comm):"]
+        if not alternatives:
+            lines.append("  none: more devices (cluster.nodes), a smaller micro-batch or offload to NVMe are left")
+        for i, alt in enumerate(alternatives, 1):
+            lines.append(f"  {i:>2}. {alt.layout.describe():<70} peak {gib(alt.peak):>12}  step ~{alt.ranked_step_time_s:,.2f} s")
+    if auto is not None:
+        lines += ["", f"parallel=auto picks: {auto.layout.describe()}"]
+    return "\n".join(lines)
+
+
+def as_json(est: Estimate, mfu: float, alternatives: list[Estimate] | None = None,
+            auto: Optional[Estimate] = None, dry_run: Optional[dict] = None) -> str:
+    """The same content as table(), machine-readable."""
+    data = {"plan": est.to_dict(), "mfu": mfu, "verdict": verdict(est)}
+    if dry_run is not None:
+        data["dry_run"] = dry_run
+    if alternatives is not None:
+        data["alternatives"] = [alt.to_dict() for alt in alternatives]
+    if auto is not None:
+        data["auto"] = auto.to_dict()
+    return json.dumps(data, indent=2)

@@ -1,0 +1,68 @@
+"""Layout search: every legal (tp, pp, dp, ZeRO stage, offload, recomputation, SP) for a fixed world
+size, estimated, those that fit ranked by estimated step time."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterator
+
+from megaframe.config.schema import ModelConfig, TrainConfig
+from megaframe.config.validate import ffn_hidden_size
+from megaframe.model.factory import resolve_dims
+from megaframe.plan.estimate import Estimate, estimate, planning_vocab_size
+from megaframe.plan.memory import PlanLayout
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tensor_parallel_degrees(model: ModelConfig, world: int, gpus_per_node: int | None) -> list[int]:
+    """tp that splits heads and MLP, divides the world and stays inside a node (TP across nodes is
+    bandwidth-bound: Megatron keeps it within NVLink)."""
+    limit = gpus_per_node or world
+    ffn = ffn_hidden_size(model)
+    return [t for t in _divisors(world) if t <= limit and model.num_attention_heads % t == 0 and ffn % t == 0]
+
+
+def candidate_layouts(model: ModelConfig, base: PlanLayout, gpus_per_node: int | None) -> Iterator[PlanLayout]:
+    """Every layout of base.world_size ranks that validation would accept, same batch sizes.
+
+    DeepSpeed's pipeline engine takes ZeRO 0-1 only; parameter offload needs ZeRO-3; SP needs tp > 1
+    and a sequence divisible by tp."""
+    world = base.world_size
+    for tp in tensor_parallel_degrees(model, world, gpus_per_node):
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            if pp > model.num_layers or base.global_batch_size % (base.micro_batch_size * dp):
+                continue
+            for stage in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
+                offloads = [("none", "none")] + ([("cpu", "none")] if stage else []) + ([("cpu", "cpu")] if stage == 3 else [])
+                for optimizer, param in offloads:
+                    for recompute in (False, True):
+                        for sp in ((False, True) if tp > 1 and model.seq_length % tp == 0 else (False,)):
+                            yield replace(base, tp=tp, pp=pp, dp=dp, zero_stage=stage, offload_optimizer=optimizer,
+                                          offload_param=param, recompute=recompute, sequence_parallel=sp)
+
+
+def fitting_layouts(cfg: TrainConfig, base: PlanLayout, limit: int = 10) -> list[Estimate]:
+    """The fastest `limit` layouts of base.world_size ranks that fit cfg.cluster (fastest first;
+    among equal times the one with more memory to spare)."""
+    vocab = planning_vocab_size(cfg)
+    dims_for_tp: dict = {}
+    fitting = []
+    for lay in candidate_layouts(cfg.model, base, cfg.cluster.gpus_per_node):
+        dims = dims_for_tp.setdefault(lay.tp, resolve_dims(cfg.model, vocab, tp=lay.tp))
+        est = estimate(dims, lay, cfg.precision.dtype, cfg.cluster, cfg.plan.mfu,
+                       bucket_elements=cfg.zero.reduce_bucket_size)
+        if est.fits:
+            fitting.append(est)
+    fitting.sort(key=lambda e: (round(e.ranked_step_time_s, 9), e.peak))
+    return fitting[:limit]
+
+
+def layout_overrides(lay: PlanLayout) -> list[str]:
+    """Command-line overrides that select `lay` (what parallel=auto hands to the ranks)."""
+    return [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.dp={lay.dp}", f"zero.stage={lay.zero_stage}",
+            f"offload.optimizer={lay.offload_optimizer}", f"offload.param={lay.offload_param}",
+            f"parallel.activation_checkpointing={str(lay.recompute).lower()}",
+            f"parallel.sequence_parallel={str(lay.sequence_parallel).lower()}", "parallel.auto=false"]

@@ -1,0 +1,76 @@
+"""What the trainer reports about memory: the planner's plan at start-up, and the model states each
+rank really holds once the first step has allocated gradients and optimizer states."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.distributed as dist
+
+from megaframe.config.schema import TrainConfig
+from megaframe.config.validate import Layout
+from megaframe.plan.estimate import Estimate, estimate_config
+from megaframe.plan.measure import held_model_states
+from megaframe.plan.memory import GIB
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def memory_plan(cfg: TrainConfig, layout: Layout) -> Optional[Estimate]:
+    """The planner's estimate for this run (None if it cannot be made, e.g. an unreadable tokenizer)."""
+    try:
+        return estimate_config(cfg, layout)
+    except Exception:  # the plan is informative here; the run must not die of it
+        return None
+
+
+def plan_summary(est: Optional[Estimate]) -> str:
+    """One line for the start-up summary."""
+    if est is None:
+        return "memory plan: unavailable"
+    worst = next(s for s in est.stages if s.stage == est.peak_stage)
+    return (f"memory plan per rank (stage {est.peak_stage}): weights {_size(worst.states.weights)} + grads "
+            f"{_size(worst.states.gradients)} + optimizer {_size(worst.states.optimizer)} "
+            f"(offloaded {_size(worst.states.host)}), activations {_size(worst.activations)}, "
+            f"peak {_size(est.peak)} of {_size(est.capacity)} ({'fits' if est.fits else 'DOES NOT FIT'})")
+
+
+def gather_model_states(engine) -> list[dict[str, int]]:
+    """held_model_states() of every rank, on every rank (a collective: all ranks must call it)."""
+    mine = held_model_states(engine)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [mine]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def model_states_record(step: int, per_rank: list[dict[str, int]], est: Optional[Estimate],
+                        pp: int, tp: int, dp: int) -> dict:
+    """The one-off metrics.jsonl record: measured bytes per rank next to the planner's per stage."""
+    planned = {}
+    if est is not None:
+        planned = {str(s.stage): {"weights": s.states.weights, "gradients": s.states.gradients,
+                                  "optimizer": s.states.optimizer, "host": s.states.host} for s in est.stages}
+    stages = [rank // (tp * dp) for rank in range(len(per_rank))]  # tp fastest, then dp, then pp
+    return {"step": step, "model_states_bytes_per_rank": per_rank, "pipeline_stage_per_rank": stages,
+            "model_states_bytes_planned_per_stage": planned}
+
+
+def model_states_line(per_rank: list[dict[str, int]], est: Optional[Estimate] = None) -> str:
+    """Console line: rank 0's measured model states next to the ZeRO paper's (the planner's) for
+    its stage, and the largest over ranks."""
+    def total(r: dict) -> int:
+        return r["weights"] + r["gradients"] + r["optimizer"]
+    first, largest = per_rank[0], max(per_rank, key=total)
+    paper = ""
+    stage0 = next((s for s in est.stages if s.stage == 0), None) if est is not None else None
+    if stage0 is not None:
+        st = stage0.states
+        paper = (f" (ZeRO paper: {_size(st.weights)} + {_size(st.gradients)} + {_size(st.optimizer)}"
+                 f"{f', offloaded {_size(st.host)}' if st.host else ''})")
+    return (f"model states held (measured after the first step), rank 0: weights {_size(first['weights'])} + "
+            f"grads {_size(first['gradients'])} + optimizer {_size(first['optimizer'])}{paper}, reduce "
+            f"bucket {_size(first['buckets'])}, other {_size(first['other'])}; largest rank "
+            f"{_size(total(largest))}")

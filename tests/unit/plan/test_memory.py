@@ -1,0 +1,71 @@
+"""Planner formulas: DeepSpeed's pipeline partitioning, ZeRO model states, activations saved for
+backward (against saved-tensor hooks on the real model)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megaframe.config.schema import ModelConfig
+from megaframe.model.factory import resolve_dims
+from megaframe.model.gpt import GPT
+from megaframe.plan.activations import ActivationShape, stage_activation_bytes
+from megaframe.plan.memory import model_state_bytes, partition_balanced
+
+
+@pytest.mark.parametrize("n,parts", [(7, 2), (12, 5), (35, 8), (27, 27), (4, 6), (40, 13)])
+def test_fast_partition_equals_deepspeeds(n, parts):
+    from deepspeed.runtime.utils import partition_balanced as deepspeed_partition
+
+    for weights in ([0, *[1] * (n - 3), 0, 0], [5, *[3] * (n - 3), 1, 5], list(range(n))):
+        assert partition_balanced(weights, parts) == [int(p) for p in deepspeed_partition(weights, parts)]
+
+
+@pytest.mark.parametrize("dtype,per_param", [("bf16", (16, 4 + 12 / 4, 2 + 14 / 4, 16 / 4)),
+                                             ("fp32", (16, 8 + 8 / 4, 4 + 12 / 4, 16 / 4))])
+def test_zero_paper_model_states(dtype, per_param):
+    for stage, expected in enumerate(per_param):
+        assert model_state_bytes(1000, 4, stage, dtype).device == pytest.approx(1000 * expected)
+
+
+def test_offload_moves_optimizer_states_to_the_host():
+    states = model_state_bytes(1000, 2, 2, "bf16", offload_optimizer="cpu")
+    assert states.optimizer == 0 and states.host == 1000 * 12 / 2 and states.device == 1000 * (2 + 2 / 2)
+
+
+def _saved_bytes(model: torch.nn.Module, idx: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves for backward, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(idx, idx)
+    return sum(saved.values())
+
+
+FLAVOURS = {
+    "gpt2": {},
+    "llama": dict(arch="llama", norm="rmsnorm", activation="swiglu", position_embedding="rope",
+                  tie_embeddings=False, bias=False, num_kv_heads=2),
+}
+
+
+@pytest.mark.parametrize("flavour", sorted(FLAVOURS))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_activation_estimate_matches_saved_tensors(flavour, dtype, recompute):
+    cfg = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=256,
+                      **FLAVOURS[flavour])
+    dims = resolve_dims(cfg, 256)
+    torch.manual_seed(0)
+    model = GPT(dims, activation_checkpointing=recompute).train()
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    micro = 4
+    measured = _saved_bytes(model, torch.randint(0, 256, (micro, 128)))
+    estimate = stage_activation_bytes(dims, ActivationShape(micro, dtype=dtype), 2, True, True, recompute)
+    assert estimate == pytest.approx(measured, rel=0.15)

@@ -1,0 +1,63 @@
+"""Every recipe composes and validates; its size matches the published one; the meta-device dry run
+of a rank on its first, a middle and its last pipeline stage holds exactly what the planner counts."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from megaframe.cli import compose
+from megaframe.config.validate import validate
+from megaframe.model.factory import resolve_dims
+from megaframe.paths import recipes_dir
+from megaframe.plan.cli import planned_world_size
+from megaframe.plan.dryrun import dry_run, stage_rank
+from megaframe.plan.memory import stage_parameters, total_parameters
+
+# Published sizes: ../shared/REFERENCE.md, and for Llama-3 8B / NeoX-20B their papers (8.03B, 20.55B).
+PUBLISHED = {"llama2_7b": 6.74e9, "llama2_13b": 13.0e9, "llama2_70b": 69.0e9, "llama3_8b": 8.03e9,
+             "neox_20b": 20.55e9, "gpt3_175b": 175e9, "mtnlg_530b": 530e9, "gpt_1t": 1.0e12}
+
+
+def _recipe(name: str):
+    cfg, _ = compose([f"recipe={name}"])
+    layout = validate(cfg, planned_world_size(cfg), fp16_supported=lambda: False)
+    return cfg, layout, resolve_dims(cfg.model, cfg.model.vocab_size, tp=layout.tp)
+
+
+def test_every_recipe_file_is_covered():
+    assert sorted(p.stem for p in recipes_dir().glob("*.yaml")) == sorted(PUBLISHED)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_recipe_composes_validates_and_has_its_published_size(name):
+    cfg, layout, dims = _recipe(name)
+    assert cfg.precision.dtype == "bf16" and cfg.parallel.activation_checkpointing
+    assert layout.world_size == layout.tp * layout.pp * layout.dp > 1
+    assert total_parameters(dims) == pytest.approx(PUBLISHED[name], rel=0.01)
+
+
+def test_llama2_7b_is_exactly_its_reference_size():
+    assert total_parameters(_recipe("llama2_7b")[2]) == 6_738_415_616
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_dry_run_matches_planner_on_first_middle_and_last_stage(name):
+    cfg, layout, dims = _recipe(name)
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    start = time.perf_counter()
+    for stage in sorted({0, pp // 2, pp - 1}):
+        for tp_rank in sorted({0, tp - 1}):
+            built = dry_run(dims, tp, pp, dp, stage_rank(tp, pp, dp, stage) + tp_rank, cfg.parallel.pipeline_partition)
+            assert built.stage == stage and built.tp_rank == tp_rank
+            assert built.parameters == stage_parameters(dims, tp, pp, stage, cfg.parallel.pipeline_partition), \
+                f"{name} stage {stage} tp rank {tp_rank}: {built.layers}"
+    assert time.perf_counter() - start < 60  # seconds, even for gpt_1t (DeepSpeed's partitioner is the slow part)
+
+
+def test_dry_run_of_a_whole_model_counts_every_tp_shard_once():
+    cfg, layout, dims = _recipe("llama2_13b")  # tp=2, pp=1
+    shards = [dry_run(dims, 2, 1, 1, rank).parameters for rank in range(2)]
+    # TP splits everything except norms (replicated on both ranks)
+    norms = (2 * dims.num_layers + 1) * dims.hidden_size
+    assert sum(shards) - norms == total_parameters(dims)

@@ -1,0 +1,34 @@
+"""Layout search: only layouts validation and DeepSpeed accept, ranked, and parallel=auto's overrides."""
+from __future__ import annotations
+
+from megaframe.cli import compose
+from megaframe.config.validate import validate
+from megaframe.plan.cli import planned_world_size
+from megaframe.plan.estimate import estimate_config, plan_layout
+from megaframe.plan.search import candidate_layouts, fitting_layouts, layout_overrides
+
+
+def test_candidates_are_legal_and_keep_the_world_and_batch():
+    cfg, _ = compose(["recipe=llama2_70b", "cluster=h100_80g"])
+    base = plan_layout(cfg, validate(cfg, planned_world_size(cfg), fp16_supported=lambda: False))
+    seen = list(candidate_layouts(cfg.model, base, 8))
+    assert len(seen) > 50
+    for lay in seen:
+        assert lay.world_size == base.world_size == 512 and lay.tp <= 8
+        assert lay.global_batch_size % (lay.micro_batch_size * lay.dp) == 0
+        assert cfg.model.num_attention_heads % lay.tp == 0 and lay.pp <= cfg.model.num_layers
+        assert lay.pp == 1 or lay.zero_stage <= 1  # DeepSpeed's pipeline engine: ZeRO 0-1
+        assert lay.offload_param == "none" or lay.zero_stage == 3
+        assert not lay.sequence_parallel or lay.tp > 1
+
+
+def test_fitting_layouts_fit_are_ranked_and_their_overrides_validate():
+    cfg, _ = compose(["recipe=llama2_70b", "cluster=h100_80g", "parallel.tp=1", "parallel.pp=1", "parallel.dp=512"])
+    layout = validate(cfg, 512, fp16_supported=lambda: False)
+    assert not estimate_config(cfg, layout).fits
+    best = fitting_layouts(cfg, plan_layout(cfg, layout), limit=5)
+    assert best and all(e.fits for e in best)
+    assert [e.ranked_step_time_s for e in best] == sorted(e.ranked_step_time_s for e in best)
+    chosen, _ = compose(["recipe=llama2_70b", "cluster=h100_80g", *layout_overrides(best[0].layout)])
+    again = estimate_config(chosen, validate(chosen, 512, fp16_supported=lambda: False))
+    assert again.layout == best[0].layout and again.peak == best[0].peak

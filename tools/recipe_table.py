@@ -1,0 +1,28 @@
+"""The README's recipe table: every recipe's size, its authors' layout and the planner's memory per GPU.
+
+    python tools/recipe_table.py [cluster=h100_80g] [MORE OVERRIDES]
+"""
+from __future__ import annotations
+
+import sys
+
+from megaframe.cli import compose
+from megaframe.paths import recipes_dir
+from megaframe.plan.cli import plan, planned_world_size
+from megaframe.plan.memory import GIB
+
+
+def main(extra: list[str]) -> None:
+    extra = extra or ["cluster=h100_80g"]
+    print("| recipe | parameters | layout (tp × pp × dp) | ZeRO | GPUs | planner peak per GPU | fits |")
+    print("|---|---|---|---|---|---|---|")
+    for path in sorted(recipes_dir().glob("*.yaml")):
+        cfg, _ = compose([f"recipe={path.stem}", *extra])
+        layout, est, _ = plan(cfg, planned_world_size(cfg))
+        print(f"| `{path.stem}` | {est.total_parameters / 1e9:,.2f}B | {layout.tp} × {layout.pp} × {layout.dp} | "
+              f"{cfg.zero.stage} | {layout.world_size:,} | {est.peak / GIB:.1f} GiB of {est.capacity / GIB:.0f} | "
+              f"{'yes' if est.fits else 'no'} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
