@@ -33,6 +33,7 @@ def test_every_recipe_file_is_covered():
 def test_recipe_composes_validates_and_has_its_published_size(name):
     cfg, layout, dims = _recipe(name)
     assert cfg.precision.dtype == "bf16" and cfg.parallel.activation_checkpointing
+    assert cfg.logging.wandb.group == name  # W&B groups runs by recipe
     assert layout.world_size == layout.tp * layout.pp * layout.dp > 1
     assert total_parameters(dims) == pytest.approx(PUBLISHED[name], rel=0.01)
 
