@@ -4,19 +4,24 @@ Layout under RUN_DIR/checkpoints/:
   global_step{N}/      DeepSpeed's files for step N plus rng_rank{R}.pt for every rank
   latest               the name of the newest complete checkpoint, replaced atomically and last
 A save goes to tmp-global_step{N}/ first and is renamed once every rank has written its part, so a
-crash mid-save leaves `latest` pointing at the previous, complete checkpoint.
+crash mid-save leaves `latest` pointing at the previous, complete checkpoint. Before the rename
+rank 0 writes manifest.json (sizes and sha256 of every file); loading verifies it. With layout-free
+files in the directory too (megaframe/checkpoint/universal.py), a resume in another layout reshards.
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from megaframe.checkpoint import universal
+from megaframe.checkpoint.universal import CheckpointError
 from megaframe.tracking.metrics import atomic_write_text
 
 LATEST = "latest"
@@ -48,8 +53,12 @@ def _rank() -> int:
 
 
 def save(engine, save_dir: Path, step: int, client_state: dict[str, Any],
-         rng_state: Optional[dict[str, Any]] = None) -> Path:
-    """Save every rank's shard, then (rank 0) publish it: rename into place, update `latest`."""
+         rng_state: Optional[dict[str, Any]] = None, write_extra: Optional[Callable[[Path], None]] = None,
+         keep: int = 0) -> Path:
+    """Save every rank's shard, then (rank 0) publish it: manifest, rename into place, update `latest`.
+
+    write_extra(tmp_dir) runs on every rank after the engine's files (the layout-free files);
+    keep > 0 deletes all but the newest `keep` checkpoints once `latest` names the new one."""
     save_dir = Path(save_dir)
     tag = tag_for(step)
     tmp_tag = TMP_PREFIX + tag
@@ -59,9 +68,12 @@ def save(engine, save_dir: Path, step: int, client_state: dict[str, Any],
     _barrier()
     engine.save_checkpoint(str(save_dir), tag=tmp_tag, client_state=client_state, save_latest=False)
     torch.save({"cpu": torch.get_rng_state(), **(rng_state or {})}, save_dir / tmp_tag / f"rng_rank{_rank()}.pt")
+    if write_extra is not None:
+        write_extra(save_dir / tmp_tag)
     _barrier()
     final = save_dir / tag
     if _rank() == 0:
+        universal.write_manifest(save_dir / tmp_tag)
         if final.exists():  # re-saving a step (e.g. after a resume): keep the old one until the swap
             old = save_dir / (TMP_PREFIX + "old-" + tag)
             shutil.rmtree(old, ignore_errors=True)
@@ -71,8 +83,32 @@ def save(engine, save_dir: Path, step: int, client_state: dict[str, Any],
         else:
             os.replace(save_dir / tmp_tag, final)
         atomic_write_text(save_dir / LATEST, tag + "\n")
+        if keep > 0:
+            prune(save_dir, keep)
     _barrier()
     return final
+
+
+def _complete_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of the published global_step{N} directories, oldest first (tmp-* excluded)."""
+    found = []
+    for path in Path(save_dir).iterdir():
+        match = re.fullmatch(r"global_step(\d+)", path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def prune(save_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints, never the one `latest` names; return the deleted."""
+    current = find_latest(save_dir)
+    doomed = [path for _, path in _complete_checkpoints(save_dir)[:-keep] if path != current]
+    for path in doomed:
+        # rename first: a crash mid-delete leaves tmp-* debris, never a half-deleted global_step dir
+        trash = path.with_name(TMP_PREFIX + "del-" + path.name)
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return doomed
 
 
 def find_latest(save_dir: Path) -> Optional[Path]:
@@ -81,7 +117,12 @@ def find_latest(save_dir: Path) -> Optional[Path]:
     if not pointer.is_file():
         return None
     path = Path(save_dir) / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    if path.is_dir():
+        return path
+    # `latest` names a directory a crash took away mid-swap (re-save of the same step): fall back to
+    # the newest published one rather than silently starting over
+    complete = _complete_checkpoints(save_dir)
+    return complete[-1][1] if complete else None
 
 
 def resolve_resume(resume: str, run_checkpoints: Path) -> Optional[Path]:
@@ -93,6 +134,43 @@ def resolve_resume(resume: str, run_checkpoints: Path) -> Optional[Path]:
     path = Path(resume)
     latest = find_latest(path)  # a checkpoints/ directory with a `latest` pointer
     return latest if latest is not None else path
+
+
+def verify(path: Path) -> None:
+    """Rank 0 checks the manifest (every file's size and sha256); every rank raises the same
+    one-line CheckpointError when it fails."""
+    message = [None]
+    if _rank() == 0:
+        try:
+            universal.verify_manifest(path)
+        except CheckpointError as err:
+            message[0] = f"train.resume: {err}; resume from an earlier checkpoint with train.resume=PATH"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(message, src=0)
+    if message[0]:
+        raise CheckpointError(message[0])
+
+
+def has_engine_files(path: Path) -> bool:
+    """Whether DeepSpeed's own (layout-bound) files are in the checkpoint directory."""
+    return any(Path(path).glob("*model_states.pt"))
+
+
+def load_any(engine, path: Path, layout: dict[str, Any],
+             load_universal: Callable[[Path], dict[str, Any]]) -> ResumePoint:
+    """Verify, then resume: through DeepSpeed when the checkpoint was written in this very layout
+    (exact, RNG included), otherwise from the layout-free files via load_universal(path) -> state."""
+    verify(path)
+    state = universal.read_state(path) if (Path(path) / universal.STATE_FILE).is_file() else {}
+    saved = state.get("layout")
+    if has_engine_files(path) and saved in (None, layout):
+        return load(engine, path)
+    if not universal.has_universal(path):
+        raise CheckpointError(f"train.resume: checkpoint {path} was written in layout {saved} (now {layout}) and "
+                              f"holds no layout-free {universal.MODEL_FILE}; resume in that layout, or save with "
+                              f"train.universal_checkpoint=true")
+    state = load_universal(Path(path))
+    return ResumePoint(path=Path(path), step=int(state["step"]), client_state=state, rng_state={})
 
 
 def load(engine, path: Path) -> ResumePoint:
