@@ -133,6 +133,8 @@ def gather_full_state(view: EngineView, with_optimizer: bool) -> tuple[dict, Opt
 
     Every rank must call this (it runs collectives over TP, DP and the world)."""
     keep = view.ps.tp_rank == 0 and view.ps.dp_rank == 0  # one writer per pipeline stage
+    if with_optimizer:
+        _link_optimizer_state(view)
     model, optim = {}, {}
     fp32 = view.dtype == "fp32"
     for name, param in local_parameters(view):
@@ -239,16 +241,25 @@ def _set_optimizer_value(view: EngineView, param, value: torch.Tensor, key: Opti
 def _create_adam_state(view: EngineView, step: int) -> None:
     """Adam state exists only after the first step (torch and DeepSpeed create it lazily): make it
     now, at the checkpoint's step count, so the moments have somewhere to go."""
-    base = view.base_optimizer
-    for group in base.param_groups:
-        for p in group["params"]:
-            state = base.state[p]
-            if not state:
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] = torch.tensor(float(step))
+    base, opt = view.base_optimizer, view.engine.optimizer
+    # the tensors Adam steps: ZeRO's flat fp32 partitions (ZeRO-3 swaps them into param_groups
+    # only during its step), else the module parameters
+    flats = getattr(opt, "fp32_partitioned_groups_flat", None) or getattr(opt, "single_partition_of_fp32_groups", None)
+    for p in flats or [p for group in base.param_groups for p in group["params"]]:
+        state = base.state[p]
+        if not state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] = torch.tensor(float(step))
+    _link_optimizer_state(view)
+
+
+def _link_optimizer_state(view: EngineView) -> None:
+    """ZeRO 1/2: point every parameter's hp mapping at its Adam state. DeepSpeed links them once,
+    right after the FIRST param group's first step, so later groups' parameters (our no-decay
+    group) never see theirs; relinking every group is idempotent."""
     link = getattr(view.engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
-    if link is not None:  # ZeRO 1/2: point each parameter's hp mapping at the new state
+    if link is not None:
         view.engine.optimizer._hp_optimizer_states_linked = False
         link()
 

@@ -134,8 +134,12 @@ def write_universal(out_dir: Path, model: dict[str, torch.Tensor], state: dict[s
     tmp = out_dir.with_name(f"tmp-{out_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    write_files(tmp, model, state, optimizer, tokenizer_dir)
-    write_manifest(tmp)
+    try:
+        write_files(tmp, model, state, optimizer, tokenizer_dir)
+        write_manifest(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if out_dir.exists():
         old = out_dir.with_name(f"tmp-old-{out_dir.name}")
         shutil.rmtree(old, ignore_errors=True)
