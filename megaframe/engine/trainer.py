@@ -19,6 +19,7 @@ from megaframe.config.validate import Layout
 from megaframe.data import micro_batches, eval_batches
 from megaframe.engine import checkpoint
 from megaframe.engine.data_setup import DataSplits, build_data
+from megaframe.engine.elastic import join_restarted_group
 from megaframe.engine.schedule import lr_scheduler_factory
 from megaframe.model.factory import build_model, count_parameters, resolve_dims
 from megaframe.model.pipeline import build_pipeline_model
@@ -45,6 +46,7 @@ def init_distributed() -> None:
     if not dist.is_initialized() and "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
+    join_restarted_group(get_accelerator().communication_backend_name())  # torchrun restarts
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
 
 
@@ -202,6 +204,12 @@ class Trainer:
     def _resume(self) -> None:
         path = checkpoint.resolve_resume(self.cfg.train.resume, self.checkpoint_dir)
         if path is None:
+            if self.cfg.train.resume == "auto" and self.is_logger:
+                # an attempt that crashed before its first checkpoint: its records would repeat
+                dropped = self.metrics.truncate_after(-1)
+                if dropped:
+                    print(f"no checkpoint to resume from: dropped {dropped} metrics records of an earlier attempt",
+                          flush=True)
             return
         view = self._view()
         point = checkpoint.load_any(self.engine, path, reshard.layout_record(view),

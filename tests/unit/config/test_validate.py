@@ -91,3 +91,10 @@ def test_derived_sizes():
     assert ffn_hidden_size(cfg.model) == 256  # 8*96/3 = 256, already a multiple of 64
     assert padded_vocab_size(257, 128, 1) == 384
     assert padded_vocab_size(50257, 128, 8) == 51200  # GPT-2's vocabulary under Megatron, TP 8
+
+
+def test_keep_checkpoints_must_not_be_negative():
+    cfg = TrainConfig()
+    cfg.train.keep_checkpoints = -1
+    with pytest.raises(ConfigError, match=r"train.keep_checkpoints=-1 must be >= 0"):
+        validate(cfg, 1, _never_fp16)
