@@ -10,6 +10,7 @@ files in the directory too (megaframe/checkpoint/universal.py), a resume in anot
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ from megaframe.tracking.metrics import atomic_write_text
 
 LATEST = "latest"
 TMP_PREFIX = "tmp-"
+LAYOUT_FILE = "layout.json"  # the layout DeepSpeed's own files can be loaded into
 
 
 def tag_for(step: int) -> str:
@@ -70,6 +72,8 @@ def save(engine, save_dir: Path, step: int, client_state: dict[str, Any],
     torch.save({"cpu": torch.get_rng_state(), **(rng_state or {})}, save_dir / tmp_tag / f"rng_rank{_rank()}.pt")
     if write_extra is not None:
         write_extra(save_dir / tmp_tag)
+    if _rank() == 0 and "layout" in client_state:
+        atomic_write_text(save_dir / tmp_tag / LAYOUT_FILE, json.dumps(client_state["layout"], sort_keys=True) + "\n")
     _barrier()
     final = save_dir / tag
     if _rank() == 0:
@@ -158,19 +162,33 @@ def has_engine_files(path: Path) -> bool:
 
 def load_any(engine, path: Path, layout: dict[str, Any],
              load_universal: Callable[[Path], dict[str, Any]]) -> ResumePoint:
-    """Verify, then resume: through DeepSpeed when the checkpoint was written in this very layout
-    (exact, RNG included), otherwise from the layout-free files via load_universal(path) -> state."""
+    """Verify the manifest, then resume from the layout-free files via load_universal(path) -> state
+    (any layout; nothing unpickled). This rank's RNG comes back too when the layout is unchanged.
+    Only a checkpoint without them (train.universal_checkpoint=false) goes through DeepSpeed's own
+    loader, which unpickles its .pt files and needs the layout they were written in."""
+    path = Path(path)
     verify(path)
-    state = universal.read_state(path) if (Path(path) / universal.STATE_FILE).is_file() else {}
-    saved = state.get("layout")
-    if has_engine_files(path) and saved in (None, layout):
-        return load(engine, path)
-    if not universal.has_universal(path):
+    if universal.has_universal(path):
+        state = load_universal(path)
+        rng_state = _load_rng(path) if state.get("layout") == layout else {}
+        return ResumePoint(path=path, step=int(state["step"]), client_state=state, rng_state=rng_state)
+    saved = json.loads((path / LAYOUT_FILE).read_text()) if (path / LAYOUT_FILE).is_file() else None
+    if not has_engine_files(path):
+        raise CheckpointError(f"train.resume: {path} holds neither {universal.MODEL_FILE} nor DeepSpeed's files")
+    if saved is not None and saved != layout:
         raise CheckpointError(f"train.resume: checkpoint {path} was written in layout {saved} (now {layout}) and "
                               f"holds no layout-free {universal.MODEL_FILE}; resume in that layout, or save with "
                               f"train.universal_checkpoint=true")
-    state = load_universal(Path(path))
-    return ResumePoint(path=Path(path), step=int(state["step"]), client_state=state, rng_state={})
+    return load(engine, path)
+
+
+def _load_rng(path: Path) -> dict[str, Any]:
+    """This rank's saved RNG states (weights_only: tensors and plain containers only); CPU's applied."""
+    rng_file = Path(path) / f"rng_rank{_rank()}.pt"
+    rng_state = torch.load(rng_file, weights_only=True) if rng_file.exists() else {}
+    if "cpu" in rng_state:
+        torch.set_rng_state(rng_state["cpu"])
+    return rng_state
 
 
 def load(engine, path: Path) -> ResumePoint:
@@ -181,8 +199,5 @@ def load(engine, path: Path) -> ResumePoint:
     loaded, client_state = engine.load_checkpoint(str(path.parent), tag=path.name)
     if loaded is None:
         raise RuntimeError(f"train.resume: DeepSpeed could not load a checkpoint from {path}")
-    rng_file = path / f"rng_rank{_rank()}.pt"
-    rng_state = torch.load(rng_file, weights_only=True) if rng_file.exists() else {}
-    if "cpu" in rng_state:
-        torch.set_rng_state(rng_state["cpu"])
-    return ResumePoint(path=path, step=int(client_state["step"]), client_state=client_state, rng_state=rng_state)
+    return ResumePoint(path=path, step=int(client_state["step"]), client_state=client_state,
+                       rng_state=_load_rng(path))

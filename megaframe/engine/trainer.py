@@ -217,7 +217,7 @@ class Trainer:
         self.step = point.step
         if "tp_dropout" in point.rng_state:
             self.model.rng.load_state_dict(point.rng_state["tp_dropout"])
-        elif point.client_state.get("format") == "megaframe-universal":
+        elif point.client_state.get("format") == "megaframe-universal":  # resharded
             # per-rank RNG streams do not map onto another layout: restart them from (seed, step)
             seed = self.cfg.train.seed + self.step
             self.model.rng.load_state_dict(TPDropoutRNG(seed, self.ps.tp_rank).state_dict())
