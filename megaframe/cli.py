@@ -153,6 +153,7 @@ def _task(dict_cfg) -> None:
     """What hydra.main runs: type the config, validate again (cheap), train."""
     from hydra.core.hydra_config import HydraConfig
 
+    from megaframe.checkpoint.universal import CheckpointError
     from megaframe.engine.trainer import train
     from megaframe.tracking.metrics import atomic_write_text
 
@@ -164,7 +165,10 @@ def _task(dict_cfg) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if _rank() == 0:
         atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True))
-    train(cfg, layout, run_dir)
+    try:
+        train(cfg, layout, run_dir)
+    except CheckpointError as err:  # corrupted / incompatible checkpoint: one line, not a traceback
+        _fail(str(err))
 
 
 def _run_hydra(args: list[str]) -> None:

@@ -130,6 +130,8 @@ class LoopConfig:
     save_interval: int = 100  # 0 = save only at the end
     resume: str = "auto"  # auto | none | a checkpoint directory
     exit_at_step: Optional[int] = None  # stop early (saving a checkpoint) without changing the schedule
+    keep_checkpoints: int = 0  # keep the newest K checkpoints (0 = keep all)
+    universal_checkpoint: bool = True  # also write layout-free safetensors (resume into any tp/pp/dp/ZeRO)
 
 
 @dataclass

@@ -136,7 +136,7 @@ def check_train(cfg: TrainConfig) -> Optional[str]:
         if value < 1:
             return f"{key}={value} must be >= 1"
     for key, value in (("train.eval_interval", t.eval_interval), ("train.save_interval", t.save_interval),
-                       ("train.eval_steps", t.eval_steps)):
+                       ("train.eval_steps", t.eval_steps), ("train.keep_checkpoints", t.keep_checkpoints)):
         if value < 0:
             return f"{key}={value} must be >= 0 (0 disables it)"
     if t.exit_at_step is not None and not 1 <= t.exit_at_step <= t.max_steps:

@@ -4,23 +4,30 @@ Layout under RUN_DIR/checkpoints/:
   global_step{N}/      DeepSpeed's files for step N plus rng_rank{R}.pt for every rank
   latest               the name of the newest complete checkpoint, replaced atomically and last
 A save goes to tmp-global_step{N}/ first and is renamed once every rank has written its part, so a
-crash mid-save leaves `latest` pointing at the previous, complete checkpoint.
+crash mid-save leaves `latest` pointing at the previous, complete checkpoint. Before the rename
+rank 0 writes manifest.json (sizes and sha256 of every file); loading verifies it. With layout-free
+files in the directory too (megaframe/checkpoint/universal.py), a resume in another layout reshards.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from megaframe.checkpoint import universal
+from megaframe.checkpoint.universal import CheckpointError
 from megaframe.tracking.metrics import atomic_write_text
 
 LATEST = "latest"
 TMP_PREFIX = "tmp-"
+LAYOUT_FILE = "layout.json"  # the layout DeepSpeed's own files can be loaded into
 
 
 def tag_for(step: int) -> str:
@@ -48,8 +55,12 @@ def _rank() -> int:
 
 
 def save(engine, save_dir: Path, step: int, client_state: dict[str, Any],
-         rng_state: Optional[dict[str, Any]] = None) -> Path:
-    """Save every rank's shard, then (rank 0) publish it: rename into place, update `latest`."""
+         rng_state: Optional[dict[str, Any]] = None, write_extra: Optional[Callable[[Path], None]] = None,
+         keep: int = 0) -> Path:
+    """Save every rank's shard, then (rank 0) publish it: manifest, rename into place, update `latest`.
+
+    write_extra(tmp_dir) runs on every rank after the engine's files (the layout-free files);
+    keep > 0 deletes all but the newest `keep` checkpoints once `latest` names the new one."""
     save_dir = Path(save_dir)
     tag = tag_for(step)
     tmp_tag = TMP_PREFIX + tag
@@ -59,9 +70,14 @@ def save(engine, save_dir: Path, step: int, client_state: dict[str, Any],
     _barrier()
     engine.save_checkpoint(str(save_dir), tag=tmp_tag, client_state=client_state, save_latest=False)
     torch.save({"cpu": torch.get_rng_state(), **(rng_state or {})}, save_dir / tmp_tag / f"rng_rank{_rank()}.pt")
+    if write_extra is not None:
+        write_extra(save_dir / tmp_tag)
+    if _rank() == 0 and "layout" in client_state:
+        atomic_write_text(save_dir / tmp_tag / LAYOUT_FILE, json.dumps(client_state["layout"], sort_keys=True) + "\n")
     _barrier()
     final = save_dir / tag
     if _rank() == 0:
+        universal.write_manifest(save_dir / tmp_tag)
         if final.exists():  # re-saving a step (e.g. after a resume): keep the old one until the swap
             old = save_dir / (TMP_PREFIX + "old-" + tag)
             shutil.rmtree(old, ignore_errors=True)
@@ -71,8 +87,32 @@ def save(engine, save_dir: Path, step: int, client_state: dict[str, Any],
         else:
             os.replace(save_dir / tmp_tag, final)
         atomic_write_text(save_dir / LATEST, tag + "\n")
+        if keep > 0:
+            prune(save_dir, keep)
     _barrier()
     return final
+
+
+def _complete_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of the published global_step{N} directories, oldest first (tmp-* excluded)."""
+    found = []
+    for path in Path(save_dir).iterdir():
+        match = re.fullmatch(r"global_step(\d+)", path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def prune(save_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints, never the one `latest` names; return the deleted."""
+    current = find_latest(save_dir)
+    doomed = [path for _, path in _complete_checkpoints(save_dir)[:-keep] if path != current]
+    for path in doomed:
+        # rename first: a crash mid-delete leaves tmp-* debris, never a half-deleted global_step dir
+        trash = path.with_name(TMP_PREFIX + "del-" + path.name)
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return doomed
 
 
 def find_latest(save_dir: Path) -> Optional[Path]:
@@ -81,7 +121,12 @@ def find_latest(save_dir: Path) -> Optional[Path]:
     if not pointer.is_file():
         return None
     path = Path(save_dir) / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    if path.is_dir():
+        return path
+    # `latest` names a directory a crash took away mid-swap (re-save of the same step): fall back to
+    # the newest published one rather than silently starting over
+    complete = _complete_checkpoints(save_dir)
+    return complete[-1][1] if complete else None
 
 
 def resolve_resume(resume: str, run_checkpoints: Path) -> Optional[Path]:
@@ -95,6 +140,57 @@ def resolve_resume(resume: str, run_checkpoints: Path) -> Optional[Path]:
     return latest if latest is not None else path
 
 
+def verify(path: Path) -> None:
+    """Rank 0 checks the manifest (every file's size and sha256); every rank raises the same
+    one-line CheckpointError when it fails."""
+    message = [None]
+    if _rank() == 0:
+        try:
+            universal.verify_manifest(path)
+        except CheckpointError as err:
+            message[0] = f"train.resume: {err}; resume from an earlier checkpoint with train.resume=PATH"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(message, src=0)
+    if message[0]:
+        raise CheckpointError(message[0])
+
+
+def has_engine_files(path: Path) -> bool:
+    """Whether DeepSpeed's own (layout-bound) files are in the checkpoint directory."""
+    return any(Path(path).glob("*model_states.pt"))
+
+
+def load_any(engine, path: Path, layout: dict[str, Any],
+             load_universal: Callable[[Path], dict[str, Any]]) -> ResumePoint:
+    """Verify the manifest, then resume from the layout-free files via load_universal(path) -> state
+    (any layout; nothing unpickled). This rank's RNG comes back too when the layout is unchanged.
+    Only a checkpoint without them (train.universal_checkpoint=false) goes through DeepSpeed's own
+    loader, which unpickles its .pt files and needs the layout they were written in."""
+    path = Path(path)
+    verify(path)
+    if universal.has_universal(path):
+        state = load_universal(path)
+        rng_state = _load_rng(path) if state.get("layout") == layout else {}
+        return ResumePoint(path=path, step=int(state["step"]), client_state=state, rng_state=rng_state)
+    saved = json.loads((path / LAYOUT_FILE).read_text()) if (path / LAYOUT_FILE).is_file() else None
+    if not has_engine_files(path):
+        raise CheckpointError(f"train.resume: {path} holds neither {universal.MODEL_FILE} nor DeepSpeed's files")
+    if saved is not None and saved != layout:
+        raise CheckpointError(f"train.resume: checkpoint {path} was written in layout {saved} (now {layout}) and "
+                              f"holds no layout-free {universal.MODEL_FILE}; resume in that layout, or save with "
+                              f"train.universal_checkpoint=true")
+    return load(engine, path)
+
+
+def _load_rng(path: Path) -> dict[str, Any]:
+    """This rank's saved RNG states (weights_only: tensors and plain containers only); CPU's applied."""
+    rng_file = Path(path) / f"rng_rank{_rank()}.pt"
+    rng_state = torch.load(rng_file, weights_only=True) if rng_file.exists() else {}
+    if "cpu" in rng_state:
+        torch.set_rng_state(rng_state["cpu"])
+    return rng_state
+
+
 def load(engine, path: Path) -> ResumePoint:
     """Load model, optimizer, scheduler and this rank's RNG from a checkpoint directory.
 
@@ -103,8 +199,5 @@ def load(engine, path: Path) -> ResumePoint:
     loaded, client_state = engine.load_checkpoint(str(path.parent), tag=path.name)
     if loaded is None:
         raise RuntimeError(f"train.resume: DeepSpeed could not load a checkpoint from {path}")
-    rng_file = path / f"rng_rank{_rank()}.pt"
-    rng_state = torch.load(rng_file, weights_only=True) if rng_file.exists() else {}
-    if "cpu" in rng_state:
-        torch.set_rng_state(rng_state["cpu"])
-    return ResumePoint(path=path, step=int(client_state["step"]), client_state=client_state, rng_state=rng_state)
+    return ResumePoint(path=path, step=int(client_state["step"]), client_state=client_state,
+                       rng_state=_load_rng(path))

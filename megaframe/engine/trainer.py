@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megaframe.checkpoint import reshard
 from megaframe.config.deepspeed import to_ds_config
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
@@ -19,9 +20,11 @@ from megaframe.data import micro_batches, eval_batches
 from megaframe.engine import checkpoint
 from megaframe.engine.data_setup import DataSplits, build_data
 from megaframe.engine.nvme_swap import open_nvme_swap
+from megaframe.engine.elastic import join_restarted_group
 from megaframe.engine.schedule import lr_scheduler_factory
 from megaframe.model.factory import build_model, count_parameters, resolve_dims
 from megaframe.model.pipeline import build_pipeline_model
+from megaframe.parallel.random import TPDropoutRNG
 from megaframe.parallel.state import ParallelState
 from megaframe.plan.startup import (gather_model_states, memory_plan, model_states_line, model_states_record,
                                     plan_summary)
@@ -46,6 +49,7 @@ def init_distributed() -> None:
     if not dist.is_initialized() and "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
+    join_restarted_group(get_accelerator().communication_backend_name())  # torchrun restarts
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
 
 
@@ -203,24 +207,50 @@ class Trainer:
         return self._dp_mean(mean)
 
     # ---- bookkeeping -------------------------------------------------------------------------
+    def _view(self) -> reshard.EngineView:
+        return reshard.EngineView(self.engine, self.ps, self.dims, self.pipelined, self.cfg.zero.stage,
+                                  self.cfg.precision.dtype)
+
     def _resume(self) -> None:
         path = checkpoint.resolve_resume(self.cfg.train.resume, self.checkpoint_dir)
         if path is None:
+            if self.cfg.train.resume == "auto" and self.is_logger:
+                # an attempt that crashed before its first checkpoint: its records would repeat
+                dropped = self.metrics.truncate_after(-1)
+                if dropped:
+                    print(f"no checkpoint to resume from: dropped {dropped} metrics records of an earlier attempt",
+                          flush=True)
             return
-        point = checkpoint.load(self.engine, path)
+        view = self._view()
+        point = checkpoint.load_any(self.engine, path, reshard.layout_record(view),
+                                    lambda p: reshard.resume_universal(view, p, self.lr_scheduler))
         self.step = point.step
         if "tp_dropout" in point.rng_state:
             self.model.rng.load_state_dict(point.rng_state["tp_dropout"])
+        elif point.client_state.get("format") == "megaframe-universal":  # resharded
+            # per-rank RNG streams do not map onto another layout: restart them from (seed, step)
+            seed = self.cfg.train.seed + self.step
+            self.model.rng.load_state_dict(TPDropoutRNG(seed, self.ps.tp_rank).state_dict())
+            torch.manual_seed(seed)
         if self.is_logger:
             dropped = self.metrics.truncate_after(self.step)
             print(f"resumed from {path} at step {self.step}"
                   + (f" (dropped {dropped} metrics records logged after it)" if dropped else ""), flush=True)
 
     def _save(self) -> None:
+        view = self._view()
         state = {"step": self.step, "consumed_samples": self.consumed_samples,
-                 "global_batch_size": self.layout.global_batch_size}
+                 "global_batch_size": self.layout.global_batch_size, "layout": reshard.layout_record(view)}
+        write_universal = None
+        if self.cfg.train.universal_checkpoint:
+            tokenizer = Path(self.cfg.data.tokenizer)
+            universal_state = {**state, "model": reshard.model_config_dict(self.cfg.model, self.dims),
+                               "tokenizer": self.cfg.data.tokenizer, "data_seed": self.cfg.train.seed}
+            write_universal = lambda tmp_dir: reshard.save_universal(  # noqa: E731
+                view, tmp_dir, universal_state, self.lr_scheduler, tokenizer if tokenizer.is_dir() else None)
         checkpoint.save(self.engine, self.checkpoint_dir, self.step, state,
-                        rng_state={"tp_dropout": self.model.rng.state_dict()})
+                        rng_state={"tp_dropout": self.model.rng.state_dict()}, write_extra=write_universal,
+                        keep=self.cfg.train.keep_checkpoints)
 
     def _log(self, record: dict) -> None:
         if not self.is_logger:

@@ -107,3 +107,10 @@ def test_zero_offload_and_loss_scaling_knobs_are_checked(group, key, value, frag
     setattr(getattr(cfg, group), key, value)
     with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
         validate(cfg, 1, lambda: True)
+
+
+def test_keep_checkpoints_must_not_be_negative():
+    cfg = TrainConfig()
+    cfg.train.keep_checkpoints = -1
+    with pytest.raises(ConfigError, match=r"train.keep_checkpoints=-1 must be >= 0"):
+        validate(cfg, 1, _never_fp16)

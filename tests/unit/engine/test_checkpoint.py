@@ -56,3 +56,27 @@ def test_resolve_resume(tmp_path):
     assert checkpoint.resolve_resume("auto", tmp_path) == tmp_path / "global_step2"
     assert checkpoint.resolve_resume(str(tmp_path), tmp_path / "elsewhere") == tmp_path / "global_step2"
     assert checkpoint.resolve_resume(str(tmp_path / "global_step2"), tmp_path) == tmp_path / "global_step2"
+
+
+def test_save_writes_a_manifest_that_load_verifies(tmp_path):
+    path = checkpoint.save(FakeEngine(), tmp_path, 4, {"step": 4},
+                           write_extra=lambda d: (d / "extra.bin").write_bytes(b"x" * 10))
+    checkpoint.verify(path)  # complete: passes
+    (path / "extra.bin").write_bytes(b"y" + b"x" * 9)
+    with pytest.raises(checkpoint.CheckpointError, match="global_step4 is corrupted: extra.bin"):
+        checkpoint.verify(path)
+
+
+def test_keep_prunes_older_checkpoints_after_latest_moves(tmp_path):
+    for step in (2, 4, 6, 8):
+        checkpoint.save(FakeEngine(), tmp_path, step, {"step": step}, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step6", "global_step8", "latest"]
+    assert checkpoint.find_latest(tmp_path) == tmp_path / "global_step8"
+
+
+def test_latest_pointing_at_a_vanished_dir_falls_back_to_newest_complete(tmp_path):
+    for step in (2, 4):
+        checkpoint.save(FakeEngine(), tmp_path, step, {"step": step})
+    (tmp_path / "tmp-global_step6").mkdir()  # debris is never a candidate
+    (tmp_path / "latest").write_text("global_step6\n")
+    assert checkpoint.find_latest(tmp_path) == tmp_path / "global_step4"

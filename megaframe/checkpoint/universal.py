@@ -1,0 +1,192 @@
+"""The layout-free ("universal") checkpoint format: full, named fp32 tensors in safetensors.
+
+A directory holding (see /work/briefs/format.md, the contract shared with the HF converter):
+  model.safetensors      one tensor per canonical parameter name (the tp=1 GPT's names), vocab unpadded
+  optimizer.safetensors  optional: exp_avg.<name>, exp_avg_sq.<name>, master.<name> (master omitted in fp32)
+  state.json             {"format": "megaframe-universal", "version": 1, "step", "consumed_samples", "model", ...}
+  manifest.json          written last: bytes + sha256 of every other file, and each safetensors file's tensors
+  tokenizer/             optional copy of a Hugging Face tokenizer directory
+Nothing here is unpickled: tensors come from safetensors, the rest is JSON. No torch.distributed in
+this module: engine/ranks code lives in reshard.py.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megaframe.tracking.metrics import atomic_write_text
+
+FORMAT, VERSION = "megaframe-universal", 1
+MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, MANIFEST_FILE = "model.safetensors", "optimizer.safetensors", "state.json", "manifest.json"
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+MASTER_KEY = "master"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: corrupted, truncated, incompatible. The message is one line."""
+
+
+def _hash_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def safetensors_header(path: Path) -> dict[str, dict]:
+    """{name: {"shape", "dtype"}} from a safetensors header, without reading tensor data.
+
+    Raises CheckpointError when the header itself is unreadable (truncated or overwritten file)."""
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > os.path.getsize(path) - 8:
+                raise ValueError(f"header length {length} exceeds the file")
+            header = json.loads(f.read(length))
+    except (OSError, ValueError, struct.error) as err:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from err
+    return {name: {"shape": meta["shape"], "dtype": meta["dtype"]} for name, meta in header.items()
+            if name != "__metadata__"}
+
+
+def _atomic_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
+def write_manifest(directory: Path) -> dict:
+    """Record every file under `directory` (sizes, sha256, safetensors tensor lists); written last."""
+    directory = Path(directory)
+    files, tensors = {}, {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        if rel == MANIFEST_FILE or path.name.startswith("."):
+            continue
+        files[rel] = {"bytes": path.stat().st_size, "sha256": _hash_file(path)}
+        if rel.endswith(".safetensors"):
+            tensors[rel] = safetensors_header(path)
+    manifest = {"files": files, "tensors": tensors}
+    _atomic_json(directory / MANIFEST_FILE, manifest)
+    return manifest
+
+
+def verify_manifest(directory: Path) -> dict:
+    """Check every file the manifest lists (size, then sha256); raise CheckpointError naming the bad one."""
+    directory = Path(directory)
+    manifest_path = directory / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise CheckpointError(f"checkpoint {directory} has no {MANIFEST_FILE}: it is incomplete (a save that did not "
+                              f"finish) or not a megaframe checkpoint")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"checkpoint {directory}: {MANIFEST_FILE} is unreadable ({err})") from err
+    for rel, meta in files.items():
+        path = directory / rel
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {directory} is incomplete: {rel} is missing")
+        size = path.stat().st_size
+        if size != meta["bytes"]:
+            raise CheckpointError(f"checkpoint {directory} is truncated or corrupted: {rel} has {size} bytes, "
+                                  f"the manifest says {meta['bytes']}")
+        if _hash_file(path) != meta["sha256"]:
+            raise CheckpointError(f"checkpoint {directory} is corrupted: {rel} does not match its sha256 in "
+                                  f"{MANIFEST_FILE}")
+    return manifest
+
+
+def write_files(directory: Path, model: dict[str, torch.Tensor], state: dict[str, Any],
+                optimizer: Optional[dict[str, torch.Tensor]] = None, tokenizer_dir: Optional[Path] = None) -> None:
+    """Write model/optimizer/state (and a tokenizer copy) into an existing directory; no manifest.
+
+    For callers that publish the directory themselves (the trainer's save renames a tmp dir holding
+    DeepSpeed's files too); others use write_universal."""
+    directory = Path(directory)
+    state = {"format": FORMAT, "version": VERSION, **state}
+    for key in ("step", "consumed_samples", "model"):
+        if key not in state:
+            raise ValueError(f"state.json needs '{key}'")
+    save_file({k: v.detach().float().contiguous() for k, v in model.items()}, str(directory / MODEL_FILE))
+    if optimizer is not None:
+        save_file({k: v.detach().float().contiguous() for k, v in optimizer.items()}, str(directory / OPTIMIZER_FILE))
+    if tokenizer_dir is not None:
+        shutil.copytree(tokenizer_dir, directory / "tokenizer", dirs_exist_ok=True)
+    _atomic_json(directory / STATE_FILE, state)
+
+
+def write_universal(out_dir: Path, model: dict[str, torch.Tensor], state: dict[str, Any],
+                    optimizer: Optional[dict[str, torch.Tensor]] = None, tokenizer_dir: Optional[Path] = None) -> Path:
+    """Write a complete universal checkpoint at out_dir atomically: tmp dir, manifest last, rename.
+
+    An existing out_dir is replaced only once the new one is complete."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f"tmp-{out_dir.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write_files(tmp, model, state, optimizer, tokenizer_dir)
+        write_manifest(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out_dir.exists():
+        old = out_dir.with_name(f"tmp-old-{out_dir.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out_dir)
+    return out_dir
+
+
+def read_state(directory: Path) -> dict[str, Any]:
+    """state.json of a universal checkpoint (format and version checked)."""
+    path = Path(directory) / STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {directory}: cannot read {STATE_FILE} ({err})") from err
+    if state.get("format") != FORMAT or state.get("version") != VERSION:
+        raise CheckpointError(f"checkpoint {directory}: {STATE_FILE} is format {state.get('format')!r} version "
+                              f"{state.get('version')!r}; this megaframe reads {FORMAT!r} version {VERSION}")
+    return state
+
+
+def has_universal(directory: Path) -> bool:
+    """Whether the directory holds the layout-free files (model.safetensors + state.json)."""
+    return (Path(directory) / MODEL_FILE).is_file() and (Path(directory) / STATE_FILE).is_file()
+
+
+def read_universal(directory: Path, verify: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor],
+                                                                 Optional[dict[str, torch.Tensor]]]:
+    """(state, model tensors, optimizer tensors or None), after verifying the manifest.
+
+    Loads whole files: for tools and tests. Ranks loading their shard use open_tensors()."""
+    directory = Path(directory)
+    if verify:
+        verify_manifest(directory)
+    state = read_state(directory)
+    with open_tensors(directory, MODEL_FILE) as f:
+        model = {k: f.get_tensor(k) for k in f.keys()}
+    optimizer = None
+    if (directory / OPTIMIZER_FILE).is_file():
+        with open_tensors(directory, OPTIMIZER_FILE) as f:
+            optimizer = {k: f.get_tensor(k) for k in f.keys()}
+    return state, model, optimizer
+
+
+def open_tensors(directory: Path, filename: str):
+    """A safetensors handle (memory-mapped; get_slice reads only the requested rows/columns)."""
+    return safe_open(str(Path(directory) / filename), framework="pt", device="cpu")

@@ -1,0 +1,92 @@
+"""The layout-free format: round trip, manifest verification (flipped byte, truncation, missing
+file), atomic replacement, and the pipeline-name mapping."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megaframe.checkpoint import universal
+from megaframe.checkpoint.reshard import canonical_name
+from megaframe.checkpoint.universal import CheckpointError
+
+STATE = {"step": 7, "consumed_samples": 56, "model": {"num_layers": 2, "vocab_size": 5}}
+
+
+def _write(path, **extra):
+    model = {"embed.tok.weight": torch.randn(5, 4), "final_norm.weight": torch.ones(4)}
+    optim = {f"{k}.{n}": torch.randn_like(t) for n, t in model.items() for k in universal.MOMENT_KEYS}
+    return universal.write_universal(path, model, {**STATE, **extra}, optim), model, optim
+
+
+def test_round_trip_and_manifest(tmp_path):
+    path, model, optim = _write(tmp_path / "ckpt", optim_step=7)
+    state, got_model, got_optim = universal.read_universal(path)
+    assert state["format"] == "megaframe-universal" and state["version"] == 1 and state["optim_step"] == 7
+    assert all(torch.equal(got_model[k], v) for k, v in model.items()) and set(got_model) == set(model)
+    assert all(torch.equal(got_optim[k], v) for k, v in optim.items()) and set(got_optim) == set(optim)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert set(manifest["files"]) == {"model.safetensors", "optimizer.safetensors", "state.json"}
+    assert manifest["tensors"]["model.safetensors"]["embed.tok.weight"] == {"shape": [5, 4], "dtype": "F32"}
+    assert not list(tmp_path.glob("tmp-*"))
+
+
+def test_model_only_checkpoint_has_no_optimizer_file(tmp_path):
+    path = universal.write_universal(tmp_path / "m", {"head.weight": torch.zeros(5, 4)}, STATE)
+    state, model, optim = universal.read_universal(path)
+    assert optim is None and list(model) == ["head.weight"]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "no_manifest"])
+def test_damaged_checkpoint_is_refused_naming_the_file(tmp_path, damage):
+    path, _, _ = _write(tmp_path / "ckpt")
+    target = path / "optimizer.safetensors"
+    data = bytearray(target.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+        target.write_bytes(bytes(data))
+        expect = "corrupted: optimizer.safetensors does not match its sha256"
+    elif damage == "truncate":
+        target.write_bytes(bytes(data[: len(data) // 2]))
+        expect = "truncated or corrupted: optimizer.safetensors has"
+    elif damage == "delete":
+        target.unlink()
+        expect = "incomplete: optimizer.safetensors is missing"
+    else:
+        (path / "manifest.json").unlink()
+        expect = "has no manifest.json"
+    with pytest.raises(CheckpointError, match=expect) as err:
+        universal.read_universal(path)
+    assert "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+def test_rewrite_replaces_only_when_complete(tmp_path):
+    path, _, _ = _write(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="needs 'step'"):  # a failed write leaves the old one in place
+        universal.write_universal(path, {"x": torch.zeros(1)}, {"consumed_samples": 0, "model": {}})
+    assert universal.read_universal(path)[0]["step"] == 7
+    _write(path, step=9)
+    assert universal.read_universal(path)[0]["step"] == 9
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_wrong_format_is_refused(tmp_path):
+    path, _, _ = _write(tmp_path / "ckpt")
+    (path / "state.json").write_text(json.dumps({**STATE, "format": "other", "version": 1}))
+    with pytest.raises(CheckpointError, match="format 'other'"):
+        universal.read_state(path)
+
+
+@pytest.mark.parametrize("module_name, canonical", [
+    ("tied_modules.embed.tok.weight", "embed.tok.weight"),
+    ("tied_modules.embed.pos.weight", "embed.pos.weight"),
+    ("0.tok.weight", "embed.tok.weight"),
+    ("1.block.attn.q_proj.weight", "blocks.0.attn.q_proj.weight"),
+    ("4.block.mlp_norm.bias", "blocks.3.mlp_norm.bias"),
+    ("5.norm.weight", "final_norm.weight"),
+    ("6.weight", "head.weight"),
+])
+def test_pipeline_names_map_to_canonical(module_name, canonical):
+    assert canonical_name(module_name, pipelined=True, num_layers=4) == canonical
+    assert canonical_name(canonical, pipelined=False, num_layers=4) == canonical
