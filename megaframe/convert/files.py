@@ -2,15 +2,13 @@
 
 - Hugging Face model directories: config.json plus safetensors (or, refusing anything but plain
   tensors, torch.load(weights_only=True) for pytorch_model*.bin), single-file or sharded.
-- Layout-free megaframe checkpoints (shared format, see the checkpoint format contract):
-  model.safetensors + state.json + manifest.json (+ tokenizer/). This is a small private
-  writer/reader until megaframe/checkpoint/universal.py takes over.
+- Layout-free megaframe checkpoints, through megaframe/checkpoint/universal.py:
+  model.safetensors + state.json + manifest.json (+ tokenizer/).
 Every directory is written to a temporary sibling and renamed into place, so a crash never leaves
 a half-written OUT and an existing OUT is only replaced (with force) once the new one is complete.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -21,11 +19,10 @@ from typing import Optional
 
 import torch
 
+from megaframe.checkpoint import universal
 from megaframe.convert.hf import ConvertError
 
-FORMAT = "megaframe-universal"
-FORMAT_VERSION = 1
-MODEL_FILE, STATE_FILE, MANIFEST_FILE, TOKENIZER_DIR = "model.safetensors", "state.json", "manifest.json", "tokenizer"
+TOKENIZER_DIR = "tokenizer"
 LATEST = "latest"
 # what save_pretrained() writes for a tokenizer (any of these marks a directory as holding one)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -129,38 +126,21 @@ def publish(tmp: Path, final: Path) -> Path:
     return final
 
 
-# ---- layout-free megaframe checkpoints -------------------------------------------------------
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
+# ---- layout-free megaframe checkpoints (megaframe/checkpoint/universal.py) --------------------
 
 def write_layout_free(out: Path, model: dict[str, torch.Tensor], state: dict, tokenizer_src: Optional[Path] = None,
                       force: bool = False) -> Path:
     """Write a model-only layout-free checkpoint (fp32 canonical tensors, state.json, manifest.json
-    last, tokenizer/ when given) to `out`, atomically."""
-    from safetensors.torch import save_file
-
+    last, tokenizer/ when given) to `out`, atomically. Only the tokenizer's own files are copied
+    (an HF model directory also holds gigabytes of weights)."""
     out = Path(out)
     tmp = staging_dir(out, force)
     try:
-        tensors = {name: t.detach().to(torch.float32).contiguous() for name, t in model.items()}
-        save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
-        state = {"format": FORMAT, "version": FORMAT_VERSION, **state}
         if tokenizer_src is not None:
             copy_tokenizer(tokenizer_src, tmp / TOKENIZER_DIR)
-            state["tokenizer"] = str((out / TOKENIZER_DIR).resolve())
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
-        files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        manifest = {
-            "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
-            "tensors": {MODEL_FILE: {name: {"shape": list(t.shape), "dtype": "F32"} for name, t in tensors.items()}},
-        }
-        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+            state = {**state, "tokenizer": str((out / TOKENIZER_DIR).resolve())}
+        universal.write_files(tmp, model, state)
+        universal.write_manifest(tmp)
         return publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -172,30 +152,17 @@ def resolve_checkpoint(path: Path) -> Path:
     path = Path(path)
     if (path / LATEST).is_file():
         path = path / (path / LATEST).read_text().strip()
-    if not (path / STATE_FILE).is_file() or not (path / MODEL_FILE).is_file():
-        raise ConvertError(f"{path}: not a layout-free megaframe checkpoint (needs {MODEL_FILE} and {STATE_FILE}); "
-                           "pass a checkpoint directory or a run's checkpoints/ directory")
+    if not universal.has_universal(path):
+        raise ConvertError(f"{path}: not a layout-free megaframe checkpoint (needs {universal.MODEL_FILE} and "
+                           f"{universal.STATE_FILE}); pass a checkpoint directory or a run's checkpoints/ directory")
     return path
 
 
-def verify_manifest(path: Path) -> None:
-    """Check size and sha256 of every file manifest.json lists; refuse the first bad one."""
-    manifest_file = path / MANIFEST_FILE
-    if not manifest_file.is_file():
-        raise ConvertError(f"{path}: no {MANIFEST_FILE}; the checkpoint is incomplete (a save that did not finish?)")
-    for name, meta in json.loads(manifest_file.read_text())["files"].items():
-        file = path / name
-        if not file.is_file() or file.stat().st_size != meta["bytes"] or _sha256(file) != meta["sha256"]:
-            raise ConvertError(f"{path}: {name} is missing or does not match manifest.json (corrupt or truncated)")
-
-
 def read_layout_free(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(state.json, canonical fp32 tensors) of a verified layout-free checkpoint."""
-    from safetensors.torch import load_file
-
+    """(state.json, canonical fp32 model tensors) of a verified layout-free checkpoint."""
     path = resolve_checkpoint(path)
-    verify_manifest(path)
-    state = json.loads((path / STATE_FILE).read_text())
-    if state.get("format") != FORMAT:
-        raise ConvertError(f"{path}: {STATE_FILE} format={state.get('format')!r}, expected {FORMAT!r}")
-    return state, load_file(str(path / MODEL_FILE))
+    try:
+        state, model, _ = universal.read_universal(path)
+    except universal.CheckpointError as err:
+        raise ConvertError(str(err)) from err
+    return state, model

@@ -2,7 +2,6 @@
 with `to-hf`, give through `transformers` the logits the trained megaframe model gives (fp32)."""
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -20,10 +19,9 @@ BYTE_VOCAB = 257  # the demo corpus is byte-tokenized: padded to 384 rows in tra
 
 
 def train_and_snapshot(rank: int, world: int, runs: dict, ids: torch.Tensor) -> dict:
-    """Train each flavour; write its trained weights as a layout-free checkpoint; return its logits."""
+    """Train each flavour (the trainer saves a layout-free checkpoint at the end); return its logits."""
     from megaframe.cli import compose
     from megaframe.config.validate import validate
-    from megaframe.convert.files import write_layout_free
     from megaframe.engine.trainer import Trainer
     from megaframe.model.factory import build_model
     from megaframe.model.full_state import full_state_dict
@@ -37,13 +35,8 @@ def train_and_snapshot(rank: int, world: int, runs: dict, ids: torch.Tensor) -> 
         finally:
             trainer.close()
         module = trainer.engine.module.eval()
-        vocab = trainer.dims.vocab_size
         full = full_state_dict(module)
         initial = full_state_dict(build_model(trainer.dims, trainer.ps, cfg.train.seed))
-        # the universal writer is the ckpt branch's; this writes the same format from the trained module
-        record = {"step": trainer.step, "consumed_samples": trainer.consumed_samples,
-                  "model": {**dataclasses.asdict(cfg.model), "vocab_size": vocab}, "tokenizer": cfg.data.tokenizer}
-        write_layout_free(Path(run_dir) / "universal", full, record)
         with torch.no_grad():
             out[flavour] = {"logits": module.logits(ids), "padded_rows": module.embed.tok.weight.shape[0],
                             "trained": any(not torch.equal(full[k], initial[k]) for k in full)}
@@ -61,12 +54,12 @@ def test_trained_models_exported_to_hf_give_megaframe_logits(tmp_path):
         assert trained[flavour]["trained"] and trained[flavour]["padded_rows"] == 384
         out = tmp_path / f"hf-{flavour}"
         if flavour == "llama":  # the tool as a user types it (one process start is enough)
-            result = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "to-hf", str(run_dir / "universal"),
+            result = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "to-hf", str(run_dir / "checkpoints"),
                                      str(out)], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
             assert_ok(result)
             assert "LlamaForCausalLM" in result.stdout
         else:
-            export_hf(run_dir / "universal", out)
+            export_hf(run_dir / "checkpoints", out)  # a run's checkpoints/: follows `latest`
         hf = AutoModelForCausalLM.from_pretrained(out).eval()
         assert type(hf).__name__ == {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[flavour]
         assert hf.config.vocab_size == BYTE_VOCAB  # padded rows dropped

@@ -133,7 +133,7 @@ def test_corrupt_checkpoint_is_refused_by_its_manifest(tmp_path):
     with open(tmp_path / "out" / "model.safetensors", "r+b") as f:
         f.seek(-4, 2)
         f.write(b"\x00\x01\x02\x03")
-    with pytest.raises(ConvertError, match="model.safetensors is missing or does not match manifest.json"):
+    with pytest.raises(ConvertError, match="corrupted: model.safetensors does not match its sha256 in manifest.json"):
         read_layout_free(tmp_path / "out")
 
 
