@@ -190,8 +190,6 @@ class Attention(nn.Module):
         k = k.view(B, T, -1, hs).transpose(1, 2)  # (B, nkv local, T, hs)
         v = v.view(B, T, -1, hs).transpose(1, 2)
         if rope is not None:
-            # q and k are rotated into new tensors; a view v would keep the whole fused q|k|v output alive
-            v = v.contiguous()
             cos, sin = rope
             q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
         if self.kv_index is not None:

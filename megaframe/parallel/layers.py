@@ -82,33 +82,8 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class _FusedLinear(torch.autograd.Function):
-    """y = x [W1; W2; ...]ᵀ + [b1; b2; ...] as one GEMM, saving x and the separate weights only:
-    the concatenated weight is rebuilt in backward rather than kept alive per micro-batch."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, num_weights: int, *params: torch.Tensor) -> torch.Tensor:
-        weights, biases = params[:num_weights], params[num_weights:]
-        ctx.num_weights, ctx.has_bias = num_weights, bool(biases)
-        ctx.save_for_backward(x, *weights)
-        return F.linear(x, torch.cat(weights), torch.cat(biases) if biases else None)
-
-    @staticmethod
-    def backward(ctx, grad_y: torch.Tensor):
-        x, *weights = ctx.saved_tensors
-        rows = [w.shape[0] for w in weights]
-        grad_x = grad_y @ torch.cat(weights) if ctx.needs_input_grad[0] else None
-        flat_grad = grad_y.reshape(-1, grad_y.shape[-1])
-        grad_weights = list((flat_grad.t() @ x.reshape(-1, x.shape[-1])).split(rows))
-        grad_biases = list(flat_grad.sum(0).split(rows)) if ctx.has_bias else []
-        return (grad_x, None, *grad_weights, *grad_biases)
-
-
 def fused_column_linear(x: torch.Tensor, layers: Sequence[nn.Module]) -> list[torch.Tensor]:
     """Column-parallel layers that read the same (already entered) input, computed as one GEMM.
-
-    The outputs are views of one tensor: a consumer that keeps one of them for backward keeps the
-    whole tensor alive (copy it if the others are not kept).
 
     Megatron fuses QKV and gate/up into one weight; here the parameters stay separate (names,
     shards and checkpoints do not change) and only the matmul is fused: one large GEMM is
@@ -117,11 +92,9 @@ def fused_column_linear(x: torch.Tensor, layers: Sequence[nn.Module]) -> list[to
     """
     if any(hasattr(layer.weight, "ds_id") or not isinstance(layer, ColumnParallelLinear) for layer in layers):
         return [layer(x) for layer in layers]
-    params = [layer.weight for layer in layers]
-    if layers[0].bias is not None:
-        params += [layer.bias for layer in layers]
-    fused = _FusedLinear.apply(x, len(layers), *params)
-    return list(fused.split([layer.weight.shape[0] for layer in layers], dim=-1))
+    weight = torch.cat([layer.weight for layer in layers])
+    bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+    return list(F.linear(x, weight, bias).split([layer.weight.shape[0] for layer in layers], dim=-1))
 
 
 class RowParallelLinear(nn.Module):
