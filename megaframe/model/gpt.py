@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megaframe.parallel.layers import (ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding,
-                                       fused_column_linear)
+from megaframe.parallel.layers import ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding
 from megaframe.parallel.mappings import gather_from_tp_region, scatter_to_sequence_parallel_region
 from megaframe.parallel.random import TPDropoutRNG
 
@@ -185,10 +184,9 @@ class Attention(nn.Module):
         x = self.tp.enter(x)  # (B, T, C) on every TP rank (all-gathered along T under SP)
         B, T, _ = x.shape
         hs = self.dims.head_dim
-        q, k, v = fused_column_linear(x, (self.q_proj, self.k_proj, self.v_proj))
-        q = q.view(B, T, -1, hs).transpose(1, 2)  # (B, nh/tp, T, hs)
-        k = k.view(B, T, -1, hs).transpose(1, 2)  # (B, nkv local, T, hs)
-        v = v.view(B, T, -1, hs).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh/tp, T, hs)
+        k = self.k_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nkv local, T, hs)
+        v = self.v_proj(x).view(B, T, -1, hs).transpose(1, 2)
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
@@ -221,8 +219,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.tp.enter(x)
         if self.swiglu:
-            gate, up = fused_column_linear(x, (self.gate_proj, self.up_proj))
-            h = F.silu(gate) * up  # (B, T, ffn/tp)
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (B, T, ffn/tp)
         else:
             h = F.gelu(self.up_proj(x), approximate="tanh")  # GPT-2's "gelu_new"
         return self.dropout(self.down_proj(h))

@@ -4,7 +4,7 @@ tensor_model_parallel, partition_dim, partition_shape (full), partition_count, p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -80,21 +80,6 @@ class ColumnParallelLinear(nn.Module):
         if self.enter:
             x = self.tp.enter(x)
         return F.linear(x, self.weight, self.bias)
-
-
-def fused_column_linear(x: torch.Tensor, layers: Sequence[nn.Module]) -> list[torch.Tensor]:
-    """Column-parallel layers that read the same (already entered) input, computed as one GEMM.
-
-    Megatron fuses QKV and gate/up into one weight; here the parameters stay separate (names,
-    shards and checkpoints do not change) and only the matmul is fused: one large GEMM is
-    measurably faster than three small ones on CPU. ZeRO-3 gathers a weight only when its own
-    module runs, so partitioned layers (which carry ds_id) run one by one.
-    """
-    if any(hasattr(layer.weight, "ds_id") or not isinstance(layer, ColumnParallelLinear) for layer in layers):
-        return [layer(x) for layer in layers]
-    weight = torch.cat([layer.weight for layer in layers])
-    bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
-    return list(F.linear(x, weight, bias).split([layer.weight.shape[0] for layer in layers], dim=-1))
 
 
 class RowParallelLinear(nn.Module):
