@@ -1,5 +1,8 @@
-"""Data parallelism with real processes on gloo: dp=2, self-launched and under torchrun, for ZeRO
-0-3, reproduces the single-rank curve (same global batch) within rtol 1e-5 in fp32."""
+"""Data parallelism through the real CLI on gloo: dp=2, self-launched and under torchrun,
+reproduces the single-rank curve (same global batch) within rtol 1e-5 in fp32.
+
+The launch paths are what this file tests; every ZeRO stage at dp=2 and dp=4 is compared in one set
+of ranks in test_zero.py, so each launcher runs one stage here (a CLI run costs a process start)."""
 from __future__ import annotations
 
 import pytest
@@ -29,9 +32,8 @@ def _assert_same_curves(got: list[dict], want: list[dict]) -> None:
             assert g == pytest.approx(w, rel=RTOL), f"{key} at step {step}: dp=2 {g} vs single rank {w}"
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("launch", ["self", "torchrun"])
-def test_dp2_matches_single_rank(single_rank, stage, launch, tmp_path):
+@pytest.mark.parametrize("launch,stage", [("self", 1), ("torchrun", 3)])
+def test_dp2_matches_single_rank(single_rank, launch, stage, tmp_path):
     args = [*TINY, *STEPS, f"zero=stage{stage}", f"hydra.run.dir={tmp_path}"]
     if launch == "self":
         result = run_cli([*args, "parallel.dp=2"])
