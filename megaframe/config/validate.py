@@ -300,7 +300,17 @@ def warnings(cfg: TrainConfig, layout: Layout) -> list[str]:
         found.append(f"parallel.pp={layout.pp} with {layout.grad_accum_steps} micro-batches per step leaves stages "
                      f"idle; raise parallel.global_batch_size to >= {layout.pp * layout.micro_batch_size * layout.dp} "
                      f"(bubble (p-1)/(m+p-1) = {(layout.pp - 1) / (layout.grad_accum_steps + layout.pp - 1):.0%})")
+    if universal_checkpoint_unsupported(cfg, layout):
+        found.append(f"precision={cfg.precision.dtype} with zero=stage0: checkpoints hold DeepSpeed's files only (its "
+                     "FP16_Optimizer keeps fp32 masters in flat buffers the layout-free writer does not map yet), so "
+                     "resume works in this layout only; use zero=stage1 to resume into any layout")
     return found
+
+
+def universal_checkpoint_unsupported(cfg: TrainConfig, layout: Layout) -> bool:
+    """Mixed precision at ZeRO-0 without a pipeline runs DeepSpeed's FP16_Optimizer (also for bf16),
+    whose flat fp32 master buffers the layout-free checkpoint does not read or write."""
+    return cfg.zero.stage == 0 and cfg.precision.dtype != "fp32" and layout.pp == 1
 
 
 def check_precision(cfg: TrainConfig, fp16_supported: Callable[[], bool]) -> Optional[str]:

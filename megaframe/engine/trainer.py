@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megaframe.checkpoint import reshard
 from megaframe.config.deepspeed import to_ds_config
 from megaframe.config.schema import TrainConfig
-from megaframe.config.validate import Layout
+from megaframe.config.validate import Layout, universal_checkpoint_unsupported
 from megaframe.data import micro_batches, eval_batches
 from megaframe.engine import checkpoint
 from megaframe.engine.data_setup import DataSplits, build_data
@@ -242,7 +242,7 @@ class Trainer:
         state = {"step": self.step, "consumed_samples": self.consumed_samples,
                  "global_batch_size": self.layout.global_batch_size, "layout": reshard.layout_record(view)}
         write_universal = None
-        if self.cfg.train.universal_checkpoint:
+        if self.cfg.train.universal_checkpoint and not universal_checkpoint_unsupported(self.cfg, self.layout):
             tokenizer = Path(self.cfg.data.tokenizer)
             universal_state = {**state, "model": reshard.model_config_dict(self.cfg.model, self.dims),
                                "tokenizer": self.cfg.data.tokenizer, "data_seed": self.cfg.train.seed}

@@ -5,7 +5,7 @@ import pytest
 
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import (ConfigError, ffn_hidden_size, padded_vocab_size, requested_world_size,
-                                       resolve_layout, validate)
+                                       resolve_layout, universal_checkpoint_unsupported, validate)
 
 
 def _never_fp16() -> bool:
@@ -114,3 +114,15 @@ def test_keep_checkpoints_must_not_be_negative():
     cfg.train.keep_checkpoints = -1
     with pytest.raises(ConfigError, match=r"train.keep_checkpoints=-1 must be >= 0"):
         validate(cfg, 1, _never_fp16)
+
+
+def test_mixed_precision_at_zero0_warns_that_checkpoints_stay_in_their_layout():
+    from megaframe.config.validate import warnings
+
+    cfg = TrainConfig()
+    cfg.precision.dtype = "bf16"
+    layout = validate(cfg, 1, _never_fp16)
+    assert universal_checkpoint_unsupported(cfg, layout)
+    assert any("resume works in this layout only; use zero=stage1" in w for w in warnings(cfg, layout))
+    cfg.zero.stage = 1
+    assert not universal_checkpoint_unsupported(cfg, validate(cfg, 1, _never_fp16))
