@@ -24,21 +24,21 @@ def _data():
                 ids=torch.randint(0, VOCAB, (B, T), generator=g), logits=torch.randn(B, T, PADDED, generator=g))
 
 
+def _full_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, grad_out: torch.Tensor) -> tuple:
+    """(output, input grad, weight grad, bias grad) of one unsharded nn.Linear."""
+    x = x.clone().requires_grad_(True)
+    lin = torch.nn.Linear(weight.shape[1], weight.shape[0])
+    with torch.no_grad():
+        lin.weight.copy_(weight); lin.bias.copy_(bias)
+    y = lin(x); y.backward(grad_out)
+    return y.detach(), x.grad, lin.weight.grad, lin.bias.grad
+
+
 def _reference() -> dict:
     d = _data()
     out = {}
-    x = d["x"].clone().requires_grad_(True)
-    lin = torch.nn.Linear(IN, OUT)
-    with torch.no_grad():
-        lin.weight.copy_(d["w"]); lin.bias.copy_(d["b"])
-    y = lin(x); y.backward(d["gy"])
-    out["col"] = (y.detach(), x.grad, lin.weight.grad, lin.bias.grad)
-    h = d["gy"].clone().requires_grad_(True)
-    row = torch.nn.Linear(OUT, IN)
-    with torch.no_grad():
-        row.weight.copy_(d["w_row"]); row.bias.copy_(d["b_row"])
-    y = row(h); y.backward(d["gy_row"])
-    out["row"] = (y.detach(), h.grad, row.weight.grad, row.bias.grad)
+    out["col"] = _full_linear(d["x"], d["w"], d["b"], d["gy"])
+    out["row"] = _full_linear(d["gy"], d["w_row"], d["b_row"], d["gy_row"])
     emb = torch.nn.Embedding(PADDED, IN)
     with torch.no_grad():
         emb.weight.copy_(d["emb"])
