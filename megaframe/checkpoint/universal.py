@@ -140,15 +140,22 @@ def write_universal(out_dir: Path, model: dict[str, torch.Tensor], state: dict[s
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out_dir.exists():
-        old = out_dir.with_name(f"tmp-old-{out_dir.name}")
+    return replace_dir(tmp, out_dir)
+
+
+def replace_dir(tmp: Path, final: Path) -> Path:
+    """Rename the complete directory `tmp` to `final`; an existing `final` is moved aside to
+    tmp-old-NAME first and deleted only after the swap, so a crash never leaves neither."""
+    tmp, final = Path(tmp), Path(final)
+    if final.exists():
+        old = final.with_name(f"tmp-old-{final.name}")
         shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
     else:
-        os.replace(tmp, out_dir)
-    return out_dir
+        os.replace(tmp, final)
+    return final
 
 
 def read_state(directory: Path) -> dict[str, Any]:

@@ -10,7 +10,6 @@ a half-written OUT and an existing OUT is only replaced (with force) once the ne
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import shutil
 import uuid
@@ -115,15 +114,7 @@ def staging_dir(final: Path, force: bool) -> Path:
 
 def publish(tmp: Path, final: Path) -> Path:
     """Rename the complete `tmp` into `final`; an old `final` is moved aside first and deleted last."""
-    final = Path(final)
-    old = None
-    if final.exists():
-        old = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old is not None:
-        shutil.rmtree(old)
-    return final
+    return universal.replace_dir(tmp, final)
 
 
 # ---- layout-free megaframe checkpoints (megaframe/checkpoint/universal.py) --------------------

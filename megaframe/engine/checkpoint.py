@@ -78,14 +78,7 @@ def save(engine, save_dir: Path, step: int, client_state: dict[str, Any],
     final = save_dir / tag
     if _rank() == 0:
         universal.write_manifest(save_dir / tmp_tag)
-        if final.exists():  # re-saving a step (e.g. after a resume): keep the old one until the swap
-            old = save_dir / (TMP_PREFIX + "old-" + tag)
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(save_dir / tmp_tag, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(save_dir / tmp_tag, final)
+        universal.replace_dir(save_dir / tmp_tag, final)  # re-saving a step keeps the old one until the swap
         atomic_write_text(save_dir / LATEST, tag + "\n")
         if keep > 0:
             prune(save_dir, keep)
