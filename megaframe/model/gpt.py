@@ -171,9 +171,12 @@ class Attention(nn.Module):
         # SDPA repeats kv heads itself (no copy) when each local kv head serves the same number of
         # consecutive query heads; other mappings (kv replicated over more TP ranks than kv heads)
         # index explicitly
+        # (only when this rank holds just the kv heads it uses: replicated kv holds all of them)
         local_kv = len(set(kv_index))
+        held_kv = nkv // tp.size if nkv % tp.size == 0 else nkv
         per_kv = self.local_heads // local_kv
-        self.sdpa_gqa = (_SDPA_HAS_GQA and not one_to_one and self.local_heads % local_kv == 0
+        self.sdpa_gqa = (_SDPA_HAS_GQA and not one_to_one and held_kv == local_kv
+                         and self.local_heads % local_kv == 0
                          and kv_index == [i // per_kv for i in range(self.local_heads)])
         explicit = None if one_to_one or self.sdpa_gqa else torch.tensor(kv_index)
         self.register_buffer("kv_index", explicit, persistent=False)
