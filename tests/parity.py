@@ -30,11 +30,8 @@ def train_runs(rank: int, world: int, runs: list[tuple[list[str], str]], fp16: b
         pretend_fp16_device()
     for overrides, run_dir in runs:
         cfg, _ = compose(overrides)
-        trainer = Trainer(cfg, validate(cfg, world), Path(run_dir))  # validation asks the same check
-        try:
+        with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:  # validation asks the same check
             trainer.fit()
-        finally:
-            trainer.close()
 
 
 def assert_parity(got: list[dict], want: list[dict], what: str) -> None:

@@ -51,13 +51,13 @@ def run_ranks(fn: Callable, world_size: int, tmp_path: Path, timeout: float = 60
         for process in context.processes:
             if process.is_alive():
                 process.kill()
-    results = []
-    for rank in range(world_size):
-        path = workdir / f"rank{rank}.pt"
-        if not path.exists():
-            raise RuntimeError(f"rank {rank} died without a result (exit code {context.processes[rank].exitcode})")
-        record = torch.load(path, weights_only=False)
+    records = {rank: torch.load(workdir / f"rank{rank}.pt", weights_only=False)
+               for rank in range(world_size) if (workdir / f"rank{rank}.pt").exists()}
+    # a rank's own error first: ranks killed after it failed left no record, and say less
+    for rank, record in records.items():
         if not record["ok"]:
             raise RuntimeError(f"rank {rank} failed:\n{record['error']}")
-        results.append(record["result"])
-    return results
+    for rank in range(world_size):
+        if rank not in records:
+            raise RuntimeError(f"rank {rank} died without a result (exit code {context.processes[rank].exitcode})")
+    return [records[rank]["result"] for rank in range(world_size)]

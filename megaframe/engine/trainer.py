@@ -348,24 +348,31 @@ class Trainer:
             if (t.save_interval and self.step % t.save_interval == 0) or self.step == stop_at:
                 self._save()
 
-    def close(self) -> None:
-        """Flush W&B and leave the process group cleanly (avoids aborts at interpreter exit)."""
+    def close(self, failed: bool = False) -> None:
+        """Flush W&B and remove swap files; after a clean run, wait for every rank (avoids aborts at
+        interpreter exit). After a failure there is no barrier: the other ranks may be blocked in a
+        collective this rank will never join, and a barrier would turn the error into a hang."""
         if self.progress:
             self.progress.close()
         if self.wandb:
-            self.wandb.finish()
+            self.wandb.finish(exit_code=1 if failed else 0)
         if self.nvme_swap:
             self.nvme_swap.remove()
-        if dist.is_initialized():
+        if dist.is_initialized() and not failed:
             dist.barrier()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(failed=exc_type is not None)
 
 
 def train(cfg: TrainConfig, layout: Layout, run_dir: Path) -> None:
     """Entry point for one rank: build everything, fit, shut down cleanly."""
-    trainer = Trainer(cfg, layout, run_dir)
     try:
-        trainer.fit()
+        with Trainer(cfg, layout, run_dir) as trainer:
+            trainer.fit()
     finally:
-        trainer.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -118,8 +118,7 @@ def measure_zero_stages(rank: int, world: int, run_root: str, stages=(0, 1, 2, 3
         overrides = [*MEASURE_OVERRIDES, f"zero=stage{stage}", f"precision={dtype}",
                      f"parallel.global_batch_size={2 * 2 * world}"]  # 2 micro-batches per step
         cfg, _ = compose(overrides)
-        trainer = Trainer(cfg, validate(cfg, world), Path(run_root) / f"stage{stage}")
-        try:
+        with Trainer(cfg, validate(cfg, world), Path(run_root) / f"stage{stage}") as trainer:
             trainer.train_step()
             (inputs, targets), _ = micro_batches(trainer.data.train, 1, cfg.parallel.global_batch_size,
                                                  cfg.parallel.micro_batch_size, trainer.ps.dp_rank, world,
@@ -127,6 +126,4 @@ def measure_zero_stages(rank: int, world: int, run_root: str, stages=(0, 1, 2, 3
             trainer.engine.backward(trainer.engine(inputs, targets))
             results.append({"stage": stage, "dp": world, "psi": trainer.num_parameters, "dtype": dtype,
                             **held_model_states(trainer.engine)})
-        finally:
-            trainer.close()
     return results

@@ -38,7 +38,8 @@ class WandbRun:
         if self.run is not None:
             self.run.log(metrics, step=step)
 
-    def finish(self) -> None:
+    def finish(self, exit_code: int = 0) -> None:
+        """Close the run; a non-zero exit_code marks it failed in W&B (a restart resumes it)."""
         if self.run is not None:
-            self.run.finish()
+            self.run.finish(exit_code=exit_code)
             self.run = None

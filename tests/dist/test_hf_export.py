@@ -29,11 +29,8 @@ def train_and_snapshot(rank: int, world: int, runs: dict, ids: torch.Tensor) -> 
     out = {}
     for flavour, run_dir in runs.items():
         cfg, _ = compose([*TINY, *FLAVOURS[flavour], "train.max_steps=4", "optim.lr=3e-3"])
-        trainer = Trainer(cfg, validate(cfg, world), Path(run_dir))
-        try:
+        with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:
             trainer.fit()
-        finally:
-            trainer.close()
         module = trainer.engine.module.eval()
         full = full_state_dict(module)
         initial = full_state_dict(build_model(trainer.dims, trainer.ps, cfg.train.seed))

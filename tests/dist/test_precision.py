@@ -44,13 +44,10 @@ def _dtypes(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
     from megaframe.engine.trainer import Trainer
 
     cfg, _ = compose(overrides)
-    trainer = Trainer(cfg, validate(cfg, world), Path(run_dir))
-    try:
+    with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:
         trainer.fit()
         weight = next(p for p in trainer.engine.module.parameters() if p.dim() == 2)
         return {"module": str(weight.dtype), "master": str(safe_get_full_fp32_param(weight).dtype)}
-    finally:
-        trainer.close()
 
 
 def test_bf16_and_fp16_track_fp32_and_bf16_keeps_fp32_masters(tmp_path):
@@ -97,10 +94,8 @@ def _overflow_at_one_step(rank: int, world: int, overrides: list[str], run_dir: 
             snapshots[trainer.step] = [w.detach().float().clone() for w in weights]
         return train_step()
     trainer.train_step = snapshotting_step
-    try:
+    with trainer:
         trainer.fit()
-    finally:
-        trainer.close()
 
     def same(a, b):
         return all(torch.equal(x, y) for x, y in zip(a, b))

@@ -66,12 +66,9 @@ def _train_recording_swap(rank: int, world: int, overrides: list[str], run_dir: 
     from megaframe.engine.trainer import Trainer
 
     cfg, _ = compose(overrides)
-    trainer = Trainer(cfg, validate(cfg, world), Path(run_dir))
-    try:
+    with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:
         trainer.fit()
         files = trainer.nvme_swap.files()
-    finally:
-        trainer.close()
     return {"folder": str(trainer.nvme_swap.path), "files": files, "left": trainer.nvme_swap.path.exists()}
 
 

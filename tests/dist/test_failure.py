@@ -1,0 +1,35 @@
+"""A rank that fails mid-run ends the job with its error instead of hanging the others."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helpers import TINY
+from ranks import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def _fail_on_rank_1(rank: int, world: int, run_dir: str) -> None:
+    from megaframe.cli import compose
+    from megaframe.config.validate import validate
+    from megaframe.engine.trainer import Trainer
+
+    cfg, _ = compose([*TINY, "parallel.dp=2", "train.max_steps=4"])
+    with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:
+        if rank == 1:
+            train_step = trainer.train_step
+
+            def failing_step():
+                if trainer.step == 2:
+                    raise ValueError("injected failure on rank 1")
+                return train_step()
+            trainer.train_step = failing_step
+        trainer.fit()
+
+
+def test_failing_rank_exits_with_its_error_instead_of_waiting_for_the_others(tmp_path):
+    # rank 0 blocks in step 3's collectives; rank 1 must not wait for it in a barrier on the way out
+    with pytest.raises(RuntimeError, match="injected failure on rank 1"):
+        run_ranks(_fail_on_rank_1, 2, tmp_path, timeout=120, run_dir=str(tmp_path / "run"))
