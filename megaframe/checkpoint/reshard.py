@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megaframe.checkpoint import universal
 from megaframe.checkpoint.universal import MASTER_KEY, MOMENT_KEYS, CheckpointError
-from megaframe.model.gpt import GPTDims
+from megaframe.model.dims import GPTDims
 from megaframe.parallel.state import ParallelState
 
 VOCAB_PARAMS = ("embed.tok.weight", "head.weight")  # rows = padded vocabulary

@@ -16,7 +16,7 @@ import torch
 
 from megaframe.config.schema import ModelConfig
 from megaframe.config.validate import ffn_hidden_size
-from megaframe.model.factory import resolve_dims
+from megaframe.model.dims import resolve_dims
 from megaframe.model.full_state import canonical_shapes
 
 # transformers' names for the tanh approximation of GELU that megaframe's GPT-2 MLP uses

@@ -9,7 +9,6 @@ stream between TP regions is split along the sequence.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -17,37 +16,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from megaframe.model.dims import GPTDims
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaframe.parallel.layers import ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding
 from megaframe.parallel.mappings import gather_from_tp_region, scatter_to_sequence_parallel_region
 from megaframe.parallel.random import TPDropoutRNG
-
-
-@dataclass(frozen=True)
-class GPTDims:
-    """Resolved model shape: everything the modules need, with derived values filled in."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    ffn_hidden_size: int
-    vocab_size: int  # the tokenizer's vocabulary: logits beyond it are dropped
-    padded_vocab_size: int  # rows in the embedding / LM head (Megatron padding)
-    seq_length: int
-    norm: str
-    norm_eps: float
-    activation: str
-    position_embedding: str
-    rope_theta: float
-    tie_embeddings: bool
-    bias: bool
-    dropout: float
-    init_std: float
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
 
 class LayerNorm(nn.Module):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megaframe.model.gpt import GPTDims
+from megaframe.model.dims import GPTDims
 from megaframe.plan.memory import ACTIVATION_BYTES
 
 

@@ -90,7 +90,7 @@ def _dry_run_flag(args: list[str]) -> tuple[list[str], Optional[int]]:
 
 def dry_run_report(cfg: TrainConfig, layout: Layout, rank: int) -> dict:
     """The meta-device build of `rank` next to the planner's count for its stage."""
-    from megaframe.model.factory import resolve_dims
+    from megaframe.model.dims import resolve_dims
     from megaframe.plan.dryrun import dry_run
     from megaframe.plan.estimate import planning_vocab_size
     from megaframe.plan.memory import stage_parameters

@@ -18,8 +18,7 @@ from typing import Optional
 
 from megaframe.config.schema import ClusterConfig, TrainConfig
 from megaframe.config.validate import Layout
-from megaframe.model.factory import resolve_dims
-from megaframe.model.gpt import GPTDims
+from megaframe.model.dims import GPTDims, resolve_dims
 from megaframe.plan.activations import (ActivationShape, block_activation_bytes, in_flight_micro_batches,
                                         logits_working_bytes, stage_activation_bytes)
 from megaframe.plan.memory import (ACTIVATION_BYTES, GIB, STATE_BYTES, ModelStates, PlanLayout, model_state_bytes,

@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from megaframe.model.gpt import GPTDims
+from megaframe.model.dims import GPTDims
 
 GIB = 2**30
 # Bytes per element of the weights, gradients and optimizer states of each precision. Mixed

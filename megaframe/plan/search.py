@@ -7,7 +7,7 @@ from typing import Iterator
 
 from megaframe.config.schema import ModelConfig, TrainConfig
 from megaframe.config.validate import ffn_hidden_size
-from megaframe.model.factory import resolve_dims
+from megaframe.model.dims import resolve_dims
 from megaframe.plan.estimate import Estimate, estimate, planning_vocab_size
 from megaframe.plan.memory import PlanLayout
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megaframe.model.gpt import GPTDims
+from megaframe.model.dims import GPTDims
 
 # Dense (not sparse) bf16 peaks, TFLOP/s per device, from the vendors' datasheets. Dividing by the
 # sparse figure (1979 for H100) halves MFU, a frequent complaint about other frameworks.
