@@ -12,6 +12,26 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def _import_before_forking() -> None:
+    """Import, once in the pytest process, what every rank's first DeepSpeed engine would import.
+
+    deepspeed.initialize imports torch._dynamo (torch's Optimizer.__init__) and DeepSpeed's Muon
+    module (its ZeRO optimizer check), which runs torch.compile at import: 10-15 s per process on
+    this machine, paid again by every forked rank of every test unless the parent has done it.
+    A speed-up only: a DeepSpeed without that module just skips it.
+    """
+    import torch._dynamo  # noqa: F401
+
+    import megaframe.engine.trainer  # noqa: F401
+    try:
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    except ImportError:
+        pass
+
+
+_import_before_forking()
+
+
 def _entry(rank: int, fn: Callable, world_size: int, workdir: str, kwargs: dict) -> None:
     os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.pop("LOCAL_SIZE", None)  # DeepSpeed would leave 66 MiB shm buffers behind
