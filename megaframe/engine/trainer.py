@@ -19,6 +19,7 @@ from megaframe.config.validate import Layout, universal_checkpoint_unsupported
 from megaframe.data import micro_batches, eval_batches
 from megaframe.engine import checkpoint
 from megaframe.engine.data_setup import DataSplits, build_data
+from megaframe.engine.build_locks import clear_stale_build_locks
 from megaframe.engine.nvme_swap import open_nvme_swap
 from megaframe.engine.elastic import join_restarted_group
 from megaframe.engine.schedule import lr_scheduler_factory
@@ -108,6 +109,7 @@ class Trainer:
         self.model = model
         self.num_parameters = self._count_parameters(model)
         self.nvme_swap = open_nvme_swap(cfg.offload)
+        clear_stale_build_locks()  # DeepSpeed JIT-loads its CPU ops in initialize
         ds_config = to_ds_config(cfg, layout, accelerator=get_accelerator().device_name(),
                                  swap_dir=str(self.nvme_swap.path) if self.nvme_swap else None)
         self.engine, _, _, self.lr_scheduler = deepspeed.initialize(
