@@ -129,24 +129,23 @@ class Attention(nn.Module):
         hs, nkv = dims.head_dim, dims.num_kv_heads
         self.local_heads = dims.num_heads // tp.size
         self.q_proj = ColumnParallelLinear(dims.hidden_size, dims.num_heads * hs, tp, dims.bias, enter=False)
-        if nkv % tp.size == 0:
+        kv_split = nkv % tp.size == 0
+        if kv_split:
             self.k_proj = ColumnParallelLinear(dims.hidden_size, nkv * hs, tp, dims.bias, enter=False)
             self.v_proj = ColumnParallelLinear(dims.hidden_size, nkv * hs, tp, dims.bias, enter=False)
-            kv_start = tp.rank * (nkv // tp.size)
         else:
             self.k_proj = ReplicatedLinear(dims.hidden_size, nkv * hs, tp, dims.bias)
             self.v_proj = ReplicatedLinear(dims.hidden_size, nkv * hs, tp, dims.bias)
-            kv_start = 0
+        held_kv = nkv // tp.size if kv_split else nkv  # kv heads this rank computes
+        kv_start = tp.rank * held_kv if kv_split else 0
         # the kv head serving each local query head (grouped-query attention); None when one-to-one
         q_start, group = tp.rank * self.local_heads, dims.num_heads // nkv
         kv_index = [(q_start + j) // group - kv_start for j in range(self.local_heads)]  # plain ints: meta-safe
-        one_to_one = group == 1 and nkv % tp.size == 0
-        # SDPA repeats kv heads itself (no copy) when each local kv head serves the same number of
-        # consecutive query heads; other mappings (kv replicated over more TP ranks than kv heads)
-        # index explicitly
-        # (only when this rank holds just the kv heads it uses: replicated kv holds all of them)
+        one_to_one = group == 1 and kv_split
+        # SDPA repeats kv heads itself (no copy) when this rank holds just the kv heads it uses
+        # (replicated kv holds all of them) and each serves the same number of consecutive query
+        # heads; other mappings index explicitly
         local_kv = len(set(kv_index))
-        held_kv = nkv // tp.size if nkv % tp.size == 0 else nkv
         per_kv = self.local_heads // local_kv
         self.sdpa_gqa = (_SDPA_HAS_GQA and not one_to_one and held_kv == local_kv
                          and self.local_heads % local_kv == 0
