@@ -26,7 +26,7 @@ def extensions_dir() -> Path:
         return Path(configured)
     from torch.utils.cpp_extension import _get_build_directory
 
-    return Path(_get_build_directory("_probe", verbose=False)).parent
+    return Path(_get_build_directory("", verbose=False))  # the root itself: no op folder is made
 
 
 def clear_stale_build_locks(root: Path | None = None, max_age_s: float = STALE_AFTER_S, poll_s: float = 1.0,
