@@ -77,3 +77,14 @@ def test_precision_sections():
     cfg.precision.hysteresis, cfg.precision.min_loss_scale = 1, 0.5
     assert _ds(cfg)["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 50,
                                 "hysteresis": 1, "min_loss_scale": 0.5}
+
+
+def test_cpu_optimizer_is_torchs_fused_adamw():
+    """Without offload, the CPU engine gets torch's fused AdamW, built the way DeepSpeed builds it."""
+    import torch
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    params = dict(_ds(TrainConfig())["optimizer"]["params"])
+    optimizer_class, extra = DeepSpeedEngine.get_optimizer_configuration(None, params, True)  # pops torch_adam
+    optimizer = optimizer_class([torch.nn.Parameter(torch.ones(3))], **params, **extra)
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"] is True
