@@ -51,6 +51,13 @@ def init_distributed() -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
     join_restarted_group(get_accelerator().communication_backend_name())  # torchrun restarts
+    if get_accelerator().device_name() == "cpu":
+        # DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce op here (45 s on first use)
+        # that only its inference path calls; training collectives go through torch.distributed.
+        # DeepSpeed keeps edits to this dict (deepspeed/ops/__init__.py).
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
 
 
