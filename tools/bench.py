@@ -1,6 +1,6 @@
 """Tokens/s of one model and batch through megaframe, a hand-written PyTorch loop and HF transformers.
 
-usage: python tools/bench.py [--arch gpt2|llama] [--steps 20] [--warmup 3] [OVERRIDE ...]
+usage: python tools/bench.py [--arch gpt2|llama] [--steps 10] [--repeats 5] [--warmup 3] [OVERRIDE ...]
 
 All three train the same shape on the same demo-corpus batches with AdamW, gradient accumulation
 and clipping, in this one process:
@@ -27,29 +27,30 @@ SHAPE = ["model.num_layers=4", "model.hidden_size=256", "model.num_attention_hea
          "train.eval_interval=0", "logging.wandb.mode=disabled", "logging.progress_bar=false", "optim.warmup_steps=2"]
 
 
-def _timed(step_fn, warmup: int, steps: int) -> float:
+def _warm(step_fn, warmup: int) -> None:
     for _ in range(warmup):
         step_fn()
+
+
+def _timed(step_fn, steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
         step_fn()
     return time.perf_counter() - start
 
 
-def bench_megaframe(cfg, layout, steps: int, warmup: int) -> float:
+def megaframe_path(cfg, layout):
+    """(step, close) of megaframe's real path: the Trainer on a DeepSpeed engine."""
     import tempfile
 
     from megaframe.engine.trainer import Trainer
 
     trainer = Trainer(cfg, layout, Path(tempfile.mkdtemp(prefix="megaframe-bench-")))
-
-    seconds = _timed(trainer.train_step, warmup, steps)
-    trainer.close()
-    return seconds
+    return trainer.train_step, trainer.close
 
 
-def _plain_loop(model, cfg, data, layout, forward, steps: int, warmup: int) -> float:
-    """The loop a user would write: accumulate micro-batches, clip, AdamW step."""
+def _plain_loop(model, cfg, data, layout, forward):
+    """(step, close) of the loop a user would write: accumulate micro-batches, clip, AdamW step."""
     import torch
 
     from megaframe.data import micro_batches
@@ -68,18 +69,18 @@ def _plain_loop(model, cfg, data, layout, forward, steps: int, warmup: int) -> f
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         state["step"] += 1
-    return _timed(step, warmup, steps)
+    return step, lambda: None
 
 
-def bench_pytorch(cfg, layout, data, dims, steps: int, warmup: int) -> float:
+def pytorch_path(cfg, layout, data, dims):
     from megaframe.model.factory import build_model
     from megaframe.parallel.state import ParallelState
 
     model = build_model(dims, ParallelState(1, 1, 1, rank=0), cfg.train.seed).train()
-    return _plain_loop(model, cfg, data, layout, model, steps, warmup)
+    return _plain_loop(model, cfg, data, layout, model)
 
 
-def bench_transformers(cfg, layout, data, dims, steps: int, warmup: int) -> float:
+def transformers_path(cfg, layout, data, dims):
     import torch.nn.functional as F
     import transformers
 
@@ -101,13 +102,20 @@ def bench_transformers(cfg, layout, data, dims, steps: int, warmup: int) -> floa
     def forward(inputs, targets):
         logits = model(input_ids=inputs).logits[..., : dims.vocab_size]
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    return _plain_loop(model, cfg, data, layout, forward, steps, warmup)
+    return _plain_loop(model, cfg, data, layout, forward)
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per path and round")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("overrides", nargs="*", help="extra megaframe config overrides")
     args = parser.parse_args()
@@ -120,7 +128,7 @@ def main() -> None:
 
     try:
         cfg, _ = compose([f"model={'llama' if args.arch == 'llama' else 'gpt'}_tiny", *SHAPE, *args.overrides,
-                          f"train.max_steps={args.steps + args.warmup}"])
+                          f"train.max_steps={args.repeats * args.steps + args.warmup}"])
         layout = validate(cfg, 1)
     except ConfigError as err:
         print(f"bench: error: {err}", file=sys.stderr)
@@ -128,20 +136,32 @@ def main() -> None:
     data = build_data(cfg.data, cfg.model.seq_length)
     dims = resolve_dims(cfg.model, data.vocab_size)
     tokens = args.steps * layout.global_batch_size * cfg.model.seq_length
-    results = {}
-    for name, run in (("megaframe", lambda: bench_megaframe(cfg, layout, args.steps, args.warmup)),
-                      ("pytorch", lambda: bench_pytorch(cfg, layout, data, dims, args.steps, args.warmup)),
-                      ("transformers", lambda: bench_transformers(cfg, layout, data, dims, args.steps, args.warmup))):
+    builders = {"megaframe": lambda: megaframe_path(cfg, layout),
+                "pytorch": lambda: pytorch_path(cfg, layout, data, dims),
+                "transformers": lambda: transformers_path(cfg, layout, data, dims)}
+    paths = {}
+    for name, build in builders.items():
         torch.manual_seed(cfg.train.seed)
-        results[name] = tokens / run()
+        paths[name] = build()
+        _warm(paths[name][0], args.warmup)
+    # Rounds interleave the three paths, so a slow spell of a shared machine hits all of them; the
+    # ratios are taken within each round (paths timed seconds apart), then their median.
+    rates: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(args.repeats):
+        for name, (step, _close) in paths.items():
+            rates[name].append(tokens / _timed(step, args.steps))
+    for _step, close in paths.values():
+        close()
     print(f"\n{args.arch}: {dims.num_layers} layers, hidden {dims.hidden_size}, ffn {dims.ffn_hidden_size}, "
           f"seq {dims.seq_length}, global batch {layout.global_batch_size} (micro {layout.micro_batch_size}), "
-          f"{args.steps} timed steps after {args.warmup}, torch threads {torch.get_num_threads()}")
-    print("| framework | tokens/s | megaframe / this |")
-    print("|---|---|---|")
-    for name, rate in results.items():
-        print(f"| {name} | {rate:,.0f} | {results['megaframe'] / rate:.3f} |")
-
+          f"{args.repeats} interleaved rounds of {args.steps} timed steps after {args.warmup} warm-up steps, "
+          f"torch threads {torch.get_num_threads()}")
+    print("| framework | tokens/s (median) | rounds min-max | megaframe / this (median of rounds) | per-round range |")
+    print("|---|---|---|---|---|")
+    for name, values in rates.items():
+        ratios = [m / v for m, v in zip(rates["megaframe"], values)]
+        print(f"| {name} | {_median(values):,.0f} | {min(values):,.0f}-{max(values):,.0f} | {_median(ratios):.3f} "
+              f"| {min(ratios):.3f}-{max(ratios):.3f} |")
 
 if __name__ == "__main__":
     main()

@@ -44,7 +44,7 @@ def test_bench_tool_compares_three_frameworks():
 
     from helpers import REPO, cli_env
 
-    result = subprocess.run([sys.executable, "tools/bench.py", "--steps", "2", "--warmup", "1"], cwd=REPO,
+    result = subprocess.run([sys.executable, "tools/bench.py", "--steps", "2", "--repeats", "2", "--warmup", "1"], cwd=REPO,
                             env=cli_env(), capture_output=True, text=True, timeout=600)
     assert_ok(result)
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "tokens/s" not in line]
