@@ -44,9 +44,29 @@ def test_bench_tool_compares_three_frameworks():
 
     from helpers import REPO, cli_env
 
-    result = subprocess.run([sys.executable, "tools/bench.py", "--steps", "2", "--repeats", "2", "--warmup", "1"], cwd=REPO,
-                            env=cli_env(), capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "tools/bench.py", "--steps", "2", "--repeats", "2", "--warmup", "1"],
+                            cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=600)
     assert_ok(result)
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "tokens/s" not in line]
     assert [row.split("|")[1].strip() for row in rows] == ["megaframe", "pytorch", "transformers"]
     assert all(float(row.split("|")[2].replace(",", "")) > 0 for row in rows)
+
+
+def test_adamw_and_profile_tools_run():
+    """The two tools BENCHMARKS.md cites for the optimizer and the per-operator profile."""
+    import re
+    import subprocess
+    import sys
+
+    from helpers import REPO, cli_env
+
+    adamw = subprocess.run([sys.executable, "tools/bench_adamw.py", "--rounds", "1", "--steps", "1"], cwd=REPO,
+                           env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert_ok(adamw)
+    timings = dict(re.findall(r"^(foreach \(default\)|fused)\s+([\d.]+) ms", adamw.stdout, re.M))
+    assert set(timings) == {"foreach (default)", "fused"} and all(float(v) > 0 for v in timings.values())
+    assert "gpt2: 3,290,624 parameters" in adamw.stdout  # the bench model: 4 layers, hidden 256, ffn 1024
+    profile = subprocess.run([sys.executable, "tools/profile_step.py", "--steps", "1", "--warmup", "1", "--rows", "5"],
+                             cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert_ok(profile)
+    assert profile.stdout.count("aten::mm") == 2  # one table per path, matmuls among the top rows

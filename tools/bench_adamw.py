@@ -1,0 +1,65 @@
+"""One AdamW step on the bench model's parameters: torch's fused CPU kernel vs its foreach path.
+
+usage: python tools/bench_adamw.py [--arch gpt2|llama] [--threads 1] [--rounds 5] [--steps 10]
+
+Why megaframe's CPU engine asks DeepSpeed for `fused=True` (megaframe/config/deepspeed.py). The
+parameters are those of tools/bench.py's model (4 layers, hidden 256, ffn 1024), with random
+gradients, in megaframe's weight-decay groups.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402  (tools/bench.py: the shape)
+
+
+def optimizer(arch: str, fused: bool) -> torch.optim.AdamW:
+    from megaframe.cli import compose
+    from megaframe.engine.trainer import decay_param_groups
+    from megaframe.model.factory import build_model, resolve_dims
+    from megaframe.parallel.state import ParallelState
+
+    cfg, _ = compose([f"model={'llama' if arch == 'llama' else 'gpt'}_tiny", *bench.SHAPE])
+    vocab = 257  # the demo corpus's byte tokenizer (256 bytes + end-of-document), as in tools/bench.py
+    model = build_model(resolve_dims(cfg.model, vocab), ParallelState(1, 1, 1, rank=0), cfg.train.seed)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    o = cfg.optim
+    return torch.optim.AdamW(decay_param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                             **({"fused": True} if fused else {}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    paths = {"foreach (default)": optimizer(args.arch, False), "fused": optimizer(args.arch, True)}
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for opt in paths.values():
+        opt.step()  # creates the moments
+    for _ in range(args.rounds):  # interleaved, so a slow spell of the machine hits both
+        for name, opt in paths.items():
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                opt.step()
+            times[name].append((time.perf_counter() - start) / args.steps * 1e3)
+    params = [p for group in paths["fused"].param_groups for p in group["params"]]
+    print(f"{args.arch}: {sum(p.numel() for p in params):,} parameters in {len(params)} tensors, "
+          f"{args.threads} thread(s)")
+    for name, values in times.items():
+        print(f"{name:18s} {statistics.median(values):7.1f} ms per step (median of {args.rounds} rounds)")
+
+
+if __name__ == "__main__":
+    main()
