@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -105,12 +106,6 @@ def transformers_path(cfg, layout, data, dims):
     return _plain_loop(model, cfg, data, layout, forward)
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
@@ -160,8 +155,9 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name, values in rates.items():
         ratios = [m / v for m, v in zip(rates["megaframe"], values)]
-        print(f"| {name} | {_median(values):,.0f} | {min(values):,.0f}-{max(values):,.0f} | {_median(ratios):.3f} "
-              f"| {min(ratios):.3f}-{max(ratios):.3f} |")
+        print(f"| {name} | {statistics.median(values):,.0f} | {min(values):,.0f}-{max(values):,.0f} "
+              f"| {statistics.median(ratios):.3f} | {min(ratios):.3f}-{max(ratios):.3f} |")
+
 
 if __name__ == "__main__":
     main()
