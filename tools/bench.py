@@ -28,16 +28,26 @@ SHAPE = ["model.num_layers=4", "model.hidden_size=256", "model.num_attention_hea
          "train.eval_interval=0", "logging.wandb.mode=disabled", "logging.progress_bar=false", "optim.warmup_steps=2"]
 
 
-def _warm(step_fn, warmup: int) -> None:
-    for _ in range(warmup):
-        step_fn()
-
-
-def _timed(step_fn, steps: int) -> float:
+def timed(step_fn, steps: int) -> float:
+    """Seconds for `steps` calls of step_fn."""
     start = time.perf_counter()
     for _ in range(steps):
         step_fn()
     return time.perf_counter() - start
+
+
+def setup(arch: str, overrides: list[str], max_steps: int):
+    """(cfg, layout, data, dims) of the bench shape in flavour `arch`; raises ConfigError."""
+    from megaframe.cli import compose
+    from megaframe.config.validate import validate
+    from megaframe.engine.data_setup import build_data
+    from megaframe.model.factory import resolve_dims
+
+    cfg, _ = compose([f"model={'llama' if arch == 'llama' else 'gpt'}_tiny", *SHAPE, *overrides,
+                      f"train.max_steps={max_steps}"])
+    layout = validate(cfg, 1)
+    data = build_data(cfg.data, cfg.model.seq_length)
+    return cfg, layout, data, resolve_dims(cfg.model, data.vocab_size)
 
 
 def megaframe_path(cfg, layout):
@@ -116,20 +126,13 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from megaframe.cli import compose
-    from megaframe.config.validate import ConfigError, validate
-    from megaframe.engine.data_setup import build_data
-    from megaframe.model.factory import resolve_dims
+    from megaframe.config.validate import ConfigError
 
     try:
-        cfg, _ = compose([f"model={'llama' if args.arch == 'llama' else 'gpt'}_tiny", *SHAPE, *args.overrides,
-                          f"train.max_steps={args.repeats * args.steps + args.warmup}"])
-        layout = validate(cfg, 1)
+        cfg, layout, data, dims = setup(args.arch, args.overrides, args.repeats * args.steps + args.warmup)
     except ConfigError as err:
         print(f"bench: error: {err}", file=sys.stderr)
         sys.exit(2)
-    data = build_data(cfg.data, cfg.model.seq_length)
-    dims = resolve_dims(cfg.model, data.vocab_size)
     tokens = args.steps * layout.global_batch_size * cfg.model.seq_length
     builders = {"megaframe": lambda: megaframe_path(cfg, layout),
                 "pytorch": lambda: pytorch_path(cfg, layout, data, dims),
@@ -138,13 +141,13 @@ def main() -> None:
     for name, build in builders.items():
         torch.manual_seed(cfg.train.seed)
         paths[name] = build()
-        _warm(paths[name][0], args.warmup)
+        timed(paths[name][0], args.warmup)  # warm-up
     # Rounds interleave the three paths, so a slow spell of a shared machine hits all of them; the
     # ratios are taken within each round (paths timed seconds apart), then their median.
     rates: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(args.repeats):
         for name, (step, _close) in paths.items():
-            rates[name].append(tokens / _timed(step, args.steps))
+            rates[name].append(tokens / timed(step, args.steps))
     for _step, close in paths.values():
         close()
     print(f"\n{args.arch}: {dims.num_layers} layers, hidden {dims.hidden_size}, ffn {dims.ffn_hidden_size}, "

@@ -11,24 +11,21 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402  (tools/bench.py: the shape)
+import bench  # noqa: E402  (tools/bench.py: the shape, the timer)
 
 
 def optimizer(arch: str, fused: bool) -> torch.optim.AdamW:
-    from megaframe.cli import compose
     from megaframe.engine.trainer import decay_param_groups
-    from megaframe.model.factory import build_model, resolve_dims
+    from megaframe.model.factory import build_model
     from megaframe.parallel.state import ParallelState
 
-    cfg, _ = compose([f"model={'llama' if arch == 'llama' else 'gpt'}_tiny", *bench.SHAPE])
-    vocab = 257  # the demo corpus's byte tokenizer (256 bytes + end-of-document), as in tools/bench.py
-    model = build_model(resolve_dims(cfg.model, vocab), ParallelState(1, 1, 1, rank=0), cfg.train.seed)
+    cfg, _layout, _data, dims = bench.setup(arch, [], max_steps=100)
+    model = build_model(dims, ParallelState(1, 1, 1, rank=0), cfg.train.seed)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     o = cfg.optim
@@ -50,10 +47,7 @@ def main() -> None:
         opt.step()  # creates the moments
     for _ in range(args.rounds):  # interleaved, so a slow spell of the machine hits both
         for name, opt in paths.items():
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                opt.step()
-            times[name].append((time.perf_counter() - start) / args.steps * 1e3)
+            times[name].append(bench.timed(opt.step, args.steps) / args.steps * 1e3)
     params = [p for group in paths["fused"].param_groups for p in group["params"]]
     print(f"{args.arch}: {sum(p.numel() for p in params):,} parameters in {len(params)} tensors, "
           f"{args.threads} thread(s)")

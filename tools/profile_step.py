@@ -24,20 +24,11 @@ def main() -> None:
     args = parser.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
-    from megaframe.cli import compose
-    from megaframe.config.validate import validate
-    from megaframe.engine.data_setup import build_data
-    from megaframe.model.factory import resolve_dims
-
-    cfg, _ = compose([f"model={'llama' if args.arch == 'llama' else 'gpt'}_tiny", *bench.SHAPE, "train.max_steps=100"])
-    layout = validate(cfg, 1)
-    data = build_data(cfg.data, cfg.model.seq_length)
-    dims = resolve_dims(cfg.model, data.vocab_size)
+    cfg, layout, data, dims = bench.setup(args.arch, [], max_steps=100)
     for name, build in (("pytorch (megaframe's module)", bench.pytorch_path),
                         ("transformers", bench.transformers_path)):
         step, _ = build(cfg, layout, data, dims)
-        for _ in range(args.warmup):
-            step()
+        bench.timed(step, args.warmup)  # warm-up
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(args.steps):
                 step()
