@@ -1,4 +1,6 @@
-"""One AdamW step on the bench model's parameters: torch's fused CPU kernel vs its foreach path.
+"""One AdamW step on the bench model's parameters: torch's fused CPU kernel vs its CPU default.
+
+The default on CPU is a Python loop over the tensors (torch picks foreach only on CUDA).
 
 usage: python tools/bench_adamw.py [--arch gpt2|llama] [--threads 1] [--rounds 5] [--steps 10]
 
@@ -41,7 +43,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    paths = {"foreach (default)": optimizer(args.arch, False), "fused": optimizer(args.arch, True)}
+    paths = {"default (loop)": optimizer(args.arch, False), "fused": optimizer(args.arch, True)}
     times: dict[str, list[float]] = {name: [] for name in paths}
     for opt in paths.values():
         opt.step()  # creates the moments

@@ -63,8 +63,8 @@ def test_adamw_and_profile_tools_run():
     adamw = subprocess.run([sys.executable, "tools/bench_adamw.py", "--rounds", "1", "--steps", "1"], cwd=REPO,
                            env=cli_env(), capture_output=True, text=True, timeout=300)
     assert_ok(adamw)
-    timings = dict(re.findall(r"^(foreach \(default\)|fused)\s+([\d.]+) ms", adamw.stdout, re.M))
-    assert set(timings) == {"foreach (default)", "fused"} and all(float(v) > 0 for v in timings.values())
+    timings = dict(re.findall(r"^(default \(loop\)|fused)\s+([\d.]+) ms", adamw.stdout, re.M))
+    assert set(timings) == {"default (loop)", "fused"} and all(float(v) > 0 for v in timings.values())
     assert "gpt2: 3,290,624 parameters" in adamw.stdout  # the bench model: 4 layers, hidden 256, ffn 1024
     profile = subprocess.run([sys.executable, "tools/profile_step.py", "--steps", "1", "--warmup", "1", "--rows", "5"],
                              cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
