@@ -1,16 +1,20 @@
 """Tokens/s of one model and batch through megaframe, a hand-written PyTorch loop and HF transformers.
 
-usage: python tools/bench.py [--arch gpt2|llama] [--steps 10] [--repeats 5] [--warmup 3] [OVERRIDE ...]
+usage: python tools/bench.py [--arch gpt2|llama] [--steps 10] [--repeats 5] [--warmup 3] [--no-compile]
+                             [OVERRIDE ...]
 
-All three train the same shape on the same demo-corpus batches with AdamW, gradient accumulation
-and clipping, in this one process:
+All train the same shape on the same demo-corpus batches with AdamW, gradient accumulation and
+clipping, in this one process:
   megaframe    the real path: DeepSpeed engine (tp=1, ZeRO-0) driven by megaframe's Trainer
+  megaframe+compile  the same with train.compile=true (blocks compiled by inductor; the compile
+               happens in the warm-up steps, which are not timed); --no-compile leaves it out
   pytorch      megaframe's GPT module with torch.optim.AdamW in a plain loop (no DeepSpeed)
   transformers GPT2LMHeadModel / LlamaForCausalLM of the same shape (SDPA attention)
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -122,6 +126,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per path and round")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-compile", action="store_true", help="leave out the megaframe+compile path")
     parser.add_argument("overrides", nargs="*", help="extra megaframe config overrides")
     args = parser.parse_args()
     import torch
@@ -134,9 +139,13 @@ def main() -> None:
         print(f"bench: error: {err}", file=sys.stderr)
         sys.exit(2)
     tokens = args.steps * layout.global_batch_size * cfg.model.seq_length
+    compiled_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=True))
     builders = {"megaframe": lambda: megaframe_path(cfg, layout),
+                "megaframe+compile": lambda: megaframe_path(compiled_cfg, layout),
                 "pytorch": lambda: pytorch_path(cfg, layout, data, dims),
                 "transformers": lambda: transformers_path(cfg, layout, data, dims)}
+    if args.no_compile:
+        del builders["megaframe+compile"]
     paths = {}
     for name, build in builders.items():
         torch.manual_seed(cfg.train.seed)
@@ -154,12 +163,17 @@ def main() -> None:
           f"seq {dims.seq_length}, global batch {layout.global_batch_size} (micro {layout.micro_batch_size}), "
           f"{args.repeats} interleaved rounds of {args.steps} timed steps after {args.warmup} warm-up steps, "
           f"torch threads {torch.get_num_threads()}")
-    print("| framework | tokens/s (median) | rounds min-max | megaframe / this (median of rounds) | per-round range |")
-    print("|---|---|---|---|---|")
+    references = [name for name in ("megaframe", "megaframe+compile") if name in rates]
+    print("| framework | tokens/s (median) | rounds min-max | "
+          + " | ".join(f"{ref} / this (median of rounds, range)" for ref in references) + " |")
+    print("|---" * (3 + len(references)) + "|")
     for name, values in rates.items():
-        ratios = [m / v for m, v in zip(rates["megaframe"], values)]
-        print(f"| {name} | {statistics.median(values):,.0f} | {min(values):,.0f}-{max(values):,.0f} "
-              f"| {statistics.median(ratios):.3f} | {min(ratios):.3f}-{max(ratios):.3f} |")
+        cells = []
+        for ref in references:
+            ratios = [r / v for r, v in zip(rates[ref], values)]
+            cells.append(f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
+        print(f"| {name} | {statistics.median(values):,.0f} | {min(values):,.0f}-{max(values):,.0f} | "
+              + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

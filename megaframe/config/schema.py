@@ -132,6 +132,7 @@ class LoopConfig:
     exit_at_step: Optional[int] = None  # stop early (saving a checkpoint) without changing the schedule
     keep_checkpoints: int = 0  # keep the newest K checkpoints (0 = keep all)
     universal_checkpoint: bool = True  # also write layout-free safetensors (resume into any tp/pp/dp/ZeRO)
+    compile: bool = False  # torch.compile each transformer block (inductor); the first step pays the compile
 
 
 @dataclass

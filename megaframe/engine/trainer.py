@@ -23,7 +23,7 @@ from megaframe.engine.build_locks import clear_stale_build_locks
 from megaframe.engine.nvme_swap import open_nvme_swap
 from megaframe.engine.elastic import join_restarted_group
 from megaframe.engine.schedule import lr_scheduler_factory
-from megaframe.model.factory import build_model, count_parameters, resolve_dims
+from megaframe.model.factory import build_model, compile_blocks, count_parameters, resolve_dims
 from megaframe.model.pipeline import build_pipeline_model
 from megaframe.parallel.random import TPDropoutRNG
 from megaframe.parallel.state import ParallelState
@@ -113,6 +113,7 @@ class Trainer:
                                          p.activation_checkpointing, p.sequence_parallel)
         else:
             model = build_model(self.dims, self.ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel)
+        self.compiled_blocks = compile_blocks(model) if cfg.train.compile else 0
         self.model = model
         self.num_parameters = self._count_parameters(model)
         self.nvme_swap = open_nvme_swap(cfg.offload)
@@ -304,7 +305,8 @@ class Trainer:
                 f"(layers={c.model.num_layers} hidden={c.model.hidden_size} heads={c.model.num_attention_heads} "
                 f"vocab={self.dims.vocab_size} padded to {self.dims.padded_vocab_size}) | "
                 f"layout tp={self.layout.tp} pp={self.layout.pp} dp={self.layout.dp} | zero={c.zero.stage} "
-                f"offload={c.offload.optimizer}/{c.offload.param} precision={c.precision.dtype} | "
+                f"offload={c.offload.optimizer}/{c.offload.param} precision={c.precision.dtype}"
+                f"{f' compiled blocks={self.compiled_blocks}' if self.compiled_blocks else ''} | "
                 f"batch micro={self.layout.micro_batch_size} global={self.layout.global_batch_size} "
                 f"accum={self.layout.grad_accum_steps} seq={c.model.seq_length} | "
                 f"train samples={len(self.data.train)} valid samples={len(self.data.valid or ())} | run dir {self.run_dir}"

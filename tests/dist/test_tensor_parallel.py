@@ -42,3 +42,21 @@ def test_tp2_dp2_zero_stages_match_single_rank(reference, tmp_path):
     run_ranks(_train, 4, tmp_path, runs=runs)
     for (f, stage), (_, run_dir) in zip(cases, runs):
         assert_parity(read_metrics(run_dir), reference[f], f"{f} tp=2 dp=2 zero={stage}")
+
+
+def _train_compiled(rank: int, world: int, runs: list) -> None:
+    from torch._dynamo.utils import counters
+
+    counters.clear()  # a forked rank inherits the parent's counts
+    _train(rank, world, runs)
+    assert counters["stats"]["unique_graphs"] > 0, f"rank {rank}: train.compile=true compiled nothing"
+
+
+def test_compiled_blocks_under_tp2_sp_match_single_rank(reference, tmp_path):
+    """train.compile=true with TP and SP: the collectives break the graph and run eagerly, the rest of
+    each block is compiled by inductor; the numbers stay those of the eager single rank."""
+    runs = [(_args(f, "parallel.tp=2", "parallel.sequence_parallel=true", "train.compile=true"),
+             str(tmp_path / f"{f}-compiled")) for f in FLAVOURS]
+    run_ranks(_train_compiled, 2, tmp_path, runs=runs)
+    for f, (_, run_dir) in zip(FLAVOURS, runs):
+        assert_parity(read_metrics(run_dir), reference[f], f"{f} tp=2 sp compiled")
