@@ -55,8 +55,10 @@ def _train_compiled(rank: int, world: int, runs: list) -> None:
 def test_compiled_blocks_under_tp2_sp_match_single_rank(reference, tmp_path):
     """train.compile=true with TP and SP: the collectives break the graph and run eagerly, the rest of
     each block is compiled by inductor; the numbers stay those of the eager single rank."""
-    runs = [(_args(f, "parallel.tp=2", "parallel.sequence_parallel=true", "train.compile=true"),
-             str(tmp_path / f"{f}-compiled")) for f in FLAVOURS]
+    # One flavour: each costs a cold inductor compile on every rank (1-2 min on CI's 2 cores). gpt2 here
+    # (row-parallel biases and LayerNorm gains summed over SP ranks); llama's compiled blocks are held
+    # to eager in tests/unit/model/test_compile.py.
+    runs = [(_args("gpt2", "parallel.tp=2", "parallel.sequence_parallel=true", "train.compile=true"),
+             str(tmp_path / "gpt2-compiled"))]
     run_ranks(_train_compiled, 2, tmp_path, runs=runs)
-    for f, (_, run_dir) in zip(FLAVOURS, runs):
-        assert_parity(read_metrics(run_dir), reference[f], f"{f} tp=2 sp compiled")
+    assert_parity(read_metrics(runs[0][1]), reference["gpt2"], "gpt2 tp=2 sp compiled")

@@ -27,6 +27,7 @@ def test_default_run_learns(tmp_path):
     train_record = next(r for r in records if "loss" in r)
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "consumed_samples"):
         assert key in train_record
+    assert all("mfu" not in r for r in records)  # CPU, no hardware.peak_tflops: no peak to divide by
     assert (run_dir / "config.yaml").is_file() and (run_dir / ".hydra" / "config.yaml").is_file()
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "global_step300"
     # W&B is offline by default and keeps its run inside the run dir
@@ -86,16 +87,14 @@ def test_installed_wheel_finds_conf_and_recipes(tmp_path):
 
 
 def test_tensor_parallel_from_the_command_line(tmp_path):
-    """`megaframe-train parallel.tp=2` self-launches 2 ranks; its loss falls and matches tp=1."""
-    args = [*TINY, "train.max_steps=12", "train.eval_interval=6"]
-    single, tp2 = tmp_path / "tp1", tmp_path / "tp2"
-    assert_ok(run_cli([*args, f"hydra.run.dir={single}"]))
-    result = run_cli([*args, "parallel.tp=2", "parallel.sequence_parallel=true", f"hydra.run.dir={tp2}"])
+    """`megaframe-train parallel.tp=2` self-launches 2 ranks and its loss falls. (That tp=2, with and
+    without SP, reproduces tp=1 at rtol 1e-5 is tests/dist/test_tensor_parallel.py's job, on the same Trainer.)"""
+    result = run_cli([*TINY, "train.max_steps=12", "train.eval_interval=6", "parallel.tp=2",
+                      "parallel.sequence_parallel=true", f"hydra.run.dir={tmp_path}"])
     assert_ok(result)
     assert "launching 2 ranks" in result.stdout and "tp=2" in result.stdout
-    losses = curve(read_metrics(tp2), "loss")
+    losses = curve(read_metrics(tmp_path), "loss")
     assert losses[-1][1] < losses[0][1] - 0.3
-    assert [v for _, v in losses] == pytest.approx([v for _, v in curve(read_metrics(single), "loss")], rel=1e-5)
 
 
 def test_3d_layout_from_the_command_line(tmp_path):
