@@ -64,15 +64,25 @@ def megaframe_path(cfg, layout):
     return trainer.train_step, trainer.close
 
 
+def adamw(model, cfg, **extra):
+    """torch.optim.AdamW over megaframe's weight-decay groups with the config's hyperparameters."""
+    import torch
+
+    from megaframe.engine.trainer import decay_param_groups
+
+    o = cfg.optim
+    return torch.optim.AdamW(decay_param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                             **extra)
+
+
 def _plain_loop(model, cfg, data, layout, forward):
     """(step, close) of the loop a user would write: accumulate micro-batches, clip, AdamW step."""
     import torch
 
     from megaframe.data import micro_batches
-    from megaframe.engine.trainer import decay_param_groups
 
     o = cfg.optim
-    optimizer = torch.optim.AdamW(decay_param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    optimizer = adamw(model, cfg)
     state = {"step": 0}
 
     def step():
@@ -151,7 +161,7 @@ def main() -> None:
         torch.manual_seed(cfg.train.seed)
         paths[name] = build()
         timed(paths[name][0], args.warmup)  # warm-up
-    # Rounds interleave the three paths, so a slow spell of a shared machine hits all of them; the
+    # Rounds interleave the paths, so a slow spell of a shared machine hits all of them; the
     # ratios are taken within each round (paths timed seconds apart), then their median.
     rates: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(args.repeats):

@@ -21,18 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (tools/bench.py: the shape, the timer)
 
 
-def optimizer(arch: str, fused: bool) -> torch.optim.AdamW:
-    from megaframe.engine.trainer import decay_param_groups
+def optimizer(cfg, dims, fused: bool) -> torch.optim.AdamW:
+    """AdamW (as tools/bench.py's plain loop builds it) over a fresh bench model with random gradients."""
     from megaframe.model.factory import build_model
     from megaframe.parallel.state import ParallelState
 
-    cfg, _layout, _data, dims = bench.setup(arch, [], max_steps=100)
     model = build_model(dims, ParallelState(1, 1, 1, rank=0), cfg.train.seed)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
-    o = cfg.optim
-    return torch.optim.AdamW(decay_param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                             **({"fused": True} if fused else {}))
+    return bench.adamw(model, cfg, **({"fused": True} if fused else {}))
 
 
 def main() -> None:
@@ -43,7 +40,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    paths = {"default (loop)": optimizer(args.arch, False), "fused": optimizer(args.arch, True)}
+    cfg, _layout, _data, dims = bench.setup(args.arch, [], max_steps=100)
+    paths = {"default (loop)": optimizer(cfg, dims, False), "fused": optimizer(cfg, dims, True)}
     times: dict[str, list[float]] = {name: [] for name in paths}
     for opt in paths.values():
         opt.step()  # creates the moments

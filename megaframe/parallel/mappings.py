@@ -137,7 +137,7 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
 
 def _apply(fn, x: torch.Tensor, group) -> torch.Tensor:
-    return x if group is None or _size(group) == 1 else _run_collective(fn, x, group)
+    return x if _size(group) == 1 else _run_collective(fn, x, group)
 
 
 @torch.compiler.disable
