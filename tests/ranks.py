@@ -43,7 +43,8 @@ def _entry(rank: int, fn: Callable, world_size: int, workdir: str, kwargs: dict)
         dist.barrier()
         torch.save({"ok": True, "result": result}, out)
     except BaseException:
-        torch.save({"ok": False, "error": traceback.format_exc()}, out)
+        # when it failed: a peer's failure shows up on the others as closed connections, later
+        torch.save({"ok": False, "error": traceback.format_exc(), "at": time.time()}, out)
         raise
     finally:
         if dist.is_initialized():
@@ -73,10 +74,13 @@ def run_ranks(fn: Callable, world_size: int, tmp_path: Path, timeout: float = 60
                 process.kill()
     records = {rank: torch.load(workdir / f"rank{rank}.pt", weights_only=False)
                for rank in range(world_size) if (workdir / f"rank{rank}.pt").exists()}
-    # a rank's own error first: ranks killed after it failed left no record, and say less
-    for rank, record in records.items():
-        if not record["ok"]:
-            raise RuntimeError(f"rank {rank} failed:\n{record['error']}")
+    # the first rank to fail caused it: the others fail after it, with "Connection closed by peer"
+    failed = sorted((record["at"], rank) for rank, record in records.items() if not record["ok"])
+    if failed:
+        first = failed[0][1]
+        others = ", ".join(str(rank) for _, rank in failed[1:])
+        also = f"\n(ranks {others} failed after it)" if others else ""
+        raise RuntimeError(f"rank {first} failed:\n{records[first]['error']}{also}")
     for rank in range(world_size):
         if rank not in records:
             raise RuntimeError(f"rank {rank} died without a result (exit code {context.processes[rank].exitcode})")

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import TINY, assert_ok, curve, read_metrics, run_cli
+from helpers import TINY, assert_ok, read_metrics, run_cli
+from parity import assert_parity
 
 pytestmark = pytest.mark.slow
 STEPS = ["train.max_steps=5"]
-RTOL = 1e-5
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
@@ -21,15 +21,6 @@ def single_rank(tmp_path_factory):
     result = run_cli([*TINY, *STEPS, f"hydra.run.dir={run_dir}"])
     assert_ok(result)
     return read_metrics(run_dir)
-
-
-def _assert_same_curves(got: list[dict], want: list[dict]) -> None:
-    for key in ("loss", "grad_norm", "eval_loss", "lr"):
-        got_curve, want_curve = curve(got, key), curve(want, key)
-        assert [s for s, _ in got_curve] == [s for s, _ in want_curve], key
-        assert len(want_curve) >= 2, f"too few {key} records to compare"
-        for (step, g), (_, w) in zip(got_curve, want_curve):
-            assert g == pytest.approx(w, rel=RTOL), f"{key} at step {step}: dp=2 {g} vs single rank {w}"
 
 
 @pytest.mark.parametrize("launch,stage", [("self", 1), ("torchrun", 3)])
@@ -42,6 +33,6 @@ def test_dp2_matches_single_rank(single_rank, launch, stage, tmp_path):
         result = run_cli(args, launcher=TORCHRUN)
     assert_ok(result)
     records = read_metrics(tmp_path)
-    _assert_same_curves(records, single_rank)
+    assert_parity(records, single_rank, f"dp=2 {launch} zero{stage}", keys=("loss", "grad_norm", "eval_loss", "lr"))
     # the run really had two data-parallel ranks
     assert "dp=2" in result.stdout

@@ -1,23 +1,84 @@
 """The ZeRO-0 fp32 gradient norm we measure ourselves must agree with DeepSpeed's fp64 norm (the
-other stages report that one), so curves stay comparable across ZeRO stages."""
+other stages report that one), so curves stay comparable across ZeRO stages, and it must be the
+same number on every x86-64 host, whatever its vector width (ATEN_CPU_CAPABILITY) and threads."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from megaframe.engine import trainer
 from megaframe.engine.trainer import grad_norm
 from megaframe.parallel.state import ParallelState
 
+# Squares of fp32 values are exact in fp64 and ~200k of them sum with a relative error below
+# 200k * 1.1e-16 = 2.2e-11; an fp32 accumulation misses this bound by five orders of magnitude
+# (2.9e-6 at one thread, 1.3e-6 at two on this data).
+BOUND = 1e-10
 
-def test_grad_norm_matches_the_fp64_norm_on_a_wide_dynamic_range():
+
+def _wide_range_model() -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 384, bias=True), torch.nn.Linear(384, 16, bias=False))
     for p in model.parameters():
         # rows spanning many orders of magnitude, like an embedding gradient: fp32 lane-wise
-        # accumulation (torch's CPU norm) is ~1e-5 off here
+        # accumulation (torch's CPU norm, an fp32 dot) is 1e-6 to 1e-5 off here
         p.grad = torch.randn_like(p) * torch.rand(p.shape[0], *[1] * (p.dim() - 1)) ** 8
-    exact = torch.cat([p.grad.double().reshape(-1) for p in model.parameters()]).norm().item()
-    assert abs(grad_norm(model, ParallelState(1, 1, 1, rank=0)) - exact) <= 1e-6 * exact
+    return model
+
+
+def _exact(model: torch.nn.Module) -> float:
+    return torch.cat([p.grad.double().reshape(-1) for p in model.parameters()]).norm().item()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_grad_norm_matches_the_fp64_norm_on_a_wide_dynamic_range(threads):
+    model, before = _wide_range_model(), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = grad_norm(model, ParallelState(1, 1, 1, rank=0))
+    finally:
+        torch.set_num_threads(before)
+    exact = _exact(model)
+    assert abs(got - exact) <= BOUND * exact, f"{threads} threads: {got} vs {exact}"
+
+
+def test_grad_norm_spans_chunks(monkeypatch):
+    """Tensors longer than one fp64 chunk are summed chunk by chunk, none dropped or counted twice."""
+    monkeypatch.setattr(trainer, "_SQUARES_CHUNK", 1000)  # the 512x384 weight is 197 chunks, the last short
+    model = _wide_range_model()
+    exact = _exact(model)
+    assert abs(grad_norm(model, ParallelState(1, 1, 1, rank=0)) - exact) <= BOUND * exact
+
+
+_NORM_IN_CHILD = """
+import sys, torch
+from megaframe.engine.trainer import _sum_of_squares
+print(repr(_sum_of_squares(torch.load(sys.argv[1])).item()), torch.backends.cpu.get_cpu_capability())
+"""
+
+
+def test_grad_norm_is_the_same_under_every_cpu_capability(tmp_path):
+    """What broke the NVMe parity test on an AVX2 host: the same gradients, summed by processes that
+    take torch's default, AVX2 and host code paths, give sums within 1e-12 of each other."""
+    grads = [p.grad for p in _wide_range_model().parameters()]
+    torch.save(grads, tmp_path / "grads.pt")
+    sums, seen = [], set()
+    for capability in ("default", "avx2", None):
+        env = {"OMP_NUM_THREADS": "1", **({"ATEN_CPU_CAPABILITY": capability} if capability else {})}
+        out = subprocess.run([sys.executable, "-c", _NORM_IN_CHILD, str(tmp_path / "grads.pt")], check=True,
+                             capture_output=True, text=True, env={**_base_env(), **env}).stdout.split()
+        sums.append(float(out[0]))
+        seen.add(out[1])
+    assert {"DEFAULT", "AVX2"} <= seen, f"the capabilities were not applied: {seen}"
+    assert max(sums) - min(sums) <= 1e-12 * max(sums), sums
+
+
+def _base_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS")}
 
 
 def test_grad_norm_skips_parameters_without_gradients():
