@@ -32,7 +32,7 @@ def pretend_fp16_device() -> None:
 def train_runs(rank: int, world: int, runs: list[tuple[list[str], str]], fp16: bool = False) -> None:
     """Train each (overrides, run_dir) in turn inside these ranks (saves a process start per config);
     fp16=True runs them on a pretended fp16 device (pretend_fp16_device)."""
-    from megaframe.cli import compose
+    from megaframe.config.compose import compose
     from megaframe.config.validate import validate
     from megaframe.engine.trainer import Trainer
 

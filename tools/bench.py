@@ -42,7 +42,7 @@ def timed(step_fn, steps: int) -> float:
 
 def setup(arch: str, overrides: list[str], max_steps: int):
     """(cfg, layout, data, dims) of the bench shape in flavour `arch`; raises ConfigError."""
-    from megaframe.cli import compose
+    from megaframe.config.compose import compose
     from megaframe.config.validate import validate
     from megaframe.engine.data_setup import build_data
     from megaframe.model.factory import resolve_dims
@@ -68,7 +68,7 @@ def adamw(model, cfg, **extra):
     """torch.optim.AdamW over megaframe's weight-decay groups with the config's hyperparameters."""
     import torch
 
-    from megaframe.engine.trainer import decay_param_groups
+    from megaframe.backends.deepspeed.engine import decay_param_groups
 
     o = cfg.optim
     return torch.optim.AdamW(decay_param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
@@ -99,9 +99,10 @@ def _plain_loop(model, cfg, data, layout, forward):
 
 def pytorch_path(cfg, layout, data, dims):
     from megaframe.model.factory import build_model
+    from megaframe.parallel.dims import ParallelDims
     from megaframe.parallel.state import ParallelState
 
-    model = build_model(dims, ParallelState(1, 1, 1, rank=0), cfg.train.seed).train()
+    model = build_model(dims, ParallelState(ParallelDims(), rank=0), cfg.train.seed).train()
     return _plain_loop(model, cfg, data, layout, model)
 
 

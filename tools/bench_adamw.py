@@ -24,9 +24,10 @@ import bench  # noqa: E402  (tools/bench.py: the shape, the timer)
 def optimizer(cfg, dims, fused: bool) -> torch.optim.AdamW:
     """AdamW (as tools/bench.py's plain loop builds it) over a fresh bench model with random gradients."""
     from megaframe.model.factory import build_model
+    from megaframe.parallel.dims import ParallelDims
     from megaframe.parallel.state import ParallelState
 
-    model = build_model(dims, ParallelState(1, 1, 1, rank=0), cfg.train.seed)
+    model = build_model(dims, ParallelState(ParallelDims(), rank=0), cfg.train.seed)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     return bench.adamw(model, cfg, **({"fused": True} if fused else {}))

@@ -33,7 +33,7 @@ def _measure(micro_batches: int, steps: int) -> dict:
     from deepspeed.runtime.pipe import schedule
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    from megaframe.cli import compose
+    from megaframe.config.compose import compose
     from megaframe.config.validate import validate
     from megaframe.engine.trainer import Trainer
 
@@ -67,7 +67,7 @@ def _measure(micro_batches: int, steps: int) -> dict:
 def _worker(args) -> None:
     import torch.distributed as dist
 
-    from megaframe.engine.trainer import init_distributed
+    from megaframe.backends.deepspeed.engine import init_distributed
 
     init_distributed()
     rows = []

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from ranks import run_ranks  # noqa: E402  (tests/ranks.py: real gloo ranks)
 
-from megaframe.plan.measure import measure_zero_stages  # noqa: E402
+from memory_states import measure_zero_stages  # noqa: E402  (tests/memory_states.py)
 from megaframe.plan.memory import model_state_bytes  # noqa: E402
 
 FORMULA = {0: "16Ψ", 1: "4Ψ+12Ψ/N", 2: "2Ψ+14Ψ/N", 3: "16Ψ/N"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from megaframe.cli import compose
+from megaframe.config.compose import compose
 from megaframe.paths import recipes_dir
 from megaframe.plan.cli import plan, planned_world_size
 from megaframe.plan.memory import GIB

@@ -1,13 +1,13 @@
 """The layout-free ("universal") checkpoint format: full, named fp32 tensors in safetensors.
 
-A directory holding (see /work/briefs/format.md, the contract shared with the HF converter):
+A directory holding (the contract shared with the HF converter, megaframe/convert/):
   model.safetensors      one tensor per canonical parameter name (the tp=1 GPT's names), vocab unpadded
   optimizer.safetensors  optional: exp_avg.<name>, exp_avg_sq.<name>, master.<name> (master omitted in fp32)
   state.json             {"format": "megaframe-universal", "version": 1, "step", "consumed_samples", "model", ...}
   manifest.json          written last: bytes + sha256 of every other file, and each safetensors file's tensors
   tokenizer/             optional copy of a Hugging Face tokenizer directory
 Nothing here is unpickled: tensors come from safetensors, the rest is JSON. No torch.distributed in
-this module: engine/ranks code lives in reshard.py.
+this module: engine and rank code lives in backends/deepspeed/state_io.py.
 """
 from __future__ import annotations
 

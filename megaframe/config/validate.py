@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from megaframe.config.schema import TrainConfig
+from megaframe.parallel.dims import ParallelDims
 
 
 class ConfigError(ValueError):
@@ -20,14 +21,28 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """Parallel degrees resolved against the world size, plus the derived step shape."""
+    """The rank grid resolved against the world size, plus the step shape. The degrees are the
+    grid's (ParallelDims); tp, pp, dp and world_size read them from there."""
 
-    tp: int
-    pp: int
-    dp: int
-    world_size: int
+    grid: ParallelDims
     micro_batch_size: int
     global_batch_size: int
+
+    @property
+    def tp(self) -> int:
+        return self.grid.tp
+
+    @property
+    def pp(self) -> int:
+        return self.grid.pp
+
+    @property
+    def dp(self) -> int:
+        return self.grid.dp
+
+    @property
+    def world_size(self) -> int:
+        return self.grid.world_size
 
     @property
     def grad_accum_steps(self) -> int:
@@ -73,7 +88,7 @@ def resolve_layout(cfg: TrainConfig, world_size: int) -> Layout:
                 f"parallel.tp*parallel.pp*parallel.dp={p.tp}*{p.pp}*{dp}={model_parallel * dp} but the world "
                 f"size is {world_size}; set parallel.dp={world_size // model_parallel if world_size % model_parallel == 0 else 'null'} "
                 f"or launch {model_parallel * dp} ranks")
-    return Layout(p.tp, p.pp, dp, world_size, p.micro_batch_size, p.global_batch_size)
+    return Layout(ParallelDims(tp=p.tp, pp=p.pp, dp=dp), p.micro_batch_size, p.global_batch_size)
 
 
 # ---- rules on single groups -------------------------------------------------------------------
@@ -313,7 +328,7 @@ def universal_checkpoint_unsupported(cfg: TrainConfig, layout: Layout) -> bool:
     return cfg.zero.stage == 0 and cfg.precision.dtype != "fp32" and layout.pp == 1
 
 
-def check_precision(cfg: TrainConfig, fp16_supported: Callable[[], bool]) -> Optional[str]:
+def check_precision(cfg: TrainConfig, fp16_supported: Optional[Callable[[], bool]]) -> Optional[str]:
     dtype = cfg.precision.dtype
     if err := _choices("precision.dtype", dtype, ["fp32", "bf16", "fp16"]):
         return err
@@ -326,22 +341,18 @@ def check_precision(cfg: TrainConfig, fp16_supported: Callable[[], bool]) -> Opt
                 return f"{key}={value} must be >= {low}"
         if p.min_loss_scale <= 0:
             return f"precision.min_loss_scale={p.min_loss_scale} must be > 0"
-    if dtype == "fp16" and not fp16_supported():
+    if dtype == "fp16" and fp16_supported is not None and not fp16_supported():
         return ("precision=fp16: this device has no fp16 support (DeepSpeed refuses it); "
                 "use precision=bf16 or precision=fp32")
     return None
 
 
-def device_supports_fp16() -> bool:
-    """Whether DeepSpeed's accelerator on this machine accepts fp16 (CPU: only with AVX512-FP16)."""
-    from deepspeed.accelerator import get_accelerator
-
-    return bool(get_accelerator().is_fp16_supported())
-
-
 def validate(cfg: TrainConfig, world_size: int,
-             fp16_supported: Callable[[], bool] = device_supports_fp16) -> Layout:
-    """Run every rule; raise ConfigError with the first message, else return the resolved layout."""
+             fp16_supported: Optional[Callable[[], bool]] = None) -> Layout:
+    """Run every rule; raise ConfigError with the first message, else return the resolved layout.
+
+    fp16_supported asks the device whether it has fp16 (the CLI passes the backend's check,
+    backends/deepspeed/accelerator.py); None leaves that one rule to the engine."""
     for rule in (check_model, check_optim, check_train, check_data, check_zero_offload, check_pipeline):
         if err := rule(cfg):
             raise ConfigError(err)

@@ -1,4 +1,4 @@
-"""Atomic checkpoints through the DeepSpeed engine.
+"""Atomic checkpoints: the backend's native files and the layout-free ones, published together.
 
 Layout under RUN_DIR/checkpoints/:
   global_step{N}/      DeepSpeed's files for step N plus rng_rank{R}.pt for every rank
@@ -54,7 +54,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def save(engine, save_dir: Path, step: int, client_state: dict[str, Any],
+def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
          rng_state: Optional[dict[str, Any]] = None, write_extra: Optional[Callable[[Path], None]] = None,
          keep: int = 0) -> Path:
     """Save every rank's shard, then (rank 0) publish it: manifest, rename into place, update `latest`.
@@ -68,7 +68,7 @@ def save(engine, save_dir: Path, step: int, client_state: dict[str, Any],
         save_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(save_dir / tmp_tag, ignore_errors=True)  # debris of a save that crashed
     _barrier()
-    engine.save_checkpoint(str(save_dir), tag=tmp_tag, client_state=client_state, save_latest=False)
+    backend.save_native(save_dir, tmp_tag, client_state)
     torch.save({"cpu": torch.get_rng_state(), **(rng_state or {})}, save_dir / tmp_tag / f"rng_rank{_rank()}.pt")
     if write_extra is not None:
         write_extra(save_dir / tmp_tag)
@@ -148,31 +148,26 @@ def verify(path: Path) -> None:
         raise CheckpointError(message[0])
 
 
-def has_engine_files(path: Path) -> bool:
-    """Whether DeepSpeed's own (layout-bound) files are in the checkpoint directory."""
-    return any(Path(path).glob("*model_states.pt"))
-
-
-def load_any(engine, path: Path, layout: dict[str, Any],
-             load_universal: Callable[[Path], dict[str, Any]]) -> ResumePoint:
-    """Verify the manifest, then resume from the layout-free files via load_universal(path) -> state
-    (any layout; nothing unpickled). This rank's RNG comes back too when the layout is unchanged.
-    Only a checkpoint without them (train.universal_checkpoint=false) goes through DeepSpeed's own
-    loader, which unpickles its .pt files and needs the layout they were written in."""
+def load_any(backend, path: Path) -> ResumePoint:
+    """Verify the manifest, then resume from the layout-free files (any layout; nothing
+    unpickled). This rank's RNG comes back too when the layout is unchanged. Only a checkpoint
+    without them (train.universal_checkpoint=false) goes through the backend's own loader
+    (DeepSpeed's unpickles its .pt files), which needs the layout they were written in."""
     path = Path(path)
     verify(path)
+    layout = backend.layout_record()
     if universal.has_universal(path):
-        state = load_universal(path)
+        state = backend.load_full_state(path)
         rng_state = _load_rng(path) if state.get("layout") == layout else {}
         return ResumePoint(path=path, step=int(state["step"]), client_state=state, rng_state=rng_state)
     saved = json.loads((path / LAYOUT_FILE).read_text()) if (path / LAYOUT_FILE).is_file() else None
-    if not has_engine_files(path):
-        raise CheckpointError(f"train.resume: {path} holds neither {universal.MODEL_FILE} nor DeepSpeed's files")
+    if not backend.has_native(path):
+        raise CheckpointError(f"train.resume: {path} holds neither {universal.MODEL_FILE} nor the engine's own files")
     if saved is not None and saved != layout:
         raise CheckpointError(f"train.resume: checkpoint {path} was written in layout {saved} (now {layout}) and "
                               f"holds no layout-free {universal.MODEL_FILE}; resume in that layout, or save with "
                               f"train.universal_checkpoint=true")
-    return load(engine, path)
+    return load(backend, path)
 
 
 def _load_rng(path: Path) -> dict[str, Any]:
@@ -184,13 +179,11 @@ def _load_rng(path: Path) -> dict[str, Any]:
     return rng_state
 
 
-def load(engine, path: Path) -> ResumePoint:
-    """Load model, optimizer, scheduler and this rank's RNG from a checkpoint directory.
+def load(backend, path: Path) -> ResumePoint:
+    """Load model, optimizer, scheduler and this rank's RNG from the backend's own files.
 
     The returned rng_state holds what the caller passed to save() besides the CPU generator."""
     path = Path(path)
-    loaded, client_state = engine.load_checkpoint(str(path.parent), tag=path.name)
-    if loaded is None:
-        raise RuntimeError(f"train.resume: DeepSpeed could not load a checkpoint from {path}")
+    client_state = backend.load_native(path.parent, path.name)
     return ResumePoint(path=path, step=int(client_state["step"]), client_state=client_state,
                        rng_state=_load_rng(path))

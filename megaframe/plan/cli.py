@@ -42,8 +42,10 @@ def _check_cluster(cfg: TrainConfig) -> None:
 
 def plan(cfg: TrainConfig, world: int) -> tuple[Layout, Estimate, Optional[list[Estimate]]]:
     """Validate for `world` ranks and estimate; alternatives when it does not fit or parallel.auto."""
+    from megaframe.backends.deepspeed.accelerator import device_supports_fp16
+
     _check_cluster(cfg)
-    layout = validate(cfg, world)
+    layout = validate(cfg, world, device_supports_fp16)
     est = estimate_config(cfg, layout)
     alternatives = fitting_layouts(cfg, plan_layout(cfg, layout)) if cfg.parallel.auto or not est.fits else None
     return layout, est, alternatives
@@ -98,14 +100,14 @@ def dry_run_report(cfg: TrainConfig, layout: Layout, rank: int) -> dict:
     if not 0 <= rank < layout.world_size:
         raise ConfigError(f"--dry-run={rank}: the layout has ranks 0..{layout.world_size - 1}")
     dims = resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp)
-    built = dry_run(dims, layout.tp, layout.pp, layout.dp, rank, cfg.parallel.pipeline_partition)
+    built = dry_run(dims, layout.grid, rank, cfg.parallel.pipeline_partition)
     planned = stage_parameters(dims, layout.tp, layout.pp, built.stage, cfg.parallel.pipeline_partition)
     return {"rank": rank, "stage": built.stage, "tp_rank": built.tp_rank, "layers": built.layers,
             "parameters": built.parameters, "planner_parameters": planned}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from megaframe.cli import compose
+    from megaframe.config.compose import compose
 
     args = list(sys.argv[1:] if argv is None else argv)
     want_json = "--json" in args

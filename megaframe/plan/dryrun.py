@@ -1,22 +1,22 @@
 """Dry run: build one rank's shard of a model on the meta device, without process groups.
 
-Rank r of a world tp*pp*dp gets its coordinates from the same topology the pipeline engine uses,
+Rank r gets its coordinates from ParallelDims (the pipeline engine's topology is built from it),
 its layer range from the same DeepSpeed partitioning PipelineModule applies, and its layers from
-the same module classes (model/pipeline.py wraps exactly these: EmbeddingPipe is an Embedding,
+the same module classes (backends/deepspeed/pipeline.py wraps exactly these: EmbeddingPipe is an Embedding,
 BlockPipe holds a Block, FinalNormPipe a norm, HeadPipe is a ColumnParallelLinear). No weights are
 allocated, so even a 1T-parameter model's stage takes well under a second.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch.nn as nn
 
+from megaframe.backends.deepspeed.pipeline import stage_boundaries
 from megaframe.model.gpt import GPT, Block, Embedding, GPTDims, build_norm
+from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.layers import ColumnParallelLinear, TPGroup
-from megaframe.parallel.state import rank_coords
 
 
 @dataclass(frozen=True)
@@ -36,13 +36,6 @@ def _layer_parameters(dims: GPTDims, tp: TPGroup) -> list[int]:
     return [sum(p.numel() for p in m.parameters()) for m in modules]
 
 
-@lru_cache(maxsize=64)
-def _deepspeed_partition(weights: tuple, pp: int) -> tuple:
-    from deepspeed.runtime.utils import partition_balanced
-
-    return tuple(int(p) for p in partition_balanced(weights=list(weights), num_parts=pp))
-
-
 def _partition(dims: GPTDims, tp: TPGroup, pp: int, partition: str) -> list[int]:
     """PipelineModule._partition_layers, with DeepSpeed's own helper (deliberately not the planner's
     faster re-implementation, so the dry run checks it)."""
@@ -50,7 +43,7 @@ def _partition(dims: GPTDims, tp: TPGroup, pp: int, partition: str) -> list[int]
         weights = [0, *[1] * dims.num_layers, 0, 0]
     else:
         weights = _layer_parameters(dims, tp)
-    return list(_deepspeed_partition(tuple(weights), pp))
+    return list(stage_boundaries(tuple(weights), pp))
 
 
 def _stage_modules(dims: GPTDims, tp: TPGroup, start: int, stop: int,
@@ -76,10 +69,10 @@ def _stage_modules(dims: GPTDims, tp: TPGroup, start: int, stop: int,
     return names, modules
 
 
-def dry_run(dims: GPTDims, tp: int, pp: int, dp: int, rank: int, partition: str = "uniform") -> DryRun:
+def dry_run(dims: GPTDims, grid: ParallelDims, rank: int, partition: str = "uniform") -> DryRun:
     """Build rank `rank`'s shard on the meta device and count its parameters."""
-    coords = rank_coords(tp, pp, dp, rank)
-    group = TPGroup(group=None, size=tp, rank=coords.tp_rank)
+    coords, tp, pp = grid.coords(rank), grid.tp, grid.pp
+    group = TPGroup(group=None, size=tp, rank=coords.tp)
     with torch.device("meta"):
         if pp == 1:
             model = GPT(dims, group)
@@ -87,11 +80,6 @@ def dry_run(dims: GPTDims, tp: int, pp: int, dp: int, rank: int, partition: str 
                      "head (tied embed)" if dims.tie_embeddings else "head"]
         else:
             parts = _partition(dims, group, pp, partition)
-            names, model = _stage_modules(dims, group, parts[coords.pp_rank], parts[coords.pp_rank + 1])
+            names, model = _stage_modules(dims, group, parts[coords.pp], parts[coords.pp + 1])
         count = sum(p.numel() for p in model.parameters())
-    return DryRun(rank, coords.pp_rank, coords.tp_rank, names, count)
-
-
-def stage_rank(tp: int, pp: int, dp: int, stage: int) -> int:
-    """The first global rank of pipeline stage `stage` (tp fastest, then dp, then pp)."""
-    return stage * tp * dp
+    return DryRun(rank, coords.pp, coords.tp, names, count)

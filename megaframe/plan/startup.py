@@ -9,7 +9,6 @@ import torch.distributed as dist
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
 from megaframe.plan.estimate import Estimate, estimate_config
-from megaframe.plan.measure import held_model_states
 from megaframe.plan.memory import GIB
 
 
@@ -36,9 +35,8 @@ def plan_summary(est: Optional[Estimate]) -> str:
             f"peak {_size(est.peak)} of {_size(est.capacity)} ({'fits' if est.fits else 'DOES NOT FIT'})")
 
 
-def gather_model_states(engine) -> list[dict[str, int]]:
-    """held_model_states() of every rank, on every rank (a collective: all ranks must call it)."""
-    mine = held_model_states(engine)
+def gather_model_states(mine: dict[str, int]) -> list[dict[str, int]]:
+    """Every rank's held model states (a few integers each), on every rank (a collective)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [mine]
     everyone: list = [None] * dist.get_world_size()
@@ -53,7 +51,7 @@ def model_states_record(step: int, per_rank: list[dict[str, int]], est: Optional
     if est is not None:
         planned = {str(s.stage): {"weights": s.states.weights, "gradients": s.states.gradients,
                                   "optimizer": s.states.optimizer, "host": s.states.host} for s in est.stages}
-    stages = [rank // (tp * dp) for rank in range(len(per_rank))]  # tp fastest, then dp, then pp
+    stages = [rank // (tp * dp) for rank in range(len(per_rank))]  # ParallelDims: pp is the slowest axis
     return {"step": step, "model_states_bytes_per_rank": per_rank, "pipeline_stage_per_rank": stages,
             "model_states_bytes_planned_per_stage": planned}
 

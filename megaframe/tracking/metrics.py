@@ -70,12 +70,12 @@ def memory_gb() -> float:
     return psutil.Process().memory_info().rss / 2**30
 
 
-def run_metadata(world_size: int, layout: dict[str, int]) -> dict[str, Any]:
-    """What a tracked run should say about where it ran: layout, versions, git commit."""
+def run_metadata(world_size: int, layout: dict[str, int], engine_versions: dict[str, str]) -> dict[str, Any]:
+    """What a tracked run should say about where it ran: layout, versions (the engine's from its
+    backend), git commit."""
     import platform
     import subprocess
 
-    import deepspeed
     import torch
 
     import megaframe
@@ -87,4 +87,4 @@ def run_metadata(world_size: int, layout: dict[str, int]) -> dict[str, Any]:
         commit = None  # installed from a wheel, or no git
     return {"world_size": world_size, "layout": layout, "git_commit": commit,
             "versions": {"megaframe": megaframe.__version__, "torch": torch.__version__,
-                         "deepspeed": deepspeed.__version__, "python": platform.python_version()}}
+                         **engine_versions, "python": platform.python_version()}}

@@ -14,22 +14,23 @@ SHAPES = {"gpt2": dict(num_layers=5), "llama": dict(num_layers=5, arch="llama", 
 
 def _held(rank: int, world: int, tp: int, pp: int) -> list[tuple]:
     from megaframe.config.schema import ModelConfig
-    from megaframe.engine.trainer import init_distributed
+    from megaframe.backends.deepspeed.engine import init_distributed
     from megaframe.model.factory import resolve_dims
-    from megaframe.model.pipeline import build_pipeline_model
+    from megaframe.backends.deepspeed.pipeline import build_pipeline_model
+    from megaframe.parallel.dims import ParallelDims
     from megaframe.parallel.state import ParallelState
     from megaframe.plan.dryrun import dry_run
     from megaframe.plan.memory import stage_parameters
 
     init_distributed()  # PipelineModule talks to deepspeed.comm
     out = []
-    ps = ParallelState.build(tp, pp, world // (tp * pp))
+    ps = ParallelState.build(ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp)))
     for flavour, shape in SHAPES.items():
         dims = resolve_dims(ModelConfig(hidden_size=64, num_attention_heads=4, seq_length=16, **shape), 100, tp=tp)
         for partition in ("uniform", "parameters"):
             real = build_pipeline_model(dims, ps, seed=1, partition=partition)
             held = sum(p.numel() for p in real.parameters())
-            dry = dry_run(dims, tp, pp, ps.dp, rank, partition).parameters
+            dry = dry_run(dims, ps.grid, rank, partition).parameters
             planned = stage_parameters(dims, tp, pp, ps.pp_rank, partition)
             out.append((flavour, partition, held, dry, planned))
     return out

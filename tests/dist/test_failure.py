@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 
 def _fail_on_rank_1(rank: int, world: int, run_dir: str) -> None:
-    from megaframe.cli import compose
+    from megaframe.config.compose import compose
     from megaframe.config.validate import validate
     from megaframe.engine.trainer import Trainer
 

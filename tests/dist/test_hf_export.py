@@ -20,7 +20,7 @@ BYTE_VOCAB = 257  # the demo corpus is byte-tokenized: padded to 384 rows in tra
 
 def train_and_snapshot(rank: int, world: int, runs: dict, ids: torch.Tensor) -> dict:
     """Train each flavour (the trainer saves a layout-free checkpoint at the end); return its logits."""
-    from megaframe.cli import compose
+    from megaframe.config.compose import compose
     from megaframe.config.validate import validate
     from megaframe.engine.trainer import Trainer
     from megaframe.model.factory import build_model
@@ -31,7 +31,7 @@ def train_and_snapshot(rank: int, world: int, runs: dict, ids: torch.Tensor) -> 
         cfg, _ = compose([*TINY, *FLAVOURS[flavour], "train.max_steps=4", "optim.lr=3e-3"])
         with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:
             trainer.fit()
-        module = trainer.engine.module.eval()
+        module = trainer.backend.module.eval()
         full = full_state_dict(module)
         initial = full_state_dict(build_model(trainer.dims, trainer.ps, cfg.train.seed))
         with torch.no_grad():

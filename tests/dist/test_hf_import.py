@@ -41,6 +41,7 @@ def megaframe_logits(rank: int, world: int, checkpoints: dict, ids: torch.Tensor
     from megaframe.convert.files import read_layout_free
     from megaframe.model.factory import build_model, resolve_dims
     from megaframe.model.full_state import full_state_dict, load_full_state
+    from megaframe.parallel.dims import ParallelDims
     from megaframe.parallel.state import ParallelState
 
     out = {}
@@ -49,7 +50,7 @@ def megaframe_logits(rank: int, world: int, checkpoints: dict, ids: torch.Tensor
         cfg = model_config(state, path)
         dims = resolve_dims(cfg, cfg.vocab_size, tp=world)
         assert dims.padded_vocab_size == 512
-        model = build_model(dims, ParallelState.build(world, 1, 1), seed=7).eval()  # seed: overwritten below
+        model = build_model(dims, ParallelState.build(ParallelDims(tp=world)), seed=7).eval()  # seed: overwritten below
         load_full_state(model, tensors)
         assert model.embed.tok.weight.shape[0] == 256  # this rank's half of the padded vocabulary
         gathered = full_state_dict(model)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megaframe.plan.measure import measure_zero_stages
+from memory_states import measure_zero_stages
 from megaframe.plan.memory import model_state_bytes
 from ranks import run_ranks
 

@@ -39,14 +39,14 @@ def _dtypes(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
     """Train bf16 briefly; report the dtype of the module's weights and of the optimizer's master copy."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    from megaframe.cli import compose
+    from megaframe.config.compose import compose
     from megaframe.config.validate import validate
     from megaframe.engine.trainer import Trainer
 
     cfg, _ = compose(overrides)
     with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:
         trainer.fit()
-        weight = next(p for p in trainer.engine.module.parameters() if p.dim() == 2)
+        weight = next(p for p in trainer.backend.module.parameters() if p.dim() == 2)
         return {"module": str(weight.dtype), "master": str(safe_get_full_fp32_param(weight).dtype)}
 
 
@@ -78,14 +78,14 @@ def _overflow_at_one_step(rank: int, world: int, overrides: list[str], run_dir: 
     """Train fp16 with an inf gradient injected into step OVERFLOW_STEP; snapshot the weights around it."""
     import torch
 
-    from megaframe.cli import compose
+    from megaframe.config.compose import compose
     from megaframe.config.validate import validate
     from megaframe.engine.trainer import Trainer
 
     pretend_fp16_device()
     cfg, _ = compose(overrides)
     trainer = Trainer(cfg, validate(cfg, world), Path(run_dir))
-    weights = [p for p in trainer.engine.module.parameters() if p.requires_grad]
+    weights = [p for p in trainer.backend.module.parameters() if p.requires_grad]
     weights[0].register_hook(lambda g: g * float("inf") if trainer.step == OVERFLOW_STEP else g)
     snapshots, train_step = {}, trainer.train_step
 

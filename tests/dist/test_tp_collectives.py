@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from megaframe.config.schema import ModelConfig
 from megaframe.model.factory import build_model, resolve_dims
+from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.state import ParallelState
 from ranks import run_ranks
 
@@ -23,7 +24,7 @@ def _count_step(rank: int, world: int, arch: str, num_layers: int, sequence_para
                       ffn_hidden_size=128, num_kv_heads=2 if llama else None,
                       norm="rmsnorm" if llama else "layernorm", activation="swiglu" if llama else "gelu",
                       position_embedding="rope" if llama else "learned", tie_embeddings=not llama, bias=not llama)
-    ps = ParallelState.build(tp=world, pp=1, dp=1)
+    ps = ParallelState.build(ParallelDims(tp=world))
     model = build_model(resolve_dims(cfg, 100), ps, seed=0, sequence_parallel=sequence_parallel)
     counts: dict[str, collections.Counter] = {"forward": collections.Counter(), "backward": collections.Counter()}
     phase = ["forward"]

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from megaframe.config.schema import ModelConfig
 from megaframe.model.factory import build_model, resolve_dims
 from megaframe.model.gpt import Dropout
+from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.state import ParallelState
 from ranks import run_ranks
 
@@ -16,7 +17,7 @@ CFG = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_lengt
 
 
 def _streams(rank: int, world: int) -> dict:
-    ps = ParallelState.build(tp=world, pp=1, dp=1)
+    ps = ParallelState.build(ParallelDims(tp=world))
     torch.manual_seed(5)  # the trainer seeds the default stream identically on every rank
     model = build_model(resolve_dims(CFG, 100), ps, seed=5).train()
     ones = torch.ones(4, 64)
@@ -32,7 +33,7 @@ def test_streams_shared_outside_and_distinct_inside_tp_regions(tmp_path):
 
 
 def _grads(rank: int, world: int, checkpointing: bool, sequence_parallel: bool) -> dict:
-    ps = ParallelState.build(tp=world, pp=1, dp=1)
+    ps = ParallelState.build(ParallelDims(tp=world))
     torch.manual_seed(11)
     model = build_model(resolve_dims(CFG, 100), ps, seed=11, activation_checkpointing=checkpointing,
                         sequence_parallel=sequence_parallel).train()

@@ -61,15 +61,15 @@ def test_offload_under_tensor_parallelism_matches_single_rank(reference, tmp_pat
 
 def _train_recording_swap(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
     """Train; report the swap files this rank wrote (read before shutdown) and whether they were removed."""
-    from megaframe.cli import compose
+    from megaframe.config.compose import compose
     from megaframe.config.validate import validate
     from megaframe.engine.trainer import Trainer
 
     cfg, _ = compose(overrides)
     with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:
         trainer.fit()
-        files = trainer.nvme_swap.files()
-    return {"folder": str(trainer.nvme_swap.path), "files": files, "left": trainer.nvme_swap.path.exists()}
+        files = trainer.backend.nvme_swap.files()
+    return {"folder": str(trainer.backend.nvme_swap.path), "files": files, "left": trainer.backend.nvme_swap.path.exists()}
 
 
 def test_zero3_nvme_offload_swaps_to_disk_and_matches_single_rank(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import cli_env, run_cli
-from megaframe.config.validate import device_supports_fp16
+from megaframe.backends.deepspeed.accelerator import device_supports_fp16
 
 # (overrides, environment, fragments the one-line message must contain)
 CASES = {
@@ -74,7 +74,7 @@ def test_fp16_refused_where_the_device_lacks_it(tmp_path):
 def test_too_few_micro_batches_for_the_pipeline_warns(tmp_path):
     """Legal but wasteful: fewer micro-batches than stages. The config composes (--cfg job prints it);
     a real launch prints the warning first. Checked here without launching: validation's warnings()."""
-    from megaframe.cli import compose
+    from megaframe.config.compose import compose
     from megaframe.config.validate import validate, warnings
 
     cfg, _ = compose(["parallel.pp=4", "zero=stage1", "parallel.micro_batch_size=8", "parallel.global_batch_size=16"])

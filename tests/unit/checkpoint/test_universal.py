@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megaframe.checkpoint import universal
-from megaframe.checkpoint.reshard import canonical_name
+from megaframe.backends.deepspeed.state_io import canonical_name
 from megaframe.checkpoint.universal import CheckpointError
 
 STATE = {"step": 7, "consumed_samples": 56, "model": {"num_layers": 2, "vocab_size": 5}}

@@ -12,6 +12,7 @@ from megaframe.convert.cli import export_hf, import_hf, model_overrides
 from megaframe.convert.files import read_layout_free, write_layout_free
 from megaframe.model.factory import build_model, resolve_dims
 from megaframe.model.full_state import full_state_dict
+from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.state import ParallelState
 
 VOCAB = 300  # padded to 384: the export must drop 84 rows
@@ -30,7 +31,7 @@ VARIANTS = {
 
 def random_model(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
     """A tp=1 megaframe GPT whose every parameter (norm gains, biases, padded rows too) is random."""
-    model = build_model(resolve_dims(cfg, VOCAB), ParallelState(1, 1, 1, 0), seed=seed)
+    model = build_model(resolve_dims(cfg, VOCAB), ParallelState(ParallelDims(), rank=0), seed=seed)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
@@ -80,7 +81,7 @@ def test_to_hf_drops_padded_vocabulary_rows():
 
 @pytest.mark.parametrize("name", ["llama-gqa", "gpt2"])
 def test_printed_overrides_compose_to_the_same_model_config(name):
-    from megaframe.cli import compose
+    from megaframe.config.compose import compose
 
     cfg = VARIANTS[name]
     composed, _ = compose(model_overrides(cfg))  # on top of the default model group (gpt_tiny)

@@ -9,13 +9,13 @@ from megaframe.engine import checkpoint
 
 
 class FakeEngine:
-    """Writes a file per save like DeepSpeed does; can be told to die in the middle of a save."""
+    """A backend whose native save writes a file per save like DeepSpeed does; can be told to die
+    in the middle of a save."""
 
     def __init__(self, crash: bool = False):
         self.crash = crash
 
-    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
-        assert save_latest is False  # `latest` is ours to publish, atomically
+    def save_native(self, save_dir, tag, client_state):
         path = Path(save_dir) / tag
         path.mkdir(parents=True)
         (path / "mp_rank_00_model_states.pt").write_text(str(client_state["step"]))

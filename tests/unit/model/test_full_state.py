@@ -9,13 +9,14 @@ import torch
 from megaframe.config.schema import ModelConfig
 from megaframe.model.factory import build_model, resolve_dims
 from megaframe.model.full_state import StateMismatch, canonical_shapes, full_state_dict, load_full_state
+from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.state import ParallelState
 
 CFG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=200)
 
 
 def _model(cfg: ModelConfig, seed: int):
-    return build_model(resolve_dims(cfg, cfg.vocab_size), ParallelState(1, 1, 1, 0), seed=seed).eval()
+    return build_model(resolve_dims(cfg, cfg.vocab_size), ParallelState(ParallelDims(), rank=0), seed=seed).eval()
 
 
 def test_full_state_is_unpadded_and_loads_into_another_model():

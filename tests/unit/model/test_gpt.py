@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from megaframe.config.schema import ModelConfig
 from megaframe.model.factory import build_model, count_parameters, resolve_dims
 from megaframe.model.gpt import GPT, full_init_value, init_parameters
+from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.state import ParallelState
 
-ONE_RANK = ParallelState(1, 1, 1, rank=0)
+ONE_RANK = ParallelState(ParallelDims(), rank=0)
 GPT2 = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16)
 LLAMA = ModelConfig(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
                     seq_length=16, norm="rmsnorm", activation="swiglu", position_embedding="rope",

@@ -1,18 +1,31 @@
-"""The rank grid: tp fastest, then dp, then pp (DeepSpeed's PipeModelDataParallelTopology)."""
+"""ParallelState over ParallelDims, and the Megatron `mpu` adapter DeepSpeed reads."""
 from __future__ import annotations
 
-from megaframe.parallel.state import ParallelState, RankCoords, rank_coords
+from megaframe.backends.deepspeed.topology import MegatronMpu, build_topology
+from megaframe.parallel.dims import ParallelDims
+from megaframe.parallel.state import ParallelState
 
 
-def test_rank_coords_order():
-    assert [rank_coords(2, 2, 2, r) for r in (0, 1, 2, 5, 7)] == [
-        RankCoords(0, 0, 0), RankCoords(0, 0, 1), RankCoords(0, 1, 0), RankCoords(1, 0, 1), RankCoords(1, 1, 1)]
-
-
-def test_group_ranks_and_mpu_interface():
-    ps = ParallelState(tp=2, pp=1, dp=2, rank=3)
+def test_coordinates_and_group_ranks():
+    ps = ParallelState(ParallelDims(tp=2, dp=2), rank=3)
     assert (ps.tp_rank, ps.dp_rank, ps.pp_rank) == (1, 1, 0)
-    assert ps.get_data_parallel_group_ranks() == [1, 3]
-    assert ps.get_tensor_model_parallel_src_rank() == 2
-    assert ps.get_model_parallel_world_size() == 2 and ps.get_data_parallel_world_size() == 2
+    assert ps.dp_ranks == [1, 3] and ps.group_ranks("tp") == [2, 3]
     assert ps.is_first_stage and ps.is_last_stage
+    assert ps.group("tp") is None  # no process groups outside ParallelState.build
+
+
+def test_mpu_interface():
+    mpu = MegatronMpu(ParallelState(ParallelDims(tp=2, dp=2), rank=3))
+    assert mpu.get_data_parallel_group_ranks() == [1, 3]
+    assert mpu.get_tensor_model_parallel_src_rank() == 2
+    assert mpu.get_model_parallel_world_size() == 2 and mpu.get_data_parallel_world_size() == 2
+    assert mpu.get_data_parallel_rank() == 1 and mpu.get_pipeline_model_parallel_rank() == 0
+
+
+def test_deepspeed_topology_has_the_same_rank_layout():
+    """DeepSpeed's pipeline engine and ParallelDims must put every rank at the same (pp, dp, tp)."""
+    dims = ParallelDims(pp=2, dp=2, tp=2)
+    topology = build_topology(dims)
+    for rank in range(dims.world_size):
+        mine, theirs = dims.coords(rank), topology.get_coord(rank)
+        assert (mine.pp, mine.dp, mine.tp) == (theirs.pipe, theirs.data, theirs.model), rank

@@ -6,12 +6,13 @@ import time
 
 import pytest
 
-from megaframe.cli import compose
+from megaframe.config.compose import compose
 from megaframe.config.validate import validate
 from megaframe.model.factory import resolve_dims
 from megaframe.paths import recipes_dir
 from megaframe.plan.cli import planned_world_size
-from megaframe.plan.dryrun import dry_run, stage_rank
+from megaframe.parallel.dims import ParallelDims
+from megaframe.plan.dryrun import dry_run
 from megaframe.plan.memory import stage_parameters, total_parameters
 
 # Published sizes: ../shared/REFERENCE.md, and for Llama-3 8B / NeoX-20B their papers (8.03B, 20.55B).
@@ -45,11 +46,11 @@ def test_llama2_7b_is_exactly_its_reference_size():
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_dry_run_matches_planner_on_first_middle_and_last_stage(name):
     cfg, layout, dims = _recipe(name)
-    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    tp, pp = layout.tp, layout.pp
     start = time.perf_counter()
     for stage in sorted({0, pp // 2, pp - 1}):
         for tp_rank in sorted({0, tp - 1}):
-            built = dry_run(dims, tp, pp, dp, stage_rank(tp, pp, dp, stage) + tp_rank, cfg.parallel.pipeline_partition)
+            built = dry_run(dims, layout.grid, layout.grid.rank(pp=stage, tp=tp_rank), cfg.parallel.pipeline_partition)
             assert built.stage == stage and built.tp_rank == tp_rank
             assert built.parameters == stage_parameters(dims, tp, pp, stage, cfg.parallel.pipeline_partition), \
                 f"{name} stage {stage} tp rank {tp_rank}: {built.layers}"
@@ -58,7 +59,7 @@ def test_dry_run_matches_planner_on_first_middle_and_last_stage(name):
 
 def test_dry_run_of_a_whole_model_counts_every_tp_shard_once():
     cfg, layout, dims = _recipe("llama2_13b")  # tp=2, pp=1
-    shards = [dry_run(dims, 2, 1, 1, rank).parameters for rank in range(2)]
+    shards = [dry_run(dims, ParallelDims(tp=2), rank).parameters for rank in range(2)]
     # TP splits everything except norms (replicated on both ranks)
     norms = (2 * dims.num_layers + 1) * dims.hidden_size
     assert sum(shards) - norms == total_parameters(dims)

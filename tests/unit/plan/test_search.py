@@ -1,7 +1,7 @@
 """Layout search: only layouts validation and DeepSpeed accept, ranked, and parallel=auto's overrides."""
 from __future__ import annotations
 
-from megaframe.cli import compose
+from megaframe.config.compose import compose
 from megaframe.config.validate import validate
 from megaframe.plan.cli import planned_world_size
 from megaframe.plan.estimate import estimate_config, plan_layout

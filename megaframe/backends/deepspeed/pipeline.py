@@ -7,17 +7,20 @@ pipelined model starts from exactly the weights of the plain one.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional
 
 import torch
 import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.utils import partition_balanced
 
 from megaframe.model.gpt import (Block, Embedding, GPTDims, build_norm, init_parameters, rope_tables, run_block,
                                  tied_head_logits)
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaframe.parallel.layers import ColumnParallelLinear, TPGroup
 from megaframe.parallel.random import TPDropoutRNG
+from megaframe.backends.deepspeed.topology import build_topology
 from megaframe.parallel.state import ParallelState
 
 
@@ -80,7 +83,7 @@ PARTITION_METHODS = {"uniform": "type:BlockPipe", "parameters": "parameters"}
 
 def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition: str = "uniform",
                          activation_checkpointing: bool = False, sequence_parallel: bool = False) -> PipelineModule:
-    """This rank's stage of the pipelined GPT; the rank grid is ParallelState's topology."""
+    """This rank's stage of the pipelined GPT, on the topology built from ParallelState's grid."""
     tp = ps.tp_region(sequence_parallel)
     rng = TPDropoutRNG(seed, ps.tp_rank)
     embed_args = (EmbeddingPipe, dims, tp, rng, seed)
@@ -93,7 +96,14 @@ def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition:
     else:
         layers.append(LayerSpec(HeadPipe, dims, tp, seed))
     # "uniform" balances transformer blocks (Megatron's notion), not DeepSpeed's raw layer count
-    model = PipelineModule(layers=layers, loss_fn=VocabParallelLoss(dims, tp), topology=ps.topology,
+    model = PipelineModule(layers=layers, loss_fn=VocabParallelLoss(dims, tp), topology=build_topology(ps.grid),
                            partition_method=PARTITION_METHODS[partition], activation_checkpoint_interval=0)
     model.rng = rng  # a tied embedding's non-owning copies carry DeepSpeed's ds_pipe_replicated=True
     return model
+
+
+@lru_cache(maxsize=64)
+def stage_boundaries(weights: tuple, pp: int) -> tuple:
+    """Where PipelineModule cuts a layer list of these weights into pp stages (DeepSpeed's own
+    partition_balanced: the dry run uses it to check the planner's re-implementation)."""
+    return tuple(int(p) for p in partition_balanced(weights=list(weights), num_parts=pp))

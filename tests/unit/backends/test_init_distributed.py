@@ -7,7 +7,7 @@ import sys
 from helpers import REPO, assert_ok, cli_env
 
 PROBE = """
-from megaframe.engine.trainer import init_distributed
+from megaframe.backends.deepspeed.engine import init_distributed
 import deepspeed.comm.comm as ds_comm
 import torch.distributed as dist
 init_distributed()

@@ -1,4 +1,4 @@
-"""Between a DeepSpeed engine in any layout and the layout-free checkpoint (universal.py).
+"""Between a DeepSpeed engine in any layout and the layout-free checkpoint (checkpoint/universal.py).
 
 Gather (save): every rank takes its parameters' full-over-DP fp32 values and Adam moments (ZeRO 0-3),
 TP shards are all-gathered along their partition_dim, the vocabulary padding is cut, pipeline
@@ -14,13 +14,13 @@ this CPU framework trains, per-stage files would be the next step for large mode
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+import deepspeed
 import torch
 import torch.distributed as dist
 
@@ -91,8 +91,6 @@ def _is_zero3(param) -> bool:
 def _module_value(param) -> torch.Tensor:
     """The weight the model computes with (gathered over DP under ZeRO-3; collective there)."""
     if _is_zero3(param):
-        import deepspeed
-
         with deepspeed.zero.GatheredParameters([param]):
             return param.data.detach().float().clone()
     return param.data.detach().float().clone()
@@ -290,11 +288,6 @@ def scatter_full_state(view: EngineView, directory: Path, optim_step: Optional[i
             _set_optimizer_value(view, param, master, None)
             for key in MOMENT_KEYS if with_optimizer else ():
                 _set_optimizer_value(view, param, _read_shard(optim_file, f"{key}.{name}", name, param, view.dims), key)
-
-
-def model_config_dict(model_cfg, dims: GPTDims) -> dict:
-    """ModelConfig as state.json stores it: the resolved vocabulary instead of None."""
-    return {**dataclasses.asdict(model_cfg), "vocab_size": dims.vocab_size}
 
 
 # ---- what the trainer calls -------------------------------------------------------------------

@@ -9,12 +9,12 @@ import subprocess
 import sys
 
 from helpers import REPO, cli_env
-from megaframe.engine.nvme_swap import SWAP_FOLDER, NvmeSwap
+from megaframe.backends.deepspeed.nvme import SWAP_FOLDER, NvmeSwap
 
 # A process that opens its swap folder, writes a 2 MiB "swap file", reports the folder and waits.
 CHILD = """
 import sys, time
-from megaframe.engine.nvme_swap import NvmeSwap
+from megaframe.backends.deepspeed.nvme import NvmeSwap
 swap = NvmeSwap(sys.argv[1])
 (swap.path / "zero_stage_3" / "optimizer").mkdir(parents=True)
 (swap.path / "zero_stage_3" / "optimizer" / "0.tensor.swp").write_bytes(bytes(2 << 20))

@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
-from megaframe.engine import trainer
-from megaframe.engine.trainer import grad_norm
+from megaframe.parallel import grad_norm as grad_norm_module
+from megaframe.parallel.grad_norm import grad_norm
+from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.state import ParallelState
 
 # Squares of fp32 values are exact in fp64 and ~200k of them sum with a relative error below
@@ -39,7 +40,7 @@ def test_grad_norm_matches_the_fp64_norm_on_a_wide_dynamic_range(threads):
     model, before = _wide_range_model(), torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = grad_norm(model, ParallelState(1, 1, 1, rank=0))
+        got = grad_norm(model, ParallelState(ParallelDims(), rank=0))
     finally:
         torch.set_num_threads(before)
     exact = _exact(model)
@@ -48,15 +49,15 @@ def test_grad_norm_matches_the_fp64_norm_on_a_wide_dynamic_range(threads):
 
 def test_grad_norm_spans_chunks(monkeypatch):
     """Tensors longer than one fp64 chunk are summed chunk by chunk, none dropped or counted twice."""
-    monkeypatch.setattr(trainer, "_SQUARES_CHUNK", 1000)  # the 512x384 weight is 197 chunks, the last short
+    monkeypatch.setattr(grad_norm_module, "_SQUARES_CHUNK", 1000)  # the 512x384 weight is 197 chunks, the last short
     model = _wide_range_model()
     exact = _exact(model)
-    assert abs(grad_norm(model, ParallelState(1, 1, 1, rank=0)) - exact) <= BOUND * exact
+    assert abs(grad_norm(model, ParallelState(ParallelDims(), rank=0)) - exact) <= BOUND * exact
 
 
 _NORM_IN_CHILD = """
 import sys, torch
-from megaframe.engine.trainer import _sum_of_squares
+from megaframe.parallel.grad_norm import _sum_of_squares
 print(repr(_sum_of_squares(torch.load(sys.argv[1])).item()), torch.backends.cpu.get_cpu_capability())
 """
 
@@ -84,4 +85,4 @@ def _base_env() -> dict[str, str]:
 def test_grad_norm_skips_parameters_without_gradients():
     model = torch.nn.Linear(4, 3)
     model.weight.grad = torch.full((3, 4), 2.0)
-    assert grad_norm(model, ParallelState(1, 1, 1, rank=0)) == pytest.approx(48 ** 0.5, rel=1e-12)
+    assert grad_norm(model, ParallelState(ParallelDims(), rank=0)) == pytest.approx(48 ** 0.5, rel=1e-12)

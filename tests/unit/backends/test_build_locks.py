@@ -5,7 +5,7 @@ import os
 import threading
 import time
 
-from megaframe.engine.build_locks import clear_stale_build_locks
+from megaframe.backends.deepspeed.build_locks import clear_stale_build_locks
 
 
 def test_a_lock_older_than_the_limit_is_removed_with_a_warning(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-from megaframe.config.deepspeed import to_ds_config
+from megaframe.backends.deepspeed.ds_config import to_ds_config
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import validate
 

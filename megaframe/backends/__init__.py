@@ -1,0 +1,65 @@
+"""Training engines behind one interface: the trainer's loop, evaluation, logging and checkpoint
+policy talk to a Backend and never to the engine library itself.
+
+DeepSpeed (backends/deepspeed/) is the one engine today and the only code that imports it. A
+second engine (FSDP2, say) is a sibling folder that implements the same Protocol.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+import torch
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), each (micro_batch, seq)
+
+
+class Backend(Protocol):
+    """What the trainer needs from an engine, for one rank of one run."""
+
+    module: torch.nn.Module  # this rank's model (a pipeline stage when pipelined); .rng is its TP dropout RNG
+    num_parameters: int  # the whole model's, TP shards at full size, pipeline stages summed
+    compiled_blocks: int  # blocks compiled by train.compile (0 when off)
+
+    def train_step(self, batches: list[Batch]) -> float:
+        """One optimizer step over this rank's micro-batches; the global batch's mean loss."""
+
+    def eval_step(self, batches: list[Batch]) -> float:
+        """Mean loss over this rank's micro-batches, averaged over the data-parallel replicas."""
+
+    def grad_norm(self) -> float:
+        """The last step's global gradient norm (before clipping)."""
+
+    def lr(self) -> float:
+        """The learning rate the next step uses."""
+
+    def precision_state(self) -> dict[str, Any]:
+        """fp16 only: the current loss scale and the steps skipped on overflow."""
+
+    def held_model_states(self) -> dict[str, int]:
+        """Bytes of weights, gradients, optimizer states, buckets and other this rank holds."""
+
+    def layout_record(self) -> dict[str, Any]:
+        """The layout native checkpoints are bound to (they load only into the same one)."""
+
+    def save_native(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
+        """The engine's own checkpoint files for this rank under directory/tag."""
+
+    def load_native(self, directory: Path, tag: str) -> dict[str, Any]:
+        """Load the engine's own files written by save_native; return the client state."""
+
+    def has_native(self, path: Path) -> bool:
+        """Whether a checkpoint directory holds the engine's own files."""
+
+    def save_full_state(self, directory: Path, state: dict[str, Any], tokenizer_dir: Optional[Path]) -> None:
+        """The layout-free checkpoint files (every rank calls: collectives)."""
+
+    def load_full_state(self, directory: Path) -> dict[str, Any]:
+        """Load a layout-free checkpoint in this layout; return its state.json."""
+
+    def versions(self) -> dict[str, str]:
+        """Version strings of the engine library, for run metadata."""
+
+    def close(self) -> None:
+        """Release what the engine holds outside memory (swap files)."""
+

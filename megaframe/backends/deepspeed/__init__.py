@@ -1,0 +1,12 @@
+"""The DeepSpeed backend: the only package in megaframe that imports deepspeed.
+
+engine.py      DeepSpeedBackend (build, steps, state) and init_distributed
+ds_config.py   TrainConfig -> DeepSpeed's JSON
+pipeline.py    the GPT as a PipelineModule; DeepSpeed's stage partitioning
+topology.py    ParallelDims as DeepSpeed's topology and Megatron's mpu
+state_io.py    full (layout-free) state out of and into a running engine
+memory.py      the model states an engine holds, by role
+nvme.py        per-process NVMe swap folders
+build_locks.py stale JIT build locks
+accelerator.py what the device supports (asked before launch)
+"""

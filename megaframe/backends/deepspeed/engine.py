@@ -1,0 +1,211 @@
+"""DeepSpeedBackend: the model built, wrapped in a DeepSpeed engine and driven one step at a time.
+
+ZeRO, offload, precision, gradient accumulation and the pipeline schedule are DeepSpeed's; this
+class turns the typed config into its JSON (ds_config.py), builds the model or its pipeline stage,
+and answers the trainer's Backend calls (megaframe/backends/__init__.py).
+"""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+from megaframe.backends import Batch
+from megaframe.backends.deepspeed import state_io
+from megaframe.backends.deepspeed.build_locks import clear_stale_build_locks
+from megaframe.backends.deepspeed.ds_config import to_ds_config
+from megaframe.backends.deepspeed.memory import held_model_states
+from megaframe.backends.deepspeed.nvme import open_nvme_swap
+from megaframe.backends.deepspeed.pipeline import build_pipeline_model
+from megaframe.backends.deepspeed.topology import MegatronMpu
+from megaframe.config.schema import TrainConfig
+from megaframe.config.validate import Layout
+from megaframe.model.dims import GPTDims
+from megaframe.model.factory import build_model, compile_blocks, count_parameters
+from megaframe.parallel.elastic import join_restarted_group
+from megaframe.parallel.grad_norm import grad_norm
+from megaframe.parallel.state import ParallelState
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """Join the launcher's process group (or make a world of one when there is no launcher) and
+    register it with deepspeed.comm, which PipelineModule needs before deepspeed.initialize."""
+    if not dist.is_initialized() and "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    join_restarted_group(get_accelerator().communication_backend_name())  # torchrun restarts
+    if get_accelerator().device_name() == "cpu":
+        # DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce op here (45 s on first use)
+        # that only its inference path calls; training collectives go through torch.distributed.
+        # DeepSpeed keeps edits to this dict (deepspeed/ops/__init__.py).
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+
+
+def device_supports_fp16() -> bool:
+    """Whether DeepSpeed's accelerator on this machine accepts fp16 (CPU: only with AVX512-FP16)."""
+    return bool(get_accelerator().is_fp16_supported())
+
+
+def decay_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only; biases and norm gains are not decayed (as Megatron does)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class DeepSpeedBackend:
+    """One rank's model inside a DeepSpeed engine (a PipelineEngine when pp > 1)."""
+
+    def __init__(self, cfg: TrainConfig, layout: Layout, ps: ParallelState, dims: GPTDims,
+                 lr_scheduler: Callable[[torch.optim.Optimizer], Any]):
+        self.cfg, self.layout, self.ps, self.dims = cfg, layout, ps, dims
+        p = cfg.parallel
+        self.pipelined = layout.pp > 1
+        if self.pipelined:
+            module = build_pipeline_model(dims, ps, cfg.train.seed, p.pipeline_partition,
+                                          p.activation_checkpointing, p.sequence_parallel)
+        else:
+            module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel)
+        self.compiled_blocks = compile_blocks(module) if cfg.train.compile else 0
+        self.module = module
+        self.num_parameters = self._count_parameters(module)
+        self.nvme_swap = open_nvme_swap(cfg.offload)
+        clear_stale_build_locks()  # DeepSpeed JIT-loads its CPU ops in initialize
+        ds_config = to_ds_config(cfg, layout, accelerator=get_accelerator().device_name(),
+                                 swap_dir=str(self.nvme_swap.path) if self.nvme_swap else None)
+        self.engine, _, _, self.lr_scheduler = deepspeed.initialize(
+            model=module, model_parameters=decay_param_groups(module, cfg.optim.weight_decay),
+            config=ds_config, lr_scheduler=lr_scheduler,
+            mpu=None if self.pipelined else MegatronMpu(ps))  # a PipelineModule brings its own grid
+        self._last_grad_norm = float("nan")
+        self._norm_from_grads = cfg.zero.stage == 0 and cfg.precision.dtype == "fp32"
+        if self._norm_from_grads:
+            self._measure_and_clip_in_step()
+        if self._norm_from_grads and not self.pipelined and layout.dp == 1:
+            # one replica: DeepSpeed would still flatten, all-reduce (over a group of one) and copy
+            # back every gradient each step; TP gradients are already summed inside autograd
+            self.engine.enable_backward_allreduce = False
+
+    def _measure_and_clip_in_step(self) -> None:
+        """DeepSpeed's ZeRO and mixed-precision optimizers compute the global norm; at ZeRO-0 in fp32
+        it clips through utils.clip_grad_norm_, which discards the norm and, under a pipeline,
+        counts a tied embedding twice. There we measure and clip ourselves, where both engines
+        hold final (reduced, unclipped) gradients: in _take_model_step."""
+        take_model_step = self.engine._take_model_step
+        self.engine._config.gradient_clipping = 0.0
+        clip = self.cfg.optim.grad_clip
+
+        def measure_clip_step(*args, **kwargs):
+            self._last_grad_norm = grad_norm(self.engine.module, self.ps)
+            if clip > 0 and self._last_grad_norm > clip:
+                scale = clip / (self._last_grad_norm + 1e-6)
+                torch._foreach_mul_([p.grad for p in self.engine.module.parameters() if p.grad is not None], scale)
+            return take_model_step(*args, **kwargs)
+        self.engine._take_model_step = measure_clip_step
+
+    def _count_parameters(self, module: torch.nn.Module) -> int:
+        """The whole model's parameters: TP shards at full size, pipeline stages summed."""
+        local = sum(count_parameters(m, full=True) for m in module.children()
+                    if not (self.pipelined and m is getattr(module, "tied_modules", None) and not self.ps.is_first_stage))
+        if self.pipelined and self.ps.pp > 1:
+            total = torch.tensor([local], dtype=torch.int64)
+            dist.all_reduce(total, group=self.ps.pp_group)
+            return int(total.item())
+        return local
+
+    def _dp_mean(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        if self.layout.dp > 1:
+            dist.all_reduce(t, group=self.ps.dp_group)
+        return t.item() / self.layout.dp
+
+    # ---- steps -------------------------------------------------------------------------------
+    def train_step(self, batches: list[Batch]) -> float:
+        if self.pipelined:  # the engine runs the micro-batches through its 1F1B schedule
+            loss = float(self.engine.train_batch(data_iter=iter(batches)))  # already averaged over DP
+        else:
+            total = 0.0
+            for inputs, targets in batches:
+                micro_loss = self.engine(inputs, targets)
+                self.engine.backward(micro_loss)
+                self.engine.step()
+                total += micro_loss.item()
+            loss = self._dp_mean(total / len(batches))
+        if not self._norm_from_grads:
+            self._last_grad_norm = float(self.engine.get_global_grad_norm())
+        return loss
+
+    @torch.no_grad()
+    def eval_step(self, batches: list[Batch]) -> float:
+        self.engine.eval()
+        if self.pipelined:
+            mean = float(self.engine.eval_batch(iter(batches), num_micro_batches=len(batches)))
+        else:
+            mean = sum(self.engine(inputs, targets).item() for inputs, targets in batches) / len(batches)
+        self.engine.train()
+        return self._dp_mean(mean)
+
+    def grad_norm(self) -> float:
+        return self._last_grad_norm
+
+    def lr(self) -> float:
+        return self.lr_scheduler.get_last_lr()[0]
+
+    def precision_state(self) -> dict[str, Any]:
+        if self.cfg.precision.dtype != "fp16":
+            return {}
+        # DeepSpeed's fp16 optimizers name the current scale differently (cur_scale / loss_scale)
+        scale = next((getattr(self.engine.optimizer, a) for a in ("cur_scale", "loss_scale")
+                      if isinstance(getattr(self.engine.optimizer, a, None), (int, float, torch.Tensor))), None)
+        return {"loss_scale": None if scale is None else float(scale), "skipped_steps": int(self.engine.skipped_steps)}
+
+    def held_model_states(self) -> dict[str, int]:
+        return held_model_states(self.engine)
+
+    # ---- state -------------------------------------------------------------------------------
+    def _view(self) -> state_io.EngineView:
+        return state_io.EngineView(self.engine, self.ps, self.dims, self.pipelined, self.cfg.zero.stage,
+                                   self.cfg.precision.dtype)
+
+    def layout_record(self) -> dict[str, Any]:
+        return state_io.layout_record(self._view())
+
+    def save_native(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
+        self.engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
+
+    def load_native(self, directory: Path, tag: str) -> dict[str, Any]:
+        loaded, client_state = self.engine.load_checkpoint(str(directory), tag=tag)
+        if loaded is None:
+            raise RuntimeError(f"train.resume: DeepSpeed could not load a checkpoint from {Path(directory) / tag}")
+        return client_state
+
+    def has_native(self, path: Path) -> bool:
+        return any(Path(path).glob("*model_states.pt"))
+
+    def save_full_state(self, directory: Path, state: dict[str, Any], tokenizer_dir: Optional[Path]) -> None:
+        state_io.save_universal(self._view(), directory, state, self.lr_scheduler, tokenizer_dir)
+
+    def load_full_state(self, directory: Path) -> dict[str, Any]:
+        return state_io.resume_universal(self._view(), directory, self.lr_scheduler)
+
+    def versions(self) -> dict[str, str]:
+        return {"deepspeed": deepspeed.__version__}
+
+    def close(self) -> None:
+        if self.nvme_swap:
+            self.nvme_swap.remove()

@@ -1,0 +1,82 @@
+"""Compose conf/ (and recipes/) with command-line overrides into the typed TrainConfig.
+
+The one place Hydra's composition runs: the CLI, the planner and the tests all call compose().
+Every Hydra/OmegaConf error becomes a one-line ConfigError naming the key and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from omegaconf import OmegaConf, open_dict
+
+from megaframe.config.schema import TrainConfig
+from megaframe.config.store import register_configs
+from megaframe.config.validate import ConfigError
+from megaframe.paths import conf_dir
+
+
+def _one_line(ex: BaseException) -> str:
+    """Hydra/OmegaConf errors are multi-line; users get the key, the problem and the fix in one line."""
+    from hydra.errors import MissingConfigException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+    cause = ex.__cause__ if isinstance(ex.__cause__, OmegaConfBaseException) else ex
+    if isinstance(ex, MissingConfigException) and ex.options:
+        group = ex.missing_cfg_file.rsplit("/", 1)[0] if ex.missing_cfg_file else "?"
+        name = ex.missing_cfg_file.rsplit("/", 1)[-1] if ex.missing_cfg_file else "?"
+        return f"{group}={name}: no such option; available: {', '.join(sorted(ex.options))}"
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        full_key = getattr(cause, "full_key", None) or getattr(cause, "key", "?")
+        known = _known_keys(str(full_key))
+        hint = f"; known keys there: {', '.join(known)}" if known else ""
+        return f"unknown key '{full_key}'{hint}"
+    if isinstance(cause, ValidationError):
+        full_key = getattr(cause, "full_key", "?")
+        msg = str(getattr(cause, "msg", cause)).splitlines()[0]
+        return f"{full_key}: {msg}"
+    return " ".join(part.strip() for part in str(ex).splitlines() if part.strip())
+
+
+def _known_keys(full_key: str) -> list[str]:
+    """Field names of the config node that would hold full_key (for 'did you mean' hints)."""
+    node = OmegaConf.structured(TrainConfig)
+    for part in full_key.split(".")[:-1]:
+        node = node.get(part) if OmegaConf.is_dict(node) else None
+        if node is None:
+            return []
+    return list(node.keys()) if OmegaConf.is_dict(node) else []
+
+
+def _extra_keys(obj, prefix: str = "") -> list[str]:
+    """Keys present on the typed config that its dataclass does not declare (added with `+key=`)."""
+    declared = {f.name for f in dataclasses.fields(obj)}
+    extra = [f"{prefix}{name}" for name in vars(obj) if name not in declared]
+    for name in declared:
+        value = getattr(obj, name)
+        if dataclasses.is_dataclass(value):
+            extra += _extra_keys(value, f"{prefix}{name}.")
+    return extra
+
+
+def compose(overrides: Sequence[str]) -> tuple[TrainConfig, str]:
+    """Compose conf/ with the overrides; return the typed config and the resolved hydra.run.dir."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+            composed = hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+            run_dir = str(composed.hydra.run.dir)
+            with open_dict(composed):
+                del composed["hydra"]
+            typed = OmegaConf.to_object(composed)
+    except Exception as ex:  # Hydra / OmegaConf composition errors of every kind
+        raise ConfigError(_one_line(ex)) from ex
+    if extra := _extra_keys(typed):
+        # `+key=value` would otherwise attach a key that nothing reads: a typo the user never sees
+        known = _known_keys(extra[0])
+        raise ConfigError(f"unknown key '{extra[0]}'" + (f"; known keys there: {', '.join(known)}" if known else ""))
+    return typed, run_dir

@@ -1,0 +1,125 @@
+"""ParallelDims: the parallel degrees and the rank <-> coordinates map, the only place they live.
+
+Ranks are laid out as Megatron lays them out: tp fastest, then cp, then dp, then pp, so a
+tensor-parallel group is a run of neighbouring ranks (one NVLink island) and pipeline stages are
+the farthest apart:
+
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+
+Expert parallelism does not add ranks: it is folded into the dp x cp ranks of one (pp, tp)
+position. Their flattened index `dp_rank * cp + cp_rank` splits into ep_rank (fastest) and
+edp_rank, the expert-data-parallel coordinate:
+
+    ep_rank = (dp_rank * cp + cp_rank) % ep,   edp_rank = (dp_rank * cp + cp_rank) // ep
+
+so experts are sharded over ep ranks and each expert's gradient is reduced over edp ranks.
+Everything here is arithmetic: the process groups live in ParallelState (parallel/state.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Axes that own ranks, slowest first (the layout formula above).
+RANK_AXES = ("pp", "dp", "cp", "tp")
+# The view expert layers take of the same ranks: dp x cp split into edp (slow) and ep (fast).
+EXPERT_AXES = ("pp", "edp", "ep", "tp")
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """Where one rank sits on every axis, the expert view's ep and edp included."""
+
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+    ep: int
+    edp: int
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of pipeline, data, context, expert and tensor parallelism (world = pp*dp*cp*tp)."""
+
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in ("pp", "dp", "cp", "ep", "tp"):
+            value = getattr(self, axis)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel.{axis}={value!r} must be a positive integer")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} must divide dp*cp={self.dp * self.cp}: expert "
+                             "parallelism shares the data- and context-parallel ranks")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel degree: the replicas of each expert."""
+        return self.dp * self.cp // self.ep
+
+    def size(self, *axes: str) -> int:
+        """Ranks in one group along `axes` (1 for no axes)."""
+        _check_axes(axes)
+        n = 1
+        for axis in axes:
+            n *= getattr(self, axis)
+        return n
+
+    def coords(self, rank: int) -> RankCoords:
+        """Coordinates of `rank` on every axis."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
+        rank, tp_rank = divmod(rank, self.tp)
+        rank, cp_rank = divmod(rank, self.cp)
+        pp_rank, dp_rank = divmod(rank, self.dp)
+        edp_rank, ep_rank = divmod(dp_rank * self.cp + cp_rank, self.ep)
+        return RankCoords(pp=pp_rank, dp=dp_rank, cp=cp_rank, tp=tp_rank, ep=ep_rank, edp=edp_rank)
+
+    def rank(self, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
+        """The rank at these coordinates (the inverse of coords on the rank axes)."""
+        for axis, value in (("pp", pp), ("dp", dp), ("cp", cp), ("tp", tp)):
+            if not 0 <= value < getattr(self, axis):
+                raise ValueError(f"{axis} coordinate {value} is outside degree {getattr(self, axis)}")
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+
+    def groups(self, *axes: str) -> list[list[int]]:
+        """Every group along `axes`: ranks that differ only on those axes, each list ascending,
+        the lists ordered by their first rank. `groups("dp", "cp")` is the gradient-reduction
+        group of dense parameters, `groups("ep")` and `groups("edp")` those of the experts."""
+        _check_axes(axes)
+        system = EXPERT_AXES if {"ep", "edp"} & set(axes) else RANK_AXES
+        fixed = [axis for axis in system if axis not in axes]
+        by_fixed: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            by_fixed.setdefault(tuple(getattr(c, axis) for axis in fixed), []).append(rank)
+        return sorted(by_fixed.values())
+
+    def group_of(self, rank: int, *axes: str) -> list[int]:
+        """The group along `axes` that holds `rank`."""
+        return next(ranks for ranks in self.groups(*axes) if rank in ranks)
+
+    def describe(self) -> str:
+        """`tp=2 pp=1 dp=4`, with cp and ep only when used (the start-up line and run names)."""
+        extra = "".join(f" {axis}={getattr(self, axis)}" for axis in ("cp", "ep") if getattr(self, axis) > 1)
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}{extra}"
+
+
+def _check_axes(axes: tuple[str, ...]) -> None:
+    known = set(RANK_AXES) | set(EXPERT_AXES)
+    unknown = [a for a in axes if a not in known]
+    if unknown:
+        raise ValueError(f"unknown parallel axes {unknown}; known: {sorted(known)}")
+    if {"ep", "edp"} & set(axes) and {"dp", "cp"} & set(axes):
+        raise ValueError(f"axes {list(axes)} mix the expert view (ep, edp) with dp/cp, which it splits")
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"axes {list(axes)} repeat an axis")
+

@@ -1,0 +1,50 @@
+"""The global gradient norm of a model sharded over tensor and pipeline parallel ranks, in fp64."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megaframe.parallel.state import ParallelState
+
+# Elements per fp64 copy in _sum_of_squares: 2 MiB of fp64 stays in cache. Measured on the 2-core
+# CPU machine (52 tensors, 34M elements): 0.23-0.37 ns/element at 2^18, 0.35-0.44 at 2^16, 2.0-4.0
+# at 2^22 (the copy leaves the cache), 2.5-3.7 for a whole-tensor fp64 vector_norm, against
+# 0.10-0.13 for an fp32 dot.
+_SQUARES_CHUNK = 1 << 18
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Sum of every element's square, as a 0-d fp64 tensor on `device` (the gradients').
+
+    Each chunk is copied to fp64 before its dot product: the square of an fp32 value is exact in
+    fp64 and n such squares sum with a relative error under n * 1.1e-16, so the result no longer
+    depends on the host's vector width or thread count. An fp32 dot does: it was 2.9e-6 (one
+    thread) and 1.3e-6 (two) off the exact norm on a wide-range gradient, and under AVX2 the run's
+    norm at step 4 was 1.19e-5 off ZeRO-3's fp64 one. Chunks bound the extra memory to one chunk.
+    """
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        for chunk in g.reshape(-1).split(_SQUARES_CHUNK):
+            chunk = chunk.double()
+            total += torch.dot(chunk, chunk)
+    return total
+
+
+def grad_norm(model: torch.nn.Module, ps: ParallelState) -> float:
+    """L2 norm of the (already data-parallel-reduced) gradients, each parameter counted once.
+
+    Tensor-parallel shards (marked `tensor_model_parallel`) are summed over the TP group and
+    parameters replicated across TP ranks counted on TP rank 0 only; pipeline stages are summed,
+    with a tied embedding counted once (DeepSpeed marks its other copies `ds_pipe_replicated`).
+    Accumulated in fp64, as DeepSpeed's ZeRO optimizers do, so that curves compare across stages.
+    """
+    grads = [p.grad.detach() for p in model.parameters()
+             if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
+             and (ps.tp_rank == 0 or getattr(p, "tensor_model_parallel", False))]
+    # a rank without gradients still joins the all-reduces, with a zero on the model's device
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    sq = _sum_of_squares(grads, device).reshape(1)
+    for degree, group in ((ps.tp, ps.tp_group), (ps.pp, ps.pp_group)):
+        if degree > 1:
+            dist.all_reduce(sq, group=group)
+    return sq.sqrt().item()

@@ -1,0 +1,70 @@
+"""ParallelDims: coordinates and group members, checked against lists written out by hand."""
+from __future__ import annotations
+
+import pytest
+
+from megaframe.parallel.dims import ParallelDims, RankCoords
+
+
+def test_tp2_cp2_ep2_dp2_pp2_coordinates():
+    dims = ParallelDims(pp=2, dp=2, cp=2, ep=2, tp=2)
+    assert dims.world_size == 16 and dims.edp == 2
+    # rank bits, lowest first: tp, cp, dp, pp; ep is the fast half of dp x cp (here cp), edp the slow (dp)
+    assert dims.coords(0) == RankCoords(pp=0, dp=0, cp=0, tp=0, ep=0, edp=0)
+    assert dims.coords(1) == RankCoords(pp=0, dp=0, cp=0, tp=1, ep=0, edp=0)
+    assert dims.coords(2) == RankCoords(pp=0, dp=0, cp=1, tp=0, ep=1, edp=0)
+    assert dims.coords(4) == RankCoords(pp=0, dp=1, cp=0, tp=0, ep=0, edp=1)
+    assert dims.coords(8) == RankCoords(pp=1, dp=0, cp=0, tp=0, ep=0, edp=0)
+    assert dims.coords(13) == RankCoords(pp=1, dp=1, cp=0, tp=1, ep=0, edp=1)
+    assert dims.coords(14) == RankCoords(pp=1, dp=1, cp=1, tp=0, ep=1, edp=1)
+    assert dims.rank(pp=1, dp=1, cp=1, tp=0) == 14
+    assert [dims.rank(pp=c.pp, dp=c.dp, cp=c.cp, tp=c.tp) for c in map(dims.coords, range(16))] == list(range(16))
+
+
+def test_tp2_cp2_ep2_dp2_pp2_groups():
+    dims = ParallelDims(pp=2, dp=2, cp=2, ep=2, tp=2)
+    assert dims.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert dims.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert dims.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert dims.groups("pp") == [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]]
+    # gradients of dense parameters are reduced over dp x cp
+    assert dims.groups("dp", "cp") == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    # here ep coincides with cp and edp with dp (ep = cp = 2 splits dp x cp exactly there)
+    assert dims.groups("ep") == dims.groups("cp")
+    assert dims.groups("edp") == dims.groups("dp")
+    assert dims.groups("tp", "cp") == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert dims.group_of(13, "dp", "cp") == [9, 11, 13, 15]
+    assert dims.size("dp", "cp") == 4 and dims.size() == 1
+
+
+def test_expert_groups_split_data_parallel_ranks():
+    """dp=4, ep=2, tp=2: experts sharded over neighbouring data-parallel ranks, replicated across the rest."""
+    dims = ParallelDims(dp=4, ep=2, tp=2)
+    assert dims.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.groups("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dims.groups("dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert dims.coords(6) == RankCoords(pp=0, dp=3, cp=0, tp=0, ep=1, edp=1)
+
+
+def test_the_default_grid_is_one_rank():
+    dims = ParallelDims()
+    assert dims.world_size == 1 and dims.groups("dp") == [[0]] and dims.describe() == "tp=1 pp=1 dp=1"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"tp": 0}, "parallel.tp=0 must be a positive integer"),
+    ({"dp": 3, "ep": 2}, "parallel.ep=2 must divide dp*cp=3"),
+])
+def test_bad_degrees_are_refused_with_the_key(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("*", r"\*")):
+        ParallelDims(**kwargs)
+
+
+def test_bad_axes_and_coordinates_are_refused():
+    dims = ParallelDims(dp=2, tp=2)
+    with pytest.raises(ValueError, match="mix the expert view"):
+        dims.groups("ep", "dp")
+    with pytest.raises(ValueError, match="unknown parallel axes"):
+        dims.groups("model")
+    with pytest.raises(ValueError, match="outside a world of 4"):
+        dims.coords(4)

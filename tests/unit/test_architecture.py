@@ -1,0 +1,103 @@
+"""The package's shape: no import cycle between megaframe's packages, DeepSpeed imported only by
+its backend, no docstring pointing outside the repository. Read from the source with ast, so a
+lazy import inside a function counts as much as one at the top."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+MEGAFRAME = Path(__file__).resolve().parents[2] / "megaframe"
+
+
+def _imports(path: Path) -> list[str]:
+    """Every module name `path` imports, relative imports resolved."""
+    package = ".".join(path.relative_to(MEGAFRAME.parent).with_suffix("").parts[:-1])
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            names.append(base)
+    return names
+
+
+def _unit(module: str) -> str | None:
+    """The part of megaframe a module belongs to: its package (megaframe.X), or the top-level
+    module itself (megaframe.cli); None outside megaframe."""
+    parts = module.split(".")
+    if parts[0] != "megaframe":
+        return None
+    if len(parts) == 1:
+        return "megaframe"
+    top = MEGAFRAME / parts[1]
+    return ".".join(parts[:2]) if top.is_dir() or (MEGAFRAME / f"{parts[1]}.py").exists() else "megaframe"
+
+
+def _source_files() -> list[Path]:
+    return sorted(MEGAFRAME.rglob("*.py"))
+
+
+def _unit_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in _source_files():
+        module = ".".join(path.relative_to(MEGAFRAME.parent).with_suffix("").parts)
+        source = _unit(module.removesuffix(".__init__"))
+        for name in _imports(path):
+            target = _unit(name)
+            if target and target != source and target != "megaframe":
+                graph.setdefault(source, set()).add(target)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph as a path that ends where it starts, or None."""
+    state: dict[str, str] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycle_between_packages():
+    graph = _unit_graph()
+    assert "megaframe.engine" in graph and "megaframe.backends" in graph, "the walk found no imports"
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_the_cycle_finder_finds_a_planted_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "d": {"a"}}) is None
+
+
+def test_only_the_deepspeed_backend_imports_deepspeed():
+    backend = MEGAFRAME / "backends" / "deepspeed"
+    offenders = [str(path.relative_to(MEGAFRAME.parent)) for path in _source_files()
+                 if backend not in path.parents
+                 and any(name.split(".")[0] == "deepspeed" for name in _imports(path))]
+    assert offenders == []
+    assert any(name.startswith("deepspeed") for name in _imports(backend / "engine.py"))
+
+
+def test_docstrings_cite_nothing_outside_the_repository():
+    outside = ("/work/", "../shared", "briefs/")
+    offenders = [f"{path.relative_to(MEGAFRAME.parent)}: {marker}" for path in _source_files()
+                 for marker in outside if marker in path.read_text()]
+    assert offenders == []
