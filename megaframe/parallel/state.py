@@ -2,8 +2,8 @@
 explicitly to whatever needs them (no module-level groups).
 
 The degrees and the rank layout are ParallelDims' (parallel/dims.py); this object only adds the
-process groups, created once on every rank in the same order. A group of one rank is None: the
-collectives in parallel/mappings.py skip it.
+process groups, created once on every rank in the same order. Axes of degree 1 get groups of one
+rank too: DeepSpeed's mpu consumers pass them to collectives and refuse None.
 """
 from __future__ import annotations
 
@@ -39,8 +39,6 @@ class ParallelState:
         mine: dict[tuple[str, ...], object] = {}
         # new_group is collective over the world: every rank creates every group in the same order.
         for axes in GROUP_AXES:
-            if grid.size(*axes) == 1:
-                continue
             for ranks in grid.groups(*axes):
                 key = tuple(ranks)
                 if key not in by_members:
@@ -50,9 +48,9 @@ class ParallelState:
         return cls(grid, rank, groups=mine)
 
     def group(self, *axes: str):
-        """This rank's process group along `axes`: None when it has one rank, or when this state
-        was made without process groups (ParallelState(grid, rank) rather than build)."""
-        if self._groups and self.grid.size(*axes) > 1 and axes not in self._groups:
+        """This rank's process group along `axes` (None when this state was made without process
+        groups: ParallelState(grid, rank) rather than build)."""
+        if self._groups and axes not in self._groups:
             raise KeyError(f"no process group along {axes}: ParallelState.build creates {GROUP_AXES}")
         return self._groups.get(axes)
 
@@ -64,7 +62,7 @@ class ParallelState:
         """The TPGroup that tensor-parallel layers take."""
         from megaframe.parallel.layers import TPGroup
 
-        return TPGroup(group=self.tp_group, size=self.tp, rank=self.tp_rank,
+        return TPGroup(group=self.tp_group if self.tp > 1 else None, size=self.tp, rank=self.tp_rank,
                        sequence_parallel=sequence_parallel and self.tp > 1)
 
     # ---- degrees and coordinates (ParallelDims' and RankCoords', by name) ----------------------
