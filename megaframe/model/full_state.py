@@ -1,22 +1,20 @@
 """The model as one layout-free state dict, and back: canonical names, full (unsharded) fp32
 tensors, the vocabulary unpadded.
 
-Canonical names are the parameter names of the non-pipelined tp=1 GPT. A tensor-parallel shard
-carries partition_dim / partition_shape / partition_count / partition_index (layers.mark_shard);
-the full tensor is the concatenation of the shards along partition_dim. The vocabulary rows
-(token embedding, untied head) are padded to a multiple of make_vocab_size_divisible_by * tp, so
-the padding depends on the layout and is never stored.
+Canonical names are the parameter names of the non-pipelined tp=1 GPT (ModelSpec). A tensor-
+parallel shard carries its ShardSpec (layers.mark_shard), which takes a rank's piece out of the
+full tensor and gathers the pieces back. The vocabulary rows (token embedding, untied head) are
+padded to a multiple of make_vocab_size_divisible_by * tp, so the padding depends on the layout
+and is never stored.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-# parameters whose first dimension is the (padded) vocabulary
-VOCAB_PARAMS = ("embed.tok.weight", "head.weight")
+from megaframe.model.spec import VOCAB_PARAMS, ModelSpec
 
 
 class StateMismatch(ValueError):
@@ -34,11 +32,8 @@ def full_state_dict(model: nn.Module, vocab_size: Optional[int] = None) -> dict[
     full = {}
     for name, param in model.named_parameters():
         value = param.detach().float()
-        count = getattr(param, "partition_count", 1)
-        if count > 1:
-            shards = [torch.empty_like(value) for _ in range(count)]
-            dist.all_gather(shards, value.contiguous(), group=tp_group)
-            value = torch.cat(shards, dim=param.partition_dim)
+        if getattr(param, "partition_count", 1) > 1:
+            value = param.shard.gather(value, tp_group, param.partition_count)
         if name in VOCAB_PARAMS:
             value = value[:vocab_size]
         full[name] = value.clone()
@@ -63,16 +58,10 @@ def load_full_state(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
             raise StateMismatch(f"checkpoint tensor {name} has shape {list(full[name].shape)} but the model "
                                 f"expects {list(want)}; check the model config against the checkpoint's")
         if getattr(param, "partition_count", 1) > 1:
-            value = value.chunk(param.partition_count, dim=param.partition_dim)[param.partition_index]
+            value = param.shard.take(value, param.partition_index, param.partition_count)
         param.copy_(value.to(param.dtype))
 
 
 def canonical_shapes(dims) -> dict[str, tuple[int, ...]]:
-    """{canonical name: full shape, vocabulary unpadded} of the tp=1 GPT for these GPTDims,
-    from a model built on the meta device (no memory)."""
-    from megaframe.model.gpt import GPT
-
-    with torch.device("meta"):
-        model = GPT(dims)
-    return {name: (dims.vocab_size, *p.shape[1:]) if name in VOCAB_PARAMS else tuple(p.shape)
-            for name, p in model.named_parameters()}
+    """{canonical name: full shape, vocabulary unpadded} of the GPT for these GPTDims."""
+    return {name: spec.shape for name, spec in ModelSpec(dims).parameters.items()}

@@ -9,7 +9,8 @@ stream between TP regions is split along the sequence.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -76,19 +77,22 @@ class Dropout(nn.Module):
 _ROPE_CACHE: dict = {}
 
 
-def rope_tables(dims: GPTDims, seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos/sin tables of shape (T, hs), in the rotate-half layout Hugging Face's Llama uses.
+def rope_tables(dims: GPTDims, seq_len: int, device=None, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin tables of shape (T, hs) for positions offset .. offset+T-1, in the rotate-half
+    layout Hugging Face's Llama uses (offset: where a sequence chunk starts, under context
+    parallelism or when continuing a sequence).
 
     Cached: they depend only on the shape, and recomputing them every forward costs time."""
-    key = (dims.head_dim, dims.rope_theta, seq_len, str(device))
+    key = (dims.head_dim, dims.rope_theta, seq_len, offset, str(device))
     if key not in _ROPE_CACHE:
-        _ROPE_CACHE[key] = _rope_tables(dims, seq_len, device)
+        _ROPE_CACHE[key] = _rope_tables(dims, seq_len, device, offset)
     return _ROPE_CACHE[key]
 
 
-def _rope_tables(dims: GPTDims, seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_tables(dims: GPTDims, seq_len: int, device=None, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (dims.rope_theta ** (torch.arange(0, dims.head_dim, 2, device=device).float() / dims.head_dim))
-    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)  # (T, hs/2)
+    positions = torch.arange(offset, offset + seq_len, device=device).float()
+    angles = torch.outer(positions, inv_freq)  # (T, hs/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, hs)
     return angles.cos(), angles.sin()
 
@@ -200,15 +204,25 @@ class MLP(nn.Module):
         return self.dropout(self.down_proj(h))
 
 
+@dataclass(frozen=True)
+class BlockSpec:
+    """The modules a block is built from, each called as (dims, tp[, rng]): a ring-attention or
+    MoE module replaces `attention` or `mlp` here, the block around it unchanged."""
+
+    attention: Callable[..., nn.Module] = Attention
+    mlp: Callable[..., nn.Module] = MLP
+    norm: Callable[..., nn.Module] = build_norm
+
+
 class Block(nn.Module):
     """Pre-norm transformer block (on sequence shards between the TP regions under SP)."""
 
-    def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG]):
+    def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG], spec: BlockSpec = BlockSpec()):
         super().__init__()
-        self.attn_norm = build_norm(dims, tp)
-        self.attn = Attention(dims, tp, rng)
-        self.mlp_norm = build_norm(dims, tp)
-        self.mlp = MLP(dims, tp, rng)
+        self.attn_norm = spec.norm(dims, tp)
+        self.attn = spec.attention(dims, tp, rng)
+        self.mlp_norm = spec.norm(dims, tp)
+        self.mlp = spec.mlp(dims, tp, rng)
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)
@@ -267,12 +281,12 @@ class GPT(nn.Module):
     """The language model: forward(idx, targets) returns the mean next-token loss (fp32)."""
 
     def __init__(self, dims: GPTDims, tp: TPGroup = TPGroup(), rng: Optional[TPDropoutRNG] = None,
-                 activation_checkpointing: bool = False):
+                 activation_checkpointing: bool = False, block: BlockSpec = BlockSpec()):
         super().__init__()
         self.dims, self.tp, self.rng = dims, tp, rng
         self.activation_checkpointing = activation_checkpointing
         self.embed = Embedding(dims, tp, rng)
-        self.blocks = nn.ModuleList([Block(dims, tp, rng) for _ in range(dims.num_layers)])
+        self.blocks = nn.ModuleList([Block(dims, tp, rng, block) for _ in range(dims.num_layers)])
         self.final_norm = build_norm(dims, tp)
         self.head = None if dims.tie_embeddings else ColumnParallelLinear(
             dims.hidden_size, dims.padded_vocab_size, tp, bias=False)
@@ -323,14 +337,14 @@ def full_init_value(name: str, shape: tuple[int, ...], dims: GPTDims, seed: int)
 def init_parameters(module: nn.Module, prefix: str, dims: GPTDims, seed: int) -> None:
     """Fill every parameter of `module` from its canonical name `prefix.local_name`.
 
-    A parameter that is a shard carries `partition_dim` and `partition_shape` (the full shape);
-    the full value is generated and the shard sliced out, so every layout starts from one model.
+    A parameter that is a shard carries its ShardSpec (`shard`) and full shape (`partition_shape`);
+    the full value is generated and the shard taken out, so every layout starts from one model.
     """
     for local_name, param in module.named_parameters():
         name = f"{prefix}.{local_name}" if prefix else local_name
         full_shape = tuple(getattr(param, "partition_shape", param.shape))
         value = full_init_value(name, full_shape, dims, seed)
-        dim = getattr(param, "partition_dim", None)
-        if dim is not None:
-            value = value.chunk(param.partition_count, dim=dim)[param.partition_index]
+        shard = getattr(param, "shard", None)
+        if shard is not None:
+            value = shard.take(value, param.partition_index, param.partition_count)
         param.copy_(value.to(param.dtype))

@@ -1,12 +1,14 @@
-"""Megatron-style tensor-parallel layers. Each holds its shard of the full weight, marked with the
-attributes init (layout-invariant values), grad-norm and checkpoint export read:
-tensor_model_parallel, partition_dim, partition_shape (full), partition_count, partition_index."""
+"""Megatron-style tensor-parallel layers. Each holds its shard of the full weight, described by a
+ShardSpec (`param.shard`: which ParallelDims axis, which tensor dimension) plus the attributes
+DeepSpeed and Megatron tooling read: tensor_model_parallel, partition_dim, partition_shape (full),
+partition_count, partition_index."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -45,8 +47,36 @@ class TPGroup:
         return copy_to_tp_region(param, self.group) if on_shards else param
 
 
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a parameter is split: along tensor dimension `dim`, over the ranks of parallel axis
+    `axis` (a ParallelDims axis: "tp" today, "ep" for experts), in equal contiguous pieces."""
+
+    axis: str
+    dim: int
+
+    def bounds(self, full_shape: tuple[int, ...], index: int, count: int) -> tuple[int, int]:
+        """[start, stop) of piece `index` of `count` along `dim` (a reader can fetch just that)."""
+        size = full_shape[self.dim] // count
+        return index * size, (index + 1) * size
+
+    def take(self, full: torch.Tensor, index: int, count: int) -> torch.Tensor:
+        """Piece `index` of `count` of the full tensor (what rank `index` of the axis holds)."""
+        start, stop = self.bounds(tuple(full.shape), index, count)
+        return full.narrow(self.dim, start, stop - start)
+
+    def gather(self, piece: torch.Tensor, group, count: int) -> torch.Tensor:
+        """The full tensor from every rank's piece (a collective over `group`, `count` ranks)."""
+        if count == 1:
+            return piece
+        pieces = [torch.empty_like(piece) for _ in range(count)]
+        dist.all_gather(pieces, piece.contiguous(), group=group)
+        return torch.cat(pieces, dim=self.dim)
+
+
 def mark_shard(param: nn.Parameter, full_shape: tuple[int, ...], dim: int, tp: TPGroup) -> nn.Parameter:
     """Record that `param` is slice tp.rank of tp.size along `dim` of a tensor of full_shape."""
+    param.shard = ShardSpec("tp", dim)
     param.tensor_model_parallel = tp.size > 1
     param.partition_dim = dim
     param.partition_shape = tuple(full_shape)

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from megaframe.backends.deepspeed.pipeline import stage_boundaries
 from megaframe.model.gpt import GPT, Block, Embedding, GPTDims, build_norm
+from megaframe.model.spec import ModelSpec
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.layers import ColumnParallelLinear, TPGroup
 
@@ -32,7 +33,7 @@ class DryRun:
 
 def _layer_parameters(dims: GPTDims, tp: TPGroup) -> list[int]:
     """Per-layer parameter counts as DeepSpeed's "parameters" method measures them (built layers)."""
-    _, modules = _stage_modules(dims, tp, 0, dims.num_layers + 3, share_tied=False)
+    _, modules = _stage_modules(dims, tp, 0, len(ModelSpec(dims).layers()), share_tied=False)
     return [sum(p.numel() for p in m.parameters()) for m in modules]
 
 
@@ -40,7 +41,7 @@ def _partition(dims: GPTDims, tp: TPGroup, pp: int, partition: str) -> list[int]
     """PipelineModule._partition_layers, with DeepSpeed's own helper (deliberately not the planner's
     faster re-implementation, so the dry run checks it)."""
     if partition == "uniform":  # "type:BlockPipe": weight 1 for blocks, 0 for the other layers
-        weights = [0, *[1] * dims.num_layers, 0, 0]
+        weights = [int(layer.kind == "block") for layer in ModelSpec(dims).layers()]
     else:
         weights = _layer_parameters(dims, tp)
     return list(stage_boundaries(tuple(weights), pp))
@@ -48,19 +49,18 @@ def _partition(dims: GPTDims, tp: TPGroup, pp: int, partition: str) -> list[int]
 
 def _stage_modules(dims: GPTDims, tp: TPGroup, start: int, stop: int,
                    share_tied: bool = True) -> tuple[list[str], nn.ModuleList]:
-    """Layers [start, stop) of PipelineModule's list: embed | blocks | final norm | head."""
-    last = dims.num_layers + 2
+    """Layers [start, stop) of ModelSpec's layer list, as PipelineModule builds them."""
     names, modules, tied = [], nn.ModuleList(), None
-    for index in range(start, stop):
-        if index == 0 or (index == last and dims.tie_embeddings):
-            names.append("embed" if index == 0 else "head (tied embed)")
+    for layer in ModelSpec(dims).layers()[start:stop]:
+        if layer.kind == "embed" or (layer.kind == "head" and dims.tie_embeddings):
+            names.append("embed" if layer.kind == "embed" else "head (tied embed)")
             if tied is None or not share_tied:  # DeepSpeed builds a tied module once per stage
                 tied = Embedding(dims, tp, None)
                 modules.append(tied)
-        elif index <= dims.num_layers:
-            names.append(f"block {index - 1}")
+        elif layer.kind == "block":
+            names.append(f"block {layer.block}")
             modules.append(Block(dims, tp, None))
-        elif index == dims.num_layers + 1:
+        elif layer.kind == "final_norm":
             names.append("final_norm")
             modules.append(build_norm(dims, tp))
         else:
@@ -76,8 +76,9 @@ def dry_run(dims: GPTDims, grid: ParallelDims, rank: int, partition: str = "unif
     with torch.device("meta"):
         if pp == 1:
             model = GPT(dims, group)
-            names = ["embed", *[f"block {i}" for i in range(dims.num_layers)], "final_norm",
-                     "head (tied embed)" if dims.tie_embeddings else "head"]
+            names = [f"block {layer.block}" if layer.kind == "block"
+                     else "head (tied embed)" if layer.kind == "head" and dims.tie_embeddings else layer.kind
+                     for layer in ModelSpec(dims).layers()]
         else:
             parts = _partition(dims, group, pp, partition)
             names, model = _stage_modules(dims, group, parts[coords.pp], parts[coords.pp + 1])

@@ -14,6 +14,7 @@ from functools import lru_cache
 import numpy as np
 
 from megaframe.model.dims import GPTDims
+from megaframe.model.spec import ModelSpec
 
 GIB = 2**30
 # Bytes per element of the weights, gradients and optimizer states of each precision. Mixed
@@ -78,14 +79,20 @@ def embedding_parameters(dims: GPTDims, tp: int) -> int:
 
 
 def pipeline_layer_parameters(dims: GPTDims, tp: int) -> list[int]:
-    """Per-rank parameters of PipelineModule's layer list: embed | blocks | final norm | head.
+    """Per-rank parameters of each layer of ModelSpec's list (embed | blocks | final norm | head).
 
     With tied embeddings the head is the embedding module again (a TiedLayerSpec), whose
     parameters DeepSpeed counts at the head's position too.
     """
     embed = embedding_parameters(dims, tp)
-    head = embed if dims.tie_embeddings else dims.padded_vocab_size // tp * dims.hidden_size
-    return [embed, *[block_parameters(dims, tp)] * dims.num_layers, _norm_parameters(dims), head]
+    per_kind = {"embed": embed, "block": block_parameters(dims, tp), "final_norm": _norm_parameters(dims),
+                "head": embed if dims.tie_embeddings else dims.padded_vocab_size // tp * dims.hidden_size}
+    return [per_kind[layer.kind] for layer in ModelSpec(dims).layers()]
+
+
+def uniform_weights(dims: GPTDims) -> tuple[int, ...]:
+    """PipelineModule's "type:BlockPipe" weights: 1 for a transformer block, 0 for other layers."""
+    return tuple(int(layer.kind == "block") for layer in ModelSpec(dims).layers())
 
 
 def partition_balanced(weights: list[float], num_parts: int) -> list[int]:
@@ -126,10 +133,10 @@ def stage_bounds(dims: GPTDims, tp: int, pp: int, partition: str = "uniform") ->
     """PipelineModule's `parts`: stage s holds layers [parts[s], parts[s+1]) of the layer list.
 
     "uniform" is our name for DeepSpeed's "type:BlockPipe" (balance transformer blocks),
-    "parameters" balances per-rank parameter counts (model/pipeline.py: PARTITION_METHODS).
+    "parameters" balances per-rank parameter counts (backends/deepspeed/pipeline.py: PARTITION_METHODS).
     """
     if partition == "uniform":
-        weights = (0, *[1] * dims.num_layers, 0, 0)
+        weights = uniform_weights(dims)
     else:
         weights = tuple(pipeline_layer_parameters(dims, tp))
     return list(_cut(weights, pp))

@@ -1,12 +1,13 @@
 """The GPT as a DeepSpeed PipelineModule, from the same blocks as the plain model.
 
-Layer list: Embedding | Block x num_layers | FinalNorm | LM head (GPT-2's head is the token
-embedding again, a TiedLayerSpec shared by the first and last stage). Every layer initialises its
+Layer list: ModelSpec.layers(), Embedding | Block x num_layers | FinalNorm | LM head (GPT-2's head
+is the token embedding again, a TiedLayerSpec shared by the first and last stage). Every layer initialises its
 parameters from their canonical names (embed.*, blocks.{i}.*, final_norm.*, head.*), so a
 pipelined model starts from exactly the weights of the plain one.
 """
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from typing import Optional
 
@@ -15,12 +16,13 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.utils import partition_balanced
 
-from megaframe.model.gpt import (Block, Embedding, GPTDims, build_norm, init_parameters, rope_tables, run_block,
-                                 tied_head_logits)
+from megaframe.model.gpt import (Block, BlockSpec, Embedding, GPTDims, build_norm, init_parameters, rope_tables,
+                                 run_block, tied_head_logits)
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaframe.parallel.layers import ColumnParallelLinear, TPGroup
 from megaframe.parallel.random import TPDropoutRNG
 from megaframe.backends.deepspeed.topology import build_topology
+from megaframe.model.spec import Layer, ModelSpec
 from megaframe.parallel.state import ParallelState
 
 
@@ -35,12 +37,12 @@ class EmbeddingPipe(Embedding):
 class BlockPipe(nn.Module):
     """One transformer block; RoPE tables are recomputed here since stages pass only hidden states."""
 
-    def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG], seed: int, index: int,
-                 recompute: bool):
+    def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG], seed: int, prefix: str,
+                 recompute: bool, spec: BlockSpec):
         super().__init__()
         self.dims, self.rng, self.recompute = dims, rng, recompute
-        self.block = Block(dims, tp, rng)
-        init_parameters(self.block, f"blocks.{index}", dims, seed)
+        self.block = Block(dims, tp, rng, spec)
+        init_parameters(self.block, prefix, dims, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rope = rope_tables(self.dims, self.dims.seq_length, x.device) if self.dims.position_embedding == "rope" else None
@@ -82,19 +84,28 @@ PARTITION_METHODS = {"uniform": "type:BlockPipe", "parameters": "parameters"}
 
 
 def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition: str = "uniform",
-                         activation_checkpointing: bool = False, sequence_parallel: bool = False) -> PipelineModule:
-    """This rank's stage of the pipelined GPT, on the topology built from ParallelState's grid."""
+                         activation_checkpointing: bool = False, sequence_parallel: bool = False,
+                         spec: Optional[ModelSpec] = None) -> PipelineModule:
+    """This rank's stage of the pipelined GPT: ModelSpec's layer list as DeepSpeed LayerSpecs, on
+    the topology built from ParallelState's grid."""
+    spec = spec or ModelSpec(dims)
     tp = ps.tp_region(sequence_parallel)
     rng = TPDropoutRNG(seed, ps.tp_rank)
     embed_args = (EmbeddingPipe, dims, tp, rng, seed)
-    layers: list = [TiedLayerSpec("embed", *embed_args, tied_weight_attr=["tok.weight"])
-                    if dims.tie_embeddings else LayerSpec(*embed_args)]
-    layers += [LayerSpec(BlockPipe, dims, tp, rng, seed, i, activation_checkpointing) for i in range(dims.num_layers)]
-    layers.append(LayerSpec(FinalNormPipe, dims, tp, seed))
-    if dims.tie_embeddings:
-        layers.append(TiedLayerSpec("embed", *embed_args, forward_fn=tied_head_logits, tied_weight_attr=["tok.weight"]))
-    else:
-        layers.append(LayerSpec(HeadPipe, dims, tp, seed))
+    layers: list = []
+    for layer in spec.layers():
+        if layer.kind == "embed":
+            layers.append(TiedLayerSpec("embed", *embed_args, tied_weight_attr=["tok.weight"])
+                          if dims.tie_embeddings else LayerSpec(*embed_args))
+        elif layer.kind == "block":
+            layers.append(LayerSpec(BlockPipe, dims, tp, rng, seed, layer.prefix, activation_checkpointing,
+                                    spec.block or BlockSpec()))
+        elif layer.kind == "final_norm":
+            layers.append(LayerSpec(FinalNormPipe, dims, tp, seed))
+        elif dims.tie_embeddings:  # the head is the embedding again
+            layers.append(TiedLayerSpec("embed", *embed_args, forward_fn=tied_head_logits, tied_weight_attr=["tok.weight"]))
+        else:
+            layers.append(LayerSpec(HeadPipe, dims, tp, seed))
     # "uniform" balances transformer blocks (Megatron's notion), not DeepSpeed's raw layer count
     model = PipelineModule(layers=layers, loss_fn=VocabParallelLoss(dims, tp), topology=build_topology(ps.grid),
                            partition_method=PARTITION_METHODS[partition], activation_checkpoint_interval=0)
@@ -107,3 +118,22 @@ def stage_boundaries(weights: tuple, pp: int) -> tuple:
     """Where PipelineModule cuts a layer list of these weights into pp stages (DeepSpeed's own
     partition_balanced: the dry run uses it to check the planner's re-implementation)."""
     return tuple(int(p) for p in partition_balanced(weights=list(weights), num_parts=pp))
+
+
+# the attribute under which each pipeline wrapper keeps the plain model's module
+_WRAPPED = {"block": "block.", "final_norm": "norm."}
+
+
+def canonical_name(module_name: str, layers: list[Layer]) -> str:
+    """The canonical (plain tp=1 GPT) name of a PipelineModule parameter.
+
+    PipelineModule names its layers by their index in ModelSpec.layers(); BlockPipe keeps the
+    Block as .block, FinalNormPipe the norm as .norm; a tied embedding lives in tied_modules.embed
+    on the first and the last stage."""
+    if module_name.startswith("tied_modules.embed."):
+        return "embed." + module_name[len("tied_modules.embed."):]
+    match = re.fullmatch(r"(\d+)\.(.+)", module_name)
+    if not match or int(match.group(1)) >= len(layers):
+        raise ValueError(f"unexpected pipeline parameter name {module_name!r}")
+    layer, rest = layers[int(match.group(1))], match.group(2)
+    return f"{layer.prefix}.{rest.removeprefix(_WRAPPED.get(layer.kind, ''))}"

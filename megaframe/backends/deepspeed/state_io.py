@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -26,10 +25,11 @@ import torch.distributed as dist
 
 from megaframe.checkpoint import universal
 from megaframe.checkpoint.universal import MASTER_KEY, MOMENT_KEYS, CheckpointError
+from megaframe.backends.deepspeed.pipeline import canonical_name
 from megaframe.model.dims import GPTDims
+from megaframe.model.spec import VOCAB_PARAMS, ModelSpec
 from megaframe.parallel.state import ParallelState
 
-VOCAB_PARAMS = ("embed.tok.weight", "head.weight")  # rows = padded vocabulary
 
 
 @dataclass
@@ -52,34 +52,12 @@ class EngineView:
 
 # ---- names ------------------------------------------------------------------------------------
 
-def canonical_name(module_name: str, pipelined: bool, num_layers: int) -> str:
-    """The tp=1 GPT name of a parameter of the plain GPT or of a PipelineModule stage.
-
-    PipelineModule names its layers by their global index: 0 embedding, 1..L blocks (BlockPipe
-    keeps the Block as .block), L+1 final norm (.norm), L+2 untied head; a tied embedding lives in
-    tied_modules.embed on the first and the last stage."""
-    if not pipelined:
-        return module_name
-    if module_name.startswith("tied_modules.embed."):
-        return "embed." + module_name[len("tied_modules.embed."):]
-    match = re.fullmatch(r"(\d+)\.(.+)", module_name)
-    if not match:
-        raise ValueError(f"unexpected pipeline parameter name {module_name!r}")
-    index, rest = int(match.group(1)), match.group(2)
-    if index == 0:
-        return f"embed.{rest}"
-    if index <= num_layers:
-        return f"blocks.{index - 1}.{rest.removeprefix('block.')}"
-    if index == num_layers + 1:
-        return f"final_norm.{rest.removeprefix('norm.')}"
-    return f"head.{rest}"
-
-
 def local_parameters(view: EngineView) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """(canonical name, parameter) for this rank's parameters, in module order (same on every
     rank of a TP/DP group, which the collectives below rely on)."""
+    layers = ModelSpec(view.dims).layers() if view.pipelined else None
     for name, param in view.engine.module.named_parameters():
-        yield canonical_name(name, view.pipelined, view.dims.num_layers), param
+        yield (canonical_name(name, layers) if layers else name), param
 
 
 # ---- reading one parameter's full-over-DP value -----------------------------------------------
@@ -114,12 +92,10 @@ def _optimizer_value(view: EngineView, param, key: Optional[str]) -> Optional[to
 
 
 def _gather_tp(view: EngineView, param, value: torch.Tensor) -> torch.Tensor:
-    """Concatenate the TP shards of `value` along the parameter's partition_dim (collective over TP)."""
+    """The full tensor from every TP rank's piece of `value` (collective over TP)."""
     if not getattr(param, "tensor_model_parallel", False):
         return value
-    parts = [torch.empty_like(value) for _ in range(view.ps.tp)]
-    dist.all_gather(parts, value.contiguous(), group=view.ps.tp_group)
-    return torch.cat(parts, dim=param.partition_dim)
+    return param.shard.gather(value, view.ps.tp_group, view.ps.tp)
 
 
 def _unpad(name: str, value: torch.Tensor, dims: GPTDims) -> torch.Tensor:
@@ -188,9 +164,9 @@ def _read_shard(handle, key: str, name: str, param, dims: GPTDims) -> torch.Tens
         if value.shape[0] != full_shape[0]:  # vocabulary rows: pad to this layout's padded size
             value = torch.cat([value, value.new_zeros(full_shape[0] - value.shape[0], *value.shape[1:])])
         return value
-    dim, count, index = param.partition_dim, param.partition_count, param.partition_index
-    size = full_shape[dim] // count
-    start, stop = index * size, (index + 1) * size
+    dim, count, index = param.shard.dim, param.partition_count, param.partition_index
+    start, stop = param.shard.bounds(full_shape, index, count)
+    size = stop - start
     if dim == 0:
         rows = min(stop, stored_shape[0])
         value = stored[start:rows] if rows > start else torch.zeros(0, *stored_shape[1:])

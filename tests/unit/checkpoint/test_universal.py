@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from megaframe.checkpoint import universal
-from megaframe.backends.deepspeed.state_io import canonical_name
+from megaframe.backends.deepspeed.pipeline import canonical_name
+from megaframe.config.schema import ModelConfig
+from megaframe.model.dims import resolve_dims
+from megaframe.model.spec import ModelSpec
 from megaframe.checkpoint.universal import CheckpointError
 
 STATE = {"step": 7, "consumed_samples": 56, "model": {"num_layers": 2, "vocab_size": 5}}
@@ -88,5 +91,5 @@ def test_wrong_format_is_refused(tmp_path):
     ("6.weight", "head.weight"),
 ])
 def test_pipeline_names_map_to_canonical(module_name, canonical):
-    assert canonical_name(module_name, pipelined=True, num_layers=4) == canonical
-    assert canonical_name(canonical, pipelined=False, num_layers=4) == canonical
+    dims = resolve_dims(ModelConfig(num_layers=4, tie_embeddings=False), 100)
+    assert canonical_name(module_name, ModelSpec(dims).layers()) == canonical

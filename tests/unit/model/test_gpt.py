@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from megaframe.config.schema import ModelConfig
 from megaframe.model.factory import build_model, count_parameters, resolve_dims
 from megaframe.model.gpt import GPT, full_init_value, init_parameters
+from megaframe.parallel.layers import TPGroup, mark_shard
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.state import ParallelState
 
@@ -37,8 +38,7 @@ def test_sharded_parameter_gets_its_slice_of_the_full_value():
     dims = resolve_dims(GPT2, 100)
     full = full_init_value("blocks.0.attn.q_proj.weight", (64, 64), dims, seed=3)
     shard = torch.nn.Linear(64, 32, bias=False)
-    shard.weight.partition_shape, shard.weight.partition_dim = (64, 64), 0
-    shard.weight.partition_count, shard.weight.partition_index = 2, 1
+    mark_shard(shard.weight, (64, 64), 0, TPGroup(size=2, rank=1))
     init_parameters(shard, "blocks.0.attn.q_proj", dims, seed=3)
     assert torch.equal(shard.weight, full[32:])
 
