@@ -171,8 +171,7 @@ class Trainer:
         self._model_states_logged = True
         if self.is_logger:
             if self.step == 1:  # metrics.jsonl only: W&B's charts take scalars, not per-rank tables
-                self.metrics.append({**model_states_record(self.step, per_rank, self.memory_plan, self.layout.pp,
-                                                           self.layout.tp, self.layout.dp),
+                self.metrics.append({**model_states_record(self.step, per_rank, self.memory_plan, self.layout.grid),
                                      "consumed_samples": self.consumed_samples})
             (self.progress.write if self.progress else print)(model_states_line(per_rank, self.memory_plan))
 

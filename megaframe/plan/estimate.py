@@ -113,7 +113,7 @@ def device_capacity(cluster: ClusterConfig, ranks_on_host: int) -> float:
 
 def plan_layout(cfg: TrainConfig, layout: Layout) -> PlanLayout:
     """The PlanLayout a resolved config describes."""
-    return PlanLayout(tp=layout.tp, pp=layout.pp, dp=layout.dp, micro_batch_size=layout.micro_batch_size,
+    return PlanLayout(grid=layout.grid, micro_batch_size=layout.micro_batch_size,
                       global_batch_size=layout.global_batch_size, zero_stage=cfg.zero.stage,
                       offload_optimizer=cfg.offload.optimizer, offload_param=cfg.offload.param,
                       recompute=cfg.parallel.activation_checkpointing,

@@ -15,6 +15,7 @@ import numpy as np
 
 from megaframe.model.dims import GPTDims
 from megaframe.model.spec import ModelSpec
+from megaframe.parallel.dims import ParallelDims
 
 GIB = 2**30
 # Bytes per element of the weights, gradients and optimizer states of each precision. Mixed
@@ -25,11 +26,10 @@ ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 @dataclass(frozen=True)
 class PlanLayout:
-    """One candidate layout: parallel degrees, batch shape and the memory-saving switches."""
+    """One candidate layout: the rank grid (its degrees are ParallelDims'), batch shape and the
+    memory-saving switches."""
 
-    tp: int
-    pp: int
-    dp: int
+    grid: ParallelDims
     micro_batch_size: int
     global_batch_size: int
     zero_stage: int = 0
@@ -40,8 +40,20 @@ class PlanLayout:
     partition: str = "uniform"  # uniform | parameters (PipelineModule's partition method)
 
     @property
+    def tp(self) -> int:
+        return self.grid.tp
+
+    @property
+    def pp(self) -> int:
+        return self.grid.pp
+
+    @property
+    def dp(self) -> int:
+        return self.grid.dp
+
+    @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.grid.world_size
 
     @property
     def micro_batches(self) -> int:

@@ -8,6 +8,7 @@ from typing import Iterator
 from megaframe.config.schema import ModelConfig, TrainConfig
 from megaframe.config.validate import ffn_hidden_size
 from megaframe.model.dims import resolve_dims
+from megaframe.parallel.dims import ParallelDims
 from megaframe.plan.estimate import Estimate, estimate, planning_vocab_size
 from megaframe.plan.memory import PlanLayout
 
@@ -40,7 +41,8 @@ def candidate_layouts(model: ModelConfig, base: PlanLayout, gpus_per_node: int |
                 for optimizer, param in offloads:
                     for recompute in (False, True):
                         for sp in ((False, True) if tp > 1 and model.seq_length % tp == 0 else (False,)):
-                            yield replace(base, tp=tp, pp=pp, dp=dp, zero_stage=stage, offload_optimizer=optimizer,
+                            yield replace(base, grid=ParallelDims(tp=tp, pp=pp, dp=dp), zero_stage=stage,
+                                          offload_optimizer=optimizer,
                                           offload_param=param, recompute=recompute, sequence_parallel=sp)
 
 

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
 from megaframe.plan.estimate import Estimate, estimate_config
+from megaframe.parallel.dims import ParallelDims
 from megaframe.plan.memory import GIB
 
 
@@ -45,13 +46,13 @@ def gather_model_states(mine: dict[str, int]) -> list[dict[str, int]]:
 
 
 def model_states_record(step: int, per_rank: list[dict[str, int]], est: Optional[Estimate],
-                        pp: int, tp: int, dp: int) -> dict:
+                        grid: ParallelDims) -> dict:
     """The one-off metrics.jsonl record: measured bytes per rank next to the planner's per stage."""
     planned = {}
     if est is not None:
         planned = {str(s.stage): {"weights": s.states.weights, "gradients": s.states.gradients,
                                   "optimizer": s.states.optimizer, "host": s.states.host} for s in est.stages}
-    stages = [rank // (tp * dp) for rank in range(len(per_rank))]  # ParallelDims: pp is the slowest axis
+    stages = [grid.coords(rank).pp for rank in range(len(per_rank))]
     return {"step": step, "model_states_bytes_per_rank": per_rank, "pipeline_stage_per_rank": stages,
             "model_states_bytes_planned_per_stage": planned}
 
