@@ -55,4 +55,6 @@ def test_activation_checkpointing_redraws_the_same_masks(tmp_path):
             assert plain[rank]["losses"] == again[rank]["losses"], "same layout and seed must reproduce"
             assert plain[rank]["losses"] == ckpt[rank]["losses"]
             for name, grad in plain[rank]["grads"].items():
+                # same layout, same masks: recomputation only reorders gradient accumulation (fp32 ulps
+                # of O(1e-2) gradients); 1e-6 catches a redrawn mask, which moves them by O(1e-2)
                 assert torch.allclose(grad, ckpt[rank]["grads"][name], atol=1e-6), (sp, rank, name)

@@ -47,4 +47,4 @@ def test_import_train_at_tp2_export_round_trip(tmp_path):
     assert original.keys() == back.keys()
     diff = max((original[k].float() - back[k]).abs().max().item() for k in original)
     print(f"HF -> megaframe (tp=2, 1 step at lr 1e-12) -> HF: max weight change {diff:.3g}")
-    assert diff < 1e-6
+    assert diff < 1e-6  # lr 1e-12 moves weights of O(0.02) by ~1e-12; a mapping error moves them by O(0.02)

@@ -56,7 +56,7 @@ def test_export_matches_transformers_and_imports_back(name, tmp_path):
     with torch.no_grad():
         want, got = model.logits(ids), hf(ids).logits
     assert got.shape == want.shape == (2, 24, VOCAB)
-    assert (got - want).abs().max().item() < 1e-4
+    assert (got - want).abs().max().item() < 1e-4  # two implementations: ~1e-6 of fp32 rounding on O(1) logits
 
     imported_cfg, _ = import_hf(tmp_path / "hf", tmp_path / "back")
     state, tensors = read_layout_free(tmp_path / "back")

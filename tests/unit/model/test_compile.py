@@ -22,6 +22,8 @@ def test_compiled_blocks_give_eager_loss_and_gradients():
             model.zero_grad(set_to_none=True)
             model(ids[:, :-1], ids[:, 1:]).backward()
     loss_eager, loss_compiled = eager(ids[:, :-1], ids[:, 1:]), compiled(ids[:, :-1], ids[:, 1:])
+    # inductor fuses and reorders reductions (norms, softmax): ~1e-7 on the loss; gradients of small
+    # magnitude see larger relative error, hence rtol 1e-4 with atol 1e-6 there
     torch.testing.assert_close(loss_compiled, loss_eager, rtol=1e-5, atol=1e-5)
     for (name, p_eager), p_compiled in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(p_compiled.grad, p_eager.grad, rtol=1e-4, atol=1e-6, msg=name)
