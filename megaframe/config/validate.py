@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from megaframe.config.schema import TrainConfig
-from megaframe.parallel.dims import ParallelDims
+from megaframe.parallel.dims import OnGrid, ParallelDims
 
 
 class ConfigError(ValueError):
@@ -20,29 +20,13 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class Layout:
+class Layout(OnGrid):
     """The rank grid resolved against the world size, plus the step shape. The degrees are the
     grid's (ParallelDims); tp, pp, dp and world_size read them from there."""
 
     grid: ParallelDims
     micro_batch_size: int
     global_batch_size: int
-
-    @property
-    def tp(self) -> int:
-        return self.grid.tp
-
-    @property
-    def pp(self) -> int:
-        return self.grid.pp
-
-    @property
-    def dp(self) -> int:
-        return self.grid.dp
-
-    @property
-    def world_size(self) -> int:
-        return self.grid.world_size
 
     @property
     def grad_accum_steps(self) -> int:

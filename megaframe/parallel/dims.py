@@ -113,6 +113,29 @@ class ParallelDims:
         return f"tp={self.tp} pp={self.pp} dp={self.dp}{extra}"
 
 
+class OnGrid:
+    """Mixin for objects that hold a ParallelDims as `grid`: their tp, pp, dp and world_size are
+    the grid's, never copies of it."""
+
+    grid: ParallelDims
+
+    @property
+    def tp(self) -> int:
+        return self.grid.tp
+
+    @property
+    def pp(self) -> int:
+        return self.grid.pp
+
+    @property
+    def dp(self) -> int:
+        return self.grid.dp
+
+    @property
+    def world_size(self) -> int:
+        return self.grid.world_size
+
+
 def _check_axes(axes: tuple[str, ...]) -> None:
     known = set(RANK_AXES) | set(EXPERT_AXES)
     unknown = [a for a in axes if a not in known]

@@ -11,14 +11,14 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megaframe.parallel.dims import ParallelDims, RankCoords
+from megaframe.parallel.dims import OnGrid, ParallelDims, RankCoords
 
 # The groups a run may use, each created once (groups with the same members share one).
 # ("dp", "cp") reduces dense gradients; ("ep",) and ("edp",) shard and reduce experts.
 GROUP_AXES = (("tp",), ("cp",), ("dp",), ("pp",), ("dp", "cp"), ("ep",), ("edp",))
 
 
-class ParallelState:
+class ParallelState(OnGrid):
     """The grid's degrees (from `grid`), this rank's coordinates and its process groups."""
 
     def __init__(self, grid: ParallelDims, rank: int, groups: Optional[dict[tuple[str, ...], object]] = None):
@@ -65,23 +65,7 @@ class ParallelState:
         return TPGroup(group=self.tp_group if self.tp > 1 else None, size=self.tp, rank=self.tp_rank,
                        sequence_parallel=sequence_parallel and self.tp > 1)
 
-    # ---- degrees and coordinates (ParallelDims' and RankCoords', by name) ----------------------
-    @property
-    def world_size(self) -> int:
-        return self.grid.world_size
-
-    @property
-    def tp(self) -> int:
-        return self.grid.tp
-
-    @property
-    def pp(self) -> int:
-        return self.grid.pp
-
-    @property
-    def dp(self) -> int:
-        return self.grid.dp
-
+    # ---- coordinates (RankCoords', by name; the degrees come from OnGrid) ----------------------
     @property
     def tp_rank(self) -> int:
         return self.coords.tp

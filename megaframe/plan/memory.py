@@ -15,7 +15,7 @@ import numpy as np
 
 from megaframe.model.dims import GPTDims
 from megaframe.model.spec import ModelSpec
-from megaframe.parallel.dims import ParallelDims
+from megaframe.parallel.dims import OnGrid, ParallelDims
 
 GIB = 2**30
 # Bytes per element of the weights, gradients and optimizer states of each precision. Mixed
@@ -25,7 +25,7 @@ ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
-class PlanLayout:
+class PlanLayout(OnGrid):
     """One candidate layout: the rank grid (its degrees are ParallelDims'), batch shape and the
     memory-saving switches."""
 
@@ -38,22 +38,6 @@ class PlanLayout:
     recompute: bool = False
     sequence_parallel: bool = False
     partition: str = "uniform"  # uniform | parameters (PipelineModule's partition method)
-
-    @property
-    def tp(self) -> int:
-        return self.grid.tp
-
-    @property
-    def pp(self) -> int:
-        return self.grid.pp
-
-    @property
-    def dp(self) -> int:
-        return self.grid.dp
-
-    @property
-    def world_size(self) -> int:
-        return self.grid.world_size
 
     @property
     def micro_batches(self) -> int:
