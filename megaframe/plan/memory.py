@@ -158,7 +158,7 @@ def stage_blocks(dims: GPTDims, tp: int, pp: int, stage: int, partition: str = "
     if pp == 1:
         return dims.num_layers
     parts = stage_bounds(dims, tp, pp, partition)
-    return len(range(max(parts[stage], 1), min(parts[stage + 1], dims.num_layers + 1)))
+    return sum(layer.kind == "block" for layer in ModelSpec(dims).layers()[parts[stage]:parts[stage + 1]])
 
 
 def total_parameters(dims: GPTDims) -> int:
