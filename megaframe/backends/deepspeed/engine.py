@@ -40,11 +40,16 @@ def _free_port() -> int:
 
 
 def init_distributed() -> None:
-    """Join the launcher's process group (or make a world of one when there is no launcher) and
-    register it with deepspeed.comm, which PipelineModule needs before deepspeed.initialize."""
+    """Set this rank's device, join the launcher's process group (or make a world of one when
+    there is no launcher) and register it with deepspeed.comm, which PipelineModule needs before
+    deepspeed.initialize.
+
+    The device comes first: a collective issued before it (NCCL's communicator, a broadcast of
+    the run directory) would otherwise put every rank of the node on device 0."""
     if not dist.is_initialized() and "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
+    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))  # a no-op on the CPU
     join_restarted_group(get_accelerator().communication_backend_name())  # torchrun restarts
     if get_accelerator().device_name() == "cpu":
         # DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce op here (45 s on first use)
@@ -74,6 +79,7 @@ class DeepSpeedBackend:
     def __init__(self, cfg: TrainConfig, layout: Layout, ps: ParallelState, dims: GPTDims,
                  lr_scheduler: Callable[[torch.optim.Optimizer], Any]):
         self.cfg, self.layout, self.ps, self.dims = cfg, layout, ps, dims
+        self.device = torch.device(get_accelerator().current_device_name())
         p = cfg.parallel
         self.pipelined = layout.pp > 1
         if self.pipelined:
@@ -123,28 +129,35 @@ class DeepSpeedBackend:
         local = sum(count_parameters(m, full=True) for m in module.children()
                     if not (self.pipelined and m is getattr(module, "tied_modules", None) and not self.ps.is_first_stage))
         if self.pipelined and self.ps.pp > 1:
-            total = torch.tensor([local], dtype=torch.int64)
+            total = torch.tensor([local], dtype=torch.int64, device=self.device)
             dist.all_reduce(total, group=self.ps.pp_group)
             return int(total.item())
         return local
 
-    def _dp_mean(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
+    def _dp_mean(self, value: torch.Tensor) -> float:
+        """Mean of a 0-d device tensor over the data-parallel replicas: one host read."""
+        t = value.detach().to(torch.float64).reshape(1)
         if self.layout.dp > 1:
             dist.all_reduce(t, group=self.ps.dp_group)
-        return t.item() / self.layout.dp
+        return (t / self.layout.dp).item()
+
+    def _on_device(self, batches: list[Batch]) -> list[Batch]:
+        """The micro-batches on this rank's device (no copy where they already are)."""
+        return [(inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True))
+                for inputs, targets in batches]
 
     # ---- steps -------------------------------------------------------------------------------
     def train_step(self, batches: list[Batch]) -> float:
         if self.pipelined:  # the engine runs the micro-batches through its 1F1B schedule
             loss = float(self.engine.train_batch(data_iter=iter(batches)))  # already averaged over DP
         else:
-            total = 0.0
-            for inputs, targets in batches:
+            # losses add up on the device: the host reads the step's mean once, not per micro-batch
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+            for inputs, targets in self._on_device(batches):
                 micro_loss = self.engine(inputs, targets)
                 self.engine.backward(micro_loss)
                 self.engine.step()
-                total += micro_loss.item()
+                total += micro_loss.detach()
             loss = self._dp_mean(total / len(batches))
         if not self._norm_from_grads:
             self._last_grad_norm = float(self.engine.get_global_grad_norm())
@@ -155,10 +168,13 @@ class DeepSpeedBackend:
         self.engine.eval()
         if self.pipelined:
             mean = float(self.engine.eval_batch(iter(batches), num_micro_batches=len(batches)))
-        else:
-            mean = sum(self.engine(inputs, targets).item() for inputs, targets in batches) / len(batches)
+            self.engine.train()
+            return mean
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for inputs, targets in self._on_device(batches):
+            total += self.engine(inputs, targets).detach()
         self.engine.train()
-        return self._dp_mean(mean)
+        return self._dp_mean(total / len(batches))
 
     def grad_norm(self) -> float:
         return self._last_grad_norm

@@ -1,0 +1,57 @@
+"""The step loop reads nothing back to the host per micro-batch: a step of four micro-batches makes
+as many host reads (the calls that synchronise a GPU stream) as a step of one."""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import TINY
+from ranks import run_ranks
+
+pytestmark = pytest.mark.slow
+# Tensor methods that copy a value to the host: on CUDA each one waits for the stream.
+HOST_READS = ("item", "__float__", "__int__", "__bool__", "tolist", "cpu")
+# ZeRO-3 is left out: DeepSpeed's own stage-3 code reads values back per step on its own.
+CASES = {"zero0-fp32": ["zero=stage0"], "zero1-bf16": ["zero=stage1", "precision=bf16"],
+         "zero2-fp32": ["zero=stage2"]}
+
+
+def _count_host_reads(rank: int, world: int, run_root: str) -> dict[str, dict[int, Counter]]:
+    from megaframe.config.compose import compose
+    from megaframe.config.validate import validate
+    from megaframe.engine.trainer import Trainer
+
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    counts: dict[str, dict[int, Counter]] = {}
+    for case, extra in CASES.items():
+        counts[case] = {}
+        for micro_batches in (1, 4):
+            overrides = [*TINY, *extra, f"parallel.global_batch_size={2 * micro_batches}", "train.eval_interval=0"]
+            cfg, _ = compose(overrides)
+            with Trainer(cfg, validate(cfg, world), Path(run_root) / f"{case}-{micro_batches}") as trainer:
+                trainer.train_step()  # first step: lazy optimizer state, one-off reads
+                seen: Counter = Counter()
+                for name, original in originals.items():
+                    def counted(self, *args, _name=name, _original=original, **kwargs):
+                        seen[_name] += 1
+                        return _original(self, *args, **kwargs)
+                    setattr(torch.Tensor, name, counted)
+                try:
+                    trainer.train_step()
+                finally:
+                    for name, original in originals.items():
+                        setattr(torch.Tensor, name, original)
+            counts[case][micro_batches] = seen
+    return counts
+
+
+def test_a_step_reads_the_host_as_often_with_four_micro_batches_as_with_one(tmp_path):
+    counts = run_ranks(_count_host_reads, 1, tmp_path, run_root=str(tmp_path / "runs"))[0]
+    for case, by_micro in counts.items():
+        one, four = by_micro[1], by_micro[4]
+        # per step remain: the loss and the gradient norm (ours), DeepSpeed's overflow checks (bf16)
+        assert four == one, f"{case}: host reads per step grow with micro-batches: 1 -> {dict(one)}, 4 -> {dict(four)}"
+        assert one, f"{case}: no host read counted at all: the counting is broken"
