@@ -10,11 +10,13 @@ from pathlib import Path
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "megaframe" / "torch_extensions"))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # torch's inductor cache is not keyed on ATEN_CPU_CAPABILITY: kernels cached under another
-# capability fail to compile under =default ("'at::vec' has not been declared", torch 2.13). A run
-# that forces a capability gets a cache of its own.
-if capability := os.environ.get("ATEN_CPU_CAPABILITY"):
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                          str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}_{capability}"))
+# capability fail to compile under =default ("'at::vec' has not been declared", torch 2.13) or
+# abort the process when loaded. The suite keeps one cache per capability of its own, so what
+# other runs on the machine left in torch's default cache cannot break it.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    capability = os.environ.get("ATEN_CPU_CAPABILITY") or "host"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(
+        Path(tempfile.gettempdir()) / f"megaframe-tests-inductor-{getpass.getuser()}-{capability}")
 
 
 def pytest_collection_modifyitems(items):
