@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Optional
 
 from megaframe.model.dims import GPTDims
@@ -54,13 +54,9 @@ class ModelSpec:
     dims: GPTDims
     block: Optional["BlockSpec"] = None  # None: attention, MLP and norms as the config's flavour says
 
-    def layers(self) -> list[Layer]:
+    def layers(self) -> tuple[Layer, ...]:
         """The layer list, in the order the pipeline partitions it (and names its layers)."""
-        tied = self.dims.tie_embeddings
-        return [Layer("embed", "embed"),
-                *[Layer("block", f"blocks.{i}", i) for i in range(self.dims.num_layers)],
-                Layer("final_norm", "final_norm"),
-                Layer("head", "embed" if tied else "head")]
+        return _layers(self.dims.num_layers, self.dims.tie_embeddings)
 
     @cached_property
     def parameters(self) -> dict[str, ParamSpec]:
@@ -74,3 +70,10 @@ class ModelSpec:
         return {name: ParamSpec(name, (self.dims.vocab_size, *p.shape[1:]) if name in VOCAB_PARAMS else tuple(p.shape),
                                 getattr(p, "shard", None))
                 for name, p in model.named_parameters()}
+
+
+# The planner's layout search asks for the list of the same model thousands of times.
+@lru_cache(maxsize=64)
+def _layers(num_layers: int, tied: bool) -> tuple[Layer, ...]:
+    return (Layer("embed", "embed"), *[Layer("block", f"blocks.{i}", i) for i in range(num_layers)],
+            Layer("final_norm", "final_norm"), Layer("head", "embed" if tied else "head"))

@@ -18,6 +18,7 @@ Everything here is arithmetic: the process groups live in ParallelState (paralle
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 # Axes that own ranks, slowest first (the layout formula above).
 RANK_AXES = ("pp", "dp", "cp", "tp")
@@ -95,17 +96,12 @@ class ParallelDims:
         the lists ordered by their first rank. `groups("dp", "cp")` is the gradient-reduction
         group of dense parameters, `groups("ep")` and `groups("edp")` those of the experts."""
         _check_axes(axes)
-        system = EXPERT_AXES if {"ep", "edp"} & set(axes) else RANK_AXES
-        fixed = [axis for axis in system if axis not in axes]
-        by_fixed: dict[tuple[int, ...], list[int]] = {}
-        for rank in range(self.world_size):
-            c = self.coords(rank)
-            by_fixed.setdefault(tuple(getattr(c, axis) for axis in fixed), []).append(rank)
-        return sorted(by_fixed.values())
+        return [list(ranks) for ranks in _groups(self, axes)]
 
     def group_of(self, rank: int, *axes: str) -> list[int]:
         """The group along `axes` that holds `rank`."""
-        return next(ranks for ranks in self.groups(*axes) if rank in ranks)
+        _check_axes(axes)
+        return list(_group_of_rank(self, axes)[rank])
 
     def describe(self) -> str:
         """`tp=2 pp=1 dp=4`, with cp and ep only when used (the start-up line and run names)."""
@@ -134,6 +130,24 @@ class OnGrid:
     @property
     def world_size(self) -> int:
         return self.grid.world_size
+
+
+# Computed once per (grid, axes): the collective setup and DeepSpeed's mpu calls ask repeatedly,
+# and one pass over the world is O(world) work (3,072 ranks for gpt_1t).
+@lru_cache(maxsize=None)
+def _groups(grid: ParallelDims, axes: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    system = EXPERT_AXES if {"ep", "edp"} & set(axes) else RANK_AXES
+    fixed = [axis for axis in system if axis not in axes]
+    by_fixed: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(grid.world_size):
+        c = grid.coords(rank)
+        by_fixed.setdefault(tuple(getattr(c, axis) for axis in fixed), []).append(rank)
+    return tuple(sorted(tuple(ranks) for ranks in by_fixed.values()))
+
+
+@lru_cache(maxsize=None)
+def _group_of_rank(grid: ParallelDims, axes: tuple[str, ...]) -> dict[int, tuple[int, ...]]:
+    return {rank: ranks for ranks in _groups(grid, axes) for rank in ranks}
 
 
 def _check_axes(axes: tuple[str, ...]) -> None:

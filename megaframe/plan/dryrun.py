@@ -15,9 +15,10 @@ import torch.nn as nn
 
 from megaframe.backends.deepspeed.pipeline import stage_boundaries
 from megaframe.model.gpt import GPT, Block, Embedding, GPTDims, build_norm
-from megaframe.model.spec import ModelSpec
+from megaframe.model.spec import Layer, ModelSpec
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.layers import ColumnParallelLinear, TPGroup
+from megaframe.plan.memory import uniform_weights
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ def _partition(dims: GPTDims, tp: TPGroup, pp: int, partition: str) -> list[int]
     """PipelineModule._partition_layers, with DeepSpeed's own helper (deliberately not the planner's
     faster re-implementation, so the dry run checks it)."""
     if partition == "uniform":  # "type:BlockPipe": weight 1 for blocks, 0 for the other layers
-        weights = [int(layer.kind == "block") for layer in ModelSpec(dims).layers()]
+        weights = uniform_weights(dims)
     else:
         weights = _layer_parameters(dims, tp)
     return list(stage_boundaries(tuple(weights), pp))
@@ -50,23 +51,27 @@ def _partition(dims: GPTDims, tp: TPGroup, pp: int, partition: str) -> list[int]
 def _stage_modules(dims: GPTDims, tp: TPGroup, start: int, stop: int,
                    share_tied: bool = True) -> tuple[list[str], nn.ModuleList]:
     """Layers [start, stop) of ModelSpec's layer list, as PipelineModule builds them."""
-    names, modules, tied = [], nn.ModuleList(), None
-    for layer in ModelSpec(dims).layers()[start:stop]:
+    layers = ModelSpec(dims).layers()[start:stop]
+    modules, tied = nn.ModuleList(), None
+    for layer in layers:
         if layer.kind == "embed" or (layer.kind == "head" and dims.tie_embeddings):
-            names.append("embed" if layer.kind == "embed" else "head (tied embed)")
             if tied is None or not share_tied:  # DeepSpeed builds a tied module once per stage
                 tied = Embedding(dims, tp, None)
                 modules.append(tied)
         elif layer.kind == "block":
-            names.append(f"block {layer.block}")
             modules.append(Block(dims, tp, None))
         elif layer.kind == "final_norm":
-            names.append("final_norm")
             modules.append(build_norm(dims, tp))
         else:
-            names.append("head")
             modules.append(ColumnParallelLinear(dims.hidden_size, dims.padded_vocab_size, tp, bias=False))
-    return names, modules
+    return [_layer_name(layer, dims) for layer in layers], modules
+
+
+def _layer_name(layer: Layer, dims: GPTDims) -> str:
+    """How the dry run reports a layer: embed, block 3, final_norm, head or head (tied embed)."""
+    if layer.kind == "block":
+        return f"block {layer.block}"
+    return "head (tied embed)" if layer.kind == "head" and dims.tie_embeddings else layer.kind
 
 
 def dry_run(dims: GPTDims, grid: ParallelDims, rank: int, partition: str = "uniform") -> DryRun:
@@ -76,9 +81,7 @@ def dry_run(dims: GPTDims, grid: ParallelDims, rank: int, partition: str = "unif
     with torch.device("meta"):
         if pp == 1:
             model = GPT(dims, group)
-            names = [f"block {layer.block}" if layer.kind == "block"
-                     else "head (tied embed)" if layer.kind == "head" and dims.tie_embeddings else layer.kind
-                     for layer in ModelSpec(dims).layers()]
+            names = [_layer_name(layer, dims) for layer in ModelSpec(dims).layers()]
         else:
             parts = _partition(dims, group, pp, partition)
             names, model = _stage_modules(dims, group, parts[coords.pp], parts[coords.pp + 1])

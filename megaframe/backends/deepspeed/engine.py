@@ -61,11 +61,6 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
 
 
-def device_supports_fp16() -> bool:
-    """Whether DeepSpeed's accelerator on this machine accepts fp16 (CPU: only with AVX512-FP16)."""
-    return bool(get_accelerator().is_fp16_supported())
-
-
 def decay_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices only; biases and norm gains are not decayed (as Megatron does)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]

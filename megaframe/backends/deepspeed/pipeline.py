@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.utils import partition_balanced
 
+from megaframe.backends.deepspeed.topology import build_topology
 from megaframe.model.gpt import (Block, BlockSpec, Embedding, GPTDims, build_norm, init_parameters, rope_tables,
                                  run_block, tied_head_logits)
+from megaframe.model.spec import Layer, ModelSpec
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaframe.parallel.layers import ColumnParallelLinear, TPGroup
 from megaframe.parallel.random import TPDropoutRNG
-from megaframe.backends.deepspeed.topology import build_topology
-from megaframe.model.spec import Layer, ModelSpec
 from megaframe.parallel.state import ParallelState
 
 
@@ -124,7 +124,7 @@ def stage_boundaries(weights: tuple, pp: int) -> tuple:
 _WRAPPED = {"block": "block.", "final_norm": "norm."}
 
 
-def canonical_name(module_name: str, layers: list[Layer]) -> str:
+def canonical_name(module_name: str, layers: Sequence[Layer]) -> str:
     """The canonical (plain tp=1 GPT) name of a PipelineModule parameter.
 
     PipelineModule names its layers by their index in ModelSpec.layers(); BlockPipe keeps the

@@ -23,13 +23,12 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from megaframe.backends.deepspeed.pipeline import canonical_name
 from megaframe.checkpoint import universal
 from megaframe.checkpoint.universal import MASTER_KEY, MOMENT_KEYS, CheckpointError
-from megaframe.backends.deepspeed.pipeline import canonical_name
 from megaframe.model.dims import GPTDims
 from megaframe.model.spec import VOCAB_PARAMS, ModelSpec
 from megaframe.parallel.state import ParallelState
-
 
 
 @dataclass
