@@ -9,8 +9,8 @@ megaframe-train [OVERRIDE ...]
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -66,35 +66,64 @@ def check(overrides: Sequence[str]) -> tuple[TrainConfig, Layout, str]:
 
 
 def _self_launch(overrides: list[str], world: int, run_dir: str) -> int:
-    """Re-run this command as `world` ranks under torch.distributed.run on this host."""
-    env = dict(os.environ, **{_SELF_LAUNCHED: "1"})
+    """Run this command as `world` ranks under torchrun's elastic agent, in this process, so that a
+    failed rank ends the command with that rank's exit code (failures.py) rather than torchrun's 1,
+    and the agent's own failure report (a traceback) stays off the terminal: the failing rank has
+    printed its one line, and its traceback is in RUN_DIR/logs."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    from megaframe.failures import exit_code_of_job
+
+    os.environ[_SELF_LAUNCHED] = "1"
     # one BLAS thread per rank unless the user chose: ranks would otherwise oversubscribe the cores
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           "-m", "megaframe.train", *overrides]
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     if not any(o.startswith("hydra.run.dir=") for o in overrides):
-        cmd.append(f"hydra.run.dir={Path(run_dir).resolve()}")
+        overrides = [*overrides, f"hydra.run.dir={Path(run_dir).resolve()}"]
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     print(f"{PROG}: launching {world} ranks on this host", flush=True)
-    return subprocess.call(cmd, env=env)
+    try:
+        run(parse_args(["--standalone", f"--nproc-per-node={world}", "-m", "megaframe.train", *overrides]))
+    except ChildFailedError as err:
+        return exit_code_of_job([failure.exitcode for failure in err.failures.values()])
+    return 0
 
 
-def _shared_run_dir(run_dir: str) -> str:
+def _shared_run_dir(run_dir: str, collective_timeout_s: float) -> str:
     """Under a launcher every rank must write to rank 0's run dir (timestamps differ per rank)."""
     import torch.distributed as dist
 
     from megaframe.backends.deepspeed.engine import init_distributed
 
-    init_distributed()
+    init_distributed(collective_timeout_s)
     holder = [str(Path(run_dir).resolve())]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]
+
+
+def _stop_if_job_stopped() -> None:
+    """A torchrun restart after a deterministic failure (failures.py): exit with its code at once
+    instead of replaying it; rank 0 says why in one line."""
+    if _launcher_world_size() is None:
+        return
+    from megaframe.parallel.elastic import job_stop
+
+    stop = job_stop()
+    if stop is None:
+        return
+    exit_code, message = stop
+    if _rank() == 0:
+        print(f"{PROG}: error: not retrying: an earlier attempt of this job failed with: {message} "
+              f"[exit {exit_code}]", file=sys.stderr, flush=True)
+    sys.exit(exit_code)
 
 
 def _task(dict_cfg) -> None:
     """What hydra.main runs: type the config, validate again (cheap), train."""
     from hydra.core.hydra_config import HydraConfig
 
-    from megaframe.checkpoint.universal import CheckpointError
     from megaframe.engine.trainer import train
     from megaframe.tracking.metrics import atomic_write_text
 
@@ -106,10 +135,11 @@ def _task(dict_cfg) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if _rank() == 0:
         atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True))
-    try:
-        train(cfg, layout, run_dir)
-    except CheckpointError as err:  # corrupted / incompatible checkpoint: one line, not a traceback
-        _fail(str(err))
+    # DeepSpeed's ZeRO calls torch collectives torch 2.13 has renamed: a warning per rank, not the user's business
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    exit_code = train(cfg, layout, run_dir, _rank())  # after launch: one line and the cause's exit code
+    if exit_code:
+        sys.exit(exit_code)
 
 
 def _run_hydra(args: list[str]) -> None:
@@ -123,6 +153,7 @@ def _run_hydra(args: list[str]) -> None:
 def train_main(argv: Optional[Sequence[str]] = None) -> None:
     """`megaframe-train`: validate, launch as many ranks as the layout needs, train."""
     args = list(sys.argv[1:] if argv is None else argv)
+    _stop_if_job_stopped()
     if any(a.split("=", 1)[0] in _HYDRA_FLAGS for a in args):
         _run_hydra(args)
         return
@@ -145,7 +176,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
         dataset_prefix(cfg.data)  # build the demo corpus once, not in every rank
         sys.exit(_self_launch(args, layout.world_size, run_dir))
     if launched and layout.world_size > 1 and not any(a.startswith("hydra.run.dir=") for a in args):
-        args.append(f"hydra.run.dir={_shared_run_dir(run_dir)}")
+        args.append(f"hydra.run.dir={_shared_run_dir(run_dir, cfg.train.collective_timeout_s)}")
     if _rank() != 0:
         args.append("hydra.output_subdir=null")  # rank 0 alone writes .hydra/
     _run_hydra(args)

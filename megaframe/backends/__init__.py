@@ -6,23 +6,35 @@ second engine (FSDP2, say) is a sibling folder that implements the same Protocol
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), each (micro_batch, seq)
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step as every rank sees it."""
+
+    loss: float  # the global batch's mean loss
+    applied: bool  # False: skipped on every rank (non-finite gradients, or skip_if said so)
+
+
 class Backend(Protocol):
     """What the trainer needs from an engine, for one rank of one run."""
 
     module: torch.nn.Module  # this rank's model (a pipeline stage when pipelined); .rng is its TP dropout RNG
+    device: torch.device  # this rank's accelerator: where the step loop's tensors live
     num_parameters: int  # the whole model's, TP shards at full size, pipeline stages summed
     compiled_blocks: int  # blocks compiled by train.compile (0 when off)
 
-    def train_step(self, batches: list[Batch]) -> float:
-        """One optimizer step over this rank's micro-batches; the global batch's mean loss."""
+    def train_step(self, batches: list[Batch], skip_if: Optional[Callable[[float], bool]] = None) -> StepResult:
+        """One optimizer step over this rank's micro-batches. Non-finite gradients skip the update on
+        every rank. skip_if, when given, is asked with the global mean loss before the update (on
+        the ranks that hold the loss) and skips it when it answers True."""
 
     def eval_step(self, batches: list[Batch]) -> float:
         """Mean loss over this rank's micro-batches, averaged over the data-parallel replicas."""

@@ -119,6 +119,16 @@ class DataConfig:
 
 
 @dataclass
+class SpikeConfig:
+    """Loss-spike guard (train.spike): a step whose loss stands out from the recent applied steps."""
+
+    action: str = "skip"  # skip (no update, like a non-finite step) | stop | warn | off
+    window: int = 50  # applied steps the baseline is computed over; the guard arms once it is full
+    metric: str = "zscore"  # zscore: (loss - mean) / std of the window | ratio: loss / mean of the window
+    threshold: float = 6.0  # a step whose metric exceeds this is a spike
+
+
+@dataclass
 class LoopConfig:
     """The training loop: length, cadence of logs/evals/checkpoints, resumption."""
 
@@ -133,6 +143,9 @@ class LoopConfig:
     keep_checkpoints: int = 0  # keep the newest K checkpoints (0 = keep all)
     universal_checkpoint: bool = True  # also write layout-free safetensors (resume into any tp/pp/dp/ZeRO)
     compile: bool = False  # torch.compile each transformer block (inductor); the first step pays the compile
+    max_consecutive_skips: int = 5  # this many skipped steps in a row (non-finite or spike) stop the run (exit 3)
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+    collective_timeout_s: float = 1800.0  # a rank that does not reach a collective within this ends the job (exit 7)
 
 
 @dataclass

@@ -144,6 +144,25 @@ def check_train(cfg: TrainConfig) -> Optional[str]:
         return f"train.resume={t.resume!r}: no such checkpoint directory; use auto, none or an existing path"
     if err := _choices("logging.wandb.mode", cfg.logging.wandb.mode, ["offline", "online", "disabled"]):
         return err
+    if t.max_consecutive_skips < 1:
+        return f"train.max_consecutive_skips={t.max_consecutive_skips} must be >= 1 (skipped steps in a row that stop the run)"
+    if not t.collective_timeout_s > 0:
+        return f"train.collective_timeout_s={t.collective_timeout_s} must be > 0 seconds"
+    return check_spike(t.spike)
+
+
+def check_spike(spike) -> Optional[str]:
+    """train.spike: a known action and metric, a window that has a spread, a threshold that can trigger."""
+    for key, value, allowed in (("train.spike.action", spike.action, ["skip", "stop", "warn", "off"]),
+                                ("train.spike.metric", spike.metric, ["zscore", "ratio"])):
+        if err := _choices(key, value, allowed):
+            return err
+    if spike.window < 2:
+        return f"train.spike.window={spike.window} must be >= 2 steps (the baseline needs a spread)"
+    if spike.metric == "ratio" and not spike.threshold > 1:
+        return f"train.spike.threshold={spike.threshold} must be > 1 with train.spike.metric=ratio (loss / recent mean)"
+    if not spike.threshold > 0:
+        return f"train.spike.threshold={spike.threshold} must be > 0 (a z-score)"
     return None
 
 

@@ -15,6 +15,7 @@ class DataSplits:
     """Train and validation samples plus the vocabulary the dataset was tokenized with."""
 
     prefix: Path
+    dataset: IndexedDataset
     train: SampleSet
     valid: Optional[SampleSet]
     vocab_size: int
@@ -34,4 +35,4 @@ def build_data(cfg: DataConfig, seq_length: int) -> DataSplits:
     train_range, valid_range = split_documents(len(dataset), cfg.valid_fraction)
     train = SampleSet(TokenStream(dataset, *train_range), seq_length)
     valid = SampleSet(TokenStream(dataset, *valid_range), seq_length) if cfg.valid_fraction > 0 else None
-    return DataSplits(prefix=prefix, train=train, valid=valid, vocab_size=dataset.vocab_size)
+    return DataSplits(prefix=prefix, dataset=dataset, train=train, valid=valid, vocab_size=dataset.vocab_size)

@@ -14,16 +14,24 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megaframe.backends import StepResult
 from megaframe.backends.deepspeed.engine import DeepSpeedBackend, init_distributed
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout, universal_checkpoint_unsupported
 from megaframe.data import micro_batches, eval_batches
+from megaframe.data.token_check import cached_max_token_id, check_token_ids, max_token_id, remember_max_token_id
 from megaframe.engine import checkpoint
 from megaframe.engine.data_setup import DataSplits, build_data
+from megaframe.engine.failure_report import report_failure
+from megaframe.engine.faults import Faults
 from megaframe.engine.schedule import lr_scheduler_factory
+from megaframe.engine.step_guard import StepGuard
+from megaframe.failures import Diverged, RankHung
 from megaframe.model.factory import resolve_dims
+from megaframe.parallel.hang import describe_hang, is_collective_timeout
 from megaframe.parallel.random import TPDropoutRNG
 from megaframe.parallel.state import ParallelState
+from megaframe.paths import cache_dir
 from megaframe.plan.startup import (gather_model_states, memory_plan, model_states_line, model_states_record,
                                     plan_summary)
 from megaframe.tracking.flops import flops_per_token, peak_tflops
@@ -37,7 +45,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, layout: Layout, run_dir: Path):
         self.cfg, self.layout, self.run_dir = cfg, layout, Path(run_dir)
-        init_distributed()
+        init_distributed(cfg.train.collective_timeout_s)
         self.ps = ParallelState.build(layout.grid)
         self.is_logger = self.ps.rank == 0
         if self.is_logger:
@@ -48,6 +56,7 @@ class Trainer:
         self.backend = DeepSpeedBackend(cfg, layout, self.ps, self.dims,
                                         lr_scheduler_factory(cfg.optim, cfg.train.max_steps))
         self.num_parameters = self.backend.num_parameters
+        self._check_token_ids()
         self.flops_per_token = flops_per_token(self.dims)
         self.peak_tflops = peak_tflops(cfg.hardware.peak_tflops)
         self.tokens_per_step = layout.global_batch_size * cfg.model.seq_length
@@ -58,6 +67,25 @@ class Trainer:
         self.wandb: Optional[WandbRun] = None
         self.progress: Optional[Progress] = None
         self.step = 0
+        self.guard = StepGuard(cfg.train.spike, cfg.train.max_consecutive_skips)
+        self.faults = Faults(self.ps.rank)
+
+    def _check_token_ids(self) -> None:
+        """Every token id below the model's vocabulary (data/token_check.py), before step 1: the
+        ranks scan 1/world of the tokens each and reduce the maxima, once per dataset file."""
+        dataset, cache = self.data.dataset, cache_dir(self.cfg.data.cache_dir)
+        found = cached_max_token_id(dataset, cache)
+        if found is None:
+            local = torch.tensor(max_token_id(dataset, self.ps.rank, self.layout.world_size), dtype=torch.int64,
+                                 device=self.backend.device)
+            if self.layout.world_size > 1:
+                dist.all_reduce(local, op=dist.ReduceOp.MAX)
+            found = int(local.item())
+            if self.is_logger:
+                remember_max_token_id(dataset, cache, found)
+        vocab_key = ("model.vocab_size" if self.cfg.model.vocab_size is not None
+                     else f"the tokenizer's, recorded in {dataset.json_path}")
+        check_token_ids(dataset, found, self.dims.vocab_size, vocab_key)
 
     @property
     def consumed_samples(self) -> int:
@@ -65,16 +93,23 @@ class Trainer:
         return self.step * self.layout.global_batch_size
 
     # ---- one optimizer step and one evaluation ------------------------------------------------
-    def train_step(self) -> tuple[float, float]:
-        """Run the step's micro-batches and advance self.step; return (mean loss over the global
-        batch, lr used)."""
+    def train_step(self) -> tuple[StepResult, float]:
+        """Run the step's micro-batches and advance self.step; return the step's result and the lr
+        it used. The guard is asked before the update whether a spiking loss skips it."""
         batches = micro_batches(self.data.train, self.step, self.layout.global_batch_size,
                                 self.layout.micro_batch_size, self.ps.dp_rank, self.layout.dp,
                                 self.cfg.train.seed)
+        batches = self.faults.batches(self.step + 1, batches)
         lr = self.backend.lr()
-        loss = self.backend.train_step(batches)
+        injected = self.faults.before_step(self.step + 1, self.backend.module)
+        try:
+            result = self.backend.train_step(
+                batches, skip_if=self.guard.skip_before_update if self.guard.gates_updates else None)
+        finally:
+            if injected is not None:
+                injected.remove()
         self.step += 1
-        return loss, lr
+        return result, lr
 
     def evaluate(self) -> float:
         """Mean loss over train.eval_steps global batches of held-out samples (same in every layout)."""
@@ -96,6 +131,7 @@ class Trainer:
             return
         point = checkpoint.load_any(self.backend, path)
         self.step = point.step
+        self.guard.load_state_dict(point.client_state.get("guard", {}))
         if "tp_dropout" in point.rng_state:
             self.backend.module.rng.load_state_dict(point.rng_state["tp_dropout"])
         elif point.client_state.get("format") == "megaframe-universal":  # resharded
@@ -110,7 +146,8 @@ class Trainer:
 
     def _save(self) -> None:
         state = {"step": self.step, "consumed_samples": self.consumed_samples,
-                 "global_batch_size": self.layout.global_batch_size, "layout": self.backend.layout_record()}
+                 "global_batch_size": self.layout.global_batch_size, "layout": self.backend.layout_record(),
+                 "guard": self.guard.state_dict()}
         write_universal = None
         if self.cfg.train.universal_checkpoint and not universal_checkpoint_unsupported(self.cfg, self.layout):
             tokenizer = Path(self.cfg.data.tokenizer)
@@ -139,8 +176,27 @@ class Trainer:
                   "memory_gb": memory_gb()}
         if self.peak_tflops:
             record["mfu"] = tflops / self.peak_tflops
-        record.update(self.backend.precision_state())  # fp16: loss_scale, skipped_steps
+        record.update(self.backend.precision_state())  # fp16: loss_scale
+        record["skipped_steps"] = self.guard.skipped_steps
         return record
+
+    def _loss_scale_can_shrink(self) -> bool:
+        """fp16 only: whether the loss scale is still above its floor (a skip is then the scaler's search)."""
+        scale = self.backend.precision_state().get("loss_scale")
+        return scale is not None and scale > self.cfg.precision.min_loss_scale
+
+    def _log_event(self, event) -> None:
+        """A skipped or flagged step: metrics.jsonl, W&B and one console line (rank 0)."""
+        if not self.is_logger:
+            return
+        self._log(event.record(self.guard.skipped_steps))
+        what = {"non_finite": "non-finite gradients", "spike": "loss spike", "overflow": "fp16 overflow"}[event.reason]
+        if event.action == "stopped":
+            return  # the run's one-line error says it
+        line = (f"step {event.step}: {event.action} ({what}"
+                + (f", metric {event.metric:.3g}" if event.metric is not None else "")
+                + f"); {self.guard.consecutive_skips} in a row, {self.guard.skipped_steps} skipped in all")
+        (self.progress.write if self.progress else print)(line)
 
     def _wandb_names(self) -> tuple[str, str]:
         """Default W&B (name, group): the group is the recipe's (recipes set logging.wandb.group) or
@@ -190,22 +246,29 @@ class Trainer:
         stop_at = t.exit_at_step or t.max_steps
         if self.step == 0 and t.eval_interval:
             self._log({"step": 0, "eval_loss": self.evaluate(), "consumed_samples": 0})
-        interval_loss, interval_steps, interval_time = 0.0, 0, 0.0
+        losses, interval_steps, interval_time = [], 0, 0.0
         while self.step < stop_at:
             start = time.perf_counter()
-            loss, lr = self.train_step()
+            result, lr = self.train_step()
             interval_time += time.perf_counter() - start
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {self.step}; lower optim.lr or check the data")
-            interval_loss, interval_steps = interval_loss + loss, interval_steps + 1
+            interval_steps += 1
+            event = self.guard.after_step(self.step, result.loss, result.applied, self._loss_scale_can_shrink())
+            if event is not None:
+                self._log_event(event)
+                if event.action == "stopped":
+                    raise Diverged(event.message)
+            if result.applied:  # a skipped step's loss stays out of the logged average
+                losses.append(result.loss)
+            self.last_loss = result.loss
             if not self._model_states_logged:
                 self._log_model_states()
             if self.step % t.log_interval == 0 or self.step == stop_at:
-                record = self._train_record(interval_loss / interval_steps, lr, interval_steps, interval_time)
+                mean_loss = math.fsum(losses) / len(losses) if losses else float("nan")
+                record = self._train_record(mean_loss, lr, interval_steps, interval_time)
                 self._log(record)
                 if self.progress:
                     self.progress.update(self.step, record)
-                interval_loss, interval_steps, interval_time = 0.0, 0, 0.0
+                losses, interval_steps, interval_time = [], 0, 0.0
             if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.max_steps):
                 eval_loss = self.evaluate()
                 self._log({"step": self.step, "eval_loss": eval_loss, "consumed_samples": self.consumed_samples})
@@ -233,11 +296,26 @@ class Trainer:
         self.close(failed=exc_type is not None)
 
 
-def train(cfg: TrainConfig, layout: Layout, run_dir: Path) -> None:
-    """Entry point for one rank: build everything, fit, shut down cleanly."""
+def train(cfg: TrainConfig, layout: Layout, run_dir: Path, rank: int = 0) -> int:
+    """Entry point for one rank: build everything, fit, shut down cleanly; return the exit code.
+
+    A failure is reported here, while the process group still exists (one rank prints its line,
+    engine/failure_report.py); a collective that timed out becomes RankHung naming the rank that
+    never arrived."""
+    trainer: Optional[Trainer] = None
     try:
-        with Trainer(cfg, layout, run_dir) as trainer:
+        trainer = Trainer(cfg, layout, run_dir)
+        with trainer:
             trainer.fit()
+        return 0
+    except Exception as err:
+        if is_collective_timeout(err):
+            timeout = cfg.train.collective_timeout_s
+            step = trainer.step + 1 if trainer is not None else 0
+            hung = RankHung(describe_hang(step, timeout, wait_s=min(30.0, timeout)))
+            hung.__cause__ = err
+            err = hung
+        return report_failure(err, run_dir, dist.get_rank() if dist.is_initialized() else rank)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,12 +1,16 @@
-"""Joining the process group again after a torchrun restart (--max-restarts)."""
+"""Joining the process group again after a torchrun restart (--max-restarts), and stopping a job
+whose failure a restart would only repeat."""
 from __future__ import annotations
 
+import json
 import os
+from datetime import timedelta
+from typing import Optional
 
 import torch.distributed as dist
 
 
-def join_restarted_group(backend: str) -> bool:
+def join_restarted_group(backend: str, timeout: Optional[timedelta] = None) -> bool:
     """Under torchrun with its agent store, init the default group on a per-attempt store prefix.
 
     torchrun keeps one TCPStore (MASTER_PORT) for every restart attempt and env:// init does not
@@ -20,5 +24,42 @@ def join_restarted_group(backend: str) -> bool:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
     dist.init_process_group(backend, store=dist.PrefixStore(f"megaframe/attempt{attempt}/", store),
-                            rank=rank, world_size=world)
+                            rank=rank, world_size=world, timeout=timeout)
     return True
+
+
+# An earlier attempt's deterministic failure, kept in torchrun's agent store: shared by every node
+# and every restart of this job, and gone with the job, so a new launch in the same run dir trains.
+STOP_KEY = "megaframe/job_stop"
+
+
+def _agent_store() -> Optional[dist.Store]:
+    """A client of torchrun's agent store (MASTER_ADDR:MASTER_PORT), None outside torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
+        return None
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=30))
+
+
+def record_job_stop(exit_code: int, message: str) -> bool:
+    """Tell later restart attempts of this torchrun job not to train: they exit with exit_code and
+    message at once. Returns False outside torchrun (nothing to tell)."""
+    try:
+        store = _agent_store()
+        if store is None:
+            return False
+        store.set(STOP_KEY, json.dumps({"exit_code": int(exit_code), "message": message}))
+        return True
+    except (RuntimeError, OSError):  # the agent is gone: there is no restart to stop either
+        return False
+
+
+def job_stop() -> Optional[tuple[int, str]]:
+    """(exit code, message) when an earlier attempt of this torchrun job stopped it, else None."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0:
+        return None
+    store = _agent_store()
+    if store is None or not store.check([STOP_KEY]):
+        return None
+    stop = json.loads(store.get(STOP_KEY))
+    return int(stop["exit_code"]), str(stop["message"])

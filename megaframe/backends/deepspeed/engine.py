@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -15,14 +16,16 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from torch.distributed import distributed_c10d
 
-from megaframe.backends import Batch
+from megaframe.backends import Batch, StepResult
 from megaframe.backends.deepspeed import state_io
 from megaframe.backends.deepspeed.build_locks import clear_stale_build_locks
 from megaframe.backends.deepspeed.ds_config import to_ds_config
 from megaframe.backends.deepspeed.memory import held_model_states
 from megaframe.backends.deepspeed.nvme import open_nvme_swap
 from megaframe.backends.deepspeed.pipeline import build_pipeline_model
+from megaframe.backends.deepspeed.skip_gate import LastMicroBatchGate, gate_plain_optimizer
 from megaframe.backends.deepspeed.topology import MegatronMpu
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
@@ -39,7 +42,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> None:
+def set_collective_timeout(timeout: timedelta) -> None:
+    """Make `timeout` the default of every process group created from now on: ours, and those
+    DeepSpeed creates for the pipeline without passing one (torch would give them 30 min, NCCL's 10)."""
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
+
+
+def init_distributed(collective_timeout_s: Optional[float] = None) -> None:
     """Set this rank's device, join the launcher's process group (or make a world of one when
     there is no launcher) and register it with deepspeed.comm, which PipelineModule needs before
     deepspeed.initialize.
@@ -49,8 +59,11 @@ def init_distributed() -> None:
     if not dist.is_initialized() and "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
+    timeout = timedelta(seconds=collective_timeout_s) if collective_timeout_s else distributed_c10d.default_pg_timeout
+    if collective_timeout_s:
+        set_collective_timeout(timeout)
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))  # a no-op on the CPU
-    join_restarted_group(get_accelerator().communication_backend_name())  # torchrun restarts
+    join_restarted_group(get_accelerator().communication_backend_name(), timeout)  # torchrun restarts
     if get_accelerator().device_name() == "cpu":
         # DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce op here (45 s on first use)
         # that only its inference path calls; training collectives go through torch.distributed.
@@ -58,7 +71,7 @@ def init_distributed() -> None:
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=timeout)
 
 
 def decay_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -113,6 +126,7 @@ class DeepSpeedBackend:
 
         def measure_clip_step(*args, **kwargs):
             self._last_grad_norm = grad_norm(self.engine.module, self.ps)
+            gate_plain_optimizer(self.engine.optimizer, self._last_grad_norm)  # non-finite: no update
             if clip > 0 and self._last_grad_norm > clip:
                 scale = clip / (self._last_grad_norm + 1e-6)
                 torch._foreach_mul_([p.grad for p in self.engine.module.parameters() if p.grad is not None], scale)
@@ -142,21 +156,26 @@ class DeepSpeedBackend:
                 for inputs, targets in batches]
 
     # ---- steps -------------------------------------------------------------------------------
-    def train_step(self, batches: list[Batch]) -> float:
+    def train_step(self, batches: list[Batch], skip_if: Optional[Callable[[float], bool]] = None) -> StepResult:
+        gate = LastMicroBatchGate(len(batches), self._dp_mean, skip_if) if skip_if else None
         if self.pipelined:  # the engine runs the micro-batches through its 1F1B schedule
-            loss = float(self.engine.train_batch(data_iter=iter(batches)))  # already averaged over DP
+            self.module.loss_fn.gate = gate  # the last stage's loss_fn sees every micro-batch's loss
+            try:
+                loss = float(self.engine.train_batch(data_iter=iter(batches)))  # already averaged over DP
+            finally:
+                self.module.loss_fn.gate = None
         else:
             # losses add up on the device: the host reads the step's mean once, not per micro-batch
             total = torch.zeros((), dtype=torch.float64, device=self.device)
             for inputs, targets in self._on_device(batches):
                 micro_loss = self.engine(inputs, targets)
-                self.engine.backward(micro_loss)
-                self.engine.step()
                 total += micro_loss.detach()
-            loss = self._dp_mean(total / len(batches))
+                self.engine.backward(gate(micro_loss) if gate else micro_loss)
+                self.engine.step()
+            loss = gate.mean if gate else self._dp_mean(total / len(batches))
         if not self._norm_from_grads:
             self._last_grad_norm = float(self.engine.get_global_grad_norm())
-        return loss
+        return StepResult(loss=loss, applied=bool(self.engine.was_step_applied()))
 
     @torch.no_grad()
     def eval_step(self, batches: list[Batch]) -> float:
@@ -183,7 +202,7 @@ class DeepSpeedBackend:
         # DeepSpeed's fp16 optimizers name the current scale differently (cur_scale / loss_scale)
         scale = next((getattr(self.engine.optimizer, a) for a in ("cur_scale", "loss_scale")
                       if isinstance(getattr(self.engine.optimizer, a, None), (int, float, torch.Tensor))), None)
-        return {"loss_scale": None if scale is None else float(scale), "skipped_steps": int(self.engine.skipped_steps)}
+        return {"loss_scale": None if scale is None else float(scale)}
 
     def held_model_states(self) -> dict[str, int]:
         return held_model_states(self.engine)

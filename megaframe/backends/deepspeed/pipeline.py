@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -75,9 +75,11 @@ class VocabParallelLoss:
     def __init__(self, dims: GPTDims, tp: TPGroup):
         self.tp, self.vocab_size = tp, dims.vocab_size
         self.vocab_start = tp.rank * (dims.padded_vocab_size // tp.size)
+        self.gate: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # set for one train step (skip_gate.py)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.tp, self.vocab_start, self.vocab_size)
+        loss = vocab_parallel_cross_entropy(logits, targets, self.tp, self.vocab_start, self.vocab_size)
+        return self.gate(loss) if self.gate is not None else loss
 
 
 PARTITION_METHODS = {"uniform": "type:BlockPipe", "parameters": "parameters"}

@@ -1,0 +1,57 @@
+"""What a rank does when its run fails after launch: the traceback to RUN_DIR/logs/rankR.log, one
+line on stderr (from one rank, not from every rank that saw it), the exit code of the cause, and,
+for a failure a restart would repeat, a note that stops torchrun from replaying it."""
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megaframe.failures import JobStopped, RunFailure, classify, is_peer_failure
+from megaframe.parallel.elastic import record_job_stop
+
+PROG = "megaframe-train"
+_REPORTED = "megaframe/failure_reported"
+
+
+def log_path(run_dir: Path, rank: int) -> Path:
+    """Where rank `rank` writes the tracebacks of its failures."""
+    return Path(run_dir) / "logs" / f"rank{rank}.log"
+
+
+def _write_traceback(path: Path, err: BaseException) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as log:  # append: every attempt's failure stays readable
+        log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
+        log.write("".join(traceback.format_exception(err)))
+
+
+def _first_to_report() -> bool:
+    """Whether no other rank of this job has printed a failure yet (each failing rank asks once)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    try:
+        return dist.distributed_c10d._get_default_store().add(_REPORTED, 1) == 1
+    except (RuntimeError, OSError):  # the store went down with the rank that served it
+        return True
+
+
+def report_failure(err: BaseException, run_dir: Path, rank: int) -> int:
+    """Log err's traceback, print its one line when this rank is the one to, return the exit code."""
+    failure: RunFailure = classify(err)
+    path = log_path(run_dir, rank)
+    try:
+        _write_traceback(path, err)
+        where = f"; traceback in {path}"
+    except OSError:  # an unwritable run dir must not hide the error itself
+        where = ""
+    if failure.deterministic and not isinstance(failure, JobStopped):
+        record_job_stop(failure.exit_code, str(failure))
+    if not is_peer_failure(err) and _first_to_report():
+        rank_note = "" if failure.deterministic else f" (rank {rank})"
+        print(f"{PROG}: error{rank_note}: {failure} [exit {int(failure.exit_code)}{where}]",
+              file=sys.stderr, flush=True)
+    return int(failure.exit_code)

@@ -1,0 +1,71 @@
+"""Faults injected on purpose, for the tests of the failure paths (never set in a real run).
+
+MEGAFRAME_FAULTS is a comma-separated list of KIND@STEP or KIND@STEP:RANK (RANK omitted: every rank):
+  nan_grad@5:0   rank 0's gradients of step 5 become NaN (one parameter's, on that rank only)
+  hang@3:1       rank 1 sleeps forever at the start of step 3
+  spike@8        every target of step 8 becomes token 0 on every rank (a byte text never holds): a loss spike
+Steps count from 1 (the step being taken).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+ENV = "MEGAFRAME_FAULTS"
+KINDS = ("nan_grad", "hang", "spike")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One planned fault."""
+
+    kind: str
+    step: int
+    rank: Optional[int]
+
+
+def parse(spec: str) -> list[Fault]:
+    """MEGAFRAME_FAULTS's value as Faults; ValueError names a malformed entry."""
+    faults = []
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        try:
+            kind, where = entry.split("@")
+            step, _, rank = where.partition(":")
+            fault = Fault(kind, int(step), int(rank) if rank else None)
+        except ValueError:
+            raise ValueError(f"{ENV}: {entry!r} is not KIND@STEP[:RANK]") from None
+        if kind not in KINDS:
+            raise ValueError(f"{ENV}: unknown fault {kind!r}; one of {list(KINDS)}")
+        faults.append(fault)
+    return faults
+
+
+class Faults:
+    """The faults planned for this rank."""
+
+    def __init__(self, rank: int, spec: Optional[str] = None):
+        spec = os.environ.get(ENV, "") if spec is None else spec
+        self.planned = [f for f in parse(spec) if f.rank in (None, rank)]
+
+    def _due(self, kind: str, step: int) -> bool:
+        return any(f.kind == kind and f.step == step for f in self.planned)
+
+    def batches(self, step: int, batches: list) -> list:
+        """The micro-batches of `step`, their targets all token 0 when a spike is due."""
+        if not self._due("spike", step):
+            return batches
+        return [(inputs, torch.zeros_like(targets)) for inputs, targets in batches]
+
+    def before_step(self, step: int, module: torch.nn.Module) -> Optional[torch.utils.hooks.RemovableHandle]:
+        """Apply the faults due at the start of `step`; returns a hook to remove after the step."""
+        if self._due("hang", step):
+            while True:  # a rank stuck outside any collective (a dead NFS read, a wedged kernel)
+                time.sleep(3600)
+        if self._due("nan_grad", step):
+            param = next(p for p in module.parameters() if p.requires_grad)
+            return param.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+        return None

@@ -1,0 +1,111 @@
+"""How a run that has started ends when it cannot go on: one exit code per cause, one line for the user.
+
+The codes are documented in README ("Exit codes"); 2 stays "refused before launch". A failure that
+would happen again on a restart (divergence, bad data, a corrupt checkpoint, a missing system
+piece) is *deterministic*: torchrun must not replay it (see parallel/job_stop.py).
+"""
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+
+class ExitCode(enum.IntEnum):
+    """megaframe-train's exit codes."""
+
+    OK = 0
+    INTERNAL = 1  # a bug or an unclassified error: the traceback is in RUN_DIR/logs/
+    REFUSED = 2  # bad configuration or environment, refused before any rank started
+    DIVERGED = 3  # non-finite or spiking steps: train.max_consecutive_skips reached, or train.spike.action=stop
+    BAD_DATA = 4  # the dataset cannot be trained on (token ids outside the vocabulary, corrupt files)
+    BAD_CHECKPOINT = 5  # the checkpoint to resume from is corrupt or incompatible
+    MISSING_SYSTEM = 6  # a system piece failed after launch (a DeepSpeed op that does not load)
+    RANK_HUNG = 7  # a rank did not reach a collective within train.collective_timeout_s
+
+
+class RunFailure(Exception):
+    """A failure after launch with a one-line message (str(err)) and an exit code."""
+
+    exit_code: ExitCode = ExitCode.INTERNAL
+    deterministic = False  # a restart would fail the same way
+
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+class Diverged(RunFailure):
+    """Training cannot continue: too many consecutive skipped steps, or a spike with action=stop."""
+
+    exit_code = ExitCode.DIVERGED
+    deterministic = True
+
+
+class BadData(RunFailure):
+    """The data cannot be trained on."""
+
+    exit_code = ExitCode.BAD_DATA
+    deterministic = True
+
+
+class BadCheckpoint(RunFailure):
+    """The checkpoint to resume from cannot be used."""
+
+    exit_code = ExitCode.BAD_CHECKPOINT
+    deterministic = True
+
+
+class MissingSystemPiece(RunFailure):
+    """Something the layout needs from the machine is missing (an op that does not build or load)."""
+
+    exit_code = ExitCode.MISSING_SYSTEM
+    deterministic = True
+
+
+class RankHung(RunFailure):
+    """A rank stopped answering; a restart may well succeed (a bad node is replaced)."""
+
+    exit_code = ExitCode.RANK_HUNG
+
+
+class JobStopped(RunFailure):
+    """An earlier attempt of this torchrun job failed deterministically; this attempt does not retry it."""
+
+    deterministic = True
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = ExitCode(exit_code)
+
+
+# gloo and NCCL errors a rank sees when a peer died: consequences, not causes
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
+              "NCCL communicator was aborted", "Socket Timeout", "Connection refused")
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """Whether an error only reports that another rank went away first."""
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(marker in text for marker in _PEER_GONE)
+
+
+def classify(err: BaseException) -> RunFailure:
+    """The RunFailure a rank reports for err (errors of other modules mapped by type name, so this
+    module imports nothing)."""
+    if isinstance(err, RunFailure):
+        return err
+    kind = type(err).__name__
+    first_line = (str(err).strip().splitlines() or [kind])[0]
+    if kind == "DataError":  # megaframe.data.indexed
+        return BadData(first_line)
+    if kind == "CheckpointError":  # megaframe.checkpoint.universal
+        return BadCheckpoint(first_line)
+    return RunFailure(f"{kind}: {first_line}")
+
+
+def exit_code_of_job(codes: list[Optional[int]]) -> int:
+    """The exit code of a job whose ranks exited with `codes`: the documented cause (3-7) wins over
+    the ranks that only followed it (1, or killed by a signal: negative)."""
+    documented = sorted(c for c in codes if c is not None and ExitCode.DIVERGED <= c <= ExitCode.RANK_HUNG)
+    if documented:
+        return documented[0]
+    return ExitCode.INTERNAL if any(c for c in codes) else ExitCode.OK

@@ -1,0 +1,144 @@
+"""Runs that fail after launch, as a user meets them: one line on stderr naming the cause and the
+fix, the exit code README documents, no traceback on the terminal (it is in RUN_DIR/logs), and no
+replay of a deterministic failure by torchrun's restarts."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
+from megaframe.failures import ExitCode
+
+pytestmark = pytest.mark.slow
+
+
+def assert_one_line_failure(result: subprocess.CompletedProcess, code: int, *fragments: str) -> str:
+    """The run failed with `code`, printing one error line with every fragment and no traceback."""
+    errors = [line for line in result.stderr.splitlines() if line.startswith("megaframe-train: error")]
+    assert result.returncode == code, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], (fragment, errors[0])
+    return errors[0]
+
+
+def test_lr_1e6_stops_with_one_divergence_line_and_the_traceback_in_the_run_dir(tmp_path):
+    result = run_cli([*TINY, "optim.lr=1e6", "train.max_steps=30", f"hydra.run.dir={tmp_path}"])
+    line = assert_one_line_failure(result, ExitCode.DIVERGED, "diverged: 5 steps in a row skipped", "optim.lr",
+                                   "train.max_consecutive_skips=5")
+    log = tmp_path / "logs" / "rank0.log"
+    assert str(log) in line and "Traceback" in log.read_text() and "Diverged" in log.read_text()
+    records = read_metrics(tmp_path)
+    skipped = [r["step"] for r in records if r.get("event") in ("non_finite_skipped", "non_finite_stopped")]
+    last = skipped[-5:]  # the run ends on the fifth skip in a row (earlier skips may have been followed by an update)
+    assert last == list(range(last[0], last[0] + 5)) and f"(step {last[-1]})" in line, (skipped, line)
+
+
+def test_consecutive_nan_gradients_stop_a_data_parallel_run(tmp_path):
+    """Three NaN injections on rank 1 in a row, limit 3: exit 3 from the self-launched job, one line."""
+    env = cli_env(MEGAFRAME_FAULTS="nan_grad@3:1,nan_grad@4:1,nan_grad@5:1")
+    result = run_cli([*TINY, "parallel.dp=2", "zero=stage2", "train.max_steps=8", "train.max_consecutive_skips=3",
+                      f"hydra.run.dir={tmp_path}"], env=env)
+    assert_one_line_failure(result, ExitCode.DIVERGED, "3 steps in a row skipped, the last (step 5)")
+    events = {r["step"]: r["event"] for r in read_metrics(tmp_path) if "event" in r}
+    assert events == {3: "non_finite_skipped", 4: "non_finite_skipped", 5: "non_finite_stopped"}, events
+
+
+def test_torchrun_restarts_do_not_replay_a_divergence(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=3",
+           "--monitor-interval=0.2", "-m", "megaframe.train", *TINY, "parallel.dp=2", "zero=stage1",
+           "optim.lr=1e6", "train.max_steps=30", f"hydra.run.dir={tmp_path}"]
+    result = subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if line.startswith("megaframe-train: error")]
+    # attempt 0 trains and diverges; each of the 3 restarts stops at once, before building anything
+    assert len(ours) == 4 and "diverged" in ours[0], result.stderr[-4000:]
+    assert all(line.startswith("megaframe-train: error: not retrying: an earlier attempt of this job failed "
+                               "with: diverged") and line.endswith("[exit 3]") for line in ours[1:]), ours
+    steps = [r["step"] for r in read_metrics(tmp_path) if "loss" in r]
+    assert steps == sorted(set(steps)), f"a restart replayed steps: {steps}"
+
+
+SPIKE = [*TINY, "train.max_steps=10", "train.eval_interval=0", "train.spike.window=5", "train.spike.threshold=3"]
+SPIKE_FAULT = {"MEGAFRAME_FAULTS": "spike@8"}  # engine/faults.py: step 8's targets all byte 0
+
+
+def test_spike_warn_applies_and_logs_stop_ends_the_run(tmp_path):
+    assert_ok(run_cli([*SPIKE, "train.spike.action=warn", f"hydra.run.dir={tmp_path / 'warn'}"],
+                      env=cli_env(**SPIKE_FAULT)))
+    records = read_metrics(tmp_path / "warn")
+    (event,) = [r for r in records if "event" in r]
+    assert (event["step"], event["event"]) == (8, "spike_warned") and event["spike_metric"] > 3
+    assert all(r["skipped_steps"] == 0 for r in records if "loss" in r)
+
+    result = run_cli([*SPIKE, "train.spike.action=stop", f"hydra.run.dir={tmp_path / 'stop'}"],
+                     env=cli_env(**SPIKE_FAULT))
+    assert_one_line_failure(result, ExitCode.DIVERGED, "loss spike at step 8", "train.spike.action=stop")
+
+
+def test_spike_skip_decides_the_same_after_a_resume(tmp_path):
+    """The guard's window is in the checkpoint: resumed at step 6, the run still skips step 8 and
+    ends with the uninterrupted run's metrics (without the window the guard would be unarmed)."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert_ok(run_cli([*SPIKE, f"hydra.run.dir={whole}"], env=cli_env(**SPIKE_FAULT)))
+    assert_ok(run_cli([*SPIKE, "train.exit_at_step=6", f"hydra.run.dir={resumed}"], env=cli_env(**SPIKE_FAULT)))
+    assert_ok(run_cli([*SPIKE, f"hydra.run.dir={resumed}"], env=cli_env(**SPIKE_FAULT)))
+    keys = ("loss", "lr", "grad_norm", "skipped_steps", "event")
+    values = [[(r["step"], *(r.get(k) for k in keys)) for r in read_metrics(d)] for d in (whole, resumed)]
+    assert values[0] == values[1]
+    assert [(r["step"], r["event"]) for r in read_metrics(whole) if "event" in r] == [(8, "spike_skipped")]
+
+
+@pytest.fixture(scope="module")
+def corrupt_dataset(tmp_path_factory) -> Path:
+    """A byte-level dataset whose .bin has one token id (300) above its vocabulary of 257."""
+    from megaframe.data import IndexedDatasetWriter
+
+    prefix = tmp_path_factory.mktemp("data") / "corpus"
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(prefix, dtype=np.uint16) as writer:
+        for _ in range(200):
+            writer.add_document(rng.integers(0, 256, size=300))
+        writer.finalize({"tokenizer": "byte", "vocab_size": 257, "eod_id": 256})
+    tokens = np.memmap(f"{prefix}.bin", dtype="<u2", mode="r+")
+    tokens[12345] = 300  # a flipped bit in storage, or data from another tokenizer
+    tokens.flush()
+    return prefix
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_token_id_outside_the_vocabulary_is_one_line_before_step_1(tp, corrupt_dataset, tmp_path):
+    result = run_cli([*TINY, f"parallel.tp={tp}", f"data.path={corrupt_dataset}", "train.max_steps=3",
+                      f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert_one_line_failure(result, ExitCode.BAD_DATA, "token id 300 is outside the model's vocabulary of 257",
+                            "tools/preprocess_data.py")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run")
+
+
+def test_token_scan_is_remembered_per_dataset_file(corrupt_dataset, tmp_path):
+    from megaframe.data import IndexedDataset
+    from megaframe.data.token_check import cached_max_token_id, max_token_id, remember_max_token_id
+
+    dataset = IndexedDataset(corrupt_dataset)
+    assert cached_max_token_id(dataset, tmp_path) is None
+    shares = [max_token_id(dataset, part, 3) for part in range(3)]
+    assert max(shares) == 300 and sorted(shares)[:2] == [255, 255]  # only one share holds the bad id
+    remember_max_token_id(dataset, tmp_path, max(shares))
+    assert cached_max_token_id(IndexedDataset(corrupt_dataset), tmp_path) == 300
+
+
+def test_a_hung_rank_ends_the_job_within_the_timeout_naming_it(tmp_path):
+    timeout_s = 20
+    start = time.monotonic()
+    result = run_cli([*TINY, "parallel.dp=2", "zero=stage1", "train.max_steps=6", f"train.collective_timeout_s={timeout_s}",
+                      f"hydra.run.dir={tmp_path}"], env=cli_env(MEGAFRAME_FAULTS="hang@3:1"), timeout=300)
+    elapsed = time.monotonic() - start
+    assert_one_line_failure(result, ExitCode.RANK_HUNG, "rank 1 did not reach a collective",
+                            f"train.collective_timeout_s={timeout_s}", "at step 3")
+    assert elapsed < timeout_s + 60, elapsed
