@@ -65,6 +65,36 @@ def check(overrides: Sequence[str]) -> tuple[TrainConfig, Layout, str]:
     return cfg, layout, run_dir
 
 
+def _check_dataset(cfg: TrainConfig) -> None:
+    """Open data.path's files before launch (headers, sizes, metadata; the token scan runs after
+    launch, shared by the ranks): a broken dataset is one line and exit code 2."""
+    if cfg.data.path is None:
+        return
+    from megaframe.data import DataError, IndexedDataset
+
+    try:
+        IndexedDataset(cfg.data.path)
+    except DataError as err:
+        _fail(str(err))
+
+
+def _check_system(cfg: TrainConfig, layout: Layout) -> None:
+    """What the machine must provide for this offload setting (libaio, a compiler, NVMe space),
+    before any rank starts: one line and exit code 2 when something is missing."""
+    if cfg.offload.optimizer == "none" and cfg.offload.param == "none":
+        return
+    from megaframe.backends.deepspeed.system import system_problem
+    from megaframe.plan.estimate import estimate_config
+
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
+    try:
+        swap_bytes = estimate_config(cfg, layout).host_bytes * ranks_here
+    except ConfigError:  # the planner cannot size this model: check the pieces, not the space
+        swap_bytes = 0.0
+    if problem := system_problem(cfg.offload, swap_bytes):
+        _fail(problem)
+
+
 def _self_launch(overrides: list[str], world: int, run_dir: str) -> int:
     """Run this command as `world` ranks under torchrun's elastic agent, in this process, so that a
     failed rank ends the command with that rank's exit code (failures.py) rather than torchrun's 1,
@@ -165,6 +195,9 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
         if planned is not args:  # parallel=auto chose a layout: the ranks get it as overrides
             args = planned
             cfg, layout, run_dir = check(args)
+    if not os.environ.get(_SELF_LAUNCHED):
+        _check_dataset(cfg)
+        _check_system(cfg, layout)
     # a self-launched rank 0 runs this again: the parent has already warned
     if _rank() == 0 and not os.environ.get(_SELF_LAUNCHED):
         for warning in validate_warnings(cfg, layout):

@@ -68,6 +68,10 @@ class Trainer:
         self.progress: Optional[Progress] = None
         self.step = 0
         self.guard = StepGuard(cfg.train.spike, cfg.train.max_consecutive_skips)
+        self.last_loss: Optional[float] = None  # for the closing summary
+        self.last_eval_loss: Optional[float] = None
+        self.last_checkpoint: Optional[Path] = None
+        self.started = time.monotonic()
         self.faults = Faults(self.ps.rank)
 
     def _check_token_ids(self) -> None:
@@ -155,7 +159,7 @@ class Trainer:
                                "tokenizer": self.cfg.data.tokenizer, "data_seed": self.cfg.train.seed}
             write_universal = lambda tmp_dir: self.backend.save_full_state(  # noqa: E731
                 tmp_dir, universal_state, tokenizer if tokenizer.is_dir() else None)
-        checkpoint.save(self.backend, self.checkpoint_dir, self.step, state,
+        self.last_checkpoint = checkpoint.save(self.backend, self.checkpoint_dir, self.step, state,
                         rng_state={"tp_dropout": self.backend.module.rng.state_dict()}, write_extra=write_universal,
                         keep=self.cfg.train.keep_checkpoints)
 
@@ -257,7 +261,7 @@ class Trainer:
                 self._log_event(event)
                 if event.action == "stopped":
                     raise Diverged(event.message)
-            if result.applied:  # a skipped step's loss stays out of the logged average
+            if math.isfinite(result.loss):  # the curve shows what every step computed; a NaN would hide the rest
                 losses.append(result.loss)
             self.last_loss = result.loss
             if not self._model_states_logged:
@@ -270,7 +274,7 @@ class Trainer:
                     self.progress.update(self.step, record)
                 losses, interval_steps, interval_time = [], 0, 0.0
             if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.max_steps):
-                eval_loss = self.evaluate()
+                eval_loss = self.last_eval_loss = self.evaluate()
                 self._log({"step": self.step, "eval_loss": eval_loss, "consumed_samples": self.consumed_samples})
                 if self.progress:
                     self.progress.write(f"step {self.step}: eval_loss {eval_loss:.4f}")
@@ -283,11 +287,37 @@ class Trainer:
         collective this rank will never join, and a barrier would turn the error into a hang."""
         if self.progress:
             self.progress.close()
+        if self.is_logger:
+            print(self._closing_line(failed), flush=True)
         if self.wandb:
             self.wandb.finish(exit_code=1 if failed else 0)
         self.backend.close()
         if dist.is_initialized() and not failed:
             dist.barrier()
+
+    def _closing_line(self, failed: bool) -> str:
+        """The run's last line: how it ended, where, the losses, tokens and time, what to pick up next."""
+        t = self.cfg.train
+        if failed:
+            ended = "failed"
+        elif self.step < t.max_steps:
+            ended = f"stopped early (train.exit_at_step={t.exit_at_step})"
+        else:
+            ended = "finished"
+        parts = [f"megaframe: {ended} at step {self.step}/{t.max_steps}"]
+        losses = [f"{name} {value:.4f}" if abs(value) < 1e4 else f"{name} {value:.4g}"
+                  for name, value in (("loss", self.last_loss), ("eval_loss", self.last_eval_loss)) if value is not None]
+        if losses:
+            parts.append(" ".join(losses))
+        minutes, seconds = divmod(int(time.monotonic() - self.started), 60)
+        tokens = self.step * self.tokens_per_step
+        amount = next(f"{tokens / scale:.3g}{unit}" for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k"), (1, ""))
+                      if tokens >= scale or scale == 1)
+        parts.append(f"{amount} tokens in {minutes}m{seconds:02d}s")
+        parts.append(f"last checkpoint {self.last_checkpoint or checkpoint.find_latest(self.checkpoint_dir) or 'none'}")
+        if self.wandb and (hint := self.wandb.sync_hint()):
+            parts.append(f"W&B offline: {hint}")
+        return " | ".join(parts)
 
     def __enter__(self) -> "Trainer":
         return self

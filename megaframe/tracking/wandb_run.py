@@ -34,6 +34,12 @@ class WandbRun:
             settings=wandb.Settings(console="off"),
         )
 
+    def sync_hint(self) -> Optional[str]:
+        """How to upload an offline run (None when online or disabled)."""
+        if self.run is None or self.run.settings.mode != "offline":
+            return None
+        return f"wandb sync {Path(self.run.dir).parent}"
+
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if self.run is not None:
             self.run.log(metrics, step=step)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import TINY, assert_ok, read_metrics, run_cli
+from megaframe.failures import ExitCode
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +17,7 @@ def test_engine_only_checkpoint_resumes_in_its_layout_and_refuses_another(tmp_pa
     assert not (saved / "model.safetensors").exists() and (saved / "manifest.json").is_file()
 
     other_layout = run_cli([*args, "zero=stage1"])
-    assert other_layout.returncode == 2, other_layout.stderr[-3000:]
+    assert other_layout.returncode == ExitCode.BAD_CHECKPOINT, other_layout.stderr[-3000:]
     errors = [line for line in other_layout.stderr.splitlines() if line.startswith("megaframe-train: error:")]
     assert len(errors) == 1 and "holds no layout-free model.safetensors" in errors[0] \
         and "'zero_stage': 0" in errors[0] and "train.universal_checkpoint=true" in errors[0], other_layout.stderr[-3000:]

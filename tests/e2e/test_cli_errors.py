@@ -1,10 +1,11 @@
-"""Every validation rule, as a user meets it: one line on stderr naming the key, exit code 2,
-no traceback, and nothing started (no DeepSpeed engine, no process group, no run dir)."""
+"""Every validation rule and every missing system piece, as a user meets them: one line on stderr
+naming the key, exit code 2, no traceback, and nothing started (no DeepSpeed engine, no process
+group, no run dir)."""
 from __future__ import annotations
 
 import pytest
 
-from helpers import cli_env, run_cli
+from helpers import REPO, cli_env, run_cli
 from megaframe.backends.deepspeed.accelerator import device_supports_fp16
 
 # (overrides, environment, fragments the one-line message must contain)
@@ -40,6 +41,22 @@ CASES = {
     "bad pipeline partition": (["parallel.pipeline_partition=random"], {}, ["parallel.pipeline_partition='random'", "uniform"]),
     "bad choice": (["model.norm=batchnorm"], {}, ["model.norm='batchnorm'", "layernorm", "rmsnorm"]),
     "resume path missing": (["train.resume=/nonexistent/ckpt"], {}, ["train.resume", "/nonexistent/ckpt"]),
+    "no skips allowed": (["train.max_consecutive_skips=0"], {}, ["train.max_consecutive_skips=0", ">= 1"]),
+    "spike action unknown": (["train.spike.action=ignore"], {}, ["train.spike.action='ignore'", "skip", "warn"]),
+    "spike metric unknown": (["train.spike.metric=mad"], {}, ["train.spike.metric='mad'", "zscore", "ratio"]),
+    "spike window too short": (["train.spike.window=1"], {}, ["train.spike.window=1", ">= 2"]),
+    "spike ratio that cannot trigger": (["train.spike.metric=ratio", "train.spike.threshold=0.5"], {},
+                                        ["train.spike.threshold=0.5", "> 1", "train.spike.metric=ratio"]),
+    "collective timeout not positive": (["train.collective_timeout_s=0"], {}, ["train.collective_timeout_s=0", "> 0"]),
+    # the machine, checked before any rank starts (backends/deepspeed/system.py)
+    "nvme offload without libaio": (["zero=stage3", "offload=nvme", "offload.nvme_path=/tmp/megaframe-nvme"],
+                                    {"PYTHONPATH": str(REPO / "tests" / "simulate" / "no_libaio")},
+                                    ["offload=nvme", "async-IO op cannot load", "libaio-dev", "offload=cpu"]),
+    "nvme path not writable": (["zero=stage3", "offload=nvme", "offload.nvme_path=/etc/hostname/swap"], {},
+                               ["offload.nvme_path=/etc/hostname/swap is not writable"]),
+    "cpu adam without a compiler": (["zero=stage2", "offload=cpu"],
+                                    {"CXX": "/nonexistent/c++", "TORCH_EXTENSIONS_DIR": "/nonexistent/megaframe-ext"},
+                                    ["offload.optimizer=cpu", "no C++ compiler", "/nonexistent/c++"]),
 }
 
 
@@ -82,3 +99,51 @@ def test_too_few_micro_batches_for_the_pipeline_warns(tmp_path):
     (message,) = warnings(cfg, layout)
     assert "parallel.pp=4 with 2 micro-batches" in message and "global_batch_size to >= 32" in message
     assert "60%" in message  # (4-1)/(2+4-1)
+
+
+def _byte_dataset(prefix) -> None:
+    import numpy as np
+
+    from megaframe.data import IndexedDatasetWriter
+
+    with IndexedDatasetWriter(prefix, dtype=np.uint16) as writer:
+        for doc in range(50):
+            writer.add_document(np.arange(doc, doc + 200) % 256)
+        writer.finalize({"tokenizer": "byte", "vocab_size": 257, "eod_id": 256})
+
+
+def _truncate_bin(prefix) -> None:
+    data = open(f"{prefix}.bin", "rb").read()
+    open(f"{prefix}.bin", "wb").write(data[: len(data) // 2])
+
+
+def _bad_magic(prefix) -> None:
+    data = bytearray(open(f"{prefix}.idx", "rb").read())
+    data[:8] = b"MMIDIDX\x00"
+    open(f"{prefix}.idx", "wb").write(bytes(data))
+
+
+def _json_of_another_build(prefix) -> None:
+    import json
+
+    meta = json.loads(open(f"{prefix}.json").read())
+    meta["checksum"] = "0" * 32
+    open(f"{prefix}.json", "w").write(json.dumps(meta))
+
+
+DATA_CASES = {  # damage done to a valid dataset -> fragments of the one-line refusal
+    "truncated .bin": (_truncate_bin, ["corpus.bin holds", "truncated or from another build", "preprocess_data.py"]),
+    "not a megaframe .idx": (_bad_magic, ["not a megaframe index (bad magic bytes)"]),
+    ".json of another build": (_json_of_another_build, ["belongs to a different build"]),
+}
+
+
+@pytest.mark.parametrize("case", list(DATA_CASES))
+def test_broken_dataset_files_are_refused_before_launch(case, tmp_path):
+    damage, fragments = DATA_CASES[case]
+    prefix = tmp_path / "corpus"
+    _byte_dataset(prefix)
+    damage(prefix)
+    result = run_cli([f"data.path={prefix}", "train.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"], timeout=120)
+    _assert_refused(result, [f"data.path={prefix}", *fragments])
+    assert not (tmp_path / "run").exists()

@@ -32,6 +32,7 @@ def test_lr_1e6_stops_with_one_divergence_line_and_the_traceback_in_the_run_dir(
     result = run_cli([*TINY, "optim.lr=1e6", "train.max_steps=30", f"hydra.run.dir={tmp_path}"])
     line = assert_one_line_failure(result, ExitCode.DIVERGED, "diverged: 5 steps in a row skipped", "optim.lr",
                                    "train.max_consecutive_skips=5")
+    assert result.stdout.strip().splitlines()[-1].startswith("megaframe: failed at step "), result.stdout[-2000:]
     log = tmp_path / "logs" / "rank0.log"
     assert str(log) in line and "Traceback" in log.read_text() and "Diverged" in log.read_text()
     records = read_metrics(tmp_path)
@@ -142,3 +143,20 @@ def test_a_hung_rank_ends_the_job_within_the_timeout_naming_it(tmp_path):
     assert_one_line_failure(result, ExitCode.RANK_HUNG, "rank 1 did not reach a collective",
                             f"train.collective_timeout_s={timeout_s}", "at step 3")
     assert elapsed < timeout_s + 60, elapsed
+
+
+def test_a_run_ends_with_one_summary_line(tmp_path):
+    result = run_cli([*TINY, "train.max_steps=4", "train.save_interval=2", "logging.wandb.mode=offline",
+                      f"hydra.run.dir={tmp_path}"])
+    assert_ok(result)
+    last = result.stdout.strip().splitlines()[-1]
+    records = read_metrics(tmp_path)
+    loss = [r["loss"] for r in records if "loss" in r][-1]
+    eval_loss = [r["eval_loss"] for r in records if "eval_loss" in r][-1]
+    parts = last.split(" | ")
+    assert parts[0] == "megaframe: finished at step 4/4", last
+    assert parts[1] == f"loss {loss:.4f} eval_loss {eval_loss:.4f}", last
+    assert parts[2].startswith("1.02k tokens in 0m"), last  # 4 steps x 8 samples x 32 tokens
+    assert parts[3] == f"last checkpoint {tmp_path / 'checkpoints' / 'global_step4'}", last
+    (offline,) = (tmp_path / "wandb").glob("offline-run-*")
+    assert parts[4] == f"W&B offline: wandb sync {offline}", last

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from helpers import REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
+from megaframe.failures import ExitCode
 
 pytestmark = pytest.mark.slow
 CURVES = ("loss", "grad_norm", "lr", "eval_loss", "consumed_samples")
@@ -153,8 +154,9 @@ def test_flipped_byte_is_refused_with_one_line(tmp_path):
     data[len(data) - 100] ^= 0x10
     target.write_bytes(bytes(data))
     result = run_cli(args)
-    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.returncode == ExitCode.BAD_CHECKPOINT == 5, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("megaframe-train: error:")]
     assert len(errors) == 1 and "global_step2 is corrupted: model.safetensors does not match its sha256" in errors[0], \
         result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert "Traceback" in (tmp_path / "logs" / "rank0.log").read_text()  # the details stay in the run dir

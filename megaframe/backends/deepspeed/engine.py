@@ -20,7 +20,7 @@ from torch.distributed import distributed_c10d
 
 from megaframe.backends import Batch, StepResult
 from megaframe.backends.deepspeed import state_io
-from megaframe.backends.deepspeed.build_locks import clear_stale_build_locks
+from megaframe.backends.deepspeed.build_locks import load_ops
 from megaframe.backends.deepspeed.ds_config import to_ds_config
 from megaframe.backends.deepspeed.memory import held_model_states
 from megaframe.backends.deepspeed.nvme import open_nvme_swap
@@ -99,7 +99,7 @@ class DeepSpeedBackend:
         self.module = module
         self.num_parameters = self._count_parameters(module)
         self.nvme_swap = open_nvme_swap(cfg.offload)
-        clear_stale_build_locks()  # DeepSpeed JIT-loads its CPU ops in initialize
+        load_ops(self._ops_needed())  # before initialize, whose collectives must not wait on a JIT build
         ds_config = to_ds_config(cfg, layout, accelerator=get_accelerator().device_name(),
                                  swap_dir=str(self.nvme_swap.path) if self.nvme_swap else None)
         self.engine, _, _, self.lr_scheduler = deepspeed.initialize(
@@ -132,6 +132,12 @@ class DeepSpeedBackend:
                 torch._foreach_mul_([p.grad for p in self.engine.module.parameters() if p.grad is not None], scale)
             return take_model_step(*args, **kwargs)
         self.engine._take_model_step = measure_clip_step
+
+    def _ops_needed(self) -> list[str]:
+        """The DeepSpeed ops this run JIT-loads: CPU Adam for an offloaded optimizer, async IO for NVMe."""
+        offload = self.cfg.offload
+        ops = ["CPUAdamBuilder"] if offload.optimizer != "none" else []
+        return ops + (["AsyncIOBuilder"] if "nvme" in (offload.optimizer, offload.param) else [])
 
     def _count_parameters(self, module: torch.nn.Module) -> int:
         """The whole model's parameters: TP shards at full size, pipeline stages summed."""

@@ -1,0 +1,20 @@
+"""The NVMe folder's checks before launch (backends/deepspeed/system.py)."""
+from __future__ import annotations
+
+import shutil
+
+from megaframe.backends.deepspeed.system import check_nvme_path
+
+
+def test_room_for_the_planned_swap_is_required(tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    assert check_nvme_path(str(tmp_path / "swap"), swap_bytes=free / 2) is None
+    message = check_nvme_path(str(tmp_path / "swap"), swap_bytes=free * 2)
+    assert message.startswith(f"offload.nvme_path={tmp_path / 'swap'}: ") and "GiB free" in message
+    assert f"needs {free * 2 / 2**30:.1f} GiB" in message
+
+
+def test_a_path_under_a_file_is_not_writable(tmp_path):
+    (tmp_path / "file").write_text("x")
+    message = check_nvme_path(str(tmp_path / "file" / "swap"), swap_bytes=0)
+    assert "is not writable" in message and str(tmp_path / "file") in message

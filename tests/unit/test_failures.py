@@ -1,0 +1,29 @@
+"""Exit codes and the classification of errors raised after launch (megaframe/failures.py)."""
+from __future__ import annotations
+
+from megaframe.checkpoint.universal import CheckpointError
+from megaframe.data import DataError
+from megaframe.failures import (BadCheckpoint, BadData, ExitCode, RunFailure, classify, exit_code_of_job,
+                                is_peer_failure)
+
+
+def test_errors_of_other_modules_map_to_their_exit_codes():
+    assert isinstance(classify(DataError("data.path=x: bad")), BadData)
+    assert classify(DataError("data.path=x: bad")).exit_code == ExitCode.BAD_DATA == 4
+    assert classify(CheckpointError("corrupt")).exit_code == ExitCode.BAD_CHECKPOINT == 5
+    assert isinstance(classify(CheckpointError("corrupt")), BadCheckpoint)
+    internal = classify(ZeroDivisionError("division by zero\nmore"))
+    assert type(internal) is RunFailure and internal.exit_code == 1 and str(internal) == "ZeroDivisionError: division by zero"
+
+
+def test_the_job_exit_code_is_the_cause_not_the_ranks_that_followed_it():
+    assert exit_code_of_job([1, 3]) == 3  # rank 0 saw its peer close the connection
+    assert exit_code_of_job([-15, 7]) == 7  # the hung rank was killed by the agent
+    assert exit_code_of_job([1, -9]) == 1
+    assert exit_code_of_job([0, 0]) == 0
+
+
+def test_peer_failures_are_consequences():
+    assert is_peer_failure(RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234"))
+    assert not is_peer_failure(RuntimeError("CUDA out of memory"))
+    assert not is_peer_failure(ValueError("Connection closed by peer"))
