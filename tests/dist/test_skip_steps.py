@@ -4,7 +4,8 @@ A NaN is injected into one parameter's gradient on one rank only (MEGAFRAME_FAUL
 at step 5. Every rank must skip that step: its master weights and Adam moments (the local ZeRO
 partition where there is one) bitwise unchanged across it, the learning rate held, the step
 counted in skipped_steps; the next step must update again. Layouts: dp=2 ZeRO-2, tp=2 (ZeRO-0,
-where megaframe's own gate decides), pp=2 ZeRO-1, and dp=2 ZeRO-3 with CPU offload.
+where megaframe's own gate decides), pp=2 ZeRO-1, dp=2 ZeRO-3 with CPU offload, tp=2 with sequence
+parallelism at ZeRO-1 in bf16, and dp=2 ZeRO-0 in bf16 (DeepSpeed's BF16_Optimizer).
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ LAYOUTS = {
     "tp2-zero0": ["parallel.tp=2"],
     "pp2-zero1": ["parallel.pp=2", "zero=stage1"],
     "dp2-zero3-cpu-offload": ["parallel.dp=2", "zero=stage3", "offload=cpu", "offload.param=cpu"],
+    "tp2-sp-zero1-bf16": ["parallel.tp=2", "parallel.sequence_parallel=true", "zero=stage1", "precision=bf16"],
+    "dp2-zero0-bf16": ["parallel.dp=2", "precision=bf16"],  # DeepSpeed's BF16_Optimizer
 }
 
 

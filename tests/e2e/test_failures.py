@@ -160,3 +160,28 @@ def test_a_run_ends_with_one_summary_line(tmp_path):
     assert parts[3] == f"last checkpoint {tmp_path / 'checkpoints' / 'global_step4'}", last
     (offline,) = (tmp_path / "wandb").glob("offline-run-*")
     assert parts[4] == f"W&B offline: wandb sync {offline}", last
+
+
+def _drop_manifest(step_dir: Path) -> None:
+    (step_dir / "manifest.json").unlink()
+
+
+def _truncate_weights(step_dir: Path) -> None:
+    target = step_dir / "model.safetensors"
+    target.write_bytes(target.read_bytes()[:1000])
+
+
+CHECKPOINT_CASES = {  # damage to the checkpoint resumed from -> fragments of the one line (exit 5)
+    "manifest missing": (_drop_manifest, ["has no manifest.json", "incomplete"]),
+    "weights truncated": (_truncate_weights, ["truncated or corrupted: model.safetensors has 1000 bytes"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CHECKPOINT_CASES))
+def test_a_damaged_checkpoint_is_one_line_with_exit_5(case, tmp_path):
+    damage, fragments = CHECKPOINT_CASES[case]
+    args = [*TINY, "train.max_steps=3", f"hydra.run.dir={tmp_path}"]
+    assert_ok(run_cli([*args, "train.exit_at_step=2"]))
+    damage(tmp_path / "checkpoints" / "global_step2")
+    result = run_cli([*args, "train.resume=" + str(tmp_path / "checkpoints" / "global_step2")])
+    assert_one_line_failure(result, ExitCode.BAD_CHECKPOINT, "global_step2", *fragments)
