@@ -13,11 +13,12 @@ from megaframe.parallel.state import ParallelState
 
 
 def build_model(dims: GPTDims, ps: ParallelState, seed: int, activation_checkpointing: bool = False,
-                sequence_parallel: bool = False) -> nn.Module:
-    """An initialised GPT holding this rank's tensor-parallel shard (pipeline stages: not yet)."""
+                sequence_parallel: bool = False, grad_bucket=None) -> nn.Module:
+    """An initialised GPT holding this rank's tensor-parallel shard (pipeline stages: not yet).
+    grad_bucket: sum TP-replicated gradients once per step (parallel/grad_bucket.py)."""
     if ps.pp != 1:
         raise NotImplementedError("pipeline-parallel models are not built by this version")
-    model = GPT(dims, tp=ps.tp_region(sequence_parallel), rng=TPDropoutRNG(seed, ps.tp_rank),
+    model = GPT(dims, tp=ps.tp_region(sequence_parallel, grad_bucket), rng=TPDropoutRNG(seed, ps.tp_rank),
                 activation_checkpointing=activation_checkpointing)
     init_parameters(model, "", dims, seed)
     return model

@@ -24,6 +24,7 @@ class TPGroup:
     size: int = 1
     rank: int = 0
     sequence_parallel: bool = False
+    grad_bucket: Any = None  # a ReplicatedGradBucket: sum replicated gradients once per step, not per use
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Into a TP region: replicated input (backward all-reduce), or all-gathered sequence under SP."""
@@ -38,13 +39,18 @@ class TPGroup:
         return reduce_from_tp_region(partial, self.group)
 
     def sync_grad(self, param: torch.Tensor, on_shards: Optional[bool] = None) -> torch.Tensor:
-        """A replicated parameter used on per-rank data: identity forward, gradient summed over TP.
+        """A replicated parameter used on per-rank data: identity forward, gradient summed over TP
+        (once per step through grad_bucket when there is one, else at this use).
 
         on_shards defaults to "under sequence parallelism" (norm gains, row-parallel biases).
         """
         if on_shards is None:
             on_shards = self.sequence_parallel
-        return copy_to_tp_region(param, self.group) if on_shards else param
+        if not on_shards or self.size == 1:
+            return param
+        if self.grad_bucket is not None:
+            return self.grad_bucket.collect(param)
+        return copy_to_tp_region(param, self.group)
 
 
 @dataclass(frozen=True)

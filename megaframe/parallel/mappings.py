@@ -33,16 +33,29 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return x.chunk(size, dim=dim)[_rank(group)].contiguous()
 
 
+# Single-tensor collectives: one flat buffer, one call (NCCL runs a list all_gather as a group of
+# per-rank calls). torch 2.13 renamed them *_single; older torch only has the *_tensor names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    size = _size(group)
+    x = x.contiguous()
+    out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(out, x, group=group)  # rank r's x lands in rows [r*B, (r+1)*B)
+    if dim == 0:
+        return out
+    return torch.cat(out.chunk(size, dim=0), dim=dim)  # one copy into place, as Megatron's last-dim gather
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    parts = [p.contiguous() for p in x.chunk(_size(group), dim=dim)]
-    out = torch.empty_like(parts[0])
-    dist.reduce_scatter(out, parts, group=group)
+    size = _size(group)
+    if dim != 0:  # rank r's share must be the r-th block of the flat input
+        x = torch.cat(x.chunk(size, dim=dim), dim=0)
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _reduce_scatter_single(out, x, group=group)
     return out
 
 

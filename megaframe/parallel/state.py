@@ -58,12 +58,13 @@ class ParallelState(OnGrid):
         """Global ranks of this rank's group along `axes`."""
         return self.grid.group_of(self.rank, *axes)
 
-    def tp_region(self, sequence_parallel: bool = False):
-        """The TPGroup that tensor-parallel layers take."""
+    def tp_region(self, sequence_parallel: bool = False, grad_bucket=None):
+        """The TPGroup that tensor-parallel layers take (grad_bucket: parallel/grad_bucket.py)."""
         from megaframe.parallel.layers import TPGroup
 
         return TPGroup(group=self.tp_group if self.tp > 1 else None, size=self.tp, rank=self.tp_rank,
-                       sequence_parallel=sequence_parallel and self.tp > 1)
+                       sequence_parallel=sequence_parallel and self.tp > 1,
+                       grad_bucket=grad_bucket if self.tp > 1 else None)
 
     # ---- coordinates (RankCoords', by name; the degrees come from OnGrid) ----------------------
     @property

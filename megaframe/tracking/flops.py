@@ -5,10 +5,16 @@ from typing import Optional
 
 from megaframe.model.dims import GPTDims
 
-# Dense (not sparse) bf16 peaks, TFLOP/s per device, from the vendors' datasheets. Dividing by the
-# sparse figure (1979 for H100) halves MFU, a frequent complaint about other frameworks.
+# Dense (not sparse) peaks, TFLOP/s per device, by the precision the matmuls run in, from the
+# vendors' datasheets. Dividing by the sparse figure (1979 for H100) halves MFU, a frequent
+# complaint about other frameworks; dividing an fp32 run by the bf16 peak understates it 15x.
 # First match wins, so the more specific names come first.
-DENSE_BF16_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
+DENSE_PEAK_TFLOPS = (
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2}),
+    ("H100", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 66.9}),
+    ("H200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 66.9}),
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+)
 
 
 def matmul_parameters(dims: GPTDims) -> int:
@@ -28,8 +34,20 @@ def flops_per_token(dims: GPTDims) -> float:
     return 6.0 * matmul_parameters(dims) + 12.0 * dims.num_layers * dims.hidden_size * dims.seq_length
 
 
-def peak_tflops(configured: Optional[float]) -> Optional[float]:
-    """The dense peak to compute MFU against: hardware.peak_tflops, else the GPU's from the table.
+def matmul_precision(dtype: str, tf32: bool) -> str:
+    """The precision a run's matmuls execute in: bf16/fp16 as configured; fp32 runs in TF32 where
+    torch allows it (torch.backends.cuda.matmul.allow_tf32 / float32_matmul_precision)."""
+    return "tf32" if dtype == "fp32" and tf32 else dtype
+
+
+def device_peak_tflops(device_name: str, precision: str) -> Optional[float]:
+    """The dense peak of a GPU (by name) in one matmul precision; None for an unknown GPU."""
+    return next((peaks[precision] for key, peaks in DENSE_PEAK_TFLOPS if key in device_name), None)
+
+
+def peak_tflops(configured: Optional[float], dtype: str = "bf16") -> Optional[float]:
+    """The dense peak to compute MFU against: hardware.peak_tflops, else this GPU's in the run's
+    matmul precision (precision.dtype; TF32 for fp32 when torch allows it).
 
     None on CPU (there is no standard CPU peak) and on unknown GPUs: MFU is then not reported.
     """
@@ -39,5 +57,5 @@ def peak_tflops(configured: Optional[float]) -> Optional[float]:
 
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    return next((peak for key, peak in DENSE_BF16_PEAK_TFLOPS if key in name), None)
+    precision = matmul_precision(dtype, torch.backends.cuda.matmul.allow_tf32)
+    return device_peak_tflops(torch.cuda.get_device_name(), precision)

@@ -36,12 +36,15 @@ def test_tp_matches_single_rank(tp, reference, tmp_path):
 
 
 def test_tp2_dp2_zero_stages_match_single_rank(reference, tmp_path):
-    cases = [("gpt2", 0), ("gpt2", 1), ("gpt2", 2), ("gpt2", 3), ("llama", 3)]
-    runs = [(_args(f, "parallel.tp=2", "parallel.dp=2", f"zero=stage{stage}"), str(tmp_path / f"{f}-z{stage}"))
-            for f, stage in cases]
+    """Sequence parallelism at ZeRO-1 sums replicated gradients in one bucket per step
+    (parallel/grad_bucket.py), at ZeRO-2 at each use (DeepSpeed reduces inside backward)."""
+    cases = [("gpt2", 0, False), ("gpt2", 1, False), ("gpt2", 2, False), ("gpt2", 3, False), ("llama", 3, False),
+             ("gpt2", 1, True), ("llama", 2, True)]
+    runs = [(_args(f, "parallel.tp=2", "parallel.dp=2", f"zero=stage{stage}", f"parallel.sequence_parallel={str(sp).lower()}"),
+             str(tmp_path / f"{f}-z{stage}-sp{int(sp)}")) for f, stage, sp in cases]
     run_ranks(_train, 4, tmp_path, runs=runs)
-    for (f, stage), (_, run_dir) in zip(cases, runs):
-        assert_parity(read_metrics(run_dir), reference[f], f"{f} tp=2 dp=2 zero={stage}")
+    for (f, stage, sp), (_, run_dir) in zip(cases, runs):
+        assert_parity(read_metrics(run_dir), reference[f], f"{f} tp=2 dp=2 zero={stage} sp={sp}")
 
 
 def _train_compiled(rank: int, world: int, runs: list) -> None:

@@ -1,6 +1,7 @@
 """One training step's TP collectives per transformer layer, against Megatron's count:
 without SP, 2 all-reduces forward and 2 backward; with SP, 2 all-gathers + 2 reduce-scatters
-forward and the mirrored pairs backward."""
+forward and the mirrored pairs backward, all in single-tensor form (no list all_gather or
+reduce_scatter on the TP group)."""
 from __future__ import annotations
 
 import collections
@@ -11,6 +12,7 @@ import torch.distributed as dist
 
 from megaframe.config.schema import ModelConfig
 from megaframe.model.factory import build_model, resolve_dims
+from megaframe.parallel import mappings
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.state import ParallelState
 from ranks import run_ranks
@@ -28,25 +30,31 @@ def _count_step(rank: int, world: int, arch: str, num_layers: int, sequence_para
     model = build_model(resolve_dims(cfg, 100), ps, seed=0, sequence_parallel=sequence_parallel)
     counts: dict[str, collections.Counter] = {"forward": collections.Counter(), "backward": collections.Counter()}
     phase = ["forward"]
-    originals = {name: getattr(dist, name) for name in COUNTED}
+    # where each counted collective is called from: the single-tensor gather and reduce-scatter that
+    # mappings.py binds, and dist itself (whose list forms must not be used on the TP group at all)
+    patched = {("all_reduce", dist, "all_reduce"), ("all_gather", mappings, "_all_gather_single"),
+               ("reduce_scatter", mappings, "_reduce_scatter_single"),
+               ("list all_gather", dist, "all_gather"), ("list reduce_scatter", dist, "reduce_scatter")}
+    originals = {(owner, attr): getattr(owner, attr) for _, owner, attr in patched}
 
-    def counting(name):
+    def counting(name, original):
         def call(*args, **kwargs):
             if kwargs.get("group") is ps.tp_group:
                 counts[phase[0]][name] += 1
-            return originals[name](*args, **kwargs)
+            return original(*args, **kwargs)
         return call
 
-    for name in COUNTED:
-        setattr(dist, name, counting(name))
+    for name, owner, attr in patched:
+        setattr(owner, attr, counting(name, originals[owner, attr]))
     try:
         idx = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
         loss = model(idx, idx)
         phase[0] = "backward"
         loss.backward()
     finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+        for (owner, attr), fn in originals.items():
+            setattr(owner, attr, fn)
+    assert not any(c[name] for c in counts.values() for name in ("list all_gather", "list reduce_scatter")), counts
     return {k: dict(v) for k, v in counts.items()}
 
 
@@ -73,3 +81,58 @@ def test_megatron_count_with_sp(arch, replicated_grad_syncs, tmp_path):
     per_layer = _per_layer(tmp_path, arch, sequence_parallel=True)
     assert per_layer == {"forward": {"all_reduce": 0, "all_gather": 2, "reduce_scatter": 2},
                          "backward": {"all_reduce": replicated_grad_syncs, "all_gather": 2, "reduce_scatter": 2}}
+
+
+def _bucketed_step(rank: int, world: int, arch: str, num_layers: int, micro_batches: int) -> dict:
+    """A step of `micro_batches` micro-batches with SP, replicated gradients through one bucket
+    (flushed at the last backward), against the same step with the per-use autograd sum."""
+    from megaframe.parallel.grad_bucket import ReplicatedGradBucket
+
+    llama = arch == "llama"
+    cfg = ModelConfig(arch=arch, num_layers=num_layers, hidden_size=64, num_attention_heads=4, seq_length=16,
+                      ffn_hidden_size=128, num_kv_heads=2 if llama else None,
+                      norm="rmsnorm" if llama else "layernorm", activation="swiglu" if llama else "gelu",
+                      position_embedding="rope" if llama else "learned", tie_embeddings=not llama, bias=not llama)
+    ps = ParallelState.build(ParallelDims(tp=world))
+    dims = resolve_dims(cfg, 100)
+    seen = {"micro": 0}
+    bucket = ReplicatedGradBucket(ps.tp_group, is_boundary=lambda: seen["micro"] == micro_batches - 1)
+    bucketed = build_model(dims, ps, seed=0, sequence_parallel=True, grad_bucket=bucket)
+    per_use = build_model(dims, ps, seed=0, sequence_parallel=True)
+    original = dist.all_reduce
+    batches = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(m)) for m in range(micro_batches)]
+
+    def step(model) -> collections.Counter:
+        calls = collections.Counter()
+
+        def counting(tensor, *args, **kwargs):
+            if kwargs.get("group") is ps.tp_group:
+                calls["on the bucket" if tensor is bucket._flat else "other"] += 1
+            return original(tensor, *args, **kwargs)
+        dist.all_reduce = counting
+        try:
+            for seen["micro"], idx in enumerate(batches):
+                model(idx, idx).backward()
+        finally:
+            dist.all_reduce = original
+        return calls
+
+    with_bucket, per_use_calls = step(bucketed), step(per_use)
+    worst = max((a.grad - b.grad).abs().max().item() / (b.grad.abs().max().item() or 1.0)
+                for a, b in zip(bucketed.parameters(), per_use.parameters()))
+    return {"bucket": with_bucket["on the bucket"], "saved": per_use_calls["other"] - with_bucket["other"],
+            "worst": worst, "bucketed": len(bucket.params)}
+
+
+@pytest.mark.parametrize("arch, replicated", [("llama", 2), ("gpt2", 6)])
+def test_replicated_gradients_are_summed_once_per_step_in_one_bucket(arch, replicated, tmp_path):
+    """With a bucket, no per-use all-reduce is left in backward: one all-reduce per step whatever
+    the depth and the number of micro-batches, holding the same gradients as the per-use sums."""
+    for num_layers, micro_batches in ((1, 1), (3, 2)):
+        result = run_ranks(_bucketed_step, 2, tmp_path, arch=arch, num_layers=num_layers,
+                           micro_batches=micro_batches)[0]
+        uses = replicated * num_layers + (1 if arch == "llama" else 2)  # the blocks' and the final norm's
+        assert result["bucketed"] == uses, result
+        assert result["bucket"] == 1, result  # one all-reduce on the bucket per step ...
+        assert result["saved"] == uses * micro_batches, result  # ... instead of one per use per micro-batch
+        assert result["worst"] < 1e-6, result  # fp32 sums in another order: the same gradients

@@ -32,6 +32,7 @@ from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims
 from megaframe.model.factory import build_model, compile_blocks, count_parameters
 from megaframe.parallel.elastic import join_restarted_group
+from megaframe.parallel.grad_bucket import ReplicatedGradBucket
 from megaframe.parallel.grad_norm import grad_norm
 from megaframe.parallel.state import ParallelState
 
@@ -90,11 +91,13 @@ class DeepSpeedBackend:
         self.device = torch.device(get_accelerator().current_device_name())
         p = cfg.parallel
         self.pipelined = layout.pp > 1
+        self.grad_bucket = self._replicated_grad_bucket()
         if self.pipelined:
             module = build_pipeline_model(dims, ps, cfg.train.seed, p.pipeline_partition,
-                                          p.activation_checkpointing, p.sequence_parallel)
+                                          p.activation_checkpointing, p.sequence_parallel, grad_bucket=self.grad_bucket)
         else:
-            module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel)
+            module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel,
+                                 grad_bucket=self.grad_bucket)
         self.compiled_blocks = compile_blocks(module) if cfg.train.compile else 0
         self.module = module
         self.num_parameters = self._count_parameters(module)
@@ -106,6 +109,8 @@ class DeepSpeedBackend:
             model=module, model_parameters=decay_param_groups(module, cfg.optim.weight_decay),
             config=ds_config, lr_scheduler=lr_scheduler,
             mpu=None if self.pipelined else MegatronMpu(ps))  # a PipelineModule brings its own grid
+        if self.grad_bucket is not None:
+            self._flush_bucket_at_boundary()
         self._last_grad_norm = float("nan")
         self._norm_from_grads = cfg.zero.stage == 0 and cfg.precision.dtype == "fp32"
         if self._norm_from_grads:
@@ -133,6 +138,32 @@ class DeepSpeedBackend:
             return take_model_step(*args, **kwargs)
         self.engine._take_model_step = measure_clip_step
 
+    def _replicated_grad_bucket(self) -> Optional[ReplicatedGradBucket]:
+        """One bucket for the TP-replicated parameters' gradients (parallel/grad_bucket.py), where
+        DeepSpeed leaves gradients in .grad until the accumulation boundary: ZeRO-0/1, except the
+        pipeline's bf16 ZeRO-0 optimizer, which moves them to fp32 after every micro-batch. ZeRO-2/3
+        reduce each gradient inside the backward pass, so there the sum stays at each use."""
+        if self.layout.tp == 1 or self.cfg.zero.stage > 1:
+            return None
+        if self.pipelined and self.cfg.zero.stage == 0 and self.cfg.precision.dtype == "bf16":
+            return None
+        return ReplicatedGradBucket(self.ps.tp_group)
+
+    def _flush_bucket_at_boundary(self) -> None:
+        """Sum the bucket before DeepSpeed reads gradients: at the end of the step's last backward
+        pass (the engine knows which), or, in the pipeline, when its schedule reduces gradients."""
+        bucket = self.grad_bucket
+        if not self.pipelined:
+            bucket.is_boundary = self.engine.is_gradient_accumulation_boundary
+            return
+        bucket.is_boundary = lambda: False  # the pipeline marks its boundary only after every backward
+        reduce = self.engine.allreduce_gradients
+
+        def flush_then_reduce(*args, **kwargs):
+            bucket.flush()
+            return reduce(*args, **kwargs)
+        self.engine.allreduce_gradients = flush_then_reduce
+
     def _ops_needed(self) -> list[str]:
         """The DeepSpeed ops this run JIT-loads: CPU Adam for an offloaded optimizer, async IO for NVMe."""
         offload = self.cfg.offload
@@ -157,9 +188,15 @@ class DeepSpeedBackend:
         return (t / self.layout.dp).item()
 
     def _on_device(self, batches: list[Batch]) -> list[Batch]:
-        """The micro-batches on this rank's device (no copy where they already are)."""
-        return [(inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True))
-                for inputs, targets in batches]
+        """The micro-batches on this rank's device (no copy where they already are). From pinned
+        host memory, so the copies are asynchronous on a GPU (the CPU accelerator's pin is a no-op)."""
+        accelerator = get_accelerator()
+
+        def moved(t: torch.Tensor) -> torch.Tensor:
+            if t.device == self.device:
+                return t
+            return accelerator.pin_memory(t).to(self.device, non_blocking=True)
+        return [(moved(inputs), moved(targets)) for inputs, targets in batches]
 
     # ---- steps -------------------------------------------------------------------------------
     def train_step(self, batches: list[Batch], skip_if: Optional[Callable[[float], bool]] = None) -> StepResult:

@@ -87,11 +87,11 @@ PARTITION_METHODS = {"uniform": "type:BlockPipe", "parameters": "parameters"}
 
 def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition: str = "uniform",
                          activation_checkpointing: bool = False, sequence_parallel: bool = False,
-                         spec: Optional[ModelSpec] = None) -> PipelineModule:
+                         spec: Optional[ModelSpec] = None, grad_bucket=None) -> PipelineModule:
     """This rank's stage of the pipelined GPT: ModelSpec's layer list as DeepSpeed LayerSpecs, on
     the topology built from ParallelState's grid."""
     spec = spec or ModelSpec(dims)
-    tp = ps.tp_region(sequence_parallel)
+    tp = ps.tp_region(sequence_parallel, grad_bucket)
     rng = TPDropoutRNG(seed, ps.tp_rank)
     embed_args = (EmbeddingPipe, dims, tp, rng, seed)
     layers: list = []

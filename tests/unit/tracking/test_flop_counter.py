@@ -1,0 +1,51 @@
+"""The FLOPs formula behind TFLOP/s and MFU (PaLM: 6·N + 12·L·h·s per token) against an
+independent count: torch's FlopCounterMode over one forward and backward pass of a small GPT-2 and
+a small Llama with grouped-query attention. SDPA runs its math kernel here so the counter sees the
+attention matmuls (its fused CPU kernel is not in the counter's table); the formula counts them as
+the math kernel does, without halving for the causal mask."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from megaframe.config.schema import ModelConfig
+from megaframe.model.factory import build_model, resolve_dims
+from megaframe.parallel.dims import ParallelDims
+from megaframe.parallel.state import ParallelState
+from megaframe.tracking.flops import device_peak_tflops, flops_per_token, matmul_precision
+
+B, T = 2, 256
+
+
+def _config(arch: str) -> ModelConfig:
+    llama = arch == "llama"
+    return ModelConfig(arch=arch, num_layers=2, hidden_size=128, num_attention_heads=8, seq_length=T,
+                       num_kv_heads=2 if llama else None, norm="rmsnorm" if llama else "layernorm",
+                       activation="swiglu" if llama else "gelu", position_embedding="rope" if llama else "learned",
+                       tie_embeddings=not llama, bias=not llama)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_formula_matches_torchs_flop_counter(arch):
+    dims = resolve_dims(_config(arch), 1000)
+    model = build_model(dims, ParallelState(ParallelDims(), rank=0), seed=0)
+    idx = torch.randint(0, 1000, (B, T), generator=torch.Generator().manual_seed(0))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(idx, idx).backward()
+    counted = counter.get_total_flops()
+    by_op = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
+    # measured: equal to the last FLOP for both (GPT-2 2,013,265,920; Llama with GQA 1,962,934,272)
+    assert counted == pytest.approx(flops_per_token(dims) * B * T, rel=0.05), by_op
+    # the attention term alone: the score and value matmuls (batched) are 12·L·h·s per token
+    assert by_op["aten.bmm"] == pytest.approx(12 * dims.num_layers * dims.hidden_size * T * B * T, rel=0.05)
+
+
+def test_mfu_peak_follows_the_runs_matmul_precision():
+    assert device_peak_tflops("NVIDIA H100 80GB HBM3", matmul_precision("bf16", tf32=True)) == 989.0
+    assert device_peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0
+    # an fp32 run is not divided by the bf16 peak: TF32 where torch allows it, else true fp32
+    assert device_peak_tflops("NVIDIA A100-SXM4-80GB", matmul_precision("fp32", tf32=True)) == 156.0
+    assert device_peak_tflops("NVIDIA A100-SXM4-80GB", matmul_precision("fp32", tf32=False)) == 19.5
+    assert device_peak_tflops("Tesla T4", "bf16") is None
