@@ -221,8 +221,16 @@ class Trainer:
                 f"{f' compiled blocks={self.backend.compiled_blocks}' if self.backend.compiled_blocks else ''} | "
                 f"batch micro={self.layout.micro_batch_size} global={self.layout.global_batch_size} "
                 f"accum={self.layout.grad_accum_steps} seq={c.model.seq_length} | "
-                f"train samples={len(self.data.train)} valid samples={len(self.data.valid or ())} | run dir {self.run_dir}"
+                f"train samples={len(self.data.train)} valid samples={len(self.data.valid or ())} | "
+                f"device {self._device_name()} | run dir {self.run_dir}"
                 f"\n{plan_summary(self.memory_plan)}")
+
+    def _device_name(self) -> str:
+        """This rank's device, with the GPU's name: 'cuda:0 (NVIDIA H100 80GB HBM3)', or 'cpu'."""
+        device = self.backend.device
+        if device.type == "cuda":
+            return f"{device} ({torch.cuda.get_device_name(device)})"
+        return str(device)
 
     def _log_model_states(self) -> None:
         """Once per process, after its first step: every rank's held model states, to rank 0 (collective).

@@ -149,6 +149,7 @@ def test_a_run_ends_with_one_summary_line(tmp_path):
     result = run_cli([*TINY, "train.max_steps=4", "train.save_interval=2", "logging.wandb.mode=offline",
                       f"hydra.run.dir={tmp_path}"])
     assert_ok(result)
+    assert "| device cpu | run dir " in result.stdout  # the start-up line names the device
     last = result.stdout.strip().splitlines()[-1]
     records = read_metrics(tmp_path)
     loss = [r["loss"] for r in records if "loss" in r][-1]

@@ -103,8 +103,7 @@ class DeepSpeedBackend:
         self.num_parameters = self._count_parameters(module)
         self.nvme_swap = open_nvme_swap(cfg.offload)
         load_ops(self._ops_needed())  # before initialize, whose collectives must not wait on a JIT build
-        ds_config = to_ds_config(cfg, layout, accelerator=get_accelerator().device_name(),
-                                 swap_dir=str(self.nvme_swap.path) if self.nvme_swap else None)
+        ds_config = to_ds_config(cfg, layout, swap_dir=str(self.nvme_swap.path) if self.nvme_swap else None)
         self.engine, _, _, self.lr_scheduler = deepspeed.initialize(
             model=module, model_parameters=decay_param_groups(module, cfg.optim.weight_decay),
             config=ds_config, lr_scheduler=lr_scheduler,
@@ -217,7 +216,8 @@ class DeepSpeedBackend:
                 self.engine.step()
             loss = gate.mean if gate else self._dp_mean(total / len(batches))
         if not self._norm_from_grads:
-            self._last_grad_norm = float(self.engine.get_global_grad_norm())
+            # kept as DeepSpeed returns it (a device tensor under ZeRO): read on the host at log steps only
+            self._last_grad_norm = self.engine.get_global_grad_norm()
         return StepResult(loss=loss, applied=bool(self.engine.was_step_applied()))
 
     @torch.no_grad()
@@ -234,7 +234,7 @@ class DeepSpeedBackend:
         return self._dp_mean(total / len(batches))
 
     def grad_norm(self) -> float:
-        return self._last_grad_norm
+        return float(self._last_grad_norm)
 
     def lr(self) -> float:
         return self.lr_scheduler.get_last_lr()[0]

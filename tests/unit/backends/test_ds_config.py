@@ -79,8 +79,9 @@ def test_precision_sections():
                                 "hysteresis": 1, "min_loss_scale": 0.5}
 
 
-def test_cpu_optimizer_is_torchs_fused_adamw():
-    """Without offload, the CPU engine gets torch's fused AdamW, built the way DeepSpeed builds it."""
+def test_optimizer_without_offload_is_torchs_fused_adamw():
+    """Without offload, every accelerator's engine gets torch's fused AdamW (no JIT build), built the
+    way DeepSpeed builds it."""
     import torch
     from deepspeed.runtime.engine import DeepSpeedEngine
 
