@@ -79,6 +79,17 @@ def write_manifest(directory: Path) -> dict:
     return manifest
 
 
+def inside(directory: Path, rel: str, source: str) -> Path:
+    """directory/rel for a name read from disk (`source` says where); CheckpointError when it would
+    leave the directory (an absolute path, '..', a link pointing out): a checkpoint is a tree of its own."""
+    root = Path(directory).resolve()
+    path = (root / rel).resolve() if isinstance(rel, str) else root
+    if not isinstance(rel, str) or Path(rel).is_absolute() or path == root or root not in path.parents:
+        raise CheckpointError(f"checkpoint {directory}: {source} names {rel!r}, outside the checkpoint directory; "
+                              f"the file was edited or is not a megaframe checkpoint")
+    return path
+
+
 def verify_manifest(directory: Path) -> dict:
     """Check every file the manifest lists (size, then sha256); raise CheckpointError naming the bad one."""
     directory = Path(directory)
@@ -92,7 +103,7 @@ def verify_manifest(directory: Path) -> dict:
     except (ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"checkpoint {directory}: {MANIFEST_FILE} is unreadable ({err})") from err
     for rel, meta in files.items():
-        path = directory / rel
+        path = inside(directory, rel, MANIFEST_FILE)
         if not path.is_file():
             raise CheckpointError(f"checkpoint {directory} is incomplete: {rel} is missing")
         size = path.stat().st_size

@@ -109,11 +109,16 @@ def prune(save_dir: Path, keep: int) -> list[Path]:
 
 
 def find_latest(save_dir: Path) -> Optional[Path]:
-    """The newest complete checkpoint under save_dir, or None."""
+    """The newest complete checkpoint under save_dir, or None. The name in `latest` must be a
+    checkpoint directory of save_dir itself: anything else is a CheckpointError."""
     pointer = Path(save_dir) / LATEST
     if not pointer.is_file():
         return None
-    path = Path(save_dir) / pointer.read_text().strip()
+    name = pointer.read_text().strip()
+    if not re.fullmatch(r"global_step\d+", name):
+        raise CheckpointError(f"train.resume: {pointer} names {name!r}, not a checkpoint directory of "
+                              f"{save_dir} (global_stepN); the file was edited: fix it or delete it")
+    path = universal.inside(save_dir, name, str(pointer))
     if path.is_dir():
         return path
     # `latest` names a directory a crash took away mid-swap (re-save of the same step): fall back to
@@ -133,6 +138,25 @@ def resolve_resume(resume: str, run_checkpoints: Path) -> Optional[Path]:
     return latest if latest is not None else path
 
 
+def newest_verified(save_dir: Path) -> tuple[Optional[Path], list[str]]:
+    """For train.resume=auto: the newest checkpoint under save_dir whose manifest verifies (the one
+    `latest` names first, then the others newest first), and why each newer one was skipped."""
+    latest = find_latest(save_dir)
+    if latest is None:
+        return None, []
+    ordered = [latest] + [path for _, path in reversed(_complete_checkpoints(save_dir)) if path != latest]
+    skipped = []
+    for path in ordered:
+        try:
+            verify(path)
+        except CheckpointError as err:
+            skipped.append(f"{path.name} ({str(err).split('; resume from')[0].removeprefix('train.resume: ')})")
+            continue
+        return path, skipped
+    raise CheckpointError(f"train.resume=auto: no checkpoint under {save_dir} verifies: {'; '.join(skipped)}; "
+                          f"start over with train.resume=none or a new run directory")
+
+
 def verify(path: Path) -> None:
     """Rank 0 checks the manifest (every file's size and sha256); every rank raises the same
     one-line CheckpointError when it fails."""
@@ -148,13 +172,14 @@ def verify(path: Path) -> None:
         raise CheckpointError(message[0])
 
 
-def load_any(backend, path: Path) -> ResumePoint:
+def load_any(backend, path: Path, verified: bool = False) -> ResumePoint:
     """Verify the manifest, then resume from the layout-free files (any layout; nothing
     unpickled). This rank's RNG comes back too when the layout is unchanged. Only a checkpoint
     without them (train.universal_checkpoint=false) goes through the backend's own loader
     (DeepSpeed's unpickles its .pt files), which needs the layout they were written in."""
     path = Path(path)
-    verify(path)
+    if not verified:
+        verify(path)
     layout = backend.layout_record()
     if universal.has_universal(path):
         state = backend.load_full_state(path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -18,6 +19,7 @@ from megaframe.backends import StepResult
 from megaframe.backends.deepspeed.engine import DeepSpeedBackend, init_distributed
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout, universal_checkpoint_unsupported
+from megaframe.checkpoint.universal import CheckpointError
 from megaframe.data import micro_batches, eval_batches
 from megaframe.data.token_check import cached_max_token_id, check_token_ids, max_token_id, remember_max_token_id
 from megaframe.engine import checkpoint
@@ -124,7 +126,14 @@ class Trainer:
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def _resume(self) -> None:
-        path = checkpoint.resolve_resume(self.cfg.train.resume, self.checkpoint_dir)
+        verified = self.cfg.train.resume == "auto"
+        if verified:  # the newest checkpoint that verifies; a corrupt newer one is skipped, said in one line
+            path, skipped = checkpoint.newest_verified(self.checkpoint_dir)
+            if skipped and self.is_logger:
+                print(f"megaframe: warning: resume skipped {len(skipped)} newer checkpoint(s) that do not verify: "
+                      f"{'; '.join(skipped)}; resuming from {path.name}", file=sys.stderr, flush=True)
+        else:
+            path = checkpoint.resolve_resume(self.cfg.train.resume, self.checkpoint_dir)
         if path is None:
             if self.cfg.train.resume == "auto" and self.is_logger:
                 # an attempt that crashed before its first checkpoint: its records would repeat
@@ -133,7 +142,7 @@ class Trainer:
                     print(f"no checkpoint to resume from: dropped {dropped} metrics records of an earlier attempt",
                           flush=True)
             return
-        point = checkpoint.load_any(self.backend, path)
+        point = checkpoint.load_any(self.backend, path, verified=verified)
         self.step = point.step
         self.guard.load_state_dict(point.client_state.get("guard", {}))
         if "tp_dropout" in point.rng_state:
@@ -322,7 +331,11 @@ class Trainer:
         amount = next(f"{tokens / scale:.3g}{unit}" for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k"), (1, ""))
                       if tokens >= scale or scale == 1)
         parts.append(f"{amount} tokens in {minutes}m{seconds:02d}s")
-        parts.append(f"last checkpoint {self.last_checkpoint or checkpoint.find_latest(self.checkpoint_dir) or 'none'}")
+        try:
+            last = self.last_checkpoint or checkpoint.find_latest(self.checkpoint_dir)
+        except CheckpointError:  # an edited `latest`: the run's error line says so
+            last = None
+        parts.append(f"last checkpoint {last or 'none'}")
         if self.wandb and (hint := self.wandb.sync_hint()):
             parts.append(f"W&B offline: {hint}")
         return " | ".join(parts)

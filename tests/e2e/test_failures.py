@@ -186,3 +186,48 @@ def test_a_damaged_checkpoint_is_one_line_with_exit_5(case, tmp_path):
     damage(tmp_path / "checkpoints" / "global_step2")
     result = run_cli([*args, "train.resume=" + str(tmp_path / "checkpoints" / "global_step2")])
     assert_one_line_failure(result, ExitCode.BAD_CHECKPOINT, "global_step2", *fragments)
+
+
+def test_resume_auto_falls_back_past_a_corrupt_newest_checkpoint(tmp_path):
+    """The newest checkpoint fails its manifest: resume=auto says so in one line, resumes from the one
+    before it, and ends with the uninterrupted run's metrics."""
+    run, whole = tmp_path / "run", tmp_path / "whole"
+    args = [*TINY, "train.max_steps=6", "train.save_interval=2"]
+    assert_ok(run_cli([*args, f"hydra.run.dir={whole}"]))
+    assert_ok(run_cli([*args, "train.exit_at_step=4", f"hydra.run.dir={run}"]))
+    target = run / "checkpoints" / "global_step4" / "model.safetensors"
+    data = bytearray(target.read_bytes())
+    data[-100] ^= 0x10
+    target.write_bytes(bytes(data))
+    result = run_cli([*args, f"hydra.run.dir={run}"])
+    assert_ok(result)
+    (notice,) = [line for line in result.stderr.splitlines() if "resume skipped" in line]
+    assert "global_step4 (checkpoint" in notice and "does not match its sha256" in notice, notice
+    assert notice.endswith("resuming from global_step2"), notice
+    assert "global_step2 at step 2" in result.stdout
+    keys = ("loss", "lr", "grad_norm", "eval_loss")
+    values = [[(r["step"], *(r.get(k) for k in keys)) for r in read_metrics(d)] for d in (whole, run)]
+    assert values[0] == values[1]
+
+
+@pytest.mark.parametrize("pointer", ["../../elsewhere", "/etc", "global_step2/../../x"])
+def test_a_latest_pointer_leaving_the_checkpoint_dir_is_one_line(pointer, tmp_path):
+    args = [*TINY, "train.max_steps=3", f"hydra.run.dir={tmp_path}"]
+    assert_ok(run_cli([*args, "train.exit_at_step=2"]))
+    (tmp_path / "checkpoints" / "latest").write_text(pointer + "\n")
+    result = run_cli(args)
+    assert_one_line_failure(result, ExitCode.BAD_CHECKPOINT, f"names {pointer!r}", "the file was edited")
+
+
+def test_a_manifest_naming_a_file_outside_is_refused(tmp_path):
+    import json
+
+    args = [*TINY, "train.max_steps=3", f"hydra.run.dir={tmp_path}"]
+    assert_ok(run_cli([*args, "train.exit_at_step=2"]))
+    manifest_path = tmp_path / "checkpoints" / "global_step2" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"]["../../../config.yaml"] = {"bytes": 1, "sha256": "0" * 64}
+    manifest_path.write_text(json.dumps(manifest))
+    result = run_cli([*args, f"train.resume={tmp_path / 'checkpoints' / 'global_step2'}"])
+    assert_one_line_failure(result, ExitCode.BAD_CHECKPOINT, "manifest.json names '../../../config.yaml'",
+                            "outside the checkpoint directory")
