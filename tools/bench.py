@@ -1,7 +1,15 @@
 """Tokens/s of one model and batch through megaframe, a hand-written PyTorch loop and HF transformers.
 
 usage: python tools/bench.py [--arch gpt2|llama] [--steps 10] [--repeats 5] [--warmup 3] [--no-compile]
-                             [OVERRIDE ...]
+                             [--device cpu|cuda] [--shape tiny|xl] [OVERRIDE ...]
+
+--device cuda --shape xl is the GPU benchmark: GPT-3 XL's shape (24 layers, hidden 2048, 16 heads,
+seq 2048, about 1.3B parameters) in bf16 at ZeRO-1; the plain loop then runs in bf16 autocast with
+torch's fused AdamW and torch.compile, transformers in bf16 autocast. On CUDA the paths run one
+after the other (three 1.3B models with optimizer states do not fit on one GPU together), and the
+table adds TFLOP/s per device, MFU against the dense peak of the run's precision, and each path's
+peak memory beside the planner's estimate for megaframe. (Written on a CPU-only machine: the CUDA
+mode has not run yet.)
 
 All train the same shape on the same demo-corpus batches with AdamW, gradient accumulation and
 clipping, in this one process:
@@ -27,27 +35,42 @@ try:
 except ImportError:
     sys.path.insert(0, str(REPO))
 
-SHAPE = ["model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=4", "model.ffn_hidden_size=1024",
-         "model.seq_length=128", "parallel.micro_batch_size=8", "parallel.global_batch_size=16",
-         "train.eval_interval=0", "logging.wandb.mode=disabled", "logging.progress_bar=false", "optim.warmup_steps=2"]
+COMMON = ["train.eval_interval=0", "train.save_interval=0", "logging.wandb.mode=disabled",
+          "logging.progress_bar=false", "optim.warmup_steps=2", "plan.check=false"]
+SHAPES = {
+    "tiny": ["model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=4", "model.ffn_hidden_size=1024",
+             "model.seq_length=128", "parallel.micro_batch_size=8", "parallel.global_batch_size=16"],
+    # GPT-3 XL (Brown et al. 2020, table 2.1); ffn 4h for gpt2, SwiGLU's 8h/3 rounded for llama
+    "xl": ["model.num_layers=24", "model.hidden_size=2048", "model.num_attention_heads=16", "model.seq_length=2048",
+           "parallel.micro_batch_size=4", "parallel.global_batch_size=8", "precision=bf16", "zero=stage1"],
+}
+
+
+def _synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # a GPU step is only done when its kernels are
 
 
 def timed(step_fn, steps: int) -> float:
     """Seconds for `steps` calls of step_fn."""
+    _synchronize()
     start = time.perf_counter()
     for _ in range(steps):
         step_fn()
+    _synchronize()
     return time.perf_counter() - start
 
 
-def setup(arch: str, overrides: list[str], max_steps: int):
+def setup(arch: str, overrides: list[str], max_steps: int, shape: str = "tiny"):
     """(cfg, layout, data, dims) of the bench shape in flavour `arch`; raises ConfigError."""
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
     from megaframe.engine.data_setup import build_data
     from megaframe.model.factory import resolve_dims
 
-    cfg, _ = compose([f"model={'llama' if arch == 'llama' else 'gpt'}_tiny", *SHAPE, *overrides,
+    cfg, _ = compose([f"model={'llama' if arch == 'llama' else 'gpt'}_tiny", *SHAPES[shape], *COMMON, *overrides,
                       f"train.max_steps={max_steps}"])
     layout = validate(cfg, 1)
     data = build_data(cfg.data, cfg.model.seq_length)
@@ -75,21 +98,30 @@ def adamw(model, cfg, **extra):
                              **extra)
 
 
-def _plain_loop(model, cfg, data, layout, forward):
-    """(step, close) of the loop a user would write: accumulate micro-batches, clip, AdamW step."""
+def _plain_loop(model, cfg, data, layout, forward, device: str = "cpu"):
+    """(step, close) of the loop a user would write: accumulate micro-batches, clip, AdamW step.
+    On CUDA: bf16 autocast over fp32 weights (when the config trains in bf16) and fused AdamW."""
+    import contextlib
+
     import torch
 
     from megaframe.data import micro_batches
 
     o = cfg.optim
-    optimizer = adamw(model, cfg)
+    cuda = device == "cuda"
+    optimizer = adamw(model, cfg, fused=True) if cuda else adamw(model, cfg)
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda and cfg.precision.dtype == "bf16" \
+        else contextlib.nullcontext
     state = {"step": 0}
 
     def step():
         batches = micro_batches(data.train, state["step"], layout.global_batch_size, layout.micro_batch_size, 0, 1,
                                 cfg.train.seed)
         for inputs, targets in batches:
-            (forward(inputs, targets) / len(batches)).backward()
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            with autocast():
+                loss = forward(inputs, targets) / len(batches)
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -97,16 +129,19 @@ def _plain_loop(model, cfg, data, layout, forward):
     return step, lambda: None
 
 
-def pytorch_path(cfg, layout, data, dims):
+def pytorch_path(cfg, layout, data, dims, device: str = "cpu"):
+    import torch
+
     from megaframe.model.factory import build_model
     from megaframe.parallel.dims import ParallelDims
     from megaframe.parallel.state import ParallelState
 
-    model = build_model(dims, ParallelState(ParallelDims(), rank=0), cfg.train.seed).train()
-    return _plain_loop(model, cfg, data, layout, model)
+    model = build_model(dims, ParallelState(ParallelDims(), rank=0), cfg.train.seed).train().to(device)
+    forward = torch.compile(model) if device == "cuda" else model  # the hand-written loop's best effort
+    return _plain_loop(model, cfg, data, layout, forward, device)
 
 
-def transformers_path(cfg, layout, data, dims):
+def transformers_path(cfg, layout, data, dims, device: str = "cpu"):
     import torch.nn.functional as F
     import transformers
 
@@ -123,12 +158,54 @@ def transformers_path(cfg, layout, data, dims):
             embd_pdrop=0.0, attn_pdrop=0.0)
         model = transformers.GPT2LMHeadModel(hf_cfg)
     model.config._attn_implementation = "sdpa"
-    model.train()
+    model.train().to(device)
 
     def forward(inputs, targets):
         logits = model(input_ids=inputs).logits[..., : dims.vocab_size]
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    return _plain_loop(model, cfg, data, layout, forward)
+    return _plain_loop(model, cfg, data, layout, forward, device)
+
+
+def cuda_report(args, cfg, layout, dims, builders) -> None:
+    """The GPU benchmark: each path built, warmed, timed and freed in turn; tokens/s, TFLOP/s per
+    device, MFU against the peak of the run's precision, peak memory, and the planner's estimate."""
+    import gc
+
+    import torch
+
+    from megaframe.plan.estimate import estimate_config
+    from megaframe.tracking.flops import flops_per_token, peak_tflops
+
+    tokens = args.steps * layout.global_batch_size * cfg.model.seq_length
+    peak = peak_tflops(cfg.hardware.peak_tflops, cfg.precision.dtype)
+    planned = estimate_config(cfg, layout)
+    rows = []
+    for name, build in builders.items():
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        torch.manual_seed(cfg.train.seed)
+        step, close = build()
+        timed(step, args.warmup)
+        rates = [tokens / timed(step, args.steps) for _ in range(args.repeats)]
+        peak_bytes = torch.cuda.max_memory_allocated() - before
+        close()
+        del step, close
+        rate = statistics.median(rates)
+        tflops = rate * flops_per_token(dims) / 1e12
+        rows.append((name, rate, min(rates), max(rates), tflops, tflops / peak if peak else None, peak_bytes))
+    print(f"\n{args.arch} on {torch.cuda.get_device_name()}: {dims.num_layers} layers, hidden {dims.hidden_size}, "
+          f"heads {dims.num_heads}, seq {dims.seq_length}, global batch {layout.global_batch_size} (micro "
+          f"{layout.micro_batch_size}), {cfg.precision.dtype}, ZeRO-{cfg.zero.stage}; torch {torch.__version__}, "
+          f"CUDA {torch.version.cuda}; {args.repeats} rounds of {args.steps} steps after {args.warmup} warm-up")
+    print(f"planner's peak for megaframe: {planned.peak / 2**30:.2f} GiB (of which {planned.reserved / 2**30:.2f} "
+          f"reserved for the CUDA context and allocator)")
+    print("| framework | tokens/s (median) | rounds min-max | TFLOP/s per device | MFU | peak memory GiB |")
+    print("|---|---|---|---|---|---|")
+    for name, rate, low, high, tflops, mfu, peak_bytes in rows:
+        print(f"| {name} | {rate:,.0f} | {low:,.0f}-{high:,.0f} | {tflops:.1f} | "
+              f"{'-' if mfu is None else f'{mfu:.1%}'} | {peak_bytes / 2**30:.2f} |")
 
 
 def main() -> None:
@@ -138,14 +215,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true", help="leave out the megaframe+compile path")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--shape", choices=list(SHAPES), default="tiny", help="xl: GPT-3 XL (1.3B) in bf16, ZeRO-1")
     parser.add_argument("overrides", nargs="*", help="extra megaframe config overrides")
     args = parser.parse_args()
+    os.environ["DS_ACCELERATOR"] = args.device  # before anything imports DeepSpeed
     import torch
 
     from megaframe.config.validate import ConfigError
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench: error: --device cuda: torch sees no CUDA device here", file=sys.stderr)
+        sys.exit(2)
     try:
-        cfg, layout, data, dims = setup(args.arch, args.overrides, args.repeats * args.steps + args.warmup)
+        cfg, layout, data, dims = setup(args.arch, args.overrides, args.repeats * args.steps + args.warmup, args.shape)
     except ConfigError as err:
         print(f"bench: error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -153,10 +236,13 @@ def main() -> None:
     compiled_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=True))
     builders = {"megaframe": lambda: megaframe_path(cfg, layout),
                 "megaframe+compile": lambda: megaframe_path(compiled_cfg, layout),
-                "pytorch": lambda: pytorch_path(cfg, layout, data, dims),
-                "transformers": lambda: transformers_path(cfg, layout, data, dims)}
+                "pytorch": lambda: pytorch_path(cfg, layout, data, dims, args.device),
+                "transformers": lambda: transformers_path(cfg, layout, data, dims, args.device)}
     if args.no_compile:
         del builders["megaframe+compile"]
+    if args.device == "cuda":
+        cuda_report(args, cfg, layout, dims, builders)
+        return
     paths = {}
     for name, build in builders.items():
         torch.manual_seed(cfg.train.seed)
