@@ -141,7 +141,8 @@ class LoopConfig:
     resume: str = "auto"  # auto | none | a checkpoint directory
     exit_at_step: Optional[int] = None  # stop early (saving a checkpoint) without changing the schedule
     keep_checkpoints: int = 0  # keep the newest K checkpoints (0 = keep all)
-    universal_checkpoint: bool = True  # also write layout-free safetensors (resume into any tp/pp/dp/ZeRO)
+    universal_checkpoint: bool = True  # write layout-free safetensors (resume into any tp/pp/dp/ZeRO)
+    native_checkpoint: bool = False  # also write DeepSpeed's own files (always when there is no layout-free copy)
     compile: bool = False  # torch.compile each transformer block (inductor); the first step pays the compile
     max_consecutive_skips: int = 5  # this many skipped steps in a row (non-finite or spike) stop the run (exit 3)
     spike: SpikeConfig = field(default_factory=SpikeConfig)

@@ -56,11 +56,12 @@ def _rank() -> int:
 
 def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
          rng_state: Optional[dict[str, Any]] = None, write_extra: Optional[Callable[[Path], None]] = None,
-         keep: int = 0) -> Path:
+         keep: int = 0, native: bool = True) -> Path:
     """Save every rank's shard, then (rank 0) publish it: manifest, rename into place, update `latest`.
 
-    write_extra(tmp_dir) runs on every rank after the engine's files (the layout-free files);
-    keep > 0 deletes all but the newest `keep` checkpoints once `latest` names the new one."""
+    native: the engine's own files too; write_extra(tmp_dir) runs on every rank after them (the
+    layout-free files); keep > 0 deletes all but the newest `keep` checkpoints once `latest` names
+    the new one."""
     save_dir = Path(save_dir)
     tag = tag_for(step)
     tmp_tag = TMP_PREFIX + tag
@@ -68,7 +69,9 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
         save_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(save_dir / tmp_tag, ignore_errors=True)  # debris of a save that crashed
     _barrier()
-    backend.save_native(save_dir, tmp_tag, client_state)
+    if native:
+        backend.save_native(save_dir, tmp_tag, client_state)
+    (save_dir / tmp_tag).mkdir(parents=True, exist_ok=True)
     torch.save({"cpu": torch.get_rng_state(), **(rng_state or {})}, save_dir / tmp_tag / f"rng_rank{_rank()}.pt")
     if write_extra is not None:
         write_extra(save_dir / tmp_tag)

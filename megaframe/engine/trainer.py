@@ -168,9 +168,11 @@ class Trainer:
                                "tokenizer": self.cfg.data.tokenizer, "data_seed": self.cfg.train.seed}
             write_universal = lambda tmp_dir: self.backend.save_full_state(  # noqa: E731
                 tmp_dir, universal_state, tokenizer if tokenizer.is_dir() else None)
+        # one copy by default: DeepSpeed's own files only when asked, or when there is no layout-free copy
+        native = self.cfg.train.native_checkpoint or write_universal is None
         self.last_checkpoint = checkpoint.save(self.backend, self.checkpoint_dir, self.step, state,
                         rng_state={"tp_dropout": self.backend.module.rng.state_dict()}, write_extra=write_universal,
-                        keep=self.cfg.train.keep_checkpoints)
+                        keep=self.cfg.train.keep_checkpoints, native=native)
 
     def _log(self, record: dict) -> None:
         if not self.is_logger:

@@ -115,3 +115,23 @@ def test_fp16_overflow_skips_the_step_halves_the_scale_and_training_goes_on(stag
     assert records[bad - 1]["loss_scale"] == 2.0**8 and records[bad]["loss_scale"] == 2.0**7
     assert records[20]["loss_scale"] == 2.0**7  # window 1000: no regrowth within 20 steps
     assert records[20]["loss"] < records[bad]["loss"], "training did not go on after the skipped step"
+
+
+def test_fp16_resume_from_the_layout_free_checkpoint_grows_the_scale_when_the_whole_run_does(tmp_path, monkeypatch):
+    """Checkpoints hold one copy (no DeepSpeed files) by default, so the fp16 loss scaler's counters
+    travel in state.json: an overflow at step 3 halves the scale, window 4 grows it back at step 8 and
+    again at 12; a run stopped at step 9 and resumed must grow it at step 12 too, with the same losses."""
+    monkeypatch.setenv("MEGAFRAME_FAULTS", "nan_grad@3")  # read by every forked rank's Trainer
+    base = [*TINY, *FP16, "zero=stage1", "precision.loss_scale_window=4", "train.max_steps=14",
+            "train.eval_interval=0", "train.save_interval=3"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    runs = [(base, str(whole)), ([*base, "train.exit_at_step=9"], str(resumed)), (base, str(resumed))]
+    run_ranks(train_runs, 1, tmp_path, runs=runs, fp16=True)
+    assert not list((resumed / "checkpoints" / "global_step9").glob("*model_states.pt")), "DeepSpeed files by default"
+
+    def scale_and_loss(run_dir):
+        return [(r["step"], r["loss_scale"], r["loss"]) for r in curve_records(read_metrics(run_dir))]
+    want = scale_and_loss(whole)
+    scales = [scale for _, scale, _ in want]
+    assert scales[2] == 2.0**7 and scales[7] == 2.0**8 and scales[11] == 2.0**9, scales  # the schedule tested
+    assert scale_and_loss(resumed) == want

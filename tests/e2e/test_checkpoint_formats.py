@@ -26,3 +26,19 @@ def test_engine_only_checkpoint_resumes_in_its_layout_and_refuses_another(tmp_pa
     assert_ok(same_layout)
     assert "resumed from" in same_layout.stdout and "at step 2" in same_layout.stdout
     assert max(r["step"] for r in read_metrics(tmp_path)) == 4
+
+
+def test_one_copy_by_default_and_deepspeeds_files_when_asked(tmp_path):
+    """By default a checkpoint holds the layout-free files only (and resumes exactly from them:
+    tests/e2e/test_resume.py); train.native_checkpoint=true adds DeepSpeed's own files."""
+    def saved(run_dir):
+        return {p.name for p in (run_dir / "checkpoints" / "global_step2").iterdir()}
+
+    for native in (False, True):
+        run_dir = tmp_path / f"native-{native}"
+        assert_ok(run_cli([*TINY, "train.max_steps=2", "zero=stage1", f"train.native_checkpoint={str(native).lower()}",
+                           f"hydra.run.dir={run_dir}"]))
+        files = saved(run_dir)
+        assert {"model.safetensors", "optimizer.safetensors", "state.json", "manifest.json", "rng_rank0.pt"} <= files
+        deepspeed_files = {name for name in files if name.endswith("_states.pt")}
+        assert bool(deepspeed_files) == native, files

@@ -294,10 +294,34 @@ def save_universal(view: EngineView, directory: Path, state: dict[str, Any], lr_
         return
     full_state = {**state, "optim_step": adam_step(view), "layout": layout_record(view),
                   "lr_scheduler": _jsonable(lr_scheduler.state_dict())}
-    scale = getattr(view.engine.optimizer, "cur_scale", None)
-    if isinstance(scale, (int, float, torch.Tensor)):
-        full_state["loss_scaler"] = {"cur_scale": float(scale)}
+    if scaler := loss_scaler_state(view.engine.optimizer):
+        full_state["loss_scaler"] = scaler
     universal.write_files(directory, model, full_state, optim, tokenizer_dir)
+
+
+# DeepSpeed's dynamic fp16 loss scaler: the scale, and the counters that decide when it next grows
+_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def loss_scaler_state(optimizer) -> dict[str, float]:
+    """The fp16 loss scaler's state (empty without one), so a resume grows the scale when the
+    uninterrupted run would have."""
+    scaler = getattr(optimizer, "loss_scaler", None)
+    if scaler is None or not getattr(scaler, "dynamic", False):
+        scale = getattr(optimizer, "cur_scale", None)
+        return {"cur_scale": float(scale)} if isinstance(scale, (int, float, torch.Tensor)) else {}
+    return {field: float(getattr(scaler, field)) for field in _SCALER_FIELDS if hasattr(scaler, field)}
+
+
+def restore_loss_scaler(optimizer, state: dict[str, float]) -> None:
+    """Put loss_scaler_state() back (a checkpoint without the counters restores the scale alone)."""
+    scaler = getattr(optimizer, "loss_scaler", None)
+    if scaler is not None and getattr(scaler, "dynamic", False):
+        for field in _SCALER_FIELDS:
+            if field in state:
+                setattr(scaler, field, type(getattr(scaler, field))(state[field]))
+    elif "cur_scale" in state and hasattr(optimizer, "cur_scale"):
+        optimizer.cur_scale = state["cur_scale"]
 
 
 def _restore_schedule(scheduler, last_epoch: int) -> None:
@@ -321,9 +345,7 @@ def resume_universal(view: EngineView, directory: Path, lr_scheduler) -> dict[st
     scatter_full_state(view, directory, int(state.get("optim_step", state["step"])) if has_optimizer else None)
     step = int(state["step"])
     _restore_schedule(lr_scheduler, int(state.get("lr_scheduler", {}).get("last_epoch", step)))
-    scale = state.get("loss_scaler", {}).get("cur_scale")
-    if scale is not None and hasattr(view.engine.optimizer, "cur_scale"):
-        view.engine.optimizer.cur_scale = scale
+    restore_loss_scaler(view.engine.optimizer, state.get("loss_scaler", {}))
     view.engine.global_steps = step
     view.engine.global_samples = int(state["consumed_samples"])
     return state
