@@ -63,8 +63,10 @@ class Backend(Protocol):
     def has_native(self, path: Path) -> bool:
         """Whether a checkpoint directory holds the engine's own files."""
 
-    def save_full_state(self, directory: Path, state: dict[str, Any], tokenizer_dir: Optional[Path]) -> None:
-        """The layout-free checkpoint files (every rank calls: collectives)."""
+    def save_full_state(self, directory: Path, state: dict[str, Any], tokenizer_dir: Optional[Path],
+                        defer: bool = False) -> Optional[Callable[[], None]]:
+        """The layout-free checkpoint files (every rank calls: collectives). defer: gather a snapshot
+        now and return (on the rank that writes) the function that writes it, for a background save."""
 
     def load_full_state(self, directory: Path) -> dict[str, Any]:
         """Load a layout-free checkpoint in this layout; return its state.json."""

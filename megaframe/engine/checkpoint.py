@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -54,17 +55,55 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+class BackgroundWriter:
+    """Rank 0's checkpoint writing, one save at a time, on a thread (train.async_save): the step loop
+    goes on while the files are written, hashed and published; the next save and the end of the run
+    wait for it. A failure surfaces at that wait; a crash mid-write leaves `latest` on the previous
+    checkpoint, as a synchronous save does."""
+
+    def __init__(self):
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def submit(self, job: Callable[[], None], what: str) -> None:
+        self.wait()
+
+        def run():
+            try:
+                job()
+            except BaseException as err:  # re-raised on the training thread by wait()
+                self._error = RuntimeError(f"train.async_save: writing {what} failed: {err}")
+                self._error.__cause__ = err
+        self._thread = threading.Thread(target=run, name=f"megaframe-save-{what}", daemon=False)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is published; raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
 def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
-         rng_state: Optional[dict[str, Any]] = None, write_extra: Optional[Callable[[Path], None]] = None,
-         keep: int = 0, native: bool = True) -> Path:
+         rng_state: Optional[dict[str, Any]] = None, write_extra: Optional[Callable[[Path], Any]] = None,
+         keep: int = 0, native: bool = True, background: Optional[BackgroundWriter] = None,
+         before_publish: Optional[Callable[[str], None]] = None) -> Path:
     """Save every rank's shard, then (rank 0) publish it: manifest, rename into place, update `latest`.
 
     native: the engine's own files too; write_extra(tmp_dir) runs on every rank after them (the
-    layout-free files); keep > 0 deletes all but the newest `keep` checkpoints once `latest` names
-    the new one."""
+    layout-free files) and may return a function that writes them later (rank 0's snapshot);
+    background: publish on rank 0's writer thread instead of before returning; before_publish: a
+    test hook called with "write" before rank 0 writes its deferred files and "publish" once they
+    are written; keep > 0 deletes all but the newest `keep`
+    checkpoints once `latest` names the new one."""
     save_dir = Path(save_dir)
     tag = tag_for(step)
     tmp_tag = TMP_PREFIX + tag
+    if background is not None:
+        background.wait()  # one save in flight at a time
     if _rank() == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(save_dir / tmp_tag, ignore_errors=True)  # debris of a save that crashed
@@ -73,19 +112,32 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
         backend.save_native(save_dir, tmp_tag, client_state)
     (save_dir / tmp_tag).mkdir(parents=True, exist_ok=True)
     torch.save({"cpu": torch.get_rng_state(), **(rng_state or {})}, save_dir / tmp_tag / f"rng_rank{_rank()}.pt")
-    if write_extra is not None:
-        write_extra(save_dir / tmp_tag)
+    deferred = write_extra(save_dir / tmp_tag) if write_extra is not None else None
     if _rank() == 0 and "layout" in client_state:
         atomic_write_text(save_dir / tmp_tag / LAYOUT_FILE, json.dumps(client_state["layout"], sort_keys=True) + "\n")
-    _barrier()
+    _barrier()  # every rank's files are in tmp_tag (rank 0's layout-free ones may still be in memory)
     final = save_dir / tag
-    if _rank() == 0:
+
+    def publish() -> None:
+        if before_publish is not None:
+            before_publish("write")
+        if deferred is not None:
+            deferred()
+        if before_publish is not None:
+            before_publish("publish")
         universal.write_manifest(save_dir / tmp_tag)
         universal.replace_dir(save_dir / tmp_tag, final)  # re-saving a step keeps the old one until the swap
         atomic_write_text(save_dir / LATEST, tag + "\n")
         if keep > 0:
             prune(save_dir, keep)
-    _barrier()
+
+    if _rank() == 0:
+        if background is not None:
+            background.submit(publish, tag)
+        else:
+            publish()
+    if background is None:
+        _barrier()
     return final
 
 

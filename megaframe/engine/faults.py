@@ -4,11 +4,16 @@ MEGAFRAME_FAULTS is a comma-separated list of KIND@STEP or KIND@STEP:RANK (RANK 
   nan_grad@5:0   rank 0's gradients of step 5 become NaN (one parameter's, on that rank only)
   hang@3:1       rank 1 sleeps forever at the start of step 3
   spike@8        every target of step 8 becomes token 0 on every rank (a byte text never holds): a loss spike
+  kill_in_save@4 SIGKILL to the process while the checkpoint of step 4 is being written (its files
+                 written, not yet published), on the writer's thread under train.async_save
+  slow_save@4    the checkpoint of step 4 waits 3 s before its files are written (under
+                 train.async_save training goes on meanwhile: what is written must be step 4's)
 Steps count from 1 (the step being taken).
 """
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -16,7 +21,7 @@ from typing import Optional
 import torch
 
 ENV = "MEGAFRAME_FAULTS"
-KINDS = ("nan_grad", "hang", "spike")
+KINDS = ("nan_grad", "hang", "spike", "kill_in_save", "slow_save")
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,20 @@ class Faults:
 
     def _due(self, kind: str, step: int) -> bool:
         return any(f.kind == kind and f.step == step for f in self.planned)
+
+    def in_save_hook(self, step: int):
+        """The checkpoint save's hook for `step` (called with "write", then "publish"): None unless
+        a fault is due in that save."""
+        kill, slow = self._due("kill_in_save", step), self._due("slow_save", step)
+        if not (kill or slow):
+            return None
+
+        def hook(stage: str) -> None:
+            if slow and stage == "write":
+                time.sleep(3)
+            if kill and stage == "publish":
+                os.kill(os.getpid(), signal.SIGKILL)
+        return hook
 
     def batches(self, step: int, batches: list) -> list:
         """The micro-batches of `step`, their targets all token 0 when a spike is due."""

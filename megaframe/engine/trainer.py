@@ -75,6 +75,7 @@ class Trainer:
         self.last_checkpoint: Optional[Path] = None
         self.started = time.monotonic()
         self.faults = Faults(self.ps.rank)
+        self.background = checkpoint.BackgroundWriter()  # train.async_save: rank 0 writes on a thread
 
     def _check_token_ids(self) -> None:
         """Every token id below the model's vocabulary (data/token_check.py), before step 1: the
@@ -167,12 +168,14 @@ class Trainer:
             universal_state = {**state, "model": {**dataclasses.asdict(self.cfg.model), "vocab_size": self.dims.vocab_size},
                                "tokenizer": self.cfg.data.tokenizer, "data_seed": self.cfg.train.seed}
             write_universal = lambda tmp_dir: self.backend.save_full_state(  # noqa: E731
-                tmp_dir, universal_state, tokenizer if tokenizer.is_dir() else None)
+                tmp_dir, universal_state, tokenizer if tokenizer.is_dir() else None, defer=self.cfg.train.async_save)
         # one copy by default: DeepSpeed's own files only when asked, or when there is no layout-free copy
         native = self.cfg.train.native_checkpoint or write_universal is None
         self.last_checkpoint = checkpoint.save(self.backend, self.checkpoint_dir, self.step, state,
                         rng_state={"tp_dropout": self.backend.module.rng.state_dict()}, write_extra=write_universal,
-                        keep=self.cfg.train.keep_checkpoints, native=native)
+                        keep=self.cfg.train.keep_checkpoints, native=native,
+                        background=self.background if self.cfg.train.async_save else None,
+                        before_publish=self.faults.in_save_hook(self.step))
 
     def _log(self, record: dict) -> None:
         if not self.is_logger:
@@ -304,6 +307,11 @@ class Trainer:
         """Flush W&B and remove swap files; after a clean run, wait for every rank (avoids aborts at
         interpreter exit). After a failure there is no barrier: the other ranks may be blocked in a
         collective this rank will never join, and a barrier would turn the error into a hang."""
+        save_error, run_failed = None, failed
+        try:
+            self.background.wait()  # a checkpoint still being written is finished, failure or not
+        except RuntimeError as err:
+            save_error, failed = err, True
         if self.progress:
             self.progress.close()
         if self.is_logger:
@@ -311,6 +319,8 @@ class Trainer:
         if self.wandb:
             self.wandb.finish(exit_code=1 if failed else 0)
         self.backend.close()
+        if save_error is not None and not run_failed:  # else the run's own error is the one to report
+            raise save_error
         if dist.is_initialized() and not failed:
             dist.barrier()
 
@@ -320,7 +330,7 @@ class Trainer:
         if failed:
             ended = "failed"
         elif self.step < t.max_steps:
-            ended = f"stopped early (train.exit_at_step={t.exit_at_step})"
+            ended = f"stopped early (train.exit_at_step={t.exit_at_step})" if t.exit_at_step else "stopped"
         else:
             ended = "finished"
         parts = [f"megaframe: {ended} at step {self.step}/{t.max_steps}"]

@@ -231,3 +231,46 @@ def test_a_manifest_naming_a_file_outside_is_refused(tmp_path):
     result = run_cli([*args, f"train.resume={tmp_path / 'checkpoints' / 'global_step2'}"])
     assert_one_line_failure(result, ExitCode.BAD_CHECKPOINT, "manifest.json names '../../../config.yaml'",
                             "outside the checkpoint directory")
+
+
+ASYNC = [*TINY, "train.max_steps=8", "train.save_interval=2"]
+
+
+def test_async_saves_write_what_sync_saves_write(tmp_path):
+    """train.async_save=true writes each checkpoint from a snapshot taken at its step while training
+    goes on: the files and the metrics equal the synchronous run's (a live tensor written late
+    would differ)."""
+    sync, background = tmp_path / "sync", tmp_path / "async"
+    assert_ok(run_cli([*ASYNC, f"hydra.run.dir={sync}"]))
+    # step 4's files are written 3 s late, while steps 5 and 6 train on (faults.py: slow_save)
+    result = run_cli([*ASYNC, "train.async_save=true", f"hydra.run.dir={background}"],
+                     env=cli_env(MEGAFRAME_FAULTS="slow_save@4"))
+    assert_ok(result)
+    for step in (2, 4, 6, 8):
+        for name in ("model.safetensors", "optimizer.safetensors", "state.json"):
+            a = (sync / "checkpoints" / f"global_step{step}" / name).read_bytes()
+            assert a == (background / "checkpoints" / f"global_step{step}" / name).read_bytes(), (step, name)
+    keys = ("loss", "lr", "grad_norm", "eval_loss")
+    values = [[(r["step"], *(r.get(k) for k in keys)) for r in read_metrics(d)] for d in (sync, background)]
+    assert values[0] == values[1]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigkill_inside_a_save_resumes_from_the_previous_checkpoint(mode, tmp_path):
+    """SIGKILL lands inside the write of step 4's checkpoint (its files written, not published); the
+    restarted run resumes from step 2 and ends with the uninterrupted run's metrics."""
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    extra = ["train.async_save=true"] if mode == "async" else []
+    assert_ok(run_cli([*ASYNC, *extra, f"hydra.run.dir={whole}"]))
+    killed = run_cli([*ASYNC, *extra, f"hydra.run.dir={run}"], env=cli_env(MEGAFRAME_FAULTS="kill_in_save@4"))
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    checkpoints = run / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "global_step2"
+    assert (checkpoints / "tmp-global_step4" / "model.safetensors").is_file()  # the write it died in
+    resumed = run_cli([*ASYNC, *extra, f"hydra.run.dir={run}"])
+    assert_ok(resumed)
+    assert "global_step2 at step 2" in resumed.stdout
+    keys = ("loss", "lr", "grad_norm", "eval_loss")
+    values = [[(r["step"], *(r.get(k) for k in keys)) for r in read_metrics(d)] for d in (whole, run)]
+    assert values[0] == values[1]
+    assert not list(checkpoints.glob("tmp-*"))

@@ -270,8 +270,9 @@ class DeepSpeedBackend:
     def has_native(self, path: Path) -> bool:
         return any(Path(path).glob("*model_states.pt"))
 
-    def save_full_state(self, directory: Path, state: dict[str, Any], tokenizer_dir: Optional[Path]) -> None:
-        state_io.save_universal(self._view(), directory, state, self.lr_scheduler, tokenizer_dir)
+    def save_full_state(self, directory: Path, state: dict[str, Any], tokenizer_dir: Optional[Path],
+                        defer: bool = False) -> Optional[Callable[[], None]]:
+        return state_io.save_universal(self._view(), directory, state, self.lr_scheduler, tokenizer_dir, defer)
 
     def load_full_state(self, directory: Path) -> dict[str, Any]:
         return state_io.resume_universal(self._view(), directory, self.lr_scheduler)

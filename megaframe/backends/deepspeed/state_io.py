@@ -17,7 +17,7 @@ import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import deepspeed
 import torch
@@ -285,18 +285,25 @@ def _jsonable(obj: dict) -> dict:
 
 
 def save_universal(view: EngineView, directory: Path, state: dict[str, Any], lr_scheduler,
-                   tokenizer_dir: Optional[Path] = None) -> None:
+                   tokenizer_dir: Optional[Path] = None, defer: bool = False) -> Optional[Callable[[], None]]:
     """Write model/optimizer/state.json into `directory` (rank 0; every rank must call: collectives).
 
-    `state` holds step, consumed_samples, model and whatever else the run wants in state.json."""
+    `state` holds step, consumed_samples, model and whatever else the run wants in state.json.
+    defer: gather now, write later: rank 0 gets back a function that writes a snapshot (copies of
+    the tensors, so training may go on changing the live ones); the other ranks get None."""
     model, optim = gather_full_state(view, with_optimizer=True)
     if dist.is_initialized() and dist.get_rank() != 0:
-        return
+        return None
     full_state = {**state, "optim_step": adam_step(view), "layout": layout_record(view),
                   "lr_scheduler": _jsonable(lr_scheduler.state_dict())}
     if scaler := loss_scaler_state(view.engine.optimizer):
         full_state["loss_scaler"] = scaler
-    universal.write_files(directory, model, full_state, optim, tokenizer_dir)
+    if not defer:
+        universal.write_files(directory, model, full_state, optim, tokenizer_dir)
+        return None
+    # gather_full_state's tensors are copies (_module_value and _optimizer_value clone): a snapshot
+    # training does not touch; the async test (slow_save) holds the files to the synchronous ones
+    return lambda: universal.write_files(directory, model, full_state, optim, tokenizer_dir)
 
 
 # DeepSpeed's dynamic fp16 loss scaler: the scale, and the counters that decide when it next grows

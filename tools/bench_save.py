@@ -1,0 +1,70 @@
+"""How long a checkpoint save stalls the training loop, synchronous against train.async_save=true.
+
+usage: python tools/bench_save.py [--saves 3] [OVERRIDE ...]
+
+Builds the trainer in this process (one rank), trains a step between saves, and times the call
+that saves: a synchronous save returns once the checkpoint is published; an async one once the
+state is gathered and the writer thread has taken over (its writing time is reported too).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+try:
+    import megaframe  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(REPO))
+
+# ~50M parameters: enough bytes that writing them dominates a save
+SHAPE = ["model.num_layers=12", "model.hidden_size=576", "model.num_attention_heads=8", "model.ffn_hidden_size=2304",
+         "model.seq_length=64",
+         "parallel.micro_batch_size=2", "parallel.global_batch_size=2", "train.eval_interval=0",
+         "train.save_interval=0", "logging.wandb.mode=disabled", "logging.progress_bar=false"]
+
+
+def measure(overrides: list[str], saves: int, async_save: bool) -> tuple[list[float], list[float], int]:
+    """(stall per save, write time per save, bytes per checkpoint)."""
+    from megaframe.config.compose import compose
+    from megaframe.config.validate import validate
+    from megaframe.engine.trainer import Trainer
+
+    cfg, _ = compose([*SHAPE, *overrides, f"train.async_save={str(async_save).lower()}", "train.max_steps=100"])
+    run_dir = Path(tempfile.mkdtemp(prefix="megaframe-bench-save-"))
+    stalls, writes = [], []
+    with Trainer(cfg, validate(cfg, 1), run_dir) as trainer:
+        trainer.train_step()
+        for _ in range(saves):
+            trainer.train_step()
+            start = time.perf_counter()
+            trainer._save()
+            stalls.append(time.perf_counter() - start)
+            trainer.background.wait()
+            writes.append(time.perf_counter() - start)
+        size = sum(f.stat().st_size for f in trainer.last_checkpoint.rglob("*") if f.is_file())
+        params = trainer.num_parameters
+    print(f"{'async' if async_save else 'sync '}: {params / 1e6:.1f}M parameters, {size / 2**20:.0f} MiB per checkpoint; "
+          f"stall per save {', '.join(f'{s:.2f}' for s in stalls)} s; until published "
+          f"{', '.join(f'{w:.2f}' for w in writes)} s", flush=True)
+    return stalls, writes, size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    results = {mode: measure(args.overrides, args.saves, mode == "async") for mode in ("sync", "async")}
+    print("| save | stall per save (median) | until published (median) | MiB per checkpoint |")
+    print("|---|---|---|---|")
+    for mode, (stalls, writes, size) in results.items():
+        print(f"| {mode} | {statistics.median(stalls):.2f} s | {statistics.median(writes):.2f} s | {size / 2**20:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
