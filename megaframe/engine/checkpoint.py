@@ -112,7 +112,8 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
         backend.save_native(save_dir, tmp_tag, client_state)
     (save_dir / tmp_tag).mkdir(parents=True, exist_ok=True)
     torch.save({"cpu": torch.get_rng_state(), **(rng_state or {})}, save_dir / tmp_tag / f"rng_rank{_rank()}.pt")
-    deferred = write_extra(save_dir / tmp_tag) if write_extra is not None else None
+    written = write_extra(save_dir / tmp_tag) if write_extra is not None else None
+    deferred = written if callable(written) else None  # a writer to run later, or the files are already there
     if _rank() == 0 and "layout" in client_state:
         atomic_write_text(save_dir / tmp_tag / LAYOUT_FILE, json.dumps(client_state["layout"], sort_keys=True) + "\n")
     _barrier()  # every rank's files are in tmp_tag (rank 0's layout-free ones may still be in memory)
