@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from megaframe.backends import StepResult
 from megaframe.backends.deepspeed.engine import DeepSpeedBackend, init_distributed
+from megaframe.checkpoint.universal import CheckpointError
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout, universal_checkpoint_unsupported
-from megaframe.checkpoint.universal import CheckpointError
 from megaframe.data import micro_batches, eval_batches
 from megaframe.data.token_check import cached_max_token_id, check_token_ids, max_token_id, remember_max_token_id
 from megaframe.engine import checkpoint
