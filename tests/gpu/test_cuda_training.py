@@ -51,6 +51,11 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_trains_on_the_gpu_close_to_the_cpu_reference(case, cpu_reference, tmp_path):
+    if "nvme" in case:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        if not AsyncIOBuilder().is_compatible(verbose=False):  # megaframe-train would refuse it (exit 2)
+            pytest.skip("this GPU machine has no libaio: NVMe offload cannot run here")
     extra = [a.format(tmp=tmp_path) for a in CASES[case]]
     result = run_cli([*TINY, *STEPS, *extra, f"hydra.run.dir={tmp_path / 'run'}"], env=gpu_env(), timeout=900)
     assert_ok(result)
