@@ -7,8 +7,9 @@ and output (16 elements of s·b·h), 1-byte masks of two dropouts (2 s·b·h byt
 a·s² attention scores, softmax and dropout mask (5·a·s²·b bytes).
 
 This code base's block differs, and the formula below follows it tensor by tensor:
-- no dropout masks when model.dropout=0 (the recipes' pre-training setting), a mask byte per
-  element otherwise;
+- no dropout masks when model.dropout=0 (the recipes' pre-training setting); otherwise a mask per
+  element, one byte on CUDA and the activation dtype on CPU, and on CPU attention dropout runs
+  SDPA's math path, which keeps three heads·s² tensors (probabilities, mask, dropped probabilities);
 - attention is torch SDPA (flash/memory-efficient): no s² scores, but it keeps its output (which
   the out-projection also keeps: same storage) and a fp32 logsumexp of a·s·b;
 - element size is the activation dtype (4 for fp32, 2 for bf16/fp16); norms keep fp32 statistics;
@@ -39,6 +40,7 @@ class ActivationShape:
     tp: int = 1
     sequence_parallel: bool = False
     dtype: str = "bf16"
+    device: str = "cuda"  # cuda | cpu: where dropout's kernels differ (see block_activation_bytes)
 
 
 def _norm_bytes(dims: GPTDims, tokens: float, e: int) -> float:
@@ -60,11 +62,20 @@ def block_activation_bytes(dims: GPTDims, shape: ActivationShape) -> float:
     q = dims.num_heads * hs // t
     kv = dims.num_kv_heads * hs // t if dims.num_kv_heads % t == 0 else dims.num_kv_heads * hs
     heads = dims.num_heads // t
-    mask = 1 if dims.dropout > 0 else 0
+    dropout = dims.dropout > 0
+    mask = dropout_mask_bytes(dims, shape)
 
     attention = sb * e * h  # QKV input (the norm output; shared by the three projections)
-    attention += sb * e * (q + 2 * kv)  # Q, K (rotated under RoPE), V kept by SDPA
-    attention += sb * e * q + sb * heads * 4  # SDPA output (= out-projection input) and fp32 logsumexp
+    if dropout and shape.device == "cpu":
+        # SDPA's math path (the CPU's fused kernels take no dropout), in fp32 whatever the dtype: q,
+        # k transposed and v, expanded to every query head, then the softmax output, its dropout
+        # mask and the dropped probabilities
+        attention += 3 * sb * 4 * q + 3 * heads * dims.seq_length * sb * 4
+    else:
+        # flash / memory-efficient SDPA (dropout inside the kernel, regenerated from its RNG state):
+        # Q, K (rotated under RoPE), V and an fp32 logsumexp
+        attention += sb * e * (q + 2 * kv) + sb * heads * 4
+    attention += sb * e * q  # SDPA output (= out-projection input)
     attention += sb_norm * mask * h  # residual dropout mask
 
     mlp = sb * e * h  # MLP input (the norm output, shared by up/gate)
@@ -80,10 +91,20 @@ def block_input_bytes(dims: GPTDims, shape: ActivationShape) -> float:
     return sb / split * dims.hidden_size * ACTIVATION_BYTES[shape.dtype]
 
 
+def dropout_mask_bytes(dims: GPTDims, shape: ActivationShape) -> int:
+    """Bytes per element of a dropout mask: none at dropout 0, a byte on CUDA (its fused kernel),
+    the activation dtype on CPU (the scaled noise)."""
+    if dims.dropout == 0:
+        return 0
+    return 1 if shape.device == "cuda" else ACTIVATION_BYTES[shape.dtype]
+
+
 def embedding_activation_bytes(dims: GPTDims, shape: ActivationShape) -> float:
-    """First stage: token ids kept by the lookup (int64) and their out-of-shard mask."""
+    """First stage: token ids kept by the lookup (int64), their out-of-shard mask, and the embedding
+    dropout's mask (a sequence shard under SP)."""
     sb = dims.seq_length * shape.micro_batch_size
-    return sb * (8 + 1)
+    sb_shard = sb / shape.tp if shape.sequence_parallel and shape.tp > 1 else sb
+    return sb * (8 + 1) + sb_shard * dims.hidden_size * dropout_mask_bytes(dims, shape)
 
 
 def head_activation_bytes(dims: GPTDims, shape: ActivationShape) -> float:

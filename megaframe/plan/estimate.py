@@ -126,12 +126,14 @@ def _ring(n: int) -> float:
 
 
 def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reserved: float,
-                   host_counts_as_device: bool, bucket_elements: int = 500_000_000) -> StageEstimate:
-    """Memory of one rank of pipeline stage `stage`."""
+                   host_counts_as_device: bool, bucket_elements: int = 500_000_000,
+                   device: str = "cuda") -> StageEstimate:
+    """Memory of one rank of pipeline stage `stage` (device: cuda or cpu, whose dropout kernels keep
+    different tensors)."""
     params = stage_parameters(dims, lay.tp, lay.pp, stage, lay.partition)
     blocks = stage_blocks(dims, lay.tp, lay.pp, stage, lay.partition)
     states = model_state_bytes(params, lay.dp, lay.zero_stage, dtype, lay.offload_optimizer, lay.offload_param)
-    shape = ActivationShape(lay.micro_batch_size, lay.tp, lay.sequence_parallel, dtype)
+    shape = ActivationShape(lay.micro_batch_size, lay.tp, lay.sequence_parallel, dtype, device)
     first, last = stage == 0, stage == lay.pp - 1
     per_micro = stage_activation_bytes(dims, shape, blocks, first, last, lay.recompute)
     in_flight = in_flight_micro_batches(lay.pp, stage, lay.micro_batches)
@@ -166,7 +168,9 @@ def estimate(dims: GPTDims, lay: PlanLayout, dtype: str, cluster: ClusterConfig,
     stage_ids = range(lay.pp) if all_stages or lay.pp <= 8 else _stages_to_report(lay.pp)
     # CPU ranks: offloaded states live in the same RAM
     host_is_device = local and cluster.memory_gb is None and local_gpu_memory() is None
-    stages = [estimate_stage(dims, lay, dtype, s, reserved, host_is_device, bucket_elements) for s in stage_ids]
+    device = "cpu" if local and local_gpu_memory() is None else "cuda"  # the ranks of a local plan run here
+    stages = [estimate_stage(dims, lay, dtype, s, reserved, host_is_device, bucket_elements, device)
+              for s in stage_ids]
     worst = max(stages, key=lambda st: st.peak)
     tokens = lay.global_batch_size * dims.seq_length
     flops = flops_per_token(dims) * tokens
