@@ -21,9 +21,9 @@ from megaframe.config.schema import TrainConfig
 from megaframe.config.store import register_configs
 from megaframe.config.validate import ConfigError, Layout, requested_world_size, validate
 from megaframe.config.validate import warnings as validate_warnings
+from megaframe.failures import PROG
 from megaframe.paths import conf_dir
 
-PROG = "megaframe-train"
 _SELF_LAUNCHED = "MEGAFRAME_SELF_LAUNCHED"  # set for the ranks _self_launch starts
 # Hydra's own flags (help, --cfg job, multirun, ...): Hydra handles them, we do not pre-validate.
 _HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-p", "--package",

@@ -1,5 +1,7 @@
 """How a run that has started ends when it cannot go on: one exit code per cause, one line for the user.
 
+PROG names the command in that line (and in the refusals before launch).
+
 The codes are documented in README ("Exit codes"); 2 stays "refused before launch". A failure that
 would happen again on a restart (divergence, bad data, a corrupt checkpoint, a missing system
 piece) is *deterministic*: torchrun must not replay it (see parallel/job_stop.py).
@@ -8,6 +10,8 @@ from __future__ import annotations
 
 import enum
 from typing import Optional
+
+PROG = "megaframe-train"
 
 
 class ExitCode(enum.IntEnum):
@@ -77,6 +81,8 @@ class JobStopped(RunFailure):
         self.exit_code = ExitCode(exit_code)
 
 
+_BY_CODE = {failure.exit_code: failure for failure in (Diverged, BadData, BadCheckpoint, MissingSystemPiece, RankHung)}
+
 # gloo and NCCL errors a rank sees when a peer died: consequences, not causes
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
               "NCCL communicator was aborted", "Socket Timeout", "Connection refused")
@@ -89,17 +95,14 @@ def is_peer_failure(err: BaseException) -> bool:
 
 
 def classify(err: BaseException) -> RunFailure:
-    """The RunFailure a rank reports for err (errors of other modules mapped by type name, so this
-    module imports nothing)."""
+    """The RunFailure a rank reports for err. Errors of other modules that declare an `exit_code`
+    (data's DataError, checkpoint's CheckpointError) map to its failure; anything else is internal."""
     if isinstance(err, RunFailure):
         return err
     kind = type(err).__name__
     first_line = (str(err).strip().splitlines() or [kind])[0]
-    if kind == "DataError":  # megaframe.data.indexed
-        return BadData(first_line)
-    if kind == "CheckpointError":  # megaframe.checkpoint.universal
-        return BadCheckpoint(first_line)
-    return RunFailure(f"{kind}: {first_line}")
+    failure = _BY_CODE.get(getattr(err, "exit_code", None))
+    return failure(first_line) if failure is not None else RunFailure(f"{kind}: {first_line}")
 
 
 def exit_code_of_job(codes: list[Optional[int]]) -> int:

@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megaframe.failures import ExitCode
 from megaframe.tracking.metrics import atomic_write_text
 
 FORMAT, VERSION = "megaframe-universal", 1
@@ -33,6 +34,8 @@ MASTER_KEY = "master"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: corrupted, truncated, incompatible. The message is one line."""
+
+    exit_code = ExitCode.BAD_CHECKPOINT  # after launch (megaframe/failures.py)
 
 
 def _hash_file(path: Path) -> str:

@@ -14,11 +14,15 @@ from typing import Any, BinaryIO, Sequence
 
 import numpy as np
 
+from megaframe.failures import ExitCode
+
 __all__ = ["DataError", "IndexedDataset", "IndexedDatasetWriter", "best_dtype", "umask_permissions"]
 
 
 class DataError(ValueError):
     """Bad data input; the one-line message names the file or argument and how to fix it."""
+
+    exit_code = ExitCode.BAD_DATA  # after launch (megaframe/failures.py)
 
 
 FORMAT_VERSION = 1

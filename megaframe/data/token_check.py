@@ -9,14 +9,13 @@ size and modification time, so a dataset is scanned once, and again only when it
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from megaframe.data.indexed import DataError, IndexedDataset
+from megaframe.tracking.metrics import atomic_write_text
 
 _CHUNK_TOKENS = 1 << 24  # 32-64 MiB of tokens per read
 
@@ -40,10 +39,7 @@ def remember_max_token_id(dataset: IndexedDataset, cache_dir: Path, max_token_id
     path = _cache_file(dataset, cache_dir)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"max_token_id": int(max_token_id), "prefix": str(dataset.prefix)}, f)
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps({"max_token_id": int(max_token_id), "prefix": str(dataset.prefix)}))
     except OSError:  # a read-only cache only costs a scan next time
         pass
 

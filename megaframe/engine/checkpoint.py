@@ -203,29 +203,32 @@ def newest_verified(save_dir: Path) -> tuple[Optional[Path], list[str]]:
     ordered = [latest] + [path for _, path in reversed(_complete_checkpoints(save_dir)) if path != latest]
     skipped = []
     for path in ordered:
-        try:
-            verify(path)
-        except CheckpointError as err:
-            skipped.append(f"{path.name} ({str(err).split('; resume from')[0].removeprefix('train.resume: ')})")
-            continue
-        return path, skipped
+        problem = manifest_problem(path)
+        if problem is None:
+            return path, skipped
+        skipped.append(f"{path.name} ({problem})")
     raise CheckpointError(f"train.resume=auto: no checkpoint under {save_dir} verifies: {'; '.join(skipped)}; "
                           f"start over with train.resume=none or a new run directory")
 
 
-def verify(path: Path) -> None:
-    """Rank 0 checks the manifest (every file's size and sha256); every rank raises the same
-    one-line CheckpointError when it fails."""
+def manifest_problem(path: Path) -> Optional[str]:
+    """Rank 0 checks the manifest (every file's size and sha256); every rank gets the same answer:
+    None when it verifies, else the one-line reason."""
     message = [None]
     if _rank() == 0:
         try:
             universal.verify_manifest(path)
         except CheckpointError as err:
-            message[0] = f"train.resume: {err}; resume from an earlier checkpoint with train.resume=PATH"
+            message[0] = str(err)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(message, src=0)
-    if message[0]:
-        raise CheckpointError(message[0])
+    return message[0]
+
+
+def verify(path: Path) -> None:
+    """manifest_problem() as a one-line CheckpointError on every rank."""
+    if problem := manifest_problem(path):
+        raise CheckpointError(f"train.resume: {problem}; resume from an earlier checkpoint with train.resume=PATH")
 
 
 def load_any(backend, path: Path, verified: bool = False) -> ResumePoint:

@@ -10,10 +10,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megaframe.failures import JobStopped, RunFailure, classify, is_peer_failure
+from megaframe.failures import PROG, JobStopped, RunFailure, classify, is_peer_failure
 from megaframe.parallel.elastic import record_job_stop
-
-PROG = "megaframe-train"
 _REPORTED = "megaframe/failure_reported"
 
 

@@ -20,12 +20,17 @@ from ranks import run_ranks
 COUNTED = ("all_reduce", "all_gather", "reduce_scatter")
 
 
-def _count_step(rank: int, world: int, arch: str, num_layers: int, sequence_parallel: bool) -> dict:
+def _config(arch: str, num_layers: int) -> ModelConfig:
+    """A small model of either flavour (Llama with grouped-query attention)."""
     llama = arch == "llama"
-    cfg = ModelConfig(arch=arch, num_layers=num_layers, hidden_size=64, num_attention_heads=4, seq_length=16,
-                      ffn_hidden_size=128, num_kv_heads=2 if llama else None,
-                      norm="rmsnorm" if llama else "layernorm", activation="swiglu" if llama else "gelu",
-                      position_embedding="rope" if llama else "learned", tie_embeddings=not llama, bias=not llama)
+    return ModelConfig(arch=arch, num_layers=num_layers, hidden_size=64, num_attention_heads=4, seq_length=16,
+                       ffn_hidden_size=128, num_kv_heads=2 if llama else None,
+                       norm="rmsnorm" if llama else "layernorm", activation="swiglu" if llama else "gelu",
+                       position_embedding="rope" if llama else "learned", tie_embeddings=not llama, bias=not llama)
+
+
+def _count_step(rank: int, world: int, arch: str, num_layers: int, sequence_parallel: bool) -> dict:
+    cfg = _config(arch, num_layers)
     ps = ParallelState.build(ParallelDims(tp=world))
     model = build_model(resolve_dims(cfg, 100), ps, seed=0, sequence_parallel=sequence_parallel)
     counts: dict[str, collections.Counter] = {"forward": collections.Counter(), "backward": collections.Counter()}
@@ -88,11 +93,7 @@ def _bucketed_step(rank: int, world: int, arch: str, num_layers: int, micro_batc
     (flushed at the last backward), against the same step with the per-use autograd sum."""
     from megaframe.parallel.grad_bucket import ReplicatedGradBucket
 
-    llama = arch == "llama"
-    cfg = ModelConfig(arch=arch, num_layers=num_layers, hidden_size=64, num_attention_heads=4, seq_length=16,
-                      ffn_hidden_size=128, num_kv_heads=2 if llama else None,
-                      norm="rmsnorm" if llama else "layernorm", activation="swiglu" if llama else "gelu",
-                      position_embedding="rope" if llama else "learned", tie_embeddings=not llama, bias=not llama)
+    cfg = _config(arch, num_layers)
     ps = ParallelState.build(ParallelDims(tp=world))
     dims = resolve_dims(cfg, 100)
     seen = {"micro": 0}

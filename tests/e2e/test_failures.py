@@ -28,6 +28,11 @@ def assert_one_line_failure(result: subprocess.CompletedProcess, code: int, *fra
     return errors[0]
 
 
+def _curves(run_dir: Path, keys: tuple[str, ...] = ("loss", "lr", "grad_norm", "eval_loss")) -> list[tuple]:
+    """(step, values of keys) for every metrics.jsonl record: what two runs must share exactly."""
+    return [(r["step"], *(r.get(k) for k in keys)) for r in read_metrics(run_dir)]
+
+
 def test_lr_1e6_stops_with_one_divergence_line_and_the_traceback_in_the_run_dir(tmp_path):
     result = run_cli([*TINY, "optim.lr=1e6", "train.max_steps=30", f"hydra.run.dir={tmp_path}"])
     line = assert_one_line_failure(result, ExitCode.DIVERGED, "diverged: 5 steps in a row skipped", "optim.lr",
@@ -91,8 +96,7 @@ def test_spike_skip_decides_the_same_after_a_resume(tmp_path):
     assert_ok(run_cli([*SPIKE, "train.exit_at_step=6", f"hydra.run.dir={resumed}"], env=cli_env(**SPIKE_FAULT)))
     assert_ok(run_cli([*SPIKE, f"hydra.run.dir={resumed}"], env=cli_env(**SPIKE_FAULT)))
     keys = ("loss", "lr", "grad_norm", "skipped_steps", "event")
-    values = [[(r["step"], *(r.get(k) for k in keys)) for r in read_metrics(d)] for d in (whole, resumed)]
-    assert values[0] == values[1]
+    assert _curves(whole, keys) == _curves(resumed, keys)
     assert [(r["step"], r["event"]) for r in read_metrics(whole) if "event" in r] == [(8, "spike_skipped")]
 
 
@@ -205,9 +209,7 @@ def test_resume_auto_falls_back_past_a_corrupt_newest_checkpoint(tmp_path):
     assert "global_step4 (checkpoint" in notice and "does not match its sha256" in notice, notice
     assert notice.endswith("resuming from global_step2"), notice
     assert "global_step2 at step 2" in result.stdout
-    keys = ("loss", "lr", "grad_norm", "eval_loss")
-    values = [[(r["step"], *(r.get(k) for k in keys)) for r in read_metrics(d)] for d in (whole, run)]
-    assert values[0] == values[1]
+    assert _curves(whole) == _curves(run)
 
 
 @pytest.mark.parametrize("pointer", ["../../elsewhere", "/etc", "global_step2/../../x"])
@@ -250,9 +252,7 @@ def test_async_saves_write_what_sync_saves_write(tmp_path):
         for name in ("model.safetensors", "optimizer.safetensors", "state.json"):
             a = (sync / "checkpoints" / f"global_step{step}" / name).read_bytes()
             assert a == (background / "checkpoints" / f"global_step{step}" / name).read_bytes(), (step, name)
-    keys = ("loss", "lr", "grad_norm", "eval_loss")
-    values = [[(r["step"], *(r.get(k) for k in keys)) for r in read_metrics(d)] for d in (sync, background)]
-    assert values[0] == values[1]
+    assert _curves(sync) == _curves(background)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -270,7 +270,5 @@ def test_sigkill_inside_a_save_resumes_from_the_previous_checkpoint(mode, tmp_pa
     resumed = run_cli([*ASYNC, *extra, f"hydra.run.dir={run}"])
     assert_ok(resumed)
     assert "global_step2 at step 2" in resumed.stdout
-    keys = ("loss", "lr", "grad_norm", "eval_loss")
-    values = [[(r["step"], *(r.get(k) for k in keys)) for r in read_metrics(d)] for d in (whole, run)]
-    assert values[0] == values[1]
+    assert _curves(whole) == _curves(run)
     assert not list(checkpoints.glob("tmp-*"))

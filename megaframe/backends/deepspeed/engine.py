@@ -199,22 +199,19 @@ class DeepSpeedBackend:
 
     # ---- steps -------------------------------------------------------------------------------
     def train_step(self, batches: list[Batch], skip_if: Optional[Callable[[float], bool]] = None) -> StepResult:
-        gate = LastMicroBatchGate(len(batches), self._dp_mean, skip_if) if skip_if else None
+        # losses add up on the device: the host reads the step's mean once, not per micro-batch
+        gate = LastMicroBatchGate(len(batches), self._dp_mean, skip_if)
         if self.pipelined:  # the engine runs the micro-batches through its 1F1B schedule
-            self.module.loss_fn.gate = gate  # the last stage's loss_fn sees every micro-batch's loss
+            self.module.loss_fn.gate = gate if skip_if else None  # the last stage's loss_fn sees every loss
             try:
                 loss = float(self.engine.train_batch(data_iter=iter(batches)))  # already averaged over DP
             finally:
                 self.module.loss_fn.gate = None
         else:
-            # losses add up on the device: the host reads the step's mean once, not per micro-batch
-            total = torch.zeros((), dtype=torch.float64, device=self.device)
             for inputs, targets in self._on_device(batches):
-                micro_loss = self.engine(inputs, targets)
-                total += micro_loss.detach()
-                self.engine.backward(gate(micro_loss) if gate else micro_loss)
+                self.engine.backward(gate(self.engine(inputs, targets)))
                 self.engine.step()
-            loss = gate.mean if gate else self._dp_mean(total / len(batches))
+            loss = gate.mean()
         if not self._norm_from_grads:
             # kept as DeepSpeed returns it (a device tensor under ZeRO): read on the host at log steps only
             self._last_grad_norm = self.engine.get_global_grad_norm()

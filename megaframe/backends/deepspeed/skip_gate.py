@@ -35,24 +35,31 @@ def poison_gradients(loss: torch.Tensor) -> torch.Tensor:
 
 
 class LastMicroBatchGate:
-    """Sums one step's micro-batch losses; at the last one asks skip_if with the global mean (one
-    host read, before the update) and poisons that micro-batch's gradient when told to skip."""
+    """Sums one step's micro-batch losses on the device. With skip_if, at the last one it asks
+    skip_if with the global mean (one host read, before the update) and poisons that micro-batch's
+    gradient when told to skip; without, the mean is read once, after the step (mean())."""
 
     def __init__(self, micro_batches: int, global_mean: Callable[[torch.Tensor], float],
-                 skip_if: Callable[[float], bool]):
+                 skip_if: Optional[Callable[[float], bool]] = None):
         self.micro_batches, self.global_mean, self.skip_if = micro_batches, global_mean, skip_if
         self.total: Optional[torch.Tensor] = None
         self.seen = 0
-        self.mean: Optional[float] = None
+        self._mean: Optional[float] = None
 
     def __call__(self, micro_loss: torch.Tensor) -> torch.Tensor:
         detached = micro_loss.detach().to(torch.float64)
         self.total = detached if self.total is None else self.total + detached
         self.seen += 1
-        if self.seen < self.micro_batches:
+        if self.skip_if is None or self.seen < self.micro_batches:
             return micro_loss
-        self.mean = self.global_mean(self.total / self.micro_batches)
-        return poison_gradients(micro_loss) if self.skip_if(self.mean) else micro_loss
+        self._mean = self.global_mean(self.total / self.micro_batches)
+        return poison_gradients(micro_loss) if self.skip_if(self._mean) else micro_loss
+
+    def mean(self) -> float:
+        """The global batch's mean loss (read on the host once per step)."""
+        if self._mean is None:
+            self._mean = self.global_mean(self.total / self.micro_batches)
+        return self._mean
 
 
 def gate_plain_optimizer(optimizer: torch.optim.Optimizer, norm: float) -> None:
