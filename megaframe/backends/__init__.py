@@ -65,8 +65,9 @@ class Backend(Protocol):
 
     def save_full_state(self, directory: Path, state: dict[str, Any], tokenizer_dir: Optional[Path],
                         defer: bool = False) -> Optional[Callable[[], None]]:
-        """The layout-free checkpoint files (every rank calls: collectives). defer: gather a snapshot
-        now and return (on the rank that writes) the function that writes it, for a background save."""
+        """This rank's shard of the layout-free checkpoint (every rank; no collectives): returns its
+        record (checkpoint/sharded.py). defer: copy the shard to host memory now and return the
+        function that writes it and returns the record, for a background save."""
 
     def load_full_state(self, directory: Path) -> dict[str, Any]:
         """Load a layout-free checkpoint in this layout; return its state.json."""

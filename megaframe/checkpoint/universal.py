@@ -1,10 +1,13 @@
-"""The layout-free ("universal") checkpoint format: full, named fp32 tensors in safetensors.
+"""The layout-free ("universal") checkpoint format: named fp32 tensors in safetensors.
 
-A directory holding (the contract shared with the HF converter, megaframe/convert/):
-  model.safetensors      one tensor per canonical parameter name (the tp=1 GPT's names), vocab unpadded
-  optimizer.safetensors  optional: exp_avg.<name>, exp_avg_sq.<name>, master.<name> (master omitted in fp32)
-  state.json             {"format": "megaframe-universal", "version": 1, "step", "consumed_samples", "model", ...}
-  manifest.json          written last: bytes + sha256 of every other file, and each safetensors file's tensors
+Tensors are the canonical parameters (the tp=1 GPT's names, vocabulary unpadded) and, with the
+optimizer, exp_avg.<name>, exp_avg_sq.<name>, master.<name> (master omitted in fp32). Two versions:
+  2 (training saves)   every rank writes the chunks it owns: shards/, index.json (checkpoint/sharded.py)
+  1 (the HF converter) whole tensors: model.safetensors, optional optimizer.safetensors
+Both hold
+  state.json             {"format": "megaframe-universal", "version", "step", "consumed_samples", "model", ...}
+  manifest.json          written last: bytes + sha256 of every other file (a shard's hash is computed by
+                         the rank that wrote it)
   tokenizer/             optional copy of a Hugging Face tokenizer directory
 Nothing here is unpickled: tensors come from safetensors, the rest is JSON. No torch.distributed in
 this module: engine and rank code lives in backends/deepspeed/state_io.py.
@@ -26,7 +29,8 @@ from safetensors.torch import save_file
 from megaframe.failures import ExitCode
 from megaframe.tracking.metrics import atomic_write_text
 
-FORMAT, VERSION = "megaframe-universal", 1
+FORMAT, VERSION, SHARDED_VERSION = "megaframe-universal", 1, 2
+READABLE_VERSIONS = (VERSION, SHARDED_VERSION)
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, MANIFEST_FILE = "model.safetensors", "optimizer.safetensors", "state.json", "manifest.json"
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 MASTER_KEY = "master"
@@ -66,17 +70,26 @@ def _atomic_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
-def write_manifest(directory: Path) -> dict:
-    """Record every file under `directory` (sizes, sha256, safetensors tensor lists); written last."""
+def write_manifest(directory: Path, hashed: Optional[dict[str, dict]] = None) -> dict:
+    """Record every file under `directory` (sizes, sha256, safetensors tensor lists); written last.
+
+    hashed: {file: {bytes, sha256}} already computed by the ranks that wrote those files (their
+    shards): taken as they are, so the publishing rank hashes only the small files it wrote itself."""
     directory = Path(directory)
+    hashed = hashed or {}
     files, tensors = {}, {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         rel = path.relative_to(directory).as_posix()
         if rel == MANIFEST_FILE or path.name.startswith("."):
             continue
+        if rel in hashed:
+            files[rel] = {"bytes": hashed[rel]["bytes"], "sha256": hashed[rel]["sha256"]}
+            continue
         files[rel] = {"bytes": path.stat().st_size, "sha256": _hash_file(path)}
         if rel.endswith(".safetensors"):
             tensors[rel] = safetensors_header(path)
+    if missing := sorted(set(hashed) - set(files)):
+        raise CheckpointError(f"checkpoint {directory}: {missing[0]} was reported written but is not there")
     manifest = {"files": files, "tensors": tensors}
     _atomic_json(directory / MANIFEST_FILE, manifest)
     return manifest
@@ -93,8 +106,8 @@ def inside(directory: Path, rel: str, source: str) -> Path:
     return path
 
 
-def verify_manifest(directory: Path) -> dict:
-    """Check every file the manifest lists (size, then sha256); raise CheckpointError naming the bad one."""
+def read_manifest(directory: Path) -> dict:
+    """manifest.json of a checkpoint (CheckpointError when absent or unreadable)."""
     directory = Path(directory)
     manifest_path = directory / MANIFEST_FILE
     if not manifest_path.is_file():
@@ -105,6 +118,14 @@ def verify_manifest(directory: Path) -> dict:
         files = manifest["files"]
     except (ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"checkpoint {directory}: {MANIFEST_FILE} is unreadable ({err})") from err
+    if not isinstance(files, dict):
+        raise CheckpointError(f"checkpoint {directory}: {MANIFEST_FILE} is unreadable (no file table)")
+    return manifest
+
+
+def verify_files(directory: Path, files: dict[str, dict]) -> None:
+    """Check the listed files (size, then sha256); CheckpointError naming the first bad one."""
+    directory = Path(directory)
     for rel, meta in files.items():
         path = inside(directory, rel, MANIFEST_FILE)
         if not path.is_file():
@@ -116,7 +137,25 @@ def verify_manifest(directory: Path) -> dict:
         if _hash_file(path) != meta["sha256"]:
             raise CheckpointError(f"checkpoint {directory} is corrupted: {rel} does not match its sha256 in "
                                   f"{MANIFEST_FILE}")
+
+
+def verify_manifest(directory: Path) -> dict:
+    """Check every file the manifest lists (one process; ranks split the work in engine/checkpoint.py)."""
+    manifest = read_manifest(directory)
+    verify_files(directory, manifest["files"])
     return manifest
+
+
+def write_state(directory: Path, state: dict[str, Any], tokenizer_dir: Optional[Path] = None) -> None:
+    """state.json (and a tokenizer copy) of a checkpoint whose tensors are written elsewhere (the
+    ranks' shards)."""
+    state = {"format": FORMAT, "version": VERSION, **state}
+    for key in ("step", "consumed_samples", "model"):
+        if key not in state:
+            raise ValueError(f"state.json needs '{key}'")
+    if tokenizer_dir is not None:
+        shutil.copytree(tokenizer_dir, Path(directory) / "tokenizer", dirs_exist_ok=True)
+    _atomic_json(Path(directory) / STATE_FILE, state)
 
 
 def write_files(directory: Path, model: dict[str, torch.Tensor], state: dict[str, Any],
@@ -126,16 +165,10 @@ def write_files(directory: Path, model: dict[str, torch.Tensor], state: dict[str
     For callers that publish the directory themselves (the trainer's save renames a tmp dir holding
     DeepSpeed's files too); others use write_universal."""
     directory = Path(directory)
-    state = {"format": FORMAT, "version": VERSION, **state}
-    for key in ("step", "consumed_samples", "model"):
-        if key not in state:
-            raise ValueError(f"state.json needs '{key}'")
     save_file({k: v.detach().float().contiguous() for k, v in model.items()}, str(directory / MODEL_FILE))
     if optimizer is not None:
         save_file({k: v.detach().float().contiguous() for k, v in optimizer.items()}, str(directory / OPTIMIZER_FILE))
-    if tokenizer_dir is not None:
-        shutil.copytree(tokenizer_dir, directory / "tokenizer", dirs_exist_ok=True)
-    _atomic_json(directory / STATE_FILE, state)
+    write_state(directory, state, tokenizer_dir)
 
 
 def write_universal(out_dir: Path, model: dict[str, torch.Tensor], state: dict[str, Any],
@@ -179,33 +212,45 @@ def read_state(directory: Path) -> dict[str, Any]:
         state = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"checkpoint {directory}: cannot read {STATE_FILE} ({err})") from err
-    if state.get("format") != FORMAT or state.get("version") != VERSION:
+    if state.get("format") != FORMAT or state.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(f"checkpoint {directory}: {STATE_FILE} is format {state.get('format')!r} version "
-                              f"{state.get('version')!r}; this megaframe reads {FORMAT!r} version {VERSION}")
+                              f"{state.get('version')!r}; this megaframe reads {FORMAT!r} versions "
+                              f"{', '.join(map(str, READABLE_VERSIONS))}")
     return state
 
 
+INDEX_FILE = "index.json"  # version 2's chunk index (checkpoint/sharded.py)
+
+
 def has_universal(directory: Path) -> bool:
-    """Whether the directory holds the layout-free files (model.safetensors + state.json)."""
-    return (Path(directory) / MODEL_FILE).is_file() and (Path(directory) / STATE_FILE).is_file()
+    """Whether the directory holds the layout-free files (state.json and tensors of either version)."""
+    directory = Path(directory)
+    return (directory / STATE_FILE).is_file() and ((directory / MODEL_FILE).is_file()
+                                                   or (directory / INDEX_FILE).is_file())
+
+
+def is_optimizer_key(key: str) -> bool:
+    """Whether a stored tensor is optimizer state (exp_avg.*, exp_avg_sq.*, master.*) rather than a weight."""
+    return key.split(".", 1)[0] in (*MOMENT_KEYS, MASTER_KEY)
 
 
 def read_universal(directory: Path, verify: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor],
                                                                  Optional[dict[str, torch.Tensor]]]:
     """(state, model tensors, optimizer tensors or None), after verifying the manifest.
 
-    Loads whole files: for tools and tests. Ranks loading their shard use open_tensors()."""
+    Holds the whole model: for tests and small tools. Ranks read their boxes through
+    sharded.ShardReader; the converter goes tensor by tensor."""
+    from megaframe.checkpoint.sharded import ShardReader
+
     directory = Path(directory)
     if verify:
         verify_manifest(directory)
     state = read_state(directory)
-    with open_tensors(directory, MODEL_FILE) as f:
-        model = {k: f.get_tensor(k) for k in f.keys()}
-    optimizer = None
-    if (directory / OPTIMIZER_FILE).is_file():
-        with open_tensors(directory, OPTIMIZER_FILE) as f:
-            optimizer = {k: f.get_tensor(k) for k in f.keys()}
-    return state, model, optimizer
+    model, optimizer = {}, {}
+    with ShardReader(directory) as reader:
+        for key in reader.keys():
+            (optimizer if is_optimizer_key(key) else model)[key] = reader.full(key)
+    return state, model, (optimizer or None)
 
 
 def open_tensors(directory: Path, filename: str):

@@ -1,12 +1,14 @@
 """Atomic checkpoints: the backend's native files and the layout-free ones, published together.
 
 Layout under RUN_DIR/checkpoints/:
-  global_step{N}/      DeepSpeed's files for step N plus rng_rank{R}.pt for every rank
+  global_step{N}/      the layout-free shards (checkpoint/sharded.py), rng_rank{R}.pt for every rank,
+                       DeepSpeed's own files when asked for (train.native_checkpoint)
   latest               the name of the newest complete checkpoint, replaced atomically and last
-A save goes to tmp-global_step{N}/ first and is renamed once every rank has written its part, so a
-crash mid-save leaves `latest` pointing at the previous, complete checkpoint. Before the rename
-rank 0 writes manifest.json (sizes and sha256 of every file); loading verifies it. With layout-free
-files in the directory too (megaframe/checkpoint/universal.py), a resume in another layout reshards.
+A save goes to tmp-global_step{N}/ first. Each rank writes its shard and then its record (the
+sha256 of what it wrote, computed by that rank); rank 0 merges the records into index.json, writes
+manifest.json and renames the directory into place once every record is there, so a crash mid-save
+leaves `latest` pointing at the previous, complete checkpoint. Loading verifies the manifest with
+the files split over the ranks, then reshards into the running layout.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megaframe.checkpoint import universal
+from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.tracking.metrics import atomic_write_text
 
@@ -56,10 +58,10 @@ def _rank() -> int:
 
 
 class BackgroundWriter:
-    """Rank 0's checkpoint writing, one save at a time, on a thread (train.async_save): the step loop
-    goes on while the files are written, hashed and published; the next save and the end of the run
-    wait for it. A failure surfaces at that wait; a crash mid-write leaves `latest` on the previous
-    checkpoint, as a synchronous save does."""
+    """A rank's checkpoint writing, one save at a time, on a thread (train.async_save): the step
+    loop goes on while the rank's shard is written and hashed (and, on rank 0, the checkpoint
+    published); the next save and the end of the run wait for it. A failure surfaces at that wait;
+    a crash mid-write leaves `latest` on the previous checkpoint, as a synchronous save does."""
 
     def __init__(self):
         self._thread: Optional[threading.Thread] = None
@@ -87,58 +89,73 @@ class BackgroundWriter:
             raise error
 
 
+def _hash_small(path: Path) -> dict:
+    return {"bytes": path.stat().st_size, "sha256": universal._hash_file(path)}
+
+
 def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
          rng_state: Optional[dict[str, Any]] = None, write_extra: Optional[Callable[[Path], Any]] = None,
          keep: int = 0, native: bool = True, background: Optional[BackgroundWriter] = None,
-         before_publish: Optional[Callable[[str], None]] = None) -> Path:
-    """Save every rank's shard, then (rank 0) publish it: manifest, rename into place, update `latest`.
+         before_publish: Optional[Callable[[str], None]] = None, record_timeout_s: float = 1800.0) -> Path:
+    """Every rank saves its shard and its record; rank 0 then publishes: index, manifest, rename into
+    place, `latest`.
 
     native: the engine's own files too; write_extra(tmp_dir) runs on every rank after them (the
-    layout-free files) and may return a function that writes them later (rank 0's snapshot);
-    background: publish on rank 0's writer thread instead of before returning; before_publish: a
-    test hook called with "write" before rank 0 writes its deferred files and "publish" once they
-    are written; keep > 0 deletes all but the newest `keep`
-    checkpoints once `latest` names the new one."""
+    layout-free shard) and returns the rank's record (checkpoint/sharded.py), or a function that
+    writes the shard later and returns it (a snapshot for a background save); background: every
+    rank writes on its writer thread and rank 0's thread publishes once every rank's record is
+    there, while training goes on; before_publish: a test hook called on each rank with "write"
+    before it writes its shard and on rank 0 with "publish" once every shard is written; keep > 0
+    deletes all but the newest `keep` checkpoints once `latest` names the new one."""
     save_dir = Path(save_dir)
     tag = tag_for(step)
-    tmp_tag = TMP_PREFIX + tag
+    tmp = save_dir / (TMP_PREFIX + tag)
+    rank = _rank()
+    world = dist.get_world_size() if dist.is_initialized() else 1
     if background is not None:
         background.wait()  # one save in flight at a time
-    if _rank() == 0:
+    if rank == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(save_dir / tmp_tag, ignore_errors=True)  # debris of a save that crashed
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that crashed
     _barrier()
     if native:
-        backend.save_native(save_dir, tmp_tag, client_state)
-    (save_dir / tmp_tag).mkdir(parents=True, exist_ok=True)
-    torch.save({"cpu": torch.get_rng_state(), **(rng_state or {})}, save_dir / tmp_tag / f"rng_rank{_rank()}.pt")
-    written = write_extra(save_dir / tmp_tag) if write_extra is not None else None
-    deferred = written if callable(written) else None  # a writer to run later, or the files are already there
-    if _rank() == 0 and "layout" in client_state:
-        atomic_write_text(save_dir / tmp_tag / LAYOUT_FILE, json.dumps(client_state["layout"], sort_keys=True) + "\n")
-    _barrier()  # every rank's files are in tmp_tag (rank 0's layout-free ones may still be in memory)
+        backend.save_native(save_dir, tmp.name, client_state)
+    tmp.mkdir(parents=True, exist_ok=True)
+    rng_file = tmp / f"rng_rank{rank}.pt"
+    torch.save({"cpu": torch.get_rng_state(), **(rng_state or {})}, rng_file)
+    written = write_extra(tmp) if write_extra is not None else None
+    if rank == 0 and "layout" in client_state:
+        atomic_write_text(tmp / LAYOUT_FILE, json.dumps(client_state["layout"], sort_keys=True) + "\n")
+
+    def finish_rank() -> None:
+        """This rank's shard (when deferred) and its record, which tells rank 0 it is done."""
+        if before_publish is not None:
+            before_publish("write")
+        record = written() if callable(written) else (written or {"rank": rank, "files": {}, "tensors": {}})
+        record["files"][rng_file.relative_to(tmp).as_posix()] = _hash_small(rng_file)
+        sharded.write_record(tmp, record)
+
     final = save_dir / tag
 
     def publish() -> None:
-        if before_publish is not None:
-            before_publish("write")
-        if deferred is not None:
-            deferred()
+        sharded.wait_for_records(tmp, world, record_timeout_s)
         if before_publish is not None:
             before_publish("publish")
-        universal.write_manifest(save_dir / tmp_tag)
-        universal.replace_dir(save_dir / tmp_tag, final)  # re-saving a step keeps the old one until the swap
+        hashed = sharded.merge_records(tmp, world)
+        universal.write_manifest(tmp, hashed)  # rank 0 hashes only its own small files
+        universal.replace_dir(tmp, final)  # re-saving a step keeps the old one until the swap
         atomic_write_text(save_dir / LATEST, tag + "\n")
         if keep > 0:
             prune(save_dir, keep)
 
-    if _rank() == 0:
-        if background is not None:
-            background.submit(publish, tag)
-        else:
-            publish()
-    if background is None:
-        _barrier()
+    if background is not None:
+        background.submit((lambda: (finish_rank(), publish())) if rank == 0 else finish_rank, tag)
+        return final
+    finish_rank()
+    _barrier()  # every rank's record is in tmp
+    if rank == 0:
+        publish()
+    _barrier()
     return final
 
 
@@ -212,17 +229,20 @@ def newest_verified(save_dir: Path) -> tuple[Optional[Path], list[str]]:
 
 
 def manifest_problem(path: Path) -> Optional[str]:
-    """Rank 0 checks the manifest (every file's size and sha256); every rank gets the same answer:
-    None when it verifies, else the one-line reason."""
-    message = [None]
-    if _rank() == 0:
-        try:
-            universal.verify_manifest(path)
-        except CheckpointError as err:
-            message[0] = str(err)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(message, src=0)
-    return message[0]
+    """Check the manifest (every file's size and sha256), the files split evenly over the ranks;
+    every rank gets the same answer: None when it verifies, else the one-line reason."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    problem = None
+    try:
+        files = sorted(universal.read_manifest(path)["files"].items())
+        universal.verify_files(path, dict(files[_rank()::world]))
+    except CheckpointError as err:
+        problem = str(err)
+    if world == 1:
+        return problem
+    problems: list = [None] * world
+    dist.all_gather_object(problems, problem)  # one short string or None per rank
+    return next((p for p in problems if p is not None), None)
 
 
 def verify(path: Path) -> None:
@@ -246,10 +266,11 @@ def load_any(backend, path: Path, verified: bool = False) -> ResumePoint:
         return ResumePoint(path=path, step=int(state["step"]), client_state=state, rng_state=rng_state)
     saved = json.loads((path / LAYOUT_FILE).read_text()) if (path / LAYOUT_FILE).is_file() else None
     if not backend.has_native(path):
-        raise CheckpointError(f"train.resume: {path} holds neither {universal.MODEL_FILE} nor the engine's own files")
+        raise CheckpointError(f"train.resume: {path} holds neither layout-free tensors ({universal.INDEX_FILE}) "
+                              f"nor the engine's own files")
     if saved is not None and saved != layout:
         raise CheckpointError(f"train.resume: checkpoint {path} was written in layout {saved} (now {layout}) and "
-                              f"holds no layout-free {universal.MODEL_FILE}; resume in that layout, or save with "
+                              f"holds no layout-free tensors ({universal.INDEX_FILE}); resume in that layout, or save with "
                               f"train.universal_checkpoint=true")
     return load(backend, path)
 

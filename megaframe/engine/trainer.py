@@ -75,7 +75,7 @@ class Trainer:
         self.last_checkpoint: Optional[Path] = None
         self.started = time.monotonic()
         self.faults = Faults(self.ps.rank)
-        self.background = checkpoint.BackgroundWriter()  # train.async_save: rank 0 writes on a thread
+        self.background = checkpoint.BackgroundWriter()  # train.async_save: each rank writes its shard on a thread
 
     def _check_token_ids(self) -> None:
         """Every token id below the model's vocabulary (data/token_check.py), before step 1: the
@@ -175,7 +175,8 @@ class Trainer:
                         rng_state={"tp_dropout": self.backend.module.rng.state_dict()}, write_extra=write_universal,
                         keep=self.cfg.train.keep_checkpoints, native=native,
                         background=self.background if self.cfg.train.async_save else None,
-                        before_publish=self.faults.in_save_hook(self.step))
+                        before_publish=self.faults.in_save_hook(self.step),
+                        record_timeout_s=self.cfg.train.collective_timeout_s)
 
     def _log(self, record: dict) -> None:
         if not self.is_logger:

@@ -14,12 +14,12 @@ def test_engine_only_checkpoint_resumes_in_its_layout_and_refuses_another(tmp_pa
     args = [*TINY, "train.max_steps=4", "train.universal_checkpoint=false", f"hydra.run.dir={tmp_path}"]
     assert_ok(run_cli([*args, "train.exit_at_step=2"]))
     saved = tmp_path / "checkpoints" / "global_step2"
-    assert not (saved / "model.safetensors").exists() and (saved / "manifest.json").is_file()
+    assert not (saved / "index.json").exists() and (saved / "manifest.json").is_file()
 
     other_layout = run_cli([*args, "zero=stage1"])
     assert other_layout.returncode == ExitCode.BAD_CHECKPOINT, other_layout.stderr[-3000:]
     errors = [line for line in other_layout.stderr.splitlines() if line.startswith("megaframe-train: error:")]
-    assert len(errors) == 1 and "holds no layout-free model.safetensors" in errors[0] \
+    assert len(errors) == 1 and "holds no layout-free tensors" in errors[0] \
         and "'zero_stage': 0" in errors[0] and "train.universal_checkpoint=true" in errors[0], other_layout.stderr[-3000:]
 
     same_layout = run_cli(args)
@@ -39,6 +39,6 @@ def test_one_copy_by_default_and_deepspeeds_files_when_asked(tmp_path):
         assert_ok(run_cli([*TINY, "train.max_steps=2", "zero=stage1", f"train.native_checkpoint={str(native).lower()}",
                            f"hydra.run.dir={run_dir}"]))
         files = saved(run_dir)
-        assert {"model.safetensors", "optimizer.safetensors", "state.json", "manifest.json", "rng_rank0.pt"} <= files
+        assert {"index.json", "shards", "state.json", "manifest.json", "rng_rank0.pt"} <= files
         deepspeed_files = {name for name in files if name.endswith("_states.pt")}
         assert bool(deepspeed_files) == native, files

@@ -172,13 +172,13 @@ def _drop_manifest(step_dir: Path) -> None:
 
 
 def _truncate_weights(step_dir: Path) -> None:
-    target = step_dir / "model.safetensors"
+    target = step_dir / "shards/rank00000.safetensors"
     target.write_bytes(target.read_bytes()[:1000])
 
 
 CHECKPOINT_CASES = {  # damage to the checkpoint resumed from -> fragments of the one line (exit 5)
     "manifest missing": (_drop_manifest, ["has no manifest.json", "incomplete"]),
-    "weights truncated": (_truncate_weights, ["truncated or corrupted: model.safetensors has 1000 bytes"]),
+    "weights truncated": (_truncate_weights, ["truncated or corrupted: shards/rank00000.safetensors has 1000 bytes"]),
 }
 
 
@@ -199,7 +199,7 @@ def test_resume_auto_falls_back_past_a_corrupt_newest_checkpoint(tmp_path):
     args = [*TINY, "train.max_steps=6", "train.save_interval=2"]
     assert_ok(run_cli([*args, f"hydra.run.dir={whole}"]))
     assert_ok(run_cli([*args, "train.exit_at_step=4", f"hydra.run.dir={run}"]))
-    target = run / "checkpoints" / "global_step4" / "model.safetensors"
+    target = run / "checkpoints" / "global_step4" / "shards/rank00000.safetensors"
     data = bytearray(target.read_bytes())
     data[-100] ^= 0x10
     target.write_bytes(bytes(data))
@@ -249,7 +249,7 @@ def test_async_saves_write_what_sync_saves_write(tmp_path):
                      env=cli_env(MEGAFRAME_FAULTS="slow_save@4"))
     assert_ok(result)
     for step in (2, 4, 6, 8):
-        for name in ("model.safetensors", "optimizer.safetensors", "state.json"):
+        for name in ("shards/rank00000.safetensors", "index.json", "state.json"):
             a = (sync / "checkpoints" / f"global_step{step}" / name).read_bytes()
             assert a == (background / "checkpoints" / f"global_step{step}" / name).read_bytes(), (step, name)
     assert _curves(sync) == _curves(background)
@@ -266,7 +266,7 @@ def test_sigkill_inside_a_save_resumes_from_the_previous_checkpoint(mode, tmp_pa
     assert killed.returncode == -9, killed.stderr[-2000:]
     checkpoints = run / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "global_step2"
-    assert (checkpoints / "tmp-global_step4" / "model.safetensors").is_file()  # the write it died in
+    assert (checkpoints / "tmp-global_step4" / "shards/rank00000.safetensors").is_file()  # the write it died in
     resumed = run_cli([*ASYNC, *extra, f"hydra.run.dir={run}"])
     assert_ok(resumed)
     assert "global_step2 at step 2" in resumed.stdout

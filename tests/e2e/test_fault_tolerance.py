@@ -135,8 +135,8 @@ def test_half_written_save_leaves_previous_checkpoint_loadable(tmp_path):
     checkpoints = run / "checkpoints"
     # a save of step 6 killed half-way: its tmp dir holds part of the files, one of them truncated
     partial = checkpoints / "tmp-global_step6"
-    partial.mkdir()
-    for name in ("optimizer.safetensors", "model.safetensors"):
+    (partial / "shards").mkdir(parents=True)
+    for name in ("index.json", "shards/rank00000.safetensors"):
         data = (checkpoints / "global_step4" / name).read_bytes()
         (partial / name).write_bytes(data[: len(data) // 3])
     result = run_cli(args)
@@ -149,14 +149,14 @@ def test_half_written_save_leaves_previous_checkpoint_loadable(tmp_path):
 def test_flipped_byte_is_refused_with_one_line(tmp_path):
     args = [*TINY, "train.max_steps=3", f"hydra.run.dir={tmp_path}"]
     assert_ok(run_cli([*args, "train.exit_at_step=2"]))
-    target = tmp_path / "checkpoints" / "global_step2" / "model.safetensors"
+    target = tmp_path / "checkpoints" / "global_step2" / "shards/rank00000.safetensors"
     data = bytearray(target.read_bytes())
     data[len(data) - 100] ^= 0x10
     target.write_bytes(bytes(data))
     result = run_cli(args)
     assert result.returncode == ExitCode.BAD_CHECKPOINT == 5, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("megaframe-train: error:")]
-    assert len(errors) == 1 and "global_step2 is corrupted: model.safetensors does not match its sha256" in errors[0], \
+    assert len(errors) == 1 and "global_step2 is corrupted: shards/rank00000.safetensors does not match its sha256" in errors[0], \
         result.stderr[-3000:]
     assert "Traceback" not in result.stderr + result.stdout
     assert "Traceback" in (tmp_path / "logs" / "rank0.log").read_text()  # the details stay in the run dir

@@ -1,39 +1,44 @@
-"""Between a DeepSpeed engine in any layout and the layout-free checkpoint (checkpoint/universal.py).
+"""Between a DeepSpeed engine in any layout and the layout-free checkpoint (checkpoint/).
 
-Gather (save): every rank takes its parameters' full-over-DP fp32 values and Adam moments (ZeRO 0-3),
-TP shards are all-gathered along their partition_dim, the vocabulary padding is cut, pipeline
-stages' names are mapped to the canonical (tp=1 GPT) names, and global rank 0 writes the files.
-Scatter (load): every rank reads its TP shard of each full tensor (vocabulary zero-padded to this
-layout's padded size) and writes it into the module weights, the optimizer's fp32 master partition
-and its Adam moments, whatever the ZeRO stage.
-
-Cost: rank 0 holds the whole model and both moments in memory while writing (16 bytes per
-parameter in fp32: ~112 GB at 7B) and gather_object pickles it through gloo; fine for the scales
-this CPU framework trains, per-stage files would be the next step for large models.
+Every rank writes only what it owns and reads only what it needs; no collective moves state.
+- What a rank owns of a parameter (a Holding): its tensor-parallel shard of the full tensor (where
+  the shard sits comes from the parameter's ShardSpec), and of that shard the flat range whose
+  optimizer state it holds: ZeRO-3's partition, the ZeRO-1/2 (and bf16 optimizer) fragment, or at
+  ZeRO-0 fp32, where every DP rank holds everything, an even 1/dp split so the writing is shared.
+  Replicas write nothing: TP ranks other than 0 for unsharded parameters, the last pipeline
+  stage's copy of a tied embedding.
+- Save: the owned range of the weights, fp32 master and Adam moments, cut into boxes of the full
+  tensor (vocabulary padding dropped), goes to the rank's file one chunk at a time
+  (checkpoint/sharded.py); an async save first copies those chunks to host memory, its own shard.
+- Load: the same boxes for this layout, read from whichever chunks overlap them (memory-mapped
+  slices), written into the module weights (the whole TP shard, except under ZeRO-3 its partition),
+  the master and the moments (the owned range).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import dataclass
+from math import prod
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
-import deepspeed
 import torch
 import torch.distributed as dist
 
 from megaframe.backends.deepspeed.pipeline import canonical_name
-from megaframe.checkpoint import universal
+from megaframe.checkpoint import sharded, universal
+from megaframe.checkpoint.boxes import Box, clip_rows, even_range, flat_range_boxes
 from megaframe.checkpoint.universal import MASTER_KEY, MOMENT_KEYS, CheckpointError
 from megaframe.model.dims import GPTDims
 from megaframe.model.spec import VOCAB_PARAMS, ModelSpec
 from megaframe.parallel.state import ParallelState
 
+WEIGHT = ""  # the key of the module weights among a parameter's stored tensors
+
 
 @dataclass
 class EngineView:
-    """What gather/scatter need to know about the running engine and its layout."""
+    """What saving and loading need to know about the running engine and its layout."""
 
     engine: Any
     ps: ParallelState
@@ -52,90 +57,168 @@ class EngineView:
 # ---- names ------------------------------------------------------------------------------------
 
 def local_parameters(view: EngineView) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """(canonical name, parameter) for this rank's parameters, in module order (same on every
-    rank of a TP/DP group, which the collectives below rely on)."""
+    """(canonical name, parameter) for this rank's parameters, in module order."""
     layers = ModelSpec(view.dims).layers() if view.pipelined else None
     for name, param in view.engine.module.named_parameters():
         yield (canonical_name(name, layers) if layers else name), param
 
 
-# ---- reading one parameter's full-over-DP value -----------------------------------------------
+# ---- what a rank owns of one parameter ---------------------------------------------------------
 
 def _is_zero3(param) -> bool:
     return hasattr(param, "ds_id")
 
 
-def _module_value(param) -> torch.Tensor:
-    """The weight the model computes with (gathered over DP under ZeRO-3; collective there)."""
+@dataclass
+class Holding:
+    """This rank's part of parameter `name`: its TP shard (local_shape, placed at local_offset in the
+    padded full tensor) and the flat range `own` of that shard whose optimizer state it holds."""
+
+    name: str
+    param: torch.nn.Parameter
+    full_shape: tuple[int, ...]  # the stored (unpadded) shape
+    local_shape: tuple[int, ...]
+    local_offset: tuple[int, ...]
+    own: tuple[int, int]
+    writes: bool  # False for a replica another rank writes
+    kind: str  # zero3 | fragment (ZeRO-1/2, bf16 optimizer) | plain (ZeRO-0 fp32: torch's optimizer)
+
+    @property
+    def numel(self) -> int:
+        return prod(self.local_shape)
+
+    def boxes(self, start: int, stop: int) -> list[tuple[int, Box]]:
+        """(position in the flat range, box of the full tensor) for elements [start, stop) of the
+        shard; vocabulary padding rows are left out (they are zeros, never stored)."""
+        out, position = [], 0
+        for local in flat_range_boxes(self.local_shape, start, stop):
+            box = local.shifted(self.local_offset)
+            if self.name in VOCAB_PARAMS:
+                box = clip_rows(box, self.full_shape[0])
+            if box is not None:
+                out.append((position, box))
+            position += local.numel
+        return out
+
+
+def _holding(view: EngineView, name: str, param) -> Holding:
+    local_shape = tuple(param.ds_shape) if _is_zero3(param) else tuple(param.shape)
+    padded = tuple(getattr(param, "partition_shape", None) or local_shape)
+    offset = [0] * len(local_shape)
+    if getattr(param, "partition_count", 1) > 1:
+        offset[param.shard.dim] = param.shard.bounds(padded, param.partition_index, param.partition_count)[0]
+    full_shape = (view.dims.vocab_size, *padded[1:]) if name in VOCAB_PARAMS else padded
+    numel = prod(local_shape)
     if _is_zero3(param):
-        with deepspeed.zero.GatheredParameters([param]):
-            return param.data.detach().float().clone()
-    return param.data.detach().float().clone()
+        kind = "zero3"
+        part = param.ds_tensor.ds_numel  # the partition's size, also when NVMe holds its data
+        rank = dist.get_rank(group=param.ds_process_group)
+        own = (min(rank * part, numel), min((rank + 1) * part, numel))
+    elif hasattr(param, "_hp_mapping"):
+        kind = "fragment"
+        mapping = param._hp_mapping
+        own = (mapping.lp_fragment_address.start, mapping.lp_fragment_address.start
+               + mapping.lp_fragment_address.numel) if mapping is not None else (0, 0)
+    else:
+        kind = "plain"
+        own = even_range(numel, view.ps.dp_rank, view.ps.dp)
+    writes = not getattr(param, "ds_pipe_replicated", False) and (
+        getattr(param, "partition_count", 1) > 1 or view.ps.tp_rank == 0)
+    return Holding(name, param, full_shape, local_shape, tuple(offset), own, writes, kind)
 
 
-def _optimizer_value(view: EngineView, param, key: Optional[str]) -> Optional[torch.Tensor]:
-    """fp32 master (key None) or an Adam moment over the whole DP group; None when absent.
-
-    DeepSpeed's safe_get_* cover ZeRO 1-3 and the bf16 optimizer (collective over DP: all ranks
-    call them for the same parameters in the same order); ZeRO-0 in fp32 is torch's AdamW on the
-    module parameters themselves."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    if _is_zero3(param) or hasattr(param, "_hp_mapping"):
-        value = safe_get_full_fp32_param(param) if key is None else safe_get_full_optimizer_state(param, key)
-        return None if value is None else value.detach().float().clone().view(param.ds_shape if _is_zero3(param) else param.shape)
-    if key is None:
-        return param.data.detach().float().clone()
-    state = view.base_optimizer.state.get(param, {})
-    return state[key].detach().float().clone() if key in state else None
+def holdings(view: EngineView) -> list[Holding]:
+    return [_holding(view, name, param) for name, param in local_parameters(view)]
 
 
-def _gather_tp(view: EngineView, param, value: torch.Tensor) -> torch.Tensor:
-    """The full tensor from every TP rank's piece of `value` (collective over TP)."""
-    if not getattr(param, "tensor_model_parallel", False):
-        return value
-    return param.shard.gather(value, view.ps.tp_group, view.ps.tp)
+def _zero3_local(param, key: str) -> Optional[torch.Tensor]:
+    """ZeRO-3: this rank's flat fp32 partition of the master or an Adam moment (DeepSpeed's local
+    API, which swaps an NVMe-offloaded sub-group in and releases its buffers: use the result at
+    once); None before the first step."""
+    from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+    try:
+        return safe_get_local_fp32_param(param) if key == MASTER_KEY else safe_get_local_optimizer_state(param, key)
+    except KeyError:
+        return None
 
 
-def _unpad(name: str, value: torch.Tensor, dims: GPTDims) -> torch.Tensor:
-    return value[: dims.vocab_size].clone() if name in VOCAB_PARAMS else value
+def _set_zero3_local(param, key: str, values: torch.Tensor) -> None:
+    """Set the ZeRO-3 partition of the master or a moment from the owned range's values (the padding
+    past the parameter's end stays zero); swaps an NVMe sub-group back out."""
+    from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
+
+    padded = values.new_zeros(param.ds_tensor.ds_numel)
+    padded[: values.numel()] = values
+    if key == MASTER_KEY:
+        safe_set_local_fp32_param(param, padded)
+    else:
+        safe_set_local_optimizer_state(param, padded, key)
 
 
-def gather_full_state(view: EngineView, with_optimizer: bool) -> tuple[dict, Optional[dict]]:
-    """Global rank 0 gets (model tensors, optimizer tensors) under canonical names; others get ({}, None).
+def _owned(view: EngineView, h: Holding, key: str) -> Optional[torch.Tensor]:
+    """The flat tensor of `key` (WEIGHT, master, a moment) over h.own, live (a view where the engine
+    keeps one); None when the optimizer has no such state yet."""
+    start, stop = h.own
+    if key == WEIGHT and h.kind == "zero3":
+        # the module's partition is the master rounded to the module dtype (DeepSpeed copies it after
+        # every step); read through the master, which DeepSpeed swaps in when NVMe holds it
+        master = _zero3_local(h.param, MASTER_KEY)
+        return master.flatten()[: stop - start].to(h.param.dtype).float()
+    if key == WEIGHT:
+        return h.param.data.flatten()[start:stop]
+    if h.kind == "zero3":
+        part = _zero3_local(h.param, key)
+        return None if part is None else part.flatten()[: stop - start]
+    if h.kind == "fragment":
+        mapping = h.param._hp_mapping
+        if mapping is None:
+            return h.param.data.new_zeros(0, dtype=torch.float32)
+        try:
+            return mapping.get_hp_fragment(None if key == MASTER_KEY else key).flatten()
+        except (ValueError, TypeError, KeyError):  # no optimizer state before the first step
+            return None
+    if key == MASTER_KEY:  # ZeRO-0 fp32: the module weight is the master
+        return h.param.data.flatten()[start:stop]
+    state = view.base_optimizer.state.get(h.param, {})
+    return state[key].flatten()[start:stop] if key in state else None
 
-    Every rank must call this (it runs collectives over TP, DP and the world)."""
-    keep = view.ps.tp_rank == 0 and view.ps.dp_rank == 0  # one writer per pipeline stage
+
+def _stored_keys(view: EngineView, with_optimizer: bool) -> tuple[str, ...]:
+    """The tensors of each parameter a checkpoint stores (fp32 runs have no separate master)."""
+    if not with_optimizer:
+        return (WEIGHT,)
+    return (WEIGHT, *(() if view.dtype == "fp32" else (MASTER_KEY,)), *MOMENT_KEYS)
+
+
+def _tensor_key(key: str, name: str) -> str:
+    return name if key == WEIGHT else f"{key}.{name}"
+
+
+def shard_pieces(view: EngineView, with_optimizer: bool, snapshot: bool) -> list[sharded.Piece]:
+    """The chunks this rank writes. snapshot: their values copied to host memory now (an async
+    save: training may change the live tensors while the writer runs); else each is read when the
+    writer reaches it (a view of the live state; one sub-group swap-in under NVMe offload)."""
     if with_optimizer:
         _link_optimizer_state(view)
-    model, optim = {}, {}
-    fp32 = view.dtype == "fp32"
-    for name, param in local_parameters(view):
-        if getattr(param, "ds_pipe_replicated", False):
-            continue  # the last stage's copy of a tied embedding: the first stage writes it
-        values = {"": _module_value(param)}
-        if with_optimizer:
-            if not fp32:
-                values[MASTER_KEY] = _optimizer_value(view, param, None)
-            for key in MOMENT_KEYS:
-                values[key] = _optimizer_value(view, param, key)
-        for key, value in values.items():
-            if value is None:
-                raise CheckpointError(f"no optimizer {key or 'weights'} for {name}: save after the first step")
-            value = _unpad(name, _gather_tp(view, param, value), view.dims)
-            if keep:
-                (model if key == "" else optim)[name if key == "" else f"{key}.{name}"] = value
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return model, (optim if with_optimizer else None)
-    pieces = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object((model, optim), pieces, dst=0)
-    if dist.get_rank() != 0:
-        return {}, None
-    merged_model, merged_optim = {}, {}
-    for part_model, part_optim in pieces:
-        merged_model.update(part_model)
-        merged_optim.update(part_optim)
-    return merged_model, (merged_optim if with_optimizer else None)
+
+    def owned(h: Holding, key: str) -> torch.Tensor:
+        flat = _owned(view, h, key)
+        if flat is None:
+            raise CheckpointError(f"no optimizer {key} for {h.name}: save after the first step")
+        return flat
+
+    pieces = []
+    for h in holdings(view):
+        if not h.writes or h.own[0] == h.own[1]:
+            continue
+        for key in _stored_keys(view, with_optimizer):
+            copy = owned(h, key).detach().to("cpu", torch.float32, copy=True) if snapshot else None
+            for position, box in h.boxes(*h.own):
+                def values(h=h, key=key, copy=copy, at=position, n=box.numel) -> torch.Tensor:
+                    return (copy if copy is not None else owned(h, key))[at: at + n]
+                pieces.append(sharded.Piece(_tensor_key(key, h.name), h.full_shape, box, values))
+    return pieces
 
 
 def adam_step(view: EngineView) -> int:
@@ -144,71 +227,6 @@ def adam_step(view: EngineView) -> int:
         if "step" in state:
             return int(state["step"])
     return 0
-
-
-# ---- writing one parameter's slice back -------------------------------------------------------
-
-def _read_shard(handle, key: str, name: str, param, dims: GPTDims) -> torch.Tensor:
-    """This TP rank's slice of the stored full tensor `key` (of parameter `name`), in this layout's
-    (padded) shape."""
-    full_shape = tuple(getattr(param, "partition_shape", None) or getattr(param, "ds_shape", param.shape))
-    stored = handle.get_slice(key)
-    stored_shape = tuple(stored.get_shape())
-    want = (dims.vocab_size, *full_shape[1:]) if name in VOCAB_PARAMS else full_shape
-    if stored_shape != want:
-        raise CheckpointError(f"{key}: the checkpoint holds shape {list(stored_shape)}, this model needs "
-                              f"{list(want)}; the model.* config must match the checkpoint's state.json")
-    if not getattr(param, "tensor_model_parallel", False):
-        value = stored[:]
-        if value.shape[0] != full_shape[0]:  # vocabulary rows: pad to this layout's padded size
-            value = torch.cat([value, value.new_zeros(full_shape[0] - value.shape[0], *value.shape[1:])])
-        return value
-    dim, count, index = param.shard.dim, param.partition_count, param.partition_index
-    start, stop = param.shard.bounds(full_shape, index, count)
-    size = stop - start
-    if dim == 0:
-        rows = min(stop, stored_shape[0])
-        value = stored[start:rows] if rows > start else torch.zeros(0, *stored_shape[1:])
-        if value.shape[0] < size:  # the padded vocabulary rows beyond the real ones
-            value = torch.cat([value, value.new_zeros(size - value.shape[0], *value.shape[1:])])
-        return value
-    return stored[:, start:stop]
-
-
-def _set_module_value(param, value: torch.Tensor) -> None:
-    if _is_zero3(param):  # write this DP rank's flat partition of the (TP-local) tensor
-        part = param.ds_tensor
-        rank = dist.get_rank(group=param.ds_process_group)
-        flat = value.flatten().to(part.dtype)
-        padded = torch.cat([flat, flat.new_zeros(part.numel() * (rank + 1) - flat.numel())]) \
-            if flat.numel() < part.numel() * (rank + 1) else flat
-        part.data.copy_(padded.narrow(0, part.numel() * rank, part.numel()))
-    else:
-        param.data.copy_(value.to(param.dtype))
-
-
-def _set_optimizer_value(view: EngineView, param, value: torch.Tensor, key: Optional[str]) -> None:
-    """Set the fp32 master (key None) or an Adam moment of `param` from its full-over-DP value."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-    if _is_zero3(param):
-        # ZeRO-3's set_full_hp_param narrows the unpadded tensor and fails when numel % dp != 0;
-        # this is its code with the partition padding added
-        opt = view.engine.optimizer
-        part, _ = opt._get_fp32_opt_state_partition(param, release_swap_buffers=False, optim_state_key=key)
-        rank = opt._get_param_partition_rank(param)
-        flat = value.flatten().float()
-        need = part.numel() * (rank + 1)
-        if flat.numel() < need:
-            flat = torch.cat([flat, flat.new_zeros(need - flat.numel())])
-        part.data.copy_(flat.narrow(0, part.numel() * rank, part.numel()))
-    elif hasattr(param, "_hp_mapping"):
-        if key is None:
-            safe_set_full_fp32_param(param, value.float())
-        else:
-            safe_set_full_optimizer_state(param, value.float(), key)
-    elif key is not None:  # ZeRO-0 fp32: the module parameter is the master; moments live in torch's state
-        view.base_optimizer.state[param][key].copy_(value)
 
 
 def _create_adam_state(view: EngineView, step: int) -> None:
@@ -237,32 +255,65 @@ def _link_optimizer_state(view: EngineView) -> None:
         link()
 
 
+
+def _read_range(reader: sharded.ShardReader, h: Holding, key: str, start: int, stop: int) -> torch.Tensor:
+    """Flat fp32 values of elements [start, stop) of this rank's shard of stored tensor `key`."""
+    if key not in reader:
+        raise CheckpointError(f"checkpoint {reader.directory} has no tensor {key}; the model.* config must "
+                              f"match the checkpoint's state.json")
+    if reader.shape(key) != h.full_shape:
+        raise CheckpointError(f"{key}: the checkpoint holds shape {list(reader.shape(key))}, this model needs "
+                              f"{list(h.full_shape)}; the model.* config must match the checkpoint's state.json")
+    out = torch.zeros(stop - start, dtype=torch.float32)
+    for position, box in h.boxes(start, stop):
+        out[position: position + box.numel] = reader.read(key, box).flatten()
+    return out
+
+
+def _load_holding(view: EngineView, reader: sharded.ShardReader, h: Holding, with_optimizer: bool) -> None:
+    """Write one parameter's stored values into the engine: module weight, master, moments."""
+    start, stop = h.own
+    name = h.name
+    if h.kind == "zero3":
+        weight = _read_range(reader, h, name, start, stop)
+        partition = h.param.ds_tensor
+        if partition.numel() != partition.ds_numel:
+            raise CheckpointError(f"{name}: its ZeRO-3 partition is on NVMe (offload.param=nvme), which loading a "
+                                  f"layout-free checkpoint does not support yet; resume with offload.param=cpu")
+        partition.data.flatten()[: stop - start].copy_(weight)
+    else:  # every DP rank computes with the whole TP shard
+        weight = _read_range(reader, h, name, 0, h.numel)
+        h.param.data.copy_(weight.view(h.local_shape))
+        weight = weight[start:stop]
+    if h.kind == "plain":  # ZeRO-0 fp32: the weight is the master; moments are whole on every DP rank
+        for key in MOMENT_KEYS if with_optimizer else ():
+            view.base_optimizer.state[h.param][key].copy_(_read_range(reader, h, f"{key}.{name}", 0, h.numel)
+                                                          .view(h.local_shape))
+        return
+    master_key = f"{MASTER_KEY}.{name}"
+    master = _read_range(reader, h, master_key, start, stop) if with_optimizer and master_key in reader else weight
+    targets = {None: master}
+    for key in MOMENT_KEYS if with_optimizer else ():
+        targets[key] = _read_range(reader, h, f"{key}.{name}", start, stop)
+    for key, values in targets.items():
+        if h.kind == "zero3":
+            _set_zero3_local(h.param, MASTER_KEY if key is None else key, values)
+        elif h.param._hp_mapping is not None:
+            h.param._hp_mapping.get_hp_fragment(key).flatten().copy_(values)
+
+
 @torch.no_grad()
-def scatter_full_state(view: EngineView, directory: Path, optim_step: Optional[int]) -> None:
+def load_shards(view: EngineView, directory: Path, optim_step: Optional[int]) -> None:
     """Load every local parameter (weights, fp32 master, Adam moments when present) from a
-    universal checkpoint. optim_step None = model only: masters follow the weights, Adam starts fresh."""
-    directory = Path(directory)
-    with_optimizer = optim_step is not None and (directory / universal.OPTIMIZER_FILE).is_file()
-    if with_optimizer:
-        _create_adam_state(view, optim_step)
-    with contextlib.ExitStack() as files:
-        model_file = files.enter_context(universal.open_tensors(directory, universal.MODEL_FILE))
-        optim_file = files.enter_context(universal.open_tensors(directory, universal.OPTIMIZER_FILE)) \
-            if with_optimizer else None
-        stored = set(model_file.keys()) | (set(optim_file.keys()) if optim_file is not None else set())
-        for name, param in local_parameters(view):
-            wanted = [name] + ([f"{key}.{name}" for key in MOMENT_KEYS] if with_optimizer else [])
-            if missing := [k for k in wanted if k not in stored]:
-                raise CheckpointError(f"checkpoint {directory} has no tensor {missing[0]}; the model.* config "
-                                      f"must match the checkpoint's state.json")
-            weight = _read_shard(model_file, name, name, param, view.dims)
-            _set_module_value(param, weight)
-            master = weight
-            if with_optimizer and f"{MASTER_KEY}.{name}" in stored:
-                master = _read_shard(optim_file, f"{MASTER_KEY}.{name}", name, param, view.dims)
-            _set_optimizer_value(view, param, master, None)
-            for key in MOMENT_KEYS if with_optimizer else ():
-                _set_optimizer_value(view, param, _read_shard(optim_file, f"{key}.{name}", name, param, view.dims), key)
+    layout-free checkpoint of either version. optim_step None = model only: masters follow the
+    weights, Adam starts fresh."""
+    with sharded.ShardReader(directory) as reader:
+        with_optimizer = optim_step is not None and any(universal.is_optimizer_key(k) for k in reader.keys())
+        if with_optimizer:
+            _create_adam_state(view, optim_step)
+        for h in holdings(view):
+            _load_holding(view, reader, h, with_optimizer)
+            reader.release()
 
 
 # ---- what the trainer calls -------------------------------------------------------------------
@@ -285,25 +336,28 @@ def _jsonable(obj: dict) -> dict:
 
 
 def save_universal(view: EngineView, directory: Path, state: dict[str, Any], lr_scheduler,
-                   tokenizer_dir: Optional[Path] = None, defer: bool = False) -> Optional[Callable[[], None]]:
-    """Write model/optimizer/state.json into `directory` (rank 0; every rank must call: collectives).
+                   tokenizer_dir: Optional[Path] = None, defer: bool = False) -> Union[dict, Callable[[], dict]]:
+    """Write this rank's shard into `directory` (every rank; no collectives) and, on global rank 0,
+    state.json (and a tokenizer copy). Returns the rank's record (sharded.write_rank_shard).
 
     `state` holds step, consumed_samples, model and whatever else the run wants in state.json.
-    defer: gather now, write later: rank 0 gets back a function that writes a snapshot (copies of
-    the tensors, so training may go on changing the live ones); the other ranks get None."""
-    model, optim = gather_full_state(view, with_optimizer=True)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return None
-    full_state = {**state, "optim_step": adam_step(view), "layout": layout_record(view),
-                  "lr_scheduler": _jsonable(lr_scheduler.state_dict())}
-    if scaler := loss_scaler_state(view.engine.optimizer):
-        full_state["loss_scaler"] = scaler
-    if not defer:
-        universal.write_files(directory, model, full_state, optim, tokenizer_dir)
-        return None
-    # gather_full_state's tensors are copies (_module_value and _optimizer_value clone): a snapshot
-    # training does not touch; the async test (slow_save) holds the files to the synchronous ones
-    return lambda: universal.write_files(directory, model, full_state, optim, tokenizer_dir)
+    defer: copy this rank's chunks to host memory now and return the function that writes them
+    (and rank 0's state.json) later, for a background save."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    pieces = shard_pieces(view, with_optimizer=True, snapshot=defer)
+    full_state = None
+    if rank == 0:
+        full_state = {**state, "version": universal.SHARDED_VERSION, "optim_step": adam_step(view),
+                      "layout": layout_record(view), "lr_scheduler": _jsonable(lr_scheduler.state_dict())}
+        if scaler := loss_scaler_state(view.engine.optimizer):
+            full_state["loss_scaler"] = scaler
+
+    def write() -> dict:
+        record = sharded.write_rank_shard(directory, rank, pieces)
+        if full_state is not None:
+            universal.write_state(directory, full_state, tokenizer_dir)
+        return record
+    return write if defer else write()
 
 
 # DeepSpeed's dynamic fp16 loss scaler: the scale, and the counters that decide when it next grows
@@ -343,13 +397,12 @@ def _restore_schedule(scheduler, last_epoch: int) -> None:
 
 
 def resume_universal(view: EngineView, directory: Path, lr_scheduler) -> dict[str, Any]:
-    """Load a universal checkpoint into the running engine; return its state.json.
+    """Load a layout-free checkpoint into the running engine; return its state.json.
 
     The schedule comes from this run's config, its position from the checkpoint. A model-only
-    checkpoint (no optimizer.safetensors) starts Adam fresh from its weights."""
+    checkpoint (no optimizer tensors) starts Adam fresh from its weights."""
     state = universal.read_state(directory)
-    has_optimizer = (Path(directory) / universal.OPTIMIZER_FILE).is_file()
-    scatter_full_state(view, directory, int(state.get("optim_step", state["step"])) if has_optimizer else None)
+    load_shards(view, directory, int(state.get("optim_step", state["step"])))
     step = int(state["step"])
     _restore_schedule(lr_scheduler, int(state.get("lr_scheduler", {}).get("last_epoch", step)))
     restore_loss_scaler(view.engine.optimizer, state.get("loss_scaler", {}))

@@ -59,8 +59,10 @@ def test_resolve_resume(tmp_path):
 
 
 def test_save_writes_a_manifest_that_load_verifies(tmp_path):
-    path = checkpoint.save(FakeEngine(), tmp_path, 4, {"step": 4},
-                           write_extra=lambda d: (d / "extra.bin").write_bytes(b"x" * 10))
+    def write_extra(directory):
+        (directory / "extra.bin").write_bytes(b"x" * 10)  # a file no rank record lists: rank 0 hashes it
+
+    path = checkpoint.save(FakeEngine(), tmp_path, 4, {"step": 4}, write_extra=write_extra)
     checkpoint.verify(path)  # complete: passes
     (path / "extra.bin").write_bytes(b"y" + b"x" * 9)
     with pytest.raises(checkpoint.CheckpointError, match="global_step4 is corrupted: extra.bin"):

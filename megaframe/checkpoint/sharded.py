@@ -1,0 +1,205 @@
+"""The sharded layer of the layout-free format: every rank writes what it owns, any layout reads
+what it needs.
+
+A tensor (a parameter under its canonical name, or `exp_avg.NAME`, `exp_avg_sq.NAME`,
+`master.NAME`) is stored as chunks: boxes of the full, unpadded tensor (checkpoint/boxes.py),
+each in some rank's file. In a checkpoint directory:
+  shards/rankNNNNN.safetensors   one rank's chunks, fp32, written one tensor at a time
+  shards/rankNNNNN.json          that rank's record: its chunks' boxes, and the bytes and sha256 of
+                                 the files it wrote (hashed by that rank as it wrote them)
+  index.json                     every chunk of every tensor, merged from the records at publication
+A reader intersects the boxes it needs with the stored chunks and reads only those slices
+(memory-mapped). Version-1 checkpoints (whole tensors in model.safetensors / optimizer.safetensors,
+as the HF converter writes) are read through the same index, each tensor one chunk.
+
+Why not torch.distributed.checkpoint: its metadata file is a pickle (the format promises that
+nothing is unpickled), and ZeRO's flat partitions are not rectangular pieces of a parameter, so
+they would need re-cutting into boxes anyway; the boxes here are that re-cutting, and safetensors
+slices do the reading.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from megaframe.checkpoint import universal
+from megaframe.checkpoint.boxes import Box, intersect
+from megaframe.checkpoint.stream import write_streaming
+from megaframe.checkpoint.universal import CheckpointError, _atomic_json
+
+SHARDS_DIR = "shards"
+INDEX_FILE = universal.INDEX_FILE
+
+
+def shard_file(rank: int) -> str:
+    return f"{SHARDS_DIR}/rank{rank:05d}.safetensors"
+
+
+def record_file(rank: int) -> str:
+    return f"{SHARDS_DIR}/rank{rank:05d}.json"
+
+
+@dataclass
+class Piece:
+    """One chunk a rank writes: tensor `key` (full shape `full_shape`), the box it covers, and how
+    to make its fp32 values (called when the writer reaches it; a view or a one-tensor copy)."""
+
+    key: str
+    full_shape: tuple[int, ...]
+    box: Box
+    values: Callable[[], torch.Tensor]
+
+
+def chunk_key(key: str, box: Box) -> str:
+    return f"{key}@{','.join(map(str, box.offset))}"
+
+
+def write_rank_shard(directory: Path, rank: int, pieces: list[Piece]) -> dict:
+    """Write this rank's chunks to shards/rankNNNNN.safetensors; return its record (not yet on disk:
+    write_record publishes it once the rank's other files are written too)."""
+    record: dict = {"rank": rank, "files": {}, "tensors": {}}
+    if not pieces:
+        return record
+    rel = shard_file(rank)
+    by_name = {chunk_key(p.key, p.box): p for p in pieces}
+    if len(by_name) != len(pieces):
+        raise ValueError("two pieces of the same tensor start at the same offset")
+    (Path(directory) / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+
+    def produce(name: str) -> torch.Tensor:
+        piece = by_name[name]
+        return piece.values().reshape(piece.box.shape).float()
+
+    size, sha = write_streaming(Path(directory) / rel, [(name, torch.float32, p.box.shape) for name, p in by_name.items()],
+                                produce)
+    record["files"][rel] = {"bytes": size, "sha256": sha}
+    for name, piece in by_name.items():
+        entry = record["tensors"].setdefault(piece.key, {"shape": list(piece.full_shape), "chunks": []})
+        entry["chunks"].append({"file": rel, "key": name, "offset": list(piece.box.offset), "shape": list(piece.box.shape)})
+    return record
+
+
+def write_record(directory: Path, record: dict) -> None:
+    """Publish a rank's record (atomic: its presence says the rank's files are complete)."""
+    (Path(directory) / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+    _atomic_json(Path(directory) / record_file(record["rank"]), record)
+
+
+def wait_for_records(directory: Path, world: int, timeout_s: float) -> None:
+    """Block until every rank's record is in `directory` (a background save: the ranks finish their
+    writes on their own threads); CheckpointError naming the missing ranks after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [r for r in range(world) if not (Path(directory) / record_file(r)).is_file()]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"checkpoint {directory}: ranks {missing[:8]} did not finish writing their "
+                                  f"shards within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def merge_records(directory: Path, world: int) -> dict[str, dict]:
+    """Rank 0 at publication: merge the ranks' records into index.json (refusing a tensor whose
+    chunks do not cover it exactly) and return {file: {bytes, sha256}} the ranks reported."""
+    directory = Path(directory)
+    files: dict[str, dict] = {}
+    tensors: dict[str, dict] = {}
+    for rank in range(world):
+        record = json.loads((directory / record_file(rank)).read_text())
+        files.update(record["files"])
+        for key, entry in record["tensors"].items():
+            merged = tensors.setdefault(key, {"shape": entry["shape"], "chunks": []})
+            if merged["shape"] != entry["shape"]:
+                raise CheckpointError(f"{key}: ranks disagree on its shape ({merged['shape']} vs {entry['shape']})")
+            merged["chunks"].extend(entry["chunks"])
+    for key, entry in tensors.items():
+        stored = sum(prod(chunk["shape"]) for chunk in entry["chunks"])
+        if stored != prod(entry["shape"]):
+            raise CheckpointError(f"{key}: the ranks wrote {stored} of its {prod(entry['shape'])} elements; "
+                                  f"the save is incomplete (a layout the writer does not cover)")
+    if tensors:
+        _atomic_json(directory / INDEX_FILE, {"tensors": dict(sorted(tensors.items()))})
+    return files
+
+
+class ShardReader:
+    """Read boxes of stored tensors from a checkpoint directory (version 2 through index.json,
+    version 1 through its two whole-tensor files). Use as a context manager: it keeps the files
+    it touched open (memory-mapped) until exit."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self._handles: dict[str, object] = {}
+        self._stack = contextlib.ExitStack()
+        index_path = self.directory / INDEX_FILE
+        if index_path.is_file():
+            try:
+                self.tensors = json.loads(index_path.read_text())["tensors"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise CheckpointError(f"checkpoint {directory}: {INDEX_FILE} is unreadable ({err})") from err
+        else:
+            self.tensors = {}
+            for filename in (universal.MODEL_FILE, universal.OPTIMIZER_FILE):
+                if (self.directory / filename).is_file():
+                    for key, meta in universal.safetensors_header(self.directory / filename).items():
+                        self.tensors[key] = {"shape": meta["shape"], "chunks": [
+                            {"file": filename, "key": key, "offset": [0] * len(meta["shape"]), "shape": meta["shape"]}]}
+
+    def __enter__(self) -> "ShardReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Close the files opened so far: their mapped pages leave this process's memory (a rank
+        loading parameter by parameter holds one parameter's pages at a time)."""
+        self._stack.close()
+        self._stack = contextlib.ExitStack()
+        self._handles.clear()
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.tensors[key]["shape"])
+
+    def _handle(self, rel: str):
+        if rel not in self._handles:
+            universal.inside(self.directory, rel, INDEX_FILE)
+            self._handles[rel] = self._stack.enter_context(universal.open_tensors(self.directory, rel))
+        return self._handles[rel]
+
+    def read(self, key: str, box: Box, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The fp32 values of `box` of tensor `key`; where the box reaches beyond the stored tensor
+        (this layout's vocabulary padding) the values are zeros. Only the overlapping slices of the
+        chunks are read."""
+        if key not in self.tensors:
+            raise CheckpointError(f"checkpoint {self.directory} has no tensor {key}; the model.* config must "
+                                  f"match the checkpoint's state.json")
+        out = torch.zeros(box.shape, dtype=torch.float32) if out is None else out
+        for chunk in self.tensors[key]["chunks"]:
+            stored = Box(tuple(chunk["offset"]), tuple(chunk["shape"]))
+            common = intersect(box, stored)
+            if common is None:
+                continue
+            src = tuple(slice(c - s, c - s + n) for c, s, n in zip(common.offset, stored.offset, common.shape))
+            dst = tuple(slice(c - b, c - b + n) for c, b, n in zip(common.offset, box.offset, common.shape))
+            out[dst] = self._handle(chunk["file"]).get_slice(chunk["key"])[src].float()
+        return out
+
+    def full(self, key: str) -> torch.Tensor:
+        """The whole tensor `key` (tools and the converter: one tensor at a time)."""
+        shape = self.shape(key)
+        return self.read(key, Box((0,) * len(shape), shape))

@@ -1,0 +1,97 @@
+"""The sharded layer on its own: chunks written by the 'ranks' of one split read back in another.
+
+The writers cut each tensor the way a layout does (a TP shard along a dimension, then ZeRO's flat
+range of that shard); the reader asks for the boxes another layout needs. Every value must come
+back bit-exact, padding rows as zeros; a save that does not cover a tensor is refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megaframe.checkpoint import sharded, universal
+from megaframe.checkpoint.boxes import Box, even_range, flat_range_boxes
+from megaframe.checkpoint.universal import CheckpointError
+
+FULL = {"w": torch.randn(10, 6), "b": torch.randn(12), "exp_avg.w": torch.randn(10, 6)}
+
+
+def _pieces_of(full: dict, tp: int, dp: int, tp_rank: int, dp_rank: int, dim: int) -> list[sharded.Piece]:
+    """What rank (tp_rank, dp_rank) writes: its TP shard along `dim`, and of that its dp part."""
+    pieces = []
+    for key, value in full.items():
+        d = min(dim, value.dim() - 1)
+        size = value.shape[d] // tp
+        shard = value.narrow(d, tp_rank * size, size).contiguous()
+        offset = [0] * value.dim()
+        offset[d] = tp_rank * size
+        start, stop = even_range(shard.numel(), dp_rank, dp)
+        flat, position = shard.flatten(), 0
+        for local in flat_range_boxes(tuple(shard.shape), start, stop):
+            box = local.shifted(tuple(offset))
+            pieces.append(sharded.Piece(key, tuple(value.shape), box,
+                                        lambda flat=flat, at=start + position, n=local.numel: flat[at:at + n]))
+            position += local.numel
+    return pieces
+
+
+def _save(directory, tp: int, dp: int, dim: int, full=FULL) -> None:
+    directory.mkdir()
+    for tp_rank in range(tp):
+        for dp_rank in range(dp):
+            rank = tp_rank * dp + dp_rank
+            record = sharded.write_rank_shard(directory, rank, _pieces_of(full, tp, dp, tp_rank, dp_rank, dim))
+            sharded.write_record(directory, record)
+    hashed = sharded.merge_records(directory, tp * dp)
+    universal.write_manifest(directory, hashed)
+
+
+@pytest.mark.parametrize("tp,dp,dim", [(1, 1, 0), (2, 3, 0), (2, 2, 1), (1, 4, 1)])
+def test_any_split_reads_back_in_other_boxes(tmp_path, tp, dp, dim):
+    _save(tmp_path / "ckpt", tp, dp, dim)
+    universal.verify_manifest(tmp_path / "ckpt")  # hashes the ranks reported are the files' hashes
+    with sharded.ShardReader(tmp_path / "ckpt") as reader:
+        assert sorted(reader.keys()) == sorted(FULL)
+        for key, value in FULL.items():
+            assert torch.equal(reader.full(key), value)
+        # another layout's piece: columns 2..5 of rows 3..9, and a box reaching past the stored rows
+        assert torch.equal(reader.read("w", Box((3, 2), (6, 3))), FULL["w"][3:9, 2:5])
+        padded = reader.read("w", Box((8, 0), (4, 6)))
+        assert torch.equal(padded[:2], FULL["w"][8:10]) and not padded[2:].any()
+
+
+def test_incomplete_save_is_refused(tmp_path):
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    sharded.write_record(directory, sharded.write_rank_shard(directory, 0, _pieces_of(FULL, 2, 1, 0, 0, 0)))
+    sharded.write_record(directory, {"rank": 1, "files": {}, "tensors": {}})  # rank 1 lost its shard
+    with pytest.raises(CheckpointError, match="b: the ranks wrote 6 of its 12 elements"):
+        sharded.merge_records(directory, 2)
+
+
+def test_wait_for_records_names_the_missing_ranks(tmp_path):
+    sharded.write_record(tmp_path, {"rank": 0, "files": {}, "tensors": {}})
+    with pytest.raises(CheckpointError, match=r"ranks \[1, 2\] did not finish"):
+        sharded.wait_for_records(tmp_path, 3, timeout_s=0.1)
+
+
+def test_index_naming_a_file_outside_is_refused(tmp_path):
+    _save(tmp_path / "ckpt", 1, 2, 0)
+    index_path = tmp_path / "ckpt" / sharded.INDEX_FILE
+    index = json.loads(index_path.read_text())
+    index["tensors"]["b"]["chunks"][0]["file"] = "../elsewhere.safetensors"
+    index_path.write_text(json.dumps(index))
+    with sharded.ShardReader(tmp_path / "ckpt") as reader, pytest.raises(CheckpointError, match="outside"):
+        reader.full("b")
+
+
+def test_version_1_files_read_through_the_same_reader(tmp_path):
+    model = {"w": FULL["w"], "b": FULL["b"]}
+    path = universal.write_universal(tmp_path / "v1", model, {"step": 1, "consumed_samples": 0, "model": {}},
+                                     {"exp_avg.w": FULL["exp_avg.w"]})
+    with sharded.ShardReader(path) as reader:
+        assert sorted(reader.keys()) == sorted(FULL)
+        assert torch.equal(reader.read("w", Box((2, 1), (3, 4))), FULL["w"][2:5, 1:5])
+    state, got_model, got_optim = universal.read_universal(path)
+    assert state["version"] == universal.VERSION and set(got_model) == {"w", "b"} and set(got_optim) == {"exp_avg.w"}
