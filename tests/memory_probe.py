@@ -17,6 +17,19 @@ _COLLECTIVES = ("allgather", "_allgather_base", "allgather_coalesced", "allgathe
                 "reduce_scatter_tensor_coalesced", "send", "recv", "recv_anysource")
 
 
+def fixed_mmap_threshold() -> None:
+    """Make glibc hand every allocation above 128 KiB straight back to the kernel when freed.
+
+    By default glibc raises its mmap threshold to the size of the last large block freed (up to 32
+    MiB), after which multi-MB tensors come from the heap and their memory stays resident after
+    they die: the high-water mark would then measure the allocator's retention, not what the code
+    holds. Called in a rank before a measured section."""
+    import ctypes
+
+    M_MMAP_THRESHOLD = -3
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 * 1024)
+
+
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:

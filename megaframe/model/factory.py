@@ -13,14 +13,16 @@ from megaframe.parallel.state import ParallelState
 
 
 def build_model(dims: GPTDims, ps: ParallelState, seed: int, activation_checkpointing: bool = False,
-                sequence_parallel: bool = False, grad_bucket=None) -> nn.Module:
+                sequence_parallel: bool = False, grad_bucket=None, write_init=None) -> nn.Module:
     """An initialised GPT holding this rank's tensor-parallel shard (pipeline stages: not yet).
-    grad_bucket: sum TP-replicated gradients once per step (parallel/grad_bucket.py)."""
+    grad_bucket: sum TP-replicated gradients once per step (parallel/grad_bucket.py);
+    write_init(param, value): how a parameter takes its initial value (default: a copy; a model
+    built partitioned writes its ZeRO-3 piece)."""
     if ps.pp != 1:
         raise NotImplementedError("pipeline-parallel models are not built by this version")
     model = GPT(dims, tp=ps.tp_region(sequence_parallel, grad_bucket), rng=TPDropoutRNG(seed, ps.tp_rank),
                 activation_checkpointing=activation_checkpointing)
-    init_parameters(model, "", dims, seed)
+    init_parameters(model, "", dims, seed, **({"write": write_init} if write_init else {}))
     return model
 
 

@@ -330,21 +330,29 @@ def full_init_value(name: str, shape: tuple[int, ...], dims: GPTDims, seed: int)
     if name.endswith(("out_proj.weight", "down_proj.weight")):
         std = std / math.sqrt(2 * dims.num_layers)  # GPT-2: scale residual-branch outputs by depth
     generator = torch.Generator().manual_seed(_name_seed(seed, name))
-    return torch.randn(shape, generator=generator) * std
+    return torch.randn(shape, generator=generator).mul_(std)  # in place: one full tensor at a time
+
+
+def _copy_into(param: nn.Parameter, value: torch.Tensor) -> None:
+    param.copy_(value.to(param.dtype))
 
 
 @torch.no_grad()
-def init_parameters(module: nn.Module, prefix: str, dims: GPTDims, seed: int) -> None:
+def init_parameters(module: nn.Module, prefix: str, dims: GPTDims, seed: int,
+                    write: Callable[[nn.Parameter, torch.Tensor], None] = _copy_into) -> None:
     """Fill every parameter of `module` from its canonical name `prefix.local_name`.
 
     A parameter that is a shard carries its ShardSpec (`shard`) and full shape (`partition_shape`);
     the full value is generated and the shard taken out, so every layout starts from one model.
+    write(param, value) stores the shard's value: a copy, or (ZeRO-3 built partitioned) the
+    rank's piece of it. One parameter's full value exists at a time.
     """
     for local_name, param in module.named_parameters():
         name = f"{prefix}.{local_name}" if prefix else local_name
-        full_shape = tuple(getattr(param, "partition_shape", param.shape))
+        # a parameter partitioned at construction (ZeRO-3) is empty: ds_shape is its shape
+        full_shape = tuple(getattr(param, "partition_shape", None) or getattr(param, "ds_shape", param.shape))
         value = full_init_value(name, full_shape, dims, seed)
         shard = getattr(param, "shard", None)
         if shard is not None:
             value = shard.take(value, param.partition_index, param.partition_count)
-        param.copy_(value.to(param.dtype))
+        write(param, value)

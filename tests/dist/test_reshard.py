@@ -1,6 +1,7 @@
 """Resume into any layout: a checkpoint saved at tp=2 x pp=2 x dp=2 (ZeRO-1) after 10 steps resumes
 at tp=1, at tp=4 x dp=2 and at pp=4 (x dp=2), and one saved at ZeRO-2 (tp=4 x dp=2) resumes at
-ZeRO-3 (tp=2 x dp=4), and one saved at ZeRO-2 dp=2 resumes at ZeRO-3 dp=4; the next 10 losses, gradient norms and eval losses equal the uninterrupted
+ZeRO-3 (tp=2 x dp=4), one saved at ZeRO-2 dp=2 resumes at ZeRO-3 dp=4, and one saved at ZeRO-3 dp=4
+resumes at tp=2 x pp=2 ZeRO-1; the next 10 losses, gradient norms and eval losses equal the uninterrupted
 run's within rtol 1e-5 (fp32, real gloo ranks). A model-only checkpoint (no optimizer, step 0)
 starts a run from those weights."""
 from __future__ import annotations
@@ -27,7 +28,7 @@ def _resumed(records: list[dict]) -> list[dict]:
 def test_resume_into_other_layouts(tmp_path):
     runs = {name: tmp_path / name for name in
             ("tp2pp2dp2", "tp4dp2_zero2", "to_tp4dp2", "to_pp4dp2", "to_tp2dp4_zero3", "reference", "to_tp1",
-             "model_only", "dp2_zero2", "to_dp4_zero3")}
+             "model_only", "dp2_zero2", "to_dp4_zero3", "dp4_zero3", "to_tp2pp2_zero1")}
     saved_3d = runs["tp2pp2dp2"] / "checkpoints"
     saved_zero2 = runs["tp4dp2_zero2"] / "checkpoints"
     first_legs = [
@@ -44,7 +45,12 @@ def test_resume_into_other_layouts(tmp_path):
     run_ranks(train_runs, 2, tmp_path, runs=[([*MODEL, "zero=stage2", f"train.exit_at_step={SAVED_AT}"],
                                               str(runs["dp2_zero2"]))])
     run_ranks(train_runs, 4, tmp_path, runs=[([*MODEL, "zero=stage3", f"train.resume={runs['dp2_zero2'] / 'checkpoints'}"],
-                                              str(runs["to_dp4_zero3"]))])
+                                              str(runs["to_dp4_zero3"])),
+                                             ([*MODEL, "zero=stage3", f"train.exit_at_step={SAVED_AT}"], str(runs["dp4_zero3"]))])
+    # ZeRO-3 partitions (flat ranges of whole tensors) into TP shards of pipeline stages
+    run_ranks(train_runs, 4, tmp_path, runs=[([*MODEL, "parallel.tp=2", "parallel.pp=2", "zero=stage1",
+                                               f"train.resume={runs['dp4_zero3'] / 'checkpoints'}"],
+                                              str(runs["to_tp2pp2_zero1"]))])
 
     # a model-only checkpoint (what an HF import writes): the 3D run's weights at step 10, step 0
     state, model, _ = universal.read_universal(saved_3d / f"global_step{SAVED_AT}")
@@ -63,12 +69,12 @@ def test_resume_into_other_layouts(tmp_path):
     _, reference_model, reference_optim = universal.read_universal(runs["reference"] / "checkpoints" / "global_step20")
     assert {k: v.shape for k, v in model.items()} == {k: v.shape for k, v in reference_model.items()}
     assert set(reference_optim) == {f"{key}.{name}" for key in universal.MOMENT_KEYS for name in reference_model}
-    for name in ("to_tp1", "to_tp4dp2", "to_pp4dp2", "to_tp2dp4_zero3", "to_dp4_zero3"):
+    for name in ("to_tp1", "to_tp4dp2", "to_pp4dp2", "to_tp2dp4_zero3", "to_dp4_zero3", "to_tp2pp2_zero1"):
         got = read_metrics(runs[name])
         assert min(r["step"] for r in got) == SAVED_AT + 1, f"{name} did not resume at step {SAVED_AT}"
         assert_parity(got, _resumed(reference), f"{name} (resumed)")
     # the source runs themselves agree with the reference up to the save
-    for name in ("tp2pp2dp2", "tp4dp2_zero2", "dp2_zero2"):
+    for name in ("tp2pp2dp2", "tp4dp2_zero2", "dp2_zero2", "dp4_zero3"):
         assert_parity(read_metrics(runs[name]), [r for r in reference if r["step"] <= SAVED_AT], name)
 
     # model-only: step 0 evaluates the step-10 weights; the optimizer and schedule start fresh

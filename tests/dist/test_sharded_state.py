@@ -35,7 +35,7 @@ LAYOUTS = {  # name: (world size, overrides)
 
 
 def _save_and_load(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
-    from memory_probe import collective_bytes, peak_rss
+    from memory_probe import collective_bytes, fixed_mmap_threshold, peak_rss
 
     from megaframe.backends.deepspeed import state_io
     from megaframe.config.compose import compose
@@ -44,6 +44,7 @@ def _save_and_load(rank: int, world: int, overrides: list[str], run_dir: str) ->
     from megaframe.engine.trainer import Trainer
     from megaframe.model.spec import ModelSpec
 
+    fixed_mmap_threshold()
     cfg, _ = compose(overrides)
     trainer = Trainer(cfg, validate(cfg, world), Path(run_dir))
     measured = {}

@@ -27,6 +27,7 @@ from megaframe.backends.deepspeed.nvme import open_nvme_swap
 from megaframe.backends.deepspeed.pipeline import build_pipeline_model
 from megaframe.backends.deepspeed.skip_gate import LastMicroBatchGate, gate_plain_optimizer
 from megaframe.backends.deepspeed.topology import MegatronMpu
+from megaframe.backends.deepspeed.zero_init import builds_partitioned, partitioned_construction, write_partition
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims
@@ -76,9 +77,12 @@ def init_distributed(collective_timeout_s: Optional[float] = None) -> None:
 
 
 def decay_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only; biases and norm gains are not decayed (as Megatron does)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    """Weight decay on matrices only; biases and norm gains are not decayed (as Megatron does).
+    A parameter built partitioned (ZeRO-3) is empty here: its shape is ds_shape."""
+    def matrix(p) -> bool:
+        return len(getattr(p, "ds_shape", p.shape)) >= 2
+    decay = [p for p in model.parameters() if p.requires_grad and matrix(p)]
+    no_decay = [p for p in model.parameters() if p.requires_grad and not matrix(p)]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -92,18 +96,23 @@ class DeepSpeedBackend:
         p = cfg.parallel
         self.pipelined = layout.pp > 1
         self.grad_bucket = self._replicated_grad_bucket()
+        self.nvme_swap = open_nvme_swap(cfg.offload)
+        load_ops(self._ops_needed())  # before initialize, whose collectives must not wait on a JIT build
+        ds_config = to_ds_config(cfg, layout, swap_dir=str(self.nvme_swap.path) if self.nvme_swap else None)
+        self.built_partitioned = builds_partitioned(cfg.zero.stage, cfg.offload.param, self.pipelined)
         if self.pipelined:
             module = build_pipeline_model(dims, ps, cfg.train.seed, p.pipeline_partition,
                                           p.activation_checkpointing, p.sequence_parallel, grad_bucket=self.grad_bucket)
+        elif self.built_partitioned:  # ZeRO-3: no rank builds the whole model (zero_init.py)
+            with partitioned_construction(ds_config, ps):
+                module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel,
+                                     grad_bucket=self.grad_bucket, write_init=write_partition)
         else:
             module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel,
                                  grad_bucket=self.grad_bucket)
         self.compiled_blocks = compile_blocks(module) if cfg.train.compile else 0
         self.module = module
         self.num_parameters = self._count_parameters(module)
-        self.nvme_swap = open_nvme_swap(cfg.offload)
-        load_ops(self._ops_needed())  # before initialize, whose collectives must not wait on a JIT build
-        ds_config = to_ds_config(cfg, layout, swap_dir=str(self.nvme_swap.path) if self.nvme_swap else None)
         self.engine, _, _, self.lr_scheduler = deepspeed.initialize(
             model=module, model_parameters=decay_param_groups(module, cfg.optim.weight_decay),
             config=ds_config, lr_scheduler=lr_scheduler,

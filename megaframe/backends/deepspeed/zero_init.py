@@ -1,0 +1,47 @@
+"""ZeRO-3 models built partitioned: no rank ever holds the whole model.
+
+Without this, every rank constructs and initialises the full model and deepspeed.initialize
+partitions it afterwards: a 70B model needs 280 GB of fp32 on every rank before the first step.
+Under deepspeed.zero.Init each module's parameters are partitioned over the data-parallel group as
+soon as that module is constructed, and init_parameters then writes each rank's piece of the
+layout-invariant initial value straight into its partition (one parameter's value at a time), so
+the weights equal those of every other layout. zero.Init's own broadcast of the constructed values
+is overwritten by that write.
+
+Not under offload.param=nvme: there zero.Init would send the partitions to NVMe before their values
+are written; those runs build the model whole and let deepspeed.initialize partition it.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from megaframe.backends.deepspeed.topology import MegatronMpu
+from megaframe.parallel.state import ParallelState
+
+
+def builds_partitioned(zero_stage: int, offload_param: str, pipelined: bool) -> bool:
+    """Whether the model is constructed under zero.Init (ZeRO-3, no pipeline, parameters not on NVMe)."""
+    return zero_stage == 3 and offload_param != "nvme" and not pipelined
+
+
+def partitioned_construction(ds_config: dict[str, Any], ps: ParallelState) -> contextlib.AbstractContextManager:
+    """The context the model is built in: parameters partitioned over the DP group on creation."""
+    return deepspeed.zero.Init(data_parallel_group=ps.dp_group, config_dict_or_path=ds_config, mpu=MegatronMpu(ps))
+
+
+@torch.no_grad()
+def write_partition(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Store this rank's ZeRO-3 partition of `value` (the parameter's full tensor-parallel shard):
+    elements [rank * n, (rank + 1) * n) of it flattened, zeros past its end."""
+    partition = param.ds_tensor
+    size = partition.ds_numel
+    rank = dist.get_rank(group=param.ds_process_group)
+    flat = value.flatten()
+    start, stop = min(rank * size, flat.numel()), min((rank + 1) * size, flat.numel())
+    partition.data.zero_()
+    partition.data[: stop - start].copy_(flat[start:stop].to(partition.dtype))
