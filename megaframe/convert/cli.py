@@ -2,6 +2,8 @@
 
   to-hf CKPT OUT      a layout-free megaframe checkpoint -> a transformers model directory
   from-hf HF_DIR OUT  a local Llama / GPT-2 transformers directory -> a model-only megaframe checkpoint
+Both directions go one output tensor at a time (safetensors read on demand, written streaming):
+the model is never whole in memory. HF .bin weights are pickles and load whole.
 
 Bad input ends with one line `megaframe-convert: error: ...` and exit code 2.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -17,7 +20,8 @@ from typing import Optional, Sequence
 
 from megaframe.config.schema import ModelConfig
 from megaframe.convert import files
-from megaframe.convert.hf import ConvertError, config_from_hf, state_from_hf, to_hf
+from megaframe.convert.hf import (ConvertError, check_tied_copy, config_from_hf, plan_shapes, state_from_hf_plan,
+                                  to_hf_plan)
 
 PROG = "megaframe-convert"
 
@@ -51,28 +55,31 @@ def _tokenizer_source(ckpt: Path, state: dict) -> Optional[Path]:
 
 
 def export_hf(ckpt: Path, out: Path, force: bool = False) -> str:
-    """Write the transformers directory for checkpoint `ckpt` to `out`; return a summary line."""
-    from safetensors.torch import save_file
-
+    """Write the transformers directory for checkpoint `ckpt` to `out`, one tensor at a time (the
+    model is never whole in memory); return a summary line."""
     files.refuse_existing(out, force)
     ckpt = files.resolve_checkpoint(ckpt)
-    state, tensors = files.read_layout_free(ckpt)
+    state, reader = files.open_layout_free(ckpt)
     cfg = model_config(state, ckpt)
-    padded_rows = tensors["embed.tok.weight"].shape[0]
-    hf_config, hf_state = to_hf(cfg, tensors)
-    tmp = files.staging_dir(out, force)
-    try:
-        tokenizer = _tokenizer_source(ckpt, state)
-        if tokenizer is not None:
-            files.copy_tokenizer(tokenizer, tmp)
-            _set_special_tokens(hf_config, tmp)
-        hf_config.save_pretrained(str(tmp))
-        save_file(hf_state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        files.publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    params = sum(t.numel() for t in hf_state.values())
+    with reader:
+        source = files.model_tensors(reader)
+        padded_rows = source.shapes["embed.tok.weight"][0]
+        hf_config, plan = to_hf_plan(cfg, source.shapes)
+        shapes = plan_shapes(plan, source.shapes)
+        tmp = files.staging_dir(out, force)
+        try:
+            tokenizer = _tokenizer_source(ckpt, state)
+            if tokenizer is not None:
+                files.copy_tokenizer(tokenizer, tmp)
+                _set_special_tokens(hf_config, tmp)
+            hf_config.save_pretrained(str(tmp))
+            files.write_tensors(tmp / "model.safetensors",
+                                files.LazyTensors(shapes, lambda name: plan[name](source)), metadata={"format": "pt"})
+            files.publish(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    params = sum(math.prod(shape) for shape in shapes.values())
     dropped = padded_rows - hf_config.vocab_size
     return (f"wrote {out}: {hf_config.architectures[0]} from {ckpt} (step {state.get('step', '?')}), "
             f"{params / 1e6:.2f}M parameters, vocab {hf_config.vocab_size}"
@@ -97,12 +104,16 @@ def import_hf(hf_dir: Path, out: Path, force: bool = False) -> tuple[ModelConfig
     files.refuse_existing(out, force)  # before reading gigabytes of weights
     hf_config = files.read_hf_config(hf_dir)
     cfg = config_from_hf(hf_config)  # refuse an unsupported model before reading gigabytes of weights
-    state = state_from_hf(cfg, files.read_hf_weights(hf_dir))
+    weights = files.read_hf_weights(hf_dir)
+    plan = state_from_hf_plan(cfg, {name: files.shape_of(weights, name) for name in weights})
+    check_tied_copy(cfg, weights)
+    state = files.LazyTensors(plan_shapes(plan, {name: files.shape_of(weights, name) for name in weights}),
+                              lambda name: plan[name](weights))
     record = {"step": 0, "consumed_samples": 0, "model": dataclasses.asdict(cfg),
               "source": {"hf_dir": str(hf_dir.resolve()), "model_type": hf_config["model_type"]}}
     tokenizer = hf_dir if files.has_tokenizer(hf_dir) else None
     files.write_layout_free(out, state, record, tokenizer_src=tokenizer, force=force)
-    params = sum(t.numel() for t in state.values())
+    params = sum(math.prod(shape) for shape in state.shapes.values())
     summary = (f"wrote {out}: {cfg.arch} checkpoint from {hf_dir}, {params / 1e6:.2f}M parameters, "
                f"vocab {cfg.vocab_size}" + (", tokenizer copied to tokenizer/" if tokenizer else ", no tokenizer found"))
     return cfg, summary

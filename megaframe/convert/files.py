@@ -2,8 +2,9 @@
 
 - Hugging Face model directories: config.json plus safetensors (or, refusing anything but plain
   tensors, torch.load(weights_only=True) for pytorch_model*.bin), single-file or sharded.
-- Layout-free megaframe checkpoints, through megaframe/checkpoint/universal.py:
-  model.safetensors + state.json + manifest.json (+ tokenizer/).
+- Layout-free megaframe checkpoints, through megaframe/checkpoint/: read in either version (a
+  training save's shards, or whole tensors), written as version 1 (model.safetensors + state.json
+  + manifest.json, + tokenizer/). Tensors go one at a time (LazyTensors, checkpoint/stream.py).
 Every directory is written to a temporary sibling and renamed into place, so a crash never leaves
 a half-written OUT and an existing OUT is only replaced (with force) once the new one is complete.
 """
@@ -14,11 +15,14 @@ import pickle
 import shutil
 import uuid
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
+from safetensors import safe_open
 
 from megaframe.checkpoint import universal
+from megaframe.checkpoint.sharded import ShardReader
+from megaframe.checkpoint.stream import write_streaming
 from megaframe.convert.hf import ConvertError
 
 TOKENIZER_DIR = "tokenizer"
@@ -39,12 +43,49 @@ def read_hf_config(hf_dir: Path) -> dict:
     return json.loads(config_file.read_text())
 
 
-def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """Every weight tensor of a local HF model directory."""
-    state: dict[str, torch.Tensor] = {}
-    for path in _weight_files(Path(hf_dir)):
-        state.update(load_weights_file(path))
-    return state
+class LazyTensors(Mapping):
+    """Tensors made on demand: names and shapes known up front, each tensor made when asked for and
+    not kept (the converter holds one tensor, or the few one output needs, at a time)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], make: Callable[[str], torch.Tensor]):
+        self.shapes, self._make = shapes, make
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.shapes:
+            raise KeyError(name)
+        return self._make(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+def read_hf_weights(hf_dir: Path) -> Mapping[str, torch.Tensor]:
+    """Every weight tensor of a local HF model directory: safetensors files are read tensor by tensor
+    on demand (their headers give the shapes); .bin files are pickles and load whole."""
+    files = _weight_files(Path(hf_dir))
+    if any(path.suffix != ".safetensors" for path in files):
+        state: dict[str, torch.Tensor] = {}
+        for path in files:
+            state.update(load_weights_file(path))
+        return state
+    where, shapes = {}, {}
+    for path in files:
+        if not path.is_file():
+            raise ConvertError(f"{path}: weights file not found")
+        try:
+            header = universal.safetensors_header(path)
+        except universal.CheckpointError as err:
+            raise ConvertError(str(err)) from err
+        for name, meta in header.items():
+            where[name], shapes[name] = path, tuple(meta["shape"])
+
+    def make(name: str) -> torch.Tensor:
+        with safe_open(str(where[name]), framework="pt", device="cpu") as f:
+            return f.get_tensor(name)
+    return LazyTensors(shapes, make)
 
 
 def _weight_files(hf_dir: Path) -> list[Path]:
@@ -119,18 +160,30 @@ def publish(tmp: Path, final: Path) -> Path:
 
 # ---- layout-free megaframe checkpoints (megaframe/checkpoint/universal.py) --------------------
 
-def write_layout_free(out: Path, model: dict[str, torch.Tensor], state: dict, tokenizer_src: Optional[Path] = None,
+def shape_of(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
+    return tensors.shapes[name] if isinstance(tensors, LazyTensors) else tuple(tensors[name].shape)
+
+
+def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Optional[dict] = None) -> None:
+    """One safetensors file of fp32 tensors, written one tensor at a time (a LazyTensors makes each
+    only when the writer reaches it)."""
+    write_streaming(path, [(name, torch.float32, shape_of(tensors, name)) for name in tensors],
+                    lambda name: tensors[name].to(torch.float32).contiguous(), metadata)
+
+
+def write_layout_free(out: Path, model: Mapping[str, torch.Tensor], state: dict, tokenizer_src: Optional[Path] = None,
                       force: bool = False) -> Path:
     """Write a model-only layout-free checkpoint (fp32 canonical tensors, state.json, manifest.json
-    last, tokenizer/ when given) to `out`, atomically. Only the tokenizer's own files are copied
-    (an HF model directory also holds gigabytes of weights)."""
+    last, tokenizer/ when given) to `out`, atomically, one tensor at a time. Only the tokenizer's own
+    files are copied (an HF model directory also holds gigabytes of weights)."""
     out = Path(out)
     tmp = staging_dir(out, force)
     try:
         if tokenizer_src is not None:
             copy_tokenizer(tokenizer_src, tmp / TOKENIZER_DIR)
             state = {**state, "tokenizer": str((out / TOKENIZER_DIR).resolve())}
-        universal.write_files(tmp, model, state)
+        write_tensors(tmp / universal.MODEL_FILE, model)
+        universal.write_state(tmp, state)
         universal.write_manifest(tmp)
         return publish(tmp, out)
     except BaseException:
@@ -144,9 +197,32 @@ def resolve_checkpoint(path: Path) -> Path:
     if (path / LATEST).is_file():
         path = path / (path / LATEST).read_text().strip()
     if not universal.has_universal(path):
-        raise ConvertError(f"{path}: not a layout-free megaframe checkpoint (needs {universal.MODEL_FILE} and "
-                           f"{universal.STATE_FILE}); pass a checkpoint directory or a run's checkpoints/ directory")
+        raise ConvertError(f"{path}: not a layout-free megaframe checkpoint (needs {universal.STATE_FILE} and "
+                           f"{universal.INDEX_FILE} or {universal.MODEL_FILE}); pass a checkpoint directory or a "
+                           f"run's checkpoints/ directory")
     return path
+
+
+def open_layout_free(path: Path) -> tuple[dict, ShardReader]:
+    """(state.json, a reader of its tensors) of a verified layout-free checkpoint of either version;
+    the reader is a context manager."""
+    path = resolve_checkpoint(path)
+    try:
+        universal.verify_manifest(path)
+        return universal.read_state(path), ShardReader(path)
+    except universal.CheckpointError as err:
+        raise ConvertError(str(err)) from err
+
+
+def model_tensors(reader: ShardReader) -> LazyTensors:
+    """The weights (not the optimizer state) of a checkpoint, each read when asked for; the
+    reader's memory maps are released after each, so one tensor is resident at a time."""
+    def make(name: str) -> torch.Tensor:
+        try:
+            return reader.full(name)
+        finally:
+            reader.release()
+    return LazyTensors({k: reader.shape(k) for k in reader.keys() if not universal.is_optimizer_key(k)}, make)
 
 
 def read_layout_free(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:

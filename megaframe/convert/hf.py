@@ -10,7 +10,7 @@ An HF config feature megaframe's blocks lack is refused with the config key that
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -49,23 +49,49 @@ def flavour(cfg: ModelConfig) -> str:
 
 
 # ---- megaframe -> Hugging Face ---------------------------------------------------------------
+#
+# A plan maps each output tensor's name to a recipe: a function of the source tensors (any Mapping:
+# a dict, or files read on demand), so the converter makes one output tensor at a time and never
+# holds the model (convert/stream.py). Planning needs only the source's shapes.
+
+Recipe = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
+
+
+def _shape(value) -> tuple[int, ...]:
+    """A tensor's shape, or a shape given as such."""
+    return tuple(value.shape) if hasattr(value, "shape") else tuple(value)
+
 
 def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
-    """(transformers config, HF state dict) for a canonical megaframe state dict. Vocabulary rows
-    beyond the real vocabulary (Megatron padding) are dropped."""
-    vocab = state["embed.tok.weight"].shape[0]
+    """(transformers config, HF state dict) for a canonical megaframe state dict (all in memory:
+    for tests and small models; the CLI streams through to_hf_plan)."""
+    hf_config, plan = to_hf_plan(cfg, state)
+    return hf_config, {name: recipe(state).contiguous() for name, recipe in plan.items()}
+
+
+def to_hf_plan(cfg: ModelConfig, shapes: Mapping[str, Any]) -> tuple[Any, dict[str, Recipe]]:
+    """(transformers config, {HF name: recipe over the canonical tensors}) for a megaframe model whose
+    tensors have `shapes` (tensors or shapes). Vocabulary rows beyond the real vocabulary (Megatron
+    padding) are dropped."""
+    vocab = _shape(shapes["embed.tok.weight"])[0]
     if cfg.vocab_size is not None:
         if cfg.vocab_size > vocab:
             raise ConvertError(f"model.vocab_size={cfg.vocab_size} but embed.tok.weight has only {vocab} rows")
         vocab = cfg.vocab_size
-    state = {name: t[:vocab] if name in ("embed.tok.weight", "head.weight") else t for name, t in state.items()}
+    vocab_rows = ("embed.tok.weight", "head.weight")
+    shapes = {name: ((vocab, *_shape(v)[1:]) if name in vocab_rows else _shape(v)) for name, v in shapes.items()}
     cfg = dataclasses.replace(cfg, vocab_size=vocab)
-    check_canonical(cfg, state, "the megaframe checkpoint")
-    hf_config, hf_state = (_llama_to_hf if flavour(cfg) == "llama" else _gpt2_to_hf)(cfg, state)
-    return hf_config, {name: t.contiguous() for name, t in hf_state.items()}
+    check_canonical(cfg, shapes, "the megaframe checkpoint")
+
+    def get(name: str, transpose: bool = False) -> Recipe:
+        def recipe(state: Mapping[str, torch.Tensor]) -> torch.Tensor:
+            value = state[name][:vocab] if name in vocab_rows else state[name]
+            return value.t() if transpose else value
+        return recipe
+    return (_llama_to_hf if flavour(cfg) == "llama" else _gpt2_to_hf)(cfg, get)
 
 
-def _llama_to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]):
+def _llama_to_hf(cfg: ModelConfig, get: Callable[..., Recipe]):
     from transformers import LlamaConfig
 
     config = LlamaConfig(
@@ -76,8 +102,7 @@ def _llama_to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]):
         tie_word_embeddings=cfg.tie_embeddings, attention_bias=cfg.bias, mlp_bias=cfg.bias,
         attention_dropout=0.0, initializer_range=cfg.init_std, bos_token_id=None, eos_token_id=None,
         architectures=["LlamaForCausalLM"])
-    names = _llama_names(cfg)
-    return config, {names[name]: tensor for name, tensor in state.items()}
+    return config, {theirs: get(ours) for ours, theirs in _llama_names(cfg).items()}
 
 
 def _llama_names(cfg: ModelConfig) -> dict[str, str]:
@@ -93,17 +118,17 @@ def _llama_names(cfg: ModelConfig) -> dict[str, str]:
     return names
 
 
-def check_canonical(cfg: ModelConfig, state: dict[str, torch.Tensor], what: str) -> None:
-    """Refuse a state dict whose names or shapes are not those of the model `cfg` describes."""
+def check_canonical(cfg: ModelConfig, state: Mapping[str, Any], what: str) -> None:
+    """Refuse a state dict (tensors or shapes) whose names or shapes are not those of the model `cfg` describes."""
     shapes = canonical_shapes(resolve_dims(cfg, cfg.vocab_size))
     _expect_names(state, shapes.keys(), what, cfg)
     for name, shape in shapes.items():
-        if tuple(state[name].shape) != shape:
-            raise ConvertError(f"{what}: tensor {name} has shape {list(state[name].shape)} but its model config "
+        if _shape(state[name]) != shape:
+            raise ConvertError(f"{what}: tensor {name} has shape {list(_shape(state[name]))} but its model config "
                                f"({_short(cfg)}) needs {list(shape)}")
 
 
-def _expect_names(state: dict, expected, what: str, cfg) -> None:
+def _expect_names(state: Mapping, expected, what: str, cfg) -> None:
     missing, extra = sorted(set(expected) - state.keys()), sorted(state.keys() - set(expected))
     if missing or extra:
         raise ConvertError(f"{what} does not match its model config ({_short(cfg)}): missing tensors "
@@ -115,7 +140,7 @@ def _short(cfg: ModelConfig) -> str:
             f"bias={cfg.bias}, tie_embeddings={cfg.tie_embeddings}")
 
 
-def _gpt2_to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]):
+def _gpt2_to_hf(cfg: ModelConfig, get: Callable[..., Recipe]):
     from transformers import GPT2Config
 
     h = cfg.hidden_size
@@ -126,28 +151,32 @@ def _gpt2_to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]):
         layer_norm_epsilon=cfg.norm_eps, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
         bos_token_id=None, eos_token_id=None, architectures=["GPT2LMHeadModel"])
 
-    def bias(name: str, size: int) -> torch.Tensor:  # HF GPT-2 always has biases: zeros are exact
-        return state[name] if cfg.bias else torch.zeros(size)
+    def bias(name: str, size: int) -> Recipe:  # HF GPT-2 always has biases: zeros are exact
+        return get(name) if cfg.bias else (lambda state: torch.zeros(size))
 
-    out = {"transformer.wte.weight": state["embed.tok.weight"], "transformer.wpe.weight": state["embed.pos.weight"],
-           "transformer.ln_f.weight": state["final_norm.weight"], "transformer.ln_f.bias": bias("final_norm.bias", h)}
+    def fused(names: list[str]) -> Recipe:  # q|k|v rows, then Conv1D's (in, out) layout
+        return lambda state: torch.cat([state[n] for n in names]).t()
+
+    out = {"transformer.wte.weight": get("embed.tok.weight"), "transformer.wpe.weight": get("embed.pos.weight"),
+           "transformer.ln_f.weight": get("final_norm.weight"), "transformer.ln_f.bias": bias("final_norm.bias", h)}
     if not cfg.tie_embeddings:
-        out["lm_head.weight"] = state["head.weight"]
+        out["lm_head.weight"] = get("head.weight")
     ffn = ffn_hidden_size(cfg)
     for i in range(cfg.num_layers):
         ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
         qkv = [ours + f"attn.{p}_proj" for p in "qkv"]
+        biases = [bias(n + ".bias", h) for n in qkv]
         out.update({
-            theirs + "ln_1.weight": state[ours + "attn_norm.weight"], theirs + "ln_1.bias": bias(ours + "attn_norm.bias", h),
+            theirs + "ln_1.weight": get(ours + "attn_norm.weight"), theirs + "ln_1.bias": bias(ours + "attn_norm.bias", h),
             # Conv1D computes x @ W with W (in, out): our (out, in) Linear weights, transposed
-            theirs + "attn.c_attn.weight": torch.cat([state[n + ".weight"] for n in qkv]).t(),
-            theirs + "attn.c_attn.bias": torch.cat([bias(n + ".bias", h) for n in qkv]),
-            theirs + "attn.c_proj.weight": state[ours + "attn.out_proj.weight"].t(),
+            theirs + "attn.c_attn.weight": fused([n + ".weight" for n in qkv]),
+            theirs + "attn.c_attn.bias": lambda state, biases=biases: torch.cat([b(state) for b in biases]),
+            theirs + "attn.c_proj.weight": get(ours + "attn.out_proj.weight", transpose=True),
             theirs + "attn.c_proj.bias": bias(ours + "attn.out_proj.bias", h),
-            theirs + "ln_2.weight": state[ours + "mlp_norm.weight"], theirs + "ln_2.bias": bias(ours + "mlp_norm.bias", h),
-            theirs + "mlp.c_fc.weight": state[ours + "mlp.up_proj.weight"].t(),
+            theirs + "ln_2.weight": get(ours + "mlp_norm.weight"), theirs + "ln_2.bias": bias(ours + "mlp_norm.bias", h),
+            theirs + "mlp.c_fc.weight": get(ours + "mlp.up_proj.weight", transpose=True),
             theirs + "mlp.c_fc.bias": bias(ours + "mlp.up_proj.bias", ffn),
-            theirs + "mlp.c_proj.weight": state[ours + "mlp.down_proj.weight"].t(),
+            theirs + "mlp.c_proj.weight": get(ours + "mlp.down_proj.weight", transpose=True),
             theirs + "mlp.c_proj.bias": bias(ours + "mlp.down_proj.bias", h),
         })
     return config, out
@@ -170,16 +199,40 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
 
 
 def state_from_hf(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The canonical fp32 state dict of HF weights for the model `cfg` (from config_from_hf)."""
-    hf_state = {name: t.to(torch.float32) for name, t in hf_state.items()
-                if not name.endswith(_IGNORED_HF_SUFFIXES)}
+    """The canonical fp32 state dict of HF weights for the model `cfg` (from config_from_hf), all in
+    memory (tests, small models; the CLI streams through state_from_hf_plan)."""
+    plan = state_from_hf_plan(cfg, hf_state)
+    check_tied_copy(cfg, hf_state)
+    return {name: recipe(hf_state) for name, recipe in plan.items()}
+
+
+def state_from_hf_plan(cfg: ModelConfig, hf_shapes: Mapping[str, Any]) -> dict[str, Recipe]:
+    """{canonical name: recipe over the HF tensors (fp32 out)} for HF weights with `hf_shapes`
+    (tensors or shapes); refuses names or shapes that do not fit `cfg`."""
+    hf_shapes = {name: _shape(v) for name, v in hf_shapes.items() if not name.endswith(_IGNORED_HF_SUFFIXES)}
     if flavour(cfg) == "llama":
-        names = {theirs: ours for ours, theirs in _llama_names(cfg).items()}
-        state = _take(_with_prefix(hf_state, "model."), names, cfg, embed="model.embed_tokens.weight")
+        source = _with_prefix(hf_shapes, "model.")
+        plan = _take(source, {theirs: ours for ours, theirs in _llama_names(cfg).items()}, cfg)
     else:
-        state = _gpt2_from_hf(cfg, _with_prefix(hf_state, "transformer."))
-    check_canonical(cfg, state, "the HF weights")
-    return state
+        plan = _gpt2_from_hf(cfg, _with_prefix(hf_shapes, "transformer."))
+    check_canonical(cfg, plan_shapes(plan, hf_shapes), "the HF weights")
+    return plan
+
+
+def plan_shapes(plan: dict[str, Recipe], source_shapes: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor a plan makes, from the source's shapes alone (meta tensors: no data)."""
+    meta = {name: torch.empty(_shape(v), device="meta") for name, v in source_shapes.items()}
+    return {name: tuple(recipe(meta).shape) for name, recipe in plan.items()}
+
+
+def check_tied_copy(cfg: ModelConfig, hf_state: Mapping[str, torch.Tensor]) -> None:
+    """A tied model may store the token embedding again as lm_head.weight: it must be the same
+    (reads the two tensors)."""
+    embed = next((n for n in ("model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight",
+                              "wte.weight") if n in hf_state), None)
+    if cfg.tie_embeddings and embed and "lm_head.weight" in hf_state \
+            and not torch.equal(hf_state["lm_head.weight"], hf_state[embed]):
+        raise _refuse("tie_word_embeddings", True, "but lm_head.weight differs from the token embedding")
 
 
 def _refuse(key: str, value, why: str) -> ConvertError:
@@ -237,27 +290,24 @@ def _gpt2_config(hf: dict) -> ModelConfig:
         bias=True, dropout=float(drop), init_std=float(hf.get("initializer_range", 0.02)))
 
 
-def _with_prefix(hf_state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    """Weights saved from the bare model (GPT2Model, LlamaModel: the original GPT-2 files) lack the
-    CausalLM prefix; add it so one name table serves both."""
-    if any(name.startswith(prefix) for name in hf_state):
-        return hf_state
-    return {name if name == "lm_head.weight" else prefix + name: t for name, t in hf_state.items()}
+def _with_prefix(hf_shapes: dict[str, tuple], prefix: str) -> dict[str, str]:
+    """{name as the CausalLM calls it: name in the files}. Weights saved from the bare model
+    (GPT2Model, LlamaModel: the original GPT-2 files) lack the CausalLM prefix; one name table
+    then serves both."""
+    if any(name.startswith(prefix) for name in hf_shapes):
+        return {name: name for name in hf_shapes}
+    return {(name if name == "lm_head.weight" else prefix + name): name for name in hf_shapes}
 
 
-def _take(hf_state: dict[str, torch.Tensor], names: dict[str, str], cfg: ModelConfig,
-          embed: str) -> dict[str, torch.Tensor]:
-    """{megaframe name: tensor} through names {HF name: megaframe name}; the copy of the token
-    embedding `embed` that a tied model may store as lm_head.weight is dropped."""
-    hf_state = dict(hf_state)
-    tied = hf_state.pop("lm_head.weight", None) if cfg.tie_embeddings else None
-    if tied is not None and embed in hf_state and not torch.equal(tied, hf_state[embed]):
-        raise _refuse("tie_word_embeddings", True, "but lm_head.weight differs from the token embedding")
-    _expect_names(hf_state, names.keys(), "the HF weights", cfg)
-    return {names[name]: t for name, t in hf_state.items()}
+def _take(source: dict[str, str], names: dict[str, str], cfg: ModelConfig) -> dict[str, Recipe]:
+    """{megaframe name: recipe} through names {HF name: megaframe name}; source maps HF names to the
+    names in the files. A tied model's lm_head.weight copy is not taken (check_tied_copy)."""
+    source = {k: v for k, v in source.items() if not (cfg.tie_embeddings and k == "lm_head.weight")}
+    _expect_names(source, names.keys(), "the HF weights", cfg)
+    return {names[hf]: (lambda state, stored=stored: state[stored].to(torch.float32)) for hf, stored in source.items()}
 
 
-def _gpt2_from_hf(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _gpt2_from_hf(cfg: ModelConfig, source: dict[str, str]) -> dict[str, Recipe]:
     # the inverse of _gpt2_to_hf: split the fused q|k|v Conv1D, transpose Conv1D weights back
     h = cfg.hidden_size
     hf_names = {f"transformer.{n}" for n in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias")}
@@ -267,24 +317,30 @@ def _gpt2_from_hf(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[s
                  "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
                  "mlp.c_proj.weight", "mlp.c_proj.bias"]
     hf_names |= {f"transformer.h.{i}.{n}" for i in range(cfg.num_layers) for n in per_block}
-    s = _take(hf_state, {name: name for name in hf_names}, cfg, embed="transformer.wte.weight")
+    s = _take(source, {name: name for name in hf_names}, cfg)
+
+    def t(name: str) -> Recipe:
+        return lambda state: s[name](state).t().contiguous()
+
+    def part(name: str, index: int, transpose: bool) -> Recipe:  # (3C, C) -> q|k|v rows
+        return lambda state: (s[name](state).t() if transpose else s[name](state)).split(h)[index].contiguous()
+
     state = {"embed.tok.weight": s["transformer.wte.weight"], "embed.pos.weight": s["transformer.wpe.weight"],
              "final_norm.weight": s["transformer.ln_f.weight"], "final_norm.bias": s["transformer.ln_f.bias"]}
     if not cfg.tie_embeddings:
         state["head.weight"] = s["lm_head.weight"]
     for i in range(cfg.num_layers):
         ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
-        q_w, k_w, v_w = s[theirs + "attn.c_attn.weight"].t().split(h)  # (3C, C) -> q|k|v rows
-        q_b, k_b, v_b = s[theirs + "attn.c_attn.bias"].split(h)
+        for index, p in enumerate("qkv"):
+            state[ours + f"attn.{p}_proj.weight"] = part(theirs + "attn.c_attn.weight", index, transpose=True)
+            state[ours + f"attn.{p}_proj.bias"] = part(theirs + "attn.c_attn.bias", index, transpose=False)
         state.update({
             ours + "attn_norm.weight": s[theirs + "ln_1.weight"], ours + "attn_norm.bias": s[theirs + "ln_1.bias"],
-            ours + "attn.q_proj.weight": q_w, ours + "attn.k_proj.weight": k_w, ours + "attn.v_proj.weight": v_w,
-            ours + "attn.q_proj.bias": q_b, ours + "attn.k_proj.bias": k_b, ours + "attn.v_proj.bias": v_b,
-            ours + "attn.out_proj.weight": s[theirs + "attn.c_proj.weight"].t(),
+            ours + "attn.out_proj.weight": t(theirs + "attn.c_proj.weight"),
             ours + "attn.out_proj.bias": s[theirs + "attn.c_proj.bias"],
             ours + "mlp_norm.weight": s[theirs + "ln_2.weight"], ours + "mlp_norm.bias": s[theirs + "ln_2.bias"],
-            ours + "mlp.up_proj.weight": s[theirs + "mlp.c_fc.weight"].t(), ours + "mlp.up_proj.bias": s[theirs + "mlp.c_fc.bias"],
-            ours + "mlp.down_proj.weight": s[theirs + "mlp.c_proj.weight"].t(),
+            ours + "mlp.up_proj.weight": t(theirs + "mlp.c_fc.weight"), ours + "mlp.up_proj.bias": s[theirs + "mlp.c_fc.bias"],
+            ours + "mlp.down_proj.weight": t(theirs + "mlp.c_proj.weight"),
             ours + "mlp.down_proj.bias": s[theirs + "mlp.c_proj.bias"],
         })
-    return {name: t.contiguous() for name, t in state.items()}
+    return state
