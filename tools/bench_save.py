@@ -4,7 +4,8 @@ usage: python tools/bench_save.py [--saves 3] [OVERRIDE ...]
 
 Builds the trainer in this process (one rank), trains a step between saves, and times the call
 that saves: a synchronous save returns once the checkpoint is published; an async one once the
-state is gathered and the writer thread has taken over (its writing time is reported too).
+rank has copied its shard to host memory and its writer thread has taken over (the time until the
+checkpoint is published is reported too).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Checkpoints at scale: each rank writes what it owns and reads what it needs, nothing more.
 
 A 22M-parameter model (7 layers, hidden 512) trains one step and saves, then loads that checkpoint, at dp=1, 2, 4 with
-ZeRO-1, dp=2, 4 with ZeRO-3 and tp2 x pp2 x dp2 (real gloo ranks). On every rank:
+ZeRO-1, dp=1, 2, 4 with ZeRO-3 and tp2 x pp2 x dp2 (real gloo ranks). On every rank:
 - the resident memory the save and the load add at their peak (the kernel's high-water mark) is
   at most the rank's own part of the checkpoint plus the largest tensor plus 10%;
 - no collective during save or load moves more than 1% of the model's state (the old format
@@ -28,6 +28,7 @@ LAYOUTS = {  # name: (world size, overrides)
     "dp1-zero1": (1, ["zero=stage1"]),
     "dp2-zero1": (2, ["zero=stage1"]),
     "dp4-zero1": (4, ["zero=stage1"]),
+    "dp1-zero3": (1, ["zero=stage3"]),
     "dp2-zero3": (2, ["zero=stage3"]),
     "dp4-zero3": (4, ["zero=stage3"]),
     "tp2pp2dp2-zero1": (8, ["parallel.tp=2", "parallel.pp=2", "zero=stage1"]),

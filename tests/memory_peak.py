@@ -1,0 +1,34 @@
+"""A rank's measured peak memory over a few training steps, next to the planner's prediction for it.
+
+measure_peak runs in a rank (tests/ranks.py): it builds the trainer and trains, and reports the
+resident memory that added at its highest (the kernel's high-water mark, from just before the
+trainer is built: weights, gradients, optimizer states, activations, buffers and whatever the
+engine allocates) and the planner's peak for this rank's pipeline stage on this device (CPU), with
+its parts. Shared by tests/dist/test_planner_peak.py and tools/peak_table.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def measure_peak(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
+    from memory_probe import fixed_mmap_threshold, peak_rss
+
+    from megaframe.config.compose import compose
+    from megaframe.config.validate import validate
+    from megaframe.engine.trainer import Trainer
+    from megaframe.model.dims import resolve_dims
+    from megaframe.plan.estimate import estimate_stage, plan_layout, planning_vocab_size
+
+    fixed_mmap_threshold()  # freed tensors leave the resident set: measure what is held
+    cfg, _ = compose(overrides)
+    layout = validate(cfg, world)
+    with peak_rss() as peak:
+        trainer = Trainer(cfg, layout, Path(run_dir))
+        trainer._save = lambda: None  # the steps only: checkpoint memory is measured elsewhere
+        with trainer:
+            trainer.fit()
+    dims = resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp)
+    stage = estimate_stage(dims, plan_layout(cfg, layout), cfg.precision.dtype, trainer.ps.pp_rank, reserved=0.0,
+                           host_counts_as_device=True, bucket_elements=cfg.zero.reduce_bucket_size, device="cpu")
+    return {"measured": peak["extra"], "planned": stage.peak, "states": stage.states.device + stage.states.host,
+            "activations": stage.activations, "working": stage.working, "stage": trainer.ps.pp_rank}

@@ -1,0 +1,71 @@
+"""Measured peak memory per rank against the planner's, for the layouts of issue 15 (item 8).
+
+    python tools/peak_table.py            # about 10 minutes on a 2-core CPU
+
+Each layout trains 3 steps of a 13M-parameter model (4 layers, hidden 512, seq 256, micro-batch 4,
+dropout 0.1, fp32, zero.reduce_bucket_size=5e6) on real gloo ranks, with and without activation
+checkpointing; every rank reports the resident memory the run added at its highest (from just
+before the trainer is built) and the planner's peak for its stage on this device
+(tests/memory_peak.py). Prints a markdown table: one row per (layout, pipeline stage).
+
+The last column adds the runtime's own memory, measured first as the peak of the same run with a
+model of almost nothing (1 layer, hidden 64, micro-batch 1, tp=2, minus what the planner counts for
+that model): what `cluster.reserved_gb` stands for in a plan (the comparison runs set it to 0).
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from memory_peak import measure_peak  # noqa: E402  (tests/memory_peak.py)
+from ranks import run_ranks  # noqa: E402  (tests/ranks.py: real gloo ranks)
+
+MODEL = ["model.num_layers=4", "model.hidden_size=512", "model.num_attention_heads=8", "model.ffn_hidden_size=2048",
+         "model.seq_length=256", "model.dropout=0.1", "parallel.micro_batch_size=4", "train.max_steps=3",
+         "train.log_interval=1", "train.eval_interval=0", "train.save_interval=0", "logging.wandb.mode=disabled",
+         "logging.progress_bar=false", "zero.reduce_bucket_size=5000000", "cluster.reserved_gb=0"]
+LAYOUTS = {  # name: (world size, overrides)
+    "dp2 ZeRO-1": (2, ["zero=stage1"]),
+    "dp2 ZeRO-2": (2, ["zero=stage2"]),
+    "dp2 ZeRO-3": (2, ["zero=stage3"]),
+    "tp2": (2, ["parallel.tp=2"]),
+    "pp2 (ZeRO-1)": (2, ["parallel.pp=2", "zero=stage1"]),
+    "tp2 x pp2 x dp2 (ZeRO-1)": (8, ["parallel.tp=2", "parallel.pp=2", "zero=stage1"]),
+}
+
+
+NOTHING = ["model.num_layers=1", "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=256",
+           "parallel.micro_batch_size=1", "parallel.global_batch_size=2", "parallel.tp=2"]
+
+
+def main() -> None:
+    mb = 1e6
+    with tempfile.TemporaryDirectory() as tmp:
+        nothing = run_ranks(measure_peak, 2, Path(tmp), overrides=[*MODEL, *NOTHING], run_dir=f"{tmp}/run")
+    overhead = max(r["measured"] - r["planned"] for r in nothing)
+    print(f"runtime overhead per rank: {overhead / mb:.1f} MB (1-layer hidden-64 model at tp=2: measured "
+          f"{max(r['measured'] for r in nothing) / mb:.1f} MB, planner {nothing[0]['planned'] / mb:.1f} MB)\n")
+    print("| layout | recompute | stage | measured peak (MB, max over its ranks) | planner (MB) | planner / measured |"
+          " planner: states / activations / working (MB) | planner + overhead / measured |")
+    print("|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (world, extra) in LAYOUTS.items():
+            for recompute in (False, True):
+                overrides = [*MODEL, f"parallel.global_batch_size={4 * world}", *extra,
+                             f"parallel.activation_checkpointing={str(recompute).lower()}"]
+                results = run_ranks(measure_peak, world, Path(tmp), overrides=overrides, run_dir=f"{tmp}/run")
+                for stage in sorted({r["stage"] for r in results}):
+                    mine = [r for r in results if r["stage"] == stage]
+                    measured = max(r["measured"] for r in mine)
+                    r = mine[0]
+                    print(f"| {name} | {'yes' if recompute else 'no'} | {stage} | {measured / mb:.1f} | "
+                          f"{r['planned'] / mb:.1f} | {r['planned'] / measured:.3f} | {r['states'] / mb:.1f} / "
+                          f"{r['activations'] / mb:.1f} / {r['working'] / mb:.1f} | {(r['planned'] + overhead) / measured:.3f} |",
+                          flush=True)
+
+
+if __name__ == "__main__":
+    main()
