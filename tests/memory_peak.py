@@ -29,6 +29,6 @@ def measure_peak(rank: int, world: int, overrides: list[str], run_dir: str) -> d
             trainer.fit()
     dims = resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp)
     stage = estimate_stage(dims, plan_layout(cfg, layout), cfg.precision.dtype, trainer.ps.pp_rank, reserved=0.0,
-                           host_counts_as_device=True, bucket_elements=cfg.zero.reduce_bucket_size, device="cpu")
+                           host_counts_as_device=True, zero=cfg.zero, device="cpu")
     return {"measured": peak["extra"], "planned": stage.peak, "states": stage.states.device + stage.states.host,
             "activations": stage.activations, "working": stage.working, "stage": trainer.ps.pp_rank}

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from megaframe.config.schema import ClusterConfig, TrainConfig
+from megaframe.config.schema import ClusterConfig, TrainConfig, ZeroConfig
 from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims, resolve_dims
 from megaframe.plan.activations import (ActivationShape, block_activation_bytes, in_flight_micro_batches,
@@ -126,13 +126,17 @@ def _ring(n: int) -> float:
 
 
 def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reserved: float,
-                   host_counts_as_device: bool, bucket_elements: int = 500_000_000,
+                   host_counts_as_device: bool, zero: Optional[ZeroConfig] = None,
                    device: str = "cuda") -> StageEstimate:
     """Memory of one rank of pipeline stage `stage` (device: cuda or cpu, whose dropout kernels keep
-    different tensors)."""
+    different tensors); zero: the DeepSpeed buffer sizes (reduce bucket, ZeRO-3's live parameters
+    and prefetch bucket; None: DeepSpeed's defaults)."""
+    zero = zero or ZeroConfig()
     params = stage_parameters(dims, lay.tp, lay.pp, stage, lay.partition)
     blocks = stage_blocks(dims, lay.tp, lay.pp, stage, lay.partition)
-    states = model_state_bytes(params, lay.dp, lay.zero_stage, dtype, lay.offload_optimizer, lay.offload_param)
+    states = model_state_bytes(params, lay.dp, lay.zero_stage, dtype, lay.offload_optimizer, lay.offload_param,
+                               reduces_in_backward=lay.micro_batches == 1 and lay.pp == 1
+                               and (zero.contiguous_gradients or zero.overlap_comm))
     shape = ActivationShape(lay.micro_batch_size, lay.tp, lay.sequence_parallel, dtype, device)
     first, last = stage == 0, stage == lay.pp - 1
     per_micro = stage_activation_bytes(dims, shape, blocks, first, last, lay.recompute)
@@ -145,7 +149,14 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     if lay.zero_stage >= 1:
         # DeepSpeed's ZeRO allocates its gradient reduce bucket at full zero.reduce_bucket_size
         # (measured: 1 GB in bf16 at the default 5e8 elements, see BENCHMARKS.md)
-        working += bucket_elements * STATE_BYTES[dtype][1]
+        working += zero.reduce_bucket_size * STATE_BYTES[dtype][1]
+    if lay.zero_stage >= 3 and lay.offload_param == "none":
+        # ZeRO-3 gathers whole parameters for the forward and keeps them live up to
+        # stage3_max_live_parameters, and gathers ahead through its prefetch bucket (measured: the
+        # gathered weights stay resident from the forward into the backward, BENCHMARKS.md)
+        weight_bytes = STATE_BYTES[dtype][0]
+        working += (min(zero.stage3_max_live_parameters, params) + min(zero.stage3_prefetch_bucket_size, params)) \
+            * weight_bytes
     activations = in_flight * per_micro
     # on this host "offloaded" states stay in the same RAM the ranks share
     peak = states.device + activations + working + reserved + (states.host if host_counts_as_device else 0.0)
@@ -157,7 +168,7 @@ def _stages_to_report(pp: int) -> list[int]:
 
 
 def estimate(dims: GPTDims, lay: PlanLayout, dtype: str, cluster: ClusterConfig, mfu: float,
-             all_stages: bool = False, bucket_elements: int = 500_000_000) -> Estimate:
+             all_stages: bool = False, zero: Optional[ZeroConfig] = None) -> Estimate:
     """Memory, FLOPs, time and communication of `lay` for the model `dims` on `cluster`."""
     local = cluster.gpus_per_node is None
     ranks_on_host = lay.world_size if local else min(lay.world_size, cluster.gpus_per_node)
@@ -169,7 +180,7 @@ def estimate(dims: GPTDims, lay: PlanLayout, dtype: str, cluster: ClusterConfig,
     # CPU ranks: offloaded states live in the same RAM
     host_is_device = local and cluster.memory_gb is None and local_gpu_memory() is None
     device = "cpu" if local and local_gpu_memory() is None else "cuda"  # the ranks of a local plan run here
-    stages = [estimate_stage(dims, lay, dtype, s, reserved, host_is_device, bucket_elements, device)
+    stages = [estimate_stage(dims, lay, dtype, s, reserved, host_is_device, zero, device)
               for s in stage_ids]
     worst = max(stages, key=lambda st: st.peak)
     tokens = lay.global_batch_size * dims.seq_length
@@ -234,4 +245,4 @@ def estimate_config(cfg: TrainConfig, layout: Layout, all_stages: bool = False) 
     """estimate() for a composed, validated config."""
     dims = resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp)
     return estimate(dims, plan_layout(cfg, layout), cfg.precision.dtype, cfg.cluster, cfg.plan.mfu, all_stages,
-                    cfg.zero.reduce_bucket_size)
+                    cfg.zero)

@@ -183,15 +183,26 @@ class ModelStates:
 
 
 def model_state_bytes(params: int, dp: int, zero_stage: int, dtype: str, offload_optimizer: str = "none",
-                      offload_param: str = "none") -> ModelStates:
+                      offload_param: str = "none", reduces_in_backward: bool = False) -> ModelStates:
     """ZeRO paper: mixed-precision Adam holds 2Ψ weights + 2Ψ gradients + 12Ψ optimizer states;
     stage 1 partitions the optimizer states over the N data-parallel ranks, stage 2 also the
-    gradients, stage 3 also the weights (16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N). fp32 training holds
-    4Ψ + 4Ψ + 8Ψ (m, v): 16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N. Offload moves optimizer states (and
-    with ZeRO-3 optionally weights) to the host."""
+    gradients, stage 3 also the weights (16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N). Offload moves optimizer
+    states (and with ZeRO-3 optionally weights) to the host.
+
+    fp32 training holds 4Ψ weights + 4Ψ gradients + 8Ψ (m, v), and under ZeRO DeepSpeed keeps its
+    own flat fp32 partition of the weights besides the module's (4Ψ/N more; measured, the start-up
+    line's "other"): 16Ψ, 8Ψ+12Ψ/N, 4Ψ+16Ψ/N, 20Ψ/N.
+
+    Gradients are counted as a rank holds them at its memory peak. reduces_in_backward (one
+    micro-batch per step, no pipeline, and DeepSpeed's gradient hooks on: contiguous_gradients or
+    overlap_comm): ZeRO-1 reduces them into its partition bucket by bucket during the backward, so
+    it holds Ψ/N, as ZeRO-2 does (measured: BENCHMARKS.md, planner against measured peak); with
+    gradient accumulation it keeps the whole gradient between micro-batches."""
     w_bytes, g_bytes, o_bytes = STATE_BYTES[dtype]
+    if dtype == "fp32" and zero_stage >= 1:
+        o_bytes += 4  # DeepSpeed's flat fp32 partition of the weights
     weights = params * w_bytes / (dp if zero_stage >= 3 else 1)
-    gradients = params * g_bytes / (dp if zero_stage >= 2 else 1)
+    gradients = params * g_bytes / (dp if zero_stage >= 2 or (zero_stage == 1 and reduces_in_backward) else 1)
     optimizer = params * o_bytes / (dp if zero_stage >= 1 else 1)
     host = 0.0
     if offload_optimizer != "none":

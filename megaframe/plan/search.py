@@ -54,8 +54,7 @@ def fitting_layouts(cfg: TrainConfig, base: PlanLayout, limit: int = 10) -> list
     fitting = []
     for lay in candidate_layouts(cfg.model, base, cfg.cluster.gpus_per_node):
         dims = dims_for_tp.setdefault(lay.tp, resolve_dims(cfg.model, vocab, tp=lay.tp))
-        est = estimate(dims, lay, cfg.precision.dtype, cfg.cluster, cfg.plan.mfu,
-                       bucket_elements=cfg.zero.reduce_bucket_size)
+        est = estimate(dims, lay, cfg.precision.dtype, cfg.cluster, cfg.plan.mfu, zero=cfg.zero)
         if est.fits:
             fitting.append(est)
     fitting.sort(key=lambda e: (round(e.ranked_step_time_s, 9), e.peak))
