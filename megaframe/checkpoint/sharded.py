@@ -7,7 +7,11 @@ each in some rank's file. In a checkpoint directory:
   shards/rankNNNNN.safetensors   one rank's chunks, fp32, written one tensor at a time
   shards/rankNNNNN.json          that rank's record: its chunks' boxes, and the bytes and sha256 of
                                  the files it wrote (hashed by that rank as it wrote them)
-  index.json                     every chunk of every tensor, merged from the records at publication
+  index.json                     every tensor's shape and the group file holding its chunks
+  index/GROUP.json               the chunks of one layer's tensors (GROUP: blocks.N, embed, final_norm,
+                                 head), merged from the records at publication
+A rank resuming reads index.json (a line per tensor) and the group files of the layers it holds,
+not every chunk of the model (at gpt_1t's 3,072 ranks the chunk list runs to about 10^5 entries).
 A reader intersects the boxes it needs with the stored chunks and reads only those slices
 (memory-mapped). Version-1 checkpoints (whole tensors in model.safetensors / optimizer.safetensors,
 as the HF converter writes) are read through the same index, each tensor one chunk.
@@ -36,6 +40,15 @@ from megaframe.checkpoint.universal import CheckpointError, _atomic_json
 
 SHARDS_DIR = "shards"
 INDEX_FILE = universal.INDEX_FILE
+INDEX_DIR = "index"
+
+
+def index_group(key: str) -> str:
+    """The group file of a stored tensor: its parameter's layer (blocks.N, or embed / final_norm /
+    head), whatever the optimizer prefix (exp_avg., exp_avg_sq., master.)."""
+    name = key.split(".", 1)[1] if universal.is_optimizer_key(key) else key
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
 
 
 def shard_file(rank: int) -> str:
@@ -126,7 +139,14 @@ def merge_records(directory: Path, world: int) -> dict[str, dict]:
             raise CheckpointError(f"{key}: the ranks wrote {stored} of its {prod(entry['shape'])} elements; "
                                   f"the save is incomplete (a layout the writer does not cover)")
     if tensors:
-        _atomic_json(directory / INDEX_FILE, {"tensors": dict(sorted(tensors.items()))})
+        groups: dict[str, dict] = {}
+        for key, entry in sorted(tensors.items()):
+            groups.setdefault(index_group(key), {})[key] = entry["chunks"]
+        (directory / INDEX_DIR).mkdir(exist_ok=True)
+        for group, chunks in groups.items():
+            _atomic_json(directory / INDEX_DIR / f"{group}.json", chunks)
+        _atomic_json(directory / INDEX_FILE, {"tensors": {key: {"shape": entry["shape"], "group": index_group(key)}
+                                                          for key, entry in sorted(tensors.items())}})
     return files
 
 
@@ -139,6 +159,7 @@ class ShardReader:
         self.directory = Path(directory)
         self._handles: dict[str, object] = {}
         self._stack = contextlib.ExitStack()
+        self._chunks: dict[str, list] = {}  # key -> its chunks, filled group by group as they are needed
         index_path = self.directory / INDEX_FILE
         if index_path.is_file():
             try:
@@ -150,8 +171,9 @@ class ShardReader:
             for filename in (universal.MODEL_FILE, universal.OPTIMIZER_FILE):
                 if (self.directory / filename).is_file():
                     for key, meta in universal.safetensors_header(self.directory / filename).items():
-                        self.tensors[key] = {"shape": meta["shape"], "chunks": [
-                            {"file": filename, "key": key, "offset": [0] * len(meta["shape"]), "shape": meta["shape"]}]}
+                        self.tensors[key] = {"shape": meta["shape"]}
+                        self._chunks[key] = [{"file": filename, "key": key, "offset": [0] * len(meta["shape"]),
+                                              "shape": meta["shape"]}]
 
     def __enter__(self) -> "ShardReader":
         return self
@@ -175,6 +197,19 @@ class ShardReader:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.tensors[key]["shape"])
 
+    def chunks(self, key: str) -> list[dict]:
+        """The stored chunks of tensor `key` (reads its group's index file the first time)."""
+        if key not in self._chunks:
+            rel = f"{INDEX_DIR}/{self.tensors[key]['group']}.json"
+            path = universal.inside(self.directory, rel, INDEX_FILE)
+            try:
+                self._chunks.update(json.loads(path.read_text()))
+            except (OSError, ValueError) as err:
+                raise CheckpointError(f"checkpoint {self.directory}: {rel} is unreadable ({err})") from err
+            if key not in self._chunks:
+                raise CheckpointError(f"checkpoint {self.directory}: {rel} has no chunks of {key}")
+        return self._chunks[key]
+
     def _handle(self, rel: str):
         if rel not in self._handles:
             universal.inside(self.directory, rel, INDEX_FILE)
@@ -189,7 +224,7 @@ class ShardReader:
             raise CheckpointError(f"checkpoint {self.directory} has no tensor {key}; the model.* config must "
                                   f"match the checkpoint's state.json")
         out = torch.zeros(box.shape, dtype=torch.float32) if out is None else out
-        for chunk in self.tensors[key]["chunks"]:
+        for chunk in self.chunks(key):
             stored = Box(tuple(chunk["offset"]), tuple(chunk["shape"]))
             common = intersect(box, stored)
             if common is None:

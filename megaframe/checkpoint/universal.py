@@ -2,7 +2,7 @@
 
 Tensors are the canonical parameters (the tp=1 GPT's names, vocabulary unpadded) and, with the
 optimizer, exp_avg.<name>, exp_avg_sq.<name>, master.<name> (master omitted in fp32). Two versions:
-  2 (training saves)   every rank writes the chunks it owns: shards/, index.json (checkpoint/sharded.py)
+  2 (training saves)   every rank writes the chunks it owns: shards/, index.json, index/ (checkpoint/sharded.py)
   1 (the HF converter) whole tensors: model.safetensors, optional optimizer.safetensors
 Both hold
   state.json             {"format": "megaframe-universal", "version", "step", "consumed_samples", "model", ...}

@@ -78,12 +78,25 @@ def test_wait_for_records_names_the_missing_ranks(tmp_path):
 
 def test_index_naming_a_file_outside_is_refused(tmp_path):
     _save(tmp_path / "ckpt", 1, 2, 0)
-    index_path = tmp_path / "ckpt" / sharded.INDEX_FILE
-    index = json.loads(index_path.read_text())
-    index["tensors"]["b"]["chunks"][0]["file"] = "../elsewhere.safetensors"
-    index_path.write_text(json.dumps(index))
+    group_path = tmp_path / "ckpt" / sharded.INDEX_DIR / "b.json"
+    chunks = json.loads(group_path.read_text())
+    chunks["b"][0]["file"] = "../elsewhere.safetensors"
+    group_path.write_text(json.dumps(chunks))
     with sharded.ShardReader(tmp_path / "ckpt") as reader, pytest.raises(CheckpointError, match="outside"):
         reader.full("b")
+
+
+def test_a_reader_loads_only_the_index_groups_it_touches(tmp_path):
+    """A rank resuming a pipeline stage reads the chunk lists of its own layers, not the model's."""
+    full = {"blocks.0.w": torch.randn(4, 3), "blocks.1.w": torch.randn(4, 3), "exp_avg.blocks.1.w": torch.randn(4, 3),
+            "embed.tok.weight": torch.randn(5, 3)}
+    _save(tmp_path / "ckpt", 1, 2, 0, full=full)
+    groups = sorted(p.name for p in (tmp_path / "ckpt" / sharded.INDEX_DIR).iterdir())
+    assert groups == ["blocks.0.json", "blocks.1.json", "embed.json"]
+    with sharded.ShardReader(tmp_path / "ckpt") as reader:
+        assert sorted(reader.keys()) == sorted(full)  # every tensor's name and shape, from index.json
+        assert torch.equal(reader.full("exp_avg.blocks.1.w"), full["exp_avg.blocks.1.w"])
+        assert sorted(reader._chunks) == ["blocks.1.w", "exp_avg.blocks.1.w"]  # blocks.1's group only
 
 
 def test_version_1_files_read_through_the_same_reader(tmp_path):
