@@ -70,10 +70,10 @@ def _check_dataset(cfg: TrainConfig) -> None:
     launch, shared by the ranks): a broken dataset is one line and exit code 2."""
     if cfg.data.path is None:
         return
-    from megaframe.data import DataError, IndexedDataset
+    from megaframe.data import DataError, open_dataset
 
     try:
-        IndexedDataset(cfg.data.path)
+        open_dataset(cfg.data.path, cfg.data.tokenizer)
     except DataError as err:
         _fail(str(err))
 

@@ -9,6 +9,7 @@ from megaframe.data.dataset import (
     split_documents,
 )
 from megaframe.data.demo import ensure_demo_dataset
+from megaframe.data.formats import open_dataset
 from megaframe.data.indexed import DataError, IndexedDataset, IndexedDatasetWriter, best_dtype
 from megaframe.data.preprocess import preprocess
 from megaframe.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
@@ -28,6 +29,7 @@ __all__ = [
     "eval_batches",
     "global_batch_indices",
     "micro_batches",
+    "open_dataset",
     "preprocess",
     "split_documents",
 ]

@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Optional
 
 from megaframe.config.schema import DataConfig
-from megaframe.data import IndexedDataset, SampleSet, TokenStream, ensure_demo_dataset, split_documents
+from megaframe.data import SampleSet, TokenStream, ensure_demo_dataset, open_dataset, split_documents
+from megaframe.data.formats import Dataset
 from megaframe.paths import cache_dir
 
 
@@ -15,7 +16,7 @@ class DataSplits:
     """Train and validation samples plus the vocabulary the dataset was tokenized with."""
 
     prefix: Path
-    dataset: IndexedDataset
+    dataset: Dataset  # megaframe's format or Megatron's
     train: SampleSet
     valid: Optional[SampleSet]
     vocab_size: int
@@ -31,7 +32,7 @@ def dataset_prefix(cfg: DataConfig) -> Path:
 def build_data(cfg: DataConfig, seq_length: int) -> DataSplits:
     """Open the dataset and split it by documents into train and validation samples."""
     prefix = dataset_prefix(cfg)
-    dataset = IndexedDataset(prefix)
+    dataset = open_dataset(prefix, cfg.tokenizer)
     train_range, valid_range = split_documents(len(dataset), cfg.valid_fraction)
     train = SampleSet(TokenStream(dataset, *train_range), seq_length)
     valid = SampleSet(TokenStream(dataset, *valid_range), seq_length) if cfg.valid_fraction > 0 else None

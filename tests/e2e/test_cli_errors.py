@@ -133,7 +133,7 @@ def _json_of_another_build(prefix) -> None:
 
 DATA_CASES = {  # damage done to a valid dataset -> fragments of the one-line refusal
     "truncated .bin": (_truncate_bin, ["corpus.bin holds", "truncated or from another build", "preprocess_data.py"]),
-    "not a megaframe .idx": (_bad_magic, ["not a megaframe index (bad magic bytes)"]),
+    "not a megaframe .idx": (_bad_magic, ["neither a megaframe (MFTOKIDX) nor a Megatron (MMIDIDX) index (bad magic bytes)"]),
     ".json of another build": (_json_of_another_build, ["belongs to a different build"]),
 }
 

@@ -1,0 +1,32 @@
+"""data.path=PREFIX in either on-disk format, told apart by the index's magic bytes: megaframe's own
+(MFTOKIDX, with its JSON sidecar naming the tokenizer) or Megatron-LM's (MMIDIDX, which names none:
+the vocabulary and end-of-document id then come from data.tokenizer)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Union
+
+from megaframe.data.indexed import _MAGIC as OWN_MAGIC
+from megaframe.data.indexed import DataError, IndexedDataset
+from megaframe.data.megatron import MegatronDataset, is_megatron_index
+
+Dataset = Union[IndexedDataset, MegatronDataset]
+
+
+def open_dataset(prefix: Union[str, os.PathLike[str]], tokenizer: str) -> Dataset:
+    """The dataset at PREFIX.bin/.idx; `tokenizer` (data.tokenizer) supplies a Megatron file's vocabulary."""
+    idx = Path(f"{prefix}.idx")
+    if not is_megatron_index(idx):
+        if idx.is_file() and idx.stat().st_size >= len(OWN_MAGIC) and idx.read_bytes()[:len(OWN_MAGIC)] != OWN_MAGIC:
+            raise DataError(f"data.path={prefix}: {idx} is neither a megaframe (MFTOKIDX) nor a Megatron (MMIDIDX) "
+                            f"index (bad magic bytes); rebuild it with tools/preprocess_data.py")
+        return IndexedDataset(prefix)
+    from megaframe.data.tokenizer import build_tokenizer
+
+    try:
+        tok = build_tokenizer(tokenizer)
+    except (OSError, ValueError) as err:
+        raise DataError(f"data.tokenizer={tokenizer}: cannot load it for the Megatron dataset {prefix} ({err}); "
+                        f"pass byte or a local Hugging Face tokenizer directory") from None
+    return MegatronDataset(prefix, tok.vocab_size, tok.eod_id)

@@ -1,0 +1,142 @@
+"""Megatron-LM's indexed dataset (`MMIDIDX`, what its tools/preprocess_data.py and
+IndexedDatasetBuilder write, also GPT-NeoX's and Megatron-DeepSpeed's), read in place.
+
+PREFIX.idx, little-endian:
+  magic b"MMIDIDX\\x00\\x00", version <Q (1), dtype code <B, sequence count S <Q, document count D <Q
+  (the length of the document index, one more than the documents), S int32 sequence lengths (tokens),
+  S int64 sequence pointers (byte offsets into PREFIX.bin), D int64 document indices (the first
+  sequence of each document, then S); multimodal files add S int8 sequence modes.
+PREFIX.bin: the sequences' tokens back to back.
+
+A megaframe document is a Megatron document (its sequences, which the builder stores one after the
+other). The files carry no tokenizer: the vocabulary and end-of-document id come from data.tokenizer.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from megaframe.data.indexed import DataError
+
+MAGIC = b"MMIDIDX\x00\x00"
+_HEADER = struct.Struct("<9sQBQQ")
+# Megatron's DType codes
+DTYPES: dict[int, np.dtype] = {1: np.dtype("<u1"), 2: np.dtype("<i1"), 3: np.dtype("<i2"), 4: np.dtype("<i4"),
+                               5: np.dtype("<i8"), 6: np.dtype("<f8"), 7: np.dtype("<f4"), 8: np.dtype("<u2")}
+_FIX = "rebuild it with Megatron's tools/preprocess_data.py or megaframe's tools/preprocess_data.py"
+
+
+def is_megatron_index(idx_path: Path) -> bool:
+    """Whether PREFIX.idx starts with Megatron's magic bytes."""
+    try:
+        with open(idx_path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+
+
+class MegatronDataset:
+    """Read-only, memory-mapped Megatron dataset with the interface of megaframe's IndexedDataset
+    (tokens, doc_offsets, documents, vocab_size, eod_id)."""
+
+    def __init__(self, prefix: str | os.PathLike[str], vocab_size: int, eod_id: int) -> None:
+        self.prefix = Path(prefix)
+        self.bin_path, self.idx_path = Path(f"{self.prefix}.bin"), Path(f"{self.prefix}.idx")
+        for path in (self.idx_path, self.bin_path):
+            if not path.is_file():
+                raise self._error(f"{path} not found; {_FIX}")
+        self.dtype, lengths, pointers, doc_index = self._read_index()
+        if not np.issubdtype(self.dtype, np.integer):
+            raise self._error(f"{self.idx_path} holds {self.dtype} values, not token ids; {_FIX}")
+        bin_bytes = self.bin_path.stat().st_size
+        item = self.dtype.itemsize
+        ends = pointers + lengths.astype(np.int64) * item
+        if len(lengths) and (ends.max() > bin_bytes or pointers.min() < 0):
+            raise self._error(f"{self.idx_path} points past the end of {self.bin_path} ({bin_bytes} bytes; "
+                              f"truncated, or the two files are from different builds); {_FIX}")
+        # megaframe reads the tokens as one stream: the sequences must lie back to back, in order
+        if len(lengths) and (pointers[0] != 0 or np.any(pointers[1:] != ends[:-1])):
+            raise self._error(f"{self.idx_path}: the sequences are not stored back to back in {self.bin_path}; "
+                              f"megaframe reads datasets as IndexedDatasetBuilder writes them")
+        if len(doc_index) == 0 or doc_index[0] != 0 or doc_index[-1] != len(lengths) or np.any(np.diff(doc_index) < 0):
+            raise self._error(f"{self.idx_path}: its document index does not run from 0 to the {len(lengths)} "
+                              f"sequences in order (corrupt); {_FIX}")
+        # token offset of every document boundary
+        sequence_starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+        self.doc_offsets = sequence_starts[doc_index]
+        total = int(self.doc_offsets[-1])
+        self.tokens = np.memmap(self.bin_path, dtype=self.dtype, mode="r", shape=(total,)) if total \
+            else np.zeros(0, dtype=self.dtype)
+        self._vocab_size, self._eod_id = int(vocab_size), int(eod_id)
+        stat = self.bin_path.stat()
+        # no build checksum in Megatron's files: the index header and sizes identify the build
+        self.checksum = hashlib.blake2b(self.idx_path.read_bytes()[:1 << 16] + f"{self.idx_path.stat().st_size}-"
+                                        f"{stat.st_size}".encode(), digest_size=16).digest()
+        self.metadata = {"format": "megatron", "vocab_size": self._vocab_size, "eod_id": self._eod_id,
+                         "num_documents": len(self), "num_tokens": total}
+
+    def _error(self, detail: str) -> DataError:
+        return DataError(f"data.path={self.prefix}: {detail}")
+
+    def _read_index(self) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:
+        size = self.idx_path.stat().st_size
+        with open(self.idx_path, "rb") as f:
+            header = f.read(_HEADER.size)
+        if len(header) < _HEADER.size:
+            raise self._error(f"{self.idx_path} is truncated ({len(header)} bytes, a header needs {_HEADER.size}); {_FIX}")
+        magic, version, code, sequences, documents = _HEADER.unpack(header)
+        if magic != MAGIC:
+            raise self._error(f"{self.idx_path} is not a Megatron index (bad magic bytes); {_FIX}")
+        if version != 1:
+            raise self._error(f"{self.idx_path} has index version {version}; megaframe reads Megatron's version 1")
+        if code not in DTYPES:
+            raise self._error(f"{self.idx_path} has unknown dtype code {code} (corrupt); {_FIX}")
+        needed = _HEADER.size + 12 * sequences + 8 * documents
+        if size not in (needed, needed + sequences):  # + the int8 modes of a multimodal file
+            raise self._error(f"{self.idx_path} holds {size} bytes, {needed} expected for {sequences} sequences and "
+                              f"{documents - 1} documents (truncated or corrupt); {_FIX}")
+        lengths = np.memmap(self.idx_path, dtype="<i4", mode="r", offset=_HEADER.size, shape=(sequences,)) \
+            if sequences else np.zeros(0, dtype="<i4")
+        pointers = np.memmap(self.idx_path, dtype="<i8", mode="r", offset=_HEADER.size + 4 * sequences,
+                             shape=(sequences,)) if sequences else np.zeros(0, dtype="<i8")
+        doc_index = np.memmap(self.idx_path, dtype="<i8", mode="r", offset=_HEADER.size + 12 * sequences,
+                              shape=(documents,)) if documents else np.zeros(0, dtype="<i8")
+        if np.any(lengths < 0):
+            raise self._error(f"{self.idx_path} holds negative sequence lengths (corrupt); {_FIX}")
+        return DTYPES[code], np.asarray(lengths), np.asarray(pointers), np.asarray(doc_index)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.doc_offsets[-1])
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod_id(self) -> int:
+        return self._eod_id
+
+    def __len__(self) -> int:
+        """Number of documents."""
+        return len(self.doc_offsets) - 1
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        """Tokens of document `index` (a read-only view into the memmap)."""
+        position = int(index) + (len(self) if int(index) < 0 else 0)
+        if not 0 <= position < len(self):
+            raise IndexError(f"document {index} out of range for {len(self)} documents in {self.prefix}")
+        return self.tokens[self.doc_offsets[position]: self.doc_offsets[position + 1]]
+
+    def verify(self) -> None:
+        """Megatron's files carry no checksum: the structural checks of opening are all there is."""
+
+    def __reduce__(self):
+        return MegatronDataset, (str(self.prefix), self._vocab_size, self._eod_id)
+
+    def __repr__(self) -> str:
+        return f"MegatronDataset({str(self.prefix)!r}, documents={len(self)}, tokens={self.num_tokens})"
