@@ -7,9 +7,10 @@ import os
 from pathlib import Path
 from typing import Union
 
-from megaframe.data.indexed import _MAGIC as OWN_MAGIC
-from megaframe.data.indexed import DataError, IndexedDataset
-from megaframe.data.megatron import MegatronDataset, is_megatron_index
+from megaframe.data.indexed import MAGIC as OWN_MAGIC
+from megaframe.data.indexed import DataError, IndexedDataset, read_head
+from megaframe.data.megatron import MAGIC as MEGATRON_MAGIC
+from megaframe.data.megatron import MegatronDataset
 
 Dataset = Union[IndexedDataset, MegatronDataset]
 
@@ -17,8 +18,9 @@ Dataset = Union[IndexedDataset, MegatronDataset]
 def open_dataset(prefix: Union[str, os.PathLike[str]], tokenizer: str) -> Dataset:
     """The dataset at PREFIX.bin/.idx; `tokenizer` (data.tokenizer) supplies a Megatron file's vocabulary."""
     idx = Path(f"{prefix}.idx")
-    if not is_megatron_index(idx):
-        if idx.is_file() and idx.stat().st_size >= len(OWN_MAGIC) and idx.read_bytes()[:len(OWN_MAGIC)] != OWN_MAGIC:
+    head = read_head(idx, len(MEGATRON_MAGIC))
+    if not head.startswith(MEGATRON_MAGIC):
+        if len(head) >= len(OWN_MAGIC) and not head.startswith(OWN_MAGIC):
             raise DataError(f"data.path={prefix}: {idx} is neither a megaframe (MFTOKIDX) nor a Megatron (MMIDIDX) "
                             f"index (bad magic bytes); rebuild it with tools/preprocess_data.py")
         return IndexedDataset(prefix)
@@ -29,4 +31,4 @@ def open_dataset(prefix: Union[str, os.PathLike[str]], tokenizer: str) -> Datase
     except (OSError, ValueError) as err:
         raise DataError(f"data.tokenizer={tokenizer}: cannot load it for the Megatron dataset {prefix} ({err}); "
                         f"pass byte or a local Hugging Face tokenizer directory") from None
-    return MegatronDataset(prefix, tok.vocab_size, tok.eod_id)
+    return MegatronDataset(prefix, tok.vocab_size, tok.eod_id, vocab_source=f"data.tokenizer={tokenizer}'s")

@@ -26,7 +26,7 @@ class DataError(ValueError):
 
 
 FORMAT_VERSION = 1
-_MAGIC = b"MFTOKIDX"
+MAGIC = b"MFTOKIDX"
 # magic, version, dtype code, num_docs, checksum; 40 bytes keeps the int64 offsets 8-byte aligned.
 _HEADER = struct.Struct("<8sIIQ16s")
 # Explicit little-endian so a dataset built on one machine reads the same on any other.
@@ -46,6 +46,16 @@ def best_dtype(vocab_size: int) -> np.dtype:
     if vocab_size <= np.iinfo(np.int32).max:
         return _DTYPE_BY_CODE[2]
     raise DataError(f"vocab_size={vocab_size}: too large for int32 token ids; use a smaller vocabulary")
+
+
+def read_head(path: Path, size: int) -> bytes:
+    """The first `size` bytes of a file (fewer when it is shorter; none when it cannot be read):
+    a header, without reading the rest."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(size)
+    except OSError:
+        return b""
 
 
 def _file_names(prefix: Path) -> tuple[Path, Path, Path]:
@@ -182,7 +192,7 @@ class IndexedDatasetWriter:
 
             with self._open_temp("idx") as idx_file:
                 dtype_code = _CODE_BY_DTYPE[self.dtype]
-                idx_file.write(_HEADER.pack(_MAGIC, FORMAT_VERSION, dtype_code, self.num_documents, checksum))
+                idx_file.write(_HEADER.pack(MAGIC, FORMAT_VERSION, dtype_code, self.num_documents, checksum))
                 idx_file.write(offsets.tobytes())
                 idx_file.flush()
                 os.fsync(idx_file.fileno())
@@ -266,12 +276,11 @@ class IndexedDataset:
         return DataError(f"data.path={self.prefix}: {detail}")
 
     def _read_header(self) -> tuple[np.dtype, int, bytes]:
-        with open(self.idx_path, "rb") as idx_file:
-            header = idx_file.read(_HEADER.size)
+        header = read_head(self.idx_path, _HEADER.size)
         if len(header) < _HEADER.size:
             raise self._error(f"{self.idx_path} is truncated ({len(header)} bytes); {_REBUILD_HINT}")
         magic, version, dtype_code, num_documents, checksum = _HEADER.unpack(header)
-        if magic != _MAGIC:
+        if magic != MAGIC:
             raise self._error(f"{self.idx_path} is not a megaframe index (bad magic bytes); {_REBUILD_HINT}")
         if version != FORMAT_VERSION:
             raise self._error(
@@ -315,6 +324,11 @@ class IndexedDataset:
     def eod_id(self) -> int:
         """End-of-document token id recorded at build time."""
         return int(self.metadata["eod_id"])
+
+    @property
+    def vocab_source(self) -> str:
+        """Where the vocabulary came from, for error messages."""
+        return f"the tokenizer's, recorded in {self.json_path}"
 
     def __len__(self) -> int:
         """Number of documents."""

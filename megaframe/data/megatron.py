@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megaframe.data.indexed import DataError
+from megaframe.data.indexed import DataError, read_head
 
 MAGIC = b"MMIDIDX\x00\x00"
 _HEADER = struct.Struct("<9sQBQQ")
@@ -30,20 +30,12 @@ DTYPES: dict[int, np.dtype] = {1: np.dtype("<u1"), 2: np.dtype("<i1"), 3: np.dty
 _FIX = "rebuild it with Megatron's tools/preprocess_data.py or megaframe's tools/preprocess_data.py"
 
 
-def is_megatron_index(idx_path: Path) -> bool:
-    """Whether PREFIX.idx starts with Megatron's magic bytes."""
-    try:
-        with open(idx_path, "rb") as f:
-            return f.read(len(MAGIC)) == MAGIC
-    except OSError:
-        return False
-
-
 class MegatronDataset:
     """Read-only, memory-mapped Megatron dataset with the interface of megaframe's IndexedDataset
     (tokens, doc_offsets, documents, vocab_size, eod_id)."""
 
-    def __init__(self, prefix: str | os.PathLike[str], vocab_size: int, eod_id: int) -> None:
+    def __init__(self, prefix: str | os.PathLike[str], vocab_size: int, eod_id: int,
+                 vocab_source: str = "data.tokenizer's") -> None:
         self.prefix = Path(prefix)
         self.bin_path, self.idx_path = Path(f"{self.prefix}.bin"), Path(f"{self.prefix}.idx")
         for path in (self.idx_path, self.bin_path):
@@ -72,9 +64,10 @@ class MegatronDataset:
         self.tokens = np.memmap(self.bin_path, dtype=self.dtype, mode="r", shape=(total,)) if total \
             else np.zeros(0, dtype=self.dtype)
         self._vocab_size, self._eod_id = int(vocab_size), int(eod_id)
+        self.vocab_source = vocab_source  # where the vocabulary came from, for error messages
         stat = self.bin_path.stat()
         # no build checksum in Megatron's files: the index header and sizes identify the build
-        self.checksum = hashlib.blake2b(self.idx_path.read_bytes()[:1 << 16] + f"{self.idx_path.stat().st_size}-"
+        self.checksum = hashlib.blake2b(read_head(self.idx_path, 1 << 16) + f"{self.idx_path.stat().st_size}-"
                                         f"{stat.st_size}".encode(), digest_size=16).digest()
         self.metadata = {"format": "megatron", "vocab_size": self._vocab_size, "eod_id": self._eod_id,
                          "num_documents": len(self), "num_tokens": total}
@@ -84,8 +77,7 @@ class MegatronDataset:
 
     def _read_index(self) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:
         size = self.idx_path.stat().st_size
-        with open(self.idx_path, "rb") as f:
-            header = f.read(_HEADER.size)
+        header = read_head(self.idx_path, _HEADER.size)
         if len(header) < _HEADER.size:
             raise self._error(f"{self.idx_path} is truncated ({len(header)} bytes, a header needs {_HEADER.size}); {_FIX}")
         magic, version, code, sequences, documents = _HEADER.unpack(header)
@@ -136,7 +128,7 @@ class MegatronDataset:
         """Megatron's files carry no checksum: the structural checks of opening are all there is."""
 
     def __reduce__(self):
-        return MegatronDataset, (str(self.prefix), self._vocab_size, self._eod_id)
+        return MegatronDataset, (str(self.prefix), self._vocab_size, self._eod_id, self.vocab_source)
 
     def __repr__(self) -> str:
         return f"MegatronDataset({str(self.prefix)!r}, documents={len(self)}, tokens={self.num_tokens})"

@@ -90,12 +90,7 @@ class Trainer:
             found = int(local.item())
             if self.is_logger:
                 remember_max_token_id(dataset, cache, found)
-        if self.cfg.model.vocab_size is not None:
-            vocab_key = "model.vocab_size"
-        elif hasattr(dataset, "json_path"):  # megaframe's format records its tokenizer
-            vocab_key = f"the tokenizer's, recorded in {dataset.json_path}"
-        else:  # Megatron's names none
-            vocab_key = f"data.tokenizer={self.cfg.data.tokenizer}'s"
+        vocab_key = "model.vocab_size" if self.cfg.model.vocab_size is not None else dataset.vocab_source
         check_token_ids(dataset, found, self.dims.vocab_size, vocab_key)
 
     @property
