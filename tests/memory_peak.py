@@ -9,6 +9,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# the model both compare on: 12.9M parameters, seq 256, micro-batch 4, dropout 0.1, fp32
+MODEL = ["model.num_layers=4", "model.hidden_size=512", "model.num_attention_heads=8", "model.ffn_hidden_size=2048",
+         "model.seq_length=256", "model.dropout=0.1", "parallel.micro_batch_size=4", "train.max_steps=3",
+         "train.log_interval=1", "train.eval_interval=0", "train.save_interval=0", "logging.wandb.mode=disabled",
+         "logging.progress_bar=false", "zero.reduce_bucket_size=5000000", "cluster.reserved_gb=0"]
+# overrides of MODEL for a run of almost nothing (2 ranks): what remains is the runtime's own memory
+NEAR_EMPTY = ["model.num_layers=1", "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=256",
+              "parallel.micro_batch_size=1", "parallel.global_batch_size=2", "parallel.tp=2"]
+
+
+def runtime_overhead(near_empty: list[dict]) -> float:
+    """The runtime's own memory per rank: a near-empty run's measured peak less the planner's figure
+    for it (what cluster.reserved_gb stands for in a plan)."""
+    return max(r["measured"] - r["planned"] for r in near_empty)
+
 
 def measure_peak(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
     from memory_probe import fixed_mmap_threshold, peak_rss

@@ -20,13 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from memory_peak import measure_peak  # noqa: E402  (tests/memory_peak.py)
+from memory_peak import MODEL, NEAR_EMPTY, measure_peak, runtime_overhead  # noqa: E402  (tests/memory_peak.py)
 from ranks import run_ranks  # noqa: E402  (tests/ranks.py: real gloo ranks)
 
-MODEL = ["model.num_layers=4", "model.hidden_size=512", "model.num_attention_heads=8", "model.ffn_hidden_size=2048",
-         "model.seq_length=256", "model.dropout=0.1", "parallel.micro_batch_size=4", "train.max_steps=3",
-         "train.log_interval=1", "train.eval_interval=0", "train.save_interval=0", "logging.wandb.mode=disabled",
-         "logging.progress_bar=false", "zero.reduce_bucket_size=5000000", "cluster.reserved_gb=0"]
 LAYOUTS = {  # name: (world size, overrides)
     "dp2 ZeRO-1": (2, ["zero=stage1"]),
     "dp2 ZeRO-2": (2, ["zero=stage2"]),
@@ -37,15 +33,11 @@ LAYOUTS = {  # name: (world size, overrides)
 }
 
 
-NOTHING = ["model.num_layers=1", "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=256",
-           "parallel.micro_batch_size=1", "parallel.global_batch_size=2", "parallel.tp=2"]
-
-
 def main() -> None:
     mb = 1e6
     with tempfile.TemporaryDirectory() as tmp:
-        nothing = run_ranks(measure_peak, 2, Path(tmp), overrides=[*MODEL, *NOTHING], run_dir=f"{tmp}/run")
-    overhead = max(r["measured"] - r["planned"] for r in nothing)
+        nothing = run_ranks(measure_peak, 2, Path(tmp), overrides=[*MODEL, *NEAR_EMPTY], run_dir=f"{tmp}/run")
+    overhead = runtime_overhead(nothing)
     print(f"runtime overhead per rank: {overhead / mb:.1f} MB (1-layer hidden-64 model at tp=2: measured "
           f"{max(r['measured'] for r in nothing) / mb:.1f} MB, planner {nothing[0]['planned'] / mb:.1f} MB)\n")
     print("| layout | recompute | stage | measured peak (MB, max over its ranks) | planner (MB) | planner / measured |"

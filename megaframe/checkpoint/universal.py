@@ -50,6 +50,11 @@ def _hash_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def file_entry(path: Path) -> dict:
+    """A manifest entry: the file's size and sha256."""
+    return {"bytes": path.stat().st_size, "sha256": _hash_file(path)}
+
+
 def safetensors_header(path: Path) -> dict[str, dict]:
     """{name: {"shape", "dtype"}} from a safetensors header, without reading tensor data.
 
@@ -85,7 +90,7 @@ def write_manifest(directory: Path, hashed: Optional[dict[str, dict]] = None) ->
         if rel in hashed:
             files[rel] = {"bytes": hashed[rel]["bytes"], "sha256": hashed[rel]["sha256"]}
             continue
-        files[rel] = {"bytes": path.stat().st_size, "sha256": _hash_file(path)}
+        files[rel] = file_entry(path)
         if rel.endswith(".safetensors"):
             tensors[rel] = safetensors_header(path)
     if missing := sorted(set(hashed) - set(files)):

@@ -105,10 +105,9 @@ def import_hf(hf_dir: Path, out: Path, force: bool = False) -> tuple[ModelConfig
     hf_config = files.read_hf_config(hf_dir)
     cfg = config_from_hf(hf_config)  # refuse an unsupported model before reading gigabytes of weights
     weights = files.read_hf_weights(hf_dir)
-    plan = state_from_hf_plan(cfg, {name: files.shape_of(weights, name) for name in weights})
+    plan, shapes = state_from_hf_plan(cfg, {name: files.shape_of(weights, name) for name in weights})
     check_tied_copy(cfg, weights)
-    state = files.LazyTensors(plan_shapes(plan, {name: files.shape_of(weights, name) for name in weights}),
-                              lambda name: plan[name](weights))
+    state = files.LazyTensors(shapes, lambda name: plan[name](weights))
     record = {"step": 0, "consumed_samples": 0, "model": dataclasses.asdict(cfg),
               "source": {"hf_dir": str(hf_dir.resolve()), "model_type": hf_config["model_type"]}}
     tokenizer = hf_dir if files.has_tokenizer(hf_dir) else None

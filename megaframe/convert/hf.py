@@ -201,22 +201,24 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
 def state_from_hf(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The canonical fp32 state dict of HF weights for the model `cfg` (from config_from_hf), all in
     memory (tests, small models; the CLI streams through state_from_hf_plan)."""
-    plan = state_from_hf_plan(cfg, hf_state)
+    plan, _ = state_from_hf_plan(cfg, hf_state)
     check_tied_copy(cfg, hf_state)
     return {name: recipe(hf_state) for name, recipe in plan.items()}
 
 
-def state_from_hf_plan(cfg: ModelConfig, hf_shapes: Mapping[str, Any]) -> dict[str, Recipe]:
-    """{canonical name: recipe over the HF tensors (fp32 out)} for HF weights with `hf_shapes`
-    (tensors or shapes); refuses names or shapes that do not fit `cfg`."""
+def state_from_hf_plan(cfg: ModelConfig, hf_shapes: Mapping[str, Any]) -> tuple[dict[str, Recipe],
+                                                                                 dict[str, tuple[int, ...]]]:
+    """({canonical name: recipe over the HF tensors (fp32 out)}, {canonical name: shape}) for HF
+    weights with `hf_shapes` (tensors or shapes); refuses names or shapes that do not fit `cfg`."""
     hf_shapes = {name: _shape(v) for name, v in hf_shapes.items() if not name.endswith(_IGNORED_HF_SUFFIXES)}
     if flavour(cfg) == "llama":
         source = _with_prefix(hf_shapes, "model.")
         plan = _take(source, {theirs: ours for ours, theirs in _llama_names(cfg).items()}, cfg)
     else:
         plan = _gpt2_from_hf(cfg, _with_prefix(hf_shapes, "transformer."))
-    check_canonical(cfg, plan_shapes(plan, hf_shapes), "the HF weights")
-    return plan
+    shapes = plan_shapes(plan, hf_shapes)
+    check_canonical(cfg, shapes, "the HF weights")
+    return plan, shapes
 
 
 def plan_shapes(plan: dict[str, Recipe], source_shapes: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:

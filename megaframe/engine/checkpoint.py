@@ -89,10 +89,6 @@ class BackgroundWriter:
             raise error
 
 
-def _hash_small(path: Path) -> dict:
-    return {"bytes": path.stat().st_size, "sha256": universal._hash_file(path)}
-
-
 def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
          rng_state: Optional[dict[str, Any]] = None, write_extra: Optional[Callable[[Path], Any]] = None,
          keep: int = 0, native: bool = True, background: Optional[BackgroundWriter] = None,
@@ -132,7 +128,7 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
         if before_publish is not None:
             before_publish("write")
         record = written() if callable(written) else (written or {"rank": rank, "files": {}, "tensors": {}})
-        record["files"][rng_file.relative_to(tmp).as_posix()] = _hash_small(rng_file)
+        record["files"][rng_file.relative_to(tmp).as_posix()] = universal.file_entry(rng_file)
         sharded.write_record(tmp, record)
 
     final = save_dir / tag

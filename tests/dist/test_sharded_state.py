@@ -11,6 +11,7 @@ The values themselves are checked by the resharding matrix (test_reshard.py)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -71,15 +72,8 @@ def _save_and_load(rank: int, world: int, overrides: list[str], run_dir: str) ->
     spec = ModelSpec(trainer.dims)
     shard = Path(path) / "shards" / f"rank{rank:05d}.safetensors"
     return {**measured, "shard_bytes": shard.stat().st_size if shard.exists() else 0, "read_bytes": read,
-            "largest_tensor": 4 * max(_numel(p.shape) for p in spec.parameters.values()),
-            "model_params": sum(_numel(p.shape) for p in spec.parameters.values()), "state_keys": keys}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+            "largest_tensor": 4 * max(math.prod(p.shape) for p in spec.parameters.values()),
+            "model_params": sum(math.prod(p.shape) for p in spec.parameters.values()), "state_keys": keys}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

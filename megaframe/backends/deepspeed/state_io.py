@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megaframe.backends.deepspeed.pipeline import canonical_name
+from megaframe.backends.deepspeed.zero_init import partition_range
 from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.boxes import Box, clip_rows, even_range, flat_range_boxes
 from megaframe.checkpoint.universal import MASTER_KEY, MOMENT_KEYS, CheckpointError
@@ -111,9 +112,7 @@ def _holding(view: EngineView, name: str, param) -> Holding:
     numel = prod(local_shape)
     if _is_zero3(param):
         kind = "zero3"
-        part = param.ds_tensor.ds_numel  # the partition's size, also when NVMe holds its data
-        rank = dist.get_rank(group=param.ds_process_group)
-        own = (min(rank * part, numel), min((rank + 1) * part, numel))
+        own = partition_range(param, numel)
     elif hasattr(param, "_hp_mapping"):
         kind = "fragment"
         mapping = param._hp_mapping
@@ -198,15 +197,21 @@ def _tensor_key(key: str, name: str) -> str:
 def shard_pieces(view: EngineView, with_optimizer: bool, snapshot: bool) -> list[sharded.Piece]:
     """The chunks this rank writes. snapshot: their values copied to host memory now (an async
     save: training may change the live tensors while the writer runs); else each is read when the
-    writer reaches it (a view of the live state; one sub-group swap-in under NVMe offload)."""
+    writer reaches it (a view of the live state, or one parameter's copy)."""
     if with_optimizer:
         _link_optimizer_state(view)
 
+    # the last (parameter, key) read: its up to three boxes are written one after another, so the
+    # engine is asked once per key (one ZeRO-3 local read, one NVMe swap-in), and one tensor is held
+    latest: dict = {}
+
     def owned(h: Holding, key: str) -> torch.Tensor:
-        flat = _owned(view, h, key)
-        if flat is None:
-            raise CheckpointError(f"no optimizer {key} for {h.name}: save after the first step")
-        return flat
+        if latest.get("of") != (h.name, key):
+            flat = _owned(view, h, key)
+            if flat is None:
+                raise CheckpointError(f"no optimizer {key} for {h.name}: save after the first step")
+            latest.update(of=(h.name, key), flat=flat)
+        return latest["flat"]
 
     pieces = []
     for h in holdings(view):

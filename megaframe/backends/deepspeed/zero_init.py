@@ -34,14 +34,21 @@ def partitioned_construction(ds_config: dict[str, Any], ps: ParallelState) -> co
     return deepspeed.zero.Init(data_parallel_group=ps.dp_group, config_dict_or_path=ds_config, mpu=MegatronMpu(ps))
 
 
+def partition_range(param: torch.nn.Parameter, numel: int) -> tuple[int, int]:
+    """[start, stop) of the flattened parameter (numel elements) in this rank's ZeRO-3 partition:
+    ds_numel elements from rank * ds_numel, cut at the end (ds_numel is known also when NVMe holds
+    the partition's data)."""
+    size = param.ds_tensor.ds_numel
+    rank = dist.get_rank(group=param.ds_process_group)
+    return min(rank * size, numel), min((rank + 1) * size, numel)
+
+
 @torch.no_grad()
 def write_partition(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    """Store this rank's ZeRO-3 partition of `value` (the parameter's full tensor-parallel shard):
-    elements [rank * n, (rank + 1) * n) of it flattened, zeros past its end."""
+    """Store this rank's ZeRO-3 partition of `value` (the parameter's full tensor-parallel shard),
+    zeros past its end."""
     partition = param.ds_tensor
-    size = partition.ds_numel
-    rank = dist.get_rank(group=param.ds_process_group)
     flat = value.flatten()
-    start, stop = min(rank * size, flat.numel()), min((rank + 1) * size, flat.numel())
+    start, stop = partition_range(param, flat.numel())
     partition.data.zero_()
     partition.data[: stop - start].copy_(flat[start:stop].to(partition.dtype))
