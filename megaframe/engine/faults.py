@@ -9,6 +9,8 @@ MEGAFRAME_FAULTS is a comma-separated list of KIND@STEP or KIND@STEP:RANK (RANK 
   slow_save@4    the checkpoint of step 4 waits 3 s before its files are written (under
                  train.async_save training goes on meanwhile: what is written must be step 4's)
 Steps count from 1 (the step being taken).
+MEGAFRAME_FAULTS_STAMPS, when set, names a directory where a rank writes `hang-rankR` as it starts
+hanging, so a test can time the watchdog from the hang rather than from a start-up it does not control.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Optional
 import torch
 
 ENV = "MEGAFRAME_FAULTS"
+STAMPS_ENV = "MEGAFRAME_FAULTS_STAMPS"
 KINDS = ("nan_grad", "hang", "spike", "kill_in_save", "slow_save")
 
 
@@ -55,6 +58,7 @@ class Faults:
     def __init__(self, rank: int, spec: Optional[str] = None):
         spec = os.environ.get(ENV, "") if spec is None else spec
         self.planned = [f for f in parse(spec) if f.rank in (None, rank)]
+        self.rank = rank
 
     def _due(self, kind: str, step: int) -> bool:
         return any(f.kind == kind and f.step == step for f in self.planned)
@@ -82,6 +86,10 @@ class Faults:
     def before_step(self, step: int, module: torch.nn.Module) -> Optional[torch.utils.hooks.RemovableHandle]:
         """Apply the faults due at the start of `step`; returns a hook to remove after the step."""
         if self._due("hang", step):
+            stamps = os.environ.get(STAMPS_ENV)
+            if stamps:
+                with open(os.path.join(stamps, f"hang-rank{self.rank}"), "w") as stamp:
+                    stamp.write(str(step))
             while True:  # a rank stuck outside any collective (a dead NFS read, a wedged kernel)
                 time.sleep(3600)
         if self._due("nan_grad", step):
