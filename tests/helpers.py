@@ -50,3 +50,12 @@ def curve(records: list[dict], key: str) -> list[tuple[int, float]]:
 def assert_ok(result: subprocess.CompletedProcess) -> None:
     """Fail with the run's output when it did not exit 0."""
     assert result.returncode == 0, f"exit {result.returncode}\nSTDOUT:\n{result.stdout[-4000:]}\nSTDERR:\n{result.stderr[-6000:]}"
+
+
+def run_preprocess_tool(*args: str | Path, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run tools/preprocess_data.py as a user would, in a fresh interpreter that must find megaframe
+    on its own."""
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    environment.pop("PYTHONPATH", None)
+    return subprocess.run([sys.executable, str(REPO / "tools" / "preprocess_data.py"), *map(str, args)],
+                          cwd=cwd, env=environment, capture_output=True, text=True, timeout=300)

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Tokenize .txt / .jsonl text into a megaframe indexed dataset (PREFIX.bin, PREFIX.idx, PREFIX.json)."""
+"""Tokenize .txt / .jsonl / .parquet text or a local `datasets` directory into an indexed dataset
+(PREFIX.bin, PREFIX.idx: Megatron-LM's layout by default; PREFIX.json: megaframe's sidecar)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ if importlib.util.find_spec("megaframe") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megaframe.data import DataError, build_tokenizer, preprocess  # noqa: E402
+from megaframe.data.indexed import LAYOUTS  # noqa: E402
 
 PROG = "preprocess_data"
 
@@ -30,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         metavar="PATH",
         help="files or directories (walked recursively, sorted); .txt = one document per file, "
-        ".jsonl = one document per line",
+        ".jsonl = one per line, .parquet = one per row; a datasets save_to_disk directory = one per row",
     )
     parser.add_argument(
         "--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin, PREFIX.idx, PREFIX.json"
@@ -42,8 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="'byte' (UTF-8 bytes, vocab 257) or a local Hugging Face tokenizer directory (default: byte)",
     )
     parser.add_argument(
-        "--json-key", default="text", metavar="KEY", help="field of each .jsonl line holding the text (default: text)"
+        "--json-key", "--text-key", dest="json_key", default="text", metavar="KEY",
+        help="field of each .jsonl line, column of each .parquet / datasets row, holding the text (default: text)"
     )
+    parser.add_argument("--split", default=None, metavar="NAME",
+                        help="split of a datasets DatasetDict directory (default: train)")
+    parser.add_argument("--format", dest="layout", choices=LAYOUTS, default=LAYOUTS[0],
+                        help="megatron (default): Megatron-LM's .bin/.idx, which Megatron, GPT-NeoX and "
+                        "Megatron-DeepSpeed read as is, plus megaframe's .json sidecar; megaframe: the earlier "
+                        "MFTOKIDX layout")
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="tokenizer processes (default: 1); output is identical for any N")
     parser.add_argument(
         "--no-append-eod",
         dest="append_eod",
@@ -58,14 +69,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         tokenizer = build_tokenizer(args.tokenizer)
-        summary = preprocess(args.input, args.output_prefix, tokenizer, args.json_key, args.append_eod)
+        summary = preprocess(args.input, args.output_prefix, tokenizer, args.json_key, args.append_eod,
+                             layout=args.layout, workers=args.workers, split=args.split)
     except (DataError, OSError) as error:
         message = " ".join(str(error).split())
         print(f"{PROG}: error: {message}", file=sys.stderr)
         return 2
     print(
         f"{PROG}: wrote {summary['output_prefix']}.{{bin,idx,json}}: {summary['num_documents']} documents, "
-        f"{summary['num_tokens']} tokens from {summary['num_files']} files in {summary['seconds']:.2f} s"
+        f"{summary['num_tokens']} tokens from {summary['num_files']} inputs in {summary['seconds']:.2f} s "
+        f"({summary['tokens_per_second']:,.0f} tokens/s, {summary['workers']} workers, {summary['layout']} layout)"
     )
     return 0
 

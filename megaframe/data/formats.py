@@ -1,22 +1,24 @@
-"""data.path=PREFIX in either on-disk format, told apart by the index's magic bytes: megaframe's own
-(MFTOKIDX, with its JSON sidecar naming the tokenizer) or Megatron-LM's (MMIDIDX, which names none:
-the vocabulary and end-of-document id then come from data.tokenizer)."""
+"""data.path=PREFIX in either on-disk layout, told apart by the index's magic bytes: Megatron-LM's
+(MMIDIDX; what megaframe writes by default, with a JSON sidecar naming the tokenizer; without one, as
+Megatron writes it, the vocabulary and end-of-document id come from data.tokenizer) or megaframe's
+earlier MFTOKIDX (its sidecar names the tokenizer)."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 from megaframe.data.indexed import MAGIC as OWN_MAGIC
 from megaframe.data.indexed import DataError, IndexedDataset, read_head
 from megaframe.data.megatron import MAGIC as MEGATRON_MAGIC
-from megaframe.data.megatron import MegatronDataset
+from megaframe.data.megatron import MegatronDataset, read_sidecar
 
 Dataset = Union[IndexedDataset, MegatronDataset]
 
 
-def open_dataset(prefix: Union[str, os.PathLike[str]], tokenizer: str) -> Dataset:
-    """The dataset at PREFIX.bin/.idx; `tokenizer` (data.tokenizer) supplies a Megatron file's vocabulary."""
+def open_dataset(prefix: Union[str, os.PathLike[str]], tokenizer: Optional[str] = None) -> Dataset:
+    """The dataset at PREFIX.bin/.idx; `tokenizer` (data.tokenizer) supplies the vocabulary of a
+    Megatron file that has no megaframe sidecar (without one either, DataError says to set it)."""
     idx = Path(f"{prefix}.idx")
     head = read_head(idx, len(MEGATRON_MAGIC))
     if not head.startswith(MEGATRON_MAGIC):
@@ -24,6 +26,8 @@ def open_dataset(prefix: Union[str, os.PathLike[str]], tokenizer: str) -> Datase
             raise DataError(f"data.path={prefix}: {idx} is neither a megaframe (MFTOKIDX) nor a Megatron (MMIDIDX) "
                             f"index (bad magic bytes); rebuild it with tools/preprocess_data.py")
         return IndexedDataset(prefix)
+    if tokenizer is None or read_sidecar(prefix) is not None:
+        return MegatronDataset(prefix)
     from megaframe.data.tokenizer import build_tokenizer
 
     try:

@@ -1,4 +1,9 @@
-"""Memory-mapped token datasets: PREFIX.bin (tokens), PREFIX.idx (document offsets), PREFIX.json (metadata)."""
+"""Memory-mapped token datasets: PREFIX.bin (tokens), PREFIX.idx (document offsets), PREFIX.json (metadata).
+
+The writer's default layout is Megatron-LM's (MMIDIDX .idx, megatron.py), which Megatron, GPT-NeoX and
+Megatron-DeepSpeed read as is; megaframe's JSON sidecar adds what Megatron's files lack (tokenizer,
+vocabulary, end-of-document id, a build checksum). megaframe's earlier MFTOKIDX layout (read here by
+IndexedDataset) stays readable and writable with layout="megaframe"."""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import numpy as np
 
 from megaframe.failures import ExitCode
 
-__all__ = ["DataError", "IndexedDataset", "IndexedDatasetWriter", "best_dtype", "umask_permissions"]
+__all__ = ["DataError", "IndexedDataset", "IndexedDatasetWriter", "LAYOUTS", "best_dtype", "umask_permissions"]
 
 
 class DataError(ValueError):
@@ -35,6 +40,7 @@ _CODE_BY_DTYPE: dict[np.dtype, int] = {dtype: code for code, dtype in _DTYPE_BY_
 _REQUIRED_METADATA = ("tokenizer", "vocab_size", "eod_id")
 _HASH_CHUNK_TOKENS = 1 << 24
 _REBUILD_HINT = "build it with tools/preprocess_data.py"
+LAYOUTS = ("megatron", "megaframe")  # on-disk layouts the writer produces; the first is the default
 
 
 def best_dtype(vocab_size: int) -> np.dtype:
@@ -56,6 +62,16 @@ def read_head(path: Path, size: int) -> bytes:
             return f.read(size)
     except OSError:
         return b""
+
+
+def content_checksum(tokens: np.ndarray, doc_offsets: np.ndarray) -> bytes:
+    """The build checksum the writer records: blake2b-128 over the tokens' bytes, then the document
+    offsets as little-endian int64. Hashed in chunks, so a large memory-mapped .bin is never read whole."""
+    hasher = hashlib.blake2b(digest_size=16)
+    for start in range(0, len(tokens), _HASH_CHUNK_TOKENS):
+        hasher.update(np.ascontiguousarray(tokens[start : start + _HASH_CHUNK_TOKENS]).tobytes())
+    hasher.update(np.asarray(doc_offsets, dtype="<i8").tobytes())
+    return hasher.digest()
 
 
 def _file_names(prefix: Path) -> tuple[Path, Path, Path]:
@@ -95,9 +111,12 @@ def _fsync_dir(directory: Path) -> None:
 class IndexedDatasetWriter:
     """Streams documents to PREFIX.bin/.idx/.json; nothing appears under those names until finalize()."""
 
-    def __init__(self, prefix: str | os.PathLike[str], dtype: Any = np.uint16) -> None:
+    def __init__(self, prefix: str | os.PathLike[str], dtype: Any = np.uint16, layout: str = LAYOUTS[0]) -> None:
         """Open a temp .bin next to `prefix`; tokens are written there as documents arrive."""
+        if layout not in LAYOUTS:
+            raise DataError(f"--format {layout}: unknown dataset layout; use one of {list(LAYOUTS)}")
         self.prefix = Path(prefix)
+        self.layout = layout
         self.dtype = _canonical_dtype(dtype)
         self.directory = self.prefix.parent
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -169,9 +188,19 @@ class IndexedDatasetWriter:
             "num_documents": self.num_documents,
             "num_tokens": self.num_tokens,
             "dtype": self.dtype.name,
+            "format": self.layout,
             "format_version": FORMAT_VERSION,
             "checksum": checksum.hex(),
         }
+
+    def _write_index(self, idx_file: BinaryIO, offsets: np.ndarray, checksum: bytes) -> None:
+        if self.layout == "megatron":
+            from megaframe.data.megatron import write_index
+
+            write_index(idx_file, self.dtype, offsets)
+            return
+        idx_file.write(_HEADER.pack(MAGIC, FORMAT_VERSION, _CODE_BY_DTYPE[self.dtype], self.num_documents, checksum))
+        idx_file.write(offsets.tobytes())
 
     def finalize(self, metadata: dict[str, Any]) -> Path:
         """Write .idx and .json, then atomically move all three files into place; returns the prefix."""
@@ -188,14 +217,14 @@ class IndexedDatasetWriter:
             offsets = np.frombuffer(self._offsets, dtype=np.int64).astype("<i8", copy=False)
             self._hasher.update(offsets.tobytes())
             checksum = self._hasher.digest()
-            metadata_text = json.dumps(self._complete_metadata(metadata, checksum), indent=2, sort_keys=True) + "\n"
-
             with self._open_temp("idx") as idx_file:
-                dtype_code = _CODE_BY_DTYPE[self.dtype]
-                idx_file.write(_HEADER.pack(MAGIC, FORMAT_VERSION, dtype_code, self.num_documents, checksum))
-                idx_file.write(offsets.tobytes())
+                self._write_index(idx_file, offsets, checksum)
                 idx_file.flush()
                 os.fsync(idx_file.fileno())
+                # the sidecar names the index's size: a cheap check, at open, that the two belong together
+                index_bytes = idx_file.tell()
+            complete = {**self._complete_metadata(metadata, checksum), "index_bytes": index_bytes}
+            metadata_text = json.dumps(complete, indent=2, sort_keys=True) + "\n"
             with self._open_temp("json") as json_file:
                 json_file.write(metadata_text.encode("utf-8"))
                 json_file.flush()
@@ -346,11 +375,7 @@ class IndexedDataset:
 
     def verify(self) -> None:
         """Re-hash the .bin and .idx against the build checksum; DataError if any byte changed."""
-        hasher = hashlib.blake2b(digest_size=16)
-        for start in range(0, self.num_tokens, _HASH_CHUNK_TOKENS):
-            hasher.update(np.ascontiguousarray(self.tokens[start : start + _HASH_CHUNK_TOKENS]).tobytes())
-        hasher.update(np.asarray(self.doc_offsets).tobytes())
-        if hasher.digest() != self.checksum:
+        if content_checksum(self.tokens, self.doc_offsets) != self.checksum:
             raise self._error(
                 f"{self.bin_path} or {self.idx_path} content does not match its checksum (corrupt); {_REBUILD_HINT}"
             )

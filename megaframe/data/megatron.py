@@ -9,33 +9,67 @@ PREFIX.idx, little-endian:
 PREFIX.bin: the sequences' tokens back to back.
 
 A megaframe document is a Megatron document (its sequences, which the builder stores one after the
-other). The files carry no tokenizer: the vocabulary and end-of-document id come from data.tokenizer.
+other). The files carry no tokenizer: the vocabulary and end-of-document id come from data.tokenizer,
+unless megaframe wrote them, with its PREFIX.json sidecar (format "megatron": tokenizer, vocabulary,
+end-of-document id, counts, the index's size and a build checksum). Megatron's reader ignores the sidecar.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import struct
 from pathlib import Path
+from typing import Any, BinaryIO, Optional
 
 import numpy as np
 
-from megaframe.data.indexed import DataError, read_head
+from megaframe.data.indexed import DataError, content_checksum, read_head
 
 MAGIC = b"MMIDIDX\x00\x00"
 _HEADER = struct.Struct("<9sQBQQ")
 # Megatron's DType codes
 DTYPES: dict[int, np.dtype] = {1: np.dtype("<u1"), 2: np.dtype("<i1"), 3: np.dtype("<i2"), 4: np.dtype("<i4"),
                                5: np.dtype("<i8"), 6: np.dtype("<f8"), 7: np.dtype("<f4"), 8: np.dtype("<u2")}
+_CODES = {dtype: code for code, dtype in DTYPES.items()}
 _FIX = "rebuild it with Megatron's tools/preprocess_data.py or megaframe's tools/preprocess_data.py"
+
+
+def write_index(idx_file: BinaryIO, dtype: np.dtype, doc_offsets: np.ndarray) -> None:
+    """Megatron's index of documents whose tokens lie back to back in the .bin, one sequence per
+    document, as its IndexedDatasetBuilder writes them (`doc_offsets`: D + 1 token offsets)."""
+    lengths = np.diff(doc_offsets).astype("<i4")
+    if len(lengths) and int(np.diff(doc_offsets).max()) > np.iinfo(np.int32).max:
+        raise DataError("a document holds more than 2^31 - 1 tokens, more than Megatron's index can record; "
+                        "split it")
+    documents = len(doc_offsets)  # the document index: 0, 1, ..., D
+    idx_file.write(_HEADER.pack(MAGIC, 1, _CODES[np.dtype(dtype)], len(lengths), documents))
+    idx_file.write(lengths.tobytes())
+    idx_file.write((doc_offsets[:-1].astype("<i8") * np.dtype(dtype).itemsize).tobytes())  # byte pointers
+    idx_file.write(np.arange(documents, dtype="<i8").tobytes())
+
+
+def read_sidecar(prefix: str | os.PathLike[str]) -> Optional[dict[str, Any]]:
+    """megaframe's PREFIX.json next to a Megatron dataset, or None when there is none (or it is not
+    megaframe's: it does not say format "megatron")."""
+    path = Path(f"{prefix}.json")
+    if not path.is_file():
+        return None
+    try:
+        sidecar = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DataError(f"data.path={prefix}: {path} is not valid JSON ({error}); delete it or {_FIX}") from None
+    return sidecar if isinstance(sidecar, dict) and sidecar.get("format") == "megatron" else None
 
 
 class MegatronDataset:
     """Read-only, memory-mapped Megatron dataset with the interface of megaframe's IndexedDataset
     (tokens, doc_offsets, documents, vocab_size, eod_id)."""
 
-    def __init__(self, prefix: str | os.PathLike[str], vocab_size: int, eod_id: int,
-                 vocab_source: str = "data.tokenizer's") -> None:
+    def __init__(self, prefix: str | os.PathLike[str], vocab_size: Optional[int] = None,
+                 eod_id: Optional[int] = None, vocab_source: str = "data.tokenizer's") -> None:
+        """Open PREFIX.bin/.idx; the vocabulary comes from megaframe's sidecar when there is one, else
+        from `vocab_size` and `eod_id`."""
         self.prefix = Path(prefix)
         self.bin_path, self.idx_path = Path(f"{self.prefix}.bin"), Path(f"{self.prefix}.idx")
         for path in (self.idx_path, self.bin_path):
@@ -63,14 +97,34 @@ class MegatronDataset:
         total = int(self.doc_offsets[-1])
         self.tokens = np.memmap(self.bin_path, dtype=self.dtype, mode="r", shape=(total,)) if total \
             else np.zeros(0, dtype=self.dtype)
+        self.sidecar = read_sidecar(self.prefix)
+        if self.sidecar is not None:
+            self._check_sidecar()
+            vocab_size, eod_id = self.sidecar["vocab_size"], self.sidecar["eod_id"]
+            vocab_source = f"the tokenizer's, recorded in {self.prefix}.json"
+            self.checksum = bytes.fromhex(self.sidecar["checksum"])
+        else:
+            if vocab_size is None or eod_id is None:
+                raise self._error(f"{self.idx_path} names no tokenizer and there is no {self.prefix}.json sidecar; "
+                                  f"set data.tokenizer to the tokenizer it was built with")
+            # no build checksum in Megatron's files: the index header and sizes identify the build
+            self.checksum = hashlib.blake2b(read_head(self.idx_path, 1 << 16) + f"{self.idx_path.stat().st_size}-"
+                                            f"{bin_bytes}".encode(), digest_size=16).digest()
         self._vocab_size, self._eod_id = int(vocab_size), int(eod_id)
         self.vocab_source = vocab_source  # where the vocabulary came from, for error messages
-        stat = self.bin_path.stat()
-        # no build checksum in Megatron's files: the index header and sizes identify the build
-        self.checksum = hashlib.blake2b(read_head(self.idx_path, 1 << 16) + f"{self.idx_path.stat().st_size}-"
-                                        f"{stat.st_size}".encode(), digest_size=16).digest()
-        self.metadata = {"format": "megatron", "vocab_size": self._vocab_size, "eod_id": self._eod_id,
-                         "num_documents": len(self), "num_tokens": total}
+        self.metadata = {**(self.sidecar or {}), "format": "megatron", "vocab_size": self._vocab_size,
+                         "eod_id": self._eod_id, "num_documents": len(self), "num_tokens": total}
+
+    def _check_sidecar(self) -> None:
+        sidecar, json_path = self.sidecar, f"{self.prefix}.json"
+        missing = [key for key in ("vocab_size", "eod_id", "checksum", "num_documents", "num_tokens", "index_bytes")
+                   if key not in sidecar]
+        if missing:
+            raise self._error(f"{json_path} lacks {missing}; {_FIX}")
+        if (sidecar["num_documents"], sidecar["num_tokens"], sidecar["index_bytes"]) != \
+                (len(self), self.num_tokens, self.idx_path.stat().st_size):
+            raise self._error(f"{json_path} belongs to a different build than {self.idx_path} (its document, "
+                              f"token or index-size counts disagree); {_FIX}")
 
     def _error(self, detail: str) -> DataError:
         return DataError(f"data.path={self.prefix}: {detail}")
@@ -125,7 +179,11 @@ class MegatronDataset:
         return self.tokens[self.doc_offsets[position]: self.doc_offsets[position + 1]]
 
     def verify(self) -> None:
-        """Megatron's files carry no checksum: the structural checks of opening are all there is."""
+        """Re-hash the tokens and document offsets against the sidecar's build checksum. Without a
+        sidecar (a file Megatron wrote) there is no checksum: the checks of opening are all there is."""
+        if self.sidecar is not None and content_checksum(self.tokens, self.doc_offsets) != self.checksum:
+            raise self._error(f"{self.bin_path} or {self.idx_path} content does not match the checksum in "
+                              f"{self.prefix}.json (corrupt); {_FIX}")
 
     def __reduce__(self):
         return MegatronDataset, (str(self.prefix), self._vocab_size, self._eod_id, self.vocab_source)

@@ -1,87 +1,66 @@
-"""Turn .txt / .jsonl text files into an indexed token dataset (the logic behind tools/preprocess_data.py)."""
+"""Turn text (.txt, .jsonl, .parquet, local `datasets`) into an indexed token dataset: the logic behind
+tools/preprocess_data.py.
+
+With workers > 1, documents are tokenized in a process pool a chunk at a time while the parent writes
+the tokens in input order. At most a few chunks per worker are in flight, so memory stays bounded
+however large the input (Pool.imap would read the whole input ahead into its task queue).
+"""
 
 from __future__ import annotations
 
-import json
+import itertools
+import multiprocessing
 import os
+import sys
 import time
-from pathlib import Path
-from typing import Any, Iterator, Sequence
+from collections import deque
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
-from megaframe.data.indexed import DataError, IndexedDatasetWriter, best_dtype
+from tqdm import tqdm
+
+from megaframe.data.indexed import LAYOUTS, DataError, IndexedDatasetWriter, best_dtype
+from megaframe.data.sources import find_sources, iter_documents
 from megaframe.data.tokenizer import Tokenizer, build_tokenizer
 
-__all__ = ["INPUT_SUFFIXES", "find_input_files", "iter_documents", "preprocess"]
+__all__ = ["preprocess"]
 
-INPUT_SUFFIXES = (".txt", ".jsonl")
+_CHUNK_DOCUMENTS = 64  # documents per task sent to a worker: large enough to amortise the pickling
+_CHUNKS_IN_FLIGHT_PER_WORKER = 4
 
-
-def find_input_files(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
-    """Expand files and directories (walked recursively, sorted) into the list of .txt/.jsonl files to read."""
-    files: list[Path] = []
-    for raw_input in inputs:
-        path = Path(raw_input)
-        if path.is_dir():
-            candidates = (candidate for candidate in path.rglob("*") if candidate.suffix in INPUT_SUFFIXES)
-            found = sorted(
-                (candidate for candidate in candidates if candidate.is_file()),
-                key=lambda candidate: candidate.relative_to(path).parts,
-            )
-            if not found:
-                raise DataError(f"--input {path}: directory holds no {'/'.join(INPUT_SUFFIXES)} files")
-            files.extend(found)
-        elif path.is_file():
-            if path.suffix not in INPUT_SUFFIXES:
-                raise DataError(
-                    f"--input {path}: unknown extension {path.suffix or '(none)'!r}; "
-                    f"use {' or '.join(INPUT_SUFFIXES)} (one document per .txt file, one per .jsonl line)"
-                )
-            files.append(path)
-        else:
-            raise DataError(f"--input {path}: no such file or directory")
-    return files
+_worker_tokenizer: Optional[Tokenizer] = None
 
 
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise DataError(f"--input {path}: not UTF-8 text (byte {error.start}); convert it to UTF-8") from None
+def _start_worker(tokenizer_spec: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = build_tokenizer(tokenizer_spec)
 
 
-def _iter_jsonl(path: Path, json_key: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as lines:
-        try:
-            for line_number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                location = f"--input {path}:{line_number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise DataError(
-                        f"{location}: invalid JSON ({error.msg}); each line must be one JSON object"
-                    ) from None
-                if not isinstance(record, dict) or json_key not in record:
-                    raise DataError(
-                        f"{location}: no {json_key!r} field; pass --json-key NAME for the field holding the text"
-                    )
-                if not isinstance(record[json_key], str):
-                    value_type = type(record[json_key]).__name__
-                    raise DataError(f"{location}: field {json_key!r} is {value_type}, not a string")
-                yield record[json_key]
-        except UnicodeDecodeError as error:
-            raise DataError(f"--input {path}: not UTF-8 text (byte {error.start}); convert it to UTF-8") from None
+def _encode_chunk(texts: list[str]) -> list[list[int]]:
+    assert _worker_tokenizer is not None, "worker started without a tokenizer"
+    return [_worker_tokenizer.encode(text) for text in texts]
 
 
-def iter_documents(path: Path, json_key: str = "text") -> Iterator[str]:
-    """Documents of one input file: the whole .txt file, or each non-blank .jsonl line's `json_key` field."""
-    if path.suffix == ".txt":
-        yield _read_text(path)
-    elif path.suffix == ".jsonl":
-        yield from _iter_jsonl(path, json_key)
-    else:
-        raise DataError(f"--input {path}: unknown extension {path.suffix!r}; use {' or '.join(INPUT_SUFFIXES)}")
+def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
+    iterator = iter(texts)
+    while chunk := list(itertools.islice(iterator, _CHUNK_DOCUMENTS)):
+        yield chunk
+
+
+def _encoded(texts: Iterable[str], tokenizer: Tokenizer, workers: int) -> Iterator[list[int]]:
+    """Token ids of each text, in input order."""
+    if workers == 1:
+        yield from (tokenizer.encode(text) for text in texts)
+        return
+    # fork would copy a parent that may hold threads (tqdm's monitor, a tokenizer's pool); spawn is safe
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(workers, initializer=_start_worker, initargs=(tokenizer.name,)) as pool:
+        pending: deque = deque()
+        for chunk in _chunks(texts):
+            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+            if len(pending) >= workers * _CHUNKS_IN_FLIGHT_PER_WORKER:
+                yield from pending.popleft().get()
+        while pending:
+            yield from pending.popleft().get()
 
 
 def preprocess(
@@ -90,25 +69,35 @@ def preprocess(
     tokenizer: Tokenizer | str = "byte",
     json_key: str = "text",
     append_eod: bool = True,
+    layout: str = LAYOUTS[0],
+    workers: int = 1,
+    split: Optional[str] = None,
+    progress: Optional[bool] = None,
 ) -> dict[str, Any]:
     """Tokenize every document of `inputs` into OUTPUT_PREFIX.bin/.idx/.json; returns a summary dict.
 
-    Each input document becomes one dataset document (empty ones included, so indices line up
-    with the input). On any error the previous dataset at `output_prefix`, if any, is left intact.
+    Each input document becomes one dataset document (empty ones included, so indices line up with
+    the input). `layout` is "megatron" (Megatron-LM's MMIDIDX files plus megaframe's sidecar) or
+    "megaframe" (the earlier MFTOKIDX). On any error the previous dataset at `output_prefix`, if any,
+    is left intact. `progress`: a bar on stderr (None: only when stderr is a terminal).
     """
     started = time.perf_counter()
+    if workers < 1:
+        raise DataError(f"--workers {workers}: must be at least 1")
     if isinstance(tokenizer, str):
         tokenizer = build_tokenizer(tokenizer)
-    files = find_input_files(inputs)
-    if not files:
+    sources = find_sources(inputs)
+    if not sources:
         raise DataError("--input: no input files given")
-    with IndexedDatasetWriter(output_prefix, dtype=best_dtype(tokenizer.vocab_size)) as writer:
-        for path in files:
-            for text in iter_documents(path, json_key):
-                tokens = tokenizer.encode(text)
-                if append_eod:
-                    tokens.append(tokenizer.eod_id)
-                writer.add_document(tokens)
+    texts = (text for source in sources for text in iter_documents(source, json_key, split))
+    with IndexedDatasetWriter(output_prefix, dtype=best_dtype(tokenizer.vocab_size), layout=layout) as writer, \
+            tqdm(desc="tokenizing", unit=" docs", file=sys.stderr, disable=None if progress is None else not progress,
+                 mininterval=1.0) as bar:
+        for tokens in _encoded(texts, tokenizer, workers):
+            if append_eod:
+                tokens.append(tokenizer.eod_id)
+            writer.add_document(tokens)
+            bar.update(1)
         if writer.num_documents == 0 or writer.num_tokens == 0:
             raise DataError(
                 f"--input {' '.join(str(raw) for raw in inputs)}: produced no tokens "
@@ -121,15 +110,18 @@ def preprocess(
                 "eod_id": tokenizer.eod_id,
                 "append_eod": append_eod,
                 "json_key": json_key,
-                "source_files": [str(path) for path in files],
+                "source_files": [str(source.path) for source in sources],
             }
         )
         summary = {
             "output_prefix": str(output_prefix),
-            "num_files": len(files),
+            "num_files": len(sources),
             "num_documents": writer.num_documents,
             "num_tokens": writer.num_tokens,
             "tokenizer": tokenizer.name,
+            "layout": layout,
+            "workers": workers,
         }
     summary["seconds"] = time.perf_counter() - started
+    summary["tokens_per_second"] = summary["num_tokens"] / max(summary["seconds"], 1e-9)
     return summary

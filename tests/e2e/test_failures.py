@@ -127,15 +127,15 @@ def test_token_id_outside_the_vocabulary_is_one_line_before_step_1(tp, corrupt_d
 
 
 def test_token_scan_is_remembered_per_dataset_file(corrupt_dataset, tmp_path):
-    from megaframe.data import IndexedDataset
+    from megaframe.data import open_dataset
     from megaframe.data.token_check import cached_max_token_id, max_token_id, remember_max_token_id
 
-    dataset = IndexedDataset(corrupt_dataset)
+    dataset = open_dataset(corrupt_dataset)
     assert cached_max_token_id(dataset, tmp_path) is None
     shares = [max_token_id(dataset, part, 3) for part in range(3)]
     assert max(shares) == 300 and sorted(shares)[:2] == [255, 255]  # only one share holds the bad id
     remember_max_token_id(dataset, tmp_path, max(shares))
-    assert cached_max_token_id(IndexedDataset(corrupt_dataset), tmp_path) == 300
+    assert cached_max_token_id(open_dataset(corrupt_dataset), tmp_path) == 300
 
 
 def test_a_hung_rank_ends_the_job_within_the_timeout_naming_it(tmp_path):

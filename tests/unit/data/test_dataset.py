@@ -10,7 +10,7 @@ import torch
 
 from megaframe.data import (
     DataError,
-    IndexedDataset,
+    open_dataset,
     IndexedDatasetWriter,
     SampleSet,
     TokenStream,
@@ -20,21 +20,22 @@ from megaframe.data import (
     split_documents,
 )
 from megaframe.data import dataset as dataset_module
+from megaframe.data.formats import Dataset
 
 BYTE_METADATA = {"tokenizer": "byte", "vocab_size": 257, "eod_id": 256}
 
 
-def build(prefix: Path, documents: list[list[int]]) -> IndexedDataset:
+def build(prefix: Path, documents: list[list[int]]) -> Dataset:
     """Write and open a byte-vocabulary dataset holding `documents`."""
     with IndexedDatasetWriter(prefix) as writer:
         for document in documents:
             writer.add_document(document)
         writer.finalize(BYTE_METADATA)
-    return IndexedDataset(prefix)
+    return open_dataset(prefix)
 
 
 @pytest.fixture
-def corpus(tmp_path: Path) -> IndexedDataset:
+def corpus(tmp_path: Path) -> Dataset:
     """Twenty documents of varying length with distinct-ish token values."""
     rng = np.random.default_rng(0)
     documents = [rng.integers(0, 256, size=int(rng.integers(5, 60))).tolist() + [256] for _ in range(20)]
@@ -48,7 +49,7 @@ def reference_indices(step: int, global_batch_size: int, num_samples: int, seed:
     return np.concatenate(epochs)[step * global_batch_size : end]
 
 
-def test_token_stream_covers_documents(corpus: IndexedDataset) -> None:
+def test_token_stream_covers_documents(corpus: Dataset) -> None:
     stream = TokenStream(corpus, 3, 7)
     expected = np.concatenate([corpus[index] for index in range(3, 7)])
     assert np.array_equal(stream.tokens, expected)
@@ -58,7 +59,7 @@ def test_token_stream_covers_documents(corpus: IndexedDataset) -> None:
         TokenStream(corpus, 0, len(corpus) + 1)
 
 
-def test_sample_windows_overlap_by_one_token(corpus: IndexedDataset) -> None:
+def test_sample_windows_overlap_by_one_token(corpus: Dataset) -> None:
     stream = TokenStream(corpus, 0, len(corpus))
     seq_length = 16
     samples = SampleSet(stream, seq_length)
@@ -116,7 +117,7 @@ def test_single_document_split_divides_its_tokens(tmp_path: Path) -> None:
     assert len(SampleSet(train, 8)) == 19 and len(SampleSet(valid, 8)) == 5
 
 
-def test_multi_document_split_is_disjoint_and_complete(corpus: IndexedDataset) -> None:
+def test_multi_document_split_is_disjoint_and_complete(corpus: Dataset) -> None:
     train_range, valid_range = split_documents(len(corpus), 0.1)
     train, valid = TokenStream(corpus, *train_range), TokenStream(corpus, *valid_range)
     assert train.token_end == valid.token_start == int(corpus.doc_offsets[18])
@@ -154,7 +155,7 @@ def test_far_steps_do_not_materialise_past_epochs() -> None:
 
 
 @pytest.mark.parametrize("step", [0, 1, 9])
-def test_micro_batches_are_independent_of_dp_and_micro_batch_size(corpus: IndexedDataset, step: int) -> None:
+def test_micro_batches_are_independent_of_dp_and_micro_batch_size(corpus: Dataset, step: int) -> None:
     samples = SampleSet(TokenStream(corpus, 0, len(corpus)), seq_length=8)
     global_batch_size = 8
     layouts = [(1, 8), (1, 2), (2, 1), (2, 4), (4, 1), (4, 2)]  # (dp, micro_batch_size)
@@ -175,7 +176,7 @@ def test_micro_batches_are_independent_of_dp_and_micro_batch_size(corpus: Indexe
         assert torch.equal(targets, concatenated[0][1])
 
 
-def test_micro_batches_reject_indivisible_batch(corpus: IndexedDataset) -> None:
+def test_micro_batches_reject_indivisible_batch(corpus: Dataset) -> None:
     samples = SampleSet(TokenStream(corpus, 0, len(corpus)), seq_length=8)
     with pytest.raises(DataError, match="divisible"):
         micro_batches(samples, 0, 10, 4, 0, 1, seed=0)
@@ -185,7 +186,7 @@ def test_micro_batches_reject_indivisible_batch(corpus: IndexedDataset) -> None:
         micro_batches(samples, 0, 8, 2, 2, 2, seed=0)
 
 
-def test_eval_batches_are_layout_invariant_and_ordered(corpus: IndexedDataset) -> None:
+def test_eval_batches_are_layout_invariant_and_ordered(corpus: Dataset) -> None:
     samples = SampleSet(TokenStream(corpus, 0, len(corpus)), seq_length=8)
     num_batches, global_eval_batch = 3, 4
     results = []

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megaframe.data import ByteTokenizer, IndexedDataset, ensure_demo_dataset
+from megaframe.data import ByteTokenizer, ensure_demo_dataset, open_dataset
 from megaframe.data import demo as demo_module
 
 SMALL = 150_000
@@ -24,7 +24,7 @@ def dataset_bytes(prefix: Path) -> dict[str, bytes]:
 
 def test_demo_dataset_holds_stdlib_sources_in_name_order(tmp_path: Path) -> None:
     prefix = ensure_demo_dataset(tmp_path, max_bytes=SMALL)
-    dataset = IndexedDataset(prefix)
+    dataset = open_dataset(prefix)
     sources = stdlib_sources()
     eod = ByteTokenizer.eod_id
     for index in range(len(dataset)):
@@ -55,14 +55,14 @@ def test_demo_builds_are_byte_identical_across_cache_dirs(tmp_path: Path) -> Non
     second = ensure_demo_dataset(tmp_path / "cache_b")
     assert first.relative_to(tmp_path / "cache_a") == second.relative_to(tmp_path / "cache_b")
     assert dataset_bytes(first) == dataset_bytes(second)
-    assert IndexedDataset(first).num_tokens >= 2_000_000
+    assert open_dataset(first).num_tokens >= 2_000_000
 
 
 def test_cache_key_separates_sizes(tmp_path: Path) -> None:
     small = ensure_demo_dataset(tmp_path, max_bytes=SMALL)
     smaller = ensure_demo_dataset(tmp_path, max_bytes=SMALL // 2)
     assert small.parent != smaller.parent
-    assert IndexedDataset(smaller).num_tokens < IndexedDataset(small).num_tokens
+    assert open_dataset(smaller).num_tokens < open_dataset(small).num_tokens
 
 
 def test_losing_the_build_race_keeps_the_winners_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,5 +79,5 @@ def test_losing_the_build_race_keeps_the_winners_copy(tmp_path: Path, monkeypatc
     prefix = ensure_demo_dataset(tmp_path, max_bytes=SMALL)
     assert prefix == winner_dir / "demo"
     assert (winner_dir / "marker").read_text() == "theirs"
-    assert len(IndexedDataset(prefix)) > 0
+    assert len(open_dataset(prefix)) > 0
     assert [path.name for path in tmp_path.iterdir()] == [winner_dir.name]  # our build dir was discarded

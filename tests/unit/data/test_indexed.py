@@ -1,4 +1,5 @@
-"""Tests for the memory-mapped indexed dataset format and its atomic writer."""
+"""Tests for the memory-mapped indexed dataset layouts (Megatron's, the default, and megaframe's MFTOKIDX)
+and their atomic writer."""
 
 from __future__ import annotations
 
@@ -10,15 +11,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megaframe.data import DataError, IndexedDataset, IndexedDatasetWriter, best_dtype
+from megaframe.data import DataError, IndexedDatasetWriter, best_dtype, open_dataset
+from megaframe.data.indexed import LAYOUTS
 
 BYTE_METADATA = {"tokenizer": "byte", "vocab_size": 257, "eod_id": 256}
 DOCUMENTS = [[1, 2, 3, 256], [], [255, 256], list(range(100)) + [256]]
 
 
-def write_dataset(prefix: Path, documents: list, metadata: dict | None = None, dtype=np.uint16) -> Path:
+@pytest.fixture(params=LAYOUTS)
+def layout(request) -> str:
+    return request.param
+
+
+def write_dataset(prefix: Path, documents: list, metadata: dict | None = None, dtype=np.uint16,
+                  layout: str = LAYOUTS[0]) -> Path:
     """Write `documents` with IndexedDatasetWriter and return the prefix."""
-    with IndexedDatasetWriter(prefix, dtype=dtype) as writer:
+    with IndexedDatasetWriter(prefix, dtype=dtype, layout=layout) as writer:
         for document in documents:
             writer.add_document(document)
         writer.finalize(dict(metadata or BYTE_METADATA))
@@ -34,9 +42,9 @@ def assert_one_line(error: pytest.ExceptionInfo) -> None:
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
-def test_round_trip(tmp_path: Path, dtype) -> None:
-    prefix = write_dataset(tmp_path / "sub" / "ds", DOCUMENTS, dtype=dtype)
-    dataset = IndexedDataset(prefix)
+def test_round_trip(tmp_path: Path, dtype, layout: str) -> None:
+    prefix = write_dataset(tmp_path / "sub" / "ds", DOCUMENTS, dtype=dtype, layout=layout)
+    dataset = open_dataset(prefix)
     assert len(dataset) == len(DOCUMENTS)
     for index, document in enumerate(DOCUMENTS):
         assert dataset[index].tolist() == document
@@ -51,8 +59,19 @@ def test_round_trip(tmp_path: Path, dtype) -> None:
     dataset.verify()
 
 
-def test_metadata_written_and_extended(tmp_path: Path) -> None:
-    prefix = write_dataset(tmp_path / "ds", DOCUMENTS, {**BYTE_METADATA, "source": "unit-test"})
+def test_default_layout_is_megatrons_and_megatron_reads_it(tmp_path: Path) -> None:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronReader
+
+    prefix = write_dataset(tmp_path / "ds", DOCUMENTS)
+    assert Path(f"{prefix}.idx").read_bytes().startswith(b"MMIDIDX\x00\x00")
+    reader = MegatronReader(str(prefix), multimodal=False, mmap=True)
+    assert len(reader) == len(DOCUMENTS)
+    assert [reader[i].tolist() for i in range(len(reader))] == DOCUMENTS
+    assert reader.document_indices.tolist() == list(range(len(DOCUMENTS) + 1))
+
+
+def test_metadata_written_and_extended(tmp_path: Path, layout: str) -> None:
+    prefix = write_dataset(tmp_path / "ds", DOCUMENTS, {**BYTE_METADATA, "source": "unit-test"}, layout=layout)
     metadata = json.loads((tmp_path / "ds.json").read_text())
     assert metadata["tokenizer"] == "byte"
     assert metadata["vocab_size"] == 257
@@ -60,17 +79,17 @@ def test_metadata_written_and_extended(tmp_path: Path) -> None:
     assert metadata["num_documents"] == 4
     assert metadata["num_tokens"] == 107
     assert metadata["source"] == "unit-test"
-    assert IndexedDataset(prefix).metadata == metadata
+    assert open_dataset(prefix).metadata == metadata
 
 
-def test_memmap_is_read_only(tmp_path: Path) -> None:
-    dataset = IndexedDataset(write_dataset(tmp_path / "ds", DOCUMENTS))
+def test_memmap_is_read_only(tmp_path: Path, layout: str) -> None:
+    dataset = open_dataset(write_dataset(tmp_path / "ds", DOCUMENTS, layout=layout))
     with pytest.raises(ValueError):
         dataset.tokens[0] = 7
 
 
-def test_pickle_reopens_by_prefix(tmp_path: Path) -> None:
-    dataset = IndexedDataset(write_dataset(tmp_path / "ds", DOCUMENTS))
+def test_pickle_reopens_by_prefix(tmp_path: Path, layout: str) -> None:
+    dataset = open_dataset(write_dataset(tmp_path / "ds", DOCUMENTS, layout=layout))
     restored = pickle.loads(pickle.dumps(dataset))
     assert restored.prefix == dataset.prefix
     assert np.array_equal(restored.tokens, dataset.tokens)
@@ -87,56 +106,57 @@ def test_best_dtype() -> None:
 
 
 @pytest.mark.parametrize("bad_document", [[70_000], [-1], [1.5], [[1, 2]]])
-def test_writer_rejects_tokens_that_do_not_fit(tmp_path: Path, bad_document) -> None:
-    with IndexedDatasetWriter(tmp_path / "ds") as writer:
+def test_writer_rejects_tokens_that_do_not_fit(tmp_path: Path, bad_document, layout: str) -> None:
+    with IndexedDatasetWriter(tmp_path / "ds", layout=layout) as writer:
         with pytest.raises(DataError) as error:
             writer.add_document(bad_document)
     assert_one_line(error)
 
 
-def test_finalize_requires_tokenizer_metadata(tmp_path: Path) -> None:
-    with IndexedDatasetWriter(tmp_path / "ds") as writer:
+def test_finalize_requires_tokenizer_metadata(tmp_path: Path, layout: str) -> None:
+    with IndexedDatasetWriter(tmp_path / "ds", layout=layout) as writer:
         writer.add_document([1, 2])
         with pytest.raises(DataError, match="vocab_size"):
             writer.finalize({"tokenizer": "byte", "eod_id": 256})
         assert not any(path.exists() for path in final_paths(tmp_path / "ds"))
         writer.finalize(BYTE_METADATA)  # the mistake is recoverable: nothing was discarded
-    assert IndexedDataset(tmp_path / "ds")[0].tolist() == [1, 2]
+    assert open_dataset(tmp_path / "ds")[0].tolist() == [1, 2]
 
 
-def test_finalize_rejects_tokens_beyond_vocab(tmp_path: Path) -> None:
-    with IndexedDatasetWriter(tmp_path / "ds") as writer:
+def test_finalize_rejects_tokens_beyond_vocab(tmp_path: Path, layout: str) -> None:
+    with IndexedDatasetWriter(tmp_path / "ds", layout=layout) as writer:
         writer.add_document([300])
         with pytest.raises(DataError, match="vocab_size=257"):
             writer.finalize(BYTE_METADATA)
 
 
-def test_interrupted_writer_leaves_no_final_files(tmp_path: Path) -> None:
+def test_interrupted_writer_leaves_no_final_files(tmp_path: Path, layout: str) -> None:
     prefix = tmp_path / "ds"
     with pytest.raises(KeyboardInterrupt):
-        with IndexedDatasetWriter(prefix) as writer:
+        with IndexedDatasetWriter(prefix, layout=layout) as writer:
             writer.add_document([1, 2, 3])
             raise KeyboardInterrupt
     assert not any(path.exists() for path in final_paths(prefix))
     assert list(tmp_path.iterdir()) == []
 
 
-def test_crash_before_finalize_keeps_previous_copy(tmp_path: Path) -> None:
-    prefix = write_dataset(tmp_path / "ds", DOCUMENTS)
+def test_crash_before_finalize_keeps_previous_copy(tmp_path: Path, layout: str) -> None:
+    prefix = write_dataset(tmp_path / "ds", DOCUMENTS, layout=layout)
     before = {path: path.read_bytes() for path in final_paths(prefix)}
     # No context manager and no finalize: what a killed process leaves behind.
-    writer = IndexedDatasetWriter(prefix)
+    writer = IndexedDatasetWriter(prefix, layout=layout)
     writer.add_document([9, 9, 9])
     writer._bin_file.flush()
     assert {path: path.read_bytes() for path in final_paths(prefix)} == before
-    assert IndexedDataset(prefix)[0].tolist() == DOCUMENTS[0]
+    assert open_dataset(prefix)[0].tolist() == DOCUMENTS[0]
     writer.abort()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["ds.bin", "ds.idx", "ds.json"]
 
 
-def test_crash_midway_through_commit_never_looks_valid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_crash_midway_through_commit_never_looks_valid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       layout: str) -> None:
     # Same sizes as the old copy, so only the commit order can keep the new .bin from passing as the old dataset.
-    prefix = write_dataset(tmp_path / "ds", [[1, 2, 3]])
+    prefix = write_dataset(tmp_path / "ds", [[1, 2, 3]], layout=layout)
     real_replace = os.replace
     replaced: list[str] = []
 
@@ -148,81 +168,88 @@ def test_crash_midway_through_commit_never_looks_valid(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(os, "replace", replace_then_crash)
     with pytest.raises(OSError, match="simulated"):
-        write_dataset(prefix, [[7, 8, 9]])
+        write_dataset(prefix, [[7, 8, 9]], layout=layout)
     assert replaced == [f"{prefix}.bin"]
-    with pytest.raises(DataError, match="json not found"):
-        IndexedDataset(prefix)
+    with pytest.raises(DataError, match=r"ds\.json (not found|sidecar)"):
+        open_dataset(prefix)
 
 
-def test_finalize_replaces_previous_copy(tmp_path: Path) -> None:
-    prefix = write_dataset(tmp_path / "ds", DOCUMENTS)
-    write_dataset(prefix, [[5, 6]])
-    dataset = IndexedDataset(prefix)
+def test_finalize_replaces_previous_copy(tmp_path: Path, layout: str) -> None:
+    prefix = write_dataset(tmp_path / "ds", DOCUMENTS, layout=layout)
+    write_dataset(prefix, [[5, 6]], layout=layout)
+    dataset = open_dataset(prefix)
     assert len(dataset) == 1 and dataset[0].tolist() == [5, 6]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["ds.bin", "ds.idx", "ds.json"]
 
 
-def test_writer_is_single_use(tmp_path: Path) -> None:
-    writer = IndexedDatasetWriter(tmp_path / "ds")
+def test_writer_is_single_use(tmp_path: Path, layout: str) -> None:
+    writer = IndexedDatasetWriter(tmp_path / "ds", layout=layout)
     writer.add_document([1])
     writer.finalize(BYTE_METADATA)
     with pytest.raises(DataError):
         writer.add_document([2])
     with pytest.raises(DataError):
-        IndexedDatasetWriter(tmp_path / "empty").finalize(BYTE_METADATA)
+        IndexedDatasetWriter(tmp_path / "empty", layout=layout).finalize(BYTE_METADATA)
 
 
 @pytest.mark.parametrize("suffix", [".idx", ".bin", ".json"])
-def test_missing_file_is_reported(tmp_path: Path, suffix: str) -> None:
-    prefix = write_dataset(tmp_path / "ds", DOCUMENTS)
+def test_missing_file_is_reported(tmp_path: Path, suffix: str, layout: str) -> None:
+    prefix = write_dataset(tmp_path / "ds", DOCUMENTS, layout=layout)
     Path(f"{prefix}{suffix}").unlink()
     with pytest.raises(DataError) as error:
-        IndexedDataset(prefix)
-    assert f"data.path={prefix}: {prefix}{suffix} not found" in str(error.value)
-    assert "tools/preprocess_data.py" in str(error.value)
+        open_dataset(prefix)
+    if layout == "megatron" and suffix == ".json":  # as Megatron writes it: the tokenizer must be named
+        assert f"there is no {prefix}.json sidecar; set data.tokenizer" in str(error.value)
+    else:
+        assert f"data.path={prefix}: {prefix}{suffix} not found" in str(error.value)
+        assert "tools/preprocess_data.py" in str(error.value)
     assert_one_line(error)
 
 
-def test_truncated_bin_is_detected(tmp_path: Path) -> None:
-    prefix = write_dataset(tmp_path / "ds", DOCUMENTS)
+def test_truncated_bin_is_detected(tmp_path: Path, layout: str) -> None:
+    prefix = write_dataset(tmp_path / "ds", DOCUMENTS, layout=layout)
     bin_path = Path(f"{prefix}.bin")
     bin_path.write_bytes(bin_path.read_bytes()[:-2])
     with pytest.raises(DataError, match="truncated") as error:
-        IndexedDataset(prefix)
+        open_dataset(prefix)
     assert_one_line(error)
 
 
-def test_corrupted_bin_fails_verify(tmp_path: Path) -> None:
-    prefix = write_dataset(tmp_path / "ds", DOCUMENTS)
+def test_corrupted_bin_fails_verify(tmp_path: Path, layout: str) -> None:
+    prefix = write_dataset(tmp_path / "ds", DOCUMENTS, layout=layout)
     bin_path = Path(f"{prefix}.bin")
     corrupted = bytearray(bin_path.read_bytes())
     corrupted[10] ^= 0xFF
     bin_path.write_bytes(bytes(corrupted))
-    dataset = IndexedDataset(prefix)  # same size: only the checksum can tell
+    dataset = open_dataset(prefix)  # same size: only the checksum can tell
     with pytest.raises(DataError, match="checksum"):
         dataset.verify()
+
+
+VERSION_FIELD = {"megatron": (9, 8), "megaframe": (8, 4)}  # (offset, size) of the index's version
 
 
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda data: b"XXXXXXXX" + data[8:], "magic"),
-        (lambda data: data[:-8], "truncated"),
-        (lambda data: data[:20], "truncated"),
-        (lambda data: data[:8] + (99).to_bytes(4, "little") + data[12:], "version"),
+        (lambda data, layout: b"XXXXXXXX" + data[8:], "magic"),
+        (lambda data, layout: data[:-8], "truncated"),
+        (lambda data, layout: data[:20], "truncated"),
+        (lambda data, layout: data[:VERSION_FIELD[layout][0]] + (99).to_bytes(VERSION_FIELD[layout][1], "little")
+         + data[sum(VERSION_FIELD[layout]):], "version"),
     ],
 )
-def test_corrupt_idx_is_detected(tmp_path: Path, damage, message: str) -> None:
-    prefix = write_dataset(tmp_path / "ds", DOCUMENTS)
+def test_corrupt_idx_is_detected(tmp_path: Path, damage, message: str, layout: str) -> None:
+    prefix = write_dataset(tmp_path / "ds", DOCUMENTS, layout=layout)
     idx_path = Path(f"{prefix}.idx")
-    idx_path.write_bytes(damage(idx_path.read_bytes()))
+    idx_path.write_bytes(damage(idx_path.read_bytes(), layout))
     with pytest.raises(DataError, match=message):
-        IndexedDataset(prefix)
+        open_dataset(prefix)
 
 
-def test_json_from_another_build_is_detected(tmp_path: Path) -> None:
-    first = write_dataset(tmp_path / "first", DOCUMENTS)
-    second = write_dataset(tmp_path / "second", [[7] * 107])
+def test_json_from_another_build_is_detected(tmp_path: Path, layout: str) -> None:
+    first = write_dataset(tmp_path / "first", DOCUMENTS, layout=layout)
+    second = write_dataset(tmp_path / "second", [[7] * 107], layout=layout)
     Path(f"{first}.json").write_bytes(Path(f"{second}.json").read_bytes())
     with pytest.raises(DataError, match="different build"):
-        IndexedDataset(first)
+        open_dataset(first)

@@ -48,11 +48,27 @@ def test_documents_equal_megatrons_reader(tmp_path, dtype, vocab):
 def test_megaframes_own_format_is_still_detected(tmp_path):
     from megaframe.data import IndexedDatasetWriter
 
-    with IndexedDatasetWriter(tmp_path / "own") as writer:
+    with IndexedDatasetWriter(tmp_path / "own", layout="megaframe") as writer:
         writer.add_document([1, 2, 3])
         writer.add_document([4, 256])
         writer.finalize({"tokenizer": "byte", "vocab_size": 257, "eod_id": 256})
     assert isinstance(open_dataset(tmp_path / "own", "byte"), IndexedDataset)
+
+
+def test_megaframes_sidecar_names_the_vocabulary_over_data_tokenizer(tmp_path):
+    """What megaframe writes (Megatron's layout) carries its tokenizer in the sidecar: a run need not
+    name it, and a data.tokenizer that differs does not override what the tokens were built with."""
+    from megaframe.data import IndexedDatasetWriter
+
+    with IndexedDatasetWriter(tmp_path / "ds", dtype=np.int32) as writer:
+        writer.add_document([1, 70_000, 5])
+        writer.finalize({"tokenizer": "some-bpe", "vocab_size": 80_000, "eod_id": 5})
+    for tokenizer in (None, "byte"):
+        dataset = open_dataset(tmp_path / "ds", tokenizer)
+        assert isinstance(dataset, MegatronDataset)
+        assert (dataset.vocab_size, dataset.eod_id) == (80_000, 5)
+        assert "recorded in" in dataset.vocab_source
+    dataset.verify()
 
 
 def _damage(prefix, how: str) -> None:

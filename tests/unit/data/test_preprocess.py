@@ -10,32 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from helpers import run_preprocess_tool as run_tool
 from megaframe.data import (
     ByteTokenizer,
     DataError,
     HFTokenizer,
-    IndexedDataset,
+    open_dataset,
     build_tokenizer,
     preprocess,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-TOOL = REPO_ROOT / "tools" / "preprocess_data.py"
 EOD = ByteTokenizer.eod_id
-
-
-def run_tool(*args: str | Path, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
-    """Run tools/preprocess_data.py as a user would, in a fresh interpreter."""
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    environment.pop("PYTHONPATH", None)  # the tool must find megaframe on its own
-    return subprocess.run(
-        [sys.executable, str(TOOL), *map(str, args)],
-        cwd=cwd,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:
@@ -44,7 +29,7 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 
 def read_documents(prefix: Path) -> list[list[int]]:
-    dataset = IndexedDataset(prefix)
+    dataset = open_dataset(prefix)
     return [dataset[index].tolist() for index in range(len(dataset))]
 
 
@@ -59,21 +44,6 @@ def text_inputs(tmp_path: Path) -> tuple[Path, list[str]]:
     write_jsonl(corpus / "d.jsonl", [{"text": "line one", "id": 1}, {"text": ""}, {"text": "line three"}])
     documents = ["first document\nwith two lines\n", "naïve café ☕", "line one", "", "line three"]
     return corpus, documents
-
-
-@pytest.fixture
-def hf_tokenizer_dir(tmp_path: Path) -> Path:
-    """A tiny word-level Hugging Face tokenizer trained locally and saved with save_pretrained (no downloads)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"])
-    backend.train_from_iterator(["the cat sat on the mat", "a dog ran to the cat"], trainer)
-    directory = tmp_path / "tokenizer"
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="</s>").save_pretrained(directory)
-    return directory
 
 
 def trained_vocabulary(tokenizer_dir: Path) -> dict[str, int]:
@@ -123,7 +93,7 @@ def test_tool_round_trip_txt_and_jsonl(tmp_path: Path, text_inputs: tuple[Path, 
     assert result.returncode == 0, result.stderr
     assert "5 documents" in result.stdout and len(result.stdout.strip().splitlines()) == 1
     assert read_documents(prefix) == [list(text.encode("utf-8")) + [EOD] for text in documents]
-    metadata = IndexedDataset(prefix).metadata
+    metadata = open_dataset(prefix).metadata
     assert (metadata["tokenizer"], metadata["vocab_size"], metadata["eod_id"]) == ("byte", 257, 256)
 
 
@@ -149,7 +119,7 @@ def test_tool_with_local_hf_tokenizer(tmp_path: Path, hf_tokenizer_dir: Path) ->
     vocab = trained_vocabulary(hf_tokenizer_dir)
     assert documents[0] == [vocab["the"], vocab["cat"], vocab["sat"], vocab["</s>"]]
     assert documents[2] == [vocab["[UNK]"]] * 3 + [vocab["</s>"]]
-    metadata = IndexedDataset(prefix).metadata
+    metadata = open_dataset(prefix).metadata
     assert metadata["tokenizer"] == str(hf_tokenizer_dir)
     assert (metadata["vocab_size"], metadata["eod_id"]) == (len(vocab), vocab["</s>"])
 
@@ -162,7 +132,7 @@ def test_tool_with_local_hf_tokenizer(tmp_path: Path, hf_tokenizer_dir: Path) ->
         (lambda tmp: ["--input", tmp / "no_key.jsonl"], "no_key.jsonl:2: no 'text' field; pass --json-key"),
         (lambda tmp: ["--input", tmp / "bad.jsonl"], "bad.jsonl:1: invalid JSON"),
         (lambda tmp: ["--input", tmp / "blank.jsonl"], "produced no tokens"),
-        (lambda tmp: ["--input", tmp / "empty_dir"], "holds no .txt/.jsonl files"),
+        (lambda tmp: ["--input", tmp / "empty_dir"], "holds no .txt/.jsonl/.parquet files"),
         (lambda tmp: ["--input", tmp / "data.csv", "--tokenizer", "gpt2"], "data.tokenizer=gpt2: not 'byte'"),
     ],
 )

@@ -1,0 +1,155 @@
+"""The text inputs preprocessing reads: .txt files, .jsonl lines, .parquet rows and local Hugging Face
+`datasets` (a save_to_disk directory), each yielding its documents in order.
+
+Columnar inputs are read a record batch at a time (pyarrow), never whole: a corpus shard of tens of
+GB goes through in bounded memory.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+from megaframe.data.indexed import DataError
+
+__all__ = ["FILE_SUFFIXES", "Source", "find_sources", "iter_documents"]
+
+FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
+_ARROW_BATCH_ROWS = 1024
+_NEEDS_ARROW = "pip install 'megaframe[data]' (pyarrow and datasets)"
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input: a file (kind = its suffix without the dot) or a save_to_disk directory (kind "hf")."""
+
+    path: Path
+    kind: str
+
+
+def is_hf_dataset_dir(path: Path) -> bool:
+    """A directory written by datasets' save_to_disk: one Dataset, or a DatasetDict of splits."""
+    return (path / "dataset_dict.json").is_file() or ((path / "state.json").is_file()
+                                                        and (path / "dataset_info.json").is_file())
+
+
+def find_sources(inputs: Sequence[str | os.PathLike[str]]) -> list[Source]:
+    """Expand files and directories (walked recursively, sorted) into sources; a save_to_disk
+    directory is one source."""
+    sources: list[Source] = []
+    for raw_input in inputs:
+        path = Path(raw_input)
+        if path.is_dir() and is_hf_dataset_dir(path):
+            sources.append(Source(path, "hf"))
+        elif path.is_dir():
+            found = sorted((candidate for candidate in path.rglob("*")
+                            if candidate.suffix in FILE_SUFFIXES and candidate.is_file()),
+                           key=lambda candidate: candidate.relative_to(path).parts)
+            if not found:
+                raise DataError(f"--input {path}: directory holds no {'/'.join(FILE_SUFFIXES)} files "
+                                f"and is not a datasets save_to_disk directory")
+            sources.extend(Source(file, file.suffix[1:]) for file in found)
+        elif path.is_file():
+            if path.suffix not in FILE_SUFFIXES:
+                raise DataError(
+                    f"--input {path}: unknown extension {path.suffix or '(none)'!r}; use {', '.join(FILE_SUFFIXES)} "
+                    "(one document per .txt file, one per .jsonl line or .parquet row) or a datasets directory")
+            sources.append(Source(path, path.suffix[1:]))
+        else:
+            raise DataError(f"--input {path}: no such file or directory")
+    return sources
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise DataError(f"--input {path}: not UTF-8 text (byte {error.start}); convert it to UTF-8") from None
+
+
+def _check_text(value: object, location: str, key: str) -> str:
+    if not isinstance(value, str):
+        raise DataError(f"{location}: field {key!r} is {type(value).__name__}, not a string")
+    return value
+
+
+def _iter_jsonl(path: Path, key: str) -> Iterator[str]:
+    with open(path, encoding="utf-8") as lines:
+        try:
+            for line_number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                location = f"--input {path}:{line_number}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise DataError(
+                        f"{location}: invalid JSON ({error.msg}); each line must be one JSON object"
+                    ) from None
+                if not isinstance(record, dict) or key not in record:
+                    raise DataError(
+                        f"{location}: no {key!r} field; pass --json-key NAME for the field holding the text"
+                    )
+                yield _check_text(record[key], location, key)
+        except UnicodeDecodeError as error:
+            raise DataError(f"--input {path}: not UTF-8 text (byte {error.start}); convert it to UTF-8") from None
+
+
+def _text_column(path: Path, names: Sequence[str], key: str) -> None:
+    if key not in names:
+        raise DataError(f"--input {path}: no {key!r} column (it has {list(names)}); pass --json-key NAME "
+                        f"for the column holding the text")
+
+
+def _iter_parquet(path: Path, key: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"--input {path}: reading parquet needs pyarrow; {_NEEDS_ARROW}") from None
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as error:  # pyarrow raises ArrowInvalid / OSError for a file that is not parquet
+        raise DataError(f"--input {path}: not a readable parquet file ({' '.join(str(error).split())[:200]})") \
+            from None
+    _text_column(path, parquet.schema_arrow.names, key)
+    row = 0
+    for batch in parquet.iter_batches(batch_size=_ARROW_BATCH_ROWS, columns=[key]):
+        for value in batch.column(0).to_pylist():
+            row += 1
+            yield _check_text(value, f"--input {path} row {row}", key)
+
+
+def _iter_hf(path: Path, key: str, split: Optional[str]) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"--input {path}: reading a datasets directory needs datasets; {_NEEDS_ARROW}") from None
+    loaded = datasets.load_from_disk(str(path))  # memory-mapped Arrow files, nothing downloaded
+    if isinstance(loaded, datasets.DatasetDict):
+        chosen = split or "train"
+        if chosen not in loaded:
+            raise DataError(f"--input {path}: no split {chosen!r} (it has {list(loaded)}); pass --split NAME")
+        loaded = loaded[chosen]
+    _text_column(path, loaded.column_names, key)
+    row = 0
+    for batch in loaded.select_columns([key]).iter(batch_size=_ARROW_BATCH_ROWS):
+        for value in batch[key]:
+            row += 1
+            yield _check_text(value, f"--input {path} row {row}", key)
+
+
+def iter_documents(source: Source, key: str = "text", split: Optional[str] = None) -> Iterator[str]:
+    """The documents of one source, in order: the whole .txt file; each non-blank .jsonl line's
+    `key` field; each .parquet or datasets row's `key` column."""
+    if source.kind == "txt":
+        yield _read_text(source.path)
+    elif source.kind == "jsonl":
+        yield from _iter_jsonl(source.path, key)
+    elif source.kind == "parquet":
+        yield from _iter_parquet(source.path, key)
+    elif source.kind == "hf":
+        yield from _iter_hf(source.path, key, split)
+    else:
+        raise DataError(f"--input {source.path}: unknown input kind {source.kind!r}")
