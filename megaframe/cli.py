@@ -68,12 +68,15 @@ def check(overrides: Sequence[str]) -> tuple[TrainConfig, Layout, str]:
 def _check_dataset(cfg: TrainConfig) -> None:
     """Open data.path's files before launch (headers, sizes, metadata; the token scan runs after
     launch, shared by the ranks): a broken dataset is one line and exit code 2."""
-    if cfg.data.path is None:
-        return
     from megaframe.data import DataError, open_dataset
+    from megaframe.data.blend import parse_blend
 
     try:
-        open_dataset(cfg.data.path, cfg.data.tokenizer)
+        prefixes = [cfg.data.path] if cfg.data.path is not None else []
+        for blend, key in ((cfg.data.blend, "data.blend"), (cfg.data.valid_blend, "data.valid_blend")):
+            prefixes += parse_blend(list(blend), key)[1] if blend else []
+        for prefix in prefixes:
+            open_dataset(prefix, cfg.data.tokenizer)
     except DataError as err:
         _fail(str(err))
 

@@ -7,7 +7,7 @@ Cross-field rules live in validate.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 
 @dataclass
@@ -113,6 +113,12 @@ class DataConfig:
     """Where tokens come from."""
 
     path: Optional[str] = None  # prefix of a .bin/.idx pair; None = the built-in demo corpus
+    # weights and prefixes in Megatron's order, [w1, prefix1, w2, prefix2, ...]; replaces data.path
+    blend: Optional[List[Any]] = None
+    # [[step, [w1, w2, ...]], ...]: data.blend's sources with other weights from that step on
+    blend_schedule: Optional[List[Any]] = None
+    # validation sources, as data.blend; then data.blend's sources train whole (no held-out part)
+    valid_blend: Optional[List[Any]] = None
     tokenizer: str = "byte"  # byte | a local Hugging Face tokenizer directory
     valid_fraction: float = 0.05
     cache_dir: Optional[str] = None  # None = $XDG_CACHE_HOME/megaframe or ~/.cache/megaframe

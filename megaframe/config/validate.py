@@ -166,20 +166,65 @@ def check_spike(spike) -> Optional[str]:
     return None
 
 
+def _missing_files(key: str, prefix: str) -> Optional[str]:
+    for suffix in (".bin", ".idx"):
+        if not Path(prefix + suffix).is_file():
+            return (f"{key}: {prefix}{suffix} not found; build it with "
+                    f"'python tools/preprocess_data.py --input FILES --output-prefix {prefix}'")
+    return None
+
+
+def check_blend(d) -> Optional[str]:
+    """data.blend, data.valid_blend and data.blend_schedule: well formed, files present."""
+    from megaframe.data.blend import parse_blend
+    from megaframe.data.indexed import DataError
+
+    if d.blend_schedule and not d.blend:
+        return "data.blend_schedule needs data.blend (the sources its weights are for)"
+    if d.valid_blend and not d.blend:
+        return "data.valid_blend needs data.blend; with data.path, data.valid_fraction holds out validation"
+    if not d.blend:
+        return None
+    if d.path is not None:
+        return f"data.path={d.path} and data.blend are both set; put the dataset in data.blend and set data.path=null"
+    try:
+        _, prefixes = parse_blend(list(d.blend))
+        valid_prefixes = parse_blend(list(d.valid_blend), "data.valid_blend")[1] if d.valid_blend else []
+    except DataError as err:
+        return str(err)
+    for key, prefix in [("data.blend", p) for p in prefixes] + [("data.valid_blend", p) for p in valid_prefixes]:
+        problem = _missing_files(key, prefix)
+        if problem:
+            return problem
+    last = 0
+    example = f"data.blend_schedule='[[1000,[{','.join(['0.5'] * len(prefixes))}]]]'"
+    for entry in d.blend_schedule or []:
+        ok = isinstance(entry, (list, tuple)) or hasattr(entry, "__len__")
+        if not ok or len(entry) != 2 or not isinstance(entry[0], int) or len(entry[1]) != len(prefixes):
+            return (f"data.blend_schedule: {list(entry) if ok else entry} must be [STEP, [{len(prefixes)} weights]], "
+                    f"one weight per data.blend source, e.g. {example}")
+        if entry[0] <= last:
+            return f"data.blend_schedule: steps must increase from 1 (got {entry[0]} after {last}); e.g. {example}"
+        if any(isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0 for w in entry[1]) or sum(entry[1]) <= 0:
+            return f"data.blend_schedule: the weights at step {entry[0]} must be numbers >= 0, not all 0"
+        last = entry[0]
+    return None
+
+
 def check_data(cfg: TrainConfig) -> Optional[str]:
     d = cfg.data
     if not 0.0 <= d.valid_fraction < 1.0:
         return f"data.valid_fraction={d.valid_fraction} must be in [0, 1)"
-    if cfg.train.eval_interval and d.valid_fraction == 0:
+    if cfg.train.eval_interval and d.valid_fraction == 0 and not d.valid_blend:
         return "data.valid_fraction=0 leaves nothing to evaluate; set train.eval_interval=0 or a fraction > 0"
     if d.tokenizer != "byte" and not Path(d.tokenizer).is_dir():
         return f"data.tokenizer={d.tokenizer!r} is neither 'byte' nor a local Hugging Face tokenizer directory"
-    if d.path is None:
-        return None
-    for suffix in (".bin", ".idx"):
-        if not Path(d.path + suffix).is_file():
-            return (f"data.path={d.path}: {d.path}{suffix} not found; build it with "
-                    f"'python tools/preprocess_data.py --input FILES --output-prefix {d.path}'")
+    problem = check_blend(d)
+    if problem or d.path is None:
+        return problem
+    problem = _missing_files(f"data.path={d.path}", d.path)
+    if problem:
+        return problem
     meta_file = Path(d.path + ".json")
     if cfg.model.vocab_size is not None and meta_file.is_file():
         data_vocab = json.loads(meta_file.read_text()).get("vocab_size")

@@ -125,6 +125,14 @@ class SampleSet:
         start = position * self.seq_length
         return self.stream.tokens[start : start + self.seq_length + 1]
 
+    def step_indices(self, step: int, global_batch_size: int, seed: int) -> np.ndarray:
+        """Sample indices of global step `step` (global_batch_indices)."""
+        return global_batch_indices(step, global_batch_size, self.num_samples, seed)
+
+    def ordered(self, positions: np.ndarray) -> np.ndarray:
+        """The evaluation set's samples at `positions`: the samples in order."""
+        return positions
+
     def batch(self, indices: Sequence[int] | np.ndarray) -> Batch:
         """(inputs, targets), each an int64 tensor of shape (len(indices), seq_length), targets shifted by one."""
         # Imported lazily so tools that only build datasets do not pay for importing torch.
@@ -135,10 +143,13 @@ class SampleSet:
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-@lru_cache(maxsize=2)
-def _epoch_permutation(seed: int, epoch: int, num_samples: int) -> np.ndarray:
-    # Two entries cover the steady state: the current epoch and the next one a step may spill into.
-    permutation = np.random.default_rng([seed, epoch]).permutation(num_samples)
+@lru_cache(maxsize=16)
+def epoch_permutation(seed: int, epoch: int, num_samples: int, stream: int = 0) -> np.ndarray:
+    """The order of a sample set's epoch: seeded by (seed, epoch), and by `stream` (a blend's source
+    number + 1) too when it is not 0. Cached: a step touches the current epoch and perhaps the next
+    of each source."""
+    key = [seed, epoch] if stream == 0 else [seed, stream, epoch]
+    permutation = np.random.default_rng(key).permutation(num_samples)
     permutation.setflags(write=False)
     return permutation
 
@@ -164,7 +175,7 @@ def global_batch_indices(step: int, global_batch_size: int, num_samples: int, se
     while filled < global_batch_size:
         epoch, offset = divmod(position, num_samples)
         take = min(num_samples - offset, global_batch_size - filled)
-        indices[filled : filled + take] = _epoch_permutation(seed, epoch, num_samples)[offset : offset + take]
+        indices[filled : filled + take] = epoch_permutation(seed, epoch, num_samples)[offset : offset + take]
         filled += take
         position += take
     return indices
@@ -191,7 +202,7 @@ def micro_batches(
             f"train.global_batch_size={global_batch_size}: must be divisible by "
             f"micro_batch_size*dp={micro_batch_size}*{dp}; adjust the batch sizes"
         )
-    step_indices = global_batch_indices(step, global_batch_size, len(samples), seed)
+    step_indices = samples.step_indices(step, global_batch_size, seed)
     per_rank = global_batch_size // dp
     rank_indices = step_indices[dp_rank * per_rank : (dp_rank + 1) * per_rank]
     return [
@@ -215,6 +226,6 @@ def eval_batches(samples: SampleSet, num_batches: int, batch_size: int, dp_rank:
     batches = []
     for batch_number in range(num_batches):
         rank_start = (batch_number * dp + dp_rank) * batch_size
-        indices = np.arange(rank_start, rank_start + batch_size, dtype=np.int64) % len(samples)
-        batches.append(samples.batch(indices))
+        positions = np.arange(rank_start, rank_start + batch_size, dtype=np.int64) % len(samples)
+        batches.append(samples.batch(samples.ordered(positions)))
     return batches

@@ -1,25 +1,32 @@
-"""Turns DataConfig into the train / validation sample sets the trainer draws from."""
+"""Turns DataConfig into the train / validation samples the trainer draws from: one dataset
+(data.path, or the demo corpus), or a weighted blend of several (data.blend)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from megaframe.config.schema import DataConfig
-from megaframe.data import SampleSet, TokenStream, ensure_demo_dataset, open_dataset, split_documents
+from megaframe.data import DataError, SampleSet, TokenStream, ensure_demo_dataset, open_dataset, split_documents
+from megaframe.data.blend import BlendedSamples, Stage, normalized, parse_blend
 from megaframe.data.formats import Dataset
 from megaframe.paths import cache_dir
+
+Samples = Union[SampleSet, BlendedSamples]
 
 
 @dataclass
 class DataSplits:
-    """Train and validation samples plus the vocabulary the dataset was tokenized with."""
+    """Train and validation samples, the datasets they come from and their common vocabulary."""
 
-    prefix: Path
-    dataset: Dataset  # megaframe's format or Megatron's
-    train: SampleSet
-    valid: Optional[SampleSet]
+    datasets: list[Dataset]  # megaframe's format or Megatron's; several under data.blend
+    train: Samples
+    valid: Optional[Samples]
     vocab_size: int
+
+    @property
+    def blended(self) -> bool:
+        return isinstance(self.train, BlendedSamples)
 
 
 def dataset_prefix(cfg: DataConfig) -> Path:
@@ -29,11 +36,70 @@ def dataset_prefix(cfg: DataConfig) -> Path:
     return ensure_demo_dataset(cache_dir(cfg.cache_dir))
 
 
-def build_data(cfg: DataConfig, seq_length: int) -> DataSplits:
-    """Open the dataset and split it by documents into train and validation samples."""
-    prefix = dataset_prefix(cfg)
-    dataset = open_dataset(prefix, cfg.tokenizer)
-    train_range, valid_range = split_documents(len(dataset), cfg.valid_fraction)
+def _split(dataset: Dataset, valid_fraction: float, seq_length: int) -> tuple[SampleSet, Optional[SampleSet]]:
+    train_range, valid_range = split_documents(len(dataset), valid_fraction)
     train = SampleSet(TokenStream(dataset, *train_range), seq_length)
-    valid = SampleSet(TokenStream(dataset, *valid_range), seq_length) if cfg.valid_fraction > 0 else None
-    return DataSplits(prefix=prefix, dataset=dataset, train=train, valid=valid, vocab_size=dataset.vocab_size)
+    valid = SampleSet(TokenStream(dataset, *valid_range), seq_length) if valid_fraction > 0 else None
+    return train, valid
+
+
+def _whole(dataset: Dataset, seq_length: int) -> SampleSet:
+    return SampleSet(TokenStream(dataset, 0, len(dataset)), seq_length)
+
+
+def source_names(prefixes: list[str]) -> list[str]:
+    """Metric labels of blend sources: each prefix's file name, numbered where two are the same."""
+    names = [Path(prefix).name for prefix in prefixes]
+    return [f"{name}.{i}" if names.count(name) > 1 else name for i, name in enumerate(names)]
+
+
+def blend_stages(cfg: DataConfig, weights: list[float]) -> list[Stage]:
+    """data.blend's weights from step 0, then data.blend_schedule's [[step, [w1, w2, ...]], ...]."""
+    stages = [Stage(0, tuple(normalized(weights)))]
+    for entry in cfg.blend_schedule or []:
+        step, stage_weights = entry
+        stages.append(Stage(int(step), tuple(normalized(stage_weights))))
+    return stages
+
+
+def _open_all(prefixes: list[str], tokenizer: str, key: str) -> list[Dataset]:
+    datasets = [open_dataset(prefix, tokenizer) for prefix in prefixes]
+    vocabularies = {(d.vocab_size, d.eod_id) for d in datasets}
+    if len(vocabularies) > 1:
+        described = ", ".join(f"{p}: {d.vocab_size}/{d.eod_id}" for p, d in zip(prefixes, datasets))
+        raise DataError(f"{key}: the sources were built with different tokenizers (vocabulary/end-of-document "
+                        f"{described}); rebuild them with one tokenizer")
+    return datasets
+
+
+def build_blend(cfg: DataConfig, seq_length: int) -> DataSplits:
+    """data.blend: each source split by data.valid_fraction (validation is the blend of the held-out
+    parts, with data.blend's weights), or used whole when data.valid_blend names the validation sources."""
+    weights, prefixes = parse_blend(cfg.blend)
+    datasets = _open_all(prefixes, cfg.tokenizer, "data.blend")
+    names = source_names(prefixes)
+    if cfg.valid_blend:
+        train_sets = [_whole(dataset, seq_length) for dataset in datasets]
+        valid_weights, valid_prefixes = parse_blend(cfg.valid_blend, "data.valid_blend")
+        valid_datasets = _open_all(valid_prefixes, cfg.tokenizer, "data.valid_blend")
+        if valid_datasets[0].vocab_size != datasets[0].vocab_size:
+            raise DataError("data.valid_blend: its sources were built with another tokenizer than data.blend's")
+        valid = BlendedSamples([_whole(d, seq_length) for d in valid_datasets], [Stage(0, tuple(normalized(valid_weights)))],
+                               source_names(valid_prefixes), shuffle=False)
+    else:
+        splits = [_split(dataset, cfg.valid_fraction, seq_length) for dataset in datasets]
+        train_sets = [train for train, _ in splits]
+        valid = BlendedSamples([v for _, v in splits], [Stage(0, tuple(normalized(weights)))], names, shuffle=False) \
+            if cfg.valid_fraction > 0 else None
+    train = BlendedSamples(train_sets, blend_stages(cfg, weights), names)
+    return DataSplits(datasets=datasets + (valid_datasets if cfg.valid_blend else []), train=train, valid=valid,
+                      vocab_size=datasets[0].vocab_size)
+
+
+def build_data(cfg: DataConfig, seq_length: int) -> DataSplits:
+    """Open the dataset(s) and split them by documents into train and validation samples."""
+    if cfg.blend:
+        return build_blend(cfg, seq_length)
+    dataset = open_dataset(dataset_prefix(cfg), cfg.tokenizer)
+    train, valid = _split(dataset, cfg.valid_fraction, seq_length)
+    return DataSplits(datasets=[dataset], train=train, valid=valid, vocab_size=dataset.vocab_size)

@@ -80,18 +80,19 @@ class Trainer:
     def _check_token_ids(self) -> None:
         """Every token id below the model's vocabulary (data/token_check.py), before step 1: the
         ranks scan 1/world of the tokens each and reduce the maxima, once per dataset file."""
-        dataset, cache = self.data.dataset, cache_dir(self.cfg.data.cache_dir)
-        found = cached_max_token_id(dataset, cache)
-        if found is None:
-            local = torch.tensor(max_token_id(dataset, self.ps.rank, self.layout.world_size), dtype=torch.int64,
-                                 device=self.backend.device)
-            if self.layout.world_size > 1:
-                dist.all_reduce(local, op=dist.ReduceOp.MAX)
-            found = int(local.item())
-            if self.is_logger:
-                remember_max_token_id(dataset, cache, found)
-        vocab_key = "model.vocab_size" if self.cfg.model.vocab_size is not None else dataset.vocab_source
-        check_token_ids(dataset, found, self.dims.vocab_size, vocab_key)
+        cache = cache_dir(self.cfg.data.cache_dir)
+        for dataset in self.data.datasets:  # the same decision on every rank: the cache is shared
+            found = cached_max_token_id(dataset, cache)
+            if found is None:
+                local = torch.tensor(max_token_id(dataset, self.ps.rank, self.layout.world_size), dtype=torch.int64,
+                                     device=self.backend.device)
+                if self.layout.world_size > 1:
+                    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+                found = int(local.item())
+                if self.is_logger:
+                    remember_max_token_id(dataset, cache, found)
+            vocab_key = "model.vocab_size" if self.cfg.model.vocab_size is not None else dataset.vocab_source
+            check_token_ids(dataset, found, self.dims.vocab_size, vocab_key)
 
     @property
     def consumed_samples(self) -> int:
@@ -145,6 +146,10 @@ class Trainer:
         point = checkpoint.load_any(self.backend, path, verified=verified)
         self.step = point.step
         self.guard.load_state_dict(point.client_state.get("guard", {}))
+        blend_cursor = point.client_state.get("blend_cursor")
+        if self.data.blended and blend_cursor is not None:
+            # saves re-walking the blend from sample 0; where it is absent the walk gives the same samples
+            self.data.train.restore(blend_cursor)
         if "tp_dropout" in point.rng_state:
             self.backend.module.rng.load_state_dict(point.rng_state["tp_dropout"])
         elif point.client_state.get("format") == "megaframe-universal":  # resharded
@@ -161,6 +166,9 @@ class Trainer:
         state = {"step": self.step, "consumed_samples": self.consumed_samples,
                  "global_batch_size": self.layout.global_batch_size, "layout": self.backend.layout_record(),
                  "guard": self.guard.state_dict()}
+        if self.data.blended:
+            state["blend_cursor"] = self.data.train.cursor_at(self.consumed_samples,
+                                                              self.layout.global_batch_size).state_dict()
         write_universal = None
         if self.cfg.train.universal_checkpoint and not universal_checkpoint_unsupported(self.cfg, self.layout):
             tokenizer = Path(self.cfg.data.tokenizer)
@@ -196,6 +204,9 @@ class Trainer:
             record["mfu"] = tflops / self.peak_tflops
         record.update(self.backend.precision_state())  # fp16: loss_scale
         record["skipped_steps"] = self.guard.skipped_steps
+        if self.data.blended:  # per source: where the blend's tokens came from so far
+            for name, tokens in self.data.train.consumed_tokens(self.step, self.layout.global_batch_size).items():
+                record[f"consumed_tokens/{name}"] = tokens
         return record
 
     def _loss_scale_can_shrink(self) -> bool:

@@ -132,7 +132,7 @@ def test_global_batch_indices_match_reference_and_are_deterministic() -> None:
             assert np.array_equal(result, reference_indices(step, global_batch_size, num_samples, 1234))
     first = global_batch_indices(7, 6, 50, seed=3)
     global_batch_indices(100, 6, 50, seed=3)  # unrelated history must not matter
-    dataset_module._epoch_permutation.cache_clear()
+    dataset_module.epoch_permutation.cache_clear()
     assert np.array_equal(global_batch_indices(7, 6, 50, seed=3), first)
     assert not np.array_equal(global_batch_indices(7, 6, 50, seed=4), first)
 

@@ -1,0 +1,198 @@
+"""Weighted blends of datasets with Megatron-LM's semantics, layout-invariant and resumable.
+
+Blend position p (the p-th sample of the run, p = step * global_batch_size + j) comes from the source
+furthest below its target share, as Megatron's build_blending_indices decides: the source d with
+the largest weight[d] * max(i, 1) - taken[d], ties to the first, where i counts the samples of the
+current stage and taken[d] the source's samples in it. A source's n-th sample overall is sample
+n mod N of that source in the order of its epoch n // N, a permutation seeded by (seed, source,
+epoch). So what step k trains on depends only on (seed, k, global batch size): not on the
+data-parallel size, the micro-batch size, or whether the run was resumed.
+
+Weight schedules (data.blend_schedule) split the run into stages at step boundaries. Each stage
+starts its deficits afresh (a new stage does not make up for the previous one's shares); each
+source's count carries over, so no sample is repeated before its source's epoch ends.
+
+Finding where position p stands means walking the greedy rule from the start of its stage: the
+walk is plain Python at about a microsecond per sample per source. The trainer keeps a cursor that
+moves forward a step at a time, and a checkpoint stores it, so neither training nor resuming walks
+from zero; only an out-of-order question (a test, a resumed run whose checkpoint lacks the cursor)
+does.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from megaframe.data.dataset import SampleSet, epoch_permutation
+from megaframe.data.indexed import DataError
+
+__all__ = ["BlendCursor", "BlendedSamples", "Stage", "normalized", "parse_blend"]
+
+
+def normalized(weights: Sequence[float]) -> list[float]:
+    """Weights divided by their sum, in float64, as Megatron normalises them (so the shares, and the
+    choices made near a tie, are the same as Megatron's)."""
+    array = np.array(weights, dtype=np.float64)
+    return (array / np.sum(array)).tolist()
+
+
+def parse_blend(blend: Sequence, key: str = "data.blend") -> tuple[list[float], list[str]]:
+    """Megatron's order, [w1, prefix1, w2, prefix2, ...] (a lone prefix is weight 1), as (weights, prefixes)."""
+    items = list(blend)
+    if len(items) == 1 and isinstance(items[0], str):
+        return [1.0], [items[0]]
+    if not items or len(items) % 2:
+        raise DataError(f"{key}={items}: expected weights and prefixes in pairs, e.g. {key}='[0.3,/data/a,0.7,/data/b]'")
+    weights, prefixes = items[0::2], items[1::2]
+    for weight, prefix in zip(weights, prefixes):
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+            raise DataError(f"{key}: weight {weight!r} (of {prefix}) must be a number >= 0; "
+                            f"write weights and prefixes in pairs, e.g. {key}='[0.3,/data/a,0.7,/data/b]'")
+        if not isinstance(prefix, str):
+            raise DataError(f"{key}: {prefix!r} (after weight {weight}) must be a dataset prefix (PREFIX of "
+                            f"PREFIX.bin/.idx)")
+    if sum(weights) <= 0:
+        raise DataError(f"{key}: the weights sum to 0; give at least one source a positive weight")
+    return [float(w) for w in weights], list(prefixes)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Weights in force from `start_step` on (until the next stage)."""
+
+    start_step: int
+    weights: tuple[float, ...]  # normalised
+
+
+@dataclass
+class BlendCursor:
+    """Where the greedy walk stands: before position `position`, each source has given `taken`
+    samples in all, `stage_taken` of them in stage `stage`."""
+
+    position: int
+    taken: list[int]
+    stage_taken: list[int]
+    stage: int = 0
+
+    @classmethod
+    def start(cls, sources: int) -> BlendCursor:
+        return cls(0, [0] * sources, [0] * sources, 0)
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "taken": list(self.taken), "stage_taken": list(self.stage_taken),
+                "stage": self.stage}
+
+
+def _pick(weights: Sequence[float], stage_taken: Sequence[int], i: int) -> int:
+    """Megatron's rule: the source with the largest weight * max(i, 1) - taken, ties to the first."""
+    scale = float(max(i, 1))
+    best, best_error = 0, weights[0] * scale - stage_taken[0]
+    for source in range(1, len(weights)):
+        error = weights[source] * scale - stage_taken[source]
+        if error > best_error:
+            best, best_error = source, error
+    return best
+
+
+class BlendedSamples:
+    """Samples drawn from several SampleSets by weight; the interface of SampleSet that the data
+    path uses (step_indices, ordered, batch, len)."""
+
+    def __init__(self, sources: Sequence[SampleSet], stages: Sequence[Stage], names: Sequence[str],
+                 shuffle: bool = True) -> None:
+        """`stages[0].start_step` must be 0; `names` label the sources in metrics."""
+        if not stages or stages[0].start_step != 0:
+            raise DataError("data.blend_schedule: the first stage must start at step 0")
+        if any(len(stage.weights) != len(sources) for stage in stages):
+            raise DataError(f"data.blend_schedule: every stage needs {len(sources)} weights, one per data.blend source")
+        self.sources, self.stages, self.names, self.shuffle = list(sources), list(stages), list(names), shuffle
+        self.seq_length = self.sources[0].seq_length
+        self._cursor = BlendCursor.start(len(sources))
+
+    def __len__(self) -> int:
+        """Samples in one pass over every source (what an epoch of the blend would hold)."""
+        return sum(len(source) for source in self.sources)
+
+    # ---- the greedy walk ----------------------------------------------------------------------
+    def _stage_at(self, step: int) -> int:
+        return max(index for index, stage in enumerate(self.stages) if stage.start_step <= step)
+
+    def _walk(self, cursor: BlendCursor, end: int, global_batch_size: int,
+              record: Optional[np.ndarray] = None) -> BlendCursor:
+        """Advance `cursor` (in place) to position `end`, writing (source, ordinal) of each position
+        passed into `record` when given."""
+        while cursor.position < end:
+            stage = self._stage_at(cursor.position // global_batch_size)
+            if stage != cursor.stage:  # a new stage: its deficits start afresh
+                cursor.stage, cursor.stage_taken = stage, [0] * len(self.sources)
+            stage_start = self.stages[stage].start_step * global_batch_size
+            stop = end if stage + 1 == len(self.stages) else min(end, self.stages[stage + 1].start_step * global_batch_size)
+            weights = self.stages[stage].weights
+            for position in range(cursor.position, stop):
+                source = _pick(weights, cursor.stage_taken, position - stage_start)
+                if record is not None:
+                    record[position - (end - len(record))] = (source, cursor.taken[source])
+                cursor.taken[source] += 1
+                cursor.stage_taken[source] += 1
+            cursor.position = stop
+        return cursor
+
+    def cursor_at(self, position: int, global_batch_size: int) -> BlendCursor:
+        """The walk's state before `position`; walks on from the kept cursor when it is not past it."""
+        if self._cursor.position > position:
+            self._cursor = BlendCursor.start(len(self.sources))
+        return BlendCursor(**self._walk(self._cursor, position, global_batch_size).state_dict())
+
+    def restore(self, state: dict) -> None:
+        """Take the cursor a checkpoint stored (BlendCursor.state_dict())."""
+        if len(state.get("taken", ())) != len(self.sources):
+            raise DataError(f"the checkpoint's blend cursor has {len(state.get('taken', ()))} sources, "
+                            f"data.blend has {len(self.sources)}")
+        self._cursor = BlendCursor(int(state["position"]), [int(v) for v in state["taken"]],
+                                   [int(v) for v in state["stage_taken"]], int(state.get("stage", 0)))
+
+    # ---- the SampleSet interface ----------------------------------------------------------------
+    def step_indices(self, step: int, global_batch_size: int, seed: int) -> np.ndarray:
+        """(source, sample index) of each of the step's `global_batch_size` samples, in order."""
+        start = step * global_batch_size
+        self.cursor_at(start, global_batch_size)
+        picks = np.empty((global_batch_size, 2), dtype=np.int64)
+        self._walk(self._cursor, start + global_batch_size, global_batch_size, record=picks)
+        for source in np.unique(picks[:, 0]):
+            rows = picks[:, 0] == source
+            picks[rows, 1] = self._sample_index(int(source), picks[rows, 1], seed)
+        return picks
+
+    def _sample_index(self, source: int, ordinals: np.ndarray, seed: int) -> np.ndarray:
+        count = len(self.sources[source])
+        if not self.shuffle:
+            return ordinals % count
+        epochs, offsets = np.divmod(ordinals, count)
+        return np.array([epoch_permutation(seed, int(e), count, stream=1 + source)[o]
+                         for e, o in zip(epochs, offsets)], dtype=np.int64)
+
+    def ordered(self, positions: np.ndarray) -> np.ndarray:
+        """(source, sample index) of blend positions in order, unshuffled, with the first stage's
+        weights: the evaluation set."""
+        end = int(positions.max()) + 1 if len(positions) else 0
+        picks = np.empty((end, 2), dtype=np.int64)
+        walk = BlendedSamples(self.sources, self.stages[:1], self.names, shuffle=False)
+        walk._walk(walk._cursor, end, 1, record=picks)
+        picks[:, 1] = [ordinal % len(self.sources[s]) for s, ordinal in picks]
+        return picks[positions]
+
+    def batch(self, picks: np.ndarray):
+        """(inputs, targets) of (source, sample index) rows, as SampleSet.batch."""
+        import torch
+
+        windows = np.stack([self.sources[int(s)][int(i)] for s, i in picks]).astype(np.int64)
+        tokens = torch.from_numpy(windows)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def consumed_tokens(self, step: int, global_batch_size: int) -> dict[str, int]:
+        """Tokens trained on from each source over steps [0, step) (seq_length per sample)."""
+        cursor = self.cursor_at(step * global_batch_size, global_batch_size)
+        return {name: taken * self.seq_length for name, taken in zip(self.names, cursor.taken)}
