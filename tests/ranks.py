@@ -32,6 +32,14 @@ def _import_before_forking() -> None:
 _import_before_forking()
 
 
+def _save_record(record: dict, out: Path) -> None:
+    # written aside and renamed: the harness kills the surviving ranks once one has failed, and a
+    # record cut off mid-write would hide the first failure behind an unreadable file
+    partial = out.with_suffix(".partial")
+    torch.save(record, partial)
+    os.replace(partial, out)
+
+
 def _entry(rank: int, fn: Callable, world_size: int, workdir: str, kwargs: dict) -> None:
     os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.pop("LOCAL_SIZE", None)  # DeepSpeed would leave 66 MiB shm buffers behind
@@ -41,10 +49,10 @@ def _entry(rank: int, fn: Callable, world_size: int, workdir: str, kwargs: dict)
         dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size)
         result = fn(rank, world_size, **kwargs)
         dist.barrier()
-        torch.save({"ok": True, "result": result}, out)
+        _save_record({"ok": True, "result": result}, out)
     except BaseException:
         # when it failed: a peer's failure shows up on the others as closed connections, later
-        torch.save({"ok": False, "error": traceback.format_exc(), "at": time.time()}, out)
+        _save_record({"ok": False, "error": traceback.format_exc(), "at": time.time()}, out)
         raise
     finally:
         if dist.is_initialized():

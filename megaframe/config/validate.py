@@ -176,8 +176,7 @@ def _missing_files(key: str, prefix: str) -> Optional[str]:
 
 def check_blend(d) -> Optional[str]:
     """data.blend, data.valid_blend and data.blend_schedule: well formed, files present."""
-    from megaframe.data.blend import parse_blend
-    from megaframe.data.indexed import DataError
+    from megaframe.config.blend_spec import parse_blend
 
     if d.blend_schedule and not d.blend:
         return "data.blend_schedule needs data.blend (the sources its weights are for)"
@@ -190,7 +189,7 @@ def check_blend(d) -> Optional[str]:
     try:
         _, prefixes = parse_blend(list(d.blend))
         valid_prefixes = parse_blend(list(d.valid_blend), "data.valid_blend")[1] if d.valid_blend else []
-    except DataError as err:
+    except ValueError as err:
         return str(err)
     for key, prefix in [("data.blend", p) for p in prefixes] + [("data.valid_blend", p) for p in valid_prefixes]:
         problem = _missing_files(key, prefix)

@@ -20,12 +20,12 @@ does.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 
+from megaframe.config import blend_spec
 from megaframe.data.dataset import SampleSet, epoch_permutation
 from megaframe.data.indexed import DataError
 
@@ -41,22 +41,10 @@ def normalized(weights: Sequence[float]) -> list[float]:
 
 def parse_blend(blend: Sequence, key: str = "data.blend") -> tuple[list[float], list[str]]:
     """Megatron's order, [w1, prefix1, w2, prefix2, ...] (a lone prefix is weight 1), as (weights, prefixes)."""
-    items = list(blend)
-    if len(items) == 1 and isinstance(items[0], str):
-        return [1.0], [items[0]]
-    if not items or len(items) % 2:
-        raise DataError(f"{key}={items}: expected weights and prefixes in pairs, e.g. {key}='[0.3,/data/a,0.7,/data/b]'")
-    weights, prefixes = items[0::2], items[1::2]
-    for weight, prefix in zip(weights, prefixes):
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
-            raise DataError(f"{key}: weight {weight!r} (of {prefix}) must be a number >= 0; "
-                            f"write weights and prefixes in pairs, e.g. {key}='[0.3,/data/a,0.7,/data/b]'")
-        if not isinstance(prefix, str):
-            raise DataError(f"{key}: {prefix!r} (after weight {weight}) must be a dataset prefix (PREFIX of "
-                            f"PREFIX.bin/.idx)")
-    if sum(weights) <= 0:
-        raise DataError(f"{key}: the weights sum to 0; give at least one source a positive weight")
-    return [float(w) for w in weights], list(prefixes)
+    try:
+        return blend_spec.parse_blend(blend, key)
+    except ValueError as err:
+        raise DataError(str(err)) from None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import time
 from collections import deque
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
+import numpy as np
 from tqdm import tqdm
 
 from megaframe.data.indexed import LAYOUTS, DataError, IndexedDatasetWriter, best_dtype
@@ -27,17 +28,27 @@ __all__ = ["preprocess"]
 _CHUNK_DOCUMENTS = 64  # documents per task sent to a worker: large enough to amortise the pickling
 _CHUNKS_IN_FLIGHT_PER_WORKER = 4
 
-_worker_tokenizer: Optional[Tokenizer] = None
+_worker: Optional[tuple[Tokenizer, bool]] = None
 
 
-def _start_worker(tokenizer_spec: str) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = build_tokenizer(tokenizer_spec)
+def _document(tokenizer: Tokenizer, text: str, append_eod: bool) -> np.ndarray:
+    """One document's token ids as an array: a worker sends it back as one buffer, where a list of
+    Python ints would cost more to pickle than the byte tokenizer takes to make it."""
+    ids = tokenizer.encode(text)
+    if append_eod:
+        ids.append(tokenizer.eod_id)
+    return np.asarray(ids, dtype=np.int64)
 
 
-def _encode_chunk(texts: list[str]) -> list[list[int]]:
-    assert _worker_tokenizer is not None, "worker started without a tokenizer"
-    return [_worker_tokenizer.encode(text) for text in texts]
+def _start_worker(tokenizer_spec: str, append_eod: bool) -> None:
+    global _worker
+    _worker = (build_tokenizer(tokenizer_spec), append_eod)
+
+
+def _encode_chunk(texts: list[str]) -> list[np.ndarray]:
+    assert _worker is not None, "worker started without a tokenizer"
+    tokenizer, append_eod = _worker
+    return [_document(tokenizer, text, append_eod) for text in texts]
 
 
 def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
@@ -46,14 +57,14 @@ def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
         yield chunk
 
 
-def _encoded(texts: Iterable[str], tokenizer: Tokenizer, workers: int) -> Iterator[list[int]]:
-    """Token ids of each text, in input order."""
+def _encoded(texts: Iterable[str], tokenizer: Tokenizer, append_eod: bool, workers: int) -> Iterator[np.ndarray]:
+    """Token ids of each text (end-of-document appended when asked), in input order."""
     if workers == 1:
-        yield from (tokenizer.encode(text) for text in texts)
+        yield from (_document(tokenizer, text, append_eod) for text in texts)
         return
     # fork would copy a parent that may hold threads (tqdm's monitor, a tokenizer's pool); spawn is safe
     context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=_start_worker, initargs=(tokenizer.name,)) as pool:
+    with context.Pool(workers, initializer=_start_worker, initargs=(tokenizer.name, append_eod)) as pool:
         pending: deque = deque()
         for chunk in _chunks(texts):
             pending.append(pool.apply_async(_encode_chunk, (chunk,)))
@@ -93,9 +104,7 @@ def preprocess(
     with IndexedDatasetWriter(output_prefix, dtype=best_dtype(tokenizer.vocab_size), layout=layout) as writer, \
             tqdm(desc="tokenizing", unit=" docs", file=sys.stderr, disable=None if progress is None else not progress,
                  mininterval=1.0) as bar:
-        for tokens in _encoded(texts, tokenizer, workers):
-            if append_eod:
-                tokens.append(tokenizer.eod_id)
+        for tokens in _encoded(texts, tokenizer, append_eod, workers):
             writer.add_document(tokens)
             bar.update(1)
         if writer.num_documents == 0 or writer.num_tokens == 0:

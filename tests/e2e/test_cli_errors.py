@@ -101,12 +101,12 @@ def test_too_few_micro_batches_for_the_pipeline_warns(tmp_path):
     assert "60%" in message  # (4-1)/(2+4-1)
 
 
-def _byte_dataset(prefix) -> None:
+def _byte_dataset(prefix, layout: str) -> None:
     import numpy as np
 
     from megaframe.data import IndexedDatasetWriter
 
-    with IndexedDatasetWriter(prefix, dtype=np.uint16) as writer:
+    with IndexedDatasetWriter(prefix, dtype=np.uint16, layout=layout) as writer:
         for doc in range(50):
             writer.add_document(np.arange(doc, doc + 200) % 256)
         writer.finalize({"tokenizer": "byte", "vocab_size": 257, "eod_id": 256})
@@ -119,7 +119,7 @@ def _truncate_bin(prefix) -> None:
 
 def _bad_magic(prefix) -> None:
     data = bytearray(open(f"{prefix}.idx", "rb").read())
-    data[:8] = b"MMIDIDX\x00"
+    data[:8] = b"MMIDIDX\x00" if data.startswith(b"MFTOKIDX") else b"MFTOKIDY"
     open(f"{prefix}.idx", "wb").write(bytes(data))
 
 
@@ -127,22 +127,26 @@ def _json_of_another_build(prefix) -> None:
     import json
 
     meta = json.loads(open(f"{prefix}.json").read())
-    meta["checksum"] = "0" * 32
+    meta["checksum"] = "0" * 32  # MFTOKIDX keeps the checksum in the .idx header too
+    meta["num_documents"] += 1  # the Megatron layout's sidecar is matched by its counts at open
     open(f"{prefix}.json", "w").write(json.dumps(meta))
 
 
-DATA_CASES = {  # damage done to a valid dataset -> fragments of the one-line refusal
-    "truncated .bin": (_truncate_bin, ["corpus.bin holds", "truncated or from another build", "preprocess_data.py"]),
-    "not a megaframe .idx": (_bad_magic, ["neither a megaframe (MFTOKIDX) nor a Megatron (MMIDIDX) index (bad magic bytes)"]),
-    ".json of another build": (_json_of_another_build, ["belongs to a different build"]),
+DATA_CASES = {  # damage done to a valid dataset -> fragments of the one-line refusal, per layout
+    "truncated .bin": (_truncate_bin, {"megaframe": ["corpus.bin holds", "truncated or from another build"],
+                                       "megatron": ["points past the end of", "truncated"]}),
+    "bad magic": (_bad_magic, ["neither a megaframe (MFTOKIDX) nor a Megatron (MMIDIDX) index (bad magic bytes)"]),
+    ".json of another build": (_json_of_another_build, ["belongs to a different build", "preprocess_data.py"]),
 }
 
 
+@pytest.mark.parametrize("layout", ["megatron", "megaframe"])
 @pytest.mark.parametrize("case", list(DATA_CASES))
-def test_broken_dataset_files_are_refused_before_launch(case, tmp_path):
+def test_broken_dataset_files_are_refused_before_launch(case, layout, tmp_path):
     damage, fragments = DATA_CASES[case]
+    fragments = fragments[layout] if isinstance(fragments, dict) else fragments
     prefix = tmp_path / "corpus"
-    _byte_dataset(prefix)
+    _byte_dataset(prefix, layout)
     damage(prefix)
     result = run_cli([f"data.path={prefix}", "train.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"], timeout=120)
     _assert_refused(result, [f"data.path={prefix}", *fragments])
