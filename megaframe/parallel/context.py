@@ -1,0 +1,261 @@
+"""Context parallelism: causal attention over a sequence split across the cp ranks.
+
+Zig-zag sharding: a sequence of T tokens is cut into 2*cp chunks of c = T / (2*cp), and cp rank i
+holds chunks i and 2*cp-1-i, back to back (2c tokens, positions still increasing). Under a causal
+mask an early chunk has little to attend to and a late one much; pairing them gives every rank the
+same work.
+
+Ring attention (ring_attention): each rank keeps its queries; the K/V blocks travel around the cp
+group, one hop per step, the next transfer running while the current block is computed. Each block's
+partial result is merged into the running one with its log-sum-exp, so the result is exactly
+softmax attention over the whole sequence. Which part of a block is needed follows from the chunk
+positions (rank r receiving the block of rank s):
+  s == r  all local queries, all local keys, causal (the local positions increase);
+  s <  r  all local queries, the block's first chunk only, no mask (it lies before both of r's);
+  s >  r  the second local chunk's queries only, the whole block, no mask.
+So every step but the first costs half a block, on every rank. Backward runs the ring again: the
+K/V blocks travel with their gradient accumulators, which return to their owner after cp hops.
+
+Ulysses (ulysses_attention): an all-to-all turns sequence-sharded q/k/v into head-sharded,
+full-length q/k/v, attention runs locally, and a second all-to-all turns the result back. It
+needs cp to divide the number of kv heads.
+
+Both keep grouped-query attention's kv heads as they are: a block carries num_kv_heads, not
+num_heads. The math runs in fp32 for fp32, bf16 and fp16 inputs (in fp64 for fp64 ones).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+__all__ = ["ContextGroup", "ring_attention", "ulysses_attention", "zigzag_positions", "zigzag_shard",
+           "zigzag_unshard"]
+
+_KV_TAG, _GRAD_TAG = 0, 1  # the backward ring has two transfers in flight between the same ranks
+
+
+@dataclass(frozen=True)
+class ContextGroup:
+    """The cp ranks of this rank's sequence: the process group, its global ranks in cp order, and
+    this rank's place among them."""
+
+    group: Optional[object]
+    ranks: tuple[int, ...]
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def next_rank(self) -> int:
+        return self.ranks[(self.rank + 1) % self.size]
+
+    @property
+    def prev_rank(self) -> int:
+        return self.ranks[(self.rank - 1) % self.size]
+
+
+# ---- zig-zag layout --------------------------------------------------------------------------
+def _chunk_length(seq_length: int, cp: int) -> int:
+    if seq_length % (2 * cp):
+        raise ValueError(f"model.seq_length={seq_length} must be divisible by 2*parallel.cp={2 * cp} "
+                         f"(zig-zag sharding cuts each sequence into 2*cp chunks)")
+    return seq_length // (2 * cp)
+
+
+def zigzag_positions(seq_length: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """Global positions of the tokens cp rank `cp_rank` holds (for RoPE), in local order."""
+    c = _chunk_length(seq_length, cp)
+    first, second = cp_rank * c, (2 * cp - 1 - cp_rank) * c
+    return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
+
+
+def zigzag_shard(x: torch.Tensor, cp: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's chunks (cp_rank and 2*cp-1-cp_rank) of a full-length tensor, along `dim`."""
+    c = _chunk_length(x.shape[dim], cp)
+    first, second = cp_rank * c, (2 * cp - 1 - cp_rank) * c
+    return torch.cat([x.narrow(dim, first, c), x.narrow(dim, second, c)], dim=dim)
+
+
+def zigzag_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The full-length tensor from every cp rank's shard, in cp order (the inverse of zigzag_shard)."""
+    cp = len(shards)
+    c = shards[0].shape[dim] // 2
+    chunks: list[Optional[torch.Tensor]] = [None] * (2 * cp)
+    for rank, shard in enumerate(shards):
+        chunks[rank], chunks[2 * cp - 1 - rank] = shard.narrow(dim, 0, c), shard.narrow(dim, c, c)
+    return torch.cat(chunks, dim=dim)
+
+
+# ---- one block -----------------------------------------------------------------------------------
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """q (B, Hkv, G, Tq, D) against k (B, Hkv, Tk, D): (B, Hkv, G, Tq, Tk) in fp32, causal masked."""
+    s = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
+    if causal:
+        tq, tk = s.shape[-2], s.shape[-1]
+        s = s.masked_fill(torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def _block_rows_cols(step: int, cp: ContextGroup, c: int) -> tuple[slice, slice, bool]:
+    """Which local query rows and block key columns step `step` needs, and whether causally."""
+    source = (cp.rank - step) % cp.size
+    if source == cp.rank:
+        return slice(0, 2 * c), slice(0, 2 * c), True
+    if source < cp.rank:
+        return slice(0, 2 * c), slice(0, c), False
+    return slice(c, 2 * c), slice(0, 2 * c), False
+
+
+def _math_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _exchange(tensor: torch.Tensor, cp: ContextGroup, tag: int):
+    """Send `tensor` to the next cp rank and receive the previous one's into a new buffer; returns
+    (requests, buffer): wait on the requests before reading the buffer."""
+    received = torch.empty_like(tensor)
+    ops = [dist.P2POp(dist.isend, tensor, cp.next_rank, cp.group, tag),
+           dist.P2POp(dist.irecv, received, cp.prev_rank, cp.group, tag)]
+    return dist.batch_isend_irecv(ops), received
+
+
+def _wait(requests) -> None:
+    for request in requests:
+        request.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp: ContextGroup, scale: float):
+        B, H, T2, D = q.shape
+        Hkv = k.shape[1]
+        c = T2 // 2
+        dtype = _math_dtype(q)
+        qg = q.to(dtype).view(B, Hkv, H // Hkv, T2, D)
+        out = torch.zeros_like(qg)
+        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
+        kv = torch.stack([k.to(dtype), v.to(dtype)])  # one message per hop
+        for step in range(cp.size):
+            pending = _exchange(kv, cp, _KV_TAG) if step + 1 < cp.size else None
+            rows, cols, causal = _block_rows_cols(step, cp, c)
+            s = _scores(qg[..., rows, :], kv[0][..., cols, :], scale, causal)
+            block_lse = torch.logsumexp(s, dim=-1)
+            block_out = torch.einsum("bhgqk,bhkd->bhgqd", torch.exp(s - block_lse[..., None]), kv[1][..., cols, :])
+            merged = torch.logaddexp(lse[..., rows], block_lse)
+            out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows] - merged)[..., None]
+                                 + block_out * torch.exp(block_lse - merged)[..., None])
+            lse[..., rows] = merged
+            if pending is not None:
+                _wait(pending[0])
+                kv = pending[1]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.scale = cp, scale
+        return out.view(B, H, T2, D).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, scale = ctx.cp, ctx.scale
+        B, H, T2, D = q.shape
+        Hkv = k.shape[1]
+        c = T2 // 2
+        dtype = _math_dtype(q)
+        qg = q.to(dtype).view(B, Hkv, H // Hkv, T2, D)
+        dout = grad_out.to(dtype).reshape(B, Hkv, H // Hkv, T2, D)
+        delta = (dout * out).sum(-1)  # rowsum(dO * O), the softmax backward's correction
+        dq = torch.zeros_like(qg)
+        kv = torch.stack([k.to(dtype), v.to(dtype)])
+        dkv = torch.zeros_like(kv)  # the gradient of the block this rank holds, travelling with it
+        for step in range(cp.size):
+            pending = _exchange(kv, cp, _KV_TAG) if step + 1 < cp.size else None
+            rows, cols, causal = _block_rows_cols(step, cp, c)
+            kb, vb = kv[0][..., cols, :], kv[1][..., cols, :]
+            p = torch.exp(_scores(qg[..., rows, :], kb, scale, causal) - lse[..., rows, None])
+            dv = torch.einsum("bhgqk,bhgqd->bhkd", p, dout[..., rows, :])
+            ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", dout[..., rows, :], vb) - delta[..., rows, None])
+            dq[..., rows, :] += torch.einsum("bhgqk,bhkd->bhgqd", ds, kb) * scale
+            dkv[0][..., cols, :] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qg[..., rows, :]) * scale
+            dkv[1][..., cols, :] += dv
+            if cp.size > 1:  # on to the next rank; after cp hops an accumulator is home
+                requests, dkv = _exchange(dkv, cp, _GRAD_TAG)
+                _wait(requests)
+            if pending is not None:
+                _wait(pending[0])
+                kv = pending[1]
+        return (dq.view(B, H, T2, D).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextGroup,
+                   scale: Optional[float] = None) -> torch.Tensor:
+    """Causal attention of this rank's zig-zag shard: q (B, H, 2c, D), k and v (B, Hkv, 2c, D) with
+    Hkv dividing H (grouped-query attention); returns (B, H, 2c, D)."""
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+    if q.shape[2] % 2:
+        raise ValueError(f"a zig-zag shard holds two equal chunks; got {q.shape[2]} tokens")
+    return _RingAttention.apply(q, k, v, cp, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+
+
+# ---- Ulysses --------------------------------------------------------------------------------------
+class _SeqToHeads(torch.autograd.Function):
+    """(B, H, T/cp, D) sharded by sequence -> (B, H/cp, T, D) sharded by heads (the cp ranks' shards
+    concatenated along the sequence in cp order), by one all-to-all; backward is the reverse."""
+
+    @staticmethod
+    def forward(ctx, x, cp: ContextGroup):
+        ctx.cp = cp
+        return _seq_to_heads(x, cp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad, ctx.cp), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cp: ContextGroup):
+        ctx.cp = cp
+        return _heads_to_seq(x, cp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad, ctx.cp), None
+
+
+def _seq_to_heads(x: torch.Tensor, cp: ContextGroup) -> torch.Tensor:
+    B, H, t, D = x.shape
+    send = x.reshape(B, cp.size, H // cp.size, t, D).transpose(0, 1).contiguous()  # head group j -> rank j
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=cp.group)  # received[i]: rank i's tokens of my heads
+    return received.permute(1, 2, 0, 3, 4).reshape(B, H // cp.size, cp.size * t, D)
+
+
+def _heads_to_seq(x: torch.Tensor, cp: ContextGroup) -> torch.Tensor:
+    B, h, T, D = x.shape
+    send = x.reshape(B, h, cp.size, T // cp.size, D).permute(2, 0, 1, 3, 4).contiguous()  # tokens of rank i
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=cp.group)  # received[j]: head group j of my tokens
+    return received.transpose(0, 1).reshape(B, cp.size * h, T // cp.size, D)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextGroup,
+                      scale: Optional[float] = None) -> torch.Tensor:
+    """Causal attention of this rank's zig-zag shard by all-to-all over heads: q (B, H, 2c, D), k
+    and v (B, Hkv, 2c, D); cp must divide Hkv. Returns (B, H, 2c, D)."""
+    if k.shape[1] % cp.size:
+        raise ValueError(f"parallel.cp={cp.size} must divide the {k.shape[1]} kv heads for parallel.cp_impl=ulysses; "
+                         f"use parallel.cp_impl=ring")
+    qh, kh, vh = (_SeqToHeads.apply(t, cp) for t in (q, k, v))  # full length, in zig-zag order
+    T = qh.shape[2]
+    order = torch.cat([zigzag_positions(T, cp.size, r) for r in range(cp.size)]).to(q.device)
+    natural = torch.argsort(order)  # zig-zag order -> positions 0..T-1
+    y = F.scaled_dot_product_attention(qh[:, :, natural], kh[:, :, natural], vh[:, :, natural], is_causal=True,
+                                       scale=scale, enable_gqa=qh.shape[1] != kh.shape[1])
+    return _HeadsToSeq.apply(y[:, :, order], cp)

@@ -1,0 +1,78 @@
+"""Ring and Ulysses attention (parallel/context.py) on real gloo ranks against full causal SDPA on
+one process: outputs and the gradients of q, k and v, shard by shard."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megaframe.parallel.context import (ContextGroup, ring_attention, ulysses_attention, zigzag_positions,
+                                        zigzag_shard, zigzag_unshard)
+from ranks import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def _inputs(heads: int, kv_heads: int, seq: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, seq, 8, generator=g, dtype=dtype)
+    k = torch.randn(2, kv_heads, seq, 8, generator=g, dtype=dtype)
+    v = torch.randn(2, kv_heads, seq, 8, generator=g, dtype=dtype)
+    grad = torch.randn(2, heads, seq, 8, generator=g, dtype=dtype)
+    return q, k, v, grad
+
+
+def _reference(heads: int, kv_heads: int, seq: int):
+    """Full-sequence causal SDPA (kv heads repeated for GQA) and its gradients: the independent answer."""
+    q, k, v, grad = _inputs(heads, kv_heads, seq)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    repeat = heads // kv_heads
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1),
+                                         is_causal=True)
+    out.backward(grad)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _sharded(rank: int, world: int, impl: str, heads: int, kv_heads: int, seq: int):
+    cp = ContextGroup(group=None, ranks=tuple(range(world)), rank=rank)
+    q, k, v, grad = (zigzag_shard(t, world, rank, dim=2) for t in _inputs(heads, kv_heads, seq))
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    attend = ring_attention if impl == "ring" else ulysses_attention
+    out = attend(q, k, v, cp)
+    out.backward(grad)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("impl, cp, heads, kv_heads", [
+    ("ring", 2, 4, 4), ("ring", 4, 4, 4), ("ring", 2, 4, 2), ("ring", 4, 6, 2),
+    ("ulysses", 2, 4, 4), ("ulysses", 2, 4, 2), ("ulysses", 4, 8, 4),
+])
+def test_context_parallel_attention_equals_full_attention(tmp_path, impl, cp, heads, kv_heads):
+    seq = 8 * cp
+    results = run_ranks(_sharded, cp, tmp_path, timeout=300, impl=impl, heads=heads, kv_heads=kv_heads, seq=seq)
+    reference = _reference(heads, kv_heads, seq)
+    for name, index in (("output", 0), ("grad q", 1), ("grad k", 2), ("grad v", 3)):
+        gathered = zigzag_unshard([r[index] for r in results], dim=2)
+        torch.testing.assert_close(gathered, reference[index], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def _rank_of_a_second_group(rank: int, world: int):
+    """cp groups that are not the whole world: ranks {0, 2} and {1, 3} (cp=2 inside dp=2)."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    members = (0, 2) if rank % 2 == 0 else (1, 3)
+    cp = ContextGroup(group=groups[rank % 2], ranks=members, rank=members.index(rank))
+    q, k, v, grad = (zigzag_shard(t, 2, cp.rank, dim=2) for t in _inputs(4, 2, 16))
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = ring_attention(q, k, v, cp)
+    out.backward(grad)
+    return cp.rank, out.detach(), k.grad
+
+
+def test_ring_runs_inside_a_cp_group_of_a_larger_world(tmp_path):
+    results = run_ranks(_rank_of_a_second_group, 4, tmp_path, timeout=300)
+    out, _, grad_k, _ = _reference(4, 2, 16)
+    for members in ((0, 2), (1, 3)):
+        shards = sorted((results[r] for r in members), key=lambda result: result[0])
+        torch.testing.assert_close(zigzag_unshard([s[1] for s in shards], dim=2), out, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(zigzag_unshard([s[2] for s in shards], dim=2), grad_k, rtol=1e-6, atol=1e-6)
