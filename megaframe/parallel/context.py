@@ -204,29 +204,19 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Contex
 
 
 # ---- Ulysses --------------------------------------------------------------------------------------
-class _SeqToHeads(torch.autograd.Function):
-    """(B, H, T/cp, D) sharded by sequence -> (B, H/cp, T, D) sharded by heads (the cp ranks' shards
-    concatenated along the sequence in cp order), by one all-to-all; backward is the reverse."""
+class _AllToAll(torch.autograd.Function):
+    """to_heads: (B, H, T/cp, D) sharded by sequence -> (B, H/cp, T, D) sharded by heads (the cp
+    ranks' shards concatenated along the sequence in cp order), by one all-to-all; otherwise the
+    reverse. Backward is the other direction."""
 
     @staticmethod
-    def forward(ctx, x, cp: ContextGroup):
-        ctx.cp = cp
-        return _seq_to_heads(x, cp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.cp), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cp: ContextGroup):
-        ctx.cp = cp
-        return _heads_to_seq(x, cp)
+    def forward(ctx, x, cp: ContextGroup, to_heads: bool):
+        ctx.cp, ctx.to_heads = cp, to_heads
+        return _seq_to_heads(x, cp) if to_heads else _heads_to_seq(x, cp)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.cp), None
+        return (_heads_to_seq(grad, ctx.cp) if ctx.to_heads else _seq_to_heads(grad, ctx.cp)), None, None
 
 
 def _seq_to_heads(x: torch.Tensor, cp: ContextGroup) -> torch.Tensor:
@@ -252,10 +242,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Con
     if k.shape[1] % cp.size:
         raise ValueError(f"parallel.cp={cp.size} must divide the {k.shape[1]} kv heads for parallel.cp_impl=ulysses; "
                          f"use parallel.cp_impl=ring")
-    qh, kh, vh = (_SeqToHeads.apply(t, cp) for t in (q, k, v))  # full length, in zig-zag order
+    qh, kh, vh = (_AllToAll.apply(t, cp, True) for t in (q, k, v))  # full length, in zig-zag order
     T = qh.shape[2]
     order = torch.cat([zigzag_positions(T, cp.size, r) for r in range(cp.size)]).to(q.device)
     natural = torch.argsort(order)  # zig-zag order -> positions 0..T-1
     y = F.scaled_dot_product_attention(qh[:, :, natural], kh[:, :, natural], vh[:, :, natural], is_causal=True,
                                        scale=scale, enable_gqa=qh.shape[1] != kh.shape[1])
-    return _HeadsToSeq.apply(y[:, :, order], cp)
+    return _AllToAll.apply(y[:, :, order], cp, False)
