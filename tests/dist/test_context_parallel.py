@@ -76,3 +76,50 @@ def test_ring_runs_inside_a_cp_group_of_a_larger_world(tmp_path):
         shards = sorted((results[r] for r in members), key=lambda result: result[0])
         torch.testing.assert_close(zigzag_unshard([s[1] for s in shards], dim=2), out, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(zigzag_unshard([s[2] for s in shards], dim=2), grad_k, rtol=1e-6, atol=1e-6)
+
+
+def _bytes_sent(rank: int, world: int, impl: str, heads: int, kv_heads: int, seq: int):
+    """Bytes this rank hands to point-to-point sends and all-to-alls in one forward and backward."""
+    import megaframe.parallel.context as context
+
+    sent = {"forward": 0, "backward": 0}
+    phase = ["forward"]
+    real_batch, real_all_to_all = dist.batch_isend_irecv, dist.all_to_all_single
+
+    def batch(ops):
+        sent[phase[0]] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return real_batch(ops)
+
+    def all_to_all(output, input, group=None):
+        # the slice a rank keeps for itself never leaves it
+        sent[phase[0]] += input.numel() * input.element_size() * (world - 1) // world
+        return real_all_to_all(output, input, group=group)
+
+    context.dist.batch_isend_irecv, context.dist.all_to_all_single = batch, all_to_all
+    try:
+        q, k, v, grad = (zigzag_shard(t, world, rank, dim=2) for t in _inputs(heads, kv_heads, seq))
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        out = (ring_attention if impl == "ring" else ulysses_attention)(q, k, v, ContextGroup(None, tuple(range(world)), rank))
+        phase[0] = "backward"
+        out.backward(grad)
+    finally:
+        context.dist.batch_isend_irecv, context.dist.all_to_all_single = real_batch, real_all_to_all
+    return sent
+
+
+@pytest.mark.parametrize("impl, cp", [("ring", 2), ("ring", 4), ("ulysses", 2), ("ulysses", 4)])
+def test_communication_per_layer_matches_the_formula(tmp_path, impl, cp):
+    """Per rank and attention layer, with b = batch * kv_heads * (seq/cp) * head_dim * 4 bytes (one
+    of k or v, fp32) and q_b the same with query heads:
+      ring     forward (cp-1) * 2b (K and V, cp-1 hops); backward (cp-1) * 2b again plus cp * 2b
+               (the K/V gradients travel cp hops, back to their owner)
+      ulysses  forward (q_b + 2b + q_b) * (cp-1)/cp (q, k, v in, the output back); backward the same"""
+    heads, kv_heads, seq, batch, head_dim = 8, 4, 16 * cp, 2, 8
+    results = run_ranks(_bytes_sent, cp, tmp_path, timeout=300, impl=impl, heads=heads, kv_heads=kv_heads, seq=seq)
+    b = batch * kv_heads * (seq // cp) * head_dim * 4
+    q_b = b * heads // kv_heads
+    if impl == "ring":
+        expected = {"forward": (cp - 1) * 2 * b, "backward": (cp - 1) * 2 * b + cp * 2 * b}
+    else:
+        expected = {"forward": (2 * q_b + 2 * b) * (cp - 1) // cp, "backward": (2 * q_b + 2 * b) * (cp - 1) // cp}
+    assert all(r == expected for r in results), (results, expected)
