@@ -40,7 +40,9 @@ class ParallelConfig:
 
     tp: int = 1
     pp: int = 1
-    dp: Optional[int] = None  # None = world_size / (tp * pp)
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (zig-zag chunks)
+    cp_impl: str = "ring"  # ring (K/V blocks passed around the cp ranks) | ulysses (all-to-all over heads)
+    dp: Optional[int] = None  # None = world_size / (tp * cp * pp)
     micro_batch_size: int = 4
     global_batch_size: int = 16
     activation_checkpointing: bool = False

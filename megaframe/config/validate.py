@@ -47,32 +47,34 @@ def _divisors(n: int) -> list[int]:
 
 def requested_world_size(cfg: TrainConfig) -> int:
     """World size the config asks for when no launcher dictates one (dp=None means 1 replica)."""
-    return cfg.parallel.tp * cfg.parallel.pp * (cfg.parallel.dp or 1)
+    return cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp * (cfg.parallel.dp or 1)
 
 
 def resolve_layout(cfg: TrainConfig, world_size: int) -> Layout:
-    """Degrees for this world; raises ConfigError when tp*pp*dp cannot equal world_size."""
+    """Degrees for this world; raises ConfigError when tp*cp*pp*dp cannot equal world_size."""
     p = cfg.parallel
-    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp)):
+    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp)):
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
     if p.dp is not None and p.dp < 1:
         raise ConfigError(f"parallel.dp={p.dp} must be >= 1 (or null to fill the world)")
-    model_parallel = p.tp * p.pp
+    model_parallel = p.tp * p.pp * p.cp
+    named = "parallel.tp*parallel.pp" + ("*parallel.cp" if p.cp > 1 else "")
+    degrees = f"{p.tp}*{p.pp}" + (f"*{p.cp}" if p.cp > 1 else "")
     if p.dp is None:
         if world_size % model_parallel:
             raise ConfigError(
-                f"world size {world_size} is not divisible by parallel.tp*parallel.pp={model_parallel}; "
+                f"world size {world_size} is not divisible by {named}={model_parallel}; "
                 f"launch a multiple of {model_parallel} ranks")
         dp = world_size // model_parallel
     else:
         dp = p.dp
         if model_parallel * dp != world_size:
             raise ConfigError(
-                f"parallel.tp*parallel.pp*parallel.dp={p.tp}*{p.pp}*{dp}={model_parallel * dp} but the world "
+                f"{named}*parallel.dp={degrees}*{dp}={model_parallel * dp} but the world "
                 f"size is {world_size}; set parallel.dp={world_size // model_parallel if world_size % model_parallel == 0 else 'null'} "
                 f"or launch {model_parallel * dp} ranks")
-    return Layout(ParallelDims(tp=p.tp, pp=p.pp, dp=dp), p.micro_batch_size, p.global_batch_size)
+    return Layout(ParallelDims(tp=p.tp, pp=p.pp, dp=dp, cp=p.cp), p.micro_batch_size, p.global_batch_size)
 
 
 # ---- rules on single groups -------------------------------------------------------------------
@@ -355,6 +357,31 @@ def check_tensor_parallel(cfg: TrainConfig) -> Optional[str]:
     return None
 
 
+def check_context_parallel(cfg: TrainConfig) -> Optional[str]:
+    """parallel.cp: the sequence must cut into 2*cp zig-zag chunks; Ulysses must split the heads
+    each TP rank holds; what cp does not compose with yet is refused here, before launch."""
+    p, m = cfg.parallel, cfg.model
+    if err := _choices("parallel.cp_impl", p.cp_impl, ["ring", "ulysses"]):
+        return err
+    if p.cp == 1:
+        return None
+    if m.seq_length % (2 * p.cp):
+        return (f"model.seq_length={m.seq_length} must be divisible by 2*parallel.cp={2 * p.cp} (each sequence is cut "
+                f"into 2*cp zig-zag chunks); pick cp in "
+                f"{[c for c in _divisors(m.seq_length // 2) if c > 1][:8]}")
+    if p.cp_impl == "ulysses":
+        kv = m.num_kv_heads or m.num_attention_heads
+        local_kv = kv // p.tp if kv % p.tp == 0 else kv
+        if local_kv % p.cp or (m.num_attention_heads // p.tp) % p.cp:
+            return (f"parallel.cp_impl=ulysses needs parallel.cp={p.cp} to divide the {local_kv} kv heads and "
+                    f"{m.num_attention_heads // p.tp} query heads of each TP rank; use parallel.cp_impl=ring")
+    for unsupported, key in ((p.pp > 1, f"parallel.pp={p.pp}"), (m.dropout > 0, f"model.dropout={m.dropout}"),
+                             (cfg.train.compile, "train.compile=true"), (p.sequence_parallel, "parallel.sequence_parallel=true")):
+        if unsupported:
+            return f"parallel.cp={p.cp} does not work with {key} yet; set parallel.cp=1 or change {key.split('=')[0]}"
+    return None
+
+
 def warnings(cfg: TrainConfig, layout: Layout) -> list[str]:
     """Legal but wasteful settings, printed once before launch."""
     found = []
@@ -404,7 +431,7 @@ def validate(cfg: TrainConfig, world_size: int,
         if err := rule(cfg):
             raise ConfigError(err)
     layout = resolve_layout(cfg, world_size)
-    for rule in (check_tensor_parallel,):
+    for rule in (check_tensor_parallel, check_context_parallel):
         if err := rule(cfg):
             raise ConfigError(err)
     if err := check_batch(cfg, layout):

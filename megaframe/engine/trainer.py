@@ -21,6 +21,7 @@ from megaframe.checkpoint.universal import CheckpointError
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout, universal_checkpoint_unsupported
 from megaframe.data import micro_batches, eval_batches
+from megaframe.parallel.context import zigzag_shard
 from megaframe.data.token_check import cached_max_token_id, check_token_ids, max_token_id, remember_max_token_id
 from megaframe.engine import checkpoint
 from megaframe.engine.data_setup import DataSplits, build_data
@@ -106,7 +107,7 @@ class Trainer:
         batches = micro_batches(self.data.train, self.step, self.layout.global_batch_size,
                                 self.layout.micro_batch_size, self.ps.dp_rank, self.layout.dp,
                                 self.cfg.train.seed)
-        batches = self.faults.batches(self.step + 1, batches)
+        batches = self.faults.batches(self.step + 1, self._context_shard(batches))
         lr = self.backend.lr()
         injected = self.faults.before_step(self.step + 1, self.backend.module)
         try:
@@ -123,7 +124,15 @@ class Trainer:
         # eval_steps global batches, fed as micro-batches: the same samples in every layout
         batches = eval_batches(self.data.valid, self.cfg.train.eval_steps * self.layout.grad_accum_steps,
                                self.layout.micro_batch_size, self.ps.dp_rank, self.layout.dp)
-        return self.backend.eval_step(batches)
+        return self.backend.eval_step(self._context_shard(batches))
+
+    def _context_shard(self, batches: list) -> list:
+        """Under context parallelism, this rank's zig-zag shard of every sequence (inputs and targets
+        alike): the cp ranks of one dp rank read the same samples and split their tokens."""
+        if self.layout.cp == 1:
+            return batches
+        cp, rank = self.layout.cp, self.ps.cp_rank
+        return [(zigzag_shard(inputs, cp, rank), zigzag_shard(targets, cp, rank)) for inputs, targets in batches]
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def _resume(self) -> None:
@@ -232,7 +241,8 @@ class Trainer:
         the model's arch and size, so one model's layouts sit together; the name adds the layout."""
         c = self.cfg
         group = c.logging.wandb.group or f"{c.model.arch}-{self.num_parameters / 1e6:.0f}M"
-        name = (f"{group}-tp{self.layout.tp}pp{self.layout.pp}dp{self.layout.dp}-zero{c.zero.stage}"
+        cp = f"cp{self.layout.cp}" if self.layout.cp > 1 else ""
+        name = (f"{group}-tp{self.layout.tp}pp{self.layout.pp}{cp}dp{self.layout.dp}-zero{c.zero.stage}"
                 f"-{c.precision.dtype}")
         return name, group
 
@@ -241,7 +251,8 @@ class Trainer:
         return (f"megaframe: {c.model.arch} {self.num_parameters / 1e6:.2f}M params "
                 f"(layers={c.model.num_layers} hidden={c.model.hidden_size} heads={c.model.num_attention_heads} "
                 f"vocab={self.dims.vocab_size} padded to {self.dims.padded_vocab_size}) | "
-                f"layout tp={self.layout.tp} pp={self.layout.pp} dp={self.layout.dp} | zero={c.zero.stage} "
+                f"layout {self.layout.grid.describe()}"
+                f"{f' cp_impl={c.parallel.cp_impl}' if self.layout.cp > 1 else ''} | zero={c.zero.stage} "
                 f"offload={c.offload.optimizer}/{c.offload.param} precision={c.precision.dtype}"
                 f"{f' compiled blocks={self.backend.compiled_blocks}' if self.backend.compiled_blocks else ''} | "
                 f"batch micro={self.layout.micro_batch_size} global={self.layout.global_batch_size} "
@@ -275,7 +286,7 @@ class Trainer:
         self._resume()
         if self.is_logger:
             print(self._summary(), flush=True)
-            layout = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp}
+            layout = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "cp": self.layout.cp}
             wandb_config = {**dataclasses.asdict(self.cfg),
                             "run": run_metadata(self.layout.world_size, layout, self.backend.versions())}
             self.wandb = WandbRun(self.cfg.logging.wandb, self.run_dir, wandb_config, *self._wandb_names())

@@ -13,15 +13,16 @@ from megaframe.parallel.state import ParallelState
 
 
 def build_model(dims: GPTDims, ps: ParallelState, seed: int, activation_checkpointing: bool = False,
-                sequence_parallel: bool = False, grad_bucket=None, write_init=None) -> nn.Module:
+                sequence_parallel: bool = False, grad_bucket=None, write_init=None, cp_impl: str = "ring") -> nn.Module:
     """An initialised GPT holding this rank's tensor-parallel shard (pipeline stages: not yet).
     grad_bucket: sum TP-replicated gradients once per step (parallel/grad_bucket.py);
     write_init(param, value): how a parameter takes its initial value (default: a copy; a model
-    built partitioned writes its ZeRO-3 piece)."""
+    built partitioned writes its ZeRO-3 piece); cp_impl: how attention crosses the cp ranks when
+    ps has cp > 1 (ring or ulysses)."""
     if ps.pp != 1:
         raise NotImplementedError("pipeline-parallel models are not built by this version")
     model = GPT(dims, tp=ps.tp_region(sequence_parallel, grad_bucket), rng=TPDropoutRNG(seed, ps.tp_rank),
-                activation_checkpointing=activation_checkpointing)
+                activation_checkpointing=activation_checkpointing, context=ps.context(), cp_impl=cp_impl)
     init_parameters(model, "", dims, seed, **({"write": write_init} if write_init else {}))
     return model
 

@@ -8,6 +8,8 @@ stream between TP regions is split along the sequence.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megaframe.model.dims import GPTDims
+from megaframe.parallel.context import ContextGroup, ring_attention, ulysses_attention, zigzag_positions
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaframe.parallel.layers import ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding
 from megaframe.parallel.mappings import gather_from_tp_region, scatter_to_sequence_parallel_region
@@ -127,9 +130,13 @@ _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 class Attention(nn.Module):
     """Causal self-attention; query heads split over TP ranks, kv heads split or (if fewer) replicated."""
 
-    def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG]):
+    def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG],
+                 context: Optional[ContextGroup] = None, cp_impl: str = "ring"):
         super().__init__()
         self.dims, self.tp, self.rng = dims, tp, rng
+        # context parallelism: this rank holds a zig-zag shard of each sequence (parallel/context.py)
+        self.context = context
+        self.attend_across_cp = ring_attention if cp_impl == "ring" else ulysses_attention
         hs, nkv = dims.head_dim, dims.num_kv_heads
         self.local_heads = dims.num_heads // tp.size
         self.q_proj = ColumnParallelLinear(dims.hidden_size, dims.num_heads * hs, tp, dims.bias, enter=False)
@@ -173,7 +180,9 @@ class Attention(nn.Module):
             k, v = k[:, self.kv_index], v[:, self.kv_index]  # (B, nh/tp, T, hs)
         p = self.dims.dropout if self.training else 0.0
         gqa = {"enable_gqa": True} if self.sdpa_gqa else {}
-        if p and self.rng is not None:  # attention dropout acts on this rank's heads only
+        if self.context is not None:  # no attention dropout here: refused before launch
+            y = self.attend_across_cp(q, k, v, self.context)
+        elif p and self.rng is not None:  # attention dropout acts on this rank's heads only
             with self.rng.fork():
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, **gqa)
         else:
@@ -240,10 +249,11 @@ class Embedding(nn.Module):
         self.pos = nn.Embedding(dims.seq_length, dims.hidden_size) if dims.position_embedding == "learned" else None
         self.dropout = Dropout(dims.dropout, rng, split_across_tp=tp.sequence_parallel)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """positions: the tokens' places in their sequence when not 0..T-1 (a context-parallel shard)."""
         x = self.tok(idx)  # (B, T, C), summed over the vocabulary shards
         if self.pos is not None:
-            x = x + self.pos(torch.arange(idx.shape[1], device=idx.device))
+            x = x + self.pos(positions if positions is not None else torch.arange(idx.shape[1], device=idx.device))
         if self.tp.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp.group)  # (B, T/tp, C)
         return self.dropout(x)
@@ -281,10 +291,20 @@ class GPT(nn.Module):
     """The language model: forward(idx, targets) returns the mean next-token loss (fp32)."""
 
     def __init__(self, dims: GPTDims, tp: TPGroup = TPGroup(), rng: Optional[TPDropoutRNG] = None,
-                 activation_checkpointing: bool = False, block: BlockSpec = BlockSpec()):
+                 activation_checkpointing: bool = False, block: BlockSpec = BlockSpec(),
+                 context: Optional[ContextGroup] = None, cp_impl: str = "ring"):
         super().__init__()
         self.dims, self.tp, self.rng = dims, tp, rng
         self.activation_checkpointing = activation_checkpointing
+        self.context = context
+        if context is not None:
+            block = dataclasses.replace(block, attention=functools.partial(block.attention, context=context,
+                                                                           cp_impl=cp_impl))
+            # where this rank's tokens sit in their sequences: built once, not per step
+            self.register_buffer("positions", zigzag_positions(dims.seq_length, context.size, context.rank),
+                                 persistent=False)
+        else:
+            self.positions = None
         self.embed = Embedding(dims, tp, rng)
         self.blocks = nn.ModuleList([Block(dims, tp, rng, block) for _ in range(dims.num_layers)])
         self.final_norm = build_norm(dims, tp)
@@ -293,12 +313,20 @@ class GPT(nn.Module):
 
     def parallel_logits(self, idx: torch.Tensor) -> torch.Tensor:
         """This TP rank's slice of the padded-vocabulary logits, (B, T, padded_vocab / tp)."""
-        x = self.embed(idx)
-        rope = rope_tables(self.dims, idx.shape[1], idx.device) if self.dims.position_embedding == "rope" else None
+        if self.positions is not None and idx.shape[1] != len(self.positions):
+            raise ValueError(f"a context-parallel shard holds {len(self.positions)} tokens, got {idx.shape[1]}")
+        x = self.embed(idx, self.positions)
+        rope = self._rope(idx) if self.dims.position_embedding == "rope" else None
         for block in self.blocks:
             x = run_block(block, x, rope, self.rng, self.activation_checkpointing and self.training)
         x = self.final_norm(x)
         return self.head(x) if self.head is not None else tied_head_logits(self.embed, x)
+
+    def _rope(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.positions is None:
+            return rope_tables(self.dims, idx.shape[1], idx.device)
+        cos, sin = rope_tables(self.dims, self.dims.seq_length, idx.device)
+        return cos[self.positions], sin[self.positions]  # the rows of this rank's zig-zag positions
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         """Full logits over the real vocabulary, (B, T, vocab_size), gathered from the TP ranks."""

@@ -128,6 +128,10 @@ class OnGrid:
         return self.grid.dp
 
     @property
+    def cp(self) -> int:
+        return self.grid.cp
+
+    @property
     def world_size(self) -> int:
         return self.grid.world_size
 

@@ -80,6 +80,19 @@ class ParallelState(OnGrid):
         return self.coords.pp
 
     @property
+    def cp_rank(self) -> int:
+        return self.coords.cp
+
+    def context(self):
+        """The ContextGroup of this rank's sequence (parallel/context.py), None while cp is 1."""
+        if self.grid.cp == 1:
+            return None
+        from megaframe.parallel.context import ContextGroup
+
+        ranks = tuple(self.group_ranks("cp"))  # ascending ranks are cp order: cp is the next-fastest axis
+        return ContextGroup(self.group("cp"), ranks, ranks.index(self.rank))
+
+    @property
     def tp_group(self):
         return self.group("tp")
 

@@ -84,7 +84,9 @@ def to_ds_config(cfg: TrainConfig, layout: Layout, swap_dir: Optional[str] = Non
         optimizer_params["torch_adam"] = True
         optimizer_params["fused"] = True
     ds: dict[str, Any] = {
-        "train_batch_size": layout.global_batch_size,
+        # DeepSpeed's data-parallel world is dp x cp (it reduces gradients over both), so in its
+        # arithmetic each cp rank's shard of a sample counts as a sample
+        "train_batch_size": layout.global_batch_size * layout.cp,
         "train_micro_batch_size_per_gpu": layout.micro_batch_size,
         "gradient_accumulation_steps": layout.grad_accum_steps,
         # DeepSpeed's default when the key is absent is 1.0, not "off": always write it.

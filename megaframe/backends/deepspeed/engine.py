@@ -106,10 +106,10 @@ class DeepSpeedBackend:
         elif self.built_partitioned:  # ZeRO-3: no rank builds the whole model (zero_init.py)
             with partitioned_construction(ds_config, ps):
                 module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel,
-                                     grad_bucket=self.grad_bucket, write_init=write_partition)
+                                     grad_bucket=self.grad_bucket, write_init=write_partition, cp_impl=p.cp_impl)
         else:
             module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel,
-                                 grad_bucket=self.grad_bucket)
+                                 grad_bucket=self.grad_bucket, cp_impl=p.cp_impl)
         self.compiled_blocks = compile_blocks(module) if cfg.train.compile else 0
         self.module = module
         self.num_parameters = self._count_parameters(module)
@@ -123,8 +123,8 @@ class DeepSpeedBackend:
         self._norm_from_grads = cfg.zero.stage == 0 and cfg.precision.dtype == "fp32"
         if self._norm_from_grads:
             self._measure_and_clip_in_step()
-        if self._norm_from_grads and not self.pipelined and layout.dp == 1:
-            # one replica: DeepSpeed would still flatten, all-reduce (over a group of one) and copy
+        if self._norm_from_grads and not self.pipelined and layout.grid.size("dp", "cp") == 1:
+            # one replica (cp ranks are replicas too): DeepSpeed would still flatten, all-reduce (over a group of one) and copy
             # back every gradient each step; TP gradients are already summed inside autograd
             self.engine.enable_backward_allreduce = False
 
@@ -189,11 +189,13 @@ class DeepSpeedBackend:
         return local
 
     def _dp_mean(self, value: torch.Tensor) -> float:
-        """Mean of a 0-d device tensor over the data-parallel replicas: one host read."""
+        """Mean of a 0-d device tensor over the dp x cp ranks (each holds a like share of the step's
+        tokens: its samples, or under cp its zig-zag shard of them): one host read."""
         t = value.detach().to(torch.float64).reshape(1)
-        if self.layout.dp > 1:
-            dist.all_reduce(t, group=self.ps.dp_group)
-        return (t / self.layout.dp).item()
+        replicas = self.ps.grid.size("dp", "cp")
+        if replicas > 1:
+            dist.all_reduce(t, group=self.ps.grad_reduce_group)
+        return (t / replicas).item()
 
     def _on_device(self, batches: list[Batch]) -> list[Batch]:
         """The micro-batches on this rank's device (no copy where they already are). From pinned

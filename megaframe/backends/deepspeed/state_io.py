@@ -120,7 +120,8 @@ def _holding(view: EngineView, name: str, param) -> Holding:
                + mapping.lp_fragment_address.numel) if mapping is not None else (0, 0)
     else:
         kind = "plain"
-        own = even_range(numel, view.ps.dp_rank, view.ps.dp)
+        # the dp x cp replicas of the parameter split its state evenly, as DeepSpeed's ZeRO does
+        own = even_range(numel, view.ps.dp_rank * view.ps.cp + view.ps.cp_rank, view.ps.dp * view.ps.cp)
     writes = not getattr(param, "ds_pipe_replicated", False) and (
         getattr(param, "partition_count", 1) > 1 or view.ps.tp_rank == 0)
     return Holding(name, param, full_shape, local_shape, tuple(offset), own, writes, kind)
@@ -325,7 +326,10 @@ def load_shards(view: EngineView, directory: Path, optim_step: Optional[int]) ->
 
 def layout_record(view: EngineView) -> dict[str, Any]:
     """The layout a checkpoint was written in: DeepSpeed's own files load only into the same one."""
-    return {"tp": view.ps.tp, "pp": view.ps.pp, "dp": view.ps.dp, "zero_stage": view.zero_stage, "dtype": view.dtype}
+    record = {"tp": view.ps.tp, "pp": view.ps.pp, "dp": view.ps.dp, "zero_stage": view.zero_stage, "dtype": view.dtype}
+    if view.ps.cp > 1:  # absent at cp=1, so records written before cp existed still match
+        record["cp"] = view.ps.cp
+    return record
 
 
 def _jsonable(obj: dict) -> dict:

@@ -31,7 +31,7 @@ def builds_partitioned(zero_stage: int, offload_param: str, pipelined: bool) -> 
 
 def partitioned_construction(ds_config: dict[str, Any], ps: ParallelState) -> contextlib.AbstractContextManager:
     """The context the model is built in: parameters partitioned over the DP group on creation."""
-    return deepspeed.zero.Init(data_parallel_group=ps.dp_group, config_dict_or_path=ds_config, mpu=MegatronMpu(ps))
+    return deepspeed.zero.Init(data_parallel_group=ps.grad_reduce_group, config_dict_or_path=ds_config, mpu=MegatronMpu(ps))
 
 
 def partition_range(param: torch.nn.Parameter, numel: int) -> tuple[int, int]:

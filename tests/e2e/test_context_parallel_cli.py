@@ -1,0 +1,39 @@
+"""parallel.cp through megaframe-train: a self-launched cp=2 run, a checkpoint saved at cp=2 resumed
+at cp=1, and the one-line refusals of what cp does not take."""
+from __future__ import annotations
+
+import pytest
+
+from helpers import TINY, assert_ok, read_metrics, run_cli
+from parity import assert_parity
+
+pytestmark = pytest.mark.slow
+ARGS = [*TINY, "model=llama_tiny", "model.num_kv_heads=2", "train.max_steps=8", "train.eval_interval=4",
+        "train.save_interval=4"]
+
+
+def test_a_cp2_checkpoint_resumes_at_cp1_and_continues_the_curve(tmp_path):
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert_ok(run_cli([*ARGS, f"hydra.run.dir={whole}"]))
+    result = run_cli([*ARGS, "parallel.cp=2", "train.exit_at_step=4", f"hydra.run.dir={parts}"])
+    assert_ok(result)
+    assert "launching 2 ranks" in result.stdout and "cp=2 cp_impl=ring" in result.stdout
+    result = run_cli([*ARGS, f"hydra.run.dir={parts}"])  # cp=1 now: resharded from the layout-free copy
+    assert_ok(result)
+    assert "at step 4" in result.stdout
+    assert_parity(read_metrics(parts), read_metrics(whole), "cp=2 -> cp=1 resume")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["parallel.cp=3"], "model.seq_length=32 must be divisible by 2*parallel.cp=6"),
+    (["parallel.cp=4", "parallel.cp_impl=ulysses"], "parallel.cp_impl=ulysses needs parallel.cp=4 to divide the 2 kv heads"),
+    (["parallel.cp=2", "parallel.pp=2"], "parallel.cp=2 does not work with parallel.pp=2 yet"),
+    (["parallel.cp=2", "model.dropout=0.1"], "parallel.cp=2 does not work with model.dropout=0.1 yet"),
+    (["parallel.cp=2", "parallel.cp_impl=zigzag"], "parallel.cp_impl='zigzag' is not one of ['ring', 'ulysses']"),
+])
+def test_what_cp_does_not_take_is_one_line_before_launch(extra, message, tmp_path):
+    result = run_cli([*ARGS, *extra, f"hydra.run.dir={tmp_path}"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
+    assert "launching" not in result.stdout
