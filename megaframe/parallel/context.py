@@ -94,12 +94,25 @@ def zigzag_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
 
 
 # ---- one block -----------------------------------------------------------------------------------
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """q (B, Hkv, G, Tq, D) against k (B, Hkv, Tk, D): (B, Hkv, G, Tq, Tk) in fp32, causal masked."""
+# Scores of at most this many elements exist at once: query rows are taken in tiles, so a rank's
+# 16k-token shard does not materialise a 16k x 16k score matrix per head.
+_SCORE_ELEMENTS = 1 << 26
+
+
+def _row_tiles(rows: slice, q: torch.Tensor, cols: int) -> list[slice]:
+    """`rows` cut into tiles whose scores (batch x heads x tile x cols) stay under _SCORE_ELEMENTS."""
+    per_row = q.shape[0] * q.shape[1] * q.shape[2] * max(cols, 1)
+    tile = max(1, _SCORE_ELEMENTS // per_row)
+    return [slice(start, min(start + tile, rows.stop)) for start in range(rows.start, rows.stop, tile)]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal_from: Optional[int]) -> torch.Tensor:
+    """q (B, Hkv, G, Tq, D) against k (B, Hkv, Tk, D): (B, Hkv, G, Tq, Tk) in fp32. causal_from: the
+    position of q's first row among k's columns when the block is causal (None: no mask)."""
     s = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
-    if causal:
+    if causal_from is not None:
         tq, tk = s.shape[-2], s.shape[-1]
-        s = s.masked_fill(torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        s = s.masked_fill(torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu(1 + causal_from), float("-inf"))
     return s
 
 
@@ -144,14 +157,16 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k.to(dtype), v.to(dtype)])  # one message per hop
         for step in range(cp.size):
             pending = _exchange(kv, cp, _KV_TAG) if step + 1 < cp.size else None
-            rows, cols, causal = _block_rows_cols(step, cp, c)
-            s = _scores(qg[..., rows, :], kv[0][..., cols, :], scale, causal)
-            block_lse = torch.logsumexp(s, dim=-1)
-            block_out = torch.einsum("bhgqk,bhkd->bhgqd", torch.exp(s - block_lse[..., None]), kv[1][..., cols, :])
-            merged = torch.logaddexp(lse[..., rows], block_lse)
-            out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows] - merged)[..., None]
-                                 + block_out * torch.exp(block_lse - merged)[..., None])
-            lse[..., rows] = merged
+            block_rows, cols, causal = _block_rows_cols(step, cp, c)
+            kb, vb = kv[0][..., cols, :], kv[1][..., cols, :]
+            for rows in _row_tiles(block_rows, qg, kb.shape[-2]):
+                s = _scores(qg[..., rows, :], kb, scale, rows.start if causal else None)
+                block_lse = torch.logsumexp(s, dim=-1)
+                block_out = torch.einsum("bhgqk,bhkd->bhgqd", torch.exp(s - block_lse[..., None]), vb)
+                merged = torch.logaddexp(lse[..., rows], block_lse)
+                out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows] - merged)[..., None]
+                                     + block_out * torch.exp(block_lse - merged)[..., None])
+                lse[..., rows] = merged
             if pending is not None:
                 _wait(pending[0])
                 kv = pending[1]
@@ -175,14 +190,15 @@ class _RingAttention(torch.autograd.Function):
         dkv = torch.zeros_like(kv)  # the gradient of the block this rank holds, travelling with it
         for step in range(cp.size):
             pending = _exchange(kv, cp, _KV_TAG) if step + 1 < cp.size else None
-            rows, cols, causal = _block_rows_cols(step, cp, c)
+            block_rows, cols, causal = _block_rows_cols(step, cp, c)
             kb, vb = kv[0][..., cols, :], kv[1][..., cols, :]
-            p = torch.exp(_scores(qg[..., rows, :], kb, scale, causal) - lse[..., rows, None])
-            dv = torch.einsum("bhgqk,bhgqd->bhkd", p, dout[..., rows, :])
-            ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", dout[..., rows, :], vb) - delta[..., rows, None])
-            dq[..., rows, :] += torch.einsum("bhgqk,bhkd->bhgqd", ds, kb) * scale
-            dkv[0][..., cols, :] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qg[..., rows, :]) * scale
-            dkv[1][..., cols, :] += dv
+            for rows in _row_tiles(block_rows, qg, kb.shape[-2]):
+                p = torch.exp(_scores(qg[..., rows, :], kb, scale, rows.start if causal else None)
+                              - lse[..., rows, None])
+                ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", dout[..., rows, :], vb) - delta[..., rows, None])
+                dq[..., rows, :] += torch.einsum("bhgqk,bhkd->bhgqd", ds, kb) * scale
+                dkv[0][..., cols, :] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qg[..., rows, :]) * scale
+                dkv[1][..., cols, :] += torch.einsum("bhgqk,bhgqd->bhkd", p, dout[..., rows, :])
             if cp.size > 1:  # on to the next rank; after cp hops an accumulator is home
                 requests, dkv = _exchange(dkv, cp, _GRAD_TAG)
                 _wait(requests)
