@@ -286,7 +286,8 @@ class Trainer:
         self._resume()
         if self.is_logger:
             print(self._summary(), flush=True)
-            layout = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "cp": self.layout.cp}
+            layout = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp,
+                      **({"cp": self.layout.cp} if self.layout.cp > 1 else {})}
             wandb_config = {**dataclasses.asdict(self.cfg),
                             "run": run_metadata(self.layout.world_size, layout, self.backend.versions())}
             self.wandb = WandbRun(self.cfg.logging.wandb, self.run_dir, wandb_config, *self._wandb_names())
