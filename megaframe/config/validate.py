@@ -375,8 +375,10 @@ def check_context_parallel(cfg: TrainConfig) -> Optional[str]:
         if local_kv % p.cp or (m.num_attention_heads // p.tp) % p.cp:
             return (f"parallel.cp_impl=ulysses needs parallel.cp={p.cp} to divide the {local_kv} kv heads and "
                     f"{m.num_attention_heads // p.tp} query heads of each TP rank; use parallel.cp_impl=ring")
-    for unsupported, key in ((p.pp > 1, f"parallel.pp={p.pp}"), (m.dropout > 0, f"model.dropout={m.dropout}"),
-                             (cfg.train.compile, "train.compile=true"), (p.sequence_parallel, "parallel.sequence_parallel=true")):
+    if p.sequence_parallel and (m.seq_length // p.cp) % p.tp:
+        return (f"parallel.sequence_parallel=true with parallel.cp={p.cp} needs each rank's {m.seq_length // p.cp} "
+                f"tokens (model.seq_length/cp) divisible by parallel.tp={p.tp}")
+    for unsupported, key in ((m.dropout > 0, f"model.dropout={m.dropout}"), (cfg.train.compile, "train.compile=true")):
         if unsupported:
             return f"parallel.cp={p.cp} does not work with {key} yet; set parallel.cp=1 or change {key.split('=')[0]}"
     return None

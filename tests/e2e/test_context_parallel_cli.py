@@ -27,7 +27,8 @@ def test_a_cp2_checkpoint_resumes_at_cp1_and_continues_the_curve(tmp_path):
 @pytest.mark.parametrize("extra, message", [
     (["parallel.cp=3"], "model.seq_length=32 must be divisible by 2*parallel.cp=6"),
     (["parallel.cp=4", "parallel.cp_impl=ulysses"], "parallel.cp_impl=ulysses needs parallel.cp=4 to divide the 2 kv heads"),
-    (["parallel.cp=2", "parallel.pp=2"], "parallel.cp=2 does not work with parallel.pp=2 yet"),
+    (["model.seq_length=36", "parallel.cp=2", "parallel.tp=4", "parallel.sequence_parallel=true"],
+     "needs each rank's 18 tokens (model.seq_length/cp) divisible by parallel.tp=4"),
     (["parallel.cp=2", "model.dropout=0.1"], "parallel.cp=2 does not work with model.dropout=0.1 yet"),
     (["parallel.cp=2", "parallel.cp_impl=zigzag"], "parallel.cp_impl='zigzag' is not one of ['ring', 'ulysses']"),
 ])

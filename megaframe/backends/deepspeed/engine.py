@@ -102,7 +102,8 @@ class DeepSpeedBackend:
         self.built_partitioned = builds_partitioned(cfg.zero.stage, cfg.offload.param, self.pipelined)
         if self.pipelined:
             module = build_pipeline_model(dims, ps, cfg.train.seed, p.pipeline_partition,
-                                          p.activation_checkpointing, p.sequence_parallel, grad_bucket=self.grad_bucket)
+                                          p.activation_checkpointing, p.sequence_parallel, grad_bucket=self.grad_bucket,
+                                          cp_impl=p.cp_impl)
         elif self.built_partitioned:  # ZeRO-3: no rank builds the whole model (zero_init.py)
             with partitioned_construction(ds_config, ps):
                 module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel,

@@ -7,6 +7,8 @@ pipelined model starts from exactly the weights of the plain one.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
 from functools import lru_cache
 from typing import Callable, Optional, Sequence
@@ -20,32 +22,55 @@ from megaframe.backends.deepspeed.topology import build_topology
 from megaframe.model.gpt import (Block, BlockSpec, Embedding, GPTDims, build_norm, init_parameters, rope_tables,
                                  run_block, tied_head_logits)
 from megaframe.model.spec import Layer, ModelSpec
+from megaframe.parallel.context import ContextGroup, zigzag_positions
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaframe.parallel.layers import ColumnParallelLinear, TPGroup
 from megaframe.parallel.random import TPDropoutRNG
 from megaframe.parallel.state import ParallelState
 
 
+def _context_positions(module: nn.Module, dims: GPTDims, context: Optional[ContextGroup]) -> None:
+    """Under context parallelism, a stage layer's buffer of where its rank's tokens sit in their
+    sequences (built once; stages pass only hidden states); None otherwise."""
+    if context is None:
+        module.positions = None
+    else:
+        module.register_buffer("positions", zigzag_positions(dims.seq_length, context.size, context.rank),
+                               persistent=False)
+
+
 class EmbeddingPipe(Embedding):
     """Stage-0 layer: token ids (B, T) -> hidden states."""
 
-    def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG], seed: int):
+    def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG], seed: int,
+                 context: Optional[ContextGroup] = None):
         super().__init__(dims, tp, rng)
+        _context_positions(self, dims, context)
         init_parameters(self, "embed", dims, seed)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return super().forward(idx, self.positions)
 
 
 class BlockPipe(nn.Module):
     """One transformer block; RoPE tables are recomputed here since stages pass only hidden states."""
 
     def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG], seed: int, prefix: str,
-                 recompute: bool, spec: BlockSpec):
+                 recompute: bool, spec: BlockSpec, context: Optional[ContextGroup] = None, cp_impl: str = "ring"):
         super().__init__()
         self.dims, self.rng, self.recompute = dims, rng, recompute
+        if context is not None:
+            spec = dataclasses.replace(spec, attention=functools.partial(spec.attention, context=context,
+                                                                         cp_impl=cp_impl))
+        _context_positions(self, dims, context)
         self.block = Block(dims, tp, rng, spec)
         init_parameters(self.block, prefix, dims, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rope = rope_tables(self.dims, self.dims.seq_length, x.device) if self.dims.position_embedding == "rope" else None
+        rope = None
+        if self.dims.position_embedding == "rope":
+            cos, sin = rope_tables(self.dims, self.dims.seq_length, x.device)
+            rope = (cos, sin) if self.positions is None else (cos[self.positions], sin[self.positions])
         return run_block(self.block, x, rope, self.rng, self.recompute and self.training)
 
 
@@ -87,13 +112,14 @@ PARTITION_METHODS = {"uniform": "type:BlockPipe", "parameters": "parameters"}
 
 def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition: str = "uniform",
                          activation_checkpointing: bool = False, sequence_parallel: bool = False,
-                         spec: Optional[ModelSpec] = None, grad_bucket=None) -> PipelineModule:
+                         spec: Optional[ModelSpec] = None, grad_bucket=None, cp_impl: str = "ring") -> PipelineModule:
     """This rank's stage of the pipelined GPT: ModelSpec's layer list as DeepSpeed LayerSpecs, on
-    the topology built from ParallelState's grid."""
+    the topology built from ParallelState's grid (whose data axis is dp x cp)."""
     spec = spec or ModelSpec(dims)
     tp = ps.tp_region(sequence_parallel, grad_bucket)
     rng = TPDropoutRNG(seed, ps.tp_rank)
-    embed_args = (EmbeddingPipe, dims, tp, rng, seed)
+    context = ps.context()
+    embed_args = (EmbeddingPipe, dims, tp, rng, seed, context)
     layers: list = []
     for layer in spec.layers():
         if layer.kind == "embed":
@@ -101,7 +127,7 @@ def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition:
                           if dims.tie_embeddings else LayerSpec(*embed_args))
         elif layer.kind == "block":
             layers.append(LayerSpec(BlockPipe, dims, tp, rng, seed, layer.prefix, activation_checkpointing,
-                                    spec.block or BlockSpec()))
+                                    spec.block or BlockSpec(), context, cp_impl))
         elif layer.kind == "final_norm":
             layers.append(LayerSpec(FinalNormPipe, dims, tp, seed))
         elif dims.tie_embeddings:  # the head is the embedding again
