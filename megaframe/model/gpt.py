@@ -92,6 +92,21 @@ def rope_tables(dims: GPTDims, seq_len: int, device=None, offset: int = 0) -> tu
     return _ROPE_CACHE[key]
 
 
+class LocalRope:
+    """The rows of the cos/sin tables at a context-parallel rank's zig-zag positions, gathered once
+    per device and kept (not a gather per forward, and no host read of the positions)."""
+
+    def __init__(self, dims: GPTDims):
+        self.dims = dims
+        self.tables: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.tables is None or self.tables[0].device != positions.device:
+            cos, sin = rope_tables(self.dims, self.dims.seq_length, positions.device)
+            self.tables = (cos[positions], sin[positions])
+        return self.tables
+
+
 def _rope_tables(dims: GPTDims, seq_len: int, device=None, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (dims.rope_theta ** (torch.arange(0, dims.head_dim, 2, device=device).float() / dims.head_dim))
     positions = torch.arange(offset, offset + seq_len, device=device).float()
@@ -303,6 +318,7 @@ class GPT(nn.Module):
             # where this rank's tokens sit in their sequences: built once, not per step
             self.register_buffer("positions", zigzag_positions(dims.seq_length, context.size, context.rank),
                                  persistent=False)
+            self.local_rope = LocalRope(dims)
         else:
             self.positions = None
         self.embed = Embedding(dims, tp, rng)
@@ -325,8 +341,7 @@ class GPT(nn.Module):
     def _rope(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.positions is None:
             return rope_tables(self.dims, idx.shape[1], idx.device)
-        cos, sin = rope_tables(self.dims, self.dims.seq_length, idx.device)
-        return cos[self.positions], sin[self.positions]  # the rows of this rank's zig-zag positions
+        return self.local_rope(self.positions)
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         """Full logits over the real vocabulary, (B, T, vocab_size), gathered from the TP ranks."""

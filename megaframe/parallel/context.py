@@ -154,11 +154,11 @@ class _RingAttention(torch.autograd.Function):
         qg = q.to(dtype).view(B, Hkv, H // Hkv, T2, D)
         out = torch.zeros_like(qg)
         lse = torch.full(qg.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
-        kv = torch.stack([k.to(dtype), v.to(dtype)])  # one message per hop
+        kv = torch.stack([k, v])  # one message per hop, in the input dtype (bf16 sends half of fp32)
         for step in range(cp.size):
             pending = _exchange(kv, cp, _KV_TAG) if step + 1 < cp.size else None
             block_rows, cols, causal = _block_rows_cols(step, cp, c)
-            kb, vb = kv[0][..., cols, :], kv[1][..., cols, :]
+            kb, vb = kv[0][..., cols, :].to(dtype), kv[1][..., cols, :].to(dtype)
             for rows in _row_tiles(block_rows, qg, kb.shape[-2]):
                 s = _scores(qg[..., rows, :], kb, scale, rows.start if causal else None)
                 block_lse = torch.logsumexp(s, dim=-1)
@@ -186,12 +186,13 @@ class _RingAttention(torch.autograd.Function):
         dout = grad_out.to(dtype).reshape(B, Hkv, H // Hkv, T2, D)
         delta = (dout * out).sum(-1)  # rowsum(dO * O), the softmax backward's correction
         dq = torch.zeros_like(qg)
-        kv = torch.stack([k.to(dtype), v.to(dtype)])
-        dkv = torch.zeros_like(kv)  # the gradient of the block this rank holds, travelling with it
+        kv = torch.stack([k, v])
+        # the gradient of the block this rank holds, travelling with it (in fp32: it accumulates)
+        dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
         for step in range(cp.size):
             pending = _exchange(kv, cp, _KV_TAG) if step + 1 < cp.size else None
             block_rows, cols, causal = _block_rows_cols(step, cp, c)
-            kb, vb = kv[0][..., cols, :], kv[1][..., cols, :]
+            kb, vb = kv[0][..., cols, :].to(dtype), kv[1][..., cols, :].to(dtype)
             for rows in _row_tiles(block_rows, qg, kb.shape[-2]):
                 p = torch.exp(_scores(qg[..., rows, :], kb, scale, rows.start if causal else None)
                               - lse[..., rows, None])
@@ -251,6 +252,19 @@ def _heads_to_seq(x: torch.Tensor, cp: ContextGroup) -> torch.Tensor:
     return received.transpose(0, 1).reshape(B, cp.size * h, T // cp.size, D)
 
 
+_ORDERS: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _zigzag_order(seq_length: int, cp: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, natural): the position of each token of the cp ranks' shards laid end to end, and
+    its inverse permutation. Made once per shape and device, not in every forward."""
+    key = (seq_length, cp, str(device))
+    if key not in _ORDERS:
+        order = torch.cat([zigzag_positions(seq_length, cp, r) for r in range(cp)]).to(device)
+        _ORDERS[key] = (order, torch.argsort(order))
+    return _ORDERS[key]
+
+
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextGroup,
                       scale: Optional[float] = None) -> torch.Tensor:
     """Causal attention of this rank's zig-zag shard by all-to-all over heads: q (B, H, 2c, D), k
@@ -259,9 +273,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Con
         raise ValueError(f"parallel.cp={cp.size} must divide the {k.shape[1]} kv heads for parallel.cp_impl=ulysses; "
                          f"use parallel.cp_impl=ring")
     qh, kh, vh = (_AllToAll.apply(t, cp, True) for t in (q, k, v))  # full length, in zig-zag order
-    T = qh.shape[2]
-    order = torch.cat([zigzag_positions(T, cp.size, r) for r in range(cp.size)]).to(q.device)
-    natural = torch.argsort(order)  # zig-zag order -> positions 0..T-1
+    order, natural = _zigzag_order(qh.shape[2], cp.size, q.device)
     y = F.scaled_dot_product_attention(qh[:, :, natural], kh[:, :, natural], vh[:, :, natural], is_causal=True,
                                        scale=scale, enable_gqa=qh.shape[1] != kh.shape[1])
     return _AllToAll.apply(y[:, :, order], cp, False)

@@ -22,7 +22,11 @@ This code base's block differs, and the formula below follows it tensor by tenso
   Unlike Megatron, our SP saves the all-gathered norm output for the QKV/MLP linears (not the
   shard), so only the norm's own tensors shrink by t;
 - full recomputation keeps each block's input (Korthikanti's 2·s·b·h), plus one block's
-  activations alive while its backward recomputes it.
+  activations alive while its backward recomputes it;
+- context parallelism cp: every count above is over the rank's s/cp tokens. Ring attention keeps
+  what SDPA keeps plus its fp32 output (the same storage as the out-projection input in fp32, a
+  second copy otherwise); Ulysses keeps SDPA's tensors on the all-to-all'd copies plus the
+  out-projection input, which is no longer SDPA's output.
 """
 from __future__ import annotations
 
@@ -41,6 +45,13 @@ class ActivationShape:
     sequence_parallel: bool = False
     dtype: str = "bf16"
     device: str = "cuda"  # cuda | cpu: where dropout's kernels differ (see block_activation_bytes)
+    cp: int = 1
+    cp_impl: str = "ring"
+
+
+def tokens(dims: GPTDims, shape: ActivationShape) -> int:
+    """s·b: the tokens of one micro-batch this rank holds (its s/cp share of each sequence)."""
+    return dims.seq_length // shape.cp * shape.micro_batch_size
 
 
 def _norm_bytes(dims: GPTDims, tokens: float, e: int) -> float:
@@ -56,7 +67,7 @@ def block_activation_bytes(dims: GPTDims, shape: ActivationShape) -> float:
     """Bytes one transformer block saves for backward on one TP rank for one micro-batch."""
     e = ACTIVATION_BYTES[shape.dtype]
     t = shape.tp
-    sb = dims.seq_length * shape.micro_batch_size
+    sb = tokens(dims, shape)
     sb_norm = sb / t if shape.sequence_parallel and t > 1 else sb  # norms run on sequence shards under SP
     h, hs, f = dims.hidden_size, dims.head_dim, dims.ffn_hidden_size
     q = dims.num_heads * hs // t
@@ -70,12 +81,18 @@ def block_activation_bytes(dims: GPTDims, shape: ActivationShape) -> float:
         # SDPA's math path (the CPU's fused kernels take no dropout), in fp32 whatever the dtype: q,
         # k transposed and v, expanded to every query head, then the softmax output, its dropout
         # mask and the dropped probabilities
-        attention += 3 * sb * 4 * q + 3 * heads * dims.seq_length * sb * 4
+        attention += 3 * sb * 4 * q + 3 * heads * (dims.seq_length // shape.cp) * sb * 4
     else:
         # flash / memory-efficient SDPA (dropout inside the kernel, regenerated from its RNG state):
         # Q, K (rotated under RoPE), V and an fp32 logsumexp
         attention += sb * e * (q + 2 * kv) + sb * heads * 4
     attention += sb * e * q  # SDPA output (= out-projection input)
+    if shape.cp > 1 and (shape.cp_impl == "ulysses" or e != 4):
+        # ring: its fp32 output besides the out-projection's input; Ulysses: the out-projection's
+        # input, all-to-all'd back from SDPA's output
+        attention += sb * (4 if shape.cp_impl == "ring" else e) * q
+    if shape.cp > 1 and shape.cp_impl == "ulysses":
+        attention += 2 * 8 * dims.seq_length  # the int64 zig-zag permutations its reorderings keep
     attention += sb_norm * mask * h  # residual dropout mask
 
     mlp = sb * e * h  # MLP input (the norm output, shared by up/gate)
@@ -86,7 +103,7 @@ def block_activation_bytes(dims: GPTDims, shape: ActivationShape) -> float:
 
 def block_input_bytes(dims: GPTDims, shape: ActivationShape) -> float:
     """What full recomputation keeps per block: its input (a sequence shard under SP)."""
-    sb = dims.seq_length * shape.micro_batch_size
+    sb = tokens(dims, shape)
     split = shape.tp if shape.sequence_parallel and shape.tp > 1 else 1
     return sb / split * dims.hidden_size * ACTIVATION_BYTES[shape.dtype]
 
@@ -102,7 +119,7 @@ def dropout_mask_bytes(dims: GPTDims, shape: ActivationShape) -> int:
 def embedding_activation_bytes(dims: GPTDims, shape: ActivationShape) -> float:
     """First stage: token ids kept by the lookup (int64), their out-of-shard mask, and the embedding
     dropout's mask (a sequence shard under SP)."""
-    sb = dims.seq_length * shape.micro_batch_size
+    sb = tokens(dims, shape)
     sb_shard = sb / shape.tp if shape.sequence_parallel and shape.tp > 1 else sb
     return sb * (8 + 1) + sb_shard * dims.hidden_size * dropout_mask_bytes(dims, shape)
 
@@ -113,7 +130,7 @@ def head_activation_bytes(dims: GPTDims, shape: ActivationShape) -> float:
     One rank: F.cross_entropy keeps log_softmax over the real vocabulary; TP: our vocab-parallel
     loss keeps exp() of this rank's padded-vocabulary shard."""
     e = ACTIVATION_BYTES[shape.dtype]
-    sb = dims.seq_length * shape.micro_batch_size
+    sb = tokens(dims, shape)
     sb_norm = sb / shape.tp if shape.sequence_parallel and shape.tp > 1 else sb
     vocab = dims.vocab_size if shape.tp == 1 else dims.padded_vocab_size // shape.tp
     head_input = sb * e * dims.hidden_size  # the final norm's output, gathered under SP
@@ -123,7 +140,7 @@ def head_activation_bytes(dims: GPTDims, shape: ActivationShape) -> float:
 def logits_working_bytes(dims: GPTDims, shape: ActivationShape) -> float:
     """Transient on the last stage, not kept for backward: the logits and their fp32 copy."""
     e = ACTIVATION_BYTES[shape.dtype]
-    sb = dims.seq_length * shape.micro_batch_size
+    sb = tokens(dims, shape)
     vocab = dims.padded_vocab_size // shape.tp
     return sb * vocab * (e + 4)
 
@@ -139,8 +156,9 @@ def stage_activation_bytes(dims: GPTDims, shape: ActivationShape, blocks: int, f
     per_block = block_input_bytes(dims, shape) if recompute else block_activation_bytes(dims, shape)
     total = blocks * per_block
     if blocks and dims.position_embedding == "rope" and not recompute:
-        # RoPE's fp32 cos/sin: cached, one copy per process (recomputation saves only block inputs)
-        total += 2 * dims.seq_length * dims.head_dim * 4
+        # RoPE's fp32 cos/sin: cached, one copy per process (recomputation saves only block inputs);
+        # under cp also the rows of this rank's positions, cached too
+        total += 2 * dims.head_dim * 4 * (dims.seq_length + (dims.seq_length // shape.cp if shape.cp > 1 else 0))
     if first:
         total += embedding_activation_bytes(dims, shape)
     if last:

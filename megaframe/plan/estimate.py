@@ -20,7 +20,7 @@ from megaframe.config.schema import ClusterConfig, TrainConfig, ZeroConfig
 from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims, resolve_dims
 from megaframe.plan.activations import (ActivationShape, block_activation_bytes, in_flight_micro_batches,
-                                        logits_working_bytes, stage_activation_bytes)
+                                        logits_working_bytes, stage_activation_bytes, tokens)
 from megaframe.plan.memory import (ACTIVATION_BYTES, GIB, STATE_BYTES, ModelStates, PlanLayout, model_state_bytes,
                                    stage_blocks, stage_parameters, total_parameters)
 from megaframe.tracking.flops import flops_per_token
@@ -117,7 +117,8 @@ def plan_layout(cfg: TrainConfig, layout: Layout) -> PlanLayout:
                       global_batch_size=layout.global_batch_size, zero_stage=cfg.zero.stage,
                       offload_optimizer=cfg.offload.optimizer, offload_param=cfg.offload.param,
                       recompute=cfg.parallel.activation_checkpointing,
-                      sequence_parallel=cfg.parallel.sequence_parallel, partition=cfg.parallel.pipeline_partition)
+                      sequence_parallel=cfg.parallel.sequence_parallel, partition=cfg.parallel.pipeline_partition,
+                      cp_impl=cfg.parallel.cp_impl)
 
 
 def _ring(n: int) -> float:
@@ -134,10 +135,11 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     zero = zero or ZeroConfig()
     params = stage_parameters(dims, lay.tp, lay.pp, stage, lay.partition)
     blocks = stage_blocks(dims, lay.tp, lay.pp, stage, lay.partition)
-    states = model_state_bytes(params, lay.dp, lay.zero_stage, dtype, lay.offload_optimizer, lay.offload_param,
+    # ZeRO partitions over DeepSpeed's data axis, dp x cp
+    states = model_state_bytes(params, lay.dp * lay.cp, lay.zero_stage, dtype, lay.offload_optimizer, lay.offload_param,
                                reduces_in_backward=lay.micro_batches == 1 and lay.pp == 1
                                and (zero.contiguous_gradients or zero.overlap_comm))
-    shape = ActivationShape(lay.micro_batch_size, lay.tp, lay.sequence_parallel, dtype, device)
+    shape = ActivationShape(lay.micro_batch_size, lay.tp, lay.sequence_parallel, dtype, device, lay.cp, lay.cp_impl)
     first, last = stage == 0, stage == lay.pp - 1
     per_micro = stage_activation_bytes(dims, shape, blocks, first, last, lay.recompute)
     in_flight = in_flight_micro_batches(lay.pp, stage, lay.micro_batches)
@@ -145,7 +147,7 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     if last:
         working += logits_working_bytes(dims, shape)
     if lay.pp > 1 and not last:  # the pipeline engine's output buffers, one per micro-batch in flight
-        working += in_flight * dims.seq_length * lay.micro_batch_size * dims.hidden_size * ACTIVATION_BYTES[dtype]
+        working += in_flight * tokens(dims, shape) * dims.hidden_size * ACTIVATION_BYTES[dtype]
     if lay.zero_stage >= 1:
         # DeepSpeed's ZeRO allocates its gradient reduce bucket at full zero.reduce_bucket_size
         # (measured: 1 GB in bf16 at the default 5e8 elements, see BENCHMARKS.md)
@@ -204,23 +206,41 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
     DP: gradient all-reduce 2Ψ·(n-1)/n once per step (ZeRO-0/1: reduce-scatter + all-gather, same
     volume). DeepSpeed's ZeRO-2 reduce-scatters gradients after every micro-batch's backward, and
     ZeRO-3 also all-gathers the weights in every micro-batch's forward and backward (1.5x of
-    ZeRO-0's volume when m = 1, growing with m).
+    ZeRO-0's volume when m = 1, growing with m). DP here is DeepSpeed's data axis, dp x cp.
+
+    CP, per block and micro-batch, with b the bytes of one of K or V on this rank's s/cp tokens
+    (kv heads; sent in the activation dtype) and q_b those of Q: ring, (cp-1)·2b forward, again in a
+    recomputed forward, and (cp-1)·2b + cp·2b backward, whose K/V gradients travel in fp32 (twice
+    the bytes in bf16); Ulysses, (2·q_b + 2b)·(cp-1)/cp each way (tests/dist/test_context_parallel.py
+    counts both).
     """
     e = ACTIVATION_BYTES[dtype]
-    sbh = dims.seq_length * lay.micro_batch_size * dims.hidden_size * e
+    local = dims.seq_length // lay.cp * lay.micro_batch_size
+    sbh = local * dims.hidden_size * e
     m = lay.micro_batches
     collectives = 4 + (2 if lay.recompute else 0)
     tp = stage.blocks * m * collectives * _ring(lay.tp) * sbh
     pp = 2 * m * sbh / lay.tp if lay.pp > 1 else 0.0
     weight_bytes, grad_bytes, _ = STATE_BYTES[dtype]
-    one_way = _ring(lay.dp) / 2 * stage.parameters  # (n-1)/n of the rank's parameters
+    one_way = _ring(lay.dp * lay.cp) / 2 * stage.parameters  # (n-1)/n of the rank's parameters
     if lay.zero_stage <= 1:
         dp = one_way * (grad_bytes + weight_bytes if lay.zero_stage == 1 else 2 * grad_bytes)
     elif lay.zero_stage == 2:
         dp = one_way * (m * grad_bytes + weight_bytes)
     else:
         dp = one_way * m * (grad_bytes + 2 * weight_bytes)
-    return {"tp": tp, "pp": pp, "dp": dp}
+    cp = 0.0
+    if lay.cp > 1:
+        kv_heads = dims.num_kv_heads // lay.tp if dims.num_kv_heads % lay.tp == 0 else dims.num_kv_heads
+        b = local * kv_heads * dims.head_dim * e
+        q_b = local * dims.num_heads // lay.tp * dims.head_dim * e
+        if lay.cp_impl == "ring":
+            forwards = 2 if lay.recompute else 1
+            per_block = (lay.cp - 1) * 2 * b * (forwards + 1) + lay.cp * 2 * b * 4 / e
+        else:
+            per_block = (2 * q_b + 2 * b) * (lay.cp - 1) / lay.cp * (3 if lay.recompute else 2)
+        cp = stage.blocks * m * per_block
+    return {"tp": tp, "pp": pp, "dp": dp, "cp": cp}
 
 
 def _ranked_step_time(lay: PlanLayout, cluster: ClusterConfig, compute: float, comm: dict,
@@ -233,8 +253,12 @@ def _ranked_step_time(lay: PlanLayout, cluster: ClusterConfig, compute: float, c
     tp_bw = cluster.intra_node_gbps if lay.tp <= gpn else cluster.inter_node_gbps
     pp_bw = cluster.intra_node_gbps if lay.tp * lay.pp <= gpn else cluster.inter_node_gbps
     dp_bw = cluster.intra_node_gbps if lay.world_size <= gpn else cluster.inter_node_gbps
+    cp_bw = cluster.intra_node_gbps if lay.tp * lay.cp <= gpn else cluster.inter_node_gbps
     exposed = comm["tp"] / (tp_bw * gbps) + comm["pp"] / (pp_bw * gbps)
     exposed += max(0.0, comm["dp"] / (dp_bw * gbps) - compute * 2 / 3)
+    # counted as exposed in full (conservative): the ring overlaps each hop with a block's compute,
+    # but how much it hides depends on the attention kernel, which the planner does not model
+    exposed += comm.get("cp", 0.0) / (cp_bw * gbps)
     if lay.offload_optimizer != "none" or lay.offload_param != "none":
         # gradients to the host and updated weights back, every step
         exposed += stage.parameters * 4 / (cluster.host_gbps * gbps)

@@ -38,6 +38,7 @@ class PlanLayout(OnGrid):
     recompute: bool = False
     sequence_parallel: bool = False
     partition: str = "uniform"  # uniform | parameters (PipelineModule's partition method)
+    cp_impl: str = "ring"  # ring | ulysses, when grid.cp > 1
 
     @property
     def micro_batches(self) -> int:
@@ -46,7 +47,8 @@ class PlanLayout(OnGrid):
 
     def describe(self) -> str:
         off = self.offload_optimizer if self.offload_param == "none" else f"{self.offload_optimizer}+param:{self.offload_param}"
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero_stage} offload={off} "
+        cp = f" cp={self.cp} ({self.cp_impl})" if self.cp > 1 else ""
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp}{cp} zero={self.zero_stage} offload={off} "
                 f"recompute={'full' if self.recompute else 'none'} sp={str(self.sequence_parallel).lower()}")
 
 

@@ -13,6 +13,9 @@ from megaframe.plan.estimate import Estimate, estimate, planning_vocab_size
 from megaframe.plan.memory import PlanLayout
 
 
+LONG_SEQUENCE = 32768  # tokens: below this, cp only adds communication to what tp and dp do
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -29,21 +32,35 @@ def candidate_layouts(model: ModelConfig, base: PlanLayout, gpus_per_node: int |
     """Every layout of base.world_size ranks that validation would accept, same batch sizes.
 
     DeepSpeed's pipeline engine takes ZeRO 0-1 only; parameter offload needs ZeRO-3; SP needs tp > 1
-    and a sequence divisible by tp."""
+    and a sequence divisible by tp. Context parallelism (ring) is tried for long sequences only."""
     world = base.world_size
     for tp in tensor_parallel_degrees(model, world, gpus_per_node):
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
-            if pp > model.num_layers or base.global_batch_size % (base.micro_batch_size * dp):
-                continue
-            for stage in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
-                offloads = [("none", "none")] + ([("cpu", "none")] if stage else []) + ([("cpu", "cpu")] if stage == 3 else [])
-                for optimizer, param in offloads:
-                    for recompute in (False, True):
-                        for sp in ((False, True) if tp > 1 and model.seq_length % tp == 0 else (False,)):
-                            yield replace(base, grid=ParallelDims(tp=tp, pp=pp, dp=dp), zero_stage=stage,
-                                          offload_optimizer=optimizer,
-                                          offload_param=param, recompute=recompute, sequence_parallel=sp)
+        for cp in context_parallel_degrees(model, world // tp):
+            yield from _with_tp_cp(model, base, tp, cp)
+
+
+def context_parallel_degrees(model: ModelConfig, ranks: int) -> list[int]:
+    """cp for `ranks` ranks: 1, and from LONG_SEQUENCE tokens on, every divisor up to 16 whose 2·cp
+    chunks cut the sequence evenly (without dropout, which cp does not take)."""
+    if model.seq_length < LONG_SEQUENCE or model.dropout > 0:
+        return [1]
+    return [c for c in _divisors(ranks) if c <= 16 and model.seq_length % (2 * c) == 0]
+
+
+def _with_tp_cp(model: ModelConfig, base: PlanLayout, tp: int, cp: int) -> Iterator[PlanLayout]:
+    world = base.world_size
+    for pp in _divisors(world // (tp * cp)):
+        dp = world // (tp * cp * pp)
+        if pp > model.num_layers or base.global_batch_size % (base.micro_batch_size * dp):
+            continue
+        for stage in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
+            offloads = [("none", "none")] + ([("cpu", "none")] if stage else []) + ([("cpu", "cpu")] if stage == 3 else [])
+            for optimizer, param in offloads:
+                for recompute in (False, True):
+                    for sp in ((False, True) if tp > 1 and (model.seq_length // cp) % tp == 0 else (False,)):
+                        yield replace(base, grid=ParallelDims(tp=tp, pp=pp, dp=dp, cp=cp), zero_stage=stage,
+                                      offload_optimizer=optimizer,
+                                      offload_param=param, recompute=recompute, sequence_parallel=sp)
 
 
 def fitting_layouts(cfg: TrainConfig, base: PlanLayout, limit: int = 10) -> list[Estimate]:
@@ -63,7 +80,8 @@ def fitting_layouts(cfg: TrainConfig, base: PlanLayout, limit: int = 10) -> list
 
 def layout_overrides(lay: PlanLayout) -> list[str]:
     """Command-line overrides that select `lay` (what parallel=auto hands to the ranks)."""
-    return [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.dp={lay.dp}", f"zero.stage={lay.zero_stage}",
+    return [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.cp={lay.cp}", f"parallel.cp_impl={lay.cp_impl}",
+            f"parallel.dp={lay.dp}", f"zero.stage={lay.zero_stage}",
             f"offload.optimizer={lay.offload_optimizer}", f"offload.param={lay.offload_param}",
             f"parallel.activation_checkpointing={str(lay.recompute).lower()}",
             f"parallel.sequence_parallel={str(lay.sequence_parallel).lower()}", "parallel.auto=false"]

@@ -19,8 +19,8 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.utils import partition_balanced
 
 from megaframe.backends.deepspeed.topology import build_topology
-from megaframe.model.gpt import (Block, BlockSpec, Embedding, GPTDims, build_norm, init_parameters, rope_tables,
-                                 run_block, tied_head_logits)
+from megaframe.model.gpt import (Block, BlockSpec, Embedding, GPTDims, build_norm, init_parameters,
+                                 LocalRope, rope_tables, run_block, tied_head_logits)
 from megaframe.model.spec import Layer, ModelSpec
 from megaframe.parallel.context import ContextGroup, zigzag_positions
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -56,21 +56,23 @@ class BlockPipe(nn.Module):
     """One transformer block; RoPE tables are recomputed here since stages pass only hidden states."""
 
     def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG], seed: int, prefix: str,
-                 recompute: bool, spec: BlockSpec, context: Optional[ContextGroup] = None, cp_impl: str = "ring"):
+                 recompute: bool, spec: BlockSpec, context: Optional[ContextGroup] = None, cp_impl: str = "ring",
+                 local_rope: Optional[LocalRope] = None):
         super().__init__()
         self.dims, self.rng, self.recompute = dims, rng, recompute
         if context is not None:
             spec = dataclasses.replace(spec, attention=functools.partial(spec.attention, context=context,
                                                                          cp_impl=cp_impl))
         _context_positions(self, dims, context)
+        self.local_rope = local_rope or LocalRope(dims)  # one per stage: the blocks share its tables
         self.block = Block(dims, tp, rng, spec)
         init_parameters(self.block, prefix, dims, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rope = None
         if self.dims.position_embedding == "rope":
-            cos, sin = rope_tables(self.dims, self.dims.seq_length, x.device)
-            rope = (cos, sin) if self.positions is None else (cos[self.positions], sin[self.positions])
+            rope = rope_tables(self.dims, self.dims.seq_length, x.device) if self.positions is None \
+                else self.local_rope(self.positions)
         return run_block(self.block, x, rope, self.rng, self.recompute and self.training)
 
 
@@ -119,6 +121,7 @@ def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition:
     tp = ps.tp_region(sequence_parallel, grad_bucket)
     rng = TPDropoutRNG(seed, ps.tp_rank)
     context = ps.context()
+    local_rope = LocalRope(dims)
     embed_args = (EmbeddingPipe, dims, tp, rng, seed, context)
     layers: list = []
     for layer in spec.layers():
@@ -127,7 +130,7 @@ def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition:
                           if dims.tie_embeddings else LayerSpec(*embed_args))
         elif layer.kind == "block":
             layers.append(LayerSpec(BlockPipe, dims, tp, rng, seed, layer.prefix, activation_checkpointing,
-                                    spec.block or BlockSpec(), context, cp_impl))
+                                    spec.block or BlockSpec(), context, cp_impl, local_rope))
         elif layer.kind == "final_norm":
             layers.append(LayerSpec(FinalNormPipe, dims, tp, seed))
         elif dims.tie_embeddings:  # the head is the embedding again

@@ -17,6 +17,7 @@ from megaframe.plan.memory import stage_parameters, total_parameters
 
 # Published sizes: ../shared/REFERENCE.md, and for Llama-3 8B / NeoX-20B their papers (8.03B, 20.55B).
 PUBLISHED = {"llama2_7b": 6.74e9, "llama2_13b": 13.0e9, "llama2_70b": 69.0e9, "llama3_8b": 8.03e9,
+             "llama3_8b_128k": 8.03e9,
              "neox_20b": 20.55e9, "gpt3_175b": 175e9, "mtnlg_530b": 530e9, "gpt_1t": 1.0e12}
 
 
@@ -35,8 +36,20 @@ def test_recipe_composes_validates_and_has_its_published_size(name):
     cfg, layout, dims = _recipe(name)
     assert cfg.precision.dtype == "bf16" and cfg.parallel.activation_checkpointing
     assert cfg.logging.wandb.group == name  # W&B groups runs by recipe
-    assert layout.world_size == layout.tp * layout.pp * layout.dp > 1
+    assert layout.world_size == layout.tp * layout.pp * layout.cp * layout.dp > 1
     assert total_parameters(dims) == pytest.approx(PUBLISHED[name], rel=0.01)
+
+
+def test_the_128k_recipe_fits_an_h100_only_with_context_parallelism():
+    """131072 tokens per sequence: the planner puts a rank at 224.8 GiB without cp (activations of
+    the whole sequence, even with full recomputation) and within 80 GiB at the recipe's cp=8."""
+    from megaframe.plan.estimate import estimate_config
+
+    cfg, layout, _ = _recipe("llama3_8b_128k")
+    assert layout.cp == 8 and cfg.cluster.name == "h100_80g"
+    assert estimate_config(cfg, layout).fits
+    whole, _ = compose(["recipe=llama3_8b_128k", "parallel.cp=1", "parallel.dp=64", "parallel.global_batch_size=64"])
+    assert not estimate_config(whole, validate(whole, 64, fp16_supported=lambda: False)).fits
 
 
 def test_llama2_7b_is_exactly_its_reference_size():
