@@ -378,7 +378,7 @@ def check_context_parallel(cfg: TrainConfig) -> Optional[str]:
     if p.sequence_parallel and (m.seq_length // p.cp) % p.tp:
         return (f"parallel.sequence_parallel=true with parallel.cp={p.cp} needs each rank's {m.seq_length // p.cp} "
                 f"tokens (model.seq_length/cp) divisible by parallel.tp={p.tp}")
-    for unsupported, key in ((m.dropout > 0, f"model.dropout={m.dropout}"), (cfg.train.compile, "train.compile=true")):
+    for unsupported, key in ((m.dropout > 0, f"model.dropout={m.dropout}"),):
         if unsupported:
             return f"parallel.cp={p.cp} does not work with {key} yet; set parallel.cp=1 or change {key.split('=')[0]}"
     return None

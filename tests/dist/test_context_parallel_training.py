@@ -23,7 +23,8 @@ def references(tmp_path_factory) -> dict[str, list[dict]]:
     return {f: read_metrics(root / f) for f in FLAVOURS}
 
 
-CASES_2 = {"cp2-ring": ["parallel.cp=2"], "cp2-ulysses": ["parallel.cp=2", "parallel.cp_impl=ulysses"]}
+CASES_2 = {"cp2-ring": ["parallel.cp=2"], "cp2-ulysses": ["parallel.cp=2", "parallel.cp_impl=ulysses"],
+           "cp2-ring-compiled": ["parallel.cp=2", "train.compile=true"]}
 CASES_4 = {"cp4-ring": ["parallel.cp=4"], "cp2-dp2-zero3": ["parallel.cp=2", "parallel.dp=2", "zero=stage3"],
            "tp2-cp2": ["parallel.tp=2", "parallel.cp=2"],
            "tp2-cp2-sp": ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true"],
