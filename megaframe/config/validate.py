@@ -359,7 +359,7 @@ def check_tensor_parallel(cfg: TrainConfig) -> Optional[str]:
 
 def check_context_parallel(cfg: TrainConfig) -> Optional[str]:
     """parallel.cp: the sequence must cut into 2*cp zig-zag chunks; Ulysses must split the heads
-    each TP rank holds; what cp does not compose with yet is refused here, before launch."""
+    each TP rank holds; dropout, which cp does not take yet, is refused here, before launch."""
     p, m = cfg.parallel, cfg.model
     if err := _choices("parallel.cp_impl", p.cp_impl, ["ring", "ulysses"]):
         return err
@@ -378,9 +378,8 @@ def check_context_parallel(cfg: TrainConfig) -> Optional[str]:
     if p.sequence_parallel and (m.seq_length // p.cp) % p.tp:
         return (f"parallel.sequence_parallel=true with parallel.cp={p.cp} needs each rank's {m.seq_length // p.cp} "
                 f"tokens (model.seq_length/cp) divisible by parallel.tp={p.tp}")
-    for unsupported, key in ((m.dropout > 0, f"model.dropout={m.dropout}"),):
-        if unsupported:
-            return f"parallel.cp={p.cp} does not work with {key} yet; set parallel.cp=1 or change {key.split('=')[0]}"
+    if m.dropout > 0:  # ring attention has no attention dropout
+        return f"parallel.cp={p.cp} does not work with model.dropout={m.dropout} yet; set parallel.cp=1 or model.dropout=0"
     return None
 
 
