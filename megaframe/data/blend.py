@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from megaframe.config import blend_spec
-from megaframe.data.dataset import SampleSet, epoch_permutation
+from megaframe.data.dataset import SampleSet, epoch_permutation, windows_batch
 from megaframe.data.indexed import DataError
 
 __all__ = ["BlendCursor", "BlendedSamples", "Stage", "normalized", "parse_blend"]
@@ -53,6 +53,11 @@ class Stage:
 
     start_step: int
     weights: tuple[float, ...]  # normalised
+
+    @classmethod
+    def of(cls, start_step: int, weights: Sequence[float]) -> Stage:
+        """The stage of these weights, normalised as Megatron normalises them."""
+        return cls(int(start_step), tuple(normalized(weights)))
 
 
 @dataclass
@@ -99,6 +104,9 @@ class BlendedSamples:
         self.sources, self.stages, self.names, self.shuffle = list(sources), list(stages), list(names), shuffle
         self.seq_length = self.sources[0].seq_length
         self._cursor = BlendCursor.start(len(sources))
+        # the evaluation order (ordered()): walked once, extended as later positions are asked for
+        self._eval_cursor = BlendCursor.start(len(sources))
+        self._eval_picks = np.empty((0, 2), dtype=np.int64)
 
     def __len__(self) -> int:
         """Samples in one pass over every source (what an epoch of the blend would hold)."""
@@ -149,36 +157,33 @@ class BlendedSamples:
         self.cursor_at(start, global_batch_size)
         picks = np.empty((global_batch_size, 2), dtype=np.int64)
         self._walk(self._cursor, start + global_batch_size, global_batch_size, record=picks)
+        return self._sample_indices(picks, seed if self.shuffle else None)
+
+    def _sample_indices(self, picks: np.ndarray, seed: Optional[int]) -> np.ndarray:
+        """(source, ordinal) rows -> (source, sample index): ordinal n of a source is sample n mod N,
+        in the order of its epoch n // N (seeded by (seed, source, epoch); in order when seed is None)."""
         for source in np.unique(picks[:, 0]):
             rows = picks[:, 0] == source
-            picks[rows, 1] = self._sample_index(int(source), picks[rows, 1], seed)
+            count = len(self.sources[source])
+            epochs, offsets = np.divmod(picks[rows, 1], count)
+            picks[rows, 1] = offsets if seed is None else [
+                epoch_permutation(seed, int(e), count, stream=1 + int(source))[o] for e, o in zip(epochs, offsets)]
         return picks
-
-    def _sample_index(self, source: int, ordinals: np.ndarray, seed: int) -> np.ndarray:
-        count = len(self.sources[source])
-        if not self.shuffle:
-            return ordinals % count
-        epochs, offsets = np.divmod(ordinals, count)
-        return np.array([epoch_permutation(seed, int(e), count, stream=1 + source)[o]
-                         for e, o in zip(epochs, offsets)], dtype=np.int64)
 
     def ordered(self, positions: np.ndarray) -> np.ndarray:
         """(source, sample index) of blend positions in order, unshuffled, with the first stage's
         weights: the evaluation set."""
         end = int(positions.max()) + 1 if len(positions) else 0
-        picks = np.empty((end, 2), dtype=np.int64)
-        walk = BlendedSamples(self.sources, self.stages[:1], self.names, shuffle=False)
-        walk._walk(walk._cursor, end, 1, record=picks)
-        picks[:, 1] = [ordinal % len(self.sources[s]) for s, ordinal in picks]
-        return picks[positions]
+        if end > len(self._eval_picks):  # walk on from where the last evaluation stopped
+            more = np.empty((end - len(self._eval_picks), 2), dtype=np.int64)
+            first_stage = BlendedSamples(self.sources, self.stages[:1], self.names)
+            first_stage._walk(self._eval_cursor, end, 1, record=more)
+            self._eval_picks = np.concatenate([self._eval_picks, self._sample_indices(more, None)])
+        return self._eval_picks[positions]
 
     def batch(self, picks: np.ndarray):
         """(inputs, targets) of (source, sample index) rows, as SampleSet.batch."""
-        import torch
-
-        windows = np.stack([self.sources[int(s)][int(i)] for s, i in picks]).astype(np.int64)
-        tokens = torch.from_numpy(windows)
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        return windows_batch([self.sources[int(s)][int(i)] for s, i in picks])
 
     def consumed_tokens(self, step: int, global_batch_size: int) -> dict[str, int]:
         """Tokens trained on from each source over steps [0, step) (seq_length per sample)."""

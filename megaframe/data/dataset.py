@@ -135,12 +135,17 @@ class SampleSet:
 
     def batch(self, indices: Sequence[int] | np.ndarray) -> Batch:
         """(inputs, targets), each an int64 tensor of shape (len(indices), seq_length), targets shifted by one."""
-        # Imported lazily so tools that only build datasets do not pay for importing torch.
-        import torch
+        return windows_batch([self[index] for index in indices])
 
-        windows = np.stack([self[index] for index in indices]).astype(np.int64)
-        tokens = torch.from_numpy(windows)
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+def windows_batch(windows: Sequence[np.ndarray]) -> Batch:
+    """(inputs, targets) of sample windows of seq_length + 1 tokens: int64 tensors of shape
+    (len(windows), seq_length), the targets shifted by one."""
+    # Imported lazily so tools that only build datasets do not pay for importing torch.
+    import torch
+
+    tokens = torch.from_numpy(np.stack(windows).astype(np.int64))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 @lru_cache(maxsize=16)

@@ -8,7 +8,7 @@ from typing import Optional, Union
 
 from megaframe.config.schema import DataConfig
 from megaframe.data import DataError, SampleSet, TokenStream, ensure_demo_dataset, open_dataset, split_documents
-from megaframe.data.blend import BlendedSamples, Stage, normalized, parse_blend
+from megaframe.data.blend import BlendedSamples, Stage, parse_blend
 from megaframe.data.formats import Dataset
 from megaframe.paths import cache_dir
 
@@ -55,11 +55,7 @@ def source_names(prefixes: list[str]) -> list[str]:
 
 def blend_stages(cfg: DataConfig, weights: list[float]) -> list[Stage]:
     """data.blend's weights from step 0, then data.blend_schedule's [[step, [w1, w2, ...]], ...]."""
-    stages = [Stage(0, tuple(normalized(weights)))]
-    for entry in cfg.blend_schedule or []:
-        step, stage_weights = entry
-        stages.append(Stage(int(step), tuple(normalized(stage_weights))))
-    return stages
+    return [Stage.of(0, weights)] + [Stage.of(step, stage_weights) for step, stage_weights in cfg.blend_schedule or []]
 
 
 def _open_all(prefixes: list[str], tokenizer: str, key: str) -> list[Dataset]:
@@ -84,12 +80,12 @@ def build_blend(cfg: DataConfig, seq_length: int) -> DataSplits:
         valid_datasets = _open_all(valid_prefixes, cfg.tokenizer, "data.valid_blend")
         if valid_datasets[0].vocab_size != datasets[0].vocab_size:
             raise DataError("data.valid_blend: its sources were built with another tokenizer than data.blend's")
-        valid = BlendedSamples([_whole(d, seq_length) for d in valid_datasets], [Stage(0, tuple(normalized(valid_weights)))],
+        valid = BlendedSamples([_whole(d, seq_length) for d in valid_datasets], [Stage.of(0, valid_weights)],
                                source_names(valid_prefixes), shuffle=False)
     else:
         splits = [_split(dataset, cfg.valid_fraction, seq_length) for dataset in datasets]
         train_sets = [train for train, _ in splits]
-        valid = BlendedSamples([v for _, v in splits], [Stage(0, tuple(normalized(weights)))], names, shuffle=False) \
+        valid = BlendedSamples([v for _, v in splits], [Stage.of(0, weights)], names, shuffle=False) \
             if cfg.valid_fraction > 0 else None
     train = BlendedSamples(train_sets, blend_stages(cfg, weights), names)
     return DataSplits(datasets=datasets + (valid_datasets if cfg.valid_blend else []), train=train, valid=valid,

@@ -92,19 +92,32 @@ def rope_tables(dims: GPTDims, seq_len: int, device=None, offset: int = 0) -> tu
     return _ROPE_CACHE[key]
 
 
-class LocalRope:
-    """The rows of the cos/sin tables at a context-parallel rank's zig-zag positions, gathered once
-    per device and kept (not a gather per forward, and no host read of the positions)."""
+class RopeTables:
+    """The cos/sin a model's blocks use: the cached tables of positions 0..T-1, or under context
+    parallelism their rows at this rank's zig-zag positions, gathered once per device and kept (not
+    a gather per forward, and no host read of the positions)."""
 
     def __init__(self, dims: GPTDims):
         self.dims = dims
-        self.tables: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.tables is None or self.tables[0].device != positions.device:
+    def __call__(self, seq_len: int, device, positions: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions is None:
+            return rope_tables(self.dims, seq_len, device)
+        if self.rows is None or self.rows[0].device != positions.device:
             cos, sin = rope_tables(self.dims, self.dims.seq_length, positions.device)
-            self.tables = (cos[positions], sin[positions])
-        return self.tables
+            self.rows = (cos[positions], sin[positions])
+        return self.rows
+
+
+def register_positions(module: nn.Module, dims: GPTDims, context: Optional[ContextGroup]) -> None:
+    """module.positions: where this rank's tokens sit in their sequences under context parallelism
+    (a buffer built once, moved with the module), None otherwise."""
+    if context is None:
+        module.positions = None
+    else:
+        module.register_buffer("positions", zigzag_positions(dims.seq_length, context.size, context.rank),
+                               persistent=False)
 
 
 def _rope_tables(dims: GPTDims, seq_len: int, device=None, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,6 +250,12 @@ class BlockSpec:
     mlp: Callable[..., nn.Module] = MLP
     norm: Callable[..., nn.Module] = build_norm
 
+    def across(self, context: Optional[ContextGroup], cp_impl: str) -> "BlockSpec":
+        """This spec with attention across the cp ranks of `context` (unchanged without one)."""
+        if context is None:
+            return self
+        return dataclasses.replace(self, attention=functools.partial(self.attention, context=context, cp_impl=cp_impl))
+
 
 class Block(nn.Module):
     """Pre-norm transformer block (on sequence shards between the TP regions under SP)."""
@@ -311,18 +330,11 @@ class GPT(nn.Module):
         super().__init__()
         self.dims, self.tp, self.rng = dims, tp, rng
         self.activation_checkpointing = activation_checkpointing
-        self.context = context
-        if context is not None:
-            block = dataclasses.replace(block, attention=functools.partial(block.attention, context=context,
-                                                                           cp_impl=cp_impl))
-            # where this rank's tokens sit in their sequences: built once, not per step
-            self.register_buffer("positions", zigzag_positions(dims.seq_length, context.size, context.rank),
-                                 persistent=False)
-            self.local_rope = LocalRope(dims)
-        else:
-            self.positions = None
+        register_positions(self, dims, context)
+        self.rope = RopeTables(dims)
         self.embed = Embedding(dims, tp, rng)
-        self.blocks = nn.ModuleList([Block(dims, tp, rng, block) for _ in range(dims.num_layers)])
+        self.blocks = nn.ModuleList([Block(dims, tp, rng, block.across(context, cp_impl))
+                                     for _ in range(dims.num_layers)])
         self.final_norm = build_norm(dims, tp)
         self.head = None if dims.tie_embeddings else ColumnParallelLinear(
             dims.hidden_size, dims.padded_vocab_size, tp, bias=False)
@@ -332,16 +344,11 @@ class GPT(nn.Module):
         if self.positions is not None and idx.shape[1] != len(self.positions):
             raise ValueError(f"a context-parallel shard holds {len(self.positions)} tokens, got {idx.shape[1]}")
         x = self.embed(idx, self.positions)
-        rope = self._rope(idx) if self.dims.position_embedding == "rope" else None
+        rope = self.rope(idx.shape[1], idx.device, self.positions) if self.dims.position_embedding == "rope" else None
         for block in self.blocks:
             x = run_block(block, x, rope, self.rng, self.activation_checkpointing and self.training)
         x = self.final_norm(x)
         return self.head(x) if self.head is not None else tied_head_logits(self.embed, x)
-
-    def _rope(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.positions is None:
-            return rope_tables(self.dims, idx.shape[1], idx.device)
-        return self.local_rope(self.positions)
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         """Full logits over the real vocabulary, (B, T, vocab_size), gathered from the TP ranks."""

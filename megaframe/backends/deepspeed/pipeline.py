@@ -7,8 +7,6 @@ pipelined model starts from exactly the weights of the plain one.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import re
 from functools import lru_cache
 from typing import Callable, Optional, Sequence
@@ -19,24 +17,14 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.utils import partition_balanced
 
 from megaframe.backends.deepspeed.topology import build_topology
-from megaframe.model.gpt import (Block, BlockSpec, Embedding, GPTDims, build_norm, init_parameters,
-                                 LocalRope, rope_tables, run_block, tied_head_logits)
+from megaframe.model.gpt import (Block, BlockSpec, Embedding, GPTDims, RopeTables, build_norm, init_parameters,
+                                 register_positions, run_block, tied_head_logits)
 from megaframe.model.spec import Layer, ModelSpec
-from megaframe.parallel.context import ContextGroup, zigzag_positions
+from megaframe.parallel.context import ContextGroup
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaframe.parallel.layers import ColumnParallelLinear, TPGroup
 from megaframe.parallel.random import TPDropoutRNG
 from megaframe.parallel.state import ParallelState
-
-
-def _context_positions(module: nn.Module, dims: GPTDims, context: Optional[ContextGroup]) -> None:
-    """Under context parallelism, a stage layer's buffer of where its rank's tokens sit in their
-    sequences (built once; stages pass only hidden states); None otherwise."""
-    if context is None:
-        module.positions = None
-    else:
-        module.register_buffer("positions", zigzag_positions(dims.seq_length, context.size, context.rank),
-                               persistent=False)
 
 
 class EmbeddingPipe(Embedding):
@@ -45,7 +33,7 @@ class EmbeddingPipe(Embedding):
     def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG], seed: int,
                  context: Optional[ContextGroup] = None):
         super().__init__(dims, tp, rng)
-        _context_positions(self, dims, context)
+        register_positions(self, dims, context)  # stages pass only hidden states: each layer keeps its own
         init_parameters(self, "embed", dims, seed)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -57,22 +45,17 @@ class BlockPipe(nn.Module):
 
     def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG], seed: int, prefix: str,
                  recompute: bool, spec: BlockSpec, context: Optional[ContextGroup] = None, cp_impl: str = "ring",
-                 local_rope: Optional[LocalRope] = None):
+                 rope: Optional[RopeTables] = None):
         super().__init__()
         self.dims, self.rng, self.recompute = dims, rng, recompute
-        if context is not None:
-            spec = dataclasses.replace(spec, attention=functools.partial(spec.attention, context=context,
-                                                                         cp_impl=cp_impl))
-        _context_positions(self, dims, context)
-        self.local_rope = local_rope or LocalRope(dims)  # one per stage: the blocks share its tables
-        self.block = Block(dims, tp, rng, spec)
+        register_positions(self, dims, context)
+        self.rope = rope or RopeTables(dims)  # one per stage: its blocks share the tables
+        self.block = Block(dims, tp, rng, spec.across(context, cp_impl))
         init_parameters(self.block, prefix, dims, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rope = None
-        if self.dims.position_embedding == "rope":
-            rope = rope_tables(self.dims, self.dims.seq_length, x.device) if self.positions is None \
-                else self.local_rope(self.positions)
+        rope = self.rope(self.dims.seq_length, x.device, self.positions) if self.dims.position_embedding == "rope" \
+            else None
         return run_block(self.block, x, rope, self.rng, self.recompute and self.training)
 
 
@@ -121,7 +104,7 @@ def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition:
     tp = ps.tp_region(sequence_parallel, grad_bucket)
     rng = TPDropoutRNG(seed, ps.tp_rank)
     context = ps.context()
-    local_rope = LocalRope(dims)
+    rope = RopeTables(dims)
     embed_args = (EmbeddingPipe, dims, tp, rng, seed, context)
     layers: list = []
     for layer in spec.layers():
@@ -130,7 +113,7 @@ def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition:
                           if dims.tie_embeddings else LayerSpec(*embed_args))
         elif layer.kind == "block":
             layers.append(LayerSpec(BlockPipe, dims, tp, rng, seed, layer.prefix, activation_checkpointing,
-                                    spec.block or BlockSpec(), context, cp_impl, local_rope))
+                                    spec.block or BlockSpec(), context, cp_impl, rope))
         elif layer.kind == "final_norm":
             layers.append(LayerSpec(FinalNormPipe, dims, tp, seed))
         elif dims.tie_embeddings:  # the head is the embedding again
