@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 
@@ -133,19 +133,25 @@ class SampleSet:
         """The evaluation set's samples at `positions`: the samples in order."""
         return positions
 
-    def batch(self, indices: Sequence[int] | np.ndarray) -> Batch:
-        """(inputs, targets), each an int64 tensor of shape (len(indices), seq_length), targets shifted by one."""
-        return windows_batch([self[index] for index in indices])
+    def batch(self, indices: Sequence[int] | np.ndarray, positions: Optional[np.ndarray] = None) -> Batch:
+        """(inputs, targets), each an int64 tensor of shape (len(indices), seq_length), targets shifted by
+        one; only the tokens at `positions` of each sequence when given (windows_batch)."""
+        return windows_batch([self[index] for index in indices], positions)
 
 
-def windows_batch(windows: Sequence[np.ndarray]) -> Batch:
+def windows_batch(windows: Sequence[np.ndarray], positions: Optional[np.ndarray] = None) -> Batch:
     """(inputs, targets) of sample windows of seq_length + 1 tokens: int64 tensors of shape
-    (len(windows), seq_length), the targets shifted by one."""
+    (len(windows), seq_length), the targets shifted by one. `positions`: only the tokens at these
+    places of each sequence (a context-parallel rank's zig-zag shard), cut before any tensor is made."""
     # Imported lazily so tools that only build datasets do not pay for importing torch.
     import torch
 
-    tokens = torch.from_numpy(np.stack(windows).astype(np.int64))
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    tokens = np.stack(windows).astype(np.int64)
+    if positions is None:
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    else:
+        inputs, targets = tokens[:, positions], tokens[:, positions + 1]
+    return torch.from_numpy(np.ascontiguousarray(inputs)), torch.from_numpy(np.ascontiguousarray(targets))
 
 
 @lru_cache(maxsize=16)
@@ -199,8 +205,10 @@ def micro_batches(
     dp_rank: int,
     dp: int,
     seed: int,
+    positions: Optional[np.ndarray] = None,
 ) -> list[Batch]:
-    """This rank's micro-batches for global step `step`: its contiguous 1/dp slice of the step, in order."""
+    """This rank's micro-batches for global step `step`: its contiguous 1/dp slice of the step, in
+    order; of each sequence only the tokens at `positions` when given (context parallelism)."""
     _check_rank(dp_rank, dp)
     if micro_batch_size < 1 or global_batch_size % (micro_batch_size * dp) != 0:
         raise DataError(
@@ -211,12 +219,13 @@ def micro_batches(
     per_rank = global_batch_size // dp
     rank_indices = step_indices[dp_rank * per_rank : (dp_rank + 1) * per_rank]
     return [
-        samples.batch(rank_indices[start : start + micro_batch_size])
+        samples.batch(rank_indices[start : start + micro_batch_size], positions)
         for start in range(0, per_rank, micro_batch_size)
     ]
 
 
-def eval_batches(samples: SampleSet, num_batches: int, batch_size: int, dp_rank: int, dp: int) -> list[Batch]:
+def eval_batches(samples: SampleSet, num_batches: int, batch_size: int, dp_rank: int, dp: int,
+                 positions: Optional[np.ndarray] = None) -> list[Batch]:
     """This rank's evaluation micro-batches: global eval batch b is samples [b*B*dp, (b+1)*B*dp) (wrapping).
 
     `batch_size` is per rank, so the evaluated set is the first num_batches * batch_size * dp
@@ -231,6 +240,6 @@ def eval_batches(samples: SampleSet, num_batches: int, batch_size: int, dp_rank:
     batches = []
     for batch_number in range(num_batches):
         rank_start = (batch_number * dp + dp_rank) * batch_size
-        positions = np.arange(rank_start, rank_start + batch_size, dtype=np.int64) % len(samples)
-        batches.append(samples.batch(samples.ordered(positions)))
+        sample_positions = np.arange(rank_start, rank_start + batch_size, dtype=np.int64) % len(samples)
+        batches.append(samples.batch(samples.ordered(sample_positions), positions))
     return batches

@@ -21,7 +21,6 @@ from megaframe.checkpoint.universal import CheckpointError
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout, universal_checkpoint_unsupported
 from megaframe.data import micro_batches, eval_batches
-from megaframe.parallel.context import zigzag_shard
 from megaframe.data.token_check import cached_max_token_id, check_token_ids, max_token_id, remember_max_token_id
 from megaframe.engine import checkpoint
 from megaframe.engine.data_setup import DataSplits, build_data
@@ -31,6 +30,7 @@ from megaframe.engine.schedule import lr_scheduler_factory
 from megaframe.engine.step_guard import StepGuard
 from megaframe.failures import Diverged, RankHung
 from megaframe.model.factory import resolve_dims
+from megaframe.parallel.context import zigzag_positions
 from megaframe.parallel.hang import describe_hang, is_collective_timeout
 from megaframe.parallel.random import TPDropoutRNG
 from megaframe.parallel.state import ParallelState
@@ -54,6 +54,10 @@ class Trainer:
         if self.is_logger:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.data: DataSplits = build_data(cfg.data, cfg.model.seq_length)
+        # context parallelism: the cp ranks of one dp rank read the same samples, each keeping only
+        # its zig-zag shard of every sequence (cut by the data path, before tensors are made)
+        self.token_positions = (zigzag_positions(cfg.model.seq_length, layout.cp, self.ps.cp_rank).numpy()
+                                if layout.cp > 1 else None)
         self.dims = resolve_dims(cfg.model, self.data.vocab_size, tp=layout.tp)
         torch.manual_seed(cfg.train.seed)  # dropout streams; weights come from init_parameters
         self.backend = DeepSpeedBackend(cfg, layout, self.ps, self.dims,
@@ -106,8 +110,8 @@ class Trainer:
         it used. The guard is asked before the update whether a spiking loss skips it."""
         batches = micro_batches(self.data.train, self.step, self.layout.global_batch_size,
                                 self.layout.micro_batch_size, self.ps.dp_rank, self.layout.dp,
-                                self.cfg.train.seed)
-        batches = self.faults.batches(self.step + 1, self._context_shard(batches))
+                                self.cfg.train.seed, self.token_positions)
+        batches = self.faults.batches(self.step + 1, batches)
         lr = self.backend.lr()
         injected = self.faults.before_step(self.step + 1, self.backend.module)
         try:
@@ -123,16 +127,8 @@ class Trainer:
         """Mean loss over train.eval_steps global batches of held-out samples (same in every layout)."""
         # eval_steps global batches, fed as micro-batches: the same samples in every layout
         batches = eval_batches(self.data.valid, self.cfg.train.eval_steps * self.layout.grad_accum_steps,
-                               self.layout.micro_batch_size, self.ps.dp_rank, self.layout.dp)
-        return self.backend.eval_step(self._context_shard(batches))
-
-    def _context_shard(self, batches: list) -> list:
-        """Under context parallelism, this rank's zig-zag shard of every sequence (inputs and targets
-        alike): the cp ranks of one dp rank read the same samples and split their tokens."""
-        if self.layout.cp == 1:
-            return batches
-        cp, rank = self.layout.cp, self.ps.cp_rank
-        return [(zigzag_shard(inputs, cp, rank), zigzag_shard(targets, cp, rank)) for inputs, targets in batches]
+                               self.layout.micro_batch_size, self.ps.dp_rank, self.layout.dp, self.token_positions)
+        return self.backend.eval_step(batches)
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def _resume(self) -> None:
