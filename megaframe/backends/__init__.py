@@ -48,6 +48,9 @@ class Backend(Protocol):
     def precision_state(self) -> dict[str, Any]:
         """fp16 only: the current loss scale and the steps skipped on overflow."""
 
+    def router_metrics(self) -> dict[str, float]:
+        """Mixture-of-Experts router metrics since the last call ({} for a dense model); a collective."""
+
     def held_model_states(self) -> dict[str, int]:
         """Bytes of weights, gradients, optimizer states, buckets and other this rank holds."""
 

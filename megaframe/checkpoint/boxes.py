@@ -2,7 +2,7 @@
 
 A rank's share of a parameter is a contiguous flat range of its tensor-parallel shard (ZeRO
 partitions the flattened shard), which is not a rectangle of the full tensor. flat_range_boxes cuts
-such a range into at most three rectangles (a partial first row, whole rows, a partial last row),
+such a range into a few rectangles (a partial first row, whole rows, a partial last row),
 so every stored chunk and every read request is a box of the full tensor and resharding is box
 intersection, whatever the layouts on either side. Pure Python: the planner and tests use it too.
 """
@@ -25,26 +25,29 @@ class Box(NamedTuple):
 
 
 def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
-    """The boxes covering elements [start, stop) of a row-major tensor of `shape` (1-D or 2-D), in order."""
+    """The boxes covering elements [start, stop) of a row-major tensor of `shape`, in order: a
+    partial first row (itself cut the same way one dimension down), whole rows, a partial last
+    row. At most 2*ndim - 1 boxes (3 for a matrix; stacked experts are 3-D)."""
     if start >= stop:
         return []
     if len(shape) == 1:
         return [Box((start,), (stop - start,))]
-    if len(shape) != 2:
-        raise ValueError(f"flat ranges of {len(shape)}-D tensors are not supported (shape {shape})")
-    cols = shape[1]
-    first_row, first_col = divmod(start, cols)
-    last_row, last_col = divmod(stop, cols)  # stop is exclusive: last_col elements of last_row
+    inner = prod(shape[1:])
+    first_row, first_offset = divmod(start, inner)
+    last_row, last_offset = divmod(stop, inner)  # stop is exclusive: last_offset elements of last_row
+
+    def within(row: int, a: int, b: int) -> list[Box]:
+        return [Box((row, *box.offset), (1, *box.shape)) for box in flat_range_boxes(shape[1:], a, b)]
     if first_row == last_row:
-        return [Box((first_row, first_col), (1, last_col - first_col))]
+        return within(first_row, first_offset, last_offset)
     boxes = []
-    if first_col:
-        boxes.append(Box((first_row, first_col), (1, cols - first_col)))
+    if first_offset:
+        boxes += within(first_row, first_offset, inner)
         first_row += 1
     if last_row > first_row:
-        boxes.append(Box((first_row, 0), (last_row - first_row, cols)))
-    if last_col:
-        boxes.append(Box((last_row, 0), (1, last_col)))
+        boxes.append(Box((first_row, *[0] * (len(shape) - 1)), (last_row - first_row, *shape[1:])))
+    if last_offset:
+        boxes += within(last_row, 0, last_offset)
     return boxes
 
 

@@ -11,6 +11,24 @@ from typing import Any, List, Optional
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-Experts MLPs (model.moe); num_experts=0 keeps every block dense."""
+
+    num_experts: int = 0  # routed experts per MoE block (0 = a dense model)
+    top_k: int = 2  # experts each token is sent to
+    ffn_hidden_size: Optional[int] = None  # one expert's MLP width; None = model.ffn_hidden_size
+    layer_freq: int = 1  # every layer_freq-th block (after the first dense ones) is MoE
+    first_dense_layers: int = 0  # the first blocks stay dense (DeepSeek keeps 1-3)
+    shared_experts: int = 0  # experts every token goes through (one MLP shared_experts times as wide)
+    capacity_factor: Optional[float] = None  # None = dropless; else each expert takes at most this x its even share
+    aux_loss_coeff: float = 0.01  # load-balancing loss (Switch / GShard): coeff * E * sum_i f_i * P_i
+    z_loss_coeff: float = 0.0  # router z-loss (ST-MoE): coeff * mean(logsumexp(logits)^2)
+    router_score: str = "softmax"  # softmax (Mixtral, Qwen) | sigmoid (DeepSeek-V3)
+    norm_topk_prob: bool = True  # renormalise the k chosen scores to sum to 1 (Mixtral, Qwen3 do)
+    bias_update_rate: float = 0.0  # aux-loss-free balancing (DeepSeek-V3): per-step expert-bias step; 0 = off
+
+
+@dataclass
 class ModelConfig:
     """Shape and flavour of the GPT (Megatron key names)."""
 
@@ -32,6 +50,9 @@ class ModelConfig:
     bias: bool = True  # biases in linear layers and LayerNorm (GPT-2 yes, Llama no)
     dropout: float = 0.0
     init_std: float = 0.02
+    head_dim: Optional[int] = None  # None = hidden_size / num_attention_heads (Qwen3 sets 128)
+    qk_norm: bool = False  # RMSNorm on each query and key head before RoPE (Qwen3, OLMoE)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass
@@ -42,6 +63,7 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1  # context parallelism: each sequence split over cp ranks (zig-zag chunks)
     cp_impl: str = "ring"  # ring (K/V blocks passed around the cp ranks) | ulysses (all-to-all over heads)
+    ep: int = 1  # expert parallelism: each MoE layer's experts split over ep of the dp x cp ranks
     dp: Optional[int] = None  # None = world_size / (tp * cp * pp)
     micro_batch_size: int = 4
     global_batch_size: int = 16

@@ -74,7 +74,10 @@ def resolve_layout(cfg: TrainConfig, world_size: int) -> Layout:
                 f"{named}*parallel.dp={degrees}*{dp}={model_parallel * dp} but the world "
                 f"size is {world_size}; set parallel.dp={world_size // model_parallel if world_size % model_parallel == 0 else 'null'} "
                 f"or launch {model_parallel * dp} ranks")
-    return Layout(ParallelDims(tp=p.tp, pp=p.pp, dp=dp, cp=p.cp), p.micro_batch_size, p.global_batch_size)
+    if (dp * p.cp) % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide dp*cp={dp * p.cp} (experts are split over the data- and "
+                          f"context-parallel ranks); launch a multiple of {p.ep * model_parallel} ranks or lower parallel.ep")
+    return Layout(ParallelDims(tp=p.tp, pp=p.pp, dp=dp, cp=p.cp, ep=p.ep), p.micro_batch_size, p.global_batch_size)
 
 
 # ---- rules on single groups -------------------------------------------------------------------
@@ -102,9 +105,11 @@ def check_model(cfg: TrainConfig) -> Optional[str]:
     if kv < 1 or m.num_attention_heads % kv:
         return (f"model.num_kv_heads={m.num_kv_heads} must divide model.num_attention_heads="
                 f"{m.num_attention_heads}; pick one of {_divisors(m.num_attention_heads)}")
-    if m.position_embedding == "rope" and (m.hidden_size // m.num_attention_heads) % 2:
-        return (f"model.position_embedding=rope needs an even head size, got hidden_size/heads="
-                f"{m.hidden_size // m.num_attention_heads}")
+    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
+    if m.head_dim is not None and m.head_dim < 1:
+        return f"model.head_dim={m.head_dim} must be >= 1 (or null for hidden_size/heads)"
+    if m.position_embedding == "rope" and head_dim % 2:
+        return f"model.position_embedding=rope needs an even head size, got {head_dim}"
     if m.ffn_hidden_size is not None and m.ffn_hidden_size < 1:
         return f"model.ffn_hidden_size={m.ffn_hidden_size} must be >= 1 (or null for the default)"
     if m.vocab_size is not None and m.vocab_size < 1:
@@ -383,6 +388,46 @@ def check_context_parallel(cfg: TrainConfig) -> Optional[str]:
     return None
 
 
+def check_moe(cfg: TrainConfig) -> Optional[str]:
+    """model.moe and parallel.ep: the router's shape, and the layouts expert parallelism takes."""
+    m, p = cfg.model.moe, cfg.parallel
+    if p.ep < 1:
+        return f"parallel.ep={p.ep} must be >= 1"
+    if m.num_experts == 0:
+        return f"parallel.ep={p.ep} needs experts to split; set model.moe.num_experts" if p.ep > 1 else None
+    if m.num_experts < 0:
+        return f"model.moe.num_experts={m.num_experts} must be >= 0 (0 = dense)"
+    if not 1 <= m.top_k <= m.num_experts:
+        return f"model.moe.top_k={m.top_k} must be between 1 and model.moe.num_experts={m.num_experts}"
+    if err := _choices("model.moe.router_score", m.router_score, ["softmax", "sigmoid"]):
+        return err
+    if m.layer_freq < 1 or not 0 <= m.first_dense_layers < cfg.model.num_layers:
+        return (f"model.moe.layer_freq={m.layer_freq} must be >= 1 and model.moe.first_dense_layers="
+                f"{m.first_dense_layers} below model.num_layers={cfg.model.num_layers}")
+    for key, value in (("model.moe.ffn_hidden_size", m.ffn_hidden_size), ("model.moe.capacity_factor", m.capacity_factor)):
+        if value is not None and value <= 0:
+            return f"{key}={value} must be > 0 (or null)"
+    for key, value in (("model.moe.shared_experts", m.shared_experts), ("model.moe.aux_loss_coeff", m.aux_loss_coeff),
+                       ("model.moe.z_loss_coeff", m.z_loss_coeff), ("model.moe.bias_update_rate", m.bias_update_rate)):
+        if value < 0:
+            return f"{key}={value} must be >= 0"
+    if m.num_experts % p.ep:
+        return (f"parallel.ep={p.ep} must divide model.moe.num_experts={m.num_experts}; pick ep in "
+                f"{[d for d in _divisors(m.num_experts) if d <= 64]}")
+    if p.ep > 1 and ((p.dp or 1) * p.cp) % p.ep and p.dp is not None:
+        return (f"parallel.ep={p.ep} must divide parallel.dp*parallel.cp={(p.dp or 1) * p.cp}: experts are split over "
+                "the data- and context-parallel ranks")
+    if cfg.zero.stage == 3:
+        return ("zero=stage3 does not take model.moe yet (DeepSpeed partitions experts over the expert-data-parallel "
+                "group only through its AutoEP layers); use zero=stage1 or zero=stage2")
+    if p.pp > 1:
+        return "parallel.pp > 1 does not take model.moe yet (the router losses of earlier stages); set parallel.pp=1"
+    if p.tp > 1 and ((cfg.model.seq_length // p.cp) * p.micro_batch_size) % p.tp:
+        return (f"model.moe with parallel.tp={p.tp} splits each rank's tokens over the TP ranks; make "
+                f"micro_batch_size*seq_length/cp divisible by {p.tp}")
+    return None
+
+
 def warnings(cfg: TrainConfig, layout: Layout) -> list[str]:
     """Legal but wasteful settings, printed once before launch."""
     found = []
@@ -432,7 +477,7 @@ def validate(cfg: TrainConfig, world_size: int,
         if err := rule(cfg):
             raise ConfigError(err)
     layout = resolve_layout(cfg, world_size)
-    for rule in (check_tensor_parallel, check_context_parallel):
+    for rule in (check_tensor_parallel, check_context_parallel, check_moe):
         if err := rule(cfg):
             raise ConfigError(err)
     if err := check_batch(cfg, layout):

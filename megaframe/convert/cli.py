@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from megaframe.config.schema import ModelConfig
+from megaframe.config.schema import ModelConfig, MoEConfig
 from megaframe.convert import files
 from megaframe.convert.hf import (ConvertError, check_tied_copy, config_from_hf, plan_shapes, state_from_hf_plan,
                                   to_hf_plan)
@@ -34,12 +34,15 @@ def model_config(state: dict, where: Path) -> ModelConfig:
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     if unknown := sorted(recorded.keys() - known):
         raise ConvertError(f"{where}: state.json model.{unknown[0]} is not a ModelConfig field of this megaframe version")
+    if isinstance(recorded.get("moe"), dict):  # nested dataclasses come back from JSON as dicts
+        recorded = {**recorded, "moe": MoEConfig(**recorded["moe"])}
     return ModelConfig(**recorded)
 
 
 def model_overrides(cfg: ModelConfig) -> list[str]:
     """`model.KEY=VALUE` Hydra overrides that recreate `cfg` on the megaframe-train command line."""
-    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)}
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig) if f.name != "moe"}
+    values.update({f"moe.{f.name}": getattr(cfg.moe, f.name) for f in dataclasses.fields(MoEConfig)})
     # JSON spells null/true/false and numbers as Hydra's override grammar reads them
     return [f"model.{key}={value if isinstance(value, str) else json.dumps(value)}" for key, value in values.items()]
 

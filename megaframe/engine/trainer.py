@@ -208,6 +208,7 @@ class Trainer:
         if self.peak_tflops:
             record["mfu"] = tflops / self.peak_tflops
         record.update(self.backend.precision_state())  # fp16: loss_scale
+        record.update(self.backend.router_metrics())  # MoE: aux/z losses, expert load, dropped tokens
         record["skipped_steps"] = self.guard.skipped_steps
         if self.data.blended:  # per source: where the blend's tokens came from so far
             for name, tokens in self.data.train.consumed_tokens(self.step, self.layout.global_batch_size).items():

@@ -3,9 +3,32 @@ can reason about shapes without paying torch's import time in the launching proc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from megaframe.config.schema import ModelConfig
 from megaframe.config.validate import ffn_hidden_size, padded_vocab_size
+
+
+@dataclass(frozen=True)
+class MoEDims:
+    """Resolved Mixture-of-Experts shape (model.moe): which blocks route, how wide an expert is."""
+
+    num_experts: int
+    top_k: int
+    ffn_hidden_size: int  # one expert's MLP width
+    layer_freq: int
+    first_dense_layers: int
+    shared_experts: int
+    capacity_factor: Optional[float]  # None = dropless
+    aux_loss_coeff: float
+    z_loss_coeff: float
+    router_score: str  # softmax | sigmoid
+    norm_topk_prob: bool
+    bias_update_rate: float
+
+    def is_moe_block(self, index: int) -> bool:
+        """Block `index` (0-based) has routed experts in place of its dense MLP."""
+        return index >= self.first_dense_layers and (index - self.first_dense_layers) % self.layer_freq == 0
 
 
 @dataclass(frozen=True)
@@ -29,10 +52,20 @@ class GPTDims:
     bias: bool
     dropout: float
     init_std: float
+    head_dim: int = 0  # 0 = hidden_size / num_heads (dims built by hand in tests leave it out)
+    qk_norm: bool = False
+    moe: Optional[MoEDims] = None  # None: every block dense
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+
+    def is_moe_block(self, index: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_block(index)
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def num_moe_blocks(self) -> int:
+        return sum(self.is_moe_block(i) for i in range(self.num_layers))
 
 
 def resolve_dims(cfg: ModelConfig, tokenizer_vocab_size: int, tp: int = 1) -> GPTDims:
@@ -56,4 +89,19 @@ def resolve_dims(cfg: ModelConfig, tokenizer_vocab_size: int, tp: int = 1) -> GP
         bias=cfg.bias,
         dropout=cfg.dropout,
         init_std=cfg.init_std,
+        head_dim=cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads,
+        qk_norm=cfg.qk_norm,
+        moe=resolve_moe(cfg),
     )
+
+
+def resolve_moe(cfg: ModelConfig) -> Optional[MoEDims]:
+    """MoEDims for model.moe, None for a dense model (num_experts 0)."""
+    m = cfg.moe
+    if not m.num_experts:
+        return None
+    return MoEDims(num_experts=m.num_experts, top_k=m.top_k,
+                   ffn_hidden_size=m.ffn_hidden_size or ffn_hidden_size(cfg), layer_freq=m.layer_freq,
+                   first_dense_layers=m.first_dense_layers, shared_experts=m.shared_experts,
+                   capacity_factor=m.capacity_factor, aux_loss_coeff=m.aux_loss_coeff, z_loss_coeff=m.z_loss_coeff,
+                   router_score=m.router_score, norm_topk_prob=m.norm_topk_prob, bias_update_rate=m.bias_update_rate)

@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megaframe.model.dims import GPTDims
+from megaframe.model.moe import AddAux, MoE, RouterStats
 from megaframe.parallel.context import ContextGroup, ring_attention, ulysses_attention, zigzag_positions
+from megaframe.parallel.experts import ExpertGroup
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaframe.parallel.layers import ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding
 from megaframe.parallel.mappings import gather_from_tp_region, scatter_to_sequence_parallel_region
@@ -42,18 +44,21 @@ class LayerNorm(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Llama): no mean subtraction, no bias."""
+    """Root-mean-square norm (Llama): no mean subtraction, no bias. width: what it normalises (the
+    hidden size, or one head's size for QK-norm, whose gain then serves this TP rank's heads only)."""
 
-    def __init__(self, dims: GPTDims, tp: TPGroup):
+    def __init__(self, dims: GPTDims, tp: TPGroup, width: Optional[int] = None):
         super().__init__()
         self.tp, self.eps = tp, dims.norm_eps
-        self.weight = nn.Parameter(torch.ones(dims.hidden_size))
+        self.per_head = width is not None
+        self.weight = nn.Parameter(torch.ones(width or dims.hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in fp32 for stability under bf16, as Llama does
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.tp.sync_grad(self.weight) * x32.to(x.dtype)
+        weight = self.tp.sync_grad(self.weight, on_shards=True if self.per_head else None)
+        return weight * x32.to(x.dtype)
 
 
 def build_norm(dims: GPTDims, tp: TPGroup) -> nn.Module:
@@ -192,6 +197,9 @@ class Attention(nn.Module):
         explicit = None if one_to_one or self.sdpa_gqa else torch.tensor(kv_index)
         self.register_buffer("kv_index", explicit, persistent=False)
         self.out_proj = RowParallelLinear(dims.num_heads * hs, dims.hidden_size, tp, dims.bias)
+        # QK-norm (Qwen3): RMSNorm over each query and key head, before RoPE
+        self.q_norm = RMSNorm(dims, tp, width=hs) if dims.qk_norm else None
+        self.k_norm = RMSNorm(dims, tp, width=hs) if dims.qk_norm else None
         self.resid_dropout = Dropout(dims.dropout, rng, split_across_tp=tp.sequence_parallel)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -201,6 +209,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh/tp, T, hs)
         k = self.k_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nkv local, T, hs)
         v = self.v_proj(x).view(B, T, -1, hs).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
@@ -243,29 +253,39 @@ class MLP(nn.Module):
 
 @dataclass(frozen=True)
 class BlockSpec:
-    """The modules a block is built from, each called as (dims, tp[, rng]): a ring-attention or
-    MoE module replaces `attention` or `mlp` here, the block around it unchanged."""
+    """The modules a block is built from, each called as (dims, tp[, rng]): a ring-attention
+    module replaces `attention` here, the block around it unchanged; blocks the config makes
+    Mixture-of-Experts (model.moe) take `moe` for their MLP."""
 
     attention: Callable[..., nn.Module] = Attention
     mlp: Callable[..., nn.Module] = MLP
     norm: Callable[..., nn.Module] = build_norm
+    moe: Callable[..., nn.Module] = MoE
 
     def across(self, context: Optional[ContextGroup], cp_impl: str) -> "BlockSpec":
-        """This spec with attention across the cp ranks of `context` (unchanged without one)."""
+        """This spec with attention across the cp ranks of `context` (unchanged without one); the
+        router's token counts then span the cp ranks too."""
         if context is None:
             return self
-        return dataclasses.replace(self, attention=functools.partial(self.attention, context=context, cp_impl=cp_impl))
+        return dataclasses.replace(self, attention=functools.partial(self.attention, context=context, cp_impl=cp_impl),
+                                   moe=functools.partial(self.moe, context=context))
+
+    def with_experts(self, ep: ExpertGroup) -> "BlockSpec":
+        """This spec with MoE layers holding this rank's share of the experts (parallel.ep)."""
+        return self if ep.size == 1 else dataclasses.replace(self, moe=functools.partial(self.moe, ep=ep))
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block (on sequence shards between the TP regions under SP)."""
+    """Pre-norm transformer block (on sequence shards between the TP regions under SP); block
+    `index` has a Mixture-of-Experts MLP where the config says so."""
 
-    def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG], spec: BlockSpec = BlockSpec()):
+    def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG], spec: BlockSpec = BlockSpec(),
+                 index: int = 0):
         super().__init__()
         self.attn_norm = spec.norm(dims, tp)
         self.attn = spec.attention(dims, tp, rng)
         self.mlp_norm = spec.norm(dims, tp)
-        self.mlp = spec.mlp(dims, tp, rng)
+        self.mlp = spec.moe(dims, tp, rng) if dims.is_moe_block(index) else spec.mlp(dims, tp, rng)
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)
@@ -326,15 +346,17 @@ class GPT(nn.Module):
 
     def __init__(self, dims: GPTDims, tp: TPGroup = TPGroup(), rng: Optional[TPDropoutRNG] = None,
                  activation_checkpointing: bool = False, block: BlockSpec = BlockSpec(),
-                 context: Optional[ContextGroup] = None, cp_impl: str = "ring"):
+                 context: Optional[ContextGroup] = None, cp_impl: str = "ring", ep: ExpertGroup = ExpertGroup()):
         super().__init__()
         self.dims, self.tp, self.rng = dims, tp, rng
         self.activation_checkpointing = activation_checkpointing
         register_positions(self, dims, context)
         self.rope = RopeTables(dims)
         self.embed = Embedding(dims, tp, rng)
-        self.blocks = nn.ModuleList([Block(dims, tp, rng, block.across(context, cp_impl))
-                                     for _ in range(dims.num_layers)])
+        spec = block.across(context, cp_impl).with_experts(ep)
+        self.blocks = nn.ModuleList([Block(dims, tp, rng, spec, i) for i in range(dims.num_layers)])
+        self.moe_layers = [b.mlp for b in self.blocks if isinstance(b.mlp, MoE)]  # not a ModuleList: no new names
+        self.router_stats = RouterStats()
         self.final_norm = build_norm(dims, tp)
         self.head = None if dims.tie_embeddings else ColumnParallelLinear(
             dims.hidden_size, dims.padded_vocab_size, tp, bias=False)
@@ -355,8 +377,14 @@ class GPT(nn.Module):
         return gather_from_tp_region(self.parallel_logits(idx), self.tp.group)[..., : self.dims.vocab_size]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(self.parallel_logits(idx), targets, self.tp,
+        loss = vocab_parallel_cross_entropy(self.parallel_logits(idx), targets, self.tp,
                                             self.embed.tok.vocab_start, self.dims.vocab_size)
+        if not self.moe_layers:
+            return loss
+        if self.training:
+            self.router_stats.add(self.moe_layers)
+        # the value stays the language-model loss; the router losses train through its gradient
+        return AddAux.apply(loss, sum(layer.aux_loss for layer in self.moe_layers))
 
 
 # ---- layout-invariant initialisation ---------------------------------------------------------
@@ -377,7 +405,7 @@ def full_init_value(name: str, shape: tuple[int, ...], dims: GPTDims, seed: int)
     if "norm" in name:
         return torch.ones(shape)
     std = dims.init_std
-    if name.endswith(("out_proj.weight", "down_proj.weight")):
+    if name.endswith(("out_proj.weight", "down_proj.weight", "experts.down_proj")):
         std = std / math.sqrt(2 * dims.num_layers)  # GPT-2: scale residual-branch outputs by depth
     generator = torch.Generator().manual_seed(_name_seed(seed, name))
     return torch.randn(shape, generator=generator).mul_(std)  # in place: one full tensor at a time

@@ -37,14 +37,25 @@ def grad_norm(model: torch.nn.Module, ps: ParallelState) -> float:
     parameters replicated across TP ranks counted on TP rank 0 only; pipeline stages are summed,
     with a tied embedding counted once (DeepSpeed marks its other copies `ds_pipe_replicated`).
     Accumulated in fp64, as DeepSpeed's ZeRO optimizers do, so that curves compare across stages.
+    Experts split over ep ranks (ShardSpec axis "ep") are summed over the ep group.
     """
-    grads = [p.grad.detach() for p in model.parameters()
-             if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
-             and (ps.tp_rank == 0 or getattr(p, "tensor_model_parallel", False))]
+    counted = [p for p in model.parameters()
+               if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
+               and (ps.tp_rank == 0 or getattr(p, "tensor_model_parallel", False))]
+    experts = [p.grad.detach() for p in counted if _split_over_ep(p)]
     # a rank without gradients still joins the all-reduces, with a zero on the model's device
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    sq = _sum_of_squares(grads, device).reshape(1)
+    sq = _sum_of_squares([p.grad.detach() for p in counted if not _split_over_ep(p)], device).reshape(1)
+    if ps.grid.ep > 1:
+        expert_sq = _sum_of_squares(experts, device).reshape(1)
+        dist.all_reduce(expert_sq, group=ps.group("ep"))
+        sq += expert_sq
     for degree, group in ((ps.tp, ps.tp_group), (ps.pp, ps.pp_group)):
         if degree > 1:
             dist.all_reduce(sq, group=group)
     return sq.sqrt().item()
+
+
+def _split_over_ep(param) -> bool:
+    shard = getattr(param, "shard", None)
+    return shard is not None and shard.axis == "ep" and getattr(param, "partition_count", 1) > 1

@@ -195,3 +195,73 @@ def gather_from_sequence_parallel_region(x, group):
 def reduce_scatter_to_sequence_parallel_region(x, group):
     """Reduce-scatter the sequence forward; all-gather backward."""
     return _apply(_ReduceScatterToSequence, x, group)
+
+
+# ---- tokens: (N, C) rows, for the Mixture-of-Experts layer ---------------------------------------
+
+class _SplitTokens(torch.autograd.Function):
+    """Forward keep this rank's 1/size of the rows, backward all-gather them (the rows' gradients
+    come from the rank that routed them)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, 0, ctx.group), None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Forward all-gather the rows, backward keep this rank's rows (downstream of here every rank
+    holds the same, whole gradient: a replicated region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, 0, ctx.group), None
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """Rows to ranks: input_splits[j] rows go to rank j, output_splits[j] come from it; backward
+    sends the gradients back the same way reversed."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.group, ctx.splits = group, (output_splits, input_splits)
+        return _all_to_all_rows(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all_rows(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+def _all_to_all_rows(x: torch.Tensor, output_splits, input_splits, group) -> torch.Tensor:
+    rows = sum(output_splits) if output_splits is not None else x.shape[0]
+    out = x.new_empty((rows, *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+def split_tokens(x, group):
+    """Keep this rank's contiguous 1/size of the rows forward; all-gather the gradient backward."""
+    return _apply(_SplitTokens, x, group)
+
+
+def gather_tokens(x, group):
+    """All-gather the rows forward; keep this rank's rows of the gradient backward."""
+    return _apply(_GatherTokens, x, group)
+
+
+@torch.compiler.disable
+def all_to_all_rows(x: torch.Tensor, output_splits, input_splits, group) -> torch.Tensor:
+    """All-to-all of rows with per-rank counts (None: equal parts), differentiable."""
+    if _size(group) == 1:
+        return x
+    return _AllToAllRows.apply(x, output_splits, input_splits, group)

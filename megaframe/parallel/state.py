@@ -92,6 +92,14 @@ class ParallelState(OnGrid):
         ranks = tuple(self.group_ranks("cp"))  # ascending ranks are cp order: cp is the next-fastest axis
         return ContextGroup(self.group("cp"), ranks, ranks.index(self.rank))
 
+    def experts(self):
+        """The ExpertGroup of this rank (model/moe.py): its ep group, size and ep rank."""
+        from megaframe.parallel.experts import ExpertGroup
+
+        if self.grid.ep == 1:
+            return ExpertGroup()
+        return ExpertGroup(self.group("ep"), self.grid.ep, self.coords.ep)
+
     @property
     def tp_group(self):
         return self.group("tp")

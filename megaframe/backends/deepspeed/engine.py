@@ -22,6 +22,7 @@ from megaframe.backends import Batch, StepResult
 from megaframe.backends.deepspeed import state_io
 from megaframe.backends.deepspeed.build_locks import load_ops
 from megaframe.backends.deepspeed.ds_config import to_ds_config
+from megaframe.backends.deepspeed.experts import mark_expert_parallel
 from megaframe.backends.deepspeed.memory import held_model_states
 from megaframe.backends.deepspeed.nvme import open_nvme_swap
 from megaframe.backends.deepspeed.pipeline import build_pipeline_model
@@ -83,7 +84,9 @@ def decay_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict
         return len(getattr(p, "ds_shape", p.shape)) >= 2
     decay = [p for p in model.parameters() if p.requires_grad and matrix(p)]
     no_decay = [p for p in model.parameters() if p.requires_grad and not matrix(p)]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # named: DeepSpeed splits each group's experts into a group of their own by this name (MoE)
+    return [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
 
 
 class DeepSpeedBackend:
@@ -111,6 +114,7 @@ class DeepSpeedBackend:
         else:
             module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel,
                                  grad_bucket=self.grad_bucket, cp_impl=p.cp_impl)
+        mark_expert_parallel(module, ps)
         self.compiled_blocks = compile_blocks(module) if cfg.train.compile else 0
         self.module = module
         self.num_parameters = self._count_parameters(module)
@@ -255,6 +259,26 @@ class DeepSpeedBackend:
         scale = next((getattr(self.engine.optimizer, a) for a in ("cur_scale", "loss_scale")
                       if isinstance(getattr(self.engine.optimizer, a, None), (int, float, torch.Tensor))), None)
         return {"loss_scale": None if scale is None else float(scale)}
+
+    def router_metrics(self) -> dict[str, float]:
+        """MoE router metrics since the last call (every rank calls it: one all-reduce): per MoE layer
+        and micro-batch, the aux and z losses added to the loss; the busiest expert's load over the
+        mean (max over layers); the share of assignments dropped over capacity."""
+        stats = getattr(self.module, "router_stats", None)
+        if stats is None or stats.sums is None:
+            return {}
+        layers, g = stats.counts.shape[0], self.ps.grid
+        packed = torch.cat([stats.sums.double(), stats.counts.double().flatten()])
+        if g.world_size > 1:
+            dist.all_reduce(packed)
+        sums, counts = packed[:4], packed[4:].view(layers, -1)
+        # aux/z: each rank added cp x its tokens' part; counts: the same on every tp x cp rank of a micro-batch
+        per_micro_batch = g.cp * g.dp * stats.forwards * layers
+        load = counts / counts.mean(1, keepdim=True)
+        values = torch.stack([sums[0] / per_micro_batch, sums[1] / per_micro_batch, load.max(),
+                              sums[2] / (sums[3] / (g.tp * g.cp))]).tolist()
+        stats.reset()
+        return dict(zip(("moe/aux_loss", "moe/z_loss", "moe/max_load", "moe/dropped_fraction"), values))
 
     def held_model_states(self) -> dict[str, int]:
         return held_model_states(self.engine)

@@ -120,10 +120,15 @@ def _holding(view: EngineView, name: str, param) -> Holding:
                + mapping.lp_fragment_address.numel) if mapping is not None else (0, 0)
     else:
         kind = "plain"
-        # the dp x cp replicas of the parameter split its state evenly, as DeepSpeed's ZeRO does
-        own = even_range(numel, view.ps.dp_rank * view.ps.cp + view.ps.cp_rank, view.ps.dp * view.ps.cp)
-    writes = not getattr(param, "ds_pipe_replicated", False) and (
-        getattr(param, "partition_count", 1) > 1 or view.ps.tp_rank == 0)
+        # the replicas of the parameter split its state evenly, as DeepSpeed's ZeRO does: the dp x cp
+        # ranks, or for experts split over ep ranks their expert-data-parallel (edp) ranks
+        if getattr(param, "shard", None) is not None and param.shard.axis == "ep" and view.ps.grid.ep > 1:
+            own = even_range(numel, view.ps.coords.edp, view.ps.grid.edp)
+        else:
+            own = even_range(numel, view.ps.dp_rank * view.ps.cp + view.ps.cp_rank, view.ps.dp * view.ps.cp)
+    # TP shards write from every TP rank; anything else (experts too: not TP-split) from TP rank 0
+    tp_sharded = getattr(param, "partition_count", 1) > 1 and param.shard.axis == "tp"
+    writes = not getattr(param, "ds_pipe_replicated", False) and (tp_sharded or view.ps.tp_rank == 0)
     return Holding(name, param, full_shape, local_shape, tuple(offset), own, writes, kind)
 
 
@@ -329,6 +334,8 @@ def layout_record(view: EngineView) -> dict[str, Any]:
     record = {"tp": view.ps.tp, "pp": view.ps.pp, "dp": view.ps.dp, "zero_stage": view.zero_stage, "dtype": view.dtype}
     if view.ps.cp > 1:  # absent at cp=1, so records written before cp existed still match
         record["cp"] = view.ps.cp
+    if view.ps.grid.ep > 1:
+        record["ep"] = view.ps.grid.ep
     return record
 
 

@@ -1,0 +1,51 @@
+"""Expert parallelism as DeepSpeed's engine sees it.
+
+DeepSpeed reduces a parameter marked `allreduce=False` (an expert: model/moe.py marks them) over
+the expert-data-parallel group named by its `group_name`, and ZeRO-1/2 partition its optimizer
+state over that group, but only once the engine believes the model has MoE layers, which it
+decides by looking for its own MoE class, and only with that group registered in
+deepspeed.utils.groups. ExpertGroupsMarker is that belief: a module without parameters, of
+DeepSpeed's MoE class, whose set_deepspeed_parallelism (the engine calls it on every module that
+has one) registers megaframe's ep and edp groups from the ParallelState, so the ranks are the
+grid's (parallel/dims.py), not a second layout of DeepSpeed's making.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+from deepspeed.moe.layer import MoE as DeepSpeedMoE
+from deepspeed.utils import groups
+
+from megaframe.parallel.state import ParallelState
+
+MARKER_NAME = "deepspeed_expert_groups"
+
+
+class ExpertGroupsMarker(DeepSpeedMoE):
+    """Tells DeepSpeed's engine the model has experts, and which ranks hold and replicate them."""
+
+    def __init__(self, ps: ParallelState, num_experts: int):
+        nn.Module.__init__(self)  # DeepSpeed's MoE.__init__ would build its own gate and experts
+        self.num_experts = num_experts
+        self.ep_size = ps.grid.ep
+        self.num_local_experts = num_experts // ps.grid.ep
+        self.expert_group_name = f"ep_size_{ps.grid.ep}"
+        self.__dict__["_ps"] = ps  # not a submodule
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        ps, name = self._ps, self.expert_group_name
+        groups._EXPERT_PARALLEL_GROUP[name] = ps.group("ep")
+        groups._EXPERT_PARALLEL_GROUP_RANKS[name] = ps.group_ranks("ep")
+        groups._EXPERT_DATA_PARALLEL_GROUP[name] = ps.group("edp")
+        groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = ps.group_ranks("edp")
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("ExpertGroupsMarker only informs DeepSpeed's engine; it computes nothing")
+
+
+def mark_expert_parallel(module: nn.Module, ps: ParallelState) -> None:
+    """Attach the marker when experts are split over ep ranks (with ep=1 they are dense parameters)."""
+    if ps.grid.ep == 1:
+        return
+    layers = getattr(module, "moe_layers", [])
+    if layers:
+        module.add_module(MARKER_NAME, ExpertGroupsMarker(ps, layers[0].moe.num_experts))
