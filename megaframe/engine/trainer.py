@@ -25,6 +25,7 @@ from megaframe.data.token_check import cached_max_token_id, check_token_ids, max
 from megaframe.engine import checkpoint
 from megaframe.engine.data_setup import DataSplits, build_data
 from megaframe.engine.failure_report import report_failure
+from megaframe.model.moe import load_router_biases, router_biases
 from megaframe.engine.faults import Faults
 from megaframe.engine.schedule import lr_scheduler_factory
 from megaframe.engine.step_guard import StepGuard
@@ -151,6 +152,7 @@ class Trainer:
         point = checkpoint.load_any(self.backend, path, verified=verified)
         self.step = point.step
         self.guard.load_state_dict(point.client_state.get("guard", {}))
+        load_router_biases(getattr(self.backend.module, "moe_layers", []), point.client_state.get("router_biases", {}))
         blend_cursor = point.client_state.get("blend_cursor")
         if self.data.blended and blend_cursor is not None:
             # saves re-walking the blend from sample 0; where it is absent the walk gives the same samples
@@ -171,6 +173,8 @@ class Trainer:
         state = {"step": self.step, "consumed_samples": self.consumed_samples,
                  "global_batch_size": self.layout.global_batch_size, "layout": self.backend.layout_record(),
                  "guard": self.guard.state_dict()}
+        if biases := router_biases(getattr(self.backend.module, "moe_layers", [])):
+            state["router_biases"] = biases  # MoE bias balancing: whole per layer, the same on every rank
         if self.data.blended:
             state["blend_cursor"] = self.data.train.cursor_at(self.consumed_samples,
                                                               self.layout.global_batch_size).state_dict()
@@ -247,7 +251,8 @@ class Trainer:
         c = self.cfg
         return (f"megaframe: {c.model.arch} {self.num_parameters / 1e6:.2f}M params "
                 f"(layers={c.model.num_layers} hidden={c.model.hidden_size} heads={c.model.num_attention_heads} "
-                f"vocab={self.dims.vocab_size} padded to {self.dims.padded_vocab_size}) | "
+                f"vocab={self.dims.vocab_size} padded to {self.dims.padded_vocab_size}"
+                f"{self._moe_summary()}) | "
                 f"layout {self.layout.grid.describe()}"
                 f"{f' cp_impl={c.parallel.cp_impl}' if self.layout.cp > 1 else ''} | zero={c.zero.stage} "
                 f"offload={c.offload.optimizer}/{c.offload.param} precision={c.precision.dtype}"
@@ -257,6 +262,14 @@ class Trainer:
                 f"train samples={len(self.data.train)} valid samples={len(self.data.valid or ())} | "
                 f"device {self._device_name()} | run dir {self.run_dir}"
                 f"\n{plan_summary(self.memory_plan)}")
+
+    def _moe_summary(self) -> str:
+        moe = self.dims.moe
+        if moe is None:
+            return ""
+        dropping = "dropless" if moe.capacity_factor is None else f"capacity {moe.capacity_factor}"
+        return (f" moe={self.dims.num_moe_blocks} blocks x {moe.num_experts} experts top-{moe.top_k} {dropping}"
+                f"{f' +{moe.shared_experts} shared' if moe.shared_experts else ''}")
 
     def _device_name(self) -> str:
         """This rank's device, with the GPU's name: 'cuda:0 (NVIDIA H100 80GB HBM3)', or 'cpu'."""

@@ -58,7 +58,9 @@ class Router(nn.Module):
         moe = dims.moe
         self.tp, self.moe = tp, moe
         self.weight = nn.Parameter(torch.empty(moe.num_experts, dims.hidden_size))
-        self.register_buffer("expert_bias", torch.zeros(moe.num_experts) if moe.bias_update_rate else None)
+        # not persistent: checkpoints keep it in their state (router_biases), whole on every layout
+        self.register_buffer("expert_bias", torch.zeros(moe.num_experts) if moe.bias_update_rate else None,
+                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, C) -> logits (N, E) fp32, scores (N, E) fp32, top_idx (N, k), top_weights (N, k) fp32."""
@@ -131,6 +133,7 @@ class MoE(nn.Module):
         self.dropout = Dropout(dims.dropout, rng, split_across_tp=tp.sequence_parallel)
         self.aux_loss: Optional[torch.Tensor] = None  # what this layer adds to the loss, with its graph
         self.stats: dict[str, torch.Tensor] = {}  # detached, for metrics
+        self.step_counts: Optional[torch.Tensor] = None  # bias balancing: this rank's assignments this step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T, C), replicated over TP (or, under SP, this rank's sequence shard) -> same shape."""
@@ -141,6 +144,8 @@ class MoE(nn.Module):
         logits, scores, top_idx, top_weights = self.router(tokens)
         counts = torch.bincount(top_idx.flatten(), minlength=self.moe.num_experts)
         self._router_losses(logits, scores, counts)
+        if self.router.expert_bias is not None and self.training:
+            self.step_counts = counts if self.step_counts is None else self.step_counts + counts
         routed = self._dispatch_compute_combine(tokens, top_idx, top_weights, counts)
         if not self.tp.sequence_parallel:
             routed = gather_tokens(routed, self.tp.group)
@@ -239,6 +244,38 @@ def _expert_major_order(received_counts: torch.Tensor, rows: int) -> torch.Tenso
     new_starts = torch.cumsum(sizes, 0) - sizes
     shift = torch.repeat_interleave(starts - new_starts, sizes, output_size=rows)
     return torch.arange(rows, device=received_counts.device) + shift
+
+
+@torch.no_grad()
+def update_expert_biases(layers: list[MoE], apply: bool = True, world_group=None) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3): after each step, every routed layer's bias moves
+    bias_update_rate towards the experts that took fewer than the mean of the step's assignments,
+    counted over all ranks (one all-reduce for all layers), so every rank keeps the same biases."""
+    balanced = [layer for layer in layers if layer.router.expert_bias is not None and layer.step_counts is not None]
+    if not balanced:
+        return
+    if not apply:
+        for layer in balanced:
+            layer.step_counts = None
+        return
+    counts = torch.stack([layer.step_counts for layer in balanced]).float()
+    if dist.is_initialized() and dist.get_world_size(world_group) > 1:
+        dist.all_reduce(counts, group=world_group)
+    for layer, load in zip(balanced, counts):
+        layer.router.expert_bias += layer.moe.bias_update_rate * torch.sign(load.mean() - load)
+        layer.step_counts = None
+
+
+def router_biases(layers: list[MoE]) -> dict[str, list[float]]:
+    """The balancing biases by layer position, for a checkpoint's state (a host read: at saves only)."""
+    return {str(i): layer.router.expert_bias.tolist() for i, layer in enumerate(layers)
+            if layer.router.expert_bias is not None}
+
+
+def load_router_biases(layers: list[MoE], saved: dict[str, list[float]]) -> None:
+    for i, layer in enumerate(layers):
+        if layer.router.expert_bias is not None and str(i) in saved:
+            layer.router.expert_bias.copy_(torch.tensor(saved[str(i)]))
 
 
 class RouterStats:

@@ -33,6 +33,7 @@ from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims
 from megaframe.model.factory import build_model, compile_blocks, count_parameters
+from megaframe.model.moe import update_expert_biases
 from megaframe.parallel.elastic import join_restarted_group
 from megaframe.parallel.grad_bucket import ReplicatedGradBucket
 from megaframe.parallel.grad_norm import grad_norm
@@ -228,10 +229,13 @@ class DeepSpeedBackend:
                 self.engine.backward(gate(self.engine(inputs, targets)))
                 self.engine.step()
             loss = gate.mean()
+        applied = bool(self.engine.was_step_applied())
+        # MoE bias balancing: a skipped step's routing moves no bias
+        update_expert_biases(getattr(self.module, "moe_layers", []), apply=applied)
         if not self._norm_from_grads:
             # kept as DeepSpeed returns it (a device tensor under ZeRO): read on the host at log steps only
             self._last_grad_norm = self.engine.get_global_grad_norm()
-        return StepResult(loss=loss, applied=bool(self.engine.was_step_applied()))
+        return StepResult(loss=loss, applied=applied)
 
     @torch.no_grad()
     def eval_step(self, batches: list[Batch]) -> float:

@@ -1,0 +1,157 @@
+"""The MoE layer on one rank against references written independently of it: a per-token loop
+over the chosen experts, the load-balancing and z losses computed from their textbook formulas
+(and their gradients by autograd through those formulas), and brute-force index orders."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megaframe.config.schema import ModelConfig, MoEConfig
+from megaframe.model.dims import resolve_dims
+from megaframe.model.gpt import GPT, init_parameters
+from megaframe.model.moe import AddAux, MoE, _expert_major_order, update_expert_biases
+
+E, K, H, FFN = 6, 2, 32, 48
+
+
+def _layer(activation="swiglu", **moe) -> MoE:
+    cfg = ModelConfig(num_layers=1, hidden_size=H, num_attention_heads=4, activation=activation,
+                      moe=MoEConfig(num_experts=E, top_k=K, ffn_hidden_size=FFN, **moe))
+    dims = resolve_dims(cfg, 64)
+    layer = MoE(dims, GPT(dims).tp)
+    init_parameters(layer, "blocks.0.mlp", dims, seed=3)
+    return layer
+
+
+def _reference(layer: MoE, x: torch.Tensor, dropped: set = frozenset()) -> torch.Tensor:
+    """Each token through its top-k experts, one at a time (no sorting, no grouped GEMM)."""
+    moe = layer.moe
+    tokens = x.reshape(-1, H)
+    logits = tokens @ layer.router.weight.t()
+    scores = logits.softmax(-1) if moe.router_score == "softmax" else logits.sigmoid()
+    out = torch.zeros_like(tokens)
+    for t in range(tokens.shape[0]):
+        chosen = torch.topk(scores[t], moe.top_k).indices
+        weights = scores[t, chosen]
+        if moe.norm_topk_prob:
+            weights = weights / weights.sum()
+        for w, e in zip(weights, chosen.tolist()):
+            if (t, e) in dropped:
+                continue
+            up = tokens[t] @ layer.experts.up_proj[e].t()
+            if layer.experts.swiglu:
+                hidden = F.silu(tokens[t] @ layer.experts.gate_proj[e].t()) * up
+            else:
+                hidden = F.gelu(up, approximate="tanh")
+            out[t] += w * (hidden @ layer.experts.down_proj[e].t())
+    return out.view(x.shape)
+
+
+@pytest.mark.parametrize("activation, moe", [("swiglu", {}), ("gelu", {}), ("swiglu", {"router_score": "sigmoid"}),
+                                             ("swiglu", {"norm_topk_prob": False})],
+                         ids=["swiglu", "gelu", "sigmoid", "unnormalised"])
+def test_dropless_layer_matches_a_per_token_loop(activation, moe):
+    layer = _layer(activation, **moe)
+    x = torch.randn(2, 10, H, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(layer(x), _reference(layer, x), rtol=1e-5, atol=1e-6)
+    assert layer.stats["dropped"].item() == 0
+
+
+def test_capacity_drops_the_later_tokens_of_a_full_expert():
+    layer = _layer(capacity_factor=0.5)
+    x = torch.randn(1, 12, H, generator=torch.Generator().manual_seed(1))
+    y = layer(x)
+    # capacity: ceil(12 tokens * 2 / 6 experts * 0.5) = 2 assignments per expert, first in token order
+    with torch.no_grad():
+        chosen = torch.topk((x.reshape(-1, H) @ layer.router.weight.t()).softmax(-1), K).indices
+    taken, dropped = {}, set()
+    for t in range(12):
+        for e in chosen[t].tolist():
+            taken[e] = taken.get(e, 0) + 1
+            if taken[e] > 2:
+                dropped.add((t, e))
+    assert dropped, "the test input should overflow some expert"
+    assert layer.stats["dropped"].item() == len(dropped)
+    torch.testing.assert_close(y, _reference(layer, x, dropped), rtol=1e-5, atol=1e-6)
+
+
+def test_a_capacity_nobody_reaches_changes_nothing():
+    layer = _layer()
+    x = torch.randn(2, 10, H, generator=torch.Generator().manual_seed(2))
+    dropless = layer(x)
+    layer.moe = dataclasses.replace(layer.moe, capacity_factor=float(E))
+    torch.testing.assert_close(layer(x), dropless, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_router_losses_and_their_gradient_match_the_formulas(score):
+    aux_coeff, z_coeff = 0.05, 0.002
+    layer = _layer(router_score=score, aux_loss_coeff=aux_coeff, z_loss_coeff=z_coeff)
+    x = torch.randn(3, 8, H, generator=torch.Generator().manual_seed(4))
+    layer(x)
+    (grad,) = torch.autograd.grad(layer.aux_loss, layer.router.weight)
+
+    # Switch Transformer / GShard: E * sum_i f_i * P_i, f_i the fraction of the N*k assignments that
+    # went to expert i, P_i the mean over tokens of its (normalised) probability; ST-MoE's z-loss
+    weight = layer.router.weight.detach().clone().requires_grad_()
+    logits = x.reshape(-1, H) @ weight.t()
+    n = logits.shape[0]
+    raw = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
+    probs = raw / raw.sum(-1, keepdim=True)
+    chosen = torch.topk(raw, K).indices
+    fraction = torch.zeros(E)
+    for t in range(n):
+        for e in chosen[t].tolist():
+            fraction[e] += 1.0 / (n * K)
+    aux = aux_coeff * E * sum(fraction[i] * probs[:, i].mean() for i in range(E))
+    z = z_coeff * sum(torch.logsumexp(logits[t], 0) ** 2 for t in range(n)) / n
+    (expected_grad,) = torch.autograd.grad(aux + z, weight)
+    torch.testing.assert_close(layer.aux_loss, aux + z, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-8)
+    assert layer.stats["counts"].sum().item() == n * K
+
+
+def test_add_aux_keeps_the_value_and_passes_the_gradient_on():
+    loss, aux = torch.tensor(2.0, requires_grad=True), torch.tensor(0.5, requires_grad=True)
+    out = AddAux.apply(loss, aux)
+    assert out.item() == 2.0
+    (3 * out).backward()
+    assert loss.grad.item() == 3.0 and aux.grad.item() == 3.0
+
+
+def test_expert_major_order_regroups_blocks_as_brute_force_does():
+    counts = torch.tensor([[2, 0, 1], [1, 3, 0]])  # [source rank][local expert]
+    rows, labels = 0, []
+    for source in range(2):
+        for expert in range(3):
+            labels += [(expert, source, j) for j in range(int(counts[source, expert]))]
+            rows += int(counts[source, expert])
+    order = _expert_major_order(counts, rows)
+    assert [labels[i] for i in order.tolist()] == sorted(labels)
+
+
+def test_bias_balancing_raises_the_bias_of_underused_experts_only_on_applied_steps():
+    layer = _layer(bias_update_rate=0.01, aux_loss_coeff=0.0)
+    layer.train()
+    layer(torch.randn(2, 10, H, generator=torch.Generator().manual_seed(5)))
+    load = layer.step_counts.float()
+    update_expert_biases([layer], apply=False)
+    assert torch.all(layer.router.expert_bias == 0) and layer.step_counts is None
+    layer(torch.randn(2, 10, H, generator=torch.Generator().manual_seed(5)))
+    update_expert_biases([layer])
+    expected = 0.01 * torch.sign(load.mean() - load)
+    torch.testing.assert_close(layer.router.expert_bias, expected)
+
+
+def test_model_loss_value_is_the_language_model_loss():
+    cfg = ModelConfig(num_layers=2, hidden_size=H, num_attention_heads=4, moe=MoEConfig(num_experts=E, top_k=K))
+    dims = resolve_dims(cfg, 64)
+    moe_model = GPT(dims)
+    init_parameters(moe_model, "", dims, seed=1)
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(6))
+    logits = moe_model.logits(idx)
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, 64), idx[:, 1:].reshape(-1))
+    torch.testing.assert_close(moe_model(idx[:, :-1], idx[:, 1:]), expected, rtol=1e-5, atol=1e-6)
