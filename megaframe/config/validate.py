@@ -420,8 +420,9 @@ def check_moe(cfg: TrainConfig) -> Optional[str]:
     if cfg.zero.stage == 3:
         return ("zero=stage3 does not take model.moe yet (DeepSpeed partitions experts over the expert-data-parallel "
                 "group only through its AutoEP layers); use zero=stage1 or zero=stage2")
-    if p.pp > 1:
-        return "parallel.pp > 1 does not take model.moe yet (the router losses of earlier stages); set parallel.pp=1"
+    if p.pp > 1 and cfg.precision.dtype == "fp16":
+        return ("parallel.pp > 1 with model.moe does not take precision=fp16 yet (a stage's router losses would need "
+                "the loss scale); use precision=bf16")
     if p.tp > 1 and ((cfg.model.seq_length // p.cp) * p.micro_batch_size) % p.tp:
         return (f"model.moe with parallel.tp={p.tp} splits each rank's tokens over the TP ranks; make "
                 f"micro_batch_size*seq_length/cp divisible by {p.tp}")

@@ -173,7 +173,8 @@ class Trainer:
         state = {"step": self.step, "consumed_samples": self.consumed_samples,
                  "global_batch_size": self.layout.global_batch_size, "layout": self.backend.layout_record(),
                  "guard": self.guard.state_dict()}
-        if biases := router_biases(getattr(self.backend.module, "moe_layers", [])):
+        if biases := router_biases(getattr(self.backend.module, "moe_layers", []), self.dims.num_moe_blocks,
+                                   self.ps.pp_group):
             state["router_biases"] = biases  # MoE bias balancing: whole per layer, the same on every rank
         if self.data.blended:
             state["blend_cursor"] = self.data.train.cursor_at(self.consumed_samples,

@@ -286,6 +286,8 @@ class Block(nn.Module):
         self.attn = spec.attention(dims, tp, rng)
         self.mlp_norm = spec.norm(dims, tp)
         self.mlp = spec.moe(dims, tp, rng) if dims.is_moe_block(index) else spec.mlp(dims, tp, rng)
+        if dims.is_moe_block(index):
+            self.mlp.row = sum(dims.is_moe_block(i) for i in range(index))
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)
@@ -356,7 +358,7 @@ class GPT(nn.Module):
         spec = block.across(context, cp_impl).with_experts(ep)
         self.blocks = nn.ModuleList([Block(dims, tp, rng, spec, i) for i in range(dims.num_layers)])
         self.moe_layers = [b.mlp for b in self.blocks if isinstance(b.mlp, MoE)]  # not a ModuleList: no new names
-        self.router_stats = RouterStats()
+        self.router_stats = RouterStats(dims.num_moe_blocks)
         self.final_norm = build_norm(dims, tp)
         self.head = None if dims.tie_embeddings else ColumnParallelLinear(
             dims.hidden_size, dims.padded_vocab_size, tp, bias=False)

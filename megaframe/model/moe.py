@@ -134,9 +134,17 @@ class MoE(nn.Module):
         self.aux_loss: Optional[torch.Tensor] = None  # what this layer adds to the loss, with its graph
         self.stats: dict[str, torch.Tensor] = {}  # detached, for metrics
         self.step_counts: Optional[torch.Tensor] = None  # bias balancing: this rank's assignments this step
+        self.row = 0  # which of the model's MoE blocks this is (Block sets it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T, C), replicated over TP (or, under SP, this rank's sequence shard) -> same shape."""
+        y = self.dropout(self._routed(x))
+        return y if self.shared is None else y + self.shared(x)
+
+    # Under train.compile the block around it compiles and this runs eagerly: its shapes depend on
+    # the routing (and the grouped GEMM has no fp32 kernel for inductor's fake tensors).
+    @torch.compiler.disable
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         if not self.tp.sequence_parallel:
@@ -149,8 +157,7 @@ class MoE(nn.Module):
         routed = self._dispatch_compute_combine(tokens, top_idx, top_weights, counts)
         if not self.tp.sequence_parallel:
             routed = gather_tokens(routed, self.tp.group)
-        y = self.dropout(routed.view(shape))
-        return y if self.shared is None else y + self.shared(x)
+        return routed.view(shape)
 
     # ---- losses -------------------------------------------------------------------------------
     def _router_losses(self, logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor) -> None:
@@ -246,60 +253,95 @@ def _expert_major_order(received_counts: torch.Tensor, rows: int) -> torch.Tenso
     return torch.arange(rows, device=received_counts.device) + shift
 
 
+def _by_row(layers: list[MoE], rows: int, value) -> torch.Tensor:
+    """(rows, E): value(layer) at each layer's row (its place among the model's MoE blocks), zeros
+    elsewhere: under a pipeline a stage fills its own rows, and a sum over stages fills them all."""
+    table = None
+    for layer in layers:
+        v = value(layer)
+        if table is None:
+            table = v.new_zeros(rows, v.numel())
+        table[layer.row] = v
+    return table
+
+
 @torch.no_grad()
-def update_expert_biases(layers: list[MoE], apply: bool = True, world_group=None) -> None:
+def update_expert_biases(layers: list[MoE], rows: int, apply: bool = True) -> None:
     """Aux-loss-free balancing (DeepSeek-V3): after each step, every routed layer's bias moves
     bias_update_rate towards the experts that took fewer than the mean of the step's assignments,
     counted over all ranks (one all-reduce for all layers), so every rank keeps the same biases."""
     balanced = [layer for layer in layers if layer.router.expert_bias is not None and layer.step_counts is not None]
     if not balanced:
         return
-    if not apply:
+    if apply:
+        counts = _by_row(balanced, rows, lambda layer: layer.step_counts.float())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(counts)  # every pipeline stage joins, each with its own rows filled
         for layer in balanced:
-            layer.step_counts = None
-        return
-    counts = torch.stack([layer.step_counts for layer in balanced]).float()
-    if dist.is_initialized() and dist.get_world_size(world_group) > 1:
-        dist.all_reduce(counts, group=world_group)
-    for layer, load in zip(balanced, counts):
-        layer.router.expert_bias += layer.moe.bias_update_rate * torch.sign(load.mean() - load)
+            load = counts[layer.row]
+            layer.router.expert_bias += layer.moe.bias_update_rate * torch.sign(load.mean() - load)
+    for layer in balanced:  # a skipped step's routing moves no bias
         layer.step_counts = None
 
 
-def router_biases(layers: list[MoE]) -> dict[str, list[float]]:
-    """The balancing biases by layer position, for a checkpoint's state (a host read: at saves only)."""
-    return {str(i): layer.router.expert_bias.tolist() for i, layer in enumerate(layers)
-            if layer.router.expert_bias is not None}
+def router_biases(layers: list[MoE], rows: int, pp_group=None) -> dict[str, list[float]]:
+    """The balancing biases by MoE row, whole, for a checkpoint's state (every rank calls it: the
+    pipeline stages pool their rows; a host read, at saves only)."""
+    balanced = [layer for layer in layers if layer.router.expert_bias is not None]
+    if not balanced:
+        return {}
+    table = _by_row(balanced, rows, lambda layer: layer.router.expert_bias)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(table, group=pp_group)
+    return {str(row): values for row, values in enumerate(table.tolist())}
 
 
 def load_router_biases(layers: list[MoE], saved: dict[str, list[float]]) -> None:
-    for i, layer in enumerate(layers):
-        if layer.router.expert_bias is not None and str(i) in saved:
-            layer.router.expert_bias.copy_(torch.tensor(saved[str(i)]))
+    for layer in layers:
+        if layer.router.expert_bias is not None and str(layer.row) in saved:
+            layer.router.expert_bias.copy_(torch.tensor(saved[str(layer.row)]))
 
 
 class RouterStats:
     """Router metrics summed on the device over the micro-batches since the last log step; read
-    (one collective, one host read) when a metrics line is written."""
+    (one collective, one host read) when a metrics line is written. Rows: the model's MoE blocks
+    (a pipeline stage fills its own)."""
 
-    def __init__(self):
-        self.sums: Optional[torch.Tensor] = None  # [aux, z, dropped, assignments]
-        self.counts: Optional[torch.Tensor] = None  # (moe layers, E) tokens per expert
-        self.forwards = 0
+    def __init__(self, rows: int):
+        self.rows = rows
+        self.sums: Optional[torch.Tensor] = None  # [aux, z, dropped, assignments, layer forwards]
+        self.counts: Optional[torch.Tensor] = None  # (rows, E) assignments per expert
 
     def add(self, layers: list[MoE]) -> None:
         stats = [layer.stats for layer in layers]
         sums = torch.stack([sum(s["aux_loss"] for s in stats), sum(s["z_loss"] for s in stats),
-                            sum(s["dropped"] for s in stats), sum(s["counts"].sum() for s in stats)])
-        counts = torch.stack([s["counts"] for s in stats])
+                            sum(s["dropped"] for s in stats), sum(s["counts"].sum() for s in stats),
+                            stats[0]["counts"].new_tensor(float(len(stats)))])
+        counts = _by_row(layers, self.rows, lambda layer: layer.stats["counts"])
         if self.sums is None:
             self.sums, self.counts = sums, counts
         else:
             self.sums, self.counts = self.sums + sums, self.counts + counts
-        self.forwards += 1
 
     def reset(self) -> None:
-        self.sums, self.counts, self.forwards = None, None, 0
+        self.sums, self.counts = None, None
+
+
+class AttachAux(torch.autograd.Function):
+    """x -> x in value; in backward the router losses get `scale` as their gradient (Megatron's
+    auxiliary-loss scaler). For pipeline stages, where the loss is elsewhere: scale is what
+    DeepSpeed's pipeline multiplies each micro-batch's loss by, 1/accumulation steps."""
+
+    @staticmethod
+    def forward(ctx, x, aux, scale: float):
+        ctx.scale = scale
+        ctx.save_for_backward(aux)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
 
 
 class AddAux(torch.autograd.Function):

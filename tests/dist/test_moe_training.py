@@ -1,8 +1,8 @@
 """Mixture-of-Experts through the Trainer on real gloo ranks reproduces the single-rank run of
 `model=moe_tiny`: fp32, 20 steps, every logged loss, gradient norm and eval loss within rtol 1e-5
 (tests/parity.py), with experts split over ep ranks (all-to-all dispatch, expert gradients reduced
-over the expert-data-parallel ranks) next to DP with ZeRO 0-2, TP (with and without SP), CP and
-activation checkpointing. The router metrics (aux and z losses, expert load) agree as well.
+over the expert-data-parallel ranks) next to DP with ZeRO 0-2, TP (with and without SP), CP, PP,
+activation checkpointing, compile and aux-loss-free bias balancing. The router metrics (aux and z losses, expert load) agree as well.
 
 Capacity mode (model.moe.capacity_factor) drops assignments by each rank's own tokens, so it
 matches the single rank where a rank's micro-batch tokens are the single rank's: under dp and
@@ -20,20 +20,23 @@ from ranks import run_ranks
 pytestmark = pytest.mark.slow
 MODEL = ["model=moe_tiny", "train.max_steps=20", "train.eval_interval=10"]
 CAPACITY = ["model.moe.capacity_factor=1.0"]
+BIAS = ["model.moe.bias_update_rate=0.001"]  # aux-loss-free balancing, next to the aux loss
 ROUTER_KEYS = ("moe/aux_loss", "moe/z_loss", "moe/max_load")
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict[str, list[dict]]:
     root = tmp_path_factory.mktemp("single")
-    runs = [([*TINY, *MODEL], str(root / "dropless")), ([*TINY, *MODEL, *CAPACITY], str(root / "capacity"))]
+    variants = {"dropless": [], "capacity": CAPACITY, "bias": BIAS}
+    runs = [([*TINY, *MODEL, *extra], str(root / name)) for name, extra in variants.items()]
     run_ranks(train_runs, 1, root, runs=runs)
-    return {"dropless": read_metrics(root / "dropless"), "capacity": read_metrics(root / "capacity")}
+    return {name: read_metrics(root / name) for name in variants}
 
 
 CASES_2 = {"dropless-dp2-ep2": ["parallel.dp=2", "parallel.ep=2"],
            "dropless-cp2-ep2": ["parallel.cp=2", "parallel.ep=2"],
            "dropless-dp2-ep2-recompute": ["parallel.dp=2", "parallel.ep=2", "parallel.activation_checkpointing=true"],
+           "dropless-dp2-ep2-compiled": ["parallel.dp=2", "parallel.ep=2", "train.compile=true"],
            "capacity-dp2-ep2": ["parallel.dp=2", "parallel.ep=2", *CAPACITY]}
 CASES_4 = {"dropless-dp4-ep2-zero1": ["parallel.dp=4", "parallel.ep=2", "zero=stage1"],
            "dropless-dp4-ep2-zero2": ["parallel.dp=4", "parallel.ep=2", "zero=stage2"],
@@ -41,7 +44,9 @@ CASES_4 = {"dropless-dp4-ep2-zero1": ["parallel.dp=4", "parallel.ep=2", "zero=st
            "dropless-tp2-ep2": ["parallel.tp=2", "parallel.dp=2", "parallel.ep=2"],
            "dropless-tp2-sp-ep2-zero1": ["parallel.tp=2", "parallel.dp=2", "parallel.ep=2",
                                          "parallel.sequence_parallel=true", "zero=stage1"],
-           "capacity-dp4-ep4-zero2": ["parallel.dp=4", "parallel.ep=4", "zero=stage2", *CAPACITY]}
+           "capacity-dp4-ep4-zero2": ["parallel.dp=4", "parallel.ep=4", "zero=stage2", *CAPACITY],
+           "dropless-pp2-dp2-ep2": ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2"],
+           "bias-pp2-dp2-ep2-zero1": ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "zero=stage1", *BIAS]}
 
 
 @pytest.mark.parametrize("world, cases", [(2, CASES_2), (4, CASES_4)], ids=["world2", "world4"])

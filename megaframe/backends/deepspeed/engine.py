@@ -107,7 +107,7 @@ class DeepSpeedBackend:
         if self.pipelined:
             module = build_pipeline_model(dims, ps, cfg.train.seed, p.pipeline_partition,
                                           p.activation_checkpointing, p.sequence_parallel, grad_bucket=self.grad_bucket,
-                                          cp_impl=p.cp_impl)
+                                          cp_impl=p.cp_impl, accumulation_steps=layout.grad_accum_steps)
         elif self.built_partitioned:  # ZeRO-3: no rank builds the whole model (zero_init.py)
             with partitioned_construction(ds_config, ps):
                 module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel,
@@ -231,7 +231,7 @@ class DeepSpeedBackend:
             loss = gate.mean()
         applied = bool(self.engine.was_step_applied())
         # MoE bias balancing: a skipped step's routing moves no bias
-        update_expert_biases(getattr(self.module, "moe_layers", []), apply=applied)
+        update_expert_biases(getattr(self.module, "moe_layers", []), self.dims.num_moe_blocks, apply=applied)
         if not self._norm_from_grads:
             # kept as DeepSpeed returns it (a device tensor under ZeRO): read on the host at log steps only
             self._last_grad_norm = self.engine.get_global_grad_norm()
@@ -274,12 +274,13 @@ class DeepSpeedBackend:
         layers, g = stats.counts.shape[0], self.ps.grid
         packed = torch.cat([stats.sums.double(), stats.counts.double().flatten()])
         if g.world_size > 1:
-            dist.all_reduce(packed)
-        sums, counts = packed[:4], packed[4:].view(layers, -1)
-        # aux/z: each rank added cp x its tokens' part; counts: the same on every tp x cp rank of a micro-batch
-        per_micro_batch = g.cp * g.dp * stats.forwards * layers
+            dist.all_reduce(packed)  # pipeline stages too: each filled its own layers' rows
+        sums, counts = packed[:5], packed[5:].view(layers, -1)
+        # aux/z: each rank added cp x its tokens' part; counts and layer forwards: the same on every
+        # tp x cp rank of a micro-batch; so the world's sums count each (micro-batch, layer) tp*cp times
+        per_layer_forward = sums[4] / g.tp
         load = counts / counts.mean(1, keepdim=True)
-        values = torch.stack([sums[0] / per_micro_batch, sums[1] / per_micro_batch, load.max(),
+        values = torch.stack([sums[0] / per_layer_forward, sums[1] / per_layer_forward, load.max(),
                               sums[2] / (sums[3] / (g.tp * g.cp))]).tolist()
         stats.reset()
         return dict(zip(("moe/aux_loss", "moe/z_loss", "moe/max_load", "moe/dropped_fraction"), values))

@@ -19,9 +19,11 @@ from deepspeed.runtime.utils import partition_balanced
 from megaframe.backends.deepspeed.topology import build_topology
 from megaframe.model.gpt import (Block, BlockSpec, Embedding, GPTDims, RopeTables, build_norm, init_parameters,
                                  register_positions, run_block, tied_head_logits)
+from megaframe.model.moe import AttachAux, MoE, RouterStats
 from megaframe.model.spec import Layer, ModelSpec
 from megaframe.parallel.context import ContextGroup
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megaframe.parallel.experts import ExpertGroup
 from megaframe.parallel.layers import ColumnParallelLinear, TPGroup
 from megaframe.parallel.random import TPDropoutRNG
 from megaframe.parallel.state import ParallelState
@@ -41,22 +43,32 @@ class EmbeddingPipe(Embedding):
 
 
 class BlockPipe(nn.Module):
-    """One transformer block; RoPE tables are recomputed here since stages pass only hidden states."""
+    """One transformer block; RoPE tables are recomputed here since stages pass only hidden states.
+
+    A Mixture-of-Experts block's router losses cannot join the loss, which only the last stage
+    has: they are attached to the block's output (AttachAux) with the gradient DeepSpeed's
+    pipeline gives each micro-batch's loss, 1/aux_scale_steps."""
 
     def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG], seed: int, prefix: str,
                  recompute: bool, spec: BlockSpec, context: Optional[ContextGroup] = None, cp_impl: str = "ring",
-                 rope: Optional[RopeTables] = None):
+                 rope: Optional[RopeTables] = None, index: int = 0, ep: ExpertGroup = ExpertGroup(),
+                 router_stats: Optional[RouterStats] = None, accumulation_steps: int = 1):
         super().__init__()
         self.dims, self.rng, self.recompute = dims, rng, recompute
         register_positions(self, dims, context)
         self.rope = rope or RopeTables(dims)  # one per stage: its blocks share the tables
-        self.block = Block(dims, tp, rng, spec.across(context, cp_impl))
+        self.block = Block(dims, tp, rng, spec.across(context, cp_impl).with_experts(ep), index)
+        self.router_stats, self.aux_scale = router_stats, 1.0 / accumulation_steps
         init_parameters(self.block, prefix, dims, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rope = self.rope(self.dims.seq_length, x.device, self.positions) if self.dims.position_embedding == "rope" \
             else None
-        return run_block(self.block, x, rope, self.rng, self.recompute and self.training)
+        x = run_block(self.block, x, rope, self.rng, self.recompute and self.training)
+        if isinstance(self.block.mlp, MoE) and self.training:
+            self.router_stats.add([self.block.mlp])
+            x = AttachAux.apply(x, self.block.mlp.aux_loss, self.aux_scale)
+        return x
 
 
 class FinalNormPipe(nn.Module):
@@ -97,7 +109,8 @@ PARTITION_METHODS = {"uniform": "type:BlockPipe", "parameters": "parameters"}
 
 def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition: str = "uniform",
                          activation_checkpointing: bool = False, sequence_parallel: bool = False,
-                         spec: Optional[ModelSpec] = None, grad_bucket=None, cp_impl: str = "ring") -> PipelineModule:
+                         spec: Optional[ModelSpec] = None, grad_bucket=None, cp_impl: str = "ring",
+                         accumulation_steps: int = 1) -> PipelineModule:
     """This rank's stage of the pipelined GPT: ModelSpec's layer list as DeepSpeed LayerSpecs, on
     the topology built from ParallelState's grid (whose data axis is dp x cp)."""
     spec = spec or ModelSpec(dims)
@@ -105,6 +118,7 @@ def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition:
     rng = TPDropoutRNG(seed, ps.tp_rank)
     context = ps.context()
     rope = RopeTables(dims)
+    router_stats = RouterStats(dims.num_moe_blocks)  # the stage's MoE blocks share it
     embed_args = (EmbeddingPipe, dims, tp, rng, seed, context)
     layers: list = []
     for layer in spec.layers():
@@ -113,7 +127,8 @@ def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition:
                           if dims.tie_embeddings else LayerSpec(*embed_args))
         elif layer.kind == "block":
             layers.append(LayerSpec(BlockPipe, dims, tp, rng, seed, layer.prefix, activation_checkpointing,
-                                    spec.block or BlockSpec(), context, cp_impl, rope))
+                                    spec.block or BlockSpec(), context, cp_impl, rope, layer.block, ps.experts(),
+                                    router_stats, accumulation_steps))
         elif layer.kind == "final_norm":
             layers.append(LayerSpec(FinalNormPipe, dims, tp, seed))
         elif dims.tie_embeddings:  # the head is the embedding again
@@ -124,6 +139,8 @@ def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition:
     model = PipelineModule(layers=layers, loss_fn=VocabParallelLoss(dims, tp), topology=build_topology(ps.grid),
                            partition_method=PARTITION_METHODS[partition], activation_checkpoint_interval=0)
     model.rng = rng  # a tied embedding's non-owning copies carry DeepSpeed's ds_pipe_replicated=True
+    model.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]  # this stage's, as GPT.moe_layers
+    model.router_stats = router_stats
     return model
 
 

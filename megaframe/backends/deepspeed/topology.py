@@ -14,9 +14,8 @@ from megaframe.parallel.state import ParallelState
 
 
 def build_topology(grid: ParallelDims) -> PipeModelDataParallelTopology:
-    """The topology PipelineModule takes, with the same rank layout as `grid`."""
-    if grid.ep > 1:
-        raise NotImplementedError("expert parallelism has no DeepSpeed topology adapter yet")
+    """The topology PipelineModule takes, with the same rank layout as `grid`. Expert parallelism
+    adds no axis: its ep and edp groups are a view of the data axis (backends/deepspeed/experts.py)."""
     return PipeModelDataParallelTopology(num_pp=grid.pp, num_mp=grid.tp, num_dp=grid.dp * grid.cp)
 
 

@@ -138,10 +138,10 @@ def test_bias_balancing_raises_the_bias_of_underused_experts_only_on_applied_ste
     layer.train()
     layer(torch.randn(2, 10, H, generator=torch.Generator().manual_seed(5)))
     load = layer.step_counts.float()
-    update_expert_biases([layer], apply=False)
+    update_expert_biases([layer], 1, apply=False)
     assert torch.all(layer.router.expert_bias == 0) and layer.step_counts is None
     layer(torch.randn(2, 10, H, generator=torch.Generator().manual_seed(5)))
-    update_expert_biases([layer])
+    update_expert_biases([layer], 1)
     expected = 0.01 * torch.sign(load.mean() - load)
     torch.testing.assert_close(layer.router.expert_bias, expected)
 
