@@ -80,3 +80,55 @@ def test_single_rank_group_is_identity():
     x = torch.randn(B, T, C, requires_grad=True)
     for name in ("copy_to_tp_region", "reduce_from_tp_region", "gather_from_sequence_parallel_region"):
         assert getattr(mappings, name)(x, None) is x
+
+
+def _token_mappings(rank: int, world: int) -> dict:
+    """split_tokens, gather_tokens and all_to_all_rows (uneven splits) with per-rank upstream grads."""
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(6, C, generator=g) for _ in range(world)]
+    gs = [torch.randn(12, C, generator=g) for _ in range(world)]
+    # rank r sends send[r][j] rows to rank j, in order
+    send = [[1, 4], [3, 2]]
+    out = {}
+    x = xs[rank].clone().requires_grad_(True)
+    y = mappings.split_tokens(x, dist.group.WORLD)
+    y.backward(gs[rank][:3])
+    out["split"] = (y.detach(), x.grad.detach())
+    x = xs[rank].clone().requires_grad_(True)
+    y = mappings.gather_tokens(x, dist.group.WORLD)
+    y.backward(gs[rank])
+    out["gather"] = (y.detach(), x.grad.detach())
+    x = xs[rank][: sum(send[rank])].clone().requires_grad_(True)
+    received = [send[j][rank] for j in range(world)]
+    y = mappings.all_to_all_rows(x, received, send[rank], dist.group.WORLD)
+    y.backward(gs[rank][: sum(received)])
+    out["all_to_all"] = (y.detach(), x.grad.detach())
+    return out
+
+
+def test_token_mappings_forward_and_backward(tmp_path):
+    results = run_ranks(_token_mappings, WORLD, tmp_path)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(6, C, generator=g) for _ in range(WORLD)]
+    gs = [torch.randn(12, C, generator=g) for _ in range(WORLD)]
+    send = [[1, 4], [3, 2]]
+    for rank, res in enumerate(results):
+        y, gx = res["split"]
+        assert torch.equal(y, xs[rank][3 * rank: 3 * rank + 3])
+        assert torch.equal(gx, torch.cat([gs[r][:3] for r in range(WORLD)]))  # the rows' gradients, gathered
+        y, gx = res["gather"]
+        assert torch.equal(y, torch.cat(xs))
+        assert torch.equal(gx, gs[rank][6 * rank: 6 * rank + 6])  # this rank's rows of a replicated gradient
+        # all-to-all: rows from every source in source order; the gradient goes back where each row came from
+        y, gx = res["all_to_all"]
+        expected = []
+        for source in range(WORLD):
+            start = sum(send[source][:rank])
+            expected.append(xs[source][start: start + send[source][rank]])
+        assert torch.equal(y, torch.cat(expected))
+        back = []
+        for dest in range(WORLD):
+            received = [send[j][dest] for j in range(WORLD)]
+            start = sum(received[:rank])
+            back.append(gs[dest][start: start + send[rank][dest]])
+        assert torch.equal(gx, torch.cat(back))
