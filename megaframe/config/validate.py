@@ -420,6 +420,12 @@ def check_moe(cfg: TrainConfig) -> Optional[str]:
     if cfg.zero.stage == 3:
         return ("zero=stage3 does not take model.moe yet (DeepSpeed partitions experts over the expert-data-parallel "
                 "group only through its AutoEP layers); use zero=stage1 or zero=stage2")
+    native_only = not cfg.train.universal_checkpoint or (cfg.zero.stage == 0 and cfg.precision.dtype != "fp32"
+                                                         and p.pp == 1)
+    if p.ep > 1 and (cfg.train.native_checkpoint or native_only):
+        # DeepSpeed's own files keep experts through its MoE layer class only: they would lose them
+        return (f"parallel.ep={p.ep} checkpoints only in the layout-free format; drop train.native_checkpoint=true, "
+                "keep train.universal_checkpoint=true, and with precision bf16/fp16 use zero=stage1 or stage2")
     if p.pp > 1 and cfg.precision.dtype == "fp16":
         return ("parallel.pp > 1 with model.moe does not take precision=fp16 yet (a stage's router losses would need "
                 "the loss scale); use precision=bf16")

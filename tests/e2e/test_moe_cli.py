@@ -53,6 +53,9 @@ def test_bias_balancing_biases_survive_a_resume(tmp_path):
     (["model.moe.top_k=9"], "model.moe.top_k=9 must be between 1 and model.moe.num_experts=8"),
     (["zero=stage3"], "zero=stage3 does not take model.moe yet"),
     (["parallel.pp=2", "precision=fp16"], "parallel.pp > 1 with model.moe does not take precision=fp16 yet"),
+    (["parallel.dp=2", "parallel.ep=2", "train.native_checkpoint=true"],
+     "parallel.ep=2 checkpoints only in the layout-free format"),
+    (["parallel.dp=2", "parallel.ep=2", "precision=bf16"], "parallel.ep=2 checkpoints only in the layout-free format"),
     (["model.moe.router_score=relu"], "model.moe.router_score='relu' is not one of ['softmax', 'sigmoid']"),
 ])
 def test_what_moe_does_not_take_is_one_line_before_launch(extra, message, tmp_path):
