@@ -309,22 +309,23 @@ class RouterStats:
 
     def __init__(self, rows: int):
         self.rows = rows
-        self.sums: Optional[torch.Tensor] = None  # [aux, z, dropped, assignments, layer forwards]
+        self.sums: Optional[torch.Tensor] = None  # [aux, z, dropped, assignments]
         self.counts: Optional[torch.Tensor] = None  # (rows, E) assignments per expert
+        self.layer_forwards = 0  # on the host: no tensor made per micro-batch
 
     def add(self, layers: list[MoE]) -> None:
         stats = [layer.stats for layer in layers]
         sums = torch.stack([sum(s["aux_loss"] for s in stats), sum(s["z_loss"] for s in stats),
-                            sum(s["dropped"] for s in stats), sum(s["counts"].sum() for s in stats),
-                            stats[0]["counts"].new_tensor(float(len(stats)))])
+                            sum(s["dropped"] for s in stats), sum(s["counts"].sum() for s in stats)])
         counts = _by_row(layers, self.rows, lambda layer: layer.stats["counts"])
         if self.sums is None:
             self.sums, self.counts = sums, counts
         else:
             self.sums, self.counts = self.sums + sums, self.counts + counts
+        self.layer_forwards += len(layers)
 
     def reset(self) -> None:
-        self.sums, self.counts = None, None
+        self.sums, self.counts, self.layer_forwards = None, None, 0
 
 
 class AttachAux(torch.autograd.Function):

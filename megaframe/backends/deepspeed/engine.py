@@ -272,7 +272,8 @@ class DeepSpeedBackend:
         if stats is None or stats.sums is None:
             return {}
         layers, g = stats.counts.shape[0], self.ps.grid
-        packed = torch.cat([stats.sums.double(), stats.counts.double().flatten()])
+        forwards = stats.sums.new_full((1,), float(stats.layer_forwards), dtype=torch.float64)  # a log step: allowed
+        packed = torch.cat([stats.sums.double(), forwards, stats.counts.double().flatten()])
         if g.world_size > 1:
             dist.all_reduce(packed)  # pipeline stages too: each filled its own layers' rows
         sums, counts = packed[:5], packed[5:].view(layers, -1)
