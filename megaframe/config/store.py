@@ -18,5 +18,17 @@ def register_configs() -> None:
     """
     store = ConfigStore.instance()
     store.store(name=SCHEMA_NAME, node=TrainConfig)
+    register_sweep_launcher()
     for path in sorted(recipes_dir().glob("*.yaml")):
         store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
+
+
+def register_sweep_launcher() -> None:
+    """The `-m` launcher (hydra/launcher=megaframe_local, which conf/config.yaml selects): importing it
+    stores its config. Hydra finds plugins by scanning the hydra_plugins package, which an editable
+    install's import hook hides from it, so the class is registered by hand (a no-op when found)."""
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.megaframe_launcher.local_launcher import MegaframeLocalLauncher
+
+    Plugins.instance().register(MegaframeLocalLauncher)

@@ -1,0 +1,102 @@
+"""The launcher of `megaframe-train -m` sweeps (the default, `hydra/launcher=megaframe_local`).
+
+Hydra's basic launcher calls the task in its own process, one point after another: a point with
+parallel.dp=2 then finds a world of one. Here every point is a whole `megaframe-train` run of its
+own: validated and planned before launch, started with as many ranks as its layout needs, in its
+own run directory (hydra.sweep.dir/hydra.sweep.subdir). Points run one after another; at the end a
+table of the points (exit code, last loss and eval loss) is printed and written, atomically, to
+SWEEP_DIR/sweep_summary.json. The sweep exits with the first failed point's exit code.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides, setup_globals
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, open_dict
+
+
+@dataclass
+class MegaframeLocalLauncherConf:
+    _target_: str = "hydra_plugins.megaframe_launcher.local_launcher.MegaframeLocalLauncher"
+
+
+ConfigStore.instance().store(group="hydra/launcher", name="megaframe_local", node=MegaframeLocalLauncherConf,
+                             provider="megaframe")
+
+
+class MegaframeLocalLauncher(Launcher):
+    """Each sweep point as its own `python -m megaframe.train` on this host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config: Optional[DictConfig] = None
+        self.hydra_context: Optional[HydraContext] = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config, self.hydra_context = config, hydra_context
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        setup_globals()
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        returns, rows = [], []
+        for offset, overrides in enumerate(job_overrides):
+            idx = initial_job_idx + offset
+            sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            with open_dict(sweep_config):
+                sweep_config.hydra.job.id = sweep_config.hydra.job.num = idx
+            run_dir = sweep_dir / str(sweep_config.hydra.sweep.subdir)
+            point = list(filter_overrides(overrides))
+            print(f"megaframe-train: sweep point {idx}: {' '.join(point)} -> {run_dir}", flush=True)
+            code = subprocess.call([sys.executable, "-m", "megaframe.train", *point, f"hydra.run.dir={run_dir}"])
+            rows.append({"point": idx, "overrides": point, "run_dir": str(run_dir), "exit_code": code,
+                         **_last_values(run_dir / "metrics.jsonl")})
+            returns.append(JobReturn(overrides=list(overrides), cfg=sweep_config, working_dir=str(run_dir),
+                                     task_name=str(sweep_config.hydra.job.name), status=JobStatus.COMPLETED,
+                                     _return_value=code))
+        _write_summary(sweep_dir / "sweep_summary.json", rows)
+        print(_table(rows), flush=True)
+        failed = [row["exit_code"] for row in rows if row["exit_code"]]
+        if failed:
+            sys.exit(failed[0])
+        return returns
+
+
+def _last_values(metrics: Path) -> dict:
+    """The last logged loss and eval loss of a point (None where it logged none)."""
+    values = {"loss": None, "eval_loss": None, "step": None}
+    if not metrics.exists():
+        return values
+    for line in metrics.read_text().splitlines():
+        record = json.loads(line)
+        for key in ("loss", "eval_loss", "step"):
+            if key in record:
+                values[key] = record[key]
+    return values
+
+
+def _write_summary(path: Path, rows: list[dict]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".sweep_summary.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(rows, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _table(rows: list[dict]) -> str:
+    def number(value) -> str:
+        return "-" if value is None else f"{value:.4f}"
+    lines = ["megaframe-train: sweep summary", f"{'point':>5}  {'exit':>4}  {'step':>6}  {'loss':>8}  {'eval_loss':>9}  overrides"]
+    for row in rows:
+        lines.append(f"{row['point']:>5}  {row['exit_code']:>4}  {row['step'] if row['step'] is not None else '-':>6}  "
+                     f"{number(row['loss']):>8}  {number(row['eval_loss']):>9}  {' '.join(row['overrides'])}")
+    return "\n".join(lines)

@@ -1,0 +1,39 @@
+"""`megaframe-train -m` sweeps at any layout (tests hydra_plugins/megaframe_launcher): each point
+launches its own ranks in its own run directory and trains the curve it trains alone; a failed
+point does not stop the others, and the sweep ends with its exit code and a summary."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import TINY, assert_ok, read_metrics, run_cli
+from parity import assert_parity
+
+pytestmark = pytest.mark.slow
+ARGS = [*TINY, "train.max_steps=4", "train.eval_interval=2", "parallel.dp=2", "zero=stage1"]
+
+
+def test_every_point_of_a_dp2_sweep_trains_its_own_curve(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = run_cli(["-m", "optim.lr=1e-3,3e-3", *ARGS, f"hydra.sweep.dir={sweep}"])
+    assert_ok(result)
+    assert result.stdout.count("launching 2 ranks") == 2
+    summary = json.loads((sweep / "sweep_summary.json").read_text())
+    assert [row["overrides"][0] for row in summary] == ["optim.lr=0.001", "optim.lr=0.003"]
+    assert all(row["exit_code"] == 0 and row["step"] == 4 for row in summary)
+    assert "sweep summary" in result.stdout
+    alone = tmp_path / "alone"
+    assert_ok(run_cli([*ARGS, "optim.lr=3e-3", f"hydra.run.dir={alone}"]))
+    assert_parity(read_metrics(sweep / "1"), read_metrics(alone), "sweep point 1 against the same run alone")
+    assert read_metrics(sweep / "0")[-1]["eval_loss"] != read_metrics(sweep / "1")[-1]["eval_loss"]
+
+
+def test_a_failed_point_does_not_stop_the_sweep_and_sets_its_exit_code(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = run_cli(["-m", "parallel.tp=3,1", *ARGS, f"hydra.sweep.dir={sweep}"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "parallel.tp=3 does not divide model.num_attention_heads=4" in result.stderr
+    summary = json.loads((sweep / "sweep_summary.json").read_text())
+    assert [row["exit_code"] for row in summary] == [2, 0]
+    assert summary[1]["step"] == 4
