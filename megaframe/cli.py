@@ -23,6 +23,7 @@ from megaframe.config.validate import ConfigError, Layout, requested_world_size,
 from megaframe.config.validate import warnings as validate_warnings
 from megaframe.failures import PROG
 from megaframe.paths import conf_dir
+from megaframe.slurm import adopt_slurm_env
 
 _SELF_LAUNCHED = "MEGAFRAME_SELF_LAUNCHED"  # set for the ranks _self_launch starts
 # Hydra's own flags (help, --cfg job, multirun, ...): Hydra handles them, we do not pre-validate.
@@ -58,11 +59,37 @@ def check(overrides: Sequence[str]) -> tuple[TrainConfig, Layout, str]:
     """Compose and validate; exits with code 2 and a one-line message on bad input."""
     try:
         cfg, run_dir = compose(overrides)
-        world = _launcher_world_size() or requested_world_size(cfg)
+        world = _launcher_world_size() or _slurm_world_size(cfg) or requested_world_size(cfg)
         layout = validate(cfg, world, device_supports_fp16)
     except ConfigError as err:
         _fail(str(err))
     return cfg, layout, run_dir
+
+
+def _slurm_world_size(cfg: TrainConfig) -> Optional[int]:
+    """launcher=slurm with launcher.nodes: the job's tasks, one per GPU."""
+    launcher = cfg.launcher
+    return launcher.nodes * launcher.gpus_per_node if launcher.name == "slurm" and launcher.nodes else None
+
+
+def _submit_slurm(cfg: TrainConfig, layout: Layout, args: list[str], run_dir: str) -> int:
+    """launcher=slurm: write RUN_DIR/submit.sbatch (atomically) and sbatch it, or print it (dry run)."""
+    from megaframe.slurm import SubmitError, sbatch_script, submit, task_overrides
+    from megaframe.tracking.metrics import atomic_write_text
+
+    run_path = Path(run_dir).resolve()
+    run_path.mkdir(parents=True, exist_ok=True)
+    script = sbatch_script(cfg.launcher, layout.world_size, task_overrides(args), run_path)
+    path = run_path / "submit.sbatch"
+    atomic_write_text(path, script)
+    if cfg.launcher.dry_run:
+        print(f"{PROG}: launcher.dry_run=true: not submitted; the job script is {path}:\n{script}", flush=True)
+        return 0
+    try:
+        print(f"{PROG}: {submit(path)} ({path}; output in {run_path})", flush=True)
+    except SubmitError as err:
+        _fail(str(err))
+    return 0
 
 
 def _check_dataset(cfg: TrainConfig) -> None:
@@ -186,6 +213,7 @@ def _run_hydra(args: list[str]) -> None:
 def train_main(argv: Optional[Sequence[str]] = None) -> None:
     """`megaframe-train`: validate, launch as many ranks as the layout needs, train."""
     args = list(sys.argv[1:] if argv is None else argv)
+    adopt_slurm_env()  # an srun task (launcher=slurm's job) joins the process group from SLURM's variables
     _stop_if_job_stopped()
     if any(a.split("=", 1)[0] in _HYDRA_FLAGS for a in args):
         _run_hydra(args)
@@ -206,6 +234,8 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
         for warning in validate_warnings(cfg, layout):
             print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
     launched = _launcher_world_size() is not None
+    if not launched and cfg.launcher.name == "slurm":
+        sys.exit(_submit_slurm(cfg, layout, args, run_dir))
     if not launched and layout.world_size > 1:
         from megaframe.engine.data_setup import dataset_prefix
 

@@ -231,6 +231,22 @@ class PlanConfig:
 
 
 @dataclass
+class LauncherConfig:
+    """How the ranks start (the `launcher` group); `parallel` still says how many."""
+
+    name: str = "local"  # local: this host (or under any torchrun) | slurm: an sbatch job of srun tasks
+    nodes: Optional[int] = None  # slurm: nodes; None = the layout's world / gpus_per_node
+    gpus_per_node: int = 8  # slurm: one task per GPU
+    cpus_per_task: Optional[int] = None  # slurm: --cpus-per-task (None: SLURM's default)
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    time: Optional[str] = None  # slurm: --time, e.g. 24:00:00
+    job_name: str = "megaframe"
+    sbatch_extra: List[str] = field(default_factory=list)  # more #SBATCH lines, e.g. ["--qos=high"]
+    dry_run: bool = False  # write and print the sbatch script, do not submit it
+
+
+@dataclass
 class TrainConfig:
     """The whole run: what every entry point receives after composition."""
 
@@ -246,3 +262,4 @@ class TrainConfig:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)

@@ -435,6 +435,17 @@ def check_moe(cfg: TrainConfig) -> Optional[str]:
     return None
 
 
+def check_launcher(cfg: TrainConfig) -> Optional[str]:
+    """The `launcher` group: how ranks start."""
+    launcher = cfg.launcher
+    if err := _choices("launcher", launcher.name, ["local", "slurm"]):
+        return err
+    if launcher.gpus_per_node < 1 or (launcher.nodes is not None and launcher.nodes < 1):
+        return (f"launcher.gpus_per_node={launcher.gpus_per_node} and launcher.nodes={launcher.nodes} must be >= 1 "
+                "(nodes may be null: the layout's world / gpus_per_node)")
+    return None
+
+
 def warnings(cfg: TrainConfig, layout: Layout) -> list[str]:
     """Legal but wasteful settings, printed once before launch."""
     found = []
@@ -480,7 +491,7 @@ def validate(cfg: TrainConfig, world_size: int,
 
     fp16_supported asks the device whether it has fp16 (the CLI passes the backend's check,
     backends/deepspeed/accelerator.py); None leaves that one rule to the engine."""
-    for rule in (check_model, check_optim, check_train, check_data, check_zero_offload, check_pipeline):
+    for rule in (check_model, check_optim, check_train, check_data, check_zero_offload, check_pipeline, check_launcher):
         if err := rule(cfg):
             raise ConfigError(err)
     layout = resolve_layout(cfg, world_size)
