@@ -108,6 +108,15 @@ def _check_dataset(cfg: TrainConfig) -> None:
         _fail(str(err))
 
 
+def _check_launcher(cfg: TrainConfig) -> None:
+    """An optional launcher's package must be installed: one line before anything starts."""
+    if cfg.launcher.name == "ray":
+        from megaframe.ray_launcher import MISSING, ray_missing
+
+        if ray_missing():
+            _fail(MISSING)
+
+
 def _check_system(cfg: TrainConfig, layout: Layout) -> None:
     """What the machine must provide for this offload setting (libaio, a compiler, NVMe space),
     before any rank starts: one line and exit code 2 when something is missing."""
@@ -227,6 +236,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
             args = planned
             cfg, layout, run_dir = check(args)
     if not os.environ.get(_SELF_LAUNCHED):
+        _check_launcher(cfg)
         _check_dataset(cfg)
         _check_system(cfg, layout)
     # a self-launched rank 0 runs this again: the parent has already warned
@@ -236,6 +246,13 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     launched = _launcher_world_size() is not None
     if not launched and cfg.launcher.name == "slurm":
         sys.exit(_submit_slurm(cfg, layout, args, run_dir))
+    if not launched and cfg.launcher.name == "ray":
+        from megaframe.ray_launcher import run_on_ray
+
+        from megaframe.engine.data_setup import dataset_prefix
+
+        dataset_prefix(cfg.data)  # build the demo corpus once, not in every worker
+        sys.exit(run_on_ray(cfg, layout.world_size, args, Path(run_dir).resolve()))
     if not launched and layout.world_size > 1:
         from megaframe.engine.data_setup import dataset_prefix
 

@@ -234,7 +234,7 @@ class PlanConfig:
 class LauncherConfig:
     """How the ranks start (the `launcher` group); `parallel` still says how many."""
 
-    name: str = "local"  # local: this host (or under any torchrun) | slurm: an sbatch job of srun tasks
+    name: str = "local"  # local: this host (or under any torchrun) | slurm: an sbatch job of srun tasks | ray: Ray Train
     nodes: Optional[int] = None  # slurm: nodes; None = the layout's world / gpus_per_node
     gpus_per_node: int = 8  # slurm: one task per GPU
     cpus_per_task: Optional[int] = None  # slurm: --cpus-per-task (None: SLURM's default)
@@ -244,6 +244,10 @@ class LauncherConfig:
     job_name: str = "megaframe"
     sbatch_extra: List[str] = field(default_factory=list)  # more #SBATCH lines, e.g. ["--qos=high"]
     dry_run: bool = False  # write and print the sbatch script, do not submit it
+    ray_address: Optional[str] = None  # ray: a running cluster (ray://HOST:10001 or auto); None = start a local one
+    cpus_per_worker: float = 1.0  # ray: CPUs each rank's worker reserves
+    gpus_per_worker: float = 0.0  # ray: GPUs each rank's worker reserves (1 on a GPU cluster)
+    max_failures: int = 0  # ray: FailureConfig: restarts of the worker group; each resumes from the last checkpoint
 
 
 @dataclass

@@ -438,11 +438,14 @@ def check_moe(cfg: TrainConfig) -> Optional[str]:
 def check_launcher(cfg: TrainConfig) -> Optional[str]:
     """The `launcher` group: how ranks start."""
     launcher = cfg.launcher
-    if err := _choices("launcher", launcher.name, ["local", "slurm"]):
+    if err := _choices("launcher", launcher.name, ["local", "slurm", "ray"]):
         return err
     if launcher.gpus_per_node < 1 or (launcher.nodes is not None and launcher.nodes < 1):
         return (f"launcher.gpus_per_node={launcher.gpus_per_node} and launcher.nodes={launcher.nodes} must be >= 1 "
                 "(nodes may be null: the layout's world / gpus_per_node)")
+    if launcher.cpus_per_worker <= 0 or launcher.gpus_per_worker < 0 or launcher.max_failures < 0:
+        return (f"launcher.cpus_per_worker={launcher.cpus_per_worker} must be > 0, launcher.gpus_per_worker="
+                f"{launcher.gpus_per_worker} and launcher.max_failures={launcher.max_failures} >= 0")
     return None
 
 

@@ -3,6 +3,8 @@
 MEGAFRAME_FAULTS is a comma-separated list of KIND@STEP or KIND@STEP:RANK (RANK omitted: every rank):
   nan_grad@5:0   rank 0's gradients of step 5 become NaN (one parameter's, on that rank only)
   hang@3:1       rank 1 sleeps forever at the start of step 3
+  kill@4:1       SIGKILL to rank 1 at the start of step 4 (once per MEGAFRAME_FAULTS_STAMPS directory when
+                 set: a restarted job that replays step 4 then goes on)
   spike@8        every target of step 8 becomes token 0 on every rank (a byte text never holds): a loss spike
   kill_in_save@4 SIGKILL to the process while the checkpoint of step 4 is being written (its files
                  written, not yet published), on the writer's thread under train.async_save
@@ -24,7 +26,7 @@ import torch
 
 ENV = "MEGAFRAME_FAULTS"
 STAMPS_ENV = "MEGAFRAME_FAULTS_STAMPS"
-KINDS = ("nan_grad", "hang", "spike", "kill_in_save", "slow_save")
+KINDS = ("nan_grad", "hang", "spike", "kill_in_save", "slow_save", "kill")
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,13 @@ class Faults:
                     stamp.write(str(step))
             while True:  # a rank stuck outside any collective (a dead NFS read, a wedged kernel)
                 time.sleep(3600)
+        if self._due("kill", step):
+            stamps = os.environ.get(STAMPS_ENV)
+            stamp = os.path.join(stamps, f"kill-rank{self.rank}-step{step}") if stamps else None
+            if stamp is None or not os.path.exists(stamp):
+                if stamp:
+                    open(stamp, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
         if self._due("nan_grad", step):
             param = next(p for p in module.parameters() if p.requires_grad)
             return param.register_hook(lambda grad: torch.full_like(grad, float("nan")))
