@@ -37,3 +37,15 @@ def test_a_failed_point_does_not_stop_the_sweep_and_sets_its_exit_code(tmp_path)
     summary = json.loads((sweep / "sweep_summary.json").read_text())
     assert [row["exit_code"] for row in summary] == [2, 0]
     assert summary[1]["step"] == 4
+
+
+def test_a_slurm_sweep_writes_one_job_per_point(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = run_cli(["-m", "optim.lr=1e-3,3e-3", "launcher=slurm", "launcher.nodes=1", "launcher.gpus_per_node=2",
+                      "launcher.dry_run=true", *TINY, "zero=stage1", f"hydra.sweep.dir={sweep}"])
+    assert_ok(result)
+    scripts = [(sweep / str(point) / "submit.sbatch").read_text() for point in (0, 1)]
+    for point, (script, lr) in enumerate(zip(scripts, ("optim.lr=0.001", "optim.lr=0.003"))):
+        assert "#SBATCH --nodes=1" in script and "#SBATCH --ntasks-per-node=2" in script
+        assert lr in script and f"hydra.run.dir={(sweep / str(point)).resolve()}" in script
+        assert "launcher" not in script.split("srun", 1)[1]  # the tasks train; they do not submit again
