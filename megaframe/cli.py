@@ -252,7 +252,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
         from megaframe.engine.data_setup import dataset_prefix
 
         dataset_prefix(cfg.data)  # build the demo corpus once, not in every worker
-        sys.exit(run_on_ray(cfg, layout.world_size, args, Path(run_dir).resolve()))
+        sys.exit(run_on_ray(cfg, layout.world_size, args, Path(run_dir).resolve(), train_main))
     if not launched and layout.world_size > 1:
         from megaframe.engine.data_setup import dataset_prefix
 

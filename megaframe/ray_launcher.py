@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from typing import Callable
 
 from megaframe.config.schema import TrainConfig
 
@@ -21,9 +22,11 @@ def ray_missing() -> bool:
     return importlib.util.find_spec("ray") is None
 
 
-def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir: Path) -> int:
-    """Train on `world_size` Ray workers; 0 when the run finished, else the failed attempt's exit code
-    (1 when Ray reports an error without one)."""
+def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir: Path,
+               entry: Callable[[list[str]], None]) -> int:
+    """Train on `world_size` Ray workers, each calling entry(argv) (megaframe-train's main, passed in
+    by the CLI); 0 when the run finished, else the failed attempt's exit code (1 when Ray reports an
+    error without one)."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -37,7 +40,7 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
         ray.init(address=launcher.ray_address, include_dashboard=False, runtime_env={"env_vars": passed})
     resources = {"CPU": launcher.cpus_per_worker, **({"GPU": launcher.gpus_per_worker} if launcher.gpus_per_worker else {})}
     trainer = TorchTrainer(
-        _worker, train_loop_config={"overrides": task_overrides(overrides), "run_dir": str(run_dir)},
+        _worker, train_loop_config={"overrides": task_overrides(overrides), "run_dir": str(run_dir), "entry": entry},
         torch_config=TorchConfig(backend="nccl" if launcher.gpus_per_worker else "gloo"),
         scaling_config=ScalingConfig(num_workers=world_size, use_gpu=bool(launcher.gpus_per_worker),
                                      resources_per_worker=resources),
@@ -59,6 +62,4 @@ def _exit_code(error: BaseException) -> int:
 
 def _worker(config: dict) -> None:
     """One rank: megaframe-train's launched-rank path, in Ray's process group."""
-    from megaframe.cli import train_main
-
-    train_main([*config["overrides"], f"hydra.run.dir={config['run_dir']}"])
+    config["entry"]([*config["overrides"], f"hydra.run.dir={config['run_dir']}"])
