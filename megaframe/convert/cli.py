@@ -1,9 +1,11 @@
 """`megaframe-convert` (= `python -m megaframe.convert`, `tools/convert_checkpoint.py`):
 
   to-hf CKPT OUT      a layout-free megaframe checkpoint -> a transformers model directory
-  from-hf HF_DIR OUT  a local Llama / GPT-2 transformers directory -> a model-only megaframe checkpoint
-Both directions go one output tensor at a time (safetensors read on demand, written streaming):
-the model is never whole in memory. HF .bin weights are pickles and load whole.
+  from-hf HF_DIR OUT  a local Llama / GPT-2 / Mixtral / Qwen3-MoE transformers directory -> a
+                      model-only megaframe checkpoint
+Both directions go one output tensor at a time (safetensors read on demand, written streaming; a
+stacked expert tensor is read one expert at a time): the model is never whole in memory. HF .bin
+weights are pickles and load whole.
 
 Bad input ends with one line `megaframe-convert: error: ...` and exit code 2.
 """
@@ -84,9 +86,11 @@ def export_hf(ckpt: Path, out: Path, force: bool = False) -> str:
             raise
     params = sum(math.prod(shape) for shape in shapes.values())
     dropped = padded_rows - hf_config.vocab_size
+    capacity = cfg.moe.capacity_factor if cfg.moe.num_experts else None
     return (f"wrote {out}: {hf_config.architectures[0]} from {ckpt} (step {state.get('step', '?')}), "
             f"{params / 1e6:.2f}M parameters, vocab {hf_config.vocab_size}"
             + (f" ({dropped} padded rows dropped)" if dropped else "")
+            + (f", routing dropless (the run capped experts at capacity_factor={capacity})" if capacity else "")
             + (f", tokenizer from {tokenizer}" if tokenizer else ", no HF tokenizer (the run used bytes)"))
 
 
@@ -116,7 +120,9 @@ def import_hf(hf_dir: Path, out: Path, force: bool = False) -> tuple[ModelConfig
     tokenizer = hf_dir if files.has_tokenizer(hf_dir) else None
     files.write_layout_free(out, state, record, tokenizer_src=tokenizer, force=force)
     params = sum(math.prod(shape) for shape in state.shapes.values())
-    summary = (f"wrote {out}: {cfg.arch} checkpoint from {hf_dir}, {params / 1e6:.2f}M parameters, "
+    experts = (f" ({hf_config['model_type']}: {cfg.moe.num_experts} experts, top-{cfg.moe.top_k})"
+               if cfg.moe.num_experts else "")
+    summary = (f"wrote {out}: {cfg.arch} checkpoint{experts} from {hf_dir}, {params / 1e6:.2f}M parameters, "
                f"vocab {cfg.vocab_size}" + (", tokenizer copied to tokenizer/" if tokenizer else ", no tokenizer found"))
     return cfg, summary
 
@@ -128,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     to = sub.add_parser("to-hf", help="megaframe checkpoint -> transformers model directory")
     to.add_argument("ckpt", type=Path, help="layout-free checkpoint dir, or a run's checkpoints/ dir (uses `latest`)")
     to.add_argument("out", type=Path, help="output directory (AutoModelForCausalLM.from_pretrained loads it)")
-    frm = sub.add_parser("from-hf", help="local Llama / GPT-2 transformers directory -> megaframe checkpoint")
+    frm = sub.add_parser("from-hf", help="local Llama / GPT-2 / Mixtral / Qwen3-MoE transformers directory -> "
+                                         "megaframe checkpoint")
     frm.add_argument("hf_dir", type=Path, help="directory with config.json and safetensors / .bin weights")
     frm.add_argument("out", type=Path, help="output checkpoint directory (train.resume=OUT)")
     for p in (to, frm):

@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from megaframe.checkpoint import universal
+from megaframe.checkpoint.boxes import Box
 from megaframe.checkpoint.sharded import ShardReader
 from megaframe.checkpoint.stream import write_streaming
 from megaframe.convert.hf import ConvertError
@@ -45,10 +46,20 @@ def read_hf_config(hf_dir: Path) -> dict:
 
 class LazyTensors(Mapping):
     """Tensors made on demand: names and shapes known up front, each tensor made when asked for and
-    not kept (the converter holds one tensor, or the few one output needs, at a time)."""
+    not kept (the converter holds one tensor, or the few one output needs, at a time).
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], make: Callable[[str], torch.Tensor]):
-        self.shapes, self._make = shapes, make
+    part(name, index) is tensor[index] for a tuple of ints and step-1 slices over the leading
+    dimensions (one expert of a stacked (E, ...) tensor, gate or up half of a fused one); a source
+    that can read a part alone (safetensors, checkpoint boxes) passes `part` and never makes the whole."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], make: Callable[[str], torch.Tensor],
+                 part: Optional[Callable[[str, tuple], torch.Tensor]] = None):
+        self.shapes, self._make, self._part = shapes, make, part
+
+    def part(self, name: str, index: tuple) -> torch.Tensor:
+        if name not in self.shapes:
+            raise KeyError(name)
+        return self._part(name, index) if self._part is not None else self._make(name)[index]
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.shapes:
@@ -85,7 +96,11 @@ def read_hf_weights(hf_dir: Path) -> Mapping[str, torch.Tensor]:
     def make(name: str) -> torch.Tensor:
         with safe_open(str(where[name]), framework="pt", device="cpu") as f:
             return f.get_tensor(name)
-    return LazyTensors(shapes, make)
+
+    def part(name: str, index: tuple) -> torch.Tensor:
+        with safe_open(str(where[name]), framework="pt", device="cpu") as f:
+            return f.get_slice(name)[index]  # reads only the part's bytes
+    return LazyTensors(shapes, make, part)
 
 
 def _weight_files(hf_dir: Path) -> list[Path]:
@@ -222,7 +237,28 @@ def model_tensors(reader: ShardReader) -> LazyTensors:
             return reader.full(name)
         finally:
             reader.release()
-    return LazyTensors({k: reader.shape(k) for k in reader.keys() if not universal.is_optimizer_key(k)}, make)
+
+    def part(name: str, index: tuple) -> torch.Tensor:  # one box of the stored chunks (one expert)
+        shape = reader.shape(name)
+        offset, size, keep = [], [], []
+        for dim, n in enumerate(shape):
+            where = index[dim] if dim < len(index) else slice(None)
+            if isinstance(where, int):
+                offset.append(where % n)
+                size.append(1)
+                continue
+            start, stop, step = where.indices(n)
+            if step != 1:
+                raise ValueError(f"{name}: part reads take step-1 slices, got {where}")
+            offset.append(start)
+            size.append(max(0, stop - start))
+            keep.append(dim)
+        try:
+            value = reader.read(name, Box(tuple(offset), tuple(size)))
+        finally:
+            reader.release()
+        return value.reshape([size[d] for d in keep])
+    return LazyTensors({k: reader.shape(k) for k in reader.keys() if not universal.is_optimizer_key(k)}, make, part)
 
 
 def read_layout_free(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -3,20 +3,28 @@
 Both directions work on full, unpadded fp32 tensors keyed by canonical names (model/full_state.py):
   Llama flavour (rmsnorm + swiglu + rope)      <-> LlamaForCausalLM   (a rename: same layouts)
   GPT-2 flavour (layernorm + gelu + learned)   <-> GPT2LMHeadModel    (fused, transposed Conv1D)
-Both models are pre-norm with the same residual order, RoPE in the rotate-half convention and
-attention scaled by 1/sqrt(head_dim); the parity tests compare logits through `transformers`.
+  Llama flavour + model.moe, every block routed <-> MixtralForCausalLM
+  Llama flavour + model.moe + model.qk_norm    <-> Qwen3MoeForCausalLM (dense blocks allowed)
+All are pre-norm with the same residual order, RoPE in the rotate-half convention and attention
+scaled by 1/sqrt(head_dim); the parity tests compare logits through `transformers`. The routers
+agree too: fp32 softmax over all experts, top k, the k weights renormalised (Mixtral always, Qwen3
+by norm_topk_prob). Our experts are stacked (E, out, in) tensors; HF files hold one tensor per
+expert (what save_pretrained writes: Mixtral's block_sparse_moe.experts.{j}.w1/w2/w3, Qwen3's
+mlp.experts.{j}.gate_proj/up_proj/down_proj) or, as transformers v5 holds them in memory, fused
+mlp.experts.gate_up_proj (E, 2*ffn, hidden: gate rows, then up) and mlp.experts.down_proj; import
+reads any of these, export writes the per-expert files, one expert at a time.
 An HF config feature megaframe's blocks lack is refused with the config key that carries it.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from megaframe.config.schema import ModelConfig
+from megaframe.config.schema import ModelConfig, MoEConfig
 from megaframe.config.validate import ffn_hidden_size
-from megaframe.model.dims import resolve_dims
+from megaframe.model.dims import resolve_dims, resolve_moe
 from megaframe.model.full_state import canonical_shapes
 
 # transformers' names for the tanh approximation of GELU that megaframe's GPT-2 MLP uses
@@ -26,9 +34,17 @@ _IGNORED_HF_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"
 
 # Llama: (megaframe name inside blocks.{i}., HF name inside model.layers.{i}.)
 _LLAMA_BLOCK = [("attn_norm.weight", "input_layernorm.weight"), ("mlp_norm.weight", "post_attention_layernorm.weight")]
-_LLAMA_LINEAR = [("attn.q_proj", "self_attn.q_proj"), ("attn.k_proj", "self_attn.k_proj"),
-                 ("attn.v_proj", "self_attn.v_proj"), ("attn.out_proj", "self_attn.o_proj"),
-                 ("mlp.gate_proj", "mlp.gate_proj"), ("mlp.up_proj", "mlp.up_proj"), ("mlp.down_proj", "mlp.down_proj")]
+_LLAMA_ATTN = [("attn.q_proj", "self_attn.q_proj"), ("attn.k_proj", "self_attn.k_proj"),
+               ("attn.v_proj", "self_attn.v_proj"), ("attn.out_proj", "self_attn.o_proj")]
+_LLAMA_MLP = [("mlp.gate_proj", "mlp.gate_proj"), ("mlp.up_proj", "mlp.up_proj"), ("mlp.down_proj", "mlp.down_proj")]
+_QK_NORM = [("attn.q_norm.weight", "self_attn.q_norm.weight"), ("attn.k_norm.weight", "self_attn.k_norm.weight")]
+# routed blocks: (our stacked tensor in blocks.{i}.mlp.experts., HF name in experts.{j}.) per HF naming; the
+# export writes each model's own (Mixtral's files name the MoE module block_sparse_moe, transformers v5 mlp)
+_EXPERT_NAMES = {"mixtral": [("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")],
+                 "qwen3_moe": [("gate_proj", "gate_proj"), ("up_proj", "up_proj"), ("down_proj", "down_proj")]}
+_MOE_MODULE = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 class ConvertError(ValueError):
@@ -46,6 +62,62 @@ def flavour(cfg: ModelConfig) -> str:
         f"model.norm={cfg.norm} model.activation={cfg.activation} model.position_embedding={cfg.position_embedding} "
         "has no transformers equivalent; HF export supports the Llama flavour (rmsnorm, swiglu, rope) "
         "and the GPT-2 flavour (layernorm, gelu, learned)")
+
+
+def _routed(cfg: ModelConfig) -> list[bool]:
+    """Whether each block has routed experts (model.moe), in block order."""
+    moe = resolve_moe(cfg)
+    return [moe is not None and moe.is_moe_block(i) for i in range(cfg.num_layers)]
+
+
+def hf_architecture(cfg: ModelConfig) -> str:
+    """The transformers model a megaframe config exports to: 'llama', 'gpt2', 'mixtral' or
+    'qwen3_moe'; refuses (one line naming our key) what none of them computes."""
+    kind, moe = flavour(cfg), cfg.moe
+    default_head = cfg.hidden_size // cfg.num_attention_heads
+    if not moe.num_experts:
+        if cfg.qk_norm:
+            raise ConvertError("model.qk_norm=true has no LlamaForCausalLM / GPT2LMHeadModel equivalent; HF export "
+                               "takes QK-norm in MoE models only (Qwen3MoeForCausalLM)")
+        if kind == "gpt2" and cfg.head_dim not in (None, default_head):
+            raise ConvertError(f"model.head_dim={cfg.head_dim} has no GPT2LMHeadModel equivalent (its head size is "
+                               f"n_embd / n_head = {default_head})")
+        return kind
+    if kind != "llama":
+        raise ConvertError(f"model.moe.num_experts={moe.num_experts} with the GPT-2 flavour (GELU experts) has no "
+                           "transformers equivalent; MoE export takes the Llama flavour (MixtralForCausalLM, "
+                           "Qwen3MoeForCausalLM)")
+    for key, value, ok in (("router_score", moe.router_score, moe.router_score == "softmax"),
+                           ("shared_experts", moe.shared_experts, not moe.shared_experts),
+                           ("bias_update_rate", moe.bias_update_rate, not moe.bias_update_rate)):
+        if not ok:
+            raise ConvertError(f"model.moe.{key}={value} has no transformers equivalent: MixtralForCausalLM and "
+                               "Qwen3MoeForCausalLM route by a softmax over the experts alone, without shared experts "
+                               "or routing biases")
+    all_routed = all(_routed(cfg))
+    if cfg.qk_norm:
+        if cfg.bias and not all_routed:
+            raise ConvertError(f"model.bias=true with dense blocks (model.moe.first_dense_layers={moe.first_dense_layers}, "
+                               f"model.moe.layer_freq={moe.layer_freq}) has no Qwen3MoeForCausalLM equivalent: "
+                               "its dense MLPs have no biases")
+        return "qwen3_moe"
+    if not all_routed:
+        raise ConvertError(f"model.moe.first_dense_layers={moe.first_dense_layers} model.moe.layer_freq={moe.layer_freq} "
+                           "leave dense blocks, which MixtralForCausalLM lacks (it routes every block); "
+                           "Qwen3MoeForCausalLM takes dense blocks but needs model.qk_norm=true")
+    if not moe.norm_topk_prob:
+        raise ConvertError("model.moe.norm_topk_prob=false: MixtralForCausalLM always renormalises the top-k weights; "
+                           "Qwen3MoeForCausalLM does not, but needs model.qk_norm=true")
+    if cfg.bias:
+        raise ConvertError("model.bias=true: MixtralForCausalLM has no biases")
+    return "mixtral"
+
+
+def read_part(state: Mapping[str, torch.Tensor], name: str, index: tuple) -> torch.Tensor:
+    """state[name][index], reading only that part where the source can (files.LazyTensors.part):
+    one expert of a stacked tensor is a few MB where the whole is gigabytes."""
+    part = getattr(state, "part", None)
+    return part(name, index) if part is not None else state[name][index]
 
 
 # ---- megaframe -> Hugging Face ---------------------------------------------------------------
@@ -88,33 +160,91 @@ def to_hf_plan(cfg: ModelConfig, shapes: Mapping[str, Any]) -> tuple[Any, dict[s
             value = state[name][:vocab] if name in vocab_rows else state[name]
             return value.t() if transpose else value
         return recipe
-    return (_llama_to_hf if flavour(cfg) == "llama" else _gpt2_to_hf)(cfg, get)
+    arch = hf_architecture(cfg)
+    if arch == "gpt2":
+        return _gpt2_to_hf(cfg, get)
+    config = (_llama_hf_config if arch == "llama" else _moe_hf_config)(cfg, arch)
+    plan = {theirs: get(ours) for ours, theirs in _llama_names(cfg).items()}
+    if arch != "llama":
+        plan.update(_experts_to_hf(cfg, arch, get))
+    return config, plan
 
 
-def _llama_to_hf(cfg: ModelConfig, get: Callable[..., Recipe]):
+def _head_dim(cfg: ModelConfig) -> Optional[int]:
+    """model.head_dim as transformers configs take it (None: hidden_size / heads)."""
+    return cfg.head_dim if cfg.head_dim not in (None, cfg.hidden_size // cfg.num_attention_heads) else None
+
+
+def _llama_hf_config(cfg: ModelConfig, arch: str = "llama"):  # arch: the signature of _moe_hf_config
     from transformers import LlamaConfig
 
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=ffn_hidden_size(cfg),
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_kv_heads or cfg.num_attention_heads, hidden_act="silu",
+        num_key_value_heads=cfg.num_kv_heads or cfg.num_attention_heads, head_dim=_head_dim(cfg), hidden_act="silu",
         max_position_embeddings=cfg.seq_length, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
         tie_word_embeddings=cfg.tie_embeddings, attention_bias=cfg.bias, mlp_bias=cfg.bias,
         attention_dropout=0.0, initializer_range=cfg.init_std, bos_token_id=None, eos_token_id=None,
         architectures=["LlamaForCausalLM"])
-    return config, {theirs: get(ours) for ours, theirs in _llama_names(cfg).items()}
+
+
+def _moe_hf_config(cfg: ModelConfig, arch: str):
+    """MixtralConfig or Qwen3MoeConfig. The aux-loss coefficient is carried over as it is (HF pools one
+    load-balancing term over the layers, megaframe sums one per layer: a training setting, not the
+    model's function); the z-loss and capacity have no HF counterpart and are left behind."""
+    moe, routed = cfg.moe, _routed(cfg)
+    common = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_kv_heads or cfg.num_attention_heads,
+        head_dim=_head_dim(cfg), hidden_act="silu", max_position_embeddings=cfg.seq_length,
+        rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
+        attention_dropout=0.0, initializer_range=cfg.init_std, num_experts_per_tok=moe.top_k,
+        router_aux_loss_coef=moe.aux_loss_coeff, bos_token_id=None, eos_token_id=None,
+        architectures=[_ARCHITECTURES[arch]])
+    expert_width = resolve_moe(cfg).ffn_hidden_size
+    if arch == "mixtral":
+        from transformers import MixtralConfig
+
+        return MixtralConfig(intermediate_size=expert_width, num_local_experts=moe.num_experts,
+                             sliding_window=None, router_jitter_noise=0.0, **common)
+    from transformers import Qwen3MoeConfig
+
+    if common["head_dim"] is None:  # Qwen3's config has no null head_dim: spell it out
+        common["head_dim"] = cfg.hidden_size // cfg.num_attention_heads
+    return Qwen3MoeConfig(intermediate_size=ffn_hidden_size(cfg), moe_intermediate_size=expert_width,
+                          num_experts=moe.num_experts, norm_topk_prob=moe.norm_topk_prob, attention_bias=cfg.bias,
+                          use_sliding_window=False, decoder_sparse_step=1,
+                          mlp_only_layers=[i for i, r in enumerate(routed) if not r], **common)
+
+
+def _experts_to_hf(cfg: ModelConfig, arch: str, get: Callable[..., Recipe]) -> dict[str, Recipe]:
+    """Each routed block's router and experts under the names save_pretrained writes: one HF tensor
+    per expert, each read alone out of our stacked (E, out, in) tensor."""
+    out = {}
+    for i, routed in enumerate(_routed(cfg)):
+        if not routed:
+            continue
+        ours, theirs = f"blocks.{i}.mlp.", f"model.layers.{i}.{_MOE_MODULE[arch]}."
+        out[theirs + "gate.weight"] = get(ours + "router.weight")
+        for j in range(cfg.moe.num_experts):
+            for stacked, name in _EXPERT_NAMES[arch]:
+                out[f"{theirs}experts.{j}.{name}.weight"] = \
+                    lambda state, n=f"{ours}experts.{stacked}", j=j: read_part(state, n, (j,))
+    return out
 
 
 def _llama_names(cfg: ModelConfig) -> dict[str, str]:
-    """{megaframe name: HF name} for every Llama tensor (the layouts agree, only names differ)."""
+    """{megaframe name: HF name} for every Llama-layout tensor (the layouts agree, only names
+    differ): all of a Llama, all of a Mixtral / Qwen3-MoE but the routed blocks' router and experts."""
     names = {"embed.tok.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight"}
     if not cfg.tie_embeddings:
         names["head.weight"] = "lm_head.weight"
     leaves = ("weight", "bias") if cfg.bias else ("weight",)
-    for i in range(cfg.num_layers):
+    for i, routed in enumerate(_routed(cfg)):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
-        names.update({ours + a: theirs + b for a, b in _LLAMA_BLOCK})
-        names.update({f"{ours}{a}.{leaf}": f"{theirs}{b}.{leaf}" for a, b in _LLAMA_LINEAR for leaf in leaves})
+        names.update({ours + a: theirs + b for a, b in _LLAMA_BLOCK + (_QK_NORM if cfg.qk_norm else [])})
+        linear = _LLAMA_ATTN + ([] if routed else _LLAMA_MLP)
+        names.update({f"{ours}{a}.{leaf}": f"{theirs}{b}.{leaf}" for a, b in linear for leaf in leaves})
     return names
 
 
@@ -193,9 +323,11 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor]) -> tuple[ModelCo
 def config_from_hf(hf_config: dict) -> ModelConfig:
     """The megaframe ModelConfig of an HF config.json dict; refuses what megaframe cannot reproduce."""
     model_type = hf_config.get("model_type")
-    if model_type not in ("llama", "gpt2"):
-        raise ConvertError(f"config.json model_type={model_type!r} is not supported; from-hf reads 'llama' and 'gpt2' models")
-    return (_llama_config if model_type == "llama" else _gpt2_config)(hf_config)
+    readers = {"llama": _llama_config, "gpt2": _gpt2_config, "mixtral": _mixtral_config, "qwen3_moe": _qwen3_moe_config}
+    if model_type not in readers:
+        raise ConvertError(f"config.json model_type={model_type!r} is not supported; from-hf reads "
+                           f"{', '.join(repr(t) for t in readers)} models")
+    return readers[model_type](hf_config)
 
 
 def state_from_hf(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -212,8 +344,7 @@ def state_from_hf_plan(cfg: ModelConfig, hf_shapes: Mapping[str, Any]) -> tuple[
     weights with `hf_shapes` (tensors or shapes); refuses names or shapes that do not fit `cfg`."""
     hf_shapes = {name: _shape(v) for name, v in hf_shapes.items() if not name.endswith(_IGNORED_HF_SUFFIXES)}
     if flavour(cfg) == "llama":
-        source = _with_prefix(hf_shapes, "model.")
-        plan = _take(source, {theirs: ours for ours, theirs in _llama_names(cfg).items()}, cfg)
+        plan = _llama_from_hf(cfg, _with_prefix(hf_shapes, "model."), hf_shapes)
     else:
         plan = _gpt2_from_hf(cfg, _with_prefix(hf_shapes, "transformer."))
     shapes = plan_shapes(plan, hf_shapes)
@@ -248,29 +379,96 @@ def _check(hf: dict, rules: list[tuple[str, Callable[[Any], bool], str]]) -> Non
             raise _refuse(key, hf.get(key), why)
 
 
-def _llama_config(hf: dict) -> ModelConfig:
+# what every Llama-layout model here shares: SwiGLU, plain RoPE, no attention dropout
+_ROPE_RULES = [
+    ("hidden_act", lambda v: v in (None, "silu"), "megaframe's Llama MLP is SwiGLU (silu)"),
+    ("rope_scaling", lambda v: not v or v.get("rope_type", v.get("type")) == "default", "RoPE scaling is not implemented"),
+    ("attention_dropout", lambda v: not v, "megaframe has no attention-only dropout"),
+]
+
+
+def _rope_model(hf: dict, default_theta: float, default_eps: float, default_positions: int, **fields) -> ModelConfig:
+    """The ModelConfig of a Llama-layout HF config (Llama, Mixtral, Qwen3-MoE); `fields` add to it
+    (ffn_hidden_size among them). Absent keys take the transformers class's defaults."""
     rope_type = (hf.get("rope_parameters") or {}).get("rope_type", "default")
-    _check(hf, [
-        ("hidden_act", lambda v: v in (None, "silu"), "megaframe's Llama MLP is SwiGLU (silu)"),
-        ("rope_scaling", lambda v: not v or v.get("rope_type", v.get("type")) == "default",
-         "RoPE scaling is not implemented"),
-        ("attention_dropout", lambda v: not v, "megaframe has no attention-only dropout"),
-        ("mlp_bias", lambda v: bool(v) == bool(hf.get("attention_bias")),
-         "megaframe has one model.bias for attention and MLP (attention_bias differs)"),
-        ("head_dim", lambda v: v in (None, hf["hidden_size"] // hf["num_attention_heads"]),
-         "megaframe's head size is hidden_size / num_attention_heads"),
-    ])
     if rope_type != "default":
         raise _refuse("rope_parameters.rope_type", rope_type, "RoPE scaling is not implemented")
-    theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", default_theta)
     heads = hf["num_attention_heads"]
-    return ModelConfig(
+    head_dim = hf.get("head_dim")
+    values = dict(
         arch="llama", num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"], seq_length=hf.get("max_position_embeddings", 2048), norm="rmsnorm",
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu", position_embedding="rope",
+        num_kv_heads=hf.get("num_key_value_heads") or heads, vocab_size=hf["vocab_size"], seq_length=hf.get("max_position_embeddings", default_positions), norm="rmsnorm",
+        norm_eps=float(hf.get("rms_norm_eps", default_eps)), activation="swiglu", position_embedding="rope",
         rope_theta=float(theta), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        bias=bool(hf.get("attention_bias", False)), dropout=0.0, init_std=float(hf.get("initializer_range", 0.02)))
+        bias=bool(hf.get("attention_bias", False)), dropout=0.0, init_std=float(hf.get("initializer_range", 0.02)),
+        head_dim=None if head_dim in (None, hf["hidden_size"] // heads) else int(head_dim))
+    return ModelConfig(**{**values, **fields})
+
+
+def _llama_config(hf: dict) -> ModelConfig:
+    _check(hf, _ROPE_RULES + [
+        ("mlp_bias", lambda v: bool(v) == bool(hf.get("attention_bias")),
+         "megaframe has one model.bias for attention and MLP (attention_bias differs)"),
+    ])
+    return _rope_model(hf, default_theta=10000.0, default_eps=1e-6, default_positions=2048,
+                       ffn_hidden_size=hf["intermediate_size"])
+
+
+def _num_experts(hf: dict, key: str) -> int:
+    experts = hf.get(key)
+    if not isinstance(experts, int) or experts < 1:
+        raise _refuse(key, experts, "a Mixture-of-Experts model needs at least one expert")
+    return experts
+
+
+def _mixtral_config(hf: dict) -> ModelConfig:
+    """Mixtral: every block routed, softmax router, top-k weights renormalised, no shared experts, no biases."""
+    _check(hf, _ROPE_RULES + [
+        ("sliding_window", lambda v: v is None, "megaframe's attention has no sliding window"),
+        ("router_jitter_noise", lambda v: not v, "megaframe's router has no jitter noise"),
+    ])
+    experts = _num_experts(hf, "num_local_experts" if "num_local_experts" in hf else "num_experts")
+    width = hf["intermediate_size"]
+    moe = MoEConfig(num_experts=experts, top_k=hf.get("num_experts_per_tok", 2), ffn_hidden_size=width, layer_freq=1,
+                    first_dense_layers=0, shared_experts=0, capacity_factor=None,
+                    aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)), z_loss_coeff=0.0,
+                    router_score="softmax", norm_topk_prob=True, bias_update_rate=0.0)
+    # one width in a Mixtral: the experts' (model.ffn_hidden_size serves no block, every block routes)
+    return _rope_model(hf, default_theta=1e6, default_eps=1e-5, default_positions=4096 * 32, ffn_hidden_size=width,
+                       bias=False, moe=moe)
+
+
+def _qwen3_moe_config(hf: dict) -> ModelConfig:
+    """Qwen3-MoE: QK-norm, softmax router (top-k renormalised by norm_topk_prob), the blocks that
+    decoder_sparse_step and mlp_only_layers route, which must be first_dense_layers then every
+    layer_freq-th (what model.moe can say)."""
+    _check(hf, _ROPE_RULES + [
+        ("use_sliding_window", lambda v: not v, "megaframe's attention has no sliding window"),
+    ])
+    experts = _num_experts(hf, "num_experts" if "num_experts" in hf else "num_local_experts")
+    layers, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
+    dense = hf.get("mlp_only_layers") or []
+    if not isinstance(step, int) or step < 1:
+        raise _refuse("decoder_sparse_step", step, "must be a positive integer")
+    routed = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    key, value = ("mlp_only_layers", dense) if dense else ("decoder_sparse_step", step)
+    if not routed:
+        raise _refuse(key, value, "no block is routed (a dense model: import it as one)")
+    first = routed[0]
+    freq = routed[1] - first if len(routed) > 1 else layers - first
+    if routed != list(range(first, layers, freq)):
+        raise _refuse(key, value, f"routes blocks {routed}; megaframe routes every model.moe.layer_freq-th block "
+                      "after model.moe.first_dense_layers dense ones")
+    if hf.get("attention_bias") and len(routed) < layers:
+        raise _refuse("attention_bias", True, "megaframe's model.bias would give the dense blocks' MLPs biases too")
+    moe = MoEConfig(num_experts=experts, top_k=hf.get("num_experts_per_tok", 8),
+                    ffn_hidden_size=hf.get("moe_intermediate_size", 768), layer_freq=freq, first_dense_layers=first,
+                    shared_experts=0, capacity_factor=None, aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)),
+                    z_loss_coeff=0.0, router_score="softmax", norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                    bias_update_rate=0.0)
+    return _rope_model(hf, default_theta=10000.0, default_eps=1e-6, default_positions=32768, qk_norm=True, moe=moe,
+                       ffn_hidden_size=hf.get("intermediate_size", 6144))
 
 
 def _gpt2_config(hf: dict) -> ModelConfig:
@@ -307,6 +505,72 @@ def _take(source: dict[str, str], names: dict[str, str], cfg: ModelConfig) -> di
     source = {k: v for k, v in source.items() if not (cfg.tie_embeddings and k == "lm_head.weight")}
     _expect_names(source, names.keys(), "the HF weights", cfg)
     return {names[hf]: (lambda state, stored=stored: state[stored].to(torch.float32)) for hf, stored in source.items()}
+
+
+def _llama_from_hf(cfg: ModelConfig, source: dict[str, str], hf_shapes: dict[str, tuple]) -> dict[str, Recipe]:
+    """Llama, Mixtral, Qwen3-MoE: renames, plus each routed block's experts stacked (E, out, in)
+    from one tensor per expert or sliced out of transformers v5's fused gate_up_proj."""
+    # transformers reads Mixtral's block_sparse_moe.* as mlp.* (conversion_mapping.py): one name table
+    source = {name.replace(".block_sparse_moe.", ".mlp."): stored for name, stored in source.items()}
+    names = {theirs: ours for ours, theirs in _llama_names(cfg).items()}
+    experts = {i: _expert_sources(cfg, i, source) for i, routed in enumerate(_routed(cfg)) if routed}
+    s = _take(source, {**{n: n for n in names}, **{n: n for table in experts.values() for n in table}}, cfg)
+    state = {ours: s[theirs] for theirs, ours in names.items()}
+    for i, table in experts.items():
+        state.update(_experts_from_hf(cfg, i, table, source, hf_shapes, s))
+    return state
+
+
+def _expert_sources(cfg: ModelConfig, i: int, source: dict[str, str]) -> list[str]:
+    """The HF names block i's router and experts come from, in whichever of the layouts transformers
+    reads the files hold: fused gate_up_proj / down_proj, or per expert w1/w3/w2 (Mixtral) or
+    gate_proj/up_proj/down_proj (Qwen3)."""
+    p = f"model.layers.{i}.mlp."
+    if p + "experts.gate_up_proj" in source:
+        return [p + "gate.weight", p + "experts.gate_up_proj", p + "experts.down_proj"]
+    style = "qwen3_moe" if p + "experts.0.gate_proj.weight" in source else "mixtral"
+    return [p + "gate.weight"] + [f"{p}experts.{j}.{name}.weight" for j in range(cfg.moe.num_experts)
+                                  for _, name in _EXPERT_NAMES[style]]
+
+
+def _experts_from_hf(cfg: ModelConfig, i: int, table: list[str], source: dict[str, str], hf_shapes: dict[str, tuple],
+                     s: dict[str, Recipe]) -> dict[str, Recipe]:
+    moe = resolve_moe(cfg)
+    e, f, h = moe.num_experts, moe.ffn_hidden_size, cfg.hidden_size
+    ours = f"blocks.{i}.mlp."
+    router, *rest = table
+
+    def expect(name: str, shape: tuple[int, ...]) -> None:
+        if hf_shapes[source[name]] != shape:
+            raise ConvertError(f"the HF weights: tensor {source[name]} has shape {list(hf_shapes[source[name]])} but "
+                               f"config.json ({e} experts of width {f}, hidden {h}) needs {list(shape)}")
+    expect(router, (e, h))
+    out = {ours + "router.weight": s[router]}
+    if rest[0].endswith("gate_up_proj"):  # (E, 2f, h): gate rows, then up rows (transformers' Concatenate(dim=1))
+        fused, down = rest
+        expect(fused, (e, 2 * f, h))
+        expect(down, (e, h, f))
+        for index, name in enumerate(("gate_proj", "up_proj")):
+            out[f"{ours}experts.{name}"] = lambda state, n=source[fused], rows=slice(index * f, (index + 1) * f): \
+                read_part(state, n, (slice(None), rows)).to(torch.float32)
+        out[ours + "experts.down_proj"] = s[down]
+        return out
+    for k, stacked in enumerate(("gate_proj", "up_proj", "down_proj")):  # the order of _EXPERT_NAMES
+        per_expert = rest[k::3]
+        for name in per_expert:
+            expect(name, (h, f) if stacked == "down_proj" else (f, h))
+        out[f"{ours}experts.{stacked}"] = lambda state, names=per_expert: _stack([s[n] for n in names], state)
+    return out
+
+
+def _stack(recipes: list[Recipe], state: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """torch.stack of the recipes' tensors, made one at a time into the output (not all held, then copied)."""
+    first = recipes[0](state)
+    out = first.new_empty((len(recipes), *first.shape))
+    out[0] = first
+    for j, recipe in enumerate(recipes[1:], start=1):
+        out[j] = recipe(state)
+    return out
 
 
 def _gpt2_from_hf(cfg: ModelConfig, source: dict[str, str]) -> dict[str, Recipe]:

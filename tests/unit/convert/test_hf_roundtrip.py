@@ -24,6 +24,7 @@ GPT2 = ModelConfig(arch="gpt2", num_layers=2, hidden_size=64, num_attention_head
 VARIANTS = {
     "llama-gqa": LLAMA,
     "llama-tied-bias": dataclasses.replace(LLAMA, tie_embeddings=True, bias=True, num_kv_heads=4),
+    "llama-head-dim": dataclasses.replace(LLAMA, head_dim=32),  # LlamaConfig.head_dim, not hidden/heads
     "gpt2": GPT2,
     "gpt2-untied-nobias": dataclasses.replace(GPT2, tie_embeddings=False, bias=False, norm_eps=1e-6),
 }

@@ -52,7 +52,6 @@ def test_cli_refuses_rope_scaling_in_one_line(tmp_path):
 @pytest.mark.parametrize("kind, key, value", [
     ("llama", "hidden_act", "gelu"),
     ("llama", "attention_dropout", 0.1),
-    ("llama", "head_dim", 32),
     ("llama", "mlp_bias", True),
     ("llama", "rope_parameters", {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
     ("gpt2", "scale_attn_by_inverse_layer_idx", True),
@@ -72,11 +71,12 @@ def test_unsupported_hf_config_is_refused_naming_its_key(kind, key, value, tmp_p
 
 
 def test_supported_variants_import(tmp_path):
-    """The checks above refuse only what they name: bf16 weights, tied Llama, rope_theta import."""
-    model = tiny_hf("llama", tie_word_embeddings=True, rope_theta=321.0).to(torch.bfloat16)
+    """The checks above refuse only what they name: bf16 weights, tied Llama, rope_theta import, a
+    head_dim other than hidden/heads (model.head_dim)."""
+    model = tiny_hf("llama", tie_word_embeddings=True, rope_theta=321.0, head_dim=32).to(torch.bfloat16)
     model.save_pretrained(tmp_path / "hf")
     cfg, _ = import_hf(tmp_path / "hf", tmp_path / "out")
-    assert cfg.tie_embeddings and cfg.rope_theta == 321.0 and cfg.num_kv_heads == 1
+    assert cfg.tie_embeddings and cfg.rope_theta == 321.0 and cfg.num_kv_heads == 1 and cfg.head_dim == 32
     _, tensors = read_layout_free(tmp_path / "out")
     assert all(t.dtype == torch.float32 for t in tensors.values())
     assert torch.equal(tensors["embed.tok.weight"], model.model.embed_tokens.weight.float())
