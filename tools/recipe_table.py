@@ -14,13 +14,14 @@ from megaframe.plan.memory import GIB
 
 def main(extra: list[str]) -> None:
     extra = extra or ["cluster=h100_80g"]
-    print("| recipe | parameters | layout (tp × pp × dp, and cp where used) | ZeRO | GPUs | planner peak per GPU | fits |")
+    print("| recipe | parameters (active) | layout (tp × pp × dp, and cp, ep where used) | ZeRO | GPUs | planner peak per GPU | fits |")
     print("|---|---|---|---|---|---|---|")
     for path in sorted(recipes_dir().glob("*.yaml")):
         cfg, _ = compose([f"recipe={path.stem}", *extra])
         layout, est, _ = plan(cfg, planned_world_size(cfg))
-        print(f"| `{path.stem}` | {est.total_parameters / 1e9:,.2f}B | {layout.tp} × {layout.pp} × {layout.dp}"
-              f"{f', cp {layout.cp}' if layout.cp > 1 else ''} | "
+        active = f" ({est.active_parameters / 1e9:,.2f}B)" if est.active_parameters != est.total_parameters else ""
+        print(f"| `{path.stem}` | {est.total_parameters / 1e9:,.2f}B{active} | {layout.tp} × {layout.pp} × {layout.dp}"
+              f"{f', cp {layout.cp}' if layout.cp > 1 else ''}{f', ep {layout.grid.ep}' if layout.grid.ep > 1 else ''} | "
               f"{cfg.zero.stage} | {layout.world_size:,} | {est.peak / GIB:.1f} GiB of {est.capacity / GIB:.0f} | "
               f"{'yes' if est.fits else 'no'} |")
 

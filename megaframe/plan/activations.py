@@ -150,11 +150,35 @@ def in_flight_micro_batches(pp: int, stage: int, micro_batches: int) -> int:
     return max(1, min(pp - stage, micro_batches))
 
 
+def moe_mlp_extra_bytes(dims: GPTDims, shape: ActivationShape) -> float:
+    """What an MoE block saves for backward beyond a dense block's, an estimate (not yet measured
+    against a run): the dense MLP's term is replaced by the router's fp32 logits and scores, the k
+    copies of each token sent to experts, the experts' gate/up outputs and their product (width
+    f of one expert, k copies), the k expert outputs and their weights, plus the shared experts' MLP.
+    Each TP rank routes 1/tp of the tokens."""
+    e, moe = ACTIVATION_BYTES[shape.dtype], dims.moe
+    t = shape.tp
+    sb = tokens(dims, shape)
+    h, f = dims.hidden_size, moe.ffn_hidden_size
+    per_width = 4 if dims.activation == "swiglu" else 2
+    # both blocks keep the MLP input (the norm output); the dense one then its MLP's internals
+    dense_internals = sb * e * (dims.ffn_hidden_size // t) * per_width
+    routed = sb / t
+    router = routed * moe.num_experts * 4 * 2 + routed * h * 4  # fp32 logits and scores, the fp32 input
+    assignments = routed * moe.top_k
+    experts = assignments * (2 * h * e + f * e * per_width + 4)  # sent rows, expert outputs, internals, weights
+    shared = sb * e * (moe.shared_experts * f // t) * per_width
+    return router + experts + shared - dense_internals
+
+
 def stage_activation_bytes(dims: GPTDims, shape: ActivationShape, blocks: int, first: bool, last: bool,
-                           recompute: bool) -> float:
-    """Bytes one micro-batch leaves saved on a stage of `blocks` blocks (without the recompute working set)."""
+                           recompute: bool, moe_blocks: int = 0) -> float:
+    """Bytes one micro-batch leaves saved on a stage of `blocks` blocks, `moe_blocks` of them
+    Mixture-of-Experts (without the recompute working set)."""
     per_block = block_input_bytes(dims, shape) if recompute else block_activation_bytes(dims, shape)
     total = blocks * per_block
+    if moe_blocks and not recompute:
+        total += moe_blocks * moe_mlp_extra_bytes(dims, shape)
     if blocks and dims.position_embedding == "rope" and not recompute:
         # RoPE's fp32 cos/sin: cached, one copy per process (recomputation saves only block inputs);
         # under cp also the rows of this rank's positions, cached too

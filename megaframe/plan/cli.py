@@ -101,7 +101,7 @@ def dry_run_report(cfg: TrainConfig, layout: Layout, rank: int) -> dict:
         raise ConfigError(f"--dry-run={rank}: the layout has ranks 0..{layout.world_size - 1}")
     dims = resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp)
     built = dry_run(dims, layout.grid, rank, cfg.parallel.pipeline_partition)
-    planned = stage_parameters(dims, layout.tp, layout.pp, built.stage, cfg.parallel.pipeline_partition)
+    planned = stage_parameters(dims, layout.tp, layout.pp, built.stage, cfg.parallel.pipeline_partition, layout.grid.ep)
     return {"rank": rank, "stage": built.stage, "tp_rank": built.tp_rank, "layers": built.layers,
             "parameters": built.parameters, "planner_parameters": planned}
 

@@ -14,9 +14,10 @@ import torch
 import torch.nn as nn
 
 from megaframe.backends.deepspeed.pipeline import stage_boundaries
-from megaframe.model.gpt import GPT, Block, Embedding, GPTDims, build_norm
+from megaframe.model.gpt import GPT, Block, BlockSpec, Embedding, GPTDims, build_norm
 from megaframe.model.spec import Layer, ModelSpec
 from megaframe.parallel.dims import ParallelDims
+from megaframe.parallel.experts import ExpertGroup
 from megaframe.parallel.layers import ColumnParallelLinear, TPGroup
 from megaframe.plan.memory import uniform_weights
 
@@ -32,23 +33,23 @@ class DryRun:
     parameters: int
 
 
-def _layer_parameters(dims: GPTDims, tp: TPGroup) -> list[int]:
+def _layer_parameters(dims: GPTDims, tp: TPGroup, ep: ExpertGroup) -> list[int]:
     """Per-layer parameter counts as DeepSpeed's "parameters" method measures them (built layers)."""
-    _, modules = _stage_modules(dims, tp, 0, len(ModelSpec(dims).layers()), share_tied=False)
+    _, modules = _stage_modules(dims, tp, ep, 0, len(ModelSpec(dims).layers()), share_tied=False)
     return [sum(p.numel() for p in m.parameters()) for m in modules]
 
 
-def _partition(dims: GPTDims, tp: TPGroup, pp: int, partition: str) -> list[int]:
+def _partition(dims: GPTDims, tp: TPGroup, ep: ExpertGroup, pp: int, partition: str) -> list[int]:
     """PipelineModule._partition_layers, with DeepSpeed's own helper (deliberately not the planner's
     faster re-implementation, so the dry run checks it)."""
     if partition == "uniform":  # "type:BlockPipe": weight 1 for blocks, 0 for the other layers
         weights = uniform_weights(dims)
     else:
-        weights = _layer_parameters(dims, tp)
+        weights = _layer_parameters(dims, tp, ep)
     return list(stage_boundaries(tuple(weights), pp))
 
 
-def _stage_modules(dims: GPTDims, tp: TPGroup, start: int, stop: int,
+def _stage_modules(dims: GPTDims, tp: TPGroup, ep: ExpertGroup, start: int, stop: int,
                    share_tied: bool = True) -> tuple[list[str], nn.ModuleList]:
     """Layers [start, stop) of ModelSpec's layer list, as PipelineModule builds them."""
     layers = ModelSpec(dims).layers()[start:stop]
@@ -59,7 +60,7 @@ def _stage_modules(dims: GPTDims, tp: TPGroup, start: int, stop: int,
                 tied = Embedding(dims, tp, None)
                 modules.append(tied)
         elif layer.kind == "block":
-            modules.append(Block(dims, tp, None))
+            modules.append(Block(dims, tp, None, BlockSpec().with_experts(ep), layer.block))
         elif layer.kind == "final_norm":
             modules.append(build_norm(dims, tp))
         else:
@@ -78,12 +79,13 @@ def dry_run(dims: GPTDims, grid: ParallelDims, rank: int, partition: str = "unif
     """Build rank `rank`'s shard on the meta device and count its parameters."""
     coords, tp, pp = grid.coords(rank), grid.tp, grid.pp
     group = TPGroup(group=None, size=tp, rank=coords.tp)
+    experts = ExpertGroup(size=grid.ep, rank=coords.ep)  # which experts this rank holds
     with torch.device("meta"):
         if pp == 1:
-            model = GPT(dims, group)
+            model = GPT(dims, group, ep=experts)
             names = [_layer_name(layer, dims) for layer in ModelSpec(dims).layers()]
         else:
-            parts = _partition(dims, group, pp, partition)
-            names, model = _stage_modules(dims, group, parts[coords.pp], parts[coords.pp + 1])
+            parts = _partition(dims, group, experts, pp, partition)
+            names, model = _stage_modules(dims, group, experts, parts[coords.pp], parts[coords.pp + 1])
         count = sum(p.numel() for p in model.parameters())
     return DryRun(rank, coords.pp, coords.tp, names, count)

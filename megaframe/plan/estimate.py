@@ -22,7 +22,8 @@ from megaframe.model.dims import GPTDims, resolve_dims
 from megaframe.plan.activations import (ActivationShape, block_activation_bytes, in_flight_micro_batches,
                                         logits_working_bytes, stage_activation_bytes, tokens)
 from megaframe.plan.memory import (ACTIVATION_BYTES, GIB, STATE_BYTES, ModelStates, PlanLayout, model_state_bytes,
-                                   stage_blocks, stage_parameters, total_parameters)
+                                   active_parameters, stage_blocks, stage_expert_parameters, stage_parameters,
+                                   total_parameters)
 from megaframe.tracking.flops import flops_per_token
 
 
@@ -57,8 +58,9 @@ class Estimate:
     tokens_per_step: int
     step_time_s: Optional[float]  # model FLOPs at the assumed MFU (None without a peak TFLOP/s)
     ranked_step_time_s: float  # with bubble, recomputation and exposed communication (see module doc)
-    comm_bytes: dict = field(default_factory=dict)  # per rank per step: tp, pp, dp
+    comm_bytes: dict = field(default_factory=dict)  # per rank per step: tp, pp, dp, cp, ep
     host_bytes: float = 0.0  # per rank, offloaded states
+    active_parameters: int = 0  # per token: MoE leaves the unchosen experts out (= total for a dense model)
 
     @property
     def fits(self) -> bool:
@@ -133,15 +135,21 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     different tensors); zero: the DeepSpeed buffer sizes (reduce bucket, ZeRO-3's live parameters
     and prefetch bucket; None: DeepSpeed's defaults)."""
     zero = zero or ZeroConfig()
-    params = stage_parameters(dims, lay.tp, lay.pp, stage, lay.partition)
+    ep = lay.grid.ep
+    params = stage_parameters(dims, lay.tp, lay.pp, stage, lay.partition, ep)
+    experts = stage_expert_parameters(dims, lay.tp, lay.pp, stage, lay.partition, ep)
     blocks = stage_blocks(dims, lay.tp, lay.pp, stage, lay.partition)
-    # ZeRO partitions over DeepSpeed's data axis, dp x cp
-    states = model_state_bytes(params, lay.dp * lay.cp, lay.zero_stage, dtype, lay.offload_optimizer, lay.offload_param,
-                               reduces_in_backward=lay.micro_batches == 1 and lay.pp == 1
-                               and (zero.contiguous_gradients or zero.overlap_comm))
+    # ZeRO partitions over DeepSpeed's data axis, dp x cp; a rank's experts over their replicas, dp x cp / ep
+    in_backward = lay.micro_batches == 1 and lay.pp == 1 and (zero.contiguous_gradients or zero.overlap_comm)
+    states = model_state_bytes(params - experts, lay.dp * lay.cp, lay.zero_stage, dtype, lay.offload_optimizer,
+                               lay.offload_param, reduces_in_backward=in_backward)
+    if experts:
+        states = states + model_state_bytes(experts, lay.grid.edp, lay.zero_stage, dtype, lay.offload_optimizer,
+                                            lay.offload_param, reduces_in_backward=in_backward)
     shape = ActivationShape(lay.micro_batch_size, lay.tp, lay.sequence_parallel, dtype, device, lay.cp, lay.cp_impl)
     first, last = stage == 0, stage == lay.pp - 1
-    per_micro = stage_activation_bytes(dims, shape, blocks, first, last, lay.recompute)
+    per_micro = stage_activation_bytes(dims, shape, blocks, first, last, lay.recompute,
+                                       stage_blocks(dims, lay.tp, lay.pp, stage, lay.partition, moe_only=True))
     in_flight = in_flight_micro_batches(lay.pp, stage, lay.micro_batches)
     working = block_activation_bytes(dims, shape) if lay.recompute and blocks else 0.0
     if last:
@@ -194,7 +202,8 @@ def estimate(dims: GPTDims, lay: PlanLayout, dtype: str, cluster: ClusterConfig,
     return Estimate(layout=lay, cluster=cluster.name, total_parameters=total_parameters(dims), stages=stages,
                     capacity=capacity, reserved=reserved, peak=worst.peak, peak_stage=worst.stage,
                     flops_per_step=flops, tokens_per_step=tokens, step_time_s=step_time,
-                    ranked_step_time_s=ranked, comm_bytes=comm, host_bytes=max(s.states.host for s in stages))
+                    ranked_step_time_s=ranked, comm_bytes=comm, host_bytes=max(s.states.host for s in stages),
+                    active_parameters=active_parameters(dims))
 
 
 def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: StageEstimate) -> dict:
@@ -213,6 +222,8 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
     recomputed forward, and (cp-1)·2b + cp·2b backward, whose K/V gradients travel in fp32 (twice
     the bytes in bf16); Ulysses, (2·q_b + 2b)·(cp-1)/cp each way (tests/dist/test_context_parallel.py
     counts both).
+
+    EP: the MoE all-to-alls (dispatch and combine, forward and backward) of each MoE block.
     """
     e = ACTIVATION_BYTES[dtype]
     local = dims.seq_length // lay.cp * lay.micro_batch_size
@@ -240,7 +251,15 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
         else:
             per_block = (2 * q_b + 2 * b) * (lay.cp - 1) / lay.cp * (3 if lay.recompute else 2)
         cp = stage.blocks * m * per_block
-    return {"tp": tp, "pp": pp, "dp": dp, "cp": cp}
+    ep = 0.0
+    if lay.grid.ep > 1:
+        # each MoE block and micro-batch: tokens to their experts' ranks and back, forward and
+        # backward (again in a recomputed forward); a rank sends (ep-1)/ep of its top_k copies. Each
+        # TP rank routes 1/tp of the tokens.
+        moe_blocks = stage_blocks(dims, lay.tp, lay.pp, stage.stage, lay.partition, moe_only=True)
+        sent = local / lay.tp * dims.moe.top_k * dims.hidden_size * e * (lay.grid.ep - 1) / lay.grid.ep
+        ep = moe_blocks * m * sent * (6 if lay.recompute else 4)
+    return {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}
 
 
 def _ranked_step_time(lay: PlanLayout, cluster: ClusterConfig, compute: float, comm: dict,
@@ -259,6 +278,9 @@ def _ranked_step_time(lay: PlanLayout, cluster: ClusterConfig, compute: float, c
     # counted as exposed in full (conservative): the ring overlaps each hop with a block's compute,
     # but how much it hides depends on the attention kernel, which the planner does not model
     exposed += comm.get("cp", 0.0) / (cp_bw * gbps)
+    # an ep group spans tp*ep neighbouring ranks; all-to-alls sit between the expert GEMMs: exposed
+    ep_bw = cluster.intra_node_gbps if lay.tp * lay.grid.ep <= gpn else cluster.inter_node_gbps
+    exposed += comm.get("ep", 0.0) / (ep_bw * gbps)
     if lay.offload_optimizer != "none" or lay.offload_param != "none":
         # gradients to the host and updated weights back, every step
         exposed += stage.parameters * 4 / (cluster.host_gbps * gbps)

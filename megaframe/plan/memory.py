@@ -48,6 +48,7 @@ class PlanLayout(OnGrid):
     def describe(self) -> str:
         off = self.offload_optimizer if self.offload_param == "none" else f"{self.offload_optimizer}+param:{self.offload_param}"
         cp = f" cp={self.cp} ({self.cp_impl})" if self.cp > 1 else ""
+        cp += f" ep={self.grid.ep}" if self.grid.ep > 1 else ""
         return (f"tp={self.tp} pp={self.pp} dp={self.dp}{cp} zero={self.zero_stage} offload={off} "
                 f"recompute={'full' if self.recompute else 'none'} sp={str(self.sequence_parallel).lower()}")
 
@@ -58,16 +59,38 @@ def _norm_parameters(dims: GPTDims) -> int:
     return dims.hidden_size * (2 if dims.norm == "layernorm" and dims.bias else 1)
 
 
-def block_parameters(dims: GPTDims, tp: int) -> int:
-    """One transformer block's parameters on one TP rank (model/gpt.py: Block)."""
+def _mlp_parameters(dims: GPTDims, f: int, tp: int) -> int:
+    """A dense MLP of width f, column/row-parallel over tp (model/gpt.py: MLP)."""
+    h, bias = dims.hidden_size, 1 if dims.bias else 0
+    mlp_in = (2 if dims.activation == "swiglu" else 1) * (h * f // tp + bias * f // tp)
+    return mlp_in + f // tp * h + bias * h
+
+
+def expert_parameters(dims: GPTDims) -> int:
+    """One routed expert (model/moe.py: Experts): gate (SwiGLU), up and down, no biases."""
+    return (3 if dims.activation == "swiglu" else 2) * dims.hidden_size * dims.moe.ffn_hidden_size
+
+
+def block_expert_parameters(dims: GPTDims, index: int, ep: int = 1) -> int:
+    """The routed experts one rank holds of block `index` (experts are split over ep, not TP)."""
+    return dims.moe.num_experts // ep * expert_parameters(dims) if dims.is_moe_block(index) else 0
+
+
+def block_parameters(dims: GPTDims, tp: int, index: int = 0, ep: int = 1) -> int:
+    """Block `index`'s parameters on one TP rank (model/gpt.py: Block), its routed experts included
+    (this ep rank's share): an MoE block has a router (replicated) and shared experts (an MLP)."""
     h, hs, f = dims.hidden_size, dims.head_dim, dims.ffn_hidden_size
     q, kv = dims.num_heads * hs, dims.num_kv_heads * hs
     bias = 1 if dims.bias else 0
     kv_local = kv // tp if dims.num_kv_heads % tp == 0 else kv  # fewer kv heads than TP ranks: replicated
     attention = h * q // tp + bias * q // tp + 2 * (h * kv_local + bias * kv_local) + q // tp * h + bias * h
-    mlp_in = (2 if dims.activation == "swiglu" else 1) * (h * f // tp + bias * f // tp)
-    mlp = mlp_in + f // tp * h + bias * h
-    return 2 * _norm_parameters(dims) + attention + mlp
+    attention += 2 * hs if dims.qk_norm else 0
+    if not dims.is_moe_block(index):
+        return 2 * _norm_parameters(dims) + attention + _mlp_parameters(dims, f, tp)
+    moe = dims.moe
+    shared = _mlp_parameters(dims, moe.shared_experts * moe.ffn_hidden_size, tp) if moe.shared_experts else 0
+    return (2 * _norm_parameters(dims) + attention + moe.num_experts * h + shared
+            + block_expert_parameters(dims, index, ep))
 
 
 def embedding_parameters(dims: GPTDims, tp: int) -> int:
@@ -76,16 +99,17 @@ def embedding_parameters(dims: GPTDims, tp: int) -> int:
     return dims.padded_vocab_size // tp * dims.hidden_size + positions
 
 
-def pipeline_layer_parameters(dims: GPTDims, tp: int) -> list[int]:
+def pipeline_layer_parameters(dims: GPTDims, tp: int, ep: int = 1) -> list[int]:
     """Per-rank parameters of each layer of ModelSpec's list (embed | blocks | final norm | head).
 
     With tied embeddings the head is the embedding module again (a TiedLayerSpec), whose
     parameters DeepSpeed counts at the head's position too.
     """
     embed = embedding_parameters(dims, tp)
-    per_kind = {"embed": embed, "block": block_parameters(dims, tp), "final_norm": _norm_parameters(dims),
+    per_kind = {"embed": embed, "final_norm": _norm_parameters(dims),
                 "head": embed if dims.tie_embeddings else dims.padded_vocab_size // tp * dims.hidden_size}
-    return [per_kind[layer.kind] for layer in ModelSpec(dims).layers()]
+    return [block_parameters(dims, tp, layer.block, ep) if layer.kind == "block" else per_kind[layer.kind]
+            for layer in ModelSpec(dims).layers()]
 
 
 def uniform_weights(dims: GPTDims) -> tuple[int, ...]:
@@ -140,14 +164,13 @@ def stage_bounds(dims: GPTDims, tp: int, pp: int, partition: str = "uniform") ->
     return list(_cut(weights, pp))
 
 
-def stage_parameters(dims: GPTDims, tp: int, pp: int, stage: int, partition: str = "uniform") -> int:
-    """Parameters one rank of pipeline stage `stage` holds (TP shard; a tied embedding on the
-    first and last stage is held, trained and stored by both)."""
-    per_layer = pipeline_layer_parameters(dims, tp)
+def stage_parameters(dims: GPTDims, tp: int, pp: int, stage: int, partition: str = "uniform", ep: int = 1) -> int:
+    """Parameters one rank of pipeline stage `stage` holds (TP shard, this ep rank's experts; a
+    tied embedding on the first and last stage is held, trained and stored by both)."""
+    per_layer = pipeline_layer_parameters(dims, tp, ep)
     if pp == 1:
         return sum(per_layer) - (per_layer[-1] if dims.tie_embeddings else 0)
-    parts = stage_bounds(dims, tp, pp, partition)
-    start, stop = parts[stage], parts[stage + 1]
+    start, stop = _stage_range(dims, tp, pp, stage, partition, ep)
     held = sum(per_layer[start:stop])
     last = len(per_layer) - 1
     if dims.tie_embeddings and start == 0 and stop > last:
@@ -155,17 +178,44 @@ def stage_parameters(dims: GPTDims, tp: int, pp: int, stage: int, partition: str
     return held
 
 
-def stage_blocks(dims: GPTDims, tp: int, pp: int, stage: int, partition: str = "uniform") -> int:
-    """Transformer blocks on a pipeline stage."""
+def _stage_range(dims: GPTDims, tp: int, pp: int, stage: int, partition: str, ep: int = 1) -> tuple[int, int]:
     if pp == 1:
-        return dims.num_layers
-    parts = stage_bounds(dims, tp, pp, partition)
-    return sum(layer.kind == "block" for layer in ModelSpec(dims).layers()[parts[stage]:parts[stage + 1]])
+        return 0, len(ModelSpec(dims).layers())
+    weights = uniform_weights(dims) if partition == "uniform" else tuple(pipeline_layer_parameters(dims, tp, ep))
+    parts = _cut(weights, pp)
+    return parts[stage], parts[stage + 1]
+
+
+def stage_expert_parameters(dims: GPTDims, tp: int, pp: int, stage: int, partition: str = "uniform",
+                            ep: int = 1) -> int:
+    """Of stage_parameters, the routed experts: ZeRO partitions them over the expert-data-parallel
+    ranks (dp*cp/ep), the rest over dp*cp."""
+    if dims.moe is None:
+        return 0
+    start, stop = _stage_range(dims, tp, pp, stage, partition, ep)
+    return sum(block_expert_parameters(dims, layer.block, ep) for layer in ModelSpec(dims).layers()[start:stop]
+               if layer.kind == "block")
+
+
+def stage_blocks(dims: GPTDims, tp: int, pp: int, stage: int, partition: str = "uniform", moe_only: bool = False) -> int:
+    """Transformer blocks on a pipeline stage (moe_only: those with routed experts)."""
+    start, stop = _stage_range(dims, tp, pp, stage, partition)
+    return sum(layer.kind == "block" and (not moe_only or dims.is_moe_block(layer.block))
+               for layer in ModelSpec(dims).layers()[start:stop])
 
 
 def total_parameters(dims: GPTDims) -> int:
-    """The whole model (tp=1, pp=1)."""
+    """The whole model (tp=1, pp=1), every expert counted."""
     return stage_parameters(dims, 1, 1, 0)
+
+
+def active_parameters(dims: GPTDims) -> int:
+    """Parameters one token goes through: every expert but the top_k chosen ones left out of each
+    MoE block (the router and shared experts are active); the total for a dense model."""
+    if dims.moe is None:
+        return total_parameters(dims)
+    idle = (dims.moe.num_experts - dims.moe.top_k) * expert_parameters(dims)
+    return total_parameters(dims) - dims.num_moe_blocks * idle
 
 
 # ---- model states (ZeRO paper) ----------------------------------------------------------------
@@ -182,6 +232,10 @@ class ModelStates:
     @property
     def device(self) -> float:
         return self.weights + self.gradients + self.optimizer
+
+    def __add__(self, other: "ModelStates") -> "ModelStates":
+        return ModelStates(self.weights + other.weights, self.gradients + other.gradients,
+                           self.optimizer + other.optimizer, self.host + other.host)
 
 
 def model_state_bytes(params: int, dp: int, zero_stage: int, dtype: str, offload_optimizer: str = "none",

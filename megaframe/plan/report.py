@@ -33,8 +33,11 @@ def verdict(est: Estimate) -> str:
 def table(est: Estimate, mfu: float, alternatives: list[Estimate] | None = None, auto: Optional[Estimate] = None) -> str:
     """The report megaframe-plan prints."""
     lay = est.layout
-    lines = [f"megaframe-plan: {_count(est.total_parameters)} parameters ({est.total_parameters:,}) on {lay.world_size} "
-             f"devices, cluster {est.cluster}",
+    active = est.active_parameters
+    sparse = (f", {_count(active)} active per token ({active:,})"
+              if active and active != est.total_parameters else "")
+    lines = [f"megaframe-plan: {_count(est.total_parameters)} parameters ({est.total_parameters:,}){sparse} on "
+             f"{lay.world_size} devices, cluster {est.cluster}",
              f"layout: {lay.describe()} | micro-batch {lay.micro_batch_size}, global batch {lay.global_batch_size}, "
              f"{lay.micro_batches} micro-batch(es) per step",
              "",

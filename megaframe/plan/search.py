@@ -53,14 +53,27 @@ def _with_tp_cp(model: ModelConfig, base: PlanLayout, tp: int, cp: int) -> Itera
         dp = world // (tp * cp * pp)
         if pp > model.num_layers or base.global_batch_size % (base.micro_batch_size * dp):
             continue
-        for stage in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
-            offloads = [("none", "none")] + ([("cpu", "none")] if stage else []) + ([("cpu", "cpu")] if stage == 3 else [])
-            for optimizer, param in offloads:
-                for recompute in (False, True):
-                    for sp in ((False, True) if tp > 1 and (model.seq_length // cp) % tp == 0 else (False,)):
-                        yield replace(base, grid=ParallelDims(tp=tp, pp=pp, dp=dp, cp=cp), zero_stage=stage,
-                                      offload_optimizer=optimizer,
-                                      offload_param=param, recompute=recompute, sequence_parallel=sp)
+        stages = (0, 1) if pp > 1 else (0, 1, 2, 3)
+        if model.moe.num_experts:  # ZeRO-3 does not take MoE (config/validate.py: check_moe)
+            stages = tuple(stage for stage in stages if stage < 3)
+        for ep in expert_parallel_degrees(model, dp * cp):
+            for stage in stages:
+                offloads = [("none", "none")] + ([("cpu", "none")] if stage else []) + ([("cpu", "cpu")] if stage == 3 else [])
+                for optimizer, param in offloads:
+                    for recompute in (False, True):
+                        for sp in ((False, True) if tp > 1 and (model.seq_length // cp) % tp == 0 else (False,)):
+                            yield replace(base, grid=ParallelDims(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), zero_stage=stage,
+                                          offload_optimizer=optimizer,
+                                          offload_param=param, recompute=recompute, sequence_parallel=sp)
+
+
+def expert_parallel_degrees(model: ModelConfig, replicas: int) -> list[int]:
+    """ep for an MoE model whose dense layers have `replicas` (dp x cp) ranks: the divisors of the
+    expert count that divide them (up to 64); 1 for a dense model."""
+    experts = model.moe.num_experts
+    if not experts:
+        return [1]
+    return [e for e in _divisors(replicas) if e <= 64 and experts % e == 0]
 
 
 def fitting_layouts(cfg: TrainConfig, base: PlanLayout, limit: int = 10) -> list[Estimate]:
@@ -81,6 +94,7 @@ def fitting_layouts(cfg: TrainConfig, base: PlanLayout, limit: int = 10) -> list
 def layout_overrides(lay: PlanLayout) -> list[str]:
     """Command-line overrides that select `lay` (what parallel=auto hands to the ranks)."""
     return [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.cp={lay.cp}", f"parallel.cp_impl={lay.cp_impl}",
+            f"parallel.ep={lay.grid.ep}",
             f"parallel.dp={lay.dp}", f"zero.stage={lay.zero_stage}",
             f"offload.optimizer={lay.offload_optimizer}", f"offload.param={lay.offload_param}",
             f"parallel.activation_checkpointing={str(lay.recompute).lower()}",

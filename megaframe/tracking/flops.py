@@ -18,15 +18,22 @@ DENSE_PEAK_TFLOPS = (
 
 
 def matmul_parameters(dims: GPTDims) -> int:
-    """N of the PaLM formula: every parameter that takes part in a matmul per token.
+    """N of the PaLM formula: every parameter that takes part in a matmul per token (for MoE, the
+    active ones: a token meets the router, its top_k experts and the shared experts).
 
     The input embedding tables are lookups, not matmuls, so they are excluded; the LM head is a
     matmul over the (padded) vocabulary even when its weight is tied to the input embedding.
     """
     h, f, hs = dims.hidden_size, dims.ffn_hidden_size, dims.head_dim
     attn = h * dims.num_heads * hs + 2 * h * dims.num_kv_heads * hs + dims.num_heads * hs * h
-    mlp = (3 if dims.activation == "swiglu" else 2) * h * f
-    return dims.num_layers * (attn + mlp) + dims.padded_vocab_size * h
+    per_width = 3 if dims.activation == "swiglu" else 2
+    mlp = per_width * h * f
+    moe_blocks = dims.num_moe_blocks
+    total = dims.num_layers * attn + (dims.num_layers - moe_blocks) * mlp + dims.padded_vocab_size * h
+    if moe_blocks:  # active parameters: the router, the top_k chosen experts and the shared ones
+        moe = dims.moe
+        total += moe_blocks * (moe.num_experts * h + (moe.top_k + moe.shared_experts) * per_width * h * moe.ffn_hidden_size)
+    return total
 
 
 def flops_per_token(dims: GPTDims) -> float:

@@ -49,3 +49,27 @@ def test_mfu_peak_follows_the_runs_matmul_precision():
     assert device_peak_tflops("NVIDIA A100-SXM4-80GB", matmul_precision("fp32", tf32=True)) == 156.0
     assert device_peak_tflops("NVIDIA A100-SXM4-80GB", matmul_precision("fp32", tf32=False)) == 19.5
     assert device_peak_tflops("Tesla T4", "bf16") is None
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """torch's counter has no entry for the grouped GEMM: 2 x rows x in x out, whatever the groups."""
+    return 2 * a_shape[0] * a_shape[-1] * b_shape[-1]
+
+
+def test_moe_formula_counts_the_active_parameters_torch_executes():
+    """Mixture-of-Experts: the formula's N is the active parameters (router, top_k experts, shared
+    experts). The counter sees the experts' grouped GEMMs (with the formula above) on exactly the
+    rows the router sent, so an expert count other than top_k would show."""
+    from megaframe.config.schema import MoEConfig
+
+    cfg = _config("llama")
+    cfg.moe = MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=96, shared_experts=1)
+    dims = resolve_dims(cfg, 1000)
+    model = build_model(dims, ParallelState(ParallelDims(), rank=0), seed=0)
+    idx = torch.randint(0, 1000, (B, T), generator=torch.Generator().manual_seed(0))
+    grouped = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False, custom_mapping=grouped) as counter:
+        model(idx, idx).backward()
+    by_op = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
+    assert by_op["aten._grouped_mm"] > 0, by_op
+    assert counter.get_total_flops() == pytest.approx(flops_per_token(dims) * B * T, rel=0.05), by_op
