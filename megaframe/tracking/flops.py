@@ -1,4 +1,6 @@
-"""Model FLOPs per token (PaLM, appendix B): 6·N + 12·L·h·s."""
+"""Model FLOPs per token (PaLM, appendix B): 6·N + 12·L·h·s, with N the active matmul parameters
+(Mixture-of-Experts: a token's top_k experts, not all of them) and h the attention width
+heads·head_dim (= hidden for the classic shapes; Qwen3's head_dim 128 makes it twice its hidden)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -37,8 +39,10 @@ def matmul_parameters(dims: GPTDims) -> int:
 
 
 def flops_per_token(dims: GPTDims) -> float:
-    """Training FLOPs per token (forward + backward), attention scores included."""
-    return 6.0 * matmul_parameters(dims) + 12.0 * dims.num_layers * dims.hidden_size * dims.seq_length
+    """Training FLOPs per token (forward + backward), attention scores included: QK^T and the
+    weighted sum of V are heads·head_dim wide, whatever the hidden size."""
+    attention_width = dims.num_heads * dims.head_dim
+    return 6.0 * matmul_parameters(dims) + 12.0 * dims.num_layers * attention_width * dims.seq_length
 
 
 def matmul_precision(dtype: str, tf32: bool) -> str:

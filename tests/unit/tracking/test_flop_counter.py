@@ -52,24 +52,65 @@ def test_mfu_peak_follows_the_runs_matmul_precision():
 
 
 def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    """torch's counter has no entry for the grouped GEMM: 2 x rows x in x out, whatever the groups."""
+    """torch's counter (2.13) has no entry for the grouped GEMM: 2 x rows x in x out, whatever the groups."""
     return 2 * a_shape[0] * a_shape[-1] * b_shape[-1]
 
 
-def test_moe_formula_counts_the_active_parameters_torch_executes():
-    """Mixture-of-Experts: the formula's N is the active parameters (router, top_k experts, shared
-    experts). The counter sees the experts' grouped GEMMs (with the formula above) on exactly the
-    rows the router sent, so an expert count other than top_k would show."""
+def _moe_config(**moe) -> ModelConfig:
     from megaframe.config.schema import MoEConfig
 
     cfg = _config("llama")
-    cfg.moe = MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=96, shared_experts=1)
+    cfg.moe = MoEConfig(**{"num_experts": 8, "top_k": 2, "ffn_hidden_size": 96, **moe})
+    return cfg
+
+
+def _counted(dims, grouped: bool, monkeypatch) -> tuple[int, dict]:
+    """FLOPs torch counts in one forward and backward. grouped=False runs the experts as the loop
+    reference (grouped_linear's fallback: one plain matmul per expert on the rows it was sent),
+    which torch's counter knows without help."""
+    import megaframe.model.moe as moe
+
+    if not grouped:
+        monkeypatch.setattr(moe, "_grouped_mm_works", lambda x: False)
+    model = build_model(dims, ParallelState(ParallelDims(), rank=0), seed=0)
+    idx = torch.randint(0, 1000, (B, T), generator=torch.Generator().manual_seed(0))
+    mapping = {torch.ops.aten._grouped_mm: _grouped_mm_flops} if grouped else {}
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+        model(idx, idx).backward()
+    return counter.get_total_flops(), {str(op): f for op, f in counter.get_flop_counts()["Global"].items()}
+
+
+@pytest.mark.parametrize("moe", [{"shared_experts": 1}, {"first_dense_layers": 1}, {"top_k": 1, "num_experts": 4}])
+def test_moe_formula_counts_the_active_parameters_torch_executes(moe, monkeypatch):
+    """Mixture-of-Experts: the formula's N is the active parameters (router, top_k experts, shared
+    experts). Independent of it: the loop reference's per-expert matmuls, counted by torch itself
+    on the rows each expert was sent (counting all E experts would be 4x the expert FLOPs here).
+    With a dense first block, both kinds of MLP are in the count."""
+    dims = resolve_dims(_moe_config(**moe), 1000)
+    counted, by_op = _counted(dims, grouped=False, monkeypatch=monkeypatch)
+    assert "aten._grouped_mm" not in by_op
+    assert counted == pytest.approx(flops_per_token(dims) * B * T, rel=0.05), by_op
+
+
+def test_grouped_gemm_counts_what_the_loop_reference_does(monkeypatch):
+    """The grouped GEMM (torch's counter taught its shape rule) runs exactly the loop's FLOPs."""
+    dims = resolve_dims(_moe_config(shared_experts=1), 1000)
+    grouped, by_op = _counted(dims, grouped=True, monkeypatch=monkeypatch)
+    assert by_op["aten._grouped_mm"] > 0, by_op
+    loop, _ = _counted(dims, grouped=False, monkeypatch=monkeypatch)
+    assert grouped == loop
+
+
+def test_attention_flops_follow_head_dim_not_hidden():
+    """Qwen3's shape: heads x head_dim (8 x 32 = 256) twice the hidden size, with QK-norm. The
+    score and value matmuls are 12·L·(heads·head_dim)·s per token; 12·L·h·s would count half."""
+    cfg = _config("llama")
+    cfg.head_dim, cfg.qk_norm = 32, True
     dims = resolve_dims(cfg, 1000)
     model = build_model(dims, ParallelState(ParallelDims(), rank=0), seed=0)
     idx = torch.randint(0, 1000, (B, T), generator=torch.Generator().manual_seed(0))
-    grouped = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False, custom_mapping=grouped) as counter:
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(idx, idx).backward()
     by_op = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
-    assert by_op["aten._grouped_mm"] > 0, by_op
+    assert by_op["aten.bmm"] == pytest.approx(12 * dims.num_layers * 8 * 32 * T * B * T, rel=0.05), by_op
     assert counter.get_total_flops() == pytest.approx(flops_per_token(dims) * B * T, rel=0.05), by_op
