@@ -7,6 +7,8 @@ layout that does not fit before any rank starts.
 """
 from __future__ import annotations
 
+import contextlib
+
 import sys
 from dataclasses import replace
 from typing import Optional, Sequence
@@ -113,9 +115,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     want_json = "--json" in args
     args, dry_rank = _dry_run_flag([a for a in args if a != "--json"])
     try:
-        cfg, _ = compose(args)
-        layout, est, alternatives = plan(cfg, planned_world_size(cfg))
-        dry = dry_run_report(cfg, layout, dry_rank) if dry_rank is not None else None
+        # DeepSpeed logs to stdout (on a CPU-only login node: "Setting accelerator to CPU"); stdout
+        # must hold only the report, so that `megaframe-plan --json | jq` parses.
+        with contextlib.redirect_stdout(sys.stderr):
+            cfg, _ = compose(args)
+            layout, est, alternatives = plan(cfg, planned_world_size(cfg))
+            dry = dry_run_report(cfg, layout, dry_rank) if dry_rank is not None else None
     except ConfigError as err:
         _fail(PROG, str(err))
     auto = alternatives[0] if cfg.parallel.auto and alternatives else None

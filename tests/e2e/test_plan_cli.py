@@ -31,6 +31,18 @@ def test_gpt_1t_fits_with_its_authors_layout_on_h100():
     assert {"tp", "pp", "dp"} <= set(plan["comm_bytes"]) and plan["flops_per_step"] > 0 and plan["step_time_s"] > 0
 
 
+def test_json_stdout_is_only_the_report_on_a_login_node_without_a_gpu():
+    """A user on a CPU login node, DS_ACCELERATOR unset: DeepSpeed announces its CPU fallback on
+    stdout, which must not end up in front of the JSON (`megaframe-plan --json | jq`)."""
+    env = {k: v for k, v in cli_env().items() if k != "DS_ACCELERATOR"}
+    result = subprocess.run([sys.executable, "-m", "megaframe.plan", "--json", "recipe=qwen3_235b_a22b"], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert_ok(result)
+    plan = json.loads(result.stdout)["plan"]
+    assert plan["layout"]["grid"]["ep"] == 32 and plan["fits"]
+    assert plan["active_parameters"] == pytest.approx(22e9, rel=0.01)
+
+
 def test_mixtral_fits_an_h100_cluster_with_experts_split_over_ranks():
     table = run_plan(["recipe=mixtral_8x7b", "cluster=h100_80g"])
     assert_ok(table)

@@ -21,7 +21,7 @@ from megaframe.plan.memory import active_parameters, stage_parameters, total_par
 PUBLISHED = {"llama2_7b": 6.74e9, "llama2_13b": 13.0e9, "llama2_70b": 69.0e9, "llama3_8b": 8.03e9,
              "llama3_8b_128k": 8.03e9,
              "neox_20b": 20.55e9, "gpt3_175b": 175e9, "mtnlg_530b": 530e9, "gpt_1t": 1.0e12,
-             "mixtral_8x7b": 46.70e9, "qwen3_30b_a3b": 30.5e9}
+             "mixtral_8x7b": 46.70e9, "qwen3_30b_a3b": 30.5e9, "qwen3_235b_a22b": 235e9}
 
 
 def _recipe(name: str):
@@ -95,18 +95,22 @@ def _active_from_modules(dims) -> int:
     return active
 
 
-@pytest.mark.parametrize("name, active", [("mixtral_8x7b", 12.88e9), ("qwen3_30b_a3b", 3.3e9)])
+@pytest.mark.parametrize("name, active", [("mixtral_8x7b", 12.88e9), ("qwen3_30b_a3b", 3.3e9),
+                                          ("qwen3_235b_a22b", 22e9)])
 def test_moe_recipes_have_their_published_active_parameters(name, active):
-    """Mixtral: 46.70B / 12.88B (REFERENCE.md), within 1%. Qwen3-30B-A3B's card gives 30.5B and 3.3B
+    """Mixtral: 46.70B / 12.88B (REFERENCE.md), and Qwen3-235B-A22B's card, 235B / 22B (non-embedding
+    234B), within 1%. Qwen3-30B-A3B's card gives 30.5B and 3.3B
     truncated to its digits (non-embedding 29.9B): the count is 30.53B / 3.353B, which truncates to
     them; 3.353B is 1.6% above the written 3.3."""
     cfg, layout, dims = _recipe(name)
     assert layout.grid.ep > 1 and dims.moe is not None
     counted = active_parameters(dims)
     assert counted == _active_from_modules(dims)
-    if name == "mixtral_8x7b":
+    embedding = dims.vocab_size * dims.hidden_size * 2  # untied input and output tables
+    if name != "qwen3_30b_a3b":
         assert counted == pytest.approx(active, rel=0.01)
+        if name == "qwen3_235b_a22b":
+            assert total_parameters(dims) - embedding == pytest.approx(234e9, rel=0.01)
     else:
         assert int(counted / 1e8) == int(active / 1e8) and int(total_parameters(dims) / 1e8) == 305
-        embedding = dims.vocab_size * dims.hidden_size * 2  # untied input and output tables
         assert total_parameters(dims) - embedding == pytest.approx(29.9e9, rel=0.01)
