@@ -92,9 +92,9 @@ def _submit_slurm(cfg: TrainConfig, layout: Layout, args: list[str], run_dir: st
     return 0
 
 
-def _check_dataset(cfg: TrainConfig) -> None:
+def _dataset_problem(cfg: TrainConfig) -> Optional[str]:
     """Open data.path's files before launch (headers, sizes, metadata; the token scan runs after
-    launch, shared by the ranks): a broken dataset is one line and exit code 2."""
+    launch, shared by the ranks): what is wrong with them, in one line, or None."""
     from megaframe.data import DataError, open_dataset
     from megaframe.data.blend import parse_blend
 
@@ -105,6 +105,45 @@ def _check_dataset(cfg: TrainConfig) -> None:
         for prefix in prefixes:
             open_dataset(prefix, cfg.data.tokenizer)
     except DataError as err:
+        return str(err)
+    return None
+
+
+def _check_dataset(cfg: TrainConfig) -> None:
+    """A broken dataset is one line and exit code 2, before launch."""
+    if problem := _dataset_problem(cfg):
+        _fail(problem)
+
+
+def _check_sweep_point(point: list[str]) -> None:
+    """One point of a -m sweep, as megaframe-train alone would check it before launching its ranks
+    (compose, validate, the planner's fit, the launcher's package, the dataset's files)."""
+    from megaframe.plan.estimate import estimate_config
+    from megaframe.plan.report import verdict
+
+    cfg, _ = compose(point)
+    layout = validate(cfg, _slurm_world_size(cfg) or requested_world_size(cfg), device_supports_fp16)
+    if cfg.plan.check and not cfg.parallel.auto and not (est := estimate_config(cfg, layout)).fits:
+        raise ConfigError(f"the planner says this will not fit: {verdict(est)} (plan.check=false skips this check)")
+    if cfg.launcher.name == "ray":
+        from megaframe.ray_launcher import MISSING, ray_missing
+
+        if ray_missing():
+            raise ConfigError(MISSING)
+    if problem := _dataset_problem(cfg):
+        raise ConfigError(problem)
+
+
+def _check_sweep(args: list[str]) -> None:
+    """`-m` (and no other Hydra flag): every point is checked before the first launches."""
+    from megaframe.sweep import check_sweep
+
+    flags = {a for a in args if a.split("=", 1)[0] in _HYDRA_FLAGS}
+    if not flags or not flags <= {"-m", "--multirun"}:
+        return
+    try:
+        check_sweep([a for a in args if a not in flags], _check_sweep_point)
+    except ConfigError as err:
         _fail(str(err))
 
 
@@ -225,6 +264,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     adopt_slurm_env()  # an srun task (launcher=slurm's job) joins the process group from SLURM's variables
     _stop_if_job_stopped()
     if any(a.split("=", 1)[0] in _HYDRA_FLAGS for a in args):
+        _check_sweep(args)
         _run_hydra(args)
         return
     cfg, layout, run_dir = check(args)

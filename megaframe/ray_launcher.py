@@ -9,11 +9,15 @@ the run's last checkpoint. Ray is an optional extra: `pip install "megaframe[ray
 from __future__ import annotations
 
 import importlib.util
+import logging
+import math
 import os
+import sys
 from pathlib import Path
 from typing import Callable
 
 from megaframe.config.schema import TrainConfig
+from megaframe.failures import PROG
 
 MISSING = 'launcher=ray needs Ray Train, which is not installed: pip install "megaframe[ray]"'
 
@@ -28,7 +32,7 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
     by the CLI); 0 when the run finished, else the failed attempt's exit code (1 when Ray reports an
     error without one)."""
     import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from megaframe.slurm import task_overrides
@@ -37,27 +41,59 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
     if not ray.is_initialized():
         # the workers see the driver's megaframe, W&B and thread settings, also on a remote cluster
         passed = {k: v for k, v in os.environ.items() if k.startswith(("MEGAFRAME_", "WANDB_")) or k == "OMP_NUM_THREADS"}
-        ray.init(address=launcher.ray_address, include_dashboard=False, runtime_env={"env_vars": passed})
+        # Ray's own INFO/WARNING lines stay in its session logs; without the dashboard (ray[train]
+        # has none) Ray Train's placement-group watcher would warn every second that the state
+        # API is unavailable. The ranks' own output (progress, one-line errors) is unaffected.
+        ray.init(address=launcher.ray_address, include_dashboard=False, runtime_env={"env_vars": passed},
+                 logging_level=logging.ERROR, logging_config=ray.LoggingConfig(log_level="ERROR"))
     resources = {"CPU": launcher.cpus_per_worker, **({"GPU": launcher.gpus_per_worker} if launcher.gpus_per_worker else {})}
     trainer = TorchTrainer(
         _worker, train_loop_config={"overrides": task_overrides(overrides), "run_dir": str(run_dir), "entry": entry},
-        torch_config=TorchConfig(backend="nccl" if launcher.gpus_per_worker else "gloo"),
+        # Ray creates the process group: its timeout must be megaframe's, or a hung rank holds the
+        # others for Ray's default 30 minutes instead of ending the job with exit code 7
+        torch_config=TorchConfig(backend="nccl" if launcher.gpus_per_worker else "gloo",
+                                 timeout_s=math.ceil(cfg.train.collective_timeout_s)),
         scaling_config=ScalingConfig(num_workers=world_size, use_gpu=bool(launcher.gpus_per_worker),
                                      resources_per_worker=resources),
         run_config=RunConfig(name=run_dir.name, storage_path=str(run_dir / "ray"),
-                             failure_config=FailureConfig(max_failures=launcher.max_failures)))
-    result = trainer.fit()
-    return 0 if result.error is None else _exit_code(result.error)
+                             failure_config=FailureConfig(max_failures=launcher.max_failures),
+                             # Ray Train's own console logs would repeat each failed worker's
+                             # traceback; the rank has printed its one line (its traceback is in
+                             # RUN_DIR/logs) and Ray's session logs keep everything
+                             logging_config=LoggingConfig(log_level="CRITICAL")))
+    try:
+        error = trainer.fit().error  # Ray before 2.5x returned the error
+    except Exception as err:  # Ray Train 2.5x raises it (WorkerGroupError, ControllerError)
+        error = err
+    if error is None:
+        return 0
+    code = _exit_code(error)
+    if code == 1:  # no rank said why (killed, out of memory, Ray itself): say it here, in one line
+        print(f"{PROG}: error: Ray Train failed: {_first_line(error)} [exit 1; Ray's logs: "
+              f"{run_dir / 'ray'}]", file=sys.stderr, flush=True)
+    return code
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
 
 
 def _exit_code(error: BaseException) -> int:
-    """The exit code a worker's SystemExit carried, found in Ray's wrapped error chain."""
-    seen = error
-    while seen is not None:
-        if isinstance(seen, SystemExit) and isinstance(seen.code, int):
-            return seen.code
-        seen = seen.__cause__ or seen.__context__
-    return 1
+    """The job's exit code from Ray's error: each failed worker's SystemExit code (Ray Train keeps
+    them in worker_failures; older Ray chains them as causes), the documented cause winning over
+    the ranks that only followed it (failures.exit_code_of_job); 1 when none carried a code."""
+    from megaframe.failures import exit_code_of_job
+
+    codes = []
+    for failure in [*getattr(error, "worker_failures", {}).values(), error]:
+        seen = failure
+        while seen is not None:
+            if isinstance(seen, SystemExit) and isinstance(seen.code, int):
+                codes.append(seen.code)
+                break
+            seen = seen.__cause__ or seen.__context__
+    return exit_code_of_job(codes) if any(codes) else 1
 
 
 def _worker(config: dict) -> None:

@@ -25,7 +25,9 @@ def _one_line(ex: BaseException) -> str:
     if isinstance(ex, MissingConfigException) and ex.options:
         group = ex.missing_cfg_file.rsplit("/", 1)[0] if ex.missing_cfg_file else "?"
         name = ex.missing_cfg_file.rsplit("/", 1)[-1] if ex.missing_cfg_file else "?"
-        return f"{group}={name}: no such option; available: {', '.join(sorted(ex.options))}"
+        hint = ("; megaframe submits SLURM jobs itself: launcher=slurm (README, \"Scaling out\")"
+                if group == "hydra/launcher" and name.startswith("submitit") else "")
+        return f"{group}={name}: no such option; available: {', '.join(sorted(ex.options))}{hint}"
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         full_key = getattr(cause, "full_key", None) or getattr(cause, "key", "?")
         known = _known_keys(str(full_key))

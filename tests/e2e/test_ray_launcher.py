@@ -4,6 +4,7 @@ with the uninterrupted run's metrics; without Ray installed, one line before any
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -41,3 +42,37 @@ def test_without_ray_launcher_ray_is_one_line_before_anything_starts(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and 'pip install "megaframe[ray]"' in lines[0], result.stderr[-2000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_ray_sweep_runs_each_point_on_ray_with_its_own_curve(tmp_path):
+    """-m with launcher=ray: each point is a whole megaframe-train that starts its own Ray workers,
+    in its own run directory, and trains what the same point self-launched trains."""
+    pytest.importorskip("ray", reason="Ray is the optional extra megaframe[ray]; .ci/run installs it with [test]")
+    sweep, alone = tmp_path / "sweep", tmp_path / "alone"
+    args = [*ARGS, "train.max_steps=4"]
+    env = {**cli_env(), "OMP_NUM_THREADS": "1"}
+    result = run_cli(["-m", *args, "optim.lr=1e-3,3e-3", "launcher=ray", f"hydra.sweep.dir={sweep}"], env=env)
+    assert_ok(result)
+    assert all((sweep / point / "ray").is_dir() for point in ("0", "1")), "a point did not run on Ray"
+    assert "launching 2 ranks" not in result.stdout  # no point fell back to the self-launcher
+    assert_ok(run_cli([*args, "optim.lr=3e-3", f"hydra.run.dir={alone}"]))
+    assert_parity(read_metrics(sweep / "1"), read_metrics(alone), "Ray sweep point 1 against the point self-launched")
+    assert read_metrics(sweep / "0")[-1]["eval_loss"] != read_metrics(sweep / "1")[-1]["eval_loss"]
+
+
+def test_a_hung_ray_worker_ends_the_job_after_megaframes_collective_timeout(tmp_path):
+    """Ray makes the process group: it gets train.collective_timeout_s (not Ray's 30 minutes), so the
+    rank left waiting raises, and the job ends with the hung rank's exit code 7."""
+    pytest.importorskip("ray", reason="Ray is the optional extra megaframe[ray]; .ci/run installs it with [test]")
+    timeout_s = 20
+    stamps = tmp_path / "stamps"
+    stamps.mkdir()
+    env = {**cli_env(), "OMP_NUM_THREADS": "1", "MEGAFRAME_FAULTS": "hang@3:1", "MEGAFRAME_FAULTS_STAMPS": str(stamps)}
+    result = run_cli([*ARGS, "launcher=ray", "launcher.max_failures=0", f"train.collective_timeout_s={timeout_s}",
+                      f"hydra.run.dir={tmp_path / 'run'}"], env=env, timeout=400)
+    ended = time.time()
+    assert result.returncode == 7, (result.stdout + result.stderr)[-3000:]
+    out = result.stdout + result.stderr
+    assert "rank 1 did not reach a collective" in out and "Traceback" not in out, out[-3000:]
+    hung_for = ended - (stamps / "hang-rank1").stat().st_mtime
+    assert timeout_s - 1 <= hung_for < timeout_s + 60, hung_for

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from helpers import TINY, assert_ok, read_metrics, run_cli
+from helpers import TINY, assert_ok, cli_env, read_metrics, run_cli
 from parity import assert_parity
 
 pytestmark = pytest.mark.slow
@@ -29,14 +29,32 @@ def test_every_point_of_a_dp2_sweep_trains_its_own_curve(tmp_path):
     assert read_metrics(sweep / "0")[-1]["eval_loss"] != read_metrics(sweep / "1")[-1]["eval_loss"]
 
 
-def test_a_failed_point_does_not_stop_the_sweep_and_sets_its_exit_code(tmp_path):
+def test_a_point_that_fails_in_training_does_not_stop_the_sweep_and_sets_its_exit_code(tmp_path):
+    """Rank 1 is killed at step 6: point 0 (8 steps) gets there, point 1 (4 steps) does not."""
     sweep = tmp_path / "sweep"
-    result = run_cli(["-m", "parallel.tp=3,1", *ARGS, f"hydra.sweep.dir={sweep}"])
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "parallel.tp=3 does not divide model.num_attention_heads=4" in result.stderr
+    env = {**cli_env(), "MEGAFRAME_FAULTS": "kill@6:1"}
+    result = run_cli(["-m", *ARGS, "train.max_steps=8,4", f"hydra.sweep.dir={sweep}"], env=env)
+    assert result.returncode == 1, result.stderr[-2000:]
     summary = json.loads((sweep / "sweep_summary.json").read_text())
-    assert [row["exit_code"] for row in summary] == [2, 0]
+    assert [row["exit_code"] for row in summary] == [1, 0]
     assert summary[1]["step"] == 4
+
+
+@pytest.mark.parametrize("sweep_args, message", [
+    (["parallel.tp=1,3"], "sweep point 1 (parallel.tp=3): parallel.tp=3 does not divide model.num_attention_heads=4"),
+    (["optim.lrr=1e-3,3e-3"], "sweep point 0 (optim.lrr=0.001): unknown key 'optim.lrr'"),
+    (["hydra/launcher=submitit_slurm", "optim.lr=1e-3,3e-3"], "megaframe submits SLURM jobs itself: launcher=slurm"),
+    (["optim.lr=interval(1e-4,1e-3)"], "optim.lr: an interval sweep needs an optimising sweeper"),
+    (["optim.lr=1e-3,3e-3", "parallel.global_batch_size=8,6"],
+     "sweep point 1 (optim.lr=0.001 parallel.global_batch_size=6): parallel.global_batch_size=6 is not divisible"),
+])
+def test_a_point_that_cannot_run_stops_the_sweep_before_anything_launches(tmp_path, sweep_args, message):
+    sweep = tmp_path / "sweep"
+    result = run_cli(["-m", *ARGS, *sweep_args, f"hydra.sweep.dir={sweep}"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    error = result.stderr.strip().splitlines()
+    assert len(error) == 1 and message in error[0] and "nothing was launched" in error[0], result.stderr[-2000:]
+    assert "launching" not in result.stdout and not sweep.exists()
 
 
 def test_a_slurm_sweep_writes_one_job_per_point(tmp_path):

@@ -1,0 +1,51 @@
+"""`megaframe-train -m`: every point of a sweep is composed, validated and planned before the first
+one launches, so a typo or a layout that cannot run is one line and exit code 2, not a sweep that
+fails half-way (or Hydra's multi-line report). What only a run can tell (a diverging learning rate,
+a killed rank) still fails that point alone; the launcher's summary shows it."""
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Sequence
+
+from megaframe.config.validate import ConfigError
+
+
+def sweep_points(overrides: Sequence[str]) -> list[list[str]]:
+    """The points Hydra's basic sweeper runs, in its order: the product of the sweep overrides
+    (`key=a,b`, `choice(...)`, `range(...)`), the last one varying fastest."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException as ex:
+        raise ConfigError(" ".join(str(ex).split())) from ex
+    choices = []
+    for override in parsed:
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            choices.append([f"{key}={override.get_value_element_as_str()}"])
+        elif override.is_discrete_sweep():
+            choices.append([f"{key}={value}" for value in override.sweep_string_iterator()])
+        else:
+            raise ConfigError(f"{key}: an interval sweep needs an optimising sweeper (Optuna, Nevergrad); "
+                              f"megaframe's sweeps take lists, choice() or range()")
+    return [list(point) for point in itertools.product(*choices)]
+
+
+def check_sweep(overrides: Sequence[str], check_point: Callable[[list[str]], None]) -> int:
+    """Run check_point (compose, validate, plan: raises ConfigError) on every point; the error names
+    the point by the values that vary. Returns the number of points."""
+    try:
+        points = sweep_points(overrides)
+    except ConfigError as err:
+        raise ConfigError(f"{err}; nothing was launched") from err
+    varying = [i for i in range(len(points[0]) if points else 0) if len({p[i] for p in points}) > 1]
+    for index, point in enumerate(points):
+        try:
+            check_point(point)
+        except ConfigError as err:
+            named = " ".join(point[i] for i in varying)
+            raise ConfigError(f"sweep point {index}{f' ({named})' if named else ''}: {err}; nothing was launched") \
+                from err
+    return len(points)
