@@ -14,6 +14,12 @@ MODEL = ["model.num_layers=4", "model.hidden_size=512", "model.num_attention_hea
          "model.seq_length=256", "model.dropout=0.1", "parallel.micro_batch_size=4", "train.max_steps=3",
          "train.log_interval=1", "train.eval_interval=0", "train.save_interval=0", "logging.wandb.mode=disabled",
          "logging.progress_bar=false", "zero.reduce_bucket_size=5000000", "cluster.reserved_gb=0"]
+# overrides of MODEL for a Mixture-of-Experts of about its size (Llama flavour, 8 experts of width 512,
+# top-2, dropout 0), trained with 2 micro-batches per step at dp=2 as training runs them: the first
+# micro-batch's gradients beside the second's activations, the moment the planner's peak describes
+MOE = ["model=moe_tiny", "model.num_layers=4", "model.hidden_size=512", "model.num_attention_heads=8",
+       "model.num_kv_heads=8", "model.ffn_hidden_size=2048", "model.moe.ffn_hidden_size=512", "model.dropout=0.0",
+       "parallel.global_batch_size=16"]
 # overrides of MODEL for a run of almost nothing (2 ranks): what remains is the runtime's own memory
 NEAR_EMPTY = ["model.num_layers=1", "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=256",
               "parallel.micro_batch_size=1", "parallel.global_batch_size=2", "parallel.tp=2"]

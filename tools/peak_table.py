@@ -1,6 +1,7 @@
 """Measured peak memory per rank against the planner's, for the layouts of issue 15 (item 8).
 
     python tools/peak_table.py            # about 10 minutes on a 2-core CPU
+    python tools/peak_table.py --moe      # the Mixture-of-Experts layouts (about 2 minutes)
 
 Each layout trains 3 steps of a 13M-parameter model (4 layers, hidden 512, seq 256, micro-batch 4,
 dropout 0.1, fp32, zero.reduce_bucket_size=5e6) on real gloo ranks, with and without activation
@@ -20,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from memory_peak import MODEL, NEAR_EMPTY, measure_peak, runtime_overhead  # noqa: E402  (tests/memory_peak.py)
+from memory_peak import MODEL, MOE, NEAR_EMPTY, measure_peak, runtime_overhead  # noqa: E402  (tests/memory_peak.py)
 from ranks import run_ranks  # noqa: E402  (tests/ranks.py: real gloo ranks)
 
 LAYOUTS = {  # name: (world size, overrides)
@@ -31,9 +32,13 @@ LAYOUTS = {  # name: (world size, overrides)
     "pp2 (ZeRO-1)": (2, ["parallel.pp=2", "zero=stage1"]),
     "tp2 x pp2 x dp2 (ZeRO-1)": (8, ["parallel.tp=2", "parallel.pp=2", "zero=stage1"]),
 }
+MOE_LAYOUTS = {  # tests/memory_peak.py: MOE (2 micro-batches per step)
+    "MoE dp2 ep1 (ZeRO-1)": (2, [*MOE, "zero=stage1"]),
+    "MoE dp2 ep2 (ZeRO-1)": (2, [*MOE, "zero=stage1", "parallel.ep=2"]),
+}
 
 
-def main() -> None:
+def main(layouts: dict) -> None:
     mb = 1e6
     with tempfile.TemporaryDirectory() as tmp:
         nothing = run_ranks(measure_peak, 2, Path(tmp), overrides=[*MODEL, *NEAR_EMPTY], run_dir=f"{tmp}/run")
@@ -44,7 +49,7 @@ def main() -> None:
           " planner: states / activations / working (MB) | planner + overhead / measured |")
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (world, extra) in LAYOUTS.items():
+        for name, (world, extra) in layouts.items():
             for recompute in (False, True):
                 overrides = [*MODEL, f"parallel.global_batch_size={4 * world}", *extra,
                              f"parallel.activation_checkpointing={str(recompute).lower()}"]
@@ -60,4 +65,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(MOE_LAYOUTS if "--moe" in sys.argv[1:] else LAYOUTS)

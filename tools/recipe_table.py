@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 
 from megaframe.config.compose import compose
@@ -17,8 +18,9 @@ def main(extra: list[str]) -> None:
     print("| recipe | parameters (active) | layout (tp × pp × dp, and cp, ep where used) | ZeRO | GPUs | planner peak per GPU | fits |")
     print("|---|---|---|---|---|---|---|")
     for path in sorted(recipes_dir().glob("*.yaml")):
-        cfg, _ = compose([f"recipe={path.stem}", *extra])
-        layout, est, _ = plan(cfg, planned_world_size(cfg))
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's notices are not table rows
+            cfg, _ = compose([f"recipe={path.stem}", *extra])
+            layout, est, _ = plan(cfg, planned_world_size(cfg))
         active = f" ({est.active_parameters / 1e9:,.2f}B)" if est.active_parameters != est.total_parameters else ""
         print(f"| `{path.stem}` | {est.total_parameters / 1e9:,.2f}B{active} | {layout.tp} × {layout.pp} × {layout.dp}"
               f"{f', cp {layout.cp}' if layout.cp > 1 else ''}{f', ep {layout.grid.ep}' if layout.grid.ep > 1 else ''} | "

@@ -17,10 +17,10 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from megaframe.model.dims import GPTDims
 from megaframe.model.moe import AddAux, MoE, RouterStats
+from megaframe.model.recompute import checkpointed
 from megaframe.parallel.context import ContextGroup, ring_attention, ulysses_attention, zigzag_positions
 from megaframe.parallel.experts import ExpertGroup
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -320,7 +320,7 @@ def run_block(block: Block, x: torch.Tensor, rope, rng: Optional[TPDropoutRNG], 
     if not recompute:
         return block(x, rope)
     if rng is None or not any(isinstance(m, Dropout) and m.p > 0 for m in block.modules()):
-        return checkpoint(block, x, rope, use_reentrant=False)
+        return checkpointed(block, x, rope)
     # The recomputation must redraw the TP-stream dropout masks of the first pass without
     # disturbing the stream's later position (torch only restores the default generator).
     first_pass_states, calls = rng.state_dict(), [0]
@@ -335,7 +335,7 @@ def run_block(block: Block, x: torch.Tensor, rope, rng: Optional[TPDropoutRNG], 
             return block(x, rope)
         finally:
             rng.load_state_dict(now)
-    return checkpoint(run, x, use_reentrant=False)
+    return checkpointed(run, x)
 
 
 def tied_head_logits(embedding: "Embedding", x: torch.Tensor) -> torch.Tensor:

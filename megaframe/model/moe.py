@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megaframe.model.dims import GPTDims
+from megaframe.model.recompute import recomputing
 from megaframe.parallel.experts import ExpertGroup, mark_expert_shard
 from megaframe.parallel.layers import TPGroup
 from megaframe.parallel.mappings import all_to_all_rows, gather_tokens, split_tokens
@@ -151,16 +152,19 @@ class MoE(nn.Module):
             tokens = split_tokens(tokens, self.tp.group)  # each TP rank routes 1/tp of the tokens
         logits, scores, top_idx, top_weights = self.router(tokens)
         counts = torch.bincount(top_idx.flatten(), minlength=self.moe.num_experts)
-        self._router_losses(logits, scores, counts)
-        if self.router.expert_bias is not None and self.training:
-            self.step_counts = counts if self.step_counts is None else self.step_counts + counts
+        aux_loss, stats = self._router_losses(logits, scores, counts)
+        if not recomputing():  # the forward's records stand; the recomputation's would leak its graph
+            self.aux_loss, self.stats = aux_loss, stats
+            if self.router.expert_bias is not None and self.training:
+                self.step_counts = counts if self.step_counts is None else self.step_counts + counts
         routed = self._dispatch_compute_combine(tokens, top_idx, top_weights, counts)
         if not self.tp.sequence_parallel:
             routed = gather_tokens(routed, self.tp.group)
         return routed.view(shape)
 
     # ---- losses -------------------------------------------------------------------------------
-    def _router_losses(self, logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor) -> None:
+    def _router_losses(self, logits: torch.Tensor, scores: torch.Tensor,
+                       counts: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The load-balancing loss (coeff * E * sum_i f_i * P_i: f_i the share of assignments to
         expert i, P_i its mean probability) and the z-loss (coeff * mean logsumexp(logits)^2), over
         the micro-batch's tokens, which TP and CP ranks hold in parts.
@@ -179,8 +183,8 @@ class MoE(nn.Module):
         share = global_counts / (tokens * moe.top_k)
         aux = moe.aux_loss_coeff * moe.num_experts * (share * probs.sum(0)).sum() / tokens
         z = moe.z_loss_coeff * torch.logsumexp(logits, dim=-1).pow(2).sum() / tokens
-        self.aux_loss = (aux + z) * self.cp
-        self.stats = {"aux_loss": aux.detach() * self.cp, "z_loss": z.detach() * self.cp, "counts": global_counts}
+        stats = {"aux_loss": aux.detach() * self.cp, "z_loss": z.detach() * self.cp, "counts": global_counts}
+        return (aux + z) * self.cp, stats
 
     # ---- tokens to experts and back -------------------------------------------------------------
     def _dispatch_compute_combine(self, tokens: torch.Tensor, top_idx: torch.Tensor, top_weights: torch.Tensor,
@@ -191,9 +195,11 @@ class MoE(nn.Module):
         sent = tokens.index_select(0, order // k)  # (n*k, C)
         if self.moe.capacity_factor is None:
             out = self._dropless(sent, counts)
-            self.stats["dropped"] = counts.new_zeros((), dtype=torch.float32)
+            dropped = counts.new_zeros((), dtype=torch.float32)
         else:
-            out = self._with_capacity(sent, flat.index_select(0, order), counts)
+            out, dropped = self._with_capacity(sent, flat.index_select(0, order), counts)
+        if not recomputing():
+            self.stats["dropped"] = dropped
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         out = out.index_select(0, inverse).view(n, k, -1)  # back in (token, choice) order
@@ -219,9 +225,11 @@ class MoE(nn.Module):
         back[expert_major] = torch.arange(expert_major.numel(), device=expert_major.device)
         return all_to_all_rows(computed.index_select(0, back), send_splits, receive_splits, ep.group)
 
-    def _with_capacity(self, sent: torch.Tensor, expert_of: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _with_capacity(self, sent: torch.Tensor, expert_of: torch.Tensor,
+                       counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each expert takes at most `capacity` of this rank's assignments (the first in token
-        order); the rest are dropped (their output is 0). Fixed-size buffers: no host read."""
+        order); the rest are dropped (their output is 0), and their number is returned with the
+        outputs. Fixed-size buffers: no host read."""
         moe, ep = self.moe, self.ep
         rows, width = sent.shape
         capacity = capacity_slots(rows // moe.top_k, moe.top_k, moe.num_experts, moe.capacity_factor)
@@ -238,8 +246,7 @@ class MoE(nn.Module):
         computed = computed.view(local, ep.size, capacity, width).transpose(0, 1).reshape(-1, width)
         returned = all_to_all_rows(computed, None, None, ep.group)
         returned = torch.cat([returned, returned.new_zeros(1, width)])
-        self.stats["dropped"] = (~kept).sum().float()
-        return returned.index_select(0, slot)
+        return returned.index_select(0, slot), (~kept).sum().float()
 
 
 def _expert_major_order(received_counts: torch.Tensor, rows: int) -> torch.Tensor:

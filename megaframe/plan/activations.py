@@ -151,8 +151,8 @@ def in_flight_micro_batches(pp: int, stage: int, micro_batches: int) -> int:
 
 
 def moe_mlp_extra_bytes(dims: GPTDims, shape: ActivationShape) -> float:
-    """What an MoE block saves for backward beyond a dense block's, an estimate (not yet measured
-    against a run): the dense MLP's term is replaced by the router's fp32 logits and scores, the k
+    """What an MoE block saves for backward beyond a dense block's (tests/unit/plan: the tensors
+    autograd saves, counted; tests/dist/test_planner_peak.py: the peak of a run): the dense MLP's term is replaced by the router's fp32 logits and scores, the k
     copies of each token sent to experts, the experts' gate/up outputs and their product (width
     f of one expert, k copies), the k expert outputs and their weights, plus the shared experts' MLP.
     Each TP rank routes 1/tp of the tokens."""
@@ -164,9 +164,15 @@ def moe_mlp_extra_bytes(dims: GPTDims, shape: ActivationShape) -> float:
     # both blocks keep the MLP input (the norm output); the dense one then its MLP's internals
     dense_internals = sb * e * (dims.ffn_hidden_size // t) * per_width
     routed = sb / t
-    router = routed * moe.num_experts * 4 * 2 + routed * h * 4  # fp32 logits and scores, the fp32 input
+    # fp32 logits and scores; below fp32, the router keeps its fp32 copy of the input, and the
+    # input itself is then kept only by the shared experts (the dense block counts it)
+    router = routed * moe.num_experts * 4 * 2
+    if e != 4:
+        router += routed * h * 4 - (0 if moe.shared_experts else sb * e * h)
     assignments = routed * moe.top_k
-    experts = assignments * (2 * h * e + f * e * per_width + 4)  # sent rows, expert outputs, internals, weights
+    # sent rows, expert outputs, internals, weights, and three int64 indices (the choices, the
+    # rows to send, the way back)
+    experts = assignments * (2 * h * e + f * e * per_width + 4 + 3 * 8)
     shared = sb * e * (moe.shared_experts * f // t) * per_width
     return router + experts + shared - dense_internals
 

@@ -20,7 +20,7 @@ from megaframe.config.schema import ClusterConfig, TrainConfig, ZeroConfig
 from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims, resolve_dims
 from megaframe.plan.activations import (ActivationShape, block_activation_bytes, in_flight_micro_batches,
-                                        logits_working_bytes, stage_activation_bytes, tokens)
+                                        logits_working_bytes, moe_mlp_extra_bytes, stage_activation_bytes, tokens)
 from megaframe.plan.memory import (ACTIVATION_BYTES, GIB, STATE_BYTES, ModelStates, PlanLayout, model_state_bytes,
                                    active_parameters, stage_blocks, stage_expert_parameters, stage_parameters,
                                    total_parameters)
@@ -148,10 +148,16 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
                                             lay.offload_param, reduces_in_backward=in_backward)
     shape = ActivationShape(lay.micro_batch_size, lay.tp, lay.sequence_parallel, dtype, device, lay.cp, lay.cp_impl)
     first, last = stage == 0, stage == lay.pp - 1
-    per_micro = stage_activation_bytes(dims, shape, blocks, first, last, lay.recompute,
-                                       stage_blocks(dims, lay.tp, lay.pp, stage, lay.partition, moe_only=True))
+    moe_blocks = stage_blocks(dims, lay.tp, lay.pp, stage, lay.partition, moe_only=True)
+    per_micro = stage_activation_bytes(dims, shape, blocks, first, last, lay.recompute, moe_blocks)
     in_flight = in_flight_micro_batches(lay.pp, stage, lay.micro_batches)
-    working = block_activation_bytes(dims, shape) if lay.recompute and blocks else 0.0
+    # recomputation rebuilds one block at a time: the larger of a dense and an MoE block's, of the
+    # kinds this stage holds
+    recomputed = block_activation_bytes(dims, shape)
+    if moe_blocks:
+        extra = moe_mlp_extra_bytes(dims, shape)
+        recomputed += extra if moe_blocks == blocks else max(0.0, extra)
+    working = recomputed if lay.recompute and blocks else 0.0
     if last:
         working += logits_working_bytes(dims, shape)
     if lay.pp > 1 and not last:  # the pipeline engine's output buffers, one per micro-batch in flight

@@ -155,3 +155,29 @@ def test_model_loss_value_is_the_language_model_loss():
     logits = moe_model.logits(idx)
     expected = F.cross_entropy(logits[:, :-1].reshape(-1, 64), idx[:, 1:].reshape(-1))
     torch.testing.assert_close(moe_model(idx[:, :-1], idx[:, 1:]), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_recomputation_leaves_the_forwards_records_alone():
+    """Under activation checkpointing each block's forward runs again inside backward. The MoE
+    layers' records are the forward's: the aux loss attached to the loss (a recomputed one, kept
+    with its graph, would hold the whole recomputed block until the next step), the router
+    statistics, and the expert counts bias balancing adds up (not counted twice). Gradients equal
+    the run without recomputation."""
+    cfg = ModelConfig(num_layers=2, hidden_size=H, num_attention_heads=4,
+                      moe=MoEConfig(num_experts=E, top_k=K, ffn_hidden_size=FFN, bias_update_rate=0.01))
+    dims = resolve_dims(cfg, 64)
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(7))
+    grads = []
+    for recompute in (False, True):
+        model = GPT(dims, activation_checkpointing=recompute)
+        init_parameters(model, "", dims, seed=1)
+        model.train()
+        loss = model(idx, idx)
+        records = [(layer.aux_loss, layer.stats) for layer in model.moe_layers]
+        loss.backward()
+        for layer, (aux_loss, stats) in zip(model.moe_layers, records):
+            assert layer.aux_loss is aux_loss and layer.stats is stats
+            assert layer.step_counts.sum().item() == idx.numel() * K
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)

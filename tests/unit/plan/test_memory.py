@@ -99,3 +99,34 @@ def test_block_estimate_is_exact_with_and_without_dropout(flavour, dtype, dropou
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         block(x)
     assert block_activation_bytes(dims, ActivationShape(4, dtype=dtype, device="cpu")) == sum(saved.values())
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("moe", [{}, {"shared_experts": 1}, {"top_k": 1, "router_score": "sigmoid"}])
+def test_moe_block_estimate_is_exact(dtype, moe):
+    """One MoE block (dropless), tensor by tensor: the dense block's terms with its MLP's replaced by
+    the router's fp32 logits and scores (and, in bf16, the fp32 copy of its input), the k copies of
+    each token, the experts' internals and outputs, and the shared experts."""
+    from megaframe.config.schema import MoEConfig
+    from megaframe.plan.activations import block_activation_bytes, moe_mlp_extra_bytes
+
+    cfg = ModelConfig(num_layers=1, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=256,
+                      **FLAVOURS["llama"], moe=MoEConfig(**{"num_experts": 8, "top_k": 2, "ffn_hidden_size": 128, **moe}))
+    dims = resolve_dims(cfg, 256)
+    model = GPT(dims).train()
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    block = model.blocks[0]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    x = torch.randn(4, 128, 256, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    shape = ActivationShape(4, dtype=dtype, device="cpu")
+    assert block_activation_bytes(dims, shape) + moe_mlp_extra_bytes(dims, shape) == pytest.approx(sum(saved.values()),
+                                                                                                  rel=0.01)
