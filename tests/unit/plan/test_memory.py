@@ -48,6 +48,24 @@ def _saved_bytes(model: torch.nn.Module, idx: torch.Tensor) -> int:
     return sum(saved.values())
 
 
+def _block_saved_bytes(dims, dtype: str) -> int:
+    """Bytes the first block of a model of `dims` saves for backward on a (4, 128, 256) input."""
+    model = GPT(dims).train()
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    x = torch.randn(4, 128, 256, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.blocks[0](x)
+    return sum(saved.values())
+
+
 FLAVOURS = {
     "gpt2": {},
     "llama": dict(arch="llama", norm="rmsnorm", activation="swiglu", position_embedding="rope",
@@ -84,21 +102,7 @@ def test_block_estimate_is_exact_with_and_without_dropout(flavour, dtype, dropou
     cfg = ModelConfig(num_layers=1, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=256,
                       dropout=dropout, **FLAVOURS[flavour])
     dims = resolve_dims(cfg, 256)
-    model = GPT(dims).train()
-    if dtype == "bf16":
-        model = model.to(torch.bfloat16)
-    block = model.blocks[0]
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    x = torch.randn(4, 128, 256, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x)
-    assert block_activation_bytes(dims, ActivationShape(4, dtype=dtype, device="cpu")) == sum(saved.values())
+    assert block_activation_bytes(dims, ActivationShape(4, dtype=dtype, device="cpu")) == _block_saved_bytes(dims, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -113,20 +117,6 @@ def test_moe_block_estimate_is_exact(dtype, moe):
     cfg = ModelConfig(num_layers=1, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=256,
                       **FLAVOURS["llama"], moe=MoEConfig(**{"num_experts": 8, "top_k": 2, "ffn_hidden_size": 128, **moe}))
     dims = resolve_dims(cfg, 256)
-    model = GPT(dims).train()
-    if dtype == "bf16":
-        model = model.to(torch.bfloat16)
-    block = model.blocks[0]
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    x = torch.randn(4, 128, 256, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x)
     shape = ActivationShape(4, dtype=dtype, device="cpu")
-    assert block_activation_bytes(dims, shape) + moe_mlp_extra_bytes(dims, shape) == pytest.approx(sum(saved.values()),
-                                                                                                  rel=0.01)
+    assert block_activation_bytes(dims, shape) + moe_mlp_extra_bytes(dims, shape) == pytest.approx(
+        _block_saved_bytes(dims, dtype), rel=0.01)
