@@ -125,12 +125,7 @@ def _check_sweep_point(point: list[str]) -> None:
     layout = validate(cfg, _slurm_world_size(cfg) or requested_world_size(cfg), device_supports_fp16)
     if cfg.plan.check and not cfg.parallel.auto and not (est := estimate_config(cfg, layout)).fits:
         raise ConfigError(f"the planner says this will not fit: {verdict(est)} (plan.check=false skips this check)")
-    if cfg.launcher.name == "ray":
-        from megaframe.ray_launcher import MISSING, ray_missing
-
-        if ray_missing():
-            raise ConfigError(MISSING)
-    if problem := _dataset_problem(cfg):
+    if problem := _launcher_problem(cfg) or _dataset_problem(cfg):
         raise ConfigError(problem)
 
 
@@ -147,13 +142,23 @@ def _check_sweep(args: list[str]) -> None:
         _fail(str(err))
 
 
-def _check_launcher(cfg: TrainConfig) -> None:
-    """An optional launcher's package must be installed: one line before anything starts."""
+def _launcher_problem(cfg: TrainConfig) -> Optional[str]:
+    """What this host lacks for cfg.launcher (Ray's package, SLURM's sbatch), in one line, or None."""
     if cfg.launcher.name == "ray":
         from megaframe.ray_launcher import MISSING, ray_missing
 
-        if ray_missing():
-            _fail(MISSING)
+        return MISSING if ray_missing() else None
+    if cfg.launcher.name == "slurm" and not cfg.launcher.dry_run and _launcher_world_size() is None:
+        from megaframe.slurm import NO_SBATCH, sbatch_missing
+
+        return NO_SBATCH if sbatch_missing() else None
+    return None
+
+
+def _check_launcher(cfg: TrainConfig) -> None:
+    """An optional launcher's package or command must be there: one line before anything starts."""
+    if problem := _launcher_problem(cfg):
+        _fail(problem)
 
 
 def _check_system(cfg: TrainConfig, layout: Layout) -> None:

@@ -99,12 +99,19 @@ class SubmitError(RuntimeError):
     """sbatch is missing or refused the job: one line for the user."""
 
 
+NO_SBATCH = ("launcher=slurm: no sbatch command on this host; run on a SLURM login node, "
+             "or set launcher.dry_run=true to write the script only")
+
+
+def sbatch_missing() -> bool:
+    return shutil.which("sbatch") is None
+
+
 def submit(script_path: Path) -> str:
     """sbatch the script; returns sbatch's answer ('Submitted batch job N')."""
     sbatch = shutil.which("sbatch")
     if sbatch is None:
-        raise SubmitError("launcher=slurm: no sbatch command on this host; run on a SLURM login node, "
-                          "or set launcher.dry_run=true to write the script only")
+        raise SubmitError(NO_SBATCH)
     done = subprocess.run([sbatch, str(script_path)], capture_output=True, text=True)
     if done.returncode:
         raise SubmitError(f"launcher=slurm: sbatch refused {script_path}: {done.stderr.strip().splitlines()[-1:]}")

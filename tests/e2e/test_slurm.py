@@ -64,4 +64,15 @@ def test_no_sbatch_is_one_line_before_anything_starts(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "launcher=slurm: no sbatch command on this host" in lines[0]
-    assert not (tmp_path / "metrics.jsonl").exists()
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "submit.sbatch").exists()
+
+
+def test_a_slurm_sweep_without_sbatch_submits_no_point(tmp_path):
+    env = {**cli_env(), "PATH": os.path.dirname(sys.executable)}  # no sbatch on this PATH
+    sweep = tmp_path / "sweep"
+    result = run_cli(["-m", "optim.lr=1e-3,3e-3", "launcher=slurm", "launcher.nodes=1", "launcher.gpus_per_node=2",
+                      *TINY, f"hydra.sweep.dir={sweep}"], env=env)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "sweep point 0 (optim.lr=0.001): launcher=slurm: no sbatch command" in lines[0], lines
+    assert not sweep.exists()
