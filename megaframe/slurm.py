@@ -65,13 +65,17 @@ def adopt_slurm_env(env: MutableMapping[str, str] = os.environ) -> bool:
 
 def sbatch_script(launcher: LauncherConfig, world_size: int, overrides: list[str], run_dir: Path,
                   python: str = sys.executable) -> str:
-    """The job: `nodes` nodes, one srun task per GPU, every task running this training command."""
-    nodes = launcher.nodes or -(-world_size // launcher.gpus_per_node)
+    """The job: one srun task per rank of the layout, one GPU each, on `nodes` nodes (by default as
+    few as hold world_size ranks at gpus_per_node a node; a layout smaller than a node takes only
+    the GPUs it uses, so `parallel.dp=2` asks for 2 tasks and 2 GPUs, not a whole node's worth)."""
+    per_node = min(launcher.gpus_per_node, world_size)
+    nodes = launcher.nodes or -(-world_size // per_node)
     lines = ["#!/bin/bash",
              f"#SBATCH --job-name={launcher.job_name}",
              f"#SBATCH --nodes={nodes}",
-             f"#SBATCH --ntasks-per-node={launcher.gpus_per_node}",
-             f"#SBATCH --gpus-per-node={launcher.gpus_per_node}"]
+             f"#SBATCH --ntasks={world_size}",
+             f"#SBATCH --ntasks-per-node={per_node}",
+             f"#SBATCH --gpus-per-node={per_node}"]
     for flag, value in (("cpus-per-task", launcher.cpus_per_task), ("partition", launcher.partition),
                         ("account", launcher.account), ("time", launcher.time)):
         if value is not None:
@@ -114,5 +118,6 @@ def submit(script_path: Path) -> str:
         raise SubmitError(NO_SBATCH)
     done = subprocess.run([sbatch, str(script_path)], capture_output=True, text=True)
     if done.returncode:
-        raise SubmitError(f"launcher=slurm: sbatch refused {script_path}: {done.stderr.strip().splitlines()[-1:]}")
+        said = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        raise SubmitError(f"launcher=slurm: sbatch refused {script_path}: {said}")
     return done.stdout.strip()

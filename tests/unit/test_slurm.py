@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from megaframe.slurm import adopt_slurm_env, first_host, task_overrides
+from megaframe.config.schema import LauncherConfig
+from megaframe.slurm import adopt_slurm_env, first_host, sbatch_script, task_overrides
 
 
 @pytest.mark.parametrize("nodelist, host", [("node7", "node7"), ("gpu[003-010,012],cpu1", "gpu003"),
@@ -33,3 +34,28 @@ def test_not_an_srun_task_or_already_under_torchrun_changes_nothing(drop):
 def test_tasks_do_not_submit_again():
     assert task_overrides(["launcher=slurm", "launcher.nodes=2", "model=x", "hydra.run.dir=/a", "launcher_x=1"]) == \
         ["model=x", "launcher_x=1"]
+
+
+@pytest.mark.parametrize("world, nodes, tasks_per_node", [(2, 1, 2), (8, 1, 8), (12, 2, 8), (16, 2, 8)])
+def test_the_job_asks_for_one_task_per_rank_of_the_layout(world, nodes, tasks_per_node, tmp_path):
+    """Without launcher.nodes the job holds exactly the layout's ranks: a dp=2 job on 8-GPU nodes is
+    2 tasks on 2 GPUs (8 tasks would each find a world size of 8 the layout does not have)."""
+    script = sbatch_script(LauncherConfig(name="slurm", gpus_per_node=8), world, ["parallel.dp=2"], tmp_path)
+    header = dict(line.removeprefix("#SBATCH --").split("=", 1) for line in script.splitlines()
+                  if line.startswith("#SBATCH --") and "=" in line)
+    assert (header["nodes"], header["ntasks"], header["ntasks-per-node"], header["gpus-per-node"]) == \
+        (str(nodes), str(world), str(tasks_per_node), str(tasks_per_node))
+
+
+def test_a_refused_submission_is_sbatchs_last_line(tmp_path, monkeypatch):
+    from megaframe.slurm import SubmitError, submit
+
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'sbatch: warning: x' >&2\necho 'sbatch: error: Invalid partition name specified' >&2\n"
+                    "exit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(fake.parent))
+    with pytest.raises(SubmitError) as refused:
+        submit(tmp_path / "submit.sbatch")
+    assert str(refused.value).endswith("submit.sbatch: sbatch: error: Invalid partition name specified")
