@@ -217,19 +217,28 @@ def _shared_run_dir(run_dir: str, collective_timeout_s: float) -> str:
 
 
 def _stop_if_job_stopped() -> None:
-    """A torchrun restart after a deterministic failure (failures.py): exit with its code at once
-    instead of replaying it; rank 0 says why in one line."""
+    """A restart after a deterministic failure (failures.py): exit with its code at once instead of
+    replaying it. Under torchrun rank 0 says why in one line. Under Ray the cause's line is already
+    on the driver's terminal (Ray shows early worker output twice): each rank notes the stop in its
+    log, RUN_DIR/logs/rankR.log, instead."""
     if _launcher_world_size() is None:
         return
-    from megaframe.parallel.elastic import job_stop
+    from megaframe.parallel.elastic import STOP_FILE_ENV, job_stop
 
     stop = job_stop()
     if stop is None:
         return
     exit_code, message = stop
-    if _rank() == 0:
-        print(f"{PROG}: error: not retrying: an earlier attempt of this job failed with: {message} "
-              f"[exit {exit_code}]", file=sys.stderr, flush=True)
+    line = f"{PROG}: error: not retrying: an earlier attempt of this job failed with: {message} [exit {exit_code}]"
+    if os.environ.get(STOP_FILE_ENV):
+        from megaframe.engine.failure_report import log_path
+
+        log = log_path(Path(os.environ[STOP_FILE_ENV]).parent, _rank())
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    elif _rank() == 0:
+        print(line, file=sys.stderr, flush=True)
     sys.exit(exit_code)
 
 

@@ -19,6 +19,7 @@ from typing import Callable
 from megaframe.config.schema import TrainConfig
 from megaframe.failures import PROG
 
+STOP_FILE = ".job_stop.json"  # parallel/elastic.py: an earlier attempt's deterministic failure
 MISSING = 'launcher=ray needs Ray Train, which is not installed: pip install "megaframe[ray]"'
 
 
@@ -32,7 +33,7 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
     by the CLI); 0 when the run finished, else the failed attempt's exit code (1 when Ray reports an
     error without one)."""
     import ray
-    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from megaframe.slurm import task_overrides
@@ -57,10 +58,9 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
                                      resources_per_worker=resources),
         run_config=RunConfig(name=run_dir.name, storage_path=str(run_dir / "ray"),
                              failure_config=FailureConfig(max_failures=launcher.max_failures),
-                             # Ray Train's own console logs would repeat each failed worker's
-                             # traceback; the rank has printed its one line (its traceback is in
-                             # RUN_DIR/logs) and Ray's session logs keep everything
-                             logging_config=LoggingConfig(log_level="CRITICAL")))
+                             **_quiet_train_logs()))
+    # a stop recorded by an earlier launch in this run dir is not this job's
+    (run_dir / STOP_FILE).unlink(missing_ok=True)
     try:
         error = trainer.fit().error  # Ray before 2.5x returned the error
     except Exception as err:  # Ray Train 2.5x raises it (WorkerGroupError, ControllerError)
@@ -69,9 +69,20 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
         return 0
     code = _exit_code(error)
     if code == 1:  # no rank said why (killed, out of memory, Ray itself): say it here, in one line
-        print(f"{PROG}: error: Ray Train failed: {_first_line(error)} [exit 1; Ray's logs: "
-              f"{run_dir / 'ray'}]", file=sys.stderr, flush=True)
+        print(f"{PROG}: error: Ray Train failed: {_first_line(error)} [exit 1; Ray's own logs: "
+              f"/tmp/ray/session_latest/logs on the head node]", file=sys.stderr, flush=True)
     return code
+
+
+def _quiet_train_logs() -> dict:
+    """RunConfig's logging_config where this Ray has one (Ray Train's v2 API): its console logs would
+    repeat each failed worker's traceback, while the rank has printed its one line (its traceback is
+    in RUN_DIR/logs) and Ray's session logs keep everything."""
+    try:
+        from ray.train import LoggingConfig
+    except ImportError:
+        return {}
+    return {"logging_config": LoggingConfig(log_level="CRITICAL")}
 
 
 def _first_line(error: BaseException) -> str:
@@ -97,5 +108,10 @@ def _exit_code(error: BaseException) -> int:
 
 
 def _worker(config: dict) -> None:
-    """One rank: megaframe-train's launched-rank path, in Ray's process group."""
+    """One rank: megaframe-train's launched-rank path, in Ray's process group. A deterministic
+    failure (divergence, bad data, a bad checkpoint) is recorded in the run dir, so the attempts
+    FailureConfig starts after it exit at once with its code instead of replaying it."""
+    from megaframe.parallel.elastic import STOP_FILE_ENV
+
+    os.environ[STOP_FILE_ENV] = str(Path(config["run_dir"]) / STOP_FILE)
     config["entry"]([*config["overrides"], f"hydra.run.dir={config['run_dir']}"])

@@ -1,5 +1,5 @@
 """Joining the process group again after a torchrun restart (--max-restarts), and stopping a job
-whose failure a restart would only repeat."""
+(under torchrun or Ray Train) whose failure a restart would only repeat."""
 from __future__ import annotations
 
 import json
@@ -41,21 +41,45 @@ def _agent_store() -> Optional[dist.Store]:
                          timeout=timedelta(seconds=30))
 
 
+# Under Ray Train there is no agent store: the stop is a file in the run directory (shared by
+# every worker and attempt), named by this variable in the workers; the driver removes it before
+# the first attempt, so a new launch in the same run dir trains.
+STOP_FILE_ENV = "MEGAFRAME_JOB_STOP_FILE"
+
+
 def record_job_stop(exit_code: int, message: str) -> bool:
-    """Tell later restart attempts of this torchrun job not to train: they exit with exit_code and
-    message at once. Returns False outside torchrun (nothing to tell)."""
+    """Tell later restart attempts of this job (torchrun's --max-restarts, Ray's FailureConfig) not
+    to train: they exit with exit_code and message at once. Returns False where no restart can
+    follow (nothing to tell)."""
+    record = json.dumps({"exit_code": int(exit_code), "message": message})
+    if stop_file := os.environ.get(STOP_FILE_ENV):
+        try:
+            staged = f"{stop_file}.{os.getpid()}.tmp"  # several ranks may record the same stop
+            with open(staged, "w", encoding="utf-8") as f:
+                f.write(record)
+            os.replace(staged, stop_file)
+            return True
+        except OSError:
+            return False
     try:
         store = _agent_store()
         if store is None:
             return False
-        store.set(STOP_KEY, json.dumps({"exit_code": int(exit_code), "message": message}))
+        store.set(STOP_KEY, record)
         return True
     except (RuntimeError, OSError):  # the agent is gone: there is no restart to stop either
         return False
 
 
 def job_stop() -> Optional[tuple[int, str]]:
-    """(exit code, message) when an earlier attempt of this torchrun job stopped it, else None."""
+    """(exit code, message) when an earlier attempt of this torchrun or Ray job stopped it, else None."""
+    if stop_file := os.environ.get(STOP_FILE_ENV):
+        try:
+            with open(stop_file, encoding="utf-8") as f:
+                stop = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return int(stop["exit_code"]), str(stop["message"])
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0:
         return None
     store = _agent_store()

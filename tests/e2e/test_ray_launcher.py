@@ -55,8 +55,10 @@ def test_a_ray_sweep_runs_each_point_on_ray_with_its_own_curve(tmp_path):
     assert_ok(result)
     assert all((sweep / point / "ray").is_dir() for point in ("0", "1")), "a point did not run on Ray"
     assert "launching 2 ranks" not in result.stdout  # no point fell back to the self-launcher
-    assert_ok(run_cli([*args, "optim.lr=3e-3", f"hydra.run.dir={alone}"]))
-    assert_parity(read_metrics(sweep / "1"), read_metrics(alone), "Ray sweep point 1 against the point self-launched")
+    for point, lr in enumerate(("1e-3", "3e-3")):
+        assert_ok(run_cli([*args, f"optim.lr={lr}", f"hydra.run.dir={alone / str(point)}"]))
+        assert_parity(read_metrics(sweep / str(point)), read_metrics(alone / str(point)),
+                      f"Ray sweep point {point} against the point self-launched")
     assert read_metrics(sweep / "0")[-1]["eval_loss"] != read_metrics(sweep / "1")[-1]["eval_loss"]
 
 
@@ -76,3 +78,37 @@ def test_a_hung_ray_worker_ends_the_job_after_megaframes_collective_timeout(tmp_
     assert "rank 1 did not reach a collective" in out and "Traceback" not in out, out[-3000:]
     hung_for = ended - (stamps / "hang-rank1").stat().st_mtime
     assert timeout_s - 1 <= hung_for < timeout_s + 60, hung_for
+
+
+def test_a_worker_killed_without_restarts_left_is_one_line_and_exit_1(tmp_path):
+    """A rank killed by a signal (the OOM killer, a node lost) says nothing itself: the driver says
+    what Ray reported, in one line, with the generic exit code 1, and no traceback."""
+    pytest.importorskip("ray", reason="Ray is the optional extra megaframe[ray]; .ci/run installs it with [test]")
+    env = {**cli_env(), "OMP_NUM_THREADS": "1", "MEGAFRAME_FAULTS": "kill@3:1"}
+    result = run_cli([*ARGS, "launcher=ray", "launcher.max_failures=0", f"hydra.run.dir={tmp_path / 'run'}"],
+                     env=env, timeout=400)
+    assert result.returncode == 1, (result.stdout + result.stderr)[-3000:]
+    out = result.stdout + result.stderr
+    errors = [line for line in out.splitlines() if "error" in line.lower()]
+    assert "Traceback" not in out and any("megaframe-train: error: Ray Train failed:" in e for e in errors), out[-3000:]
+
+
+def test_ray_restarts_do_not_replay_a_divergence(tmp_path):
+    """FailureConfig restarts the worker group after any failure; a deterministic one (here a
+    divergence, exit 3) is recorded in the run dir, so each restart stops at once (noting it in the
+    rank's log) instead of training into it again, and the job ends with the cause's one line and
+    exit 3."""
+    pytest.importorskip("ray", reason="Ray is the optional extra megaframe[ray]; .ci/run installs it with [test]")
+    run = tmp_path / "run"
+    env = {**cli_env(), "OMP_NUM_THREADS": "1"}
+    result = run_cli([*ARGS, "train.max_steps=30", "optim.lr=1e6", "launcher=ray", "launcher.max_failures=2",
+                      f"hydra.run.dir={run}"], env=env, timeout=500)
+    assert result.returncode == 3, (result.stdout + result.stderr)[-3000:]
+    out = result.stdout + result.stderr
+    ours = [line for line in out.splitlines() if line.startswith("megaframe-train: error")]
+    assert len(ours) == 1 and "diverged" in ours[0] and "Traceback" not in out, out[-3000:]
+    for rank in (0, 1):  # both restarts reached every rank, which stopped before training
+        stops = [line for line in (run / "logs" / f"rank{rank}.log").read_text().splitlines()
+                 if line.startswith("megaframe-train: error: not retrying: an earlier attempt of this job failed "
+                                    "with: diverged")]
+        assert len(stops) == 2, (rank, stops)
