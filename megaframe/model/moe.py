@@ -38,14 +38,16 @@ def _grouped_mm_works(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+                   host_counts: Optional[list[int]] = None) -> torch.Tensor:
     """Rows of x grouped by expert (counts[g] rows for expert g, in order) times each expert's
     (out, in) weight: (M, in) -> (M, out), one grouped GEMM. Where torch has none for this device
-    and dtype, a loop over the experts (whose row counts are then read on the host)."""
+    and dtype, a loop over the experts, which needs the row counts on the host (host_counts: read
+    once by the caller for all its projections)."""
     if _grouped_mm_works(x):
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
-    pieces = torch.split(x, counts.tolist())
+    pieces = torch.split(x, counts.tolist() if host_counts is None else host_counts)
     return torch.cat([piece @ w.t() for piece, w in zip(pieces, weight)])
 
 
@@ -97,12 +99,15 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, C) grouped by local expert, counts (E_local,) rows per expert -> (M, C)."""
         w = self._summed_over_tp
-        up = grouped_linear(x, w(self.up_proj), counts)
+        # without a grouped GEMM (fp32/fp16 on CUDA, bf16 before Hopper) the loop over experts reads
+        # the counts to the host: once per layer and micro-batch, as Megatron's SequentialMLP does
+        host = None if _grouped_mm_works(x) else counts.tolist()
+        up = grouped_linear(x, w(self.up_proj), counts, host)
         if self.swiglu:
-            hidden = F.silu(grouped_linear(x, w(self.gate_proj), counts)) * up
+            hidden = F.silu(grouped_linear(x, w(self.gate_proj), counts, host)) * up
         else:
             hidden = F.gelu(up, approximate="tanh")
-        return grouped_linear(hidden, w(self.down_proj), counts)
+        return grouped_linear(hidden, w(self.down_proj), counts, host)
 
     def _summed_over_tp(self, param: nn.Parameter) -> torch.Tensor:
         # each TP rank routes 1/tp of the tokens: an expert's gradient is the sum over TP ranks

@@ -60,6 +60,26 @@ def test_dropless_layer_matches_a_per_token_loop(activation, moe):
     assert layer.stats["dropped"].item() == 0
 
 
+def test_the_loop_over_experts_where_no_grouped_gemm_runs_matches_the_per_token_loop(monkeypatch):
+    """The path CUDA takes in fp32/fp16 and before Hopper (no torch._grouped_mm): a loop over the
+    experts with their row counts read once per layer, forward and gradients."""
+    from megaframe.model import moe as moe_module
+
+    layer = _layer()
+    x = torch.randn(2, 10, H, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    want = _reference(layer, x)
+    (want_grad,) = torch.autograd.grad(want.square().sum(), x)
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(moe_module, "_grouped_mm_works", lambda t: False)
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real_tolist(t))
+    got = layer(x)
+    (got_grad,) = torch.autograd.grad(got.square().sum(), x)
+    assert reads == [torch.Size([E])], reads  # the counts, once for the three projections
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-6)
+
+
 def test_capacity_drops_the_later_tokens_of_a_full_expert():
     layer = _layer(capacity_factor=0.5)
     x = torch.randn(1, 12, H, generator=torch.Generator().manual_seed(1))
