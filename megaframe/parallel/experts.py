@@ -17,6 +17,7 @@ class ExpertGroup:
     group: Any = None
     size: int = 1
     rank: int = 0
+    edp_group: Any = None  # the ranks holding the same experts: ZeRO-3 partitions experts over them
 
     @property
     def group_name(self) -> str:
@@ -36,4 +37,11 @@ def mark_expert_shard(param: nn.Parameter, full_shape: tuple[int, ...], ep: Expe
     if ep.size > 1:  # with one ep rank every data-parallel rank holds every expert: a dense parameter
         param.allreduce = False
         param.group_name = ep.group_name
+        # ZeRO-3 (DeepSpeed's AutoEP contract): zero.Init partitions a parameter over the group it
+        # carries here, the expert-data-parallel ranks, not all data-parallel ranks (which hold
+        # other experts); the family makes stage 3 average its gradient over the dense dp size and
+        # add its norm over the ep ranks. Stages 0-2 read none of these.
+        param.ds_zero_placement_family = "autoep_expert"
+        param.ds_zero_partition_group_name = ep.group_name
+        param.ds_zero_partition_process_group = ep.edp_group
     return param

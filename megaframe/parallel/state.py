@@ -98,7 +98,7 @@ class ParallelState(OnGrid):
 
         if self.grid.ep == 1:
             return ExpertGroup()
-        return ExpertGroup(self.group("ep"), self.grid.ep, self.coords.ep)
+        return ExpertGroup(self.group("ep"), self.grid.ep, self.coords.ep, self.group("edp"))
 
     @property
     def tp_group(self):

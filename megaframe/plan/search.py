@@ -54,8 +54,6 @@ def _with_tp_cp(model: ModelConfig, base: PlanLayout, tp: int, cp: int) -> Itera
         if pp > model.num_layers or base.global_batch_size % (base.micro_batch_size * dp):
             continue
         stages = (0, 1) if pp > 1 else (0, 1, 2, 3)
-        if model.moe.num_experts:  # ZeRO-3 does not take MoE (config/validate.py: check_moe)
-            stages = tuple(stage for stage in stages if stage < 3)
         for ep in expert_parallel_degrees(model, dp * cp):
             for stage in stages:
                 offloads = [("none", "none")] + ([("cpu", "none")] if stage else []) + ([("cpu", "cpu")] if stage == 3 else [])

@@ -1,7 +1,7 @@
 """Mixture-of-Experts through the Trainer on real gloo ranks reproduces the single-rank run of
 `model=moe_tiny`: fp32, 20 steps, every logged loss, gradient norm and eval loss within rtol 1e-5
 (tests/parity.py), with experts split over ep ranks (all-to-all dispatch, expert gradients reduced
-over the expert-data-parallel ranks) next to DP with ZeRO 0-2, TP (with and without SP), CP, PP,
+over the expert-data-parallel ranks) next to DP with ZeRO 0-3, TP (with and without SP), CP, PP,
 activation checkpointing, compile and aux-loss-free bias balancing. The router metrics (aux and z losses, expert load) agree as well.
 
 Capacity mode (model.moe.capacity_factor) drops assignments by each rank's own tokens, so it
@@ -37,10 +37,16 @@ CASES_2 = {"dropless-dp2-ep2": ["parallel.dp=2", "parallel.ep=2"],
            "dropless-cp2-ep2": ["parallel.cp=2", "parallel.ep=2"],
            "dropless-dp2-ep2-recompute": ["parallel.dp=2", "parallel.ep=2", "parallel.activation_checkpointing=true"],
            "dropless-dp2-ep2-compiled": ["parallel.dp=2", "parallel.ep=2", "train.compile=true"],
-           "capacity-dp2-ep2": ["parallel.dp=2", "parallel.ep=2", *CAPACITY]}
-CASES_4 = {"dropless-dp4-ep2-zero1": ["parallel.dp=4", "parallel.ep=2", "zero=stage1"],
+           "capacity-dp2-ep2": ["parallel.dp=2", "parallel.ep=2", *CAPACITY],
+           "dropless-dp2-zero3": ["parallel.dp=2", "zero=stage3"],  # ep=1: experts partitioned like dense weights
+           "dropless-dp2-ep2-zero3": ["parallel.dp=2", "parallel.ep=2", "zero=stage3"]}
+CASES_4 = {"dropless-dp4-ep2": ["parallel.dp=4", "parallel.ep=2"],  # ZeRO-0: expert gradients all-reduced over edp=2
+           "dropless-dp4-ep2-zero1": ["parallel.dp=4", "parallel.ep=2", "zero=stage1"],
            "dropless-dp4-ep2-zero2": ["parallel.dp=4", "parallel.ep=2", "zero=stage2"],
            "dropless-dp4-ep4-zero1": ["parallel.dp=4", "parallel.ep=4", "zero=stage1"],
+           # ZeRO-3 partitions each rank's experts over their 2 expert-data-parallel replicas
+           "dropless-dp4-ep2-zero3": ["parallel.dp=4", "parallel.ep=2", "zero=stage3"],
+           "dropless-tp2-ep2-zero3": ["parallel.tp=2", "parallel.dp=2", "parallel.ep=2", "zero=stage3"],
            "dropless-tp2-ep2": ["parallel.tp=2", "parallel.dp=2", "parallel.ep=2"],
            "dropless-tp2-sp-ep2-zero1": ["parallel.tp=2", "parallel.dp=2", "parallel.ep=2",
                                          "parallel.sequence_parallel=true", "zero=stage1"],

@@ -33,6 +33,18 @@ def test_an_ep2_checkpoint_resumes_at_ep1_and_continues_the_curve(tmp_path):
     assert all(0.005 < r["moe/aux_loss"] < 0.1 for r in router), router[0]
 
 
+def test_an_ep1_checkpoint_resumes_at_ep2_under_zero3(tmp_path):
+    """The other direction, into ZeRO-3: each rank loads its 4 of the 8 experts into the partition
+    it holds of them (over its expert-data-parallel ranks), and the curve continues."""
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert_ok(run_cli([*ARGS, f"hydra.run.dir={whole}"]))
+    assert_ok(run_cli([*ARGS, "zero=stage1", "train.exit_at_step=4", f"hydra.run.dir={parts}"]))
+    result = run_cli([*ARGS, "parallel.dp=2", "parallel.ep=2", "zero=stage3", f"hydra.run.dir={parts}"])
+    assert_ok(result)
+    assert "at step 4" in result.stdout and "zero=3" in result.stdout
+    assert_parity(read_metrics(parts), read_metrics(whole), "ep=1 -> ep=2 ZeRO-3 resume")
+
+
 def test_bias_balancing_biases_survive_a_resume(tmp_path):
     balanced = ["model.moe.bias_update_rate=0.001", "model.moe.aux_loss_coeff=0"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
@@ -51,11 +63,11 @@ def test_bias_balancing_biases_survive_a_resume(tmp_path):
     (["parallel.dp=3", "parallel.ep=3", "parallel.global_batch_size=6"], "parallel.ep=3 must divide model.moe.num_experts=8"),
     (["parallel.dp=2", "parallel.ep=4"], "parallel.ep=4 must divide dp*cp=2"),
     (["model.moe.top_k=9"], "model.moe.top_k=9 must be between 1 and model.moe.num_experts=8"),
-    (["zero=stage3"], "zero=stage3 does not take model.moe yet"),
     (["parallel.pp=2", "precision=fp16"], "parallel.pp > 1 with model.moe does not take precision=fp16 yet"),
     (["parallel.dp=2", "parallel.ep=2", "train.native_checkpoint=true"],
      "parallel.ep=2 checkpoints only in the layout-free format"),
-    (["parallel.dp=2", "parallel.ep=2", "precision=bf16"], "parallel.ep=2 checkpoints only in the layout-free format"),
+    (["parallel.dp=2", "parallel.ep=2", "precision=bf16"],
+     "parallel.ep=2 with precision=bf16 at zero=stage0 cannot save its experts"),
     (["model.moe.router_score=relu"], "model.moe.router_score='relu' is not one of ['softmax', 'sigmoid']"),
 ])
 def test_what_moe_does_not_take_is_one_line_before_launch(extra, message, tmp_path):

@@ -115,7 +115,7 @@ class DeepSpeedBackend:
         else:
             module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel,
                                  grad_bucket=self.grad_bucket, cp_impl=p.cp_impl)
-        mark_expert_parallel(module, ps)
+        mark_expert_parallel(module, ps, cfg.zero.stage)
         self.compiled_blocks = compile_blocks(module) if cfg.train.compile else 0
         self.module = module
         self.num_parameters = self._count_parameters(module)

@@ -8,10 +8,16 @@ deepspeed.utils.groups. ExpertGroupsMarker is that belief: a module without para
 DeepSpeed's MoE class, whose set_deepspeed_parallelism (the engine calls it on every module that
 has one) registers megaframe's ep and edp groups from the ParallelState, so the ranks are the
 grid's (parallel/dims.py), not a second layout of DeepSpeed's making.
+
+Under ZeRO-3 the engine refuses its own MoE class and takes experts only through its AutoEP layer
+class: there the marker is of that class instead (ZeRO3ExpertGroupsMarker), and the experts carry
+AutoEP's placement marks (parallel/experts.py), so zero.Init partitions each over its
+expert-data-parallel ranks and stage 3 reduces its gradient there, as ZeRO-1/2 do.
 """
 from __future__ import annotations
 
 import torch.nn as nn
+from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from deepspeed.utils import groups
 
@@ -20,18 +26,19 @@ from megaframe.parallel.state import ParallelState
 MARKER_NAME = "deepspeed_expert_groups"
 
 
-class ExpertGroupsMarker(DeepSpeedMoE):
+class _Marks:
     """Tells DeepSpeed's engine the model has experts, and which ranks hold and replicate them."""
 
-    def __init__(self, ps: ParallelState, num_experts: int):
-        nn.Module.__init__(self)  # DeepSpeed's MoE.__init__ would build its own gate and experts
+    def _mark(self, ps: ParallelState, num_experts: int) -> None:
+        nn.Module.__init__(self)  # DeepSpeed's own __init__ would build its gate and experts
         self.num_experts = num_experts
         self.ep_size = ps.grid.ep
         self.num_local_experts = num_experts // ps.grid.ep
-        self.expert_group_name = f"ep_size_{ps.grid.ep}"
+        self.expert_group_name = self.ep_group_name = f"ep_size_{ps.grid.ep}"
         self.__dict__["_ps"] = ps  # not a submodule
 
-    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False,
+                                  folding_group_handles=None) -> None:
         ps, name = self._ps, self.expert_group_name
         groups._EXPERT_PARALLEL_GROUP[name] = ps.group("ep")
         groups._EXPERT_PARALLEL_GROUP_RANKS[name] = ps.group_ranks("ep")
@@ -39,13 +46,28 @@ class ExpertGroupsMarker(DeepSpeedMoE):
         groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = ps.group_ranks("edp")
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError("ExpertGroupsMarker only informs DeepSpeed's engine; it computes nothing")
+        raise RuntimeError("the expert-groups marker only informs DeepSpeed's engine; it computes nothing")
 
 
-def mark_expert_parallel(module: nn.Module, ps: ParallelState) -> None:
+class ExpertGroupsMarker(_Marks, DeepSpeedMoE):
+    """ZeRO-0/1/2: of DeepSpeed's MoE class, which those stages take."""
+
+    def __init__(self, ps: ParallelState, num_experts: int):
+        self._mark(ps, num_experts)
+
+
+class ZeRO3ExpertGroupsMarker(_Marks, AutoEPMoELayer):
+    """ZeRO-3: of DeepSpeed's AutoEP layer class, the only experts stage 3 takes."""
+
+    def __init__(self, ps: ParallelState, num_experts: int):
+        self._mark(ps, num_experts)
+
+
+def mark_expert_parallel(module: nn.Module, ps: ParallelState, zero_stage: int) -> None:
     """Attach the marker when experts are split over ep ranks (with ep=1 they are dense parameters)."""
     if ps.grid.ep == 1:
         return
     layers = getattr(module, "moe_layers", [])
     if layers:
-        module.add_module(MARKER_NAME, ExpertGroupsMarker(ps, layers[0].moe.num_experts))
+        marker = ZeRO3ExpertGroupsMarker if zero_stage == 3 else ExpertGroupsMarker
+        module.add_module(MARKER_NAME, marker(ps, layers[0].moe.num_experts))
