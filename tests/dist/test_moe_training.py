@@ -39,7 +39,9 @@ CASES_2 = {"dropless-dp2-ep2": ["parallel.dp=2", "parallel.ep=2"],
            "dropless-dp2-ep2-compiled": ["parallel.dp=2", "parallel.ep=2", "train.compile=true"],
            "capacity-dp2-ep2": ["parallel.dp=2", "parallel.ep=2", *CAPACITY],
            "dropless-dp2-zero3": ["parallel.dp=2", "zero=stage3"],  # ep=1: experts partitioned like dense weights
-           "dropless-dp2-ep2-zero3": ["parallel.dp=2", "parallel.ep=2", "zero=stage3"]}
+           "dropless-dp2-ep2-zero3": ["parallel.dp=2", "parallel.ep=2", "zero=stage3"],
+           "dropless-dp2-ep2-zero3-offload": ["parallel.dp=2", "parallel.ep=2", "zero=stage3", "offload=cpu",
+                                              "offload.param=cpu"]}
 CASES_4 = {"dropless-dp4-ep2": ["parallel.dp=4", "parallel.ep=2"],  # ZeRO-0: expert gradients all-reduced over edp=2
            "dropless-dp4-ep2-zero1": ["parallel.dp=4", "parallel.ep=2", "zero=stage1"],
            "dropless-dp4-ep2-zero2": ["parallel.dp=4", "parallel.ep=2", "zero=stage2"],
