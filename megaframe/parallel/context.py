@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megaframe.parallel.attention_blocks import BlockKernel, block_kernel
+
 __all__ = ["ContextGroup", "ring_attention", "ulysses_attention", "zigzag_positions", "zigzag_shard",
            "zigzag_unshard"]
 
@@ -147,6 +149,24 @@ def _wait(requests) -> None:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextGroup, scale: float):
+        kernel = block_kernel(q)
+        ring = _FusedRing(kernel) if kernel is not None else _EinsumRing()
+        out, lse = ring.forward(q, k, v, cp, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.scale, ctx.ring = cp, scale, ring
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.ring.backward(grad_out, q, k, v, out, lse, ctx.cp, ctx.scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+class _EinsumRing:
+    """Blocks as einsums over score tiles, in fp32 (fp64 for fp64): where no fused kernel runs."""
+
+    def forward(self, q, k, v, cp: ContextGroup, scale: float):
         B, H, T2, D = q.shape
         Hkv = k.shape[1]
         c = T2 // 2
@@ -163,28 +183,20 @@ class _RingAttention(torch.autograd.Function):
                 s = _scores(qg[..., rows, :], kb, scale, rows.start if causal else None)
                 block_lse = torch.logsumexp(s, dim=-1)
                 block_out = torch.einsum("bhgqk,bhkd->bhgqd", torch.exp(s - block_lse[..., None]), vb)
-                merged = torch.logaddexp(lse[..., rows], block_lse)
-                out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows] - merged)[..., None]
-                                     + block_out * torch.exp(block_lse - merged)[..., None])
-                lse[..., rows] = merged
+                _merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
             if pending is not None:
                 _wait(pending[0])
                 kv = pending[1]
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.scale = cp, scale
-        return out.view(B, H, T2, D).to(q.dtype)
+        return out.view(B, H, T2, D), lse
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        cp, scale = ctx.cp, ctx.scale
+    def backward(self, grad_out, q, k, v, out, lse, cp: ContextGroup, scale: float):
         B, H, T2, D = q.shape
         Hkv = k.shape[1]
         c = T2 // 2
         dtype = _math_dtype(q)
         qg = q.to(dtype).view(B, Hkv, H // Hkv, T2, D)
         dout = grad_out.to(dtype).reshape(B, Hkv, H // Hkv, T2, D)
-        delta = (dout * out).sum(-1)  # rowsum(dO * O), the softmax backward's correction
+        delta = (dout * out.view(qg.shape)).sum(-1)  # rowsum(dO * O), the softmax backward's correction
         dq = torch.zeros_like(qg)
         kv = torch.stack([k, v])
         # the gradient of the block this rank holds, travelling with it (in fp32: it accumulates)
@@ -200,13 +212,96 @@ class _RingAttention(torch.autograd.Function):
                 dq[..., rows, :] += torch.einsum("bhgqk,bhkd->bhgqd", ds, kb) * scale
                 dkv[0][..., cols, :] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qg[..., rows, :]) * scale
                 dkv[1][..., cols, :] += torch.einsum("bhgqk,bhgqd->bhkd", p, dout[..., rows, :])
-            if cp.size > 1:  # on to the next rank; after cp hops an accumulator is home
-                requests, dkv = _exchange(dkv, cp, _GRAD_TAG)
-                _wait(requests)
+            dkv = _pass_home(dkv, cp)
             if pending is not None:
                 _wait(pending[0])
                 kv = pending[1]
-        return (dq.view(B, H, T2, D).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None)
+        return dq.view(B, H, T2, D), dkv[0], dkv[1]
+
+
+class _FusedRing:
+    """Blocks through a fused kernel (parallel/attention_blocks.py) in the input dtype; the merge and
+    the gradient accumulators in fp32 (fp64 for fp64). The backward gives each block the final
+    output and log-sum-exp, so the kernel recomputes exactly that block's share of the softmax."""
+
+    def __init__(self, kernel: BlockKernel):
+        self.kernel = kernel
+        self.saved: list = []  # per step, what the kernel's backward needs of its forward (small)
+
+    def forward(self, q, k, v, cp: ContextGroup, scale: float):
+        B, H, T2, D = q.shape
+        c = T2 // 2
+        dtype = _math_dtype(q)
+        # like q: q is a (B, T, H, D) projection seen as (B, H, T, D), and so is out then, which lets
+        # the output projection take it without a copy (one activation fewer saved per layer)
+        out = torch.zeros_like(q, dtype=dtype)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
+        kv = torch.stack([k, v])
+        for step in range(cp.size):
+            pending = _exchange(kv, cp, _KV_TAG) if step + 1 < cp.size else None
+            rows, cols, causal = _block_rows_cols(step, cp, c)
+            kb, vb = (_heads_for(t[..., cols, :], H) for t in kv)
+            block_out, block_lse, saved = self.kernel.forward(q[..., rows, :].contiguous(), kb, vb, causal, scale)
+            self.saved.append(saved)
+            _merge(out[..., rows, :], lse[..., rows], block_out.to(dtype), block_lse.to(dtype))
+            if pending is not None:
+                _wait(pending[0])
+                kv = pending[1]
+        return out, lse
+
+    def backward(self, grad_out, q, k, v, out, lse, cp: ContextGroup, scale: float):
+        B, H, T2, D = q.shape
+        Hkv = k.shape[1]
+        c = T2 // 2
+        dtype = _math_dtype(q)
+        out_q = out.to(q.dtype)  # the kernel's backward reads the output in the inputs' dtype
+        dout = grad_out.to(q.dtype)
+        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
+        for step in range(cp.size):
+            pending = _exchange(kv, cp, _KV_TAG) if step + 1 < cp.size else None
+            rows, cols, causal = _block_rows_cols(step, cp, c)
+            kb, vb = (_heads_for(t[..., cols, :], H) for t in kv)
+            dq_b, dk_b, dv_b = self.kernel.backward(dout[..., rows, :].contiguous(), q[..., rows, :].contiguous(),
+                                                    kb, vb, out_q[..., rows, :].contiguous(),
+                                                    lse[..., rows].contiguous(), self.saved[step], causal, scale)
+            dq[..., rows, :] += dq_b
+            dkv[0][..., cols, :] += _sum_groups(dk_b, Hkv)
+            dkv[1][..., cols, :] += _sum_groups(dv_b, Hkv)
+            dkv = _pass_home(dkv, cp)
+            if pending is not None:
+                _wait(pending[0])
+                kv = pending[1]
+        return dq, dkv[0], dkv[1]
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold one block's softmax result into the running one, in place, by their log-sum-exps."""
+    merged = torch.logaddexp(lse, block_lse)
+    out.copy_(out * torch.exp(lse - merged)[..., None] + block_out * torch.exp(block_lse - merged)[..., None])
+    lse.copy_(merged)
+
+
+def _heads_for(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """A kv block (B, Hkv, t, D) with each kv head repeated for the query heads it serves."""
+    group = heads // kv.shape[1]
+    return (kv.repeat_interleave(group, dim=1) if group > 1 else kv).contiguous()
+
+
+def _sum_groups(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, H, t, D) gradients of repeated kv heads -> (B, Hkv, t, D), summed over each group."""
+    B, H, t, D = grad.shape
+    return grad.view(B, kv_heads, H // kv_heads, t, D).sum(2) if H != kv_heads else grad
+
+
+def _pass_home(dkv: torch.Tensor, cp: ContextGroup) -> torch.Tensor:
+    """Send the travelling K/V gradients on to the next rank; after cp hops they are home."""
+    if cp.size == 1:
+        return dkv
+    requests, received = _exchange(dkv, cp, _GRAD_TAG)
+    _wait(requests)
+    return received
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextGroup,

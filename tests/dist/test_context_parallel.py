@@ -1,5 +1,6 @@
 """Ring and Ulysses attention (parallel/context.py) on real gloo ranks against full causal SDPA on
-one process: outputs and the gradients of q, k and v, shard by shard."""
+one process: outputs and the gradients of q, k and v, shard by shard; the ring with its blocks
+through the fused CPU kernel and through the einsum fallback."""
 from __future__ import annotations
 
 import pytest
@@ -44,11 +45,24 @@ def _sharded(rank: int, world: int, impl: str, heads: int, kv_heads: int, seq: i
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def _einsum_blocks(monkeypatch) -> None:
+    """Ring blocks through the einsum path (no fused kernel), as on a device without one; the
+    ranks are forked, so they see it too."""
+    import megaframe.parallel.context as context
+
+    monkeypatch.setattr(context, "block_kernel", lambda q: None)
+
+
 @pytest.mark.parametrize("impl, cp, heads, kv_heads", [
     ("ring", 2, 4, 4), ("ring", 4, 4, 4), ("ring", 2, 4, 2), ("ring", 4, 6, 2),
+    ("ring-einsum", 2, 4, 4), ("ring-einsum", 4, 6, 2),
     ("ulysses", 2, 4, 4), ("ulysses", 2, 4, 2), ("ulysses", 4, 8, 4),
 ])
-def test_context_parallel_attention_equals_full_attention(tmp_path, impl, cp, heads, kv_heads):
+def test_context_parallel_attention_equals_full_attention(tmp_path, monkeypatch, impl, cp, heads, kv_heads):
+    """ring: blocks through the CPU's fused flash kernel; ring-einsum: the einsum fallback."""
+    if impl == "ring-einsum":
+        _einsum_blocks(monkeypatch)
+        impl = "ring"
     seq = 8 * cp
     results = run_ranks(_sharded, cp, tmp_path, timeout=300, impl=impl, heads=heads, kv_heads=kv_heads, seq=seq)
     reference = _reference(heads, kv_heads, seq)
@@ -126,9 +140,10 @@ def test_communication_per_layer_matches_the_formula(tmp_path, impl, cp):
 
 
 def test_query_tiles_give_the_same_result(tmp_path, monkeypatch):
-    """A tiny score budget cuts every block into tiles of 1-2 query rows: still full attention."""
+    """A tiny score budget cuts every einsum block into tiles of 1-2 query rows: still full attention."""
     import megaframe.parallel.context as context
 
+    _einsum_blocks(monkeypatch)
     monkeypatch.setattr(context, "_SCORE_ELEMENTS", 2 * 4 * 8 * 2)  # ranks are forked: they see it too
     results = run_ranks(_sharded, 2, tmp_path, timeout=300, impl="ring", heads=4, kv_heads=2, seq=16)
     reference = _reference(4, 2, 16)
