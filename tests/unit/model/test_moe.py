@@ -60,6 +60,20 @@ def test_dropless_layer_matches_a_per_token_loop(activation, moe):
     assert layer.stats["dropped"].item() == 0
 
 
+def test_shared_experts_add_a_dense_mlp_every_token_goes_through():
+    """shared_experts=2: an MLP two experts wide (2 x ffn_hidden_size) beside the routed ones."""
+    layer = _layer(shared_experts=2)
+    assert layer.shared is not None
+    x = torch.randn(2, 10, H, generator=torch.Generator().manual_seed(4))
+    shared = layer.shared
+    tokens = x.reshape(-1, H)
+    gate, up, down = (getattr(shared, name) for name in ("gate_proj", "up_proj", "down_proj"))
+    assert up.weight.shape == (2 * FFN, H)
+    dense = F.linear(F.silu(F.linear(tokens, gate.weight, gate.bias)) * F.linear(tokens, up.weight, up.bias),
+                     down.weight, down.bias)  # SwiGLU, written out
+    torch.testing.assert_close(layer(x), _reference(layer, x) + dense.view(x.shape), rtol=1e-5, atol=1e-6)
+
+
 def test_the_loop_over_experts_where_no_grouped_gemm_runs_matches_the_per_token_loop(monkeypatch):
     """The path CUDA takes in fp32/fp16 and before Hopper (no torch._grouped_mm): a loop over the
     experts with their row counts read once per layer, forward and gradients."""
