@@ -383,8 +383,6 @@ def check_context_parallel(cfg: TrainConfig) -> Optional[str]:
     if p.sequence_parallel and (m.seq_length // p.cp) % p.tp:
         return (f"parallel.sequence_parallel=true with parallel.cp={p.cp} needs each rank's {m.seq_length // p.cp} "
                 f"tokens (model.seq_length/cp) divisible by parallel.tp={p.tp}")
-    if m.dropout > 0:  # ring attention has no attention dropout
-        return f"parallel.cp={p.cp} does not work with model.dropout={m.dropout} yet; set parallel.cp=1 or model.dropout=0"
     return None
 
 

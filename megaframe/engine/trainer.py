@@ -162,7 +162,7 @@ class Trainer:
         elif point.client_state.get("format") == "megaframe-universal":  # resharded
             # per-rank RNG streams do not map onto another layout: restart them from (seed, step)
             seed = self.cfg.train.seed + self.step
-            self.backend.module.rng.load_state_dict(TPDropoutRNG(seed, self.ps.tp_rank).state_dict())
+            self.backend.module.rng.load_state_dict(TPDropoutRNG(seed, self.ps.tp_rank, self.ps.cp_rank).state_dict())
             torch.manual_seed(seed)
         if self.is_logger:
             dropped = self.metrics.truncate_after(self.step)

@@ -21,7 +21,7 @@ def build_model(dims: GPTDims, ps: ParallelState, seed: int, activation_checkpoi
     ps has cp > 1 (ring or ulysses)."""
     if ps.pp != 1:
         raise NotImplementedError("pipeline-parallel models are not built by this version")
-    model = GPT(dims, tp=ps.tp_region(sequence_parallel, grad_bucket), rng=TPDropoutRNG(seed, ps.tp_rank),
+    model = GPT(dims, tp=ps.tp_region(sequence_parallel, grad_bucket), rng=TPDropoutRNG(seed, ps.tp_rank, ps.cp_rank),
                 activation_checkpointing=activation_checkpointing, context=ps.context(), cp_impl=cp_impl,
                 ep=ps.experts())
     init_parameters(model, "", dims, seed, **({"write": write_init} if write_init else {}))

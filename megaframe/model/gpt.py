@@ -8,6 +8,8 @@ stream between TP regions is split along the sequence.
 """
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import functools
 import math
@@ -21,7 +23,8 @@ import torch.nn.functional as F
 from megaframe.model.dims import GPTDims
 from megaframe.model.moe import AddAux, MoE, RouterStats
 from megaframe.model.recompute import checkpointed
-from megaframe.parallel.context import ContextGroup, ring_attention, ulysses_attention, zigzag_positions
+from megaframe.parallel.context import (AttentionDropout, ContextGroup, ring_attention, ulysses_attention,
+                                        zigzag_positions)
 from megaframe.parallel.experts import ExpertGroup
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaframe.parallel.layers import ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding
@@ -218,7 +221,13 @@ class Attention(nn.Module):
             k, v = k[:, self.kv_index], v[:, self.kv_index]  # (B, nh/tp, T, hs)
         p = self.dims.dropout if self.training else 0.0
         gqa = {"enable_gqa": True} if self.sdpa_gqa else {}
-        if self.context is not None:  # no attention dropout here: refused before launch
+        if self.context is not None and p:
+            # the rank's own stream (it differs by tp and cp rank) draws the ring's mask seed, or
+            # Ulysses' SDPA masks on this rank's heads
+            with self.rng.fork() if self.rng is not None else contextlib.nullcontext():
+                dropout = AttentionDropout(p, seed=int(torch.randint(0, 1 << 62, ())))  # a CPU draw: no device sync
+                y = self.attend_across_cp(q, k, v, self.context, dropout=dropout)
+        elif self.context is not None:
             y = self.attend_across_cp(q, k, v, self.context)
         elif p and self.rng is not None:  # attention dropout acts on this rank's heads only
             with self.rng.fork():

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from megaframe.parallel.attention_blocks import BlockKernel, block_kernel
 
-__all__ = ["ContextGroup", "ring_attention", "ulysses_attention", "zigzag_positions", "zigzag_shard",
+__all__ = ["AttentionDropout", "ContextGroup", "ring_attention", "ulysses_attention", "zigzag_positions", "zigzag_shard",
            "zigzag_unshard"]
 
 _KV_TAG, _GRAD_TAG = 0, 1  # the backward ring has two transfers in flight between the same ranks
@@ -61,6 +61,24 @@ class ContextGroup:
     @property
     def prev_rank(self) -> int:
         return self.ranks[(self.rank - 1) % self.size]
+
+
+@dataclass(frozen=True)
+class AttentionDropout:
+    """Dropout on the attention probabilities of the ring's blocks. Each block's keep mask is drawn
+    from its own generator, seeded from `seed` (drawn per layer call from the rank's dropout stream),
+    the cp rank, the ring step and the query tile, so the backward redraws exactly the forward's
+    masks without keeping them."""
+
+    p: float
+    seed: int
+
+    def keep(self, cp_rank: int, step: int, tile_start: int, shape: tuple[int, ...],
+             device: torch.device) -> torch.Tensor:
+        """The keep mask (True: kept) of one block tile."""
+        generator = torch.Generator(device=device)
+        generator.manual_seed((self.seed * 1_000_003 + (cp_rank * 65_537 + step) * 65_537 + tile_start) % (1 << 63))
+        return torch.rand(shape, generator=generator, device=device) >= self.p
 
 
 # ---- zig-zag layout --------------------------------------------------------------------------
@@ -148,9 +166,10 @@ def _wait(requests) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextGroup, scale: float):
-        kernel = block_kernel(q)
-        ring = _FusedRing(kernel) if kernel is not None else _EinsumRing()
+    def forward(ctx, q, k, v, cp: ContextGroup, scale: float, dropout: Optional[AttentionDropout]):
+        # the fused kernels here take no dropout mask of ours: blocks with dropout are einsums
+        kernel = block_kernel(q) if dropout is None else None
+        ring = _FusedRing(kernel) if kernel is not None else _EinsumRing(dropout)
         out, lse = ring.forward(q, k, v, cp, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.scale, ctx.ring = cp, scale, ring
@@ -160,11 +179,22 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ctx.ring.backward(grad_out, q, k, v, out, lse, ctx.cp, ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 class _EinsumRing:
-    """Blocks as einsums over score tiles, in fp32 (fp64 for fp64): where no fused kernel runs."""
+    """Blocks as einsums over score tiles, in fp32 (fp64 for fp64): where no fused kernel runs, and
+    under attention dropout (whose masks it draws per tile and redraws in the backward)."""
+
+    def __init__(self, dropout: Optional[AttentionDropout] = None):
+        self.dropout = dropout
+
+    def _dropped(self, probs: torch.Tensor, cp: ContextGroup, step: int, rows: slice) -> torch.Tensor:
+        """probs with this tile's dropout applied (kept entries scaled by 1/(1-p))."""
+        if self.dropout is None:
+            return probs
+        keep = self.dropout.keep(cp.rank, step, rows.start, tuple(probs.shape), probs.device)
+        return probs * keep / (1.0 - self.dropout.p)
 
     def forward(self, q, k, v, cp: ContextGroup, scale: float):
         B, H, T2, D = q.shape
@@ -181,8 +211,9 @@ class _EinsumRing:
             kb, vb = kv[0][..., cols, :].to(dtype), kv[1][..., cols, :].to(dtype)
             for rows in _row_tiles(block_rows, qg, kb.shape[-2]):
                 s = _scores(qg[..., rows, :], kb, scale, rows.start if causal else None)
-                block_lse = torch.logsumexp(s, dim=-1)
-                block_out = torch.einsum("bhgqk,bhkd->bhgqd", torch.exp(s - block_lse[..., None]), vb)
+                block_lse = torch.logsumexp(s, dim=-1)  # of the undropped scores: dropout rescales no row
+                probs = self._dropped(torch.exp(s - block_lse[..., None]), cp, step, rows)
+                block_out = torch.einsum("bhgqk,bhkd->bhgqd", probs, vb)
                 _merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
             if pending is not None:
                 _wait(pending[0])
@@ -208,10 +239,14 @@ class _EinsumRing:
             for rows in _row_tiles(block_rows, qg, kb.shape[-2]):
                 p = torch.exp(_scores(qg[..., rows, :], kb, scale, rows.start if causal else None)
                               - lse[..., rows, None])
-                ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", dout[..., rows, :], vb) - delta[..., rows, None])
+                # with dropout O = (P*M/(1-p)) V: dV takes the dropped P, dP the dropped dO V^T, and
+                # delta = rowsum(dO * O) is still the softmax backward's correction
+                dp = self._dropped(torch.einsum("bhgqd,bhkd->bhgqk", dout[..., rows, :], vb), cp, step, rows)
+                ds = p * (dp - delta[..., rows, None])
                 dq[..., rows, :] += torch.einsum("bhgqk,bhkd->bhgqd", ds, kb) * scale
                 dkv[0][..., cols, :] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qg[..., rows, :]) * scale
-                dkv[1][..., cols, :] += torch.einsum("bhgqk,bhgqd->bhkd", p, dout[..., rows, :])
+                dkv[1][..., cols, :] += torch.einsum("bhgqk,bhgqd->bhkd", self._dropped(p, cp, step, rows),
+                                                     dout[..., rows, :])
             dkv = _pass_home(dkv, cp)
             if pending is not None:
                 _wait(pending[0])
@@ -305,14 +340,17 @@ def _pass_home(dkv: torch.Tensor, cp: ContextGroup) -> torch.Tensor:
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextGroup,
-                   scale: Optional[float] = None) -> torch.Tensor:
+                   scale: Optional[float] = None, dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
     """Causal attention of this rank's zig-zag shard: q (B, H, 2c, D), k and v (B, Hkv, 2c, D) with
-    Hkv dividing H (grouped-query attention); returns (B, H, 2c, D)."""
+    Hkv dividing H (grouped-query attention); returns (B, H, 2c, D). dropout: on the attention
+    probabilities (training only; None or p=0: none)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
     if q.shape[2] % 2:
         raise ValueError(f"a zig-zag shard holds two equal chunks; got {q.shape[2]} tokens")
-    return _RingAttention.apply(q, k, v, cp, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    if dropout is not None and dropout.p == 0:
+        dropout = None
+    return _RingAttention.apply(q, k, v, cp, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), dropout)
 
 
 # ---- Ulysses --------------------------------------------------------------------------------------
@@ -361,14 +399,16 @@ def _zigzag_order(seq_length: int, cp: int, device: torch.device) -> tuple[torch
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextGroup,
-                      scale: Optional[float] = None) -> torch.Tensor:
+                      scale: Optional[float] = None, dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
     """Causal attention of this rank's zig-zag shard by all-to-all over heads: q (B, H, 2c, D), k
-    and v (B, Hkv, 2c, D); cp must divide Hkv. Returns (B, H, 2c, D)."""
+    and v (B, Hkv, 2c, D); cp must divide Hkv. Returns (B, H, 2c, D). dropout: SDPA's own, on this
+    rank's heads, from the generator the caller has made current (its seed is not used)."""
     if k.shape[1] % cp.size:
         raise ValueError(f"parallel.cp={cp.size} must divide the {k.shape[1]} kv heads for parallel.cp_impl=ulysses; "
                          f"use parallel.cp_impl=ring")
     qh, kh, vh = (_AllToAll.apply(t, cp, True) for t in (q, k, v))  # full length, in zig-zag order
     order, natural = _zigzag_order(qh.shape[2], cp.size, q.device)
     y = F.scaled_dot_product_attention(qh[:, :, natural], kh[:, :, natural], vh[:, :, natural], is_causal=True,
-                                       scale=scale, enable_gqa=qh.shape[1] != kh.shape[1])
+                                       scale=scale, enable_gqa=qh.shape[1] != kh.shape[1],
+                                       dropout_p=0.0 if dropout is None else dropout.p)
     return _AllToAll.apply(y[:, :, order], cp, False)

@@ -26,7 +26,9 @@ This code base's block differs, and the formula below follows it tensor by tenso
 - context parallelism cp: every count above is over the rank's s/cp tokens. Ring attention keeps
   what SDPA keeps plus its fp32 output (the same storage as the out-projection input in fp32, a
   second copy otherwise); Ulysses keeps SDPA's tensors on the all-to-all'd copies plus the
-  out-projection input, which is no longer SDPA's output.
+  out-projection input, which is no longer SDPA's output. With dropout, ring attention keeps no
+  masks (it redraws them in the backward), and Ulysses' SDPA takes the math path on CPU over the
+  whole sequence on heads/cp heads (the same bytes as heads over s/cp).
 """
 from __future__ import annotations
 
@@ -77,19 +79,21 @@ def block_activation_bytes(dims: GPTDims, shape: ActivationShape) -> float:
     mask = dropout_mask_bytes(dims, shape)
 
     attention = sb * e * h  # QKV input (the norm output; shared by the three projections)
-    if dropout and shape.device == "cpu":
+    math_path = dropout and shape.device == "cpu" and not (shape.cp > 1 and shape.cp_impl == "ring")
+    if math_path:
         # SDPA's math path (the CPU's fused kernels take no dropout), in fp32 whatever the dtype: q,
         # k transposed and v, expanded to every query head, then the softmax output, its dropout
-        # mask and the dropped probabilities
-        attention += 3 * sb * 4 * q + 3 * heads * (dims.seq_length // shape.cp) * sb * 4
+        # mask and the dropped probabilities; under Ulysses over the whole sequence on heads/cp
+        # heads, the same bytes. (Ring attention redraws its masks in the backward: nothing more.)
+        attention += 3 * sb * 4 * q + 3 * heads * dims.seq_length * sb * 4
     else:
         # flash / memory-efficient SDPA (dropout inside the kernel, regenerated from its RNG state):
         # Q, K (rotated under RoPE), V and an fp32 logsumexp
         attention += sb * e * (q + 2 * kv) + sb * heads * 4
     attention += sb * e * q  # SDPA output (= out-projection input)
-    if shape.cp > 1 and (shape.cp_impl == "ulysses" or e != 4):
+    if shape.cp > 1 and ((shape.cp_impl == "ulysses" and not math_path) or (shape.cp_impl == "ring" and e != 4)):
         # ring: its fp32 output besides the out-projection's input; Ulysses: the out-projection's
-        # input, all-to-all'd back from SDPA's output
+        # input, all-to-all'd back from SDPA's output (which the math path does not keep)
         attention += sb * (4 if shape.cp_impl == "ring" else e) * q
     if shape.cp > 1 and shape.cp_impl == "ulysses":
         attention += 2 * 8 * dims.seq_length  # the int64 zig-zag permutations its reorderings keep

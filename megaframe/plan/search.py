@@ -41,8 +41,8 @@ def candidate_layouts(model: ModelConfig, base: PlanLayout, gpus_per_node: int |
 
 def context_parallel_degrees(model: ModelConfig, ranks: int) -> list[int]:
     """cp for `ranks` ranks: 1, and from LONG_SEQUENCE tokens on, every divisor up to 16 whose 2·cp
-    chunks cut the sequence evenly (without dropout, which cp does not take)."""
-    if model.seq_length < LONG_SEQUENCE or model.dropout > 0:
+    chunks cut the sequence evenly."""
+    if model.seq_length < LONG_SEQUENCE:
         return [1]
     return [c for c in _divisors(ranks) if c <= 16 and model.seq_length % (2 * c) == 0]
 

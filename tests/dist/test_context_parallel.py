@@ -150,3 +150,65 @@ def test_query_tiles_give_the_same_result(tmp_path, monkeypatch):
     for index in range(4):
         torch.testing.assert_close(zigzag_unshard([r[index] for r in results], dim=2), reference[index],
                                    rtol=1e-6, atol=1e-6)
+
+
+P_DROP, SEED = 0.3, 1234
+
+
+def _ring_with_dropout(rank: int, world: int, heads: int, kv_heads: int, seq: int):
+    from megaframe.parallel.context import AttentionDropout
+
+    cp = ContextGroup(group=None, ranks=tuple(range(world)), rank=rank)
+    q, k, v, grad = (zigzag_shard(t, world, rank, dim=2) for t in _inputs(heads, kv_heads, seq))
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = ring_attention(q, k, v, cp, dropout=AttentionDropout(P_DROP, SEED))
+    out.backward(grad)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _full_keep_mask(heads: int, kv_heads: int, seq: int, cp: int) -> torch.Tensor:
+    """The (B, H, T, T) keep mask the ring's blocks drew, placed by the tokens' global positions:
+    the ring's schedule replayed (which block and tile each rank computes at each step)."""
+    from megaframe.parallel.context import AttentionDropout, _block_rows_cols, _row_tiles
+
+    dropout, c, group = AttentionDropout(P_DROP, SEED), seq // (2 * cp), heads // kv_heads
+    full = torch.zeros(2, heads, seq, seq, dtype=torch.bool)
+    for rank in range(cp):
+        ring = ContextGroup(None, tuple(range(cp)), rank)
+        for step in range(cp):
+            rows, cols, _ = _block_rows_cols(step, ring, c)
+            source = (rank - step) % cp
+            queries, keys = zigzag_positions(seq, cp, rank), zigzag_positions(seq, cp, source)[cols]
+            qg_shape = torch.empty(2, kv_heads, group, 2 * c, 8)
+            for tile in _row_tiles(rows, qg_shape, keys.numel()):
+                shape = (2, kv_heads, group, tile.stop - tile.start, keys.numel())
+                keep = dropout.keep(rank, step, tile.start, shape, torch.device("cpu")).reshape(2, heads, *shape[-2:])
+                full[:, :, queries[tile].unsqueeze(-1), keys] = keep
+    return full
+
+
+@pytest.mark.parametrize("cp, heads, kv_heads", [(2, 4, 2), (4, 4, 4)])
+def test_ring_attention_dropout_is_attention_with_its_mask(tmp_path, cp, heads, kv_heads):
+    """Output and q/k/v gradients equal full causal attention (fp64) whose probabilities are
+    dropped by the mask the ring drew: so the backward redraws the forward's masks, and every
+    block's mask lands where its scores are. The mask drops about p of the entries, and the cp
+    ranks' masks are not copies of each other."""
+    seq = 8 * cp
+    results = run_ranks(_ring_with_dropout, cp, tmp_path, timeout=300, heads=heads, kv_heads=kv_heads, seq=seq)
+    keep = _full_keep_mask(heads, kv_heads, seq, cp)
+    q, k, v, grad = (t.double() for t in _inputs(heads, kv_heads, seq))
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    repeat = heads // kv_heads
+    scores = q @ k.repeat_interleave(repeat, 1).transpose(-1, -2) / 8 ** 0.5
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    out = (probs * keep / (1 - P_DROP)) @ v.repeat_interleave(repeat, 1)
+    out.backward(grad.double())
+    reference = (out.detach(), q.grad, k.grad, v.grad)
+    for name, index in (("output", 0), ("grad q", 1), ("grad k", 2), ("grad v", 3)):
+        gathered = zigzag_unshard([r[index] for r in results], dim=2)
+        torch.testing.assert_close(gathered.double(), reference[index], rtol=1e-6, atol=1e-6, msg=name)
+    kept = keep[:, :, causal].float().mean().item()
+    assert abs(kept - (1 - P_DROP)) < 0.05, kept
+    chunk = seq // (2 * cp)  # the diagonal blocks of ranks 0 and 1 (first chunks) hold different masks
+    assert not torch.equal(keep[:, :, :chunk, :chunk], keep[:, :, chunk:2 * chunk, chunk:2 * chunk])

@@ -29,8 +29,9 @@ def _saved(fn) -> int:
     return seen
 
 
-def _measure(rank: int, world: int, impl: str, dtype: str) -> tuple[int, int]:
-    cfg = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=256, **LLAMA)
+def _measure(rank: int, world: int, impl: str, dtype: str, dropout: float = 0.0) -> tuple[int, int]:
+    cfg = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=256,
+                      dropout=dropout, **LLAMA)
     dims = resolve_dims(cfg, 256)
     torch.manual_seed(0)
     model = GPT(dims, context=ContextGroup(None, tuple(range(world)), rank), cp_impl=impl).train()
@@ -46,11 +47,14 @@ def _measure(rank: int, world: int, impl: str, dtype: str) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("impl", ["ring", "ulysses"])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_block_and_model_activations_under_cp(tmp_path, impl, dtype):
-    cfg = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=256, **LLAMA)
+@pytest.mark.parametrize("dtype, dropout", [("fp32", 0.0), ("bf16", 0.0), ("fp32", 0.1), ("bf16", 0.1)])
+def test_block_and_model_activations_under_cp(tmp_path, impl, dtype, dropout):
+    """With dropout: ring attention keeps no masks (it redraws them), Ulysses' SDPA on CPU takes
+    the math path over the whole sequence on its heads/cp heads."""
+    cfg = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=256,
+                      dropout=dropout, **LLAMA)
     dims = resolve_dims(cfg, 256)
     shape = ActivationShape(4, dtype=dtype, device="cpu", cp=2, cp_impl=impl)
-    for block, whole in run_ranks(_measure, 2, tmp_path, timeout=300, impl=impl, dtype=dtype):
+    for block, whole in run_ranks(_measure, 2, tmp_path, timeout=300, impl=impl, dtype=dtype, dropout=dropout):
         assert block_activation_bytes(dims, shape) == block
         assert stage_activation_bytes(dims, shape, 2, True, True, False) == pytest.approx(whole, rel=0.15)

@@ -22,12 +22,17 @@ def test_ray_workers_train_the_dp2_curve_and_survive_a_killed_worker(tmp_path):
     stamps = tmp_path / "stamps"
     stamps.mkdir()
     env = {**cli_env(), "OMP_NUM_THREADS": "1", "MEGAFRAME_FAULTS": "kill@4:1", "MEGAFRAME_FAULTS_STAMPS": str(stamps)}
-    result = run_cli([*ARGS, "launcher=ray", "launcher.max_failures=1", f"hydra.run.dir={ray_run}"], env=env)
+    result = run_cli([*ARGS, "launcher=ray", "launcher.max_failures=1", "logging.wandb.mode=offline",
+                      f"hydra.run.dir={ray_run}"], env=env)
     assert_ok(result)
     assert (stamps / "kill-rank1-step4").exists(), "the fault did not fire: nothing was restarted"
     out = result.stdout + result.stderr
     assert "resumed from" in out and "at step 2" in out
     assert_parity(read_metrics(ray_run), read_metrics(reference), "launcher=ray with a restart against dp=2")
+    # one W&B run: both attempts logged (rank 0 of each) under the run directory's id
+    run_id = (ray_run / "wandb_run_id").read_text().strip()
+    attempts = sorted(path.name for path in (ray_run / "wandb").glob("offline-run-*"))
+    assert len(attempts) == 2 and all(name.endswith(f"-{run_id}") for name in attempts), (run_id, attempts)
 
 
 def test_without_ray_launcher_ray_is_one_line_before_anything_starts(tmp_path):

@@ -115,7 +115,7 @@ def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition:
     the topology built from ParallelState's grid (whose data axis is dp x cp)."""
     spec = spec or ModelSpec(dims)
     tp = ps.tp_region(sequence_parallel, grad_bucket)
-    rng = TPDropoutRNG(seed, ps.tp_rank)
+    rng = TPDropoutRNG(seed, ps.tp_rank, ps.cp_rank)
     context = ps.context()
     rope = RopeTables(dims)
     router_stats = RouterStats(dims.num_moe_blocks)  # the stage's MoE blocks share it

@@ -29,3 +29,19 @@ def test_deepspeed_topology_has_the_same_rank_layout():
     for rank in range(dims.world_size):
         mine, theirs = dims.coords(rank), topology.get_coord(rank)
         assert (mine.pp, mine.dp, mine.tp) == (theirs.pipe, theirs.data, theirs.model), rank
+
+
+def test_dropout_streams_differ_by_tp_and_cp_rank():
+    """Attention dropout under cp draws from the rank's region stream: a cp rank must not repeat
+    another's masks (nor a TP rank's), while cp rank 0 keeps the stream it had without cp."""
+    import torch
+
+    from megaframe.parallel.random import TPDropoutRNG
+
+    def draw(rng: TPDropoutRNG) -> torch.Tensor:
+        with rng.fork():
+            return torch.rand(8)
+
+    streams = {(tp, cp): draw(TPDropoutRNG(5, tp, cp)) for tp in range(2) for cp in range(3)}
+    assert len({tuple(v.tolist()) for v in streams.values()}) == len(streams)
+    assert torch.equal(streams[(1, 0)], draw(TPDropoutRNG(5, 1)))
