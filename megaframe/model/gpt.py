@@ -23,13 +23,13 @@ import torch.nn.functional as F
 from megaframe.model.dims import GPTDims
 from megaframe.model.moe import AddAux, MoE, RouterStats
 from megaframe.model.recompute import checkpointed
-from megaframe.parallel.context import (AttentionDropout, ContextGroup, ring_attention, ulysses_attention,
-                                        zigzag_positions)
+from megaframe.parallel.context import AttentionDropout, ContextGroup, ulysses_attention, zigzag_positions
 from megaframe.parallel.experts import ExpertGroup
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaframe.parallel.layers import ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding
 from megaframe.parallel.mappings import gather_from_tp_region, scatter_to_sequence_parallel_region
 from megaframe.parallel.random import TPDropoutRNG
+from megaframe.parallel.ring import ring_attention
 
 
 class LayerNorm(nn.Module):

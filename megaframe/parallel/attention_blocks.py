@@ -70,7 +70,15 @@ def block_kernel(q: torch.Tensor) -> Optional[BlockKernel]:
     """The fused kernel for blocks of q's device and dtype, or None (the einsum path)."""
     if q.device.type == "cpu":
         return CPU_FLASH if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu") else None
-    if (q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
-            and torch.cuda.get_device_capability(q.device)[0] >= 8 and torch.backends.cuda.flash_sdp_enabled()):
+    if (q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
+            and q.shape[-1] % 8 == 0 and torch.cuda.get_device_capability(q.device)[0] >= 8
+            and torch.backends.cuda.flash_sdp_enabled() and _flash_built()):
         return CUDA_FLASH
     return None
+
+
+def _flash_built() -> bool:
+    """Whether this torch build has FlashAttention (ROCm and some builds do not: SDPA would fall
+    back to another kernel there, while a direct call of the op would fail)."""
+    available = getattr(torch.backends.cuda, "is_flash_attention_available", None)
+    return available is None or available()

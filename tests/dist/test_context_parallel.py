@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megaframe.parallel.context import (ContextGroup, ring_attention, ulysses_attention, zigzag_positions,
+from megaframe.parallel.ring import ring_attention
+from megaframe.parallel.context import (ContextGroup, ulysses_attention, zigzag_positions,
                                         zigzag_shard, zigzag_unshard)
 from ranks import run_ranks
 
@@ -48,9 +49,9 @@ def _sharded(rank: int, world: int, impl: str, heads: int, kv_heads: int, seq: i
 def _einsum_blocks(monkeypatch) -> None:
     """Ring blocks through the einsum path (no fused kernel), as on a device without one; the
     ranks are forked, so they see it too."""
-    import megaframe.parallel.context as context
+    import megaframe.parallel.ring as ring
 
-    monkeypatch.setattr(context, "block_kernel", lambda q: None)
+    monkeypatch.setattr(ring, "block_kernel", lambda q: None)
 
 
 @pytest.mark.parametrize("impl, cp, heads, kv_heads", [
@@ -95,6 +96,7 @@ def test_ring_runs_inside_a_cp_group_of_a_larger_world(tmp_path):
 def _bytes_sent(rank: int, world: int, impl: str, heads: int, kv_heads: int, seq: int):
     """Bytes this rank hands to point-to-point sends and all-to-alls in one forward and backward."""
     import megaframe.parallel.context as context
+    import megaframe.parallel.ring as ring
 
     sent = {"forward": 0, "backward": 0}
     phase = ["forward"]
@@ -109,7 +111,7 @@ def _bytes_sent(rank: int, world: int, impl: str, heads: int, kv_heads: int, seq
         sent[phase[0]] += input.numel() * input.element_size() * (world - 1) // world
         return real_all_to_all(output, input, group=group)
 
-    context.dist.batch_isend_irecv, context.dist.all_to_all_single = batch, all_to_all
+    ring.dist.batch_isend_irecv, context.dist.all_to_all_single = batch, all_to_all
     try:
         q, k, v, grad = (zigzag_shard(t, world, rank, dim=2) for t in _inputs(heads, kv_heads, seq))
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
@@ -117,7 +119,7 @@ def _bytes_sent(rank: int, world: int, impl: str, heads: int, kv_heads: int, seq
         phase[0] = "backward"
         out.backward(grad)
     finally:
-        context.dist.batch_isend_irecv, context.dist.all_to_all_single = real_batch, real_all_to_all
+        ring.dist.batch_isend_irecv, context.dist.all_to_all_single = real_batch, real_all_to_all
     return sent
 
 
@@ -141,10 +143,10 @@ def test_communication_per_layer_matches_the_formula(tmp_path, impl, cp):
 
 def test_query_tiles_give_the_same_result(tmp_path, monkeypatch):
     """A tiny score budget cuts every einsum block into tiles of 1-2 query rows: still full attention."""
-    import megaframe.parallel.context as context
+    import megaframe.parallel.ring as ring
 
     _einsum_blocks(monkeypatch)
-    monkeypatch.setattr(context, "_SCORE_ELEMENTS", 2 * 4 * 8 * 2)  # ranks are forked: they see it too
+    monkeypatch.setattr(ring, "_SCORE_ELEMENTS", 2 * 4 * 8 * 2)  # ranks are forked: they see it too
     results = run_ranks(_sharded, 2, tmp_path, timeout=300, impl="ring", heads=4, kv_heads=2, seq=16)
     reference = _reference(4, 2, 16)
     for index in range(4):
@@ -169,7 +171,8 @@ def _ring_with_dropout(rank: int, world: int, heads: int, kv_heads: int, seq: in
 def _full_keep_mask(heads: int, kv_heads: int, seq: int, cp: int) -> torch.Tensor:
     """The (B, H, T, T) keep mask the ring's blocks drew, placed by the tokens' global positions:
     the ring's schedule replayed (which block and tile each rank computes at each step)."""
-    from megaframe.parallel.context import AttentionDropout, _block_rows_cols, _row_tiles
+    from megaframe.parallel.context import AttentionDropout
+    from megaframe.parallel.ring import _block_rows_cols, _row_tiles
 
     dropout, c, group = AttentionDropout(P_DROP, SEED), seq // (2 * cp), heads // kv_heads
     full = torch.zeros(2, heads, seq, seq, dtype=torch.bool)

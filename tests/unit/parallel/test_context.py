@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaframe.parallel.context import ContextGroup, ring_attention, zigzag_positions, zigzag_shard, zigzag_unshard
+from megaframe.parallel.context import ContextGroup, zigzag_positions, zigzag_shard, zigzag_unshard
+from megaframe.parallel.ring import ring_attention
 
 
 def test_each_rank_holds_an_early_and_a_late_chunk():
@@ -42,3 +43,18 @@ def test_ring_of_one_is_plain_causal_attention():
     torch.testing.assert_close(out, expected)
     assert torch.autograd.gradcheck(lambda a, b, c: ring_attention(a, b, c, ContextGroup(None, (0,), 0)),
                                     (q, k, v))
+
+
+def test_every_ring_tile_draws_its_own_dropout_mask():
+    """Ring dropout's masks: the same (rank, step, tile) redraws the same mask (the backward relies
+    on it), and distinct ones, also far into a long shard, draw distinct masks."""
+    from megaframe.parallel.context import AttentionDropout
+
+    dropout = AttentionDropout(0.5, seed=7)
+    cpu = torch.device("cpu")
+    assert torch.equal(dropout.keep(1, 2, 96, (4, 64), cpu), dropout.keep(1, 2, 96, (4, 64), cpu))
+    places = [(rank, step, tile) for rank in range(4) for step in range(4) for tile in (0, 3, 65_537, 65_540, 1 << 20)]
+    masks = {tuple(dropout.keep(*place, (256,), cpu).tolist()) for place in places}
+    assert len(masks) == len(places)
+    assert not torch.equal(dropout.keep(0, 0, 65_540, (256,), cpu), dropout.keep(0, 1, 3, (256,), cpu))
+    assert not torch.equal(dropout.keep(0, 0, 0, (256,), cpu), AttentionDropout(0.5, seed=8).keep(0, 0, 0, (256,), cpu))

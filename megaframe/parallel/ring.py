@@ -1,0 +1,279 @@
+"""Ring attention: causal attention over the zig-zag shards of the cp ranks (parallel/context.py).
+
+Each rank keeps its queries; the K/V blocks travel around the cp group, one hop per step, the next
+transfer running while the current block is computed. Each block's partial result is merged into
+the running one with its log-sum-exp, so the result is exactly softmax attention over the whole
+sequence. Which part of a block is needed follows from the chunk positions (rank r receiving the
+block of rank s):
+  s == r  all local queries, all local keys, causal (the local positions increase);
+  s <  r  all local queries, the block's first chunk only, no mask (it lies before both of r's);
+  s >  r  the second local chunk's queries only, the whole block, no mask.
+So every step but the first costs half a block, on every rank. Backward runs the ring again: the
+K/V blocks travel with their gradient accumulators, which return to their owner after cp hops.
+
+A block runs through a fused attention kernel where the device has one (parallel/attention_blocks.py:
+the block's output and log-sum-exp in the input dtype, the merge in fp32), otherwise, and under
+attention dropout, as einsums over query tiles in fp32 (fp64 for fp64 inputs). K/V travel in the
+input dtype and with num_kv_heads heads.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megaframe.parallel.attention_blocks import BlockKernel, block_kernel
+from megaframe.parallel.context import AttentionDropout, ContextGroup
+
+__all__ = ["ring_attention"]
+
+_KV_TAG, _GRAD_TAG = 0, 1  # the backward ring has two transfers in flight between the same ranks
+
+
+# ---- one block -----------------------------------------------------------------------------------
+# Scores of at most this many elements exist at once: query rows are taken in tiles, so a rank's
+# 16k-token shard does not materialise a 16k x 16k score matrix per head.
+_SCORE_ELEMENTS = 1 << 26
+
+
+def _row_tiles(rows: slice, q: torch.Tensor, cols: int) -> list[slice]:
+    """`rows` cut into tiles whose scores (batch x heads x tile x cols) stay under _SCORE_ELEMENTS."""
+    per_row = q.shape[0] * q.shape[1] * q.shape[2] * max(cols, 1)
+    tile = max(1, _SCORE_ELEMENTS // per_row)
+    return [slice(start, min(start + tile, rows.stop)) for start in range(rows.start, rows.stop, tile)]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal_from: Optional[int]) -> torch.Tensor:
+    """q (B, Hkv, G, Tq, D) against k (B, Hkv, Tk, D): (B, Hkv, G, Tq, Tk) in fp32. causal_from: the
+    position of q's first row among k's columns when the block is causal (None: no mask)."""
+    s = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
+    if causal_from is not None:
+        tq, tk = s.shape[-2], s.shape[-1]
+        s = s.masked_fill(torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu(1 + causal_from), float("-inf"))
+    return s
+
+
+def _block_rows_cols(step: int, cp: ContextGroup, c: int) -> tuple[slice, slice, bool]:
+    """Which local query rows and block key columns step `step` needs, and whether causally."""
+    source = (cp.rank - step) % cp.size
+    if source == cp.rank:
+        return slice(0, 2 * c), slice(0, 2 * c), True
+    if source < cp.rank:
+        return slice(0, 2 * c), slice(0, c), False
+    return slice(c, 2 * c), slice(0, 2 * c), False
+
+
+def _math_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _exchange(tensor: torch.Tensor, cp: ContextGroup, tag: int):
+    """Send `tensor` to the next cp rank and receive the previous one's into a new buffer; returns
+    (requests, buffer): wait on the requests before reading the buffer."""
+    received = torch.empty_like(tensor)
+    ops = [dist.P2POp(dist.isend, tensor, cp.next_rank, cp.group, tag),
+           dist.P2POp(dist.irecv, received, cp.prev_rank, cp.group, tag)]
+    return dist.batch_isend_irecv(ops), received
+
+
+def _wait(requests) -> None:
+    for request in requests:
+        request.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp: ContextGroup, scale: float, dropout: Optional[AttentionDropout]):
+        # the fused kernels here take no dropout mask of ours: blocks with dropout are einsums
+        kernel = block_kernel(q) if dropout is None else None
+        ring = _FusedRing(kernel) if kernel is not None else _EinsumRing(dropout)
+        out, lse = ring.forward(q, k, v, cp, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.scale, ctx.ring = cp, scale, ring
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.ring.backward(grad_out, q, k, v, out, lse, ctx.cp, ctx.scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+class _EinsumRing:
+    """Blocks as einsums over score tiles, in fp32 (fp64 for fp64): where no fused kernel runs, and
+    under attention dropout (whose masks it draws per tile and redraws in the backward)."""
+
+    def __init__(self, dropout: Optional[AttentionDropout] = None):
+        self.dropout = dropout
+
+    def _keep_scaled(self, shape: torch.Size, device: torch.device, cp: ContextGroup, step: int,
+                     rows: slice) -> Optional[torch.Tensor]:
+        """This tile's keep mask over 1 - p (None without dropout): what dropout multiplies by."""
+        if self.dropout is None:
+            return None
+        keep = self.dropout.keep(cp.rank, step, rows.start, tuple(shape), device)
+        return keep / (1.0 - self.dropout.p)
+
+    def forward(self, q, k, v, cp: ContextGroup, scale: float):
+        B, H, T2, D = q.shape
+        Hkv = k.shape[1]
+        c = T2 // 2
+        dtype = _math_dtype(q)
+        qg = q.to(dtype).view(B, Hkv, H // Hkv, T2, D)
+        out = torch.zeros_like(qg)
+        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
+        kv = torch.stack([k, v])  # one message per hop, in the input dtype (bf16 sends half of fp32)
+        for step in range(cp.size):
+            pending = _exchange(kv, cp, _KV_TAG) if step + 1 < cp.size else None
+            block_rows, cols, causal = _block_rows_cols(step, cp, c)
+            kb, vb = kv[0][..., cols, :].to(dtype), kv[1][..., cols, :].to(dtype)
+            for rows in _row_tiles(block_rows, qg, kb.shape[-2]):
+                s = _scores(qg[..., rows, :], kb, scale, rows.start if causal else None)
+                block_lse = torch.logsumexp(s, dim=-1)  # of the undropped scores: dropout rescales no row
+                probs = torch.exp(s - block_lse[..., None])
+                keep = self._keep_scaled(probs.shape, probs.device, cp, step, rows)
+                if keep is not None:
+                    probs = probs * keep
+                block_out = torch.einsum("bhgqk,bhkd->bhgqd", probs, vb)
+                _merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
+            if pending is not None:
+                _wait(pending[0])
+                kv = pending[1]
+        return out.view(B, H, T2, D), lse
+
+    def backward(self, grad_out, q, k, v, out, lse, cp: ContextGroup, scale: float):
+        B, H, T2, D = q.shape
+        Hkv = k.shape[1]
+        c = T2 // 2
+        dtype = _math_dtype(q)
+        qg = q.to(dtype).view(B, Hkv, H // Hkv, T2, D)
+        dout = grad_out.to(dtype).reshape(B, Hkv, H // Hkv, T2, D)
+        delta = (dout * out.view(qg.shape)).sum(-1)  # rowsum(dO * O), the softmax backward's correction
+        dq = torch.zeros_like(qg)
+        kv = torch.stack([k, v])
+        # the gradient of the block this rank holds, travelling with it (in fp32: it accumulates)
+        dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
+        for step in range(cp.size):
+            pending = _exchange(kv, cp, _KV_TAG) if step + 1 < cp.size else None
+            block_rows, cols, causal = _block_rows_cols(step, cp, c)
+            kb, vb = kv[0][..., cols, :].to(dtype), kv[1][..., cols, :].to(dtype)
+            for rows in _row_tiles(block_rows, qg, kb.shape[-2]):
+                p = torch.exp(_scores(qg[..., rows, :], kb, scale, rows.start if causal else None)
+                              - lse[..., rows, None])
+                # with dropout O = (P*M/(1-p)) V: dV takes the dropped P, dP the dropped dO V^T, and
+                # delta = rowsum(dO * O) is still the softmax backward's correction
+                dp = torch.einsum("bhgqd,bhkd->bhgqk", dout[..., rows, :], vb)
+                keep = self._keep_scaled(p.shape, p.device, cp, step, rows)
+                if keep is not None:
+                    dp = dp * keep
+                ds = p * (dp - delta[..., rows, None])
+                dq[..., rows, :] += torch.einsum("bhgqk,bhkd->bhgqd", ds, kb) * scale
+                dkv[0][..., cols, :] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qg[..., rows, :]) * scale
+                dkv[1][..., cols, :] += torch.einsum("bhgqk,bhgqd->bhkd", p if keep is None else p * keep,
+                                                     dout[..., rows, :])
+            dkv = _pass_home(dkv, cp)
+            if pending is not None:
+                _wait(pending[0])
+                kv = pending[1]
+        return dq.view(B, H, T2, D), dkv[0], dkv[1]
+
+
+class _FusedRing:
+    """Blocks through a fused kernel (parallel/attention_blocks.py) in the input dtype; the merge and
+    the gradient accumulators in fp32 (fp64 for fp64). The backward gives each block the final
+    output and log-sum-exp, so the kernel recomputes exactly that block's share of the softmax."""
+
+    def __init__(self, kernel: BlockKernel):
+        self.kernel = kernel
+        self.saved: list = []  # per step, what the kernel's backward needs of its forward (small)
+
+    def forward(self, q, k, v, cp: ContextGroup, scale: float):
+        B, H, T2, D = q.shape
+        c = T2 // 2
+        dtype = _math_dtype(q)
+        # like q: q is a (B, T, H, D) projection seen as (B, H, T, D), and so is out then, which lets
+        # the output projection take it without a copy (one activation fewer saved per layer)
+        out = torch.zeros_like(q, dtype=dtype)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
+        kv = torch.stack([k, v])
+        for step in range(cp.size):
+            pending = _exchange(kv, cp, _KV_TAG) if step + 1 < cp.size else None
+            rows, cols, causal = _block_rows_cols(step, cp, c)
+            kb, vb = (_heads_for(t[..., cols, :], H) for t in kv)
+            block_out, block_lse, saved = self.kernel.forward(q[..., rows, :].contiguous(), kb, vb, causal, scale)
+            self.saved.append(saved)
+            _merge(out[..., rows, :], lse[..., rows], block_out.to(dtype), block_lse.to(dtype))
+            if pending is not None:
+                _wait(pending[0])
+                kv = pending[1]
+        return out, lse
+
+    def backward(self, grad_out, q, k, v, out, lse, cp: ContextGroup, scale: float):
+        B, H, T2, D = q.shape
+        Hkv = k.shape[1]
+        c = T2 // 2
+        dtype = _math_dtype(q)
+        out_q = out.to(q.dtype)  # the kernel's backward reads the output in the inputs' dtype
+        dout = grad_out.to(q.dtype)
+        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
+        for step in range(cp.size):
+            pending = _exchange(kv, cp, _KV_TAG) if step + 1 < cp.size else None
+            rows, cols, causal = _block_rows_cols(step, cp, c)
+            kb, vb = (_heads_for(t[..., cols, :], H) for t in kv)
+            dq_b, dk_b, dv_b = self.kernel.backward(dout[..., rows, :].contiguous(), q[..., rows, :].contiguous(),
+                                                    kb, vb, out_q[..., rows, :].contiguous(),
+                                                    lse[..., rows].contiguous(), self.saved[step], causal, scale)
+            dq[..., rows, :] += dq_b
+            dkv[0][..., cols, :] += _sum_groups(dk_b, Hkv)
+            dkv[1][..., cols, :] += _sum_groups(dv_b, Hkv)
+            dkv = _pass_home(dkv, cp)
+            if pending is not None:
+                _wait(pending[0])
+                kv = pending[1]
+        return dq, dkv[0], dkv[1]
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold one block's softmax result into the running one, in place, by their log-sum-exps."""
+    merged = torch.logaddexp(lse, block_lse)
+    out.copy_(out * torch.exp(lse - merged)[..., None] + block_out * torch.exp(block_lse - merged)[..., None])
+    lse.copy_(merged)
+
+
+def _heads_for(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """A kv block (B, Hkv, t, D) with each kv head repeated for the query heads it serves."""
+    group = heads // kv.shape[1]
+    return (kv.repeat_interleave(group, dim=1) if group > 1 else kv).contiguous()
+
+
+def _sum_groups(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, H, t, D) gradients of repeated kv heads -> (B, Hkv, t, D), summed over each group."""
+    B, H, t, D = grad.shape
+    return grad.view(B, kv_heads, H // kv_heads, t, D).sum(2) if H != kv_heads else grad
+
+
+def _pass_home(dkv: torch.Tensor, cp: ContextGroup) -> torch.Tensor:
+    """Send the travelling K/V gradients on to the next rank; after cp hops they are home."""
+    if cp.size == 1:
+        return dkv
+    requests, received = _exchange(dkv, cp, _GRAD_TAG)
+    _wait(requests)
+    return received
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextGroup,
+                   scale: Optional[float] = None, dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
+    """Causal attention of this rank's zig-zag shard: q (B, H, 2c, D), k and v (B, Hkv, 2c, D) with
+    Hkv dividing H (grouped-query attention); returns (B, H, 2c, D). dropout: on the attention
+    probabilities (training only; None or p=0: none)."""
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+    if q.shape[2] % 2:
+        raise ValueError(f"a zig-zag shard holds two equal chunks; got {q.shape[2]} tokens")
+    if dropout is not None and dropout.p == 0:
+        dropout = None
+    return _RingAttention.apply(q, k, v, cp, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), dropout)
