@@ -4,7 +4,7 @@ PROG names the command in that line (and in the refusals before launch).
 
 The codes are documented in README ("Exit codes"); 2 stays "refused before launch". A failure that
 would happen again on a restart (divergence, bad data, a corrupt checkpoint, a missing system
-piece) is *deterministic*: torchrun must not replay it (see parallel/job_stop.py).
+piece) is *deterministic*: a restart by torchrun or Ray must not replay it (see parallel/elastic.py).
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ class RankHung(RunFailure):
 
 
 class JobStopped(RunFailure):
-    """An earlier attempt of this torchrun job failed deterministically; this attempt does not retry it."""
+    """An earlier attempt of this torchrun or Ray job failed deterministically; this attempt does not retry it."""
 
     deterministic = True
 

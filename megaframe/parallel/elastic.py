@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from datetime import timedelta
 from typing import Optional
 
@@ -49,14 +50,16 @@ STOP_FILE_ENV = "MEGAFRAME_JOB_STOP_FILE"
 
 def record_job_stop(exit_code: int, message: str) -> bool:
     """Tell later restart attempts of this job (torchrun's --max-restarts, Ray's FailureConfig) not
-    to train: they exit with exit_code and message at once. Returns False where no restart can
-    follow (nothing to tell)."""
+    to train: they exit with exit_code and message at once. Returns whether it was recorded (False
+    outside torchrun and Ray, where no restart can follow)."""
     record = json.dumps({"exit_code": int(exit_code), "message": message})
     if stop_file := os.environ.get(STOP_FILE_ENV):
-        try:
-            staged = f"{stop_file}.{os.getpid()}.tmp"  # several ranks may record the same stop
-            with open(staged, "w", encoding="utf-8") as f:
+        try:  # several ranks, on several hosts, may record the same stop: each stages its own file
+            fd, staged = tempfile.mkstemp(dir=os.path.dirname(stop_file) or ".", prefix=".job_stop.")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(record)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(staged, stop_file)
             return True
         except OSError:
@@ -74,16 +77,25 @@ def record_job_stop(exit_code: int, message: str) -> bool:
 def job_stop() -> Optional[tuple[int, str]]:
     """(exit code, message) when an earlier attempt of this torchrun or Ray job stopped it, else None."""
     if stop_file := os.environ.get(STOP_FILE_ENV):
-        try:
-            with open(stop_file, encoding="utf-8") as f:
-                stop = json.load(f)
-        except (OSError, ValueError):
-            return None
-        return int(stop["exit_code"]), str(stop["message"])
+        # rank 0 reads and every rank takes its answer: a node whose file system has not yet shown it
+        # the file must not train on while the others stop (it would hang them until the timeout)
+        answer = [_read_stop_file(stop_file) if not dist.is_initialized() or dist.get_rank() == 0 else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(answer, src=0)
+        return answer[0]
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0:
         return None
     store = _agent_store()
     if store is None or not store.check([STOP_KEY]):
         return None
     stop = json.loads(store.get(STOP_KEY))
+    return int(stop["exit_code"]), str(stop["message"])
+
+
+def _read_stop_file(path: str) -> Optional[tuple[int, str]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            stop = json.load(f)
+    except (OSError, ValueError):
+        return None
     return int(stop["exit_code"]), str(stop["message"])

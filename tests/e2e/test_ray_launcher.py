@@ -117,3 +117,8 @@ def test_ray_restarts_do_not_replay_a_divergence(tmp_path):
                  if line.startswith("megaframe-train: error: not retrying: an earlier attempt of this job failed "
                                     "with: diverged")]
         assert len(stops) == 2, (rank, stops)
+    # a new launch in the same directory is a new job: it trains (here into the same divergence)
+    again = run_cli([*ARGS, "train.max_steps=30", "optim.lr=1e6", "launcher=ray", "launcher.max_failures=0",
+                     f"hydra.run.dir={run}"], env=env, timeout=500)
+    out = again.stdout + again.stderr
+    assert "resumed from" in out and "not retrying" not in out, out[-3000:]
