@@ -162,8 +162,14 @@ def _check_launcher(cfg: TrainConfig) -> None:
 
 
 def _check_system(cfg: TrainConfig, layout: Layout) -> None:
-    """What the machine must provide for this offload setting (libaio, a compiler, NVMe space),
-    before any rank starts: one line and exit code 2 when something is missing."""
+    """What the machine must provide for this layout (DeepSpeed's AutoEP for ZeRO-3 experts) and
+    offload setting (libaio, a compiler, NVMe space), before any rank starts: one line and exit
+    code 2 when something is missing."""
+    if cfg.zero.stage == 3 and cfg.parallel.ep > 1:
+        from megaframe.backends.deepspeed.system import expert_parallel_problem
+
+        if problem := expert_parallel_problem(cfg.zero.stage, cfg.parallel.ep):
+            _fail(problem)
     if cfg.offload.optimizer == "none" and cfg.offload.param == "none":
         return
     from megaframe.backends.deepspeed.system import system_problem

@@ -17,7 +17,8 @@ expert-data-parallel ranks and stage 3 reduces its gradient there, as ZeRO-1/2 d
 from __future__ import annotations
 
 import torch.nn as nn
-from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+import functools
+
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from deepspeed.utils import groups
 
@@ -56,11 +57,16 @@ class ExpertGroupsMarker(_Marks, DeepSpeedMoE):
         self._mark(ps, num_experts)
 
 
-class ZeRO3ExpertGroupsMarker(_Marks, AutoEPMoELayer):
-    """ZeRO-3: of DeepSpeed's AutoEP layer class, the only experts stage 3 takes."""
+@functools.cache
+def _zero3_marker_class() -> type:
+    """ZeRO-3: a marker of DeepSpeed's AutoEP layer class, the only experts stage 3 takes (imported
+    here: DeepSpeeds before AutoEP lack the module; the CLI refuses ZeRO-3 with ep > 1 there)."""
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
 
-    def __init__(self, ps: ParallelState, num_experts: int):
-        self._mark(ps, num_experts)
+    class ZeRO3ExpertGroupsMarker(_Marks, AutoEPMoELayer):
+        def __init__(self, ps: ParallelState, num_experts: int):
+            self._mark(ps, num_experts)
+    return ZeRO3ExpertGroupsMarker
 
 
 def mark_expert_parallel(module: nn.Module, ps: ParallelState, zero_stage: int) -> None:
@@ -69,5 +75,5 @@ def mark_expert_parallel(module: nn.Module, ps: ParallelState, zero_stage: int) 
         return
     layers = getattr(module, "moe_layers", [])
     if layers:
-        marker = ZeRO3ExpertGroupsMarker if zero_stage == 3 else ExpertGroupsMarker
+        marker = _zero3_marker_class() if zero_stage == 3 else ExpertGroupsMarker
         module.add_module(MARKER_NAME, marker(ps, layers[0].moe.num_experts))

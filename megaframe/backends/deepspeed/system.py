@@ -6,6 +6,7 @@ same way; a full or read-only nvme_path fails at the first swap. Each is one lin
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -66,3 +67,14 @@ def system_problem(offload: OffloadConfig, swap_bytes: float) -> Optional[str]:
     if nvme and offload.nvme_path:
         return check_nvme_path(offload.nvme_path, swap_bytes)
     return None
+
+
+def expert_parallel_problem(zero_stage: int, ep: int) -> Optional[str]:
+    """ZeRO-3 partitions experts over their expert-data-parallel ranks through DeepSpeed's AutoEP
+    placement (backends/deepspeed/experts.py), which older DeepSpeeds lack."""
+    if zero_stage != 3 or ep == 1 or importlib.util.find_spec("deepspeed.module_inject.auto_ep_layer") is not None:
+        return None
+    import deepspeed
+
+    return (f"zero=stage3 with parallel.ep={ep} needs DeepSpeed's AutoEP expert placement, which deepspeed "
+            f"{deepspeed.__version__} lacks; upgrade deepspeed, or use zero=stage1/stage2 (or parallel.ep=1)")

@@ -2,8 +2,9 @@
 
 Without this, every rank constructs and initialises the full model and deepspeed.initialize
 partitions it afterwards: a 70B model needs 280 GB of fp32 on every rank before the first step.
-Under deepspeed.zero.Init each module's parameters are partitioned over the data-parallel group as
-soon as that module is constructed, and init_parameters then writes each rank's piece of the
+Under deepspeed.zero.Init each module's parameters are partitioned over the data-parallel group (an
+expert over its expert-data-parallel ranks: the group it carries, parallel/experts.py) as soon as
+that module is constructed, and init_parameters then writes each rank's piece of the
 layout-invariant initial value straight into its partition (one parameter's value at a time), so
 the weights equal those of every other layout. zero.Init's own broadcast of the constructed values
 is overwritten by that write.
