@@ -364,7 +364,7 @@ def check_tensor_parallel(cfg: TrainConfig) -> Optional[str]:
 
 def check_context_parallel(cfg: TrainConfig) -> Optional[str]:
     """parallel.cp: the sequence must cut into 2*cp zig-zag chunks; Ulysses must split the heads
-    each TP rank holds; dropout, which cp does not take yet, is refused here, before launch."""
+    each TP rank holds; sequence parallelism must split each rank's tokens."""
     p, m = cfg.parallel, cfg.model
     if err := _choices("parallel.cp_impl", p.cp_impl, ["ring", "ulysses"]):
         return err
@@ -446,6 +446,17 @@ def check_launcher(cfg: TrainConfig) -> Optional[str]:
     return None
 
 
+def check_slurm_nodes(cfg: TrainConfig, world_size: int) -> Optional[str]:
+    """launcher=slurm without launcher.nodes: the job is whole nodes, or part of one (srun runs the
+    same number of tasks on every node, and each task's LOCAL_WORLD_SIZE says so)."""
+    launcher = cfg.launcher
+    per_node = launcher.gpus_per_node
+    if launcher.name != "slurm" or launcher.nodes is not None or world_size <= per_node or world_size % per_node == 0:
+        return None
+    return (f"launcher=slurm: the layout's {world_size} ranks do not fill nodes of launcher.gpus_per_node={per_node}; "
+            f"make the world a multiple of {per_node}, or at most {per_node}")
+
+
 def warnings(cfg: TrainConfig, layout: Layout) -> list[str]:
     """Legal but wasteful settings, printed once before launch."""
     found = []
@@ -498,8 +509,9 @@ def validate(cfg: TrainConfig, world_size: int,
     for rule in (check_tensor_parallel, check_context_parallel, check_moe):
         if err := rule(cfg):
             raise ConfigError(err)
-    if err := check_batch(cfg, layout):
-        raise ConfigError(err)
+    for err in (check_batch(cfg, layout), check_slurm_nodes(cfg, layout.world_size)):
+        if err:
+            raise ConfigError(err)
     if err := check_precision(cfg, fp16_supported):
         raise ConfigError(err)
     return layout

@@ -36,7 +36,7 @@ def test_tasks_do_not_submit_again():
         ["model=x", "launcher_x=1"]
 
 
-@pytest.mark.parametrize("world, nodes, tasks_per_node", [(2, 1, 2), (8, 1, 8), (12, 2, 8), (16, 2, 8)])
+@pytest.mark.parametrize("world, nodes, tasks_per_node", [(2, 1, 2), (8, 1, 8), (16, 2, 8), (32, 4, 8)])
 def test_the_job_asks_for_one_task_per_rank_of_the_layout(world, nodes, tasks_per_node, tmp_path):
     """Without launcher.nodes the job holds exactly the layout's ranks: a dp=2 job on 8-GPU nodes is
     2 tasks on 2 GPUs (8 tasks would each find a world size of 8 the layout does not have)."""

@@ -126,3 +126,15 @@ def test_mixed_precision_at_zero0_warns_that_checkpoints_stay_in_their_layout():
     assert any("resume works in this layout only; use zero=stage1" in w for w in warnings(cfg, layout))
     cfg.zero.stage = 1
     assert not universal_checkpoint_unsupported(cfg, validate(cfg, 1, _never_fp16))
+
+
+@pytest.mark.parametrize("world, refused", [(2, False), (8, False), (16, False), (12, True)])
+def test_a_slurm_job_without_nodes_is_whole_nodes_or_part_of_one(world, refused):
+    cfg = TrainConfig()
+    cfg.launcher.name, cfg.parallel.global_batch_size = "slurm", 192
+    if refused:
+        with pytest.raises(ConfigError, match="launcher=slurm: the layout's 12 ranks do not fill nodes of "
+                                              "launcher.gpus_per_node=8"):
+            validate(cfg, world, _never_fp16)
+    else:
+        assert validate(cfg, world, _never_fp16).world_size == world
