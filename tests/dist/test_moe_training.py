@@ -49,6 +49,7 @@ CASES_4 = {"dropless-dp4-ep2": ["parallel.dp=4", "parallel.ep=2"],  # ZeRO-0: ex
            # ZeRO-3 partitions each rank's experts over their 2 expert-data-parallel replicas
            "dropless-dp4-ep2-zero3": ["parallel.dp=4", "parallel.ep=2", "zero=stage3"],
            "dropless-tp2-ep2-zero3": ["parallel.tp=2", "parallel.dp=2", "parallel.ep=2", "zero=stage3"],
+           "dropless-cp2-dp2-ep4-zero3": ["parallel.cp=2", "parallel.dp=2", "parallel.ep=4", "zero=stage3"],
            "dropless-tp2-ep2": ["parallel.tp=2", "parallel.dp=2", "parallel.ep=2"],
            "dropless-tp2-sp-ep2-zero1": ["parallel.tp=2", "parallel.dp=2", "parallel.ep=2",
                                          "parallel.sequence_parallel=true", "zero=stage1"],
