@@ -8,49 +8,10 @@ from __future__ import annotations
 
 import pytest
 
+from memory_states import measure_moe_states
 from ranks import run_ranks
 
 pytestmark = pytest.mark.slow
-OVERRIDES = ["model=moe_tiny", "model.num_layers=2", "model.hidden_size=128", "model.seq_length=32",
-             "parallel.dp=2", "parallel.micro_batch_size=2", "parallel.global_batch_size=8", "precision=bf16",
-             "train.eval_interval=0", "logging.wandb.mode=disabled", "logging.progress_bar=false"]
-
-
-def _measure(rank: int, world: int, run_root: str, cases: tuple[tuple[int, int], ...]) -> list[dict]:
-    from pathlib import Path
-
-    import torch.distributed as dist
-
-    from megaframe.backends.deepspeed.memory import held_model_states
-    from megaframe.config.compose import compose
-    from megaframe.config.validate import validate
-    from megaframe.data import micro_batches
-    from megaframe.engine.trainer import Trainer
-    from megaframe.plan.estimate import estimate_config
-
-    results = []
-    for ep, stage in cases:
-        cfg, _ = compose([*OVERRIDES, f"parallel.dp={world}", f"parallel.global_batch_size={4 * world}",
-                          f"parallel.ep={ep}", f"zero=stage{stage}",
-                          "zero.stage3_param_persistence_threshold=0"])  # else ZeRO-3 keeps small weights whole
-        layout = validate(cfg, world)
-        with Trainer(cfg, layout, Path(run_root) / f"ep{ep}-zero{stage}") as trainer:
-            trainer.train_step()
-            (inputs, targets), _ = micro_batches(trainer.data.train, 1, cfg.parallel.global_batch_size,
-                                                 cfg.parallel.micro_batch_size, trainer.ps.dp_rank, world,
-                                                 cfg.train.seed)
-            engine = trainer.backend.engine
-            engine.backward(engine(inputs, targets))  # mid-step: a non-final micro-batch's gradients held
-            planned = estimate_config(cfg, layout).stages[0].states
-            expert_groups = {tuple(dist.get_process_group_ranks(p.ds_process_group))
-                             for p in engine.module.parameters() if getattr(p, "allreduce", True) is False
-                             and hasattr(p, "ds_process_group")}
-            results.append({"ep": ep, "stage": stage, **held_model_states(engine),
-                            "expert_partition_groups": sorted(expert_groups),
-                            "edp_ranks": trainer.ps.group_ranks("edp"),
-                            "planned_weights": planned.weights, "planned_optimizer": planned.optimizer,
-                            "planned_gradients": planned.gradients})
-    return results
 
 
 def _assert_held_equals_planned(r: dict) -> None:
@@ -63,7 +24,7 @@ def _assert_held_equals_planned(r: dict) -> None:
 
 def test_held_states_with_experts_split_match_the_planner(tmp_path):
     cases = ((1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3))
-    results = run_ranks(_measure, 2, tmp_path, timeout=900, run_root=str(tmp_path / "runs"), cases=cases)
+    results = run_ranks(measure_moe_states, 2, tmp_path, timeout=900, run_root=str(tmp_path / "runs"), cases=cases)
     for rank_results in results:
         by = {(r["ep"], r["stage"]): r for r in rank_results}
         for r in rank_results:
@@ -79,7 +40,7 @@ def test_zero3_partitions_experts_over_their_replicas(tmp_path):
     """dp=4 ep=2: ranks {0, 2} hold experts 0-3 and {1, 3} experts 4-7; ZeRO-3 must partition each
     set over its own two ranks (partitioned over all four, a rank would gather halves of other
     experts than its own)."""
-    results = run_ranks(_measure, 4, tmp_path, timeout=900, run_root=str(tmp_path / "runs"), cases=((2, 3),))
+    results = run_ranks(measure_moe_states, 4, tmp_path, timeout=900, run_root=str(tmp_path / "runs"), cases=((2, 3),))
     for rank, (r,) in enumerate(results):
         assert len(r["edp_ranks"]) == 2 and rank in r["edp_ranks"], r
         assert r["expert_partition_groups"] == [tuple(r["edp_ranks"])], r

@@ -1,0 +1,32 @@
+"""Measure the model-state bytes DeepSpeed holds per rank for moe_tiny (hidden 128, bf16) at dp=4, for
+ep 1, 2 and 4 and ZeRO 1-3, next to the planner's figure, as the markdown table in BENCHMARKS.md.
+
+    python tools/moe_memory_table.py        # a few minutes on a 2-core CPU
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from memory_states import measure_moe_states  # noqa: E402  (tests/memory_states.py)
+from ranks import run_ranks  # noqa: E402  (tests/ranks.py: real gloo ranks)
+
+
+def main() -> None:
+    cases = tuple((ep, stage) for ep in (1, 2, 4) for stage in (1, 2, 3))
+    print("| ep | edp | ZeRO | planned | weights | gradients | optimizer | held | error |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in run_ranks(measure_moe_states, 4, Path(tmp), timeout=1800, run_root=f"{tmp}/runs", cases=cases)[0]:
+            planned = r["planned_weights"] + r["planned_gradients"] + r["planned_optimizer"]
+            held = r["weights"] + r["gradients"] + r["optimizer"]
+            mib = lambda v: f"{v / 2**20:.2f} MiB"  # noqa: E731
+            print(f"| {r['ep']} | {len(r['edp_ranks'])} | {r['stage']} | {mib(planned)} | {mib(r['weights'])} | "
+                  f"{mib(r['gradients'])} | {mib(r['optimizer'])} | {mib(held)} | {(held - planned) / planned:+.1%} |")
+
+
+if __name__ == "__main__":
+    main()
