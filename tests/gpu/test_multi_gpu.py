@@ -1,5 +1,7 @@
-"""Two or more CUDA GPUs: dp=2, tp=2 and pp=2 on NCCL reproduce the one-GPU run (fp32). Skipped
-below two GPUs. Written on a CPU-only machine and not yet run on GPUs."""
+"""Two or more CUDA GPUs: dp=2, tp=2 and pp=2 on NCCL reproduce the one-GPU run (fp32); so do
+context parallelism (ring and Ulysses: point-to-point and all-to-all on NCCL) and expert
+parallelism (MoE all-to-all, under ZeRO-1 and ZeRO-3). Skipped below two GPUs. Written on a
+CPU-only machine and not yet run on GPUs."""
 from __future__ import annotations
 
 import pytest
@@ -12,10 +14,15 @@ STEPS = ["train.max_steps=20", "train.eval_interval=10"]
 
 
 @pytest.mark.parametrize("layout", [["parallel.dp=2", "zero=stage1"], ["parallel.tp=2"],
-                                    ["parallel.pp=2", "model.num_layers=4", "zero=stage1"]])
+                                    ["parallel.pp=2", "model.num_layers=4", "zero=stage1"],
+                                    ["model=llama_tiny", "model.num_kv_heads=2", "parallel.cp=2"],
+                                    ["model=llama_tiny", "model.num_kv_heads=2", "parallel.cp=2",
+                                     "parallel.cp_impl=ulysses"],
+                                    ["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "zero=stage1"],
+                                    ["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "zero=stage3"]])
 def test_two_gpus_match_one(layout, tmp_path):
     env = cli_env(DS_ACCELERATOR="cuda")
-    model = [a for a in layout if a.startswith("model.")]
+    model = [a for a in layout if a.startswith("model")]
     assert_ok(run_cli([*TINY, *STEPS, *model, f"hydra.run.dir={tmp_path / 'one'}"], env=env, timeout=900))
     result = run_cli([*TINY, *STEPS, *layout, f"hydra.run.dir={tmp_path / 'two'}"], env=env, timeout=900)
     assert_ok(result)
