@@ -145,9 +145,9 @@ def _check_sweep(args: list[str]) -> None:
 def _launcher_problem(cfg: TrainConfig) -> Optional[str]:
     """What this host lacks for cfg.launcher (Ray's package, SLURM's sbatch), in one line, or None."""
     if cfg.launcher.name == "ray":
-        from megaframe.ray_launcher import MISSING, ray_missing
+        from megaframe.ray_launcher import MISSING, ray_missing, unreachable_cluster
 
-        return MISSING if ray_missing() else None
+        return MISSING if ray_missing() else unreachable_cluster(cfg.launcher.ray_address)
     if cfg.launcher.name == "slurm" and not cfg.launcher.dry_run and _launcher_world_size() is None:
         from megaframe.slurm import NO_SBATCH, sbatch_missing
 

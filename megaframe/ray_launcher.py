@@ -8,13 +8,16 @@ the run's last checkpoint. Ray is an optional extra: `pip install "megaframe[ray
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import math
 import os
+import socket
 import sys
+import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator, Optional
 
 from megaframe.config.schema import TrainConfig
 from megaframe.failures import PROG
@@ -25,6 +28,23 @@ MISSING = 'launcher=ray needs Ray Train, which is not installed: pip install "me
 
 def ray_missing() -> bool:
     return importlib.util.find_spec("ray") is None
+
+
+def unreachable_cluster(address: Optional[str]) -> Optional[str]:
+    """One line when nothing answers at launcher.ray_address (HOST:PORT or ray://HOST:PORT): Ray's
+    own connection attempt would wait minutes there before failing. None (nothing to check) for no
+    address or `auto`, which Ray resolves on this host."""
+    if not address or address in ("auto", "local"):
+        return None
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return f"launcher.ray_address={address} is not HOST:PORT, ray://HOST:PORT or auto"
+    try:
+        with socket.create_connection((host, int(port)), timeout=10):
+            return None
+    except OSError as err:
+        return (f"launcher.ray_address={address}: nothing answers there ({err.strerror or err}); start the cluster "
+                f"(ray start --head) or correct the address")
 
 
 def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir: Path,
@@ -45,8 +65,18 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
         # Ray's own INFO/WARNING lines stay in its session logs; without the dashboard (ray[train]
         # has none) Ray Train's placement-group watcher would warn every second that the state
         # API is unavailable. The ranks' own output (progress, one-line errors) is unaffected.
-        ray.init(address=launcher.ray_address, include_dashboard=False, runtime_env={"env_vars": passed},
-                 logging_level=logging.ERROR, logging_config=ray.LoggingConfig(log_level="ERROR"))
+        # Ray's core logs a line a second to stderr while it cannot reach a cluster: into a file
+        init_log = run_dir / "logs" / "ray_init.log"
+        try:
+            with _stderr_into(init_log), _give_up_after(launcher.connect_timeout_s, launcher.ray_address, init_log):
+                ray.init(address=launcher.ray_address, include_dashboard=False, runtime_env={"env_vars": passed},
+                         logging_level=logging.ERROR, logging_config=ray.LoggingConfig(log_level="ERROR"))
+        except (ConnectionError, RuntimeError, ValueError) as err:
+            print(f"{PROG}: error: launcher.ray_address={launcher.ray_address}: cannot join that Ray cluster "
+                  f"({_first_line(err)}); check the address, and where the cluster uses token authentication "
+                  f"set RAY_AUTH_MODE=token (and its token) here too [exit 2; Ray's messages in {init_log}]",
+                  file=sys.stderr, flush=True)
+            return 2
     resources = {"CPU": launcher.cpus_per_worker, **({"GPU": launcher.gpus_per_worker} if launcher.gpus_per_worker else {})}
     trainer = TorchTrainer(
         _worker, train_loop_config={"overrides": task_overrides(overrides), "run_dir": str(run_dir), "entry": entry},
@@ -72,6 +102,43 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
         print(f"{PROG}: error: Ray Train failed: {_first_line(error)} [exit 1; Ray's own logs: "
               f"/tmp/ray/session_latest/logs on the head node]", file=sys.stderr, flush=True)
     return code
+
+
+@contextlib.contextmanager
+def _give_up_after(timeout_s: float, address: Optional[str], log: Path) -> Iterator[None]:
+    """End the process with one line if the block (ray.init, which cannot be interrupted while it
+    waits for a cluster that does not answer as Ray) runs longer than timeout_s."""
+    def give_up() -> None:
+        os.write(_TERMINAL_FD, (f"{PROG}: error: launcher.ray_address={address}: no Ray cluster joined within "
+                                f"launcher.connect_timeout_s={timeout_s:g} s; check the address and the cluster "
+                                f"[exit 2; Ray's messages in {log}]\n").encode())
+        os._exit(2)
+    timer = threading.Timer(timeout_s, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+_TERMINAL_FD = os.dup(2)  # stderr as it was at import: _stderr_into redirects fd 2 meanwhile
+
+
+@contextlib.contextmanager
+def _stderr_into(path: Path) -> Iterator[None]:
+    """This process's file descriptor 2 (Python's and Ray's C++ core's stderr) appended to `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(path, "a", encoding="utf-8") as log:
+            os.dup2(log.fileno(), 2)
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _quiet_train_logs() -> dict:

@@ -248,6 +248,7 @@ class LauncherConfig:
     cpus_per_worker: float = 1.0  # ray: CPUs each rank's worker reserves
     gpus_per_worker: float = 0.0  # ray: GPUs each rank's worker reserves (1 on a GPU cluster)
     max_failures: int = 0  # ray: FailureConfig: restarts of the worker group; each resumes from the last checkpoint
+    connect_timeout_s: float = 120.0  # ray: how long joining the cluster may take before the job gives up (exit 2)
 
 
 @dataclass

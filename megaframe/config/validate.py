@@ -440,6 +440,8 @@ def check_launcher(cfg: TrainConfig) -> Optional[str]:
     if launcher.gpus_per_node < 1 or (launcher.nodes is not None and launcher.nodes < 1):
         return (f"launcher.gpus_per_node={launcher.gpus_per_node} and launcher.nodes={launcher.nodes} must be >= 1 "
                 "(nodes may be null: the layout's world / gpus_per_node)")
+    if launcher.connect_timeout_s <= 0:
+        return f"launcher.connect_timeout_s={launcher.connect_timeout_s} must be > 0"
     if launcher.cpus_per_worker <= 0 or launcher.gpus_per_worker < 0 or launcher.max_failures < 0:
         return (f"launcher.cpus_per_worker={launcher.cpus_per_worker} must be > 0, launcher.gpus_per_worker="
                 f"{launcher.gpus_per_worker} and launcher.max_failures={launcher.max_failures} >= 0")

@@ -4,6 +4,10 @@ with the uninterrupted run's metrics; without Ray installed, one line before any
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -122,3 +126,61 @@ def test_ray_restarts_do_not_replay_a_divergence(tmp_path):
                      f"hydra.run.dir={run}"], env=env, timeout=500)
     out = again.stdout + again.stderr
     assert "resumed from" in out and "not retrying" not in out, out[-3000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_running_ray_cluster_is_joined_by_its_address(tmp_path):
+    """launcher.ray_address: the job runs on a cluster started beforehand (`ray start --head`), as on
+    a real Ray cluster, and trains the dp=2 self-launch curve. Ray 2.5x's clusters use token
+    authentication, which a driver joins with RAY_AUTH_MODE=token (older Rays ignore it)."""
+    pytest.importorskip("ray", reason="Ray is the optional extra megaframe[ray]; .ci/run installs it with [test]")
+    port = _free_port()
+    env = {**cli_env(), "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "token"}
+    ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable))
+    started = subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                              "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=300)
+    try:
+        assert started.returncode == 0, started.stderr[-2000:]
+        reference, joined = tmp_path / "reference", tmp_path / "joined"
+        assert_ok(run_cli([*ARGS, f"hydra.run.dir={reference}"]))
+        result = run_cli([*ARGS, "launcher=ray", f"launcher.ray_address=127.0.0.1:{port}", f"hydra.run.dir={joined}"],
+                         env=env)
+        assert_ok(result)
+        assert_parity(read_metrics(joined), read_metrics(reference), "launcher=ray on a running cluster against dp=2")
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=300)
+
+
+def test_a_cluster_address_where_nothing_answers_is_one_line_at_once(tmp_path):
+    """Ray itself would wait minutes on a closed port before failing: megaframe checks first."""
+    pytest.importorskip("ray", reason="Ray is the optional extra megaframe[ray]; .ci/run installs it with [test]")
+    port = _free_port()
+    started = time.time()
+    result = run_cli([*ARGS, "launcher=ray", f"launcher.ray_address=127.0.0.1:{port}", f"hydra.run.dir={tmp_path}"])
+    assert result.returncode == 2 and time.time() - started < 60, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"launcher.ray_address=127.0.0.1:{port}: nothing answers there" in lines[0], lines
+
+
+def test_joining_a_listener_that_is_not_ray_gives_up_after_connect_timeout_s(tmp_path):
+    """Something answers at the address but it is not a Ray cluster: ray.init would wait on it;
+    launcher.connect_timeout_s ends the job with one line, and Ray's messages go to the run's logs."""
+    pytest.importorskip("ray", reason="Ray is the optional extra megaframe[ray]; .ci/run installs it with [test]")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        port = listener.getsockname()[1]
+        started = time.time()
+        result = run_cli([*ARGS, "launcher=ray", f"launcher.ray_address=127.0.0.1:{port}",
+                          "launcher.connect_timeout_s=5", f"hydra.run.dir={tmp_path}"], timeout=300)
+        waited = time.time() - started
+    assert result.returncode == 2, (result.stdout + result.stderr)[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no Ray cluster joined within launcher.connect_timeout_s=5 s" in lines[0], lines
+    assert 5 <= waited < 120, waited
+    assert (tmp_path / "logs" / "ray_init.log").exists()
