@@ -19,7 +19,7 @@ input dtype and with num_kv_heads heads.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -83,6 +83,20 @@ def _wait(requests) -> None:
         request.wait()
 
 
+def _ring_steps(k: torch.Tensor, v: torch.Tensor, cp: ContextGroup, c: int) -> Iterator[tuple]:
+    """The ring's schedule: for each step, (step, query rows, block columns, causal, the K/V block
+    stacked as one tensor), with the next hop's transfer in flight while the caller computes. K/V
+    travel as one message in the input dtype (bf16 sends half of fp32)."""
+    kv = torch.stack([k, v])
+    for step in range(cp.size):
+        pending = _exchange(kv, cp, _KV_TAG) if step + 1 < cp.size else None
+        rows, cols, causal = _block_rows_cols(step, cp, c)
+        yield step, rows, cols, causal, kv
+        if pending is not None:
+            _wait(pending[0])
+            kv = pending[1]
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextGroup, scale: float, dropout: Optional[AttentionDropout]):
@@ -124,10 +138,7 @@ class _EinsumRing:
         qg = q.to(dtype).view(B, Hkv, H // Hkv, T2, D)
         out = torch.zeros_like(qg)
         lse = torch.full(qg.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
-        kv = torch.stack([k, v])  # one message per hop, in the input dtype (bf16 sends half of fp32)
-        for step in range(cp.size):
-            pending = _exchange(kv, cp, _KV_TAG) if step + 1 < cp.size else None
-            block_rows, cols, causal = _block_rows_cols(step, cp, c)
+        for step, block_rows, cols, causal, kv in _ring_steps(k, v, cp, c):
             kb, vb = kv[0][..., cols, :].to(dtype), kv[1][..., cols, :].to(dtype)
             for rows in _row_tiles(block_rows, qg, kb.shape[-2]):
                 s = _scores(qg[..., rows, :], kb, scale, rows.start if causal else None)
@@ -138,9 +149,6 @@ class _EinsumRing:
                     probs = probs * keep
                 block_out = torch.einsum("bhgqk,bhkd->bhgqd", probs, vb)
                 _merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
-            if pending is not None:
-                _wait(pending[0])
-                kv = pending[1]
         return out.view(B, H, T2, D), lse
 
     def backward(self, grad_out, q, k, v, out, lse, cp: ContextGroup, scale: float):
@@ -152,12 +160,9 @@ class _EinsumRing:
         dout = grad_out.to(dtype).reshape(B, Hkv, H // Hkv, T2, D)
         delta = (dout * out.view(qg.shape)).sum(-1)  # rowsum(dO * O), the softmax backward's correction
         dq = torch.zeros_like(qg)
-        kv = torch.stack([k, v])
         # the gradient of the block this rank holds, travelling with it (in fp32: it accumulates)
-        dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
-        for step in range(cp.size):
-            pending = _exchange(kv, cp, _KV_TAG) if step + 1 < cp.size else None
-            block_rows, cols, causal = _block_rows_cols(step, cp, c)
+        dkv = torch.zeros((2, *k.shape), dtype=dtype, device=k.device)
+        for step, block_rows, cols, causal, kv in _ring_steps(k, v, cp, c):
             kb, vb = kv[0][..., cols, :].to(dtype), kv[1][..., cols, :].to(dtype)
             for rows in _row_tiles(block_rows, qg, kb.shape[-2]):
                 p = torch.exp(_scores(qg[..., rows, :], kb, scale, rows.start if causal else None)
@@ -174,9 +179,6 @@ class _EinsumRing:
                 dkv[1][..., cols, :] += torch.einsum("bhgqk,bhgqd->bhkd", p if keep is None else p * keep,
                                                      dout[..., rows, :])
             dkv = _pass_home(dkv, cp)
-            if pending is not None:
-                _wait(pending[0])
-                kv = pending[1]
         return dq.view(B, H, T2, D), dkv[0], dkv[1]
 
 
@@ -197,17 +199,11 @@ class _FusedRing:
         # the output projection take it without a copy (one activation fewer saved per layer)
         out = torch.zeros_like(q, dtype=dtype)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
-        kv = torch.stack([k, v])
-        for step in range(cp.size):
-            pending = _exchange(kv, cp, _KV_TAG) if step + 1 < cp.size else None
-            rows, cols, causal = _block_rows_cols(step, cp, c)
+        for _, rows, cols, causal, kv in _ring_steps(k, v, cp, c):
             kb, vb = (_heads_for(t[..., cols, :], H) for t in kv)
             block_out, block_lse, saved = self.kernel.forward(q[..., rows, :].contiguous(), kb, vb, causal, scale)
             self.saved.append(saved)
             _merge(out[..., rows, :], lse[..., rows], block_out.to(dtype), block_lse.to(dtype))
-            if pending is not None:
-                _wait(pending[0])
-                kv = pending[1]
         return out, lse
 
     def backward(self, grad_out, q, k, v, out, lse, cp: ContextGroup, scale: float):
@@ -218,11 +214,8 @@ class _FusedRing:
         out_q = out.to(q.dtype)  # the kernel's backward reads the output in the inputs' dtype
         dout = grad_out.to(q.dtype)
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
-        kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
-        for step in range(cp.size):
-            pending = _exchange(kv, cp, _KV_TAG) if step + 1 < cp.size else None
-            rows, cols, causal = _block_rows_cols(step, cp, c)
+        dkv = torch.zeros((2, *k.shape), dtype=dtype, device=k.device)
+        for step, rows, cols, causal, kv in _ring_steps(k, v, cp, c):
             kb, vb = (_heads_for(t[..., cols, :], H) for t in kv)
             dq_b, dk_b, dv_b = self.kernel.backward(dout[..., rows, :].contiguous(), q[..., rows, :].contiguous(),
                                                     kb, vb, out_q[..., rows, :].contiguous(),
@@ -231,9 +224,6 @@ class _FusedRing:
             dkv[0][..., cols, :] += _sum_groups(dk_b, Hkv)
             dkv[1][..., cols, :] += _sum_groups(dv_b, Hkv)
             dkv = _pass_home(dkv, cp)
-            if pending is not None:
-                _wait(pending[0])
-                kv = pending[1]
         return dq, dkv[0], dkv[1]
 
 
