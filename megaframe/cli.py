@@ -75,7 +75,7 @@ def _slurm_world_size(cfg: TrainConfig) -> Optional[int]:
 def _submit_slurm(cfg: TrainConfig, layout: Layout, args: list[str], run_dir: str) -> int:
     """launcher=slurm: write RUN_DIR/submit.sbatch (atomically) and sbatch it, or print it (dry run)."""
     from megaframe.slurm import SubmitError, sbatch_script, submit, task_overrides
-    from megaframe.tracking.metrics import atomic_write_text
+    from megaframe.atomic_io import atomic_write_text
 
     run_path = Path(run_dir).resolve()
     run_path.mkdir(parents=True, exist_ok=True)
@@ -237,12 +237,9 @@ def _stop_if_job_stopped() -> None:
     exit_code, message = stop
     line = f"{PROG}: error: not retrying: an earlier attempt of this job failed with: {message} [exit {exit_code}]"
     if os.environ.get(STOP_FILE_ENV):
-        from megaframe.engine.failure_report import log_path
+        from megaframe.engine.failure_report import append_to_log, log_path
 
-        log = log_path(Path(os.environ[STOP_FILE_ENV]).parent, _rank())
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+        append_to_log(log_path(Path(os.environ[STOP_FILE_ENV]).parent, _rank()), line)
     elif _rank() == 0:
         print(line, file=sys.stderr, flush=True)
     sys.exit(exit_code)
@@ -253,7 +250,7 @@ def _task(dict_cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from megaframe.engine.trainer import train
-    from megaframe.tracking.metrics import atomic_write_text
+    from megaframe.atomic_io import atomic_write_text
 
     try:
         cfg: TrainConfig = OmegaConf.to_object(dict_cfg)

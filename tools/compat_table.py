@@ -17,7 +17,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from megaframe.config.compat import markdown, with_table  # noqa: E402
-from megaframe.tracking.metrics import atomic_write_text  # noqa: E402
+from megaframe.atomic_io import atomic_write_text  # noqa: E402
 
 
 def main() -> int:

@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megaframe.failures import ExitCode
-from megaframe.tracking.metrics import atomic_write_text
+from megaframe.atomic_io import atomic_write_text
 
 FORMAT, VERSION, SHARDED_VERSION = "megaframe-universal", 1, 2
 READABLE_VERSIONS = (VERSION, SHARDED_VERSION)

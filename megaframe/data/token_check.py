@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from megaframe.data.indexed import DataError, IndexedDataset
-from megaframe.tracking.metrics import atomic_write_text
+from megaframe.atomic_io import atomic_write_text
 
 _CHUNK_TOKENS = 1 << 24  # 32-64 MiB of tokens per read
 

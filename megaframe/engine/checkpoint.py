@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.universal import CheckpointError
-from megaframe.tracking.metrics import atomic_write_text
+from megaframe.atomic_io import atomic_write_text
 
 LATEST = "latest"
 TMP_PREFIX = "tmp-"

@@ -20,11 +20,16 @@ def log_path(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / "logs" / f"rank{rank}.log"
 
 
-def _write_traceback(path: Path, err: BaseException) -> None:
+def append_to_log(path: Path, text: str) -> None:
+    """Append a dated entry to a rank's log (appended: every attempt's entries stay readable)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as log:  # append: every attempt's failure stays readable
+    with open(path, "a", encoding="utf-8") as log:
         log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
-        log.write("".join(traceback.format_exception(err)))
+        log.write(text if text.endswith("\n") else text + "\n")
+
+
+def _write_traceback(path: Path, err: BaseException) -> None:
+    append_to_log(path, "".join(traceback.format_exception(err)))
 
 
 def _first_to_report() -> bool:

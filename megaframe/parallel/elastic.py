@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from datetime import timedelta
+from pathlib import Path
 from typing import Optional
 
 import torch.distributed as dist
+
+from megaframe.atomic_io import atomic_write_text
 
 
 def join_restarted_group(backend: str, timeout: Optional[timedelta] = None) -> bool:
@@ -54,13 +56,8 @@ def record_job_stop(exit_code: int, message: str) -> bool:
     outside torchrun and Ray, where no restart can follow)."""
     record = json.dumps({"exit_code": int(exit_code), "message": message})
     if stop_file := os.environ.get(STOP_FILE_ENV):
-        try:  # several ranks, on several hosts, may record the same stop: each stages its own file
-            fd, staged = tempfile.mkstemp(dir=os.path.dirname(stop_file) or ".", prefix=".job_stop.")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(record)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(staged, stop_file)
+        try:  # several ranks, on several hosts, may record the same stop
+            atomic_write_text(Path(stop_file), record)
             return True
         except OSError:
             return False

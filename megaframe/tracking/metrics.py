@@ -2,19 +2,10 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temp file in the same directory and rename, so readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+from megaframe.atomic_io import atomic_write_text
 
 
 class MetricsLog:

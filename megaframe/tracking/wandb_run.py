@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megaframe.config.schema import WandbConfig
-from megaframe.tracking.metrics import atomic_write_text
+from megaframe.atomic_io import atomic_write_text
 
 
 class WandbRun:
