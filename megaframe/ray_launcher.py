@@ -68,7 +68,7 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
         # Ray's core logs a line a second to stderr while it cannot reach a cluster: into a file
         init_log = run_dir / "logs" / "ray_init.log"
         try:
-            with _stderr_into(init_log), _give_up_after(launcher.connect_timeout_s, launcher.ray_address, init_log):
+            with _give_up_after(launcher.connect_timeout_s, launcher.ray_address, init_log), _stderr_into(init_log):
                 ray.init(address=launcher.ray_address, include_dashboard=False, runtime_env={"env_vars": passed},
                          logging_level=logging.ERROR, logging_config=ray.LoggingConfig(log_level="ERROR"))
         except (ConnectionError, RuntimeError, ValueError) as err:
@@ -107,11 +107,14 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
 @contextlib.contextmanager
 def _give_up_after(timeout_s: float, address: Optional[str], log: Path) -> Iterator[None]:
     """End the process with one line if the block (ray.init, which cannot be interrupted while it
-    waits for a cluster that does not answer as Ray) runs longer than timeout_s."""
+    waits for a cluster that does not answer as Ray) runs longer than timeout_s. Entered before
+    _stderr_into, it keeps the terminal's stderr for that line."""
+    terminal = os.dup(2)
+
     def give_up() -> None:
-        os.write(_TERMINAL_FD, (f"{PROG}: error: launcher.ray_address={address}: no Ray cluster joined within "
-                                f"launcher.connect_timeout_s={timeout_s:g} s; check the address and the cluster "
-                                f"[exit 2; Ray's messages in {log}]\n").encode())
+        os.write(terminal, (f"{PROG}: error: launcher.ray_address={address}: no Ray cluster joined within "
+                            f"launcher.connect_timeout_s={timeout_s:g} s; check the address and the cluster "
+                            f"[exit 2; Ray's messages in {log}]\n").encode())
         os._exit(2)
     timer = threading.Timer(timeout_s, give_up)
     timer.daemon = True
@@ -120,9 +123,7 @@ def _give_up_after(timeout_s: float, address: Optional[str], log: Path) -> Itera
         yield
     finally:
         timer.cancel()
-
-
-_TERMINAL_FD = os.dup(2)  # stderr as it was at import: _stderr_into redirects fd 2 meanwhile
+        os.close(terminal)
 
 
 @contextlib.contextmanager

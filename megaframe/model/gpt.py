@@ -9,7 +9,6 @@ stream between TP regions is split along the sequence.
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import functools
 import math
