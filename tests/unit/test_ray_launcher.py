@@ -26,3 +26,13 @@ def test_a_code_chained_as_a_cause_is_found():
 def test_a_failure_no_rank_explained_is_exit_1():
     assert _exit_code(WorkerGroupError({0: RuntimeError("actor died")})) == 1
     assert _exit_code(RuntimeError("the Ray cluster went away")) == 1
+
+
+def test_a_cluster_address_is_host_and_port():
+    """launcher.ray_address checked before Ray is asked: a malformed one is one line naming the key
+    and the forms it takes; no address or `auto` is left to Ray."""
+    from megaframe.ray_launcher import unreachable_cluster
+
+    assert unreachable_cluster(None) is None and unreachable_cluster("auto") is None
+    for bad in ("headnode", "ray://headnode", "headnode:port"):
+        assert unreachable_cluster(bad) == f"launcher.ray_address={bad} is not HOST:PORT, ray://HOST:PORT or auto"

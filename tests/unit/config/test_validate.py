@@ -138,3 +138,10 @@ def test_a_slurm_job_without_nodes_is_whole_nodes_or_part_of_one(world, refused)
             validate(cfg, world, _never_fp16)
     else:
         assert validate(cfg, world, _never_fp16).world_size == world
+
+
+def test_ray_connect_timeout_must_be_positive():
+    cfg = TrainConfig()
+    cfg.launcher.name, cfg.launcher.connect_timeout_s = "ray", 0
+    with pytest.raises(ConfigError, match=r"launcher.connect_timeout_s=0 must be > 0"):
+        validate(cfg, 1, _never_fp16)
