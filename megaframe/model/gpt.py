@@ -410,15 +410,17 @@ def _name_seed(seed: int, name: str) -> int:
 def full_init_value(name: str, shape: tuple[int, ...], dims: GPTDims, seed: int) -> torch.Tensor:
     """The full (unsharded) initial value of a parameter, a pure function of its name and the seed."""
     leaf = name.rsplit(".", 1)[-1]
+    # on the host, always: under zero.Init a factory without device= lands on the accelerator, and
+    # a CUDA tensor refuses a CPU generator; the caller copies the value (or its shard) over
     if leaf == "bias":
-        return torch.zeros(shape)
+        return torch.zeros(shape, device="cpu")
     if "norm" in name:
-        return torch.ones(shape)
+        return torch.ones(shape, device="cpu")
     std = dims.init_std
     if name.endswith(("out_proj.weight", "down_proj.weight", "experts.down_proj")):
         std = std / math.sqrt(2 * dims.num_layers)  # GPT-2: scale residual-branch outputs by depth
     generator = torch.Generator().manual_seed(_name_seed(seed, name))
-    return torch.randn(shape, generator=generator).mul_(std)  # in place: one full tensor at a time
+    return torch.randn(shape, generator=generator, device="cpu").mul_(std)  # in place: one full tensor at a time
 
 
 def _copy_into(param: nn.Parameter, value: torch.Tensor) -> None:

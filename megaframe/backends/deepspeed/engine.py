@@ -72,9 +72,11 @@ def init_distributed(collective_timeout_s: Optional[float] = None) -> None:
         # DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce op here (45 s on first use)
         # that only its inference path calls; training collectives go through torch.distributed.
         # DeepSpeed keeps edits to this dict (deepspeed/ops/__init__.py).
-        import deepspeed.ops
+        # imported under its own name: `import deepspeed.ops` here would make `deepspeed` a local
+        # of this whole function, unbound on every other accelerator (UnboundLocalError on CUDA)
+        from deepspeed import ops as deepspeed_ops
 
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        deepspeed_ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=timeout)
 
 

@@ -247,13 +247,28 @@ def _create_adam_state(view: EngineView, step: int) -> None:
     # the tensors Adam steps: ZeRO's flat fp32 partitions (ZeRO-3 swaps them into param_groups
     # only during its step), else the module parameters
     flats = getattr(opt, "fp32_partitioned_groups_flat", None) or getattr(opt, "single_partition_of_fp32_groups", None)
+    on_device = {id(p): bool(group.get("fused") or group.get("capturable"))
+                 for group in base.param_groups for p in group["params"]}
     for p in flats or [p for group in base.param_groups for p in group["params"]]:
         state = base.state[p]
         if not state:
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] = torch.tensor(float(step))
+        state["step"] = adam_step_tensor(step, p, on_device.get(id(p), _fused(base)))
     _link_optimizer_state(view)
+
+
+def _fused(optimizer: torch.optim.Optimizer) -> bool:
+    return any(group.get("fused") or group.get("capturable") for group in optimizer.param_groups)
+
+
+def adam_step_tensor(step: int, param: torch.Tensor, on_device: bool) -> torch.Tensor:
+    """Adam's step count as torch keeps it: fused and capturable AdamW read it from the parameter's
+    device inside their kernel (a host tensor there is an illegal access on CUDA), the others from
+    the host (torch's Optimizer.load_state_dict places it the same way)."""
+    if on_device:
+        return torch.tensor(float(step), dtype=torch.float32, device=param.device)
+    return torch.tensor(float(step))
 
 
 def _link_optimizer_state(view: EngineView) -> None:
