@@ -38,3 +38,20 @@ def blocks_against_full_attention(device: str, dtype: torch.dtype) -> dict[str, 
             "grad v": v64.grad[:, :, :T]}
     got = {"output": out, "grad q": dq, "grad k": dk, "grad v": dv}
     return {name: (got[name].double().cpu() - want[name]).abs().max().item() for name in want}
+
+
+def full_attention_rounding(dtype: torch.dtype) -> dict[str, float]:
+    """The same deviations for one full causal SDPA call on the host in `dtype`: the rounding of
+    that precision on this host, which bounds what the blocks may add (tests/numerics.py)."""
+    g = torch.Generator().manual_seed(0)
+    B, H, T, D, split = 2, 4, 24, 16, 8
+    q, k, v, dout = (torch.randn(B, H, T, D, generator=g) for _ in range(4))
+    results = {}
+    for precision in (dtype, torch.float64):
+        leaves = [t.to(precision).clone().requires_grad_() for t in (q, k, v)]
+        full = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=D ** -0.5)
+        full[:, :, split:].backward(dout[:, :, split:].to(precision))
+        results[precision] = {"output": full[:, :, split:].detach(), "grad q": leaves[0].grad[:, :, split:],
+                              "grad k": leaves[1].grad, "grad v": leaves[2].grad}
+    return {name: (results[dtype][name].double() - results[torch.float64][name]).abs().max().item()
+            for name in results[dtype]}

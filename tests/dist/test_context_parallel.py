@@ -1,6 +1,8 @@
 """Ring and Ulysses attention (parallel/context.py) on real gloo ranks against full causal SDPA on
 one process: outputs and the gradients of q, k and v, shard by shard; the ring with its blocks
-through the fused CPU kernel and through the einsum fallback."""
+through the fused CPU kernel and through the einsum fallback. The reference runs in fp64 and fp32;
+the sharded fp32 result must lie within a small multiple of the fp32 reference's own rounding
+(tests/numerics.py), which holds on any host."""
 from __future__ import annotations
 
 import pytest
@@ -11,9 +13,10 @@ import torch.nn.functional as F
 from megaframe.parallel.ring import ring_attention
 from megaframe.parallel.context import (ContextGroup, ulysses_attention, zigzag_positions,
                                         zigzag_shard, zigzag_unshard)
+from numerics import assert_fp32_close
 from ranks import run_ranks
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.numerics]
 
 
 def _inputs(heads: int, kv_heads: int, seq: int, dtype=torch.float32):
@@ -25,9 +28,10 @@ def _inputs(heads: int, kv_heads: int, seq: int, dtype=torch.float32):
     return q, k, v, grad
 
 
-def _reference(heads: int, kv_heads: int, seq: int):
-    """Full-sequence causal SDPA (kv heads repeated for GQA) and its gradients: the independent answer."""
-    q, k, v, grad = _inputs(heads, kv_heads, seq)
+def _reference(heads: int, kv_heads: int, seq: int, dtype=torch.float32):
+    """Full-sequence causal SDPA (kv heads repeated for GQA) and its gradients: the independent
+    answer, from the fp32 inputs computed in `dtype`."""
+    q, k, v, grad = (t.to(dtype) for t in _inputs(heads, kv_heads, seq))
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     repeat = heads // kv_heads
     out = F.scaled_dot_product_attention(q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1),
@@ -66,10 +70,18 @@ def test_context_parallel_attention_equals_full_attention(tmp_path, monkeypatch,
         impl = "ring"
     seq = 8 * cp
     results = run_ranks(_sharded, cp, tmp_path, timeout=300, impl=impl, heads=heads, kv_heads=kv_heads, seq=seq)
-    reference = _reference(heads, kv_heads, seq)
-    for name, index in (("output", 0), ("grad q", 1), ("grad k", 2), ("grad v", 3)):
-        gathered = zigzag_unshard([r[index] for r in results], dim=2)
-        torch.testing.assert_close(gathered, reference[index], rtol=1e-6, atol=1e-6, msg=name)
+    _assert_gathered_equal_reference(results, heads, kv_heads, seq, f"{impl} cp={cp} h={heads}/{kv_heads}")
+
+
+NAMES = ("output", "grad q", "grad k", "grad v")
+
+
+def _assert_gathered_equal_reference(results, heads: int, kv_heads: int, seq: int, what: str,
+                                     indices=(0, 1, 2, 3), pick=lambda results, index: [r[index] for r in results]):
+    ref64, ref32 = _reference(heads, kv_heads, seq, torch.float64), _reference(heads, kv_heads, seq)
+    for index in indices:
+        gathered = zigzag_unshard(pick(results, index), dim=2)
+        assert_fp32_close(gathered, ref64[index], ref32[index], f"{what} {NAMES[index]}")
 
 
 def _rank_of_a_second_group(rank: int, world: int):
@@ -86,11 +98,11 @@ def _rank_of_a_second_group(rank: int, world: int):
 
 def test_ring_runs_inside_a_cp_group_of_a_larger_world(tmp_path):
     results = run_ranks(_rank_of_a_second_group, 4, tmp_path, timeout=300)
-    out, _, grad_k, _ = _reference(4, 2, 16)
     for members in ((0, 2), (1, 3)):
         shards = sorted((results[r] for r in members), key=lambda result: result[0])
-        torch.testing.assert_close(zigzag_unshard([s[1] for s in shards], dim=2), out, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(zigzag_unshard([s[2] for s in shards], dim=2), grad_k, rtol=1e-6, atol=1e-6)
+        # each shard is (cp rank, output, grad k)
+        _assert_gathered_equal_reference(shards, 4, 2, 16, f"ring in group {members}", indices=(0, 2),
+                                         pick=lambda shards, index: [s[1 if index == 0 else 2] for s in shards])
 
 
 def _bytes_sent(rank: int, world: int, impl: str, heads: int, kv_heads: int, seq: int):
@@ -148,10 +160,7 @@ def test_query_tiles_give_the_same_result(tmp_path, monkeypatch):
     _einsum_blocks(monkeypatch)
     monkeypatch.setattr(ring, "_SCORE_ELEMENTS", 2 * 4 * 8 * 2)  # ranks are forked: they see it too
     results = run_ranks(_sharded, 2, tmp_path, timeout=300, impl="ring", heads=4, kv_heads=2, seq=16)
-    reference = _reference(4, 2, 16)
-    for index in range(4):
-        torch.testing.assert_close(zigzag_unshard([r[index] for r in results], dim=2), reference[index],
-                                   rtol=1e-6, atol=1e-6)
+    _assert_gathered_equal_reference(results, 4, 2, 16, "ring in tiles")
 
 
 P_DROP, SEED = 0.3, 1234
@@ -190,6 +199,19 @@ def _full_keep_mask(heads: int, kv_heads: int, seq: int, cp: int) -> torch.Tenso
     return full
 
 
+def _dropped_attention(heads: int, kv_heads: int, seq: int, keep: torch.Tensor, dtype: torch.dtype):
+    """Causal attention written out, its probabilities dropped by `keep`, and its gradients, in `dtype`."""
+    q, k, v, grad = (t.to(dtype) for t in _inputs(heads, kv_heads, seq))
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    repeat = heads // kv_heads
+    scores = q @ k.repeat_interleave(repeat, 1).transpose(-1, -2) / 8 ** 0.5
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    out = (probs * keep / (1 - P_DROP)) @ v.repeat_interleave(repeat, 1)
+    out.backward(grad)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
 @pytest.mark.parametrize("cp, heads, kv_heads", [(2, 4, 2), (4, 4, 4)])
 def test_ring_attention_dropout_is_attention_with_its_mask(tmp_path, cp, heads, kv_heads):
     """Output and q/k/v gradients equal full causal attention (fp64) whose probabilities are
@@ -199,19 +221,57 @@ def test_ring_attention_dropout_is_attention_with_its_mask(tmp_path, cp, heads, 
     seq = 8 * cp
     results = run_ranks(_ring_with_dropout, cp, tmp_path, timeout=300, heads=heads, kv_heads=kv_heads, seq=seq)
     keep = _full_keep_mask(heads, kv_heads, seq, cp)
-    q, k, v, grad = (t.double() for t in _inputs(heads, kv_heads, seq))
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    repeat = heads // kv_heads
-    scores = q @ k.repeat_interleave(repeat, 1).transpose(-1, -2) / 8 ** 0.5
-    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
-    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-    out = (probs * keep / (1 - P_DROP)) @ v.repeat_interleave(repeat, 1)
-    out.backward(grad.double())
-    reference = (out.detach(), q.grad, k.grad, v.grad)
-    for name, index in (("output", 0), ("grad q", 1), ("grad k", 2), ("grad v", 3)):
+    ref64, ref32 = (_dropped_attention(heads, kv_heads, seq, keep, dtype) for dtype in (torch.float64, torch.float32))
+    for index, name in enumerate(NAMES):
         gathered = zigzag_unshard([r[index] for r in results], dim=2)
-        torch.testing.assert_close(gathered.double(), reference[index], rtol=1e-6, atol=1e-6, msg=name)
+        assert_fp32_close(gathered, ref64[index], ref32[index], f"ring dropout cp={cp} {name}")
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
     kept = keep[:, :, causal].float().mean().item()
     assert abs(kept - (1 - P_DROP)) < 0.05, kept
     chunk = seq // (2 * cp)  # the diagonal blocks of ranks 0 and 1 (first chunks) hold different masks
     assert not torch.equal(keep[:, :, :chunk, :chunk], keep[:, :, chunk:2 * chunk, chunk:2 * chunk])
+
+
+def _skip_the_last_block(ring) -> None:
+    """Every rank leaves out the ring's last step (the collectives still pair up)."""
+    real = ring._ring_steps
+
+    def steps(k, v, cp, c):
+        yield from (item for item in real(k, v, cp, c) if item[0] != cp.size - 1)
+    ring._ring_steps = steps
+
+
+def _causal_mask_one_off(ring) -> None:
+    """A query tile's position among the block's keys off by one: the diagonal shifts."""
+    real = ring._scores
+    ring._scores = lambda q, k, scale, causal_from: real(q, k, scale, None if causal_from is None else causal_from + 1)
+
+
+def _gqa_heads_in_the_wrong_order(ring) -> None:
+    """kv heads tiled (h -> h mod Hkv) instead of each serving its group of query heads."""
+    ring._heads_for = lambda kv, heads: kv.repeat(1, heads // kv.shape[1], 1, 1).contiguous()
+
+
+def _a_gqa_head_gradient_missing(ring) -> None:
+    """The last query head of each group left out of its kv head's gradient."""
+    ring._sum_groups = lambda grad, kv_heads: grad.view(grad.shape[0], kv_heads, -1, *grad.shape[2:])[:, :, :-1].sum(2)
+
+
+@pytest.mark.parametrize("mutation, einsum", [(_skip_the_last_block, False), (_causal_mask_one_off, True),
+                                              (_gqa_heads_in_the_wrong_order, False),
+                                              (_a_gqa_head_gradient_missing, False)],
+                         ids=["skipped block", "tile offset", "gqa head order", "gqa head missing"])
+def test_the_arithmetic_bound_still_catches_a_broken_ring(tmp_path, monkeypatch, mutation, einsum):
+    """The fp64-derived allowance (tests/numerics.py) is about 1e-6 of O(1) values; each of these
+    bugs moves some output or gradient by far more, and must fail the comparison."""
+    import megaframe.parallel.ring as ring
+
+    for name in ("_ring_steps", "_scores", "_heads_for", "_sum_groups"):
+        monkeypatch.setattr(ring, name, getattr(ring, name))  # restored after the test
+    if einsum:
+        _einsum_blocks(monkeypatch)
+        monkeypatch.setattr(ring, "_SCORE_ELEMENTS", 2 * 4 * 8 * 2)  # tiles of 1-2 query rows
+    mutation(ring)  # the ranks are forked: they run the mutant
+    results = run_ranks(_sharded, 2, tmp_path, timeout=300, impl="ring", heads=4, kv_heads=2, seq=16)
+    with pytest.raises(AssertionError, match="from the fp64 reference"):
+        _assert_gathered_equal_reference(results, 4, 2, 16, f"mutant {mutation.__name__}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from megaframe.model.factory import build_model, compile_blocks, resolve_dims
+from numerics import assert_fp32_close
 from tests.unit.model.test_gpt import LLAMA, ONE_RANK
 
 
@@ -17,15 +18,16 @@ def test_compiled_blocks_give_eager_loss_and_gradients():
     # in place: names (and so checkpoints, HF export, the optimizer's groups) are the eager ones
     assert list(compiled.state_dict()) == list(eager.state_dict())
     ids = torch.randint(0, 100, (2, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
-    for model in (eager, compiled):
+    eager64 = build_model(dims, ONE_RANK, seed=7).double()  # the rounding-free answer
+    for model in (eager, compiled, eager64):
         for _ in range(2):  # the second call runs the cached graph
             model.zero_grad(set_to_none=True)
             model(ids[:, :-1], ids[:, 1:]).backward()
-    loss_eager, loss_compiled = eager(ids[:, :-1], ids[:, 1:]), compiled(ids[:, :-1], ids[:, 1:])
-    # inductor fuses and reorders reductions (norms, softmax): ~1e-7 on the loss; gradients of small
-    # magnitude see larger relative error, hence rtol 1e-4 with atol 1e-6 there
-    torch.testing.assert_close(loss_compiled, loss_eager, rtol=1e-5, atol=1e-5)
-    for (name, p_eager), p_compiled in zip(eager.named_parameters(), compiled.parameters()):
-        torch.testing.assert_close(p_compiled.grad, p_eager.grad, rtol=1e-4, atol=1e-6, msg=name)
+    losses = [model(ids[:, :-1], ids[:, 1:]).detach() for model in (eager, compiled, eager64)]
+    # inductor fuses and reorders reductions (norms, softmax) differently on each host's ISA: the
+    # compiled fp32 values must lie within a few times eager fp32's own rounding (tests/numerics.py)
+    assert_fp32_close(losses[1], losses[2], losses[0], "compiled loss")
+    for (name, p_eager), p_compiled, p64 in zip(eager.named_parameters(), compiled.parameters(), eager64.parameters()):
+        assert_fp32_close(p_compiled.grad, p64.grad, p_eager.grad, f"compiled grad {name}")
     # proof the compiled path ran: dynamo wrapped each block's forward
     assert all(block._compiled_call_impl is not None for block in compiled.blocks)

@@ -3,6 +3,7 @@ over the chosen experts, the load-balancing and z losses computed from their tex
 (and their gradients by autograd through those formulas), and brute-force index orders."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -13,6 +14,7 @@ from megaframe.config.schema import ModelConfig, MoEConfig
 from megaframe.model.dims import resolve_dims
 from megaframe.model.gpt import GPT, init_parameters
 from megaframe.model.moe import AddAux, MoE, _expert_major_order, update_expert_biases
+from numerics import assert_fp32_close
 
 E, K, H, FFN = 6, 2, 32, 48
 
@@ -50,16 +52,25 @@ def _reference(layer: MoE, x: torch.Tensor, dropped: set = frozenset()) -> torch
     return out.view(x.shape)
 
 
+def _references(layer: MoE, x: torch.Tensor, dropped: set = frozenset()) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token loop in fp64 (on a copy of the layer) and in fp32: the layer's fp32 result
+    must lie within a few times the fp32 loop's own rounding (tests/numerics.py)."""
+    return _reference(copy.deepcopy(layer).double(), x.double(), dropped), _reference(layer, x, dropped)
+
+
+@pytest.mark.numerics
 @pytest.mark.parametrize("activation, moe", [("swiglu", {}), ("gelu", {}), ("swiglu", {"router_score": "sigmoid"}),
                                              ("swiglu", {"norm_topk_prob": False})],
                          ids=["swiglu", "gelu", "sigmoid", "unnormalised"])
 def test_dropless_layer_matches_a_per_token_loop(activation, moe):
     layer = _layer(activation, **moe)
     x = torch.randn(2, 10, H, generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(layer(x), _reference(layer, x), rtol=1e-5, atol=1e-6)
+    references = _references(layer, x)  # before the forward: a copy of the layer takes no activations
+    assert_fp32_close(layer(x), *references, f"dropless {activation} {moe}")
     assert layer.stats["dropped"].item() == 0
 
 
+@pytest.mark.numerics
 def test_shared_experts_add_a_dense_mlp_every_token_goes_through():
     """shared_experts=2: an MLP two experts wide (2 x ffn_hidden_size) beside the routed ones."""
     layer = _layer(shared_experts=2)
@@ -67,13 +78,19 @@ def test_shared_experts_add_a_dense_mlp_every_token_goes_through():
     x = torch.randn(2, 10, H, generator=torch.Generator().manual_seed(4))
     shared = layer.shared
     tokens = x.reshape(-1, H)
-    gate, up, down = (getattr(shared, name) for name in ("gate_proj", "up_proj", "down_proj"))
-    assert up.weight.shape == (2 * FFN, H)
-    dense = F.linear(F.silu(F.linear(tokens, gate.weight, gate.bias)) * F.linear(tokens, up.weight, up.bias),
-                     down.weight, down.bias)  # SwiGLU, written out
-    torch.testing.assert_close(layer(x), _reference(layer, x) + dense.view(x.shape), rtol=1e-5, atol=1e-6)
+    assert shared.up_proj.weight.shape == (2 * FFN, H)
+
+    def dense(tokens, dtype):  # SwiGLU, written out
+        gate, up, down = (getattr(shared, name) for name in ("gate_proj", "up_proj", "down_proj"))
+        linear = lambda t, lin: F.linear(t, lin.weight.to(dtype), None if lin.bias is None else lin.bias.to(dtype))
+        return linear(F.silu(linear(tokens, gate)) * linear(tokens, up), down)
+
+    ref64, ref32 = _references(layer, x)
+    assert_fp32_close(layer(x), ref64 + dense(tokens.double(), torch.float64).view(x.shape),
+                      ref32 + dense(tokens, torch.float32).view(x.shape), "shared experts")
 
 
+@pytest.mark.numerics
 def test_the_loop_over_experts_where_no_grouped_gemm_runs_matches_the_per_token_loop(monkeypatch):
     """The path CUDA takes in fp32/fp16 and before Hopper (no torch._grouped_mm): a loop over the
     experts with their row counts read once per layer, forward and gradients."""
@@ -81,8 +98,10 @@ def test_the_loop_over_experts_where_no_grouped_gemm_runs_matches_the_per_token_
 
     layer = _layer()
     x = torch.randn(2, 10, H, generator=torch.Generator().manual_seed(2), requires_grad=True)
-    want = _reference(layer, x)
+    x64 = x.detach().double().requires_grad_()
+    want, want64 = _reference(layer, x), _reference(copy.deepcopy(layer).double(), x64)
     (want_grad,) = torch.autograd.grad(want.square().sum(), x)
+    (want_grad64,) = torch.autograd.grad(want64.square().sum(), x64)
     reads = []
     real_tolist = torch.Tensor.tolist
     monkeypatch.setattr(moe_module, "_grouped_mm_works", lambda t: False)
@@ -90,13 +109,15 @@ def test_the_loop_over_experts_where_no_grouped_gemm_runs_matches_the_per_token_
     got = layer(x)
     (got_grad,) = torch.autograd.grad(got.square().sum(), x)
     assert reads == [torch.Size([E])], reads  # the counts, once for the three projections
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-6)
+    assert_fp32_close(got, want64.detach(), want.detach(), "expert loop output")
+    assert_fp32_close(got_grad, want_grad64, want_grad, "expert loop input gradient")
 
 
+@pytest.mark.numerics
 def test_capacity_drops_the_later_tokens_of_a_full_expert():
     layer = _layer(capacity_factor=0.5)
     x = torch.randn(1, 12, H, generator=torch.Generator().manual_seed(1))
+    fp64_layer = copy.deepcopy(layer).double()  # before the forward: a copy takes no activations
     y = layer(x)
     # capacity: ceil(12 tokens * 2 / 6 experts * 0.5) = 2 assignments per expert, first in token order
     with torch.no_grad():
@@ -109,7 +130,7 @@ def test_capacity_drops_the_later_tokens_of_a_full_expert():
                 dropped.add((t, e))
     assert dropped, "the test input should overflow some expert"
     assert layer.stats["dropped"].item() == len(dropped)
-    torch.testing.assert_close(y, _reference(layer, x, dropped), rtol=1e-5, atol=1e-6)
+    assert_fp32_close(y, _reference(fp64_layer, x.double(), dropped), _reference(layer, x, dropped), "capacity drops")
 
 
 def test_a_capacity_nobody_reaches_changes_nothing():

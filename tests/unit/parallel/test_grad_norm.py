@@ -35,6 +35,7 @@ def _exact(model: torch.nn.Module) -> float:
     return torch.cat([p.grad.double().reshape(-1) for p in model.parameters()]).norm().item()
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("threads", [1, 2])
 def test_grad_norm_matches_the_fp64_norm_on_a_wide_dynamic_range(threads):
     model, before = _wide_range_model(), torch.get_num_threads()
