@@ -11,8 +11,8 @@ float64 and in float32 by the same independent implementation, and the tested fp
 within FACTOR times the fp32 reference's own worst distance from float64. That allowance scales
 with the magnitudes and the number of accumulated terms of that very tensor on that very host. A bug
 (a skipped block, a tile at the wrong offset, a missing GQA head) moves values by O(magnitude),
-orders of magnitude above it, so the tests keep their power (tests/dist/test_numerics_power.py and
-the mutation tests beside each use prove it).
+orders of magnitude above it, so the tests keep their power (the seeded ring bugs of
+tests/dist/test_context_parallel.py prove it).
 
 MEGAFRAME_NUMERICS_REPORT=FILE appends each comparison's ratio (tested error / fp32 reference's
 error) to FILE, to re-derive FACTOR on a new host (tools/numerics_hosts.sh).
