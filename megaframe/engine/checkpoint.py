@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.atomic_io import atomic_write_text
+from megaframe.parallel.random import get_rng_states, set_rng_states
 
 LATEST = "latest"
 TMP_PREFIX = "tmp-"
@@ -118,7 +119,8 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
         backend.save_native(save_dir, tmp.name, client_state)
     tmp.mkdir(parents=True, exist_ok=True)
     rng_file = tmp / f"rng_rank{rank}.pt"
-    torch.save({"cpu": torch.get_rng_state(), **(rng_state or {})}, rng_file)
+    # the accelerator's default generator too: on CUDA, dropout outside TP regions draws from it
+    torch.save({"cpu": torch.get_rng_state(), "accelerator": get_rng_states()[1:], **(rng_state or {})}, rng_file)
     written = write_extra(tmp) if write_extra is not None else None
     if rank == 0 and "layout" in client_state:
         atomic_write_text(tmp / LAYOUT_FILE, json.dumps(client_state["layout"], sort_keys=True) + "\n")
@@ -272,18 +274,19 @@ def load_any(backend, path: Path, verified: bool = False) -> ResumePoint:
 
 
 def _load_rng(path: Path) -> dict[str, Any]:
-    """This rank's saved RNG states (weights_only: tensors and plain containers only); CPU's applied."""
+    """This rank's saved RNG states (weights_only: tensors and plain containers only); the default
+    generators' applied (CPU, and the accelerator's when the checkpoint holds it)."""
     rng_file = Path(path) / f"rng_rank{_rank()}.pt"
     rng_state = torch.load(rng_file, weights_only=True) if rng_file.exists() else {}
     if "cpu" in rng_state:
-        torch.set_rng_state(rng_state["cpu"])
+        set_rng_states([rng_state["cpu"], *rng_state.get("accelerator", [])])
     return rng_state
 
 
 def load(backend, path: Path) -> ResumePoint:
     """Load model, optimizer, scheduler and this rank's RNG from the backend's own files.
 
-    The returned rng_state holds what the caller passed to save() besides the CPU generator."""
+    The returned rng_state holds what the caller passed to save() besides the default generators."""
     path = Path(path)
     client_state = backend.load_native(path.parent, path.name)
     return ResumePoint(path=path, step=int(client_state["step"]), client_state=client_state,

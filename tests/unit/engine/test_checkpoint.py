@@ -82,3 +82,22 @@ def test_latest_pointing_at_a_vanished_dir_falls_back_to_newest_complete(tmp_pat
     (tmp_path / "tmp-global_step6").mkdir()  # debris is never a candidate
     (tmp_path / "latest").write_text("global_step6\n")
     assert checkpoint.find_latest(tmp_path) == tmp_path / "global_step4"
+
+
+def test_the_accelerators_generator_is_saved_and_restored(tmp_path, monkeypatch):
+    """On CUDA, dropout outside TP regions draws from the device's default generator: a resume that
+    restored only the CPU's would leave the uninterrupted curve. A stand-in CUDA generator here
+    (the CUDA-shaped device tier runs the whole dropout resume)."""
+    import torch
+
+    device_generator = {"state": torch.tensor([1, 2, 3], dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": device_generator["state"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": device_generator.update(state=state))
+    checkpoint.save(FakeEngine(), tmp_path, 4, {"step": 4})
+    cpu_at_save = torch.get_rng_state()
+    torch.rand(3)  # both generators move on after the save
+    device_generator["state"] = torch.tensor([9, 9, 9], dtype=torch.uint8)
+    checkpoint._load_rng(tmp_path / "global_step4")
+    assert torch.equal(device_generator["state"], torch.tensor([1, 2, 3], dtype=torch.uint8))
+    assert torch.equal(torch.get_rng_state(), cpu_at_save)
