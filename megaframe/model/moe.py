@@ -114,6 +114,13 @@ class Experts(nn.Module):
         return self.tp.sync_grad(param, on_shards=True)
 
 
+def expert_counts(top_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert, (E,) int64, without a host read: CUDA's bincount reads the indices'
+    min and max to the host to size its output, which stalls the stream per layer and micro-batch."""
+    flat = top_idx.flatten()
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def capacity_slots(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
     """Assignments one expert takes from one rank's tokens: factor x its even share (Megatron's rule)."""
     return max(1, math.ceil(tokens * top_k / num_experts * factor))
@@ -156,7 +163,7 @@ class MoE(nn.Module):
         if not self.tp.sequence_parallel:
             tokens = split_tokens(tokens, self.tp.group)  # each TP rank routes 1/tp of the tokens
         logits, scores, top_idx, top_weights = self.router(tokens)
-        counts = torch.bincount(top_idx.flatten(), minlength=self.moe.num_experts)
+        counts = expert_counts(top_idx, self.moe.num_experts)
         aux_loss, stats = self._router_losses(logits, scores, counts)
         if not recomputing():  # the forward's records stand; the recomputation's would leak its graph
             self.aux_loss, self.stats = aux_loss, stats

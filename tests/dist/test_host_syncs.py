@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import TINY
+from kernel_syncs import KernelSyncs
 from ranks import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -42,7 +43,9 @@ def _count_host_reads(rank: int, world: int, run_root: str) -> dict[str, dict[in
                         return _original(self, *args, **kwargs)
                     setattr(torch.Tensor, name, counted)
                 try:
-                    trainer.train_step()
+                    with KernelSyncs() as syncs:  # kernels that read the host inside on CUDA
+                        trainer.train_step()
+                    seen.update({f"kernel {name}": calls for name, calls in syncs.counts.items()})
                 finally:
                     for name, original in originals.items():
                         setattr(torch.Tensor, name, original)
@@ -57,3 +60,5 @@ def test_a_step_reads_the_host_as_often_with_four_micro_batches_as_with_one(tmp_
         # per step remain: the loss and the gradient norm (ours), DeepSpeed's overflow checks (bf16)
         assert four == one, f"{case}: host reads per step grow with micro-batches: 1 -> {dict(one)}, 4 -> {dict(four)}"
         assert one, f"{case}: no host read counted at all: the counting is broken"
+        kernels = {name: calls for name, calls in four.items() if name.startswith("kernel")}
+        assert not kernels, f"{case}: kernels that wait for the host on CUDA ran in the step: {kernels}"

@@ -236,3 +236,27 @@ def test_recomputation_leaves_the_forwards_records_alone():
         grads.append({name: p.grad for name, p in model.named_parameters()})
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_routing_runs_no_kernel_that_waits_for_the_host():
+    """CUDA's bincount reads min and max to the host: counting the experts' assignments with it
+    stalled the stream twice per MoE layer and micro-batch. Forward and backward of a layer at
+    ep=1 with a grouped GEMM run none of the kernels that sync inside (tests/kernel_syncs.py)."""
+    from kernel_syncs import KernelSyncs
+
+    layer = _layer()
+    x = torch.randn(2, 10, H, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    with KernelSyncs() as syncs:
+        layer(x).square().sum().backward()
+    assert not syncs.counts, dict(syncs.counts)
+
+
+def test_the_kernel_sync_counter_sees_bincount():
+    """The counter above can fail: the kernel it replaced is counted."""
+    from kernel_syncs import KernelSyncs
+
+    with KernelSyncs() as syncs:
+        torch.bincount(torch.tensor([0, 2, 2]), minlength=4)
+        torch.repeat_interleave(torch.tensor([1, 2]), torch.tensor([2, 1]))
+        torch.repeat_interleave(torch.tensor([1, 2]), torch.tensor([2, 1]), output_size=3)  # sized: no read
+    assert syncs.counts == {"aten::bincount": 1, "aten::repeat_interleave": 1}, dict(syncs.counts)
