@@ -1,5 +1,6 @@
-"""The step loop reads nothing back to the host per micro-batch: a step of four micro-batches makes
-as many host reads (the calls that synchronise a GPU stream) as a step of one."""
+"""The step loop reads nothing back to the host per micro-batch or per layer: a step of four
+micro-batches, or of a model twice as deep, makes as many host reads (the calls that synchronise a
+GPU stream) as a step of one micro-batch of the two-layer model."""
 from __future__ import annotations
 
 from collections import Counter
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.slow
 HOST_READS = ("item", "__float__", "__int__", "__bool__", "tolist", "cpu")
 # ZeRO-3 is left out: DeepSpeed's own stage-3 code reads values back per step on its own.
 CASES = {"zero0-fp32": ["zero=stage0"], "zero1-bf16": ["zero=stage1", "precision=bf16"],
+         "zero0-bf16": ["zero=stage0", "precision=bf16"],  # DeepSpeed's FP16_Optimizer: its overflow check
          "zero2-fp32": ["zero=stage2"],
          # dropless MoE on one rank keeps the expert counts on the device (ep > 1 reads them: documented)
          "moe-zero1": ["model=moe_tiny", "zero=stage1"]}
@@ -31,8 +33,9 @@ def _count_host_reads(rank: int, world: int, run_root: str) -> dict[str, dict[in
     counts: dict[str, dict[int, Counter]] = {}
     for case, extra in CASES.items():
         counts[case] = {}
-        for micro_batches in (1, 4):
-            overrides = [*TINY, *extra, f"parallel.global_batch_size={2 * micro_batches}", "train.eval_interval=0"]
+        for micro_batches, layers in ((1, 2), (4, 2), (1, 4)):
+            overrides = [*TINY, *extra, f"parallel.global_batch_size={2 * micro_batches}", "train.eval_interval=0",
+                         f"model.num_layers={layers}"]
             cfg, _ = compose(overrides)
             with Trainer(cfg, validate(cfg, world), Path(run_root) / f"{case}-{micro_batches}") as trainer:
                 trainer.train_step()  # first step: lazy optimizer state, one-off reads
@@ -49,14 +52,15 @@ def _count_host_reads(rank: int, world: int, run_root: str) -> dict[str, dict[in
                 finally:
                     for name, original in originals.items():
                         setattr(torch.Tensor, name, original)
-            counts[case][micro_batches] = seen
+            counts[case][(micro_batches, layers)] = seen
     return counts
 
 
-def test_a_step_reads_the_host_as_often_with_four_micro_batches_as_with_one(tmp_path):
+def test_a_step_reads_the_host_as_often_with_four_micro_batches_or_twice_the_layers_as_with_one(tmp_path):
     counts = run_ranks(_count_host_reads, 1, tmp_path, run_root=str(tmp_path / "runs"))[0]
-    for case, by_micro in counts.items():
-        one, four = by_micro[1], by_micro[4]
+    for case, runs in counts.items():
+        one, four, deeper = runs[(1, 2)], runs[(4, 2)], runs[(1, 4)]
+        assert deeper == one, f"{case}: host reads per step grow with layers: 2 -> {dict(one)}, 4 -> {dict(deeper)}"
         # per step remain: the loss and the gradient norm (ours), DeepSpeed's overflow checks (bf16)
         assert four == one, f"{case}: host reads per step grow with micro-batches: 1 -> {dict(one)}, 4 -> {dict(four)}"
         assert one, f"{case}: no host read counted at all: the counting is broken"

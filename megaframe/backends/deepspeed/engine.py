@@ -26,6 +26,7 @@ from megaframe.backends.deepspeed.experts import mark_expert_parallel
 from megaframe.backends.deepspeed.memory import held_model_states
 from megaframe.backends.deepspeed.nvme import open_nvme_swap
 from megaframe.backends.deepspeed.pipeline import build_pipeline_model
+from megaframe.backends.deepspeed.overflow import batch_overflow_check
 from megaframe.backends.deepspeed.skip_gate import LastMicroBatchGate, gate_plain_optimizer
 from megaframe.backends.deepspeed.topology import MegatronMpu
 from megaframe.backends.deepspeed.zero_init import builds_partitioned, partitioned_construction, write_partition
@@ -127,6 +128,7 @@ class DeepSpeedBackend:
             mpu=None if self.pipelined else MegatronMpu(ps))  # a PipelineModule brings its own grid
         if self.grad_bucket is not None:
             self._flush_bucket_at_boundary()
+        batch_overflow_check(self.engine.optimizer)  # bf16/fp16 at ZeRO-0: one host read, not one per tensor
         self._last_grad_norm = float("nan")
         self._norm_from_grads = cfg.zero.stage == 0 and cfg.precision.dtype == "fp32"
         if self._norm_from_grads:
