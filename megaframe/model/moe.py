@@ -29,13 +29,18 @@ from megaframe.parallel.layers import TPGroup
 from megaframe.parallel.mappings import all_to_all_rows, gather_tokens, split_tokens
 
 
-def _grouped_mm_works(x: torch.Tensor) -> bool:
-    # torch's grouped GEMM: CPU in any float dtype; CUDA in bf16 on Hopper and newer
+def _grouped_mm_works(x: torch.Tensor, *widths: int) -> bool:
+    """Whether torch's grouped GEMM runs for inputs like x and weights `widths` (in and out
+    features): on the CPU in any float dtype; on CUDA in bf16 from sm80 (torch's documented floor)
+    with every width a multiple of 16 bytes, as its kernel requires of the operands' strides. Where
+    it does not, the experts take the loop (one host read of the counts per layer)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cpu":
         return True
-    return x.device.type == "cuda" and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    aligned = all(width * x.element_size() % 16 == 0 for width in (x.shape[-1], *widths))
+    return (x.device.type == "cuda" and x.dtype == torch.bfloat16 and aligned
+            and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
@@ -44,7 +49,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     (out, in) weight: (M, in) -> (M, out), one grouped GEMM. Where torch has none for this device
     and dtype, a loop over the experts, which needs the row counts on the host (host_counts: read
     once by the caller for all its projections)."""
-    if _grouped_mm_works(x):
+    if _grouped_mm_works(x, *weight.shape[-2:]):
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     pieces = torch.split(x, counts.tolist() if host_counts is None else host_counts)
@@ -88,6 +93,7 @@ class Experts(nn.Module):
         self.tp = tp
         self.swiglu = dims.activation == "swiglu"
         local, h, f = moe.num_experts // ep.size, dims.hidden_size, moe.ffn_hidden_size
+        self.hidden, self.ffn = h, f
 
         def stacked(out_features: int, in_features: int) -> nn.Parameter:
             param = nn.Parameter(torch.empty(local, out_features, in_features))
@@ -99,9 +105,9 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, C) grouped by local expert, counts (E_local,) rows per expert -> (M, C)."""
         w = self._summed_over_tp
-        # without a grouped GEMM (fp32/fp16 on CUDA, bf16 before Hopper) the loop over experts reads
+        # without a grouped GEMM (fp32/fp16 on CUDA, bf16 before Ampere or misaligned widths) the loop over experts reads
         # the counts to the host: once per layer and micro-batch, as Megatron's SequentialMLP does
-        host = None if _grouped_mm_works(x) else counts.tolist()
+        host = None if _grouped_mm_works(x, self.hidden, self.ffn) else counts.tolist()
         up = grouped_linear(x, w(self.up_proj), counts, host)
         if self.swiglu:
             hidden = F.silu(grouped_linear(x, w(self.gate_proj), counts, host)) * up

@@ -54,6 +54,13 @@ def set_collective_timeout(timeout: timedelta) -> None:
     distributed_c10d.default_pg_nccl_timeout = timeout
 
 
+def local_device_index(local_rank: int, visible_devices: int) -> int:
+    """The device this rank drives. LOCAL_RANK counts the node's ranks, but SLURM's --gpus-per-task
+    / --gpu-bind and Ray give each rank its own CUDA_VISIBLE_DEVICES: one visible device, on which
+    device LOCAL_RANK does not exist. Each rank takes its share of what it sees."""
+    return local_rank % visible_devices if visible_devices > 0 else local_rank
+
+
 def init_distributed(collective_timeout_s: Optional[float] = None) -> None:
     """Set this rank's device, join the launcher's process group (or make a world of one when
     there is no launcher) and register it with deepspeed.comm, which PipelineModule needs before
@@ -67,7 +74,8 @@ def init_distributed(collective_timeout_s: Optional[float] = None) -> None:
     timeout = timedelta(seconds=collective_timeout_s) if collective_timeout_s else distributed_c10d.default_pg_timeout
     if collective_timeout_s:
         set_collective_timeout(timeout)
-    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))  # a no-op on the CPU
+    get_accelerator().set_device(local_device_index(int(os.environ.get("LOCAL_RANK", "0")),
+                                                    get_accelerator().device_count()))  # a no-op on the CPU
     join_restarted_group(get_accelerator().communication_backend_name(), timeout)  # torchrun restarts
     if get_accelerator().device_name() == "cpu":
         # DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce op here (45 s on first use)

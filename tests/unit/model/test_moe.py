@@ -104,7 +104,7 @@ def test_the_loop_over_experts_where_no_grouped_gemm_runs_matches_the_per_token_
     (want_grad64,) = torch.autograd.grad(want64.square().sum(), x64)
     reads = []
     real_tolist = torch.Tensor.tolist
-    monkeypatch.setattr(moe_module, "_grouped_mm_works", lambda t: False)
+    monkeypatch.setattr(moe_module, "_grouped_mm_works", lambda *args: False)
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real_tolist(t))
     got = layer(x)
     (got_grad,) = torch.autograd.grad(got.square().sum(), x)
@@ -260,3 +260,28 @@ def test_the_kernel_sync_counter_sees_bincount():
         torch.repeat_interleave(torch.tensor([1, 2]), torch.tensor([2, 1]))
         torch.repeat_interleave(torch.tensor([1, 2]), torch.tensor([2, 1]), output_size=3)  # sized: no read
     assert syncs.counts == {"aten::bincount": 1, "aten::repeat_interleave": 1}, dict(syncs.counts)
+
+
+def test_the_grouped_gemm_gate_asks_for_what_the_cuda_kernel_needs(monkeypatch):
+    """On CUDA, torch._grouped_mm takes bf16 from sm80 with operand strides of 16 bytes: widths
+    that are multiples of 8 in bf16. Elsewhere the experts loop (the gate is asked on a meta tensor
+    posing as CUDA; the CPU kernel takes anything)."""
+    from megaframe.model import moe as moe_module
+
+    class OnCuda(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+
+    def like(dtype, width=64):
+        return torch.empty(4, width, dtype=dtype, device="meta").as_subclass(OnCuda)
+
+    for capability, dtype, widths, works in [((9, 0), torch.bfloat16, (96, 64), True),
+                                             ((8, 0), torch.bfloat16, (96, 64), True),
+                                             ((7, 5), torch.bfloat16, (96, 64), False),
+                                             ((9, 0), torch.float32, (96, 64), False),
+                                             ((9, 0), torch.bfloat16, (100, 64), False),
+                                             ((9, 0), torch.bfloat16, (96, 60), False)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert moe_module._grouped_mm_works(like(dtype, widths[1]), *widths) is works, (capability, dtype, widths)
+    assert moe_module._grouped_mm_works(torch.empty(4, 60), 100, 60)  # the CPU kernel: any width

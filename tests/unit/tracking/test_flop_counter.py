@@ -71,7 +71,7 @@ def _counted(dims, grouped: bool, monkeypatch) -> tuple[int, dict]:
     import megaframe.model.moe as moe
 
     if not grouped:
-        monkeypatch.setattr(moe, "_grouped_mm_works", lambda x: False)
+        monkeypatch.setattr(moe, "_grouped_mm_works", lambda *args: False)
     model = build_model(dims, ParallelState(ParallelDims(), rank=0), seed=0)
     idx = torch.randint(0, 1000, (B, T), generator=torch.Generator().manual_seed(0))
     mapping = {torch.ops.aten._grouped_mm: _grouped_mm_flops} if grouped else {}
