@@ -55,12 +55,19 @@ def device_supports_fp16() -> bool:
     return ask()
 
 
+def device_supports_bf16() -> bool:
+    """The backend's answer (native bf16: sm80 and newer on CUDA), imported on demand."""
+    from megaframe.backends.deepspeed.accelerator import device_supports_bf16 as ask
+
+    return ask()
+
+
 def check(overrides: Sequence[str]) -> tuple[TrainConfig, Layout, str]:
     """Compose and validate; exits with code 2 and a one-line message on bad input."""
     try:
         cfg, run_dir = compose(overrides)
         world = _launcher_world_size() or _slurm_world_size(cfg) or requested_world_size(cfg)
-        layout = validate(cfg, world, device_supports_fp16)
+        layout = validate(cfg, world, device_supports_fp16, device_supports_bf16)
     except ConfigError as err:
         _fail(str(err))
     return cfg, layout, run_dir
@@ -254,7 +261,8 @@ def _task(dict_cfg) -> None:
 
     try:
         cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
-        layout = validate(cfg, _launcher_world_size() or requested_world_size(cfg), device_supports_fp16)
+        layout = validate(cfg, _launcher_world_size() or requested_world_size(cfg), device_supports_fp16,
+                          device_supports_bf16)
     except ConfigError as err:
         _fail(str(err))
     run_dir = Path(HydraConfig.get().runtime.output_dir)

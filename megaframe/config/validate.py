@@ -479,7 +479,8 @@ def universal_checkpoint_unsupported(cfg: TrainConfig, layout: Layout) -> bool:
     return cfg.zero.stage == 0 and cfg.precision.dtype != "fp32" and layout.pp == 1
 
 
-def check_precision(cfg: TrainConfig, fp16_supported: Optional[Callable[[], bool]]) -> Optional[str]:
+def check_precision(cfg: TrainConfig, fp16_supported: Optional[Callable[[], bool]],
+                    bf16_supported: Optional[Callable[[], bool]] = None) -> Optional[str]:
     dtype = cfg.precision.dtype
     if err := _choices("precision.dtype", dtype, ["fp32", "bf16", "fp16"]):
         return err
@@ -495,15 +496,20 @@ def check_precision(cfg: TrainConfig, fp16_supported: Optional[Callable[[], bool
     if dtype == "fp16" and fp16_supported is not None and not fp16_supported():
         return ("precision=fp16: this device has no fp16 support (DeepSpeed refuses it); "
                 "use precision=bf16 or precision=fp32")
+    if dtype == "bf16" and bf16_supported is not None and not bf16_supported():
+        return ("precision=bf16: this device has no native bf16 (on NVIDIA GPUs it starts with Ampere, sm80); "
+                "use precision=fp16 or precision=fp32")
     return None
 
 
 def validate(cfg: TrainConfig, world_size: int,
-             fp16_supported: Optional[Callable[[], bool]] = None) -> Layout:
+             fp16_supported: Optional[Callable[[], bool]] = None,
+             bf16_supported: Optional[Callable[[], bool]] = None) -> Layout:
     """Run every rule; raise ConfigError with the first message, else return the resolved layout.
 
-    fp16_supported asks the device whether it has fp16 (the CLI passes the backend's check,
-    backends/deepspeed/accelerator.py); None leaves that one rule to the engine."""
+    fp16_supported / bf16_supported ask the device whether it computes that precision (the CLI
+    passes the backend's checks, backends/deepspeed/accelerator.py); None leaves the rule to the
+    engine."""
     for rule in (check_model, check_optim, check_train, check_data, check_zero_offload, check_pipeline, check_launcher):
         if err := rule(cfg):
             raise ConfigError(err)
@@ -514,7 +520,7 @@ def validate(cfg: TrainConfig, world_size: int,
     for err in (check_batch(cfg, layout), check_slurm_nodes(cfg, layout.world_size)):
         if err:
             raise ConfigError(err)
-    if err := check_precision(cfg, fp16_supported):
+    if err := check_precision(cfg, fp16_supported, bf16_supported):
         raise ConfigError(err)
     return layout
 

@@ -70,11 +70,20 @@ def block_kernel(q: torch.Tensor) -> Optional[BlockKernel]:
     """The fused kernel for blocks of q's device and dtype, or None (the einsum path)."""
     if q.device.type == "cpu":
         return CPU_FLASH if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu") else None
-    if (q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
-            and q.shape[-1] % 8 == 0 and torch.cuda.get_device_capability(q.device)[0] >= 8
+    if (q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= _flash_head_dim_limit(torch.cuda.get_device_capability(q.device))
             and torch.backends.cuda.flash_sdp_enabled() and _flash_built()):
         return CUDA_FLASH
     return None
+
+
+def _flash_head_dim_limit(capability: tuple[int, int]) -> int:
+    """The largest head dim FlashAttention-2 runs forward and backward on this architecture: 256 on
+    the datacenter parts (sm80, sm90), 192 on the others from sm80 (its backward beyond 192 needs
+    their larger shared memory); 0 before sm80 (no FlashAttention-2)."""
+    if capability[0] < 8:
+        return 0
+    return 256 if capability in ((8, 0), (9, 0)) else 192
 
 
 def _flash_built() -> bool:

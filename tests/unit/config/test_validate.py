@@ -43,6 +43,35 @@ def test_fp16_rule_asks_the_device():
     assert validate(cfg, 1, lambda: True).world_size == 1
 
 
+def test_bf16_rule_asks_the_device():
+    cfg = TrainConfig()
+    cfg.precision.dtype = "bf16"
+    with pytest.raises(ConfigError, match=r"no native bf16 .*sm80.*precision=fp16"):
+        validate(cfg, 1, _never_fp16, lambda: False)
+    assert validate(cfg, 1, _never_fp16, lambda: True).world_size == 1
+
+
+@pytest.mark.parametrize("capability, native", [((7, 0), False), ((7, 5), False), ((8, 0), True), ((9, 0), True)])
+def test_cuda_counts_bf16_as_native_from_ampere(monkeypatch, capability, native):
+    """torch.cuda.is_bf16_supported() says yes on a V100 (emulation); the rule must not."""
+    import torch
+
+    from megaframe.backends.deepspeed import accelerator
+
+    class Cuda:
+        def device_name(self):
+            return "cuda"
+
+        def is_bf16_supported(self):
+            return True  # what DeepSpeed's CUDA accelerator answers through torch on any GPU
+
+    monkeypatch.setattr(accelerator, "get_accelerator", Cuda)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert accelerator.device_supports_bf16() is native
+
+
 def test_nvme_with_stage3_and_path_is_accepted(tmp_path):
     cfg = TrainConfig()
     cfg.zero.stage = 3
