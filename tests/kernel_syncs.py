@@ -26,3 +26,15 @@ class KernelSyncs(TorchDispatchMode):
                                        and func._overloadname == "Tensor"):
             self.counts[name] += 1
         return func(*args, **kwargs)
+
+
+class OpCounter(TorchDispatchMode):
+    """`with OpCounter() as ops:` ... then ops.total: the aten kernels launched (one each on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.total += 1
+        return func(*args, **(kwargs or {}))

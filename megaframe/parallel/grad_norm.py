@@ -16,18 +16,38 @@ _SQUARES_CHUNK = 1 << 18
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
     """Sum of every element's square, as a 0-d fp64 tensor on `device` (the gradients').
 
-    Each chunk is copied to fp64 before its dot product: the square of an fp32 value is exact in
-    fp64 and n such squares sum with a relative error under n * 1.1e-16, so the result no longer
-    depends on the host's vector width or thread count. An fp32 dot does: it was 2.9e-6 (one
-    thread) and 1.3e-6 (two) off the exact norm on a wide-range gradient, and under AVX2 the run's
-    norm at step 4 was 1.19e-5 off ZeRO-3's fp64 one. Chunks bound the extra memory to one chunk.
+    Accumulated in fp64: the square of an fp32 value is exact in fp64 and n such squares sum with
+    a relative error under n * 1.1e-16, so the result no longer depends on the host's vector width
+    or thread count. An fp32 dot does: it was 2.9e-6 (one thread) and 1.3e-6 (two) off the exact
+    norm on a wide-range gradient, and under AVX2 the run's norm at step 4 was 1.19e-5 off
+    ZeRO-3's fp64 one.
     """
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    if torch.device(device).type == "cpu":
+        return _chunked_squares(grads)
+    return _fused_squares(grads, device)
+
+
+def _chunked_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """CPU: each cache-sized chunk copied to fp64 before its dot product (the extra memory is one chunk)."""
+    total = torch.zeros((), dtype=torch.float64)
     for g in grads:
         for chunk in g.reshape(-1).split(_SQUARES_CHUNK):
             chunk = chunk.double()
             total += torch.dot(chunk, chunk)
     return total
+
+
+def _fused_squares(grads: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """Accelerators: one fp64-accumulating norm per tensor, launched together (the reduction
+    casts as it loads: no fp64 copy). The CPU's chunks would be thousands of tiny kernels per step
+    at the recipes' sizes (2^18 elements a chunk, three kernels each)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    try:
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
+    except (TypeError, RuntimeError):  # a torch without the dtype argument
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
+    return torch.stack(norms).square().sum()
 
 
 def grad_norm(model: torch.nn.Module, ps: ParallelState) -> float:

@@ -87,3 +87,25 @@ def test_grad_norm_skips_parameters_without_gradients():
     model = torch.nn.Linear(4, 3)
     model.weight.grad = torch.full((3, 4), 2.0)
     assert grad_norm(model, ParallelState(ParallelDims(), rank=0)) == pytest.approx(48 ** 0.5, rel=1e-12)
+
+
+def test_the_accelerator_path_is_as_exact_and_launches_per_tensor_not_per_chunk():
+    """On an accelerator the squares come from one fp64-accumulating norm per tensor (launched
+    together): as exact as the CPU's fp64 chunks, and its kernel count does not grow with the
+    tensors' size, where the CPU path's grows by three per 2^18 elements."""
+    from kernel_syncs import OpCounter
+    from megaframe.parallel.grad_norm import _chunked_squares, _fused_squares
+
+    grads = [p.grad for p in _wide_range_model().parameters()]
+    exact = _exact(_wide_range_model()) ** 2
+    assert abs(_fused_squares(grads, "cpu").item() - exact) <= BOUND * exact
+    counts = []
+    for elements in (1 << 18, 1 << 22):
+        big = [torch.randn(elements), *grads]
+        with OpCounter() as fused:
+            _fused_squares(big, "cpu")
+        with OpCounter() as chunked:
+            _chunked_squares(big)
+        counts.append((fused.total, chunked.total))
+    assert counts[0][0] == counts[1][0], counts  # per tensor: the same kernels for 16x the elements
+    assert counts[1][1] > counts[0][1] + 40, counts  # the chunks: the CPU path's count grows
