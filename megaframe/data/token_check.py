@@ -34,12 +34,12 @@ def cached_max_token_id(dataset: IndexedDataset, cache_dir: Path) -> Optional[in
         return None
 
 
-def remember_max_token_id(dataset: IndexedDataset, cache_dir: Path, max_token_id: int) -> None:
-    """Record the scan's result (atomically: a reader sees the whole file or none)."""
+def remember_max_token_id(dataset: IndexedDataset, cache_dir: Path, found: int) -> None:
+    """Record the scan's result `found` (atomically: a reader sees the whole file or none)."""
     path = _cache_file(dataset, cache_dir)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps({"max_token_id": int(max_token_id), "prefix": str(dataset.prefix)}))
+        atomic_write_text(path, json.dumps({"max_token_id": int(found), "prefix": str(dataset.prefix)}))
     except OSError:  # a read-only cache only costs a scan next time
         pass
 

@@ -56,13 +56,13 @@ def tokens(dims: GPTDims, shape: ActivationShape) -> int:
     return dims.seq_length // shape.cp * shape.micro_batch_size
 
 
-def _norm_bytes(dims: GPTDims, tokens: float, e: int) -> float:
-    """Bytes a norm keeps for backward on `tokens` tokens (its output is counted by its consumer)."""
+def _norm_bytes(dims: GPTDims, n_tokens: float, e: int) -> float:
+    """Bytes a norm keeps for backward on `n_tokens` tokens (its output is counted by its consumer)."""
     h = dims.hidden_size
     if dims.norm == "rmsnorm":
         # x.float() (fp32 input copy; the input itself in fp32), rsqrt statistics, normalised value in the activation dtype
-        return tokens * (4 * h + 4 + e * h)
-    return tokens * (e * h + 2 * e)  # input + mean and rstd (in the activation dtype on CPU)
+        return n_tokens * (4 * h + 4 + e * h)
+    return n_tokens * (e * h + 2 * e)  # input + mean and rstd (in the activation dtype on CPU)
 
 
 def block_activation_bytes(dims: GPTDims, shape: ActivationShape) -> float:

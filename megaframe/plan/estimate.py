@@ -199,15 +199,15 @@ def estimate(dims: GPTDims, lay: PlanLayout, dtype: str, cluster: ClusterConfig,
     stages = [estimate_stage(dims, lay, dtype, s, reserved, host_is_device, zero, device)
               for s in stage_ids]
     worst = max(stages, key=lambda st: st.peak)
-    tokens = lay.global_batch_size * dims.seq_length
-    flops = flops_per_token(dims) * tokens
+    step_tokens = lay.global_batch_size * dims.seq_length
+    flops = flops_per_token(dims) * step_tokens
     step_time = flops / (lay.world_size * cluster.peak_tflops * 1e12 * mfu) if cluster.peak_tflops else None
     comm = communication_bytes(dims, lay, dtype, worst)
     ranked = _ranked_step_time(lay, cluster, flops / (lay.world_size * (cluster.peak_tflops or 1.0) * 1e12 * mfu),
                                comm, worst)
     return Estimate(layout=lay, cluster=cluster.name, total_parameters=total_parameters(dims), stages=stages,
                     capacity=capacity, reserved=reserved, peak=worst.peak, peak_stage=worst.stage,
-                    flops_per_step=flops, tokens_per_step=tokens, step_time_s=step_time,
+                    flops_per_step=flops, tokens_per_step=step_tokens, step_time_s=step_time,
                     ranked_step_time_s=ranked, comm_bytes=comm, host_bytes=max(s.states.host for s in stages),
                     active_parameters=active_parameters(dims))
 

@@ -1,0 +1,34 @@
+"""Static checks over megaframe/ that catch, before any GPU run, the class of bug that crashed
+every CUDA run: `import deepspeed.ops` inside the CPU-only branch of a function made `deepspeed` a
+local name of the whole function, unbound on CUDA (UnboundLocalError). pylint names it
+redefined-outer-name; the other rules catch names used before (or without) assignment."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+
+RULES = "redefined-outer-name,used-before-assignment,possibly-used-before-assignment,undefined-variable"
+pytestmark = pytest.mark.slow
+
+
+def _pylint(*paths: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pylint", "--disable=all", f"--enable={RULES}", "--score=n",
+                           "--persistent=n", *paths], cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def test_megaframe_has_no_shadowed_or_unbound_names():
+    result = _pylint("megaframe")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_check_sees_a_module_made_local_by_an_import_in_one_branch(tmp_path):
+    """The shape of the defect itself, so the check can fail."""
+    (tmp_path / "shadowed.py").write_text(
+        "import os\n\n\ndef join(flag):\n    if flag:\n        import os.path\n\n        return os.path.sep\n"
+        "    return os.getcwd()\n")
+    result = _pylint(str(tmp_path / "shadowed.py"))
+    assert result.returncode != 0 and "redefined-outer-name" in result.stdout, result.stdout
