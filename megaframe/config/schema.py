@@ -173,6 +173,8 @@ class LoopConfig:
     keep_checkpoints: int = 0  # keep the newest K checkpoints (0 = keep all)
     universal_checkpoint: bool = True  # write layout-free safetensors (resume into any tp/pp/dp/ZeRO)
     native_checkpoint: bool = False  # also write DeepSpeed's own files (always when there is no layout-free copy)
+    # resume from DeepSpeed's own files, which load by unpickling: code a crafted file holds would run
+    trust_pickled_checkpoint: bool = False
     async_save: bool = False  # write checkpoints on a background thread while training goes on (rank 0)
     compile: bool = False  # torch.compile each transformer block (inductor); the first step pays the compile
     max_consecutive_skips: int = 5  # this many skipped steps in a row (non-finite or spike) stop the run (exit 3)

@@ -469,7 +469,11 @@ def warnings(cfg: TrainConfig, layout: Layout) -> list[str]:
     if universal_checkpoint_unsupported(cfg, layout):
         found.append(f"precision={cfg.precision.dtype} with zero=stage0: checkpoints hold DeepSpeed's files only (its "
                      "FP16_Optimizer keeps fp32 masters in flat buffers the layout-free writer does not map yet), so "
-                     "resume works in this layout only; use zero=stage1 to resume into any layout")
+                     "resume works in this layout only, with train.trust_pickled_checkpoint=true (they load by "
+                     "unpickling); use zero=stage1 to resume into any layout")
+    elif not cfg.train.universal_checkpoint and not cfg.train.trust_pickled_checkpoint:
+        found.append("train.universal_checkpoint=false: checkpoints hold DeepSpeed's pickled files only, and resuming "
+                     "them needs train.trust_pickled_checkpoint=true")
     return found
 
 

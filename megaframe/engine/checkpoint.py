@@ -249,11 +249,13 @@ def verify(path: Path) -> None:
         raise CheckpointError(f"train.resume: {problem}; resume from an earlier checkpoint with train.resume=PATH")
 
 
-def load_any(backend, path: Path, verified: bool = False) -> ResumePoint:
+def load_any(backend, path: Path, verified: bool = False, trust_pickled: bool = False) -> ResumePoint:
     """Verify the manifest, then resume from the layout-free files (any layout; nothing
     unpickled). This rank's RNG comes back too when the layout is unchanged. Only a checkpoint
-    without them (train.universal_checkpoint=false) goes through the backend's own loader
-    (DeepSpeed's unpickles its .pt files), which needs the layout they were written in."""
+    without them (train.universal_checkpoint=false) goes through the backend's own loader, which
+    needs the layout they were written in, and only when trust_pickled
+    (train.trust_pickled_checkpoint): DeepSpeed's loader unpickles its .pt files with
+    weights_only=False, which runs whatever code a crafted file holds."""
     path = Path(path)
     if not verified:
         verify(path)
@@ -270,6 +272,10 @@ def load_any(backend, path: Path, verified: bool = False) -> ResumePoint:
         raise CheckpointError(f"train.resume: checkpoint {path} was written in layout {saved} (now {layout}) and "
                               f"holds no layout-free tensors ({universal.INDEX_FILE}); resume in that layout, or save with "
                               f"train.universal_checkpoint=true")
+    if not trust_pickled:
+        raise CheckpointError(f"train.resume: checkpoint {path} holds only the engine's pickled files, and unpickling "
+                              f"runs any code a crafted file holds; if you wrote it, resume with "
+                              f"train.trust_pickled_checkpoint=true (or resume from a layout-free checkpoint)")
     return load(backend, path)
 
 

@@ -149,7 +149,8 @@ class Trainer:
                     print(f"no checkpoint to resume from: dropped {dropped} metrics records of an earlier attempt",
                           flush=True)
             return
-        point = checkpoint.load_any(self.backend, path, verified=verified)
+        point = checkpoint.load_any(self.backend, path, verified=verified,
+                                    trust_pickled=self.cfg.train.trust_pickled_checkpoint)
         self.step = point.step
         self.guard.load_state_dict(point.client_state.get("guard", {}))
         load_router_biases(getattr(self.backend.module, "moe_layers", []), point.client_state.get("router_biases", {}))

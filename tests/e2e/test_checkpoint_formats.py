@@ -1,5 +1,6 @@
-"""train.universal_checkpoint=false: DeepSpeed's files alone resume in the same layout, and a
-resume in another layout is refused with one line that says why."""
+"""train.universal_checkpoint=false: DeepSpeed's files alone resume in the same layout, on the user's
+word (train.trust_pickled_checkpoint=true: they load by unpickling), and a resume in another layout
+is refused with one line that says why."""
 from __future__ import annotations
 
 import pytest
@@ -22,7 +23,13 @@ def test_engine_only_checkpoint_resumes_in_its_layout_and_refuses_another(tmp_pa
     assert len(errors) == 1 and "holds no layout-free tensors" in errors[0] \
         and "'zero_stage': 0" in errors[0] and "train.universal_checkpoint=true" in errors[0], other_layout.stderr[-3000:]
 
-    same_layout = run_cli(args)
+    untrusted = run_cli(args)  # DeepSpeed's loader unpickles: only on the user's word
+    assert untrusted.returncode == ExitCode.BAD_CHECKPOINT, untrusted.stderr[-3000:]
+    errors = [line for line in untrusted.stderr.splitlines() if line.startswith("megaframe-train: error:")]
+    assert len(errors) == 1 and "train.trust_pickled_checkpoint=true" in errors[0], untrusted.stderr[-3000:]
+    assert "Traceback" not in untrusted.stderr
+
+    same_layout = run_cli([*args, "train.trust_pickled_checkpoint=true"])
     assert_ok(same_layout)
     assert "resumed from" in same_layout.stdout and "at step 2" in same_layout.stdout
     assert max(r["step"] for r in read_metrics(tmp_path)) == 4
@@ -42,3 +49,39 @@ def test_one_copy_by_default_and_deepspeeds_files_when_asked(tmp_path):
         assert {"index.json", "shards", "state.json", "manifest.json", "rng_rank0.pt"} <= files
         deepspeed_files = {name for name in files if name.endswith("_states.pt")}
         assert bool(deepspeed_files) == native, files
+
+
+class _Payload:
+    """What a crafted checkpoint file holds: unpickling it runs code (here: it writes a file)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_crafted_engine_checkpoint_runs_nothing_without_the_users_word(tmp_path):
+    """A checkpoint of DeepSpeed's files whose model states carry a payload, with a manifest that
+    matches them (a crafted checkpoint comes with one): resuming it with default settings refuses
+    before anything is unpickled."""
+    import json
+
+    import torch
+
+    from megaframe.checkpoint import universal
+
+    args = [*TINY, "train.max_steps=4", "train.universal_checkpoint=false", f"hydra.run.dir={tmp_path / 'run'}"]
+    assert_ok(run_cli([*args, "train.exit_at_step=2"]))
+    saved = tmp_path / "run" / "checkpoints" / "global_step2"
+    states = next(saved.glob("*model_states.pt"))
+    marker = tmp_path / "payload-ran"
+    torch.save({"module": _Payload(str(marker))}, states)
+    manifest = json.loads((saved / "manifest.json").read_text())
+    manifest["files"][states.relative_to(saved).as_posix()] = universal.file_entry(states)
+    (saved / "manifest.json").write_text(json.dumps(manifest))
+
+    result = run_cli(args)
+    assert result.returncode == ExitCode.BAD_CHECKPOINT, result.stderr[-3000:]
+    assert "train.trust_pickled_checkpoint=true" in result.stderr and "Traceback" not in result.stderr
+    assert not marker.exists(), "the crafted checkpoint's code ran"

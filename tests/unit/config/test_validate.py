@@ -152,9 +152,21 @@ def test_mixed_precision_at_zero0_warns_that_checkpoints_stay_in_their_layout():
     cfg.precision.dtype = "bf16"
     layout = validate(cfg, 1, _never_fp16)
     assert universal_checkpoint_unsupported(cfg, layout)
-    assert any("resume works in this layout only; use zero=stage1" in w for w in warnings(cfg, layout))
+    assert any("resume works in this layout only, with train.trust_pickled_checkpoint=true" in w
+               and "use zero=stage1" in w for w in warnings(cfg, layout))
     cfg.zero.stage = 1
     assert not universal_checkpoint_unsupported(cfg, validate(cfg, 1, _never_fp16))
+    assert not warnings(cfg, validate(cfg, 1, _never_fp16))
+
+
+def test_engine_only_checkpoints_warn_that_resuming_them_needs_trust():
+    from megaframe.config.validate import warnings
+
+    cfg = TrainConfig()
+    cfg.train.universal_checkpoint = False
+    assert any("train.trust_pickled_checkpoint=true" in w for w in warnings(cfg, validate(cfg, 1, _never_fp16)))
+    cfg.train.trust_pickled_checkpoint = True
+    assert not warnings(cfg, validate(cfg, 1, _never_fp16))
 
 
 @pytest.mark.parametrize("world, refused", [(2, False), (8, False), (16, False), (12, True)])
