@@ -98,7 +98,12 @@ def _set_special_tokens(hf_config, tokenizer_dir: Path) -> None:
     """bos/eos/pad ids of the copied tokenizer, so generate() stops where the model was taught to."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    try:  # never the directory's own Python (an auto_map): transformers would ask on the terminal to run it
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True, trust_remote_code=False)
+    except Exception as error:  # transformers raises OSError, ValueError, KeyError... depending on what is wrong
+        reason = " ".join(str(error).split())[:300]
+        raise ConvertError(f"{tokenizer_dir}: the checkpoint's tokenizer does not load ({type(error).__name__}: "
+                           f"{reason}); copy a tokenizer written by save_pretrained() there") from None
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = getattr(tokenizer, key, None)
         if value is not None and value < hf_config.vocab_size:

@@ -58,7 +58,8 @@ class HFTokenizer:
 
         self.name = str(path)
         try:
-            self._tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            # never the directory's own Python (an auto_map): transformers would ask on the terminal to run it
+            self._tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
         except Exception as error:  # transformers raises OSError, ValueError, KeyError... depending on what is missing
             reason = " ".join(str(error).split())[:300]
             raise DataError(
