@@ -81,10 +81,12 @@ def _slurm_world_size(cfg: TrainConfig) -> Optional[int]:
 
 def _submit_slurm(cfg: TrainConfig, layout: Layout, args: list[str], run_dir: str) -> int:
     """launcher=slurm: write RUN_DIR/submit.sbatch (atomically) and sbatch it, or print it (dry run)."""
-    from megaframe.slurm import SubmitError, sbatch_script, submit, task_overrides
+    from megaframe.slurm import SubmitError, run_dir_problem, sbatch_script, submit, task_overrides
     from megaframe.atomic_io import atomic_write_text
 
     run_path = Path(run_dir).resolve()
+    if problem := run_dir_problem(run_path):  # the dry run too: the script it writes must be the job's
+        _fail(problem)
     run_path.mkdir(parents=True, exist_ok=True)
     script = sbatch_script(cfg.launcher, layout.world_size, task_overrides(args), run_path)
     path = run_path / "submit.sbatch"

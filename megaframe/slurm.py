@@ -81,15 +81,35 @@ def sbatch_script(launcher: LauncherConfig, world_size: int, overrides: list[str
         if value is not None:
             lines.append(f"#SBATCH --{flag}={value}")
     lines += [f"#SBATCH {extra}" for extra in launcher.sbatch_extra]
-    lines += [f"#SBATCH --output={run_dir}/slurm-%j.out",
+    lines += [f"#SBATCH --output={str(run_dir).replace('%', '%%')}/slurm-%j.out",  # %% is a literal % to sbatch
               "# written by megaframe-train launcher=slurm: one srun task per GPU; each maps SLURM_PROCID,",
               "# SLURM_NTASKS, SLURM_LOCALID and the first host of SLURM_JOB_NODELIST to its process group",
               "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}",
               "srun --kill-on-bad-exit=1 " + " ".join(shlex.quote(a) for a in
                                                        [python, "-m", "megaframe.train", *overrides,
-                                                        f"hydra.run.dir={run_dir}"]),
+                                                        f"hydra.run.dir={hydra_quoted(str(run_dir))}"]),
               ""]
     return "\n".join(lines)
+
+
+def hydra_quoted(value: str) -> str:
+    """`value` as a quoted string of Hydra's override grammar, so ':', '=', ',' or brackets in a
+    path stay part of it. Hydra reads a backslash as an escape only in a run of them before a quote
+    (or the closing one): those runs are doubled, then each quote escaped."""
+    if re.fullmatch(r"[\w./+~@-]+", value):
+        return value  # nothing Hydra would read as grammar: the job script stays plain
+    doubled = re.sub(r"(\\+)(?='|$)", lambda run: run.group(1) * 2, value)
+    return "'" + doubled.replace("'", "\\'") + "'"
+
+
+def run_dir_problem(run_dir: Path) -> Optional[str]:
+    """Why launcher=slurm cannot use this run directory, or None: sbatch's --output takes no
+    whitespace, and non-ASCII or control characters break it on many sites' configurations."""
+    text = str(run_dir)
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 or ord(c) > 126 for c in text):
+        return (f"hydra.run.dir={text!r}: launcher=slurm needs a run directory of printable ASCII without spaces "
+                f"(sbatch's --output takes it); choose another, e.g. hydra.run.dir=runs/my_job")
+    return None
 
 
 def task_overrides(overrides: list[str]) -> list[str]:

@@ -445,6 +445,26 @@ def check_launcher(cfg: TrainConfig) -> Optional[str]:
     if launcher.cpus_per_worker <= 0 or launcher.gpus_per_worker < 0 or launcher.max_failures < 0:
         return (f"launcher.cpus_per_worker={launcher.cpus_per_worker} must be > 0, launcher.gpus_per_worker="
                 f"{launcher.gpus_per_worker} and launcher.max_failures={launcher.max_failures} >= 0")
+    return check_sbatch_strings(launcher)
+
+
+def _unprintable(text: str) -> bool:
+    return any(ord(c) < 32 or ord(c) == 127 for c in text)
+
+
+def check_sbatch_strings(launcher) -> Optional[str]:
+    """What launcher=slurm writes into #SBATCH lines, which sbatch reads itself (no shell quoting
+    applies): a newline would start a line of the caller's choosing (and sbatch ignores every
+    #SBATCH after a non-comment line), whitespace ends a value."""
+    for key in ("job_name", "partition", "account", "time"):
+        value = getattr(launcher, key)
+        if value is not None and (_unprintable(str(value)) or any(c.isspace() for c in str(value)) or not str(value)):
+            return (f"launcher.{key}={str(value)!r}: a job script value must be one word of printable "
+                    f"characters (no spaces, tabs or newlines)")
+    for extra in launcher.sbatch_extra:
+        if _unprintable(str(extra)) or not str(extra).startswith("--"):
+            return (f"launcher.sbatch_extra entry {str(extra)!r}: each must be one sbatch option such as "
+                    f"'--qos=high' (starting with --, no newlines or control characters)")
     return None
 
 

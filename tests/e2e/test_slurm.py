@@ -76,3 +76,17 @@ def test_a_slurm_sweep_without_sbatch_submits_no_point(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "sweep point 0 (optim.lr=0.001): launcher=slurm: no sbatch command" in lines[0], lines
     assert not sweep.exists()
+
+
+@pytest.mark.parametrize("bad", [["launcher.job_name=a\n#SBATCH --partition=x"], ["hydra.run.dir={tmp}/with space"]],
+                         ids=["newline in a value", "space in the run dir"])
+def test_a_job_script_that_would_break_is_refused_in_one_line_even_as_a_dry_run(tmp_path, bad):
+    args = ["launcher=slurm", "launcher.nodes=1", "launcher.gpus_per_node=2", "launcher.dry_run=true", *TINY]
+    overrides = [b.format(tmp=tmp_path) for b in bad]
+    if not any(o.startswith("hydra.run.dir=") for o in overrides):
+        overrides.append(f"hydra.run.dir={tmp_path}/run")
+    result = run_cli([*args, *overrides])
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("megaframe-train: error:"), lines
+    assert not list(tmp_path.rglob("submit.sbatch"))

@@ -59,3 +59,68 @@ def test_a_refused_submission_is_sbatchs_last_line(tmp_path, monkeypatch):
     with pytest.raises(SubmitError) as refused:
         submit(tmp_path / "submit.sbatch")
     assert str(refused.value).endswith("submit.sbatch: sbatch: error: Invalid partition name specified")
+
+
+@pytest.mark.parametrize("key, value", [("job_name", "x\n#SBATCH --partition=evil"), ("partition", "gpu\nrm -rf ~"),
+                                        ("account", "my account"), ("time", "1:00:00\r"), ("job_name", "")])
+def test_job_script_values_are_one_printable_word(key, value):
+    """sbatch reads #SBATCH lines itself: a newline would add a line of the caller's choosing."""
+    from megaframe.config.schema import TrainConfig
+    from megaframe.config.validate import ConfigError, validate
+
+    cfg = TrainConfig()
+    cfg.launcher.name = "slurm"
+    setattr(cfg.launcher, key, value)
+    with pytest.raises(ConfigError, match=f"launcher.{key}=") as refused:
+        validate(cfg, 1)
+    assert "\n" not in str(refused.value).replace(repr(value), "")
+
+
+@pytest.mark.parametrize("extra", ["--qos=high\nsrun evil", "qos=high", "--mail-user=a@b\x07"])
+def test_sbatch_extra_entries_are_single_options(extra):
+    from megaframe.config.schema import TrainConfig
+    from megaframe.config.validate import ConfigError, validate
+
+    cfg = TrainConfig()
+    cfg.launcher.sbatch_extra = [extra]
+    with pytest.raises(ConfigError, match="launcher.sbatch_extra entry"):
+        validate(cfg, 1)
+
+
+def test_well_formed_launcher_values_pass():
+    from megaframe.config.schema import TrainConfig
+    from megaframe.config.validate import validate
+
+    cfg = TrainConfig()
+    cfg.launcher.name, cfg.launcher.partition, cfg.launcher.time = "slurm", "gpu-h100", "24:00:00"
+    cfg.launcher.sbatch_extra = ["--exclusive", "--constraint=h100&ib"]
+    validate(cfg, 1)
+
+
+@pytest.mark.parametrize("run_dir", ["/tmp/my runs/a", "/tmp/r\u00e9sum\u00e9", "/tmp/a\nb", "/tmp/tab\there"])
+def test_run_dirs_sbatch_cannot_take_are_refused(run_dir):
+    from pathlib import Path
+
+    from megaframe.slurm import run_dir_problem
+
+    problem = run_dir_problem(Path(run_dir))
+    assert problem and problem.startswith("hydra.run.dir=") and "launcher=slurm" in problem
+
+
+@pytest.mark.parametrize("run_dir", ["/scratch/job:1/a=b,c", "/scratch/it's", "/scratch/100%/x"])
+def test_the_job_script_carries_any_printable_run_dir_to_hydra_and_sbatch(run_dir):
+    """Hydra's grammar reads ':', '=', ',' and quotes; sbatch's --output reads '%'."""
+    import shlex
+    from pathlib import Path
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from megaframe.slurm import run_dir_problem
+
+    assert run_dir_problem(Path(run_dir)) is None
+    script = sbatch_script(LauncherConfig(name="slurm", gpus_per_node=1), 1, [], Path(run_dir))
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    override = next(arg for arg in shlex.split(srun) if arg.startswith("hydra.run.dir="))
+    assert OverridesParser.create().parse_override(override).value() == run_dir
+    output = next(line for line in script.splitlines() if line.startswith("#SBATCH --output="))
+    assert output == f"#SBATCH --output={run_dir.replace('%', '%%')}/slurm-%j.out"
