@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -109,6 +110,23 @@ def inside(directory: Path, rel: str, source: str) -> Path:
         raise CheckpointError(f"checkpoint {directory}: {source} names {rel!r}, outside the checkpoint directory; "
                               f"the file was edited or is not a megaframe checkpoint")
     return path
+
+
+LATEST_FILE = "latest"
+
+
+def latest_pointer(save_dir: Path) -> Optional[Path]:
+    """The checkpoint a run's checkpoints/ directory names in `latest` (None without the file); it
+    may not exist (a crash mid-swap). The name must be a global_stepN directory of save_dir itself:
+    anything else, a path that leaves it included, is a CheckpointError."""
+    pointer = Path(save_dir) / LATEST_FILE
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    if not re.fullmatch(r"global_step\d+", name):
+        raise CheckpointError(f"{pointer} names {name!r}, not a checkpoint directory of {save_dir} (global_stepN); "
+                              f"the file was edited: fix it or delete it")
+    return inside(save_dir, name, str(pointer))
 
 
 def read_manifest(directory: Path) -> dict:

@@ -27,7 +27,6 @@ from megaframe.checkpoint.stream import write_streaming
 from megaframe.convert.hf import ConvertError
 
 TOKENIZER_DIR = "tokenizer"
-LATEST = "latest"
 # what save_pretrained() writes for a tokenizer (any of these marks a directory as holding one)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "chat_template.jinja",
@@ -209,8 +208,10 @@ def write_layout_free(out: Path, model: Mapping[str, torch.Tensor], state: dict,
 def resolve_checkpoint(path: Path) -> Path:
     """A layout-free checkpoint directory, or a run's checkpoints/ directory through its `latest`."""
     path = Path(path)
-    if (path / LATEST).is_file():
-        path = path / (path / LATEST).read_text().strip()
+    try:  # the same rule as the trainer's: `latest` names a checkpoint of that directory, nothing else
+        path = universal.latest_pointer(path) or path
+    except universal.CheckpointError as err:
+        raise ConvertError(str(err)) from None
     if not universal.has_universal(path):
         raise ConvertError(f"{path}: not a layout-free megaframe checkpoint (needs {universal.STATE_FILE} and "
                            f"{universal.INDEX_FILE} or {universal.MODEL_FILE}); pass a checkpoint directory or a "

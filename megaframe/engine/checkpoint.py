@@ -29,7 +29,7 @@ from megaframe.checkpoint.universal import CheckpointError
 from megaframe.atomic_io import atomic_write_text
 from megaframe.parallel.random import get_rng_states, set_rng_states
 
-LATEST = "latest"
+LATEST = universal.LATEST_FILE
 TMP_PREFIX = "tmp-"
 LAYOUT_FILE = "layout.json"  # the layout DeepSpeed's own files can be loaded into
 
@@ -182,14 +182,12 @@ def prune(save_dir: Path, keep: int) -> list[Path]:
 def find_latest(save_dir: Path) -> Optional[Path]:
     """The newest complete checkpoint under save_dir, or None. The name in `latest` must be a
     checkpoint directory of save_dir itself: anything else is a CheckpointError."""
-    pointer = Path(save_dir) / LATEST
-    if not pointer.is_file():
+    try:
+        path = universal.latest_pointer(save_dir)
+    except CheckpointError as err:
+        raise CheckpointError(f"train.resume: {err}") from None
+    if path is None:
         return None
-    name = pointer.read_text().strip()
-    if not re.fullmatch(r"global_step\d+", name):
-        raise CheckpointError(f"train.resume: {pointer} names {name!r}, not a checkpoint directory of "
-                              f"{save_dir} (global_stepN); the file was edited: fix it or delete it")
-    path = universal.inside(save_dir, name, str(pointer))
     if path.is_dir():
         return path
     # `latest` names a directory a crash took away mid-swap (re-save of the same step): fall back to

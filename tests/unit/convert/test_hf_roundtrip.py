@@ -107,3 +107,19 @@ def test_export_of_a_run_with_an_hf_tokenizer_copies_it(tmp_path):
     assert tokenizer.encode("w5 w7") == [5, 7]
     from transformers import AutoConfig
     assert AutoConfig.from_pretrained(tmp_path / "hf").eos_token_id == VOCAB - 1
+
+
+@pytest.mark.parametrize("pointer", ["../elsewhere/global_step1", "/tmp/global_step1", "global_step1/../../elsewhere"])
+def test_a_latest_pointer_out_of_the_checkpoints_directory_is_refused(tmp_path, pointer):
+    """megaframe-convert reads `latest` by the trainer's rule: a global_stepN directory of
+    checkpoints/ itself; a pointer elsewhere (an edited file) is one line, and nothing is read there."""
+    from megaframe.convert.hf import ConvertError
+
+    cfg = GPT2
+    state = {"step": 1, "consumed_samples": 8, "model": dataclasses.asdict(cfg)}
+    write_layout_free(tmp_path / "elsewhere" / "global_step1", full_state_dict(random_model(cfg)), state)
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "latest").write_text(pointer + "\n")
+    with pytest.raises(ConvertError, match="not a checkpoint directory") as refused:
+        export_hf(tmp_path / "run" / "checkpoints", tmp_path / "hf")
+    assert "\n" not in str(refused.value) and not (tmp_path / "hf").exists()
