@@ -181,13 +181,16 @@ def prune(save_dir: Path, keep: int) -> list[Path]:
 
 def find_latest(save_dir: Path) -> Optional[Path]:
     """The newest complete checkpoint under save_dir, or None. The name in `latest` must be a
-    checkpoint directory of save_dir itself: anything else is a CheckpointError."""
+    checkpoint directory of save_dir itself: anything else is a CheckpointError. Without `latest`
+    (checkpoints copied to a new run dir, the small file deleted) the newest published directory:
+    starting over would overwrite complete checkpoints with a new run's."""
     try:
         path = universal.latest_pointer(save_dir)
     except CheckpointError as err:
         raise CheckpointError(f"train.resume: {err}") from None
     if path is None:
-        return None
+        complete = _complete_checkpoints(save_dir) if Path(save_dir).is_dir() else []
+        return complete[-1][1] if complete else None
     if path.is_dir():
         return path
     # `latest` names a directory a crash took away mid-swap (re-save of the same step): fall back to

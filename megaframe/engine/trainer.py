@@ -136,6 +136,10 @@ class Trainer:
         verified = self.cfg.train.resume == "auto"
         if verified:  # the newest checkpoint that verifies; a corrupt newer one is skipped, said in one line
             path, skipped = checkpoint.newest_verified(self.checkpoint_dir)
+            if path is not None and not (self.checkpoint_dir / checkpoint.LATEST).is_file() and self.is_logger:
+                print(f"megaframe: warning: {self.checkpoint_dir / checkpoint.LATEST} is missing: resuming from the "
+                      f"newest checkpoint that verifies, {path.name} (train.resume=none starts over)",
+                      file=sys.stderr, flush=True)
             if skipped and self.is_logger:
                 print(f"megaframe: warning: resume skipped {len(skipped)} newer checkpoint(s) that do not verify: "
                       f"{'; '.join(skipped)}; resuming from {path.name}", file=sys.stderr, flush=True)

@@ -49,3 +49,21 @@ def test_resume_none_starts_fresh(tmp_path):
     result = run_cli([*args, "train.resume=none", "train.max_steps=3"])
     assert_ok(result)
     assert "resumed from" not in result.stdout
+
+
+def test_without_latest_the_run_resumes_from_its_newest_checkpoint_and_overwrites_nothing(tmp_path):
+    """checkpoints/latest deleted (or checkpoints copied to a new run dir without it): resuming
+    from the newest verifying checkpoint, never starting over on top of the complete ones."""
+    args = [*TINY, "train.max_steps=6", "train.save_interval=2", f"hydra.run.dir={tmp_path}"]
+    assert_ok(run_cli([*args, "train.exit_at_step=4"]))
+    checkpoints = tmp_path / "checkpoints"
+    manifests = {name: (checkpoints / name / "manifest.json").read_bytes() for name in ("global_step2", "global_step4")}
+    (checkpoints / "latest").unlink()
+
+    result = run_cli(args)
+    assert_ok(result)
+    assert "resumed from" in result.stdout and "at step 4" in result.stdout, result.stdout[-2000:]
+    assert "latest is missing" in result.stderr and "global_step4" in result.stderr
+    for name, manifest in manifests.items():  # the complete checkpoints were not rewritten by a new run
+        assert (checkpoints / name / "manifest.json").read_bytes() == manifest, name
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == list(range(1, 7))
