@@ -24,21 +24,17 @@ from megaframe.config.schema import ModelConfig, MoEConfig
 from megaframe.convert import files
 from megaframe.convert.hf import (ConvertError, check_tied_copy, config_from_hf, plan_shapes, state_from_hf_plan,
                                   to_hf_plan)
+from megaframe.model.dims import model_config_from_record
 
 PROG = "megaframe-convert"
 
 
 def model_config(state: dict, where: Path) -> ModelConfig:
     """The ModelConfig recorded in a checkpoint's state.json."""
-    recorded = state.get("model")
-    if not isinstance(recorded, dict):
-        raise ConvertError(f"{where}: state.json has no 'model' section; cannot tell the model's shape")
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    if unknown := sorted(recorded.keys() - known):
-        raise ConvertError(f"{where}: state.json model.{unknown[0]} is not a ModelConfig field of this megaframe version")
-    if isinstance(recorded.get("moe"), dict):  # nested dataclasses come back from JSON as dicts
-        recorded = {**recorded, "moe": MoEConfig(**recorded["moe"])}
-    return ModelConfig(**recorded)
+    try:
+        return model_config_from_record(state.get("model"))
+    except ValueError as err:
+        raise ConvertError(f"{where}: {err}") from None
 
 
 def model_overrides(cfg: ModelConfig) -> list[str]:

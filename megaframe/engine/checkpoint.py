@@ -244,6 +244,27 @@ def manifest_problem(path: Path) -> Optional[str]:
     return next((p for p in problems if p is not None), None)
 
 
+def check_model_shape(path: Path, dims) -> None:
+    """A layout-free checkpoint resumes only into a model of its parameter shapes: with fewer layers
+    it would load and silently drop the rest. CheckpointError naming the first key that differs."""
+    from megaframe.model.dims import model_config_from_record, resolve_dims, shape_change
+
+    if not universal.has_universal(path):
+        return  # the engine's own loader checks its files against the model
+    recorded = universal.read_state(path).get("model")
+    if recorded is None:
+        return  # written before checkpoints recorded the model: the tensors' own shape checks remain
+    try:
+        saved = resolve_dims(model_config_from_record(recorded), dims.vocab_size)
+    except (ValueError, TypeError) as err:
+        raise CheckpointError(f"train.resume: checkpoint {path}: {err}") from None
+    if change := shape_change(saved, dims):
+        key, was, now = change
+        raise CheckpointError(f"train.resume: checkpoint {path} holds a model with {key}={was} (this run: {now}); "
+                              f"a resume keeps the model's shape: set {key}={was}, or start a new run "
+                              f"(train.resume=none or another hydra.run.dir)")
+
+
 def verify(path: Path) -> None:
     """manifest_problem() as a one-line CheckpointError on every rank."""
     if problem := manifest_problem(path):

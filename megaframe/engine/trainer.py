@@ -153,6 +153,7 @@ class Trainer:
                     print(f"no checkpoint to resume from: dropped {dropped} metrics records of an earlier attempt",
                           flush=True)
             return
+        checkpoint.check_model_shape(path, self.dims)
         point = checkpoint.load_any(self.backend, path, verified=verified,
                                     trust_pickled=self.cfg.train.trust_pickled_checkpoint)
         self.step = point.step

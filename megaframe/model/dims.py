@@ -2,10 +2,11 @@
 can reason about shapes without paying torch's import time in the launching process."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
-from megaframe.config.schema import ModelConfig
+from megaframe.config.schema import ModelConfig, MoEConfig
 from megaframe.config.validate import ffn_hidden_size, padded_vocab_size
 
 
@@ -105,3 +106,42 @@ def resolve_moe(cfg: ModelConfig) -> Optional[MoEDims]:
                    first_dense_layers=m.first_dense_layers, shared_experts=m.shared_experts,
                    capacity_factor=m.capacity_factor, aux_loss_coeff=m.aux_loss_coeff, z_loss_coeff=m.z_loss_coeff,
                    router_score=m.router_score, norm_topk_prob=m.norm_topk_prob, bias_update_rate=m.bias_update_rate)
+
+
+def model_config_from_record(recorded: Any) -> ModelConfig:
+    """The ModelConfig a checkpoint's state.json records (its `model` section); ValueError, in one
+    line, when it is missing or holds keys this version does not know."""
+    if not isinstance(recorded, dict):
+        raise ValueError("state.json has no 'model' section; cannot tell the model's shape")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    if unknown := sorted(recorded.keys() - known):
+        raise ValueError(f"state.json model.{unknown[0]} is not a ModelConfig field of this megaframe version")
+    if isinstance(recorded.get("moe"), dict):  # nested dataclasses come back from JSON as dicts
+        recorded = {**recorded, "moe": MoEConfig(**recorded["moe"])}
+    return ModelConfig(**recorded)
+
+
+# GPTDims fields that decide a parameter's shape or whether it exists, with the key that sets each
+_SHAPE_KEYS = {"num_layers": "model.num_layers", "hidden_size": "model.hidden_size",
+               "num_heads": "model.num_attention_heads", "num_kv_heads": "model.num_kv_heads",
+               "ffn_hidden_size": "model.ffn_hidden_size", "vocab_size": "model.vocab_size", "norm": "model.norm",
+               "activation": "model.activation", "position_embedding": "model.position_embedding",
+               "tie_embeddings": "model.tie_embeddings", "bias": "model.bias", "head_dim": "model.head_dim",
+               "qk_norm": "model.qk_norm"}
+_MOE_SHAPE_KEYS = ("num_experts", "ffn_hidden_size", "layer_freq", "first_dense_layers", "shared_experts")
+
+
+def shape_change(saved: GPTDims, now: GPTDims) -> Optional[tuple[str, Any, Any]]:
+    """The first (key, saved value, current value) that gives the model another set of parameter
+    shapes, or None. Dropout, init, norm epsilon, RoPE theta and routing coefficients may change on
+    resume; so may the sequence length, except under learned positions (the table's rows)."""
+    pairs = [(key, getattr(saved, field), getattr(now, field)) for field, key in _SHAPE_KEYS.items()]
+    if saved.position_embedding == now.position_embedding == "learned":
+        pairs.append(("model.seq_length", saved.seq_length, now.seq_length))
+    saved_moe, now_moe = saved.moe, now.moe
+    pairs.append(("model.moe.num_experts", saved_moe.num_experts if saved_moe else 0,
+                  now_moe.num_experts if now_moe else 0))
+    if saved_moe and now_moe:
+        pairs += [(f"model.moe.{field}", getattr(saved_moe, field), getattr(now_moe, field))
+                  for field in _MOE_SHAPE_KEYS]
+    return next(((key, a, b) for key, a, b in pairs if a != b), None)

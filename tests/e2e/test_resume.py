@@ -67,3 +67,18 @@ def test_without_latest_the_run_resumes_from_its_newest_checkpoint_and_overwrite
     for name, manifest in manifests.items():  # the complete checkpoints were not rewritten by a new run
         assert (checkpoints / name / "manifest.json").read_bytes() == manifest, name
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == list(range(1, 7))
+
+
+def test_a_resume_into_another_model_shape_is_refused_naming_the_key(tmp_path):
+    """A 4-layer checkpoint loaded into model.num_layers=2 would drop two blocks without a word."""
+    from megaframe.failures import ExitCode
+
+    args = [*TINY, "train.max_steps=4", "train.save_interval=2", f"hydra.run.dir={tmp_path}"]
+    assert_ok(run_cli([*args, "model.num_layers=4", "train.exit_at_step=2"]))
+    result = run_cli([*args, "model.num_layers=2"])
+    assert result.returncode == ExitCode.BAD_CHECKPOINT, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("megaframe-train: error")]
+    assert len(errors) == 1 and "model.num_layers=4 (this run: 2)" in errors[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    # what does not change a parameter's shape may change on resume
+    assert_ok(run_cli([*args, "model.num_layers=4", "model.dropout=0.1"]))
