@@ -1,10 +1,11 @@
 """Token ids against the model's vocabulary, checked when a dataset is opened, once per dataset.
 
-An id at or above the vocabulary trains silently at tp > 1 (a zero embedding row of the padding,
-a target no logit stands for) and fails deep in the embedding at tp = 1. The largest id is found
+An id at or above the vocabulary, or below 0 (Megatron's signed dtypes hold -1, which some
+pipelines pad with), trains silently at tp > 1 (a zero embedding row of the padding, a target no
+logit stands for) and fails deep in the embedding at tp = 1. The smallest and largest ids are found
 by a vectorised scan that the ranks share (each reads 1/world of the tokens; the caller reduces
-the maxima), and is remembered in the cache, keyed by the dataset's build checksum and the .bin's
-size and modification time, so a dataset is scanned once, and again only when its file changes.
+them), and are remembered in the cache, keyed by the dataset's build checksum and the .bin's size
+and modification time, so a dataset is scanned once, and again only when its file changes.
 """
 from __future__ import annotations
 
@@ -26,39 +27,53 @@ def _cache_file(dataset: IndexedDataset, cache_dir: Path) -> Path:
     return Path(cache_dir) / "token_check" / f"{key}.json"
 
 
-def cached_max_token_id(dataset: IndexedDataset, cache_dir: Path) -> Optional[int]:
-    """The largest token id remembered for this exact dataset file, None when never scanned."""
+EMPTY = (1 << 62, -1)  # (smallest, largest) of no tokens: any real id replaces both
+
+
+def cached_token_range(dataset: IndexedDataset, cache_dir: Path) -> Optional[tuple[int, int]]:
+    """(smallest, largest) token id remembered for this exact dataset file, None when never scanned
+    (or scanned by a version that recorded the largest only)."""
     try:
-        return int(json.loads(_cache_file(dataset, cache_dir).read_text())["max_token_id"])
-    except (OSError, ValueError, KeyError):
+        record = json.loads(_cache_file(dataset, cache_dir).read_text())
+        return int(record["min_token_id"]), int(record["max_token_id"])
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def remember_max_token_id(dataset: IndexedDataset, cache_dir: Path, found: int) -> None:
-    """Record the scan's result `found` (atomically: a reader sees the whole file or none)."""
+def remember_token_range(dataset: IndexedDataset, cache_dir: Path, found: tuple[int, int]) -> None:
+    """Record the scan's (smallest, largest) `found` (atomically: a reader sees the whole file or none)."""
     path = _cache_file(dataset, cache_dir)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps({"max_token_id": int(found), "prefix": str(dataset.prefix)}))
+        atomic_write_text(path, json.dumps({"min_token_id": int(found[0]), "max_token_id": int(found[1]),
+                                            "prefix": str(dataset.prefix)}))
     except OSError:  # a read-only cache only costs a scan next time
         pass
 
 
-def max_token_id(dataset: IndexedDataset, part: int, parts: int) -> int:
-    """The largest token id in share `part` of `parts` of the dataset's tokens (-1 when the share is empty)."""
+def token_range(dataset: IndexedDataset, part: int, parts: int) -> tuple[int, int]:
+    """(smallest, largest) token id in share `part` of `parts` of the dataset's tokens (EMPTY when
+    the share is empty). Unsigned dtypes hold nothing below 0: their minimum is not scanned."""
     total = dataset.num_tokens
     start, end = total * part // parts, total * (part + 1) // parts
-    largest = -1
+    smallest, largest = EMPTY
+    signed = np.issubdtype(dataset.tokens.dtype, np.signedinteger)
     for chunk_start in range(start, end, _CHUNK_TOKENS):
         chunk = dataset.tokens[chunk_start:min(end, chunk_start + _CHUNK_TOKENS)]
         largest = max(largest, int(np.max(chunk)))
-    return largest
+        smallest = min(smallest, int(np.min(chunk)) if signed else 0)
+    return smallest, largest
 
 
-def check_token_ids(dataset: IndexedDataset, max_id: int, vocab_size: int, vocab_key: str) -> None:
-    """DataError (one line) when the dataset holds an id at or above the model's vocabulary."""
-    if max_id >= vocab_size:
+def check_token_ids(dataset: IndexedDataset, found: tuple[int, int], vocab_size: int, vocab_key: str) -> None:
+    """DataError (one line) when the dataset holds an id below 0 or at or above the model's vocabulary."""
+    smallest, largest = found
+    if smallest < 0:
         raise DataError(
-            f"data.path={dataset.prefix}: token id {max_id} is outside the model's vocabulary of {vocab_size} "
+            f"data.path={dataset.prefix}: token id {smallest} is negative (padding or a sentinel in a signed "
+            f"dtype); no embedding row stands for it: rebuild the data without it (tools/preprocess_data.py)")
+    if largest >= vocab_size:
+        raise DataError(
+            f"data.path={dataset.prefix}: token id {largest} is outside the model's vocabulary of {vocab_size} "
             f"({vocab_key}); the data was tokenized with another tokenizer or is corrupt: rebuild it with "
-            f"tools/preprocess_data.py and the model's tokenizer, or set model.vocab_size >= {max_id + 1}")
+            f"tools/preprocess_data.py and the model's tokenizer, or set model.vocab_size >= {largest + 1}")

@@ -21,7 +21,7 @@ from megaframe.checkpoint.universal import CheckpointError
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout, universal_checkpoint_unsupported
 from megaframe.data import micro_batches, eval_batches
-from megaframe.data.token_check import cached_max_token_id, check_token_ids, max_token_id, remember_max_token_id
+from megaframe.data.token_check import cached_token_range, check_token_ids, remember_token_range, token_range
 from megaframe.engine import checkpoint
 from megaframe.engine.data_setup import DataSplits, build_data
 from megaframe.engine.failure_report import report_failure
@@ -84,19 +84,21 @@ class Trainer:
         self.background = checkpoint.BackgroundWriter()  # train.async_save: each rank writes its shard on a thread
 
     def _check_token_ids(self) -> None:
-        """Every token id below the model's vocabulary (data/token_check.py), before step 1: the
-        ranks scan 1/world of the tokens each and reduce the maxima, once per dataset file."""
+        """Every token id in [0, vocabulary) (data/token_check.py), before step 1: the ranks scan
+        1/world of the tokens each and reduce the extremes, once per dataset file."""
         cache = cache_dir(self.cfg.data.cache_dir)
         for dataset in self.data.datasets:  # the same decision on every rank: the cache is shared
-            found = cached_max_token_id(dataset, cache)
+            found = cached_token_range(dataset, cache)
             if found is None:
-                local = torch.tensor(max_token_id(dataset, self.ps.rank, self.layout.world_size), dtype=torch.int64,
-                                     device=self.backend.device)
+                smallest, largest = token_range(dataset, self.ps.rank, self.layout.world_size)
+                # one MAX reduction for both: the largest id and the negated smallest
+                local = torch.tensor([largest, -smallest], dtype=torch.int64, device=self.backend.device)
                 if self.layout.world_size > 1:
                     dist.all_reduce(local, op=dist.ReduceOp.MAX)
-                found = int(local.item())
+                largest, negated = local.tolist()
+                found = (-negated, largest)
                 if self.is_logger:
-                    remember_max_token_id(dataset, cache, found)
+                    remember_token_range(dataset, cache, found)
             vocab_key = "model.vocab_size" if self.cfg.model.vocab_size is not None else dataset.vocab_source
             check_token_ids(dataset, found, self.dims.vocab_size, vocab_key)
 

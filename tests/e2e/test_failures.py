@@ -128,14 +128,42 @@ def test_token_id_outside_the_vocabulary_is_one_line_before_step_1(tp, corrupt_d
 
 def test_token_scan_is_remembered_per_dataset_file(corrupt_dataset, tmp_path):
     from megaframe.data import open_dataset
-    from megaframe.data.token_check import cached_max_token_id, max_token_id, remember_max_token_id
+    from megaframe.data.token_check import cached_token_range, remember_token_range, token_range
 
     dataset = open_dataset(corrupt_dataset)
-    assert cached_max_token_id(dataset, tmp_path) is None
-    shares = [max_token_id(dataset, part, 3) for part in range(3)]
-    assert max(shares) == 300 and sorted(shares)[:2] == [255, 255]  # only one share holds the bad id
-    remember_max_token_id(dataset, tmp_path, max(shares))
-    assert cached_max_token_id(open_dataset(corrupt_dataset), tmp_path) == 300
+    assert cached_token_range(dataset, tmp_path) is None
+    shares = [token_range(dataset, part, 3) for part in range(3)]
+    largest = [high for _, high in shares]
+    assert max(largest) == 300 and sorted(largest)[:2] == [255, 255]  # only one share holds the bad id
+    found = (min(low for low, _ in shares), max(largest))
+    remember_token_range(dataset, tmp_path, found)
+    assert cached_token_range(open_dataset(corrupt_dataset), tmp_path) == (0, 300)
+
+
+@pytest.fixture(scope="module")
+def negative_id_dataset(tmp_path_factory) -> Path:
+    """Megatron's layout in int32, as some pipelines write it, padded with -1 in one document."""
+    from megaframe.data import IndexedDatasetWriter
+
+    prefix = tmp_path_factory.mktemp("data") / "padded"
+    rng = np.random.default_rng(1)
+    with IndexedDatasetWriter(prefix, dtype=np.int32) as writer:  # the writer itself refuses -1
+        for _ in range(200):
+            writer.add_document(rng.integers(0, 256, size=300))
+        writer.finalize({"tokenizer": "byte", "vocab_size": 257, "eod_id": 256})
+    tokens = np.memmap(f"{prefix}.bin", dtype="<i4", mode="r+")
+    tokens[45000:45020] = -1  # the tail of document 150 padded by another pipeline
+    tokens.flush()
+    return prefix
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_negative_token_id_is_one_line_before_step_1(tp, negative_id_dataset, tmp_path):
+    """At tp=2 such a run trained through the -1s and exited 0; at tp=1 it died at step 7, exit 1."""
+    result = run_cli([*TINY, f"parallel.tp={tp}", f"data.path={negative_id_dataset}", "train.max_steps=3",
+                      f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert_one_line_failure(result, ExitCode.BAD_DATA, "token id -1 is negative", "rebuild the data")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run")
 
 
 def test_a_hung_rank_ends_the_job_within_the_timeout_naming_it(tmp_path):
