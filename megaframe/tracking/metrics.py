@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +40,22 @@ class MetricsLog:
         return dropped
 
     def append(self, record: dict[str, Any]) -> None:
-        """Add one record and flush it to disk."""
+        """Add one record and flush it to disk: strict JSON, a non-finite number written as null
+        (Python's NaN and Infinity are no JSON; jq and browsers refuse the line)."""
         with open(self.path, "a") as f:
-            f.write(json.dumps(record, sort_keys=False) + "\n")
+            f.write(json.dumps(strict_json(record), sort_keys=False, allow_nan=False) + "\n")
             f.flush()
+
+
+def strict_json(value: Any) -> Any:
+    """`value` with every non-finite float, at any depth, replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

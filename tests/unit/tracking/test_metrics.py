@@ -1,6 +1,8 @@
 """metrics.jsonl bookkeeping and the FLOPs formula."""
 from __future__ import annotations
 
+import pytest
+
 from megaframe.config.schema import ModelConfig
 from megaframe.model.factory import resolve_dims
 from megaframe.tracking.flops import matmul_parameters
@@ -48,3 +50,15 @@ def test_mfu_needs_a_known_peak():
     assert peak_tflops(123.0) == 123.0
     if not torch.cuda.is_available():
         assert peak_tflops(None) is None  # no standard CPU peak: no MFU unless configured
+
+
+def test_records_are_strict_json_with_null_for_non_finite_numbers(tmp_path):
+    """train.eval_steps=0 once wrote a bare NaN: valid for Python, refused by jq and browsers."""
+    import json
+    import math
+
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.append({"step": 1, "loss": float("nan"), "eval_loss": float("inf"), "lr": 1e-3, "nested": [-math.inf, 2.0]})
+    line = (tmp_path / "metrics.jsonl").read_text().strip()
+    assert json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in {line}")) == \
+        {"step": 1, "loss": None, "eval_loss": None, "lr": 1e-3, "nested": [None, 2.0]}
