@@ -1,0 +1,231 @@
+"""FakeCudaMode: every aten op sees device tensors as CUDA would, and runs on the CPU.
+
+An op on device tensors is checked (one device; a host tensor of more than 0 dims refused as CUDA
+refuses it), run by the CPU kernel on the unwrapped values, and its new outputs wrapped again on
+that device; in-place and out= ops hand back the caller's own tensors. Reads back to the host are
+counted (ledger.py), including kernels that synchronise inside on CUDA. c10d ops given a non-empty
+host tensor are refused as NCCL refuses them; gloo then runs on the unwrapped values.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fakecuda import kernels, ledger
+from fakecuda.tensor import CudaTensor, resolve_index, state
+
+aten = torch.ops.aten
+# CUDA kernels that copy a count or size to the host before they can allocate their output
+SYNCING_KERNELS = {
+    aten.bincount.default: "bincount", aten.nonzero.default: "nonzero", aten.masked_select.default: "masked_select",
+    aten._unique2.default: "unique", aten._unique.default: "unique", aten.unique_dim.default: "unique",
+    aten.unique_consecutive.default: "unique", aten.equal.default: "equal",
+}
+# host index tensors are moved to the device by these (allowed under CUDA); the indexed tensor is not
+INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
+FUSED_ADAM = {aten._fused_adam_.default, aten._fused_adamw_.default, aten._fused_adam_.tensor_lr,
+              aten._fused_adamw_.tensor_lr, aten._fused_adam.default, aten._fused_adamw.default}
+_kinds: dict = {}
+
+
+def _kind(func) -> str:
+    kind = _kinds.get(func)
+    if kind is None:
+        if func.namespace == "c10d":
+            kind = "c10d"
+        elif torch.Tag.nondeterministic_seeded in func.tags:
+            kind = "random"
+        elif torch.Tag.inplace_view in func.tags or func in (aten.set_.source_Tensor, aten.resize_.default,
+                                                              aten.set_.source_Storage_storage_offset):
+            kind = "inplace_view"
+        else:
+            kind = "plain"
+        _kinds[func] = kind
+    return kind
+
+
+def device_tensor(elem: torch.Tensor, index: int) -> CudaTensor:
+    return CudaTensor(elem, index)
+
+
+def _same_device_error(a: str, b: str) -> str:
+    return f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}!"
+
+
+def _check_devices(func, flat: list, indices: set) -> None:
+    """CUDA's rule: one device per op; a host tensor only as a 0-dim scalar (not even that in fused Adam)."""
+    if len(indices) > 1:
+        a, b = sorted(indices)[:2]
+        raise ledger.refuse(f"{func}: " + _same_device_error(f"cuda:{a}", f"cuda:{b}"))
+    index = next(iter(indices))
+    strict = func in FUSED_ADAM
+    for x in flat:
+        if isinstance(x, torch.Tensor) and not isinstance(x, CudaTensor):
+            if x.device.type == "meta" or strict or x.dim() > 0:
+                raise ledger.refuse(f"{func}: " + _same_device_error(f"cuda:{index}", str(x.device)))
+
+
+def _check_indexing(func, args, kwargs, indices: set) -> None:
+    self_ = args[0]
+    if not isinstance(self_, CudaTensor):
+        raise ledger.refuse(f"{func}: indices should be either on cpu or on the same device as the indexed tensor (cpu)")
+    rest = [a for i, a in enumerate(args) if i != 1] + list(kwargs.values())
+    _check_devices(func, tree_flatten(rest)[0], indices)
+    if any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in args[1] if t is not None):
+        ledger.count_sync("boolean-mask index (nonzero)")
+
+
+def _check_collective(func, flat: list) -> None:
+    """NCCL takes CUDA tensors on this rank's device only, after torch.cuda.set_device."""
+    for x in flat:
+        if isinstance(x, torch.Tensor) and not isinstance(x, CudaTensor) and x.numel() > 0:
+            raise ledger.refuse(f"{func}: Tensors must be CUDA and dense (a {x.device} tensor of shape "
+                                f"{tuple(x.shape)} in a collective: NCCL refuses host tensors)")
+        if isinstance(x, CudaTensor):
+            if not state["device_set"] and state["count"] > 1:
+                raise ledger.refuse(f"{func}: a collective before torch.cuda.set_device: every rank of the node "
+                                    f"would use cuda:0 (NCCL: Duplicate GPU detected)")
+            if x._index != state["device"]:
+                raise ledger.refuse(f"{func}: a tensor on cuda:{x._index} in a collective of a rank whose device "
+                                    f"is cuda:{state['device']}")
+
+
+@contextlib.contextmanager
+def _cuda_generator(index: int):
+    """Run a random op with the CPU's default generator holding the device's generator state."""
+    from fakecuda.rng import generators
+
+    device_gen, host = generators()[index], torch.default_generator
+    saved = host.get_state()
+    host.set_state(device_gen.get_state())
+    try:
+        yield
+    finally:
+        device_gen.set_state(host.get_state())
+        host.set_state(saved)
+
+
+def _target(kwargs: dict):
+    """The device a factory or copy names: ('cuda', N), ('host', None), or None when it names none."""
+    if "device" not in kwargs or kwargs["device"] is None:
+        return None
+    index = resolve_index(kwargs["device"])
+    return ("cuda", index) if index is not None else ("host", None)
+
+
+def dispatch(func, args: tuple, kwargs: dict) -> Any:
+    kind = _kind(func)
+    flat, spec = tree_flatten((args, kwargs))
+    indices = {x._index for x in flat if isinstance(x, CudaTensor)}
+    target = _target(kwargs)
+    if kind == "c10d":
+        _check_collective(func, flat)
+    if not indices and (target is None or target[0] == "host"):
+        if kind == "random" and isinstance(kwargs.get("generator"), torch.Generator):
+            _check_generator(func, kwargs["generator"], on_device=False)
+        return func(*args, **kwargs)  # a host op
+    handler = kernels.HANDLERS.get(func)
+    if handler is not None:
+        return handler(func, args, kwargs, next(iter(indices), None))
+    if func is aten._local_scalar_dense.default:
+        ledger.count_sync("item")
+        return args[0]._elem.item()
+    if func is aten.copy_.default:
+        return _copy(args, kwargs)
+    if func is aten._to_copy.default and target is not None and target[0] == "host":
+        ledger.count_sync("to host")
+    elif func in INDEXING:
+        _check_indexing(func, args, kwargs, indices)
+    elif func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None and len(args) < 2:
+        ledger.count_sync("repeat_interleave without output_size")
+    elif func is not aten._to_copy.default and indices and kind != "c10d":
+        _check_devices(func, flat, indices)
+    if func in SYNCING_KERNELS:
+        ledger.count_sync(SYNCING_KERNELS[func])
+    if func is aten.record_stream.default:
+        return None  # one stream per device here: nothing to record
+    index = target[1] if target is not None and target[0] == "cuda" else next(iter(indices), None)
+    unwrapped = [x._elem if isinstance(x, CudaTensor) else x for x in flat]
+    by_id = {id(x._elem): x for x in flat if isinstance(x, CudaTensor)}
+    args, kwargs = tree_unflatten(unwrapped, spec)
+    if target is not None:
+        kwargs = {**kwargs, "device": torch.device("cpu")}
+    if kind == "random" and index is not None:
+        out = _random(func, args, kwargs, index)
+    else:
+        out = func(*args, **kwargs)
+    if target is not None and target[0] == "host":
+        index = None
+    result = _rewrap(out, by_id, index)
+    if kind == "inplace_view":
+        refresh(by_id.get(id(args[0])))
+    return result
+
+
+def _rewrap(out, by_id: dict, index):
+    flat, spec = tree_flatten(out)
+    wrapped = []
+    for x in flat:
+        if type(x) is torch.Tensor:
+            known = by_id.get(id(x))
+            if known is not None:
+                x = known
+            elif index is not None and x.device.type == "cpu":
+                x = CudaTensor(x, index)
+        wrapped.append(x)
+    return tree_unflatten(wrapped, spec)
+
+
+def refresh(wrapper) -> None:
+    """After an op that changed the values' shape or strides in place: the wrapper's C++ side follows."""
+    if isinstance(wrapper, CudaTensor):
+        elem = wrapper._elem
+        if wrapper.shape != elem.shape or wrapper.stride() != elem.stride() or \
+                wrapper.storage_offset() != elem.storage_offset():
+            torch._C.TensorBase.data.__set__(wrapper, CudaTensor(elem, wrapper._index))
+
+
+def _copy(args, kwargs):
+    """copy_(dst, src): host to device and device to host are copies, not mixing (the latter a read back)."""
+    dst, src = args[0], args[1]
+    non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    if isinstance(dst, CudaTensor) and isinstance(src, CudaTensor) and dst._index != src._index:
+        pass  # peer copy: allowed on CUDA
+    elif not isinstance(dst, CudaTensor):
+        ledger.count_sync("copy_ to host")
+    if isinstance(src, torch.Tensor) and src.device.type == "meta" and not isinstance(src, CudaTensor):
+        raise ledger.refuse("copy_: " + _same_device_error(str(dst.device), "meta"))
+    dst_elem = dst._elem if isinstance(dst, CudaTensor) else dst
+    src_elem = src._elem if isinstance(src, CudaTensor) else src
+    dst_elem.copy_(src_elem, non_blocking)
+    return dst
+
+
+def _check_generator(func, generator: torch.Generator, on_device: bool) -> None:
+    from fakecuda.rng import is_device_generator
+
+    ours = is_device_generator(generator)
+    if on_device and not ours:
+        raise ledger.refuse(f"{func}: Expected a 'cuda' device type for generator but found 'cpu'")
+    if not on_device and ours:
+        raise ledger.refuse(f"{func}: Expected a 'cpu' device type for generator but found 'cuda'")
+
+
+def _random(func, args, kwargs, index: int):
+    generator = kwargs.get("generator")
+    if generator is not None:
+        _check_generator(func, generator, on_device=True)
+        return func(*args, **kwargs)  # the device generator itself (a CPU generator object) draws
+    with _cuda_generator(index):
+        return func(*args, **kwargs)
+
+
+class FakeCudaMode(TorchDispatchMode):
+    """Pushed once per process (install.py) and left on: every aten op passes here first."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return dispatch(func, args, kwargs or {})
