@@ -146,6 +146,13 @@ class FakeCudaAccelerator(CPU_Accelerator):
     def available_memory(self, device_index=None):
         return torch.cuda.mem_get_info()[0]
 
+    def get_op_builder(self, class_name):
+        # a GPU has no shared-memory or oneCCL collectives (NCCL does that); the rest (CPU Adam for
+        # offload, async IO) are the CPU's, as DeepSpeed's CUDA accelerator also builds them for the host
+        if class_name in ("ShareMemCommBuilder", "CCLCommBuilder"):
+            return None
+        return super().get_op_builder(class_name)
+
     def is_fp16_supported(self):
         return True
 

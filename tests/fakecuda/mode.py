@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fakecuda import kernels, ledger
-from fakecuda.tensor import CudaTensor, resolve_index, state
+from fakecuda.tensor import CudaTensor, context, resolve_index, state
 
 aten = torch.ops.aten
 # CUDA kernels that copy a count or size to the host before they can allocate their output
@@ -109,22 +109,31 @@ def _cuda_generator(index: int):
         host.set_state(saved)
 
 
-def _target(kwargs: dict):
-    """The device a factory or copy names: ('cuda', N), ('host', None), or None when it names none."""
-    if "device" not in kwargs or kwargs["device"] is None:
+def _target(kwargs: dict, flat: list):
+    """The device a factory or copy names: ('cuda', N), ('host', None), or None when it names none.
+    A pure factory on `meta` inside a torch call on a device tensor is a C++ composite making a tensor
+    with that tensor's options (tensor.py): it goes to that device."""
+    device = kwargs.get("device")
+    if device is None:
         return None
-    index = resolve_index(kwargs["device"])
-    return ("cuda", index) if index is not None else ("host", None)
+    index = resolve_index(device)
+    if index is not None:
+        return ("cuda", index)
+    if torch.device(device).type == "meta":
+        inside = getattr(context, "index", None)
+        if inside is not None and not any(isinstance(x, torch.Tensor) for x in flat):
+            return ("cuda", inside)
+    return ("host" if torch.device(device).type == "cpu" else "other", None)
 
 
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
     kind = _kind(func)
     flat, spec = tree_flatten((args, kwargs))
     indices = {x._index for x in flat if isinstance(x, CudaTensor)}
-    target = _target(kwargs)
-    if kind == "c10d":
+    target = _target(kwargs, flat)
+    if kind == "c10d" and func is not torch.ops.c10d.barrier.default:  # (gloo's barrier tensor is its own)
         _check_collective(func, flat)
-    if not indices and (target is None or target[0] == "host"):
+    if not indices and (target is None or target[0] != "cuda"):
         if kind == "random" and isinstance(kwargs.get("generator"), torch.Generator):
             _check_generator(func, kwargs["generator"], on_device=False)
         return func(*args, **kwargs)  # a host op
@@ -158,7 +167,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         out = _random(func, args, kwargs, index)
     else:
         out = func(*args, **kwargs)
-    if target is not None and target[0] == "host":
+    if target is not None and target[0] != "cuda":
         index = None
     result = _rewrap(out, by_id, index)
     if kind == "inplace_view":

@@ -7,11 +7,15 @@ Python sees `cuda:N` through the overridden `device`, `is_cuda`, `is_meta` and `
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 # the current device (torch.cuda.set_device) and whether it was set; the device count
 state = {"device": 0, "device_set": False, "count": 1}
 on_new = []  # callbacks for each new wrapper (torch_cuda.track: memory statistics)
+# the device of the torch call running on a device tensor, if any (see CudaTensor.__torch_function__)
+context = threading.local()
 
 
 class CudaTensor(torch.Tensor):
@@ -90,6 +94,23 @@ class CudaTensor(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         return CudaTensor(inner["_elem"], meta["index"])
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """C++ composites (SDPA's math path, autograd's zero gradients) make tensors with a device
+        tensor's options, i.e. on its C++ device, meta: while a torch call on a device tensor runs,
+        mode.py makes such factories on that tensor's device instead. No output is converted (torch's
+        default would turn a host result, e.g. of .cpu(), into this class)."""
+        index = next((a._index for a in args if isinstance(a, CudaTensor)), None)
+        if index is None:
+            index = next((a._index for a in (kwargs or {}).values() if isinstance(a, CudaTensor)), state["device"])
+        previous = getattr(context, "index", None)
+        context.index = index
+        try:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        finally:
+            context.index = previous
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

@@ -296,18 +296,27 @@ def _patch_grouping() -> None:
 
 def _patch_swap_tensors() -> None:
     """Module.to("cuda") swaps each parameter with its device copy (a wrapper subclass): the Parameter
-    object stays the module's, and keeps the attributes other code put on it (DeepSpeed's ds_*, shard
-    marks, tied weights), which swap_tensors alone would hand to the discarded copy."""
+    object stays the module's, as `param.data = cuda_copy` keeps it on a CUDA build, with the
+    attributes other code put on it (DeepSpeed's ds_*, shard marks, tied weights) and the weak
+    references others hold to it (torch's swap_tensors refuses those, and would hand the attributes to
+    the discarded copy)."""
     swap = torch.utils.swap_tensors
 
-    def swap_keeping_attributes(t1, t2):
-        kept = {k: v for k, v in t1.__dict__.items() if k not in ("_elem", "_index", "_is_param")}
-        swap(t1, t2)
-        if isinstance(t1, CudaTensor):
-            for k, v in kept.items():
-                t1.__dict__.setdefault(k, v)
+    def swap_to_device(t1, t2):
+        if not (isinstance(t2, CudaTensor) and type(t1) in (torch.Tensor, torch.nn.Parameter)):
+            return swap(t1, t2)
+        for t, name in ((t1, "t1"), (t2, "t2")):
+            if t._use_count() > 1 and not (t._use_count() == 2 and t.is_leaf):
+                raise RuntimeError(f"Expected use_count of {name} to be 1 or 2 with an AccumulateGrad node but got "
+                                   f"{t._use_count()}")
+        kept = dict(t1.__dict__)
+        t1.__class__, t2.__class__ = t2.__class__, t1.__class__
+        t1.__dict__, t2.__dict__ = t2.__dict__, t1.__dict__
+        torch._C._swap_tensor_impl(t1, t2)
+        for k, v in kept.items():
+            t1.__dict__.setdefault(k, v)
 
-    torch.utils.swap_tensors = swap_keeping_attributes
+    torch.utils.swap_tensors = swap_to_device
 
 
 def _patch_object_collectives() -> None:
