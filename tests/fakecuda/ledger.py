@@ -10,9 +10,9 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-_HERE = str(Path(__file__).resolve().parent)
+_HERE = str(Path(__file__).resolve().parent) + os.sep
 _TORCH = os.path.dirname(os.path.dirname(os.path.abspath(__import__("torch").__file__)))
-_SKIP = (_HERE, os.path.join(_TORCH, "torch"), "<frozen")
+_SKIP = (_HERE, os.path.join(_TORCH, "torch") + os.sep, "<frozen")
 _lock = threading.Lock()
 syncs: Counter = Counter()  # (kind, call site) -> count
 violations: list[dict] = []  # {"message", "site"}, in order

@@ -214,10 +214,10 @@ def _copy(args, kwargs):
     return dst
 
 
-def _check_generator(func, generator: torch.Generator, on_device: bool) -> None:
+def _check_generator(func, generator: torch.Generator, on_device: bool, index: int | None = None) -> None:
     from fakecuda.rng import is_device_generator
 
-    ours = is_device_generator(generator)
+    ours = is_device_generator(generator, index)
     if on_device and not ours:
         raise ledger.refuse(f"{func}: Expected a 'cuda' device type for generator but found 'cpu'")
     if not on_device and ours:
@@ -227,7 +227,7 @@ def _check_generator(func, generator: torch.Generator, on_device: bool) -> None:
 def _random(func, args, kwargs, index: int):
     generator = kwargs.get("generator")
     if generator is not None:
-        _check_generator(func, generator, on_device=True)
+        _check_generator(func, generator, on_device=True, index=index)
         return func(*args, **kwargs)  # the device generator itself (a CPU generator object) draws
     with _cuda_generator(index):
         return func(*args, **kwargs)

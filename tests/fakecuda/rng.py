@@ -17,8 +17,15 @@ def generators() -> list[torch.Generator]:
     return _generators
 
 
-def is_device_generator(generator: torch.Generator) -> bool:
-    return any(generator is g for g in generators())
+def is_device_generator(generator: torch.Generator, index: int | None = None) -> bool:
+    """Whether this is one of the device's generators. The dispatcher hands an op a new Python object
+    for the same generator, so identity cannot tell: the state does (a CPU generator holding exactly a
+    device generator's state passes; one seeded or drawn otherwise does not). index: that device's only."""
+    candidates = generators() if index is None else [generators()[index]]
+    if any(generator is g for g in candidates):
+        return True
+    state = generator.get_state()
+    return any(torch.equal(state, g.get_state()) for g in candidates)
 
 
 def _generator(device="cuda") -> torch.Generator:

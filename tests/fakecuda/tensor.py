@@ -77,6 +77,21 @@ class CudaTensor(torch.Tensor):
         torch._C.TensorBase.data.__set__(self, new)  # shape, strides, dtype of the C++ wrapper
         self._elem, self._index = new._elem, new._index
 
+    def tolist(self):
+        from fakecuda import ledger
+
+        ledger.count_sync("tolist")
+        return self._elem.tolist()
+
+    def numpy(self, *, force: bool = False):
+        from fakecuda import ledger
+
+        raise ledger.refuse(f"can't convert cuda:{self._index} device type tensor to numpy. Use Tensor.cpu() to copy "
+                            f"the tensor to host memory first.")
+
+    def __array__(self, dtype=None, copy=None):
+        return self.numpy()
+
     def __repr__(self, *, tensor_contents=None) -> str:
         body = repr(self._elem)  # not counted as a sync: printing is for people
         return body[:-1] + f", device='cuda:{self._index}')" if body.endswith(")") else body
