@@ -1,0 +1,72 @@
+"""megaframe-train on the CUDA-shaped device (tests/fakecuda): as a user runs it on GPUs (DeepSpeed on a
+`cuda` accelerator, every tensor of the step loop on cuda:N, collectives refusing host tensors), with
+no change to megaframe. Each run must finish with no violation in any process and the plain CPU
+run's curve (loss, gradient norm, eval loss at rtol 1e-5 in fp32). The ranks start as the e2e tests
+start them (python -m megaframe.train, self-launched through torchrun for dp=2), each installing the
+device from tests/fakecuda/sitecustomize.py."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from helpers import REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
+from parity import assert_parity
+
+pytestmark = pytest.mark.slow
+STEPS = ["train.max_steps=6", "train.eval_interval=3"]
+SITE = REPO / "tests" / "fakecuda"
+
+
+def fake_cuda_env(report_dir, **extra: str) -> dict[str, str]:
+    """A subprocess environment whose Python processes all start on the device."""
+    path = [str(SITE), str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+    return cli_env(MEGAFRAME_FAKE_CUDA="1", MEGAFRAME_FAKE_CUDA_REPORT=str(report_dir),
+                   PYTHONPATH=os.pathsep.join(p for p in path if p), **extra)
+
+
+def run_on_device(tmp_path, name: str, extra: list[str], world: int = 1, **env: str) -> list[dict]:
+    """Train under the tier; return the run's metrics after checking every process's report."""
+    from fakecuda.ledger import read_reports
+
+    run_dir, reports = tmp_path / name, tmp_path / f"{name}-reports"
+    result = run_cli([*TINY, *STEPS, *extra, f"hydra.run.dir={run_dir}"], env=fake_cuda_env(reports, **env))
+    assert_ok(result)
+    assert "| device cuda:0 (NVIDIA H100" in result.stdout, result.stdout[-2000:]
+    ranks = [r for r in read_reports(reports) if "megaframe" in " ".join(r["argv"])]
+    trained = [r for r in ranks if r["rank"] is not None]
+    assert len(trained) == world, f"{name}: {len(trained)} rank reports for {world} ranks: {ranks}"
+    for report in ranks:
+        assert report["violations"] == [], f"{name}: rank {report['rank']}: {report['violations']}"
+    assert all(any(kind == "item" for kind, _, _ in r["syncs"]) for r in trained), "no host read counted at all"
+    return read_metrics(run_dir)
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(tmp_path_factory) -> list[dict]:
+    run_dir = tmp_path_factory.mktemp("cpu") / "run"
+    assert_ok(run_cli([*TINY, *STEPS, f"hydra.run.dir={run_dir}"]))
+    return read_metrics(run_dir)
+
+
+SINGLE = {"zero0-fp32": ["zero=stage0"], "zero1-fp32": ["zero=stage1"], "zero2-fp32": ["zero=stage2"]}
+
+
+@pytest.mark.parametrize("case", list(SINGLE))
+def test_one_rank_trains_on_the_device_with_the_cpu_curve(case, cpu_reference, tmp_path):
+    assert_parity(run_on_device(tmp_path, case, SINGLE[case]), cpu_reference, f"fakecuda {case}")
+
+
+def test_deepspeed_synchronized_device_paths_too(cpu_reference, tmp_path):
+    """is_synchronized_device() True: DeepSpeed's CPU code paths (no reduction stream) on the same device."""
+    metrics = run_on_device(tmp_path, "zero2-sync", ["zero=stage2"], MEGAFRAME_FAKE_CUDA_SYNCHRONIZED="1")
+    assert_parity(metrics, cpu_reference, "fakecuda zero2 synchronized")
+
+
+DP2 = {"dp2-zero1": ["zero=stage1"], "dp2-zero3": ["zero=stage3"]}
+
+
+@pytest.mark.parametrize("case", list(DP2))
+def test_two_data_parallel_ranks_train_on_the_device_with_the_cpu_curve(case, cpu_reference, tmp_path):
+    metrics = run_on_device(tmp_path, case, ["parallel.dp=2", *DP2[case]], world=2)
+    assert_parity(metrics, cpu_reference, f"fakecuda {case}")
