@@ -156,7 +156,10 @@ class MoE(nn.Module):
         if not self.tp.sequence_parallel:
             tokens = split_tokens(tokens, self.tp.group)  # each TP rank routes 1/tp of the tokens
         logits, scores, top_idx, top_weights = self.router(tokens)
-        counts = torch.bincount(top_idx.flatten(), minlength=self.moe.num_experts)
+        # a scatter, not torch.bincount: CUDA's bincount reads the input's max back to the host to size
+        # its output (minlength or not), a sync per layer and micro-batch
+        chosen = top_idx.flatten()
+        counts = chosen.new_zeros(self.moe.num_experts).scatter_add_(0, chosen, torch.ones_like(chosen))
         aux_loss, stats = self._router_losses(logits, scores, counts)
         if not recomputing():  # the forward's records stand; the recomputation's would leak its graph
             self.aux_loss, self.stats = aux_loss, stats
