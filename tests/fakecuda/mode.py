@@ -53,7 +53,9 @@ def device_tensor(elem: torch.Tensor, index: int) -> CudaTensor:
 
 
 def _same_device_error(a: str, b: str) -> str:
-    return f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}!"
+    node = torch._C._current_autograd_node()
+    where = f" (in the backward of {node.name()})" if node is not None else ""
+    return f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}!{where}"
 
 
 def _check_devices(func, flat: list, indices: set) -> None:
@@ -110,9 +112,10 @@ def _cuda_generator(index: int):
 
 
 def _target(kwargs: dict, flat: list):
-    """The device a factory or copy names: ('cuda', N), ('host', None), or None when it names none.
-    A pure factory on `meta` inside a torch call on a device tensor is a C++ composite making a tensor
-    with that tensor's options (tensor.py): it goes to that device."""
+    """The device a factory or copy names: ('cuda', N), ('host', None), ('other', None) (meta), or None
+    when it names none. `meta` is the C++ device of every device tensor, so C++ code that copies a
+    device tensor's options names meta: such an op goes to that tensor's device, and so does a pure
+    factory inside a torch call on a device tensor (tensor.py)."""
     device = kwargs.get("device")
     if device is None:
         return None
@@ -120,6 +123,11 @@ def _target(kwargs: dict, flat: list):
     if index is not None:
         return ("cuda", index)
     if torch.device(device).type == "meta":
+        # C++ passing a device tensor's options (ToCopyBackward's grad.to(self.options()), factories in
+        # composites): that tensor's device. An explicit x.to("meta") never gets here (torch_cuda.py).
+        on_device = next((x._index for x in flat if isinstance(x, CudaTensor)), None)
+        if on_device is not None:
+            return ("cuda", on_device)
         inside = getattr(context, "index", None)
         if inside is not None and not any(isinstance(x, torch.Tensor) for x in flat):
             return ("cuda", inside)

@@ -243,6 +243,9 @@ def _patch_to() -> None:
         except Exception:
             return to(self, *args, copy=copy, **kwargs)
         device = _indexed(device)
+        if isinstance(self, CudaTensor) and device is not None and device.type == "meta":
+            # explicit: a meta tensor (the dispatcher would read `meta` as this tensor's own device)
+            return self._elem.to(device, dtype or self.dtype)
         memory_format = torch.preserve_format if memory_format is None else memory_format
         if (isinstance(self, CudaTensor) and not copy and device in (None, self.device)
                 and dtype in (None, self.dtype) and memory_format is torch.preserve_format):

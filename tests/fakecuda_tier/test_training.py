@@ -6,23 +6,14 @@ start them (python -m megaframe.train, self-launched through torchrun for dp=2),
 device from tests/fakecuda/sitecustomize.py."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from helpers import REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
+from fakecuda.env import fake_cuda_env
+from helpers import TINY, assert_ok, read_metrics, run_cli
 from parity import assert_parity
 
 pytestmark = pytest.mark.slow
 STEPS = ["train.max_steps=6", "train.eval_interval=3"]
-SITE = REPO / "tests" / "fakecuda"
-
-
-def fake_cuda_env(report_dir, **extra: str) -> dict[str, str]:
-    """A subprocess environment whose Python processes all start on the device."""
-    path = [str(SITE), str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
-    return cli_env(MEGAFRAME_FAKE_CUDA="1", MEGAFRAME_FAKE_CUDA_REPORT=str(report_dir),
-                   PYTHONPATH=os.pathsep.join(p for p in path if p), **extra)
 
 
 def run_on_device(tmp_path, name: str, extra: list[str], world: int = 1, **env: str) -> list[dict]:
