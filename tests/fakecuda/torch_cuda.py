@@ -306,6 +306,9 @@ def _patch_swap_tensors() -> None:
     swap = torch.utils.swap_tensors
 
     def swap_to_device(t1, t2):
+        if isinstance(t1, CudaTensor) and isinstance(t2, CudaTensor):
+            CudaTensor.data.fset(t1, t2)  # a cast or a second visit of a tied weight: `param.data = applied`
+            return None
         if not (isinstance(t2, CudaTensor) and type(t1) in (torch.Tensor, torch.nn.Parameter)):
             return swap(t1, t2)
         for t, name in ((t1, "t1"), (t2, "t2")):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from fakecuda.env import fake_cuda_env
-from helpers import TINY, assert_ok, read_metrics, run_cli
+from helpers import TINY, assert_ok, curve, read_metrics, run_cli
 from parity import assert_parity
 
 pytestmark = pytest.mark.slow
@@ -54,10 +54,24 @@ def test_deepspeed_synchronized_device_paths_too(cpu_reference, tmp_path):
     assert_parity(metrics, cpu_reference, "fakecuda zero2 synchronized")
 
 
-DP2 = {"dp2-zero1": ["zero=stage1"], "dp2-zero3": ["zero=stage3"]}
+TWO_RANKS = {"dp2-zero1": ["parallel.dp=2", "zero=stage1"], "dp2-zero3": ["parallel.dp=2", "zero=stage3"],
+             "tp2-zero1": ["parallel.tp=2", "zero=stage1"], "pp2-zero1": ["parallel.pp=2", "zero=stage1"]}
 
 
-@pytest.mark.parametrize("case", list(DP2))
-def test_two_data_parallel_ranks_train_on_the_device_with_the_cpu_curve(case, cpu_reference, tmp_path):
-    metrics = run_on_device(tmp_path, case, ["parallel.dp=2", *DP2[case]], world=2)
+@pytest.mark.parametrize("case", list(TWO_RANKS))
+def test_two_ranks_train_on_the_device_with_the_cpu_curve(case, cpu_reference, tmp_path):
+    metrics = run_on_device(tmp_path, case, TWO_RANKS[case], world=2)
     assert_parity(metrics, cpu_reference, f"fakecuda {case}")
+
+
+def test_bf16_trains_through_the_flash_attention_kernel_close_to_the_cpu(tmp_path):
+    """bf16 attention goes through FlashAttention-2's contract (tests/fakecuda/kernels.py); the CPU picks
+    its own kernel, so the curves agree to bf16 rounding, not bit for bit."""
+    extra = ["zero=stage1", "precision=bf16"]
+    assert_ok(run_cli([*TINY, *STEPS, *extra, f"hydra.run.dir={tmp_path / 'cpu'}"]))
+    metrics = run_on_device(tmp_path, "bf16-zero1", extra)
+    for key in ("loss", "eval_loss"):
+        got, want = curve(metrics, key), curve(read_metrics(tmp_path / "cpu"), key)
+        assert [s for s, _ in got] == [s for s, _ in want] and len(want) >= 2
+        for (step, a), (_, b) in zip(got, want):
+            assert a == pytest.approx(b, rel=1e-3), f"bf16 {key} at step {step}: {a} vs CPU {b}"
