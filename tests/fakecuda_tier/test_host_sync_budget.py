@@ -47,15 +47,19 @@ print("COUNTS " + json.dumps({"counts": counts, "violations": ledger.violations}
 """
 
 
-@pytest.fixture(scope="module")
-def counts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("budget")
-    result = subprocess.run([sys.executable, "-c", COUNT, str(root), json.dumps(CASES), json.dumps(SHAPES),
-                             json.dumps(TINY)], cwd=REPO, env=fake_cuda_env(root / "reports"), capture_output=True,
-                            text=True, timeout=600)
+def count_syncs(root, cases: dict, shapes: list, **env: str) -> dict:
+    """Host reads of each case's second step, per (micro-batches, layers), in one process on the device."""
+    result = subprocess.run([sys.executable, "-c", COUNT, str(root), json.dumps(cases), json.dumps(shapes),
+                             json.dumps(TINY)], cwd=REPO, env=fake_cuda_env(root / "reports", **env),
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-6000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("COUNTS "))
     return json.loads(line[len("COUNTS "):])
+
+
+@pytest.fixture(scope="module")
+def counts(tmp_path_factory):
+    return count_syncs(tmp_path_factory.mktemp("budget"), CASES, SHAPES)
 
 
 def test_no_violation_while_counting(counts):
@@ -69,3 +73,13 @@ def test_host_reads_per_step_do_not_grow_with_micro_batches_or_layers(case, coun
     assert one, f"{case}: no host read counted at all: the counting is broken"
     assert by_shape[(4, 2)] == one, f"{case}: host reads per step grow with micro-batches: {one} -> {by_shape[(4, 2)]}"
     assert by_shape[(1, 4)] == one, f"{case}: host reads per step grow with layers: {one} -> {by_shape[(1, 4)]}"
+
+
+def test_the_budget_catches_a_read_per_micro_batch(tmp_path):
+    """The seeded bug (tests/fakecuda/mutants.py) reads each micro-batch's loss: 4 micro-batches, 3 more reads."""
+    found = count_syncs(tmp_path, {"zero1": ["zero=stage1"]}, [(1, 2), (4, 2)],
+                        MEGAFRAME_FAKE_CUDA_MUTANT="item_per_micro_batch")["counts"]
+    one, four = found["zero1 micro=1 layers=2"], found["zero1 micro=4 layers=2"]
+    assert sum(four.values()) == sum(one.values()) + 3, (one, four)
+    # named at the step loop's line that called the bugged gate (the tier's own frames are skipped)
+    assert [n for site, n in four.items() if "deepspeed/engine.py" in site and "(train_step)" in site] == [4], four
