@@ -49,7 +49,14 @@ def _item_per_micro_batch() -> None:
     skip_gate.LastMicroBatchGate.__call__ = read_each
 
 
-MUTANTS = {"init_on_default_device": _init_on_default_device, "host_dp_mean": _host_dp_mean,
+def _adam_step_on_host() -> None:
+    """A resumed Adam step kept on the host (megaframe before a910607): fused AdamW reads it on the device."""
+    from megaframe.backends.deepspeed import state_io
+
+    state_io.adam_step_tensor = lambda step, param, on_device: torch.tensor(float(step))
+
+
+MUTANTS = {"adam_step_on_host": _adam_step_on_host, "init_on_default_device": _init_on_default_device, "host_dp_mean": _host_dp_mean,
            "item_per_micro_batch": _item_per_micro_batch}
 
 

@@ -6,6 +6,8 @@ start them (python -m megaframe.train, self-launched through torchrun for dp=2),
 device from tests/fakecuda/sitecustomize.py."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from fakecuda.env import fake_cuda_env
@@ -20,7 +22,7 @@ def run_on_device(tmp_path, name: str, extra: list[str], world: int = 1, **env: 
     """Train under the tier; return the run's metrics after checking every process's report."""
     from fakecuda.ledger import read_reports
 
-    run_dir, reports = tmp_path / name, tmp_path / f"{name}-reports"
+    run_dir, reports = tmp_path / name, tmp_path / f"{name}-reports-{time.monotonic_ns()}"  # one per run
     result = run_cli([*TINY, *STEPS, *extra, f"hydra.run.dir={run_dir}"], env=fake_cuda_env(reports, **env))
     assert_ok(result)
     assert "| device cuda:0 (NVIDIA H100" in result.stdout, result.stdout[-2000:]
@@ -75,3 +77,11 @@ def test_bf16_trains_through_the_flash_attention_kernel_close_to_the_cpu(tmp_pat
         assert [s for s, _ in got] == [s for s, _ in want] and len(want) >= 2
         for (step, a), (_, b) in zip(got, want):
             assert a == pytest.approx(b, rel=1e-3), f"bf16 {key} at step {step}: {a} vs CPU {b}"
+
+
+def test_resume_on_the_device_continues_the_cpu_curve(cpu_reference, tmp_path):
+    """Stopped at step 3 and resumed from its layout-free checkpoint: optimizer state (Adam's step too,
+    which fused AdamW reads on the device) comes back onto the device."""
+    extra = ["zero=stage1", "train.save_interval=3"]
+    run_on_device(tmp_path, "resume", [*extra, "train.exit_at_step=3"])
+    assert_parity(run_on_device(tmp_path, "resume", extra), cpu_reference, "fakecuda resumed zero1")
