@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fakecuda import kernels, ledger
 from fakecuda.tensor import CudaTensor, context, resolve_index, state
@@ -52,6 +51,35 @@ def device_tensor(elem: torch.Tensor, index: int) -> CudaTensor:
     return CudaTensor(elem, index)
 
 
+# aten arguments and results nest only lists, tuples and (kwargs) a dict: walked by hand, a third of
+# the time torch's pytree takes
+def _leaves(obj, out: list) -> list:
+    if type(obj) in (list, tuple):
+        for x in obj:
+            _leaves(x, out)
+    elif type(obj) is dict:
+        for x in obj.values():
+            _leaves(x, out)
+    else:
+        out.append(obj)
+    return out
+
+
+def _map(fn, obj):
+    kind = type(obj)
+    if kind is list:
+        return [_map(fn, x) for x in obj]
+    if kind is tuple:
+        return tuple(_map(fn, x) for x in obj)
+    if kind is dict:
+        return {k: _map(fn, v) for k, v in obj.items()}
+    return fn(obj)
+
+
+def _unwrap(x):
+    return x._elem if isinstance(x, CudaTensor) else x
+
+
 def _same_device_error(a: str, b: str) -> str:
     node = torch._C._current_autograd_node()
     where = f" (in the backward of {node.name()})" if node is not None else ""
@@ -76,7 +104,7 @@ def _check_indexing(func, args, kwargs, indices: set) -> None:
     if not isinstance(self_, CudaTensor):
         raise ledger.refuse(f"{func}: indices should be either on cpu or on the same device as the indexed tensor (cpu)")
     rest = [a for i, a in enumerate(args) if i != 1] + list(kwargs.values())
-    _check_devices(func, tree_flatten(rest)[0], indices)
+    _check_devices(func, _leaves(rest, []), indices)
     if any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in args[1] if t is not None):
         ledger.count_sync("boolean-mask index (nonzero)")
 
@@ -136,7 +164,7 @@ def _target(kwargs: dict, flat: list):
 
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
     kind = _kind(func)
-    flat, spec = tree_flatten((args, kwargs))
+    flat = _leaves(kwargs, _leaves(args, []))
     indices = {x._index for x in flat if isinstance(x, CudaTensor)}
     target = _target(kwargs, flat)
     if kind == "c10d" and func is not torch.ops.c10d.barrier.default:  # (gloo's barrier tensor is its own)
@@ -166,9 +194,8 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     if func is aten.record_stream.default:
         return None  # one stream per device here: nothing to record
     index = target[1] if target is not None and target[0] == "cuda" else next(iter(indices), None)
-    unwrapped = [x._elem if isinstance(x, CudaTensor) else x for x in flat]
     by_id = {id(x._elem): x for x in flat if isinstance(x, CudaTensor)}
-    args, kwargs = tree_unflatten(unwrapped, spec)
+    args, kwargs = _map(_unwrap, args), _map(_unwrap, kwargs)
     if target is not None:
         kwargs = {**kwargs, "device": torch.device("cpu")}
     if kind == "random" and index is not None:
@@ -184,17 +211,15 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
 
 
 def _rewrap(out, by_id: dict, index):
-    flat, spec = tree_flatten(out)
-    wrapped = []
-    for x in flat:
+    def rewrap(x):
         if type(x) is torch.Tensor:
             known = by_id.get(id(x))
             if known is not None:
-                x = known
-            elif index is not None and x.device.type == "cpu":
-                x = CudaTensor(x, index)
-        wrapped.append(x)
-    return tree_unflatten(wrapped, spec)
+                return known
+            if index is not None and x.device.type == "cpu":
+                return CudaTensor(x, index)
+        return x
+    return _map(rewrap, out)
 
 
 def refresh(wrapper) -> None:
