@@ -65,6 +65,22 @@ def sdp_choice(func, args, kwargs, index):
     raise ledger.refuse("No available kernel. Aborting execution.")
 
 
+def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention as CUDA runs it: C++ asks the choice stub of the query's C++
+    device (meta, none), so tensor.py routes the call here, which chooses as CUDA does and calls that
+    backend's aten op (autograd then calls its backward op)."""
+    choice = sdp_choice(torch.ops.aten._fused_sdp_choice.default, (query, key, value, attn_mask, dropout_p, is_causal),
+                        {"scale": scale, "enable_gqa": enable_gqa}, None)
+    if choice == FLASH:
+        return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+    if choice == EFFICIENT:
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        return aten._scaled_dot_product_efficient_attention(query, key, value, None, grad, dropout_p, is_causal,
+                                                            scale=scale)[0]
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
+                                                            scale=scale, enable_gqa=enable_gqa)
+
+
 def _flash_layout(out: torch.Tensor) -> torch.Tensor:
     # the CUDA kernels work in (B, T, H, D) and hand back its (B, H, T, D) transpose
     return out.transpose(1, 2).contiguous().transpose(1, 2)

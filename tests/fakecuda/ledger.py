@@ -16,6 +16,7 @@ _SKIP = (_HERE, os.path.join(_TORCH, "torch") + os.sep, "<frozen")
 _lock = threading.Lock()
 syncs: Counter = Counter()  # (kind, call site) -> count
 violations: list[dict] = []  # {"message", "site"}, in order
+kernels: Counter = Counter()  # emulated CUDA-only kernel -> calls (kernels.py)
 
 
 class CudaError(RuntimeError):
@@ -53,13 +54,15 @@ def total_syncs() -> int:
 def snapshot() -> dict:
     """A picklable copy: syncs as [kind, site, count] rows, violations as dicts."""
     with _lock:
-        return {"syncs": [[kind, site, n] for (kind, site), n in syncs.items()], "violations": list(violations)}
+        return {"syncs": [[kind, site, n] for (kind, site), n in syncs.items()], "violations": list(violations),
+                "kernels": dict(kernels)}
 
 
 def reset() -> None:
     with _lock:
         syncs.clear()
         violations.clear()
+        kernels.clear()
 
 
 def _write_report() -> None:

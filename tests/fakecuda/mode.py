@@ -175,6 +175,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         return func(*args, **kwargs)  # a host op
     handler = kernels.HANDLERS.get(func)
     if handler is not None:
+        ledger.kernels[str(func)] += 1
         return handler(func, args, kwargs, next(iter(indices), None))
     if func is aten._local_scalar_dense.default:
         ledger.count_sync("item")

@@ -123,6 +123,10 @@ class CudaTensor(torch.Tensor):
         context.index = index
         try:
             with torch._C.DisableTorchFunctionSubclass():
+                if func is torch.nn.functional.scaled_dot_product_attention:
+                    from fakecuda.kernels import sdpa
+
+                    return sdpa(*args, **(kwargs or {}))
                 return func(*args, **(kwargs or {}))
         finally:
             context.index = previous

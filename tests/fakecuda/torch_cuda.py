@@ -207,6 +207,8 @@ def install_torch_cuda() -> None:
     cuda.nvtx = types.SimpleNamespace(range_push=_noop, range_pop=_noop, mark=_noop,
                                       range=lambda *a, **k: contextlib.nullcontext())
     rng.install(cuda)
+    # sm90 with FlashAttention-2 and memory-efficient attention built in (kernels.py emulates both)
+    torch.backends.cuda.is_flash_attention_available = lambda: True
 
 
 # ---- Python-level torch functions that read the C++ device -------------------------------------
