@@ -44,7 +44,3 @@ def install(deepspeed: bool = True) -> None:
         install_accelerator()
     ledger.write_report_at_exit()
     assert torch.cuda.is_available()
-
-
-def installed() -> bool:
-    return _installed["done"]

@@ -47,10 +47,6 @@ def refuse(message: str) -> CudaError:
     return CudaError(message)
 
 
-def total_syncs() -> int:
-    return sum(syncs.values())
-
-
 def snapshot() -> dict:
     """A picklable copy: syncs as [kind, site, count] rows, violations as dicts."""
     with _lock:

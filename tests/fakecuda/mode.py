@@ -47,10 +47,6 @@ def _kind(func) -> str:
     return kind
 
 
-def device_tensor(elem: torch.Tensor, index: int) -> CudaTensor:
-    return CudaTensor(elem, index)
-
-
 # aten arguments and results nest only lists, tuples and (kwargs) a dict: walked by hand, a third of
 # the time torch's pytree takes
 def _leaves(obj, out: list) -> list:

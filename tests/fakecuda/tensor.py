@@ -139,10 +139,6 @@ class CudaTensor(torch.Tensor):
         return dispatch(func, args, kwargs or {})
 
 
-def wrap(elem: torch.Tensor, index: int) -> CudaTensor:
-    return CudaTensor(elem, index)
-
-
 def resolve_index(device) -> int | None:
     """cuda / cuda:N / int (a cuda ordinal) -> N (the current device when none is named); None otherwise."""
     if device is None:

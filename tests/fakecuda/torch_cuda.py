@@ -10,7 +10,7 @@ import weakref
 
 import torch
 
-from fakecuda import ledger, rng
+from fakecuda import rng
 from fakecuda.tensor import CudaTensor, resolve_index, state
 
 TOTAL_MEMORY = 80 * 2**30
@@ -333,7 +333,3 @@ def _patch_object_collectives() -> None:
 
     distributed_c10d._get_object_coll_device = lambda group=None: f"cuda:{state['device']}"
     distributed_c10d._get_pg_default_device = lambda group=None: torch.device("cuda", state["device"])
-
-
-def count_sync(kind: str) -> None:
-    ledger.count_sync(kind)

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from ranks import run_ranks
 
+pytestmark = pytest.mark.slow  # two ranks (about 6 s)
+
 
 def _outcome(fn) -> str:
     """'ok', or the refusal's first line ('refused: ...'), or another error's type and line."""
