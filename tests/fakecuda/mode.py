@@ -82,8 +82,23 @@ def _same_device_error(a: str, b: str) -> str:
     return f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}!{where}"
 
 
-def _check_devices(func, flat: list, indices: set) -> None:
-    """CUDA's rule: one device per op; a host tensor only as a 0-dim scalar (not even that in fused Adam)."""
+_written: dict = {}
+
+
+def _written_args(func) -> tuple[set, set]:
+    """Positions and names of the arguments an op writes (in place, out=)."""
+    found = _written.get(func)
+    if found is None:
+        arguments = func._schema.arguments
+        writes = [(i, a.name, a.kwarg_only) for i, a in enumerate(arguments)
+                  if a.alias_info is not None and a.alias_info.is_write]
+        found = _written[func] = ({i for i, _, kw in writes if not kw}, {n for _, n, _ in writes})
+    return found
+
+
+def _check_devices(func, flat: list, indices: set, args: tuple = (), kwargs: dict | None = None) -> None:
+    """CUDA's rule: one device per op; a host tensor only as a 0-dim scalar input (not even that in
+    fused Adam), never as the tensor an op writes."""
     if len(indices) > 1:
         a, b = sorted(indices)[:2]
         raise ledger.refuse(f"{func}: " + _same_device_error(f"cuda:{a}", f"cuda:{b}"))
@@ -93,6 +108,11 @@ def _check_devices(func, flat: list, indices: set) -> None:
         if isinstance(x, torch.Tensor) and not isinstance(x, CudaTensor):
             if x.device.type == "meta" or strict or x.dim() > 0:
                 raise ledger.refuse(f"{func}: " + _same_device_error(f"cuda:{index}", str(x.device)))
+    positions, names = _written_args(func)
+    written = [args[i] for i in positions if i < len(args)] + [v for k, v in (kwargs or {}).items() if k in names]
+    for x in _leaves(written, []):
+        if isinstance(x, torch.Tensor) and not isinstance(x, CudaTensor):
+            raise ledger.refuse(f"{func}: " + _same_device_error(f"cuda:{index}", f"{x.device} (written)"))
 
 
 def _check_indexing(func, args, kwargs, indices: set) -> None:
@@ -185,7 +205,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     elif func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None and len(args) < 2:
         ledger.count_sync("repeat_interleave without output_size")
     elif func is not aten._to_copy.default and indices and kind != "c10d":
-        _check_devices(func, flat, indices)
+        _check_devices(func, flat, indices, args, kwargs)
     if func in SYNCING_KERNELS:
         ledger.count_sync(SYNCING_KERNELS[func])
     if func is aten.record_stream.default:

@@ -112,6 +112,7 @@ def _checks(rank: int, world: int) -> dict:
     x = torch.ones(4, 4, device=dev)
     out["mixed_device_op"] = _outcome(lambda: x + torch.ones(4, 4))
     out["host_scalar_ok"] = _outcome(lambda: x * torch.tensor(2.0))
+    out["host_scalar_written"] = _outcome(lambda: torch.tensor(0.0).add_(x.sum()))
     out["meta_tensor_op"] = _outcome(lambda: x + torch.ones(4, 4, device="meta"))
     out["host_tensor_in_collective"] = _outcome(lambda: dist.all_reduce(torch.ones(3)))
     out["device_tensor_in_collective"] = _outcome(lambda: dist.all_reduce(torch.ones(3, device=dev)))
@@ -214,6 +215,7 @@ def test_device_random_draws_come_from_their_own_generator(results):
     ("cpu_generator_for_device_tensor", "Expected a 'cuda' device type for generator"),
     ("cpu_generator_for_device_normal_", "Expected a 'cuda' device type for generator"),
     ("fused_adam_host_step", "Expected all tensors to be on the same device"),
+    ("host_scalar_written", "cpu (written)"),
     ("flash_fp32_refused", "fp16 and bf16"),
     ("flash_head_dim_refused", "multiple of 8"),
 ])
