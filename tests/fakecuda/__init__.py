@@ -1,0 +1,46 @@
+"""The CUDA-shaped CPU device: tensors report `cuda:N`, run on the CPU, and fail where CUDA or NCCL
+would (a host tensor meeting a device tensor or entering a collective, a CPU generator drawing for a
+device tensor); reads back to the host are counted with their call sites.
+
+install() sets it up in this process; tests/fakecuda/sitecustomize.py calls it in every Python
+process started with MEGAFRAME_FAKE_CUDA=1 and tests/fakecuda on PYTHONPATH (megaframe-train's
+ranks, torchrun's, forked ones). It lives with the tests: megaframe never imports it.
+
+  tensor.py       CudaTensor, the wrapper (meta on the C++ side, cuda:N in Python)
+  mode.py         FakeCudaMode: checks, runs on the CPU, rewraps; counts syncs; refuses host tensors in c10d
+  kernels.py      CUDA-only kernels emulated (SDPA choice, flash / efficient attention, grouped GEMM)
+  rng.py          the device generators
+  torch_cuda.py   torch.cuda and the Python-level torch functions that read the C++ device
+  accelerator.py  DeepSpeed's accelerator named cuda, gloo underneath
+  ledger.py       violations and syncs, with call sites; per-process reports
+"""
+from __future__ import annotations
+
+from fakecuda import ledger
+
+_installed = {"done": False, "mode": None}
+
+
+def install(deepspeed: bool = True) -> None:
+    """Make this process see CUDA devices (idempotent). deepspeed=False leaves DeepSpeed's accelerator
+    alone (and DeepSpeed unimported)."""
+    if _installed["done"]:
+        return
+    import torch
+
+    from fakecuda import torch_cuda
+    from fakecuda.mode import FakeCudaMode
+    from fakecuda.tensor import on_new
+
+    torch_cuda.install_torch_cuda()
+    torch_cuda.install_torch_functions()
+    on_new.append(torch_cuda.track)
+    mode = FakeCudaMode()
+    mode.__enter__()  # left on for the life of the process (forked children inherit it)
+    _installed.update(done=True, mode=mode)
+    if deepspeed:
+        from fakecuda.accelerator import install as install_accelerator
+
+        install_accelerator()
+    ledger.write_report_at_exit()
+    assert torch.cuda.is_available()

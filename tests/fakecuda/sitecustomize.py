@@ -1,0 +1,19 @@
+"""With MEGAFRAME_FAKE_CUDA=1 and this folder on PYTHONPATH, every Python process starts on the
+CUDA-shaped CPU device (tests/fakecuda/__init__.py): the tests' own, megaframe-train's self-launched
+ranks, torchrun's. Without the variable it does nothing, except apply a seeded megaframe bug when
+MEGAFRAME_FAKE_CUDA_MUTANT names one (mutants.py; the tier's self-tests show the bug passes on the CPU)."""
+import os
+import sys
+
+if os.environ.get("MEGAFRAME_FAKE_CUDA") == "1" or os.environ.get("MEGAFRAME_FAKE_CUDA_MUTANT"):
+    _tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if _tests not in sys.path:
+        sys.path.append(_tests)  # the fakecuda package is tests/fakecuda
+    if os.environ.get("MEGAFRAME_FAKE_CUDA") == "1":
+        import fakecuda
+
+        fakecuda.install(deepspeed=os.environ.get("MEGAFRAME_FAKE_CUDA_DEEPSPEED", "1") == "1")
+    if os.environ.get("MEGAFRAME_FAKE_CUDA_MUTANT"):
+        from fakecuda.mutants import apply
+
+        apply(os.environ["MEGAFRAME_FAKE_CUDA_MUTANT"])
