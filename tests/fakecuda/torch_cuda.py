@@ -219,6 +219,28 @@ def install_torch_functions() -> None:
     _patch_grouping()
     _patch_swap_tensors()
     _patch_object_collectives()
+    _patch_pinning()
+
+
+def _patch_pinning() -> None:
+    """Tensor.pin_memory / is_pinned: a CPU-only build has no pinned allocator ("Cannot access
+    accelerator device when none is available"). As on CUDA: a host tensor pins into a page-locked
+    copy (here a plain one, remembered as pinned); a device tensor cannot be pinned."""
+    import weakref
+
+    pinned = weakref.WeakSet()
+
+    def pin_memory(self, device=None):
+        if isinstance(self, CudaTensor):
+            raise RuntimeError(f"cannot pin '{self.type()}' only dense CPU tensors can be pinned")
+        copy = self.clone(memory_format=torch.contiguous_format)
+        pinned.add(copy)
+        return copy
+
+    def is_pinned(self, device=None):
+        return not isinstance(self, CudaTensor) and self in pinned
+
+    torch.Tensor.pin_memory, torch.Tensor.is_pinned = pin_memory, is_pinned
 
 
 def _indexed(device):
