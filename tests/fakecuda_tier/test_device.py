@@ -88,6 +88,10 @@ def _checks(rank: int, world: int) -> dict:
     cuda_losses = _train(model, dev)
     out["losses"] = (cpu_losses, cuda_losses)
     out["param_kept"] = (model[0].weight is first_weight, getattr(model[0].weight, "shard_mark", None))
+    tied = torch.nn.ModuleDict({"embed": torch.nn.Embedding(4, 8), "head": torch.nn.Linear(8, 4, bias=False)})
+    tied.head.weight = tied.embed.weight
+    tied.to(dev).to(torch.float64)  # a move, then a cast: both visit the shared weight twice
+    out["tied_kept"] = (tied.head.weight is tied.embed.weight, str(tied.head.weight.device), str(tied.head.weight.dtype))
     out["reports_cuda"] = (first_weight.is_cuda, str(first_weight.device), first_weight.get_device(),
                            str(next(iter(_adam_state_devices(model)))),
                            torch.tensor([1, 2], device="cuda").device.index, torch.ones(2).cuda().is_cuda)
@@ -199,6 +203,7 @@ def test_tensors_say_cuda_and_module_to_keeps_parameters(results):
     for rank, r in enumerate(results):
         assert r["reports_cuda"] == (True, f"cuda:{rank}", rank, f"cuda:{rank}", rank, True)
         assert r["param_kept"] == (True, "kept")
+        assert r["tied_kept"] == (True, f"cuda:{rank}", "torch.float64")
 
 
 def test_device_random_draws_come_from_their_own_generator(results):

@@ -1,0 +1,38 @@
+"""megaframe-train runs on the device, for tests/fakecuda_tier: each checked for violations in every
+process, a report per rank, and the emulated kernels it was expected to use."""
+from __future__ import annotations
+
+import time
+
+from fakecuda.env import fake_cuda_env
+from helpers import TINY, assert_ok, read_metrics, run_cli
+
+STEPS = ["train.max_steps=6", "train.eval_interval=3"]
+
+
+def run_on_device(tmp_path, name: str, extra: list[str], world: int = 1, kernels: tuple[str, ...] = (),
+                  **env: str) -> list[dict]:
+    """Train under the tier; return the run's metrics after checking every process's report (and that
+    each rank ran the emulated CUDA kernels named in `kernels`)."""
+    from fakecuda.ledger import read_reports
+
+    run_dir, reports = tmp_path / name, tmp_path / f"{name}-reports-{time.monotonic_ns()}"  # one per run
+    result = run_cli([*TINY, *STEPS, *extra, f"hydra.run.dir={run_dir}"], env=fake_cuda_env(reports, **env))
+    assert_ok(result)
+    assert "| device cuda:0 (NVIDIA H100" in result.stdout, result.stdout[-2000:]
+    ranks = [r for r in read_reports(reports) if "megaframe" in " ".join(r["argv"])]
+    trained = [r for r in ranks if r["rank"] is not None]
+    assert len(trained) == world, f"{name}: {len(trained)} rank reports for {world} ranks: {ranks}"
+    for report in ranks:
+        assert report["violations"] == [], f"{name}: rank {report['rank']}: {report['violations']}"
+    assert all(any(kind == "item" for kind, _, _ in r["syncs"]) for r in trained), "no host read counted at all"
+    for r in trained:
+        assert all(r["kernels"].get(f"aten.{k}.default") for k in kernels), (kernels, r["kernels"])
+    return read_metrics(run_dir)
+
+
+def cpu_run(tmp_path, extra: list[str] = ()) -> list[dict]:
+    """The same schedule on plain CPU ranks: the reference curve."""
+    run_dir = tmp_path / "cpu-run"
+    assert_ok(run_cli([*TINY, *STEPS, *extra, f"hydra.run.dir={run_dir}"]))
+    return read_metrics(run_dir)

@@ -1,0 +1,22 @@
+"""megaframe-train on the CUDA-shaped device (tests/fakecuda): as a user runs it on GPUs (DeepSpeed on a
+`cuda` accelerator, every tensor of the step loop on cuda:N, collectives refusing host tensors), with
+no change to megaframe. Each run must finish with no violation in any process and the plain CPU
+run's curve (loss, gradient norm, eval loss at rtol 1e-5 in fp32). The ranks start as the e2e tests
+start them (python -m megaframe.train, self-launched through torchrun for two ranks), each installing
+the device from tests/fakecuda/sitecustomize.py. This file: two ranks (dp, tp, pp)."""
+from __future__ import annotations
+
+import pytest
+
+from fakecuda.runs import run_on_device
+from parity import assert_parity
+
+pytestmark = pytest.mark.slow
+TWO_RANKS = {"dp2-zero1": ["parallel.dp=2", "zero=stage1"], "dp2-zero3": ["parallel.dp=2", "zero=stage3"],
+             "tp2-zero1": ["parallel.tp=2", "zero=stage1"], "pp2-zero1": ["parallel.pp=2", "zero=stage1"]}
+
+
+@pytest.mark.parametrize("case", list(TWO_RANKS))
+def test_two_ranks_train_on_the_device_with_the_cpu_curve(case, cpu_reference, tmp_path):
+    metrics = run_on_device(tmp_path, case, TWO_RANKS[case], world=2)
+    assert_parity(metrics, cpu_reference, f"fakecuda {case}")
