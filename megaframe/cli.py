@@ -22,6 +22,7 @@ from megaframe.config.store import register_configs
 from megaframe.config.validate import ConfigError, Layout, requested_world_size, validate
 from megaframe.config.validate import warnings as validate_warnings
 from megaframe.failures import PROG
+from megaframe.launch_guard import LAUNCHER_PID, die_with_launcher
 from megaframe.paths import conf_dir
 from megaframe.slurm import adopt_slurm_env
 
@@ -206,6 +207,7 @@ def _self_launch(overrides: list[str], world: int, run_dir: str) -> int:
     from megaframe.failures import exit_code_of_job
 
     os.environ[_SELF_LAUNCHED] = "1"
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the agent runs in this process: the ranks' parent
     # one BLAS thread per rank unless the user chose: ranks would otherwise oversubscribe the cores
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     if not any(o.startswith("hydra.run.dir=") for o in overrides):
@@ -288,6 +290,7 @@ def _run_hydra(args: list[str]) -> None:
 def train_main(argv: Optional[Sequence[str]] = None) -> None:
     """`megaframe-train`: validate, launch as many ranks as the layout needs, train."""
     args = list(sys.argv[1:] if argv is None else argv)
+    die_with_launcher()  # a rank under torchrun's agent ends when its launcher is killed outright
     adopt_slurm_env()  # an srun task (launcher=slurm's job) joins the process group from SLURM's variables
     _stop_if_job_stopped()
     if any(a.split("=", 1)[0] in _HYDRA_FLAGS for a in args):

@@ -1,0 +1,38 @@
+"""A rank dies with the process that launched it.
+
+torchrun's workers (and megaframe-train's self-launched ranks, whose agent runs inside the
+megaframe-train process) run in sessions of their own: when the launcher is killed outright (the
+OOM killer, `kill -9`, `timeout -k`), nothing tells them, and they went on training and writing
+checkpoints under PID 1 after the command had exited 137. Linux's parent-death signal ends each
+rank with its launcher instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+LAUNCHER_PID = "MEGAFRAME_LAUNCHER_PID"  # set by the self-launching megaframe-train for its ranks
+_PR_SET_PDEATHSIG = 1
+
+
+def launched_by_an_agent() -> bool:
+    """Under torchrun's elastic agent (standalone or megaframe-train's own): the parent is the agent."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or LAUNCHER_PID in os.environ
+
+
+def die_with_launcher() -> None:
+    """Ask the kernel to SIGKILL this process when its parent exits; exit at once if the launcher
+    that megaframe-train recorded is already gone (it died before this line ran). Linux only: on
+    other systems torchrun's own signal forwarding is all there is."""
+    if not sys.platform.startswith("linux") or not launched_by_an_agent():
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    expected = os.environ.get(LAUNCHER_PID)
+    if expected is not None and os.getppid() != int(expected):
+        os._exit(128 + int(signal.SIGKILL))  # orphaned already: the launcher is not our parent any more
