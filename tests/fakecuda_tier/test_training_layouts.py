@@ -1,0 +1,47 @@
+"""More layouts on the CUDA-shaped device (tests/fakecuda): context parallelism with the ring's blocks
+through FlashAttention-2's contract in bf16, expert parallelism with the grouped GEMM in bf16, and a
+dropout resume, whose masks outside TP regions come from the device's generator (a checkpoint that
+kept only the CPU's left the curve). Each run: no violation in any process; bf16 runs within bf16
+rounding of the CPU's bf16 curve, the resume on the uninterrupted device curve at rtol 1e-5. (tp2
+with SP, Ulysses, ZeRO-2/3 with CPU offload, fp16 and recomputation ran on the device by hand with no
+violation; CI time keeps them out of the suite.)"""
+from __future__ import annotations
+
+import pytest
+
+from fakecuda.runs import cpu_run, run_on_device
+from helpers import curve
+from parity import assert_parity
+
+pytestmark = pytest.mark.slow
+LLAMA = ["model=llama_tiny", "model.num_kv_heads=2"]
+FLASH = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward")
+
+
+def _within_bf16(got: list[dict], want: list[dict], what: str) -> None:
+    for key in ("loss", "eval_loss"):
+        g, w = curve(got, key), curve(want, key)
+        assert [s for s, _ in g] == [s for s, _ in w] and len(w) >= 2, f"{what}: {key} steps differ"
+        for (step, a), (_, b) in zip(g, w):
+            assert a == pytest.approx(b, rel=2e-3), f"{what}: bf16 {key} at step {step}: {a} vs CPU {b}"
+
+
+def test_the_ring_in_bf16_runs_its_blocks_through_flash_attention(tmp_path):
+    extra = [*LLAMA, "parallel.cp=2", "zero=stage1", "precision=bf16"]
+    cpu = cpu_run(tmp_path, extra)
+    _within_bf16(run_on_device(tmp_path, "cp2-ring-bf16", extra, world=2, kernels=FLASH), cpu, "cp2 ring bf16")
+
+
+def test_experts_over_two_ranks_in_bf16_through_the_grouped_gemm(tmp_path):
+    extra = ["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "zero=stage1", "precision=bf16"]
+    cpu = cpu_run(tmp_path, extra)
+    _within_bf16(run_on_device(tmp_path, "ep2-bf16", extra, world=2, kernels=("_grouped_mm",)), cpu, "ep2 bf16")
+
+
+def test_a_dropout_resume_continues_the_uninterrupted_device_curve(tmp_path):
+    """Dropout outside TP regions draws from the device's generator: the checkpoint carries its state."""
+    extra = ["model.dropout=0.1", "zero=stage1", "train.save_interval=3"]
+    whole = run_on_device(tmp_path, "whole", extra)
+    run_on_device(tmp_path, "parts", [*extra, "train.exit_at_step=3"])
+    resumed = run_on_device(tmp_path, "parts", extra)
+    assert_parity(resumed, whole, "fakecuda dropout resume")
