@@ -188,14 +188,11 @@ def find_latest(save_dir: Path) -> Optional[Path]:
         path = universal.latest_pointer(save_dir)
     except CheckpointError as err:
         raise CheckpointError(f"train.resume: {err}") from None
-    if path is None:
-        complete = _complete_checkpoints(save_dir) if Path(save_dir).is_dir() else []
-        return complete[-1][1] if complete else None
-    if path.is_dir():
+    if path is not None and path.is_dir():
         return path
-    # `latest` names a directory a crash took away mid-swap (re-save of the same step): fall back to
+    # no `latest`, or it names a directory a crash took away mid-swap (re-save of the same step):
     # the newest published one rather than silently starting over
-    complete = _complete_checkpoints(save_dir)
+    complete = _complete_checkpoints(save_dir) if Path(save_dir).is_dir() else []
     return complete[-1][1] if complete else None
 
 

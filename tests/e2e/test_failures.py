@@ -100,30 +100,39 @@ def test_spike_skip_decides_the_same_after_a_resume(tmp_path):
     assert [(r["step"], r["event"]) for r in read_metrics(whole) if "event" in r] == [(8, "spike_skipped")]
 
 
-@pytest.fixture(scope="module")
-def corrupt_dataset(tmp_path_factory) -> Path:
-    """A byte-level dataset whose .bin has one token id (300) above its vocabulary of 257."""
+def _byte_dataset_with(prefix: Path, dtype, edit: slice, value: int, seed: int) -> Path:
+    """A byte-level dataset (vocabulary 257) whose .bin tokens at `edit` are then set to `value`,
+    behind the writer's back (the writer itself refuses ids its dtype cannot hold)."""
     from megaframe.data import IndexedDatasetWriter
 
-    prefix = tmp_path_factory.mktemp("data") / "corpus"
-    rng = np.random.default_rng(0)
-    with IndexedDatasetWriter(prefix, dtype=np.uint16) as writer:
+    rng = np.random.default_rng(seed)
+    with IndexedDatasetWriter(prefix, dtype=dtype) as writer:
         for _ in range(200):
             writer.add_document(rng.integers(0, 256, size=300))
         writer.finalize({"tokenizer": "byte", "vocab_size": 257, "eod_id": 256})
-    tokens = np.memmap(f"{prefix}.bin", dtype="<u2", mode="r+")
-    tokens[12345] = 300  # a flipped bit in storage, or data from another tokenizer
+    tokens = np.memmap(f"{prefix}.bin", dtype=np.dtype(dtype).newbyteorder("<"), mode="r+")
+    tokens[edit] = value
     tokens.flush()
     return prefix
 
 
+@pytest.fixture(scope="module")
+def corrupt_dataset(tmp_path_factory) -> Path:
+    """One token id (300) above the vocabulary: a flipped bit in storage, or data from another tokenizer."""
+    return _byte_dataset_with(tmp_path_factory.mktemp("data") / "corpus", np.uint16, slice(12345, 12346), 300, 0)
+
+
+def _refused_before_step_1(dataset: Path, tp: int, tmp_path: Path, *expected: str) -> None:
+    result = run_cli([*TINY, f"parallel.tp={tp}", f"data.path={dataset}", "train.max_steps=3",
+                      f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert_one_line_failure(result, ExitCode.BAD_DATA, *expected)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run")
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_token_id_outside_the_vocabulary_is_one_line_before_step_1(tp, corrupt_dataset, tmp_path):
-    result = run_cli([*TINY, f"parallel.tp={tp}", f"data.path={corrupt_dataset}", "train.max_steps=3",
-                      f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"])
-    assert_one_line_failure(result, ExitCode.BAD_DATA, "token id 300 is outside the model's vocabulary of 257",
-                            "tools/preprocess_data.py")
-    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run")
+    _refused_before_step_1(corrupt_dataset, tp, tmp_path, "token id 300 is outside the model's vocabulary of 257",
+                           "tools/preprocess_data.py")
 
 
 def test_token_scan_is_remembered_per_dataset_file(corrupt_dataset, tmp_path):
@@ -142,28 +151,14 @@ def test_token_scan_is_remembered_per_dataset_file(corrupt_dataset, tmp_path):
 
 @pytest.fixture(scope="module")
 def negative_id_dataset(tmp_path_factory) -> Path:
-    """Megatron's layout in int32, as some pipelines write it, padded with -1 in one document."""
-    from megaframe.data import IndexedDatasetWriter
-
-    prefix = tmp_path_factory.mktemp("data") / "padded"
-    rng = np.random.default_rng(1)
-    with IndexedDatasetWriter(prefix, dtype=np.int32) as writer:  # the writer itself refuses -1
-        for _ in range(200):
-            writer.add_document(rng.integers(0, 256, size=300))
-        writer.finalize({"tokenizer": "byte", "vocab_size": 257, "eod_id": 256})
-    tokens = np.memmap(f"{prefix}.bin", dtype="<i4", mode="r+")
-    tokens[45000:45020] = -1  # the tail of document 150 padded by another pipeline
-    tokens.flush()
-    return prefix
+    """Megatron's layout in int32, as some pipelines write it, the tail of document 150 padded with -1."""
+    return _byte_dataset_with(tmp_path_factory.mktemp("data") / "padded", np.int32, slice(45000, 45020), -1, 1)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_negative_token_id_is_one_line_before_step_1(tp, negative_id_dataset, tmp_path):
     """At tp=2 such a run trained through the -1s and exited 0; at tp=1 it died at step 7, exit 1."""
-    result = run_cli([*TINY, f"parallel.tp={tp}", f"data.path={negative_id_dataset}", "train.max_steps=3",
-                      f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"])
-    assert_one_line_failure(result, ExitCode.BAD_DATA, "token id -1 is negative", "rebuild the data")
-    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run")
+    _refused_before_step_1(negative_id_dataset, tp, tmp_path, "token id -1 is negative", "rebuild the data")
 
 
 def test_a_hung_rank_ends_the_job_within_the_timeout_naming_it(tmp_path):
