@@ -119,26 +119,13 @@ class FakeCudaAccelerator(CPU_Accelerator):
     def reset_max_memory_allocated(self, device_index=None):
         torch.cuda.reset_peak_memory_stats(device_index)
 
-    def memory_cached(self, device_index=None):
-        return torch.cuda.memory_allocated(device_index)
-
-    def max_memory_cached(self, device_index=None):
-        return torch.cuda.max_memory_allocated(device_index)
-
-    def reset_max_memory_cached(self, device_index=None):
-        torch.cuda.reset_peak_memory_stats(device_index)
+    # the device keeps no cache: cached and reserved memory are the allocated memory
+    memory_cached = memory_reserved = memory_allocated
+    max_memory_cached = max_memory_reserved = max_memory_allocated
+    reset_max_memory_cached = reset_peak_memory_stats = reset_max_memory_allocated
 
     def memory_stats(self, device_index=None):
         return torch.cuda.memory_stats(device_index)
-
-    def reset_peak_memory_stats(self, device_index=None):
-        torch.cuda.reset_peak_memory_stats(device_index)
-
-    def memory_reserved(self, device_index=None):
-        return torch.cuda.memory_allocated(device_index)
-
-    def max_memory_reserved(self, device_index=None):
-        return torch.cuda.max_memory_allocated(device_index)
 
     def total_memory(self, device_index=None):
         return torch.cuda.mem_get_info()[1]
