@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megaframe.compile_breaks import run_eagerly
 from megaframe.model.dims import GPTDims
 from megaframe.model.recompute import recomputing
 from megaframe.parallel.experts import ExpertGroup, mark_expert_shard
@@ -162,7 +163,7 @@ class MoE(nn.Module):
 
     # Under train.compile the block around it compiles and this runs eagerly: its shapes depend on
     # the routing (and the grouped GEMM has no fp32 kernel for inductor's fake tensors).
-    @torch.compiler.disable
+    @run_eagerly
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megaframe.compile_breaks import run_eagerly
 
 class _Stash(torch.autograd.Function):
     """Forward: the parameter. Backward: its gradient contribution goes to the bucket; zeros return."""
@@ -46,7 +47,7 @@ class ReplicatedGradBucket:
         self._flat: Optional[torch.Tensor] = None
         self._flush_queued = False
 
-    @torch.compiler.disable
+    @run_eagerly
     def collect(self, param: torch.nn.Parameter) -> torch.Tensor:
         """`param` for a forward pass, its gradient routed through this bucket."""
         if id(param) not in self._index:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megaframe.compile_breaks import run_eagerly
+
 SEQ_DIM = 1
 
 
@@ -153,7 +155,7 @@ def _apply(fn, x: torch.Tensor, group) -> torch.Tensor:
     return x if _size(group) == 1 else _run_collective(fn, x, group)
 
 
-@torch.compiler.disable
+@run_eagerly
 def _run_collective(fn, x: torch.Tensor, group) -> torch.Tensor:
     # Under train.compile the graph breaks here and the collective runs eagerly, on both passes.
     # Dynamo cannot trace every c10d call (the sequence-parallel gathers made it recompile every
@@ -259,9 +261,13 @@ def gather_tokens(x, group):
     return _apply(_GatherTokens, x, group)
 
 
-@torch.compiler.disable
 def all_to_all_rows(x: torch.Tensor, output_splits, input_splits, group) -> torch.Tensor:
     """All-to-all of rows with per-rank counts (None: equal parts), differentiable."""
+    return _all_to_all_rows_eagerly(x, output_splits, input_splits, group)  # looked up here: see compile_breaks
+
+
+@run_eagerly
+def _all_to_all_rows_eagerly(x: torch.Tensor, output_splits, input_splits, group) -> torch.Tensor:
     if _size(group) == 1:
         return x
     return _AllToAllRows.apply(x, output_splits, input_splits, group)
