@@ -1,5 +1,5 @@
 """Mixture-of-Experts through the Trainer on real gloo ranks reproduces the single-rank run of
-`model=moe_tiny`: fp32, 20 steps, every logged loss, gradient norm and eval loss within rtol 1e-5
+`model=moe_tiny`: fp32, 12 steps, every logged loss, gradient norm and eval loss within rtol 1e-5
 (tests/parity.py), with experts split over ep ranks (all-to-all dispatch, expert gradients reduced
 over the expert-data-parallel ranks) next to DP with ZeRO 0-3, TP (with and without SP), CP, PP,
 activation checkpointing, compile and aux-loss-free bias balancing. The router metrics (aux and z losses, expert load) agree as well.
@@ -18,7 +18,7 @@ from parity import assert_parity, train_runs
 from ranks import run_ranks
 
 pytestmark = pytest.mark.slow
-MODEL = ["model=moe_tiny", "train.max_steps=20", "train.eval_interval=10"]
+MODEL = ["model=moe_tiny", "train.max_steps=12", "train.eval_interval=6"]
 CAPACITY = ["model.moe.capacity_factor=1.0"]
 BIAS = ["model.moe.bias_update_rate=0.001"]  # aux-loss-free balancing, next to the aux loss
 ROUTER_KEYS = ("moe/aux_loss", "moe/z_loss", "moe/max_load")

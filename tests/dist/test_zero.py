@@ -1,9 +1,9 @@
-"""ZeRO stages and offload with real gloo ranks reproduce the single-rank run: fp32, 20 steps, every
+"""ZeRO stages and offload with real gloo ranks reproduce the single-rank run: fp32, 12 steps, every
 logged loss, gradient norm and eval loss within rtol 1e-5 (tests/parity.py).
 
 The reference is one rank with torch's AdamW and no ZeRO. Offloaded runs use DeepSpeed's CPU Adam
 (a fused C++ kernel) against that same reference: in fp32 it matches torch's AdamW to 1e-5 over
-these 20 steps, so the offload cases need no reference of their own.
+these 12 steps, so the offload cases need no reference of their own.
 tp=2 x dp=2 with ZeRO 0-3 is in test_tensor_parallel.py; tp=2 x dp=2 with offload is here.
 """
 from __future__ import annotations
@@ -17,13 +17,13 @@ from parity import assert_parity, train_runs
 from ranks import run_ranks
 
 pytestmark = pytest.mark.slow
-STEPS = ["train.max_steps=20", "train.eval_interval=10"]
+STEPS = ["train.max_steps=12", "train.eval_interval=6"]
 CPU_OFFLOAD = {"zero2-cpu-optimizer": ["zero=stage2", "offload=cpu"],
                "zero3-cpu-optimizer": ["zero=stage3", "offload=cpu"],
                "zero3-cpu-param": ["zero=stage3", "offload.param=cpu"]}
 # NVMe swapping moves only tensors of >= 1 MiB: hidden 512 gives 4 MiB MLP matrices and 3 MiB QKV.
 NVME_MODEL = ["model.num_layers=1", "model.hidden_size=512", "model.num_attention_heads=4",
-              "model.ffn_hidden_size=2048", "model.seq_length=16", "train.max_steps=20", "train.eval_interval=10"]
+              "model.ffn_hidden_size=2048", "model.seq_length=16", "train.max_steps=12", "train.eval_interval=6"]
 # max_in_cpu=0: no parameter stays in CPU memory, so every swappable one goes through the disk
 NVME = ["zero=stage3", "offload=nvme", "offload.param_buffer_size=2000000", "offload.param_max_in_cpu=0"]
 

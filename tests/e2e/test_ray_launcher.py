@@ -19,10 +19,43 @@ pytestmark = pytest.mark.slow
 ARGS = [*TINY, "train.max_steps=6", "train.eval_interval=3", "train.save_interval=2", "zero=stage1", "parallel.dp=2"]
 
 
-def test_ray_workers_train_the_dp2_curve_and_survive_a_killed_worker(tmp_path):
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One Ray cluster started beforehand (`ray start --head`, as on a real cluster) that the tests
+    join with launcher.ray_address: starting a local cluster per job cost 20-40 s of CI's two cores
+    each time. The first test still starts its own, through megaframe's ray.init. Ray 2.5x's
+    clusters use token authentication, which a driver joins with RAY_AUTH_MODE=token."""
     pytest.importorskip("ray", reason="Ray is the optional extra megaframe[ray]; .ci/run installs it with [test]")
-    reference, ray_run = tmp_path / "reference", tmp_path / "ray"
-    assert_ok(run_cli([*ARGS, f"hydra.run.dir={reference}"]))
+    port = _free_port()
+    env = {**cli_env(), "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "token"}
+    ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable))
+    started = subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                              "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=300)
+    assert started.returncode == 0, started.stderr[-2000:]
+    try:
+        yield f"127.0.0.1:{port}", env
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def dp2_reference(tmp_path_factory):
+    """ARGS self-launched at dp=2: the curve every Ray job of ARGS must train."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    assert_ok(run_cli([*ARGS, f"hydra.run.dir={run_dir}"]))
+    return read_metrics(run_dir)
+
+
+def test_ray_workers_train_the_dp2_curve_and_survive_a_killed_worker(tmp_path, dp2_reference):
+    """Started as a user's first launcher=ray run: megaframe's ray.init makes a local cluster."""
+    pytest.importorskip("ray", reason="Ray is the optional extra megaframe[ray]; .ci/run installs it with [test]")
+    ray_run = tmp_path / "ray"
     stamps = tmp_path / "stamps"
     stamps.mkdir()
     env = {**cli_env(), "OMP_NUM_THREADS": "1", "MEGAFRAME_FAULTS": "kill@4:1", "MEGAFRAME_FAULTS_STAMPS": str(stamps)}
@@ -32,7 +65,7 @@ def test_ray_workers_train_the_dp2_curve_and_survive_a_killed_worker(tmp_path):
     assert (stamps / "kill-rank1-step4").exists(), "the fault did not fire: nothing was restarted"
     out = result.stdout + result.stderr
     assert "resumed from" in out and "at step 2" in out
-    assert_parity(read_metrics(ray_run), read_metrics(reference), "launcher=ray with a restart against dp=2")
+    assert_parity(read_metrics(ray_run), dp2_reference, "launcher=ray with a restart against dp=2")
     # one W&B run: both attempts logged (rank 0 of each) under the run directory's id
     run_id = (ray_run / "wandb_run_id").read_text().strip()
     attempts = sorted(path.name for path in (ray_run / "wandb").glob("offline-run-*"))
@@ -53,14 +86,14 @@ def test_without_ray_launcher_ray_is_one_line_before_anything_starts(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_a_ray_sweep_runs_each_point_on_ray_with_its_own_curve(tmp_path):
+def test_a_ray_sweep_runs_each_point_on_ray_with_its_own_curve(tmp_path, ray_cluster):
     """-m with launcher=ray: each point is a whole megaframe-train that starts its own Ray workers,
     in its own run directory, and trains what the same point self-launched trains."""
-    pytest.importorskip("ray", reason="Ray is the optional extra megaframe[ray]; .ci/run installs it with [test]")
+    address, env = ray_cluster
     sweep, alone = tmp_path / "sweep", tmp_path / "alone"
     args = [*ARGS, "train.max_steps=4"]
-    env = {**cli_env(), "OMP_NUM_THREADS": "1"}
-    result = run_cli(["-m", *args, "optim.lr=1e-3,3e-3", "launcher=ray", f"hydra.sweep.dir={sweep}"], env=env)
+    result = run_cli(["-m", *args, "optim.lr=1e-3,3e-3", "launcher=ray", f"launcher.ray_address={address}",
+                      f"hydra.sweep.dir={sweep}"], env=env)
     assert_ok(result)
     assert all((sweep / point / "ray").is_dir() for point in ("0", "1")), "a point did not run on Ray"
     assert "launching 2 ranks" not in result.stdout  # no point fell back to the self-launcher
@@ -71,16 +104,16 @@ def test_a_ray_sweep_runs_each_point_on_ray_with_its_own_curve(tmp_path):
     assert read_metrics(sweep / "0")[-1]["eval_loss"] != read_metrics(sweep / "1")[-1]["eval_loss"]
 
 
-def test_a_hung_ray_worker_ends_the_job_after_megaframes_collective_timeout(tmp_path):
+def test_a_hung_ray_worker_ends_the_job_after_megaframes_collective_timeout(tmp_path, ray_cluster):
     """Ray makes the process group: it gets train.collective_timeout_s (not Ray's 30 minutes), so the
     rank left waiting raises, and the job ends with the hung rank's exit code 7."""
-    pytest.importorskip("ray", reason="Ray is the optional extra megaframe[ray]; .ci/run installs it with [test]")
+    address, cluster_env = ray_cluster
     timeout_s = 20
     stamps = tmp_path / "stamps"
     stamps.mkdir()
-    env = {**cli_env(), "OMP_NUM_THREADS": "1", "MEGAFRAME_FAULTS": "hang@3:1", "MEGAFRAME_FAULTS_STAMPS": str(stamps)}
-    result = run_cli([*ARGS, "launcher=ray", "launcher.max_failures=0", f"train.collective_timeout_s={timeout_s}",
-                      f"hydra.run.dir={tmp_path / 'run'}"], env=env, timeout=400)
+    env = {**cluster_env, "MEGAFRAME_FAULTS": "hang@3:1", "MEGAFRAME_FAULTS_STAMPS": str(stamps)}
+    result = run_cli([*ARGS, "launcher=ray", f"launcher.ray_address={address}", "launcher.max_failures=0",
+                      f"train.collective_timeout_s={timeout_s}", f"hydra.run.dir={tmp_path / 'run'}"], env=env, timeout=400)
     ended = time.time()
     assert result.returncode == 7, (result.stdout + result.stderr)[-3000:]
     out = result.stdout + result.stderr
@@ -89,29 +122,28 @@ def test_a_hung_ray_worker_ends_the_job_after_megaframes_collective_timeout(tmp_
     assert timeout_s - 1 <= hung_for < timeout_s + 60, hung_for
 
 
-def test_a_worker_killed_without_restarts_left_is_one_line_and_exit_1(tmp_path):
+def test_a_worker_killed_without_restarts_left_is_one_line_and_exit_1(tmp_path, ray_cluster):
     """A rank killed by a signal (the OOM killer, a node lost) says nothing itself: the driver says
     what Ray reported, in one line, with the generic exit code 1, and no traceback."""
-    pytest.importorskip("ray", reason="Ray is the optional extra megaframe[ray]; .ci/run installs it with [test]")
-    env = {**cli_env(), "OMP_NUM_THREADS": "1", "MEGAFRAME_FAULTS": "kill@3:1"}
-    result = run_cli([*ARGS, "launcher=ray", "launcher.max_failures=0", f"hydra.run.dir={tmp_path / 'run'}"],
-                     env=env, timeout=400)
+    address, cluster_env = ray_cluster
+    env = {**cluster_env, "MEGAFRAME_FAULTS": "kill@3:1"}
+    result = run_cli([*ARGS, "launcher=ray", f"launcher.ray_address={address}", "launcher.max_failures=0",
+                      f"hydra.run.dir={tmp_path / 'run'}"], env=env, timeout=400)
     assert result.returncode == 1, (result.stdout + result.stderr)[-3000:]
     out = result.stdout + result.stderr
     errors = [line for line in out.splitlines() if "error" in line.lower()]
     assert "Traceback" not in out and any("megaframe-train: error: Ray Train failed:" in e for e in errors), out[-3000:]
 
 
-def test_ray_restarts_do_not_replay_a_divergence(tmp_path):
+def test_ray_restarts_do_not_replay_a_divergence(tmp_path, ray_cluster):
     """FailureConfig restarts the worker group after any failure; a deterministic one (here a
     divergence, exit 3) is recorded in the run dir, so each restart stops at once (noting it in the
     rank's log) instead of training into it again, and the job ends with the cause's one line and
     exit 3."""
-    pytest.importorskip("ray", reason="Ray is the optional extra megaframe[ray]; .ci/run installs it with [test]")
+    address, env = ray_cluster
     run = tmp_path / "run"
-    env = {**cli_env(), "OMP_NUM_THREADS": "1"}
-    result = run_cli([*ARGS, "train.max_steps=30", "optim.lr=1e6", "launcher=ray", "launcher.max_failures=2",
-                      f"hydra.run.dir={run}"], env=env, timeout=500)
+    result = run_cli([*ARGS, "train.max_steps=30", "optim.lr=1e6", "launcher=ray", f"launcher.ray_address={address}",
+                      "launcher.max_failures=2", f"hydra.run.dir={run}"], env=env, timeout=500)
     assert result.returncode == 3, (result.stdout + result.stderr)[-3000:]
     out = result.stdout + result.stderr
     ours = [line for line in out.splitlines() if line.startswith("megaframe-train: error")]
@@ -122,38 +154,20 @@ def test_ray_restarts_do_not_replay_a_divergence(tmp_path):
                                     "with: diverged")]
         assert len(stops) == 2, (rank, stops)
     # a new launch in the same directory is a new job: it trains (here into the same divergence)
-    again = run_cli([*ARGS, "train.max_steps=30", "optim.lr=1e6", "launcher=ray", "launcher.max_failures=0",
-                     f"hydra.run.dir={run}"], env=env, timeout=500)
+    again = run_cli([*ARGS, "train.max_steps=30", "optim.lr=1e6", "launcher=ray", f"launcher.ray_address={address}",
+                     "launcher.max_failures=0", f"hydra.run.dir={run}"], env=env, timeout=500)
     out = again.stdout + again.stderr
     assert "resumed from" in out and "not retrying" not in out, out[-3000:]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_a_running_ray_cluster_is_joined_by_its_address(tmp_path):
-    """launcher.ray_address: the job runs on a cluster started beforehand (`ray start --head`), as on
-    a real Ray cluster, and trains the dp=2 self-launch curve. Ray 2.5x's clusters use token
-    authentication, which a driver joins with RAY_AUTH_MODE=token (older Rays ignore it)."""
-    pytest.importorskip("ray", reason="Ray is the optional extra megaframe[ray]; .ci/run installs it with [test]")
-    port = _free_port()
-    env = {**cli_env(), "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "token"}
-    ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable))
-    started = subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-                              "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=300)
-    try:
-        assert started.returncode == 0, started.stderr[-2000:]
-        reference, joined = tmp_path / "reference", tmp_path / "joined"
-        assert_ok(run_cli([*ARGS, f"hydra.run.dir={reference}"]))
-        result = run_cli([*ARGS, "launcher=ray", f"launcher.ray_address=127.0.0.1:{port}", f"hydra.run.dir={joined}"],
-                         env=env)
-        assert_ok(result)
-        assert_parity(read_metrics(joined), read_metrics(reference), "launcher=ray on a running cluster against dp=2")
-    finally:
-        subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=300)
+def test_a_running_ray_cluster_is_joined_by_its_address(tmp_path, ray_cluster, dp2_reference):
+    """launcher.ray_address: the job runs on a cluster started beforehand, as on a real Ray cluster,
+    and trains the dp=2 self-launch curve, with each rank's output on the driver's terminal."""
+    address, env = ray_cluster
+    joined = tmp_path / "joined"
+    result = run_cli([*ARGS, "launcher=ray", f"launcher.ray_address={address}", f"hydra.run.dir={joined}"], env=env)
+    assert_ok(result)
+    assert_parity(read_metrics(joined), dp2_reference, "launcher=ray on a running cluster against dp=2")
 
 
 def test_a_cluster_address_where_nothing_answers_is_one_line_at_once(tmp_path):
