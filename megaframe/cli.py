@@ -27,6 +27,7 @@ from megaframe.paths import conf_dir
 from megaframe.slurm import adopt_slurm_env
 
 _SELF_LAUNCHED = "MEGAFRAME_SELF_LAUNCHED"  # set for the ranks _self_launch starts
+_SIGNAL_GRACE_S = 300  # how long ranks stopped by a signal may take to save before torchrun kills them
 # Hydra's own flags (help, --cfg job, multirun, ...): Hydra handles them, we do not pre-validate.
 _HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-p", "--package",
                 "--resolve", "-m", "--multirun", "-cp", "--config-path", "-cn", "--config-name",
@@ -201,6 +202,7 @@ def _self_launch(overrides: list[str], world: int, run_dir: str) -> int:
     printed its one line, and its traceback is in RUN_DIR/logs."""
     import logging
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -210,15 +212,54 @@ def _self_launch(overrides: list[str], world: int, run_dir: str) -> int:
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the agent runs in this process: the ranks' parent
     # one BLAS thread per rank unless the user chose: ranks would otherwise oversubscribe the cores
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
-    if not any(o.startswith("hydra.run.dir=") for o in overrides):
-        overrides = [*overrides, f"hydra.run.dir={Path(run_dir).resolve()}"]
+    # torch's elastic modules each set their own logger's level (WARNING): quiet every one, so a
+    # Ctrl-C or SIGTERM the ranks handle (engine/stop_signal.py) prints no agent warning
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     print(f"{PROG}: launching {world} ranks on this host", flush=True)
+    # Ctrl-C or SIGTERM reaches the agent, which passes it to the ranks (engine/stop_signal.py): they
+    # stop at one step boundary and may save; a rank is SIGKILLed only after this grace
+    grace = ["--shutdown-timeout", str(_SIGNAL_GRACE_S)]
     try:
-        run(parse_args(["--standalone", f"--nproc-per-node={world}", "-m", "megaframe.train", *overrides]))
+        run(parse_args(["--standalone", f"--nproc-per-node={world}", *grace, "-m", "megaframe.train", *overrides]))
     except ChildFailedError as err:
+        _name_a_killed_rank(err)
         return exit_code_of_job([failure.exitcode for failure in err.failures.values()])
+    except SignalException as err:  # the ranks have stopped (or were killed after the grace)
+        return 128 + int(err.sigval)
     return 0
+
+
+def _name_a_killed_rank(err) -> None:
+    """A rank that a signal killed first (the OOM killer's SIGKILL) prints nothing itself: say which
+    rank it was and by what. The others then end by the agent's SIGTERM or their peers' errors."""
+    import signal
+
+    rank, first = err.get_first_failure()
+    if first.exitcode is None or first.exitcode >= 0:
+        return  # a rank that exited with a code has said why itself
+    name = signal.Signals(-first.exitcode).name
+    hint = " (the kernel's OOM killer sends it when memory runs out: see `dmesg`)" if name == "SIGKILL" else ""
+    print(f"{PROG}: error (rank {rank}): killed by {name}{hint} [exit 1]", file=sys.stderr, flush=True)
+
+
+def _own_run_dir(args: list[str], run_dir: str) -> tuple[list[str], str]:
+    """Lock the run dir (run_lock.py) for this process and the ranks it starts, pinning it in the
+    overrides so Hydra cannot pick another timestamp; refuse in one line when another run holds it."""
+    from megaframe.run_lock import lock_for_children
+    from megaframe.slurm import hydra_quoted
+
+    run_dir = str(Path(run_dir).resolve())
+    if not any(a.startswith("hydra.run.dir=") for a in args):
+        args = [*args, f"hydra.run.dir={hydra_quoted(run_dir)}"]
+    try:
+        problem = lock_for_children(Path(run_dir))
+    except OSError as err:  # a file where the run dir should be, a read-only parent
+        problem = f"hydra.run.dir={run_dir}: cannot create the run directory ({err.strerror}); choose another"
+    if problem:
+        _fail(problem)
+    return args, run_dir
 
 
 def _shared_run_dir(run_dir: str, collective_timeout_s: float) -> str:
@@ -289,6 +330,14 @@ def _run_hydra(args: list[str]) -> None:
 
 def train_main(argv: Optional[Sequence[str]] = None) -> None:
     """`megaframe-train`: validate, launch as many ranks as the layout needs, train."""
+    try:
+        _train_main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the trainer took over SIGINT (engine/stop_signal.py)
+        print(f"{PROG}: interrupted (SIGINT) before the first step: nothing to save", file=sys.stderr, flush=True)
+        sys.exit(130)
+
+
+def _train_main(argv: Optional[Sequence[str]]) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     die_with_launcher()  # a rank under torchrun's agent ends when its launcher is killed outright
     adopt_slurm_env()  # an srun task (launcher=slurm's job) joins the process group from SLURM's variables
@@ -316,6 +365,8 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     launched = _launcher_world_size() is not None
     if not launched and cfg.launcher.name == "slurm":
         sys.exit(_submit_slurm(cfg, layout, args, run_dir))
+    if not launched:  # this process owns the job on this host: one line and exit 2 if another does
+        args, run_dir = _own_run_dir(args, run_dir)
     if not launched and cfg.launcher.name == "ray":
         from megaframe.ray_launcher import run_on_ray
 

@@ -71,6 +71,14 @@ class RankHung(RunFailure):
     exit_code = ExitCode.RANK_HUNG
 
 
+class RunDirInUse(RunFailure):
+    """Another live megaframe-train owns the run dir (run_lock.py): refused, as before launch.
+    Not recorded as a job stop: the stop record of a Ray job lives in the run dir, which is the
+    other run's."""
+
+    exit_code = ExitCode.REFUSED
+
+
 class JobStopped(RunFailure):
     """An earlier attempt of this torchrun or Ray job failed deterministically; this attempt does not retry it."""
 
@@ -80,6 +88,10 @@ class JobStopped(RunFailure):
         super().__init__(message)
         self.exit_code = ExitCode(exit_code)
 
+
+# a run that SIGINT (Ctrl-C) or SIGTERM (kill, SLURM's preemption) stopped at a step boundary exits as
+# a shell reports such a process: 128 + the signal's number (engine/stop_signal.py)
+SIGNAL_STOPS = (130, 143)
 
 _BY_CODE = {failure.exit_code: failure for failure in (Diverged, BadData, BadCheckpoint, MissingSystemPiece, RankHung)}
 
@@ -111,4 +123,9 @@ def exit_code_of_job(codes: list[Optional[int]]) -> int:
     documented = sorted(c for c in codes if c is not None and ExitCode.DIVERGED <= c <= ExitCode.RANK_HUNG)
     if documented:
         return documented[0]
+    stopped = {c for c in codes if c}
+    # SIGINT/SIGTERM: every rank stopped at one boundary; one that was still closing when the first
+    # exited was sent SIGTERM by torchrun's agent (-15), which changes nothing about how the job ended
+    if stopped & set(SIGNAL_STOPS) and stopped <= {*SIGNAL_STOPS, -2, -15}:
+        return max(stopped)
     return ExitCode.INTERNAL if any(c for c in codes) else ExitCode.OK

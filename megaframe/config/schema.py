@@ -175,6 +175,14 @@ class LoopConfig:
     native_checkpoint: bool = False  # also write DeepSpeed's own files (always when there is no layout-free copy)
     # resume from DeepSpeed's own files, which load by unpickling: code a crafted file holds would run
     trust_pickled_checkpoint: bool = False
+    # SIGINT/SIGTERM (Ctrl-C, SLURM preemption): every rank stops at the same step boundary and, when
+    # this is on, saves there before exiting 130/143 (engine/stop_signal.py)
+    save_on_signal: bool = True
+    # a resume whose parallel.global_batch_size differs from the checkpoint's: `refuse`, or
+    # `move_position` (the data position becomes step x the new global batch size, as every step's
+    # samples are a function of (seed, step, global batch): samples in between are skipped when it
+    # grew, seen twice when it shrank)
+    on_batch_size_change: str = "refuse"
     async_save: bool = False  # write checkpoints on a background thread while training goes on (rank 0)
     compile: bool = False  # torch.compile each transformer block (inductor); the first step pays the compile
     max_consecutive_skips: int = 5  # this many skipped steps in a row (non-finite or spike) stop the run (exit 3)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megaframe.failures import PROG, JobStopped, RunFailure, classify, is_peer_failure
+from megaframe.failures import PROG, ExitCode, JobStopped, RunFailure, classify, is_peer_failure
 from megaframe.parallel.elastic import record_job_stop
 _REPORTED = "megaframe/failure_reported"
 
@@ -54,7 +54,7 @@ def report_failure(err: BaseException, run_dir: Path, rank: int) -> int:
     if failure.deterministic and not isinstance(failure, JobStopped):
         record_job_stop(failure.exit_code, str(failure))
     if not is_peer_failure(err) and _first_to_report():
-        rank_note = "" if failure.deterministic else f" (rank {rank})"
+        rank_note = "" if failure.deterministic or failure.exit_code == ExitCode.REFUSED else f" (rank {rank})"
         print(f"{PROG}: error{rank_note}: {failure} [exit {int(failure.exit_code)}{where}]",
               file=sys.stderr, flush=True)
     return int(failure.exit_code)

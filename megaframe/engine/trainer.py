@@ -29,7 +29,9 @@ from megaframe.model.moe import load_router_biases, router_biases
 from megaframe.engine.faults import Faults
 from megaframe.engine.schedule import lr_scheduler_factory
 from megaframe.engine.step_guard import StepGuard
-from megaframe.failures import Diverged, RankHung
+from megaframe.engine.stop_signal import StopSignal, exit_code as signal_exit_code
+from megaframe import run_lock
+from megaframe.failures import Diverged, RankHung, RunDirInUse
 from megaframe.model.factory import resolve_dims
 from megaframe.parallel.context import zigzag_positions
 from megaframe.parallel.hang import describe_hang, is_collective_timeout
@@ -49,9 +51,14 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, layout: Layout, run_dir: Path):
         self.cfg, self.layout, self.run_dir = cfg, layout, Path(run_dir)
+        # first: a Ctrl-C while the model builds stops the run before step 1 instead of a traceback
+        self.stop_signal = StopSignal(layout.world_size).install()
+        self.stopped_by = 0  # the signal that ended the run at a step boundary
+        self.saved_step: Optional[int] = None
         init_distributed(cfg.train.collective_timeout_s)
         self.ps = ParallelState.build(layout.grid)
         self.is_logger = self.ps.rank == 0
+        self._own_run_dir()  # before anything is written to it
         if self.is_logger:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.data: DataSplits = build_data(cfg.data, cfg.model.seq_length)
@@ -82,6 +89,19 @@ class Trainer:
         self.started = time.monotonic()
         self.faults = Faults(self.ps.rank)
         self.background = checkpoint.BackgroundWriter()  # train.async_save: each rank writes its shard on a thread
+
+    def _own_run_dir(self) -> None:
+        """Rank 0 locks the run dir (run_lock.py) unless our launcher holds it for us; every rank
+        learns the answer, so a second run on a busy run dir ends on all ranks with one line."""
+        problem = None
+        if self.is_logger and not run_lock.held_by_parent(self.run_dir):
+            problem = run_lock.acquire(self.run_dir)
+        if self.layout.world_size > 1:
+            answer = [problem]
+            dist.broadcast_object_list(answer, src=0)
+            problem = answer[0]
+        if problem is not None:
+            raise RunDirInUse(problem)
 
     def _check_token_ids(self) -> None:
         """Every token id in [0, vocabulary) (data/token_check.py), before step 1: the ranks scan
@@ -159,6 +179,7 @@ class Trainer:
         point = checkpoint.load_any(self.backend, path, verified=verified,
                                     trust_pickled=self.cfg.train.trust_pickled_checkpoint)
         self.step = point.step
+        self._check_batch_size(path, point.client_state)
         self.guard.load_state_dict(point.client_state.get("guard", {}))
         load_router_biases(getattr(self.backend.module, "moe_layers", []), point.client_state.get("router_biases", {}))
         blend_cursor = point.client_state.get("blend_cursor")
@@ -176,6 +197,25 @@ class Trainer:
             dropped = self.metrics.truncate_after(self.step)
             print(f"resumed from {path} at step {self.step}"
                   + (f" (dropped {dropped} metrics records logged after it)" if dropped else ""), flush=True)
+
+    def _check_batch_size(self, path: Path, state: dict) -> None:
+        """A changed global batch size moves the data position (samples of step k are a function of
+        (seed, k, global batch)): refused unless train.on_batch_size_change=move_position says so."""
+        saved = state.get("global_batch_size")
+        if saved is None or saved == self.layout.global_batch_size:
+            return
+        consumed = state.get("consumed_samples", self.step * saved)
+        moved = self.step * self.layout.global_batch_size
+        if self.cfg.train.on_batch_size_change != "move_position":
+            raise CheckpointError(
+                f"train.resume: checkpoint {path} was trained with parallel.global_batch_size={saved} "
+                f"({consumed} samples consumed); this run's {self.layout.global_batch_size} would move the data "
+                f"position to sample {moved}: set parallel.global_batch_size={saved}, or accept the move with "
+                f"train.on_batch_size_change=move_position")
+        if self.is_logger:
+            print(f"megaframe: warning: parallel.global_batch_size {saved} -> {self.layout.global_batch_size} "
+                  f"(train.on_batch_size_change=move_position): the data position moves from sample {consumed} "
+                  f"to {moved}", file=sys.stderr, flush=True)
 
     def _save(self) -> None:
         state = {"step": self.step, "consumed_samples": self.consumed_samples,
@@ -196,6 +236,7 @@ class Trainer:
                 tmp_dir, universal_state, tokenizer if tokenizer.is_dir() else None, defer=self.cfg.train.async_save)
         # one copy by default: DeepSpeed's own files only when asked, or when there is no layout-free copy
         native = self.cfg.train.native_checkpoint or write_universal is None
+        self.saved_step = self.step
         self.last_checkpoint = checkpoint.save(self.backend, self.checkpoint_dir, self.step, state,
                         rng_state={"tp_dropout": self.backend.module.rng.state_dict()}, write_extra=write_universal,
                         keep=self.cfg.train.keep_checkpoints, native=native,
@@ -303,6 +344,7 @@ class Trainer:
         """Train to train.max_steps (or train.exit_at_step), evaluating and saving on schedule."""
         t = self.cfg.train
         self._resume()
+        self._start_step = self.step  # a signal before any new step has nothing new to save
         if self.is_logger:
             print(self._summary(), flush=True)
             layout = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp,
@@ -316,6 +358,9 @@ class Trainer:
             self._log({"step": 0, "eval_loss": self.evaluate(), "consumed_samples": 0})
         losses, interval_steps, interval_time = [], 0, 0.0
         while self.step < stop_at:
+            if signum := self.stop_signal.agreed(self.backend.device):  # the same boundary on every rank
+                self._stop_on_signal(signum)
+                break
             start = time.perf_counter()
             result, lr = self.train_step()
             interval_time += time.perf_counter() - start
@@ -345,6 +390,16 @@ class Trainer:
             if (t.save_interval and self.step % t.save_interval == 0) or self.step == stop_at:
                 self._save()
 
+    def _stop_on_signal(self, signum: int) -> None:
+        """A rank got SIGINT or SIGTERM: save the steps done (train.save_on_signal) and end the loop."""
+        self.stopped_by = signum
+        if self.is_logger:
+            print(f"megaframe: {StopSignal.name(signum)}: stopping after step {self.step}"
+                  + (", saving first" if self.cfg.train.save_on_signal and self.step > self._start_step else ""),
+                  flush=True)
+        if self.cfg.train.save_on_signal and self.step > self._start_step and self.saved_step != self.step:
+            self._save()
+
     def close(self, failed: bool = False) -> None:
         """Flush W&B and remove swap files; after a clean run, wait for every rank (avoids aborts at
         interpreter exit). After a failure there is no barrier: the other ranks may be blocked in a
@@ -371,6 +426,8 @@ class Trainer:
         t = self.cfg.train
         if failed:
             ended = "failed"
+        elif self.stopped_by:
+            ended = f"stopped by {StopSignal.name(self.stopped_by)}"
         elif self.step < t.max_steps:
             ended = f"stopped early (train.exit_at_step={t.exit_at_step})" if t.exit_at_step else "stopped"
         else:
@@ -412,7 +469,7 @@ def train(cfg: TrainConfig, layout: Layout, run_dir: Path, rank: int = 0) -> int
         trainer = Trainer(cfg, layout, run_dir)
         with trainer:
             trainer.fit()
-        return 0
+        return signal_exit_code(trainer.stopped_by) if trainer.stopped_by else 0
     except Exception as err:
         if is_collective_timeout(err):
             timeout = cfg.train.collective_timeout_s
@@ -422,5 +479,9 @@ def train(cfg: TrainConfig, layout: Layout, run_dir: Path, rank: int = 0) -> int
             err = hung
         return report_failure(err, run_dir, dist.get_rank() if dist.is_initialized() else rank)
     finally:
+        if trainer is not None:
+            trainer.stop_signal.restore()
+        if not run_lock.held_by_parent(run_dir):
+            run_lock.release(run_dir)  # a no-op unless this rank took it: a -m sweep runs its jobs in one process
         if dist.is_initialized():
             dist.destroy_process_group()

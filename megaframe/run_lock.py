@@ -1,0 +1,85 @@
+"""A run directory has one owner.
+
+Two megaframe-train processes on one run dir both resumed from the same checkpoint, rewrote the same
+`global_stepN` directories and `latest`, and appended duplicate steps to metrics.jsonl. The owner
+holds a POSIX record lock on RUN_DIR/.megaframe.lock for as long as it lives: the kernel releases
+it when the holder dies (even by SIGKILL), so a crashed run never leaves a stale lock behind, and
+POSIX locks (unlike flock) are seen across hosts on NFS and Lustre mounts that honour them.
+
+Who holds it: the process that owns the job on this host. A self-launching megaframe-train (or the
+Ray driver) takes it before its ranks start and tells them through MEGAFRAME_RUN_DIR_LOCK; under
+torchrun or srun, rank 0 takes it and every rank learns the answer from one broadcast.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Optional
+
+LOCK_NAME = ".megaframe.lock"
+HELD_BY_PARENT = "MEGAFRAME_RUN_DIR_LOCK"  # the resolved run dir our launcher has locked for us
+
+_held: dict[Path, int] = {}  # run dir -> open descriptor: a POSIX lock lives as long as its process keeps it
+
+
+class RunDirBusy(Exception):
+    """Another live process owns the run dir."""
+
+
+def _holder_text(fd: int) -> str:
+    """Who holds the lock, from what the holder wrote into the file ('' when unreadable)."""
+    try:
+        raw = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+        holder = json.loads(raw)
+        return f" by pid {int(holder['pid'])} on {holder['host']} since {holder['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+def held_by_parent(run_dir: Path) -> bool:
+    """Whether the process that launched us holds the lock on this run dir for us."""
+    held = os.environ.get(HELD_BY_PARENT)
+    return held is not None and Path(held) == Path(run_dir).resolve()
+
+
+def acquire(run_dir: Path) -> Optional[str]:
+    """Lock run_dir for this process (creating it); None on success (or when already held here),
+    else the one-line reason. The lock file is never deleted: unlinking a locked file would let a
+    third process lock a new inode while the second still holds the old one."""
+    run_dir = Path(run_dir).resolve()
+    if run_dir in _held:
+        return None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = _holder_text(fd)
+        os.close(fd)
+        return (f"run dir {run_dir} is in use{holder}: another megaframe-train is training there; "
+                f"wait for it to end, or choose another run dir (hydra.run.dir=...)")
+    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                         "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, record, 0)
+    _held[run_dir] = fd
+    return None
+
+
+def lock_for_children(run_dir: Path) -> Optional[str]:
+    """Take the lock in a launching process and pass it to the ranks it starts (None on success)."""
+    problem = acquire(run_dir)
+    if problem is None:
+        os.environ[HELD_BY_PARENT] = str(Path(run_dir).resolve())
+    return problem
+
+
+def release(run_dir: Path) -> None:
+    """Give the lock back (the kernel does it anyway when the process ends)."""
+    fd = _held.pop(Path(run_dir).resolve(), None)
+    if fd is not None:
+        os.close(fd)

@@ -1,0 +1,96 @@
+"""SIGINT and SIGTERM end a run at a step boundary (megaframe/engine/stop_signal.py): every rank stops
+after the same step, saves it (train.save_on_signal), prints the closing line and exits 130/143,
+with no traceback on the terminal. Ctrl-C at dp=2 used to print 245 lines and 4 tracebacks; SIGTERM
+(SLURM's preemption) saved nothing. A rank that a signal killed is named with the signal."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from helpers import REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
+
+pytestmark = pytest.mark.slow
+ARGS = [*TINY, "train.max_steps=400", "train.eval_interval=0"]
+
+
+def _start(args, **env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "megaframe.train", *args], cwd=REPO, env=cli_env(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_for_steps(process: subprocess.Popen, run_dir, steps: int) -> None:
+    deadline = time.monotonic() + 240
+    while not ((run_dir / "metrics.jsonl").is_file() and len(read_metrics(run_dir)) >= steps):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "no steps logged"
+        time.sleep(0.2)
+
+
+def _saved_steps(run_dir) -> list[int]:
+    return sorted(int(p.name.removeprefix("global_step")) for p in (run_dir / "checkpoints").glob("global_step*"))
+
+
+def test_ctrl_c_saves_the_last_step_and_the_run_resumes_from_it(tmp_path):
+    run_dir = tmp_path / "run"
+    process = _start([*ARGS, f"hydra.run.dir={run_dir}"])
+    _wait_for_steps(process, run_dir, 3)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err[-3000:]
+    assert "Traceback" not in out + err and not err.strip(), err[-3000:]
+    closing = out.strip().splitlines()[-1]
+    assert closing.startswith("megaframe: stopped by SIGINT at step "), closing
+    stopped_at = int(closing.split("at step ")[1].split("/")[0])
+    assert _saved_steps(run_dir) == [stopped_at]  # save_interval=0: the signal's save alone
+    assert [r["step"] for r in read_metrics(run_dir) if "loss" in r] == list(range(1, stopped_at + 1))
+    resumed = run_cli([*ARGS, "train.max_steps=" + str(stopped_at + 2), "train.resume=auto", f"hydra.run.dir={run_dir}"])
+    assert_ok(resumed)
+    assert f"resumed from {run_dir / 'checkpoints' / f'global_step{stopped_at}'}" in resumed.stdout
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_and_saves_it(tmp_path):
+    """What SLURM's preemption and `kill` send, at dp=2 (the agent passes it to both ranks)."""
+    run_dir = tmp_path / "run"
+    process = _start([*ARGS, "parallel.dp=2", "zero=stage1", f"hydra.run.dir={run_dir}"])
+    _wait_for_steps(process, run_dir, 2)
+    ranks = [p for p in psutil.Process(process.pid).children(recursive=True) if "megaframe.train" in " ".join(p.cmdline())]
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 143, err[-3000:]
+    assert "Traceback" not in out + err and not err.strip(), err[-3000:]
+    closing = out.strip().splitlines()[-1]
+    assert closing.startswith("megaframe: stopped by SIGTERM at step "), closing
+    stopped_at = int(closing.split("at step ")[1].split("/")[0])
+    assert _saved_steps(run_dir) == [stopped_at]
+    _, alive = psutil.wait_procs(ranks, timeout=10)
+    assert not alive
+
+
+def test_sigterm_to_one_rank_stops_them_all_and_save_on_signal_false_saves_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    process = _start([*ARGS, "parallel.dp=2", "zero=stage1", "train.save_on_signal=false", f"hydra.run.dir={run_dir}"])
+    _wait_for_steps(process, run_dir, 2)
+    rank1 = next(p for p in psutil.Process(process.pid).children(recursive=True)
+                 if p.environ().get("RANK") == "1" and "megaframe.train" in " ".join(p.cmdline()))
+    rank1.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 143, out[-3000:] + err[-3000:]
+    assert "Traceback" not in out + err, err[-3000:]
+    assert out.strip().splitlines()[-1].startswith("megaframe: stopped by SIGTERM at step ")
+    assert not (run_dir / "checkpoints").exists() or _saved_steps(run_dir) == []
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_it(tmp_path):
+    result = run_cli([*TINY, "train.max_steps=6", "parallel.dp=2", "zero=stage1", f"hydra.run.dir={tmp_path / 'run'}"],
+                     env=cli_env(MEGAFRAME_FAULTS="kill@3:1"))
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("megaframe-train: error")]
+    assert errors == ["megaframe-train: error (rank 1): killed by SIGKILL (the kernel's OOM killer sends it when "
+                      "memory runs out: see `dmesg`) [exit 1]"], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr

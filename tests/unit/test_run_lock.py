@@ -1,0 +1,68 @@
+"""The run-dir lock (megaframe/run_lock.py): one owner at a time, released by the kernel when the
+owner dies, however it dies."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+from megaframe import run_lock
+
+_HOLD = textwrap.dedent("""
+    import sys, time
+    from megaframe import run_lock
+    assert run_lock.acquire(sys.argv[1]) is None
+    print("held", flush=True)
+    time.sleep(600)
+""")
+
+
+def _holder(run_dir) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-c", _HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "held"
+    return process
+
+
+def test_a_second_owner_is_refused_naming_the_holder_and_the_fix(tmp_path):
+    holder = _holder(tmp_path / "run")
+    try:
+        problem = run_lock.acquire(tmp_path / "run")
+        assert problem is not None
+        assert f"pid {holder.pid}" in problem and "hydra.run.dir" in problem and "\n" not in problem
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_lock_is_free_again_once_its_holder_is_killed(tmp_path):
+    holder = _holder(tmp_path / "run")
+    os.kill(holder.pid, signal.SIGKILL)  # the OOM killer's way: no cleanup code runs
+    holder.wait()
+    try:
+        assert run_lock.acquire(tmp_path / "run") is None
+        # held here now: a repeat in the same process is not a second owner
+        assert run_lock.acquire(tmp_path / "run") is None
+    finally:
+        run_lock.release(tmp_path / "run")
+
+
+def test_a_released_lock_can_be_taken_by_another_process(tmp_path):
+    assert run_lock.acquire(tmp_path / "run") is None
+    run_lock.release(tmp_path / "run")
+    holder = _holder(tmp_path / "run")  # would fail its assert if the lock were still held here
+    holder.kill()
+    holder.wait()
+
+
+def test_ranks_started_by_the_owner_know_it_holds_the_lock_for_them(tmp_path, monkeypatch):
+    monkeypatch.delenv(run_lock.HELD_BY_PARENT, raising=False)
+    assert not run_lock.held_by_parent(tmp_path / "run")
+    try:
+        assert run_lock.lock_for_children(tmp_path / "run") is None
+        assert run_lock.held_by_parent(tmp_path / "run" / ".." / "run")
+        assert not run_lock.held_by_parent(tmp_path / "other")
+    finally:
+        run_lock.release(tmp_path / "run")
+        os.environ.pop(run_lock.HELD_BY_PARENT, None)
