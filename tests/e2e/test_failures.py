@@ -300,3 +300,19 @@ def test_sigkill_inside_a_save_resumes_from_the_previous_checkpoint(mode, tmp_pa
     assert "global_step2 at step 2" in resumed.stdout
     assert _curves(whole) == _curves(run)
     assert not list(checkpoints.glob("tmp-*"))
+
+
+@pytest.mark.parametrize("zero", ["stage0", "stage1"])
+def test_a_skipped_first_step_is_saved_with_zero_moments_and_resumes_exactly(zero, tmp_path):
+    """The first step's gradients are non-finite, so no update has made Adam's state when the step-1
+    save comes: it used to die with exit 5 ("save after the first step"), leaving tmp-global_step1."""
+    args = [*TINY, f"zero={zero}", "train.max_steps=4", "train.save_interval=1", "train.eval_interval=0"]
+    env = cli_env(MEGAFRAME_FAULTS="nan_grad@1")
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert_ok(run_cli([*args, f"hydra.run.dir={whole}"], env=env))
+    assert_ok(run_cli([*args, "train.exit_at_step=1", f"hydra.run.dir={resumed}"], env=env))
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir() if p.name.startswith(("global", "tmp"))) \
+        == ["global_step1"]
+    assert_ok(run_cli([*args, "train.resume=auto", f"hydra.run.dir={resumed}"]))
+    assert read_metrics(whole)[0]["event"] == "non_finite_skipped"
+    assert _curves(resumed, ("loss", "grad_norm")) == _curves(whole, ("loss", "grad_norm"))

@@ -205,6 +205,10 @@ def shard_pieces(view: EngineView, with_optimizer: bool, snapshot: bool) -> list
     save: training may change the live tensors while the writer runs); else each is read when the
     writer reaches it (a view of the live state, or one parameter's copy)."""
     if with_optimizer:
+        if not any(view.base_optimizer.state.values()):
+            # no step applied yet (the first ones skipped: non-finite, or fp16's scale search): the
+            # moments are zeros, which is what Adam's first applied step would start from
+            _create_adam_state(view, adam_step(view))
         _link_optimizer_state(view)
 
     # the last (parameter, key) read: its up to three boxes are written one after another, so the
