@@ -9,7 +9,8 @@ build has taken 28 minutes here), so the owner's liveness decides:
   EXTENSIONS_DIR/megaframe-build.lock, which the kernel releases when its holder dies; a baton
   found while holding it was not left by a live megaframe process;
 - a baton of another program's build is recognised by its builder (ninja, the compiler) running
-  with its working directory in the op's folder, and is waited for;
+  with its working directory in the op's folder, and is waited for, up to MEGAFRAME_BUILD_WAIT_S
+  (an hour), then the run ends with one line and exit 6;
 - any other baton is stale: removed, with a warning.
 Loading the ops here, before deepspeed.initialize, also means initialize finds them loaded
 (DeepSpeed keeps loaded ops per process) and takes no baton inside its collectives.
@@ -44,32 +45,67 @@ def _warn(message: str) -> None:
     print(f"megaframe: warning: {message}", file=sys.stderr, flush=True)
 
 
+# what runs in an op's folder while it builds; a shell, an editor or a `less` left open there is not a
+# build (one such shell used to hang every run forever)
+BUILDERS = frozenset({"ninja", "make", "cc", "c++", "gcc", "g++", "clang", "clang++", "cc1", "cc1plus", "nvcc",
+                      "cicc", "ptxas", "ld", "ld.gold", "ld.lld", "collect2", "as", "hipcc"})
+WAIT_ENV = "MEGAFRAME_BUILD_WAIT_S"  # how long a run waits for another process's build of an op
+DEFAULT_WAIT_S = 3600.0  # a cold async_io build has taken 28 minutes on a 2-core host
+
+
 def building_in(folder: Path) -> bool:
-    """Whether a live process on this host works in `folder` (ninja and the compiler run there)."""
+    """Whether a live compiler or build tool on this host works in `folder` (ninja and the compiler
+    run there while torch JIT-builds an op)."""
     target = str(Path(folder).resolve())
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cwd = os.readlink(entry / "cwd")
+            name = (entry / "comm").read_text().strip()
         except OSError:  # gone, or not ours to read
             continue
-        if cwd == target or cwd.startswith(target + os.sep):
+        if (cwd == target or cwd.startswith(target + os.sep)) and name in BUILDERS:
             return True
     return False
 
 
+def wait_limit_s() -> float:
+    """MEGAFRAME_BUILD_WAIT_S, else an hour."""
+    try:
+        return max(0.0, float(os.environ.get(WAIT_ENV, DEFAULT_WAIT_S)))
+    except ValueError:
+        return DEFAULT_WAIT_S
+
+
+def _gave_up(what: str, waited_s: float) -> MissingSystemPiece:
+    return MissingSystemPiece(
+        f"waited {waited_s:.0f} s for {what} and gave up ({WAIT_ENV}={wait_limit_s():g}); let that build finish, "
+        f"or stop it, or give this run its own TORCH_EXTENSIONS_DIR")
+
+
 @contextmanager
-def owner_lock(root: Optional[Path] = None, warn: Callable[[str], None] = _warn) -> Iterator[None]:
-    """Hold EXTENSIONS_DIR/megaframe-build.lock (an flock: released by the kernel if we die)."""
+def owner_lock(root: Optional[Path] = None, warn: Callable[[str], None] = _warn,
+               limit_s: Optional[float] = None, poll_s: float = 0.2) -> Iterator[None]:
+    """Hold EXTENSIONS_DIR/megaframe-build.lock (an flock: released by the kernel if we die),
+    waiting at most limit_s (wait_limit_s()) for another holder: MissingSystemPiece after that."""
     root = extensions_dir() if root is None else Path(root)
+    limit_s = wait_limit_s() if limit_s is None else limit_s
     root.mkdir(parents=True, exist_ok=True)
     with open(root / OWNER_LOCK, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            warn(f"waiting for another megaframe process building DeepSpeed ops in {root}")
-            fcntl.flock(handle, fcntl.LOCK_EX)
+        start, warned = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - start
+                if waited >= limit_s:
+                    raise _gave_up(f"another megaframe process building DeepSpeed ops in {root}", waited) from None
+                if not warned:
+                    warn(f"waiting for another megaframe process building DeepSpeed ops in {root}")
+                    warned = True
+                time.sleep(poll_s)
         try:
             yield
         finally:
@@ -77,13 +113,17 @@ def owner_lock(root: Optional[Path] = None, warn: Callable[[str], None] = _warn)
 
 
 def clear_stale_build_locks(root: Optional[Path] = None, poll_s: float = 1.0,
-                            warn: Callable[[str], None] = _warn) -> list[Path]:
-    """Call holding owner_lock(): wait for batons whose builder is alive, remove the others (left by
-    a dead process). Returns the removed lock files."""
+                            warn: Callable[[str], None] = _warn, limit_s: Optional[float] = None) -> list[Path]:
+    """Call holding owner_lock(): wait (at most limit_s, wait_limit_s()) for batons whose builder
+    is alive, remove the others (left by a dead process). Returns the removed lock files."""
     root = extensions_dir() if root is None else Path(root)
+    limit_s = wait_limit_s() if limit_s is None else limit_s
+    start = time.monotonic()
     removed = []
     for lock in sorted(root.glob("*/lock")):
         while lock.exists() and building_in(lock.parent):
+            if (waited := time.monotonic() - start) >= limit_s:
+                raise _gave_up(f"the build of {lock.parent.name} running in {lock.parent}", waited)
             time.sleep(poll_s)
         if lock.exists():
             lock.unlink(missing_ok=True)
@@ -94,6 +134,8 @@ def clear_stale_build_locks(root: Optional[Path] = None, poll_s: float = 1.0,
 
 def load_ops(builder_names: list[str], root: Optional[Path] = None) -> None:
     """Build or load the named DeepSpeed op builders' ops under owner_lock, stale batons cleared first."""
+    if not builder_names:
+        return  # no op to load, no lock to take: a stale baton of an op this run does not use is no reason to wait
     from deepspeed.accelerator import get_accelerator
 
     with owner_lock(root):

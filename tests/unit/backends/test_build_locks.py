@@ -4,12 +4,25 @@ OS lock megaframe builds under is released by the kernel when its holder is kill
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
-from megaframe.backends.deepspeed.build_locks import OWNER_LOCK, building_in, clear_stale_build_locks, owner_lock
+import pytest
+
+from megaframe.backends.deepspeed.build_locks import (OWNER_LOCK, building_in, clear_stale_build_locks, load_ops,
+                                                      owner_lock)
+from megaframe.failures import ExitCode, MissingSystemPiece
+
+
+def _fake_ninja(tmp_path) -> str:
+    """A program whose process name is `ninja` (a copy of sleep): what a real build runs in the op's folder."""
+    ninja = tmp_path / "bin" / "ninja"
+    ninja.parent.mkdir(exist_ok=True)
+    shutil.copy(shutil.which("sleep"), ninja)
+    return str(ninja)
 
 
 def test_a_fresh_lock_whose_owner_is_gone_is_removed_with_a_warning(tmp_path):
@@ -30,7 +43,7 @@ def test_an_old_lock_of_a_live_build_is_waited_for_and_left_to_its_owner(tmp_pat
     day_ago = time.time() - 86400
     os.utime(lock, (day_ago, day_ago))
     # a "build" running in the op's folder (as ninja and the compiler do), releasing the baton when done
-    builder = subprocess.Popen(["sh", "-c", "sleep 0.6; rm lock"], cwd=folder)
+    builder = subprocess.Popen(["sh", "-c", f"{_fake_ninja(tmp_path)} 0.6; rm lock"], cwd=folder)
     try:
         time.sleep(0.1)
         assert building_in(folder)
@@ -72,3 +85,49 @@ def test_the_owner_lock_waits_for_a_live_holder_and_is_free_once_it_is_killed(tm
         holder.wait(timeout=10)
     assert waited >= 0.4 and len(waits) == 1 and "waiting for another megaframe process" in waits[0]
     assert (tmp_path / OWNER_LOCK).exists()  # the file stays; only the kernel's lock matters
+
+
+def test_a_shell_left_open_in_the_op_folder_is_not_a_build(tmp_path):
+    """A shell whose working directory was cpu_adam/ made every run wait forever on a dead baton."""
+    folder = tmp_path / "cpu_adam"
+    folder.mkdir()
+    (folder / "lock").touch()
+    shell = subprocess.Popen(["sh", "-c", "sleep 30"], cwd=folder)
+    try:
+        time.sleep(0.1)
+        assert not building_in(folder)
+        assert clear_stale_build_locks(tmp_path, warn=lambda _: None) == [folder / "lock"]
+    finally:
+        shell.kill()
+        shell.wait()
+
+
+def test_a_build_that_outlasts_the_wait_ends_the_run_with_exit_6(tmp_path):
+    folder = tmp_path / "async_io"
+    folder.mkdir()
+    (folder / "lock").touch()
+    builder = subprocess.Popen([_fake_ninja(tmp_path), "30"], cwd=folder)
+    try:
+        time.sleep(0.1)
+        with pytest.raises(MissingSystemPiece, match=r"waited \d+ s for the build of async_io") as caught:
+            clear_stale_build_locks(tmp_path, poll_s=0.05, limit_s=0.3)
+        assert caught.value.exit_code == ExitCode.MISSING_SYSTEM and "MEGAFRAME_BUILD_WAIT_S" in str(caught.value)
+        assert (folder / "lock").exists()  # the live build's baton is left alone
+    finally:
+        builder.kill()
+        builder.wait()
+
+
+def test_the_owner_lock_wait_is_bounded_and_a_run_needing_no_op_takes_no_lock(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.monotonic()
+        with pytest.raises(MissingSystemPiece, match="another megaframe process building DeepSpeed ops"):
+            with owner_lock(tmp_path, warn=lambda _: None, limit_s=0.4, poll_s=0.05):
+                pass
+        assert 0.4 <= time.monotonic() - start < 5
+        load_ops([], tmp_path)  # returns at once although the lock is held
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
