@@ -116,6 +116,11 @@ def check_model(cfg: TrainConfig) -> Optional[str]:
         return f"model.vocab_size={m.vocab_size} must be >= 1 (or null to take the tokenizer's)"
     if not 0.0 <= m.dropout < 1.0:
         return f"model.dropout={m.dropout} must be in [0, 1)"
+    # each of these otherwise made every step non-finite and ended the run after launch
+    for key, value in (("model.init_std", m.init_std), ("model.norm_eps", m.norm_eps),
+                       ("model.rope_theta", m.rope_theta)):
+        if not (math.isfinite(value) and value > 0):
+            return f"{key}={value} must be a finite number > 0"
     return None
 
 
@@ -123,14 +128,17 @@ def check_optim(cfg: TrainConfig) -> Optional[str]:
     o = cfg.optim
     if err := _choices("optim.lr_decay", o.lr_decay, ["cosine", "linear", "constant"]):
         return err
-    if o.lr <= 0:
-        return f"optim.lr={o.lr} must be > 0"
+    for key, value in (("optim.lr", o.lr), ("optim.eps", o.eps)):
+        if not (math.isfinite(value) and value > 0):  # nan fails every comparison: test what is allowed
+            return f"{key}={value} must be a finite number > 0"
     if not 0 <= o.min_lr <= o.lr:
         return f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}]"
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         return f"optim.betas={list(o.betas)} must be two numbers in [0, 1), e.g. [0.9,0.95]"
-    if o.warmup_steps < 0 or o.grad_clip < 0 or o.weight_decay < 0:
-        return "optim.warmup_steps, optim.grad_clip and optim.weight_decay must be >= 0"
+    for key, value in (("optim.warmup_steps", o.warmup_steps), ("optim.grad_clip", o.grad_clip),
+                       ("optim.weight_decay", o.weight_decay)):
+        if not (math.isfinite(value) and value >= 0):
+            return f"{key}={value} must be a finite number >= 0"
     return None
 
 
@@ -153,9 +161,35 @@ def check_train(cfg: TrainConfig) -> Optional[str]:
         return err
     if t.max_consecutive_skips < 1:
         return f"train.max_consecutive_skips={t.max_consecutive_skips} must be >= 1 (skipped steps in a row that stop the run)"
-    if not t.collective_timeout_s > 0:
-        return f"train.collective_timeout_s={t.collective_timeout_s} must be > 0 seconds"
+    if not (math.isfinite(t.collective_timeout_s) and t.collective_timeout_s > 0):
+        return f"train.collective_timeout_s={t.collective_timeout_s} must be a finite number of seconds > 0"
+    if not 0 <= t.seed < 2**32:  # numpy's generators take no other seed
+        return f"train.seed={t.seed} must be in [0, 2**32)"
+    if t.eval_interval and t.eval_steps == 0:
+        return (f"train.eval_steps=0 with train.eval_interval={t.eval_interval}: an evaluation of no batches has no "
+                f"loss; set train.eval_steps >= 1, or train.eval_interval=0 to not evaluate")
+    if err := _choices("train.on_batch_size_change", t.on_batch_size_change, ["refuse", "move_position"]):
+        return err
     return check_spike(t.spike)
+
+
+def check_cluster(cfg: TrainConfig) -> Optional[str]:
+    """The planner's hardware figures: a negative peak or reservation made every layout 'fit'."""
+    c = cfg.cluster
+    for key, value in (("cluster.peak_tflops", c.peak_tflops), ("hardware.peak_tflops", cfg.hardware.peak_tflops),
+                       ("cluster.memory_gb", c.memory_gb)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            return f"{key}={value} must be a finite number > 0, or null"
+    for key, value in (("cluster.intra_node_gbps", c.intra_node_gbps), ("cluster.inter_node_gbps", c.inter_node_gbps),
+                       ("cluster.host_gbps", c.host_gbps)):
+        if not (math.isfinite(value) and value > 0):
+            return f"{key}={value} must be a finite number > 0"
+    if not (math.isfinite(c.reserved_gb) and c.reserved_gb >= 0):
+        return f"cluster.reserved_gb={c.reserved_gb} must be a finite number >= 0"
+    for key, value in (("cluster.gpus_per_node", c.gpus_per_node), ("cluster.nodes", c.nodes)):
+        if value is not None and value < 1:
+            return f"{key}={value} must be >= 1, or null"
+    return None
 
 
 def check_spike(spike) -> Optional[str]:
@@ -534,7 +568,8 @@ def validate(cfg: TrainConfig, world_size: int,
     fp16_supported / bf16_supported ask the device whether it computes that precision (the CLI
     passes the backend's checks, backends/deepspeed/accelerator.py); None leaves the rule to the
     engine."""
-    for rule in (check_model, check_optim, check_train, check_data, check_zero_offload, check_pipeline, check_launcher):
+    for rule in (check_model, check_optim, check_train, check_cluster, check_data, check_zero_offload, check_pipeline,
+                 check_launcher):
         if err := rule(cfg):
             raise ConfigError(err)
     layout = resolve_layout(cfg, world_size)

@@ -1,6 +1,8 @@
 """The validation rules on typed configs, without processes."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from megaframe.config.schema import TrainConfig
@@ -186,3 +188,39 @@ def test_ray_connect_timeout_must_be_positive():
     cfg.launcher.name, cfg.launcher.connect_timeout_s = "ray", 0
     with pytest.raises(ConfigError, match=r"launcher.connect_timeout_s=0 must be > 0"):
         validate(cfg, 1, _never_fp16)
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("group,key,value,fragment", [
+    # each was accepted and failed after launch with an exception name (or blamed another key)
+    ("optim", "eps", 0.0, "optim.eps=0.0 must be a finite number > 0"),
+    ("optim", "lr", NAN, "optim.lr=nan must be a finite number > 0"),
+    ("optim", "weight_decay", NAN, "optim.weight_decay=nan must be a finite number >= 0"),
+    ("optim", "grad_clip", INF, "optim.grad_clip=inf must be a finite number >= 0"),
+    ("train", "collective_timeout_s", INF, "train.collective_timeout_s=inf must be a finite number of seconds"),
+    ("train", "seed", -1, "train.seed=-1 must be in [0, 2**32)"),
+    ("train", "on_batch_size_change", "ignore", "train.on_batch_size_change='ignore'"),
+    ("model", "init_std", NAN, "model.init_std=nan must be a finite number > 0"),
+    ("model", "norm_eps", 0.0, "model.norm_eps=0.0 must be a finite number > 0"),
+    ("model", "rope_theta", 0.0, "model.rope_theta=0.0 must be a finite number > 0"),
+    ("cluster", "peak_tflops", -5.0, "cluster.peak_tflops=-5.0 must be a finite number > 0, or null"),
+    ("cluster", "reserved_gb", -1.0, "cluster.reserved_gb=-1.0 must be a finite number >= 0"),
+    ("cluster", "inter_node_gbps", 0.0, "cluster.inter_node_gbps=0.0 must be a finite number > 0"),
+    ("hardware", "peak_tflops", NAN, "hardware.peak_tflops=nan must be a finite number > 0"),
+])
+def test_values_that_failed_only_after_launch_are_refused_naming_the_key(group, key, value, fragment):
+    cfg = TrainConfig()
+    setattr(getattr(cfg, group), key, value)
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        validate(cfg, 1, _never_fp16)
+
+
+def test_evaluating_zero_batches_is_refused_unless_evaluation_is_off():
+    cfg = TrainConfig()
+    cfg.train.eval_steps, cfg.train.eval_interval = 0, 10
+    with pytest.raises(ConfigError, match=r"train\.eval_steps=0 with train\.eval_interval=10"):
+        validate(cfg, 1, _never_fp16)
+    cfg.train.eval_interval = 0
+    validate(cfg, 1, _never_fp16)
