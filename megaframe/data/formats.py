@@ -25,9 +25,9 @@ def open_dataset(prefix: Union[str, os.PathLike[str]], tokenizer: Optional[str] 
         if len(head) >= len(OWN_MAGIC) and not head.startswith(OWN_MAGIC):
             raise DataError(f"data.path={prefix}: {idx} is neither a megaframe (MFTOKIDX) nor a Megatron (MMIDIDX) "
                             f"index (bad magic bytes); rebuild it with tools/preprocess_data.py")
-        return IndexedDataset(prefix)
+        return _check_tokenizer(IndexedDataset(prefix), prefix, tokenizer)
     if tokenizer is None or read_sidecar(prefix) is not None:
-        return MegatronDataset(prefix)
+        return _check_tokenizer(MegatronDataset(prefix), prefix, tokenizer)
     from megaframe.data.tokenizer import build_tokenizer
 
     try:
@@ -36,3 +36,27 @@ def open_dataset(prefix: Union[str, os.PathLike[str]], tokenizer: Optional[str] 
         raise DataError(f"data.tokenizer={tokenizer}: cannot load it for the Megatron dataset {prefix} ({err}); "
                         f"pass byte or a local Hugging Face tokenizer directory") from None
     return MegatronDataset(prefix, tok.vocab_size, tok.eod_id, vocab_source=f"data.tokenizer={tokenizer}'s")
+
+
+def _check_tokenizer(dataset: Dataset, prefix, tokenizer: Optional[str]) -> Dataset:
+    """data.tokenizer must be the tokenizer the dataset's sidecar records (or one with its vocabulary
+    and end-of-document id: a moved copy): training would not notice another, but every checkpoint
+    records data.tokenizer and megaframe-convert to-hf ships it with the model."""
+    recorded = dataset.metadata.get("tokenizer") if tokenizer is not None else None
+    if recorded is None or str(recorded) == str(tokenizer):
+        return dataset
+    if Path(str(recorded)).is_dir() and Path(tokenizer).is_dir() and \
+            Path(str(recorded)).resolve() == Path(tokenizer).resolve():
+        return dataset
+    from megaframe.data.tokenizer import build_tokenizer
+
+    try:
+        tok = build_tokenizer(tokenizer)
+        same = (tok.vocab_size, tok.eod_id) == (dataset.vocab_size, dataset.eod_id)
+    except (DataError, OSError, ValueError):
+        same = False
+    if not same:
+        raise DataError(f"data.tokenizer={tokenizer}, but {prefix}.json records that the dataset's tokens were made by "
+                        f"{recorded} (vocabulary {dataset.vocab_size}): checkpoints and Hugging Face exports would "
+                        f"name the wrong tokenizer; set data.tokenizer={recorded}")
+    return dataset

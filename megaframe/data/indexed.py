@@ -19,6 +19,7 @@ from typing import Any, BinaryIO, Sequence
 
 import numpy as np
 
+from megaframe.data.sidecar import field_problem
 from megaframe.failures import ExitCode
 
 __all__ = ["DataError", "IndexedDataset", "IndexedDatasetWriter", "LAYOUTS", "best_dtype", "umask_permissions"]
@@ -332,6 +333,11 @@ class IndexedDataset:
             raise self._error(f"{self.json_path} is not valid JSON ({error}); {_REBUILD_HINT}") from None
         if not isinstance(metadata, dict):
             raise self._error(f"{self.json_path} must hold a JSON object; {_REBUILD_HINT}")
+        missing = [key for key in _REQUIRED_METADATA if key not in metadata]
+        if missing:
+            raise self._error(f"{self.json_path} lacks {missing}; {_REBUILD_HINT}")
+        if problem := field_problem(metadata):
+            raise self._error(f"{self.json_path}: {problem} (damaged or edited); {_REBUILD_HINT}")
         # The checksum ties the .json to this exact .idx/.bin build, catching mixed-up copies.
         if metadata.get("checksum") != self.checksum.hex():
             raise self._error(f"{self.json_path} belongs to a different build than {self.idx_path}; {_REBUILD_HINT}")

@@ -25,6 +25,7 @@ from typing import Any, BinaryIO, Optional
 import numpy as np
 
 from megaframe.data.indexed import DataError, content_checksum, read_head
+from megaframe.data.sidecar import field_problem
 
 MAGIC = b"MMIDIDX\x00\x00"
 _HEADER = struct.Struct("<9sQBQQ")
@@ -121,6 +122,8 @@ class MegatronDataset:
                    if key not in sidecar]
         if missing:
             raise self._error(f"{json_path} lacks {missing}; {_FIX}")
+        if problem := field_problem(sidecar):
+            raise self._error(f"{json_path}: {problem} (damaged or edited); {_FIX}")
         if (sidecar["num_documents"], sidecar["num_tokens"], sidecar["index_bytes"]) != \
                 (len(self), self.num_tokens, self.idx_path.stat().st_size):
             raise self._error(f"{json_path} belongs to a different build than {self.idx_path} (its document, "

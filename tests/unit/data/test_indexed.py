@@ -253,3 +253,36 @@ def test_json_from_another_build_is_detected(tmp_path: Path, layout: str) -> Non
     Path(f"{first}.json").write_bytes(Path(f"{second}.json").read_bytes())
     with pytest.raises(DataError, match="different build"):
         open_dataset(first)
+
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("vocab_size", "300", "its vocab_size is '300', not a whole number >= 1"),
+    ("vocab_size", True, "its vocab_size is True"),
+    ("eod_id", 9999, "its eod_id is 9999, not a token id below vocab_size=257"),
+    ("checksum", "not-hex!", "its checksum is 'not-hex!', not hexadecimal"),
+    ("tokenizer", 5, "its tokenizer is 5, not a name or a directory"),
+    ("num_tokens", -1, "its num_tokens is -1"),
+])
+def test_a_damaged_sidecar_field_is_one_line_naming_it(tmp_path: Path, layout: str, field, value, fragment) -> None:
+    """Hand-edited or damaged sidecars used to end in a ValueError traceback (or be read as another value)."""
+    prefix = write_dataset(tmp_path / "ds", DOCUMENTS, layout=layout)
+    sidecar = Path(f"{prefix}.json")
+    fields = json.loads(sidecar.read_text())
+    fields[field] = value
+    sidecar.write_text(json.dumps(fields))
+    with pytest.raises(DataError) as error:
+        open_dataset(prefix)
+    assert fragment in str(error.value) and f"data.path={prefix}" in str(error.value), str(error.value)
+    assert_one_line(error)
+
+
+def test_data_tokenizer_must_be_the_one_the_sidecar_records(tmp_path: Path, layout: str, hf_tokenizer_dir) -> None:
+    """Another data.tokenizer used to be ignored for training but written into every checkpoint and
+    shipped by megaframe-convert to-hf."""
+    prefix = write_dataset(tmp_path / "ds", DOCUMENTS, layout=layout)  # made by the byte tokenizer
+    assert open_dataset(prefix, "byte").vocab_size == 257
+    with pytest.raises(DataError) as error:
+        open_dataset(prefix, str(hf_tokenizer_dir))
+    assert f"data.tokenizer={hf_tokenizer_dir}, but {prefix}.json records" in str(error.value)
+    assert "set data.tokenizer=byte" in str(error.value)
+    assert_one_line(error)

@@ -57,18 +57,21 @@ def test_megaframes_own_format_is_still_detected(tmp_path):
 
 def test_megaframes_sidecar_names_the_vocabulary_over_data_tokenizer(tmp_path):
     """What megaframe writes (Megatron's layout) carries its tokenizer in the sidecar: a run need not
-    name it, and a data.tokenizer that differs does not override what the tokens were built with."""
+    name it, and a data.tokenizer that differs is refused (it would be written into checkpoints and
+    HF exports), never used over what the tokens were built with."""
     from megaframe.data import IndexedDatasetWriter
 
     with IndexedDatasetWriter(tmp_path / "ds", dtype=np.int32) as writer:
         writer.add_document([1, 70_000, 5])
         writer.finalize({"tokenizer": "some-bpe", "vocab_size": 80_000, "eod_id": 5})
-    for tokenizer in (None, "byte"):
+    for tokenizer in (None, "some-bpe"):
         dataset = open_dataset(tmp_path / "ds", tokenizer)
         assert isinstance(dataset, MegatronDataset)
         assert (dataset.vocab_size, dataset.eod_id) == (80_000, 5)
         assert "recorded in" in dataset.vocab_source
     dataset.verify()
+    with pytest.raises(DataError, match="set data.tokenizer=some-bpe"):
+        open_dataset(tmp_path / "ds", "byte")
 
 
 def _damage(prefix, how: str) -> None:

@@ -1,0 +1,36 @@
+"""The fields of megaframe's dataset sidecar (PREFIX.json), checked by type before any is used.
+
+A sidecar edited by hand or damaged on copy (a string vocab_size, a checksum that is not hex) used
+to end in a ValueError traceback, or, worse, be read as something else (int("300") is a valid
+vocabulary). Both the MFTOKIDX and the Megatron sidecar go through this one check."""
+from __future__ import annotations
+
+import string
+from typing import Any, Optional
+
+_COUNTS = ("num_documents", "num_tokens", "index_bytes")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def field_problem(sidecar: dict[str, Any]) -> Optional[str]:
+    """What is wrong with the sidecar's fields, naming the first, or None. Absent fields are the
+    caller's business (each format requires its own)."""
+    if "tokenizer" in sidecar and not isinstance(sidecar["tokenizer"], str):
+        return f"its tokenizer is {sidecar['tokenizer']!r}, not a name or a directory"
+    vocab = sidecar.get("vocab_size")
+    if vocab is not None and not (_is_int(vocab) and vocab >= 1):
+        return f"its vocab_size is {vocab!r}, not a whole number >= 1"
+    eod = sidecar.get("eod_id")
+    if eod is not None and not (_is_int(eod) and 0 <= eod < (vocab if _is_int(vocab) else eod + 1)):
+        return f"its eod_id is {eod!r}, not a token id below vocab_size={vocab}"
+    checksum = sidecar.get("checksum")
+    if checksum is not None and not (isinstance(checksum, str) and checksum and len(checksum) % 2 == 0
+                                     and set(checksum) <= set(string.hexdigits)):
+        return f"its checksum is {checksum!r}, not hexadecimal"
+    for key in _COUNTS:
+        if key in sidecar and not (_is_int(sidecar[key]) and sidecar[key] >= 0):
+            return f"its {key} is {sidecar[key]!r}, not a whole number >= 0"
+    return None
