@@ -82,3 +82,23 @@ def test_a_resume_into_another_model_shape_is_refused_naming_the_key(tmp_path):
     assert "Traceback" not in result.stderr
     # what does not change a parameter's shape may change on resume
     assert_ok(run_cli([*args, "model.num_layers=4", "model.dropout=0.1"]))
+
+
+def test_a_changed_global_batch_size_is_refused_unless_the_move_is_accepted(tmp_path):
+    """Step k's samples are a function of (seed, k, global batch): another global batch size moved the
+    data position without a word (samples skipped when it grew)."""
+    from megaframe.failures import ExitCode
+
+    args = [*TINY, "train.max_steps=4", "train.save_interval=2", "train.eval_interval=0", f"hydra.run.dir={tmp_path}"]
+    assert_ok(run_cli([*args, "train.exit_at_step=2"]))
+    result = run_cli([*args, "parallel.global_batch_size=16"])
+    assert result.returncode == ExitCode.BAD_CHECKPOINT, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("megaframe-train: error")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "parallel.global_batch_size=8 (16 samples consumed)" in errors[0], errors[0]
+    assert "this run's 16 would move the data position to sample 32" in errors[0]
+    assert "train.on_batch_size_change=move_position" in errors[0]
+    moved = run_cli([*args, "parallel.global_batch_size=16", "train.on_batch_size_change=move_position"])
+    assert_ok(moved)
+    assert "the data position moves from sample 16 to 32" in moved.stderr, moved.stderr[-2000:]
+    assert [r["consumed_samples"] for r in read_metrics(tmp_path) if "loss" in r] == [8, 16, 48, 64]
