@@ -167,8 +167,11 @@ def _launcher_problem(cfg: TrainConfig) -> Optional[str]:
 
 
 def _check_launcher(cfg: TrainConfig) -> None:
-    """An optional launcher's package or command must be there: one line before anything starts."""
-    if problem := _launcher_problem(cfg):
+    """An optional launcher's package or command must be there, and an online W&B run its key: one
+    line before anything starts."""
+    from megaframe.tracking.wandb_run import online_key_problem
+
+    if problem := _launcher_problem(cfg) or online_key_problem(cfg.logging.wandb.mode):
         _fail(problem)
 
 

@@ -25,6 +25,7 @@ class ExitCode(enum.IntEnum):
     BAD_CHECKPOINT = 5  # the checkpoint to resume from is corrupt or incompatible
     MISSING_SYSTEM = 6  # a system piece failed after launch (a DeepSpeed op that does not load)
     RANK_HUNG = 7  # a rank did not reach a collective within train.collective_timeout_s
+    SAVE_FAILED = 8  # a checkpoint could not be written (a full disk, a quota, permissions); the last good one stands
 
 
 class RunFailure(Exception):
@@ -79,6 +80,20 @@ class RunDirInUse(RunFailure):
     exit_code = ExitCode.REFUSED
 
 
+class SaveFailed(RunFailure):
+    """A checkpoint could not be written; a restart after freeing space may well succeed."""
+
+    exit_code = ExitCode.SAVE_FAILED
+
+
+def save_failure(err: OSError, checkpoint: str, checkpoints_dir: str) -> SaveFailed:
+    """One line for an OSError while writing a checkpoint: which one, why, and the fix."""
+    reason = err.strerror or type(err).__name__
+    where = f" ({err.filename})" if err.filename else ""
+    return SaveFailed(f"writing checkpoint {checkpoint} failed: {reason}{where}; free space or fix permissions in "
+                      f"{checkpoints_dir} (the previous checkpoint is untouched: train.resume=auto continues from it)")
+
+
 class JobStopped(RunFailure):
     """An earlier attempt of this torchrun or Ray job failed deterministically; this attempt does not retry it."""
 
@@ -93,7 +108,8 @@ class JobStopped(RunFailure):
 # a shell reports such a process: 128 + the signal's number (engine/stop_signal.py)
 SIGNAL_STOPS = (130, 143)
 
-_BY_CODE = {failure.exit_code: failure for failure in (Diverged, BadData, BadCheckpoint, MissingSystemPiece, RankHung)}
+_BY_CODE = {failure.exit_code: failure for failure in (Diverged, BadData, BadCheckpoint, MissingSystemPiece, RankHung,
+                                                       SaveFailed)}
 
 # gloo and NCCL errors a rank sees when a peer died: consequences, not causes
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
@@ -120,7 +136,7 @@ def classify(err: BaseException) -> RunFailure:
 def exit_code_of_job(codes: list[Optional[int]]) -> int:
     """The exit code of a job whose ranks exited with `codes`: the documented cause (3-7) wins over
     the ranks that only followed it (1, or killed by a signal: negative)."""
-    documented = sorted(c for c in codes if c is not None and ExitCode.DIVERGED <= c <= ExitCode.RANK_HUNG)
+    documented = sorted(c for c in codes if c is not None and ExitCode.DIVERGED <= c <= ExitCode.SAVE_FAILED)
     if documented:
         return documented[0]
     stopped = {c for c in codes if c}

@@ -66,10 +66,17 @@ def safetensors_header(path: Path) -> dict[str, dict]:
             if length > os.path.getsize(path) - 8:
                 raise ValueError(f"header length {length} exceeds the file")
             header = json.loads(f.read(length))
-    except (OSError, ValueError, struct.error) as err:
+        tensors = {name: meta for name, meta in header.items() if name != "__metadata__"}
+        # the data the header promises must be there: a truncated file failed later, in the middle
+        # of a conversion, with safetensors' own traceback
+        data_end = max((int(meta["data_offsets"][1]) for meta in tensors.values()), default=0)
+        if 8 + length + data_end > os.path.getsize(path):
+            raise ValueError(f"its tensors need {8 + length + data_end} bytes, the file has {os.path.getsize(path)}: "
+                             f"truncated")
+        shapes = {name: {"shape": meta["shape"], "dtype": meta["dtype"]} for name, meta in tensors.items()}
+    except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError, AttributeError) as err:
         raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from err
-    return {name: {"shape": meta["shape"], "dtype": meta["dtype"]} for name, meta in header.items()
-            if name != "__metadata__"}
+    return shapes
 
 
 def _atomic_json(path: Path, obj: Any) -> None:

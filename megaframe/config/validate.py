@@ -259,6 +259,8 @@ def check_data(cfg: TrainConfig) -> Optional[str]:
         return "data.valid_fraction=0 leaves nothing to evaluate; set train.eval_interval=0 or a fraction > 0"
     if d.tokenizer != "byte" and not Path(d.tokenizer).is_dir():
         return f"data.tokenizer={d.tokenizer!r} is neither 'byte' nor a local Hugging Face tokenizer directory"
+    if d.cache_dir is not None and Path(d.cache_dir).exists() and not Path(d.cache_dir).is_dir():
+        return f"data.cache_dir={d.cache_dir} is a file, not a directory; point it at a directory (or null for the default)"
     problem = check_blend(d)
     if problem or d.path is None:
         return problem

@@ -40,7 +40,15 @@ def read_hf_config(hf_dir: Path) -> dict:
     config_file = Path(hf_dir) / "config.json"
     if not config_file.is_file():
         raise ConvertError(f"{hf_dir}: no config.json; pass a directory written by save_pretrained()")
-    return json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConvertError(f"{config_file}: not valid JSON ({err}); pass a directory written by save_pretrained()") \
+            from None
+    if not isinstance(config, dict):
+        raise ConvertError(f"{config_file}: holds {type(config).__name__}, not a JSON object; pass a directory "
+                           f"written by save_pretrained()")
+    return config
 
 
 class LazyTensors(Mapping):
@@ -109,7 +117,14 @@ def _weight_files(hf_dir: Path) -> list[Path]:
         if (hf_dir / single).is_file():
             return [hf_dir / single]
         if (hf_dir / index).is_file():
-            shards = sorted(set(json.loads((hf_dir / index).read_text())["weight_map"].values()))
+            try:
+                weight_map = json.loads((hf_dir / index).read_text(encoding="utf-8"))["weight_map"]
+                shards = sorted(set(weight_map.values()))
+            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+                raise ConvertError(f"{hf_dir / index}: not a shard index with a weight_map ({type(err).__name__}: "
+                                   f"{err}); pass a directory written by save_pretrained()") from None
+            if not all(isinstance(shard, str) and "/" not in shard and shard not in ("", ".", "..") for shard in shards):
+                raise ConvertError(f"{hf_dir / index}: its weight_map names files outside {hf_dir}; refusing it")
             return [hf_dir / shard for shard in shards]
     raise ConvertError(f"{hf_dir}: no model.safetensors or pytorch_model.bin (nor a sharded index); "
                        "save the model with save_pretrained()")

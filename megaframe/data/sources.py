@@ -72,6 +72,12 @@ def _read_text(path: Path) -> str:
 def _check_text(value: object, location: str, key: str) -> str:
     if not isinstance(value, str):
         raise DataError(f"{location}: field {key!r} is {type(value).__name__}, not a string")
+    if not value.isascii():
+        try:  # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer can encode
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise DataError(f"{location}: field {key!r} holds a lone surrogate ({value[error.start]!r} at character "
+                            f"{error.start}), which is not text; fix or drop that document") from None
     return value
 
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.atomic_io import atomic_write_text
+from megaframe.failures import save_failure
 from megaframe.parallel.random import get_rng_states, set_rng_states
 
 LATEST = universal.LATEST_FILE
@@ -75,7 +76,8 @@ class BackgroundWriter:
             try:
                 job()
             except BaseException as err:  # re-raised on the training thread by wait()
-                self._error = RuntimeError(f"train.async_save: writing {what} failed: {err}")
+                self._error = (save_failure(err, what, "the checkpoints directory") if isinstance(err, OSError)
+                               else RuntimeError(f"train.async_save: writing {what} failed: {err}"))
                 self._error.__cause__ = err
         self._thread = threading.Thread(target=run, name=f"megaframe-save-{what}", daemon=False)
         self._thread.start()

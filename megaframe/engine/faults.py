@@ -8,6 +8,8 @@ MEGAFRAME_FAULTS is a comma-separated list of KIND@STEP or KIND@STEP:RANK (RANK 
   spike@8        every target of step 8 becomes token 0 on every rank (a byte text never holds): a loss spike
   kill_in_save@4 SIGKILL to the process while the checkpoint of step 4 is being written (its files
                  written, not yet published), on the writer's thread under train.async_save
+  disk_full@4    the checkpoint of step 4 fails as a full disk makes it fail (OSError ENOSPC) before its files
+                 are written
   slow_save@4    the checkpoint of step 4 waits 3 s before its files are written (under
                  train.async_save training goes on meanwhile: what is written must be step 4's)
 Steps count from 1 (the step being taken).
@@ -16,6 +18,7 @@ hanging, so a test can time the watchdog from the hang rather than from a start-
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -26,7 +29,7 @@ import torch
 
 ENV = "MEGAFRAME_FAULTS"
 STAMPS_ENV = "MEGAFRAME_FAULTS_STAMPS"
-KINDS = ("nan_grad", "hang", "spike", "kill_in_save", "slow_save", "kill")
+KINDS = ("nan_grad", "hang", "spike", "kill_in_save", "slow_save", "kill", "disk_full")
 
 
 @dataclass(frozen=True)
@@ -68,11 +71,13 @@ class Faults:
     def in_save_hook(self, step: int):
         """The checkpoint save's hook for `step` (called with "write", then "publish"): None unless
         a fault is due in that save."""
-        kill, slow = self._due("kill_in_save", step), self._due("slow_save", step)
-        if not (kill or slow):
+        kill, slow, full = self._due("kill_in_save", step), self._due("slow_save", step), self._due("disk_full", step)
+        if not (kill or slow or full):
             return None
 
         def hook(stage: str) -> None:
+            if full and stage == "write":
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"global_step{step}")
             if slow and stage == "write":
                 time.sleep(3)
             if kill and stage == "publish":

@@ -31,7 +31,7 @@ from megaframe.engine.schedule import lr_scheduler_factory
 from megaframe.engine.step_guard import StepGuard
 from megaframe.engine.stop_signal import StopSignal, exit_code as signal_exit_code
 from megaframe import run_lock
-from megaframe.failures import Diverged, RankHung, RunDirInUse
+from megaframe.failures import Diverged, RankHung, RunDirInUse, SaveFailed, save_failure
 from megaframe.model.factory import resolve_dims
 from megaframe.parallel.context import zigzag_positions
 from megaframe.parallel.hang import describe_hang, is_collective_timeout
@@ -237,6 +237,12 @@ class Trainer:
         # one copy by default: DeepSpeed's own files only when asked, or when there is no layout-free copy
         native = self.cfg.train.native_checkpoint or write_universal is None
         self.saved_step = self.step
+        try:
+            self._write_checkpoint(state, write_universal, native)
+        except OSError as err:  # a full disk or a quota: which checkpoint, why, and that the last one stands
+            raise save_failure(err, f"global_step{self.step}", str(self.checkpoint_dir)) from err
+
+    def _write_checkpoint(self, state: dict, write_universal, native: bool) -> None:
         self.last_checkpoint = checkpoint.save(self.backend, self.checkpoint_dir, self.step, state,
                         rng_state={"tp_dropout": self.backend.module.rng.state_dict()}, write_extra=write_universal,
                         keep=self.cfg.train.keep_checkpoints, native=native,
@@ -407,7 +413,7 @@ class Trainer:
         save_error, run_failed = None, failed
         try:
             self.background.wait()  # a checkpoint still being written is finished, failure or not
-        except RuntimeError as err:
+        except (RuntimeError, SaveFailed) as err:
             save_error, failed = err, True
         if self.progress:
             self.progress.close()

@@ -10,6 +10,26 @@ from megaframe.config.schema import WandbConfig
 from megaframe.atomic_io import atomic_write_text
 
 
+def online_key_problem(mode: str, environ=os.environ) -> Optional[str]:
+    """logging.wandb.mode=online needs a W&B key, which wandb otherwise asks for on the terminal of
+    every rank 0 (or fails with its own traceback): one line before launch instead. wandb finds a key
+    in WANDB_API_KEY, an identity-token file, or the netrc entry `wandb login` writes."""
+    if mode != "online" or environ.get("WANDB_API_KEY") or environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        path = environ.get("NETRC") or str(Path(environ.get("HOME", "~")).expanduser() / ".netrc")
+        if netrc.netrc(path).authenticators(host):
+            return None
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return (f"logging.wandb.mode=online but no W&B key for {host}: set WANDB_API_KEY (or run `wandb login`), "
+            f"or keep logging.wandb.mode=offline and `wandb sync` the run later")
+
+
 class WandbRun:
     """A thin holder for one wandb run (or nothing, when disabled)."""
 

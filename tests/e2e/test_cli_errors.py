@@ -57,6 +57,22 @@ CASES = {
     "cpu adam without a compiler": (["zero=stage2", "offload=cpu"],
                                     {"CXX": "/nonexistent/c++", "TORCH_EXTENSIONS_DIR": "/nonexistent/megaframe-ext"},
                                     ["offload.optimizer=cpu", "no C++ compiler", "/nonexistent/c++"]),
+    # each of these used to pass validation and fail after launch (or blame another key)
+    "optimizer eps zero": (["optim.eps=0"], {}, ["optim.eps=0.0 must be a finite number > 0"]),
+    "learning rate nan": (["optim.lr=nan"], {}, ["optim.lr=nan must be a finite number > 0"]),
+    "weight decay nan": (["optim.weight_decay=nan"], {}, ["optim.weight_decay=nan must be a finite number >= 0"]),
+    "negative seed": (["train.seed=-1"], {}, ["train.seed=-1 must be in [0, 2**32)"]),
+    "collective timeout infinite": (["train.collective_timeout_s=inf"], {}, ["train.collective_timeout_s=inf", "finite"]),
+    "evaluation of no batches": (["train.eval_steps=0", "train.eval_interval=5"], {},
+                                 ["train.eval_steps=0 with train.eval_interval=5", "train.eval_interval=0"]),
+    "batch size change policy": (["train.on_batch_size_change=ignore"], {}, ["train.on_batch_size_change='ignore'", "move_position"]),
+    "init std nan": (["model.init_std=nan"], {}, ["model.init_std=nan must be a finite number > 0"]),
+    "norm eps zero": (["model.norm_eps=0"], {}, ["model.norm_eps=0.0 must be a finite number > 0"]),
+    "rope theta zero": (["model.rope_theta=0"], {}, ["model.rope_theta=0.0 must be a finite number > 0"]),
+    "negative peak": (["cluster.peak_tflops=-5"], {}, ["cluster.peak_tflops=-5.0 must be a finite number > 0, or null"]),
+    "negative reservation": (["cluster.reserved_gb=-1"], {}, ["cluster.reserved_gb=-1.0 must be a finite number >= 0"]),
+    "online W&B without a key": (["logging.wandb.mode=online"], {"WANDB_API_KEY": "", "NETRC": "/nonexistent/netrc"},
+                                 ["logging.wandb.mode=online but no W&B key", "WANDB_API_KEY", "wandb sync"]),
 }
 
 

@@ -316,3 +316,18 @@ def test_a_skipped_first_step_is_saved_with_zero_moments_and_resumes_exactly(zer
     assert_ok(run_cli([*args, "train.resume=auto", f"hydra.run.dir={resumed}"]))
     assert read_metrics(whole)[0]["event"] == "non_finite_skipped"
     assert _curves(resumed, ("loss", "grad_norm")) == _curves(whole, ("loss", "grad_norm"))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_full_disk_during_a_save_is_one_line_with_exit_8_and_the_last_checkpoint_stands(mode, tmp_path):
+    """It was a bare OSError naming neither the checkpoint nor the fix."""
+    args = [*TINY, "train.max_steps=6", "train.save_interval=2", "train.eval_interval=0",
+            f"train.async_save={str(mode == 'async').lower()}", f"hydra.run.dir={tmp_path}"]
+    result = run_cli(args, env=cli_env(MEGAFRAME_FAULTS="disk_full@4"))
+    line = assert_one_line_failure(result, ExitCode.SAVE_FAILED, "writing checkpoint global_step4 failed",
+                                   "No space left on device", "free space or fix permissions")
+    assert "train.resume=auto continues from it" in line
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "global_step2"
+    resumed = run_cli([*args, "train.resume=auto"])
+    assert_ok(resumed)
+    assert "resumed from" in resumed.stdout and "global_step2" in resumed.stdout

@@ -224,3 +224,11 @@ def test_evaluating_zero_batches_is_refused_unless_evaluation_is_off():
         validate(cfg, 1, _never_fp16)
     cfg.train.eval_interval = 0
     validate(cfg, 1, _never_fp16)
+
+
+def test_a_cache_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "cache").write_text("not a folder")
+    cfg = TrainConfig()
+    cfg.data.cache_dir = str(tmp_path / "cache")
+    with pytest.raises(ConfigError, match=r"data\.cache_dir=.* is a file, not a directory"):
+        validate(cfg, 1, _never_fp16)

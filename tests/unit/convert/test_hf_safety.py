@@ -147,3 +147,37 @@ def test_existing_output_is_kept_unless_forced(tmp_path):
     import_hf(tmp_path / "hf", tmp_path / "out", force=True)
     assert not (tmp_path / "out" / "keep").exists() and (tmp_path / "out" / "manifest.json").is_file()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging debris
+
+
+def _damage_truncated_weights(hf):
+    weights = hf / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    return "truncated"
+
+
+def _damage_config(hf):
+    (hf / "config.json").write_text('{"model_type": "llama", ')
+    return "config.json: not valid JSON"
+
+
+def _damage_index(hf):
+    (hf / "model.safetensors").unlink()
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    return "not a shard index with a weight_map"
+
+
+def _damage_index_outside(hf):
+    (hf / "model.safetensors").unlink()
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../elsewhere.safetensors"}}))
+    return "names files outside"
+
+
+@pytest.mark.parametrize("damage", [_damage_truncated_weights, _damage_config, _damage_index, _damage_index_outside])
+def test_a_damaged_hf_directory_is_one_line_not_a_traceback(damage, tmp_path):
+    tiny_hf("llama").save_pretrained(tmp_path / "hf")
+    fragment = damage(tmp_path / "hf")
+    result = convert(tmp_path / "hf", tmp_path / "out")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.startswith("megaframe-convert: error: ") and fragment in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()

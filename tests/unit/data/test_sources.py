@@ -110,3 +110,15 @@ def test_format_megaframe_still_writes_the_earlier_layout(tmp_path, same_text_th
 def test_bad_workers_is_one_line(tmp_path, same_text_three_ways) -> None:
     result = run_tool("--input", same_text_three_ways["jsonl"], "--output-prefix", tmp_path / "x", "--workers", "0")
     assert result.returncode == 2 and result.stderr.strip() == "preprocess_data: error: --workers 0: must be at least 1"
+
+
+def test_a_lone_surrogate_in_the_json_is_one_line_naming_the_document(tmp_path) -> None:
+    """JSON may escape half a UTF-16 pair ("\\ud800"): Python decodes it to a str no tokenizer can
+    encode, which ended the preprocessor with a UnicodeEncodeError traceback."""
+    source = tmp_path / "docs.jsonl"
+    source.write_text('{"text": "fine"}\n{"text": "broken \\ud800 here"}\n', encoding="utf-8")
+    result = run_tool("--input", source, "--output-prefix", tmp_path / "out")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"{source}:2" in lines[0] and "lone surrogate" in lines[0] and "character 7" in lines[0], lines[0]
