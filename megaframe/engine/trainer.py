@@ -369,7 +369,8 @@ class Trainer:
                 break
             start = time.perf_counter()
             result, lr = self.train_step()
-            interval_time += time.perf_counter() - start
+            interval_time += (seconds := time.perf_counter() - start)
+            self.stop_signal.note_step(seconds)
             interval_steps += 1
             event = self.guard.after_step(self.step, result.loss, result.applied, self._loss_scale_can_shrink())
             if event is not None:

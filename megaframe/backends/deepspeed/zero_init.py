@@ -31,7 +31,14 @@ def builds_partitioned(zero_stage: int, offload_param: str, pipelined: bool) -> 
 
 
 def partitioned_construction(ds_config: dict[str, Any], ps: ParallelState) -> contextlib.AbstractContextManager:
-    """The context the model is built in: parameters partitioned over the DP group on creation."""
+    """The context the model is built in: parameters partitioned over the DP group on creation.
+
+    torch._dynamo is imported first: zero.Init replaces torch.Tensor.__new__, and dynamo, when
+    first imported under it (torch imports it lazily, e.g. for the RNG state a dropout stream sets),
+    refuses the replaced signature with a TypeError. megaframe no longer imports dynamo at start-up
+    (compile_breaks.py), so a ZeRO-3 build is where it must come in."""
+    import torch._dynamo  # noqa: F401
+
     return deepspeed.zero.Init(data_parallel_group=ps.grad_reduce_group, config_dict_or_path=ds_config, mpu=MegatronMpu(ps))
 
 
