@@ -26,7 +26,6 @@ def references(tmp_path_factory) -> dict[str, list[dict]]:
 CASES_2 = {"cp2-ring": ["parallel.cp=2"], "cp2-ulysses": ["parallel.cp=2", "parallel.cp_impl=ulysses"],
            "cp2-ring-compiled": ["parallel.cp=2", "train.compile=true"]}
 CASES_4 = {"cp4-ring": ["parallel.cp=4"], "cp2-dp2-zero3": ["parallel.cp=2", "parallel.dp=2", "zero=stage3"],
-           "tp2-cp2": ["parallel.tp=2", "parallel.cp=2"],
            "tp2-cp2-sp": ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true"],
            "pp2-cp2": ["parallel.pp=2", "parallel.cp=2"],
            "cp2-dp2-zero1-recompute": ["parallel.cp=2", "parallel.dp=2", "zero=stage1",

@@ -27,7 +27,8 @@ def reference(tmp_path_factory) -> dict[str, list[dict]]:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_matches_single_rank(tp, reference, tmp_path):
-    cases = [(f, sp) for f in FLAVOURS for sp in (False, True)]
+    # SP at tp=4 is the tp=2 code with four ranks: only tp=2 runs it, for CI's time
+    cases = [(f, sp) for f in FLAVOURS for sp in ((False, True) if tp == 2 else (False,))]
     runs = [(_args(f, f"parallel.tp={tp}", f"parallel.sequence_parallel={str(sp).lower()}"),
              str(tmp_path / f"{f}-sp{int(sp)}")) for f, sp in cases]
     run_ranks(_train, tp, tmp_path, runs=runs)

@@ -25,7 +25,9 @@ def test_a_cp2_checkpoint_resumes_at_cp1_and_continues_the_curve(tmp_path):
     assert_parity(read_metrics(parts), read_metrics(whole), "cp=2 -> cp=1 resume")
 
 
-@pytest.mark.parametrize("impl", ["ring", "ulysses"])
+# the ring only, for CI's time: Ulysses draws its masks from the same per-rank streams the checkpoint
+# carries (its dropout resume is not run in CI)
+@pytest.mark.parametrize("impl", ["ring"])
 def test_dropout_under_cp_resumes_on_the_uninterrupted_curve(tmp_path, impl):
     """model.dropout=0.1 at cp=2 (attention, residual and MLP dropout): every rank's dropout streams
     are in the checkpoint, so a run resumed at step 4 draws the masks the uninterrupted run drew and

@@ -97,10 +97,9 @@ def test_a_ray_sweep_runs_each_point_on_ray_with_its_own_curve(tmp_path, ray_clu
     assert_ok(result)
     assert all((sweep / point / "ray").is_dir() for point in ("0", "1")), "a point did not run on Ray"
     assert "launching 2 ranks" not in result.stdout  # no point fell back to the self-launcher
-    for point, lr in enumerate(("1e-3", "3e-3")):
-        assert_ok(run_cli([*args, f"optim.lr={lr}", f"hydra.run.dir={alone / str(point)}"]))
-        assert_parity(read_metrics(sweep / str(point)), read_metrics(alone / str(point)),
-                      f"Ray sweep point {point} against the point self-launched")
+    # point 1 self-launched (point 0 differs only in optim.lr): a point trains its own curve on Ray
+    assert_ok(run_cli([*args, "optim.lr=3e-3", f"hydra.run.dir={alone}"]))
+    assert_parity(read_metrics(sweep / "1"), read_metrics(alone), "Ray sweep point 1 against the point self-launched")
     assert read_metrics(sweep / "0")[-1]["eval_loss"] != read_metrics(sweep / "1")[-1]["eval_loss"]
 
 
@@ -143,16 +142,16 @@ def test_ray_restarts_do_not_replay_a_divergence(tmp_path, ray_cluster):
     address, env = ray_cluster
     run = tmp_path / "run"
     result = run_cli([*ARGS, "train.max_steps=30", "optim.lr=1e6", "launcher=ray", f"launcher.ray_address={address}",
-                      "launcher.max_failures=2", f"hydra.run.dir={run}"], env=env, timeout=500)
+                      "launcher.max_failures=1", f"hydra.run.dir={run}"], env=env, timeout=500)
     assert result.returncode == 3, (result.stdout + result.stderr)[-3000:]
     out = result.stdout + result.stderr
     ours = [line for line in out.splitlines() if line.startswith("megaframe-train: error")]
     assert len(ours) == 1 and "diverged" in ours[0] and "Traceback" not in out, out[-3000:]
-    for rank in (0, 1):  # both restarts reached every rank, which stopped before training
+    for rank in (0, 1):  # the restart reached every rank, which stopped before training
         stops = [line for line in (run / "logs" / f"rank{rank}.log").read_text().splitlines()
                  if line.startswith("megaframe-train: error: not retrying: an earlier attempt of this job failed "
                                     "with: diverged")]
-        assert len(stops) == 2, (rank, stops)
+        assert len(stops) == 1, (rank, stops)
     # a new launch in the same directory is a new job: it trains (here into the same divergence)
     again = run_cli([*ARGS, "train.max_steps=30", "optim.lr=1e6", "launcher=ray", f"launcher.ray_address={address}",
                      "launcher.max_failures=0", f"hydra.run.dir={run}"], env=env, timeout=500)
