@@ -58,8 +58,9 @@ def _tokenizer_source(ckpt: Path, state: dict) -> Optional[Path]:
 def export_hf(ckpt: Path, out: Path, force: bool = False) -> str:
     """Write the transformers directory for checkpoint `ckpt` to `out`, one tensor at a time (the
     model is never whole in memory); return a summary line."""
-    files.refuse_existing(out, force)
+    files.refuse_existing(out, force, source=ckpt)
     ckpt = files.resolve_checkpoint(ckpt)
+    files.refuse_existing(out, force, source=ckpt)  # `latest` resolved: the checkpoint it names
     state, reader = files.open_layout_free(ckpt)
     cfg = model_config(state, ckpt)
     with reader:
@@ -109,7 +110,7 @@ def _set_special_tokens(hf_config, tokenizer_dir: Path) -> None:
 def import_hf(hf_dir: Path, out: Path, force: bool = False) -> tuple[ModelConfig, str]:
     """Write a model-only (step 0) layout-free checkpoint of HF model `hf_dir` to `out`."""
     hf_dir = Path(hf_dir)
-    files.refuse_existing(out, force)  # before reading gigabytes of weights
+    files.refuse_existing(out, force, source=hf_dir)  # before reading gigabytes of weights
     hf_config = files.read_hf_config(hf_dir)
     cfg = config_from_hf(hf_config)  # refuse an unsupported model before reading gigabytes of weights
     weights = files.read_hf_weights(hf_dir)

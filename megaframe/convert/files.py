@@ -166,10 +166,16 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
 
 # ---- atomic directories ----------------------------------------------------------------------
 
-def refuse_existing(final: Path, force: bool) -> None:
-    """Refuse to touch an existing output directory unless the user passed --force."""
-    if Path(final).exists() and not force:
+def refuse_existing(final: Path, force: bool, source: Optional[Path] = None) -> None:
+    """Refuse to touch an existing output directory unless the user passed --force, and never replace
+    one that holds the conversion's own input (--force would delete the run it converts)."""
+    if not Path(final).exists():
+        return
+    if not force:
         raise ConvertError(f"{final} already exists; choose a new output directory or pass --force to replace it")
+    if source is not None and Path(final).resolve() in (Path(source).resolve(), *Path(source).resolve().parents):
+        raise ConvertError(f"{final} holds the input {source}: --force would delete it; choose an output directory "
+                           f"outside it")
 
 
 def staging_dir(final: Path, force: bool) -> Path:

@@ -181,3 +181,21 @@ def test_a_damaged_hf_directory_is_one_line_not_a_traceback(damage, tmp_path):
     assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert result.stderr.startswith("megaframe-convert: error: ") and fragment in result.stderr, result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_force_never_replaces_the_directory_that_holds_the_input(tmp_path):
+    """`megaframe-convert to-hf RUN/checkpoints/global_step4 RUN --force` deleted the run it converted."""
+    from megaframe.convert.cli import export_hf
+
+    run = tmp_path / "run"
+    import_hf(_save_tiny(tmp_path / "hf"), run / "checkpoints" / "global_step4")
+    with pytest.raises(ConvertError, match="holds the input .*--force would delete it"):
+        export_hf(run / "checkpoints" / "global_step4", run, force=True)
+    with pytest.raises(ConvertError, match="holds the input"):
+        import_hf(tmp_path / "hf", tmp_path, force=True)
+    assert (run / "checkpoints" / "global_step4" / "manifest.json").is_file() and (tmp_path / "hf").is_dir()
+
+
+def _save_tiny(directory):
+    tiny_hf("gpt2").save_pretrained(directory)
+    return directory
