@@ -58,9 +58,8 @@ def _tokenizer_source(ckpt: Path, state: dict) -> Optional[Path]:
 def export_hf(ckpt: Path, out: Path, force: bool = False) -> str:
     """Write the transformers directory for checkpoint `ckpt` to `out`, one tensor at a time (the
     model is never whole in memory); return a summary line."""
-    files.refuse_existing(out, force, source=ckpt)
     ckpt = files.resolve_checkpoint(ckpt)
-    files.refuse_existing(out, force, source=ckpt)  # `latest` resolved: the checkpoint it names
+    files.refuse_existing(out, force, source=ckpt)  # after `latest` is resolved: the checkpoint it names
     state, reader = files.open_layout_free(ckpt)
     cfg = model_config(state, ckpt)
     with reader:
