@@ -15,6 +15,7 @@ are written; those runs build the model whole and let deepspeed.initialize parti
 from __future__ import annotations
 
 import contextlib
+import importlib
 from typing import Any
 
 import deepspeed
@@ -37,7 +38,7 @@ def partitioned_construction(ds_config: dict[str, Any], ps: ParallelState) -> co
     first imported under it (torch imports it lazily, e.g. for the RNG state a dropout stream sets),
     refuses the replaced signature with a TypeError. megaframe no longer imports dynamo at start-up
     (compile_breaks.py), so a ZeRO-3 build is where it must come in."""
-    import torch._dynamo  # noqa: F401
+    importlib.import_module("torch._dynamo")  # `import torch._dynamo` would rebind torch locally
 
     return deepspeed.zero.Init(data_parallel_group=ps.grad_reduce_group, config_dict_or_path=ds_config, mpu=MegatronMpu(ps))
 
