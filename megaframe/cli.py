@@ -324,11 +324,34 @@ def _task(dict_cfg) -> None:
 
 
 def _run_hydra(args: list[str]) -> None:
+    """Hydra's flags (-m, --cfg, --help, ...) through hydra.main; a plain run through _run_once."""
     import hydra
 
     register_configs()
+    if not any(a.split("=", 1)[0] in _HYDRA_FLAGS for a in args):
+        _run_once(args)
+        return
     sys.argv = [sys.argv[0], *args]
     hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)(_task)()
+
+
+def _run_once(overrides: list[str]) -> None:
+    """What hydra.main does for a single run (the run dir, .hydra/, job logging, HydraConfig, then
+    _task), less its first step: hydra.main composes the whole config once only to read hydra.mode,
+    then again for the run. That probe was about a second of every rank's start-up; the mode here is
+    known. Hydra's internal API: hydra-core 1.3's, unchanged since 1.1."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path, run_and_report
+    from hydra.core.global_hydra import GlobalHydra
+
+    search_path = create_config_search_path(str(conf_dir()))
+    # task name "cli", as hydra.main derived it from this file: RUN_DIR/cli.log, hydra.job.name
+    app = run_and_report(lambda: Hydra.create_main_hydra2(task_name="cli", config_search_path=search_path))
+    try:
+        run_and_report(lambda: app.run(config_name="config", task_function=_task,
+                                       overrides=[*overrides, "hydra.mode=RUN"]))
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def train_main(argv: Optional[Sequence[str]] = None) -> None:
@@ -349,20 +372,23 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
         _check_sweep(args)
         _run_hydra(args)
         return
-    cfg, layout, run_dir = check(args)
-    if not os.environ.get(_SELF_LAUNCHED):  # the parent already planned for the ranks it launched
-        from megaframe.plan.cli import preflight
+    if os.environ.get(_SELF_LAUNCHED) and _launcher_world_size() is not None:
+        # a rank this command started: the parent composed, validated and planned exactly these
+        # overrides (the run dir pinned among them), and _task validates Hydra's composition again;
+        # a second composition here cost every rank about a second of start-up
+        _run_hydra(args if _rank() == 0 else [*args, "hydra.output_subdir=null"])
+        return
+    from megaframe.plan.cli import preflight
 
-        planned = preflight(cfg, layout, args, PROG)  # exits 2 when the layout cannot fit
-        if planned is not args:  # parallel=auto chose a layout: the ranks get it as overrides
-            args = planned
-            cfg, layout, run_dir = check(args)
-    if not os.environ.get(_SELF_LAUNCHED):
-        _check_launcher(cfg)
-        _check_dataset(cfg)
-        _check_system(cfg, layout)
-    # a self-launched rank 0 runs this again: the parent has already warned
-    if _rank() == 0 and not os.environ.get(_SELF_LAUNCHED):
+    cfg, layout, run_dir = check(args)
+    planned = preflight(cfg, layout, args, PROG)  # exits 2 when the layout cannot fit
+    if planned is not args:  # parallel=auto chose a layout: the ranks get it as overrides
+        args = planned
+        cfg, layout, run_dir = check(args)
+    _check_launcher(cfg)
+    _check_dataset(cfg)
+    _check_system(cfg, layout)
+    if _rank() == 0:
         for warning in validate_warnings(cfg, layout):
             print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
     launched = _launcher_world_size() is not None

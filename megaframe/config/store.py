@@ -1,6 +1,8 @@
 """Registers the typed schema and the recipes with Hydra."""
 from __future__ import annotations
 
+import functools
+
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
@@ -10,11 +12,13 @@ from megaframe.paths import recipes_dir
 SCHEMA_NAME = "megaframe_schema"
 
 
+@functools.cache
 def register_configs() -> None:
     """Store TrainConfig as the schema conf/config.yaml lists first, and recipes/*.yaml as group `recipe`.
 
     Recipes live at the top of the repo (not under conf/) so users find them; registering them here
-    makes `recipe=NAME` work from a checkout and from an installed wheel alike.
+    makes `recipe=NAME` work from a checkout and from an installed wheel alike. Once per process: the
+    store outlives every composition, and parsing the recipes again cost each rank a fraction of a second.
     """
     store = ConfigStore.instance()
     store.store(name=SCHEMA_NAME, node=TrainConfig)
