@@ -3,6 +3,7 @@ fix, the exit code README documents, no traceback on the terminal (it is in RUN_
 replay of a deterministic failure by torchrun's restarts."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -62,9 +63,15 @@ def test_torchrun_restarts_do_not_replay_a_divergence(tmp_path):
            "optim.lr=1e6", "train.max_steps=30", f"hydra.run.dir={tmp_path}"]
     result = subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode != 0
+    # torchrun's agent reports each attempt's first failed rank: the first attempt and the 3 restarts
+    # all ended with the divergence's exit code 3
+    attempts = [line for line in result.stderr.splitlines() if "failed (exitcode: " in line]
+    assert len(attempts) == 4 and all("failed (exitcode: 3)" in line for line in attempts), result.stderr[-4000:]
     ours = [line for line in result.stderr.splitlines() if line.startswith("megaframe-train: error")]
-    # attempt 0 trains and diverges; each of the 3 restarts stops at once, before building anything
-    assert len(ours) == 4 and "diverged" in ours[0], result.stderr[-4000:]
+    # attempt 0 trains and diverges; each restart stops at once, before building anything, its rank 0
+    # saying so. On a loaded host rank 1 may exit first and the agent stop rank 0 before it prints:
+    # some restarts may say nothing, and none may train again (the steps below)
+    assert 2 <= len(ours) <= 4 and "diverged" in ours[0], result.stderr[-4000:]
     assert all(line.startswith("megaframe-train: error: not retrying: an earlier attempt of this job failed "
                                "with: diverged") and line.endswith("[exit 3]") for line in ours[1:]), ours
     steps = [r["step"] for r in read_metrics(tmp_path) if "loss" in r]
@@ -173,8 +180,10 @@ def test_a_hung_rank_ends_the_job_within_the_timeout_naming_it(tmp_path):
                             f"train.collective_timeout_s={timeout_s}", "at step 3")
     # Timed from the moment rank 1 hung, not from launch: start-up on a loaded 2-core CI host
     # varies by tens of seconds and is not what the watchdog bounds.
+    # Bounded well below the 1800 s default it replaces: the watchdog fires at timeout_s, and ending
+    # the ranks and the agent then took up to 39 s with CI's other test processes on the two cores
     hung_for = ended - (stamps / "hang-rank1").stat().st_mtime
-    assert timeout_s - 1 <= hung_for < timeout_s + 30, hung_for
+    assert timeout_s - 1 <= hung_for < timeout_s + 90, hung_for
 
 
 def test_a_run_ends_with_one_summary_line(tmp_path):
@@ -210,13 +219,31 @@ CHECKPOINT_CASES = {  # damage to the checkpoint resumed from -> fragments of th
 }
 
 
+STOPPED_AT_2 = [*TINY, "train.max_steps=3"]  # a run stopped (train.exit_at_step=2) after its step-2 save
+
+
+@pytest.fixture(scope="module")
+def stopped_at_2(tmp_path_factory) -> Path:
+    """One run dir of STOPPED_AT_2, copied by each test that damages it (a run dir moved or copied
+    resumes as the original would)."""
+    run_dir = tmp_path_factory.mktemp("stopped_at_2")
+    assert_ok(run_cli([*STOPPED_AT_2, "train.exit_at_step=2", f"hydra.run.dir={run_dir}"]))
+    return run_dir
+
+
+def _copy_of(run_dir: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    return copy
+
+
 @pytest.mark.parametrize("case", list(CHECKPOINT_CASES))
-def test_a_damaged_checkpoint_is_one_line_with_exit_5(case, tmp_path):
+def test_a_damaged_checkpoint_is_one_line_with_exit_5(case, stopped_at_2, tmp_path):
     damage, fragments = CHECKPOINT_CASES[case]
-    args = [*TINY, "train.max_steps=3", f"hydra.run.dir={tmp_path}"]
-    assert_ok(run_cli([*args, "train.exit_at_step=2"]))
-    damage(tmp_path / "checkpoints" / "global_step2")
-    result = run_cli([*args, "train.resume=" + str(tmp_path / "checkpoints" / "global_step2")])
+    run = _copy_of(stopped_at_2, tmp_path)
+    args = [*STOPPED_AT_2, f"hydra.run.dir={run}"]
+    damage(run / "checkpoints" / "global_step2")
+    result = run_cli([*args, "train.resume=" + str(run / "checkpoints" / "global_step2")])
     assert_one_line_failure(result, ExitCode.BAD_CHECKPOINT, "global_step2", *fragments)
 
 
@@ -241,24 +268,24 @@ def test_resume_auto_falls_back_past_a_corrupt_newest_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("pointer", ["../../elsewhere", "/etc", "global_step2/../../x"])
-def test_a_latest_pointer_leaving_the_checkpoint_dir_is_one_line(pointer, tmp_path):
-    args = [*TINY, "train.max_steps=3", f"hydra.run.dir={tmp_path}"]
-    assert_ok(run_cli([*args, "train.exit_at_step=2"]))
-    (tmp_path / "checkpoints" / "latest").write_text(pointer + "\n")
+def test_a_latest_pointer_leaving_the_checkpoint_dir_is_one_line(pointer, stopped_at_2, tmp_path):
+    run = _copy_of(stopped_at_2, tmp_path)
+    args = [*STOPPED_AT_2, f"hydra.run.dir={run}"]
+    (run / "checkpoints" / "latest").write_text(pointer + "\n")
     result = run_cli(args)
     assert_one_line_failure(result, ExitCode.BAD_CHECKPOINT, f"names {pointer!r}", "the file was edited")
 
 
-def test_a_manifest_naming_a_file_outside_is_refused(tmp_path):
+def test_a_manifest_naming_a_file_outside_is_refused(stopped_at_2, tmp_path):
     import json
 
-    args = [*TINY, "train.max_steps=3", f"hydra.run.dir={tmp_path}"]
-    assert_ok(run_cli([*args, "train.exit_at_step=2"]))
-    manifest_path = tmp_path / "checkpoints" / "global_step2" / "manifest.json"
+    run = _copy_of(stopped_at_2, tmp_path)
+    args = [*STOPPED_AT_2, f"hydra.run.dir={run}"]
+    manifest_path = run / "checkpoints" / "global_step2" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["files"]["../../../config.yaml"] = {"bytes": 1, "sha256": "0" * 64}
     manifest_path.write_text(json.dumps(manifest))
-    result = run_cli([*args, f"train.resume={tmp_path / 'checkpoints' / 'global_step2'}"])
+    result = run_cli([*args, f"train.resume={run / 'checkpoints' / 'global_step2'}"])
     assert_one_line_failure(result, ExitCode.BAD_CHECKPOINT, "manifest.json names '../../../config.yaml'",
                             "outside the checkpoint directory")
 
@@ -266,12 +293,19 @@ def test_a_manifest_naming_a_file_outside_is_refused(tmp_path):
 ASYNC = [*TINY, "train.max_steps=8", "train.save_interval=2"]
 
 
-def test_async_saves_write_what_sync_saves_write(tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """ASYNC run whole with synchronous saves: the files and curve every ASYNC run must reproduce."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    assert_ok(run_cli([*ASYNC, f"hydra.run.dir={run_dir}"]))
+    return run_dir
+
+
+def test_async_saves_write_what_sync_saves_write(uninterrupted, tmp_path):
     """train.async_save=true writes each checkpoint from a snapshot taken at its step while training
     goes on: the files and the metrics equal the synchronous run's (a live tensor written late
     would differ)."""
-    sync, background = tmp_path / "sync", tmp_path / "async"
-    assert_ok(run_cli([*ASYNC, f"hydra.run.dir={sync}"]))
+    sync, background = uninterrupted, tmp_path / "async"
     # step 4's files are written 3 s late, while steps 5 and 6 train on (faults.py: slow_save)
     result = run_cli([*ASYNC, "train.async_save=true", f"hydra.run.dir={background}"],
                      env=cli_env(MEGAFRAME_FAULTS="slow_save@4"))
@@ -284,12 +318,12 @@ def test_async_saves_write_what_sync_saves_write(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_sigkill_inside_a_save_resumes_from_the_previous_checkpoint(mode, tmp_path):
+def test_sigkill_inside_a_save_resumes_from_the_previous_checkpoint(mode, uninterrupted, tmp_path):
     """SIGKILL lands inside the write of step 4's checkpoint (its files written, not published); the
-    restarted run resumes from step 2 and ends with the uninterrupted run's metrics."""
-    whole, run = tmp_path / "whole", tmp_path / "run"
+    restarted run resumes from step 2 and ends with the uninterrupted run's metrics (async saves
+    train the synchronous curve: test_async_saves_write_what_sync_saves_write)."""
+    whole, run = uninterrupted, tmp_path / "run"
     extra = ["train.async_save=true"] if mode == "async" else []
-    assert_ok(run_cli([*ASYNC, *extra, f"hydra.run.dir={whole}"]))
     killed = run_cli([*ASYNC, *extra, f"hydra.run.dir={run}"], env=cli_env(MEGAFRAME_FAULTS="kill_in_save@4"))
     assert killed.returncode == -9, killed.stderr[-2000:]
     checkpoints = run / "checkpoints"
