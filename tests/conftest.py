@@ -19,7 +19,30 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         Path(tempfile.gettempdir()) / f"megaframe-tests-inductor-{getpass.getuser()}-{capability}")
 
 
+# Seconds each of the longest files took in CI (-n 3 on the two cores, junit times, 2026-11-26; the
+# Ray file after its workers' niceness fix). Only the order they start in depends on these.
+_LONGEST_FILES = {
+    "e2e/test_ray_launcher.py": 800, "e2e/test_failures.py": 800, "dist/test_zero.py": 670,
+    "e2e/test_train_cli.py": 540, "dist/test_context_parallel_training.py": 330, "e2e/test_fault_tolerance.py": 300,
+    "dist/test_moe_training.py": 270, "dist/test_planner_peak.py": 260, "fakecuda_tier/test_training_layouts.py": 230,
+    "e2e/test_resume.py": 210, "e2e/test_moe_cli.py": 200, "dist/test_data_parallel.py": 200,
+    "e2e/test_context_parallel_cli.py": 200, "e2e/test_cli_errors.py": 190, "e2e/test_sweep_cli.py": 190,
+    "fakecuda_tier/test_training_two_ranks.py": 190, "e2e/test_signals.py": 190, "e2e/test_tracking.py": 180,
+    "e2e/test_checkpoint_formats.py": 170, "dist/test_tensor_parallel.py": 170, "dist/test_skip_steps.py": 170,
+    "e2e/test_zero_cli.py": 160, "fakecuda_tier/test_training_one_rank.py": 150, "unit/test_static_checks.py": 130,
+    "dist/test_pipeline_parallel.py": 130, "dist/test_reshard.py": 120, "fakecuda_tier/test_mutants.py": 110,
+}
+
+
 def pytest_collection_modifyitems(items):
-    """Multi-rank and end-to-end files first (the sort is stable): under `-n 2 --dist loadfile` the
-    long files start early and the many short unit tests fill the gaps at the end."""
-    items.sort(key=lambda item: "tests/unit/" in str(item.path).replace(os.sep, "/"))
+    """Longest files first, then the other multi-rank and end-to-end files, the many short unit tests
+    last (the sort is stable). `--dist loadfile` hands whole files to the workers in this order
+    (with --no-loadscope-reorder; by default xdist orders files by their number of tests, which
+    left the Ray file, 8 tests and the longest, to start near the end): long files start early and
+    short ones fill the gaps."""
+    def key(item) -> tuple[float, bool]:
+        path = str(item.path).replace(os.sep, "/")
+        name = path.split("/tests/", 1)[-1]
+        return -_LONGEST_FILES.get(name, 0), "tests/unit/" in path
+
+    items.sort(key=key)

@@ -22,8 +22,8 @@ from megaframe.model.dims import GPTDims, resolve_dims
 from megaframe.plan.activations import (ActivationShape, block_activation_bytes, in_flight_micro_batches,
                                         logits_working_bytes, moe_mlp_extra_bytes, stage_activation_bytes, tokens)
 from megaframe.plan.memory import (ACTIVATION_BYTES, GIB, STATE_BYTES, ModelStates, PlanLayout, model_state_bytes,
-                                   active_parameters, stage_blocks, stage_expert_parameters, stage_parameters,
-                                   total_parameters)
+                                   active_parameters, block_parameters, stage_blocks, stage_expert_parameters,
+                                   stage_parameters, total_parameters)
 from megaframe.tracking.flops import flops_per_token
 
 
@@ -170,9 +170,14 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
         # ZeRO-3 gathers whole parameters for the forward and keeps them live up to
         # stage3_max_live_parameters, and gathers ahead through its prefetch bucket (measured: the
         # gathered weights stay resident from the forward into the backward, BENCHMARKS.md)
-        weight_bytes = STATE_BYTES[dtype][0]
-        working += (min(zero.stage3_max_live_parameters, params) + min(zero.stage3_prefetch_bucket_size, params)) \
-            * weight_bytes
+        prefetch = min(zero.stage3_prefetch_bucket_size, params)
+        if lay.recompute and blocks:
+            # recomputation replays each block's forward inside the backward, where ZeRO-3's record of
+            # the module order no longer holds: it gathers on demand, about one block ahead (measured
+            # on a 13M model, BENCHMARKS.md: 11 MB of the 52 MB bucket). From ~1B parameters a block
+            # outweighs the default bucket and this changes nothing.
+            prefetch = min(prefetch, max(block_parameters(dims, lay.tp, i, ep) for i in range(dims.num_layers)))
+        working += (min(zero.stage3_max_live_parameters, params) + prefetch) * STATE_BYTES[dtype][0]
     activations = in_flight * per_micro
     # on this host "offloaded" states stay in the same RAM the ranks share
     peak = states.device + activations + working + reserved + (states.host if host_counts_as_device else 0.0)

@@ -36,8 +36,9 @@ def test_default_run_learns(tmp_path):
 
 
 def test_llama_bf16_zero2(tmp_path):
-    result = run_cli(["model=llama_tiny", "precision=bf16", "zero=stage2", "train.max_steps=20",
-                      "train.eval_interval=10", "logging.wandb.mode=disabled", f"hydra.run.dir={tmp_path}"])
+    """The Llama flavour in bf16 under ZeRO-2 learns, at TINY's size (llama_tiny's own took 88 s of CPU)."""
+    result = run_cli([*TINY, "model=llama_tiny", "precision=bf16", "zero=stage2", "train.max_steps=20",
+                      "train.eval_interval=10", f"hydra.run.dir={tmp_path}"])
     assert_ok(result)
     losses = [v for _, v in curve(read_metrics(tmp_path), "loss")]
     assert losses[-1] < losses[0] - 0.5
