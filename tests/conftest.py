@@ -6,6 +6,8 @@ import os
 import tempfile
 from pathlib import Path
 
+import pytest
+
 # DeepSpeed JIT-compiles its CPU ops on first use; one cache for every test process (and CI).
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "megaframe" / "torch_extensions"))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -46,3 +48,23 @@ def pytest_collection_modifyitems(items):
         return -_LONGEST_FILES.get(name, 0), "tests/unit/" in path
 
     items.sort(key=key)
+
+
+@pytest.fixture(scope="session")
+def cpu_adam_op() -> None:
+    """DeepSpeed's CPU Adam (offload=cpu), built or loaded in the test process under megaframe's
+    build lock before the test's ranks start, so the build is not part of their time limit; forked
+    ranks inherit the loaded op."""
+    from megaframe.backends.deepspeed.build_locks import load_ops
+
+    load_ops(["CPUAdamBuilder"])
+
+
+@pytest.fixture(scope="session")
+def nvme_ops(cpu_adam_op) -> None:
+    """CPU Adam and async IO (offload=nvme), as cpu_adam_op. A cold async_io build beside the other
+    workers' tests took minutes, and an NVMe test that waited for it inside its ranks ran past its
+    600 s limit in CI."""
+    from megaframe.backends.deepspeed.build_locks import load_ops
+
+    load_ops(["AsyncIOBuilder"])

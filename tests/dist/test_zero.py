@@ -40,9 +40,10 @@ def reference(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.parametrize("dp", [2, 4])
-def test_zero_stages_match_single_rank(dp, reference, tmp_path):
+def test_zero_stages_match_single_rank(dp, reference, tmp_path, request):
     cases = {f"zero{stage}": [f"zero=stage{stage}"] for stage in range(4)}
     if dp == 2:
+        request.getfixturevalue("cpu_adam_op")
         cases.update(CPU_OFFLOAD)
     runs = _runs(tmp_path, cases, [*TINY, *STEPS, f"parallel.dp={dp}"])
     run_ranks(train_runs, dp, tmp_path, runs=runs)
@@ -50,6 +51,7 @@ def test_zero_stages_match_single_rank(dp, reference, tmp_path):
         assert_parity(read_metrics(run_dir), reference, f"dp={dp} {name}")
 
 
+@pytest.mark.usefixtures("cpu_adam_op")
 def test_offload_under_tensor_parallelism_matches_single_rank(reference, tmp_path):
     cases = {"zero2-cpu-optimizer": CPU_OFFLOAD["zero2-cpu-optimizer"],
              "zero3-cpu-optimizer-and-param": ["zero=stage3", "offload=cpu", "offload.param=cpu"]}
@@ -72,6 +74,7 @@ def _train_recording_swap(rank: int, world: int, overrides: list[str], run_dir: 
     return {"folder": str(trainer.backend.nvme_swap.path), "files": files, "left": trainer.backend.nvme_swap.path.exists()}
 
 
+@pytest.mark.usefixtures("nvme_ops")
 def test_zero3_nvme_offload_swaps_to_disk_and_matches_single_rank(tmp_path):
     base = [*TINY, *NVME_MODEL]
     run_ranks(train_runs, 1, tmp_path, runs=[(base, str(tmp_path / "ref"))])

@@ -20,6 +20,7 @@ def _readme_commands() -> list[list[str]]:
     return [shlex.split(line.split("#", 1)[0])[1:] for line in block.splitlines() if line.startswith("megaframe-train")]
 
 
+@pytest.mark.usefixtures("nvme_ops")  # built here, outside the runs' time limits
 def test_readme_offload_commands_run(tmp_path):
     commands = _readme_commands()
     assert any("offload=cpu" in c for c in commands) and any("offload=nvme" in c for c in commands)

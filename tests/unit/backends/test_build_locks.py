@@ -131,3 +131,17 @@ def test_the_owner_lock_wait_is_bounded_and_a_run_needing_no_op_takes_no_lock(tm
     finally:
         holder.kill()
         holder.wait(timeout=10)
+
+
+def test_ops_are_built_with_deepspeeds_flags_less_debug_information(tmp_path, monkeypatch):
+    """-g made a cold async_io build half as long again (553 against 432 CPU-s on the 2-core host);
+    every other flag DeepSpeed chose (-O3, -march=native, async_io's -O0) is kept."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    built = {}
+    monkeypatch.setattr(OpBuilder, "load", lambda self, verbose=True: built.update({
+        self.name: (type(self).cxx_args(self), self.cxx_args())}))
+    load_ops(["CPUAdamBuilder", "AsyncIOBuilder"], tmp_path)
+    for theirs, ours in (built["cpu_adam"], built["async_io"]):  # (async_io loads pin_memory, built without -g)
+        assert "-g" in theirs and "-O3" in theirs
+        assert ours == [flag for flag in theirs if flag != "-g"]
