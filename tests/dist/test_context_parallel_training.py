@@ -34,8 +34,9 @@ CASES_4 = {"cp4-ring": ["parallel.cp=4"], "cp2-dp2-zero3": ["parallel.cp=2", "pa
 
 @pytest.mark.parametrize("world, cases", [(2, CASES_2), (4, CASES_4)], ids=["world2", "world4"])
 def test_context_parallel_layouts_match_single_rank(references, world, cases, tmp_path):
+    # compiled: Llama only (grouped-query attention and RoPE in the graph); GPT-2 goes through the same ring code
     runs = [([*TINY, *FLAVOURS[f], *STEPS, *extra], str(tmp_path / f"{f}-{name}"))
-            for f in FLAVOURS for name, extra in cases.items()]
+            for f in FLAVOURS for name, extra in cases.items() if not (f == "gpt2" and name.endswith("compiled"))]
     run_ranks(train_runs, world, tmp_path, timeout=1200, runs=runs)
     for overrides, run_dir in runs:
         flavour = Path(run_dir).name.split("-", 1)[0]
