@@ -16,8 +16,9 @@ pytestmark = pytest.mark.slow
 
 def test_default_run_learns(tmp_path):
     """No arguments: the tiny GPT on the demo corpus, eval loss falls by at least 30%."""
+    # about 100 s on an idle 2-core host; beside CI's other test files it ran past 600 s (-n 4)
     result = subprocess.run(["megaframe-train"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
-                            timeout=600)
+                            timeout=1200)
     assert_ok(result)
     (run_dir,) = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
     records = read_metrics(run_dir)
