@@ -1,11 +1,23 @@
-"""The CPU reference curve shared by a file's device runs (tests/fakecuda/runs.py)."""
+"""The CPU reference run shared by a file's device runs (tests/fakecuda/runs.py)."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 
 @pytest.fixture(scope="module")
-def cpu_reference(tmp_path_factory) -> list[dict]:
+def cpu_reference_run(tmp_path_factory) -> Path:
+    """The plain CPU run's folder (its metrics and its final checkpoint)."""
     from fakecuda.runs import cpu_run
 
-    return cpu_run(tmp_path_factory.mktemp("cpu"))
+    root = tmp_path_factory.mktemp("cpu")
+    cpu_run(root)
+    return root / "cpu-run"
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(cpu_reference_run) -> list[dict]:
+    from helpers import read_metrics
+
+    return read_metrics(cpu_reference_run)
