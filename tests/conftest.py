@@ -5,6 +5,7 @@ import getpass
 import os
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -33,7 +34,7 @@ _LONGEST_FILES = {
     "e2e/test_checkpoint_formats.py": 170, "dist/test_tensor_parallel.py": 170, "dist/test_skip_steps.py": 170,
     "e2e/test_zero_cli.py": 160, "fakecuda_tier/test_training_one_rank.py": 150, "unit/test_static_checks.py": 130,
     "dist/test_pipeline_parallel.py": 130, "dist/test_reshard.py": 120, "fakecuda_tier/test_mutants.py": 110,
-    "fakecuda_tier/test_checkpoints_and_offload.py": 250,
+    "fakecuda_tier/test_checkpoints_and_offload.py": 377,
 }
 
 
@@ -52,20 +53,17 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def cpu_adam_op() -> None:
-    """DeepSpeed's CPU Adam (offload=cpu), built or loaded in the test process under megaframe's
-    build lock before the test's ranks start, so the build is not part of their time limit; forked
-    ranks inherit the loaded op."""
-    from megaframe.backends.deepspeed.build_locks import load_ops
+def deepspeed_ops() -> Callable[..., None]:
+    """deepspeed_ops(OVERRIDES, ...): build or load the DeepSpeed ops runs with these overrides need
+    (the engine's own choice, build_locks.ops_for) in the test process, under megaframe's build lock,
+    before the test's ranks start. A cold async_io build beside the other workers' tests took
+    minutes, and an NVMe test that waited for it inside its ranks ran past its 600 s limit in CI.
+    Forked ranks inherit the loaded ops."""
+    from megaframe.backends.deepspeed.build_locks import load_ops, ops_for
+    from megaframe.config.compose import compose
 
-    load_ops(["CPUAdamBuilder"])
+    def build(*runs: list[str]) -> None:
+        for overrides in runs:
+            load_ops(ops_for(compose(overrides)[0].offload))
 
-
-@pytest.fixture(scope="session")
-def nvme_ops(cpu_adam_op) -> None:
-    """CPU Adam and async IO (offload=nvme), as cpu_adam_op. A cold async_io build beside the other
-    workers' tests took minutes, and an NVMe test that waited for it inside its ranks ran past its
-    600 s limit in CI."""
-    from megaframe.backends.deepspeed.build_locks import load_ops
-
-    load_ops(["AsyncIOBuilder"])
+    return build

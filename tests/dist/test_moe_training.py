@@ -59,10 +59,9 @@ CASES_4 = {"dropless-dp4-ep2": ["parallel.dp=4", "parallel.ep=2"],  # ZeRO-0: ex
 
 
 @pytest.mark.parametrize("world, cases", [(2, CASES_2), (4, CASES_4)], ids=["world2", "world4"])
-def test_expert_parallel_layouts_match_single_rank(references, world, cases, tmp_path, request):
-    if any("offload=cpu" in extra for extra in cases.values()):
-        request.getfixturevalue("cpu_adam_op")
+def test_expert_parallel_layouts_match_single_rank(references, world, cases, tmp_path, deepspeed_ops):
     runs = [([*TINY, *MODEL, *extra], str(tmp_path / name)) for name, extra in cases.items()]
+    deepspeed_ops(*(overrides for overrides, _ in runs))
     run_ranks(train_runs, world, tmp_path, timeout=1200, runs=runs)
     for _, run_dir in runs:
         name = Path(run_dir).name

@@ -94,9 +94,8 @@ def _train_with_faults(rank: int, world: int, overrides: list[str], run_dir: str
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_nan_gradient_on_one_rank_skips_the_step_on_every_rank(layout, tmp_path, request):
-    if "offload=cpu" in LAYOUTS[layout]:
-        request.getfixturevalue("cpu_adam_op")
+def test_nan_gradient_on_one_rank_skips_the_step_on_every_rank(layout, tmp_path, deepspeed_ops):
+    deepspeed_ops([*BASE, *LAYOUTS[layout]])
     run_dir = tmp_path / "run"
     results = run_ranks(_train_with_faults, 2, tmp_path, overrides=[*BASE, *LAYOUTS[layout]], run_dir=str(run_dir),
                         faults=f"nan_grad@{NAN_STEP}:1")

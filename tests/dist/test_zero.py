@@ -40,22 +40,22 @@ def reference(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.parametrize("dp", [2, 4])
-def test_zero_stages_match_single_rank(dp, reference, tmp_path, request):
+def test_zero_stages_match_single_rank(dp, reference, tmp_path, deepspeed_ops):
     cases = {f"zero{stage}": [f"zero=stage{stage}"] for stage in range(4)}
     if dp == 2:
-        request.getfixturevalue("cpu_adam_op")
         cases.update(CPU_OFFLOAD)
     runs = _runs(tmp_path, cases, [*TINY, *STEPS, f"parallel.dp={dp}"])
+    deepspeed_ops(*(overrides for overrides, _ in runs))
     run_ranks(train_runs, dp, tmp_path, runs=runs)
     for name, (_, run_dir) in zip(cases, runs):
         assert_parity(read_metrics(run_dir), reference, f"dp={dp} {name}")
 
 
-@pytest.mark.usefixtures("cpu_adam_op")
-def test_offload_under_tensor_parallelism_matches_single_rank(reference, tmp_path):
+def test_offload_under_tensor_parallelism_matches_single_rank(reference, tmp_path, deepspeed_ops):
     cases = {"zero2-cpu-optimizer": CPU_OFFLOAD["zero2-cpu-optimizer"],
              "zero3-cpu-optimizer-and-param": ["zero=stage3", "offload=cpu", "offload.param=cpu"]}
     runs = _runs(tmp_path, cases, [*TINY, *STEPS, "parallel.tp=2", "parallel.dp=2"])
+    deepspeed_ops(*(overrides for overrides, _ in runs))
     run_ranks(train_runs, 4, tmp_path, runs=runs)
     for name, (_, run_dir) in zip(cases, runs):
         assert_parity(read_metrics(run_dir), reference, f"tp=2 dp=2 {name}")
@@ -74,9 +74,9 @@ def _train_recording_swap(rank: int, world: int, overrides: list[str], run_dir: 
     return {"folder": str(trainer.backend.nvme_swap.path), "files": files, "left": trainer.backend.nvme_swap.path.exists()}
 
 
-@pytest.mark.usefixtures("nvme_ops")
-def test_zero3_nvme_offload_swaps_to_disk_and_matches_single_rank(tmp_path):
+def test_zero3_nvme_offload_swaps_to_disk_and_matches_single_rank(tmp_path, deepspeed_ops):
     base = [*TINY, *NVME_MODEL]
+    deepspeed_ops([*base, *NVME])
     run_ranks(train_runs, 1, tmp_path, runs=[(base, str(tmp_path / "ref"))])
     nvme_path = tmp_path / "nvme"
     results = run_ranks(_train_recording_swap, 2, tmp_path, run_dir=str(tmp_path / "nvme-run"),

@@ -20,9 +20,9 @@ def _readme_commands() -> list[list[str]]:
     return [shlex.split(line.split("#", 1)[0])[1:] for line in block.splitlines() if line.startswith("megaframe-train")]
 
 
-@pytest.mark.usefixtures("nvme_ops")  # built here, outside the runs' time limits
-def test_readme_offload_commands_run(tmp_path):
+def test_readme_offload_commands_run(tmp_path, deepspeed_ops):
     commands = _readme_commands()
+    deepspeed_ops(*commands)  # built here, outside the runs' time limits
     assert any("offload=cpu" in c for c in commands) and any("offload=nvme" in c for c in commands)
     for i, args in enumerate(commands):
         nvme = tmp_path / f"nvme{i}"

@@ -13,22 +13,23 @@ from parity import assert_parity
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.usefixtures("cpu_adam_op")
-def test_offloaded_zero3_saves_in_the_background_and_resumes_at_zero3_on_the_device(cpu_reference, tmp_path):
+def test_offloaded_zero3_saves_in_the_background_and_resumes_at_zero3_on_the_device(cpu_reference, tmp_path,
+                                                                                    deepspeed_ops):
     """Saved by ZeRO-3 with optimizer and parameters offloaded to the host, written on the background
     thread; resumed by ZeRO-3 without offload, whose optimizer state must come back onto the device."""
     first = ["parallel.dp=2", "zero=stage3", "offload=cpu", "offload.param=cpu", "train.async_save=true",
              "train.save_interval=3", "train.exit_at_step=3"]
+    deepspeed_ops(first)
     run_on_device(tmp_path, "zero3", first, world=2)
     resumed = run_on_device(tmp_path, "zero3", ["parallel.dp=2", "zero=stage3"], world=2)
     assert_parity(resumed, cpu_reference, "fakecuda offloaded zero3 -> zero3")
 
 
-@pytest.mark.usefixtures("cpu_adam_op")
-def test_deepspeeds_native_checkpoint_of_offloaded_zero2_resumes_on_the_device(cpu_reference, tmp_path):
+def test_deepspeeds_native_checkpoint_of_offloaded_zero2_resumes_on_the_device(cpu_reference, tmp_path, deepspeed_ops):
     """train.universal_checkpoint=false: DeepSpeed's own files, loaded by DeepSpeed, in the same layout."""
     extra = ["zero=stage2", "offload=cpu", "train.universal_checkpoint=false", "train.trust_pickled_checkpoint=true",
              "train.save_interval=3"]
+    deepspeed_ops(extra)
     run_on_device(tmp_path, "native", [*extra, "train.exit_at_step=3"])
     assert_parity(run_on_device(tmp_path, "native", extra), cpu_reference, "fakecuda native zero2 offload")
 

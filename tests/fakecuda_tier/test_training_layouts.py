@@ -5,8 +5,8 @@ kept only the CPU's left the curve). Each run: no violation in any process; bf16
 rounding of the CPU's bf16 curve, the resume on the uninterrupted device curve at rtol 1e-5. (tp2
 with SP and Ulysses: test_training_two_ranks.py; CPU offload, async save, resumes at ZeRO-0/3,
 DeepSpeed's native checkpoint and HF export: test_checkpoints_and_offload.py; the bench's CUDA mode:
-test_bench_cuda_mode.py. fp16 and recomputation
-ran on the device by hand with no violation; CI time keeps them out of the suite.)"""
+test_bench_cuda_mode.py. fp16 and recomputation ran on the device by hand with no violation; CI time
+keeps them out of the suite.)"""
 from __future__ import annotations
 
 import pytest

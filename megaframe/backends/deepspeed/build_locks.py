@@ -134,6 +134,13 @@ def clear_stale_build_locks(root: Optional[Path] = None, poll_s: float = 1.0,
     return removed
 
 
+def ops_for(offload) -> list[str]:
+    """The DeepSpeed ops a run with this offload config (cfg.offload) JIT-loads: CPU Adam for an
+    offloaded optimizer, async IO for NVMe."""
+    ops = ["CPUAdamBuilder"] if offload.optimizer != "none" else []
+    return ops + (["AsyncIOBuilder"] if "nvme" in (offload.optimizer, offload.param) else [])
+
+
 def _without_debug_info(builder) -> None:
     """Drop -g from this builder's compiler flags (an instance attribute shadows the class's method)."""
     flags = builder.cxx_args

@@ -20,7 +20,7 @@ from torch.distributed import distributed_c10d
 
 from megaframe.backends import Batch, StepResult
 from megaframe.backends.deepspeed import state_io
-from megaframe.backends.deepspeed.build_locks import load_ops
+from megaframe.backends.deepspeed.build_locks import load_ops, ops_for
 from megaframe.backends.deepspeed.ds_config import to_ds_config
 from megaframe.backends.deepspeed.experts import mark_expert_parallel
 from megaframe.backends.deepspeed.memory import held_model_states
@@ -112,7 +112,7 @@ class DeepSpeedBackend:
         self.pipelined = layout.pp > 1
         self.grad_bucket = self._replicated_grad_bucket()
         self.nvme_swap = open_nvme_swap(cfg.offload)
-        load_ops(self._ops_needed())  # before initialize, whose collectives must not wait on a JIT build
+        load_ops(ops_for(cfg.offload))  # before initialize, whose collectives must not wait on a JIT build
         ds_config = to_ds_config(cfg, layout, swap_dir=str(self.nvme_swap.path) if self.nvme_swap else None)
         self.built_partitioned = builds_partitioned(cfg.zero.stage, cfg.offload.param, self.pipelined)
         if self.pipelined:
@@ -189,12 +189,6 @@ class DeepSpeedBackend:
             bucket.flush()
             return reduce(*args, **kwargs)
         self.engine.allreduce_gradients = flush_then_reduce
-
-    def _ops_needed(self) -> list[str]:
-        """The DeepSpeed ops this run JIT-loads: CPU Adam for an offloaded optimizer, async IO for NVMe."""
-        offload = self.cfg.offload
-        ops = ["CPUAdamBuilder"] if offload.optimizer != "none" else []
-        return ops + (["AsyncIOBuilder"] if "nvme" in (offload.optimizer, offload.param) else [])
 
     def _count_parameters(self, module: torch.nn.Module) -> int:
         """The whole model's parameters: TP shards at full size, pipeline stages summed."""
