@@ -12,12 +12,16 @@ import pytest
 from helpers import REPO
 
 RULES = "redefined-outer-name,used-before-assignment,possibly-used-before-assignment,undefined-variable"
+# These rules read scopes, not types: pylint need not infer the big libraries' members, which took
+# two thirds of its 45 CPU-s over megaframe/ (17 s with them ignored, same findings)
+NOT_INFERRED = "torch,deepspeed,transformers,ray,wandb,hydra,omegaconf,numpy,safetensors"
 pytestmark = pytest.mark.slow
 
 
 def _pylint(*paths: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pylint", "--disable=all", f"--enable={RULES}", "--score=n",
-                           "--persistent=n", *paths], cwd=REPO, capture_output=True, text=True, timeout=600)
+                           "--persistent=n", f"--ignored-modules={NOT_INFERRED}", *paths],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
 def test_megaframe_has_no_shadowed_or_unbound_names():
@@ -26,9 +30,10 @@ def test_megaframe_has_no_shadowed_or_unbound_names():
 
 
 def test_the_check_sees_a_module_made_local_by_an_import_in_one_branch(tmp_path):
-    """The shape of the defect itself, so the check can fail."""
+    """The shape of the defect itself, on the very module it hit (one whose members are not
+    inferred), so the check can fail."""
     (tmp_path / "shadowed.py").write_text(
-        "import os\n\n\ndef join(flag):\n    if flag:\n        import os.path\n\n        return os.path.sep\n"
-        "    return os.getcwd()\n")
+        "import deepspeed\n\n\ndef init_distributed(on_cpu):\n    if on_cpu:\n        import deepspeed.ops\n\n"
+        "        deepspeed.ops.op_builder.CPUAdamBuilder()\n    deepspeed.init_distributed()\n")
     result = _pylint(str(tmp_path / "shadowed.py"))
     assert result.returncode != 0 and "redefined-outer-name" in result.stdout, result.stdout
