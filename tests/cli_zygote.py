@@ -1,0 +1,101 @@
+"""A warm `python -m megaframe.train`: one interpreter per pytest worker that has already imported
+what every training run imports, and forks one child per command (tests/helpers.py run_cli).
+
+Why: a dp=1 tiny run costs about 8 CPU-s, of which about 6 are imports (torch 2, torch._dynamo 2
+through torch's Optimizer, DeepSpeed's Muon module 2 through torch.compile at ZeRO >= 1). The suite
+starts a few hundred such runs on a 2-core CI host.
+
+What a child gets is what a fresh `python -m megaframe.train ARGS` in CWD with ENV gets: this
+process was itself started as a fresh interpreter with the base environment (no pytest in it), a
+request is served only when its environment differs from that base in keys megaframe reads at run
+time (helpers.py decides), and the child applies argv, cwd, environment, sys.path[0], stdin from
+/dev/null and its own stdout/stderr files before running megaframe.train as __main__. It then exits
+as an interpreter does (atexit handlers, non-daemon threads joined), with the code megaframe chose.
+
+Protocol (one JSON object a line): request {"argv", "env", "cwd", "stdout", "stderr"} on stdin;
+replies {"pid"} once forked, then {"pid", "returncode"} (negative: killed by that signal).
+EOF on stdin ends this process.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import runpy
+import sys
+
+
+def _import_what_runs_import() -> None:
+    import torch._dynamo  # noqa: F401  (torch's Optimizer.step imports it)
+    import torch.distributed.run  # noqa: F401  (self-launch)
+
+    import megaframe.cli  # noqa: F401
+    import megaframe.engine.trainer  # noqa: F401
+    import megaframe.backends.deepspeed.engine  # noqa: F401
+    try:  # DeepSpeed's ZeRO optimizers import it, which runs torch.compile at import
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    except ImportError:
+        pass
+
+
+def _text_stream(fd: int, line_buffering: bool) -> io.TextIOWrapper:
+    """What a fresh interpreter makes of a non-tty fd: stdout block-buffered, stderr by line."""
+    raw = io.FileIO(fd, "w", closefd=False)
+    errors = "backslashreplace" if fd == 2 else "strict"
+    return io.TextIOWrapper(io.BufferedWriter(raw), encoding="utf-8", errors=errors, line_buffering=line_buffering)
+
+
+def _become_the_command(request: dict, protocol: tuple[io.TextIOWrapper, io.TextIOWrapper]) -> None:
+    """In the forked child: turn into `python -m megaframe.train ARGV` and never return."""
+    for stream in protocol:
+        stream.close()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, fd)
+        os.close(out)
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
+    sys.stdout = sys.__stdout__ = _text_stream(1, line_buffering=False)
+    sys.stderr = sys.__stderr__ = _text_stream(2, line_buffering=True)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    sys.path[0] = os.getcwd()  # `python -m` puts the working directory first
+    random.seed()  # a fresh interpreter's state, not the zygote's copied one
+    sys.argv = ["-m", *request["argv"]]
+    runpy.run_module("megaframe.train", run_name="__main__", alter_sys=True)
+    sys.exit(0)
+
+
+def main() -> None:
+    _import_what_runs_import()
+    protocol_in = os.dup(0)
+    protocol_out = os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)  # anything a late import prints must not reach the protocol pipe
+    os.close(devnull)
+    requests = os.fdopen(protocol_in, "r", encoding="utf-8")
+    replies = os.fdopen(protocol_out, "w", encoding="utf-8")
+
+    def reply(message: dict) -> None:
+        replies.write(json.dumps(message) + "\n")
+        replies.flush()
+
+    for line in requests:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _become_the_command(request, (requests, replies))
+        reply({"pid": pid})
+        _, status = os.waitpid(pid, 0)
+        reply({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
+
+
+if __name__ == "__main__":
+    main()
