@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -53,7 +53,7 @@ def requested_world_size(cfg: TrainConfig) -> int:
 def resolve_layout(cfg: TrainConfig, world_size: int) -> Layout:
     """Degrees for this world; raises ConfigError when tp*cp*pp*dp cannot equal world_size."""
     p = cfg.parallel
-    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp)):
+    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp), ("parallel.ep", p.ep)):
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
     if p.dp is not None and p.dp < 1:
@@ -81,6 +81,22 @@ def resolve_layout(cfg: TrainConfig, world_size: int) -> Layout:
 
 
 # ---- rules on single groups -------------------------------------------------------------------
+
+def check_finite(cfg: TrainConfig) -> Optional[str]:
+    """No float key takes nan or inf: nan passes every `<`/`<=` test a range rule can write, and an
+    infinite timeout, rate or threshold is a wait or a guard that never ends or never fires."""
+    def walk(node, prefix: str) -> Optional[str]:
+        for f in fields(node):
+            value, key = getattr(node, f.name), prefix + f.name
+            if is_dataclass(value):
+                if err := walk(value, key + "."):
+                    return err
+            elif isinstance(value, float) and not math.isfinite(value):
+                return f"{key}={value} must be a finite number"
+        return None
+
+    return walk(cfg, "")
+
 
 def check_model(cfg: TrainConfig) -> Optional[str]:
     m = cfg.model
@@ -427,17 +443,13 @@ def check_moe(cfg: TrainConfig) -> Optional[str]:
     m, p = cfg.model.moe, cfg.parallel
     if p.ep < 1:
         return f"parallel.ep={p.ep} must be >= 1"
-    if m.num_experts == 0:
-        return f"parallel.ep={p.ep} needs experts to split; set model.moe.num_experts" if p.ep > 1 else None
     if m.num_experts < 0:
         return f"model.moe.num_experts={m.num_experts} must be >= 0 (0 = dense)"
-    if not 1 <= m.top_k <= m.num_experts:
-        return f"model.moe.top_k={m.top_k} must be between 1 and model.moe.num_experts={m.num_experts}"
-    if err := _choices("model.moe.router_score", m.router_score, ["softmax", "sigmoid"]):
-        return err
-    if m.layer_freq < 1 or not 0 <= m.first_dense_layers < cfg.model.num_layers:
+    if m.top_k < 1:
+        return f"model.moe.top_k={m.top_k} must be >= 1"
+    if m.layer_freq < 1 or m.first_dense_layers < 0:
         return (f"model.moe.layer_freq={m.layer_freq} must be >= 1 and model.moe.first_dense_layers="
-                f"{m.first_dense_layers} below model.num_layers={cfg.model.num_layers}")
+                f"{m.first_dense_layers} >= 0")
     for key, value in (("model.moe.ffn_hidden_size", m.ffn_hidden_size), ("model.moe.capacity_factor", m.capacity_factor)):
         if value is not None and value <= 0:
             return f"{key}={value} must be > 0 (or null)"
@@ -445,6 +457,15 @@ def check_moe(cfg: TrainConfig) -> Optional[str]:
                        ("model.moe.z_loss_coeff", m.z_loss_coeff), ("model.moe.bias_update_rate", m.bias_update_rate)):
         if value < 0:
             return f"{key}={value} must be >= 0"
+    if err := _choices("model.moe.router_score", m.router_score, ["softmax", "sigmoid"]):
+        return err
+    if m.num_experts == 0:
+        return f"parallel.ep={p.ep} needs experts to split; set model.moe.num_experts" if p.ep > 1 else None
+    if m.top_k > m.num_experts:
+        return f"model.moe.top_k={m.top_k} must be between 1 and model.moe.num_experts={m.num_experts}"
+    if m.first_dense_layers >= cfg.model.num_layers:
+        return (f"model.moe.first_dense_layers={m.first_dense_layers} must be below model.num_layers="
+                f"{cfg.model.num_layers} (no block would hold experts)")
     if m.num_experts % p.ep:
         return (f"parallel.ep={p.ep} must divide model.moe.num_experts={m.num_experts}; pick ep in "
                 f"{[d for d in _divisors(m.num_experts) if d <= 64]}")
@@ -468,6 +489,13 @@ def check_moe(cfg: TrainConfig) -> Optional[str]:
     return None
 
 
+def check_plan(cfg: TrainConfig) -> Optional[str]:
+    """The planner's assumed utilisation is a fraction of the peak."""
+    if not 0 < cfg.plan.mfu <= 1:
+        return f"plan.mfu={cfg.plan.mfu} must be in (0, 1] (a fraction of the peak; 0.4 is typical)"
+    return None
+
+
 def check_launcher(cfg: TrainConfig) -> Optional[str]:
     """The `launcher` group: how ranks start."""
     launcher = cfg.launcher
@@ -476,6 +504,8 @@ def check_launcher(cfg: TrainConfig) -> Optional[str]:
     if launcher.gpus_per_node < 1 or (launcher.nodes is not None and launcher.nodes < 1):
         return (f"launcher.gpus_per_node={launcher.gpus_per_node} and launcher.nodes={launcher.nodes} must be >= 1 "
                 "(nodes may be null: the layout's world / gpus_per_node)")
+    if launcher.cpus_per_task is not None and launcher.cpus_per_task < 1:
+        return f"launcher.cpus_per_task={launcher.cpus_per_task} must be >= 1 (or null for SLURM's default)"
     if launcher.connect_timeout_s <= 0:
         return f"launcher.connect_timeout_s={launcher.connect_timeout_s} must be > 0"
     if launcher.cpus_per_worker <= 0 or launcher.gpus_per_worker < 0 or launcher.max_failures < 0:
@@ -545,14 +575,13 @@ def check_precision(cfg: TrainConfig, fp16_supported: Optional[Callable[[], bool
     if err := _choices("precision.dtype", dtype, ["fp32", "bf16", "fp16"]):
         return err
     p = cfg.precision
-    if dtype == "fp16":
-        for key, value, low in (("precision.initial_scale_power", p.initial_scale_power, 0),
-                                ("precision.loss_scale_window", p.loss_scale_window, 1),
-                                ("precision.hysteresis", p.hysteresis, 1)):
-            if value < low:
-                return f"{key}={value} must be >= {low}"
-        if p.min_loss_scale <= 0:
-            return f"precision.min_loss_scale={p.min_loss_scale} must be > 0"
+    for key, value, low in (("precision.initial_scale_power", p.initial_scale_power, 0),
+                            ("precision.loss_scale_window", p.loss_scale_window, 1),
+                            ("precision.hysteresis", p.hysteresis, 1)):
+        if value < low:
+            return f"{key}={value} must be >= {low}"
+    if p.min_loss_scale <= 0:
+        return f"precision.min_loss_scale={p.min_loss_scale} must be > 0"
     if dtype == "fp16" and fp16_supported is not None and not fp16_supported():
         return ("precision=fp16: this device has no fp16 support (DeepSpeed refuses it); "
                 "use precision=bf16 or precision=fp32")
@@ -570,8 +599,9 @@ def validate(cfg: TrainConfig, world_size: int,
     fp16_supported / bf16_supported ask the device whether it computes that precision (the CLI
     passes the backend's checks, backends/deepspeed/accelerator.py); None leaves the rule to the
     engine."""
+    # check_finite last: the rules before it say a key's range, which helps more than "finite"
     for rule in (check_model, check_optim, check_train, check_cluster, check_data, check_zero_offload, check_pipeline,
-                 check_launcher):
+                 check_launcher, check_plan, check_finite):
         if err := rule(cfg):
             raise ConfigError(err)
     layout = resolve_layout(cfg, world_size)
