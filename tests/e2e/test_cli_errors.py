@@ -167,3 +167,15 @@ def test_broken_dataset_files_are_refused_before_launch(case, layout, tmp_path):
     result = run_cli([f"data.path={prefix}", "train.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"], timeout=120)
     _assert_refused(result, [f"data.path={prefix}", *fragments])
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("where", ["the run dir is a file", "its parent is a file"])
+def test_an_unusable_run_dir_is_one_line_with_exit_2(where, tmp_path):
+    """Used to end in a traceback from Hydra's mkdir. (A read-only parent would be the same error,
+    but CI runs as root, whom permissions do not stop.)"""
+    blocker = tmp_path / "taken"
+    blocker.write_text("a file, not a directory\n")
+    run_dir = blocker if where == "the run dir is a file" else blocker / "run"
+    result = run_cli(["train.max_steps=1", f"hydra.run.dir={run_dir}"], timeout=120)
+    _assert_refused(result, [f"hydra.run.dir={run_dir}", "cannot create the run directory", "choose another"])
+    assert blocker.read_text() == "a file, not a directory\n"

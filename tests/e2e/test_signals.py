@@ -54,18 +54,25 @@ def test_ctrl_c_saves_the_last_step_and_the_run_resumes_from_it(tmp_path):
     assert f"resumed from {run_dir / 'checkpoints' / f'global_step{stopped_at}'}" in resumed.stdout
 
 
-def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_and_saves_it(tmp_path):
-    """What SLURM's preemption and `kill` send, at dp=2 (the agent passes it to both ranks)."""
+@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "Ctrl-C"])
+def test_a_signal_at_dp2_stops_every_rank_at_one_step_and_saves_it(how, tmp_path):
+    """SIGTERM to megaframe-train is what SLURM's preemption and `kill` send (the agent passes it to
+    both ranks); Ctrl-C in a terminal sends SIGINT to the whole process group, the launcher and every
+    rank at once, so each rank also gets the agent's copy: still one stop, one save, no traceback."""
     run_dir = tmp_path / "run"
     process = _start([*ARGS, "parallel.dp=2", "zero=stage1", f"hydra.run.dir={run_dir}"])
     _wait_for_steps(process, run_dir, 2)
     ranks = [p for p in psutil.Process(process.pid).children(recursive=True) if "megaframe.train" in " ".join(p.cmdline())]
-    process.send_signal(signal.SIGTERM)
+    name, code = ("SIGINT", 130) if how == "Ctrl-C" else ("SIGTERM", 143)
+    if how == "Ctrl-C":
+        os.killpg(process.pid, signal.SIGINT)  # _start made the launcher a process group leader
+    else:
+        process.send_signal(signal.SIGTERM)
     out, err = process.communicate(timeout=300)
-    assert process.returncode == 143, err[-3000:]
+    assert process.returncode == code, err[-3000:]
     assert "Traceback" not in out + err and not err.strip(), err[-3000:]
     closing = out.strip().splitlines()[-1]
-    assert closing.startswith("megaframe: stopped by SIGTERM at step "), closing
+    assert closing.startswith(f"megaframe: stopped by {name} at step "), closing
     stopped_at = int(closing.split("at step ")[1].split("/")[0])
     assert _saved_steps(run_dir) == [stopped_at]
     _, alive = psutil.wait_procs(ranks, timeout=10)
