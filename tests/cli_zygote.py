@@ -26,7 +26,9 @@ import runpy
 import sys
 
 
-def _import_what_runs_import() -> None:
+def import_what_runs_import() -> None:
+    """What every training run imports, done once before forking: by this zygote, and by the pytest
+    worker before run_ranks forks its ranks (tests/ranks.py). Importing this module does nothing else."""
     import torch._dynamo  # noqa: F401  (torch's Optimizer.step imports it)
     import torch.distributed.run  # noqa: F401  (self-launch)
 
@@ -71,7 +73,7 @@ def _become_the_command(request: dict, protocol: tuple[io.TextIOWrapper, io.Text
 
 
 def main() -> None:
-    _import_what_runs_import()
+    import_what_runs_import()
     protocol_in = os.dup(0)
     protocol_out = os.dup(1)
     devnull = os.open(os.devnull, os.O_RDWR)

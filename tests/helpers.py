@@ -78,8 +78,9 @@ class _Zygote:
 
     def __init__(self, base: dict[str, str]):
         self.base = base
+        # unbuffered bytes: select() waits on the pipe, so no reply may sit read-ahead in a buffer
         self.process = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_zygote.py")], cwd=REPO, env=base,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -96,14 +97,13 @@ class _Zygote:
         import json
         import select
 
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.process.stdout], [], [], left)[0]:
-                raise TimeoutError
-            line = self.process.stdout.readline()
-            if not line:
-                raise RuntimeError(f"the warm interpreter tests/cli_zygote.py exited ({self.process.wait()})")
-            return json.loads(line)
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([self.process.stdout], [], [], left)[0]:
+            raise TimeoutError
+        line = self.process.stdout.readline()  # unbuffered: reads up to this reply's newline only
+        if not line:
+            raise RuntimeError(f"the warm interpreter tests/cli_zygote.py exited ({self.process.wait()})")
+        return json.loads(line)
 
     def run(self, cmd: list[str], args: list[str], env: dict[str, str], cwd: Path,
             timeout: float) -> subprocess.CompletedProcess:
@@ -114,8 +114,9 @@ class _Zygote:
         with tempfile.TemporaryDirectory(prefix="megaframe-cli-") as out:
             request = {"argv": list(args), "env": env, "cwd": str(cwd), "stdout": f"{out}/stdout",
                        "stderr": f"{out}/stderr"}
-            self.process.stdin.write(json.dumps(request) + "\n")
-            self.process.stdin.flush()
+            pending = memoryview((json.dumps(request) + "\n").encode())
+            while pending:  # a raw pipe may take part of a write
+                pending = pending[self.process.stdin.write(pending):]
             deadline = time.monotonic() + timeout
             pid = self._reply(time.monotonic() + 120)["pid"]
             try:

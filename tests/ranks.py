@@ -11,25 +11,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _import_before_forking() -> None:
-    """Import, once in the pytest process, what every rank's first DeepSpeed engine would import.
-
-    deepspeed.initialize imports torch._dynamo (torch's Optimizer.__init__) and DeepSpeed's Muon
-    module (its ZeRO optimizer check), which runs torch.compile at import: 10-15 s per process on
-    this machine, paid again by every forked rank of every test unless the parent has done it.
-    A speed-up only: a DeepSpeed without that module just skips it.
-    """
-    import torch._dynamo  # noqa: F401
-
-    import megaframe.engine.trainer  # noqa: F401
-    try:
-        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
-    except ImportError:
-        pass
+from cli_zygote import import_what_runs_import
 
 
-_import_before_forking()
+# deepspeed.initialize imports torch._dynamo (torch's Optimizer) and DeepSpeed's Muon module, which
+# runs torch.compile at import: 10-15 s per process on this machine, paid again by every forked rank
+# of every test unless the parent has done it (a speed-up only)
+import_what_runs_import()
 
 
 def _save_record(record: dict, out: Path) -> None:

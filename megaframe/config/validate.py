@@ -440,9 +440,7 @@ def check_context_parallel(cfg: TrainConfig) -> Optional[str]:
 
 def check_moe(cfg: TrainConfig) -> Optional[str]:
     """model.moe and parallel.ep: the router's shape, and the layouts expert parallelism takes."""
-    m, p = cfg.model.moe, cfg.parallel
-    if p.ep < 1:
-        return f"parallel.ep={p.ep} must be >= 1"
+    m, p = cfg.model.moe, cfg.parallel  # parallel.ep >= 1: resolve_layout refused it before this runs
     if m.num_experts < 0:
         return f"model.moe.num_experts={m.num_experts} must be >= 0 (0 = dense)"
     if m.top_k < 1:
