@@ -35,10 +35,8 @@ def import_what_runs_import() -> None:
     import megaframe.cli  # noqa: F401
     import megaframe.engine.trainer  # noqa: F401
     import megaframe.backends.deepspeed.engine  # noqa: F401
-    try:  # DeepSpeed's ZeRO optimizers import it, which runs torch.compile at import
-        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
-    except ImportError:
-        pass
+    from megaframe.backends.deepspeed.muon_import import import_muon_lazily
+    import_muon_lazily()  # as every ZeRO rank does before deepspeed.initialize
 
 
 def _text_stream(fd: int, line_buffering: bool) -> io.TextIOWrapper:
