@@ -1,6 +1,7 @@
 """Test-session environment: DeepSpeed on CPU, one JIT cache for every test process."""
 from __future__ import annotations
 
+import compileall
 import getpass
 import os
 import tempfile
@@ -36,6 +37,18 @@ _LONGEST_FILES = {
     "dist/test_pipeline_parallel.py": 130, "dist/test_reshard.py": 120, "fakecuda_tier/test_mutants.py": 110,
     "fakecuda_tier/test_checkpoints_and_offload.py": 377,
 }
+
+
+def pytest_configure(config):
+    """Byte-compile megaframe and the tests' helpers once, in the controller, before any worker starts.
+    A host with PYTHONDONTWRITEBYTECODE=1 (CI's is one) never keeps the byte code of an editable
+    install, so each of the suite's thousand-odd processes (ranks, CLI runs, tools) recompiled them:
+    about 0.2 CPU-s each. Python still reads byte code that is there; compileall writes it regardless."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller did it
+        return
+    root = Path(__file__).resolve().parents[1]
+    for folder in ("megaframe", "tests", "tools"):
+        compileall.compile_dir(root / folder, quiet=2, workers=1)
 
 
 def pytest_collection_modifyitems(items):
