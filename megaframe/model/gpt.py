@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megaframe.model.dims import GPTDims
+from megaframe.model.mlp import MLP, Dropout
 from megaframe.model.moe import AddAux, MoE, RouterStats
 from megaframe.model.recompute import checkpointed
 from megaframe.parallel.context import AttentionDropout, ContextGroup, ulysses_attention, zigzag_positions
@@ -66,22 +67,6 @@ class RMSNorm(nn.Module):
 def build_norm(dims: GPTDims, tp: TPGroup) -> nn.Module:
     """LayerNorm or RMSNorm as the config says."""
     return RMSNorm(dims, tp) if dims.norm == "rmsnorm" else LayerNorm(dims, tp)
-
-
-class Dropout(nn.Module):
-    """Dropout drawing from the per-TP-rank stream when its input differs across TP ranks."""
-
-    def __init__(self, p: float, rng: Optional[TPDropoutRNG], split_across_tp: bool):
-        super().__init__()
-        self.p, self.rng, self.split = p, rng, split_across_tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        if self.split and self.rng is not None:
-            with self.rng.fork():
-                return F.dropout(x, self.p, training=True)
-        return F.dropout(x, self.p, training=True)
 
 
 _ROPE_CACHE: dict = {}
@@ -235,28 +220,6 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, **gqa)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh/tp * hs)
         return self.resid_dropout(self.out_proj(y))
-
-
-class MLP(nn.Module):
-    """GELU MLP (GPT-2) or SwiGLU (Llama): column-parallel up/gate, row-parallel down."""
-
-    def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG]):
-        super().__init__()
-        self.tp = tp
-        self.swiglu = dims.activation == "swiglu"
-        self.up_proj = ColumnParallelLinear(dims.hidden_size, dims.ffn_hidden_size, tp, dims.bias, enter=False)
-        if self.swiglu:
-            self.gate_proj = ColumnParallelLinear(dims.hidden_size, dims.ffn_hidden_size, tp, dims.bias, enter=False)
-        self.down_proj = RowParallelLinear(dims.ffn_hidden_size, dims.hidden_size, tp, dims.bias)
-        self.dropout = Dropout(dims.dropout, rng, split_across_tp=tp.sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.tp.enter(x)
-        if self.swiglu:
-            h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (B, T, ffn/tp)
-        else:
-            h = F.gelu(self.up_proj(x), approximate="tanh")  # GPT-2's "gelu_new"
-        return self.dropout(self.down_proj(h))
 
 
 @dataclass(frozen=True)

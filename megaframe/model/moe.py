@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from megaframe.compile_breaks import run_eagerly
 from megaframe.model.dims import GPTDims
+from megaframe.model.mlp import MLP, Dropout
 from megaframe.model.recompute import recomputing
 from megaframe.parallel.experts import ExpertGroup, mark_expert_shard
 from megaframe.parallel.layers import TPGroup
@@ -138,8 +139,6 @@ class MoE(nn.Module):
 
     def __init__(self, dims: GPTDims, tp: TPGroup, rng=None, ep: ExpertGroup = ExpertGroup(), context=None):
         super().__init__()
-        from megaframe.model.gpt import MLP, Dropout  # gpt.py builds MoE blocks: import here, not at module level
-
         moe = dims.moe
         self.moe, self.tp, self.ep = moe, tp, ep
         self.cp_group = None if context is None else context.group
