@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -238,3 +238,20 @@ class ShardReader:
         """The whole tensor `key` (tools and the converter: one tensor at a time)."""
         shape = self.shape(key)
         return self.read(key, Box((0,) * len(shape), shape))
+
+
+def read_universal(directory: Path, verify: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor],
+                                                                 Optional[dict[str, torch.Tensor]]]:
+    """(state, model tensors, optimizer tensors or None), after verifying the manifest.
+
+    Holds the whole model: for tests and small tools. Ranks read their boxes through ShardReader;
+    the converter goes tensor by tensor."""
+    directory = Path(directory)
+    if verify:
+        universal.verify_manifest(directory)
+    state = universal.read_state(directory)
+    model, optimizer = {}, {}
+    with ShardReader(directory) as reader:
+        for key in reader.keys():
+            (optimizer if universal.is_optimizer_key(key) else model)[key] = reader.full(key)
+    return state, model, (optimizer or None)

@@ -264,25 +264,6 @@ def is_optimizer_key(key: str) -> bool:
     return key.split(".", 1)[0] in (*MOMENT_KEYS, MASTER_KEY)
 
 
-def read_universal(directory: Path, verify: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor],
-                                                                 Optional[dict[str, torch.Tensor]]]:
-    """(state, model tensors, optimizer tensors or None), after verifying the manifest.
-
-    Holds the whole model: for tests and small tools. Ranks read their boxes through
-    sharded.ShardReader; the converter goes tensor by tensor."""
-    from megaframe.checkpoint.sharded import ShardReader
-
-    directory = Path(directory)
-    if verify:
-        verify_manifest(directory)
-    state = read_state(directory)
-    model, optimizer = {}, {}
-    with ShardReader(directory) as reader:
-        for key in reader.keys():
-            (optimizer if is_optimizer_key(key) else model)[key] = reader.full(key)
-    return state, model, (optimizer or None)
-
-
 def open_tensors(directory: Path, filename: str):
     """A safetensors handle (memory-mapped; get_slice reads only the requested rows/columns)."""
     return safe_open(str(Path(directory) / filename), framework="pt", device="cpu")

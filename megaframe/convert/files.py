@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Mapping, Optional
 import torch
 from safetensors import safe_open
 
-from megaframe.checkpoint import universal
+from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.boxes import Box
 from megaframe.checkpoint.sharded import ShardReader
 from megaframe.checkpoint.stream import write_streaming
@@ -287,7 +287,7 @@ def read_layout_free(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(state.json, canonical fp32 model tensors) of a verified layout-free checkpoint."""
     path = resolve_checkpoint(path)
     try:
-        state, model, _ = universal.read_universal(path)
+        state, model, _ = sharded.read_universal(path)
     except universal.CheckpointError as err:
         raise ConvertError(str(err)) from err
     return state, model

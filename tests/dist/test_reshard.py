@@ -12,7 +12,7 @@ from helpers import TINY, read_metrics
 from parity import RTOL, assert_parity, train_runs
 from ranks import run_ranks
 
-from megaframe.checkpoint import universal
+from megaframe.checkpoint import sharded, universal
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def test_resume_into_other_layouts(tmp_path):
                                               str(runs["to_tp2pp2_zero1"]))])
 
     # a model-only checkpoint (what an HF import writes): the 3D run's weights at step 10, step 0
-    state, model, _ = universal.read_universal(saved_3d / f"global_step{SAVED_AT}")
+    state, model, _ = sharded.read_universal(saved_3d / f"global_step{SAVED_AT}")
     model_only = universal.write_universal(
         tmp_path / "model_only_ckpt", model,
         {"step": 0, "consumed_samples": 0, "model": state["model"]})
@@ -66,7 +66,7 @@ def test_resume_into_other_layouts(tmp_path):
 
     reference = read_metrics(runs["reference"])
     # the 3D run wrote the tp=1 model's names and shapes (vocabulary unpadded), like the tp=1 run
-    _, reference_model, reference_optim = universal.read_universal(runs["reference"] / "checkpoints" / "global_step20")
+    _, reference_model, reference_optim = sharded.read_universal(runs["reference"] / "checkpoints" / "global_step20")
     assert {k: v.shape for k, v in model.items()} == {k: v.shape for k, v in reference_model.items()}
     assert set(reference_optim) == {f"{key}.{name}" for key in universal.MOMENT_KEYS for name in reference_model}
     for name in ("to_tp1", "to_tp4dp2", "to_pp4dp2", "to_tp2dp4_zero3", "to_dp4_zero3", "to_tp2pp2_zero1"):

@@ -106,5 +106,5 @@ def test_version_1_files_read_through_the_same_reader(tmp_path):
     with sharded.ShardReader(path) as reader:
         assert sorted(reader.keys()) == sorted(FULL)
         assert torch.equal(reader.read("w", Box((2, 1), (3, 4))), FULL["w"][2:5, 1:5])
-    state, got_model, got_optim = universal.read_universal(path)
+    state, got_model, got_optim = sharded.read_universal(path)
     assert state["version"] == universal.VERSION and set(got_model) == {"w", "b"} and set(got_optim) == {"exp_avg.w"}

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from megaframe.checkpoint import universal
+from megaframe.checkpoint import sharded, universal
 from megaframe.backends.deepspeed.pipeline import canonical_name
 from megaframe.config.schema import ModelConfig
 from megaframe.model.dims import resolve_dims
@@ -25,7 +25,7 @@ def _write(path, **extra):
 
 def test_round_trip_and_manifest(tmp_path):
     path, model, optim = _write(tmp_path / "ckpt", optim_step=7)
-    state, got_model, got_optim = universal.read_universal(path)
+    state, got_model, got_optim = sharded.read_universal(path)
     assert state["format"] == "megaframe-universal" and state["version"] == 1 and state["optim_step"] == 7
     assert all(torch.equal(got_model[k], v) for k, v in model.items()) and set(got_model) == set(model)
     assert all(torch.equal(got_optim[k], v) for k, v in optim.items()) and set(got_optim) == set(optim)
@@ -37,7 +37,7 @@ def test_round_trip_and_manifest(tmp_path):
 
 def test_model_only_checkpoint_has_no_optimizer_file(tmp_path):
     path = universal.write_universal(tmp_path / "m", {"head.weight": torch.zeros(5, 4)}, STATE)
-    state, model, optim = universal.read_universal(path)
+    state, model, optim = sharded.read_universal(path)
     assert optim is None and list(model) == ["head.weight"]
 
 
@@ -60,7 +60,7 @@ def test_damaged_checkpoint_is_refused_naming_the_file(tmp_path, damage):
         (path / "manifest.json").unlink()
         expect = "has no manifest.json"
     with pytest.raises(CheckpointError, match=expect) as err:
-        universal.read_universal(path)
+        sharded.read_universal(path)
     assert "\n" not in str(err.value) and str(path) in str(err.value)
 
 
@@ -68,9 +68,9 @@ def test_rewrite_replaces_only_when_complete(tmp_path):
     path, _, _ = _write(tmp_path / "ckpt")
     with pytest.raises(ValueError, match="needs 'step'"):  # a failed write leaves the old one in place
         universal.write_universal(path, {"x": torch.zeros(1)}, {"consumed_samples": 0, "model": {}})
-    assert universal.read_universal(path)[0]["step"] == 7
+    assert sharded.read_universal(path)[0]["step"] == 7
     _write(path, step=9)
-    assert universal.read_universal(path)[0]["step"] == 9
+    assert sharded.read_universal(path)[0]["step"] == 9
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
 
 
