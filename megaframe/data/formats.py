@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Optional, Union
 
 from megaframe.data.indexed import MAGIC as OWN_MAGIC
-from megaframe.data.indexed import DataError, IndexedDataset, read_head
+from megaframe.data.indexed import DataError, IndexedDataset
+from megaframe.data.token_files import read_head
 from megaframe.data.megatron import MAGIC as MEGATRON_MAGIC
 from megaframe.data.megatron import MegatronDataset, read_sidecar
 

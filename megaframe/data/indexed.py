@@ -19,16 +19,11 @@ from typing import Any, BinaryIO, Sequence
 
 import numpy as np
 
+from megaframe.data.megatron import write_index
 from megaframe.data.sidecar import field_problem
-from megaframe.failures import ExitCode
+from megaframe.data.token_files import DataError, content_checksum, read_head
 
 __all__ = ["DataError", "IndexedDataset", "IndexedDatasetWriter", "LAYOUTS", "best_dtype", "umask_permissions"]
-
-
-class DataError(ValueError):
-    """Bad data input; the one-line message names the file or argument and how to fix it."""
-
-    exit_code = ExitCode.BAD_DATA  # after launch (megaframe/failures.py)
 
 
 FORMAT_VERSION = 1
@@ -39,7 +34,6 @@ _HEADER = struct.Struct("<8sIIQ16s")
 _DTYPE_BY_CODE: dict[int, np.dtype] = {1: np.dtype("<u2"), 2: np.dtype("<i4")}
 _CODE_BY_DTYPE: dict[np.dtype, int] = {dtype: code for code, dtype in _DTYPE_BY_CODE.items()}
 _REQUIRED_METADATA = ("tokenizer", "vocab_size", "eod_id")
-_HASH_CHUNK_TOKENS = 1 << 24
 _REBUILD_HINT = "build it with tools/preprocess_data.py"
 LAYOUTS = ("megatron", "megaframe")  # on-disk layouts the writer produces; the first is the default
 
@@ -53,26 +47,6 @@ def best_dtype(vocab_size: int) -> np.dtype:
     if vocab_size <= np.iinfo(np.int32).max:
         return _DTYPE_BY_CODE[2]
     raise DataError(f"vocab_size={vocab_size}: too large for int32 token ids; use a smaller vocabulary")
-
-
-def read_head(path: Path, size: int) -> bytes:
-    """The first `size` bytes of a file (fewer when it is shorter; none when it cannot be read):
-    a header, without reading the rest."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(size)
-    except OSError:
-        return b""
-
-
-def content_checksum(tokens: np.ndarray, doc_offsets: np.ndarray) -> bytes:
-    """The build checksum the writer records: blake2b-128 over the tokens' bytes, then the document
-    offsets as little-endian int64. Hashed in chunks, so a large memory-mapped .bin is never read whole."""
-    hasher = hashlib.blake2b(digest_size=16)
-    for start in range(0, len(tokens), _HASH_CHUNK_TOKENS):
-        hasher.update(np.ascontiguousarray(tokens[start : start + _HASH_CHUNK_TOKENS]).tobytes())
-    hasher.update(np.asarray(doc_offsets, dtype="<i8").tobytes())
-    return hasher.digest()
 
 
 def _file_names(prefix: Path) -> tuple[Path, Path, Path]:
@@ -196,8 +170,6 @@ class IndexedDatasetWriter:
 
     def _write_index(self, idx_file: BinaryIO, offsets: np.ndarray, checksum: bytes) -> None:
         if self.layout == "megatron":
-            from megaframe.data.megatron import write_index
-
             write_index(idx_file, self.dtype, offsets)
             return
         idx_file.write(_HEADER.pack(MAGIC, FORMAT_VERSION, _CODE_BY_DTYPE[self.dtype], self.num_documents, checksum))

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO, Optional
 
 import numpy as np
 
-from megaframe.data.indexed import DataError, content_checksum, read_head
+from megaframe.data.token_files import DataError, content_checksum, read_head
 from megaframe.data.sidecar import field_problem
 
 MAGIC = b"MMIDIDX\x00\x00"
