@@ -1,5 +1,6 @@
 """More layouts on the CUDA-shaped device (tests/fakecuda): context parallelism with the ring's blocks
-through FlashAttention-2's contract in bf16, expert parallelism with the grouped GEMM in bf16, and a
+through FlashAttention-2's contract in bf16, expert parallelism with the grouped GEMM in bf16, the
+pipeline in bf16, and a
 dropout resume, whose masks outside TP regions come from the device's generator (a checkpoint that
 kept only the CPU's left the curve). Each run: no violation in any process; bf16 runs within bf16
 rounding of the CPU's bf16 curve, the resume on the uninterrupted device curve at rtol 1e-5. (tp2
@@ -38,6 +39,14 @@ def test_experts_over_two_ranks_in_bf16_through_the_grouped_gemm(tmp_path):
     extra = ["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "zero=stage1", "precision=bf16"]
     cpu = cpu_run(tmp_path, extra)
     _within_bf16(run_on_device(tmp_path, "ep2-bf16", extra, world=2, kernels=("_grouped_mm",)), cpu, "ep2 bf16")
+
+
+def test_the_pipeline_in_bf16_trains_its_stages_on_the_device(tmp_path):
+    """pp2 in bf16: DeepSpeed's pipeline engine with its bf16 optimizer, activations sent between the
+    stages as device tensors (pp2 in fp32: test_training_two_ranks.py)."""
+    extra = ["parallel.pp=2", "zero=stage1", "precision=bf16"]
+    cpu = cpu_run(tmp_path, extra)
+    _within_bf16(run_on_device(tmp_path, "pp2-bf16", extra, world=2), cpu, "pp2 bf16")
 
 
 def test_a_dropout_resume_continues_the_uninterrupted_device_curve(tmp_path):

@@ -3,7 +3,7 @@
 no change to megaframe. Each run must finish with no violation in any process and the plain CPU
 run's curve (loss, gradient norm, eval loss at rtol 1e-5 in fp32). The ranks start as the e2e tests
 start them (python -m megaframe.train, self-launched through torchrun for two ranks), each installing
-the device from tests/fakecuda/sitecustomize.py. This file: two ranks (dp, tp with and without SP, pp, Ulysses)."""
+the device from tests/fakecuda/sitecustomize.py. This file: two ranks (dp at ZeRO-0 to 3, tp with and without SP, pp, Ulysses)."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +12,8 @@ from fakecuda.runs import run_on_device
 from parity import assert_parity
 
 pytestmark = pytest.mark.slow
-TWO_RANKS = {"dp2-zero1": ["parallel.dp=2", "zero=stage1"], "dp2-zero3": ["parallel.dp=2", "zero=stage3"],
+TWO_RANKS = {"dp2-zero0": ["parallel.dp=2", "zero=stage0"], "dp2-zero1": ["parallel.dp=2", "zero=stage1"],
+             "dp2-zero2": ["parallel.dp=2", "zero=stage2"], "dp2-zero3": ["parallel.dp=2", "zero=stage3"],
              "tp2-zero1": ["parallel.tp=2", "zero=stage1"], "pp2-zero1": ["parallel.pp=2", "zero=stage1"],
              "tp2-sp-zero1": ["parallel.tp=2", "parallel.sequence_parallel=true", "zero=stage1"],
              # ZeRO-2 over the cp group (ZeRO shards over dp x cp)
