@@ -23,15 +23,15 @@ import torch
 MUON_MODULES = ("deepspeed.runtime.zero.muon.original_muon", "deepspeed.runtime.zero.muon.muon_optimizer")
 
 
-def compile_on_first_call(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`torch.compile(fn)`, built when the function is first called rather than now."""
+def compile_on_first_call(fn: Callable[..., Any], **compile_kwargs: Any) -> Callable[..., Any]:
+    """`torch.compile(fn, **compile_kwargs)`, built when the function is first called rather than now."""
     compiled: Callable[..., Any] | None = None
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         nonlocal compiled
         if compiled is None:
-            compiled = torch.compile(fn)
+            compiled = torch.compile(fn, **compile_kwargs)
         return compiled(*args, **kwargs)
 
     return call
@@ -41,20 +41,15 @@ def import_muon_lazily() -> None:
     """Import DeepSpeed's Muon modules (if this DeepSpeed has them) with compilation deferred."""
     if all(name in sys.modules for name in MUON_MODULES):
         return
-    try:
-        from deepspeed.runtime import compiler
-    except ImportError:
-        return
+    from deepspeed.runtime import compiler
+
     original = compiler.compile
-    compiler.compile = lambda: compile_on_first_call  # what `@compiler.compile()` reads at import
+    # what `@compiler.compile(...)` reads at import: the same arguments, applied on the first call
+    compiler.compile = lambda **kwargs: functools.partial(compile_on_first_call, **kwargs)
     try:
         for name in MUON_MODULES:
             importlib.import_module(name)
-    except ImportError:  # a DeepSpeed without Muon: nothing imports it either
+    except ImportError:  # an older DeepSpeed without Muon: nothing imports it either
         pass
-    except TypeError:  # a DeepSpeed whose decorators pass arguments: import it as it is
-        compiler.compile = original
-        for name in MUON_MODULES:
-            importlib.import_module(name)
     finally:
         compiler.compile = original
