@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +18,13 @@ TINY = [
     "train.log_interval=1", "train.eval_interval=3", "train.eval_steps=1", "train.save_interval=0",
     "optim.warmup_steps=2", "logging.wandb.mode=disabled", "logging.progress_bar=false",
 ]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a rendezvous, a cluster head, a listener)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def cli_env(**extra: str) -> dict[str, str]:

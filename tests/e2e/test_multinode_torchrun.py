@@ -3,23 +3,17 @@ rendezvous on loopback (as on two hosts, with the first host's address), train t
 ranks on one node, into one run directory: rank 0's."""
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from helpers import TINY, assert_ok, cli_env, read_metrics, run_cli
+from helpers import TINY, assert_ok, cli_env, free_port, read_metrics, run_cli
 from parity import assert_parity
 
 pytestmark = pytest.mark.slow
 ARGS = [*TINY, "train.max_steps=6", "train.eval_interval=3", "zero=stage1"]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_nodes_of_two_ranks_train_the_four_rank_curve(tmp_path):
@@ -27,7 +21,7 @@ def test_two_nodes_of_two_ranks_train_the_four_rank_curve(tmp_path):
     assert_ok(run_cli([*ARGS, "parallel.dp=4", f"hydra.run.dir={reference}"]))
     shared = tmp_path / "shared"  # both "hosts" see it, as a cluster's shared file system
     shared.mkdir()
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     env = {**cli_env(), "OMP_NUM_THREADS": "1"}
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
                                 "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import TINY, assert_ok, cli_env, read_metrics, run_cli
+from helpers import TINY, assert_ok, cli_env, free_port, read_metrics, run_cli
 from parity import assert_parity
 
 pytestmark = pytest.mark.slow
@@ -27,11 +27,6 @@ def _ray_env(**extra: str) -> dict[str, str]:
     return {**cli_env(), "OMP_NUM_THREADS": "1", "RAY_worker_niceness": "0", **extra}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def ray_cluster():
@@ -40,7 +35,7 @@ def ray_cluster():
     each time. The first test still starts its own, through megaframe's ray.init. Ray 2.5x's
     clusters use token authentication, which a driver joins with RAY_AUTH_MODE=token."""
     pytest.importorskip("ray", reason="Ray is the optional extra megaframe[ray]; .ci/run installs it with [test]")
-    port = _free_port()
+    port = free_port()
     env = _ray_env(RAY_AUTH_MODE="token")
     ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable))
     started = subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
@@ -169,7 +164,7 @@ def test_ray_restarts_do_not_replay_a_divergence(tmp_path, ray_cluster):
 def test_a_cluster_address_where_nothing_answers_is_one_line_at_once(tmp_path):
     """Ray itself would wait minutes on a closed port before failing: megaframe checks first."""
     pytest.importorskip("ray", reason="Ray is the optional extra megaframe[ray]; .ci/run installs it with [test]")
-    port = _free_port()
+    port = free_port()
     started = time.time()
     result = run_cli([*ARGS, "launcher=ray", f"launcher.ray_address=127.0.0.1:{port}", f"hydra.run.dir={tmp_path}"])
     assert result.returncode == 2 and time.time() - started < 60, result.stderr[-2000:]

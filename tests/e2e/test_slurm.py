@@ -4,30 +4,24 @@ one line before anything starts."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
+from helpers import REPO, TINY, assert_ok, cli_env, free_port, read_metrics, run_cli
 from parity import assert_parity
 
 pytestmark = pytest.mark.slow
 ARGS = [*TINY, "train.max_steps=6", "train.eval_interval=3", "zero=stage1"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_two_srun_tasks_train_the_dp2_curve(tmp_path):
     reference, tasks_dir = tmp_path / "reference", tmp_path / "slurm"
     assert_ok(run_cli([*ARGS, "parallel.dp=2", f"hydra.run.dir={reference}"]))
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for task in range(2):
         env = {k: v for k, v in cli_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}

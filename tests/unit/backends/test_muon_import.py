@@ -2,21 +2,15 @@
 and its kernels still go through torch.compile when Muon runs."""
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
 
 import torch
 
-from helpers import REPO, cli_env
+from helpers import REPO, cli_env, free_port
 from megaframe.backends.deepspeed.muon_import import compile_on_first_call
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_zero_rank_imports_muon_without_inductor_and_deepspeed_still_accepts_adamw():
