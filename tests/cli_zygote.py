@@ -63,6 +63,10 @@ def _become_the_command(request: dict, protocol: tuple[io.TextIOWrapper, io.Text
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    if "LOCAL_RANK" not in os.environ and "RANK" not in os.environ:
+        from warm_ranks import install_in_launcher
+
+        install_in_launcher(import_what_runs_import)  # self-launched ranks fork from a copy of this one
     sys.path[0] = os.getcwd()  # `python -m` puts the working directory first
     random.seed()  # a fresh interpreter's state, not the zygote's copied one
     sys.argv = ["-m", *request["argv"]]
@@ -71,13 +75,13 @@ def _become_the_command(request: dict, protocol: tuple[io.TextIOWrapper, io.Text
 
 
 def main() -> None:
-    import_what_runs_import()
     protocol_in = os.dup(0)
     protocol_out = os.dup(1)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
-    os.dup2(devnull, 1)  # anything a late import prints must not reach the protocol pipe
+    os.dup2(devnull, 1)  # nothing an import prints (DeepSpeed's accelerator warning) may reach the protocol pipe
     os.close(devnull)
+    import_what_runs_import()
     requests = os.fdopen(protocol_in, "r", encoding="utf-8")
     replies = os.fdopen(protocol_out, "w", encoding="utf-8")
 

@@ -10,6 +10,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+WARM_RANKS_SITE = REPO / "tests" / "warm_ranks_site"
+# for tests of the process tree itself (signals, parent death, finding a rank by its command line or
+# environment): the ranks torch's agent execs, not tests/warm_ranks.py's forked copies
+FRESH_RANKS = {"MEGAFRAME_TESTS_FRESH_RANKS": "1"}
 
 # A model and schedule small enough for multi-rank runs on two cores; every run logs every step.
 TINY = [
@@ -33,6 +37,8 @@ def cli_env(**extra: str) -> dict[str, str]:
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "TORCHELASTIC_RUN_ID", "LOCAL_SIZE")}
     env.setdefault("OMP_NUM_THREADS", "1")
+    # a fresh megaframe-train forks its self-launched ranks from a warm copy (tests/warm_ranks.py)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(WARM_RANKS_SITE), env.get("PYTHONPATH")) if p)
     env.update(extra)
     return env
 
@@ -55,8 +61,9 @@ def run_cli(args: list[str], *, launcher: list[str] | None = None, cwd: Path | N
 
 # Keys a run reads only once it runs (megaframe reads no environment at import): a request whose
 # environment differs from the zygote's in any other key gets a fresh interpreter.
-# PYTEST_CURRENT_TEST changes with every test and nothing imports it.
-_READ_AT_RUN_TIME = ("MEGAFRAME_FAULTS", "PYTEST_CURRENT_TEST")
+# PYTEST_CURRENT_TEST changes with every test and nothing imports it; tests/warm_ranks.py reads its
+# MEGAFRAME_TESTS_* switches when the launcher starts its ranks.
+_READ_AT_RUN_TIME = ("MEGAFRAME_FAULTS", "PYTEST_CURRENT_TEST", "MEGAFRAME_TESTS_")
 _ZYGOTES: dict[int, "_Zygote"] = {}
 
 

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from helpers import REPO, TINY, cli_env
+from helpers import FRESH_RANKS, REPO, TINY, cli_env
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def test_killing_the_launcher_outright_ends_every_rank(tmp_path):
     run_dir = tmp_path / "run"
     launcher = subprocess.Popen([sys.executable, "-m", "megaframe.train", *TINY, "parallel.dp=2", "zero=stage1",
                                  "train.max_steps=100000", "train.eval_interval=0", f"hydra.run.dir={run_dir}"],
-                                cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                cwd=REPO, env=cli_env(**FRESH_RANKS), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
     ranks: list[psutil.Process] = []
     try:

@@ -13,14 +13,14 @@ import time
 import psutil
 import pytest
 
-from helpers import REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
+from helpers import FRESH_RANKS, REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 ARGS = [*TINY, "train.max_steps=400", "train.eval_interval=0"]
 
 
 def _start(args, **env) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "megaframe.train", *args], cwd=REPO, env=cli_env(**env),
+    return subprocess.Popen([sys.executable, "-m", "megaframe.train", *args], cwd=REPO, env=cli_env(**FRESH_RANKS, **env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 

@@ -5,10 +5,10 @@ MEGAFRAME_FAKE_CUDA_MUTANT names one (mutants.py; the tier's self-tests show the
 import os
 import sys
 
+_tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _tests not in sys.path:
+    sys.path.append(_tests)  # the fakecuda package is tests/fakecuda, warm_ranks.py is in tests/
 if os.environ.get("MEGAFRAME_FAKE_CUDA") == "1" or os.environ.get("MEGAFRAME_FAKE_CUDA_MUTANT"):
-    _tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if _tests not in sys.path:
-        sys.path.append(_tests)  # the fakecuda package is tests/fakecuda
     if os.environ.get("MEGAFRAME_FAKE_CUDA") == "1":
         import fakecuda
 
@@ -17,3 +17,8 @@ if os.environ.get("MEGAFRAME_FAKE_CUDA") == "1" or os.environ.get("MEGAFRAME_FAK
         from fakecuda.mutants import apply
 
         apply(os.environ["MEGAFRAME_FAKE_CUDA_MUTANT"])
+
+# a launcher's self-launched ranks fork from a warm copy of it, device included (tests/warm_ranks.py)
+from warm_ranks import install_when_torch_run_is_imported  # noqa: E402
+
+install_when_torch_run_is_imported()
