@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megaframe.backends import StepResult
-from megaframe.backends.deepspeed.engine import DeepSpeedBackend, init_distributed
+from megaframe.backends.registry import engine
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout, universal_checkpoint_unsupported
@@ -55,7 +55,8 @@ class Trainer:
         self.stop_signal = StopSignal(layout.world_size).install()
         self.stopped_by = 0  # the signal that ended the run at a step boundary
         self.saved_step: Optional[int] = None
-        init_distributed(cfg.train.collective_timeout_s)
+        self.engine = engine()
+        self.engine.init_distributed(cfg.train.collective_timeout_s)
         self.ps = ParallelState.build(layout.grid)
         self.is_logger = self.ps.rank == 0
         self._own_run_dir()  # before anything is written to it
@@ -68,8 +69,8 @@ class Trainer:
                                 if layout.cp > 1 else None)
         self.dims = resolve_dims(cfg.model, self.data.vocab_size, tp=layout.tp)
         torch.manual_seed(cfg.train.seed)  # dropout streams; weights come from init_parameters
-        self.backend = DeepSpeedBackend(cfg, layout, self.ps, self.dims,
-                                        lr_scheduler_factory(cfg.optim, cfg.train.max_steps))
+        self.backend = self.engine.build(cfg, layout, self.ps, self.dims,
+                                         lr_scheduler_factory(cfg.optim, cfg.train.max_steps))
         self.num_parameters = self.backend.num_parameters
         self._check_token_ids()
         self.flops_per_token = flops_per_token(self.dims)
