@@ -51,17 +51,17 @@ def _fail(message: str) -> None:
 
 
 def device_supports_fp16() -> bool:
-    """The backend's answer; imported on demand so a config error costs no DeepSpeed import."""
-    from megaframe.backends.deepspeed.accelerator import device_supports_fp16 as ask
+    """The engine's answer; asked on demand so a config error costs no engine import."""
+    from megaframe.backends.registry import engine
 
-    return ask()
+    return engine().device_supports_fp16()
 
 
 def device_supports_bf16() -> bool:
-    """The backend's answer (native bf16: sm80 and newer on CUDA), imported on demand."""
-    from megaframe.backends.deepspeed.accelerator import device_supports_bf16 as ask
+    """The engine's answer (native bf16: sm80 and newer on CUDA), asked on demand."""
+    from megaframe.backends.registry import engine
 
-    return ask()
+    return engine().device_supports_bf16()
 
 
 def check(overrides: Sequence[str]) -> tuple[TrainConfig, Layout, str]:
@@ -179,14 +179,13 @@ def _check_system(cfg: TrainConfig, layout: Layout) -> None:
     """What the machine must provide for this layout (DeepSpeed's AutoEP for ZeRO-3 experts) and
     offload setting (libaio, a compiler, NVMe space), before any rank starts: one line and exit
     code 2 when something is missing."""
-    if cfg.zero.stage == 3 and cfg.parallel.ep > 1:
-        from megaframe.backends.deepspeed.system import expert_parallel_problem
+    from megaframe.backends.registry import engine
 
-        if problem := expert_parallel_problem(cfg.zero.stage, cfg.parallel.ep):
+    if cfg.zero.stage == 3 and cfg.parallel.ep > 1:
+        if problem := engine().expert_parallel_problem(cfg.zero.stage, cfg.parallel.ep):
             _fail(problem)
     if cfg.offload.optimizer == "none" and cfg.offload.param == "none":
         return
-    from megaframe.backends.deepspeed.system import system_problem
     from megaframe.plan.estimate import estimate_config
 
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
@@ -194,7 +193,7 @@ def _check_system(cfg: TrainConfig, layout: Layout) -> None:
         swap_bytes = estimate_config(cfg, layout).host_bytes * ranks_here
     except ConfigError:  # the planner cannot size this model: check the pieces, not the space
         swap_bytes = 0.0
-    if problem := system_problem(cfg.offload, swap_bytes):
+    if problem := engine().system_problem(cfg.offload, swap_bytes):
         _fail(problem)
 
 
@@ -269,9 +268,9 @@ def _shared_run_dir(run_dir: str, collective_timeout_s: float) -> str:
     """Under a launcher every rank must write to rank 0's run dir (timestamps differ per rank)."""
     import torch.distributed as dist
 
-    from megaframe.backends.deepspeed.engine import init_distributed
+    from megaframe.backends.registry import engine
 
-    init_distributed(collective_timeout_s)
+    engine().init_distributed(collective_timeout_s)
     holder = [str(Path(run_dir).resolve())]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]

@@ -1,8 +1,9 @@
 """Training engines behind one interface: the trainer's loop, evaluation, logging and checkpoint
 policy talk to a Backend and never to the engine library itself.
 
-DeepSpeed (backends/deepspeed/) is the one engine today and the only code that imports it. A
-second engine (FSDP2, say) is a sibling folder that implements the same Protocol.
+DeepSpeed (backends/deepspeed/) is the one engine today and the only code that imports it; the rest
+of megaframe reaches it through backends/registry.py, the only importer of an engine's folder. A
+second engine (FSDP2, say) is a sibling folder that implements the same Protocol and a plug.py.
 """
 from __future__ import annotations
 

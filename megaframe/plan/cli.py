@@ -44,10 +44,10 @@ def _check_cluster(cfg: TrainConfig) -> None:
 
 def plan(cfg: TrainConfig, world: int) -> tuple[Layout, Estimate, Optional[list[Estimate]]]:
     """Validate for `world` ranks and estimate; alternatives when it does not fit or parallel.auto."""
-    from megaframe.backends.deepspeed.accelerator import device_supports_fp16
+    from megaframe.backends.registry import engine
 
     _check_cluster(cfg)
-    layout = validate(cfg, world, device_supports_fp16)
+    layout = validate(cfg, world, engine().device_supports_fp16)
     est = estimate_config(cfg, layout)
     alternatives = fitting_layouts(cfg, plan_layout(cfg, layout)) if cfg.parallel.auto or not est.fits else None
     return layout, est, alternatives

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from megaframe.backends.deepspeed.pipeline import stage_boundaries
+from megaframe.backends.registry import engine
 from megaframe.model.gpt import GPT, Block, BlockSpec, Embedding, GPTDims, build_norm
 from megaframe.model.spec import Layer, ModelSpec
 from megaframe.parallel.dims import ParallelDims
@@ -40,13 +40,13 @@ def _layer_parameters(dims: GPTDims, tp: TPGroup, ep: ExpertGroup) -> list[int]:
 
 
 def _partition(dims: GPTDims, tp: TPGroup, ep: ExpertGroup, pp: int, partition: str) -> list[int]:
-    """PipelineModule._partition_layers, with DeepSpeed's own helper (deliberately not the planner's
+    """PipelineModule._partition_layers, with the engine's own helper (deliberately not the planner's
     faster re-implementation, so the dry run checks it)."""
     if partition == "uniform":  # "type:BlockPipe": weight 1 for blocks, 0 for the other layers
         weights = uniform_weights(dims)
     else:
         weights = _layer_parameters(dims, tp, ep)
-    return list(stage_boundaries(tuple(weights), pp))
+    return list(engine().stage_boundaries(tuple(weights), pp))
 
 
 def _stage_modules(dims: GPTDims, tp: TPGroup, ep: ExpertGroup, start: int, stop: int,

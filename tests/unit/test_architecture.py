@@ -1,5 +1,6 @@
-"""The package's shape: no import cycle between megaframe's packages, DeepSpeed imported only by
-its backend, no docstring pointing outside the repository. Read from the source with ast, so a
+"""The package's shape: no import cycle between megaframe's packages or files, DeepSpeed imported
+only by its backend, an engine's folder reached only through backends/registry.py, no docstring
+pointing outside the repository. Read from the source with ast, so a
 lazy import inside a function counts as much as one at the top."""
 from __future__ import annotations
 
@@ -142,3 +143,25 @@ def test_no_import_cycle_between_files():
     graph = _file_graph()
     assert "megaframe.model.gpt" in graph.get("megaframe.model.factory", set()), "the walk found no file imports"
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def _engine_folders() -> list[Path]:
+    return sorted(p for p in (MEGAFRAME / "backends").iterdir() if (p / "__init__.py").exists())
+
+
+def test_only_the_registry_reaches_an_engine():
+    """Outside an engine's own folder no file imports it (lazily or not): the trainer, the CLI, the
+    planner and the dry run ask backends/registry.py, which names each engine's plug by a string.
+    A second engine then touches its folder and one line of the registry."""
+    from megaframe.backends.registry import ENGINES
+
+    graph, folders = _file_graph(), _engine_folders()
+    assert [f.name for f in folders] == sorted(ENGINES), "every engine folder is registered, and only those"
+    offenders = []
+    for folder in folders:
+        package = f"megaframe.backends.{folder.name}"
+        offenders += [f"{module} imports {target}" for module, targets in graph.items()
+                      if not (module + ".").startswith(package + ".")
+                      for target in targets if (target + ".").startswith(package + ".")]
+    assert offenders == []
+    assert "megaframe.backends.registry" in graph.get("megaframe.backends.deepspeed.plug", set())

@@ -1,5 +1,6 @@
 """The DeepSpeed backend: the only package in megaframe that imports deepspeed.
 
+plug.py        what the registry (backends/registry.py) hands the rest of megaframe
 engine.py      DeepSpeedBackend (build, steps, state) and init_distributed
 ds_config.py   TrainConfig -> DeepSpeed's JSON
 pipeline.py    the GPT as a PipelineModule; DeepSpeed's stage partitioning

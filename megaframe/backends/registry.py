@@ -1,0 +1,35 @@
+"""The one place that imports a concrete engine: the trainer, the CLI, the planner and the dry run
+ask for one by name and get its plug (what the rest of megaframe needs from an engine). A second
+engine is a sibling folder with a plug.py and one line in ENGINES."""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from megaframe.config.schema import OffloadConfig
+
+DEFAULT = "deepspeed"
+ENGINES = {"deepspeed": "megaframe.backends.deepspeed.plug"}  # name -> module holding its PLUG
+
+
+@dataclass(frozen=True)
+class EnginePlug:
+    """An engine as megaframe uses it. Each callable imports the engine library on first use, so
+    asking for a plug (and refusing a bad config) costs no import of DeepSpeed or its peers."""
+
+    name: str
+    build: Callable[..., Any]  # (cfg, layout, ps, dims, lr_scheduler) -> a Backend (backends/__init__.py)
+    init_distributed: Callable[[Optional[float]], None]  # this rank's device and process group
+    device_supports_fp16: Callable[[], bool]
+    device_supports_bf16: Callable[[], bool]
+    system_problem: Callable[[OffloadConfig, float], Optional[str]]  # offload's needs on this machine
+    expert_parallel_problem: Callable[[int, int], Optional[str]]  # (zero stage, ep)
+    stage_boundaries: Callable[[tuple, int], tuple]  # where the engine cuts these layer weights into pp stages
+
+
+def engine(name: str = DEFAULT) -> EnginePlug:
+    """The named engine's plug."""
+    if name not in ENGINES:
+        raise ValueError(f"unknown engine {name!r}; one of {', '.join(sorted(ENGINES))}")
+    return importlib.import_module(ENGINES[name]).PLUG
