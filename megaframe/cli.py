@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 from omegaconf import OmegaConf
 
+from megaframe.backends.registry import engine
 from megaframe.config.compose import compose
 from megaframe.config.schema import TrainConfig
 from megaframe.config.store import register_configs
@@ -50,26 +51,12 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
-def device_supports_fp16() -> bool:
-    """The engine's answer; asked on demand so a config error costs no engine import."""
-    from megaframe.backends.registry import engine
-
-    return engine().device_supports_fp16()
-
-
-def device_supports_bf16() -> bool:
-    """The engine's answer (native bf16: sm80 and newer on CUDA), asked on demand."""
-    from megaframe.backends.registry import engine
-
-    return engine().device_supports_bf16()
-
-
 def check(overrides: Sequence[str]) -> tuple[TrainConfig, Layout, str]:
     """Compose and validate; exits with code 2 and a one-line message on bad input."""
     try:
         cfg, run_dir = compose(overrides)
         world = _launcher_world_size() or _slurm_world_size(cfg) or requested_world_size(cfg)
-        layout = validate(cfg, world, device_supports_fp16, device_supports_bf16)
+        layout = validate(cfg, world, engine().device_supports_fp16, engine().device_supports_bf16)
     except ConfigError as err:
         _fail(str(err))
     return cfg, layout, run_dir
@@ -133,7 +120,7 @@ def _check_sweep_point(point: list[str]) -> None:
     from megaframe.plan.report import verdict
 
     cfg, _ = compose(point)
-    layout = validate(cfg, _slurm_world_size(cfg) or requested_world_size(cfg), device_supports_fp16)
+    layout = validate(cfg, _slurm_world_size(cfg) or requested_world_size(cfg), engine().device_supports_fp16)
     if cfg.plan.check and not cfg.parallel.auto and not (est := estimate_config(cfg, layout)).fits:
         raise ConfigError(f"the planner says this will not fit: {verdict(est)} (plan.check=false skips this check)")
     if problem := _launcher_problem(cfg) or _dataset_problem(cfg):
@@ -179,8 +166,6 @@ def _check_system(cfg: TrainConfig, layout: Layout) -> None:
     """What the machine must provide for this layout (DeepSpeed's AutoEP for ZeRO-3 experts) and
     offload setting (libaio, a compiler, NVMe space), before any rank starts: one line and exit
     code 2 when something is missing."""
-    from megaframe.backends.registry import engine
-
     if cfg.zero.stage == 3 and cfg.parallel.ep > 1:
         if problem := engine().expert_parallel_problem(cfg.zero.stage, cfg.parallel.ep):
             _fail(problem)
@@ -268,8 +253,6 @@ def _shared_run_dir(run_dir: str, collective_timeout_s: float) -> str:
     """Under a launcher every rank must write to rank 0's run dir (timestamps differ per rank)."""
     import torch.distributed as dist
 
-    from megaframe.backends.registry import engine
-
     engine().init_distributed(collective_timeout_s)
     holder = [str(Path(run_dir).resolve())]
     dist.broadcast_object_list(holder, src=0)
@@ -308,8 +291,8 @@ def _task(dict_cfg) -> None:
 
     try:
         cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
-        layout = validate(cfg, _launcher_world_size() or requested_world_size(cfg), device_supports_fp16,
-                          device_supports_bf16)
+        layout = validate(cfg, _launcher_world_size() or requested_world_size(cfg), engine().device_supports_fp16,
+                          engine().device_supports_bf16)
     except ConfigError as err:
         _fail(str(err))
     run_dir = Path(HydraConfig.get().runtime.output_dir)

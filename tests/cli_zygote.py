@@ -63,10 +63,9 @@ def _become_the_command(request: dict, protocol: tuple[io.TextIOWrapper, io.Text
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    if "LOCAL_RANK" not in os.environ and "RANK" not in os.environ:
-        from warm_ranks import install_in_launcher
+    from warm_ranks import install_in_launcher
 
-        install_in_launcher(import_what_runs_import)  # self-launched ranks fork from a copy of this one
+    install_in_launcher(import_what_runs_import)  # a self-launch's ranks fork from a copy of this one
     sys.path[0] = os.getcwd()  # `python -m` puts the working directory first
     random.seed()  # a fresh interpreter's state, not the zygote's copied one
     sys.argv = ["-m", *request["argv"]]

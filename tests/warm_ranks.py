@@ -46,10 +46,13 @@ _PYTHON_DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: s
 _ZYGOTE: dict[str, "_RankZygote | None"] = {"current": None}
 
 
+def _wanted() -> bool:
+    """Not switched off, and this process is not a rank itself (a rank launches nothing)."""
+    return os.environ.get(FRESH_RANKS) != "1" and "LOCAL_RANK" not in os.environ and "RANK" not in os.environ
+
+
 def is_megaframe_launcher() -> bool:
-    """This process is `megaframe-train` / `python -m megaframe.train` itself, not one of its ranks."""
-    if os.environ.get(FRESH_RANKS) == "1" or "LOCAL_RANK" in os.environ or "RANK" in os.environ:
-        return False
+    """This process was started as `megaframe-train` / `python -m megaframe.train`."""
     argv = list(getattr(sys, "orig_argv", []))
     return (_MODULE in argv and argv[argv.index(_MODULE) - 1] == "-m") or any(
         a.endswith("/megaframe-train") for a in argv[:2])
@@ -76,7 +79,7 @@ def install_when_torch_run_is_imported() -> None:
             spec.loader.exec_module = exec_module
             return spec
 
-    if os.environ.get(FRESH_RANKS) == "1" or not is_megaframe_launcher():
+    if not _wanted() or not is_megaframe_launcher():
         return
     if "torch.distributed.run" in sys.modules:  # imported already (the CUDA-shaped device's set-up)
         install_in_launcher()
@@ -86,8 +89,9 @@ def install_when_torch_run_is_imported() -> None:
 
 def install_in_launcher(prepare=None) -> None:
     """Wrap torch's launcher entry and its rank Popen (idempotent). `prepare` imports what every rank
-    imports (cli_zygote.import_what_runs_import unless given)."""
-    if os.environ.get(FRESH_RANKS) == "1":
+    imports (cli_zygote.import_what_runs_import unless given). Nothing in a rank or with
+    MEGAFRAME_TESTS_FRESH_RANKS=1."""
+    if not _wanted():
         return
     import torch.distributed.run as torch_run
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
@@ -143,7 +147,8 @@ def _prctl(option: int, value: int) -> None:
 
 
 class _ForkedRank:
-    """What the agent uses of a Popen (poll, wait, pid) for a rank this process did not exec."""
+    """What the agent uses of a Popen (poll, wait, pid; it signals the rank's process group itself)
+    for a rank this process did not exec."""
 
     def __init__(self, pid: int, args: list[str]):
         self.pid, self.args, self.returncode = pid, args, None
@@ -162,16 +167,6 @@ class _ForkedRank:
                 raise subprocess.TimeoutExpired(self.args, timeout)
             time.sleep(0.01)
         return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 class _RankZygote:

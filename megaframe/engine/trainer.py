@@ -55,8 +55,8 @@ class Trainer:
         self.stop_signal = StopSignal(layout.world_size).install()
         self.stopped_by = 0  # the signal that ended the run at a step boundary
         self.saved_step: Optional[int] = None
-        self.engine = engine()
-        self.engine.init_distributed(cfg.train.collective_timeout_s)
+        plug = engine()
+        plug.init_distributed(cfg.train.collective_timeout_s)
         self.ps = ParallelState.build(layout.grid)
         self.is_logger = self.ps.rank == 0
         self._own_run_dir()  # before anything is written to it
@@ -69,8 +69,7 @@ class Trainer:
                                 if layout.cp > 1 else None)
         self.dims = resolve_dims(cfg.model, self.data.vocab_size, tp=layout.tp)
         torch.manual_seed(cfg.train.seed)  # dropout streams; weights come from init_parameters
-        self.backend = self.engine.build(cfg, layout, self.ps, self.dims,
-                                         lr_scheduler_factory(cfg.optim, cfg.train.max_steps))
+        self.backend = plug.build(cfg, layout, self.ps, self.dims, lr_scheduler_factory(cfg.optim, cfg.train.max_steps))
         self.num_parameters = self.backend.num_parameters
         self._check_token_ids()
         self.flops_per_token = flops_per_token(self.dims)

@@ -15,7 +15,6 @@ pytestmark = pytest.mark.slow
 ARGS = [*TINY, "train.max_steps=6", "train.eval_interval=3", "zero=stage1"]
 
 
-
 def test_two_nodes_of_two_ranks_train_the_four_rank_curve(tmp_path):
     reference = tmp_path / "reference"
     assert_ok(run_cli([*ARGS, "parallel.dp=4", f"hydra.run.dir={reference}"]))

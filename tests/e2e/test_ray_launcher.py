@@ -27,7 +27,6 @@ def _ray_env(**extra: str) -> dict[str, str]:
     return {**cli_env(), "OMP_NUM_THREADS": "1", "RAY_worker_niceness": "0", **extra}
 
 
-
 @pytest.fixture(scope="module")
 def ray_cluster():
     """One Ray cluster started beforehand (`ray start --head`, as on a real cluster) that the tests

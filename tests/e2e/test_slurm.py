@@ -17,7 +17,6 @@ pytestmark = pytest.mark.slow
 ARGS = [*TINY, "train.max_steps=6", "train.eval_interval=3", "zero=stage1"]
 
 
-
 def test_two_srun_tasks_train_the_dp2_curve(tmp_path):
     reference, tasks_dir = tmp_path / "reference", tmp_path / "slurm"
     assert_ok(run_cli([*ARGS, "parallel.dp=2", f"hydra.run.dir={reference}"]))

@@ -2,55 +2,24 @@
 when called: importing this file imports no DeepSpeed."""
 from __future__ import annotations
 
-from typing import Any, Optional
+import importlib
+from typing import Any, Callable
 
 from megaframe.backends.registry import EnginePlug
-from megaframe.config.schema import OffloadConfig
 
 
-def build(*args: Any, **kwargs: Any):
-    from megaframe.backends.deepspeed.engine import DeepSpeedBackend
+def _on_call(module: str, name: str) -> Callable[..., Any]:
+    """backends/deepspeed/MODULE.py's NAME, imported when first called."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(f"megaframe.backends.deepspeed.{module}"), name)(*args, **kwargs)
 
-    return DeepSpeedBackend(*args, **kwargs)
-
-
-def init_distributed(collective_timeout_s: Optional[float] = None) -> None:
-    from megaframe.backends.deepspeed.engine import init_distributed as init
-
-    init(collective_timeout_s)
+    return call
 
 
-def device_supports_fp16() -> bool:
-    from megaframe.backends.deepspeed.accelerator import device_supports_fp16 as ask
-
-    return ask()
-
-
-def device_supports_bf16() -> bool:
-    from megaframe.backends.deepspeed.accelerator import device_supports_bf16 as ask
-
-    return ask()
-
-
-def system_problem(offload: OffloadConfig, swap_bytes: float) -> Optional[str]:
-    from megaframe.backends.deepspeed.system import system_problem as problem
-
-    return problem(offload, swap_bytes)
-
-
-def expert_parallel_problem(zero_stage: int, ep: int) -> Optional[str]:
-    from megaframe.backends.deepspeed.system import expert_parallel_problem as problem
-
-    return problem(zero_stage, ep)
-
-
-def stage_boundaries(weights: tuple, pp: int) -> tuple:
-    from megaframe.backends.deepspeed.pipeline import stage_boundaries as boundaries
-
-    return boundaries(weights, pp)
-
-
-PLUG = EnginePlug(name="deepspeed", build=build, init_distributed=init_distributed,
-                  device_supports_fp16=device_supports_fp16, device_supports_bf16=device_supports_bf16,
-                  system_problem=system_problem, expert_parallel_problem=expert_parallel_problem,
-                  stage_boundaries=stage_boundaries)
+PLUG = EnginePlug(name="deepspeed", build=_on_call("engine", "DeepSpeedBackend"),
+                  init_distributed=_on_call("engine", "init_distributed"),
+                  device_supports_fp16=_on_call("accelerator", "device_supports_fp16"),
+                  device_supports_bf16=_on_call("accelerator", "device_supports_bf16"),
+                  system_problem=_on_call("system", "system_problem"),
+                  expert_parallel_problem=_on_call("system", "expert_parallel_problem"),
+                  stage_boundaries=_on_call("pipeline", "stage_boundaries"))

@@ -12,7 +12,6 @@ from helpers import REPO, cli_env, free_port
 from megaframe.backends.deepspeed.muon_import import compile_on_first_call
 
 
-
 def test_a_zero_rank_imports_muon_without_inductor_and_deepspeed_still_accepts_adamw():
     # A fresh interpreter: the pytest worker may have imported inductor for other tests.
     probe = textwrap.dedent("""
