@@ -8,10 +8,14 @@ build has taken 28 minutes here), so the owner's liveness decides:
 - megaframe processes load the ops a run needs under an OS file lock (flock) on
   EXTENSIONS_DIR/megaframe-build.lock, which the kernel releases when its holder dies; a baton
   found while holding it was not left by a live megaframe process;
-- a baton of another program's build is recognised by its builder (ninja, the compiler) running
-  with its working directory in the op's folder, and is waited for, up to MEGAFRAME_BUILD_WAIT_S
-  (an hour), then the run ends with one line and exit 6;
-- any other baton is stale: removed, with a warning.
+- a baton of another program's build has a live owner while some process holds the lock file open
+  (torch's FileBaton keeps the descriptor it created the file with until it releases) or a builder
+  (ninja, the compiler) runs with its working directory in the op's folder; it is waited for, up
+  to MEGAFRAME_BUILD_WAIT_S (an hour), then the run ends with one line and exit 6;
+- any other baton is stale: removed, with a warning, once the same file has stayed ownerless for
+  RELEASE_GRACE_S. A live owner closes its descriptor an instant before it removes the file, and
+  a builder's shell runs `rm lock` only after ninja has exited: judging in that instant removed a
+  live baton (CI saw it under load), and the owner's own removal then fails.
 Ops are built without debug information (DeepSpeed passes -g): nobody steps through these ops, and
 -g made a cold async_io build half as long again.
 Loading the ops here, before deepspeed.initialize, also means initialize finds them loaded
@@ -53,23 +57,57 @@ BUILDERS = frozenset({"ninja", "make", "cc", "c++", "gcc", "g++", "clang", "clan
                       "cicc", "ptxas", "ld", "ld.gold", "ld.lld", "collect2", "as", "hipcc"})
 WAIT_ENV = "MEGAFRAME_BUILD_WAIT_S"  # how long a run waits for another process's build of an op
 DEFAULT_WAIT_S = 3600.0  # a cold async_io build has taken 28 minutes on a 2-core host
+RELEASE_GRACE_S = 0.5  # how long a baton must stay ownerless (the same file) before it counts as stale
+
+
+def _processes() -> Iterator[Path]:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            yield entry
 
 
 def building_in(folder: Path) -> bool:
     """Whether a live compiler or build tool on this host works in `folder` (ninja and the compiler
     run there while torch JIT-builds an op)."""
     target = str(Path(folder).resolve())
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for process in _processes():
         try:
-            cwd = os.readlink(entry / "cwd")
-            name = (entry / "comm").read_text().strip()
+            cwd = os.readlink(process / "cwd")
+            name = (process / "comm").read_text().strip()
         except OSError:  # gone, or not ours to read
             continue
         if (cwd == target or cwd.startswith(target + os.sep)) and name in BUILDERS:
             return True
     return False
+
+
+def held_open(lock: Path) -> bool:
+    """Whether a live process on this host has `lock` open: torch's FileBaton holds the descriptor it
+    created the lock with for the whole build, the Python steps between compiler runs included."""
+    target = str(Path(lock).resolve())
+    for process in _processes():
+        try:
+            descriptors = list((process / "fd").iterdir())
+        except OSError:  # gone, or not ours to read
+            continue
+        for descriptor in descriptors:
+            try:
+                if os.readlink(descriptor) == target:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+def _owner_alive(lock: Path) -> bool:
+    return held_open(lock) or building_in(lock.parent)
+
+
+def _inode(path: Path) -> Optional[int]:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
 
 
 def wait_limit_s() -> float:
@@ -116,21 +154,30 @@ def owner_lock(root: Optional[Path] = None, warn: Callable[[str], None] = _warn,
 
 def clear_stale_build_locks(root: Optional[Path] = None, poll_s: float = 1.0,
                             warn: Callable[[str], None] = _warn, limit_s: Optional[float] = None) -> list[Path]:
-    """Call holding owner_lock(): wait (at most limit_s, wait_limit_s()) for batons whose builder
-    is alive, remove the others (left by a dead process). Returns the removed lock files."""
+    """Call holding owner_lock(): wait (at most limit_s, wait_limit_s()) for batons whose owner is
+    alive, remove the others (left by a dead process). Returns the removed lock files."""
     root = extensions_dir() if root is None else Path(root)
     limit_s = wait_limit_s() if limit_s is None else limit_s
     start = time.monotonic()
     removed = []
     for lock in sorted(root.glob("*/lock")):
-        while lock.exists() and building_in(lock.parent):
-            if (waited := time.monotonic() - start) >= limit_s:
-                raise _gave_up(f"the build of {lock.parent.name} running in {lock.parent}", waited)
-            time.sleep(poll_s)
-        if lock.exists():
+        ownerless = None  # (inode, since): this very file seen with no live owner
+        while (inode := _inode(lock)) is not None:
+            if _owner_alive(lock):
+                ownerless = None
+                if (waited := time.monotonic() - start) >= limit_s:
+                    raise _gave_up(f"the build of {lock.parent.name} running in {lock.parent}", waited)
+                time.sleep(poll_s)
+                continue
+            if ownerless is None or ownerless[0] != inode:
+                ownerless = (inode, time.monotonic())
+            if time.monotonic() - ownerless[1] < RELEASE_GRACE_S:
+                time.sleep(min(poll_s, RELEASE_GRACE_S / 5))  # an owner releasing: the file goes within this
+                continue
             lock.unlink(missing_ok=True)
             removed.append(lock)
             warn(f"removed {lock}: a JIT build lock whose owner is gone (it would make every later run wait forever)")
+            break
     return removed
 
 

@@ -1,6 +1,7 @@
-"""JIT build locks are judged by their owner being alive, never by age: a baton whose builder is gone
-is removed with a warning however fresh; one whose builder runs is waited for however old; the
-OS lock megaframe builds under is released by the kernel when its holder is killed."""
+"""JIT build locks are judged by their owner being alive, never by age: a baton whose owner is gone
+is removed with a warning however fresh; one whose owner holds it open or whose compiler runs is
+waited for however old; the OS lock megaframe builds under is released by the kernel when its
+holder is killed."""
 from __future__ import annotations
 
 import os
@@ -12,8 +13,8 @@ import time
 
 import pytest
 
-from megaframe.backends.deepspeed.build_locks import (OWNER_LOCK, building_in, clear_stale_build_locks, load_ops,
-                                                      owner_lock)
+from megaframe.backends.deepspeed.build_locks import (OWNER_LOCK, RELEASE_GRACE_S, building_in,
+                                                      clear_stale_build_locks, held_open, load_ops, owner_lock)
 from megaframe.failures import ExitCode, MissingSystemPiece
 
 
@@ -35,25 +36,62 @@ def test_a_fresh_lock_whose_owner_is_gone_is_removed_with_a_warning(tmp_path):
     assert len(warnings) == 1 and str(lock) in warnings[0] and "owner is gone" in warnings[0]
 
 
+# torch's own baton, as a JIT build holds it: Python steps, the compiler in the op's folder, Python
+# steps again, then release (which closes the descriptor an instant before it removes the file)
+# (torch/utils/file_baton.py loaded alone: importing torch would take the child seconds)
+BUILD = """
+import importlib.util, os, subprocess, sys, time
+torch_dir = os.path.dirname(importlib.util.find_spec("torch").origin)
+spec = importlib.util.spec_from_file_location("file_baton", os.path.join(torch_dir, "utils", "file_baton.py"))
+file_baton = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(file_baton)
+folder, ninja, python_steps_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+baton = file_baton.FileBaton(os.path.join(folder, "lock"))
+assert baton.try_acquire()
+day_ago = time.time() - 86400
+os.utime(os.path.join(folder, "lock"), (day_ago, day_ago))
+print("acquired", flush=True)
+time.sleep(python_steps_s)
+subprocess.run([ninja, "0.3"], cwd=folder, check=True)
+time.sleep(python_steps_s)
+baton.release()
+"""
+
+
 def test_an_old_lock_of_a_live_build_is_waited_for_and_left_to_its_owner(tmp_path):
+    """The owner is alive while it holds the baton open, compiler running or not. A shell that ran
+    ninja then `rm lock` was judged dead between the two (CI, under load) and its baton removed."""
     folder = tmp_path / "cpu_adam"
     folder.mkdir()
-    lock = folder / "lock"
-    lock.touch()
-    day_ago = time.time() - 86400
-    os.utime(lock, (day_ago, day_ago))
-    # a "build" running in the op's folder (as ninja and the compiler do), releasing the baton when done
-    builder = subprocess.Popen(["sh", "-c", f"{_fake_ninja(tmp_path)} 0.6; rm lock"], cwd=folder)
+    python_steps_s = 2 * RELEASE_GRACE_S  # longer than the grace: only the open descriptor shows the owner
+    builder = subprocess.Popen([sys.executable, "-c", BUILD, str(folder), _fake_ninja(tmp_path), str(python_steps_s)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.1)
-        assert building_in(folder)
+        assert builder.stdout.readline().strip() == "acquired"
+        assert held_open(folder / "lock") and not building_in(folder)  # its Python steps: no compiler yet
         warnings = []
         start = time.monotonic()
         assert clear_stale_build_locks(tmp_path, poll_s=0.05, warn=warnings.append) == []
-        assert time.monotonic() - start >= 0.3 and not warnings
+        assert time.monotonic() - start >= 2 * python_steps_s and not warnings
     finally:
-        builder.wait(timeout=10)
-    assert not building_in(folder)
+        _, errors = builder.communicate(timeout=30)
+    assert builder.returncode == 0, errors  # its own release found the file it created
+    assert not held_open(folder / "lock") and not (folder / "lock").exists()
+
+
+def test_a_lock_that_goes_while_judged_ownerless_is_not_reported(tmp_path):
+    """A baton whose owner released it in the instant it was judged is gone within the grace: the
+    file is not removed by us nor reported stale."""
+    folder = tmp_path / "cpu_adam"
+    folder.mkdir()
+    (folder / "lock").touch()
+    remover = subprocess.Popen(["sh", "-c", f"sleep {RELEASE_GRACE_S / 2}; rm {folder / 'lock'}"])
+    try:
+        warnings = []
+        assert clear_stale_build_locks(tmp_path, poll_s=0.02, warn=warnings.append) == [] and not warnings
+    finally:
+        remover.wait(timeout=10)
+    assert remover.returncode == 0  # it, not us, removed the file
 
 
 def test_no_locks_no_wait(tmp_path):
