@@ -56,7 +56,8 @@ def check(overrides: Sequence[str]) -> tuple[TrainConfig, Layout, str]:
     try:
         cfg, run_dir = compose(overrides)
         world = _launcher_world_size() or _slurm_world_size(cfg) or requested_world_size(cfg)
-        layout = validate(cfg, world, engine().device_supports_fp16, engine().device_supports_bf16)
+        layout = validate(cfg, world, engine().device_supports_fp16, engine().device_supports_bf16,
+                          engine().config_problem)
     except ConfigError as err:
         _fail(str(err))
     return cfg, layout, run_dir
@@ -120,7 +121,8 @@ def _check_sweep_point(point: list[str]) -> None:
     from megaframe.plan.report import verdict
 
     cfg, _ = compose(point)
-    layout = validate(cfg, _slurm_world_size(cfg) or requested_world_size(cfg), engine().device_supports_fp16)
+    layout = validate(cfg, _slurm_world_size(cfg) or requested_world_size(cfg), engine().device_supports_fp16,
+                      engine_problem=engine().config_problem)
     if cfg.plan.check and not cfg.parallel.auto and not (est := estimate_config(cfg, layout)).fits:
         raise ConfigError(f"the planner says this will not fit: {verdict(est)} (plan.check=false skips this check)")
     if problem := _launcher_problem(cfg) or _dataset_problem(cfg):
@@ -292,7 +294,7 @@ def _task(dict_cfg) -> None:
     try:
         cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
         layout = validate(cfg, _launcher_world_size() or requested_world_size(cfg), engine().device_supports_fp16,
-                          engine().device_supports_bf16)
+                          engine().device_supports_bf16, engine().config_problem)
     except ConfigError as err:
         _fail(str(err))
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -371,7 +373,7 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
     _check_dataset(cfg)
     _check_system(cfg, layout)
     if _rank() == 0:
-        for warning in validate_warnings(cfg, layout):
+        for warning in validate_warnings(cfg, layout, engine().config_warnings):
             print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
     launched = _launcher_world_size() is not None
     if not launched and cfg.launcher.name == "slurm":

@@ -2,9 +2,10 @@
 
 usage: python tools/compat_table.py [--write | --check] [--readme README.md]
 
-The table comes from megaframe/config/compat.py, which asks validate.py's rules about every
-combination. --write replaces the table between README's compat-table markers; --check exits 1
-when README's table differs from what the rules say (tests/unit/config/test_compat.py does the same).
+The table comes from megaframe/backends/deepspeed/compat.py, which asks validation, with DeepSpeed's
+rules (backends/deepspeed/rules.py), about every combination. --write replaces the table between
+README's compat-table markers; --check exits 1 when README's table differs from what the rules say
+(tests/unit/backends/test_compat.py does the same).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from megaframe.config.compat import markdown, with_table  # noqa: E402
+from megaframe.backends.deepspeed.compat import markdown, with_table  # noqa: E402
 from megaframe.atomic_io import atomic_write_text  # noqa: E402
 
 

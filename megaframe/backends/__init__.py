@@ -31,6 +31,7 @@ class Backend(Protocol):
     device: torch.device  # this rank's accelerator: where the step loop's tensors live
     num_parameters: int  # the whole model's, TP shards at full size, pipeline stages summed
     compiled_blocks: int  # blocks compiled by train.compile (0 when off)
+    writes_layout_free: bool  # whether save_full_state can hold this run's state (else native files only)
 
     def train_step(self, batches: list[Batch], skip_if: Optional[Callable[[float], bool]] = None) -> StepResult:
         """One optimizer step over this rank's micro-batches. Non-finite gradients skip the update on

@@ -7,7 +7,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from megaframe.config.schema import OffloadConfig
+from megaframe.config.schema import OffloadConfig, TrainConfig
+from megaframe.config.validate import Layout
 
 DEFAULT = "deepspeed"
 ENGINES = {"deepspeed": "megaframe.backends.deepspeed.plug"}  # name -> module holding its PLUG
@@ -26,6 +27,8 @@ class EnginePlug:
     system_problem: Callable[[OffloadConfig, float], Optional[str]]  # offload's needs on this machine
     expert_parallel_problem: Callable[[int, int], Optional[str]]  # (zero stage, ep)
     stage_boundaries: Callable[[tuple, int], tuple]  # where the engine cuts these layer weights into pp stages
+    config_problem: Callable[[TrainConfig], Optional[str]]  # the engine's own rules, for validate()
+    config_warnings: Callable[[TrainConfig, Layout], list[str]]  # legal, but the engine will not do all asked
 
 
 def engine(name: str = DEFAULT) -> EnginePlug:

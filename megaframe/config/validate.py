@@ -1,7 +1,9 @@
 """Cross-field rules, checked before any process group, model or engine exists.
 
 Each rule is a function that returns None or a one-line message naming the key(s) and the fix.
-DeepSpeed enforces several of these late (or silently ignores them); we refuse them up front.
+An engine's own rules (DeepSpeed's ZeRO x offload x pipeline table, its knobs) live in its folder
+and come in through validate()'s engine_problem; engines enforce several of them late (or silently
+ignore them), so they are refused up front.
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ class Layout(OnGrid):
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
 
-def _choices(key: str, value, allowed: Iterable) -> Optional[str]:
+def choice_problem(key: str, value, allowed: Iterable) -> Optional[str]:
+    """None when value is one of allowed, else the one-line refusal naming key."""
     allowed = list(allowed)
     if value not in allowed:
         return f"{key}={value!r} is not one of {allowed}"
@@ -104,7 +107,7 @@ def check_model(cfg: TrainConfig) -> Optional[str]:
                                 ("model.norm", m.norm, ["layernorm", "rmsnorm"]),
                                 ("model.activation", m.activation, ["gelu", "swiglu"]),
                                 ("model.position_embedding", m.position_embedding, ["learned", "rope"])):
-        if err := _choices(key, value, allowed):
+        if err := choice_problem(key, value, allowed):
             return err
     for key, value in (("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
                        ("model.num_attention_heads", m.num_attention_heads),
@@ -142,7 +145,7 @@ def check_model(cfg: TrainConfig) -> Optional[str]:
 
 def check_optim(cfg: TrainConfig) -> Optional[str]:
     o = cfg.optim
-    if err := _choices("optim.lr_decay", o.lr_decay, ["cosine", "linear", "constant"]):
+    if err := choice_problem("optim.lr_decay", o.lr_decay, ["cosine", "linear", "constant"]):
         return err
     for key, value in (("optim.lr", o.lr), ("optim.eps", o.eps)):
         if not (math.isfinite(value) and value > 0):  # nan fails every comparison: test what is allowed
@@ -173,7 +176,7 @@ def check_train(cfg: TrainConfig) -> Optional[str]:
         return f"train.exit_at_step={t.exit_at_step} must be in [1, train.max_steps={t.max_steps}] or null"
     if t.resume not in ("auto", "none") and not Path(t.resume).is_dir():
         return f"train.resume={t.resume!r}: no such checkpoint directory; use auto, none or an existing path"
-    if err := _choices("logging.wandb.mode", cfg.logging.wandb.mode, ["offline", "online", "disabled"]):
+    if err := choice_problem("logging.wandb.mode", cfg.logging.wandb.mode, ["offline", "online", "disabled"]):
         return err
     if t.max_consecutive_skips < 1:
         return f"train.max_consecutive_skips={t.max_consecutive_skips} must be >= 1 (skipped steps in a row that stop the run)"
@@ -184,7 +187,7 @@ def check_train(cfg: TrainConfig) -> Optional[str]:
     if t.eval_interval and t.eval_steps == 0:
         return (f"train.eval_steps=0 with train.eval_interval={t.eval_interval}: an evaluation of no batches has no "
                 f"loss; set train.eval_steps >= 1, or train.eval_interval=0 to not evaluate")
-    if err := _choices("train.on_batch_size_change", t.on_batch_size_change, ["refuse", "move_position"]):
+    if err := choice_problem("train.on_batch_size_change", t.on_batch_size_change, ["refuse", "move_position"]):
         return err
     return check_spike(t.spike)
 
@@ -212,7 +215,7 @@ def check_spike(spike) -> Optional[str]:
     """train.spike: a known action and metric, a window that has a spread, a threshold that can trigger."""
     for key, value, allowed in (("train.spike.action", spike.action, ["skip", "stop", "warn", "off"]),
                                 ("train.spike.metric", spike.metric, ["zscore", "ratio"])):
-        if err := _choices(key, value, allowed):
+        if err := choice_problem(key, value, allowed):
             return err
     if spike.window < 2:
         return f"train.spike.window={spike.window} must be >= 2 steps (the baseline needs a spread)"
@@ -292,87 +295,9 @@ def check_data(cfg: TrainConfig) -> Optional[str]:
     return None
 
 
-def combination_problem(stage: int, optimizer: str, param: str, pp: int) -> Optional[str]:
-    """Why DeepSpeed cannot run this ZeRO stage x offload x pipeline combination (None: it can)."""
-    if param != "none" and stage != 3:
-        return f"offload.param={param} needs zero=stage3 (zero.stage={stage})"
-    if optimizer == "nvme" and stage != 3:
-        # at ZeRO-1/2 DeepSpeed silently treats device nvme as cpu
-        return (f"offload.optimizer=nvme: NVMe offload needs zero=stage3 (zero.stage={stage}); below it DeepSpeed "
-                f"would silently use CPU memory instead")
-    if optimizer == "cpu" and stage == 0:
-        return "offload.optimizer=cpu needs ZeRO (zero.stage=0)"
-    if pp > 1 and stage >= 2:
-        return (f"parallel.pp={pp} with zero.stage={stage}: DeepSpeed's pipeline engine supports ZeRO stage 0 "
-                f"or 1 only")
-    return None
-
-
-def combination_alternatives(stage: int, optimizer: str, param: str, pp: int, most: int = 2) -> list[str]:
-    """The nearest legal settings of zero.stage / offload.optimizer / offload.param, as CLI overrides.
-
-    Only those that change the fewest keys; among them, ones that keep the user's offload (raise
-    the stage) before ones that drop it, then the nearest stage.
-    """
-    current = (stage, optimizer, param)
-    found = []
-    for s in range(4):
-        for o in ("none", "cpu", "nvme"):
-            for p in ("none", "cpu", "nvme"):
-                if (s, o, p) == current or combination_problem(s, o, p, pp):
-                    continue
-                changed = [(key, new) for key, old, new in (("zero", stage, s), ("offload.optimizer", optimizer, o),
-                                                            ("offload.param", param, p)) if old != new]
-                dropped = sum(old != "none" and new == "none" for old, new in ((optimizer, o), (param, p)))
-                found.append(((len(changed), dropped, abs(s - stage)),
-                              " ".join(f"zero=stage{v}" if k == "zero" else f"{k}={v}" for k, v in changed)))
-    found.sort()
-    return [text for rank, text in found if rank[0] == found[0][0][0]][:most]
-
-
-def _either(options: list[str]) -> str:
-    return options[0] if len(options) == 1 else ", ".join(options[:-1]) + " or " + options[-1]
-
-
-def check_zero_offload(cfg: TrainConfig) -> Optional[str]:
-    stage, off = cfg.zero.stage, cfg.offload
-    if err := _choices("zero.stage", stage, [0, 1, 2, 3]):
-        return err
-    for key, value in (("offload.optimizer", off.optimizer), ("offload.param", off.param)):
-        if err := _choices(key, value, ["none", "cpu", "nvme"]):
-            return err
-    if problem := combination_problem(stage, off.optimizer, off.param, cfg.parallel.pp):
-        return f"{problem}; use {_either(combination_alternatives(stage, off.optimizer, off.param, cfg.parallel.pp))}"
-    if "nvme" in (off.optimizer, off.param) and not off.nvme_path:
-        return "offload=nvme needs offload.nvme_path=/a/fast/local/dir for the swap files"
-    return check_zero_knobs(cfg)
-
-
-def check_zero_knobs(cfg: TrainConfig) -> Optional[str]:
-    """Sizes and counts DeepSpeed would otherwise reject late (or divide by)."""
-    z, off = cfg.zero, cfg.offload
-    for key, value in (("zero.reduce_bucket_size", z.reduce_bucket_size),
-                       ("zero.allgather_bucket_size", z.allgather_bucket_size),
-                       ("zero.stage3_prefetch_bucket_size", z.stage3_prefetch_bucket_size),
-                       ("zero.stage3_max_live_parameters", z.stage3_max_live_parameters),
-                       ("offload.optimizer_buffer_count", off.optimizer_buffer_count),
-                       ("offload.param_buffer_count", off.param_buffer_count),
-                       ("offload.param_buffer_size", off.param_buffer_size),
-                       ("offload.aio_block_size", off.aio_block_size),
-                       ("offload.aio_queue_depth", off.aio_queue_depth),
-                       ("offload.aio_intra_op_parallelism", off.aio_intra_op_parallelism)):
-        if value < 1:
-            return f"{key}={value} must be >= 1"
-    for key, value in (("zero.stage3_param_persistence_threshold", z.stage3_param_persistence_threshold),
-                       ("offload.param_max_in_cpu", off.param_max_in_cpu)):
-        if value < 0:
-            return f"{key}={value} must be >= 0"
-    return None
-
-
 def check_pipeline(cfg: TrainConfig) -> Optional[str]:
     p = cfg.parallel
-    if err := _choices("parallel.pipeline_partition", p.pipeline_partition, ["uniform", "parameters"]):
+    if err := choice_problem("parallel.pipeline_partition", p.pipeline_partition, ["uniform", "parameters"]):
         return err
     if p.pp > cfg.model.num_layers:
         return f"parallel.pp={p.pp} exceeds model.num_layers={cfg.model.num_layers}; use pp <= num_layers"
@@ -418,7 +343,7 @@ def check_context_parallel(cfg: TrainConfig) -> Optional[str]:
     """parallel.cp: the sequence must cut into 2*cp zig-zag chunks; Ulysses must split the heads
     each TP rank holds; sequence parallelism must split each rank's tokens."""
     p, m = cfg.parallel, cfg.model
-    if err := _choices("parallel.cp_impl", p.cp_impl, ["ring", "ulysses"]):
+    if err := choice_problem("parallel.cp_impl", p.cp_impl, ["ring", "ulysses"]):
         return err
     if p.cp == 1:
         return None
@@ -455,7 +380,7 @@ def check_moe(cfg: TrainConfig) -> Optional[str]:
                        ("model.moe.z_loss_coeff", m.z_loss_coeff), ("model.moe.bias_update_rate", m.bias_update_rate)):
         if value < 0:
             return f"{key}={value} must be >= 0"
-    if err := _choices("model.moe.router_score", m.router_score, ["softmax", "sigmoid"]):
+    if err := choice_problem("model.moe.router_score", m.router_score, ["softmax", "sigmoid"]):
         return err
     if m.num_experts == 0:
         return f"parallel.ep={p.ep} needs experts to split; set model.moe.num_experts" if p.ep > 1 else None
@@ -497,7 +422,7 @@ def check_plan(cfg: TrainConfig) -> Optional[str]:
 def check_launcher(cfg: TrainConfig) -> Optional[str]:
     """The `launcher` group: how ranks start."""
     launcher = cfg.launcher
-    if err := _choices("launcher", launcher.name, ["local", "slurm", "ray"]):
+    if err := choice_problem("launcher", launcher.name, ["local", "slurm", "ray"]):
         return err
     if launcher.gpus_per_node < 1 or (launcher.nodes is not None and launcher.nodes < 1):
         return (f"launcher.gpus_per_node={launcher.gpus_per_node} and launcher.nodes={launcher.nodes} must be >= 1 "
@@ -543,34 +468,22 @@ def check_slurm_nodes(cfg: TrainConfig, world_size: int) -> Optional[str]:
             f"make the world a multiple of {per_node}, or at most {per_node}")
 
 
-def warnings(cfg: TrainConfig, layout: Layout) -> list[str]:
-    """Legal but wasteful settings, printed once before launch."""
+def warnings(cfg: TrainConfig, layout: Layout,
+             engine_warnings: Optional[Callable[[TrainConfig, Layout], list[str]]] = None) -> list[str]:
+    """Legal but wasteful settings, printed once before launch; engine_warnings adds the engine's own
+    (its plug's config_warnings)."""
     found = []
     if layout.pp > 1 and layout.grad_accum_steps < layout.pp:
         found.append(f"parallel.pp={layout.pp} with {layout.grad_accum_steps} micro-batches per step leaves stages "
                      f"idle; raise parallel.global_batch_size to >= {layout.pp * layout.micro_batch_size * layout.dp} "
                      f"(bubble (p-1)/(m+p-1) = {(layout.pp - 1) / (layout.grad_accum_steps + layout.pp - 1):.0%})")
-    if universal_checkpoint_unsupported(cfg, layout):
-        found.append(f"precision={cfg.precision.dtype} with zero=stage0: checkpoints hold DeepSpeed's files only (its "
-                     "FP16_Optimizer keeps fp32 masters in flat buffers the layout-free writer does not map yet), so "
-                     "resume works in this layout only, with train.trust_pickled_checkpoint=true (they load by "
-                     "unpickling); use zero=stage1 to resume into any layout")
-    elif not cfg.train.universal_checkpoint and not cfg.train.trust_pickled_checkpoint:
-        found.append("train.universal_checkpoint=false: checkpoints hold DeepSpeed's pickled files only, and resuming "
-                     "them needs train.trust_pickled_checkpoint=true")
-    return found
-
-
-def universal_checkpoint_unsupported(cfg: TrainConfig, layout: Layout) -> bool:
-    """Mixed precision at ZeRO-0 without a pipeline runs DeepSpeed's FP16_Optimizer (also for bf16),
-    whose flat fp32 master buffers the layout-free checkpoint does not read or write."""
-    return cfg.zero.stage == 0 and cfg.precision.dtype != "fp32" and layout.pp == 1
+    return found + (engine_warnings(cfg, layout) if engine_warnings else [])
 
 
 def check_precision(cfg: TrainConfig, fp16_supported: Optional[Callable[[], bool]],
                     bf16_supported: Optional[Callable[[], bool]] = None) -> Optional[str]:
     dtype = cfg.precision.dtype
-    if err := _choices("precision.dtype", dtype, ["fp32", "bf16", "fp16"]):
+    if err := choice_problem("precision.dtype", dtype, ["fp32", "bf16", "fp16"]):
         return err
     p = cfg.precision
     for key, value, low in (("precision.initial_scale_power", p.initial_scale_power, 0),
@@ -591,14 +504,17 @@ def check_precision(cfg: TrainConfig, fp16_supported: Optional[Callable[[], bool
 
 def validate(cfg: TrainConfig, world_size: int,
              fp16_supported: Optional[Callable[[], bool]] = None,
-             bf16_supported: Optional[Callable[[], bool]] = None) -> Layout:
+             bf16_supported: Optional[Callable[[], bool]] = None,
+             engine_problem: Optional[Callable[[TrainConfig], Optional[str]]] = None) -> Layout:
     """Run every rule; raise ConfigError with the first message, else return the resolved layout.
 
-    fp16_supported / bf16_supported ask the device whether it computes that precision (the CLI
-    passes the backend's checks, backends/deepspeed/accelerator.py); None leaves the rule to the
-    engine."""
+    The engine's part comes from its plug (backends/registry.py), which callers hand over:
+    fp16_supported / bf16_supported ask the device whether it computes that precision, and
+    engine_problem holds the engine's own rules (its ZeRO stages, offload and knobs). None leaves
+    that part to the engine itself, after launch."""
+    engine_rule = engine_problem or (lambda _: None)
     # check_finite last: the rules before it say a key's range, which helps more than "finite"
-    for rule in (check_model, check_optim, check_train, check_cluster, check_data, check_zero_offload, check_pipeline,
+    for rule in (check_model, check_optim, check_train, check_cluster, check_data, engine_rule, check_pipeline,
                  check_launcher, check_plan, check_finite):
         if err := rule(cfg):
             raise ConfigError(err)

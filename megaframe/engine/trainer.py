@@ -19,7 +19,7 @@ from megaframe.backends import StepResult
 from megaframe.backends.registry import engine
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.config.schema import TrainConfig
-from megaframe.config.validate import Layout, universal_checkpoint_unsupported
+from megaframe.config.validate import Layout
 from megaframe.data import micro_batches, eval_batches
 from megaframe.data.token_check import cached_token_range, check_token_ids, remember_token_range, token_range
 from megaframe.engine import checkpoint
@@ -228,7 +228,7 @@ class Trainer:
             state["blend_cursor"] = self.data.train.cursor_at(self.consumed_samples,
                                                               self.layout.global_batch_size).state_dict()
         write_universal = None
-        if self.cfg.train.universal_checkpoint and not universal_checkpoint_unsupported(self.cfg, self.layout):
+        if self.cfg.train.universal_checkpoint and self.backend.writes_layout_free:
             tokenizer = Path(self.cfg.data.tokenizer)
             universal_state = {**state, "model": {**dataclasses.asdict(self.cfg.model), "vocab_size": self.dims.vocab_size},
                                "tokenizer": self.cfg.data.tokenizer, "data_seed": self.cfg.train.seed}

@@ -47,7 +47,7 @@ def plan(cfg: TrainConfig, world: int) -> tuple[Layout, Estimate, Optional[list[
     from megaframe.backends.registry import engine
 
     _check_cluster(cfg)
-    layout = validate(cfg, world, engine().device_supports_fp16)
+    layout = validate(cfg, world, engine().device_supports_fp16, engine_problem=engine().config_problem)
     est = estimate_config(cfg, layout)
     alternatives = fitting_layouts(cfg, plan_layout(cfg, layout)) if cfg.parallel.auto or not est.fits else None
     return layout, est, alternatives

@@ -13,7 +13,11 @@ pytestmark = pytest.mark.slow
 
 def test_engine_only_checkpoint_resumes_in_its_layout_and_refuses_another(tmp_path):
     args = [*TINY, "train.max_steps=4", "train.universal_checkpoint=false", f"hydra.run.dir={tmp_path}"]
-    assert_ok(run_cli([*args, "train.exit_at_step=2"]))
+    first = run_cli([*args, "train.exit_at_step=2"])
+    assert_ok(first)
+    # DeepSpeed's warning (its rules, through the plug) before launch
+    assert ("megaframe-train: warning: train.universal_checkpoint=false: checkpoints hold DeepSpeed's pickled files "
+            "only") in first.stderr, first.stderr[-3000:]
     saved = tmp_path / "checkpoints" / "global_step2"
     assert not (saved / "index.json").exists() and (saved / "manifest.json").is_file()
 

@@ -8,7 +8,7 @@ import shlex
 import pytest
 
 from helpers import REPO, assert_ok, read_metrics, run_cli
-from megaframe.config.compat import Combination, refusal
+from megaframe.backends.deepspeed.compat import Combination, refusal
 
 pytestmark = pytest.mark.slow
 SHORT = ["train.max_steps=3", "train.log_interval=1", "train.eval_interval=0", "logging.wandb.mode=disabled", "logging.progress_bar=false"]

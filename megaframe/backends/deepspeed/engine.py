@@ -28,6 +28,7 @@ from megaframe.backends.deepspeed.muon_import import import_muon_lazily
 from megaframe.backends.deepspeed.nvme import open_nvme_swap
 from megaframe.backends.deepspeed.pipeline import build_pipeline_model
 from megaframe.backends.deepspeed.overflow import batch_overflow_check
+from megaframe.backends.deepspeed.rules import layout_free_unsupported
 from megaframe.backends.deepspeed.skip_gate import LastMicroBatchGate, gate_plain_optimizer
 from megaframe.backends.deepspeed.topology import MegatronMpu
 from megaframe.backends.deepspeed.zero_init import builds_partitioned, partitioned_construction, write_partition
@@ -132,6 +133,7 @@ class DeepSpeedBackend:
         self.compiled_blocks = compile_blocks(module) if cfg.train.compile else 0
         self.module = module
         self.num_parameters = self._count_parameters(module)
+        self.writes_layout_free = not layout_free_unsupported(cfg, layout)
         self.engine, _, _, self.lr_scheduler = deepspeed.initialize(
             model=module, model_parameters=decay_param_groups(module, cfg.optim.weight_decay),
             config=ds_config, lr_scheduler=lr_scheduler,

@@ -22,4 +22,6 @@ PLUG = EnginePlug(name="deepspeed", build=_on_call("engine", "DeepSpeedBackend")
                   device_supports_bf16=_on_call("accelerator", "device_supports_bf16"),
                   system_problem=_on_call("system", "system_problem"),
                   expert_parallel_problem=_on_call("system", "expert_parallel_problem"),
-                  stage_boundaries=_on_call("pipeline", "stage_boundaries"))
+                  stage_boundaries=_on_call("pipeline", "stage_boundaries"),
+                  config_problem=_on_call("rules", "config_problem"),
+                  config_warnings=_on_call("rules", "config_warnings"))

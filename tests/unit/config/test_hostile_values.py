@@ -21,6 +21,7 @@ import typing
 
 import pytest
 
+from megaframe.backends.registry import engine
 from megaframe.cli import check
 from megaframe.config.compose import compose
 from megaframe.config.schema import TrainConfig
@@ -77,7 +78,7 @@ def _with(cfg, key: str, value):
 def test_an_out_of_range_value_is_one_line_naming_the_key(key, value, default_config):
     cfg = _with(default_config, key, value)
     with pytest.raises(ConfigError) as refused:  # not a ValueError of the grid, a traceback after launch
-        validate(cfg, requested_world_size(cfg), lambda: False, lambda: True)
+        validate(cfg, requested_world_size(cfg), lambda: False, lambda: True, engine().config_problem)
     message = str(refused.value)
     assert "\n" not in message and key in message, message
 

@@ -7,7 +7,7 @@ import pytest
 
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import (ConfigError, ffn_hidden_size, padded_vocab_size, requested_world_size,
-                                       resolve_layout, universal_checkpoint_unsupported, validate)
+                                       resolve_layout, validate)
 
 
 def _never_fp16() -> bool:
@@ -74,22 +74,11 @@ def test_cuda_counts_bf16_as_native_from_ampere(monkeypatch, capability, native)
     assert accelerator.device_supports_bf16() is native
 
 
-def test_nvme_with_stage3_and_path_is_accepted(tmp_path):
-    cfg = TrainConfig()
-    cfg.zero.stage = 3
-    cfg.offload.optimizer = cfg.offload.param = "nvme"
-    cfg.offload.nvme_path = str(tmp_path)
-    validate(cfg, 1, _never_fp16)
-
-
 def test_pipeline_rules():
     cfg = TrainConfig()  # 2 layers
     cfg.parallel.pp, cfg.zero.stage = 2, 1
     assert validate(cfg, 2, _never_fp16).pp == 2
-    cfg.zero.stage = 2
-    with pytest.raises(ConfigError, match="DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; use zero=stage1"):
-        validate(cfg, 2, _never_fp16)
-    cfg.zero.stage, cfg.parallel.pp = 1, 3
+    cfg.parallel.pp = 3
     with pytest.raises(ConfigError, match="parallel.pp=3 exceeds model.num_layers=2"):
         validate(cfg, 3, _never_fp16)
 
@@ -124,18 +113,14 @@ def test_derived_sizes():
     assert padded_vocab_size(50257, 128, 8) == 51200  # GPT-2's vocabulary under Megatron, TP 8
 
 
-@pytest.mark.parametrize("group,key,value,fragment", [
-    ("zero", "reduce_bucket_size", 0, "zero.reduce_bucket_size=0 must be >= 1"),
-    ("zero", "stage3_param_persistence_threshold", -1, "zero.stage3_param_persistence_threshold=-1 must be >= 0"),
-    ("offload", "param_buffer_size", 0, "offload.param_buffer_size=0 must be >= 1"),
-    ("offload", "aio_queue_depth", 0, "offload.aio_queue_depth=0 must be >= 1"),
-    ("precision", "hysteresis", 0, "precision.hysteresis=0 must be >= 1"),
-    ("precision", "min_loss_scale", 0.0, "precision.min_loss_scale=0.0 must be > 0"),
+@pytest.mark.parametrize("key,value,fragment", [
+    ("hysteresis", 0, "precision.hysteresis=0 must be >= 1"),
+    ("min_loss_scale", 0.0, "precision.min_loss_scale=0.0 must be > 0"),
 ])
-def test_zero_offload_and_loss_scaling_knobs_are_checked(group, key, value, fragment):
+def test_loss_scaling_knobs_are_checked(key, value, fragment):
     cfg = TrainConfig()
     cfg.precision.dtype = "fp16"
-    setattr(getattr(cfg, group), key, value)
+    setattr(cfg.precision, key, value)
     with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
         validate(cfg, 1, lambda: True)
 
@@ -145,30 +130,6 @@ def test_keep_checkpoints_must_not_be_negative():
     cfg.train.keep_checkpoints = -1
     with pytest.raises(ConfigError, match=r"train.keep_checkpoints=-1 must be >= 0"):
         validate(cfg, 1, _never_fp16)
-
-
-def test_mixed_precision_at_zero0_warns_that_checkpoints_stay_in_their_layout():
-    from megaframe.config.validate import warnings
-
-    cfg = TrainConfig()
-    cfg.precision.dtype = "bf16"
-    layout = validate(cfg, 1, _never_fp16)
-    assert universal_checkpoint_unsupported(cfg, layout)
-    assert any("resume works in this layout only, with train.trust_pickled_checkpoint=true" in w
-               and "use zero=stage1" in w for w in warnings(cfg, layout))
-    cfg.zero.stage = 1
-    assert not universal_checkpoint_unsupported(cfg, validate(cfg, 1, _never_fp16))
-    assert not warnings(cfg, validate(cfg, 1, _never_fp16))
-
-
-def test_engine_only_checkpoints_warn_that_resuming_them_needs_trust():
-    from megaframe.config.validate import warnings
-
-    cfg = TrainConfig()
-    cfg.train.universal_checkpoint = False
-    assert any("train.trust_pickled_checkpoint=true" in w for w in warnings(cfg, validate(cfg, 1, _never_fp16)))
-    cfg.train.trust_pickled_checkpoint = True
-    assert not warnings(cfg, validate(cfg, 1, _never_fp16))
 
 
 @pytest.mark.parametrize("world, refused", [(2, False), (8, False), (16, False), (12, True)])

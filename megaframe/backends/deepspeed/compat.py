@@ -1,4 +1,5 @@
-"""The ZeRO x offload x precision x layout compatibility table, decided by validate.py's own rules.
+"""DeepSpeed's ZeRO x offload x precision x layout compatibility table, decided by validation with
+DeepSpeed's rules (rules.py) handed to it, as the CLI hands them.
 
 README's table is this module's output (`python tools/compat_table.py --write`), and a test fails
 when the two differ, so the documentation cannot drift from what validation accepts.
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megaframe.config.schema import TrainConfig
+from megaframe.backends.deepspeed.rules import config_problem
 from megaframe.config.validate import ConfigError, validate
 
 STAGES = (0, 1, 2, 3)
@@ -59,7 +61,7 @@ class Combination:
 def refusal(combo: Combination, fp16_supported: bool = True) -> Optional[str]:
     """validate()'s one-line message for this combination, or None when it is accepted."""
     try:
-        validate(combo.config(), combo.world_size, lambda: fp16_supported)
+        validate(combo.config(), combo.world_size, lambda: fp16_supported, engine_problem=config_problem)
     except ConfigError as err:
         return str(err)
     return None
@@ -111,7 +113,7 @@ def markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-BEGIN = "<!-- compat-table: generated from megaframe/config/validate.py by `python tools/compat_table.py --write`; do not edit -->"
+BEGIN = "<!-- compat-table: generated from megaframe/backends/deepspeed/rules.py by `python tools/compat_table.py --write`; do not edit -->"
 END = "<!-- /compat-table -->"
 
 
