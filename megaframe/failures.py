@@ -105,7 +105,7 @@ class JobStopped(RunFailure):
 
 
 # a run that SIGINT (Ctrl-C) or SIGTERM (kill, SLURM's preemption) stopped at a step boundary exits as
-# a shell reports such a process: 128 + the signal's number (engine/stop_signal.py)
+# a shell reports such a process: 128 + the signal's number (training/stop_signal.py)
 SIGNAL_STOPS = (130, 143)
 
 _BY_CODE = {failure.exit_code: failure for failure in (Diverged, BadData, BadCheckpoint, MissingSystemPiece, RankHung,

@@ -33,7 +33,7 @@ def import_what_runs_import() -> None:
     import torch.distributed.run  # noqa: F401  (self-launch)
 
     import megaframe.cli  # noqa: F401
-    import megaframe.engine.trainer  # noqa: F401
+    import megaframe.training.trainer  # noqa: F401
     import megaframe.backends.deepspeed.engine  # noqa: F401
     from megaframe.backends.deepspeed.muon_import import import_muon_lazily
     import_muon_lazily()  # as every ZeRO rank does before deepspeed.initialize

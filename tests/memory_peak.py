@@ -36,7 +36,7 @@ def measure_peak(rank: int, world: int, overrides: list[str], run_dir: str) -> d
 
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
-    from megaframe.engine.trainer import Trainer
+    from megaframe.training.trainer import Trainer
     from megaframe.model.dims import resolve_dims
     from megaframe.plan.estimate import estimate_stage, plan_layout, planning_vocab_size
 

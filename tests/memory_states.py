@@ -20,7 +20,7 @@ def measure_zero_stages(rank: int, world: int, run_root: str, stages=(0, 1, 2, 3
     from megaframe.config.validate import validate
     from megaframe.backends.deepspeed.memory import held_model_states
     from megaframe.data import micro_batches
-    from megaframe.engine.trainer import Trainer
+    from megaframe.training.trainer import Trainer
 
     results = []
     for stage in stages:
@@ -57,7 +57,7 @@ def measure_moe_states(rank: int, world: int, run_root: str, cases: tuple[tuple[
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
     from megaframe.data import micro_batches
-    from megaframe.engine.trainer import Trainer
+    from megaframe.training.trainer import Trainer
     from megaframe.plan.estimate import estimate_config
 
     results = []

@@ -16,7 +16,7 @@ FLAVOURS = {"gpt2": ["model=gpt_tiny"], "llama": ["model=llama_tiny"]}  # llama_
 # few fp32 ulps (~1e-7 relative); AdamW's normalised update keeps that from growing much over 20
 # steps (README, "Numerics across hosts", has the worst deviations measured per capability). What used
 # to depend on the host was our own ZeRO-0 gradient norm's fp32 accumulation: under AVX2 it was
-# 1.19e-5 off DeepSpeed's fp64 ZeRO-3 norm (the NVMe test). It is fp64 now (engine/trainer.py).
+# 1.19e-5 off DeepSpeed's fp64 ZeRO-3 norm (the NVMe test). It is fp64 now (training/trainer.py).
 # MEGAFRAME_PARITY_REPORT=FILE appends each comparison's worst relative deviation to FILE.
 RTOL = 1e-5
 
@@ -34,7 +34,7 @@ def train_runs(rank: int, world: int, runs: list[tuple[list[str], str]], fp16: b
     fp16=True runs them on a pretended fp16 device (pretend_fp16_device)."""
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
-    from megaframe.engine.trainer import Trainer
+    from megaframe.training.trainer import Trainer
 
     if fp16:
         pretend_fp16_device()

@@ -67,7 +67,7 @@ def setup(arch: str, overrides: list[str], max_steps: int, shape: str = "tiny"):
     """(cfg, layout, data, dims) of the bench shape in flavour `arch`; raises ConfigError."""
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
-    from megaframe.engine.data_setup import build_data
+    from megaframe.training.data_setup import build_data
     from megaframe.model.factory import resolve_dims
 
     cfg, _ = compose([f"model={'llama' if arch == 'llama' else 'gpt'}_tiny", *SHAPES[shape], *COMMON, *overrides,
@@ -81,7 +81,7 @@ def megaframe_path(cfg, layout):
     """(step, close) of megaframe's real path: the Trainer on a DeepSpeed engine."""
     import tempfile
 
-    from megaframe.engine.trainer import Trainer
+    from megaframe.training.trainer import Trainer
 
     trainer = Trainer(cfg, layout, Path(tempfile.mkdtemp(prefix="megaframe-bench-")))
     return trainer.train_step, trainer.close

@@ -35,7 +35,7 @@ def _measure(micro_batches: int, steps: int) -> dict:
 
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
-    from megaframe.engine.trainer import Trainer
+    from megaframe.training.trainer import Trainer
 
     cfg, _ = compose([*MODEL, f"parallel.global_batch_size={2 * micro_batches}", f"train.max_steps={steps}"])
     trainer = Trainer(cfg, validate(cfg, STAGES, lambda: False), Path(os.environ["BENCH_RUN_DIR"]))

@@ -33,7 +33,7 @@ def measure(overrides: list[str], saves: int, async_save: bool) -> tuple[list[fl
     """(stall per save, write time per save, bytes per checkpoint)."""
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
-    from megaframe.engine.trainer import Trainer
+    from megaframe.training.trainer import Trainer
 
     cfg, _ = compose([*SHAPE, *overrides, f"train.async_save={str(async_save).lower()}", "train.max_steps=100"])
     run_dir = Path(tempfile.mkdtemp(prefix="megaframe-bench-save-"))

@@ -176,7 +176,7 @@ class LoopConfig:
     # resume from DeepSpeed's own files, which load by unpickling: code a crafted file holds would run
     trust_pickled_checkpoint: bool = False
     # SIGINT/SIGTERM (Ctrl-C, SLURM preemption): every rank stops at the same step boundary and, when
-    # this is on, saves there before exiting 130/143 (engine/stop_signal.py)
+    # this is on, saves there before exiting 130/143 (training/stop_signal.py)
     save_on_signal: bool = True
     # a resume whose parallel.global_batch_size differs from the checkpoint's: `refuse`, or
     # `move_position` (the data position becomes step x the new global batch size, as every step's

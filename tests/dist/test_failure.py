@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 def _fail_on_rank_1(rank: int, world: int, run_dir: str) -> None:
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
-    from megaframe.engine.trainer import Trainer
+    from megaframe.training.trainer import Trainer
 
     cfg, _ = compose([*TINY, "parallel.dp=2", "train.max_steps=4"])
     with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:

@@ -22,7 +22,7 @@ def train_and_snapshot(rank: int, world: int, runs: dict, ids: torch.Tensor) -> 
     """Train each flavour (the trainer saves a layout-free checkpoint at the end); return its logits."""
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
-    from megaframe.engine.trainer import Trainer
+    from megaframe.training.trainer import Trainer
     from megaframe.model.factory import build_model
     from megaframe.model.full_state import full_state_dict
 

@@ -27,7 +27,7 @@ CASES = {"zero0-fp32": ["zero=stage0"], "zero1-bf16": ["zero=stage1", "precision
 def _count_host_reads(rank: int, world: int, run_root: str) -> dict[str, dict[int, Counter]]:
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
-    from megaframe.engine.trainer import Trainer
+    from megaframe.training.trainer import Trainer
 
     originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
     counts: dict[str, dict[int, Counter]] = {}

@@ -41,7 +41,7 @@ def _dtypes(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
 
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
-    from megaframe.engine.trainer import Trainer
+    from megaframe.training.trainer import Trainer
 
     cfg, _ = compose(overrides)
     with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:
@@ -81,7 +81,7 @@ def _overflow_at_one_step(rank: int, world: int, overrides: list[str], run_dir: 
 
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
-    from megaframe.engine.trainer import Trainer
+    from megaframe.training.trainer import Trainer
 
     pretend_fp16_device()
     cfg, _ = compose(overrides)

@@ -42,8 +42,8 @@ def _save_and_load(rank: int, world: int, overrides: list[str], run_dir: str) ->
     from megaframe.backends.deepspeed import state_io
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
-    from megaframe.engine import checkpoint
-    from megaframe.engine.trainer import Trainer
+    from megaframe.training import checkpoint
+    from megaframe.training.trainer import Trainer
     from megaframe.model.spec import ModelSpec
 
     fixed_mmap_threshold()

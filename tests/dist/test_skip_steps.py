@@ -1,6 +1,6 @@
 """Non-finite steps are skipped before the update, on every rank together, in every layout.
 
-A NaN is injected into one parameter's gradient on one rank only (MEGAFRAME_FAULTS, engine/faults.py)
+A NaN is injected into one parameter's gradient on one rank only (MEGAFRAME_FAULTS, training/faults.py)
 at step 5. Every rank must skip that step: its master weights and Adam moments (the local ZeRO
 partition where there is one) bitwise unchanged across it, the learning rate held, the step
 counted in skipped_steps; the next step must update again. Layouts: dp=2 ZeRO-2, tp=2 (ZeRO-0,
@@ -72,7 +72,7 @@ def _same(a: list, b: list) -> bool:
 def _train_with_faults(rank: int, world: int, overrides: list[str], run_dir: str, faults: str) -> dict:
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
-    from megaframe.engine.trainer import Trainer
+    from megaframe.training.trainer import Trainer
 
     os.environ["MEGAFRAME_FAULTS"] = faults
     cfg, _ = compose(overrides)

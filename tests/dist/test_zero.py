@@ -65,7 +65,7 @@ def _train_recording_swap(rank: int, world: int, overrides: list[str], run_dir: 
     """Train; report the swap files this rank wrote (read before shutdown) and whether they were removed."""
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
-    from megaframe.engine.trainer import Trainer
+    from megaframe.training.trainer import Trainer
 
     cfg, _ = compose(overrides)
     with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:

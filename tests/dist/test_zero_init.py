@@ -27,7 +27,7 @@ def _measure_build(rank: int, world: int, overrides: list[str], run_dir: str) ->
     import megaframe.backends.deepspeed.engine as engine
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
-    from megaframe.engine.trainer import Trainer
+    from megaframe.training.trainer import Trainer
 
     fixed_mmap_threshold()
     build = engine.build_model

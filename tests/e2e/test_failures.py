@@ -79,7 +79,7 @@ def test_torchrun_restarts_do_not_replay_a_divergence(tmp_path):
 
 
 SPIKE = [*TINY, "train.max_steps=10", "train.eval_interval=0", "train.spike.window=5", "train.spike.threshold=3"]
-SPIKE_FAULT = {"MEGAFRAME_FAULTS": "spike@8"}  # engine/faults.py: step 8's targets all byte 0
+SPIKE_FAULT = {"MEGAFRAME_FAULTS": "spike@8"}  # training/faults.py: step 8's targets all byte 0
 
 
 def test_spike_warn_applies_and_logs_stop_ends_the_run(tmp_path):

@@ -1,4 +1,4 @@
-"""SIGINT and SIGTERM end a run at a step boundary (megaframe/engine/stop_signal.py): every rank stops
+"""SIGINT and SIGTERM end a run at a step boundary (megaframe/training/stop_signal.py): every rank stops
 after the same step, saves it (train.save_on_signal), prints the closing line and exits 130/143,
 with no traceback on the terminal. Ctrl-C at dp=2 used to print 245 lines and 4 tracebacks; SIGTERM
 (SLURM's preemption) saved nothing. A rank that a signal killed is named with the signal."""

@@ -27,7 +27,7 @@ from pathlib import Path
 from fakecuda import ledger
 from megaframe.config.compose import compose
 from megaframe.config.validate import validate
-from megaframe.engine.trainer import Trainer
+from megaframe.training.trainer import Trainer
 
 root, cases, shapes, tiny = Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
 counts = {}

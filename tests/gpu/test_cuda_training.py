@@ -130,7 +130,7 @@ from pathlib import Path
 import torch
 from megaframe.config.compose import compose
 from megaframe.config.validate import validate
-from megaframe.engine.trainer import Trainer
+from megaframe.training.trainer import Trainer
 
 cfg, _ = compose(sys.argv[2:])
 with Trainer(cfg, validate(cfg, 1), Path(sys.argv[1])) as trainer:

@@ -66,7 +66,7 @@ from pathlib import Path
 import torch
 from megaframe.config.compose import compose
 from megaframe.config.validate import validate
-from megaframe.engine.trainer import Trainer
+from megaframe.training.trainer import Trainer
 
 counts = {}
 for micro in (1, 4):

@@ -10,7 +10,7 @@ from helpers import REPO
 
 
 def test_importing_the_trainer_does_not_load_dynamo():
-    probe = "import sys, megaframe.engine.trainer; print('torch._dynamo' in sys.modules)"
+    probe = "import sys, megaframe.training.trainer; print('torch._dynamo' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "False"

@@ -66,10 +66,10 @@ def precision_block(cfg: TrainConfig) -> dict[str, Any]:
 def to_ds_config(cfg: TrainConfig, layout: Layout, swap_dir: Optional[str] = None) -> dict[str, Any]:
     """Translate the typed config into DeepSpeed's config dict.
 
-    swap_dir: where this process's NVMe swap files go (engine/nvme_swap.py); None = offload.nvme_path.
+    swap_dir: where this process's NVMe swap files go (backends/deepspeed/nvme.py); None = offload.nvme_path.
 
     The LR schedule is not here: it is a torch LambdaLR handed to deepspeed.initialize (see
-    engine/schedule.py), because DeepSpeed's built-in schedulers warm up from min_lr (linear decay)
+    training/schedule.py), because DeepSpeed's built-in schedulers warm up from min_lr (linear decay)
     or logarithmically, unlike Megatron's linear warmup from 0.
     """
     o = cfg.optim

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from megaframe.config.schema import OptimConfig
-from megaframe.engine.schedule import LRFactor
+from megaframe.training.schedule import LRFactor
 
 
 def _lr(decay: str, step: int) -> float:

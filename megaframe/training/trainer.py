@@ -22,14 +22,14 @@ from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
 from megaframe.data import micro_batches, eval_batches
 from megaframe.data.token_check import cached_token_range, check_token_ids, remember_token_range, token_range
-from megaframe.engine import checkpoint
-from megaframe.engine.data_setup import DataSplits, build_data
-from megaframe.engine.failure_report import report_failure
+from megaframe.training import checkpoint
+from megaframe.training.data_setup import DataSplits, build_data
+from megaframe.training.failure_report import report_failure
 from megaframe.model.moe import load_router_biases, router_biases
-from megaframe.engine.faults import Faults
-from megaframe.engine.schedule import lr_scheduler_factory
-from megaframe.engine.step_guard import StepGuard
-from megaframe.engine.stop_signal import StopSignal, exit_code as signal_exit_code
+from megaframe.training.faults import Faults
+from megaframe.training.schedule import lr_scheduler_factory
+from megaframe.training.step_guard import StepGuard
+from megaframe.training.stop_signal import StopSignal, exit_code as signal_exit_code
 from megaframe import run_lock
 from megaframe.failures import Diverged, RankHung, RunDirInUse, SaveFailed, save_failure
 from megaframe.model.factory import resolve_dims
@@ -469,7 +469,7 @@ def train(cfg: TrainConfig, layout: Layout, run_dir: Path, rank: int = 0) -> int
     """Entry point for one rank: build everything, fit, shut down cleanly; return the exit code.
 
     A failure is reported here, while the process group still exists (one rank prints its line,
-    engine/failure_report.py); a collective that timed out becomes RankHung naming the rank that
+    training/failure_report.py); a collective that timed out becomes RankHung naming the rank that
     never arrived."""
     trainer: Optional[Trainer] = None
     try:

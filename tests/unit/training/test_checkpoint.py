@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from megaframe.engine import checkpoint
+from megaframe.training import checkpoint
 
 
 class FakeEngine:

@@ -1,4 +1,4 @@
-"""The step guard's rules (engine/step_guard.py): when a spike triggers, what a skip does to the
+"""The step guard's rules (training/step_guard.py): when a spike triggers, what a skip does to the
 baseline and the counters, when the run stops, and that its state survives a checkpoint."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from megaframe.config.schema import SpikeConfig
-from megaframe.engine.step_guard import StepGuard
+from megaframe.training.step_guard import StepGuard
 
 CALM = [3.00, 2.95, 3.02, 2.90, 2.97]
 

@@ -10,7 +10,7 @@ from helpers import REPO
 
 _NO_BOUNDARY = """
 import os, signal, time
-from megaframe.engine import stop_signal
+from megaframe.training import stop_signal
 stop_signal.GRACE_FLOOR_S = 0.5
 stop = stop_signal.StopSignal(1).install()
 stop.note_step(0.01)
@@ -21,7 +21,7 @@ time.sleep(60)  # a rank stuck outside the loop
 
 _AT_BOUNDARY = """
 import os, signal, time, torch
-from megaframe.engine import stop_signal
+from megaframe.training import stop_signal
 stop_signal.GRACE_FLOOR_S = 0.5
 stop = stop_signal.StopSignal(1).install()
 os.kill(os.getpid(), signal.SIGINT)

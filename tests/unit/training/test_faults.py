@@ -1,9 +1,9 @@
-"""MEGAFRAME_FAULTS parsing (engine/faults.py): the tests' fault plans mean what they say."""
+"""MEGAFRAME_FAULTS parsing (training/faults.py): the tests' fault plans mean what they say."""
 from __future__ import annotations
 
 import pytest
 
-from megaframe.engine.faults import Fault, Faults, parse
+from megaframe.training.faults import Fault, Faults, parse
 
 
 def test_parse_and_select_this_ranks_faults():
