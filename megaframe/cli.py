@@ -202,12 +202,12 @@ def _self_launch(overrides: list[str], world: int, run_dir: str) -> int:
     # one BLAS thread per rank unless the user chose: ranks would otherwise oversubscribe the cores
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     # torch's elastic modules each set their own logger's level (WARNING): quiet every one, so a
-    # Ctrl-C or SIGTERM the ranks handle (engine/stop_signal.py) prints no agent warning
+    # Ctrl-C or SIGTERM the ranks handle (training/stop_signal.py) prints no agent warning
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     print(f"{PROG}: launching {world} ranks on this host", flush=True)
-    # Ctrl-C or SIGTERM reaches the agent, which passes it to the ranks (engine/stop_signal.py): they
+    # Ctrl-C or SIGTERM reaches the agent, which passes it to the ranks (training/stop_signal.py): they
     # stop at one step boundary and may save; a rank is SIGKILLed only after this grace
     grace = ["--shutdown-timeout", str(_SIGNAL_GRACE_S)]
     try:
@@ -222,13 +222,26 @@ def _self_launch(overrides: list[str], world: int, run_dir: str) -> int:
 
 def _name_a_killed_rank(err) -> None:
     """A rank that a signal killed first (the OOM killer's SIGKILL) prints nothing itself: say which
-    rank it was and by what. The others then end by the agent's SIGTERM or their peers' errors."""
+    rank it was and by what. The others then end by the agent's SIGTERM or their peers' errors.
+
+    torch stamps a failure without an error file in whole seconds and breaks ties by rank: the killed
+    rank and a peer that failed on the broken connection a moment later often share the first
+    second, and then the peer came first. So a rank of that second killed by a signal other than
+    the agent's own SIGTERM or SIGINT is the cause; failing that, the first failure, if a signal."""
     import signal
 
-    rank, first = err.get_first_failure()
-    if first.exitcode is None or first.exitcode >= 0:
-        return  # a rank that exited with a code has said why itself
-    name = signal.Signals(-first.exitcode).name
+    first_second = min(failure.timestamp for failure in err.failures.values())
+    killed = [(rank, failure.exitcode) for rank, failure in sorted(err.failures.items())
+              if failure.timestamp == first_second and failure.exitcode is not None and failure.exitcode < 0
+              and -failure.exitcode not in (signal.SIGTERM, signal.SIGINT)]
+    if killed:
+        rank, exitcode = killed[0]
+    else:
+        rank, first = err.get_first_failure()
+        if first.exitcode is None or first.exitcode >= 0:
+            return  # a rank that exited with a code has said why itself
+        exitcode = first.exitcode
+    name = signal.Signals(-exitcode).name
     hint = " (the kernel's OOM killer sends it when memory runs out: see `dmesg`)" if name == "SIGKILL" else ""
     print(f"{PROG}: error (rank {rank}): killed by {name}{hint} [exit 1]", file=sys.stderr, flush=True)
 
@@ -276,7 +289,7 @@ def _stop_if_job_stopped() -> None:
     exit_code, message = stop
     line = f"{PROG}: error: not retrying: an earlier attempt of this job failed with: {message} [exit {exit_code}]"
     if os.environ.get(STOP_FILE_ENV):
-        from megaframe.engine.failure_report import append_to_log, log_path
+        from megaframe.training.failure_report import append_to_log, log_path
 
         append_to_log(log_path(Path(os.environ[STOP_FILE_ENV]).parent, _rank()), line)
     elif _rank() == 0:
@@ -288,7 +301,7 @@ def _task(dict_cfg) -> None:
     """What hydra.main runs: type the config, validate again (cheap), train."""
     from hydra.core.hydra_config import HydraConfig
 
-    from megaframe.engine.trainer import train
+    from megaframe.training.trainer import train
     from megaframe.atomic_io import atomic_write_text
 
     try:
@@ -342,7 +355,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     """`megaframe-train`: validate, launch as many ranks as the layout needs, train."""
     try:
         _train_main(argv)
-    except KeyboardInterrupt:  # Ctrl-C before the trainer took over SIGINT (engine/stop_signal.py)
+    except KeyboardInterrupt:  # Ctrl-C before the trainer took over SIGINT (training/stop_signal.py)
         print(f"{PROG}: interrupted (SIGINT) before the first step: nothing to save", file=sys.stderr, flush=True)
         sys.exit(130)
 
@@ -383,12 +396,12 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
     if not launched and cfg.launcher.name == "ray":
         from megaframe.ray_launcher import run_on_ray
 
-        from megaframe.engine.data_setup import dataset_prefix
+        from megaframe.training.data_setup import dataset_prefix
 
         dataset_prefix(cfg.data)  # build the demo corpus once, not in every worker
         sys.exit(run_on_ray(cfg, layout.world_size, args, Path(run_dir).resolve(), train_main))
     if not launched and layout.world_size > 1:
-        from megaframe.engine.data_setup import dataset_prefix
+        from megaframe.training.data_setup import dataset_prefix
 
         dataset_prefix(cfg.data)  # build the demo corpus once, not in every rank
         sys.exit(_self_launch(args, layout.world_size, run_dir))

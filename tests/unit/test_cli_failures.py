@@ -1,0 +1,47 @@
+"""How megaframe-train names a rank that a signal killed, from the failures torch's agent reports."""
+from __future__ import annotations
+
+import signal
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from megaframe.cli import _name_a_killed_rank
+
+OOM_LINE = ("megaframe-train: error (rank {rank}): killed by SIGKILL (the kernel's OOM killer sends it when memory "
+            "runs out: see `dmesg`) [exit 1]")
+
+
+def _failed(tmp_path, *ranks: tuple[int, int]) -> ChildFailedError:
+    """(exit code, second) per rank, as the agent reports ranks that wrote no error file."""
+    failures = {}
+    for rank, (exitcode, second) in enumerate(ranks):
+        failure = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode,
+                                 error_file=str(tmp_path / f"none-{rank}.json"))
+        failure.timestamp = second
+        failures[rank] = failure
+    return ChildFailedError("megaframe.train", failures)
+
+
+@pytest.mark.parametrize("ranks, named", [
+    # the peer that failed on the killed rank's broken connection shares its second (CI saw this)
+    (((1, 100), (-signal.SIGKILL, 100)), 1),
+    (((-signal.SIGKILL, 100), (1, 100)), 0),
+    (((1, 101), (-signal.SIGKILL, 100)), 1),
+    # the agent's SIGTERM to the survivors in the same second is not the cause
+    (((-signal.SIGTERM, 100), (-signal.SIGKILL, 100)), 1),
+    # a rank that exited with a code first said why itself; a kill seconds later was the agent's
+    (((1, 100), (-signal.SIGKILL, 130)), None),
+    (((3, 100), (1, 100)), None),
+])
+def test_the_rank_a_signal_killed_is_named(tmp_path, capsys, ranks, named):
+    _name_a_killed_rank(_failed(tmp_path, *ranks))
+    printed = capsys.readouterr().err.strip()
+    assert printed == ("" if named is None else OOM_LINE.format(rank=named))
+
+
+def test_a_sigterm_is_named_only_when_it_came_first(tmp_path, capsys):
+    _name_a_killed_rank(_failed(tmp_path, (1, 101), (-signal.SIGTERM, 100)))
+    assert capsys.readouterr().err.strip() == "megaframe-train: error (rank 1): killed by SIGTERM [exit 1]"
+    _name_a_killed_rank(_failed(tmp_path, (1, 100), (-signal.SIGTERM, 100)))  # the agent's, after rank 0's error
+    assert capsys.readouterr().err.strip() == ""
