@@ -7,7 +7,6 @@ and answers the trainer's Backend calls (megaframe/backends/__init__.py).
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -19,6 +18,8 @@ from deepspeed.accelerator import get_accelerator
 from torch.distributed import distributed_c10d
 
 from megaframe.backends import Batch, StepResult
+from megaframe.backends.common import (decay_param_groups, dp_mean, free_port, local_device_index, on_device,
+                                       router_metrics, set_collective_timeout)
 from megaframe.backends.deepspeed import state_io
 from megaframe.backends.deepspeed.build_locks import load_ops, ops_for
 from megaframe.backends.deepspeed.ds_config import to_ds_config
@@ -43,26 +44,6 @@ from megaframe.parallel.grad_norm import grad_norm
 from megaframe.parallel.state import ParallelState
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def set_collective_timeout(timeout: timedelta) -> None:
-    """Make `timeout` the default of every process group created from now on: ours, and those
-    DeepSpeed creates for the pipeline without passing one (torch would give them 30 min, NCCL's 10)."""
-    distributed_c10d.default_pg_timeout = timeout
-    distributed_c10d.default_pg_nccl_timeout = timeout
-
-
-def local_device_index(local_rank: int, visible_devices: int) -> int:
-    """The device this rank drives. LOCAL_RANK counts the node's ranks, but SLURM's --gpus-per-task
-    / --gpu-bind and Ray give each rank its own CUDA_VISIBLE_DEVICES: one visible device, on which
-    device LOCAL_RANK does not exist. Each rank takes its share of what it sees."""
-    return local_rank % visible_devices if visible_devices > 0 else local_rank
-
-
 def init_distributed(collective_timeout_s: Optional[float] = None) -> None:
     """Set this rank's device, join the launcher's process group (or make a world of one when
     there is no launcher) and register it with deepspeed.comm, which PipelineModule needs before
@@ -72,7 +53,7 @@ def init_distributed(collective_timeout_s: Optional[float] = None) -> None:
     the run directory) would otherwise put every rank of the node on device 0."""
     if not dist.is_initialized() and "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     timeout = timedelta(seconds=collective_timeout_s) if collective_timeout_s else distributed_c10d.default_pg_timeout
     if collective_timeout_s:
         set_collective_timeout(timeout)
@@ -91,16 +72,9 @@ def init_distributed(collective_timeout_s: Optional[float] = None) -> None:
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=timeout)
 
 
-def decay_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only; biases and norm gains are not decayed (as Megatron does).
-    A parameter built partitioned (ZeRO-3) is empty here: its shape is ds_shape."""
-    def matrix(p) -> bool:
-        return len(getattr(p, "ds_shape", p.shape)) >= 2
-    decay = [p for p in model.parameters() if p.requires_grad and matrix(p)]
-    no_decay = [p for p in model.parameters() if p.requires_grad and not matrix(p)]
-    # named: DeepSpeed splits each group's experts into a group of their own by this name (MoE)
-    return [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
-            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+def _built_shape(param: torch.nn.Parameter) -> torch.Size:
+    """A parameter's full shape: one built partitioned (ZeRO-3) is empty here, its shape is ds_shape."""
+    return getattr(param, "ds_shape", param.shape)
 
 
 class DeepSpeedBackend:
@@ -135,7 +109,7 @@ class DeepSpeedBackend:
         self.num_parameters = self._count_parameters(module)
         self.writes_layout_free = not layout_free_unsupported(cfg, layout)
         self.engine, _, _, self.lr_scheduler = deepspeed.initialize(
-            model=module, model_parameters=decay_param_groups(module, cfg.optim.weight_decay),
+            model=module, model_parameters=decay_param_groups(module, cfg.optim.weight_decay, _built_shape),
             config=ds_config, lr_scheduler=lr_scheduler,
             mpu=None if self.pipelined else MegatronMpu(ps))  # a PipelineModule brings its own grid
         if self.grad_bucket is not None:
@@ -205,26 +179,7 @@ class DeepSpeedBackend:
         return local
 
     def _dp_mean(self, value: torch.Tensor) -> float:
-        """Mean of a 0-d device tensor over the dp x cp ranks (each holds a like share of the step's
-        tokens: its samples, or under cp its zig-zag shard of them): one host read."""
-        t = value.detach().to(torch.float64).reshape(1)
-        replicas = self.ps.grid.size("dp", "cp")
-        if replicas > 1:
-            dist.all_reduce(t, group=self.ps.grad_reduce_group)
-        return (t / replicas).item()
-
-    def _on_device(self, batches: list[Batch]) -> list[Batch]:
-        """The micro-batches on this rank's device (no copy where they already are). From pinned
-        host memory, so the copies are asynchronous on a GPU. Pinned by torch itself: DeepSpeed's
-        accelerator.pin_memory adds every call to a process-wide total that never shrinks and logs
-        "crossed 32 GB pinned" after a few hours of micro-batches that were each freed long ago."""
-        def moved(t: torch.Tensor) -> torch.Tensor:
-            if t.device == self.device:
-                return t
-            if self.device.type == "cpu":
-                return t.to(self.device)
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return [(moved(inputs), moved(targets)) for inputs, targets in batches]
+        return dp_mean(value, self.ps)
 
     # ---- steps -------------------------------------------------------------------------------
     def train_step(self, batches: list[Batch], skip_if: Optional[Callable[[float], bool]] = None) -> StepResult:
@@ -237,7 +192,7 @@ class DeepSpeedBackend:
             finally:
                 self.module.loss_fn.gate = None
         else:
-            for inputs, targets in self._on_device(batches):
+            for inputs, targets in on_device(batches, self.device):
                 self.engine.backward(gate(self.engine(inputs, targets)))
                 self.engine.step()
             loss = gate.mean()
@@ -257,7 +212,7 @@ class DeepSpeedBackend:
             self.engine.train()
             return mean
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for inputs, targets in self._on_device(batches):
+        for inputs, targets in on_device(batches, self.device):
             total += self.engine(inputs, targets).detach()
         self.engine.train()
         return self._dp_mean(total / len(batches))
@@ -277,26 +232,7 @@ class DeepSpeedBackend:
         return {"loss_scale": None if scale is None else float(scale)}
 
     def router_metrics(self) -> dict[str, float]:
-        """MoE router metrics since the last call (every rank calls it: one all-reduce): per MoE layer
-        and micro-batch, the aux and z losses added to the loss; the busiest expert's load over the
-        mean (max over layers); the share of assignments dropped over capacity."""
-        stats = getattr(self.module, "router_stats", None)
-        if stats is None or stats.sums is None:
-            return {}
-        layers, g = stats.counts.shape[0], self.ps.grid
-        forwards = stats.sums.new_full((1,), float(stats.layer_forwards), dtype=torch.float64)  # a log step: allowed
-        packed = torch.cat([stats.sums.double(), forwards, stats.counts.double().flatten()])
-        if g.world_size > 1:
-            dist.all_reduce(packed)  # pipeline stages too: each filled its own layers' rows
-        sums, counts = packed[:5], packed[5:].view(layers, -1)
-        # aux/z: each rank added cp x its tokens' part; counts and layer forwards: the same on every
-        # tp x cp rank of a micro-batch; so the world's sums count each (micro-batch, layer) tp*cp times
-        per_layer_forward = sums[4] / g.tp
-        load = counts / counts.mean(1, keepdim=True)
-        values = torch.stack([sums[0] / per_layer_forward, sums[1] / per_layer_forward, load.max(),
-                              sums[2] / (sums[3] / (g.tp * g.cp))]).tolist()
-        stats.reset()
-        return dict(zip(("moe/aux_loss", "moe/z_loss", "moe/max_load", "moe/dropped_fraction"), values))
+        return router_metrics(self.module, self.ps)
 
     def held_model_states(self) -> dict[str, int]:
         return held_model_states(self.engine)

@@ -62,7 +62,7 @@ def test_an_accelerator_other_than_the_cpu_joins_and_drives_a_device_it_sees(tmp
 
 
 def test_each_rank_takes_its_share_of_the_devices_it_sees():
-    from megaframe.backends.deepspeed.engine import local_device_index
+    from megaframe.backends.common import local_device_index
 
     assert [local_device_index(rank, 8) for rank in (0, 7)] == [0, 7]  # torchrun: all 8 visible
     assert [local_device_index(rank, 1) for rank in (0, 3, 7)] == [0, 0, 0]  # one bound GPU per task

@@ -1,0 +1,97 @@
+"""What every engine's backend does the same way, whichever library runs the step: the process
+group's defaults, the rank's device, the parameter groups, the micro-batches' device copies, the
+data-parallel mean of a loss and the MoE router's metrics. An engine's folder keeps only what its
+library decides."""
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from megaframe.backends import Batch
+from megaframe.parallel.state import ParallelState
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (a world of one picks its own rendezvous port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_collective_timeout(timeout: timedelta) -> None:
+    """Make `timeout` the default of every process group created from now on: ours, and those an
+    engine creates without passing one (torch would give them 30 min, NCCL's 10)."""
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
+
+
+def local_device_index(local_rank: int, visible_devices: int) -> int:
+    """The device this rank drives. LOCAL_RANK counts the node's ranks, but SLURM's --gpus-per-task
+    / --gpu-bind and Ray give each rank its own CUDA_VISIBLE_DEVICES: one visible device, on which
+    device LOCAL_RANK does not exist. Each rank takes its share of what it sees."""
+    return local_rank % visible_devices if visible_devices > 0 else local_rank
+
+
+def decay_param_groups(model: torch.nn.Module, weight_decay: float,
+                       shape: Callable[[torch.nn.Parameter], torch.Size] = lambda p: p.shape) -> list[dict]:
+    """Weight decay on matrices only; biases and norm gains are not decayed (as Megatron does).
+    shape: a parameter's full shape, where the engine has already partitioned it away."""
+    def matrix(p) -> bool:
+        return len(shape(p)) >= 2
+    decay = [p for p in model.parameters() if p.requires_grad and matrix(p)]
+    no_decay = [p for p in model.parameters() if p.requires_grad and not matrix(p)]
+    # named: DeepSpeed splits each group's experts into a group of their own by this name (MoE)
+    return [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+
+
+def dp_mean(value: torch.Tensor, ps: ParallelState) -> float:
+    """Mean of a 0-d device tensor over the dp x cp ranks (each holds a like share of the step's
+    tokens: its samples, or under cp its zig-zag shard of them): one host read."""
+    t = value.detach().to(torch.float64).reshape(1)
+    replicas = ps.grid.size("dp", "cp")
+    if replicas > 1:
+        dist.all_reduce(t, group=ps.grad_reduce_group)
+    return (t / replicas).item()
+
+
+def on_device(batches: list[Batch], device: torch.device) -> list[Batch]:
+    """The micro-batches on this rank's device (no copy where they already are). From pinned host
+    memory, so the copies are asynchronous on a GPU. Pinned by torch itself: DeepSpeed's
+    accelerator.pin_memory adds every call to a process-wide total that never shrinks and logs
+    "crossed 32 GB pinned" after a few hours of micro-batches that were each freed long ago."""
+    def moved(t: torch.Tensor) -> torch.Tensor:
+        if t.device == device:
+            return t
+        if device.type == "cpu":
+            return t.to(device)
+        return t.pin_memory().to(device, non_blocking=True)
+    return [(moved(inputs), moved(targets)) for inputs, targets in batches]
+
+
+def router_metrics(module: torch.nn.Module, ps: ParallelState) -> dict[str, float]:
+    """MoE router metrics since the last call (every rank calls it: one all-reduce): per MoE layer
+    and micro-batch, the aux and z losses added to the loss; the busiest expert's load over the
+    mean (max over layers); the share of assignments dropped over capacity."""
+    stats = getattr(module, "router_stats", None)
+    if stats is None or stats.sums is None:
+        return {}
+    layers, g = stats.counts.shape[0], ps.grid
+    forwards = stats.sums.new_full((1,), float(stats.layer_forwards), dtype=torch.float64)  # a log step: allowed
+    packed = torch.cat([stats.sums.double(), forwards, stats.counts.double().flatten()])
+    if g.world_size > 1:
+        dist.all_reduce(packed)  # pipeline stages too: each filled its own layers' rows
+    sums, counts = packed[:5], packed[5:].view(layers, -1)
+    # aux/z: each rank added cp x its tokens' part; counts and layer forwards: the same on every
+    # tp x cp rank of a micro-batch; so the world's sums count each (micro-batch, layer) tp*cp times
+    per_layer_forward = sums[4] / g.tp
+    load = counts / counts.mean(1, keepdim=True)
+    values = torch.stack([sums[0] / per_layer_forward, sums[1] / per_layer_forward, load.max(),
+                          sums[2] / (sums[3] / (g.tp * g.cp))]).tolist()
+    stats.reset()
+    return dict(zip(("moe/aux_loss", "moe/z_loss", "moe/max_load", "moe/dropped_fraction"), values))
