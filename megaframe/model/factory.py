@@ -14,18 +14,21 @@ from megaframe.parallel.state import ParallelState
 
 
 def build_model(dims: GPTDims, ps: ParallelState, seed: int, activation_checkpointing: bool = False,
-                sequence_parallel: bool = False, grad_bucket=None, write_init=None, cp_impl: str = "ring") -> nn.Module:
+                sequence_parallel: bool = False, grad_bucket=None, write_init=None, cp_impl: str = "ring",
+                built_shape=None, expert_marks=None) -> nn.Module:
     """An initialised GPT holding this rank's tensor-parallel shard (pipeline stages: not yet).
     grad_bucket: sum TP-replicated gradients once per step (parallel/grad_bucket.py);
     write_init(param, value): how a parameter takes its initial value (default: a copy; a model
-    built partitioned writes its ZeRO-3 piece); cp_impl: how attention crosses the cp ranks when
-    ps has cp > 1 (ring or ulysses)."""
+    built partitioned writes its ZeRO-3 piece) and built_shape(param) the shape it was built with;
+    cp_impl: how attention crosses the cp ranks when ps has cp > 1 (ring or ulysses); expert_marks:
+    what the engine marks on each expert shard (parallel/experts.py)."""
     if ps.pp != 1:
         raise NotImplementedError("pipeline-parallel models are not built by this version")
     model = GPT(dims, tp=ps.tp_region(sequence_parallel, grad_bucket), rng=TPDropoutRNG(seed, ps.tp_rank, ps.cp_rank),
                 activation_checkpointing=activation_checkpointing, context=ps.context(), cp_impl=cp_impl,
-                ep=ps.experts())
-    init_parameters(model, "", dims, seed, **({"write": write_init} if write_init else {}))
+                ep=ps.experts(expert_marks))
+    hooks = {"write": write_init, "built_shape": built_shape}
+    init_parameters(model, "", dims, seed, **{k: v for k, v in hooks.items() if v is not None})
     return model
 
 
@@ -46,11 +49,12 @@ def compile_blocks(model: nn.Module) -> int:
     return len(blocks)
 
 
-def count_parameters(model: nn.Module, full: bool = False) -> int:
-    """Parameters of this rank's module (ZeRO-3-partitioned ones at their gathered size);
-    full=True counts tensor-parallel shards at their unsharded size, i.e. the whole model."""
+def count_parameters(model: nn.Module, full: bool = False, numel=lambda p: p.numel()) -> int:
+    """Parameters of this rank's module, each numel(p) (an engine that partitioned them says their
+    gathered size); full=True counts tensor-parallel shards at their unsharded size, i.e. the whole
+    model."""
     total = 0
     for p in model.parameters():
         shape = getattr(p, "partition_shape", None) if full else None
-        total += math.prod(shape) if shape else getattr(p, "ds_numel", p.numel())
+        total += math.prod(shape) if shape else numel(p)
     return total

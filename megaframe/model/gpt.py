@@ -392,18 +392,19 @@ def _copy_into(param: nn.Parameter, value: torch.Tensor) -> None:
 
 @torch.no_grad()
 def init_parameters(module: nn.Module, prefix: str, dims: GPTDims, seed: int,
-                    write: Callable[[nn.Parameter, torch.Tensor], None] = _copy_into) -> None:
+                    write: Callable[[nn.Parameter, torch.Tensor], None] = _copy_into,
+                    built_shape: Callable[[nn.Parameter], tuple[int, ...]] = lambda p: tuple(p.shape)) -> None:
     """Fill every parameter of `module` from its canonical name `prefix.local_name`.
 
     A parameter that is a shard carries its ShardSpec (`shard`) and full shape (`partition_shape`);
     the full value is generated and the shard taken out, so every layout starts from one model.
     write(param, value) stores the shard's value: a copy, or (ZeRO-3 built partitioned) the
-    rank's piece of it. One parameter's full value exists at a time.
+    rank's piece of it; built_shape(param) its shape as built (an engine that partitions at
+    construction leaves the parameter empty and says). One parameter's full value exists at a time.
     """
     for local_name, param in module.named_parameters():
         name = f"{prefix}.{local_name}" if prefix else local_name
-        # a parameter partitioned at construction (ZeRO-3) is empty: ds_shape is its shape
-        full_shape = tuple(getattr(param, "partition_shape", None) or getattr(param, "ds_shape", param.shape))
+        full_shape = tuple(getattr(param, "partition_shape", None) or built_shape(param))
         value = full_init_value(name, full_shape, dims, seed)
         shard = getattr(param, "shard", None)
         if shard is not None:

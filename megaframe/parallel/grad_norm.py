@@ -50,17 +50,18 @@ def _fused_squares(grads: list[torch.Tensor], device: torch.device | str) -> tor
     return torch.stack(norms).square().sum()
 
 
-def grad_norm(model: torch.nn.Module, ps: ParallelState) -> float:
+def grad_norm(model: torch.nn.Module, ps: ParallelState, counted_elsewhere=lambda p: False) -> float:
     """L2 norm of the (already data-parallel-reduced) gradients, each parameter counted once.
 
     Tensor-parallel shards (marked `tensor_model_parallel`) are summed over the TP group and
     parameters replicated across TP ranks counted on TP rank 0 only; pipeline stages are summed,
-    with a tied embedding counted once (DeepSpeed marks its other copies `ds_pipe_replicated`).
+    with a tied embedding counted once (counted_elsewhere(p): a copy that another stage counts,
+    as the engine's pipeline says).
     Accumulated in fp64, as DeepSpeed's ZeRO optimizers do, so that curves compare across stages.
     Experts split over ep ranks (ShardSpec axis "ep") are summed over the ep group.
     """
     counted = [p for p in model.parameters()
-               if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
+               if p.grad is not None and not counted_elsewhere(p)
                and (ps.tp_rank == 0 or getattr(p, "tensor_model_parallel", False))]
     experts = [p.grad.detach() for p in counted if _split_over_ep(p)]
     # a rank without gradients still joins the all-reduces, with a zero on the model's device

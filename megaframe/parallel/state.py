@@ -92,13 +92,14 @@ class ParallelState(OnGrid):
         ranks = tuple(self.group_ranks("cp"))  # ascending ranks are cp order: cp is the next-fastest axis
         return ContextGroup(self.group("cp"), ranks, ranks.index(self.rank))
 
-    def experts(self):
-        """The ExpertGroup of this rank (model/moe.py): its ep group, size and ep rank."""
+    def experts(self, engine_marks=None):
+        """The ExpertGroup of this rank (model/moe.py): its ep group, size and ep rank, and what the
+        engine marks on each expert shard (engine_marks(param, group); None: nothing)."""
         from megaframe.parallel.experts import ExpertGroup
 
         if self.grid.ep == 1:
             return ExpertGroup()
-        return ExpertGroup(self.group("ep"), self.grid.ep, self.coords.ep, self.group("edp"))
+        return ExpertGroup(self.group("ep"), self.grid.ep, self.coords.ep, self.group("edp"), engine_marks)
 
     @property
     def tp_group(self):

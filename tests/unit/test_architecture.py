@@ -1,6 +1,6 @@
 """The package's shape: no import cycle between megaframe's packages or files, DeepSpeed imported
-only by its backend, an engine's folder reached only through backends/registry.py, no docstring
-pointing outside the repository. Read from the source with ast, so a
+only by its backend, an engine's folder reached only through backends/registry.py, DeepSpeed's
+parameter marks only in its folder, no docstring pointing outside the repository. Read from the source with ast, so a
 lazy import inside a function counts as much as one at the top."""
 from __future__ import annotations
 
@@ -165,3 +165,36 @@ def test_only_the_registry_reaches_an_engine():
                       for target in targets if (target + ".").startswith(package + ".")]
     assert offenders == []
     assert "megaframe.backends.registry" in graph.get("megaframe.backends.deepspeed.plug", set())
+
+
+# DeepSpeed's marks on parameters: the ds_* attributes zero.Init and its pipeline set or read, and
+# the expert marks (allreduce, group_name) its MoE reduction reads
+_DEEPSPEED_MARKS = ("allreduce", "group_name")
+
+
+def _deepspeed_marks_in(path: Path) -> list[str]:
+    """Each DeepSpeed parameter mark `path` sets or reads: p.ds_x / p.allreduce, or getattr(p, "ds_x")."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        name = None
+        if isinstance(node, ast.Attribute):
+            name = node.attr
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
+                "getattr", "setattr", "hasattr") and len(node.args) > 1 and isinstance(node.args[1], ast.Constant):
+            name = node.args[1].value
+        if isinstance(name, str) and (name.startswith("ds_") or name in _DEEPSPEED_MARKS):
+            found.append(f"{path.relative_to(MEGAFRAME.parent)}:{node.lineno} {name}")
+    return found
+
+
+def test_deepspeeds_parameter_marks_stay_in_its_folder():
+    """The model, the parallel layers, the gradient norm and the checkpoint code are the same for
+    every engine: what DeepSpeed marks on a parameter (an expert's reduction group, a ZeRO-3
+    partition's shape, a pipeline's tied copy) is set and read in backends/deepspeed/, and reaches
+    the rest as a hook the engine passes in."""
+    folder = MEGAFRAME / "backends" / "deepspeed"
+    inside = [m for path in folder.rglob("*.py") for m in _deepspeed_marks_in(path)]
+    assert any(m.endswith(" ds_shape") for m in inside) and any(m.endswith(" allreduce") for m in inside), inside
+    outside = [m for path in sorted(MEGAFRAME.rglob("*.py")) if folder not in path.parents
+               for m in _deepspeed_marks_in(path)]
+    assert outside == []

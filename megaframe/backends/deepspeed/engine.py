@@ -23,7 +23,7 @@ from megaframe.backends.common import (decay_param_groups, dp_mean, free_port, l
 from megaframe.backends.deepspeed import state_io
 from megaframe.backends.deepspeed.build_locks import load_ops, ops_for
 from megaframe.backends.deepspeed.ds_config import to_ds_config
-from megaframe.backends.deepspeed.experts import mark_expert_parallel
+from megaframe.backends.deepspeed.experts import mark_expert_parallel, mark_expert_shard
 from megaframe.backends.deepspeed.memory import held_model_states
 from megaframe.backends.deepspeed.muon_import import import_muon_lazily
 from megaframe.backends.deepspeed.nvme import open_nvme_swap
@@ -32,7 +32,8 @@ from megaframe.backends.deepspeed.overflow import batch_overflow_check
 from megaframe.backends.deepspeed.rules import layout_free_unsupported
 from megaframe.backends.deepspeed.skip_gate import LastMicroBatchGate, gate_plain_optimizer
 from megaframe.backends.deepspeed.topology import MegatronMpu
-from megaframe.backends.deepspeed.zero_init import builds_partitioned, partitioned_construction, write_partition
+from megaframe.backends.deepspeed.zero_init import (built_shape, builds_partitioned, gathered_numel,
+                                                    partitioned_construction, write_partition)
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims
@@ -72,9 +73,9 @@ def init_distributed(collective_timeout_s: Optional[float] = None) -> None:
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=timeout)
 
 
-def _built_shape(param: torch.nn.Parameter) -> torch.Size:
-    """A parameter's full shape: one built partitioned (ZeRO-3) is empty here, its shape is ds_shape."""
-    return getattr(param, "ds_shape", param.shape)
+def _counted_on_another_stage(param: torch.nn.Parameter) -> bool:
+    """A tied embedding's copy on the last stage: DeepSpeed's pipeline marks it ds_pipe_replicated."""
+    return getattr(param, "ds_pipe_replicated", False)
 
 
 class DeepSpeedBackend:
@@ -99,17 +100,18 @@ class DeepSpeedBackend:
         elif self.built_partitioned:  # ZeRO-3: no rank builds the whole model (zero_init.py)
             with partitioned_construction(ds_config, ps):
                 module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel,
-                                     grad_bucket=self.grad_bucket, write_init=write_partition, cp_impl=p.cp_impl)
+                                     grad_bucket=self.grad_bucket, write_init=write_partition, cp_impl=p.cp_impl,
+                                     built_shape=built_shape, expert_marks=mark_expert_shard)
         else:
             module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel,
-                                 grad_bucket=self.grad_bucket, cp_impl=p.cp_impl)
+                                 grad_bucket=self.grad_bucket, cp_impl=p.cp_impl, expert_marks=mark_expert_shard)
         mark_expert_parallel(module, ps, cfg.zero.stage)
         self.compiled_blocks = compile_blocks(module) if cfg.train.compile else 0
         self.module = module
         self.num_parameters = self._count_parameters(module)
         self.writes_layout_free = not layout_free_unsupported(cfg, layout)
         self.engine, _, _, self.lr_scheduler = deepspeed.initialize(
-            model=module, model_parameters=decay_param_groups(module, cfg.optim.weight_decay, _built_shape),
+            model=module, model_parameters=decay_param_groups(module, cfg.optim.weight_decay, built_shape),
             config=ds_config, lr_scheduler=lr_scheduler,
             mpu=None if self.pipelined else MegatronMpu(ps))  # a PipelineModule brings its own grid
         if self.grad_bucket is not None:
@@ -134,7 +136,7 @@ class DeepSpeedBackend:
         clip = self.cfg.optim.grad_clip
 
         def measure_clip_step(*args, **kwargs):
-            self._last_grad_norm = grad_norm(self.engine.module, self.ps)
+            self._last_grad_norm = grad_norm(self.engine.module, self.ps, _counted_on_another_stage)
             gate_plain_optimizer(self.engine.optimizer, self._last_grad_norm)  # non-finite: no update
             if clip > 0 and self._last_grad_norm > clip:
                 scale = clip / (self._last_grad_norm + 1e-6)
@@ -170,7 +172,7 @@ class DeepSpeedBackend:
 
     def _count_parameters(self, module: torch.nn.Module) -> int:
         """The whole model's parameters: TP shards at full size, pipeline stages summed."""
-        local = sum(count_parameters(m, full=True) for m in module.children()
+        local = sum(count_parameters(m, full=True, numel=gathered_numel) for m in module.children()
                     if not (self.pipelined and m is getattr(module, "tied_modules", None) and not self.ps.is_first_stage))
         if self.pipelined and self.ps.pp > 1:
             total = torch.tensor([local], dtype=torch.int64, device=self.device)

@@ -1,6 +1,6 @@
 """Expert parallelism as DeepSpeed's engine sees it.
 
-DeepSpeed reduces a parameter marked `allreduce=False` (an expert: model/moe.py marks them) over
+DeepSpeed reduces a parameter marked `allreduce=False` (an expert: mark_expert_shard) over
 the expert-data-parallel group named by its `group_name`, and ZeRO-1/2 partition its optimizer
 state over that group, but only once the engine believes the model has MoE layers, which it
 decides by looking for its own MoE class, and only with that group registered in
@@ -22,6 +22,7 @@ import functools
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from deepspeed.utils import groups
 
+from megaframe.parallel.experts import ExpertGroup
 from megaframe.parallel.state import ParallelState
 
 MARKER_NAME = "deepspeed_expert_groups"
@@ -35,7 +36,7 @@ class _Marks:
         self.num_experts = num_experts
         self.ep_size = ps.grid.ep
         self.num_local_experts = num_experts // ps.grid.ep
-        self.expert_group_name = self.ep_group_name = f"ep_size_{ps.grid.ep}"
+        self.expert_group_name = self.ep_group_name = group_name(ps.grid.ep)
         self.__dict__["_ps"] = ps  # not a submodule
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False,
@@ -67,6 +68,25 @@ def _zero3_marker_class() -> type:
         def __init__(self, ps: ParallelState, num_experts: int):
             self._mark(ps, num_experts)
     return ZeRO3ExpertGroupsMarker
+
+
+def group_name(ep_size: int) -> str:
+    """DeepSpeed's name for the expert-data-parallel group its MoE parameters reduce over."""
+    return f"ep_size_{ep_size}"
+
+
+def mark_expert_shard(param: nn.Parameter, ep: ExpertGroup) -> None:
+    """DeepSpeed's marks of an expert shard (ExpertGroup.engine_marks, set at construction, before
+    zero.Init partitions it): allreduce=False and group_name make the engine reduce its gradient
+    over the expert-data-parallel ranks. ZeRO-3 (DeepSpeed's AutoEP contract): zero.Init partitions
+    a parameter over the group it carries here, the expert-data-parallel ranks, not all
+    data-parallel ranks (which hold other experts); the family makes stage 3 average its gradient
+    over the dense dp size and add its norm over the ep ranks. Stages 0-2 read none of those."""
+    param.allreduce = False
+    param.group_name = group_name(ep.size)
+    param.ds_zero_placement_family = "autoep_expert"
+    param.ds_zero_partition_group_name = group_name(ep.size)
+    param.ds_zero_partition_process_group = ep.edp_group
 
 
 def mark_expert_parallel(module: nn.Module, ps: ParallelState, zero_stage: int) -> None:

@@ -16,6 +16,7 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.utils import partition_balanced
 
+from megaframe.backends.deepspeed.experts import mark_expert_shard
 from megaframe.backends.deepspeed.topology import build_topology
 from megaframe.model.gpt import (Block, BlockSpec, Embedding, GPTDims, RopeTables, build_norm, init_parameters,
                                  register_positions, run_block, tied_head_logits)
@@ -127,7 +128,7 @@ def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition:
                           if dims.tie_embeddings else LayerSpec(*embed_args))
         elif layer.kind == "block":
             layers.append(LayerSpec(BlockPipe, dims, tp, rng, seed, layer.prefix, activation_checkpointing,
-                                    spec.block or BlockSpec(), context, cp_impl, rope, layer.block, ps.experts(),
+                                    spec.block or BlockSpec(), context, cp_impl, rope, layer.block, ps.experts(mark_expert_shard),
                                     router_stats, accumulation_steps))
         elif layer.kind == "final_norm":
             layers.append(LayerSpec(FinalNormPipe, dims, tp, seed))

@@ -61,3 +61,14 @@ def write_partition(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     start, stop = partition_range(param, flat.numel())
     partition.data.zero_()
     partition.data[: stop - start].copy_(flat[start:stop].to(partition.dtype))
+
+
+def built_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
+    """A parameter's shape as the model built it: one partitioned at construction is empty here,
+    and zero.Init keeps its shape as ds_shape."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
+def gathered_numel(param: torch.nn.Parameter) -> int:
+    """A parameter's elements as the model built it (ds_numel when partitioned at construction)."""
+    return getattr(param, "ds_numel", param.numel())
