@@ -16,11 +16,11 @@ from typing import Optional, Sequence
 
 from omegaconf import OmegaConf
 
-from megaframe.backends.registry import engine
+from megaframe.backends.registry import engine, validate_for_engine
 from megaframe.config.compose import compose
 from megaframe.config.schema import TrainConfig
 from megaframe.config.store import register_configs
-from megaframe.config.validate import ConfigError, Layout, requested_world_size, validate
+from megaframe.config.validate import ConfigError, Layout, requested_world_size
 from megaframe.config.validate import warnings as validate_warnings
 from megaframe.failures import PROG
 from megaframe.launch_guard import LAUNCHER_PID, die_with_launcher
@@ -56,8 +56,7 @@ def check(overrides: Sequence[str]) -> tuple[TrainConfig, Layout, str]:
     try:
         cfg, run_dir = compose(overrides)
         world = _launcher_world_size() or _slurm_world_size(cfg) or requested_world_size(cfg)
-        layout = validate(cfg, world, engine().device_supports_fp16, engine().device_supports_bf16,
-                          engine().config_problem)
+        layout = validate_for_engine(cfg, world)
     except ConfigError as err:
         _fail(str(err))
     return cfg, layout, run_dir
@@ -121,8 +120,7 @@ def _check_sweep_point(point: list[str]) -> None:
     from megaframe.plan.report import verdict
 
     cfg, _ = compose(point)
-    layout = validate(cfg, _slurm_world_size(cfg) or requested_world_size(cfg), engine().device_supports_fp16,
-                      engine_problem=engine().config_problem)
+    layout = validate_for_engine(cfg, _slurm_world_size(cfg) or requested_world_size(cfg), ask_bf16=False)
     if cfg.plan.check and not cfg.parallel.auto and not (est := estimate_config(cfg, layout)).fits:
         raise ConfigError(f"the planner says this will not fit: {verdict(est)} (plan.check=false skips this check)")
     if problem := _launcher_problem(cfg) or _dataset_problem(cfg):
@@ -169,7 +167,7 @@ def _check_system(cfg: TrainConfig, layout: Layout) -> None:
     offload setting (libaio, a compiler, NVMe space), before any rank starts: one line and exit
     code 2 when something is missing."""
     if cfg.zero.stage == 3 and cfg.parallel.ep > 1:
-        if problem := engine().expert_parallel_problem(cfg.zero.stage, cfg.parallel.ep):
+        if problem := engine(cfg.backend.name).expert_parallel_problem(cfg.zero.stage, cfg.parallel.ep):
             _fail(problem)
     if cfg.offload.optimizer == "none" and cfg.offload.param == "none":
         return
@@ -180,7 +178,7 @@ def _check_system(cfg: TrainConfig, layout: Layout) -> None:
         swap_bytes = estimate_config(cfg, layout).host_bytes * ranks_here
     except ConfigError:  # the planner cannot size this model: check the pieces, not the space
         swap_bytes = 0.0
-    if problem := engine().system_problem(cfg.offload, swap_bytes):
+    if problem := engine(cfg.backend.name).system_problem(cfg.offload, swap_bytes):
         _fail(problem)
 
 
@@ -264,11 +262,11 @@ def _own_run_dir(args: list[str], run_dir: str) -> tuple[list[str], str]:
     return args, run_dir
 
 
-def _shared_run_dir(run_dir: str, collective_timeout_s: float) -> str:
+def _shared_run_dir(run_dir: str, cfg: TrainConfig) -> str:
     """Under a launcher every rank must write to rank 0's run dir (timestamps differ per rank)."""
     import torch.distributed as dist
 
-    engine().init_distributed(collective_timeout_s)
+    engine(cfg.backend.name).init_distributed(cfg.train.collective_timeout_s)
     holder = [str(Path(run_dir).resolve())]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]
@@ -306,8 +304,7 @@ def _task(dict_cfg) -> None:
 
     try:
         cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
-        layout = validate(cfg, _launcher_world_size() or requested_world_size(cfg), engine().device_supports_fp16,
-                          engine().device_supports_bf16, engine().config_problem)
+        layout = validate_for_engine(cfg, _launcher_world_size() or requested_world_size(cfg))
     except ConfigError as err:
         _fail(str(err))
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -386,7 +383,7 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
     _check_dataset(cfg)
     _check_system(cfg, layout)
     if _rank() == 0:
-        for warning in validate_warnings(cfg, layout, engine().config_warnings):
+        for warning in validate_warnings(cfg, layout, engine(cfg.backend.name).config_warnings):
             print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
     launched = _launcher_world_size() is not None
     if not launched and cfg.launcher.name == "slurm":
@@ -406,7 +403,7 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
         dataset_prefix(cfg.data)  # build the demo corpus once, not in every rank
         sys.exit(_self_launch(args, layout.world_size, run_dir))
     if launched and layout.world_size > 1 and not any(a.startswith("hydra.run.dir=") for a in args):
-        args.append(f"hydra.run.dir={_shared_run_dir(run_dir, cfg.train.collective_timeout_s)}")
+        args.append(f"hydra.run.dir={_shared_run_dir(run_dir, cfg)}")
     if _rank() != 0:
         args.append("hydra.output_subdir=null")  # rank 0 alone writes .hydra/
     _run_hydra(args)

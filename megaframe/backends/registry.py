@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from megaframe.config.schema import OffloadConfig, TrainConfig
-from megaframe.config.validate import Layout
+from megaframe.config.validate import ConfigError, Layout, validate
 
 DEFAULT = "deepspeed"
 ENGINES = {"deepspeed": "megaframe.backends.deepspeed.plug"}  # name -> module holding its PLUG
@@ -31,8 +31,17 @@ class EnginePlug:
     config_warnings: Callable[[TrainConfig, Layout], list[str]]  # legal, but the engine will not do all asked
 
 
+def validate_for_engine(cfg: TrainConfig, world_size: int, ask_bf16: bool = True) -> Layout:
+    """validate() with the configured engine's (backend.name) rules and device checks; ask_bf16:
+    whether this machine's device decides bf16 (not where the planner runs, away from the GPUs)."""
+    plug = engine(cfg.backend.name)
+    return validate(cfg, world_size, plug.device_supports_fp16, plug.device_supports_bf16 if ask_bf16 else None,
+                    plug.config_problem)
+
+
 def engine(name: str = DEFAULT) -> EnginePlug:
-    """The named engine's plug."""
+    """The named engine's plug; ConfigError (a ValueError) naming the key for an unknown name."""
     if name not in ENGINES:
-        raise ValueError(f"unknown engine {name!r}; one of {', '.join(sorted(ENGINES))}")
+        raise ConfigError(f"backend.name={name!r} is not an engine megaframe has; choose "
+                          f"{' or '.join(f'backend={known}' for known in sorted(ENGINES))}")
     return importlib.import_module(ENGINES[name]).PLUG

@@ -262,11 +262,19 @@ class LauncherConfig:
 
 
 @dataclass
+class BackendConfig:
+    """The engine that shards and steps the model (the `backend` group; backends/registry.py)."""
+
+    name: str = "deepspeed"
+
+
+@dataclass
 class TrainConfig:
     """The whole run: what every entry point receives after composition."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)

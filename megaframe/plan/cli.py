@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Optional, Sequence
 
 from megaframe.config.schema import TrainConfig
-from megaframe.config.validate import ConfigError, Layout, requested_world_size, validate
+from megaframe.config.validate import ConfigError, Layout, requested_world_size
 from megaframe.plan.estimate import Estimate, estimate_config, plan_layout
 from megaframe.plan.report import as_json, gib, table, verdict
 from megaframe.plan.search import fitting_layouts, layout_overrides
@@ -44,10 +44,10 @@ def _check_cluster(cfg: TrainConfig) -> None:
 
 def plan(cfg: TrainConfig, world: int) -> tuple[Layout, Estimate, Optional[list[Estimate]]]:
     """Validate for `world` ranks and estimate; alternatives when it does not fit or parallel.auto."""
-    from megaframe.backends.registry import engine
+    from megaframe.backends.registry import validate_for_engine
 
     _check_cluster(cfg)
-    layout = validate(cfg, world, engine().device_supports_fp16, engine_problem=engine().config_problem)
+    layout = validate_for_engine(cfg, world, ask_bf16=False)
     est = estimate_config(cfg, layout)
     alternatives = fitting_layouts(cfg, plan_layout(cfg, layout)) if cfg.parallel.auto or not est.fits else None
     return layout, est, alternatives

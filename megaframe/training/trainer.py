@@ -55,7 +55,7 @@ class Trainer:
         self.stop_signal = StopSignal(layout.world_size).install()
         self.stopped_by = 0  # the signal that ended the run at a step boundary
         self.saved_step: Optional[int] = None
-        plug = engine()
+        plug = engine(cfg.backend.name)
         plug.init_distributed(cfg.train.collective_timeout_s)
         self.ps = ParallelState.build(layout.grid)
         self.is_logger = self.ps.rank == 0
