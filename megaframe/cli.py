@@ -9,6 +9,7 @@ megaframe-train [OVERRIDE ...]
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -218,28 +219,32 @@ def _self_launch(overrides: list[str], world: int, run_dir: str) -> int:
     return 0
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name
+        return f"signal {number}"
+
+
 def _name_a_killed_rank(err) -> None:
     """A rank that a signal killed first (the OOM killer's SIGKILL) prints nothing itself: say which
     rank it was and by what. The others then end by the agent's SIGTERM or their peers' errors.
 
-    torch stamps a failure without an error file in whole seconds and breaks ties by rank: the killed
-    rank and a peer that failed on the broken connection a moment later often share the first
-    second, and then the peer came first. So a rank of that second killed by a signal other than
-    the agent's own SIGTERM or SIGINT is the cause; failing that, the first failure, if a signal."""
-    import signal
-
+    torch stamps a failure without an error file in whole seconds and breaks ties by rank: the
+    rank the kernel killed and a peer that failed on the broken connection a moment later often
+    share the first second, and then the peer came first. So a SIGKILLed rank of that second is the
+    cause (nothing else kills without a word); failing that, the first failure, if a signal."""
     first_second = min(failure.timestamp for failure in err.failures.values())
-    killed = [(rank, failure.exitcode) for rank, failure in sorted(err.failures.items())
-              if failure.timestamp == first_second and failure.exitcode is not None and failure.exitcode < 0
-              and -failure.exitcode not in (signal.SIGTERM, signal.SIGINT)]
+    killed = [rank for rank, failure in sorted(err.failures.items())
+              if failure.timestamp == first_second and failure.exitcode == -signal.SIGKILL]
     if killed:
-        rank, exitcode = killed[0]
+        rank, exitcode = killed[0], -signal.SIGKILL
     else:
         rank, first = err.get_first_failure()
         if first.exitcode is None or first.exitcode >= 0:
             return  # a rank that exited with a code has said why itself
         exitcode = first.exitcode
-    name = signal.Signals(-exitcode).name
+    name = _signal_name(-exitcode)
     hint = " (the kernel's OOM killer sends it when memory runs out: see `dmesg`)" if name == "SIGKILL" else ""
     print(f"{PROG}: error (rank {rank}): killed by {name}{hint} [exit 1]", file=sys.stderr, flush=True)
 

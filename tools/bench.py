@@ -66,13 +66,14 @@ def timed(step_fn, steps: int) -> float:
 def setup(arch: str, overrides: list[str], max_steps: int, shape: str = "tiny"):
     """(cfg, layout, data, dims) of the bench shape in flavour `arch`; raises ConfigError."""
     from megaframe.config.compose import compose
+    from megaframe.backends.registry import engine
     from megaframe.config.validate import validate
     from megaframe.training.data_setup import build_data
     from megaframe.model.factory import resolve_dims
 
     cfg, _ = compose([f"model={'llama' if arch == 'llama' else 'gpt'}_tiny", *SHAPES[shape], *COMMON, *overrides,
                       f"train.max_steps={max_steps}"])
-    layout = validate(cfg, 1)
+    layout = validate(cfg, 1, engine_problem=engine(cfg.backend.name).config_problem)  # what DeepSpeed cannot run
     data = build_data(cfg.data, cfg.model.seq_length)
     return cfg, layout, data, resolve_dims(cfg.model, data.vocab_size)
 
@@ -91,7 +92,7 @@ def adamw(model, cfg, **extra):
     """torch.optim.AdamW over megaframe's weight-decay groups with the config's hyperparameters."""
     import torch
 
-    from megaframe.backends.deepspeed.engine import decay_param_groups
+    from megaframe.backends.common import decay_param_groups
 
     o = cfg.optim
     return torch.optim.AdamW(decay_param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,

@@ -395,14 +395,6 @@ def check_moe(cfg: TrainConfig) -> Optional[str]:
     if p.ep > 1 and ((p.dp or 1) * p.cp) % p.ep and p.dp is not None:
         return (f"parallel.ep={p.ep} must divide parallel.dp*parallel.cp={(p.dp or 1) * p.cp}: experts are split over "
                 "the data- and context-parallel ranks")
-    # DeepSpeed's own checkpoint files keep experts through its MoE layer class only: they would
-    # keep the first ep rank's experts and lose the others
-    if p.ep > 1 and (cfg.train.native_checkpoint or not cfg.train.universal_checkpoint):
-        return (f"parallel.ep={p.ep} checkpoints only in the layout-free format; drop train.native_checkpoint=true "
-                "and keep train.universal_checkpoint=true")
-    if p.ep > 1 and cfg.zero.stage == 0 and cfg.precision.dtype != "fp32" and p.pp == 1:
-        return (f"parallel.ep={p.ep} with precision={cfg.precision.dtype} at zero=stage0 cannot save its experts (that "
-                "optimizer's flat fp32 buffers have only DeepSpeed's own checkpoint); use zero=stage1, 2 or 3")
     if p.pp > 1 and cfg.precision.dtype == "fp16":
         return ("parallel.pp > 1 with model.moe does not take precision=fp16 yet (a stage's router losses would need "
                 "the loss scale); use precision=bf16")

@@ -30,6 +30,9 @@ def _failed(tmp_path, *ranks: tuple[int, int]) -> ChildFailedError:
     (((1, 101), (-signal.SIGKILL, 100)), 1),
     # the agent's SIGTERM to the survivors in the same second is not the cause
     (((-signal.SIGTERM, 100), (-signal.SIGKILL, 100)), 1),
+    # a rank that printed its error and exited 1, and a peer that aborted in the same second: the
+    # abort is not named over it (the kernel's SIGKILL is the one death without a word)
+    (((1, 100), (-signal.SIGABRT, 100)), None),
     # a rank that exited with a code first said why itself; a kill seconds later was the agent's
     (((1, 100), (-signal.SIGKILL, 130)), None),
     (((3, 100), (1, 100)), None),
@@ -38,6 +41,12 @@ def test_the_rank_a_signal_killed_is_named(tmp_path, capsys, ranks, named):
     _name_a_killed_rank(_failed(tmp_path, *ranks))
     printed = capsys.readouterr().err.strip()
     assert printed == ("" if named is None else OOM_LINE.format(rank=named))
+
+
+def test_a_real_time_signal_is_named_by_its_number(tmp_path, capsys):
+    _name_a_killed_rank(_failed(tmp_path, (-(signal.SIGRTMIN + 2), 100), (1, 101)))
+    assert capsys.readouterr().err.strip() == (
+        f"megaframe-train: error (rank 0): killed by signal {signal.SIGRTMIN + 2} [exit 1]")
 
 
 def test_a_sigterm_is_named_only_when_it_came_first(tmp_path, capsys):

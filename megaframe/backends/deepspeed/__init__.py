@@ -10,4 +10,8 @@ memory.py      the model states an engine holds, by role
 nvme.py        per-process NVMe swap folders
 build_locks.py stale JIT build locks
 accelerator.py what the device supports (asked before launch)
+rules.py       DeepSpeed's config rules, handed to validation; compat.py the table they make
+experts.py     expert parallelism as DeepSpeed's engine sees it, and its marks on expert shards
+zero_init.py   ZeRO-3 models built partitioned
+system.py      what offload needs of this machine; skip_gate.py, overflow.py, muon_import.py
 """

@@ -63,7 +63,23 @@ def config_problem(cfg: TrainConfig) -> Optional[str]:
         return f"{problem}; use {_either(combination_alternatives(stage, off.optimizer, off.param, cfg.parallel.pp))}"
     if "nvme" in (off.optimizer, off.param) and not off.nvme_path:
         return "offload=nvme needs offload.nvme_path=/a/fast/local/dir for the swap files"
-    return _knobs_problem(cfg)
+    return _knobs_problem(cfg) or _experts_problem(cfg)
+
+
+def _experts_problem(cfg: TrainConfig) -> Optional[str]:
+    """What DeepSpeed's checkpoints cannot hold of experts split over ep ranks."""
+    p = cfg.parallel
+    if p.ep == 1 or cfg.model.moe.num_experts == 0:
+        return None
+    # its own checkpoint files keep experts through its MoE layer class only: they would
+    # keep the first ep rank's experts and lose the others
+    if p.ep > 1 and (cfg.train.native_checkpoint or not cfg.train.universal_checkpoint):
+        return (f"parallel.ep={p.ep} checkpoints only in the layout-free format; drop train.native_checkpoint=true "
+                "and keep train.universal_checkpoint=true")
+    if p.ep > 1 and cfg.zero.stage == 0 and cfg.precision.dtype != "fp32" and p.pp == 1:
+        return (f"parallel.ep={p.ep} with precision={cfg.precision.dtype} at zero=stage0 cannot save its experts (that "
+                "optimizer's flat fp32 buffers have only DeepSpeed's own checkpoint); use zero=stage1, 2 or 3")
+    return None
 
 
 def _knobs_problem(cfg: TrainConfig) -> Optional[str]:

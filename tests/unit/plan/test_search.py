@@ -1,16 +1,19 @@
 """Layout search: only layouts validation and DeepSpeed accept, ranked, and parallel=auto's overrides."""
 from __future__ import annotations
 
+from megaframe.backends.registry import engine
 from megaframe.config.compose import compose
 from megaframe.config.validate import validate
 from megaframe.plan.cli import planned_world_size
 from megaframe.plan.estimate import estimate_config, plan_layout
 from megaframe.plan.search import candidate_layouts, fitting_layouts, layout_overrides
 
+DEEPSPEED_RULES = engine("deepspeed").config_problem  # the suggested layouts must be ones DeepSpeed runs
+
 
 def test_candidates_are_legal_and_keep_the_world_and_batch():
     cfg, _ = compose(["recipe=llama2_70b", "cluster=h100_80g"])
-    base = plan_layout(cfg, validate(cfg, planned_world_size(cfg), fp16_supported=lambda: False))
+    base = plan_layout(cfg, validate(cfg, planned_world_size(cfg), fp16_supported=lambda: False, engine_problem=DEEPSPEED_RULES))
     seen = list(candidate_layouts(cfg.model, base, 8))
     assert len(seen) > 50
     for lay in seen:
@@ -24,11 +27,11 @@ def test_candidates_are_legal_and_keep_the_world_and_batch():
 
 def test_fitting_layouts_fit_are_ranked_and_their_overrides_validate():
     cfg, _ = compose(["recipe=llama2_70b", "cluster=h100_80g", "parallel.tp=1", "parallel.pp=1", "parallel.dp=512"])
-    layout = validate(cfg, 512, fp16_supported=lambda: False)
+    layout = validate(cfg, 512, fp16_supported=lambda: False, engine_problem=DEEPSPEED_RULES)
     assert not estimate_config(cfg, layout).fits
     best = fitting_layouts(cfg, plan_layout(cfg, layout), limit=5)
     assert best and all(e.fits for e in best)
     assert [e.ranked_step_time_s for e in best] == sorted(e.ranked_step_time_s for e in best)
     chosen, _ = compose(["recipe=llama2_70b", "cluster=h100_80g", *layout_overrides(best[0].layout)])
-    again = estimate_config(chosen, validate(chosen, 512, fp16_supported=lambda: False))
+    again = estimate_config(chosen, validate(chosen, 512, fp16_supported=lambda: False, engine_problem=DEEPSPEED_RULES))
     assert again.layout == best[0].layout and again.peak == best[0].peak
