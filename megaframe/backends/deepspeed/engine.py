@@ -23,11 +23,11 @@ from megaframe.backends.common import (decay_param_groups, dp_mean, free_port, l
 from megaframe.backends.deepspeed import state_io
 from megaframe.backends.deepspeed.build_locks import load_ops, ops_for
 from megaframe.backends.deepspeed.ds_config import to_ds_config
-from megaframe.backends.deepspeed.experts import mark_expert_parallel, mark_expert_shard
+from megaframe.backends.deepspeed.experts import deepspeed_expert_marks, mark_expert_parallel
 from megaframe.backends.deepspeed.memory import held_model_states
 from megaframe.backends.deepspeed.muon_import import import_muon_lazily
 from megaframe.backends.deepspeed.nvme import open_nvme_swap
-from megaframe.backends.deepspeed.pipeline import build_pipeline_model
+from megaframe.backends.deepspeed.pipeline import build_pipeline_model, counted_on_another_stage
 from megaframe.backends.deepspeed.overflow import batch_overflow_check
 from megaframe.backends.deepspeed.rules import layout_free_unsupported
 from megaframe.backends.deepspeed.skip_gate import LastMicroBatchGate, gate_plain_optimizer
@@ -73,11 +73,6 @@ def init_distributed(collective_timeout_s: Optional[float] = None) -> None:
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=timeout)
 
 
-def _counted_on_another_stage(param: torch.nn.Parameter) -> bool:
-    """A tied embedding's copy on the last stage: DeepSpeed's pipeline marks it ds_pipe_replicated."""
-    return getattr(param, "ds_pipe_replicated", False)
-
-
 class DeepSpeedBackend:
     """One rank's model inside a DeepSpeed engine (a PipelineEngine when pp > 1)."""
 
@@ -101,10 +96,10 @@ class DeepSpeedBackend:
             with partitioned_construction(ds_config, ps):
                 module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel,
                                      grad_bucket=self.grad_bucket, write_init=write_partition, cp_impl=p.cp_impl,
-                                     built_shape=built_shape, expert_marks=mark_expert_shard)
+                                     built_shape=built_shape, expert_marks=deepspeed_expert_marks)
         else:
             module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel,
-                                 grad_bucket=self.grad_bucket, cp_impl=p.cp_impl, expert_marks=mark_expert_shard)
+                                 grad_bucket=self.grad_bucket, cp_impl=p.cp_impl, expert_marks=deepspeed_expert_marks)
         mark_expert_parallel(module, ps, cfg.zero.stage)
         self.compiled_blocks = compile_blocks(module) if cfg.train.compile else 0
         self.module = module
@@ -136,7 +131,7 @@ class DeepSpeedBackend:
         clip = self.cfg.optim.grad_clip
 
         def measure_clip_step(*args, **kwargs):
-            self._last_grad_norm = grad_norm(self.engine.module, self.ps, _counted_on_another_stage)
+            self._last_grad_norm = grad_norm(self.engine.module, self.ps, counted_on_another_stage)
             gate_plain_optimizer(self.engine.optimizer, self._last_grad_norm)  # non-finite: no update
             if clip > 0 and self._last_grad_norm > clip:
                 scale = clip / (self._last_grad_norm + 1e-6)

@@ -1,6 +1,6 @@
 """Expert parallelism as DeepSpeed's engine sees it.
 
-DeepSpeed reduces a parameter marked `allreduce=False` (an expert: mark_expert_shard) over
+DeepSpeed reduces a parameter marked `allreduce=False` (an expert: deepspeed_expert_marks) over
 the expert-data-parallel group named by its `group_name`, and ZeRO-1/2 partition its optimizer
 state over that group, but only once the engine believes the model has MoE layers, which it
 decides by looking for its own MoE class, and only with that group registered in
@@ -75,7 +75,7 @@ def group_name(ep_size: int) -> str:
     return f"ep_size_{ep_size}"
 
 
-def mark_expert_shard(param: nn.Parameter, ep: ExpertGroup) -> None:
+def deepspeed_expert_marks(param: nn.Parameter, ep: ExpertGroup) -> None:
     """DeepSpeed's marks of an expert shard (ExpertGroup.engine_marks, set at construction, before
     zero.Init partitions it): allreduce=False and group_name make the engine reduce its gradient
     over the expert-data-parallel ranks. ZeRO-3 (DeepSpeed's AutoEP contract): zero.Init partitions

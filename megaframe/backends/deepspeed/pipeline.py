@@ -16,7 +16,7 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.utils import partition_balanced
 
-from megaframe.backends.deepspeed.experts import mark_expert_shard
+from megaframe.backends.deepspeed.experts import deepspeed_expert_marks
 from megaframe.backends.deepspeed.topology import build_topology
 from megaframe.model.gpt import (Block, BlockSpec, Embedding, GPTDims, RopeTables, build_norm, init_parameters,
                                  register_positions, run_block, tied_head_logits)
@@ -128,7 +128,7 @@ def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition:
                           if dims.tie_embeddings else LayerSpec(*embed_args))
         elif layer.kind == "block":
             layers.append(LayerSpec(BlockPipe, dims, tp, rng, seed, layer.prefix, activation_checkpointing,
-                                    spec.block or BlockSpec(), context, cp_impl, rope, layer.block, ps.experts(mark_expert_shard),
+                                    spec.block or BlockSpec(), context, cp_impl, rope, layer.block, ps.experts(deepspeed_expert_marks),
                                     router_stats, accumulation_steps))
         elif layer.kind == "final_norm":
             layers.append(LayerSpec(FinalNormPipe, dims, tp, seed))
@@ -143,6 +143,12 @@ def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition:
     model.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]  # this stage's, as GPT.moe_layers
     model.router_stats = router_stats
     return model
+
+
+def counted_on_another_stage(param: nn.Parameter) -> bool:
+    """A tied embedding's copy on the last stage: the pipeline marks it ds_pipe_replicated, and the
+    first stage counts it (for the gradient norm)."""
+    return getattr(param, "ds_pipe_replicated", False)
 
 
 @lru_cache(maxsize=64)

@@ -69,14 +69,14 @@ def config_problem(cfg: TrainConfig) -> Optional[str]:
 def _experts_problem(cfg: TrainConfig) -> Optional[str]:
     """What DeepSpeed's checkpoints cannot hold of experts split over ep ranks."""
     p = cfg.parallel
-    if p.ep == 1 or cfg.model.moe.num_experts == 0:
+    if p.ep <= 1 or cfg.model.moe.num_experts == 0:
         return None
     # its own checkpoint files keep experts through its MoE layer class only: they would
     # keep the first ep rank's experts and lose the others
-    if p.ep > 1 and (cfg.train.native_checkpoint or not cfg.train.universal_checkpoint):
+    if (cfg.train.native_checkpoint or not cfg.train.universal_checkpoint):
         return (f"parallel.ep={p.ep} checkpoints only in the layout-free format; drop train.native_checkpoint=true "
                 "and keep train.universal_checkpoint=true")
-    if p.ep > 1 and cfg.zero.stage == 0 and cfg.precision.dtype != "fp32" and p.pp == 1:
+    if cfg.zero.stage == 0 and cfg.precision.dtype != "fp32" and p.pp == 1:
         return (f"parallel.ep={p.ep} with precision={cfg.precision.dtype} at zero=stage0 cannot save its experts (that "
                 "optimizer's flat fp32 buffers have only DeepSpeed's own checkpoint); use zero=stage1, 2 or 3")
     return None
