@@ -4,9 +4,11 @@ data-parallel mean of a loss and the MoE router's metrics. An engine's folder ke
 library decides."""
 from __future__ import annotations
 
+import json
+import os
 import socket
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,20 @@ def set_collective_timeout(timeout: timedelta) -> None:
     engine creates without passing one (torch would give them 30 min, NCCL's 10)."""
     distributed_c10d.default_pg_timeout = timeout
     distributed_c10d.default_pg_nccl_timeout = timeout
+
+
+def process_group_defaults(collective_timeout_s: Optional[float]) -> timedelta:
+    """Before any engine joins its process group: a world of one when no launcher set one up (its
+    own rendezvous port), and megaframe's collective timeout as the default of every group created
+    from now on. Returns the timeout the engine passes to its own init."""
+    if not dist.is_initialized() and "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    if not collective_timeout_s:
+        return distributed_c10d.default_pg_timeout
+    timeout = timedelta(seconds=collective_timeout_s)
+    set_collective_timeout(timeout)
+    return timeout
 
 
 def local_device_index(local_rank: int, visible_devices: int) -> int:
@@ -95,3 +111,37 @@ def router_metrics(module: torch.nn.Module, ps: ParallelState) -> dict[str, floa
                           sums[2] / (sums[3] / (g.tp * g.cp))]).tolist()
     stats.reset()
     return dict(zip(("moe/aux_loss", "moe/z_loss", "moe/max_load", "moe/dropped_fraction"), values))
+
+
+# ---- what both engines' layout-free checkpoints need ---------------------------------------
+
+def adam_step_tensor(step: int, param: torch.Tensor, in_kernel: bool) -> torch.Tensor:
+    """Adam's step count as torch keeps it: fused and capturable AdamW read it from the parameter's
+    device inside their kernel (a host tensor there is an illegal access on CUDA), the others from
+    the host (torch's Optimizer.load_state_dict places it the same way). in_kernel: fused or capturable."""
+    if in_kernel:
+        return torch.tensor(float(step), dtype=torch.float32, device=param.device)
+    return torch.tensor(float(step))
+
+
+def jsonable(obj: dict) -> dict:
+    """The JSON-representable entries of a state dict (LambdaLR's holds plain numbers and lists)."""
+    out = {}
+    for key, value in obj.items():
+        try:
+            json.dumps(value)
+        except TypeError:
+            continue
+        out[key] = value
+    return out
+
+
+def restore_schedule(scheduler, last_epoch: int) -> None:
+    """Put a LambdaLR at `last_epoch` steps; the lr the next step uses goes into the param groups
+    (LambdaLR.load_state_dict would leave them at their initial value)."""
+    scheduler.last_epoch = last_epoch
+    scheduler._step_count = last_epoch + 1
+    lrs = [base * factor(last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    scheduler._last_lr = lrs
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr

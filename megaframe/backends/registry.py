@@ -11,7 +11,8 @@ from megaframe.config.schema import OffloadConfig, TrainConfig
 from megaframe.config.validate import ConfigError, Layout, validate
 
 DEFAULT = "deepspeed"
-ENGINES = {"deepspeed": "megaframe.backends.deepspeed.plug"}  # name -> module holding its PLUG
+ENGINES = {"deepspeed": "megaframe.backends.deepspeed.plug",  # name -> module holding its PLUG
+           "fsdp2": "megaframe.backends.fsdp2.plug"}
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,19 @@ class EnginePlug:
     stage_boundaries: Callable[[tuple, int], tuple]  # where the engine cuts these layer weights into pp stages
     config_problem: Callable[[TrainConfig], Optional[str]]  # the engine's own rules, for validate()
     config_warnings: Callable[[TrainConfig, Layout], list[str]]  # legal, but the engine will not do all asked
+
+
+def lazy_plug(name: str, **entries: str) -> EnginePlug:
+    """The plug of engine `name` whose every entry, given as "module:function" within
+    megaframe/backends/NAME/, imports that module when first called: asking for a plug (and refusing
+    a bad config) imports no engine library."""
+    def on_call(entry: str) -> Callable[..., Any]:
+        module, function = entry.split(":")
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return getattr(importlib.import_module(f"megaframe.backends.{name}.{module}"), function)(*args, **kwargs)
+        return call
+    return EnginePlug(name=name, **{key: on_call(entry) for key, entry in entries.items()})
 
 
 def validate_for_engine(cfg: TrainConfig, world_size: int, ask_bf16: bool = True) -> Layout:

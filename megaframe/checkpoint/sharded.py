@@ -99,6 +99,30 @@ def write_rank_shard(directory: Path, rank: int, pieces: list[Piece]) -> dict:
     return record
 
 
+def rank_writer(directory: Path, rank: int, pieces: list[Piece], full_state: Optional[dict[str, Any]],
+                tokenizer_dir: Optional[Path] = None) -> Callable[[], dict]:
+    """What writes one rank's part of a save: its shard, then (global rank 0, full_state given)
+    state.json and the tokenizer copy; the function returns the rank's record. Called at once, or
+    later on a background thread (an async save: the pieces then hold host copies)."""
+    def write() -> dict:
+        record = write_rank_shard(directory, rank, pieces)
+        if full_state is not None:
+            universal.write_state(directory, full_state, tokenizer_dir)
+        return record
+    return write
+
+
+def check_stored(reader: "ShardReader", key: str, full_shape: tuple[int, ...]) -> None:
+    """CheckpointError unless the checkpoint holds tensor `key` at `full_shape` (the model.* config
+    decides both)."""
+    if key not in reader:
+        raise CheckpointError(f"checkpoint {reader.directory} has no tensor {key}; the model.* config must "
+                              f"match the checkpoint's state.json")
+    if reader.shape(key) != tuple(full_shape):
+        raise CheckpointError(f"{key}: the checkpoint holds shape {list(reader.shape(key))}, this model needs "
+                              f"{list(full_shape)}; the model.* config must match the checkpoint's state.json")
+
+
 def write_record(directory: Path, record: dict) -> None:
     """Publish a rank's record (atomic: its presence says the rank's files are complete)."""
     (Path(directory) / SHARDS_DIR).mkdir(parents=True, exist_ok=True)

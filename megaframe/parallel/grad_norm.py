@@ -50,7 +50,13 @@ def _fused_squares(grads: list[torch.Tensor], device: torch.device | str) -> tor
     return torch.stack(norms).square().sum()
 
 
-def grad_norm(model: torch.nn.Module, ps: ParallelState, counted_elsewhere=lambda p: False) -> float:
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient: the local shard of one a sharding engine holds as a DTensor."""
+    return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
+def grad_norm(model: torch.nn.Module, ps: ParallelState, counted_elsewhere=lambda p: False,
+              shard_group=None) -> float:
     """L2 norm of the (already data-parallel-reduced) gradients, each parameter counted once.
 
     Tensor-parallel shards (marked `tensor_model_parallel`) are summed over the TP group and
@@ -59,14 +65,19 @@ def grad_norm(model: torch.nn.Module, ps: ParallelState, counted_elsewhere=lambd
     as the engine's pipeline says).
     Accumulated in fp64, as DeepSpeed's ZeRO optimizers do, so that curves compare across stages.
     Experts split over ep ranks (ShardSpec axis "ep") are summed over the ep group.
+    shard_group: the data-parallel ranks over which an engine (FSDP2) shards each gradient into
+    disjoint local pieces; their squares are summed over it. Which parameters are TP shards comes from
+    their marks, never from their type: FSDP2's DTensors know only their data-parallel placement.
     """
     counted = [p for p in model.parameters()
                if p.grad is not None and not counted_elsewhere(p)
                and (ps.tp_rank == 0 or getattr(p, "tensor_model_parallel", False))]
-    experts = [p.grad.detach() for p in counted if _split_over_ep(p)]
+    experts = [_local(p.grad.detach()) for p in counted if _split_over_ep(p)]
     # a rank without gradients still joins the all-reduces, with a zero on the model's device
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    sq = _sum_of_squares([p.grad.detach() for p in counted if not _split_over_ep(p)], device).reshape(1)
+    sq = _sum_of_squares([_local(p.grad.detach()) for p in counted if not _split_over_ep(p)], device).reshape(1)
+    if shard_group is not None and dist.get_world_size(shard_group) > 1:
+        dist.all_reduce(sq, group=shard_group)
     if ps.grid.ep > 1:
         expert_sq = _sum_of_squares(experts, device).reshape(1)
         dist.all_reduce(expert_sq, group=ps.group("ep"))

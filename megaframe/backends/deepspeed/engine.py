@@ -7,7 +7,6 @@ and answers the trainer's Backend calls (megaframe/backends/__init__.py).
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -15,11 +14,10 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
-from torch.distributed import distributed_c10d
 
 from megaframe.backends import Batch, StepResult
-from megaframe.backends.common import (decay_param_groups, dp_mean, free_port, local_device_index, on_device,
-                                       router_metrics, set_collective_timeout)
+from megaframe.backends.common import (decay_param_groups, dp_mean, local_device_index, on_device, process_group_defaults,
+                                       router_metrics)
 from megaframe.backends.deepspeed import state_io
 from megaframe.backends.deepspeed.build_locks import load_ops, ops_for
 from megaframe.backends.deepspeed.ds_config import to_ds_config
@@ -52,12 +50,7 @@ def init_distributed(collective_timeout_s: Optional[float] = None) -> None:
 
     The device comes first: a collective issued before it (NCCL's communicator, a broadcast of
     the run directory) would otherwise put every rank of the node on device 0."""
-    if not dist.is_initialized() and "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
-    timeout = timedelta(seconds=collective_timeout_s) if collective_timeout_s else distributed_c10d.default_pg_timeout
-    if collective_timeout_s:
-        set_collective_timeout(timeout)
+    timeout = process_group_defaults(collective_timeout_s)
     get_accelerator().set_device(local_device_index(int(os.environ.get("LOCAL_RANK", "0")),
                                                     get_accelerator().device_count()))  # a no-op on the CPU
     join_restarted_group(get_accelerator().communication_backend_name(), timeout)  # torchrun restarts

@@ -16,7 +16,6 @@ Every rank writes only what it owns and reads only what it needs; no collective 
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch.distributed as dist
 
 from megaframe.backends.deepspeed.pipeline import canonical_name
 from megaframe.backends.deepspeed.zero_init import partition_range
+from megaframe.backends.common import adam_step_tensor, jsonable, restore_schedule
 from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.boxes import Box, clip_rows, even_range, flat_range_boxes
 from megaframe.checkpoint.universal import MASTER_KEY, MOMENT_KEYS, CheckpointError
@@ -266,15 +266,6 @@ def _fused(optimizer: torch.optim.Optimizer) -> bool:
     return any(group.get("fused") or group.get("capturable") for group in optimizer.param_groups)
 
 
-def adam_step_tensor(step: int, param: torch.Tensor, on_device: bool) -> torch.Tensor:
-    """Adam's step count as torch keeps it: fused and capturable AdamW read it from the parameter's
-    device inside their kernel (a host tensor there is an illegal access on CUDA), the others from
-    the host (torch's Optimizer.load_state_dict places it the same way)."""
-    if on_device:
-        return torch.tensor(float(step), dtype=torch.float32, device=param.device)
-    return torch.tensor(float(step))
-
-
 def _link_optimizer_state(view: EngineView) -> None:
     """ZeRO 1/2: point every parameter's hp mapping at its Adam state. DeepSpeed links them once,
     right after the FIRST param group's first step, so later groups' parameters (our no-decay
@@ -288,12 +279,7 @@ def _link_optimizer_state(view: EngineView) -> None:
 
 def _read_range(reader: sharded.ShardReader, h: Holding, key: str, start: int, stop: int) -> torch.Tensor:
     """Flat fp32 values of elements [start, stop) of this rank's shard of stored tensor `key`."""
-    if key not in reader:
-        raise CheckpointError(f"checkpoint {reader.directory} has no tensor {key}; the model.* config must "
-                              f"match the checkpoint's state.json")
-    if reader.shape(key) != h.full_shape:
-        raise CheckpointError(f"{key}: the checkpoint holds shape {list(reader.shape(key))}, this model needs "
-                              f"{list(h.full_shape)}; the model.* config must match the checkpoint's state.json")
+    sharded.check_stored(reader, key, h.full_shape)
     out = torch.zeros(stop - start, dtype=torch.float32)
     for position, box in h.boxes(start, stop):
         out[position: position + box.numel] = reader.read(key, box).flatten()
@@ -358,18 +344,6 @@ def layout_record(view: EngineView) -> dict[str, Any]:
     return record
 
 
-def _jsonable(obj: dict) -> dict:
-    """The JSON-representable entries of a state dict (LambdaLR's holds plain numbers and lists)."""
-    out = {}
-    for key, value in obj.items():
-        try:
-            json.dumps(value)
-        except TypeError:
-            continue
-        out[key] = value
-    return out
-
-
 def save_universal(view: EngineView, directory: Path, state: dict[str, Any], lr_scheduler,
                    tokenizer_dir: Optional[Path] = None, defer: bool = False) -> Union[dict, Callable[[], dict]]:
     """Write this rank's shard into `directory` (every rank; no collectives) and, on global rank 0,
@@ -383,15 +357,11 @@ def save_universal(view: EngineView, directory: Path, state: dict[str, Any], lr_
     full_state = None
     if rank == 0:
         full_state = {**state, "version": universal.SHARDED_VERSION, "optim_step": adam_step(view),
-                      "layout": layout_record(view), "lr_scheduler": _jsonable(lr_scheduler.state_dict())}
+                      "layout": layout_record(view), "lr_scheduler": jsonable(lr_scheduler.state_dict())}
         if scaler := loss_scaler_state(view.engine.optimizer):
             full_state["loss_scaler"] = scaler
 
-    def write() -> dict:
-        record = sharded.write_rank_shard(directory, rank, pieces)
-        if full_state is not None:
-            universal.write_state(directory, full_state, tokenizer_dir)
-        return record
+    write = sharded.rank_writer(directory, rank, pieces, full_state, tokenizer_dir)
     return write if defer else write()
 
 
@@ -420,17 +390,6 @@ def restore_loss_scaler(optimizer, state: dict[str, float]) -> None:
         optimizer.cur_scale = state["cur_scale"]
 
 
-def _restore_schedule(scheduler, last_epoch: int) -> None:
-    """Put a LambdaLR at `last_epoch` steps; the lr the next step uses goes into the param groups
-    (LambdaLR.load_state_dict would leave them at their initial value)."""
-    scheduler.last_epoch = last_epoch
-    scheduler._step_count = last_epoch + 1
-    lrs = [base * factor(last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-    scheduler._last_lr = lrs
-    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
-        group["lr"] = lr
-
-
 def resume_universal(view: EngineView, directory: Path, lr_scheduler) -> dict[str, Any]:
     """Load a layout-free checkpoint into the running engine; return its state.json.
 
@@ -439,7 +398,7 @@ def resume_universal(view: EngineView, directory: Path, lr_scheduler) -> dict[st
     state = universal.read_state(directory)
     load_shards(view, directory, int(state.get("optim_step", state["step"])))
     step = int(state["step"])
-    _restore_schedule(lr_scheduler, int(state.get("lr_scheduler", {}).get("last_epoch", step)))
+    restore_schedule(lr_scheduler, int(state.get("lr_scheduler", {}).get("last_epoch", step)))
     restore_loss_scaler(view.engine.optimizer, state.get("loss_scaler", {}))
     view.engine.global_steps = step
     view.engine.global_samples = int(state["consumed_samples"])

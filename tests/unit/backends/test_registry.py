@@ -21,16 +21,16 @@ def _refusal(overrides: list[str], capsys) -> str:
 def test_deepspeed_is_the_default_engine():
     cfg, layout, _ = check([])
     assert cfg.backend.name == "deepspeed" and engine(cfg.backend.name).name == "deepspeed"
-    assert sorted(ENGINES) == ["deepspeed"]
+    assert sorted(ENGINES) == ["deepspeed", "fsdp2"]
 
 
 def test_an_unknown_backend_group_option_is_one_line(capsys):
-    assert _refusal(["backend=fsdp3"], capsys) == "megaframe-train: error: backend=fsdp3: no such option; available: deepspeed"
+    assert _refusal(["backend=fsdp3"], capsys) == "megaframe-train: error: backend=fsdp3: no such option; available: deepspeed, fsdp2"
 
 
 def test_an_unknown_backend_name_is_one_line_naming_the_key(capsys):
     assert _refusal(["backend.name=fsdp3"], capsys) == (
-        "megaframe-train: error: backend.name='fsdp3' is not an engine megaframe has; choose backend=deepspeed")
+        "megaframe-train: error: backend.name='fsdp3' is not an engine megaframe has; choose backend=deepspeed or backend=fsdp2")
 
 
 def test_validation_takes_the_configured_engines_rules():

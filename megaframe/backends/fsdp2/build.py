@@ -1,0 +1,112 @@
+"""The model as FSDP2 holds it: built with its parameters on the meta device, wrapped block by block
+with fully_shard, then each rank's shard materialised and filled with its piece of the layout-free
+initial value (model/gpt.py init_parameters). No rank holds a whole parameter's shard beyond the one
+value init_parameters generates at a time."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from megaframe.model.gpt import Block, init_parameters
+
+# What megaframe's parallel layers mark on a parameter (parallel/layers.py, parallel/experts.py).
+# fully_shard replaces every parameter with a new DTensor one and these marks would be lost: they
+# are kept by canonical name and put back on the sharded parameters.
+MARKS = ("shard", "tensor_model_parallel", "partition_dim", "partition_shape", "partition_count", "partition_index")
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside create their parameters on the meta device (no memory) and their
+    buffers (positions, kv indices, expert biases: small) as usual."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param) -> None:
+        if param is not None and param.device.type != "meta":
+            marked = param
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            param.__dict__.update(marked.__dict__)  # a layer may mark its shard before registering it
+        register(module, name, param)
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def parameter_marks(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Each parameter's marks by canonical name."""
+    return {name: {mark: getattr(p, mark) for mark in MARKS if hasattr(p, mark)}
+            for name, p in model.named_parameters()}
+
+
+def restore_marks(model: nn.Module, marks: dict[str, dict[str, Any]]) -> None:
+    for name, p in model.named_parameters():
+        for mark, value in marks.get(name, {}).items():
+            setattr(p, mark, value)
+
+
+def policies(dtype: str, offload_cpu: bool) -> dict[str, Any]:
+    """fully_shard's mixed-precision and offload policies for precision.dtype and offload=cpu.
+    bf16: the sharded parameters (the optimizer's master) stay fp32, the gathered ones are bf16, and
+    gradients are reduced in fp32 (as DeepSpeed's bf16 optimizer accumulates them)."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16" \
+        else MixedPrecisionPolicy()
+    return {"mp_policy": mp,
+            "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_cpu else OffloadPolicy()}
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, **policy: Any) -> int:
+    """fully_shard each block (its parameters gathered for its forward and backward only), then the
+    root: embedding, final norm and head in one group, so a tied embedding is one parameter. Returns
+    the number of FSDP groups."""
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **policy)
+    # the root's parameters are needed again right away by backward: keep them gathered
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, **policy)
+    return len(blocks) + 1
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every gathered group: named_parameters() then yields the sharded DTensors again (a
+    gathered group registers its plain full parameters in their place)."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def local_box(param: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, offset) of this rank's local shard within the parameter's global (TP-shard) tensor."""
+    return compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+
+
+@torch.no_grad()
+def write_local_shard(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Store this rank's FSDP shard of `value` (the parameter's whole TP shard, on the host)."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    if local.numel() == 0:
+        return
+    shape, offset = local_box(param) if isinstance(param, DTensor) else (tuple(local.shape), (0,) * local.dim())
+    piece = value[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+    local.copy_(piece.to(local.dtype))
+
+
+def materialise(model: nn.Module, device: torch.device, dims, seed: int, marks: dict[str, dict[str, Any]]) -> None:
+    """Give the meta parameters this rank's memory (the buffers keep their values), put their marks
+    back (to_empty replaces each DTensor parameter with a new one) and fill each shard from the
+    layout-invariant initial value."""
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    restore_marks(model, marks)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+    init_parameters(model, "", dims, seed, write=write_local_shard)

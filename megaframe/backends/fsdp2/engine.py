@@ -1,0 +1,182 @@
+"""Fsdp2Backend: megaframe's GPT sharded with torch's fully_shard and stepped by torch's AdamW.
+
+zero=stage3 reshards each block after its forward (gathered again for backward), zero=stage2 keeps
+it gathered until its backward; gradients are reduce-scattered after every micro-batch's backward
+(each rank keeps only its shard: no whole-model gradient between micro-batches). The step itself is
+plain torch: megaframe's shard-aware gradient norm, clipping, AdamW on the local shards, the LR
+schedule advancing only on applied steps (as DeepSpeed's does).
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from megaframe.backends import Batch, StepResult
+from megaframe.backends.common import (decay_param_groups, dp_mean, local_device_index, on_device, process_group_defaults,
+                                       router_metrics)
+from megaframe.backends.fsdp2 import build, state_io
+from megaframe.config.schema import TrainConfig
+from megaframe.config.validate import Layout
+from megaframe.model.dims import GPTDims
+from megaframe.model.factory import build_model, compile_blocks, count_parameters
+from megaframe.model.moe import update_expert_biases
+from megaframe.parallel.elastic import join_restarted_group
+from megaframe.parallel.grad_norm import grad_norm
+from megaframe.parallel.state import ParallelState
+
+
+def _device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(collective_timeout_s: Optional[float] = None) -> None:
+    """Set this rank's device first (before any collective creates a communicator on device 0), then
+    join the launcher's process group, or make a world of one when there is no launcher."""
+    timeout = process_group_defaults(collective_timeout_s)
+    backend = "gloo"
+    if _device_type() == "cuda":
+        torch.cuda.set_device(local_device_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()))
+        backend = "nccl"
+    join_restarted_group(backend, timeout)  # a torchrun restart joins under its attempt's prefix
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timeout)
+
+
+def device_supports_fp16() -> bool:
+    return False  # refused by the rules before this is asked: FSDP2 here trains fp32 or bf16
+
+
+def device_supports_bf16() -> bool:
+    """bf16 natively: CUDA from sm80 (Ampere) on; on the CPU, what torch says."""
+    if torch.cuda.is_available() and torch.version.hip is None:
+        return torch.cuda.get_device_capability()[0] >= 8
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    return torch.backends.mkldnn.is_available()
+
+
+class Fsdp2Backend:
+    """One rank's model under FSDP2 (backends/__init__.py's Backend)."""
+
+    compiled_blocks = 0
+    writes_layout_free = True
+
+    def __init__(self, cfg: TrainConfig, layout: Layout, ps: ParallelState, dims: GPTDims,
+                 lr_scheduler: Callable[[torch.optim.Optimizer], Any]):
+        self.cfg, self.layout, self.ps, self.dims = cfg, layout, ps, dims
+        p = cfg.parallel
+        offload = cfg.offload.optimizer == "cpu"  # CPUOffloadPolicy: parameters, gradients, AdamW
+        self.device = torch.device(_device_type(), torch.cuda.current_device()) if _device_type() == "cuda" \
+            else torch.device("cpu")
+        # the data-parallel ranks (dp x cp: cp ranks hold replicas of the weights too) as FSDP's mesh
+        self.mesh = DeviceMesh.from_group(ps.grad_reduce_group, _device_type(), mesh_dim_names=("dp_shard",))
+        self.shard_group = ps.grad_reduce_group
+        # no replicated-gradient bucket: FSDP2 reduces each gradient as its backward ends, and a
+        # bucket summed at the step's end would miss it (TP-replicated gradients sum at each use)
+        with build.parameters_on_meta():
+            module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel,
+                                 grad_bucket=None, cp_impl=p.cp_impl, initialise=False)
+        self.num_parameters = count_parameters(module, full=True)
+        marks = build.parameter_marks(module)
+        self.compiled_blocks = compile_blocks(module) if cfg.train.compile else 0
+        build.shard_model(module, self.mesh, reshard_after_forward=cfg.zero.stage == 3,
+                          **build.policies(cfg.precision.dtype, offload))
+        build.materialise(module, torch.device("cpu") if offload else self.device, dims, cfg.train.seed, marks)
+        self.module = module
+        self.optimizer = torch.optim.AdamW(decay_param_groups(module, cfg.optim.weight_decay), lr=cfg.optim.lr,
+                                           betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+                                           weight_decay=cfg.optim.weight_decay,
+                                           # fused where the shards live on the GPU; on the host torch's
+                                           # fused CPU kernel, which DeepSpeed's ZeRO-0 uses too
+                                           fused=True)
+        self.lr_scheduler = lr_scheduler(self.optimizer)
+        self._last_grad_norm = float("nan")
+        self.global_steps = 0
+
+    # ---- steps -------------------------------------------------------------------------------
+    def train_step(self, batches: list[Batch], skip_if: Optional[Callable[[float], bool]] = None) -> StepResult:
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for inputs, targets in on_device(batches, self.device):
+            loss = self.module(inputs, targets)
+            (loss / len(batches)).backward()  # FSDP2 reduce-scatters each block's gradient as its backward ends
+            total += loss.detach()
+        loss = dp_mean(total / len(batches), self.ps)  # one host read per step
+        norm = grad_norm(self.module, self.ps, shard_group=self.shard_group)
+        self._last_grad_norm = norm
+        applied = math.isfinite(norm) and not (skip_if is not None and skip_if(loss))
+        if applied:
+            clip = self.cfg.optim.grad_clip
+            if clip > 0 and norm > clip:
+                grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+                torch._foreach_mul_(grads, clip / (norm + 1e-6))
+            self.optimizer.step()
+            self.lr_scheduler.step()
+        # kept allocated (zeroed): the sharded gradients are held model states, as ZeRO's are
+        self.optimizer.zero_grad(set_to_none=False)
+        # MoE bias balancing: a skipped step's routing moves no bias
+        update_expert_biases(getattr(self.module, "moe_layers", []), self.dims.num_moe_blocks, apply=applied)
+        self.global_steps += 1
+        return StepResult(loss=loss, applied=applied)
+
+    @torch.no_grad()
+    def eval_step(self, batches: list[Batch]) -> float:
+        self.module.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for inputs, targets in on_device(batches, self.device):
+            total += self.module(inputs, targets).detach()
+        self.module.train()
+        build.reshard(self.module)  # a forward without backward leaves the root gathered
+        return dp_mean(total / len(batches), self.ps)
+
+    def grad_norm(self) -> float:
+        return float(self._last_grad_norm)
+
+    def lr(self) -> float:
+        return self.lr_scheduler.get_last_lr()[0]
+
+    def precision_state(self) -> dict[str, Any]:
+        return {}  # no fp16 here: no loss scale
+
+    def router_metrics(self) -> dict[str, float]:
+        return router_metrics(self.module, self.ps)
+
+    def held_model_states(self) -> dict[str, int]:
+        return state_io.held_model_states(self.module, self.optimizer)
+
+    # ---- state -------------------------------------------------------------------------------
+    def layout_record(self) -> dict[str, Any]:
+        return state_io.layout_record(self.ps, self.cfg)
+
+    def save_native(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
+        raise NotImplementedError("backend=fsdp2 writes layout-free checkpoints only (refused before launch: "
+                                  "train.native_checkpoint / train.universal_checkpoint)")
+
+    def load_native(self, directory: Path, tag: str) -> dict[str, Any]:
+        raise NotImplementedError("backend=fsdp2 has no native checkpoint files: it resumes from layout-free ones")
+
+    def has_native(self, path: Path) -> bool:
+        return False
+
+    def save_full_state(self, directory: Path, state: dict[str, Any], tokenizer_dir: Optional[Path],
+                        defer: bool = False):
+        return state_io.save(self._view(), directory, state, tokenizer_dir, defer)
+
+    def load_full_state(self, directory: Path) -> dict[str, Any]:
+        state = state_io.resume(self._view(), directory)
+        self.global_steps = int(state["step"])
+        return state
+
+    def _view(self) -> state_io.ShardView:
+        return state_io.ShardView(self.module, self.optimizer, self.lr_scheduler, self.ps, self.dims, self.cfg)
+
+    def versions(self) -> dict[str, str]:
+        return {"torch": torch.__version__}
+
+    def close(self) -> None:
+        pass  # nothing outside memory: no swap files, no JIT-built ops

@@ -1,0 +1,196 @@
+"""Between an FSDP2 model in any layout and the layout-free checkpoint (checkpoint/), the format
+DeepSpeed's backend writes too: one format for both engines, so a run moves between them.
+
+A rank's part of a parameter is a rectangle of the full tensor: its TP shard (placed by the
+parameter's ShardSpec marks) cut along dim 0 by FSDP into this rank's local shard (placed by the
+DTensor's placements). Each rank writes the weight, fp32 master (bf16 runs) and Adam moments of its
+local shard as one box, and reads back exactly its box; nothing is gathered, no collective runs.
+Replicas write nothing: ranks other than TP rank 0 for parameters TP does not split.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from megaframe.backends.common import adam_step_tensor, jsonable, restore_schedule
+from megaframe.backends.fsdp2.build import local_box
+from megaframe.checkpoint import sharded, universal
+from megaframe.checkpoint.boxes import Box, clip_rows
+from megaframe.checkpoint.universal import MASTER_KEY, MOMENT_KEYS
+from megaframe.config.schema import TrainConfig
+from megaframe.model.dims import GPTDims
+from megaframe.model.spec import VOCAB_PARAMS
+from megaframe.parallel.state import ParallelState
+
+
+@dataclass
+class ShardView:
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    ps: ParallelState
+    dims: GPTDims
+    cfg: TrainConfig
+
+
+@dataclass
+class LocalPart:
+    """Parameter `name`'s local shard: its box in the full (unpadded) tensor, and whether this rank
+    is the one that writes it."""
+
+    name: str
+    param: torch.nn.Parameter
+    full_shape: tuple[int, ...]
+    box: Optional[Box]  # None: nothing of the stored tensor here (vocabulary padding rows only, or empty)
+    writes: bool
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The rows of this rank's local tensor (of the parameter or a moment) that the box covers."""
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return local[: self.box.shape[0]] if self.box is not None else local[:0]
+
+
+def _part(name: str, param: torch.nn.Parameter, ps: ParallelState, dims: GPTDims) -> LocalPart:
+    local_shape, fsdp_offset = local_box(param)
+    padded = tuple(getattr(param, "partition_shape", None) or param.shape)
+    tp_offset = [0] * len(padded)
+    shard = getattr(param, "shard", None)
+    if shard is not None and getattr(param, "partition_count", 1) > 1:
+        tp_offset[shard.dim] = shard.bounds(padded, param.partition_index, param.partition_count)[0]
+    full_shape = (dims.vocab_size, *padded[1:]) if name in VOCAB_PARAMS else padded
+    box: Optional[Box] = Box(tuple(a + b for a, b in zip(tp_offset, fsdp_offset)), tuple(local_shape))
+    if name in VOCAB_PARAMS:
+        box = clip_rows(box, full_shape[0])  # padding rows are zeros, never stored
+    if box is not None and box.numel == 0:
+        box = None
+    tp_sharded = shard is not None and shard.axis == "tp" and getattr(param, "partition_count", 1) > 1
+    return LocalPart(name, param, full_shape, box, tp_sharded or ps.tp_rank == 0)
+
+
+def local_parts(view: ShardView) -> list[LocalPart]:
+    return [_part(name, p, view.ps, view.dims) for name, p in view.module.named_parameters()]
+
+
+def _stored(view: ShardView, part: LocalPart) -> dict[str, Callable[[], torch.Tensor]]:
+    """The stored tensors of one part, by checkpoint key: how to read each from the live state."""
+    state = view.optimizer.state.get(part.param, {})
+    out = {part.name: lambda: part.local(part.param).detach().to(_compute_dtype(view)).float()}
+    if view.cfg.precision.dtype != "fp32":  # the sharded fp32 parameter is the master
+        out[f"{MASTER_KEY}.{part.name}"] = lambda: part.local(part.param).detach().float()
+    for key in MOMENT_KEYS:
+        out[f"{key}.{part.name}"] = lambda key=key: part.local(state[key]).detach().float()
+    return out
+
+
+def _compute_dtype(view: ShardView) -> torch.dtype:
+    return torch.bfloat16 if view.cfg.precision.dtype == "bf16" else torch.float32
+
+
+def adam_step(optimizer: torch.optim.Optimizer) -> int:
+    for state in optimizer.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
+
+
+def _ensure_adam_state(optimizer: torch.optim.Optimizer, step: int) -> None:
+    """Adam's state exists only after its first step: made here (zeros at `step`) so a checkpoint
+    saved before any applied step, or a resume, has moments to write and read."""
+    for group in optimizer.param_groups:
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if "exp_avg" not in state:
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            local = p.to_local() if isinstance(p, DTensor) else p
+            state["step"] = adam_step_tensor(step, local, on_device)
+
+
+def layout_record(ps: ParallelState, cfg: TrainConfig) -> dict[str, Any]:
+    """The layout this rank's RNG states belong to (restored on a resume into the same one)."""
+    record = {"engine": "fsdp2", "tp": ps.tp, "pp": ps.pp, "dp": ps.dp, "zero_stage": cfg.zero.stage,
+              "dtype": cfg.precision.dtype}
+    if ps.cp > 1:
+        record["cp"] = ps.cp
+    return record
+
+
+def save(view: ShardView, directory: Path, state: dict[str, Any], tokenizer_dir: Optional[Path],
+         defer: bool) -> Union[dict, Callable[[], dict]]:
+    """Write this rank's shard (every rank; no collective) and, on global rank 0, state.json. defer:
+    copy the chunks to host memory now and return the function that writes them later."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    _ensure_adam_state(view.optimizer, adam_step(view.optimizer))
+    pieces = []
+    for part in local_parts(view):
+        if not part.writes or part.box is None:
+            continue
+        for key, read in _stored(view, part).items():
+            values = read().to("cpu", copy=True) if defer else None
+            pieces.append(sharded.Piece(key, part.full_shape, part.box,
+                                        (lambda v=values: v) if defer else read))
+    full_state = None
+    if rank == 0:
+        full_state = {**state, "version": universal.SHARDED_VERSION, "optim_step": adam_step(view.optimizer),
+                      "layout": layout_record(view.ps, view.cfg),
+                      "lr_scheduler": jsonable(view.lr_scheduler.state_dict())}
+
+    write = sharded.rank_writer(directory, rank, pieces, full_state, tokenizer_dir)
+    return write if defer else write()
+
+
+def _read_box(reader: sharded.ShardReader, part: LocalPart, key: str) -> torch.Tensor:
+    sharded.check_stored(reader, key, part.full_shape)
+    return reader.read(key, part.box)
+
+
+@torch.no_grad()
+def load_shards(view: ShardView, directory: Path, optim_step: Optional[int]) -> None:
+    """Every local shard's weight (the fp32 master where stored) and Adam moments from a layout-free
+    checkpoint written by either engine in any layout. optim_step None, or a checkpoint without
+    optimizer tensors: weights only, Adam starts fresh."""
+    with sharded.ShardReader(directory) as reader:
+        with_optimizer = optim_step is not None and any(universal.is_optimizer_key(k) for k in reader.keys())
+        if with_optimizer:
+            _ensure_adam_state(view.optimizer, optim_step)
+        for part in local_parts(view):
+            if part.box is None:
+                continue
+            master = f"{MASTER_KEY}.{part.name}"
+            source = master if with_optimizer and master in reader else part.name
+            part.local(part.param).copy_(_read_box(reader, part, source))
+            if with_optimizer:
+                state = view.optimizer.state[part.param]
+                for key in MOMENT_KEYS:
+                    part.local(state[key]).copy_(_read_box(reader, part, f"{key}.{part.name}"))
+            reader.release()
+
+
+def resume(view: ShardView, directory: Path) -> dict[str, Any]:
+    """Load a layout-free checkpoint into the running model; return its state.json."""
+    state = universal.read_state(directory)
+    load_shards(view, directory, int(state.get("optim_step", state["step"])))
+    step = int(state["step"])
+    restore_schedule(view.lr_scheduler, int(state.get("lr_scheduler", {}).get("last_epoch", step)))
+    return state
+
+
+def held_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of this rank's local shards by role: weights (the sharded fp32 parameters), gradients
+    and Adam moments. FSDP2 keeps no reduce buckets between steps; the gathered blocks of a forward
+    or backward are transient (the planner counts them apart)."""
+    def local_bytes(t: Optional[torch.Tensor]) -> int:
+        if t is None:
+            return 0
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+    params = list(module.parameters())
+    moments = sum(local_bytes(v) for p in params for k, v in optimizer.state.get(p, {}).items() if k in MOMENT_KEYS)
+    return {"weights": sum(local_bytes(p) for p in params), "gradients": sum(local_bytes(p.grad) for p in params),
+            "optimizer": moments, "buckets": 0, "other": 0}

@@ -1,0 +1,50 @@
+"""backend=fsdp2's config rules (backends/fsdp2/rules.py): what maps onto fully_shard and what is
+refused before launch, each refusal one line naming the key and what to use instead."""
+from __future__ import annotations
+
+import pytest
+
+from megaframe.cli import check
+
+FSDP2 = ["backend=fsdp2"]
+
+
+def _refusal(overrides: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as ended:
+        check([*FSDP2, *overrides])
+    assert ended.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    return line.removeprefix("megaframe-train: error: ")
+
+
+@pytest.mark.parametrize("overrides", [["zero=stage3"], ["zero=stage2"], ["zero=stage3", "precision=bf16"],
+                                       ["zero=stage3", "offload=cpu"], ["zero=stage2", "offload=cpu", "offload.param=cpu"],
+                                       ["zero=stage3", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                        "parallel.dp=2"],
+                                       ["zero=stage3", "parallel.cp=2", "parallel.cp_impl=ulysses", "parallel.dp=2"],
+                                       ["zero=stage3", "offload.pin_memory=true"]])
+def test_what_fsdp2_runs_passes(overrides):
+    cfg, layout, _ = check([*FSDP2, *overrides])
+    assert cfg.backend.name == "fsdp2"
+
+
+@pytest.mark.parametrize("overrides,says", [
+    ([], "zero.stage=0 with backend=fsdp2: FSDP2 always shards gradients and optimizer states; use zero=stage2"),
+    (["zero=stage1"], "zero.stage=1 with backend=fsdp2"),
+    (["zero=stage3", "precision=fp16"], "precision=fp16 with backend=fsdp2: it has no loss scaler; use precision=bf16"),
+    (["zero=stage3", "offload=nvme", "offload.nvme_path=/tmp"], "offload=nvme with backend=fsdp2"),
+    (["zero=stage3", "offload.param=cpu"], "offload.param=cpu with backend=fsdp2"),
+    (["zero=stage3", "parallel.pp=2"], "parallel.pp=2 with backend=fsdp2"),
+    (["zero=stage3", "train.native_checkpoint=true"], "backend=fsdp2 writes layout-free checkpoints only"),
+    (["zero=stage3", "train.universal_checkpoint=false"], "backend=fsdp2 writes layout-free checkpoints only"),
+    (["zero=stage3", "zero.reduce_bucket_size=1000"], "zero.reduce_bucket_size=1000 is a DeepSpeed setting"),
+    (["zero=stage3", "offload.aio_queue_depth=4"], "offload.aio_queue_depth=4 is a DeepSpeed setting"),
+])
+def test_what_fsdp2_cannot_do_is_one_line_before_launch(overrides, says, capsys):
+    line = _refusal(overrides, capsys)
+    assert line.startswith(says), line
+
+
+def test_the_stage_refusal_names_both_ways_out(capsys):
+    line = _refusal(["zero=stage1"], capsys)
+    assert "zero=stage2" in line and "zero=stage3" in line and "backend=deepspeed" in line
