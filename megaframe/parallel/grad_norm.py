@@ -1,6 +1,8 @@
 """The global gradient norm of a model sharded over tensor and pipeline parallel ranks, in fp64."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -56,7 +58,7 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
 
 
 def grad_norm(model: torch.nn.Module, ps: ParallelState, counted_elsewhere=lambda p: False,
-              shard_group=None) -> float:
+              shard_group=None, collective_device: Optional[torch.device] = None) -> float:
     """L2 norm of the (already data-parallel-reduced) gradients, each parameter counted once.
 
     Tensor-parallel shards (marked `tensor_model_parallel`) are summed over the TP group and
@@ -68,6 +70,8 @@ def grad_norm(model: torch.nn.Module, ps: ParallelState, counted_elsewhere=lambd
     shard_group: the data-parallel ranks over which an engine (FSDP2) shards each gradient into
     disjoint local pieces; their squares are summed over it. Which parameters are TP shards comes from
     their marks, never from their type: FSDP2's DTensors know only their data-parallel placement.
+    collective_device: where the sums meet for the all-reduces, when the gradients live elsewhere
+    (offloaded to the host, while NCCL reduces only device tensors).
     """
     counted = [p for p in model.parameters()
                if p.grad is not None and not counted_elsewhere(p)
@@ -76,10 +80,11 @@ def grad_norm(model: torch.nn.Module, ps: ParallelState, counted_elsewhere=lambd
     # a rank without gradients still joins the all-reduces, with a zero on the model's device
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     sq = _sum_of_squares([_local(p.grad.detach()) for p in counted if not _split_over_ep(p)], device).reshape(1)
+    sq = sq.to(collective_device or device)
     if shard_group is not None and dist.get_world_size(shard_group) > 1:
         dist.all_reduce(sq, group=shard_group)
     if ps.grid.ep > 1:
-        expert_sq = _sum_of_squares(experts, device).reshape(1)
+        expert_sq = _sum_of_squares(experts, device).reshape(1).to(collective_device or device)
         dist.all_reduce(expert_sq, group=ps.group("ep"))
         sq += expert_sq
     for degree, group in ((ps.tp, ps.tp_group), (ps.pp, ps.pp_group)):

@@ -1,7 +1,7 @@
 """Faults injected on purpose, for the tests of the failure paths (never set in a real run).
 
 MEGAFRAME_FAULTS is a comma-separated list of KIND@STEP or KIND@STEP:RANK (RANK omitted: every rank):
-  nan_grad@5:0   rank 0's gradients of step 5 become NaN (one parameter's, on that rank only)
+  nan_grad@5:0   rank 0's gradients of step 5 become NaN (all of them, on that rank only)
   hang@3:1       rank 1 sleeps forever at the start of step 3
   kill@4:1       SIGKILL to rank 1 at the start of step 4 (once per MEGAFRAME_FAULTS_STAMPS directory when
                  set: a restarted job that replays step 4 then goes on)
@@ -107,6 +107,11 @@ class Faults:
                     open(stamp, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
         if self._due("nan_grad", step):
-            param = next(p for p in module.parameters() if p.requires_grad)
-            return param.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+            # through the output of this rank's model (the loss, or a pipeline stage's activations)
+            # as its backward starts: every gradient the rank computes becomes NaN, whether the engine
+            # steps the parameters the forward used or (FSDP2) a gathered copy of them
+            def poison(_module, _inputs, output):
+                if isinstance(output, torch.Tensor) and output.requires_grad:
+                    output.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+            return module.register_forward_hook(poison)
         return None

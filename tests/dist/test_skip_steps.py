@@ -5,7 +5,7 @@ at step 5. Every rank must skip that step: its master weights and Adam moments (
 partition where there is one) bitwise unchanged across it, the learning rate held, the step
 counted in skipped_steps; the next step must update again. Layouts: dp=2 ZeRO-2, tp=2 (ZeRO-0,
 where megaframe's own gate decides), pp=2 ZeRO-1, dp=2 ZeRO-3 with CPU offload, tp=2 with sequence
-parallelism at ZeRO-1 in bf16, and dp=2 ZeRO-0 in bf16 (DeepSpeed's BF16_Optimizer).
+parallelism at ZeRO-1 in bf16, dp=2 ZeRO-0 in bf16 (DeepSpeed's BF16_Optimizer), and FSDP2 at dp=2.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ LAYOUTS = {
     "dp2-zero3-cpu-offload": ["parallel.dp=2", "zero=stage3", "offload=cpu", "offload.param=cpu"],
     "tp2-sp-zero1-bf16": ["parallel.tp=2", "parallel.sequence_parallel=true", "zero=stage1", "precision=bf16"],
     "dp2-zero0-bf16": ["parallel.dp=2", "precision=bf16"],  # DeepSpeed's BF16_Optimizer
+    "fsdp2-dp2-zero3": ["backend=fsdp2", "parallel.dp=2", "zero=stage3"],  # megaframe's own step
 }
 
 
@@ -36,8 +37,15 @@ def _local_state(trainer) -> list:
     each parameter's local partition."""
     import torch
 
-    engine = trainer.backend.engine
     state = []
+    if trainer.cfg.backend.name == "fsdp2":  # torch's AdamW on this rank's local shards
+        optimizer = trainer.backend.optimizer
+        for param in trainer.backend.module.parameters():
+            moments = optimizer.state.get(param, {})
+            for tensor in (param, moments.get("exp_avg"), moments.get("exp_avg_sq")):
+                state.append(None if tensor is None else tensor.detach().to_local().to("cpu", torch.float32, copy=True))
+        return state
+    engine = trainer.backend.engine
     if trainer.cfg.zero.stage == 3:  # partitions live in sub-groups DeepSpeed may swap: ask per parameter
         from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
 
@@ -118,7 +126,8 @@ SPIKE_STEP = 8
 SPIKE = ["train.max_steps=9", "train.spike.window=5", "train.spike.threshold=3"]
 
 
-@pytest.mark.parametrize("layout", ["dp2-zero2", "pp2-zero1"])  # the loss read in the step loop / in the pipeline's loss_fn
+# the loss read in DeepSpeed's step loop / in its pipeline's loss_fn / in FSDP2's step
+@pytest.mark.parametrize("layout", ["dp2-zero2", "pp2-zero1", "fsdp2-dp2-zero3"])
 def test_loss_spike_is_skipped_before_the_update_on_every_rank(layout, tmp_path):
     run_dir = tmp_path / "run"
     results = run_ranks(_train_with_faults, 2, tmp_path, overrides=[*BASE, *LAYOUTS[layout], *SPIKE],

@@ -99,14 +99,16 @@ def write_local_shard(param: nn.Parameter, value: torch.Tensor) -> None:
     local.copy_(piece.to(local.dtype))
 
 
-def materialise(model: nn.Module, device: torch.device, dims, seed: int, marks: dict[str, dict[str, Any]]) -> None:
-    """Give the meta parameters this rank's memory (the buffers keep their values), put their marks
-    back (to_empty replaces each DTensor parameter with a new one) and fill each shard from the
-    layout-invariant initial value."""
+def materialise(model: nn.Module, param_device: torch.device, compute_device: torch.device, dims, seed: int,
+                marks: dict[str, dict[str, Any]]) -> None:
+    """Give the meta parameters this rank's memory on param_device (the host under CPU offload), put
+    their marks back (to_empty replaces each DTensor parameter with a new one) and fill each shard
+    from the layout-invariant initial value. The buffers keep their values and go where the forward
+    runs (compute_device): FSDP2 moves only the parameters it offloads."""
     buffers = {name: b.clone() for name, b in model.named_buffers()}
-    model.to_empty(device=device)
+    model.to_empty(device=param_device)
     restore_marks(model, marks)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            b.copy_(buffers[name])
+    for name, value in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = value.to(compute_device)
     init_parameters(model, "", dims, seed, write=write_local_shard)

@@ -42,7 +42,8 @@ def init_distributed(collective_timeout_s: Optional[float] = None) -> None:
     backend = "gloo"
     if _device_type() == "cuda":
         torch.cuda.set_device(local_device_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()))
-        backend = "nccl"
+        # NCCL wherever torch has it (every CUDA build on Linux); gloo moves CUDA tensors too, slowly
+        backend = "nccl" if dist.is_nccl_available() else "gloo"
     join_restarted_group(backend, timeout)  # a torchrun restart joins under its attempt's prefix
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout)
@@ -87,7 +88,8 @@ class Fsdp2Backend:
         self.compiled_blocks = compile_blocks(module) if cfg.train.compile else 0
         build.shard_model(module, self.mesh, reshard_after_forward=cfg.zero.stage == 3,
                           **build.policies(cfg.precision.dtype, offload))
-        build.materialise(module, torch.device("cpu") if offload else self.device, dims, cfg.train.seed, marks)
+        build.materialise(module, torch.device("cpu") if offload else self.device, self.device, dims, cfg.train.seed,
+                          marks)
         self.module = module
         self.optimizer = torch.optim.AdamW(decay_param_groups(module, cfg.optim.weight_decay), lr=cfg.optim.lr,
                                            betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
@@ -107,7 +109,7 @@ class Fsdp2Backend:
             (loss / len(batches)).backward()  # FSDP2 reduce-scatters each block's gradient as its backward ends
             total += loss.detach()
         loss = dp_mean(total / len(batches), self.ps)  # one host read per step
-        norm = grad_norm(self.module, self.ps, shard_group=self.shard_group)
+        norm = grad_norm(self.module, self.ps, shard_group=self.shard_group, collective_device=self.device)
         self._last_grad_norm = norm
         applied = math.isfinite(norm) and not (skip_if is not None and skip_if(loss))
         if applied:
