@@ -21,9 +21,9 @@ from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims, resolve_dims
 from megaframe.plan.activations import (ActivationShape, block_activation_bytes, in_flight_micro_batches,
                                         logits_working_bytes, moe_mlp_extra_bytes, stage_activation_bytes, tokens)
-from megaframe.plan.memory import (ACTIVATION_BYTES, GIB, STATE_BYTES, ModelStates, PlanLayout, model_state_bytes,
-                                   active_parameters, block_parameters, stage_blocks, stage_expert_parameters,
-                                   stage_parameters, total_parameters)
+from megaframe.plan.memory import (ACTIVATION_BYTES, GIB, STATE_BYTES, ModelStates, PlanLayout, active_parameters,
+                                   block_parameters, embedding_parameters, fsdp2_state_bytes, model_state_bytes,
+                                   stage_blocks, stage_expert_parameters, stage_parameters, total_parameters)
 from megaframe.tracking.flops import flops_per_token
 
 
@@ -120,7 +120,7 @@ def plan_layout(cfg: TrainConfig, layout: Layout) -> PlanLayout:
                       offload_optimizer=cfg.offload.optimizer, offload_param=cfg.offload.param,
                       recompute=cfg.parallel.activation_checkpointing,
                       sequence_parallel=cfg.parallel.sequence_parallel, partition=cfg.parallel.pipeline_partition,
-                      cp_impl=cfg.parallel.cp_impl)
+                      cp_impl=cfg.parallel.cp_impl, engine=cfg.backend.name)
 
 
 def _ring(n: int) -> float:
@@ -141,9 +141,12 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     blocks = stage_blocks(dims, lay.tp, lay.pp, stage, lay.partition)
     # ZeRO partitions over DeepSpeed's data axis, dp x cp; a rank's experts over their replicas, dp x cp / ep
     in_backward = lay.micro_batches == 1 and lay.pp == 1 and (zero.contiguous_gradients or zero.overlap_comm)
-    states = model_state_bytes(params - experts, lay.dp * lay.cp, lay.zero_stage, dtype, lay.offload_optimizer,
-                               lay.offload_param, reduces_in_backward=in_backward)
-    if experts:
+    if lay.engine == "fsdp2":
+        states = fsdp2_state_bytes(params, lay.dp * lay.cp, lay.offload_optimizer == "cpu")
+    else:
+        states = model_state_bytes(params - experts, lay.dp * lay.cp, lay.zero_stage, dtype, lay.offload_optimizer,
+                                   lay.offload_param, reduces_in_backward=in_backward)
+    if experts and lay.engine != "fsdp2":
         states = states + model_state_bytes(experts, lay.grid.edp, lay.zero_stage, dtype, lay.offload_optimizer,
                                             lay.offload_param, reduces_in_backward=in_backward)
     shape = ActivationShape(lay.micro_batch_size, lay.tp, lay.sequence_parallel, dtype, device, lay.cp, lay.cp_impl)
@@ -162,11 +165,13 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
         working += logits_working_bytes(dims, shape)
     if lay.pp > 1 and not last:  # the pipeline engine's output buffers, one per micro-batch in flight
         working += in_flight * tokens(dims, shape) * dims.hidden_size * ACTIVATION_BYTES[dtype]
-    if lay.zero_stage >= 1:
+    if lay.engine == "fsdp2":
+        working += fsdp2_gathered_bytes(dims, lay, dtype, params)
+    elif lay.zero_stage >= 1:
         # DeepSpeed's ZeRO allocates its gradient reduce bucket at full zero.reduce_bucket_size
         # (measured: 1 GB in bf16 at the default 5e8 elements, see BENCHMARKS.md)
         working += zero.reduce_bucket_size * STATE_BYTES[dtype][1]
-    if lay.zero_stage >= 3 and lay.offload_param == "none":
+    if lay.engine != "fsdp2" and lay.zero_stage >= 3 and lay.offload_param == "none":
         # ZeRO-3 gathers whole parameters for the forward and keeps them live up to
         # stage3_max_live_parameters, and gathers ahead through its prefetch bucket (measured: the
         # gathered weights stay resident from the forward into the backward, BENCHMARKS.md)
@@ -182,6 +187,18 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     # on this host "offloaded" states stay in the same RAM the ranks share
     peak = states.device + activations + working + reserved + (states.host if host_counts_as_device else 0.0)
     return StageEstimate(stage, blocks, params, states, per_micro, in_flight, activations, working, peak)
+
+
+def fsdp2_gathered_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, params: int) -> float:
+    """What FSDP2 holds unsharded at its peak, in the backward, besides the sharded states: the root
+    group (embedding, final norm, head: gathered from the forward to the end of the backward); at
+    zero=stage3 the block in its backward and the one gathered ahead (each block resharded after
+    its forward), at zero=stage2 every block (kept from its forward to its backward); and one
+    block's unsharded gradients, in the compute dtype and (bf16) their fp32 copy for the reduction."""
+    compute = ACTIVATION_BYTES[dtype]
+    block = max(block_parameters(dims, lay.tp, i, lay.grid.ep) for i in range(dims.num_layers))
+    gathered = params if lay.zero_stage == 2 else min(params, embedding_parameters(dims, lay.tp) + 2 * block)
+    return gathered * compute + block * (compute + (4 if dtype != "fp32" else 0))
 
 
 def _stages_to_report(pp: int) -> list[int]:

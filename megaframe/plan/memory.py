@@ -39,6 +39,7 @@ class PlanLayout(OnGrid):
     sequence_parallel: bool = False
     partition: str = "uniform"  # uniform | parameters (PipelineModule's partition method)
     cp_impl: str = "ring"  # ring | ulysses, when grid.cp > 1
+    engine: str = "deepspeed"  # deepspeed | fsdp2 (backend.name): who holds the model states, and how
 
     @property
     def micro_batches(self) -> int:
@@ -49,8 +50,9 @@ class PlanLayout(OnGrid):
         off = self.offload_optimizer if self.offload_param == "none" else f"{self.offload_optimizer}+param:{self.offload_param}"
         cp = f" cp={self.cp} ({self.cp_impl})" if self.cp > 1 else ""
         cp += f" ep={self.grid.ep}" if self.grid.ep > 1 else ""
+        engine = f" backend={self.engine}" if self.engine != "deepspeed" else ""
         return (f"tp={self.tp} pp={self.pp} dp={self.dp}{cp} zero={self.zero_stage} offload={off} "
-                f"recompute={'full' if self.recompute else 'none'} sp={str(self.sequence_parallel).lower()}")
+                f"recompute={'full' if self.recompute else 'none'} sp={str(self.sequence_parallel).lower()}{engine}")
 
 
 # ---- parameters ------------------------------------------------------------------------------
@@ -236,6 +238,15 @@ class ModelStates:
     def __add__(self, other: "ModelStates") -> "ModelStates":
         return ModelStates(self.weights + other.weights, self.gradients + other.gradients,
                            self.optimizer + other.optimizer, self.host + other.host)
+
+
+def fsdp2_state_bytes(params: int, dp: int, offload: bool) -> ModelStates:
+    """FSDP2 holds every model state sharded over the N data-parallel ranks, in fp32 whatever the
+    compute dtype (its sharded parameter is the master; bf16 is the gathered copy and gradients are
+    reduced in fp32): 4Ψ/N weights + 4Ψ/N gradients + 8Ψ/N Adam moments = 16Ψ/N, with no flat
+    master besides (measured at dp=4, tests/dist/test_fsdp2.py). CPU offload moves all three to the host."""
+    states = ModelStates(4 * params / dp, 4 * params / dp, 8 * params / dp, 0.0)
+    return ModelStates(0.0, 0.0, 0.0, states.device) if offload else states
 
 
 def model_state_bytes(params: int, dp: int, zero_stage: int, dtype: str, offload_optimizer: str = "none",

@@ -38,16 +38,19 @@ def train_and_report(rank: int, world: int, runs: list[tuple[list[str], str]]) -
     (measured here from the tensors themselves, not through the backend's own accounting)."""
     from megaframe.backends.registry import validate_for_engine
     from megaframe.config.compose import compose
+    from megaframe.plan.estimate import estimate_config
     from megaframe.training.trainer import Trainer
 
     reports = []
     for overrides, run_dir in runs:
         cfg, _ = compose(overrides)
-        with Trainer(cfg, validate_for_engine(cfg, world), Path(run_dir)) as trainer:
+        layout = validate_for_engine(cfg, world)
+        with Trainer(cfg, layout, Path(run_dir)) as trainer:
             trainer.fit()
             backend = trainer.backend
             reports.append({"grad_norm": backend.grad_norm(), "psi": backend.num_parameters,
-                            "held": backend.held_model_states(), "storage": _storage_bytes(backend)})
+                            "held": backend.held_model_states(), "storage": _storage_bytes(backend),
+                            "planned": estimate_config(cfg, layout).stages[0].states.device})
     return reports
 
 
@@ -171,14 +174,15 @@ def test_bf16_compile_and_async_saves_at_dp2(references, tmp_path):
 
 def test_held_model_states_are_16_psi_over_n_at_dp4(tmp_path):
     """fp32 and bf16 (fp32 sharded master, fp32 gradients): 4 + 4 + 8 bytes per parameter, split
-    four ways, measured from the storages; no buckets, no gathered copy left between steps."""
+    four ways, measured from the storages; no buckets, no gathered copy left between steps; the
+    planner says the same."""
     runs = [([*FLAVOURS["gpt2"], "train.max_steps=2", "train.eval_interval=1", *FSDP2, "zero=stage3",
               f"precision={dtype}"], str(tmp_path / dtype)) for dtype in ("fp32", "bf16")]
     reports = run_ranks(train_and_report, 4, tmp_path, runs=runs)
     for rank_reports in reports:
         for report in rank_reports:
             expected = 16 * report["psi"] / 4  # the TINY shapes divide by four: no padding
-            assert report["storage"] == expected
+            assert report["storage"] == expected and report["planned"] == expected
             held = report["held"]
             assert held["weights"] + held["gradients"] + held["optimizer"] == expected and held["buckets"] == 0
 

@@ -35,3 +35,21 @@ def test_fitting_layouts_fit_are_ranked_and_their_overrides_validate():
     chosen, _ = compose(["recipe=llama2_70b", "cluster=h100_80g", *layout_overrides(best[0].layout)])
     again = estimate_config(chosen, validate(chosen, 512, fp16_supported=lambda: False, engine_problem=DEEPSPEED_RULES))
     assert again.layout == best[0].layout and again.peak == best[0].peak
+
+
+def test_fsdp2_candidates_are_layouts_fsdp2_runs_and_the_best_fits():
+    """backend=fsdp2 searches FSDP2's own layouts (each passes its rules: ZeRO 2/3, no pp, offload of
+    all or nothing), and for a 70B model on 512 H100s finds ones that fit; parallel=auto hands the
+    winner's overrides to the ranks, which validate under FSDP2's rules."""
+    fsdp2 = ["recipe=llama2_70b", "cluster=h100_80g", "backend=fsdp2", "zero=stage3", "parallel.pp=1", "parallel.tp=8",
+             "parallel.dp=64"]
+    cfg, _ = compose(fsdp2)
+    rules = engine("fsdp2").config_problem
+    base = plan_layout(cfg, validate(cfg, planned_world_size(cfg), fp16_supported=lambda: False, engine_problem=rules))
+    seen = list(candidate_layouts(cfg.model, base, 8))
+    assert len(seen) > 10 and {lay.zero_stage for lay in seen} == {2, 3} and {lay.pp for lay in seen} == {1}
+    for lay in seen[::7]:  # every seventh: each composes and validates in about 50 ms
+        again, _ = compose([*fsdp2, *layout_overrides(lay)])
+        validate(again, 512, fp16_supported=lambda: False, engine_problem=rules)
+    best = fitting_layouts(cfg, base, limit=3)
+    assert best and all(e.fits and e.layout.engine == "fsdp2" for e in best)
