@@ -58,7 +58,7 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
 
 
 def grad_norm(model: torch.nn.Module, ps: ParallelState, counted_elsewhere=lambda p: False,
-              shard_group=None, collective_device: Optional[torch.device] = None) -> float:
+              shard_group=None, expert_shard_group=None, collective_device: Optional[torch.device] = None) -> float:
     """L2 norm of the (already data-parallel-reduced) gradients, each parameter counted once.
 
     Tensor-parallel shards (marked `tensor_model_parallel`) are summed over the TP group and
@@ -68,7 +68,8 @@ def grad_norm(model: torch.nn.Module, ps: ParallelState, counted_elsewhere=lambd
     Accumulated in fp64, as DeepSpeed's ZeRO optimizers do, so that curves compare across stages.
     Experts split over ep ranks (ShardSpec axis "ep") are summed over the ep group.
     shard_group: the data-parallel ranks over which an engine (FSDP2) shards each gradient into
-    disjoint local pieces; their squares are summed over it. Which parameters are TP shards comes from
+    disjoint local pieces; their squares are summed over it (expert_shard_group: the same for experts
+    split over ep ranks, sharded over their expert-data-parallel ranks). Which parameters are TP shards comes from
     their marks, never from their type: FSDP2's DTensors know only their data-parallel placement.
     collective_device: where the sums meet for the all-reduces, when the gradients live elsewhere
     (offloaded to the host, while NCCL reduces only device tensors).
@@ -85,6 +86,8 @@ def grad_norm(model: torch.nn.Module, ps: ParallelState, counted_elsewhere=lambd
         dist.all_reduce(sq, group=shard_group)
     if ps.grid.ep > 1:
         expert_sq = _sum_of_squares(experts, device).reshape(1).to(collective_device or device)
+        if expert_shard_group is not None and dist.get_world_size(expert_shard_group) > 1:
+            dist.all_reduce(expert_sq, group=expert_shard_group)
         dist.all_reduce(expert_sq, group=ps.group("ep"))
         sq += expert_sq
     for degree, group in ((ps.tp, ps.tp_group), (ps.pp, ps.pp_group)):

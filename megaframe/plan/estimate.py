@@ -141,14 +141,14 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     blocks = stage_blocks(dims, lay.tp, lay.pp, stage, lay.partition)
     # ZeRO partitions over DeepSpeed's data axis, dp x cp; a rank's experts over their replicas, dp x cp / ep
     in_backward = lay.micro_batches == 1 and lay.pp == 1 and (zero.contiguous_gradients or zero.overlap_comm)
-    if lay.engine == "fsdp2":
-        states = fsdp2_state_bytes(params, lay.dp * lay.cp, lay.offload_optimizer == "cpu")
-    else:
-        states = model_state_bytes(params - experts, lay.dp * lay.cp, lay.zero_stage, dtype, lay.offload_optimizer,
-                                   lay.offload_param, reduces_in_backward=in_backward)
-    if experts and lay.engine != "fsdp2":
-        states = states + model_state_bytes(experts, lay.grid.edp, lay.zero_stage, dtype, lay.offload_optimizer,
-                                            lay.offload_param, reduces_in_backward=in_backward)
+    def states_of(n: int, replicas: int) -> ModelStates:
+        if lay.engine == "fsdp2":
+            return fsdp2_state_bytes(n, replicas, lay.offload_optimizer == "cpu")
+        return model_state_bytes(n, replicas, lay.zero_stage, dtype, lay.offload_optimizer, lay.offload_param,
+                                 reduces_in_backward=in_backward)
+    states = states_of(params - experts, lay.dp * lay.cp)
+    if experts:
+        states = states + states_of(experts, lay.grid.edp)
     shape = ActivationShape(lay.micro_batch_size, lay.tp, lay.sequence_parallel, dtype, device, lay.cp, lay.cp_impl)
     first, last = stage == 0, stage == lay.pp - 1
     moe_blocks = stage_blocks(dims, lay.tp, lay.pp, stage, lay.partition, moe_only=True)

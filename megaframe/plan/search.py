@@ -33,7 +33,7 @@ def candidate_layouts(model: ModelConfig, base: PlanLayout, gpus_per_node: int |
 
     DeepSpeed's pipeline engine takes ZeRO 0-1 only; parameter offload needs ZeRO-3; SP needs tp > 1
     and a sequence divisible by tp. Context parallelism (ring) is tried for long sequences only.
-    base.engine fsdp2: ZeRO stages 2 and 3, CPU offload of everything or nothing, no pp or ep yet
+    base.engine fsdp2: ZeRO stages 2 and 3, CPU offload of everything or nothing, no pp yet
     (backends/fsdp2/rules.py)."""
     world = base.world_size
     for tp in tensor_parallel_degrees(model, world, gpus_per_node):
@@ -57,7 +57,7 @@ def _with_tp_cp(model: ModelConfig, base: PlanLayout, tp: int, cp: int) -> Itera
         if pp > model.num_layers or base.global_batch_size % (base.micro_batch_size * dp):
             continue
         stages = (2, 3) if fsdp2 else (0, 1) if pp > 1 else (0, 1, 2, 3)
-        for ep in [1] if fsdp2 else expert_parallel_degrees(model, dp * cp):
+        for ep in expert_parallel_degrees(model, dp * cp):
             for stage in stages:
                 offloads = [("none", "none")] + ([("cpu", "none")] if stage else []) + \
                     ([("cpu", "cpu")] if stage == 3 and not fsdp2 else [])

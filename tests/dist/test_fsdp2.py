@@ -29,7 +29,13 @@ LAYOUTS = {
     "cp2-ulysses-dp2": ["zero=stage2", "parallel.cp=2", "parallel.cp_impl=ulysses"],
     "tp2-dp2-cpu-offload": ["zero=stage3", "parallel.tp=2", "offload=cpu"],
 }
-FLAVOURS = {"gpt2": ["model=gpt_tiny", *TINY], "llama": ["model=llama_tiny", *TINY]}
+FLAVOURS = {"gpt2": ["model=gpt_tiny", *TINY], "llama": ["model=llama_tiny", *TINY], "moe": [*TINY, "model=moe_tiny"]}
+# experts split over ep ranks, each sharded over its expert-data-parallel ranks (two, or one)
+MOE_LAYOUTS = {
+    "ep2-dp4-stage3": ["zero=stage3", "parallel.ep=2"],
+    "ep4-dp4-stage2": ["zero=stage2", "parallel.ep=4"],
+    "tp2-ep2-dp2-stage3": ["zero=stage3", "parallel.tp=2", "parallel.ep=2"],
+}
 
 
 def train_and_report(rank: int, world: int, runs: list[tuple[list[str], str]]) -> list[dict]:
@@ -112,16 +118,21 @@ def test_one_fsdp2_rank_is_deepspeeds_single_rank_run(references, reference_dirs
 
 @pytest.mark.parametrize("flavour", sorted(FLAVOURS))
 def test_fsdp2_layouts_match_the_single_rank_run(flavour, references, reference_dirs, tmp_path):
-    runs = [([*FLAVOURS[flavour], *STEPS, *FSDP2, *extra], str(tmp_path / name)) for name, extra in LAYOUTS.items()]
+    layouts = MOE_LAYOUTS if flavour == "moe" else LAYOUTS
+    runs = [([*FLAVOURS[flavour], *STEPS, *FSDP2, *extra], str(tmp_path / name)) for name, extra in layouts.items()]
     reports = run_ranks(train_and_report, 4, tmp_path, runs=runs)
     reference = references[flavour]
     last_norm = curve(reference, "grad_norm")[-1][1]
-    for i, (name, (_, run_dir)) in enumerate(zip(LAYOUTS, runs)):
+    for i, (name, (_, run_dir)) in enumerate(zip(layouts, runs)):
         assert_parity(read_metrics(run_dir), reference, f"fsdp2 {flavour} {name}")
         # every rank's norm, TP ranks included: each counts the TP shards once and the replicas once
         for rank, rank_reports in enumerate(reports):
             norm = rank_reports[i]["grad_norm"]
             assert norm == pytest.approx(last_norm, rel=RTOL), f"{name}: rank {rank}'s gradient norm {norm} vs {last_norm}"
+    if flavour == "moe":  # the router's metrics too: its losses and load see every rank's tokens
+        for name in layouts:
+            assert_parity(read_metrics(tmp_path / name), reference, f"fsdp2 moe {name}", keys=("moe/aux_loss", "moe/max_load"))
+        return
     # the Hugging Face converter reads what FSDP2 wrote under tp x dp, to the single rank's weights
     _assert_same_hf_export(tmp_path / "tp2-sp-dp2", reference_dirs[flavour], tmp_path)
 

@@ -5,7 +5,8 @@ value init_parameters generates at a time."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -15,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from megaframe.model.gpt import Block, init_parameters
+from megaframe.model.moe import MoE
 
 # What megaframe's parallel layers mark on a parameter (parallel/layers.py, parallel/experts.py).
 # fully_shard replaces every parameter with a new DTensor one and these marks would be lost: they
@@ -63,16 +65,36 @@ def policies(dtype: str, offload_cpu: bool) -> dict[str, Any]:
             "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_cpu else OffloadPolicy()}
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, **policy: Any) -> int:
+@dataclass(frozen=True)
+class ExpertSharding:
+    """How experts split over ep ranks are sharded: over the ranks that hold the same experts
+    (expert-data-parallel), their reduced gradient divided by the dense replicas (dp x cp), not by
+    those ranks: an expert's gradient on one rank already sums the tokens every ep rank sent it."""
+
+    mesh: DeviceMesh
+    divide_by: int
+    force_sum: bool  # the backend has no native average with a custom factor (gloo): reduce by sum
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
+                experts: Optional[ExpertSharding] = None, **policy: Any) -> int:
     """fully_shard each block (its parameters gathered for its forward and backward only), then the
-    root: embedding, final norm and head in one group, so a tied embedding is one parameter. Returns
-    the number of FSDP groups."""
+    root: embedding, final norm and head in one group, so a tied embedding is one parameter. Under
+    expert parallelism each MoE layer's experts are a group of their own inside their block's,
+    sharded over their expert-data-parallel ranks. Returns the number of FSDP groups."""
     blocks = [m for m in model.modules() if isinstance(m, Block)]
+    groups = 0
     for block in blocks:
+        if experts is not None and isinstance(block.mlp, MoE):
+            fully_shard(block.mlp.experts, mesh=experts.mesh, reshard_after_forward=reshard_after_forward, **policy)
+            block.mlp.experts.set_gradient_divide_factor(float(experts.divide_by))
+            if experts.force_sum:
+                block.mlp.experts.set_force_sum_reduction_for_comms(True)
+            groups += 1
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **policy)
     # the root's parameters are needed again right away by backward: keep them gathered
     fully_shard(model, mesh=mesh, reshard_after_forward=False, **policy)
-    return len(blocks) + 1
+    return groups + len(blocks) + 1
 
 
 def reshard(model: nn.Module) -> None:

@@ -75,7 +75,8 @@ class Fsdp2Backend:
         offload = cfg.offload.optimizer == "cpu"  # CPUOffloadPolicy: parameters, gradients, AdamW
         self.device = torch.device(_device_type(), torch.cuda.current_device()) if _device_type() == "cuda" \
             else torch.device("cpu")
-        # the data-parallel ranks (dp x cp: cp ranks hold replicas of the weights too) as FSDP's mesh
+        # the data-parallel ranks (dp x cp: cp ranks hold replicas of the weights too) as FSDP's mesh;
+        # experts split over ep ranks shard over their expert-data-parallel ranks instead
         self.mesh = DeviceMesh.from_group(ps.grad_reduce_group, _device_type(), mesh_dim_names=("dp_shard",))
         self.shard_group = ps.grad_reduce_group
         # no replicated-gradient bucket: FSDP2 reduces each gradient as its backward ends, and a
@@ -86,7 +87,15 @@ class Fsdp2Backend:
         self.num_parameters = count_parameters(module, full=True)
         marks = build.parameter_marks(module)
         self.compiled_blocks = compile_blocks(module) if cfg.train.compile else 0
-        build.shard_model(module, self.mesh, reshard_after_forward=cfg.zero.stage == 3,
+        self.expert_shard_group = ps.group("edp") if layout.grid.ep > 1 else None
+        experts = build.ExpertSharding(
+            DeviceMesh.from_group(self.expert_shard_group, _device_type(), mesh_dim_names=("edp_shard",)),
+            divide_by=layout.grid.size("dp", "cp"),
+            # gloo has no pre-multiplied sum; at one edp rank nothing is reduced, and torch 2.13's
+            # single-rank path would divide a force-summed gradient twice
+            force_sum=dist.get_backend() == "gloo" and layout.grid.edp > 1) \
+            if self.expert_shard_group is not None else None
+        build.shard_model(module, self.mesh, reshard_after_forward=cfg.zero.stage == 3, experts=experts,
                           **build.policies(cfg.precision.dtype, offload))
         build.materialise(module, torch.device("cpu") if offload else self.device, self.device, dims, cfg.train.seed,
                           marks)
@@ -109,7 +118,8 @@ class Fsdp2Backend:
             (loss / len(batches)).backward()  # FSDP2 reduce-scatters each block's gradient as its backward ends
             total += loss.detach()
         loss = dp_mean(total / len(batches), self.ps)  # one host read per step
-        norm = grad_norm(self.module, self.ps, shard_group=self.shard_group, collective_device=self.device)
+        norm = grad_norm(self.module, self.ps, shard_group=self.shard_group, expert_shard_group=self.expert_shard_group,
+                         collective_device=self.device)
         self._last_grad_norm = norm
         applied = math.isfinite(norm) and not (skip_if is not None and skip_if(loss))
         if applied:

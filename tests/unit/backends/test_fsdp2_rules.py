@@ -22,7 +22,9 @@ def _refusal(overrides: list[str], capsys) -> str:
                                        ["zero=stage3", "parallel.tp=2", "parallel.sequence_parallel=true",
                                         "parallel.dp=2"],
                                        ["zero=stage3", "parallel.cp=2", "parallel.cp_impl=ulysses", "parallel.dp=2"],
-                                       ["zero=stage3", "offload.pin_memory=true"]])
+                                       ["zero=stage3", "offload.pin_memory=true"],
+                                       ["zero=stage3", "model=moe_tiny", "parallel.dp=4", "parallel.ep=2",
+                                        "parallel.global_batch_size=32"]])
 def test_what_fsdp2_runs_passes(overrides):
     cfg, layout, _ = check([*FSDP2, *overrides])
     assert cfg.backend.name == "fsdp2"
