@@ -65,6 +65,7 @@ class ParallelConfig:
     cp_impl: str = "ring"  # ring (K/V blocks passed around the cp ranks) | ulysses (all-to-all over heads)
     ep: int = 1  # expert parallelism: each MoE layer's experts split over ep of the dp x cp ranks
     dp: Optional[int] = None  # None = world_size / (tp * cp * pp)
+    dp_replicate: int = 1  # HSDP (backend=fsdp2): the dp x cp ranks as this many replicas of a shard group
     micro_batch_size: int = 4
     global_batch_size: int = 16
     activation_checkpointing: bool = False

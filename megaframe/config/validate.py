@@ -514,12 +514,21 @@ def validate(cfg: TrainConfig, world_size: int,
     for rule in (check_tensor_parallel, check_context_parallel, check_moe):
         if err := rule(cfg):
             raise ConfigError(err)
-    for err in (check_batch(cfg, layout), check_slurm_nodes(cfg, layout.world_size)):
+    for err in (check_batch(cfg, layout), check_slurm_nodes(cfg, layout.world_size), check_replicas(cfg, layout)):
         if err:
             raise ConfigError(err)
     if err := check_precision(cfg, fp16_supported, bf16_supported):
         raise ConfigError(err)
     return layout
+
+
+def check_replicas(cfg: TrainConfig, layout: Layout) -> Optional[str]:
+    """parallel.dp_replicate (HSDP): whole replicas of an equal shard group of the dp x cp ranks."""
+    replicas, ranks = cfg.parallel.dp_replicate, layout.grid.size("dp", "cp")
+    if replicas < 1 or ranks % replicas:
+        return (f"parallel.dp_replicate={replicas} must divide the {ranks} data-parallel ranks (dp x cp) into "
+                f"equal shard groups; pick it in {_divisors(ranks)}")
+    return None
 
 
 def ffn_hidden_size(cfg_model) -> int:

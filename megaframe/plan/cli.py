@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 
 import sys
-from dataclasses import replace
 from typing import Optional, Sequence
 
 from megaframe.config.schema import TrainConfig

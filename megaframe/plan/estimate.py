@@ -120,7 +120,7 @@ def plan_layout(cfg: TrainConfig, layout: Layout) -> PlanLayout:
                       offload_optimizer=cfg.offload.optimizer, offload_param=cfg.offload.param,
                       recompute=cfg.parallel.activation_checkpointing,
                       sequence_parallel=cfg.parallel.sequence_parallel, partition=cfg.parallel.pipeline_partition,
-                      cp_impl=cfg.parallel.cp_impl, engine=cfg.backend.name)
+                      cp_impl=cfg.parallel.cp_impl, engine=cfg.backend.name, dp_replicate=cfg.parallel.dp_replicate)
 
 
 def _ring(n: int) -> float:
@@ -146,7 +146,7 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
             return fsdp2_state_bytes(n, replicas, lay.offload_optimizer == "cpu")
         return model_state_bytes(n, replicas, lay.zero_stage, dtype, lay.offload_optimizer, lay.offload_param,
                                  reduces_in_backward=in_backward)
-    states = states_of(params - experts, lay.dp * lay.cp)
+    states = states_of(params - experts, lay.dp * lay.cp // (lay.dp_replicate if lay.engine == "fsdp2" else 1))
     if experts:
         states = states + states_of(experts, lay.grid.edp)
     shape = ActivationShape(lay.micro_batch_size, lay.tp, lay.sequence_parallel, dtype, device, lay.cp, lay.cp_impl)

@@ -40,6 +40,7 @@ class PlanLayout(OnGrid):
     partition: str = "uniform"  # uniform | parameters (PipelineModule's partition method)
     cp_impl: str = "ring"  # ring | ulysses, when grid.cp > 1
     engine: str = "deepspeed"  # deepspeed | fsdp2 (backend.name): who holds the model states, and how
+    dp_replicate: int = 1  # HSDP (fsdp2): the dp x cp ranks as this many replicas of one shard group
 
     @property
     def micro_batches(self) -> int:

@@ -28,6 +28,8 @@ LAYOUTS = {
     "cp2-ring-dp2": ["zero=stage3", "parallel.cp=2"],
     "cp2-ulysses-dp2": ["zero=stage2", "parallel.cp=2", "parallel.cp_impl=ulysses"],
     "tp2-dp2-cpu-offload": ["zero=stage3", "parallel.tp=2", "offload=cpu"],
+    "hsdp-2x2": ["zero=stage3", "parallel.dp_replicate=2"],  # two replicas of a two-rank shard group
+    "hsdp-cp2-2x1": ["zero=stage2", "parallel.cp=2", "parallel.dp_replicate=2"],
 }
 FLAVOURS = {"gpt2": ["model=gpt_tiny", *TINY], "llama": ["model=llama_tiny", *TINY], "moe": [*TINY, "model=moe_tiny"]}
 # experts split over ep ranks, each sharded over its expert-data-parallel ranks (two, or one)
@@ -199,12 +201,14 @@ def test_held_model_states_are_16_psi_over_n_at_dp4(tmp_path):
 
 
 def test_a_checkpoint_moves_deepspeed_to_fsdp2_to_deepspeed_changing_layout(references, tmp_path):
-    """DeepSpeed dp2 ZeRO-1 stops at step 4; FSDP2 tp2 x dp2 resumes it and saves at step 8;
+    """DeepSpeed dp2 ZeRO-1 stops at step 4; FSDP2 HSDP 2x1 x tp2 resumes it and saves at step 8 (its
+    second replica writes nothing: the save would hold every piece twice);
     DeepSpeed at one rank resumes that and ends at 12: one curve, the uninterrupted single rank's."""
     base = [*FLAVOURS["gpt2"], *STEPS, "train.save_interval=4"]
     first, second, third = (tmp_path / name for name in ("deepspeed-dp2", "fsdp2-tp2dp2", "deepspeed-dp1"))
     run_ranks(train_runs, 2, tmp_path, runs=[([*base, "zero=stage1", "train.exit_at_step=4"], str(first))])
-    run_ranks(train_runs, 4, tmp_path, runs=[([*base, *FSDP2, "zero=stage3", "parallel.tp=2", "train.exit_at_step=8",
+    run_ranks(train_runs, 4, tmp_path, runs=[([*base, *FSDP2, "zero=stage3", "parallel.tp=2", "parallel.dp_replicate=2",
+                                               "train.exit_at_step=8",
                                                f"train.resume={first / 'checkpoints' / 'global_step4'}"], str(second))])
     run_ranks(train_runs, 1, tmp_path, runs=[([*base, f"train.resume={second / 'checkpoints' / 'global_step8'}"],
                                               str(third))])

@@ -61,6 +61,9 @@ def config_problem(cfg: TrainConfig) -> Optional[str]:
             return err
     if problem := combination_problem(stage, off.optimizer, off.param, cfg.parallel.pp):
         return f"{problem}; use {_either(combination_alternatives(stage, off.optimizer, off.param, cfg.parallel.pp))}"
+    if cfg.parallel.dp_replicate != 1:
+        return (f"parallel.dp_replicate={cfg.parallel.dp_replicate} (HSDP: shard within groups, replicate across them) "
+                f"is backend=fsdp2's; use backend=fsdp2 zero=stage3, or parallel.dp_replicate=1")
     if "nvme" in (off.optimizer, off.param) and not off.nvme_path:
         return "offload=nvme needs offload.nvme_path=/a/fast/local/dir for the swap files"
     return _knobs_problem(cfg) or _experts_problem(cfg)

@@ -21,6 +21,7 @@ from megaframe.backends import Batch, StepResult
 from megaframe.backends.common import (decay_param_groups, dp_mean, local_device_index, on_device, process_group_defaults,
                                        router_metrics)
 from megaframe.backends.fsdp2 import build, state_io
+from megaframe.backends.fsdp2.mesh import data_mesh
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims
@@ -77,8 +78,8 @@ class Fsdp2Backend:
             else torch.device("cpu")
         # the data-parallel ranks (dp x cp: cp ranks hold replicas of the weights too) as FSDP's mesh;
         # experts split over ep ranks shard over their expert-data-parallel ranks instead
-        self.mesh = DeviceMesh.from_group(ps.grad_reduce_group, _device_type(), mesh_dim_names=("dp_shard",))
-        self.shard_group = ps.grad_reduce_group
+        data = data_mesh(ps, p.dp_replicate, _device_type())
+        self.mesh, self.shard_group, self.replica = data.mesh, data.shard_group, data.replica
         # no replicated-gradient bucket: FSDP2 reduces each gradient as its backward ends, and a
         # bucket summed at the step's end would miss it (TP-replicated gradients sum at each use)
         with build.parameters_on_meta():
@@ -185,7 +186,8 @@ class Fsdp2Backend:
         return state
 
     def _view(self) -> state_io.ShardView:
-        return state_io.ShardView(self.module, self.optimizer, self.lr_scheduler, self.ps, self.dims, self.cfg)
+        return state_io.ShardView(self.module, self.optimizer, self.lr_scheduler, self.ps, self.dims, self.cfg,
+                                  self.replica)
 
     def versions(self) -> dict[str, str]:
         return {"torch": torch.__version__}

@@ -5,7 +5,8 @@ A rank's part of a parameter is a rectangle of the full tensor: its TP shard (pl
 parameter's ShardSpec marks) cut along dim 0 by FSDP into this rank's local shard (placed by the
 DTensor's placements). Each rank writes the weight, fp32 master (bf16 runs) and Adam moments of its
 local shard as one box, and reads back exactly its box; nothing is gathered, no collective runs.
-Replicas write nothing: ranks other than TP rank 0 for parameters TP does not split.
+Replicas write nothing: ranks other than TP rank 0 for parameters TP does not split, and under
+HSDP every shard group but the first.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class ShardView:
     ps: ParallelState
     dims: GPTDims
     cfg: TrainConfig
+    replica: int = 0  # HSDP: which replica of the shard group this rank is in (replica 0 writes)
 
 
 @dataclass
@@ -55,7 +57,7 @@ class LocalPart:
         return local[: self.box.shape[0]] if self.box is not None else local[:0]
 
 
-def _part(name: str, param: torch.nn.Parameter, ps: ParallelState, dims: GPTDims) -> LocalPart:
+def _part(name: str, param: torch.nn.Parameter, ps: ParallelState, dims: GPTDims, replica: int) -> LocalPart:
     local_shape, fsdp_offset = local_box(param)
     padded = tuple(getattr(param, "partition_shape", None) or param.shape)
     tp_offset = [0] * len(padded)
@@ -69,11 +71,13 @@ def _part(name: str, param: torch.nn.Parameter, ps: ParallelState, dims: GPTDims
     if box is not None and box.numel == 0:
         box = None
     tp_sharded = shard is not None and shard.axis == "tp" and getattr(param, "partition_count", 1) > 1
-    return LocalPart(name, param, full_shape, box, tp_sharded or ps.tp_rank == 0)
+    # experts shard over their own expert-data-parallel ranks: no HSDP replica among those
+    first_replica = replica == 0 or (shard is not None and shard.axis == "ep" and getattr(param, "partition_count", 1) > 1)
+    return LocalPart(name, param, full_shape, box, (tp_sharded or ps.tp_rank == 0) and first_replica)
 
 
 def local_parts(view: ShardView) -> list[LocalPart]:
-    return [_part(name, p, view.ps, view.dims) for name, p in view.module.named_parameters()]
+    return [_part(name, p, view.ps, view.dims, view.replica) for name, p in view.module.named_parameters()]
 
 
 def _stored(view: ShardView, part: LocalPart) -> dict[str, Callable[[], torch.Tensor]]:
@@ -116,6 +120,8 @@ def layout_record(ps: ParallelState, cfg: TrainConfig) -> dict[str, Any]:
     """The layout this rank's RNG states belong to (restored on a resume into the same one)."""
     record = {"engine": "fsdp2", "tp": ps.tp, "pp": ps.pp, "dp": ps.dp, "zero_stage": cfg.zero.stage,
               "dtype": cfg.precision.dtype}
+    if cfg.parallel.dp_replicate > 1:
+        record["dp_replicate"] = cfg.parallel.dp_replicate
     if ps.cp > 1:
         record["cp"] = ps.cp
     return record

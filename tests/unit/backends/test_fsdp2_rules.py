@@ -23,6 +23,8 @@ def _refusal(overrides: list[str], capsys) -> str:
                                         "parallel.dp=2"],
                                        ["zero=stage3", "parallel.cp=2", "parallel.cp_impl=ulysses", "parallel.dp=2"],
                                        ["zero=stage3", "offload.pin_memory=true"],
+                                       ["zero=stage3", "parallel.dp=4", "parallel.dp_replicate=2",
+                                        "parallel.global_batch_size=32", "parallel.micro_batch_size=2"],
                                        ["zero=stage3", "model=moe_tiny", "parallel.dp=4", "parallel.ep=2",
                                         "parallel.global_batch_size=32"]])
 def test_what_fsdp2_runs_passes(overrides):
@@ -50,3 +52,18 @@ def test_what_fsdp2_cannot_do_is_one_line_before_launch(overrides, says, capsys)
 def test_the_stage_refusal_names_both_ways_out(capsys):
     line = _refusal(["zero=stage1"], capsys)
     assert "zero=stage2" in line and "zero=stage3" in line and "backend=deepspeed" in line
+
+
+def test_hsdp_replicas_must_divide_the_data_parallel_ranks(capsys):
+    line = _refusal(["zero=stage3", "parallel.dp=4", "parallel.dp_replicate=3", "parallel.micro_batch_size=2",
+                     "parallel.global_batch_size=32"], capsys)
+    assert line == ("parallel.dp_replicate=3 must divide the 4 data-parallel ranks (dp x cp) into equal shard groups; "
+                    "pick it in [1, 2, 4]")
+
+
+def test_deepspeed_refuses_hsdp_naming_fsdp2(capsys):
+    with pytest.raises(SystemExit):
+        check(["zero=stage3", "parallel.dp=4", "parallel.dp_replicate=2", "parallel.micro_batch_size=2",
+               "parallel.global_batch_size=32"])
+    line = capsys.readouterr().err.strip()
+    assert "parallel.dp_replicate=2" in line and "backend=fsdp2" in line and "\n" not in line
