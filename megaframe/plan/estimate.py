@@ -191,14 +191,18 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
 
 def fsdp2_gathered_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, params: int) -> float:
     """What FSDP2 holds unsharded at its peak, in the backward, besides the sharded states: the root
-    group (embedding, final norm, head: gathered from the forward to the end of the backward); at
-    zero=stage3 the block in its backward and the one gathered ahead (each block resharded after
-    its forward), at zero=stage2 every block (kept from its forward to its backward); and one
-    block's unsharded gradients, in the compute dtype and (bf16) their fp32 copy for the reduction."""
+    group (embedding, final norm, an untied head), gathered from the forward to the end of the
+    backward, and its gradients in the compute dtype, reduced only after the whole backward; at
+    zero=stage3 the block in its backward and the one gathered ahead (each block resharded after its
+    forward), at zero=stage2 every block (kept from its forward to its backward); and the largest
+    group's gradients being reduced: in the compute dtype plus their fp32 copy that the
+    reduce-scatter reads."""
     compute = ACTIVATION_BYTES[dtype]
     block = max(block_parameters(dims, lay.tp, i, lay.grid.ep) for i in range(dims.num_layers))
-    gathered = params if lay.zero_stage == 2 else min(params, embedding_parameters(dims, lay.tp) + 2 * block)
-    return gathered * compute + block * (compute + (4 if dtype != "fp32" else 0))
+    head = 0 if dims.tie_embeddings else dims.padded_vocab_size // lay.tp * dims.hidden_size
+    root = embedding_parameters(dims, lay.tp) + head + dims.hidden_size
+    gathered = params if lay.zero_stage == 2 else min(params, root + 2 * block)
+    return gathered * compute + root * compute + max(block, root) * (compute + 4)
 
 
 def _stages_to_report(pp: int) -> list[int]:

@@ -41,9 +41,12 @@ MOE_LAYOUTS = {
 
 
 def train_and_report(rank: int, world: int, runs: list[tuple[list[str], str]]) -> list[dict]:
-    """train_runs, then what each rank's backend says of itself: its last gradient norm, its held
-    model states, and the bytes of the storages behind its parameters, gradients and Adam moments
-    (measured here from the tensors themselves, not through the backend's own accounting)."""
+    """train_runs, then what each rank's backend says of itself: its last gradient norm, and after
+    one more backward its held model states and the bytes of the storages behind its parameters,
+    gradients and Adam moments (measured here from the tensors themselves, not through the
+    backend's own accounting)."""
+    import torch
+
     from megaframe.backends.registry import validate_for_engine
     from megaframe.config.compose import compose
     from megaframe.plan.estimate import estimate_config
@@ -56,9 +59,15 @@ def train_and_report(rank: int, world: int, runs: list[tuple[list[str], str]]) -
         with Trainer(cfg, layout, Path(run_dir)) as trainer:
             trainer.fit()
             backend = trainer.backend
-            reports.append({"grad_norm": backend.grad_norm(), "psi": backend.num_parameters,
+            norm = backend.grad_norm()
+            # then held in the middle of a step, where the sharded gradients exist (the step frees them)
+            tokens = torch.randint(0, trainer.dims.vocab_size, (2, trainer.dims.seq_length // layout.cp),
+                                   generator=torch.Generator().manual_seed(rank))
+            backend.module(tokens, tokens).backward()
+            reports.append({"grad_norm": norm, "psi": backend.num_parameters,
                             "held": backend.held_model_states(), "storage": _storage_bytes(backend),
                             "planned": estimate_config(cfg, layout).stages[0].states.device})
+            backend.optimizer.zero_grad(set_to_none=True)
     return reports
 
 
@@ -187,7 +196,7 @@ def test_bf16_compile_and_async_saves_at_dp2(references, tmp_path):
 
 def test_held_model_states_are_16_psi_over_n_at_dp4(tmp_path):
     """fp32 and bf16 (fp32 sharded master, fp32 gradients): 4 + 4 + 8 bytes per parameter, split
-    four ways, measured from the storages; no buckets, no gathered copy left between steps; the
+    four ways, measured from the storages after a backward; no buckets, no gathered copy left; the
     planner says the same."""
     runs = [([*FLAVOURS["gpt2"], "train.max_steps=2", "train.eval_interval=1", *FSDP2, "zero=stage3",
               f"precision={dtype}"], str(tmp_path / dtype)) for dtype in ("fp32", "bf16")]

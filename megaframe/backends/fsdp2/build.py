@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from megaframe.model.gpt import Block, init_parameters
@@ -55,14 +55,15 @@ def restore_marks(model: nn.Module, marks: dict[str, dict[str, Any]]) -> None:
             setattr(p, mark, value)
 
 
-def policies(dtype: str, offload_cpu: bool) -> dict[str, Any]:
-    """fully_shard's mixed-precision and offload policies for precision.dtype and offload=cpu.
-    bf16: the sharded parameters (the optimizer's master) stay fp32, the gathered ones are bf16, and
-    gradients are reduced in fp32 (as DeepSpeed's bf16 optimizer accumulates them)."""
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16" \
-        else MixedPrecisionPolicy()
-    return {"mp_policy": mp,
-            "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_cpu else OffloadPolicy()}
+def policies(dtype: str, offload_cpu: bool, pin_memory: bool) -> dict[str, Any]:
+    """fully_shard's mixed-precision and offload policies for precision.dtype and offload=cpu
+    (pin_memory: offload.pin_memory). bf16: the sharded parameters (the optimizer's master) stay
+    fp32, the gathered ones are bf16, and gradients are reduced in fp32 (as DeepSpeed's bf16
+    optimizer accumulates them). Forward inputs are not cast: a block's hidden states arrive in bf16
+    from the embedding already, and its RoPE tables must stay fp32 (apply_rope rotates in fp32)."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False) \
+        if dtype == "bf16" else MixedPrecisionPolicy()
+    return {"mp_policy": mp, "offload_policy": CPUOffloadPolicy(pin_memory=pin_memory) if offload_cpu else OffloadPolicy()}
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,11 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
     groups = 0
     for block in blocks:
         if experts is not None and isinstance(block.mlp, MoE):
-            fully_shard(block.mlp.experts, mesh=experts.mesh, reshard_after_forward=reshard_after_forward, **policy)
+            # cut along each expert matrix's rows (dim 1), not the stack of local experts (dim 0):
+            # a rank's few experts rarely divide by their replicas, and FSDP pads dim 0 up to a
+            # multiple of them (one local expert over eight replicas: every rank a whole expert)
+            fully_shard(block.mlp.experts, mesh=experts.mesh, reshard_after_forward=reshard_after_forward,
+                        shard_placement_fn=lambda param: Shard(1), **policy)
             block.mlp.experts.set_gradient_divide_factor(float(experts.divide_by))
             if experts.force_sum:
                 block.mlp.experts.set_force_sum_reduction_for_comms(True)

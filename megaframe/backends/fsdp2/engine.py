@@ -80,6 +80,7 @@ class Fsdp2Backend:
         # experts split over ep ranks shard over their expert-data-parallel ranks instead
         data = data_mesh(ps, p.dp_replicate, _device_type())
         self.mesh, self.shard_group, self.replica = data.mesh, data.shard_group, data.replica
+        self.replicated = p.dp_replicate > 1
         # no replicated-gradient bucket: FSDP2 reduces each gradient as its backward ends, and a
         # bucket summed at the step's end would miss it (TP-replicated gradients sum at each use)
         with build.parameters_on_meta():
@@ -97,7 +98,7 @@ class Fsdp2Backend:
             force_sum=dist.get_backend() == "gloo" and layout.grid.edp > 1) \
             if self.expert_shard_group is not None else None
         build.shard_model(module, self.mesh, reshard_after_forward=cfg.zero.stage == 3, experts=experts,
-                          **build.policies(cfg.precision.dtype, offload))
+                          **build.policies(cfg.precision.dtype, offload, cfg.offload.pin_memory))
         build.materialise(module, torch.device("cpu") if offload else self.device, self.device, dims, cfg.train.seed,
                           marks)
         self.module = module
@@ -114,7 +115,9 @@ class Fsdp2Backend:
     # ---- steps -------------------------------------------------------------------------------
     def train_step(self, batches: list[Batch], skip_if: Optional[Callable[[float], bool]] = None) -> StepResult:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for inputs, targets in on_device(batches, self.device):
+        for i, (inputs, targets) in enumerate(on_device(batches, self.device)):
+            if self.replicated:  # HSDP: across the replicas once per step, after the last micro-batch
+                self.module.set_requires_all_reduce(i == len(batches) - 1)
             loss = self.module(inputs, targets)
             (loss / len(batches)).backward()  # FSDP2 reduce-scatters each block's gradient as its backward ends
             total += loss.detach()
@@ -130,8 +133,9 @@ class Fsdp2Backend:
                 torch._foreach_mul_(grads, clip / (norm + 1e-6))
             self.optimizer.step()
             self.lr_scheduler.step()
-        # kept allocated (zeroed): the sharded gradients are held model states, as ZeRO's are
-        self.optimizer.zero_grad(set_to_none=False)
+        # freed: a step's first reduce-scatter then assigns its gradient instead of adding to a
+        # zero one (which, offloaded, would be a blocking copy to the host per group and micro-batch)
+        self.optimizer.zero_grad(set_to_none=True)
         # MoE bias balancing: a skipped step's routing moves no bias
         update_expert_biases(getattr(self.module, "moe_layers", []), self.dims.num_moe_blocks, apply=applied)
         self.global_steps += 1
