@@ -34,7 +34,7 @@ LAYOUTS = {
 FLAVOURS = {"gpt2": ["model=gpt_tiny", *TINY], "llama": ["model=llama_tiny", *TINY], "moe": [*TINY, "model=moe_tiny"]}
 # experts split over ep ranks, each sharded over its expert-data-parallel ranks (two, or one)
 MOE_LAYOUTS = {
-    "ep2-dp4-stage3": ["zero=stage3", "parallel.ep=2"],
+    "ep2-dp4-stage3": ["zero=stage3", "parallel.ep=2", "train.save_interval=6"],
     "ep4-dp4-stage2": ["zero=stage2", "parallel.ep=4"],
     "tp2-ep2-dp2-stage3": ["zero=stage3", "parallel.tp=2", "parallel.ep=2"],
 }
@@ -143,6 +143,13 @@ def test_fsdp2_layouts_match_the_single_rank_run(flavour, references, reference_
     if flavour == "moe":  # the router's metrics too: its losses and load see every rank's tokens
         for name in layouts:
             assert_parity(read_metrics(tmp_path / name), reference, f"fsdp2 moe {name}", keys=("moe/aux_loss", "moe/max_load"))
+        # experts sharded along their rows over two replicas each, read back by DeepSpeed at one rank
+        saved = tmp_path / "ep2-dp4-stage3" / "checkpoints" / "global_step6"
+        run_ranks(train_runs, 1, tmp_path, runs=[([*FLAVOURS[flavour], *STEPS, f"train.resume={saved}"],
+                                                  str(tmp_path / "deepspeed-resumed"))])
+        resumed = read_metrics(tmp_path / "deepspeed-resumed")
+        assert min(r["step"] for r in resumed) == 7
+        assert_parity([r for r in reference if r["step"] <= 6] + resumed, reference, "fsdp2 ep2 x dp4 -> deepspeed dp1")
         return
     # the Hugging Face converter reads what FSDP2 wrote under tp x dp, to the single rank's weights
     _assert_same_hf_export(tmp_path / "tp2-sp-dp2", reference_dirs[flavour], tmp_path)
