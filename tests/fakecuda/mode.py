@@ -287,4 +287,8 @@ class FakeCudaMode(TorchDispatchMode):
     """Pushed once per process (install.py) and left on: every aten op passes here first."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t.__name__ == "DTensor" for t in types):
+            # another tensor subclass (FSDP2's DTensor) dispatches first: its ops on its local
+            # tensors then come back here, where the local tensors are the device's own
+            return NotImplemented
         return dispatch(func, args, kwargs or {})

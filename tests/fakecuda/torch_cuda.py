@@ -220,6 +220,24 @@ def install_torch_functions() -> None:
     _patch_swap_tensors()
     _patch_object_collectives()
     _patch_pinning()
+    _patch_dtensor()
+
+
+def _patch_dtensor() -> None:
+    """FSDP2's DTensor around a device tensor: its C++ side is a wrapper on `meta` (made from the
+    local tensor's C++ side), so, as for CudaTensor, Python must see the local tensor's device."""
+    from torch.distributed.tensor import DTensor
+
+    from fakecuda.tensor import CudaTensor
+
+    base_device = torch.Tensor.device
+
+    def on_device(self) -> bool:
+        return isinstance(self._local_tensor, CudaTensor)
+
+    DTensor.device = property(lambda self: self._local_tensor.device if on_device(self) else base_device.__get__(self))
+    DTensor.is_cuda = property(lambda self: on_device(self) or torch.Tensor.is_cuda.__get__(self))
+    DTensor.is_meta = property(lambda self: not on_device(self) and torch.Tensor.is_meta.__get__(self))
 
 
 def _patch_pinning() -> None:
