@@ -115,6 +115,14 @@ def router_metrics(module: torch.nn.Module, ps: ParallelState) -> dict[str, floa
 
 # ---- what both engines' layout-free checkpoints need ---------------------------------------
 
+def adam_step(optimizer: torch.optim.Optimizer) -> int:
+    """Adam's step count (equal on every state entry; 0 before the first step)."""
+    for state in optimizer.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
+
+
 def adam_step_tensor(step: int, param: torch.Tensor, in_kernel: bool) -> torch.Tensor:
     """Adam's step count as torch keeps it: fused and capturable AdamW read it from the parameter's
     device inside their kernel (a host tensor there is an illegal access on CUDA), the others from

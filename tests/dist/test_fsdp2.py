@@ -8,6 +8,7 @@ implementation of the same step, so FSDP2's sharding, reduction and norm are che
 code that has none of them."""
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -257,6 +258,6 @@ def test_an_fsdp2_run_never_imports_deepspeed(references, tmp_path):
                      env=env, fresh=True)
     assert_ok(result)
     assert_parity(read_metrics(tmp_path / "run"), references["gpt2"], "fsdp2 dp2 from the CLI")
-    check = __import__("subprocess").run([sys.executable, "-c", "import deepspeed"], env=env, capture_output=True,
+    check = subprocess.run([sys.executable, "-c", "import deepspeed"], env=env, capture_output=True,
                                          text=True)
     assert "an fsdp2 run imported deepspeed" in check.stderr  # the poison works: the run above really avoided it

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megaframe.backends.deepspeed.pipeline import canonical_name
 from megaframe.backends.deepspeed.zero_init import partition_range
-from megaframe.backends.common import adam_step_tensor, jsonable, restore_schedule
+from megaframe.backends.common import adam_step, adam_step_tensor, jsonable, restore_schedule
 from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.boxes import Box, clip_rows, even_range, flat_range_boxes
 from megaframe.checkpoint.universal import MASTER_KEY, MOMENT_KEYS, CheckpointError
@@ -208,7 +208,7 @@ def shard_pieces(view: EngineView, with_optimizer: bool, snapshot: bool) -> list
         if not any(view.base_optimizer.state.values()):
             # no step applied yet (the first ones skipped: non-finite, or fp16's scale search): the
             # moments are zeros, which is what Adam's first applied step would start from
-            _create_adam_state(view, adam_step(view))
+            _create_adam_state(view, adam_step(view.base_optimizer))
         _link_optimizer_state(view)
 
     # the last (parameter, key) read: its up to three boxes are written one after another, so the
@@ -234,14 +234,6 @@ def shard_pieces(view: EngineView, with_optimizer: bool, snapshot: bool) -> list
                     return (copy if copy is not None else owned(h, key))[at: at + n]
                 pieces.append(sharded.Piece(_tensor_key(key, h.name), h.full_shape, box, values))
     return pieces
-
-
-def adam_step(view: EngineView) -> int:
-    """Adam's step count (equal on every state entry)."""
-    for state in view.base_optimizer.state.values():
-        if "step" in state:
-            return int(state["step"])
-    return 0
 
 
 def _create_adam_state(view: EngineView, step: int) -> None:
@@ -356,7 +348,7 @@ def save_universal(view: EngineView, directory: Path, state: dict[str, Any], lr_
     pieces = shard_pieces(view, with_optimizer=True, snapshot=defer)
     full_state = None
     if rank == 0:
-        full_state = {**state, "version": universal.SHARDED_VERSION, "optim_step": adam_step(view),
+        full_state = {**state, "version": universal.SHARDED_VERSION, "optim_step": adam_step(view.base_optimizer),
                       "layout": layout_record(view), "lr_scheduler": jsonable(lr_scheduler.state_dict())}
         if scaler := loss_scaler_state(view.engine.optimizer):
             full_state["loss_scaler"] = scaler

@@ -78,13 +78,12 @@ class ExpertSharding:
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
-                experts: Optional[ExpertSharding] = None, **policy: Any) -> int:
+                experts: Optional[ExpertSharding] = None, **policy: Any) -> None:
     """fully_shard each block (its parameters gathered for its forward and backward only), then the
     root: embedding, final norm and head in one group, so a tied embedding is one parameter. Under
     expert parallelism each MoE layer's experts are a group of their own inside their block's,
-    sharded over their expert-data-parallel ranks. Returns the number of FSDP groups."""
+    sharded over their expert-data-parallel ranks."""
     blocks = [m for m in model.modules() if isinstance(m, Block)]
-    groups = 0
     for block in blocks:
         if experts is not None and isinstance(block.mlp, MoE):
             # cut along each expert matrix's rows (dim 1), not the stack of local experts (dim 0):
@@ -95,11 +94,9 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
             block.mlp.experts.set_gradient_divide_factor(float(experts.divide_by))
             if experts.force_sum:
                 block.mlp.experts.set_force_sum_reduction_for_comms(True)
-            groups += 1
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **policy)
     # the root's parameters are needed again right away by backward: keep them gathered
     fully_shard(model, mesh=mesh, reshard_after_forward=False, **policy)
-    return groups + len(blocks) + 1
 
 
 def reshard(model: nn.Module) -> None:

@@ -110,7 +110,6 @@ class Fsdp2Backend:
                                            fused=True)
         self.lr_scheduler = lr_scheduler(self.optimizer)
         self._last_grad_norm = float("nan")
-        self.global_steps = 0
 
     # ---- steps -------------------------------------------------------------------------------
     def train_step(self, batches: list[Batch], skip_if: Optional[Callable[[float], bool]] = None) -> StepResult:
@@ -138,7 +137,6 @@ class Fsdp2Backend:
         self.optimizer.zero_grad(set_to_none=True)
         # MoE bias balancing: a skipped step's routing moves no bias
         update_expert_biases(getattr(self.module, "moe_layers", []), self.dims.num_moe_blocks, apply=applied)
-        self.global_steps += 1
         return StepResult(loss=loss, applied=applied)
 
     @torch.no_grad()
@@ -185,9 +183,7 @@ class Fsdp2Backend:
         return state_io.save(self._view(), directory, state, tokenizer_dir, defer)
 
     def load_full_state(self, directory: Path) -> dict[str, Any]:
-        state = state_io.resume(self._view(), directory)
-        self.global_steps = int(state["step"])
-        return state
+        return state_io.resume(self._view(), directory)
 
     def _view(self) -> state_io.ShardView:
         return state_io.ShardView(self.module, self.optimizer, self.lr_scheduler, self.ps, self.dims, self.cfg,

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from megaframe.backends.common import adam_step_tensor, jsonable, restore_schedule
+from megaframe.backends.common import adam_step, adam_step_tensor, jsonable, restore_schedule
 from megaframe.backends.fsdp2.build import local_box
 from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.boxes import Box, clip_rows
@@ -93,13 +93,6 @@ def _stored(view: ShardView, part: LocalPart) -> dict[str, Callable[[], torch.Te
 
 def _compute_dtype(view: ShardView) -> torch.dtype:
     return torch.bfloat16 if view.cfg.precision.dtype == "bf16" else torch.float32
-
-
-def adam_step(optimizer: torch.optim.Optimizer) -> int:
-    for state in optimizer.state.values():
-        if "step" in state:
-            return int(state["step"])
-    return 0
 
 
 def _ensure_adam_state(optimizer: torch.optim.Optimizer, step: int) -> None:
