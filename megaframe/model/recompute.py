@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -25,16 +25,23 @@ def recomputing() -> bool:
     return _recomputing.get()
 
 
-@contextlib.contextmanager
-def _second_pass() -> Iterator[None]:
-    token = _recomputing.set(True)
-    try:
-        yield
-    finally:
-        _recomputing.reset(token)
+class _SecondPass:
+    """Marks a recomputation. One object may be entered more than once: a pipeline schedule that
+    splits backward (zero-bubble) recomputes a block for its input gradients and again for its
+    weight gradients, both through the context the checkpoint made at forward time."""
+
+    def __init__(self) -> None:
+        self._tokens: list[contextvars.Token] = []
+
+    def __enter__(self) -> None:
+        self._tokens.append(_recomputing.set(True))
+
+    def __exit__(self, *exc) -> None:
+        _recomputing.reset(self._tokens.pop())
+
 
 
 def checkpointed(fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:
     """fn(*args) with its activations recomputed in backward (torch's non-reentrant checkpoint),
     the recomputation marked for recomputing()."""
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), _second_pass()))
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), _SecondPass()))
