@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import curve
+from helpers import curve, read_metrics
 
 FLAVOURS = {"gpt2": ["model=gpt_tiny"], "llama": ["model=llama_tiny"]}  # llama_tiny: 2 kv heads (GQA)
 # Why 1e-5 holds on any x86-64 host (fp32, 20 steps of the tiny models): a layout sums the same
@@ -54,6 +54,20 @@ def assert_parity(got: list[dict], want: list[dict], what: str,
         _report(what, key, max(abs(a - b) / abs(b) if b else abs(a) for (_, a), (_, b) in zip(g, w)))
         for (step, a), (_, b) in zip(g, w):
             assert a == pytest.approx(b, rel=RTOL), f"{what}: {key} at step {step}: {a} vs reference {b}"
+
+
+def assert_deepspeed_continues(saved: Path, overrides: list[str], reference: list[dict], tmp_path: Path,
+                               what: str) -> None:
+    """A checkpoint saved at step k (in any layout, by either engine) resumed by DeepSpeed at one
+    rank with `overrides`: its records start at step k+1 and, after the reference's first k, are
+    the reference run's curve."""
+    from ranks import run_ranks
+
+    step = int(saved.name.removeprefix("global_step"))
+    run_ranks(train_runs, 1, tmp_path, runs=[([*overrides, f"train.resume={saved}"], str(tmp_path / "deepspeed-resumed"))])
+    resumed = read_metrics(tmp_path / "deepspeed-resumed")
+    assert min(r["step"] for r in resumed) == step + 1
+    assert_parity([r for r in reference if r["step"] <= step] + resumed, reference, what)
 
 
 def _report(what: str, key: str, worst: float) -> None:

@@ -29,6 +29,7 @@ class EnginePlug:
     expert_parallel_problem: Callable[[int, int], Optional[str]]  # (zero stage, ep)
     stage_boundaries: Callable[[tuple, int], tuple]  # where the engine cuts these layer weights into pp stages
     config_problem: Callable[[TrainConfig], Optional[str]]  # the engine's own rules, for validate()
+    layout_problem: Callable[[TrainConfig, Layout], Optional[str]]  # its rules on the resolved layout
     config_warnings: Callable[[TrainConfig, Layout], list[str]]  # legal, but the engine will not do all asked
 
 
@@ -50,7 +51,7 @@ def validate_for_engine(cfg: TrainConfig, world_size: int, ask_bf16: bool = True
     whether this machine's device decides bf16 (not where the planner runs, away from the GPUs)."""
     plug = engine(cfg.backend.name)
     return validate(cfg, world_size, plug.device_supports_fp16, plug.device_supports_bf16 if ask_bf16 else None,
-                    plug.config_problem)
+                    plug.config_problem, plug.layout_problem)
 
 
 def engine(name: str = DEFAULT) -> EnginePlug:

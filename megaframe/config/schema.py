@@ -71,6 +71,10 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     sequence_parallel: bool = False
     pipeline_partition: str = "uniform"  # uniform | parameters
+    # backend=fsdp2's schedules (torch.distributed.pipelining): 1f1b | gpipe | interleaved_1f1b |
+    # zero_bubble | zbv | dualpipev; DeepSpeed's pipeline engine runs 1f1b only
+    pipeline_schedule: str = "1f1b"
+    virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b, zero_bubble); zbv/dualpipev: 2
     auto: bool = False  # parallel=auto: the planner picks tp/pp/dp, ZeRO, offload and recompute before launch
 
 

@@ -497,13 +497,15 @@ def check_precision(cfg: TrainConfig, fp16_supported: Optional[Callable[[], bool
 def validate(cfg: TrainConfig, world_size: int,
              fp16_supported: Optional[Callable[[], bool]] = None,
              bf16_supported: Optional[Callable[[], bool]] = None,
-             engine_problem: Optional[Callable[[TrainConfig], Optional[str]]] = None) -> Layout:
+             engine_problem: Optional[Callable[[TrainConfig], Optional[str]]] = None,
+             engine_layout_problem: Optional[Callable[[TrainConfig, Layout], Optional[str]]] = None) -> Layout:
     """Run every rule; raise ConfigError with the first message, else return the resolved layout.
 
     The engine's part comes from its plug (backends/registry.py), which callers hand over:
     fp16_supported / bf16_supported ask the device whether it computes that precision, and
-    engine_problem holds the engine's own rules (its ZeRO stages, offload and knobs). None leaves
-    that part to the engine itself, after launch."""
+    engine_problem holds the engine's own rules (its ZeRO stages, offload and knobs) and
+    engine_layout_problem those that need the resolved layout (a pipeline schedule's micro-batch
+    count). None leaves that part to the engine itself, after launch."""
     engine_rule = engine_problem or (lambda _: None)
     # check_finite last: the rules before it say a key's range, which helps more than "finite"
     for rule in (check_model, check_optim, check_train, check_cluster, check_data, engine_rule, check_pipeline,
@@ -514,7 +516,8 @@ def validate(cfg: TrainConfig, world_size: int,
     for rule in (check_tensor_parallel, check_context_parallel, check_moe):
         if err := rule(cfg):
             raise ConfigError(err)
-    for err in (check_batch(cfg, layout), check_slurm_nodes(cfg, layout.world_size), check_replicas(cfg, layout)):
+    for err in (check_batch(cfg, layout), check_slurm_nodes(cfg, layout.world_size), check_replicas(cfg, layout),
+                engine_layout_problem(cfg, layout) if engine_layout_problem else None):
         if err:
             raise ConfigError(err)
     if err := check_precision(cfg, fp16_supported, bf16_supported):

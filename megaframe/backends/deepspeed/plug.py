@@ -8,5 +8,5 @@ PLUG = lazy_plug("deepspeed", build="engine:DeepSpeedBackend", init_distributed=
                  device_supports_fp16="accelerator:device_supports_fp16",
                  device_supports_bf16="accelerator:device_supports_bf16",
                  system_problem="system:system_problem", expert_parallel_problem="system:expert_parallel_problem",
-                 stage_boundaries="pipeline:stage_boundaries", config_problem="rules:config_problem",
+                 stage_boundaries="pipeline:stage_boundaries", config_problem="rules:config_problem", layout_problem="rules:layout_problem",
                  config_warnings="rules:config_warnings")

@@ -61,6 +61,11 @@ def config_problem(cfg: TrainConfig) -> Optional[str]:
             return err
     if problem := combination_problem(stage, off.optimizer, off.param, cfg.parallel.pp):
         return f"{problem}; use {_either(combination_alternatives(stage, off.optimizer, off.param, cfg.parallel.pp))}"
+    if cfg.parallel.pipeline_schedule != "1f1b" or cfg.parallel.virtual_stages != 1:
+        return (f"parallel.pipeline_schedule={cfg.parallel.pipeline_schedule} parallel.virtual_stages="
+                f"{cfg.parallel.virtual_stages}: DeepSpeed's pipeline engine runs 1f1b with one stage per rank; use "
+                "backend=fsdp2 zero=stage2 for torch's schedules, or parallel.pipeline_schedule=1f1b "
+                "parallel.virtual_stages=1")
     if cfg.parallel.dp_replicate != 1:
         return (f"parallel.dp_replicate={cfg.parallel.dp_replicate} (HSDP: shard within groups, replicate across them) "
                 f"is backend=fsdp2's; use backend=fsdp2 zero=stage3, or parallel.dp_replicate=1")
@@ -125,3 +130,7 @@ def config_warnings(cfg: TrainConfig, layout: Layout) -> list[str]:
         found.append("train.universal_checkpoint=false: checkpoints hold DeepSpeed's pickled files only, and resuming "
                      "them needs train.trust_pickled_checkpoint=true")
     return found
+
+
+def layout_problem(cfg: TrainConfig, layout: Layout) -> Optional[str]:
+    return None  # its pipeline (1F1B) takes any number of micro-batches

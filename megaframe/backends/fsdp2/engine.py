@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from megaframe.backends import Batch, StepResult
 from megaframe.backends.common import (decay_param_groups, dp_mean, local_device_index, on_device, process_group_defaults,
                                        router_metrics)
-from megaframe.backends.fsdp2 import build, state_io
+from megaframe.backends.fsdp2 import build, pipeline, state_io
 from megaframe.backends.fsdp2.mesh import data_mesh
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
@@ -83,12 +83,16 @@ class Fsdp2Backend:
         self.replicated = p.dp_replicate > 1
         # no replicated-gradient bucket: FSDP2 reduces each gradient as its backward ends, and a
         # bucket summed at the step's end would miss it (TP-replicated gradients sum at each use)
+        pipelined = layout.grid.pp > 1
         with build.parameters_on_meta():
             module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel,
                                  grad_bucket=None, cp_impl=p.cp_impl, initialise=False)
+            # pipelined: this rank's stages of the model built whole on meta (the rest is dropped)
+            stages = pipeline.cut_stages(module, ps, p.pipeline_schedule, p.virtual_stages) if pipelined else {}
         self.num_parameters = count_parameters(module, full=True)
         marks = build.parameter_marks(module)
-        self.compiled_blocks = compile_blocks(module) if cfg.train.compile else 0
+        parts = list(stages.values()) if pipelined else [module]
+        self.compiled_blocks = sum(compile_blocks(part) for part in parts) if cfg.train.compile else 0
         self.expert_shard_group = ps.group("edp") if layout.grid.ep > 1 else None
         experts = build.ExpertSharding(
             DeviceMesh.from_group(self.expert_shard_group, _device_type(), mesh_dim_names=("edp_shard",)),
@@ -97,12 +101,23 @@ class Fsdp2Backend:
             # single-rank path would divide a force-summed gradient twice
             force_sum=dist.get_backend() == "gloo" and layout.grid.edp > 1) \
             if self.expert_shard_group is not None else None
-        build.shard_model(module, self.mesh, reshard_after_forward=cfg.zero.stage == 3, experts=experts,
-                          **build.policies(cfg.precision.dtype, offload, cfg.offload.pin_memory))
-        build.materialise(module, torch.device("cpu") if offload else self.device, self.device, dims, cfg.train.seed,
-                          marks)
-        self.module = module
-        self.optimizer = torch.optim.AdamW(decay_param_groups(module, cfg.optim.weight_decay), lr=cfg.optim.lr,
+        for part in parts:  # each pipeline stage is sharded as the whole model is without pipelining
+            build.shard_model(part, self.mesh, reshard_after_forward=cfg.zero.stage == 3, experts=experts,
+                              **build.policies(cfg.precision.dtype, offload, cfg.offload.pin_memory))
+            build.materialise(part, torch.device("cpu") if offload else self.device, self.device, dims,
+                              cfg.train.seed, marks)
+        self.pipeline: Optional[pipeline.Pipeline] = None
+        self.tied_copies: set[int] = set()
+        if pipelined:
+            self.module = pipeline.RankStages(parts)
+            self.tied_copies = {id(param) for param in pipeline.tied_copies(stages)}
+            self.pipeline = pipeline.build_pipeline(
+                stages, module, ps, p.pipeline_schedule, layout.grad_accum_steps, layout.micro_batch_size,
+                p.sequence_parallel, torch.bfloat16 if cfg.precision.dtype == "bf16" else torch.float32, self.device,
+                pipeline.embedding_groups(ps, p.pipeline_schedule, dims.tie_embeddings))
+        else:
+            self.module = module
+        self.optimizer = torch.optim.AdamW(decay_param_groups(self.module, cfg.optim.weight_decay), lr=cfg.optim.lr,
                                            betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
                                            weight_decay=cfg.optim.weight_decay,
                                            # fused where the shards live on the GPU; on the host torch's
@@ -113,15 +128,20 @@ class Fsdp2Backend:
 
     # ---- steps -------------------------------------------------------------------------------
     def train_step(self, batches: list[Batch], skip_if: Optional[Callable[[float], bool]] = None) -> StepResult:
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, (inputs, targets) in enumerate(on_device(batches, self.device)):
-            if self.replicated:  # HSDP: across the replicas once per step, after the last micro-batch
-                self.module.set_requires_all_reduce(i == len(batches) - 1)
-            loss = self.module(inputs, targets)
-            (loss / len(batches)).backward()  # FSDP2 reduce-scatters each block's gradient as its backward ends
-            total += loss.detach()
-        loss = dp_mean(total / len(batches), self.ps)  # one host read per step
-        norm = grad_norm(self.module, self.ps, shard_group=self.shard_group, expert_shard_group=self.expert_shard_group,
+        if self.pipeline is not None:
+            loss = dp_mean(self._pipelined(batches, train=True) / len(batches), self.ps)  # one host read per step
+            self.pipeline.sum_tied_gradients()
+        else:
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+            for i, (inputs, targets) in enumerate(on_device(batches, self.device)):
+                if self.replicated:  # HSDP: across the replicas once per step, after the last micro-batch
+                    self.module.set_requires_all_reduce(i == len(batches) - 1)
+                loss = self.module(inputs, targets)
+                (loss / len(batches)).backward()  # FSDP2 reduce-scatters each block's gradient as its backward ends
+                total += loss.detach()
+            loss = dp_mean(total / len(batches), self.ps)  # one host read per step
+        norm = grad_norm(self.module, self.ps, counted_elsewhere=lambda param: id(param) in self.tied_copies,
+                         shard_group=self.shard_group, expert_shard_group=self.expert_shard_group,
                          collective_device=self.device)
         self._last_grad_norm = norm
         applied = math.isfinite(norm) and not (skip_if is not None and skip_if(loss))
@@ -142,12 +162,23 @@ class Fsdp2Backend:
     @torch.no_grad()
     def eval_step(self, batches: list[Batch]) -> float:
         self.module.eval()
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for inputs, targets in on_device(batches, self.device):
-            total += self.module(inputs, targets).detach()
+        if self.pipeline is not None:
+            total = self._pipelined(batches, train=False)
+        else:
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+            for inputs, targets in on_device(batches, self.device):
+                total += self.module(inputs, targets).detach()
         self.module.train()
         build.reshard(self.module)  # a forward without backward leaves the root gathered
         return dp_mean(total / len(batches), self.ps)
+
+    def _pipelined(self, batches: list[Batch], train: bool) -> torch.Tensor:
+        """Sum of the micro-batches' losses through the pipeline: a training step's batches in one
+        run of its schedule (which splits them again), evaluation's forward only."""
+        batches = on_device(batches, self.device)
+        if not train:
+            return self.pipeline.evaluate(batches)
+        return self.pipeline.train(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
 
     def grad_norm(self) -> float:
         return float(self._last_grad_norm)
@@ -187,7 +218,7 @@ class Fsdp2Backend:
 
     def _view(self) -> state_io.ShardView:
         return state_io.ShardView(self.module, self.optimizer, self.lr_scheduler, self.ps, self.dims, self.cfg,
-                                  self.replica)
+                                  self.replica, self.tied_copies)
 
     def versions(self) -> dict[str, str]:
         return {"torch": torch.__version__}

@@ -11,6 +11,9 @@ them to config/validate.py through the plug, before anything launches.
   precision=fp16         refused (no loss scaler here; use bf16)
   offload=cpu            CPUOffloadPolicy: sharded parameters, gradients and AdamW on the host
   parallel.ep            experts sharded over their expert-data-parallel ranks (their own group)
+  parallel.pp            stages through torch.distributed.pipelining, parallel.pipeline_schedule
+                         (1f1b, gpipe, interleaved_1f1b, zero_bubble, zbv, dualpipev) with
+                         parallel.virtual_stages stages per rank; not with MoE blocks yet
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ ALTERNATIVE = "or backend=deepspeed"
 
 def config_problem(cfg: TrainConfig) -> Optional[str]:
     """Why backend=fsdp2 cannot run this config (None: it can)."""
-    stage, off, p = cfg.zero.stage, cfg.offload, cfg.parallel
+    stage, off = cfg.zero.stage, cfg.offload
     if stage in (0, 1):
         return (f"zero.stage={stage} with backend=fsdp2: FSDP2 always shards gradients and optimizer states; "
                 f"use zero=stage2 (blocks stay gathered until backward) or zero=stage3, {ALTERNATIVE}")
@@ -38,13 +41,76 @@ def config_problem(cfg: TrainConfig) -> Optional[str]:
     if off.param == "cpu" and off.optimizer != "cpu":
         return ("offload.param=cpu with backend=fsdp2: FSDP2 offloads parameters together with the optimizer; "
                 "use offload=cpu (offload.optimizer=cpu)")
-    if p.pp > 1:
-        return (f"parallel.pp={p.pp} with backend=fsdp2: its pipeline schedules (torch.distributed.pipelining) are "
-                f"not built yet; use parallel.pp=1, {ALTERNATIVE}")
+    if problem := _pipeline_problem(cfg):
+        return problem
     if cfg.train.native_checkpoint or not cfg.train.universal_checkpoint:
         return ("backend=fsdp2 writes layout-free checkpoints only: drop train.native_checkpoint=true and keep "
                 "train.universal_checkpoint=true")
     return _deepspeed_knob(cfg)
+
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")  # pipeline.py's
+ONE_STAGE_PER_RANK, V_SHAPED = ("1f1b", "gpipe"), ("zbv", "dualpipev")
+SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")  # input and weight gradients in separate passes
+
+
+def stages_per_rank(schedule: str, virtual_stages: int) -> int:
+    return 2 if schedule in V_SHAPED else virtual_stages
+
+
+def _pipeline_problem(cfg: TrainConfig) -> Optional[str]:
+    p, layers = cfg.parallel, cfg.model.num_layers
+    if p.pipeline_schedule not in SCHEDULES:
+        return f"parallel.pipeline_schedule={p.pipeline_schedule!r} is not a schedule; choose one of {', '.join(SCHEDULES)}"
+    if p.virtual_stages < 1:
+        return f"parallel.virtual_stages={p.virtual_stages} must be >= 1 (pipeline stages per rank)"
+    if p.pipeline_schedule in ONE_STAGE_PER_RANK and p.virtual_stages != 1:
+        return (f"parallel.pipeline_schedule={p.pipeline_schedule} runs one stage per rank; use parallel.virtual_stages=1, "
+                f"or parallel.pipeline_schedule=interleaved_1f1b for {p.virtual_stages} per rank")
+    if p.pipeline_schedule in V_SHAPED and p.virtual_stages not in (1, 2):
+        return (f"parallel.pipeline_schedule={p.pipeline_schedule} runs two stages per rank in a V; "
+                f"use parallel.virtual_stages=2")
+    if p.pp == 1:
+        return None
+    stages = p.pp * stages_per_rank(p.pipeline_schedule, p.virtual_stages)
+    if stages > layers:
+        return (f"parallel.pp={p.pp} x {stages // p.pp} stages per rank ({p.pipeline_schedule}) makes {stages} stages "
+                f"for model.num_layers={layers}; each stage needs a block: lower parallel.pp or parallel.virtual_stages")
+    if p.pipeline_schedule in SPLIT_BACKWARD and cfg.zero.stage == 3:
+        # measured on torch 2.13: a block resharded after its forward loses the weight gradients
+        # that the split backward computes later (gradient norm 2-36% off the single-rank run)
+        return (f"parallel.pipeline_schedule={p.pipeline_schedule} with zero=stage3: its split backward computes "
+                f"weight gradients after FSDP2 has resharded the block, and they are lost; use zero=stage2, or "
+                f"parallel.pipeline_schedule=1f1b or interleaved_1f1b with zero=stage3")
+    if cfg.model.moe.num_experts > 0:
+        return (f"parallel.pp={p.pp} with model.moe under backend=fsdp2: its pipeline does not carry the router "
+                f"losses between stages yet; use parallel.pp=1, {ALTERNATIVE}")
+    if p.pipeline_partition != "uniform":
+        return (f"parallel.pipeline_partition={p.pipeline_partition} with backend=fsdp2: its stages hold equal numbers "
+                f"of blocks; use parallel.pipeline_partition=uniform, {ALTERNATIVE}")
+    return None
+
+
+def layout_problem(cfg: TrainConfig, layout: Layout) -> Optional[str]:
+    """A pipeline schedule's needs on the step's micro-batch count m (torch's own checks, said
+    before launch): 1f1b and dualpipev need m >= their stages; interleaved_1f1b and zero_bubble
+    run m in rounds of pp micro-batches, so m must be a multiple of m // pp."""
+    p, m = cfg.parallel, layout.grad_accum_steps
+    if layout.pp == 1:
+        return None
+    stages = layout.pp * stages_per_rank(p.pipeline_schedule, p.virtual_stages)
+    need = {"1f1b": layout.pp, "dualpipev": stages, "interleaved_1f1b": layout.pp, "zero_bubble": layout.pp,
+            "zbv": layout.pp}.get(p.pipeline_schedule, 1)
+    rounds = max(1, m // layout.pp)
+    fits = m >= need and (p.pipeline_schedule not in ("interleaved_1f1b", "zero_bubble") or m % rounds == 0)
+    if fits:
+        return None
+    good = next(k for k in range(max(need, m, 1), 64 * max(need, m, 1) + 1)
+                if p.pipeline_schedule not in ("interleaved_1f1b", "zero_bubble") or k % max(1, k // layout.pp) == 0)
+    batch = good * layout.micro_batch_size * layout.dp
+    return (f"parallel.pipeline_schedule={p.pipeline_schedule} at parallel.pp={layout.pp} cannot run {m} micro-batches "
+            f"per step (parallel.global_batch_size / (micro_batch_size x dp)); set parallel.global_batch_size="
+            f"{batch} ({good} micro-batches)")
 
 
 def _deepspeed_knob(cfg: TrainConfig) -> Optional[str]:
@@ -73,7 +139,8 @@ def system_problem(offload: OffloadConfig, swap_bytes: float) -> Optional[str]:
 
 
 def stage_boundaries(weights: tuple, pp: int) -> tuple:
-    """Where a pipeline would cut (uniform: the same number of layers per stage); pp > 1 is refused
-    by config_problem until the torch.distributed.pipelining schedules are built."""
+    """Where the pipeline cuts a layer list into pp parts (uniform: as many layers each as whole
+    layers allow; pipeline.py cuts blocks the same way, with the embedding on the first stage and
+    the final norm and head on the last)."""
     layers = len(weights)
     return tuple(round(i * layers / pp) for i in range(pp + 1))

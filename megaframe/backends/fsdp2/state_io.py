@@ -38,6 +38,7 @@ class ShardView:
     dims: GPTDims
     cfg: TrainConfig
     replica: int = 0  # HSDP: which replica of the shard group this rank is in (replica 0 writes)
+    copies: frozenset = frozenset()  # ids of parameters another stage writes (a tied embedding's copy)
 
 
 @dataclass
@@ -57,7 +58,8 @@ class LocalPart:
         return local[: self.box.shape[0]] if self.box is not None else local[:0]
 
 
-def _part(name: str, param: torch.nn.Parameter, ps: ParallelState, dims: GPTDims, replica: int) -> LocalPart:
+def _part(name: str, param: torch.nn.Parameter, ps: ParallelState, dims: GPTDims, replica: int,
+          copy: bool = False) -> LocalPart:
     local_shape, fsdp_offset = local_box(param)
     padded = tuple(getattr(param, "partition_shape", None) or param.shape)
     tp_offset = [0] * len(padded)
@@ -73,11 +75,12 @@ def _part(name: str, param: torch.nn.Parameter, ps: ParallelState, dims: GPTDims
     tp_sharded = shard is not None and shard.axis == "tp" and getattr(param, "partition_count", 1) > 1
     # experts shard over their own expert-data-parallel ranks: no HSDP replica among those
     first_replica = replica == 0 or (shard is not None and shard.axis == "ep" and getattr(param, "partition_count", 1) > 1)
-    return LocalPart(name, param, full_shape, box, (tp_sharded or ps.tp_rank == 0) and first_replica)
+    return LocalPart(name, param, full_shape, box, (tp_sharded or ps.tp_rank == 0) and first_replica and not copy)
 
 
 def local_parts(view: ShardView) -> list[LocalPart]:
-    return [_part(name, p, view.ps, view.dims, view.replica) for name, p in view.module.named_parameters()]
+    return [_part(name, p, view.ps, view.dims, view.replica, id(p) in view.copies)
+            for name, p in view.module.named_parameters()]
 
 
 def _stored(view: ShardView, part: LocalPart) -> dict[str, Callable[[], torch.Tensor]]:

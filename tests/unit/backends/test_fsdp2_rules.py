@@ -26,7 +26,13 @@ def _refusal(overrides: list[str], capsys) -> str:
                                        ["zero=stage3", "parallel.dp=4", "parallel.dp_replicate=2",
                                         "parallel.global_batch_size=32", "parallel.micro_batch_size=2"],
                                        ["zero=stage3", "model=moe_tiny", "parallel.dp=4", "parallel.ep=2",
-                                        "parallel.global_batch_size=32"]])
+                                        "parallel.global_batch_size=32"],
+                                       ["zero=stage3", "parallel.pp=2"],
+                                       ["zero=stage3", "parallel.pp=2", "parallel.pipeline_schedule=interleaved_1f1b",
+                                        "parallel.virtual_stages=2"],
+                                       ["zero=stage2", "parallel.pp=2", "parallel.pipeline_schedule=zbv"],
+                                       ["zero=stage2", "parallel.pp=2", "parallel.pipeline_schedule=dualpipev",
+                                        "parallel.virtual_stages=2", "parallel.micro_batch_size=4"]])
 def test_what_fsdp2_runs_passes(overrides):
     cfg, layout, _ = check([*FSDP2, *overrides])
     assert cfg.backend.name == "fsdp2"
@@ -38,7 +44,29 @@ def test_what_fsdp2_runs_passes(overrides):
     (["zero=stage3", "precision=fp16"], "precision=fp16 with backend=fsdp2: it has no loss scaler; use precision=bf16"),
     (["zero=stage3", "offload=nvme", "offload.nvme_path=/tmp"], "offload=nvme with backend=fsdp2"),
     (["zero=stage3", "offload.param=cpu"], "offload.param=cpu with backend=fsdp2"),
-    (["zero=stage3", "parallel.pp=2"], "parallel.pp=2 with backend=fsdp2"),
+    (["zero=stage3", "parallel.pp=2", "parallel.pipeline_schedule=looped"],
+     "parallel.pipeline_schedule='looped' is not a schedule; choose one of 1f1b, gpipe, interleaved_1f1b"),
+    (["zero=stage3", "parallel.pp=2", "parallel.virtual_stages=2"],
+     "parallel.pipeline_schedule=1f1b runs one stage per rank; use parallel.virtual_stages=1"),
+    (["zero=stage3", "parallel.pp=2", "parallel.pipeline_schedule=zero_bubble", "parallel.virtual_stages=2"],
+     "parallel.pipeline_schedule=zero_bubble with zero=stage3: its split backward computes weight gradients after"),
+    (["zero=stage2", "parallel.pp=2", "parallel.pipeline_schedule=zbv", "parallel.virtual_stages=3"],
+     "parallel.pipeline_schedule=zbv runs two stages per rank in a V; use parallel.virtual_stages=2"),
+    (["zero=stage2", "parallel.pp=2", "parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_stages=4"],
+     "parallel.pp=2 x 4 stages per rank (interleaved_1f1b) makes 8 stages for model.num_layers=4"),
+    (["zero=stage2", "parallel.pp=2", "model=moe_tiny"], "parallel.pp=2 with model.moe under backend=fsdp2"),
+    (["zero=stage2", "parallel.pp=2", "parallel.pipeline_partition=parameters"],
+     "parallel.pipeline_partition=parameters with backend=fsdp2"),
+    (["zero=stage2", "parallel.pp=2", "parallel.micro_batch_size=4", "parallel.global_batch_size=4"],
+     "parallel.pipeline_schedule=1f1b at parallel.pp=2 cannot run 1 micro-batches per step (parallel.global_batch_size "
+     "/ (micro_batch_size x dp)); set parallel.global_batch_size=8 (2 micro-batches)"),
+    (["zero=stage2", "parallel.pp=2", "parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_stages=2",
+      "parallel.micro_batch_size=4", "parallel.global_batch_size=20"],
+     "parallel.pipeline_schedule=interleaved_1f1b at parallel.pp=2 cannot run 5 micro-batches per step"),
+    (["zero=stage2", "parallel.pp=2", "parallel.pipeline_schedule=dualpipev", "parallel.micro_batch_size=4",
+      "parallel.global_batch_size=12"],
+     "parallel.pipeline_schedule=dualpipev at parallel.pp=2 cannot run 3 micro-batches per step (parallel.global_batch_size "
+     "/ (micro_batch_size x dp)); set parallel.global_batch_size=16 (4 micro-batches)"),
     (["zero=stage3", "train.native_checkpoint=true"], "backend=fsdp2 writes layout-free checkpoints only"),
     (["zero=stage3", "train.universal_checkpoint=false"], "backend=fsdp2 writes layout-free checkpoints only"),
     (["zero=stage3", "zero.reduce_bucket_size=1000"], "zero.reduce_bucket_size=1000 is a DeepSpeed setting"),
@@ -67,3 +95,10 @@ def test_deepspeed_refuses_hsdp_naming_fsdp2(capsys):
                "parallel.global_batch_size=32"])
     line = capsys.readouterr().err.strip()
     assert "parallel.dp_replicate=2" in line and "backend=fsdp2" in line and "\n" not in line
+
+
+def test_deepspeed_refuses_torch_schedules_naming_fsdp2(capsys):
+    with pytest.raises(SystemExit):
+        check(["parallel.pp=2", "parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_stages=2"])
+    line = capsys.readouterr().err.strip()
+    assert "DeepSpeed's pipeline engine runs 1f1b" in line and "backend=fsdp2" in line and "\n" not in line
