@@ -44,5 +44,11 @@ for shape in tiny xl; do
     grep -E "^\||planner|on NVIDIA|^[a-z0-9]+ on " "$out/bench-$shape-$arch.log" >> "$report"
   done
 done
+# the two engines at ZeRO-3 on every GPU of the machine (dp = their number), bf16, GPT-3 XL's shape
+gpus=$(python3 -c 'import torch; print(max(torch.cuda.device_count(), 1))' 2>/dev/null || echo 1)
+cmd="torchrun --standalone --nproc_per_node=$gpus tools/bench_engines.py precision=bf16 model.num_layers=24 model.hidden_size=2048 model.num_attention_heads=16 model.ffn_hidden_size=8192 model.seq_length=2048 parallel.micro_batch_size=1"
+echo "## $cmd" >> "$report"
+DS_ACCELERATOR=cuda $cmd > "$out/bench-engines.log" 2>&1 || echo "(exit $?: see bench-engines.log)" >> "$report"
+grep -E "median|ratio|FSDP2|DeepSpeed" "$out/bench-engines.log" | tail -6 >> "$report"
 echo "report: $report"
 exit $tests_rc

@@ -12,7 +12,9 @@ from parity import assert_parity
 pytestmark = pytest.mark.slow
 CASES = {"one-rank-stage3": (1, ["zero=stage3"]),
          "dp2-stage3-cpu-offload": (2, ["parallel.dp=2", "zero=stage3", "offload=cpu"]),
-         "tp2-sp-stage2": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "zero=stage2"])}
+         "tp2-sp-stage2": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "zero=stage2"]),
+         # torch's pipeline schedule: stages pass device tensors point to point, the losses meet on the device
+         "pp2-1f1b-stage3": (2, ["parallel.pp=2", "zero=stage3"])}
 
 
 @pytest.mark.parametrize("case", list(CASES))

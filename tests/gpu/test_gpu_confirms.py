@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from gpu_measure import PEAK_MODEL, planned_and_measured_peak
 from helpers import REPO, TINY, assert_ok, cli_env, curve, read_metrics, run_cli
 
 STEPS = ["train.max_steps=20", "train.eval_interval=10"]
@@ -36,7 +37,9 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two C
     ["parallel.tp=2", "parallel.sequence_parallel=true"],
     ["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "zero=stage1"],  # grouped GEMM in bf16 + all-to-all
     ["parallel.pp=2", "model.num_layers=4", "zero=stage1"],
-], ids=["cp2-ring", "tp2-sp", "ep2", "pp2"])
+    # FSDP2's pipeline: torch's zero-bubble V schedule, its P2P and the tied embedding's all-reduce on NCCL
+    ["backend=fsdp2", "zero=stage2", "parallel.pp=2", "model.num_layers=4", "parallel.pipeline_schedule=zbv"],
+], ids=["cp2-ring", "tp2-sp", "ep2", "pp2", "fsdp2-pp2-zbv"])
 def test_two_gpus_in_bf16_stay_within_bf16_of_one(layout, tmp_path):
     model = [a for a in layout if a.startswith("model")]
     common = [*TINY, *STEPS, "precision=bf16"]
@@ -99,37 +102,11 @@ def test_a_step_syncs_the_stream_as_often_with_four_micro_batches_as_with_one(ex
     assert counts["1"] == counts["4"] and counts["1"] > 0, counts
 
 
-PEAK = """
-import json, sys
-from pathlib import Path
-from megaframe.config.compose import compose
-from megaframe.config.validate import validate
-from megaframe.plan.estimate import estimate_config
-from megaframe.tracking.metrics import read_metrics
-
-cfg, _ = compose(sys.argv[2:])
-planned = estimate_config(cfg, validate(cfg, 1))
-measured = max(r["memory_gb"] for r in read_metrics(Path(sys.argv[1]) / "metrics.jsonl") if "memory_gb" in r)
-Path(sys.argv[1], "peak.json").write_text(json.dumps({"planned_gib": (planned.peak - planned.reserved) / 2**30,
-                                                     "measured_gib": measured}))
-"""
-# a model big enough that its states and activations dominate the allocator's own rounding
-PEAK_MODEL = ["model.num_layers=8", "model.hidden_size=1024", "model.num_attention_heads=16",
-              "model.ffn_hidden_size=4096", "model.seq_length=512", "parallel.micro_batch_size=4",
-              "parallel.global_batch_size=8", "train.max_steps=3", "train.log_interval=1", "train.eval_interval=0",
-              "train.save_interval=0", "logging.wandb.mode=disabled", "logging.progress_bar=false"]
-
-
 @pytest.mark.parametrize("extra", [["zero=stage1", "precision=bf16"], ["zero=stage1"],
                                    ["zero=stage1", "precision=bf16", "parallel.activation_checkpointing=true"]],
                          ids=["bf16", "fp32", "bf16-recompute"])
 def test_the_allocators_peak_is_within_ten_percent_of_the_planner(extra, tmp_path):
     """The planner's peak less what it reserves for the CUDA context (not in max_memory_allocated)."""
-    args = [*PEAK_MODEL, *extra]
-    assert_ok(run_cli([*args, f"hydra.run.dir={tmp_path}"], env=_env(), timeout=900))
-    result = subprocess.run([sys.executable, "-c", PEAK, str(tmp_path), *args], cwd=REPO, env=_env(),
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    peak = json.loads((tmp_path / "peak.json").read_text())
+    peak = planned_and_measured_peak([*PEAK_MODEL, *extra], tmp_path, _env())
     print(f"{extra}: planned {peak['planned_gib']:.3f} GiB, measured {peak['measured_gib']:.3f} GiB")
     assert abs(peak["measured_gib"] - peak["planned_gib"]) <= 0.1 * peak["planned_gib"], peak
