@@ -50,6 +50,10 @@ def validate_for_engine(cfg: TrainConfig, world_size: int, ask_bf16: bool = True
     """validate() with the configured engine's (backend.name) rules and device checks; ask_bf16:
     whether this machine's device decides bf16 (not where the planner runs, away from the GPUs)."""
     plug = engine(cfg.backend.name)
+    for name in cfg.plan.engines:
+        if name not in ENGINES:
+            raise ConfigError(f"plan.engines holds {name!r}, which is not an engine megaframe has; list some of "
+                              f"{', '.join(sorted(ENGINES))}, e.g. plan.engines=[deepspeed,fsdp2]")
     return validate(cfg, world_size, plug.device_supports_fp16, plug.device_supports_bf16 if ask_bf16 else None,
                     plug.config_problem, plug.layout_problem)
 

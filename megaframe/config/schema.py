@@ -243,6 +243,9 @@ class PlanConfig:
     mfu: float = 0.4  # model FLOPs utilisation assumed for step-time estimates
     check: bool = True  # megaframe-train refuses, before launch, a layout the planner says does not fit
     json: bool = False  # megaframe-plan prints JSON instead of the table (same as --json)
+    # parallel=auto: the engines it may choose between, e.g. plan.engines=[deepspeed,fsdp2] (empty:
+    # backend.name's layouts only)
+    engines: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -149,11 +149,6 @@ def logits_working_bytes(dims: GPTDims, shape: ActivationShape) -> float:
     return sb * vocab * (e + 4)
 
 
-def in_flight_micro_batches(pp: int, stage: int, micro_batches: int) -> int:
-    """1F1B: stage i runs pp - i forwards before its first backward (Narayanan et al. 2021)."""
-    return max(1, min(pp - stage, micro_batches))
-
-
 def moe_mlp_extra_bytes(dims: GPTDims, shape: ActivationShape) -> float:
     """What an MoE block saves for backward beyond a dense block's (tests/unit/plan: the tensors
     autograd saves, counted; tests/dist/test_planner_peak.py: the peak of a run): the dense MLP's term is replaced by the router's fp32 logits and scores, the k

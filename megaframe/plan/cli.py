@@ -100,6 +100,12 @@ def dry_run_report(cfg: TrainConfig, layout: Layout, rank: int) -> dict:
 
     if not 0 <= rank < layout.world_size:
         raise ConfigError(f"--dry-run={rank}: the layout has ranks 0..{layout.world_size - 1}")
+    if cfg.backend.name != "deepspeed" and layout.pp > 1:
+        # its build is DeepSpeed's PipelineModule partition; FSDP2's stages per rank are checked
+        # against the planner by tests/unit/parallel/test_pipeline_schedules.py instead
+        raise ConfigError(f"--dry-run with backend={cfg.backend.name} and parallel.pp={layout.pp}: the meta-device build "
+                          f"follows DeepSpeed's pipeline; drop --dry-run (the table counts {cfg.backend.name}'s stages "
+                          f"per rank)")
     dims = resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp)
     built = dry_run(dims, layout.grid, rank, cfg.parallel.pipeline_partition)
     planned = stage_parameters(dims, layout.tp, layout.pp, built.stage, cfg.parallel.pipeline_partition, layout.grid.ep)

@@ -19,11 +19,12 @@ from typing import Optional
 from megaframe.config.schema import ClusterConfig, TrainConfig, ZeroConfig
 from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims, resolve_dims
-from megaframe.plan.activations import (ActivationShape, block_activation_bytes, in_flight_micro_batches,
+from megaframe.plan.activations import (ActivationShape, block_activation_bytes,
                                         logits_working_bytes, moe_mlp_extra_bytes, stage_activation_bytes, tokens)
 from megaframe.plan.memory import (ACTIVATION_BYTES, GIB, STATE_BYTES, ModelStates, PlanLayout, active_parameters,
                                    block_parameters, embedding_parameters, fsdp2_state_bytes, model_state_bytes,
                                    stage_blocks, stage_expert_parameters, stage_parameters, total_parameters)
+from megaframe.parallel.pipeline_schedules import bubble_fraction, in_flight_micro_batches, stage_indices
 from megaframe.tracking.flops import flops_per_token
 
 
@@ -36,7 +37,7 @@ class StageEstimate:
     parameters: int
     states: ModelStates
     activations_per_micro_batch: float
-    in_flight: int
+    in_flight: float  # micro-batches' activations held at the peak (fractions: interleaved stages)
     activations: float  # saved for backward at the 1F1B peak (in_flight micro-batches)
     working: float  # transient: recomputed block, logits, pipeline buffers, ZeRO's reduce bucket
     peak: float
@@ -120,7 +121,8 @@ def plan_layout(cfg: TrainConfig, layout: Layout) -> PlanLayout:
                       offload_optimizer=cfg.offload.optimizer, offload_param=cfg.offload.param,
                       recompute=cfg.parallel.activation_checkpointing,
                       sequence_parallel=cfg.parallel.sequence_parallel, partition=cfg.parallel.pipeline_partition,
-                      cp_impl=cfg.parallel.cp_impl, engine=cfg.backend.name, dp_replicate=cfg.parallel.dp_replicate)
+                      cp_impl=cfg.parallel.cp_impl, engine=cfg.backend.name, dp_replicate=cfg.parallel.dp_replicate,
+                      pipeline_schedule=cfg.parallel.pipeline_schedule, virtual_stages=cfg.parallel.virtual_stages)
 
 
 def _ring(n: int) -> float:
@@ -136,9 +138,17 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     and prefetch bucket; None: DeepSpeed's defaults)."""
     zero = zero or ZeroConfig()
     ep = lay.grid.ep
-    params = stage_parameters(dims, lay.tp, lay.pp, stage, lay.partition, ep)
-    experts = stage_expert_parameters(dims, lay.tp, lay.pp, stage, lay.partition, ep)
-    blocks = stage_blocks(dims, lay.tp, lay.pp, stage, lay.partition)
+    # the pipeline stages this rank runs: one, or under FSDP2's multi-stage schedules several (the
+    # rank's share of pp x v stages; a V-shaped schedule's rank 0 holds the first and the last)
+    chunks = stage_indices(lay.pipeline_schedule, lay.pp, lay.virtual_stages, stage) if lay.pp > 1 else [0]
+    cuts = lay.pp * len(chunks)
+    params = sum(stage_parameters(dims, lay.tp, cuts, c, lay.partition, ep) for c in chunks)
+    if lay.engine == "fsdp2" and cuts > 1 and cuts - 1 in chunks and dims.tie_embeddings \
+            and dims.position_embedding == "learned":
+        # DeepSpeed's last stage holds the whole tied embedding layer; FSDP2's copy is the token table alone
+        params -= dims.seq_length * dims.hidden_size
+    experts = sum(stage_expert_parameters(dims, lay.tp, cuts, c, lay.partition, ep) for c in chunks)
+    blocks = sum(stage_blocks(dims, lay.tp, cuts, c, lay.partition) for c in chunks)
     # ZeRO partitions over DeepSpeed's data axis, dp x cp; a rank's experts over their replicas, dp x cp / ep
     in_backward = lay.micro_batches == 1 and lay.pp == 1 and (zero.contiguous_gradients or zero.overlap_comm)
     def states_of(n: int, replicas: int) -> ModelStates:
@@ -150,10 +160,13 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     if experts:
         states = states + states_of(experts, lay.grid.edp)
     shape = ActivationShape(lay.micro_batch_size, lay.tp, lay.sequence_parallel, dtype, device, lay.cp, lay.cp_impl)
-    first, last = stage == 0, stage == lay.pp - 1
-    moe_blocks = stage_blocks(dims, lay.tp, lay.pp, stage, lay.partition, moe_only=True)
-    per_micro = stage_activation_bytes(dims, shape, blocks, first, last, lay.recompute, moe_blocks)
-    in_flight = in_flight_micro_batches(lay.pp, stage, lay.micro_batches)
+    last = cuts - 1 in chunks
+    moe_blocks = sum(stage_blocks(dims, lay.tp, cuts, c, lay.partition, moe_only=True) for c in chunks)
+    per_micro = sum(stage_activation_bytes(dims, shape, stage_blocks(dims, lay.tp, cuts, c, lay.partition), c == 0,
+                                           c == cuts - 1, lay.recompute,
+                                           stage_blocks(dims, lay.tp, cuts, c, lay.partition, moe_only=True))
+                    for c in chunks)
+    in_flight = in_flight_micro_batches(lay.pp, stage, lay.micro_batches, lay.pipeline_schedule, lay.virtual_stages)
     # recomputation rebuilds one block at a time: the larger of a dense and an MoE block's, of the
     # kinds this stage holds
     recomputed = block_activation_bytes(dims, shape)
@@ -298,7 +311,7 @@ def _ranked_step_time(lay: PlanLayout, cluster: ClusterConfig, compute: float, c
                       stage: StageEstimate) -> float:
     """Seconds per step used to rank layouts (module docstring)."""
     gpn = cluster.gpus_per_node or lay.world_size
-    bubble = (lay.pp - 1) / lay.micro_batches
+    bubble = bubble_fraction(lay.pipeline_schedule, lay.pp, lay.micro_batches, lay.virtual_stages)
     compute = compute * (1 + bubble) * (4 / 3 if lay.recompute else 1.0)
     gbps = 1e9
     tp_bw = cluster.intra_node_gbps if lay.tp <= gpn else cluster.inter_node_gbps

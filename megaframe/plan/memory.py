@@ -41,6 +41,8 @@ class PlanLayout(OnGrid):
     cp_impl: str = "ring"  # ring | ulysses, when grid.cp > 1
     engine: str = "deepspeed"  # deepspeed | fsdp2 (backend.name): who holds the model states, and how
     dp_replicate: int = 1  # HSDP (fsdp2): the dp x cp ranks as this many replicas of one shard group
+    pipeline_schedule: str = "1f1b"  # parallel.pipeline_schedule (fsdp2's schedules; DeepSpeed runs 1f1b)
+    virtual_stages: int = 1  # parallel.virtual_stages: stages per pipeline rank
 
     @property
     def micro_batches(self) -> int:
@@ -52,6 +54,9 @@ class PlanLayout(OnGrid):
         cp = f" cp={self.cp} ({self.cp_impl})" if self.cp > 1 else ""
         cp += f" ep={self.grid.ep}" if self.grid.ep > 1 else ""
         engine = f" backend={self.engine}" if self.engine != "deepspeed" else ""
+        if self.pp > 1 and self.pipeline_schedule != "1f1b":
+            v = f" x{self.virtual_stages}" if self.pipeline_schedule in ("interleaved_1f1b", "zero_bubble") else ""
+            engine += f" schedule={self.pipeline_schedule}{v}"
         return (f"tp={self.tp} pp={self.pp} dp={self.dp}{cp} zero={self.zero_stage} offload={off} "
                 f"recompute={'full' if self.recompute else 'none'} sp={str(self.sequence_parallel).lower()}{engine}")
 

@@ -3,12 +3,14 @@ size, estimated, those that fit ranked by estimated step time."""
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import product
 from typing import Iterator
 
 from megaframe.config.schema import ModelConfig, TrainConfig
 from megaframe.config.validate import ffn_hidden_size
 from megaframe.model.dims import resolve_dims
 from megaframe.parallel.dims import ParallelDims
+from megaframe.parallel.pipeline_schedules import SPLIT_BACKWARD, runs_micro_batches, stages_per_rank
 from megaframe.plan.estimate import Estimate, estimate, planning_vocab_size
 from megaframe.plan.memory import PlanLayout
 
@@ -33,8 +35,9 @@ def candidate_layouts(model: ModelConfig, base: PlanLayout, gpus_per_node: int |
 
     DeepSpeed's pipeline engine takes ZeRO 0-1 only; parameter offload needs ZeRO-3; SP needs tp > 1
     and a sequence divisible by tp. Context parallelism (ring) is tried for long sequences only.
-    base.engine fsdp2: ZeRO stages 2 and 3, CPU offload of everything or nothing, no pp yet
-    (backends/fsdp2/rules.py)."""
+    base.engine fsdp2: ZeRO stages 2 and 3, CPU offload of everything or nothing, and pipelines
+    with torch's 1F1B, interleaved 1F1B (two stages per rank) and ZBV (ZeRO-2 only), where the
+    model has the blocks and the step the micro-batches they need (backends/fsdp2/rules.py)."""
     world = base.world_size
     for tp in tensor_parallel_degrees(model, world, gpus_per_node):
         for cp in context_parallel_degrees(model, world // tp):
@@ -52,21 +55,38 @@ def context_parallel_degrees(model: ModelConfig, ranks: int) -> list[int]:
 def _with_tp_cp(model: ModelConfig, base: PlanLayout, tp: int, cp: int) -> Iterator[PlanLayout]:
     world = base.world_size
     fsdp2 = base.engine == "fsdp2"
-    for pp in [1] if fsdp2 else _divisors(world // (tp * cp)):
+    for pp in _divisors(world // (tp * cp)):
         dp = world // (tp * cp * pp)
         if pp > model.num_layers or base.global_batch_size % (base.micro_batch_size * dp):
             continue
+        if fsdp2 and pp > 1 and model.moe.num_experts:
+            continue  # refused by its rules: router losses do not cross stages yet
         stages = (2, 3) if fsdp2 else (0, 1) if pp > 1 else (0, 1, 2, 3)
-        for ep in expert_parallel_degrees(model, dp * cp):
-            for stage in stages:
-                offloads = [("none", "none")] + ([("cpu", "none")] if stage else []) + \
-                    ([("cpu", "cpu")] if stage == 3 and not fsdp2 else [])
-                for optimizer, param in offloads:
-                    for recompute in (False, True):
-                        for sp in ((False, True) if tp > 1 and (model.seq_length // cp) % tp == 0 else (False,)):
-                            yield replace(base, grid=ParallelDims(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), zero_stage=stage,
-                                          offload_optimizer=optimizer,
-                                          offload_param=param, recompute=recompute, sequence_parallel=sp)
+        for ep, stage, (schedule, virtual) in product(expert_parallel_degrees(model, dp * cp), stages,
+                                                       _schedules(model, base, pp, dp, fsdp2)):
+            if stage == 3 and schedule in SPLIT_BACKWARD:
+                continue
+            offloads = [("none", "none")] + ([("cpu", "none")] if stage else []) + \
+                ([("cpu", "cpu")] if stage == 3 and not fsdp2 else [])
+            for optimizer, param in offloads:
+                for recompute in (False, True):
+                    for sp in ((False, True) if tp > 1 and (model.seq_length // cp) % tp == 0 else (False,)):
+                        yield replace(base, grid=ParallelDims(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), zero_stage=stage,
+                                      offload_optimizer=optimizer,
+                                      offload_param=param, recompute=recompute, sequence_parallel=sp,
+                                      pipeline_schedule=schedule, virtual_stages=virtual)
+
+
+# FSDP2's schedules the search tries (DeepSpeed's pipeline runs 1F1B alone)
+SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2))
+
+
+def _schedules(model: ModelConfig, base: PlanLayout, pp: int, dp: int, fsdp2: bool) -> list[tuple[str, int]]:
+    if pp == 1 or not fsdp2:
+        return [("1f1b", 1)]
+    m = base.global_batch_size // (base.micro_batch_size * dp)
+    return [(name, v) for name, v in SEARCHED_SCHEDULES
+            if pp * stages_per_rank(name, v) <= model.num_layers and runs_micro_batches(name, pp, v, m)]
 
 
 def expert_parallel_degrees(model: ModelConfig, replicas: int) -> list[int]:
@@ -84,7 +104,10 @@ def fitting_layouts(cfg: TrainConfig, base: PlanLayout, limit: int = 10) -> list
     vocab = planning_vocab_size(cfg)
     dims_for_tp: dict = {}
     fitting = []
-    for lay in candidate_layouts(cfg.model, base, cfg.cluster.gpus_per_node):
+    # plan.engines: each engine's own layouts (HSDP replicas are FSDP2's, kept only for the configured one)
+    bases = [base if name == base.engine else replace(base, engine=name, dp_replicate=1)
+             for name in (cfg.plan.engines or [base.engine])]
+    for lay in (lay for b in bases for lay in candidate_layouts(cfg.model, b, cfg.cluster.gpus_per_node)):
         dims = dims_for_tp.setdefault(lay.tp, resolve_dims(cfg.model, vocab, tp=lay.tp))
         est = estimate(dims, lay, cfg.precision.dtype, cfg.cluster, cfg.plan.mfu, zero=cfg.zero)
         if est.fits:
@@ -100,4 +123,6 @@ def layout_overrides(lay: PlanLayout) -> list[str]:
             f"parallel.dp={lay.dp}", f"zero.stage={lay.zero_stage}",
             f"offload.optimizer={lay.offload_optimizer}", f"offload.param={lay.offload_param}",
             f"parallel.activation_checkpointing={str(lay.recompute).lower()}",
-            f"parallel.sequence_parallel={str(lay.sequence_parallel).lower()}", "parallel.auto=false"]
+            f"parallel.sequence_parallel={str(lay.sequence_parallel).lower()}", f"backend.name={lay.engine}",
+            f"parallel.pipeline_schedule={lay.pipeline_schedule}", f"parallel.virtual_stages={lay.virtual_stages}",
+            "parallel.auto=false"]

@@ -37,21 +37,13 @@ from megaframe.model.dims import GPTDims
 from megaframe.model.gpt import GPT, run_block, tied_head_logits
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaframe.parallel.layers import VocabParallelEmbedding
+from megaframe.parallel.pipeline_schedules import ONE_STAGE_PER_RANK, V_SHAPED, stage_indices, stages_per_rank
 from megaframe.parallel.state import ParallelState
 
-# parallel.pipeline_schedule -> torch's schedule, and how stages sit on ranks
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
-             "zero_bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
-             "dualpipev": "ScheduleDualPipeV"}
-SINGLE = ("gpipe", "1f1b")  # one stage per rank
-V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, rank r holding r and 2pp-1-r
-
-
-def stage_indices(schedule: str, pp: int, virtual_stages: int, pp_rank: int) -> list[int]:
-    """The stages this pipeline rank runs, in order."""
-    if schedule in V_SHAPED:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(virtual_stages)]
+# parallel.pipeline_schedule -> torch's schedule (which stages sit on which rank: parallel/pipeline_schedules.py)
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+                   "zero_bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                   "dualpipev": "ScheduleDualPipeV"}
 
 
 def block_ranges(num_layers: int, num_stages: int) -> list[range]:
@@ -157,7 +149,7 @@ class _Handles:
 
 def cut_stages(model: GPT, ps: ParallelState, schedule: str, virtual_stages: int) -> dict[int, Stage]:
     """This rank's stages of a GPT built on the meta device, by stage index."""
-    num_stages = ps.pp * (2 if schedule in V_SHAPED else virtual_stages)
+    num_stages = ps.pp * stages_per_rank(schedule, virtual_stages)
     ranges = block_ranges(model.dims.num_layers, num_stages)
     return {i: Stage(model, i, num_stages, ranges[i])
             for i in stage_indices(schedule, ps.pp, virtual_stages, ps.pp_rank)}
@@ -302,8 +294,8 @@ def build_pipeline(stages: dict[int, Stage], model: GPT, ps: ParallelState, sche
             stage, index, num_stages, device, group=ps.pp_group,
             input_args=tokens if index == 0 else hidden,
             output_args=logits if index == num_stages - 1 else hidden))
-    cls = getattr(schedules, SCHEDULES[schedule])
-    runner = cls(pipeline_stages[0] if schedule in SINGLE else pipeline_stages, n_microbatches,
+    cls = getattr(schedules, TORCH_SCHEDULES[schedule])
+    runner = cls(pipeline_stages[0] if schedule in ONE_STAGE_PER_RANK else pipeline_stages, n_microbatches,
                  loss_fn=loss_function(model), scale_grads=True)
     stage_ranks = [next(r for r in range(ps.pp) if i in stage_indices(schedule, ps.pp, len(stages), r))
                    for i in range(num_stages)]

@@ -22,6 +22,8 @@ from typing import Optional
 
 from megaframe.config.schema import OffloadConfig, TrainConfig, ZeroConfig
 from megaframe.config.validate import Layout
+from megaframe.parallel.pipeline_schedules import (ONE_STAGE_PER_RANK, SCHEDULES, SPLIT_BACKWARD, V_SHAPED,
+                                                   runs_micro_batches, stages_per_rank)
 
 ALTERNATIVE = "or backend=deepspeed"
 
@@ -47,15 +49,6 @@ def config_problem(cfg: TrainConfig) -> Optional[str]:
         return ("backend=fsdp2 writes layout-free checkpoints only: drop train.native_checkpoint=true and keep "
                 "train.universal_checkpoint=true")
     return _deepspeed_knob(cfg)
-
-
-SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")  # pipeline.py's
-ONE_STAGE_PER_RANK, V_SHAPED = ("1f1b", "gpipe"), ("zbv", "dualpipev")
-SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")  # input and weight gradients in separate passes
-
-
-def stages_per_rank(schedule: str, virtual_stages: int) -> int:
-    return 2 if schedule in V_SHAPED else virtual_stages
 
 
 def _pipeline_problem(cfg: TrainConfig) -> Optional[str]:
@@ -93,22 +86,15 @@ def _pipeline_problem(cfg: TrainConfig) -> Optional[str]:
 
 def layout_problem(cfg: TrainConfig, layout: Layout) -> Optional[str]:
     """A pipeline schedule's needs on the step's micro-batch count m (torch's own checks, said
-    before launch): 1f1b and dualpipev need m >= their stages; interleaved_1f1b and zero_bubble
-    run m in rounds of pp micro-batches, so m must be a multiple of m // pp."""
+    before launch): 1f1b and the interleaved schedules need m >= p, dualpipev m >= 2p, and the
+    schedules that run rounds of p micro-batches m a multiple of m // p."""
     p, m = cfg.parallel, layout.grad_accum_steps
-    if layout.pp == 1:
+    schedule, v = p.pipeline_schedule, p.virtual_stages
+    if layout.pp == 1 or runs_micro_batches(schedule, layout.pp, v, m):
         return None
-    stages = layout.pp * stages_per_rank(p.pipeline_schedule, p.virtual_stages)
-    need = {"1f1b": layout.pp, "dualpipev": stages, "interleaved_1f1b": layout.pp, "zero_bubble": layout.pp,
-            "zbv": layout.pp}.get(p.pipeline_schedule, 1)
-    rounds = max(1, m // layout.pp)
-    fits = m >= need and (p.pipeline_schedule not in ("interleaved_1f1b", "zero_bubble") or m % rounds == 0)
-    if fits:
-        return None
-    good = next(k for k in range(max(need, m, 1), 64 * max(need, m, 1) + 1)
-                if p.pipeline_schedule not in ("interleaved_1f1b", "zero_bubble") or k % max(1, k // layout.pp) == 0)
+    good = next(k for k in range(m + 1, 64 * (m + layout.pp)) if runs_micro_batches(schedule, layout.pp, v, k))
     batch = good * layout.micro_batch_size * layout.dp
-    return (f"parallel.pipeline_schedule={p.pipeline_schedule} at parallel.pp={layout.pp} cannot run {m} micro-batches "
+    return (f"parallel.pipeline_schedule={schedule} at parallel.pp={layout.pp} cannot run {m} micro-batches "
             f"per step (parallel.global_batch_size / (micro_batch_size x dp)); set parallel.global_batch_size="
             f"{batch} ({good} micro-batches)")
 

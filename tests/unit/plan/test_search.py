@@ -1,6 +1,8 @@
 """Layout search: only layouts validation and DeepSpeed accept, ranked, and parallel=auto's overrides."""
 from __future__ import annotations
 
+import pytest
+
 from megaframe.backends.registry import engine
 from megaframe.config.compose import compose
 from megaframe.config.validate import validate
@@ -38,18 +40,44 @@ def test_fitting_layouts_fit_are_ranked_and_their_overrides_validate():
 
 
 def test_fsdp2_candidates_are_layouts_fsdp2_runs_and_the_best_fits():
-    """backend=fsdp2 searches FSDP2's own layouts (each passes its rules: ZeRO 2/3, no pp, offload of
-    all or nothing), and for a 70B model on 512 H100s finds ones that fit; parallel=auto hands the
-    winner's overrides to the ranks, which validate under FSDP2's rules."""
+    """backend=fsdp2 searches FSDP2's own layouts (each passes its rules: ZeRO 2/3, offload of all or
+    nothing, pipelines with 1F1B, interleaved 1F1B and ZBV, the split-backward ZBV at ZeRO-2 only),
+    and for a 70B model on 512 H100s finds ones that fit; parallel=auto hands the winner's overrides
+    to the ranks, which validate under FSDP2's rules."""
     fsdp2 = ["recipe=llama2_70b", "cluster=h100_80g", "backend=fsdp2", "zero=stage3", "parallel.pp=1", "parallel.tp=8",
              "parallel.dp=64"]
     cfg, _ = compose(fsdp2)
-    rules = engine("fsdp2").config_problem
-    base = plan_layout(cfg, validate(cfg, planned_world_size(cfg), fp16_supported=lambda: False, engine_problem=rules))
+    plug = engine("fsdp2")
+    rules = {"engine_problem": plug.config_problem, "engine_layout_problem": plug.layout_problem}
+    base = plan_layout(cfg, validate(cfg, planned_world_size(cfg), fp16_supported=lambda: False, **rules))
     seen = list(candidate_layouts(cfg.model, base, 8))
-    assert len(seen) > 10 and {lay.zero_stage for lay in seen} == {2, 3} and {lay.pp for lay in seen} == {1}
+    assert len(seen) > 10 and {lay.zero_stage for lay in seen} == {2, 3} and max(lay.pp for lay in seen) > 1
+    assert {lay.pipeline_schedule for lay in seen if lay.pp > 1} == {"1f1b", "interleaved_1f1b", "zbv"}
+    assert not any(lay.zero_stage == 3 and lay.pipeline_schedule == "zbv" for lay in seen)
     for lay in seen[::7]:  # every seventh: each composes and validates in about 50 ms
         again, _ = compose([*fsdp2, *layout_overrides(lay)])
-        validate(again, 512, fp16_supported=lambda: False, engine_problem=rules)
+        validate(again, 512, fp16_supported=lambda: False, **rules)
     best = fitting_layouts(cfg, base, limit=3)
     assert best and all(e.fits and e.layout.engine == "fsdp2" for e in best)
+
+
+def test_plan_engines_lets_parallel_auto_choose_between_the_engines():
+    """plan.engines=[deepspeed,fsdp2]: the search ranks both engines' layouts together, and the
+    winner's overrides name its engine."""
+    args = ["recipe=llama2_70b", "cluster=h100_80g", "parallel.tp=8", "parallel.pp=1", "parallel.dp=64"]
+    cfg, _ = compose([*args, "plan.engines=[deepspeed,fsdp2]"])
+    base = plan_layout(cfg, validate(cfg, 512, fp16_supported=lambda: False, engine_problem=DEEPSPEED_RULES))
+    ranked = fitting_layouts(cfg, base, limit=10_000)
+    assert {e.layout.engine for e in ranked} == {"deepspeed", "fsdp2"}
+    only_deepspeed = fitting_layouts(compose(args)[0], base, limit=10_000)
+    assert {e.layout.engine for e in only_deepspeed} == {"deepspeed"}
+    assert f"backend.name={ranked[0].layout.engine}" in layout_overrides(ranked[0].layout)
+
+
+def test_an_unknown_engine_in_plan_engines_is_one_line(capsys):
+    from megaframe.cli import check
+
+    with pytest.raises(SystemExit):
+        check(["plan.engines=[deepspeed,megatron]"])
+    line = capsys.readouterr().err.strip()
+    assert "plan.engines holds 'megatron'" in line and "deepspeed, fsdp2" in line and "\n" not in line
