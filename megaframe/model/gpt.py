@@ -23,6 +23,7 @@ from megaframe.model.dims import GPTDims
 from megaframe.model.mlp import MLP, Dropout
 from megaframe.model.moe import AddAux, MoE, RouterStats
 from megaframe.model.recompute import checkpointed
+from megaframe.model.layer_list import Layer, layer_list
 from megaframe.parallel.context import AttentionDropout, ContextGroup, ulysses_attention, zigzag_positions
 from megaframe.parallel.experts import ExpertGroup
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -309,6 +310,40 @@ def run_block(block: Block, x: torch.Tensor, rope, rng: Optional[TPDropoutRNG], 
     return checkpointed(run, x)
 
 
+def build_layer(layer: Layer, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG] = None,
+                spec: BlockSpec = BlockSpec()) -> nn.Module:
+    """The module of one entry of ModelSpec's layer list: the one place each kind is built, by the
+    GPT, by DeepSpeed's pipeline stages and by the dry run (a tied head is the embedding again)."""
+    if layer.kind == "embed" or (layer.kind == "head" and dims.tie_embeddings):
+        return Embedding(dims, tp, rng)
+    if layer.kind == "block":
+        return Block(dims, tp, rng, spec, layer.block)
+    if layer.kind == "final_norm":
+        return build_norm(dims, tp)
+    if layer.kind == "head":
+        return ColumnParallelLinear(dims.hidden_size, dims.padded_vocab_size, tp, bias=False)
+    raise ValueError(f"unknown layer kind {layer.kind!r}")
+
+
+def forward_layers(owner: nn.Module, x: torch.Tensor, tokens: int, blocks, embed: Optional[nn.Module] = None,
+                   final_norm: Optional[nn.Module] = None, head: Optional[nn.Module] = None,
+                   tied: Optional[nn.Module] = None) -> torch.Tensor:
+    """The forward over a span of the layer list: embed (token ids in) when given, the blocks, then
+    the final norm and the head (or the tied embedding `tied`) when given. The whole GPT runs every
+    layer; a pipeline stage its own. `owner` holds dims, rng, rope, positions and
+    activation_checkpointing; `tokens`: the sequence length the RoPE tables must cover (this rank's
+    tokens, not the SP shard of them a stage passes on)."""
+    if embed is not None:
+        x = embed(x, owner.positions)
+    rope = owner.rope(tokens, x.device, owner.positions) if owner.dims.position_embedding == "rope" else None
+    for block in blocks:
+        x = run_block(block, x, rope, owner.rng, owner.activation_checkpointing and owner.training)
+    if final_norm is not None:
+        x = final_norm(x)
+        x = head(x) if head is not None else tied_head_logits(tied, x)
+    return x
+
+
 def tied_head_logits(embedding: "Embedding", x: torch.Tensor) -> torch.Tensor:
     """GPT-2's LM head: the token embedding's vocabulary shard, used as an output projection."""
     return F.linear(embedding.tp.enter(x), embedding.tok.weight)
@@ -325,25 +360,21 @@ class GPT(nn.Module):
         self.activation_checkpointing = activation_checkpointing
         register_positions(self, dims, context)
         self.rope = RopeTables(dims)
-        self.embed = Embedding(dims, tp, rng)
         spec = block.across(context, cp_impl).with_experts(ep)
-        self.blocks = nn.ModuleList([Block(dims, tp, rng, spec, i) for i in range(dims.num_layers)])
+        layers = layer_list(dims.num_layers, dims.tie_embeddings)
+        self.embed = build_layer(layers[0], dims, tp, rng)
+        self.blocks = nn.ModuleList([build_layer(layer, dims, tp, rng, spec) for layer in layers if layer.kind == "block"])
         self.moe_layers = [b.mlp for b in self.blocks if isinstance(b.mlp, MoE)]  # not a ModuleList: no new names
         self.router_stats = RouterStats(dims.num_moe_blocks)
-        self.final_norm = build_norm(dims, tp)
-        self.head = None if dims.tie_embeddings else ColumnParallelLinear(
-            dims.hidden_size, dims.padded_vocab_size, tp, bias=False)
+        self.final_norm = build_layer(layers[-2], dims, tp)
+        self.head = None if dims.tie_embeddings else build_layer(layers[-1], dims, tp)
 
     def parallel_logits(self, idx: torch.Tensor) -> torch.Tensor:
         """This TP rank's slice of the padded-vocabulary logits, (B, T, padded_vocab / tp)."""
         if self.positions is not None and idx.shape[1] != len(self.positions):
             raise ValueError(f"a context-parallel shard holds {len(self.positions)} tokens, got {idx.shape[1]}")
-        x = self.embed(idx, self.positions)
-        rope = self.rope(idx.shape[1], idx.device, self.positions) if self.dims.position_embedding == "rope" else None
-        for block in self.blocks:
-            x = run_block(block, x, rope, self.rng, self.activation_checkpointing and self.training)
-        x = self.final_norm(x)
-        return self.head(x) if self.head is not None else tied_head_logits(self.embed, x)
+        return forward_layers(self, idx, idx.shape[1], self.blocks, embed=self.embed, final_norm=self.final_norm,
+                              head=self.head, tied=self.embed)
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         """Full logits over the real vocabulary, (B, T, vocab_size), gathered from the TP ranks."""

@@ -11,10 +11,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property
 from typing import TYPE_CHECKING, Optional
 
 from megaframe.model.dims import GPTDims
+from megaframe.model.layer_list import Layer, layer_list  # noqa: F401  (Layer: re-exported)
 
 if TYPE_CHECKING:  # torch-free at import: the planner reads the layer list in the launching process
     from megaframe.model.gpt import BlockSpec
@@ -23,15 +24,6 @@ if TYPE_CHECKING:  # torch-free at import: the planner reads the layer list in t
 # parameters whose first dimension is the (padded) vocabulary: the padding depends on tp, so
 # layout-free files store them unpadded
 VOCAB_PARAMS = ("embed.tok.weight", "head.weight")
-
-
-@dataclass(frozen=True)
-class Layer:
-    """One entry of the layer list: its kind, the canonical prefix of its parameters, its block."""
-
-    kind: str  # embed | block | final_norm | head
-    prefix: str  # embed, blocks.{i}, final_norm, head; a tied head is the embedding again
-    block: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -56,7 +48,7 @@ class ModelSpec:
 
     def layers(self) -> tuple[Layer, ...]:
         """The layer list, in the order the pipeline partitions it (and names its layers)."""
-        return _layers(self.dims.num_layers, self.dims.tie_embeddings)
+        return layer_list(self.dims.num_layers, self.dims.tie_embeddings)
 
     @cached_property
     def parameters(self) -> dict[str, ParamSpec]:
@@ -70,10 +62,3 @@ class ModelSpec:
         return {name: ParamSpec(name, (self.dims.vocab_size, *p.shape[1:]) if name in VOCAB_PARAMS else tuple(p.shape),
                                 getattr(p, "shard", None))
                 for name, p in model.named_parameters()}
-
-
-# The planner's layout search asks for the list of the same model thousands of times.
-@lru_cache(maxsize=64)
-def _layers(num_layers: int, tied: bool) -> tuple[Layer, ...]:
-    return (Layer("embed", "embed"), *[Layer("block", f"blocks.{i}", i) for i in range(num_layers)],
-            Layer("final_norm", "final_norm"), Layer("head", "embed" if tied else "head"))

@@ -14,11 +14,11 @@ import torch
 import torch.nn as nn
 
 from megaframe.backends.registry import engine
-from megaframe.model.gpt import GPT, Block, BlockSpec, Embedding, GPTDims, build_norm
+from megaframe.model.gpt import GPT, BlockSpec, GPTDims, build_layer
 from megaframe.model.spec import Layer, ModelSpec
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.experts import ExpertGroup
-from megaframe.parallel.layers import ColumnParallelLinear, TPGroup
+from megaframe.parallel.layers import TPGroup
 from megaframe.plan.memory import uniform_weights
 
 
@@ -55,16 +55,12 @@ def _stage_modules(dims: GPTDims, tp: TPGroup, ep: ExpertGroup, start: int, stop
     layers = ModelSpec(dims).layers()[start:stop]
     modules, tied = nn.ModuleList(), None
     for layer in layers:
-        if layer.kind == "embed" or (layer.kind == "head" and dims.tie_embeddings):
-            if tied is None or not share_tied:  # DeepSpeed builds a tied module once per stage
-                tied = Embedding(dims, tp, None)
-                modules.append(tied)
-        elif layer.kind == "block":
-            modules.append(Block(dims, tp, None, BlockSpec().with_experts(ep), layer.block))
-        elif layer.kind == "final_norm":
-            modules.append(build_norm(dims, tp))
-        else:
-            modules.append(ColumnParallelLinear(dims.hidden_size, dims.padded_vocab_size, tp, bias=False))
+        tied_layer = layer.kind == "embed" or (layer.kind == "head" and dims.tie_embeddings)
+        if tied_layer and tied is not None and share_tied:  # DeepSpeed builds a tied module once per stage
+            continue
+        module = build_layer(layer, dims, tp, None, BlockSpec().with_experts(ep))
+        tied = module if tied_layer else tied
+        modules.append(module)
     return [_layer_name(layer, dims) for layer in layers], modules
 
 

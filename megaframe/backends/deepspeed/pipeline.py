@@ -18,7 +18,7 @@ from deepspeed.runtime.utils import partition_balanced
 
 from megaframe.backends.deepspeed.experts import deepspeed_expert_marks
 from megaframe.backends.deepspeed.topology import build_topology
-from megaframe.model.gpt import (Block, BlockSpec, Embedding, GPTDims, RopeTables, build_norm, init_parameters,
+from megaframe.model.gpt import (BlockSpec, Embedding, GPTDims, RopeTables, build_layer, init_parameters,
                                  register_positions, run_block, tied_head_logits)
 from megaframe.model.moe import AttachAux, MoE, RouterStats
 from megaframe.model.spec import Layer, ModelSpec
@@ -58,7 +58,7 @@ class BlockPipe(nn.Module):
         self.dims, self.rng, self.recompute = dims, rng, recompute
         register_positions(self, dims, context)
         self.rope = rope or RopeTables(dims)  # one per stage: its blocks share the tables
-        self.block = Block(dims, tp, rng, spec.across(context, cp_impl).with_experts(ep), index)
+        self.block = build_layer(Layer("block", prefix, index), dims, tp, rng, spec.across(context, cp_impl).with_experts(ep))
         self.router_stats, self.aux_scale = router_stats, 1.0 / accumulation_steps
         init_parameters(self.block, prefix, dims, seed)
 
@@ -77,7 +77,7 @@ class FinalNormPipe(nn.Module):
 
     def __init__(self, dims: GPTDims, tp: TPGroup, seed: int):
         super().__init__()
-        self.norm = build_norm(dims, tp)
+        self.norm = build_layer(Layer("final_norm", "final_norm"), dims, tp)
         init_parameters(self.norm, "final_norm", dims, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

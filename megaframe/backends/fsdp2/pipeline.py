@@ -34,7 +34,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules
 
 from megaframe.model.dims import GPTDims
-from megaframe.model.gpt import GPT, run_block, tied_head_logits
+from megaframe.model.gpt import GPT, forward_layers
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaframe.parallel.layers import VocabParallelEmbedding
 from megaframe.parallel.pipeline_schedules import ONE_STAGE_PER_RANK, V_SHAPED, stage_indices, stages_per_rank
@@ -70,7 +70,7 @@ class Stage(nn.Module):
     def __init__(self, model: GPT, index: int, num_stages: int, blocks: range):
         super().__init__()
         self.dims, self.rng = model.dims, model.rng
-        self.recompute = model.activation_checkpointing
+        self.activation_checkpointing = model.activation_checkpointing
         self.index, self.num_stages = index, num_stages
         self.first, self.last = index == 0, index == num_stages - 1
         if model.positions is not None:  # context parallelism: this rank's zig-zag positions
@@ -89,19 +89,9 @@ class Stage(nn.Module):
         self.head = model.head if self.last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            x = self.embed(x, self.positions)
-        if self.dims.position_embedding == "rope":
-            tokens = len(self.positions) if self.positions is not None else self.dims.seq_length
-            rope = self.rope(tokens, x.device, self.positions)
-        else:
-            rope = None
-        for block in self.blocks.values():
-            x = run_block(block, x, rope, self.rng, self.recompute and self.training)
-        if self.last:
-            x = self.final_norm(x)
-            x = self.head(x) if self.head is not None else tied_head_logits(self.embed, x)
-        return x
+        tokens = len(self.positions) if self.positions is not None else self.dims.seq_length
+        return forward_layers(self, x, tokens, self.blocks.values(), embed=self.embed if self.first else None,
+                              final_norm=self.final_norm, head=self.head, tied=self.embed)
 
 
 class RankStages:
