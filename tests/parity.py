@@ -45,15 +45,15 @@ def train_runs(rank: int, world: int, runs: list[tuple[list[str], str]], fp16: b
 
 
 def assert_parity(got: list[dict], want: list[dict], what: str,
-                  keys: tuple[str, ...] = ("loss", "grad_norm", "eval_loss")) -> None:
-    """Every logged value of `keys` (loss, gradient norm and eval loss) within RTOL of the
+                  keys: tuple[str, ...] = ("loss", "grad_norm", "eval_loss"), rtol: float = RTOL) -> None:
+    """Every logged value of `keys` (loss, gradient norm and eval loss) within rtol of the
     reference run's."""
     for key in keys:
         g, w = curve(got, key), curve(want, key)
         assert [s for s, _ in g] == [s for s, _ in w] and len(w) >= 2, f"{what}: {key} steps differ"
         _report(what, key, max(abs(a - b) / abs(b) if b else abs(a) for (_, a), (_, b) in zip(g, w)))
         for (step, a), (_, b) in zip(g, w):
-            assert a == pytest.approx(b, rel=RTOL), f"{what}: {key} at step {step}: {a} vs reference {b}"
+            assert a == pytest.approx(b, rel=rtol), f"{what}: {key} at step {step}: {a} vs reference {b}"
 
 
 def assert_deepspeed_continues(saved: Path, overrides: list[str], reference: list[dict], tmp_path: Path,

@@ -16,7 +16,12 @@ from parity import RTOL, assert_deepspeed_continues, assert_parity, train_runs
 from ranks import run_ranks
 
 pytestmark = pytest.mark.slow
-SHAPE = ["model.num_layers=4", "parallel.global_batch_size=16"]  # 8 micro-batches of 2 at dp1, 4 at dp2
+SHAPE = ["model.num_layers=4", "parallel.global_batch_size=16"]
+# issue 32's bound on the gradient norm: the norm sums in fp64, so the layouts differ only by the fp32
+# rounding of the gradients themselves (measured: at most 1e-7 relative on these models). Not under
+# cp: the ring sums attention in another order, and llama's norm under cp2 came 1.2e-6 off (the
+# other keys' RTOL holds there).
+NORM_RTOL = 1e-6  # 8 micro-batches of 2 at dp1, 4 at dp2
 STEPS = ["train.max_steps=8", "train.eval_interval=4"]
 FLAVOURS = {"gpt2": ["model=gpt_tiny", *TINY, *SHAPE], "llama": ["model=llama_tiny", *TINY, *SHAPE]}
 PIPE = ["backend=fsdp2", "parallel.pp=2"]
@@ -74,6 +79,9 @@ def test_pipeline_schedules_match_the_single_rank_run(flavour, reference_dirs, t
     last_norm = curve(reference, "grad_norm")[-1][1]
     for i, name in enumerate(layouts):
         assert_parity(read_metrics(tmp_path / name), reference, f"fsdp2 {flavour} pp2 {name}")
+        if "cp2" not in name:
+            assert_parity(read_metrics(tmp_path / name), reference, f"fsdp2 {flavour} pp2 {name}", ("grad_norm",),
+                          NORM_RTOL)
         for rank, rank_norms in enumerate(norms):  # each stage's rank, each TP rank: the global norm
             assert rank_norms[i] == pytest.approx(last_norm, rel=RTOL), (name, rank, rank_norms[i], last_norm)
     if flavour == "gpt2":
@@ -83,6 +91,19 @@ def test_pipeline_schedules_match_the_single_rank_run(flavour, reference_dirs, t
                                    [*FLAVOURS[flavour], *STEPS], reference, tmp_path, "fsdp2 pp2 zbv -> deepspeed dp1")
 
 
+def test_each_schedule_alone_on_two_ranks(reference_dirs, tmp_path):
+    """pp2 without data parallelism: 1F1B, interleaved 1F1B and zero-bubble (two stages per rank)."""
+    runs = {"1f1b": ["zero=stage3"],
+            "interleaved": ["zero=stage3", "parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_stages=2"],
+            "zero_bubble": ["zero=stage2", "parallel.pipeline_schedule=zero_bubble", "parallel.virtual_stages=2"]}
+    run_ranks(train_runs, 2, tmp_path, runs=[([*FLAVOURS["gpt2"], *STEPS, *PIPE, *extra], str(tmp_path / name))
+                                             for name, extra in runs.items()])
+    reference = read_metrics(reference_dirs["gpt2"])
+    for name in runs:
+        assert_parity(read_metrics(tmp_path / name), reference, f"fsdp2 gpt2 pp2 {name}")
+        assert_parity(read_metrics(tmp_path / name), reference, f"fsdp2 gpt2 pp2 {name}", ("grad_norm",), NORM_RTOL)
+
+
 def test_pp2_tp2_dp2_on_eight_ranks_and_its_checkpoint_in_hugging_face(reference_dirs, tmp_path):
     """The three axes at once, 1F1B with ZeRO-3; the Hugging Face converter reads what eight ranks
     wrote (each stage its layers' boxes) and transformers gives the single-rank run's logits."""
@@ -90,6 +111,7 @@ def test_pp2_tp2_dp2_on_eight_ranks_and_its_checkpoint_in_hugging_face(reference
     norms = run_ranks(train_and_report_norm, 8, tmp_path, runs=[run])
     reference = read_metrics(reference_dirs["gpt2"])
     assert_parity(read_metrics(tmp_path / "pp2tp2dp2"), reference, "fsdp2 gpt2 pp2 x tp2 x dp2")
+    assert_parity(read_metrics(tmp_path / "pp2tp2dp2"), reference, "fsdp2 gpt2 pp2 x tp2 x dp2", ("grad_norm",), NORM_RTOL)
     last_norm = curve(reference, "grad_norm")[-1][1]
     assert all(rank_norms[0] == pytest.approx(last_norm, rel=RTOL) for rank_norms in norms), (norms, last_norm)
     assert_same_hf_logits(tmp_path / "pp2tp2dp2", reference_dirs["gpt2"], tmp_path)
