@@ -19,6 +19,11 @@ FLAVOURS = {"gpt2": ["model=gpt_tiny"], "llama": ["model=llama_tiny"]}  # llama_
 # 1.19e-5 off DeepSpeed's fp64 ZeRO-3 norm (the NVMe test). It is fp64 now (training/trainer.py).
 # MEGAFRAME_PARITY_REPORT=FILE appends each comparison's worst relative deviation to FILE.
 RTOL = 1e-5
+# Issue 32's bound on the gradient norm of FSDP2's layouts: the norm sums in fp64, so the layouts differ only by the fp32
+# rounding of the gradients themselves (measured: at most 1e-7 relative on the tiny models). Not under
+# cp: the ring sums attention in another order, and llama's norm under cp2 came 1.2e-6 off (the
+# other keys' RTOL holds there).
+NORM_RTOL = 1e-6
 
 
 def pretend_fp16_device() -> None:

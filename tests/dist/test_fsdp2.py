@@ -16,7 +16,7 @@ import pytest
 
 from helpers import TINY, assert_ok, cli_env, curve, read_metrics, run_cli, FRESH_RANKS
 from hf_logits import assert_same_hf_logits
-from parity import RTOL, assert_deepspeed_continues, assert_parity, train_runs
+from parity import NORM_RTOL, RTOL, assert_deepspeed_continues, assert_parity, train_runs
 from ranks import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -138,6 +138,10 @@ def test_fsdp2_layouts_match_the_single_rank_run(flavour, references, reference_
     last_norm = curve(reference, "grad_norm")[-1][1]
     for i, (name, (_, run_dir)) in enumerate(zip(layouts, runs)):
         assert_parity(read_metrics(run_dir), reference, f"fsdp2 {flavour} {name}")
+        # issue 32's 1e-6 on the norm (tests/parity.py): not under cp, nor for MoE, whose routing
+        # and expert sums measured up to 9.8e-7 here, too near the bound to hold on every host
+        if "cp2" not in name and flavour != "moe":
+            assert_parity(read_metrics(run_dir), reference, f"fsdp2 {flavour} {name}", ("grad_norm",), NORM_RTOL)
         # every rank's norm, TP ranks included: each counts the TP shards once and the replicas once
         for rank, rank_reports in enumerate(reports):
             norm = rank_reports[i]["grad_norm"]
