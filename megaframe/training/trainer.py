@@ -197,6 +197,20 @@ class Trainer:
             dropped = self.metrics.truncate_after(self.step)
             print(f"resumed from {path} at step {self.step}"
                   + (f" (dropped {dropped} metrics records logged after it)" if dropped else ""), flush=True)
+            self._resized = self._resize_event(point.client_state.get("layout") or {})
+
+    def _resize_event(self, saved: dict) -> Optional[dict]:
+        """A resume into another world size (an elastic restart after a node left or joined, or a
+        resharded run): one event in metrics.jsonl and W&B, and one console line, at the first step
+        the new world runs (a later resume from an earlier step drops it with the steps after it)."""
+        size = lambda record: math.prod(record.get(axis, 1) for axis in ("tp", "pp", "dp", "cp"))  # noqa: E731
+        if not saved or size(saved) == self.layout.world_size:
+            return None
+        event = {"step": self.step + 1, "event": "resized", "world_size": self.layout.world_size, "dp": self.layout.dp,
+                 "previous_world_size": size(saved), "previous_dp": saved.get("dp", 1)}
+        print(f"from step {self.step + 1}: world size {event['previous_world_size']} -> {self.layout.world_size} "
+              f"(dp {event['previous_dp']} -> {self.layout.dp})", flush=True)
+        return event  # logged once W&B is up
 
     def _check_batch_size(self, path: Path, state: dict) -> None:
         """A changed global batch size moves the data position (samples of step k are a function of
@@ -264,7 +278,7 @@ class Trainer:
                   "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.layout.world_size,
                   "tflops": tflops, "consumed_samples": self.consumed_samples,
                   "consumed_tokens": self.step * self.tokens_per_step, "step_time_s": seconds / steps,
-                  "memory_gb": memory_gb()}
+                  "memory_gb": memory_gb(), "world_size": self.layout.world_size, "dp": self.layout.dp}
         if self.peak_tflops:
             record["mfu"] = tflops / self.peak_tflops
         record.update(self.backend.precision_state())  # fp16: loss_scale
@@ -349,6 +363,7 @@ class Trainer:
     def fit(self) -> None:
         """Train to train.max_steps (or train.exit_at_step), evaluating and saving on schedule."""
         t = self.cfg.train
+        self._resized: Optional[dict] = None  # a resume into another world size (_resize_event)
         self._resume()
         self._start_step = self.step  # a signal before any new step has nothing new to save
         if self.is_logger:
@@ -359,6 +374,8 @@ class Trainer:
                             "run": run_metadata(self.layout.world_size, layout, self.backend.versions())}
             self.wandb = WandbRun(self.cfg.logging.wandb, self.run_dir, wandb_config, *self._wandb_names())
             self.progress = Progress(t.max_steps, self.step, enabled=self.cfg.logging.progress_bar)
+            if self._resized is not None:
+                self._log(self._resized)
         stop_at = t.exit_at_step or t.max_steps
         if self.step == 0 and t.eval_interval:
             self._log({"step": 0, "eval_loss": self.evaluate(), "consumed_samples": 0})

@@ -73,6 +73,12 @@ def test_resume_into_other_layouts(tmp_path):
         got = read_metrics(runs[name])
         assert min(r["step"] for r in got) == SAVED_AT + 1, f"{name} did not resume at step {SAVED_AT}"
         assert_parity(got, _resumed(reference), f"{name} (resumed)")
+    # every record says its world; a resume into another world size is an event at its first step
+    to_dp4 = read_metrics(runs["to_dp4_zero3"])
+    assert {(r["world_size"], r["dp"]) for r in to_dp4 if "loss" in r} == {(4, 4)}
+    assert [r for r in to_dp4 if r.get("event") == "resized"] == [
+        {"step": SAVED_AT + 1, "event": "resized", "world_size": 4, "dp": 4, "previous_world_size": 2, "previous_dp": 2}]
+    assert not any(r.get("event") == "resized" for r in read_metrics(runs["to_tp4dp2"]))  # 8 ranks -> 8 ranks
     # the source runs themselves agree with the reference up to the save
     for name in ("tp2pp2dp2", "tp4dp2_zero2", "dp2_zero2", "dp4_zero3"):
         assert_parity(read_metrics(runs[name]), [r for r in reference if r["step"] <= SAVED_AT], name)
