@@ -57,6 +57,13 @@ def model_states_record(step: int, per_rank: list[dict[str, int]], est: Optional
             "model_states_bytes_planned_per_stage": planned}
 
 
+def _freed(held: dict[str, int]) -> str:
+    """An engine that frees its gradients between steps (FSDP2) says what they take in the backward."""
+    if "gradients_in_backward" not in held or held["gradients"]:
+        return ""
+    return f" (freed between steps; {_size(held['gradients_in_backward'])} in the backward)"
+
+
 def model_states_line(per_rank: list[dict[str, int]], est: Optional[Estimate] = None) -> str:
     """Console line: rank 0's measured model states next to the ZeRO paper's (the planner's) for
     its stage, and the largest over ranks."""
@@ -70,6 +77,6 @@ def model_states_line(per_rank: list[dict[str, int]], est: Optional[Estimate] = 
         paper = (f" (ZeRO paper: {_size(st.weights)} + {_size(st.gradients)} + {_size(st.optimizer)}"
                  f"{f', offloaded {_size(st.host)}' if st.host else ''})")
     return (f"model states held (measured after the first step), rank 0: weights {_size(first['weights'])} + "
-            f"grads {_size(first['gradients'])} + optimizer {_size(first['optimizer'])}{paper}, reduce "
+            f"grads {_size(first['gradients'])}{_freed(first)} + optimizer {_size(first['optimizer'])}{paper}, reduce "
             f"bucket {_size(first['buckets'])}, other {_size(first['other'])}; largest rank "
             f"{_size(total(largest))}")

@@ -209,6 +209,8 @@ def test_held_model_states_are_16_psi_over_n_at_dp4(tmp_path):
             assert report["storage"] == expected and report["planned"] == expected
             held = report["held"]
             assert held["weights"] + held["gradients"] + held["optimizer"] == expected and held["buckets"] == 0
+            # what the start-up line says the freed gradients take in the backward is what they took
+            assert held["gradients_in_backward"] == held["gradients"] > 0
 
 
 def test_a_checkpoint_moves_deepspeed_to_fsdp2_to_deepspeed_changing_layout(references, tmp_path):

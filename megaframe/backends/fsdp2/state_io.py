@@ -194,5 +194,8 @@ def held_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer)
         return t.numel() * t.element_size()
     params = list(module.parameters())
     moments = sum(local_bytes(v) for p in params for k, v in optimizer.state.get(p, {}).items() if k in MOMENT_KEYS)
-    return {"weights": sum(local_bytes(p) for p in params), "gradients": sum(local_bytes(p.grad) for p in params),
-            "optimizer": moments, "buckets": 0, "other": 0}
+    weights = sum(local_bytes(p) for p in params)
+    # the step frees the gradients (set_to_none): between steps there are none, and in the backward
+    # each sharded gradient is its parameter's shape and dtype (fp32), so as many bytes as the weights
+    return {"weights": weights, "gradients": sum(local_bytes(p.grad) for p in params), "optimizer": moments,
+            "buckets": 0, "other": 0, "gradients_in_backward": weights}
