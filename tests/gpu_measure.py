@@ -1,5 +1,5 @@
-"""What the GPU tier measures of a run: the allocator's peak beside the planner's, and the steady
-tokens/s. Shared by tests/gpu's files (only run where CUDA is)."""
+"""What the GPU tier measures of a run: its loss curve against the CPU's, the allocator's peak beside
+the planner's, and the steady tokens/s. Shared by tests/gpu's files (only run where CUDA is)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,25 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import REPO, assert_ok, read_metrics, run_cli
+from helpers import REPO, assert_ok, cli_env, curve, read_metrics, run_cli
+
+def gpu_env(**extra: str) -> dict[str, str]:
+    """A run's environment on the GPU (the CPU suite pins DeepSpeed's accelerator to cpu)."""
+    return cli_env(DS_ACCELERATOR="cuda", **extra)
+
+
+def loss_gap(got: list[dict], want: list[dict]) -> float:
+    """Mean relative gap of the loss curve `got` to `want`, at the same logged steps."""
+    g, w = curve(got, "loss"), curve(want, "loss")
+    assert [s for s, _ in g] == [s for s, _ in w], "different logged steps"
+    return sum(abs(a - b) / b for (_, a), (_, b) in zip(g, w)) / len(w)
+
+
+def cpu_reference_run(run_dir: Path, args: list[str]) -> list[dict]:
+    """The same run on the CPU, with no GPU visible: the reference curve."""
+    assert_ok(run_cli([*args, f"hydra.run.dir={run_dir}"], env=cli_env(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")))
+    return read_metrics(run_dir)
+
 
 PEAK = """
 import json, sys

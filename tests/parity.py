@@ -35,19 +35,23 @@ def pretend_fp16_device() -> None:
     get_accelerator().is_fp16_supported = lambda: True
 
 
-def train_runs(rank: int, world: int, runs: list[tuple[list[str], str]], fp16: bool = False) -> None:
+def train_runs(rank: int, world: int, runs: list[tuple[list[str], str]], fp16: bool = False) -> list[float]:
     """Train each (overrides, run_dir) in turn inside these ranks (saves a process start per config);
-    fp16=True runs them on a pretended fp16 device (pretend_fp16_device)."""
+    fp16=True runs them on a pretended fp16 device (pretend_fp16_device). Returns this rank's last
+    gradient norm of each run (every rank computes the global one)."""
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
     from megaframe.training.trainer import Trainer
 
     if fp16:
         pretend_fp16_device()
+    norms = []
     for overrides, run_dir in runs:
         cfg, _ = compose(overrides)
         with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:  # validation asks the same check
             trainer.fit()
+            norms.append(trainer.backend.grad_norm())
+    return norms
 
 
 def assert_parity(got: list[dict], want: list[dict], what: str,

@@ -21,6 +21,12 @@ SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")  # input and weight gradien
 IN_ROUNDS = ("interleaved_1f1b", "zero_bubble")  # micro-batches run in rounds of p
 
 
+def uniform_cuts(layers: int, parts: int) -> list[int]:
+    """Where a list of `layers` is cut into `parts` as even as whole layers allow (Megatron's
+    uniform split): parts + 1 boundaries."""
+    return [round(i * layers / parts) for i in range(parts + 1)]
+
+
 def stages_per_rank(schedule: str, virtual_stages: int) -> int:
     if schedule in V_SHAPED:
         return 2

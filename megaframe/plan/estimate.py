@@ -148,7 +148,9 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
         # DeepSpeed's last stage holds the whole tied embedding layer; FSDP2's copy is the token table alone
         params -= dims.seq_length * dims.hidden_size
     experts = sum(stage_expert_parameters(dims, lay.tp, cuts, c, lay.partition, ep) for c in chunks)
-    blocks = sum(stage_blocks(dims, lay.tp, cuts, c, lay.partition) for c in chunks)
+    chunk_blocks = {c: stage_blocks(dims, lay.tp, cuts, c, lay.partition) for c in chunks}
+    chunk_moe_blocks = {c: stage_blocks(dims, lay.tp, cuts, c, lay.partition, moe_only=True) for c in chunks}
+    blocks = sum(chunk_blocks.values())
     # ZeRO partitions over DeepSpeed's data axis, dp x cp; a rank's experts over their replicas, dp x cp / ep
     in_backward = lay.micro_batches == 1 and lay.pp == 1 and (zero.contiguous_gradients or zero.overlap_comm)
     def states_of(n: int, replicas: int) -> ModelStates:
@@ -161,11 +163,9 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
         states = states + states_of(experts, lay.grid.edp)
     shape = ActivationShape(lay.micro_batch_size, lay.tp, lay.sequence_parallel, dtype, device, lay.cp, lay.cp_impl)
     last = cuts - 1 in chunks
-    moe_blocks = sum(stage_blocks(dims, lay.tp, cuts, c, lay.partition, moe_only=True) for c in chunks)
-    per_micro = sum(stage_activation_bytes(dims, shape, stage_blocks(dims, lay.tp, cuts, c, lay.partition), c == 0,
-                                           c == cuts - 1, lay.recompute,
-                                           stage_blocks(dims, lay.tp, cuts, c, lay.partition, moe_only=True))
-                    for c in chunks)
+    moe_blocks = sum(chunk_moe_blocks.values())
+    per_micro = sum(stage_activation_bytes(dims, shape, chunk_blocks[c], c == 0, c == cuts - 1, lay.recompute,
+                                           chunk_moe_blocks[c]) for c in chunks)
     in_flight = in_flight_micro_batches(lay.pp, stage, lay.micro_batches, lay.pipeline_schedule, lay.virtual_stages)
     # recomputation rebuilds one block at a time: the larger of a dense and an MoE block's, of the
     # kinds this stage holds

@@ -42,21 +42,6 @@ LAYOUTS = {
 }
 
 
-def train_and_report_norm(rank: int, world: int, runs: list[tuple[list[str], str]]) -> list[float]:
-    """train_runs, then each rank's own last gradient norm (every rank computes the global one)."""
-    from megaframe.backends.registry import validate_for_engine
-    from megaframe.config.compose import compose
-    from megaframe.training.trainer import Trainer
-
-    norms = []
-    for overrides, run_dir in runs:
-        cfg, _ = compose(overrides)
-        with Trainer(cfg, validate_for_engine(cfg, world), Path(run_dir)) as trainer:
-            trainer.fit()
-            norms.append(trainer.backend.grad_norm())
-    return norms
-
-
 @pytest.fixture(scope="module")
 def reference_dirs(tmp_path_factory) -> dict[str, Path]:
     """DeepSpeed at one rank, unpipelined, each flavour."""
@@ -69,7 +54,7 @@ def reference_dirs(tmp_path_factory) -> dict[str, Path]:
 def test_pipeline_schedules_match_the_single_rank_run(flavour, reference_dirs, tmp_path):
     layouts = LAYOUTS[flavour]
     runs = [([*FLAVOURS[flavour], *STEPS, *PIPE, *extra], str(tmp_path / name)) for name, extra in layouts.items()]
-    norms = run_ranks(train_and_report_norm, 4, tmp_path, runs=runs)
+    norms = run_ranks(train_runs, 4, tmp_path, runs=runs)
     reference = read_metrics(reference_dirs[flavour])
     last_norm = curve(reference, "grad_norm")[-1][1]
     for i, name in enumerate(layouts):
@@ -103,7 +88,7 @@ def test_pp2_tp2_dp2_on_eight_ranks_and_its_checkpoint_in_hugging_face(reference
     """The three axes at once, 1F1B with ZeRO-3; the Hugging Face converter reads what eight ranks
     wrote (each stage its layers' boxes) and transformers gives the single-rank run's logits."""
     run = ([*FLAVOURS["gpt2"], *STEPS, *PIPE, "zero=stage3", "parallel.tp=2", "parallel.dp=2"], str(tmp_path / "pp2tp2dp2"))
-    norms = run_ranks(train_and_report_norm, 8, tmp_path, runs=[run])
+    norms = run_ranks(train_runs, 8, tmp_path, runs=[run])
     reference = read_metrics(reference_dirs["gpt2"])
     assert_parity(read_metrics(tmp_path / "pp2tp2dp2"), reference, "fsdp2 gpt2 pp2 x tp2 x dp2")
     assert_parity(read_metrics(tmp_path / "pp2tp2dp2"), reference, "fsdp2 gpt2 pp2 x tp2 x dp2", ("grad_norm",), NORM_RTOL)

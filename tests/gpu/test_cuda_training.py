@@ -15,28 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, TINY, assert_ok, cli_env, curve, read_metrics, run_cli
+from gpu_measure import cpu_reference_run, gpu_env, loss_gap
+from helpers import REPO, TINY, assert_ok, curve, read_metrics, run_cli
 
 STEPS = ["train.max_steps=20", "train.eval_interval=10", "train.save_interval=10"]
 # mean relative gap of the loss curve to the CPU fp32 reference, per precision
 TOLERANCE = {"fp32": 1e-3, "bf16": 2e-2, "fp16": 1e-2}
 
 
-def gpu_env(**extra: str) -> dict[str, str]:
-    return cli_env(DS_ACCELERATOR="cuda", **extra)
-
-
-def _gap(got: list[dict], want: list[dict]) -> float:
-    g, w = curve(got, "loss"), curve(want, "loss")
-    assert [s for s, _ in g] == [s for s, _ in w], "different logged steps"
-    return sum(abs(a - b) / b for (_, a), (_, b) in zip(g, w)) / len(w)
-
-
 @pytest.fixture(scope="module")
 def cpu_reference(tmp_path_factory) -> list[dict]:
-    run_dir = tmp_path_factory.mktemp("cpu") / "run"
-    assert_ok(run_cli([*TINY, *STEPS, f"hydra.run.dir={run_dir}"], env=cli_env(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")))
-    return read_metrics(run_dir)
+    return cpu_reference_run(tmp_path_factory.mktemp("cpu") / "run", [*TINY, *STEPS])
 
 
 CASES = {
@@ -61,17 +50,14 @@ def test_trains_on_the_gpu_close_to_the_cpu_reference(case, cpu_reference, tmp_p
     assert_ok(result)
     assert "| device cuda:0 (" in result.stdout, result.stdout[-2000:]
     dtype = next((a.split("=")[1] for a in extra if a.startswith("precision=")), "fp32")
-    gap = _gap(read_metrics(tmp_path / "run"), cpu_reference)
+    gap = loss_gap(read_metrics(tmp_path / "run"), cpu_reference)
     print(f"{case}: mean relative loss gap to CPU fp32 {gap:.2e}")
     assert gap < TOLERANCE[dtype], (case, gap)
 
 
 @pytest.fixture(scope="module")
 def cpu_moe_reference(tmp_path_factory) -> list[dict]:
-    run_dir = tmp_path_factory.mktemp("cpu-moe") / "run"
-    assert_ok(run_cli([*TINY, *STEPS, "model=moe_tiny", f"hydra.run.dir={run_dir}"],
-                      env=cli_env(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")))
-    return read_metrics(run_dir)
+    return cpu_reference_run(tmp_path_factory.mktemp("cpu-moe") / "run", [*TINY, *STEPS, "model=moe_tiny"])
 
 
 @pytest.mark.parametrize("extra", [["precision=bf16", "zero=stage1"], ["zero=stage3"]], ids=["bf16-zero1", "fp32-zero3"])
@@ -82,7 +68,7 @@ def test_moe_trains_on_the_gpu_close_to_the_cpu_reference(extra, cpu_moe_referen
                      timeout=900)
     assert_ok(result)
     dtype = "bf16" if "precision=bf16" in extra else "fp32"
-    gap = _gap(read_metrics(tmp_path / "run"), cpu_moe_reference)
+    gap = loss_gap(read_metrics(tmp_path / "run"), cpu_moe_reference)
     print(f"moe {extra}: mean relative loss gap to CPU fp32 {gap:.2e}")
     assert gap < TOLERANCE[dtype], (extra, gap)
 

@@ -7,29 +7,18 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_measure import PEAK_MODEL, planned_and_measured_peak, steady_tokens_per_s
-from helpers import TINY, assert_ok, cli_env, curve, read_metrics, run_cli
+from gpu_measure import (PEAK_MODEL, cpu_reference_run, gpu_env, loss_gap, planned_and_measured_peak,
+                         steady_tokens_per_s)
+from helpers import TINY, assert_ok, read_metrics, run_cli
 
 STEPS = ["train.max_steps=20", "train.eval_interval=10", "train.save_interval=10"]
 TOLERANCE = {"fp32": 1e-3, "bf16": 2e-2}  # mean relative loss gap to CPU fp32 (as test_cuda_training)
 FSDP2 = ["backend=fsdp2"]
 
 
-def _env() -> dict[str, str]:
-    return cli_env(DS_ACCELERATOR="cuda")
-
-
-def _gap(got: list[dict], want: list[dict]) -> float:
-    g, w = curve(got, "loss"), curve(want, "loss")
-    assert [s for s, _ in g] == [s for s, _ in w], "different logged steps"
-    return sum(abs(a - b) / b for (_, a), (_, b) in zip(g, w)) / len(w)
-
-
 @pytest.fixture(scope="module")
 def cpu_reference(tmp_path_factory) -> list[dict]:
-    run_dir = tmp_path_factory.mktemp("cpu") / "run"
-    assert_ok(run_cli([*TINY, *STEPS, f"hydra.run.dir={run_dir}"], env=cli_env(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")))
-    return read_metrics(run_dir)
+    return cpu_reference_run(tmp_path_factory.mktemp("cpu") / "run", [*TINY, *STEPS])
 
 
 CASES = {"stage3-fp32": ["zero=stage3"], "stage2-bf16": ["zero=stage2", "precision=bf16"],
@@ -40,17 +29,17 @@ CASES = {"stage3-fp32": ["zero=stage3"], "stage2-bf16": ["zero=stage2", "precisi
 @pytest.mark.parametrize("case", list(CASES))
 def test_fsdp2_trains_on_the_gpu_close_to_the_cpu_reference(case, cpu_reference, tmp_path):
     extra = CASES[case]
-    result = run_cli([*TINY, *STEPS, *FSDP2, *extra, f"hydra.run.dir={tmp_path / 'run'}"], env=_env(), timeout=900)
+    result = run_cli([*TINY, *STEPS, *FSDP2, *extra, f"hydra.run.dir={tmp_path / 'run'}"], env=gpu_env(), timeout=900)
     assert_ok(result)
     assert "| device cuda:0 (" in result.stdout, result.stdout[-2000:]
-    gap = _gap(read_metrics(tmp_path / "run"), cpu_reference)
+    gap = loss_gap(read_metrics(tmp_path / "run"), cpu_reference)
     print(f"fsdp2 {case}: mean relative loss gap to CPU fp32 {gap:.2e}")
     assert gap < TOLERANCE["bf16" if "precision=bf16" in extra else "fp32"], (case, gap)
 
 
 def test_fsdp2_peak_is_the_planners_and_at_most_zero3s_and_offload_lowers_it(tmp_path):
     bf16 = ["precision=bf16", "zero=stage3"]
-    peaks = {name: planned_and_measured_peak([*PEAK_MODEL, *bf16, *extra], tmp_path / name, _env())
+    peaks = {name: planned_and_measured_peak([*PEAK_MODEL, *bf16, *extra], tmp_path / name, gpu_env())
              for name, extra in {"fsdp2": FSDP2, "fsdp2-offload": [*FSDP2, "offload=cpu"], "zero3": []}.items()}
     for name, peak in peaks.items():
         print(f"{name}: planned {peak['planned_gib']:.3f} GiB, measured {peak['measured_gib']:.3f} GiB")
@@ -62,7 +51,7 @@ def test_fsdp2_peak_is_the_planners_and_at_most_zero3s_and_offload_lowers_it(tmp
 
 def test_fsdp2_is_as_fast_as_zero3_and_compiled_blocks_are_faster(tmp_path):
     bf16 = [*PEAK_MODEL, "precision=bf16", "zero=stage3"]
-    rates = {name: steady_tokens_per_s([*bf16, *extra], tmp_path / name, _env())
+    rates = {name: steady_tokens_per_s([*bf16, *extra], tmp_path / name, gpu_env())
              for name, extra in {"zero3": [], "fsdp2": FSDP2, "fsdp2-compiled": [*FSDP2, "train.compile=true"]}.items()}
     print(f"tokens/s on one GPU, bf16: {rates}")
     assert rates["fsdp2"] >= rates["zero3"], rates

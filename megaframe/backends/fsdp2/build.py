@@ -55,6 +55,11 @@ def restore_marks(model: nn.Module, marks: dict[str, dict[str, Any]]) -> None:
             setattr(p, mark, value)
 
 
+def compute_dtype(dtype: str) -> torch.dtype:
+    """The dtype gathered parameters, activations and stored weights take for precision.dtype."""
+    return torch.bfloat16 if dtype == "bf16" else torch.float32
+
+
 def policies(dtype: str, offload_cpu: bool, pin_memory: bool) -> dict[str, Any]:
     """fully_shard's mixed-precision and offload policies for precision.dtype and offload=cpu
     (pin_memory: offload.pin_memory). bf16: the sharded parameters (the optimizer's master) stay

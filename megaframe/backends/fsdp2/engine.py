@@ -107,13 +107,13 @@ class Fsdp2Backend:
             build.materialise(part, torch.device("cpu") if offload else self.device, self.device, dims,
                               cfg.train.seed, marks)
         self.pipeline: Optional[pipeline.Pipeline] = None
-        self.tied_copies: set[int] = set()
+        self.tied_copies: frozenset[int] = frozenset()
         if pipelined:
             self.module = pipeline.RankStages(parts)
-            self.tied_copies = {id(param) for param in pipeline.tied_copies(stages)}
+            self.tied_copies = frozenset(id(param) for param in pipeline.tied_copies(stages))
             self.pipeline = pipeline.build_pipeline(
                 stages, module, ps, p.pipeline_schedule, layout.grad_accum_steps, layout.micro_batch_size,
-                p.sequence_parallel, torch.bfloat16 if cfg.precision.dtype == "bf16" else torch.float32, self.device,
+                p.sequence_parallel, build.compute_dtype(cfg.precision.dtype), self.device,
                 pipeline.embedding_groups(ps, p.pipeline_schedule, dims.tie_embeddings))
         else:
             self.module = module
@@ -129,7 +129,9 @@ class Fsdp2Backend:
     # ---- steps -------------------------------------------------------------------------------
     def train_step(self, batches: list[Batch], skip_if: Optional[Callable[[float], bool]] = None) -> StepResult:
         if self.pipeline is not None:
-            loss = dp_mean(self._pipelined(batches, train=True) / len(batches), self.ps)  # one host read per step
+            on_it = on_device(batches, self.device)  # the schedule cuts the concatenated batch into them again
+            total = self.pipeline.train(torch.cat([b[0] for b in on_it]), torch.cat([b[1] for b in on_it]))
+            loss = dp_mean(total / len(batches), self.ps)  # one host read per step
             self.pipeline.sum_tied_gradients()
         else:
             total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -163,7 +165,7 @@ class Fsdp2Backend:
     def eval_step(self, batches: list[Batch]) -> float:
         self.module.eval()
         if self.pipeline is not None:
-            total = self._pipelined(batches, train=False)
+            total = self.pipeline.evaluate(on_device(batches, self.device))
         else:
             total = torch.zeros((), dtype=torch.float64, device=self.device)
             for inputs, targets in on_device(batches, self.device):
@@ -171,14 +173,6 @@ class Fsdp2Backend:
         self.module.train()
         build.reshard(self.module)  # a forward without backward leaves the root gathered
         return dp_mean(total / len(batches), self.ps)
-
-    def _pipelined(self, batches: list[Batch], train: bool) -> torch.Tensor:
-        """Sum of the micro-batches' losses through the pipeline: a training step's batches in one
-        run of its schedule (which splits them again), evaluation's forward only."""
-        batches = on_device(batches, self.device)
-        if not train:
-            return self.pipeline.evaluate(batches)
-        return self.pipeline.train(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
 
     def grad_norm(self) -> float:
         return float(self._last_grad_norm)

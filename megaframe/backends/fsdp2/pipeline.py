@@ -37,7 +37,8 @@ from megaframe.model.dims import GPTDims
 from megaframe.model.gpt import GPT, forward_layers
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaframe.parallel.layers import VocabParallelEmbedding
-from megaframe.parallel.pipeline_schedules import ONE_STAGE_PER_RANK, V_SHAPED, stage_indices, stages_per_rank
+from megaframe.parallel.pipeline_schedules import (ONE_STAGE_PER_RANK, V_SHAPED, stage_indices, stages_per_rank,
+                                                   uniform_cuts)
 from megaframe.parallel.state import ParallelState
 
 # parallel.pipeline_schedule -> torch's schedule (which stages sit on which rank: parallel/pipeline_schedules.py)
@@ -49,7 +50,7 @@ TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleave
 def block_ranges(num_layers: int, num_stages: int) -> list[range]:
     """Blocks of each stage: as even as whole blocks allow (Megatron's uniform split); the
     embedding rides on the first stage and the final norm and head on the last."""
-    cuts = [round(i * num_layers / num_stages) for i in range(num_stages + 1)]
+    cuts = uniform_cuts(num_layers, num_stages)
     return [range(cuts[i], cuts[i + 1]) for i in range(num_stages)]
 
 
@@ -71,7 +72,7 @@ class Stage(nn.Module):
         super().__init__()
         self.dims, self.rng = model.dims, model.rng
         self.activation_checkpointing = model.activation_checkpointing
-        self.index, self.num_stages = index, num_stages
+        self.num_stages = num_stages
         self.first, self.last = index == 0, index == num_stages - 1
         if model.positions is not None:  # context parallelism: this rank's zig-zag positions
             self.register_buffer("positions", model.positions.clone(), persistent=False)
@@ -177,6 +178,7 @@ class Pipeline:
     pp_rank: int
     stage_ranks: list[int]  # the pipeline rank that runs each stage
     hidden: torch.Tensor  # (meta) what stages pass to each other
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # the schedule's too
     device: torch.device
     embedding_group: Optional[object] = None
     has_first: bool = field(init=False)
@@ -219,7 +221,7 @@ class Pipeline:
                     dist.recv(x, src=self.pp_group_ranks[self.stage_ranks[index - 1]], group=self.pp_group)
                 x = self.stages[index](x)
                 if index == last:
-                    total += self.schedule._loss_fn(x, targets).detach()
+                    total += self.loss_fn(x, targets).detach()
                 elif self.stage_ranks[index + 1] != owner:
                     dist.send(x.contiguous(), dst=self.pp_group_ranks[self.stage_ranks[index + 1]], group=self.pp_group)
         dist.all_reduce(total, group=self.pp_group)
@@ -284,10 +286,10 @@ def build_pipeline(stages: dict[int, Stage], model: GPT, ps: ParallelState, sche
             stage, index, num_stages, device, group=ps.pp_group,
             input_args=tokens if index == 0 else hidden,
             output_args=logits if index == num_stages - 1 else hidden))
-    cls = getattr(schedules, TORCH_SCHEDULES[schedule])
+    cls, loss_fn = getattr(schedules, TORCH_SCHEDULES[schedule]), loss_function(model)
     runner = cls(pipeline_stages[0] if schedule in ONE_STAGE_PER_RANK else pipeline_stages, n_microbatches,
-                 loss_fn=loss_function(model), scale_grads=True)
+                 loss_fn=loss_fn, scale_grads=True)
     stage_ranks = [next(r for r in range(ps.pp) if i in stage_indices(schedule, ps.pp, len(stages), r))
                    for i in range(num_stages)]
-    return Pipeline(stages, runner, ps.pp_group, ps.group_ranks("pp"), ps.pp_rank, stage_ranks, hidden, device,
-                    embedding_group)
+    return Pipeline(stages, runner, ps.pp_group, ps.group_ranks("pp"), ps.pp_rank, stage_ranks, hidden, loss_fn,
+                    device, embedding_group)

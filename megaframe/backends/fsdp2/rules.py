@@ -23,7 +23,7 @@ from typing import Optional
 from megaframe.config.schema import OffloadConfig, TrainConfig, ZeroConfig
 from megaframe.config.validate import Layout
 from megaframe.parallel.pipeline_schedules import (ONE_STAGE_PER_RANK, SCHEDULES, SPLIT_BACKWARD, V_SHAPED,
-                                                   runs_micro_batches, stages_per_rank)
+                                                   runs_micro_batches, stages_per_rank, uniform_cuts)
 
 ALTERNATIVE = "or backend=deepspeed"
 
@@ -128,5 +128,4 @@ def stage_boundaries(weights: tuple, pp: int) -> tuple:
     """Where the pipeline cuts a layer list into pp parts (uniform: as many layers each as whole
     layers allow; pipeline.py cuts blocks the same way, with the embedding on the first stage and
     the final norm and head on the last)."""
-    layers = len(weights)
-    return tuple(round(i * layers / pp) for i in range(pp + 1))
+    return tuple(uniform_cuts(len(weights), pp))

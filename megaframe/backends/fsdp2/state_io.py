@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from megaframe.backends.common import adam_step, adam_step_tensor, jsonable, restore_schedule
-from megaframe.backends.fsdp2.build import local_box
+from megaframe.backends.fsdp2.build import compute_dtype, local_box
 from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.boxes import Box, clip_rows
 from megaframe.checkpoint.universal import MASTER_KEY, MOMENT_KEYS
@@ -86,16 +86,12 @@ def local_parts(view: ShardView) -> list[LocalPart]:
 def _stored(view: ShardView, part: LocalPart) -> dict[str, Callable[[], torch.Tensor]]:
     """The stored tensors of one part, by checkpoint key: how to read each from the live state."""
     state = view.optimizer.state.get(part.param, {})
-    out = {part.name: lambda: part.local(part.param).detach().to(_compute_dtype(view)).float()}
+    out = {part.name: lambda: part.local(part.param).detach().to(compute_dtype(view.cfg.precision.dtype)).float()}
     if view.cfg.precision.dtype != "fp32":  # the sharded fp32 parameter is the master
         out[f"{MASTER_KEY}.{part.name}"] = lambda: part.local(part.param).detach().float()
     for key in MOMENT_KEYS:
         out[f"{key}.{part.name}"] = lambda key=key: part.local(state[key]).detach().float()
     return out
-
-
-def _compute_dtype(view: ShardView) -> torch.dtype:
-    return torch.bfloat16 if view.cfg.precision.dtype == "bf16" else torch.float32
 
 
 def _ensure_adam_state(optimizer: torch.optim.Optimizer, step: int) -> None:
