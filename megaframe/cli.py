@@ -56,6 +56,8 @@ def check(overrides: Sequence[str]) -> tuple[TrainConfig, Layout, str]:
     """Compose and validate; exits with code 2 and a one-line message on bad input."""
     try:
         cfg, run_dir = compose(overrides)
+        if _launcher_world_size() is None and cfg.launcher.min_nodes is not None:
+            _check_elastic_range(cfg, overrides)
         world = _launcher_world_size() or _slurm_world_size(cfg) or requested_world_size(cfg)
         layout = validate_for_engine(cfg, world)
     except ConfigError as err:
@@ -64,9 +66,78 @@ def check(overrides: Sequence[str]) -> tuple[TrainConfig, Layout, str]:
 
 
 def _slurm_world_size(cfg: TrainConfig) -> Optional[int]:
-    """launcher=slurm with launcher.nodes: the job's tasks, one per GPU."""
+    """launcher=slurm with launcher.nodes, or an elastic job (launcher.min_nodes) at its largest:
+    the job's ranks, one per GPU."""
     launcher = cfg.launcher
-    return launcher.nodes * launcher.gpus_per_node if launcher.name == "slurm" and launcher.nodes else None
+    if launcher.nodes and (launcher.name == "slurm" or launcher.min_nodes is not None):
+        return launcher.nodes * launcher.gpus_per_node
+    return None
+
+
+def _check_elastic_range(cfg: TrainConfig, args: Sequence[str]) -> None:
+    """launcher.min_nodes, before launch: the elastic keys and a shared run dir, then every world size
+    of the range must resolve a layout and fit; one line naming those that cannot (exit 2)."""
+    from megaframe.config.validate import check_elastic
+    from megaframe.elastic_launch import range_problem
+    from megaframe.plan.cli import fit_problem
+
+    if problem := check_elastic(cfg):
+        _fail(problem)
+    if not any(a.startswith("hydra.run.dir=") for a in args):
+        _fail("launcher.min_nodes: every node and attempt of an elastic job writes and resumes from one run "
+              "directory; set hydra.run.dir to a path on storage all nodes share")
+    try:
+        problem = range_problem(cfg, lambda world: validate_for_engine(cfg, world, ask_bf16=False),
+                                lambda at: fit_problem(cfg, at))
+    except ConfigError as err:  # the planner's own keys (cluster.*)
+        problem = str(err)
+    if problem:
+        _fail(problem)
+
+
+def _launch_elastic(cfg: TrainConfig, layout: Layout, args: list[str], run_dir: str) -> int:
+    """launcher.min_nodes, before launch: every world size of the range must train (one line naming
+    those that cannot), then the job starts: SLURM's script, Ray's elastic workers, or (local) the
+    torchrun line every node runs, printed and written to RUN_DIR/elastic_node.sh."""
+    import uuid
+
+    from megaframe.atomic_io import atomic_write_text
+    from megaframe.elastic_launch import NODE_SCRIPT, node_command, node_script
+
+    if cfg.launcher.name == "slurm":
+        return _submit_slurm(cfg, layout, args, run_dir)
+    run_path = Path(run_dir).resolve()
+    if cfg.launcher.name == "ray":
+        from megaframe.ray_launcher import run_on_ray
+        from megaframe.training.data_setup import dataset_prefix
+
+        args, run_dir = _own_run_dir(args, run_dir)
+        dataset_prefix(cfg.data)
+        return run_on_ray(cfg, layout.world_size, args, run_path, train_main)
+    command = node_command(cfg.launcher, args, run_path, f"megaframe-{uuid.uuid4().hex[:12]}")
+    script = run_path / NODE_SCRIPT
+    run_path.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(script, node_script(command))
+    script.chmod(0o755)
+    print(f"{PROG}: elastic job of {cfg.launcher.min_nodes} to {cfg.launcher.nodes} nodes "
+          f"of {cfg.launcher.gpus_per_node} ranks: run this on every node, also on nodes that join later "
+          f"(it is {script}):\n{command}", flush=True)
+    return 0
+
+
+def _join_elastic_stop_record(args: list[str], run_dir: str) -> None:
+    """A rank of an elastic torchrun job (elastic_launch.py): its job's stop record is a file in the
+    shared run directory, keyed by the rendezvous id; exit at once when an earlier attempt wrote it."""
+    from megaframe.elastic_launch import stop_file, under_unshared_store
+    from megaframe.parallel.elastic import STOP_FILE_ENV
+
+    if not under_unshared_store():
+        return
+    if not any(a.startswith("hydra.run.dir=") for a in args):
+        _fail("an elastic torchrun job (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) writes and resumes from one run "
+              "directory on every node; set hydra.run.dir to a path on storage all nodes share")
+    os.environ[STOP_FILE_ENV] = str(stop_file(Path(run_dir).resolve(), os.environ["TORCHELASTIC_RUN_ID"]))
+    _stop_if_job_stopped()
 
 
 def _submit_slurm(cfg: TrainConfig, layout: Layout, args: list[str], run_dir: str) -> int:
@@ -78,7 +149,12 @@ def _submit_slurm(cfg: TrainConfig, layout: Layout, args: list[str], run_dir: st
     if problem := run_dir_problem(run_path):  # the dry run too: the script it writes must be the job's
         _fail(problem)
     run_path.mkdir(parents=True, exist_ok=True)
-    script = sbatch_script(cfg.launcher, layout.world_size, task_overrides(args), run_path)
+    if cfg.launcher.min_nodes is not None:  # elastic: one torchrun agent per node of a node range
+        from megaframe.elastic_launch import elastic_sbatch_script
+
+        script = elastic_sbatch_script(cfg.launcher, task_overrides(args), run_path, sys.executable)
+    else:
+        script = sbatch_script(cfg.launcher, layout.world_size, task_overrides(args), run_path)
     path = run_path / "submit.sbatch"
     atomic_write_text(path, script)
     if cfg.launcher.dry_run:
@@ -279,7 +355,7 @@ def _shared_run_dir(run_dir: str, cfg: TrainConfig) -> str:
 
 def _stop_if_job_stopped() -> None:
     """A restart after a deterministic failure (failures.py): exit with its code at once instead of
-    replaying it. Under torchrun rank 0 says why in one line. Under Ray the cause's line is already
+    replaying it. Under torchrun (elastic too) rank 0 says why in one line. Under Ray the cause's line is already
     on the driver's terminal (Ray shows early worker output twice): each rank notes the stop in its
     log, RUN_DIR/logs/rankR.log, instead."""
     if _launcher_world_size() is None:
@@ -291,7 +367,9 @@ def _stop_if_job_stopped() -> None:
         return
     exit_code, message = stop
     line = f"{PROG}: error: not retrying: an earlier attempt of this job failed with: {message} [exit {exit_code}]"
-    if os.environ.get(STOP_FILE_ENV):
+    from megaframe.elastic_launch import under_unshared_store
+
+    if os.environ.get(STOP_FILE_ENV) and not under_unshared_store():  # Ray's worker
         from megaframe.training.failure_report import append_to_log, log_path
 
         append_to_log(log_path(Path(os.environ[STOP_FILE_ENV]).parent, _rank()), line)
@@ -380,7 +458,13 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
     from megaframe.plan.cli import preflight
 
     cfg, layout, run_dir = check(args)
-    planned = preflight(cfg, layout, args, PROG)  # exits 2 when the layout cannot fit
+    launched = _launcher_world_size() is not None
+    if launched:
+        _join_elastic_stop_record(args, run_dir)
+    elastic_launch = not launched and cfg.launcher.min_nodes is not None
+    # an elastic job's planner check covers every world size of its range (_launch_elastic), and
+    # parallel=auto plans each attempt's world in its ranks
+    planned = args if elastic_launch else preflight(cfg, layout, args, PROG)  # exits 2 when it cannot fit
     if planned is not args:  # parallel=auto chose a layout: the ranks get it as overrides
         args = planned
         cfg, layout, run_dir = check(args)
@@ -390,7 +474,8 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
     if _rank() == 0:
         for warning in validate_warnings(cfg, layout, engine(cfg.backend.name).config_warnings):
             print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
-    launched = _launcher_world_size() is not None
+    if elastic_launch:
+        sys.exit(_launch_elastic(cfg, layout, args, run_dir))
     if not launched and cfg.launcher.name == "slurm":
         sys.exit(_submit_slurm(cfg, layout, args, run_dir))
     if not launched:  # this process owns the job on this host: one line and exit 2 if another does

@@ -77,6 +77,13 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
                   f"set RAY_AUTH_MODE=token (and its token) here too [exit 2; Ray's messages in {init_log}]",
                   file=sys.stderr, flush=True)
             return 2
+    from megaframe.elastic_launch import is_elastic, world_sizes
+
+    # elastic (launcher.min_nodes): Ray Train picks any worker count in the range that the cluster has
+    # room for at each (re)start, and checks every resize_interval_s whether a healthy group can grow
+    elastic = is_elastic(launcher)
+    workers = (min(world_sizes(launcher)), max(world_sizes(launcher))) if elastic else world_size
+    resize = {"elastic_resize_monitor_interval_s": launcher.resize_interval_s} if elastic else {}
     resources = {"CPU": launcher.cpus_per_worker, **({"GPU": launcher.gpus_per_worker} if launcher.gpus_per_worker else {})}
     trainer = TorchTrainer(
         _worker, train_loop_config={"overrides": task_overrides(overrides), "run_dir": str(run_dir), "entry": entry},
@@ -84,8 +91,8 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
         # others for Ray's default 30 minutes instead of ending the job with exit code 7
         torch_config=TorchConfig(backend="nccl" if launcher.gpus_per_worker else "gloo",
                                  timeout_s=math.ceil(cfg.train.collective_timeout_s)),
-        scaling_config=ScalingConfig(num_workers=world_size, use_gpu=bool(launcher.gpus_per_worker),
-                                     resources_per_worker=resources),
+        scaling_config=ScalingConfig(num_workers=workers,
+                                     use_gpu=bool(launcher.gpus_per_worker), resources_per_worker=resources, **resize),
         run_config=RunConfig(name=run_dir.name, storage_path=str(run_dir / "ray"),
                              failure_config=FailureConfig(max_failures=launcher.max_failures),
                              **_quiet_train_logs()))

@@ -70,17 +70,9 @@ def sbatch_script(launcher: LauncherConfig, world_size: int, overrides: list[str
     the GPUs it uses, so `parallel.dp=2` asks for 2 tasks and 2 GPUs, not a whole node's worth)."""
     per_node = min(launcher.gpus_per_node, world_size)
     nodes = launcher.nodes or -(-world_size // per_node)
-    lines = ["#!/bin/bash",
-             f"#SBATCH --job-name={launcher.job_name}",
-             f"#SBATCH --nodes={nodes}",
-             f"#SBATCH --ntasks={world_size}",
-             f"#SBATCH --ntasks-per-node={per_node}",
-             f"#SBATCH --gpus-per-node={per_node}"]
-    for flag, value in (("cpus-per-task", launcher.cpus_per_task), ("partition", launcher.partition),
-                        ("account", launcher.account), ("time", launcher.time)):
-        if value is not None:
-            lines.append(f"#SBATCH --{flag}={value}")
-    lines += [f"#SBATCH {extra}" for extra in launcher.sbatch_extra]
+    lines = sbatch_header(launcher, str(nodes), [f"#SBATCH --ntasks={world_size}",
+                                                  f"#SBATCH --ntasks-per-node={per_node}",
+                                                  f"#SBATCH --gpus-per-node={per_node}"], launcher.cpus_per_task)
     lines += [f"#SBATCH --output={str(run_dir).replace('%', '%%')}/slurm-%j.out",  # %% is a literal % to sbatch
               "# written by megaframe-train launcher=slurm: one srun task per GPU; each maps SLURM_PROCID,",
               "# SLURM_NTASKS, SLURM_LOCALID and the first host of SLURM_JOB_NODELIST to its process group",
@@ -90,6 +82,15 @@ def sbatch_script(launcher: LauncherConfig, world_size: int, overrides: list[str
                                                         f"hydra.run.dir={hydra_quoted(str(run_dir))}"]),
               ""]
     return "\n".join(lines)
+
+
+def sbatch_header(launcher: LauncherConfig, nodes: str, task_lines: list[str], cpus_per_task: Optional[int]) -> list[str]:
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={launcher.job_name}", f"#SBATCH --nodes={nodes}", *task_lines]
+    for flag, value in (("cpus-per-task", cpus_per_task), ("partition", launcher.partition),
+                        ("account", launcher.account), ("time", launcher.time)):
+        if value is not None:
+            lines.append(f"#SBATCH --{flag}={value}")
+    return lines + [f"#SBATCH {extra}" for extra in launcher.sbatch_extra]
 
 
 def hydra_quoted(value: str) -> str:

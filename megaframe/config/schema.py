@@ -267,6 +267,12 @@ class LauncherConfig:
     gpus_per_worker: float = 0.0  # ray: GPUs each rank's worker reserves (1 on a GPU cluster)
     max_failures: int = 0  # ray: FailureConfig: restarts of the worker group; each resumes from the last checkpoint
     connect_timeout_s: float = 120.0  # ray: how long joining the cluster may take before the job gives up (exit 2)
+    # elastic (elastic_launch.py): set, the job goes on at any node count from min_nodes to
+    # launcher.nodes, losing and regaining nodes (torchrun --nnodes=MIN:MAX; Ray: min to max workers)
+    min_nodes: Optional[int] = None
+    max_restarts: int = 3  # elastic torchrun: failures a node's agent restarts after (node joins and losses are free)
+    rdzv_endpoint: Optional[str] = None  # elastic torchrun: HOST[:PORT] of the c10d rendezvous (None: this host / the job's first node)
+    resize_interval_s: float = 60.0  # elastic ray: how often a healthy worker group looks for room to grow
 
 
 @dataclass

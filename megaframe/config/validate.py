@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional
@@ -426,7 +427,45 @@ def check_launcher(cfg: TrainConfig) -> Optional[str]:
     if launcher.cpus_per_worker <= 0 or launcher.gpus_per_worker < 0 or launcher.max_failures < 0:
         return (f"launcher.cpus_per_worker={launcher.cpus_per_worker} must be > 0, launcher.gpus_per_worker="
                 f"{launcher.gpus_per_worker} and launcher.max_failures={launcher.max_failures} >= 0")
-    return check_sbatch_strings(launcher)
+    return check_sbatch_strings(launcher) or check_elastic(cfg)
+
+
+DEFAULT_RDZV_PORT = 29400  # torchrun's own default for c10d
+SHORT_TIMEOUT_S = 300.0  # what the elastic warning suggests for train.collective_timeout_s
+
+
+def check_elastic(cfg: TrainConfig) -> Optional[str]:
+    """The elastic keys, and what an elastic job needs of the rest of the config, in one line."""
+    launcher = cfg.launcher
+    if launcher.max_restarts < 0 or launcher.resize_interval_s <= 0:
+        return (f"launcher.max_restarts={launcher.max_restarts} must be >= 0 and launcher.resize_interval_s="
+                f"{launcher.resize_interval_s} > 0")
+    if launcher.rdzv_endpoint is not None and not re.fullmatch(r"[A-Za-z0-9._-]+(:\d{1,5})?", launcher.rdzv_endpoint):
+        return (f"launcher.rdzv_endpoint={launcher.rdzv_endpoint!r} must be HOST or HOST:PORT "
+                f"(e.g. node001:{DEFAULT_RDZV_PORT})")
+    if not launcher.min_nodes is not None:
+        return None
+    if launcher.min_nodes < 1 or launcher.nodes is None or launcher.nodes < launcher.min_nodes:
+        return (f"launcher.min_nodes={launcher.min_nodes} needs launcher.nodes (the most nodes) >= it and >= 1, "
+                f"e.g. launcher.min_nodes=2 launcher.nodes=4")
+    if launcher.name == "ray" and launcher.max_failures < 1:
+        return ("launcher=ray launcher.min_nodes: Ray Train restarts the worker group at a new size only after a "
+                "failure it may retry; set launcher.max_failures >= 1 (e.g. 10)")
+    if cfg.train.resume != "auto":
+        return (f"launcher.min_nodes: an elastic job resumes every attempt from its newest checkpoint; "
+                f"set train.resume=auto (it is {cfg.train.resume!r})")
+    if not cfg.train.universal_checkpoint:
+        return ("launcher.min_nodes: an elastic job resumes into a new data-parallel size, which needs the "
+                "layout-free checkpoint; set train.universal_checkpoint=true")
+    return None
+
+
+def timeout_warning(cfg: TrainConfig) -> Optional[str]:
+    if cfg.launcher.min_nodes is not None and cfg.train.collective_timeout_s > SHORT_TIMEOUT_S:
+        return (f"train.collective_timeout_s={cfg.train.collective_timeout_s:g}: in an elastic job a peer that hangs "
+                f"(rather than dies) holds the others this long before the job resizes; set "
+                f"train.collective_timeout_s={SHORT_TIMEOUT_S:g}")
+    return None
 
 
 def _unprintable(text: str) -> bool:
@@ -469,6 +508,8 @@ def warnings(cfg: TrainConfig, layout: Layout,
         found.append(f"parallel.pp={layout.pp} with {layout.grad_accum_steps} micro-batches per step leaves stages "
                      f"idle; raise parallel.global_batch_size to >= {layout.pp * layout.micro_batch_size * layout.dp} "
                      f"(bubble (p-1)/(m+p-1) = {(layout.pp - 1) / (layout.grad_accum_steps + layout.pp - 1):.0%})")
+    if elastic := timeout_warning(cfg):
+        found.append(elastic)
     return found + (engine_warnings(cfg, layout) if engine_warnings else [])
 
 

@@ -77,6 +77,20 @@ def preflight(cfg: TrainConfig, layout: Layout, args: list[str], prog: str) -> l
     return args
 
 
+def fit_problem(cfg: TrainConfig, layout: Layout) -> Optional[str]:
+    """Why the planner finds that this layout (or, with parallel=auto, any layout of its world) does
+    not fit, or None; None also when plan.check=false and no parallel=auto (preflight's rule)."""
+    if not cfg.plan.check and not cfg.parallel.auto:
+        return None
+    _check_cluster(cfg)
+    est = estimate_config(cfg, layout)
+    if cfg.parallel.auto:
+        if fitting_layouts(cfg, plan_layout(cfg, layout), limit=1):
+            return None
+        return f"parallel=auto: no layout of {layout.world_size} ranks fits cluster={cfg.cluster.name} ({gib(est.capacity)} per device)"
+    return None if est.fits else f"the planner says it will not fit: {verdict(est)}"
+
+
 def _fail(prog: str, message: str) -> None:
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)

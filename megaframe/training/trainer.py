@@ -204,8 +204,8 @@ class Trainer:
         resharded run): one event in metrics.jsonl and W&B, and one console line, at the first step
         the new world runs (a later resume from an earlier step drops it with the steps after it)."""
         size = lambda record: math.prod(record.get(axis, 1) for axis in ("tp", "pp", "dp", "cp"))  # noqa: E731
-        if not saved or size(saved) == self.layout.world_size:
-            return None
+        if not saved or size(saved) == self.layout.world_size or self.step >= self.cfg.train.max_steps:
+            return None  # no resize, or no step left to run at the new size
         event = {"step": self.step + 1, "event": "resized", "world_size": self.layout.world_size, "dp": self.layout.dp,
                  "previous_world_size": size(saved), "previous_dp": saved.get("dp", 1)}
         print(f"from step {self.step + 1}: world size {event['previous_world_size']} -> {self.layout.world_size} "

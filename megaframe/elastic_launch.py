@@ -1,0 +1,176 @@
+"""Elastic jobs: `launcher.min_nodes` lets a job lose nodes and go on at a smaller data-parallel
+size, and grow back when nodes join, with no step lost or repeated.
+
+What makes a resize exact is already there: each attempt resumes from the newest layout-free
+checkpoint (which loads into any dp), and step k's samples depend only on (seed, k, global batch).
+What this module adds is the launch and the checks before it:
+
+- torchrun's elastic agent per node (`--nnodes=MIN:MAX`, c10d rendezvous). With torch 2.13's
+  default, the rendezvous TCP store is shared with the workers, and a node joining a running job
+  hangs (the agents time out waiting for `role_info`/`MASTER_ADDR`: restart counts differ across
+  nodes, survivors at 1 and a newcomer at 0, so no per-attempt key prefix can line them up).
+  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every rendezvous round its own store; every line
+  written here sets it.
+- Every world size the range allows must resolve a layout and fit, before launch: a size that
+  cannot would crash-loop at the moment a node is lost.
+- A deterministic failure is recorded in the run directory, keyed by the job's rendezvous id
+  (TORCHELASTIC_RUN_ID), where every node and attempt reads it (stop_file()): without a shared
+  agent store there is nowhere else every node sees.
+
+Limits (torchrun's, not ours): the node that hosts the c10d rendezvous (launcher.rdzv_endpoint) must
+survive, and the in-flight step since the last checkpoint is redone (so train.save_interval sets how
+much work a lost node costs).
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import shlex
+import socket
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+from megaframe.config.schema import LauncherConfig, TrainConfig
+from megaframe.config.validate import DEFAULT_RDZV_PORT
+
+STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # =1: a fresh store per rendezvous round (see above)
+NODE_SCRIPT = "elastic_node.sh"  # RUN_DIR/elastic_node.sh: launcher=local writes the per-node command there
+
+
+def is_elastic(launcher: LauncherConfig) -> bool:
+    return launcher.min_nodes is not None
+
+
+def world_sizes(launcher: LauncherConfig) -> list[int]:
+    """Every world size the job may run at. torchrun and SLURM add and remove whole nodes of
+    gpus_per_node ranks; Ray places workers one at a time, so any count between the bounds."""
+    per_node = launcher.gpus_per_node
+    if launcher.name == "ray":
+        return list(range(launcher.min_nodes * per_node, launcher.nodes * per_node + 1))
+    return [nodes * per_node for nodes in range(launcher.min_nodes, launcher.nodes + 1)]
+
+
+def range_problem(cfg: TrainConfig, layout_at: Callable[[int], object],
+                  fit_problem: Callable[[object], Optional[str]]) -> Optional[str]:
+    """One line naming every world size of the range that cannot train, or None. layout_at(world)
+    validates the config at that world (raising ConfigError with the reason); fit_problem(layout)
+    says why the planner finds it does not fit, or None."""
+    from megaframe.config.validate import ConfigError
+
+    failing: dict[int, str] = {}
+    for world in world_sizes(cfg.launcher):
+        try:
+            why = fit_problem(layout_at(world))
+        except ConfigError as err:
+            why = str(err)
+        if why:
+            failing[world] = why
+    if not failing:
+        return None
+    launcher = cfg.launcher
+    first_world, first_why = next(iter(failing.items()))
+    sizes = ", ".join(str(w) for w in failing)
+    return (f"launcher.min_nodes={launcher.min_nodes} launcher.nodes={launcher.nodes}: the job cannot train at "
+            f"world size {sizes} of {world_sizes(launcher)}; at {first_world}: {first_why}; "
+            f"{_narrower(cfg, set(failing))}")
+
+
+def _narrower(cfg: TrainConfig, failing: set[int]) -> str:
+    """The fix: the widest run of node counts in the range at which the job trains, if any, and a
+    global batch that every data-parallel size of the range divides."""
+    launcher = cfg.launcher
+    per_node = launcher.gpus_per_node
+    worlds = world_sizes(launcher)
+    best: list[int] = []
+    run: list[int] = []
+    for world in worlds:
+        run = [] if world in failing else [*run, world]
+        if len(run) > len(best):
+            best = run
+    p = cfg.parallel
+    model_parallel = p.tp * p.pp * p.cp
+    batch = ""
+    if p.dp is None and all(world % model_parallel == 0 for world in worlds):
+        every = math.lcm(*(p.micro_batch_size * world // model_parallel for world in worlds))
+        nearest = every * max(1, round(p.global_batch_size / every))  # the nearest such batch to the user's
+        batch = f" or parallel.global_batch_size={nearest} (a multiple of micro_batch_size*dp at every size)"
+    if not best:
+        return f"no world size of the range trains: change the layout{batch or ' or the batch sizes'}"
+    low, high = -(-best[0] // per_node), best[-1] // per_node
+    return f"narrow the range to launcher.min_nodes={low} launcher.nodes={high}{',' if batch else ''}{batch}"
+
+
+def rdzv_endpoint(launcher: LauncherConfig, default_host: str) -> str:
+    endpoint = launcher.rdzv_endpoint or default_host
+    return endpoint if ":" in endpoint else f"{endpoint}:{DEFAULT_RDZV_PORT}"
+
+
+def torchrun_args(launcher: LauncherConfig, endpoint: str, run_id: str) -> list[str]:
+    """torchrun's flags for one node of the elastic job (the endpoint and id may be shell words)."""
+    return ["-m", "torch.distributed.run", f"--nnodes={launcher.min_nodes}:{launcher.nodes}",
+            f"--nproc-per-node={launcher.gpus_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={run_id}", f"--max-restarts={launcher.max_restarts}"]
+
+
+def node_command(launcher: LauncherConfig, overrides: list[str], run_dir: Path, run_id: str,
+                 python: str = sys.executable) -> str:
+    """The shell line every node of a launcher=local elastic job runs (joining nodes too)."""
+    from megaframe.slurm import hydra_quoted, task_overrides
+
+    endpoint = rdzv_endpoint(launcher, socket.getfqdn())
+    argv = [python, *torchrun_args(launcher, endpoint, run_id), "-m", "megaframe.train",
+            *task_overrides(overrides), f"hydra.run.dir={hydra_quoted(str(run_dir))}"]
+    return f"{STORE_ENV}=1 " + " ".join(shlex.quote(a) for a in argv)
+
+
+def node_script(command: str) -> str:
+    return ("#!/bin/bash\n# written by megaframe-train launcher.min_nodes: run on every node of the elastic job,\n"
+            "# including nodes that join later; each runs torchrun's agent for its ranks\n"
+            f"exec env {command}\n")
+
+
+def elastic_sbatch_script(launcher: LauncherConfig, overrides: list[str], run_dir: Path,
+                          python: str = sys.executable) -> str:
+    """launcher.min_nodes: MIN to MAX nodes (sbatch's --nodes=MIN-MAX), one srun task per node
+    running torchrun's elastic agent for that node's GPUs. --no-kill keeps the allocation when a
+    node fails, and srun does not end the step when one task does: the other agents go on at the
+    smaller size. Nodes of another allocation join by running the same torchrun line with
+    launcher.rdzv_endpoint set to this job's first node (docs/scaling.md)."""
+    from megaframe.slurm import hydra_quoted, sbatch_header
+
+    per_node = launcher.gpus_per_node
+    cpus = launcher.cpus_per_task * per_node if launcher.cpus_per_task is not None else None
+    lines = sbatch_header(launcher, f"{launcher.min_nodes}-{launcher.nodes}",
+                           ["#SBATCH --ntasks-per-node=1", f"#SBATCH --gpus-per-node={per_node}", "#SBATCH --no-kill"],
+                           cpus)
+    endpoint = launcher.rdzv_endpoint or "${RDZV_HOST}"
+    if ":" not in endpoint:
+        endpoint += ":29400"
+    agent = [python, *torchrun_args(launcher, "ENDPOINT", "RUN_ID"), "-m", "megaframe.train", *overrides,
+             f"hydra.run.dir={hydra_quoted(str(run_dir))}"]
+    # the endpoint and id are the shell's to expand: quoted as words, then put back in double quotes
+    line = " ".join(shlex.quote(a) for a in agent)
+    line = line.replace("--rdzv-endpoint=ENDPOINT", f'"--rdzv-endpoint={endpoint}"')
+    line = line.replace("--rdzv-id=RUN_ID", '"--rdzv-id=megaframe-${SLURM_JOB_ID}"')
+    lines += [f"#SBATCH --output={str(run_dir).replace('%', '%%')}/slurm-%j.out",
+              "# written by megaframe-train launcher=slurm launcher.min_nodes: one torchrun elastic agent per node;",
+              "# a lost node leaves the others training at the smaller data-parallel size, from the last checkpoint",
+              f"export {STORE_ENV}=1  # a rendezvous store per round: without it a joining node hangs (torch 2.13)",
+              'RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+              "srun --ntasks-per-node=1 --kill-on-bad-exit=0 " + line,
+              ""]
+    return "\n".join(lines)
+
+
+def stop_file(run_dir: Path, run_id: str) -> Path:
+    """Where an elastic torchrun job records a deterministic failure: in the run directory, which
+    every node shares, under the job's rendezvous id, so a later job in the same run dir trains."""
+    return run_dir / ".job_stop" / f"{re.sub(r'[^A-Za-z0-9._-]', '_', run_id)}.json"
+
+
+def under_unshared_store() -> bool:
+    """A rank of an elastic torchrun job whose rendezvous store is not the workers' (STORE_ENV=1):
+    torchrun's agent store, where the job stop lives otherwise, is not there."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"

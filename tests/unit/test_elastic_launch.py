@@ -1,0 +1,117 @@
+"""elastic_launch.py: the world sizes a range allows, the one-line refusals before launch, and the
+lines that start the job (torchrun per node, SLURM's script)."""
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from megaframe.backends.registry import validate_for_engine
+from megaframe.config.compose import compose
+from megaframe.config.schema import LauncherConfig, TrainConfig
+from megaframe.config.validate import ConfigError, check_elastic, timeout_warning
+from megaframe.elastic_launch import (STORE_ENV, elastic_sbatch_script, node_command, range_problem, stop_file,
+                                      world_sizes)
+from megaframe.plan.cli import fit_problem
+
+
+def _elastic(**launcher) -> TrainConfig:
+    cfg = TrainConfig()
+    for key, value in {"min_nodes": 1, "nodes": 3, "gpus_per_node": 1, **launcher}.items():
+        setattr(cfg.launcher, key, value)
+    return cfg
+
+
+def test_torchrun_adds_whole_nodes_and_ray_single_workers():
+    assert world_sizes(LauncherConfig(min_nodes=2, nodes=4, gpus_per_node=8)) == [16, 24, 32]
+    assert world_sizes(LauncherConfig(name="ray", min_nodes=1, nodes=2, gpus_per_node=2)) == [2, 3, 4]
+
+
+@pytest.mark.parametrize("launcher, train, said", [
+    ({"min_nodes": 3, "nodes": 2}, {}, "launcher.min_nodes=3 needs launcher.nodes"),
+    ({"nodes": None}, {}, "launcher.min_nodes=1 needs launcher.nodes"),
+    ({"min_nodes": 0}, {}, "launcher.min_nodes=0 needs"),
+    ({}, {"resume": "none"}, "set train.resume=auto"),
+    ({}, {"universal_checkpoint": False}, "set train.universal_checkpoint=true"),
+    ({"name": "ray"}, {}, "set launcher.max_failures >= 1"),
+    ({"max_restarts": -1}, {}, "launcher.max_restarts=-1 must be >= 0"),
+    ({"rdzv_endpoint": "head node:29400"}, {}, "must be HOST or HOST:PORT"),
+])
+def test_elastic_keys_are_refused_in_one_line(launcher, train, said):
+    cfg = _elastic(**launcher)
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    problem = check_elastic(cfg)
+    assert problem is not None and said in problem and "\n" not in problem
+
+
+def test_a_range_with_a_world_the_batch_does_not_divide_names_it_and_two_fixes():
+    cfg, _ = compose(["launcher.min_nodes=1", "launcher.nodes=3", "launcher.gpus_per_node=1",
+                      "parallel.micro_batch_size=8", "parallel.global_batch_size=16"])
+    problem = range_problem(cfg, lambda world: validate_for_engine(cfg, world, ask_bf16=False),
+                            lambda layout: fit_problem(cfg, layout))
+    # dp 1 and 2 divide 16/8 micro-batches, dp 3 does not; 48 = lcm(8, 16, 24) divides at every size
+    assert problem.startswith("launcher.min_nodes=1 launcher.nodes=3: the job cannot train at world size 3 of [1, 2, 3]")
+    assert "narrow the range to launcher.min_nodes=1 launcher.nodes=2" in problem
+    assert "parallel.global_batch_size=48" in problem
+    cfg.parallel.global_batch_size = 48
+    assert range_problem(cfg, lambda world: validate_for_engine(cfg, world, ask_bf16=False),
+                         lambda layout: fit_problem(cfg, layout)) is None
+
+
+def test_the_smallest_worlds_that_do_not_fit_are_refused_with_the_planners_verdict():
+    cfg, _ = compose(["recipe=llama2_70b", "cluster=h100_80g", "parallel.dp=null", "parallel.pp=1",
+                      "launcher.min_nodes=1", "launcher.nodes=4", "launcher.gpus_per_node=8"])
+    problem = range_problem(cfg, lambda world: validate_for_engine(cfg, world, ask_bf16=False),
+                            lambda layout: fit_problem(cfg, layout))
+    # 70B at tp=8, ZeRO-1: the optimizer states of 8 or 16 GPUs exceed 80 GB per device (the planner),
+    # and dp=3 does not divide the global batch of 1024; 1020 is the nearest that dp 1 to 4 all divide
+    assert "cannot train at world size 8, 16, 24 of [8, 16, 24, 32]; at 8: the planner says it will not fit" in problem
+    assert "does NOT fit on h100_80g" in problem
+    assert "narrow the range to launcher.min_nodes=4 launcher.nodes=4, or parallel.global_batch_size=1020" in problem
+
+
+def test_a_layout_error_outside_the_planner_is_reported_for_its_world():
+    cfg = _elastic(min_nodes=1, nodes=2)
+
+    def layout_at(world: int):
+        if world == 1:
+            raise ConfigError("parallel.tp=2 needs 2 ranks")
+        return world
+    assert "at 1: parallel.tp=2 needs 2 ranks" in range_problem(cfg, layout_at, lambda layout: None)
+
+
+def test_each_node_runs_torchrun_with_the_range_c10d_and_its_own_rendezvous_store(tmp_path):
+    launcher = LauncherConfig(min_nodes=2, nodes=4, gpus_per_node=8, rdzv_endpoint="head01", max_restarts=5)
+    line = node_command(launcher, ["launcher.min_nodes=2", "model.num_layers=2"], tmp_path / "run", "megaframe-abc")
+    words = shlex.split(line)
+    assert words[0] == f"{STORE_ENV}=1"
+    assert words[2:5] == ["-m", "torch.distributed.run", "--nnodes=2:4"]
+    for flag in ("--nproc-per-node=8", "--rdzv-backend=c10d", "--rdzv-endpoint=head01:29400",
+                 "--rdzv-id=megaframe-abc", "--max-restarts=5"):
+        assert flag in words
+    assert words[-3:] == ["megaframe.train", "model.num_layers=2", f"hydra.run.dir={tmp_path / 'run'}"]
+
+
+def test_the_elastic_slurm_job_is_one_agent_per_node_over_a_node_range(tmp_path):
+    launcher = LauncherConfig(name="slurm", min_nodes=2, nodes=4, gpus_per_node=8, cpus_per_task=6)
+    script = elastic_sbatch_script(launcher, ["model.num_layers=2"], tmp_path)
+    for line in ("#SBATCH --nodes=2-4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --no-kill", "#SBATCH --cpus-per-task=48", f"export {STORE_ENV}=1"):
+        assert line in script.splitlines() or any(l.startswith(line) for l in script.splitlines()), line
+    srun = next(l for l in script.splitlines() if l.startswith("srun"))
+    assert "--kill-on-bad-exit=0" in srun and "--nnodes=2:4" in srun
+    assert '"--rdzv-endpoint=${RDZV_HOST}:29400"' in srun and '"--rdzv-id=megaframe-${SLURM_JOB_ID}"' in srun
+
+
+def test_the_stop_record_is_per_job_in_the_run_dir(tmp_path):
+    assert stop_file(tmp_path, "megaframe-1") == tmp_path / ".job_stop" / "megaframe-1.json"
+    assert stop_file(tmp_path, "../x y").parent == tmp_path / ".job_stop"
+
+
+def test_an_elastic_job_with_the_half_hour_timeout_is_warned():
+    cfg = _elastic()
+    assert "set train.collective_timeout_s=300" in timeout_warning(cfg)
+    cfg.train.collective_timeout_s = 120
+    assert timeout_warning(cfg) is None
+    assert timeout_warning(TrainConfig()) is None
