@@ -119,8 +119,9 @@ def _launch_elastic(cfg: TrainConfig, layout: Layout, args: list[str], run_dir: 
     run_path.mkdir(parents=True, exist_ok=True)
     atomic_write_text(script, node_script(command))
     script.chmod(0o755)
-    print(f"{PROG}: elastic job of {cfg.launcher.min_nodes} to {cfg.launcher.nodes} nodes "
-          f"of {cfg.launcher.gpus_per_node} ranks: run this on every node, also on nodes that join later "
+    per_node = cfg.launcher.gpus_per_node
+    print(f"{PROG}: elastic job of {cfg.launcher.min_nodes} to {cfg.launcher.nodes} nodes, {per_node} "
+          f"rank{'s' if per_node > 1 else ''} per node: run this on every node, also on nodes that join later "
           f"(it is {script}):\n{command}", flush=True)
     return 0
 
