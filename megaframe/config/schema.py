@@ -189,6 +189,11 @@ class LoopConfig:
     # grew, seen twice when it shrank)
     on_batch_size_change: str = "refuse"
     async_save: bool = False  # write checkpoints on a background thread while training goes on (rank 0)
+    # the fast tier (training/fast_checkpoint.py): every this many steps each rank keeps its part of a
+    # checkpoint in node-local memory and a buddy rank's copy on the next node; an attempt restores
+    # from them when they are newer than the shared checkpoint (0: off)
+    fast_save_interval: int = 0
+    fast_save_dir: str = "/dev/shm/megaframe"  # node-local; a directory per run under it
     compile: bool = False  # torch.compile each transformer block (inductor); the first step pays the compile
     max_consecutive_skips: int = 5  # this many skipped steps in a row (non-finite or spike) stop the run (exit 3)
     spike: SpikeConfig = field(default_factory=SpikeConfig)

@@ -190,7 +190,24 @@ def check_train(cfg: TrainConfig) -> Optional[str]:
                 f"loss; set train.eval_steps >= 1, or train.eval_interval=0 to not evaluate")
     if err := choice_problem("train.on_batch_size_change", t.on_batch_size_change, ["refuse", "move_position"]):
         return err
-    return check_spike(t.spike)
+    return check_fast_tier(t) or check_spike(t.spike)
+
+
+def check_fast_tier(t) -> Optional[str]:
+    """train.fast_save_interval (training/fast_checkpoint.py): parts of the layout-free checkpoint."""
+    if t.fast_save_interval < 0:
+        return f"train.fast_save_interval={t.fast_save_interval} must be >= 0 (0 disables the fast tier)"
+    if not t.fast_save_interval:
+        return None
+    if not t.universal_checkpoint:
+        return ("train.fast_save_interval keeps parts of the layout-free checkpoint in node-local memory; "
+                "set train.universal_checkpoint=true")
+    if t.async_save:
+        return ("train.fast_save_interval with train.async_save=true is not supported yet; set train.async_save=false "
+                "(the fast tier writes to node-local memory, which takes milliseconds)")
+    if not str(t.fast_save_dir).strip():
+        return "train.fast_save_dir is empty; give a node-local directory, e.g. /dev/shm/megaframe"
+    return None
 
 
 def check_cluster(cfg: TrainConfig) -> Optional[str]:

@@ -119,21 +119,13 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
     _barrier()
     if native:
         backend.save_native(save_dir, tmp.name, client_state)
-    tmp.mkdir(parents=True, exist_ok=True)
-    rng_file = tmp / f"rng_rank{rank}.pt"
-    # the accelerator's default generator too: on CUDA, dropout outside TP regions draws from it
-    torch.save({"cpu": torch.get_rng_state(), "accelerator": get_rng_states()[1:], **(rng_state or {})}, rng_file)
-    written = write_extra(tmp) if write_extra is not None else None
-    if rank == 0 and "layout" in client_state:
-        atomic_write_text(tmp / LAYOUT_FILE, json.dumps(client_state["layout"], sort_keys=True) + "\n")
+    finish_part = write_rank_part(tmp, rank, client_state, rng_state, write_extra)
 
     def finish_rank() -> None:
         """This rank's shard (when deferred) and its record, which tells rank 0 it is done."""
         if before_publish is not None:
             before_publish("write")
-        record = written() if callable(written) else (written or {"rank": rank, "files": {}, "tensors": {}})
-        record["files"][rng_file.relative_to(tmp).as_posix()] = universal.file_entry(rng_file)
-        sharded.write_record(tmp, record)
+        sharded.write_record(tmp, finish_part())
 
     final = save_dir / tag
 
@@ -141,12 +133,7 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
         sharded.wait_for_records(tmp, world, record_timeout_s)
         if before_publish is not None:
             before_publish("publish")
-        hashed = sharded.merge_records(tmp, world)
-        universal.write_manifest(tmp, hashed)  # rank 0 hashes only its own small files
-        universal.replace_dir(tmp, final)  # re-saving a step keeps the old one until the swap
-        atomic_write_text(save_dir / LATEST, tag + "\n")
-        if keep > 0:
-            prune(save_dir, keep)
+        publish_dir(tmp, save_dir, step, world, keep)
 
     if background is not None:
         background.submit((lambda: (finish_rank(), publish())) if rank == 0 else finish_rank, tag)
@@ -156,6 +143,39 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
     if rank == 0:
         publish()
     _barrier()
+    return final
+
+
+def write_rank_part(directory: Path, rank: int, client_state: dict[str, Any], rng_state: Optional[dict[str, Any]],
+                    write_extra: Optional[Callable[[Path], Any]]) -> Callable[[], dict]:
+    """Write what rank `rank` contributes to a checkpoint into `directory`: its RNG states, its
+    layout-free shard (write_extra) and, on rank 0, the layout file. Returns the function that
+    finishes the part (a deferred shard) and returns the rank's record, not yet written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rng_file = directory / f"rng_rank{rank}.pt"
+    # the accelerator's default generator too: on CUDA, dropout outside TP regions draws from it
+    torch.save({"cpu": torch.get_rng_state(), "accelerator": get_rng_states()[1:], **(rng_state or {})}, rng_file)
+    written = write_extra(directory) if write_extra is not None else None
+    if rank == 0 and "layout" in client_state:
+        atomic_write_text(directory / LAYOUT_FILE, json.dumps(client_state["layout"], sort_keys=True) + "\n")
+
+    def finish() -> dict:
+        record = written() if callable(written) else (written or {"rank": rank, "files": {}, "tensors": {}})
+        record["files"][rng_file.relative_to(directory).as_posix()] = universal.file_entry(rng_file)
+        return record
+    return finish
+
+
+def publish_dir(tmp: Path, save_dir: Path, step: int, world: int, keep: int = 0) -> Path:
+    """Rank 0, once every rank's record of `world` is in tmp: index, manifest, the rename into
+    place and `latest` (then pruning to the newest `keep`)."""
+    tag = tag_for(step)
+    hashed = sharded.merge_records(tmp, world)
+    universal.write_manifest(tmp, hashed)  # rank 0 hashes only its own small files
+    final = universal.replace_dir(tmp, save_dir / tag)  # re-saving a step keeps the old one until the swap
+    atomic_write_text(save_dir / LATEST, tag + "\n")
+    if keep > 0:
+        prune(save_dir, keep)
     return final
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from megaframe.data.token_check import cached_token_range, check_token_ids, reme
 from megaframe.training import checkpoint
 from megaframe.training.data_setup import DataSplits, build_data
 from megaframe.training.failure_report import report_failure
+from megaframe.training.fast_checkpoint import FastTier
 from megaframe.model.moe import load_router_biases, router_biases
 from megaframe.training.faults import Faults
 from megaframe.training.schedule import lr_scheduler_factory
@@ -89,6 +91,11 @@ class Trainer:
         self.started = time.monotonic()
         self.faults = Faults(self.ps.rank)
         self.background = checkpoint.BackgroundWriter()  # train.async_save: each rank writes its shard on a thread
+        self.fast: Optional[FastTier] = None  # train.fast_save_interval: parts in node-local memory and a buddy's
+        if cfg.train.fast_save_interval:
+            world = layout.world_size
+            self.fast = FastTier(Path(cfg.train.fast_save_dir), self.run_dir, self.ps.rank, world,
+                                 int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
     def _own_run_dir(self) -> None:
         """Rank 0 locks the run dir (run_lock.py) unless our launcher holds it for us; every rank
@@ -154,8 +161,29 @@ class Trainer:
         return self.backend.eval_step(batches)
 
     # ---- bookkeeping -------------------------------------------------------------------------
+    def _restore_fast_tier(self) -> None:
+        """train.resume=auto with the fast tier: parts in node-local memory newer than the shared
+        checkpoint become a shared checkpoint first (training/fast_checkpoint.py), which the resume
+        below then loads like any other."""
+        shared = [0]
+        if self.is_logger:
+            try:
+                latest = checkpoint.find_latest(self.checkpoint_dir) if self.checkpoint_dir.is_dir() else None
+            except CheckpointError:
+                latest = None  # the resume below says why
+            shared[0] = int(latest.name.removeprefix("global_step")) if latest is not None else 0
+        if dist.is_initialized():  # rank 0's view of shared storage decides, on every rank alike
+            dist.broadcast_object_list(shared, src=0)
+        keep = self.cfg.train.keep_checkpoints
+        line = self.fast.restore(self.checkpoint_dir, shared[0], lambda tmp, step, world: checkpoint.publish_dir(
+            tmp, self.checkpoint_dir, step, world, keep))
+        if line and self.is_logger:
+            print(line, flush=True)
+
     def _resume(self) -> None:
         verified = self.cfg.train.resume == "auto"
+        if verified and self.fast is not None:
+            self._restore_fast_tier()
         if verified:  # the newest checkpoint that verifies; a corrupt newer one is skipped, said in one line
             path, skipped = checkpoint.newest_verified(self.checkpoint_dir)
             if path is not None and not (self.checkpoint_dir / checkpoint.LATEST).is_file() and self.is_logger:
@@ -231,7 +259,24 @@ class Trainer:
                   f"(train.on_batch_size_change=move_position): the data position moves from sample {consumed} "
                   f"to {moved}", file=sys.stderr, flush=True)
 
+    def _fast_save(self) -> None:
+        """This rank's part of a checkpoint into node-local memory and its buddy's (no shared storage)."""
+        state, write_universal, _ = self._checkpoint_state(defer=False)
+        rng = {"tp_dropout": self.backend.module.rng.state_dict()}
+        self.fast.save(self.step, lambda part: checkpoint.write_rank_part(part, self.ps.rank, state, rng,
+                                                                          write_universal)())
+
     def _save(self) -> None:
+        state, write_universal, native = self._checkpoint_state(defer=self.cfg.train.async_save)
+        self.saved_step = self.step
+        try:
+            self._write_checkpoint(state, write_universal, native)
+        except OSError as err:  # a full disk or a quota: which checkpoint, why, and that the last one stands
+            raise save_failure(err, f"global_step{self.step}", str(self.checkpoint_dir)) from err
+
+    def _checkpoint_state(self, defer: bool):
+        """What a checkpoint of this step holds: the client state, the function that writes this
+        rank's layout-free shard (None without one), and whether DeepSpeed's own files are written."""
         state = {"step": self.step, "consumed_samples": self.consumed_samples,
                  "global_batch_size": self.layout.global_batch_size, "layout": self.backend.layout_record(),
                  "guard": self.guard.state_dict()}
@@ -247,14 +292,10 @@ class Trainer:
             universal_state = {**state, "model": {**dataclasses.asdict(self.cfg.model), "vocab_size": self.dims.vocab_size},
                                "tokenizer": self.cfg.data.tokenizer, "data_seed": self.cfg.train.seed}
             write_universal = lambda tmp_dir: self.backend.save_full_state(  # noqa: E731
-                tmp_dir, universal_state, tokenizer if tokenizer.is_dir() else None, defer=self.cfg.train.async_save)
+                tmp_dir, universal_state, tokenizer if tokenizer.is_dir() else None, defer=defer)
         # one copy by default: DeepSpeed's own files only when asked, or when there is no layout-free copy
         native = self.cfg.train.native_checkpoint or write_universal is None
-        self.saved_step = self.step
-        try:
-            self._write_checkpoint(state, write_universal, native)
-        except OSError as err:  # a full disk or a quota: which checkpoint, why, and that the last one stands
-            raise save_failure(err, f"global_step{self.step}", str(self.checkpoint_dir)) from err
+        return state, write_universal, native
 
     def _write_checkpoint(self, state: dict, write_universal, native: bool) -> None:
         self.last_checkpoint = checkpoint.save(self.backend, self.checkpoint_dir, self.step, state,
@@ -413,6 +454,10 @@ class Trainer:
                     self.progress.write(f"step {self.step}: eval_loss {eval_loss:.4f}")
             if (t.save_interval and self.step % t.save_interval == 0) or self.step == stop_at:
                 self._save()
+            elif self.fast is not None and self.step % t.fast_save_interval == 0:
+                self._fast_save()
+        if self.fast is not None and self.step >= t.max_steps:
+            self.fast.clear()  # the run is done: its parts leave the nodes' memory
 
     def _stop_on_signal(self, signum: int) -> None:
         """A rank got SIGINT or SIGTERM: save the steps done (train.save_on_signal) and end the loop."""

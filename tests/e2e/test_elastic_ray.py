@@ -5,8 +5,8 @@ Ray restarts the worker group with the 2 workers that still fit, which resume fr
 checkpoint: every step is in metrics.jsonl once, with an uninterrupted one-rank run's loss.
 
 The cluster is this test's own: its processes are found by the temp dirs it was started with and
-killed by pid, never with `ray stop` (which kills every Ray process on the host, and other test
-files run Ray clusters of their own beside this one)."""
+killed by pid, never with `ray stop` (which kills every Ray process on the host, also the clusters
+of other test files that may run beside this one)."""
 from __future__ import annotations
 
 import json
@@ -21,10 +21,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-import psutil
 import pytest
 
 from helpers import REPO, TINY, assert_ok, cli_env, free_port, read_metrics, run_cli
+from ray_processes import kill_processes, process_tree, processes_of
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray", reason="Ray is the optional extra megaframe[ray]; .ci/run installs it with [test]")
@@ -44,7 +44,8 @@ FAST_NODE_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failu
 # Ray Train's restart after the node loss counts the workers that fit from the AutoscalingCoordinator's
 # view of the cluster, which refreshes every 20 s: until then it still sees room for 3, and the start
 # of a 3-worker group waits RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (60 s by default) for a placement
-# that cannot come before it counts again (measured: 76 s from the kill to dp=2; with 5 s, 18 s).
+# that cannot come before it counts again (measured here, from the kill to dp=2: 76 s with Ray's
+# defaults, 18 s with these two settings).
 # The driver passes it to Ray Train's controller.
 START_TIMEOUT = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "5"}
 
@@ -53,39 +54,6 @@ def _ray_env(**extra: str) -> dict[str, str]:
     """A Ray cluster's or job's environment here (test_ray_launcher.py: the workers' niceness 0, and
     the token authentication of Ray 2.5x's clusters)."""
     return {**cli_env(), "OMP_NUM_THREADS": "1", "RAY_worker_niceness": "0", "RAY_AUTH_MODE": "token", **extra}
-
-
-def _processes_of(folder: Path) -> list[psutil.Process]:
-    """The processes a `ray start --temp-dir=FOLDER` started (each names the folder on its command
-    line: the GCS, the raylet, the monitors) and everything under them (the raylet's agents and
-    workers, whose command lines Ray rewrites to ray::NAME)."""
-    name = str(folder)
-    roots = []
-    for process in psutil.process_iter(["cmdline"]):
-        if any(arg.endswith(name) or f"{name}/" in arg for arg in process.info["cmdline"] or []):
-            roots.append(process)
-    found: dict[int, psutil.Process] = {}
-    for root in roots:
-        try:
-            tree = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            continue
-        found.update((p.pid, p) for p in tree)
-    return list(found.values())
-
-
-def _kill(processes: list[psutil.Process]) -> list[str]:
-    """SIGKILL every process (found before any dies: a raylet's orphans would leave its tree);
-    their command lines."""
-    names = []
-    for process in processes:
-        try:
-            names.append(" ".join(process.cmdline()))
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(processes, timeout=30)
-    return names
 
 
 @contextmanager
@@ -107,7 +75,7 @@ def _two_node_cluster() -> Iterator[tuple[str, Path, Path]]:
             assert started.returncode == 0, (started.stdout + started.stderr)[-3000:]
         yield f"127.0.0.1:{port}", head, node
     finally:
-        _kill(_processes_of(root))
+        kill_processes(processes_of(root))
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -125,7 +93,7 @@ def _trained(records: list[dict]) -> list[dict]:
 def _controller_lines(head: Path) -> str:
     """Ray Train's controller log (its restarts and resize decisions), for a failure's message."""
     lines = []
-    for path in sorted(head.glob("session_*/logs/train/ray-train-sys-controller-*.log")):
+    for path in sorted(head.glob("session_latest/logs/train/ray-train-sys-controller-*.log")):
         for line in path.read_text(errors="replace").splitlines():
             try:
                 record = json.loads(line)
@@ -147,20 +115,26 @@ def test_a_ray_elastic_job_that_loses_a_node_goes_on_at_dp2(tmp_path):
              "launcher.resize_interval_s=5", f"hydra.run.dir={run}"],
             cwd=REPO, env=_ray_env(**START_TIMEOUT), stdout=log, stderr=subprocess.STDOUT)
         story = lambda: (f"--- job\n{(tmp_path / 'job.log').read_text()[-3000:]}\n--- Ray Train's controller\n"
-                         f"{_controller_lines(head)}")
+                         f"{(tmp_path / 'controller.log').read_text()}")
         try:
-            deadline = time.monotonic() + 300
-            while not any(r["step"] >= 3 and r["dp"] == 3 for r in _trained(_records(run))):
-                assert job.poll() is None and time.monotonic() < deadline, "no step 3 at dp=3"
-                time.sleep(0.1)
-            lost = _kill(_processes_of(node))  # the node is lost: its raylet, its rank, the rest of it
-            assert any("RayTrainWorker" in name for name in lost), lost  # it hosted one of the 3 ranks
-            assert job.wait(timeout=400) == 0
+            try:
+                deadline = time.monotonic() + 300
+                while not any(r["step"] >= 5 and r["dp"] == 3 for r in _trained(_records(run))):
+                    assert job.poll() is None and time.monotonic() < deadline, "no step 5 at dp=3"
+                    time.sleep(0.1)
+                lost = kill_processes(processes_of(node))  # the node is lost: its raylet, its rank, the rest of it
+                assert any("RayTrainWorker" in name for name in lost), lost  # it hosted one of the 3 ranks
+                assert job.wait(timeout=400) == 0
+            finally:
+                if job.poll() is None:
+                    kill_processes(process_tree(job.pid))
+                    job.wait()
+                # the cluster's logs go with it: keep its controller's for the messages (none alive:
+                # something else stopped the whole cluster)
+                (tmp_path / "controller.log").write_text(
+                    f"{_controller_lines(head)}\n(head processes alive: {len(processes_of(head))})")
         except BaseException as err:
             raise AssertionError(f"{err!r}\n{story()}") from err
-        finally:
-            if job.poll() is None:
-                _kill([job])
 
     records = _records(run)
     trained = _trained(records)

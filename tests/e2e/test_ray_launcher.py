@@ -8,12 +8,15 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
 from helpers import TINY, assert_ok, cli_env, free_port, read_metrics, run_cli
 from parity import assert_parity
+from ray_processes import kill_processes, processes_of
 
 pytestmark = pytest.mark.slow
 ARGS = [*TINY, "train.max_steps=6", "train.eval_interval=3", "train.save_interval=2", "zero=stage1", "parallel.dp=2"]
@@ -37,13 +40,18 @@ def ray_cluster():
     port = free_port()
     env = _ray_env(RAY_AUTH_MODE="token")
     ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable))
+    # its own temp dir (short: Ray's socket paths under it stay within 107 bytes), by which its
+    # processes are found and killed afterwards: `ray stop` would also stop other files' clusters
+    root = Path(tempfile.mkdtemp(prefix="mfray-"))
     started = subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-                              "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=300)
+                              "--disable-usage-stats", f"--temp-dir={root}"], env=env, capture_output=True, text=True,
+                             timeout=300)
     assert started.returncode == 0, started.stderr[-2000:]
     try:
         yield f"127.0.0.1:{port}", env
     finally:
-        subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=300)
+        kill_processes(processes_of(root))
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

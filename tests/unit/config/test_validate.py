@@ -193,3 +193,21 @@ def test_a_cache_dir_that_is_a_file_is_refused(tmp_path):
     cfg.data.cache_dir = str(tmp_path / "cache")
     with pytest.raises(ConfigError, match=r"data\.cache_dir=.* is a file, not a directory"):
         validate(cfg, 1, _never_fp16)
+
+
+@pytest.mark.parametrize("train, said", [
+    ({"fast_save_interval": -1}, "train.fast_save_interval=-1 must be >= 0"),
+    ({"fast_save_interval": 1, "universal_checkpoint": False}, "set train.universal_checkpoint=true"),
+    ({"fast_save_interval": 1, "async_save": True}, "set train.async_save=false"),
+    ({"fast_save_interval": 1, "fast_save_dir": " "}, "train.fast_save_dir is empty"),
+])
+def test_the_fast_tier_keys_are_refused_in_one_line(train, said):
+    from megaframe.config.validate import check_fast_tier
+
+    cfg = TrainConfig()
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    assert said in check_fast_tier(cfg.train)
+    cfg.train = TrainConfig().train
+    cfg.train.fast_save_interval = 1
+    assert check_fast_tier(cfg.train) is None

@@ -1,0 +1,103 @@
+"""The fast tier's bookkeeping in one process (the buddy exchange and a lost node are in
+tests/e2e/test_elastic.py): a part is usable only once done, memory holds the newest part only,
+a part that does not verify is not published, and a restore publishes a normal checkpoint."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megaframe.checkpoint import universal
+from megaframe.training import checkpoint
+from megaframe.training.fast_checkpoint import FastTier, _complete_steps, run_key
+
+
+def _writer(step: int):
+    """A rank's part as a real save writes it: a shard file, its record, rank 0's state.json."""
+    def write(part: Path) -> dict:
+        (part / "shards").mkdir(parents=True, exist_ok=True)
+        shard = part / "shards" / "rank00000.safetensors"
+        shard.write_bytes(b"weights of step %d" % step)
+        universal.write_state(part, {"step": step, "consumed_samples": 0, "model": {}, "version": universal.SHARDED_VERSION})
+        return {"rank": 0, "files": {"shards/rank00000.safetensors": universal.file_entry(shard)}, "tensors": {}}
+    return write
+
+
+def _tier(tmp_path: Path) -> FastTier:
+    return FastTier(tmp_path / "shm", tmp_path / "run", rank=0, world=1, ranks_per_node=1)
+
+
+def test_only_the_newest_done_part_is_kept(tmp_path):
+    tier = _tier(tmp_path)
+    for step in (1, 2, 3):
+        tier.save(step, _writer(step))
+    assert sorted(tier.inventory()) == [3]
+    assert [p.name for p in tier.dir.iterdir()] == ["global_step3"]
+    marker = tier.inventory()[3][0]
+    assert marker["world"] == 1 and marker["copy"] == "own"
+    assert set(marker["files"]) == {"shards/rank00000.safetensors", "shards/rank00000.json", "state.json"}
+    tier.clear()
+    assert tier.inventory() == {}
+
+
+def test_a_part_without_its_done_marker_is_not_there(tmp_path):
+    tier = _tier(tmp_path)
+    tier.save(4, _writer(4))
+    (tier.dir / "global_step4" / "rank0.done.json").unlink()  # a crash before the marker
+    assert tier.inventory() == {}
+
+
+def test_restore_publishes_a_checkpoint_the_normal_resume_loads(tmp_path):
+    tier, save_dir = _tier(tmp_path), tmp_path / "run" / "checkpoints"
+    tier.save(7, _writer(7))
+    line = tier.restore(save_dir, 5, lambda tmp, step, world: checkpoint.publish_dir(tmp, save_dir, step, world))
+    assert line == ("restored global_step7 from node-local memory (newer than the shared checkpoint of step 5): "
+                    "the parts of rank 0 from their own node")
+    assert checkpoint.find_latest(save_dir) == save_dir / "global_step7"
+    assert checkpoint.manifest_problem(save_dir / "global_step7") is None
+    assert universal.read_state(save_dir / "global_step7")["step"] == 7
+    assert tier.inventory() == {}  # on shared storage now: the node's copy is dropped
+
+
+def test_nothing_newer_than_the_shared_checkpoint_is_restored(tmp_path):
+    tier, save_dir = _tier(tmp_path), tmp_path / "checkpoints"
+    tier.save(7, _writer(7))
+    assert tier.restore(save_dir, 7, lambda *a: None) is None
+    assert not save_dir.exists()
+
+
+def test_a_part_that_does_not_verify_is_not_published(tmp_path):
+    tier, save_dir = _tier(tmp_path), tmp_path / "checkpoints"
+    tier.save(7, _writer(7))
+    (tier.dir / "global_step7" / "rank0" / "shards" / "rank00000.safetensors").write_bytes(b"weights of step 6")
+    published = []
+    assert tier.restore(save_dir, 5, lambda *a: published.append(a)) is None
+    assert published == [] and not (save_dir / "tmp-global_step7").exists()
+
+
+def _marker(step: int, rank: int, world: int, copy: str) -> dict:
+    return {"step": step, "rank": rank, "world": world, "copy": copy, "files": {}}
+
+
+def test_a_step_is_complete_only_when_the_nodes_together_hold_every_rank():
+    # three ranks on three nodes, node 2 lost: nodes 0 and 1 hold ranks 0 and 1 and the buddy copy
+    # of rank 2 (on node 0: rank 2's buddy is rank 0); step 9's copy of rank 2 never arrived
+    node0 = {8: {0: _marker(8, 0, 3, "own"), 2: _marker(8, 2, 3, "buddy")}, 9: {0: _marker(9, 0, 3, "own")}}
+    node1 = {8: {1: _marker(8, 1, 3, "own"), 0: _marker(8, 0, 3, "buddy")}, 9: {1: _marker(9, 1, 3, "own")}}
+    found = list(_complete_steps([node0, node1], shared_step=5))
+    assert [step for step, _, _ in found] == [8]
+    _, holders, world = found[0]
+    assert world == 3 and {rank: holder for rank, (holder, _) in holders.items()} == {0: 0, 1: 1, 2: 0}
+    assert holders[0][1]["copy"] == "own"  # node 0's own copy of rank 0, not node 1's buddy copy
+    assert list(_complete_steps([node0, node1], shared_step=8)) == []
+
+
+def test_every_node_names_a_run_alike():
+    assert run_key(Path("/shared/run")) == run_key(Path("/shared/run/"))
+    assert run_key(Path("/shared/run")) != run_key(Path("/shared/run2"))
+
+
+def test_the_marker_is_json_a_person_can_read(tmp_path):
+    tier = _tier(tmp_path)
+    tier.save(2, _writer(2))
+    text = (tier.dir / "global_step2" / "rank0.done.json").read_text()
+    assert json.loads(text)["step"] == 2
