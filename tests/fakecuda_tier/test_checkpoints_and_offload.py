@@ -4,6 +4,8 @@ offloaded state kept on the host), which plain CPU ranks cannot check. Each run:
 process, and the resumed curve on the plain CPU run's at rtol 1e-5 (fp32)."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -52,3 +54,19 @@ def test_zero0_resumes_on_the_device_and_its_checkpoint_exports_to_hugging_face(
     assert device.keys() == cpu.keys() and len(cpu) > 0
     for name, weight in cpu.items():  # curves equal at 1e-5 leave the weights a few fp32 ulps apart
         torch.testing.assert_close(device[name], weight, rtol=1e-4, atol=1e-6, msg=f"{name}: device export vs CPU's")
+
+
+def test_the_fast_tier_saves_device_state_to_node_memory_and_restores_it_onto_the_device(cpu_reference, tmp_path):
+    """train.fast_save_interval: each rank's part goes from the device to node-local files and a
+    buddy's; a restore publishes them and loads them back onto the device. The shared checkpoint
+    of step 4 is removed after the first run (as if its node failed before writing it), so the
+    resume must come from the parts of step 3."""
+    extra = ["parallel.dp=2", "zero=stage1", "train.save_interval=2", "train.fast_save_interval=1",
+             f"train.fast_save_dir={tmp_path / 'shm'}"]
+    run_on_device(tmp_path, "fast", [*extra, "train.exit_at_step=4"], world=2)
+    checkpoints = tmp_path / "fast" / "checkpoints"
+    shutil.rmtree(checkpoints / "global_step4")
+    (checkpoints / "latest").write_text("global_step2\n")
+    resumed = run_on_device(tmp_path, "fast", extra, world=2)
+    assert (checkpoints / "global_step3").is_dir()  # published from the parts: shared saves are at even steps
+    assert_parity(resumed, cpu_reference, "fakecuda fast tier restore")
