@@ -115,3 +115,18 @@ def test_an_elastic_job_with_the_half_hour_timeout_is_warned():
     cfg.train.collective_timeout_s = 120
     assert timeout_warning(cfg) is None
     assert timeout_warning(TrainConfig()) is None
+
+
+def test_parallel_auto_is_checked_for_a_fitting_layout_at_every_size_of_the_range():
+    """parallel=auto re-plans each attempt for its own world: before launch, every world of the
+    range must have a layout that fits (the planner's search at that world)."""
+    fits, _ = compose(["parallel=auto", "launcher.min_nodes=1", "launcher.nodes=3", "launcher.gpus_per_node=1",
+                       "parallel.global_batch_size=48"])
+    assert range_problem(fits, lambda world: validate_for_engine(fits, world, ask_bf16=False),
+                         lambda layout: fit_problem(fits, layout)) is None
+    # a 1T model on one or two nodes: no layout the search tries fits at either size
+    too_big, _ = compose(["parallel=auto", "recipe=gpt_1t", "cluster=h100_80g", "parallel.dp=null", "parallel.tp=8",
+                          "parallel.pp=1", "launcher.min_nodes=1", "launcher.nodes=2", "launcher.gpus_per_node=8"])
+    problem = range_problem(too_big, lambda world: validate_for_engine(too_big, world, ask_bf16=False),
+                            lambda layout: fit_problem(too_big, layout))
+    assert "cannot train at world size 8, 16 of [8, 16]; at 8: parallel=auto: no layout of 8 ranks fits" in problem
