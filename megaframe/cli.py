@@ -87,8 +87,8 @@ def _check_elastic_range(cfg: TrainConfig, args: Sequence[str]) -> None:
         _fail("launcher.min_nodes: every node and attempt of an elastic job writes and resumes from one run "
               "directory; set hydra.run.dir to a path on storage all nodes share")
     try:
-        problem = range_problem(cfg, lambda world: validate_for_engine(cfg, world, ask_bf16=False),
-                                lambda at: fit_problem(cfg, at))
+        problem = range_problem(cfg, lambda config, world: validate_for_engine(config, world, ask_bf16=False),
+                                fit_problem)
     except ConfigError as err:  # the planner's own keys (cluster.*)
         problem = str(err)
     if problem:

@@ -23,6 +23,8 @@ much work a lost node costs).
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import os
 import re
@@ -52,21 +54,13 @@ def world_sizes(launcher: LauncherConfig) -> list[int]:
     return [nodes * per_node for nodes in range(launcher.min_nodes, launcher.nodes + 1)]
 
 
-def range_problem(cfg: TrainConfig, layout_at: Callable[[int], object],
-                  fit_problem: Callable[[object], Optional[str]]) -> Optional[str]:
-    """One line naming every world size of the range that cannot train, or None. layout_at(world)
-    validates the config at that world (raising ConfigError with the reason); fit_problem(layout)
-    says why the planner finds it does not fit, or None."""
-    from megaframe.config.validate import ConfigError
-
-    failing: dict[int, str] = {}
-    for world in world_sizes(cfg.launcher):
-        try:
-            why = fit_problem(layout_at(world))
-        except ConfigError as err:
-            why = str(err)
-        if why:
-            failing[world] = why
+def range_problem(cfg: TrainConfig, layout_at: Callable[[TrainConfig, int], object],
+                  fit_problem: Callable[[TrainConfig, object], Optional[str]]) -> Optional[str]:
+    """One line naming every world size of the range that cannot train, or None. layout_at(cfg,
+    world) validates a config at that world (raising ConfigError with the reason); fit_problem(cfg,
+    layout) says why the planner finds it does not fit, or None. The fixes it offers are checked
+    the same way: only those under which every size trains are named."""
+    failing = _failing_worlds(cfg, layout_at, fit_problem)
     if not failing:
         return None
     launcher = cfg.launcher
@@ -74,14 +68,27 @@ def range_problem(cfg: TrainConfig, layout_at: Callable[[int], object],
     sizes = ", ".join(str(w) for w in failing)
     return (f"launcher.min_nodes={launcher.min_nodes} launcher.nodes={launcher.nodes}: the job cannot train at "
             f"world size {sizes} of {world_sizes(launcher)}; at {first_world}: {first_why}; "
-            f"{_narrower(cfg, set(failing))}")
+            f"{_fixes(cfg, set(failing), layout_at, fit_problem)}")
 
 
-def _narrower(cfg: TrainConfig, failing: set[int]) -> str:
-    """The fix: the widest run of node counts in the range at which the job trains, if any, and a
-    global batch that every data-parallel size of the range divides."""
-    launcher = cfg.launcher
-    per_node = launcher.gpus_per_node
+def _failing_worlds(cfg: TrainConfig, layout_at, fit_problem) -> dict[int, str]:
+    from megaframe.config.validate import ConfigError
+
+    failing: dict[int, str] = {}
+    for world in world_sizes(cfg.launcher):
+        try:
+            why = fit_problem(cfg, layout_at(cfg, world))
+        except ConfigError as err:
+            why = str(err)
+        if why:
+            failing[world] = why
+    return failing
+
+
+def _fixes(cfg: TrainConfig, failing: set[int], layout_at, fit_problem) -> str:
+    """The widest run of node counts in the range at which the job trains, and the nearest global
+    batch that every data-parallel size of the range divides, each only when it works."""
+    launcher, p = cfg.launcher, cfg.parallel
     worlds = world_sizes(launcher)
     best: list[int] = []
     run: list[int] = []
@@ -89,17 +96,23 @@ def _narrower(cfg: TrainConfig, failing: set[int]) -> str:
         run = [] if world in failing else [*run, world]
         if len(run) > len(best):
             best = run
-    p = cfg.parallel
+    fixes = []
+    if best:
+        low, high = -(-best[0] // launcher.gpus_per_node), best[-1] // launcher.gpus_per_node
+        narrower = dataclasses.replace(launcher, min_nodes=low, nodes=high)
+        if low <= high and not set(world_sizes(narrower)) & failing:
+            fixes.append(f"narrow the range to launcher.min_nodes={low} launcher.nodes={high}")
     model_parallel = p.tp * p.pp * p.cp
-    batch = ""
     if p.dp is None and all(world % model_parallel == 0 for world in worlds):
         every = math.lcm(*(p.micro_batch_size * world // model_parallel for world in worlds))
         nearest = every * max(1, round(p.global_batch_size / every))  # the nearest such batch to the user's
-        batch = f" or parallel.global_batch_size={nearest} (a multiple of micro_batch_size*dp at every size)"
-    if not best:
-        return f"no world size of the range trains: change the layout{batch or ' or the batch sizes'}"
-    low, high = -(-best[0] // per_node), best[-1] // per_node
-    return f"narrow the range to launcher.min_nodes={low} launcher.nodes={high}{',' if batch else ''}{batch}"
+        batched = copy.deepcopy(cfg)
+        batched.parallel.global_batch_size = nearest
+        if nearest != p.global_batch_size and not _failing_worlds(batched, layout_at, fit_problem):
+            fixes.append(f"parallel.global_batch_size={nearest} (a multiple of micro_batch_size*dp at every size)")
+    if not fixes:
+        return "no change of the range or the batch alone trains at every size: change the layout or the model"
+    return ", or ".join(fixes)
 
 
 def rdzv_endpoint(launcher: LauncherConfig, default_host: str) -> str:
@@ -137,7 +150,8 @@ def elastic_sbatch_script(launcher: LauncherConfig, overrides: list[str], run_di
     running torchrun's elastic agent for that node's GPUs. --no-kill keeps the allocation when a
     node fails, and srun does not end the step when one task does: the other agents go on at the
     smaller size. Nodes of another allocation join by running the same torchrun line with
-    launcher.rdzv_endpoint set to this job's first node (docs/scaling.md)."""
+    launcher.rdzv_endpoint set to this job's first node and
+    this job's rendezvous id (docs/elastic.md)."""
     from megaframe.slurm import hydra_quoted, sbatch_header
 
     per_node = launcher.gpus_per_node
@@ -159,7 +173,10 @@ def elastic_sbatch_script(launcher: LauncherConfig, overrides: list[str], run_di
               "# a lost node leaves the others training at the smaller data-parallel size, from the last checkpoint",
               f"export {STORE_ENV}=1  # a rendezvous store per round: without it a joining node hangs (torch 2.13)",
               'RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-              "srun --ntasks-per-node=1 --kill-on-bad-exit=0 " + line,
+              # srun's own --no-kill: a failed node does not end the step; srun does not inherit
+              # --cpus-per-task from the allocation on Slurm 22.05-23.02: one agent runs all of a node's ranks
+              "srun --ntasks-per-node=1 --kill-on-bad-exit=0 --no-kill"
+              + (" --cpus-per-task=${SLURM_CPUS_PER_TASK}" if cpus is not None else "") + " " + line,
               ""]
     return "\n".join(lines)
 

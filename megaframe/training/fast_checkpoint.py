@@ -31,6 +31,8 @@ import hashlib
 import json
 import re
 import shutil
+import socket
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -53,14 +55,20 @@ def run_key(run_dir: Path) -> str:
 class FastTier:
     """One rank's side of the fast tier: save(step) at a step boundary, restore() before resuming."""
 
-    def __init__(self, root: Path, run_dir: Path, rank: int, world: int, ranks_per_node: int):
+    def __init__(self, root: Path, run_dir: Path, rank: int, world: int, timeout: Optional[timedelta] = None):
         self.dir = Path(root) / run_key(run_dir)
         self.rank, self.world = rank, world
-        # the buddy is on the next node; a one-node job keeps its own copy only (worker restarts)
-        self.buddy: Optional[int] = (rank + ranks_per_node) % world if world > ranks_per_node else None
-        self.sender: Optional[int] = (rank - ranks_per_node) % world if self.buddy is not None else None
-        # parts travel as host bytes: a gloo group works under NCCL's default group too
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() and world > 1 else None
+        # a "node" is the ranks that share one node-local directory: its host and the directory
+        # (on one host, several such directories act as several nodes, as the tests' do)
+        node = f"{socket.gethostname()}:{Path(root).resolve()}"
+        nodes = [node] if not dist.is_initialized() else [None] * dist.get_world_size()
+        if dist.is_initialized():
+            dist.all_gather_object(nodes, node)
+        self.buddy: Optional[int] = buddies(nodes)[rank]
+        self.senders = [r for r, b in enumerate(buddies(nodes)) if b == rank]  # ranks whose copy this rank keeps
+        # parts travel as host bytes: a gloo group works under NCCL's default group too; its timeout
+        # is the job's, so a hung buddy ends the job after train.collective_timeout_s like any peer
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() and world > 1 else None
 
     # ---- saving ------------------------------------------------------------------------------
 
@@ -69,6 +77,7 @@ class FastTier:
         the rank's record), mark it done, swap parts with the buddies, then drop older parts."""
         step_dir = self.dir / f"global_step{step}"
         part = step_dir / f"rank{self.rank}"
+        (step_dir / f"rank{self.rank}.done.json").unlink(missing_ok=True)  # first: then the files are not used
         shutil.rmtree(part, ignore_errors=True)  # debris of a save that crashed at this step
         part.mkdir(parents=True, exist_ok=True)
         record = write_part(part)
@@ -76,24 +85,33 @@ class FastTier:
         files = _hash_part(part, record["files"])
         marker = {"step": step, "world": self.world, "rank": self.rank, "files": files}
         atomic_write_text(step_dir / f"rank{self.rank}.done.json", json.dumps({**marker, "copy": "own"}) + "\n")
-        if self.buddy is not None:
+        if self.buddy is not None or self.senders:
             self._swap_with_buddies(step_dir, part, marker)
         self._drop_older(step)
 
     def _swap_with_buddies(self, step_dir: Path, part: Path, marker: dict) -> None:
-        """Send this part to the buddy and receive the sender's, as one uint8 tensor each: a JSON
-        header (the marker) and the files' bytes in the header's order."""
-        payload = _pack(part, marker)
-        size_out, size_in = torch.tensor([payload.numel()], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-        _exchange(size_out, self.buddy, size_in, self.sender, self.group)
-        incoming = torch.empty(int(size_in.item()), dtype=torch.uint8)
-        _exchange(payload, self.buddy, incoming, self.sender, self.group)
-        received = _unpack(incoming, step_dir)
-        atomic_write_text(step_dir / f"rank{received['rank']}.done.json", json.dumps({**received, "copy": "buddy"}) + "\n")
+        """Send this part to the buddy and receive each sender's, as one uint8 tensor each: a JSON
+        header (the marker) and the files' bytes in the header's order. Sends are asynchronous and
+        every receive has its send, so any buddy map (uneven nodes too) completes."""
+        payload = _pack(part, marker) if self.buddy is not None else None
+        sent = []
+        if payload is not None:
+            sent.append(dist.isend(torch.tensor([payload.numel()], dtype=torch.int64), self.buddy, group=self.group))
+            sent.append(dist.isend(payload, self.buddy, group=self.group))
+        for sender in self.senders:
+            size = torch.zeros(1, dtype=torch.int64)
+            dist.recv(size, sender, group=self.group)
+            incoming = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.recv(incoming, sender, group=self.group)
+            received = _unpack(incoming, step_dir)
+            atomic_write_text(step_dir / f"rank{received['rank']}.done.json",
+                              json.dumps({**received, "copy": "buddy"}) + "\n")
+        for work in sent:
+            work.wait()
 
     def _drop_older(self, step: int) -> None:
         """Delete this rank's and its sender's parts of steps before `step` (the new ones are done)."""
-        mine = {self.rank} | ({self.sender} if self.sender is not None else set())
+        mine = {self.rank, *self.senders}
         for step_dir in _step_dirs(self.dir):
             if int(_STEP_DIR.fullmatch(step_dir.name).group(1)) >= step:
                 continue
@@ -106,8 +124,10 @@ class FastTier:
                 pass
 
     def clear(self) -> None:
-        """At the end of a finished run: this rank's and its sender's parts leave the node's memory."""
-        self._drop_older(1 << 62)
+        """At the end of a finished run, or once a restore is decided: everything of this run on the
+        node goes (parts of ranks a resize renumbered too). Every rank of the node clears; the last
+        step's collectives ran after any rank's last part was written, so nothing new is lost."""
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     # ---- restoring ---------------------------------------------------------------------------
 
@@ -153,21 +173,30 @@ class FastTier:
             if self.rank == 0:
                 publish(tmp, step, world)
             _barrier()
-            self._forget_through(step)  # on shared storage now; and a resize renumbered the ranks
+            self.clear()  # on shared storage now; what else the node holds is older or from another layout
             own = sorted(r for r, (_, m) in holders.items() if m["copy"] == "own")
             buddy = sorted(r for r, (_, m) in holders.items() if m["copy"] == "buddy")
             return (f"restored global_step{step} from node-local memory (newer than the shared checkpoint of step "
                     f"{shared_step}): the parts of {_ranks(own)} from their own node"
                     + (f", of {_ranks(buddy)} from a buddy's copy" if buddy else ""))
-        self._forget_through(shared_step)  # older than the shared checkpoint: of no further use
+        _barrier()
+        self.clear()  # nothing usable: older than the shared checkpoint, incomplete, or not verifying
         return None
 
-    def _forget_through(self, step: int) -> None:
-        """Drop every part of steps up to `step` on this node (ranks of one node may race: rmtree
-        ignores what another removed first)."""
-        for step_dir in _step_dirs(self.dir):
-            if int(_STEP_DIR.fullmatch(step_dir.name).group(1)) <= step:
-                shutil.rmtree(step_dir, ignore_errors=True)
+
+def buddies(nodes: list[str]) -> list[Optional[int]]:
+    """Each rank's buddy: the rank at its position (cyclically) among the next node's ranks, the
+    nodes in the order of their first rank; None for every rank when there is one node. Uneven
+    nodes (Ray places any number of workers on a node) give some ranks several senders, some none."""
+    order = list(dict.fromkeys(nodes))
+    if len(order) < 2:
+        return [None] * len(nodes)
+    ranks_of = {node: [r for r, n in enumerate(nodes) if n == node] for node in order}
+    result: list[Optional[int]] = []
+    for rank, node in enumerate(nodes):
+        following = ranks_of[order[(order.index(node) + 1) % len(order)]]
+        result.append(following[ranks_of[node].index(rank) % len(following)])
+    return result
 
 
 def _complete_steps(everyone: list[dict[int, dict[int, dict]]], shared_step: int):
@@ -222,6 +251,7 @@ def _unpack(payload: torch.Tensor, step_dir: Path) -> dict:
     size = int.from_bytes(data[:8], "little")
     marker = json.loads(data[8:8 + size])
     part = step_dir / f"rank{marker['rank']}"
+    (step_dir / f"rank{marker['rank']}.done.json").unlink(missing_ok=True)  # the old copy is not used from here on
     shutil.rmtree(part, ignore_errors=True)
     offset = 8 + size
     for rel in marker.pop("order"):
@@ -231,13 +261,6 @@ def _unpack(payload: torch.Tensor, step_dir: Path) -> dict:
         target.write_bytes(data[offset:offset + length])
         offset += length
     return marker
-
-
-def _exchange(out: torch.Tensor, to: int, into: torch.Tensor, source: int, group) -> None:
-    """Send `out` to rank `to` while receiving `into` from rank `source` (a ring: no deadlock)."""
-    sent = dist.isend(out, to, group=group)
-    dist.recv(into, source, group=group)
-    sent.wait()
 
 
 def _step_dirs(root: Path) -> list[Path]:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
@@ -93,9 +93,8 @@ class Trainer:
         self.background = checkpoint.BackgroundWriter()  # train.async_save: each rank writes its shard on a thread
         self.fast: Optional[FastTier] = None  # train.fast_save_interval: parts in node-local memory and a buddy's
         if cfg.train.fast_save_interval:
-            world = layout.world_size
-            self.fast = FastTier(Path(cfg.train.fast_save_dir), self.run_dir, self.ps.rank, world,
-                                 int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+            self.fast = FastTier(Path(cfg.train.fast_save_dir), self.run_dir, self.ps.rank, layout.world_size,
+                                 timedelta(seconds=cfg.train.collective_timeout_s))
 
     def _own_run_dir(self) -> None:
         """Rank 0 locks the run dir (run_lock.py) unless our launcher holds it for us; every rank
@@ -263,8 +262,11 @@ class Trainer:
         """This rank's part of a checkpoint into node-local memory and its buddy's (no shared storage)."""
         state, write_universal, _ = self._checkpoint_state(defer=False)
         rng = {"tp_dropout": self.backend.module.rng.state_dict()}
-        self.fast.save(self.step, lambda part: checkpoint.write_rank_part(part, self.ps.rank, state, rng,
-                                                                          write_universal)())
+        try:
+            self.fast.save(self.step, lambda part: checkpoint.write_rank_part(part, self.ps.rank, state, rng,
+                                                                              write_universal)())
+        except OSError as err:  # /dev/shm full (64 MB in a default container), or not writable
+            raise save_failure(err, f"the fast-tier part of step {self.step}", self.cfg.train.fast_save_dir) from err
 
     def _save(self) -> None:
         state, write_universal, native = self._checkpoint_state(defer=self.cfg.train.async_save)

@@ -15,6 +15,10 @@ from megaframe.elastic_launch import (STORE_ENV, elastic_sbatch_script, node_com
 from megaframe.plan.cli import fit_problem
 
 
+def _at_world(cfg: TrainConfig, world: int):
+    return validate_for_engine(cfg, world, ask_bf16=False)
+
+
 def _elastic(**launcher) -> TrainConfig:
     cfg = TrainConfig()
     for key, value in {"min_nodes": 1, "nodes": 3, "gpus_per_node": 1, **launcher}.items():
@@ -48,37 +52,38 @@ def test_elastic_keys_are_refused_in_one_line(launcher, train, said):
 def test_a_range_with_a_world_the_batch_does_not_divide_names_it_and_two_fixes():
     cfg, _ = compose(["launcher.min_nodes=1", "launcher.nodes=3", "launcher.gpus_per_node=1",
                       "parallel.micro_batch_size=8", "parallel.global_batch_size=16"])
-    problem = range_problem(cfg, lambda world: validate_for_engine(cfg, world, ask_bf16=False),
-                            lambda layout: fit_problem(cfg, layout))
+    problem = range_problem(cfg, _at_world,
+                            fit_problem)
     # dp 1 and 2 divide 16/8 micro-batches, dp 3 does not; 48 = lcm(8, 16, 24) divides at every size
     assert problem.startswith("launcher.min_nodes=1 launcher.nodes=3: the job cannot train at world size 3 of [1, 2, 3]")
     assert "narrow the range to launcher.min_nodes=1 launcher.nodes=2" in problem
     assert "parallel.global_batch_size=48" in problem
     cfg.parallel.global_batch_size = 48
-    assert range_problem(cfg, lambda world: validate_for_engine(cfg, world, ask_bf16=False),
-                         lambda layout: fit_problem(cfg, layout)) is None
+    assert range_problem(cfg, _at_world,
+                         fit_problem) is None
 
 
 def test_the_smallest_worlds_that_do_not_fit_are_refused_with_the_planners_verdict():
     cfg, _ = compose(["recipe=llama2_70b", "cluster=h100_80g", "parallel.dp=null", "parallel.pp=1",
                       "launcher.min_nodes=1", "launcher.nodes=4", "launcher.gpus_per_node=8"])
-    problem = range_problem(cfg, lambda world: validate_for_engine(cfg, world, ask_bf16=False),
-                            lambda layout: fit_problem(cfg, layout))
+    problem = range_problem(cfg, _at_world,
+                            fit_problem)
     # 70B at tp=8, ZeRO-1: the optimizer states of 8 or 16 GPUs exceed 80 GB per device (the planner),
-    # and dp=3 does not divide the global batch of 1024; 1020 is the nearest that dp 1 to 4 all divide
+    # and dp=3 does not divide the global batch of 1024. 1020 would divide at every size, but 8 and 16
+    # GPUs still would not hold the model: that batch is not offered
     assert "cannot train at world size 8, 16, 24 of [8, 16, 24, 32]; at 8: the planner says it will not fit" in problem
     assert "does NOT fit on h100_80g" in problem
-    assert "narrow the range to launcher.min_nodes=4 launcher.nodes=4, or parallel.global_batch_size=1020" in problem
+    assert problem.endswith("narrow the range to launcher.min_nodes=4 launcher.nodes=4")
 
 
 def test_a_layout_error_outside_the_planner_is_reported_for_its_world():
     cfg = _elastic(min_nodes=1, nodes=2)
 
-    def layout_at(world: int):
+    def layout_at(_, world: int):
         if world == 1:
             raise ConfigError("parallel.tp=2 needs 2 ranks")
         return world
-    assert "at 1: parallel.tp=2 needs 2 ranks" in range_problem(cfg, layout_at, lambda layout: None)
+    assert "at 1: parallel.tp=2 needs 2 ranks" in range_problem(cfg, layout_at, lambda _, layout: None)
 
 
 def test_each_node_runs_torchrun_with_the_range_c10d_and_its_own_rendezvous_store(tmp_path):
@@ -100,7 +105,7 @@ def test_the_elastic_slurm_job_is_one_agent_per_node_over_a_node_range(tmp_path)
                  "#SBATCH --no-kill", "#SBATCH --cpus-per-task=48", f"export {STORE_ENV}=1"):
         assert line in script.splitlines() or any(l.startswith(line) for l in script.splitlines()), line
     srun = next(l for l in script.splitlines() if l.startswith("srun"))
-    assert "--kill-on-bad-exit=0" in srun and "--nnodes=2:4" in srun
+    assert "--kill-on-bad-exit=0 --no-kill --cpus-per-task=${SLURM_CPUS_PER_TASK}" in srun and "--nnodes=2:4" in srun
     assert '"--rdzv-endpoint=${RDZV_HOST}:29400"' in srun and '"--rdzv-id=megaframe-${SLURM_JOB_ID}"' in srun
 
 
@@ -122,11 +127,23 @@ def test_parallel_auto_is_checked_for_a_fitting_layout_at_every_size_of_the_rang
     range must have a layout that fits (the planner's search at that world)."""
     fits, _ = compose(["parallel=auto", "launcher.min_nodes=1", "launcher.nodes=3", "launcher.gpus_per_node=1",
                        "parallel.global_batch_size=48"])
-    assert range_problem(fits, lambda world: validate_for_engine(fits, world, ask_bf16=False),
-                         lambda layout: fit_problem(fits, layout)) is None
+    assert range_problem(fits, _at_world,
+                         fit_problem) is None
     # a 1T model on one or two nodes: no layout the search tries fits at either size
     too_big, _ = compose(["parallel=auto", "recipe=gpt_1t", "cluster=h100_80g", "parallel.dp=null", "parallel.tp=8",
                           "parallel.pp=1", "launcher.min_nodes=1", "launcher.nodes=2", "launcher.gpus_per_node=8"])
-    problem = range_problem(too_big, lambda world: validate_for_engine(too_big, world, ask_bf16=False),
-                            lambda layout: fit_problem(too_big, layout))
+    problem = range_problem(too_big, _at_world,
+                            fit_problem)
     assert "cannot train at world size 8, 16 of [8, 16]; at 8: parallel=auto: no layout of 8 ranks fits" in problem
+    assert problem.endswith("no change of the range or the batch alone trains at every size: change the layout or "
+                            "the model")
+
+
+def test_a_range_ray_cannot_narrow_in_whole_nodes_is_not_offered():
+    """Ray counts workers: sizes 5 to 7 of 4-GPU nodes are no whole node count; the offered fix
+    must be one the range check itself accepts."""
+    cfg = _elastic(name="ray", min_nodes=1, nodes=2, gpus_per_node=4, max_failures=3)
+    failing = {1, 2, 3, 4, 8}
+    problem = range_problem(cfg, lambda _, world: world,
+                            lambda _, world: "no" if world in failing else None)
+    assert "narrow the range" not in problem

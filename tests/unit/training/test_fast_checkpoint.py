@@ -8,7 +8,7 @@ from pathlib import Path
 
 from megaframe.checkpoint import universal
 from megaframe.training import checkpoint
-from megaframe.training.fast_checkpoint import FastTier, _complete_steps, run_key
+from megaframe.training.fast_checkpoint import FastTier, _complete_steps, buddies, run_key
 
 
 def _writer(step: int):
@@ -23,7 +23,7 @@ def _writer(step: int):
 
 
 def _tier(tmp_path: Path) -> FastTier:
-    return FastTier(tmp_path / "shm", tmp_path / "run", rank=0, world=1, ranks_per_node=1)
+    return FastTier(tmp_path / "shm", tmp_path / "run", rank=0, world=1)
 
 
 def test_only_the_newest_done_part_is_kept(tmp_path):
@@ -101,3 +101,14 @@ def test_the_marker_is_json_a_person_can_read(tmp_path):
     tier.save(2, _writer(2))
     text = (tier.dir / "global_step2" / "rank0.done.json").read_text()
     assert json.loads(text)["step"] == 2
+
+
+def test_each_rank_has_a_buddy_on_the_next_node_whatever_the_node_sizes():
+    assert buddies(["a", "a", "b", "b"]) == [2, 3, 0, 1]  # two nodes of two ranks
+    assert buddies(["a", "b", "c"]) == [1, 2, 0]  # three nodes of one rank (the elastic tests)
+    assert buddies(["a", "a", "a"]) == [None, None, None]  # one node: no copy elsewhere
+    # Ray's placement: ranks 0 and 1 on the head, rank 2 alone on the second node; every rank's copy
+    # lands on the other node, and rank 2 keeps the copies of both head ranks
+    assert buddies(["head", "head", "b"]) == [2, 2, 0]
+    # ranks of a node need not be numbered contiguously
+    assert buddies(["a", "b", "a", "b"]) == [1, 0, 3, 2]
