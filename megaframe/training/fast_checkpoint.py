@@ -14,9 +14,9 @@ Layout on each node, under FAST_DIR/<run key>/:
   global_step{N}/rank{R}.done.json  written last (atomic): the part's files, sizes and sha256, the
                                     world size of step N, and whether this node wrote it or holds
                                     a buddy's copy
-Each rank keeps its newest complete part and the newest it received, and deletes older ones only
-after the new one is done: memory is one step per rank plus one buddy part (two while a new one is
-written).
+Each rank keeps its newest part and the newest it received, and deletes older ones only once every
+rank has its part and its copies of the new step (a barrier of the gloo group): memory is one step
+per rank plus its buddy copies (two steps while a new one is written).
 
 Restore (an attempt starting with train.resume=auto): every rank lists the complete parts on its
 node; the ranks gather the lists; the newest step newer than the shared checkpoint whose parts
@@ -87,6 +87,12 @@ class FastTier:
         atomic_write_text(step_dir / f"rank{self.rank}.done.json", json.dumps({**marker, "copy": "own"}) + "\n")
         if self.buddy is not None or self.senders:
             self._swap_with_buddies(step_dir, part, marker)
+        if self.group is not None:
+            # step `step` is complete only once every rank holds its part and its senders' copies: a
+            # rank that dropped its previous part on finishing its own exchange lost the set of the
+            # previous step while a peer that died mid-exchange left this one incomplete (seen in CI:
+            # neither step could be restored)
+            dist.barrier(group=self.group)
         self._drop_older(step)
 
     def _swap_with_buddies(self, step_dir: Path, part: Path, marker: dict) -> None:

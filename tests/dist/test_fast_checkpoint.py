@@ -16,6 +16,8 @@ pytestmark = pytest.mark.slow
 
 
 def _save_two_steps(rank: int, world: int, root: str) -> dict:
+    import torch.distributed
+
     from megaframe.checkpoint import universal
     from megaframe.training.fast_checkpoint import FastTier
 
@@ -33,6 +35,7 @@ def _save_two_steps(rank: int, world: int, root: str) -> dict:
 
     for step in (1, 2):
         tier.save(step, part(step))
+    torch.distributed.barrier()  # every rank of the node has dropped its step-1 parts
     return {"buddy": tier.buddy, "senders": tier.senders,
             "held": {step: {r: m["copy"] for r, m in parts.items()} for step, parts in tier.inventory().items()}}
 
