@@ -65,6 +65,10 @@ def check(overrides: Sequence[str]) -> tuple[TrainConfig, Layout, str]:
     return cfg, layout, run_dir
 
 
+def _pins_run_dir(args: Sequence[str]) -> bool:
+    return any(a.startswith("hydra.run.dir=") for a in args)
+
+
 def _slurm_world_size(cfg: TrainConfig) -> Optional[int]:
     """launcher=slurm with launcher.nodes, or an elastic job (launcher.min_nodes) at its largest:
     the job's ranks, one per GPU."""
@@ -83,7 +87,7 @@ def _check_elastic_range(cfg: TrainConfig, args: Sequence[str]) -> None:
 
     if problem := check_elastic(cfg):
         _fail(problem)
-    if not any(a.startswith("hydra.run.dir=") for a in args):
+    if not _pins_run_dir(args):
         _fail("launcher.min_nodes: every node and attempt of an elastic job writes and resumes from one run "
               "directory; set hydra.run.dir to a path on storage all nodes share")
     try:
@@ -96,9 +100,9 @@ def _check_elastic_range(cfg: TrainConfig, args: Sequence[str]) -> None:
 
 
 def _launch_elastic(cfg: TrainConfig, layout: Layout, args: list[str], run_dir: str) -> int:
-    """launcher.min_nodes, before launch: every world size of the range must train (one line naming
-    those that cannot), then the job starts: SLURM's script, Ray's elastic workers, or (local) the
-    torchrun line every node runs, printed and written to RUN_DIR/elastic_node.sh."""
+    """launcher.min_nodes, once check() has validated the whole range: start the job: SLURM's script,
+    Ray's elastic workers, or (local) the torchrun line every node runs, printed and written to
+    RUN_DIR/elastic_node.sh."""
     import uuid
 
     from megaframe.atomic_io import atomic_write_text
@@ -134,7 +138,7 @@ def _join_elastic_stop_record(args: list[str], run_dir: str) -> None:
 
     if not under_unshared_store():
         return
-    if not any(a.startswith("hydra.run.dir=") for a in args):
+    if not _pins_run_dir(args):
         _fail("an elastic torchrun job (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) writes and resumes from one run "
               "directory on every node; set hydra.run.dir to a path on storage all nodes share")
     os.environ[STOP_FILE_ENV] = str(stop_file(Path(run_dir).resolve(), os.environ["TORCHELASTIC_RUN_ID"]))
@@ -333,7 +337,7 @@ def _own_run_dir(args: list[str], run_dir: str) -> tuple[list[str], str]:
     from megaframe.slurm import hydra_quoted
 
     run_dir = str(Path(run_dir).resolve())
-    if not any(a.startswith("hydra.run.dir=") for a in args):
+    if not _pins_run_dir(args):
         args = [*args, f"hydra.run.dir={hydra_quoted(run_dir)}"]
     try:
         problem = lock_for_children(Path(run_dir))
@@ -493,7 +497,7 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
 
         dataset_prefix(cfg.data)  # build the demo corpus once, not in every rank
         sys.exit(_self_launch(args, layout.world_size, run_dir))
-    if launched and layout.world_size > 1 and not any(a.startswith("hydra.run.dir=") for a in args):
+    if launched and layout.world_size > 1 and not _pins_run_dir(args):
         args.append(f"hydra.run.dir={_shared_run_dir(run_dir, cfg)}")
     if _rank() != 0:
         args.append("hydra.output_subdir=null")  # rank 0 alone writes .hydra/

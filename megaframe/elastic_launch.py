@@ -159,9 +159,7 @@ def elastic_sbatch_script(launcher: LauncherConfig, overrides: list[str], run_di
     lines = sbatch_header(launcher, f"{launcher.min_nodes}-{launcher.nodes}",
                            ["#SBATCH --ntasks-per-node=1", f"#SBATCH --gpus-per-node={per_node}", "#SBATCH --no-kill"],
                            cpus)
-    endpoint = launcher.rdzv_endpoint or "${RDZV_HOST}"
-    if ":" not in endpoint:
-        endpoint += ":29400"
+    endpoint = rdzv_endpoint(launcher, "${RDZV_HOST}")  # the shell expands the first node's name
     agent = [python, *torchrun_args(launcher, "ENDPOINT", "RUN_ID"), "-m", "megaframe.train", *overrides,
              f"hydra.run.dir={hydra_quoted(str(run_dir))}"]
     # the endpoint and id are the shell's to expand: quoted as words, then put back in double quotes
