@@ -23,6 +23,7 @@ class EnginePlug:
     name: str
     build: Callable[..., Any]  # (cfg, layout, ps, dims, lr_scheduler) -> a Backend (backends/__init__.py)
     init_distributed: Callable[[Optional[float]], None]  # this rank's device and process group
+    device_type: Callable[[], str]  # "cuda" or "cpu": what this rank trains on (after init_distributed)
     device_supports_fp16: Callable[[], bool]
     device_supports_bf16: Callable[[], bool]
     system_problem: Callable[[OffloadConfig, float], Optional[str]]  # offload's needs on this machine

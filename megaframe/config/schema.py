@@ -39,11 +39,15 @@ class ModelConfig:
     num_kv_heads: Optional[int] = None  # None = num_attention_heads (no grouped-query attention)
     ffn_hidden_size: Optional[int] = None  # None = 4h (gelu) or 8h/3 rounded up to 64 (swiglu)
     vocab_size: Optional[int] = None  # None = the tokenizer's vocabulary
-    make_vocab_size_divisible_by: int = 128
+    # rows of the embedding and head are padded to a multiple of this x tp; null: 128 on a GPU (tensor-core
+    # tiles, Megatron's default), 1 on a CPU, where padding only adds work (a 257-byte vocabulary to 384 rows
+    # made the head 1.5x wider); checkpoints hold the unpadded rows, so a change of padding resumes
+    make_vocab_size_divisible_by: Optional[int] = None
     seq_length: int = 128
     norm: str = "layernorm"  # layernorm | rmsnorm
     norm_eps: float = 1e-5
-    activation: str = "gelu"  # gelu | swiglu
+    # gelu: tanh-approximated (GPT-2's gelu_new) | gelu_exact: erf (nanoGPT, Megatron's default) | swiglu
+    activation: str = "gelu"
     position_embedding: str = "learned"  # learned | rope
     rope_theta: float = 10000.0
     tie_embeddings: bool = True

@@ -106,14 +106,14 @@ def check_model(cfg: TrainConfig) -> Optional[str]:
     m = cfg.model
     for key, value, allowed in (("model.arch", m.arch, ["gpt2", "llama"]),
                                 ("model.norm", m.norm, ["layernorm", "rmsnorm"]),
-                                ("model.activation", m.activation, ["gelu", "swiglu"]),
+                                ("model.activation", m.activation, ["gelu", "gelu_exact", "swiglu"]),
                                 ("model.position_embedding", m.position_embedding, ["learned", "rope"])):
         if err := choice_problem(key, value, allowed):
             return err
     for key, value in (("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
                        ("model.num_attention_heads", m.num_attention_heads),
                        ("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)):
-        if value < 1:
+        if value is not None and value < 1:
             return f"{key}={value} must be >= 1"
     if m.seq_length < 1:
         return f"model.seq_length={m.seq_length} must be >= 1"
@@ -601,7 +601,17 @@ def ffn_hidden_size(cfg_model) -> int:
     return 4 * cfg_model.hidden_size
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padding: round the vocabulary up to a multiple of divisible_by * tp."""
+# model.make_vocab_size_divisible_by=null on a GPU: Megatron's default; a multiple of 128 rows keeps the
+# head's and the embedding's matmuls on whole tensor-core tiles
+GPU_VOCAB_MULTIPLE = 128
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: Optional[int], tp: int, device_type: str = "cuda") -> int:
+    """Megatron's padding: round the vocabulary up to a multiple of divisible_by * tp. divisible_by
+    None: GPU_VOCAB_MULTIPLE on a GPU, 1 elsewhere (a CPU gains nothing from padded rows), so only
+    TP's equal shards remain. device_type: where the model trains ("cuda" where the planner plans
+    for a cluster)."""
+    if divisible_by is None:
+        divisible_by = GPU_VOCAB_MULTIPLE if device_type == "cuda" else 1
     multiple = divisible_by * tp
     return multiple * math.ceil(vocab_size / multiple)

@@ -56,12 +56,12 @@ def flavour(cfg: ModelConfig) -> str:
     blocks = (cfg.norm, cfg.activation, cfg.position_embedding)
     if blocks == ("rmsnorm", "swiglu", "rope"):
         return "llama"
-    if blocks == ("layernorm", "gelu", "learned"):
+    if blocks in (("layernorm", "gelu", "learned"), ("layernorm", "gelu_exact", "learned")):
         return "gpt2"
     raise ConvertError(
         f"model.norm={cfg.norm} model.activation={cfg.activation} model.position_embedding={cfg.position_embedding} "
         "has no transformers equivalent; HF export supports the Llama flavour (rmsnorm, swiglu, rope) "
-        "and the GPT-2 flavour (layernorm, gelu, learned)")
+        "and the GPT-2 flavour (layernorm, gelu or gelu_exact, learned)")
 
 
 def _routed(cfg: ModelConfig) -> list[bool]:
@@ -276,7 +276,7 @@ def _gpt2_to_hf(cfg: ModelConfig, get: Callable[..., Recipe]):
     h = cfg.hidden_size
     config = GPT2Config(
         vocab_size=cfg.vocab_size, n_positions=cfg.seq_length, n_embd=h, n_layer=cfg.num_layers,
-        n_head=cfg.num_attention_heads, n_inner=ffn_hidden_size(cfg), activation_function="gelu_new",
+        n_head=cfg.num_attention_heads, n_inner=ffn_hidden_size(cfg), activation_function="gelu_new" if cfg.activation == "gelu" else "gelu",
         resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
         layer_norm_epsilon=cfg.norm_eps, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
         bos_token_id=None, eos_token_id=None, architectures=["GPT2LMHeadModel"])
@@ -474,7 +474,8 @@ def _qwen3_moe_config(hf: dict) -> ModelConfig:
 def _gpt2_config(hf: dict) -> ModelConfig:
     drop = hf.get("resid_pdrop", 0.1)
     _check(hf, [
-        ("activation_function", lambda v: v in (None, *_TANH_GELU), "megaframe's GPT-2 MLP uses tanh-approximated GELU (gelu_new)"),
+        ("activation_function", lambda v: v in (None, "gelu", *_TANH_GELU),
+         "megaframe's GPT-2 MLP has tanh-approximated GELU (gelu_new: model.activation=gelu) or the erf form (gelu: model.activation=gelu_exact)"),
         ("scale_attn_weights", lambda v: v in (None, True), "megaframe always scales attention by 1/sqrt(head_dim)"),
         ("scale_attn_by_inverse_layer_idx", lambda v: not v, "megaframe does not scale attention by layer index"),
         ("add_cross_attention", lambda v: not v, "megaframe has no cross-attention"),
@@ -486,7 +487,8 @@ def _gpt2_config(hf: dict) -> ModelConfig:
         arch="gpt2", num_layers=hf.get("n_layer", 12), hidden_size=h, num_attention_heads=hf.get("n_head", 12),
         num_kv_heads=None, ffn_hidden_size=hf.get("n_inner") or 4 * h, vocab_size=hf.get("vocab_size", 50257),
         seq_length=hf.get("n_positions", 1024), norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-        activation="gelu", position_embedding="learned", tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        activation="gelu_exact" if hf.get("activation_function") == "gelu" else "gelu",
+        position_embedding="learned", tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
         bias=True, dropout=float(drop), init_std=float(hf.get("initializer_range", 0.02)))
 
 

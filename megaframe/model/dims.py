@@ -69,8 +69,9 @@ class GPTDims:
         return sum(self.is_moe_block(i) for i in range(self.num_layers))
 
 
-def resolve_dims(cfg: ModelConfig, tokenizer_vocab_size: int, tp: int = 1) -> GPTDims:
-    """Fill derived values: kv heads, MLP width, real and padded vocabulary."""
+def resolve_dims(cfg: ModelConfig, tokenizer_vocab_size: int, tp: int = 1, device_type: str = "cuda") -> GPTDims:
+    """Fill derived values: kv heads, MLP width, real and padded vocabulary (the padding depends on
+    tp and, with model.make_vocab_size_divisible_by=null, on device_type: where the model trains)."""
     vocab = cfg.vocab_size if cfg.vocab_size is not None else tokenizer_vocab_size
     return GPTDims(
         num_layers=cfg.num_layers,
@@ -79,7 +80,7 @@ def resolve_dims(cfg: ModelConfig, tokenizer_vocab_size: int, tp: int = 1) -> GP
         num_kv_heads=cfg.num_kv_heads or cfg.num_attention_heads,
         ffn_hidden_size=ffn_hidden_size(cfg),
         vocab_size=vocab,
-        padded_vocab_size=padded_vocab_size(vocab, cfg.make_vocab_size_divisible_by, tp),
+        padded_vocab_size=padded_vocab_size(vocab, cfg.make_vocab_size_divisible_by, tp, device_type),
         seq_length=cfg.seq_length,
         norm=cfg.norm,
         norm_eps=cfg.norm_eps,

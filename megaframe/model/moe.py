@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from megaframe.compile_breaks import run_eagerly
 from megaframe.model.dims import GPTDims
-from megaframe.model.mlp import MLP, Dropout
+from megaframe.model.mlp import MLP, Dropout, gelu
 from megaframe.model.recompute import recomputing
 from megaframe.parallel.experts import ExpertGroup, mark_expert_shard
 from megaframe.parallel.layers import TPGroup
@@ -93,6 +93,7 @@ class Experts(nn.Module):
         super().__init__()
         moe = dims.moe
         self.tp = tp
+        self.activation = dims.activation
         self.swiglu = dims.activation == "swiglu"
         local, h, f = moe.num_experts // ep.size, dims.hidden_size, moe.ffn_hidden_size
         self.hidden, self.ffn = h, f
@@ -114,7 +115,7 @@ class Experts(nn.Module):
         if self.swiglu:
             hidden = F.silu(grouped_linear(x, w(self.gate_proj), counts, host)) * up
         else:
-            hidden = F.gelu(up, approximate="tanh")
+            hidden = gelu(up, self.activation)
         return grouped_linear(hidden, w(self.down_proj), counts, host)
 
     def _summed_over_tp(self, param: nn.Parameter) -> torch.Tensor:

@@ -69,7 +69,7 @@ class Trainer:
         # its zig-zag shard of every sequence (cut by the data path, before tensors are made)
         self.token_positions = (zigzag_positions(cfg.model.seq_length, layout.cp, self.ps.cp_rank).numpy()
                                 if layout.cp > 1 else None)
-        self.dims = resolve_dims(cfg.model, self.data.vocab_size, tp=layout.tp)
+        self.dims = resolve_dims(cfg.model, self.data.vocab_size, tp=layout.tp, device_type=plug.device_type())
         torch.manual_seed(cfg.train.seed)  # dropout streams; weights come from init_parameters
         self.backend = plug.build(cfg, layout, self.ps, self.dims, lr_scheduler_factory(cfg.optim, cfg.train.max_steps))
         self.num_parameters = self.backend.num_parameters
@@ -321,7 +321,8 @@ class Trainer:
                   "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.layout.world_size,
                   "tflops": tflops, "consumed_samples": self.consumed_samples,
                   "consumed_tokens": self.step * self.tokens_per_step, "step_time_s": seconds / steps,
-                  "memory_gb": memory_gb(), "world_size": self.layout.world_size, "dp": self.layout.dp}
+                  "memory_gb": memory_gb(), "world_size": self.layout.world_size, "dp": self.layout.dp,
+                  "time": time.time()}  # wall clock (Unix seconds), as W&B's _timestamp: curves against time
         if self.peak_tflops:
             record["mfu"] = tflops / self.peak_tflops
         record.update(self.backend.precision_state())  # fp16: loss_scale
@@ -364,7 +365,7 @@ class Trainer:
         c = self.cfg
         return (f"megaframe: {c.model.arch} {self.num_parameters / 1e6:.2f}M params "
                 f"(layers={c.model.num_layers} hidden={c.model.hidden_size} heads={c.model.num_attention_heads} "
-                f"vocab={self.dims.vocab_size} padded to {self.dims.padded_vocab_size}"
+                f"vocab={self.dims.vocab_size}{self._padding_summary()}"
                 f"{self._moe_summary()}) | "
                 f"layout {self.layout.grid.describe()}"
                 f"{f' cp_impl={c.parallel.cp_impl}' if self.layout.cp > 1 else ''} | zero={c.zero.stage} "
@@ -375,6 +376,10 @@ class Trainer:
                 f"train samples={len(self.data.train)} valid samples={len(self.data.valid or ())} | "
                 f"device {self._device_name()} | run dir {self.run_dir}"
                 f"\n{plan_summary(self.memory_plan)}")
+
+    def _padding_summary(self) -> str:
+        padded = self.dims.padded_vocab_size
+        return f" padded to {padded}" if padded != self.dims.vocab_size else ""
 
     def _moe_summary(self) -> str:
         moe = self.dims.moe

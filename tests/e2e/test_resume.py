@@ -102,3 +102,25 @@ def test_a_changed_global_batch_size_is_refused_unless_the_move_is_accepted(tmp_
     assert_ok(moved)
     assert "the data position moves from sample 16 to 32" in moved.stderr, moved.stderr[-2000:]
     assert [r["consumed_samples"] for r in read_metrics(tmp_path) if "loss" in r] == [8, 16, 48, 64]
+
+
+def test_a_checkpoint_written_with_a_gpus_vocabulary_padding_resumes_on_the_cpus(tmp_path):
+    """make_vocab_size_divisible_by=null pads the 257-byte vocabulary to 384 rows on a GPU and not at
+    all on a CPU: a checkpoint holds the unpadded rows, so a run saved with the GPU's padding resumes
+    on the CPU, and its curve is the padded run's (the padded logits never enter the loss)."""
+    from helpers import curve
+
+    args = [*TINY, "train.max_steps=8", "train.save_interval=4"]
+    padded, resumed = tmp_path / "padded", tmp_path / "resumed"
+    result = run_cli([*args, "model.make_vocab_size_divisible_by=128", f"hydra.run.dir={padded}"])
+    assert_ok(result)
+    assert "vocab=257 padded to 384" in result.stdout
+    result = run_cli([*args, f"train.resume={padded / 'checkpoints' / 'global_step4'}", f"hydra.run.dir={resumed}"])
+    assert_ok(result)
+    summary = next(line for line in result.stdout.splitlines() if line.startswith("megaframe: gpt2"))
+    assert "vocab=257)" in summary, summary  # no padding on the CPU
+    want = [(s, v) for s, v in curve(read_metrics(padded), "loss") if s > 4]
+    got = curve(read_metrics(resumed), "loss")
+    assert [s for s, _ in got] == [s for s, _ in want] and got
+    for (step, a), (_, b) in zip(got, want):
+        assert a == pytest.approx(b, rel=1e-5), f"loss at step {step}: unpadded {a} vs padded {b}"

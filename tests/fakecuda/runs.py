@@ -2,6 +2,7 @@
 process, a report per rank, and the emulated kernels it was expected to use."""
 from __future__ import annotations
 
+import re
 import time
 
 from fakecuda.env import fake_cuda_env
@@ -20,6 +21,8 @@ def run_on_device(tmp_path, name: str, extra: list[str], world: int = 1, kernels
     result = run_cli([*TINY, *STEPS, *extra, f"hydra.run.dir={run_dir}"], env=fake_cuda_env(reports, **env))
     assert_ok(result)
     assert "| device cuda:0 (NVIDIA H100" in result.stdout, result.stdout[-2000:]
+    padded = re.search(r"vocab=257 padded to (\d+)", result.stdout)  # a GPU's padding: whole tensor-core tiles
+    assert padded and int(padded[1]) % 128 == 0, result.stdout[-2000:]
     ranks = [r for r in read_reports(reports) if "megaframe" in " ".join(r["argv"])]
     trained = [r for r in ranks if r["rank"] is not None]
     assert len(trained) == world, f"{name}: {len(trained)} rank reports for {world} ranks: {ranks}"
@@ -32,7 +35,8 @@ def run_on_device(tmp_path, name: str, extra: list[str], world: int = 1, kernels
 
 
 def cpu_run(tmp_path, extra: list[str] = ()) -> list[dict]:
-    """The same schedule on plain CPU ranks: the reference curve."""
+    """The same schedule on plain CPU ranks: the reference curve, of the same model: padded as the
+    device pads the vocabulary (a CPU would not pad it at all)."""
     run_dir = tmp_path / "cpu-run"
-    assert_ok(run_cli([*TINY, *STEPS, *extra, f"hydra.run.dir={run_dir}"]))
+    assert_ok(run_cli([*TINY, *STEPS, *extra, "model.make_vocab_size_divisible_by=128", f"hydra.run.dir={run_dir}"]))
     return read_metrics(run_dir)

@@ -5,6 +5,11 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 
+def device_type() -> str:
+    """Where this rank trains: DeepSpeed's accelerator ("cuda", or "cpu" under DS_ACCELERATOR=cpu)."""
+    return get_accelerator().device_name()
+
+
 def device_supports_fp16() -> bool:
     """Whether DeepSpeed's accelerator on this machine accepts fp16 (CPU: only with AVX512-FP16)."""
     return bool(get_accelerator().is_fp16_supported())

@@ -5,6 +5,7 @@ from __future__ import annotations
 from megaframe.backends.registry import lazy_plug
 
 PLUG = lazy_plug("deepspeed", build="engine:DeepSpeedBackend", init_distributed="engine:init_distributed",
+                 device_type="accelerator:device_type",
                  device_supports_fp16="accelerator:device_supports_fp16",
                  device_supports_bf16="accelerator:device_supports_bf16",
                  system_problem="system:system_problem", expert_parallel_problem="system:expert_parallel_problem",

@@ -32,7 +32,8 @@ from megaframe.parallel.grad_norm import grad_norm
 from megaframe.parallel.state import ParallelState
 
 
-def _device_type() -> str:
+def device_type() -> str:
+    """Where this rank trains: the GPU when torch sees one."""
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -41,7 +42,7 @@ def init_distributed(collective_timeout_s: Optional[float] = None) -> None:
     join the launcher's process group, or make a world of one when there is no launcher."""
     timeout = process_group_defaults(collective_timeout_s)
     backend = "gloo"
-    if _device_type() == "cuda":
+    if device_type() == "cuda":
         torch.cuda.set_device(local_device_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()))
         # NCCL wherever torch has it (every CUDA build on Linux); gloo moves CUDA tensors too, slowly
         backend = "nccl" if dist.is_nccl_available() else "gloo"
@@ -74,11 +75,11 @@ class Fsdp2Backend:
         self.cfg, self.layout, self.ps, self.dims = cfg, layout, ps, dims
         p = cfg.parallel
         offload = cfg.offload.optimizer == "cpu"  # CPUOffloadPolicy: parameters, gradients, AdamW
-        self.device = torch.device(_device_type(), torch.cuda.current_device()) if _device_type() == "cuda" \
+        self.device = torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" \
             else torch.device("cpu")
         # the data-parallel ranks (dp x cp: cp ranks hold replicas of the weights too) as FSDP's mesh;
         # experts split over ep ranks shard over their expert-data-parallel ranks instead
-        data = data_mesh(ps, p.dp_replicate, _device_type())
+        data = data_mesh(ps, p.dp_replicate, device_type())
         self.mesh, self.shard_group, self.replica = data.mesh, data.shard_group, data.replica
         self.replicated = p.dp_replicate > 1
         # no replicated-gradient bucket: FSDP2 reduces each gradient as its backward ends, and a
@@ -95,7 +96,7 @@ class Fsdp2Backend:
         self.compiled_blocks = sum(compile_blocks(part) for part in parts) if cfg.train.compile else 0
         self.expert_shard_group = ps.group("edp") if layout.grid.ep > 1 else None
         experts = build.ExpertSharding(
-            DeviceMesh.from_group(self.expert_shard_group, _device_type(), mesh_dim_names=("edp_shard",)),
+            DeviceMesh.from_group(self.expert_shard_group, device_type(), mesh_dim_names=("edp_shard",)),
             divide_by=layout.grid.size("dp", "cp"),
             # gloo has no pre-multiplied sum; at one edp rank nothing is reduced, and torch 2.13's
             # single-rank path would divide a force-summed gradient twice

@@ -113,6 +113,20 @@ def test_derived_sizes():
     assert padded_vocab_size(50257, 128, 8) == 51200  # GPT-2's vocabulary under Megatron, TP 8
 
 
+def test_vocab_padding_by_default_serves_the_device():
+    """model.make_vocab_size_divisible_by=null: tensor-core tiles on a GPU, only TP's equal shards on a CPU."""
+    assert TrainConfig().model.make_vocab_size_divisible_by is None
+    assert padded_vocab_size(257, None, 1, "cuda") == 384
+    assert padded_vocab_size(50257, None, 8, "cuda") == 51200
+    assert padded_vocab_size(257, None, 1, "cpu") == 257
+    assert padded_vocab_size(257, None, 2, "cpu") == 258  # two equal vocabulary shards
+    assert padded_vocab_size(257, 64, 1, "cpu") == 320  # an explicit multiple holds anywhere
+    cfg = TrainConfig()
+    cfg.model.make_vocab_size_divisible_by = 0
+    with pytest.raises(ConfigError, match="model.make_vocab_size_divisible_by=0"):
+        validate(cfg, 1)
+
+
 @pytest.mark.parametrize("key,value,fragment", [
     ("hysteresis", 0, "precision.hysteresis=0 must be >= 1"),
     ("min_loss_scale", 0.0, "precision.min_loss_scale=0.0 must be > 0"),

@@ -26,6 +26,7 @@ VARIANTS = {
     "llama-tied-bias": dataclasses.replace(LLAMA, tie_embeddings=True, bias=True, num_kv_heads=4),
     "llama-head-dim": dataclasses.replace(LLAMA, head_dim=32),  # LlamaConfig.head_dim, not hidden/heads
     "gpt2": GPT2,
+    "gpt2-exact-gelu": dataclasses.replace(GPT2, activation="gelu_exact"),  # nanoGPT's MLP; HF "gelu"
     "gpt2-untied-nobias": dataclasses.replace(GPT2, tie_embeddings=False, bias=False, norm_eps=1e-6),
 }
 
