@@ -1,7 +1,12 @@
 """Tokens/s of one model and batch through megaframe, a hand-written PyTorch loop and HF transformers.
 
 usage: python tools/bench.py [--arch gpt2|llama] [--steps 10] [--repeats 5] [--warmup 3] [--no-compile]
-                             [--device cpu|cuda] [--shape tiny|xl] [OVERRIDE ...]
+                             [--device cpu|cuda] [--shape tiny|nanogpt|xl] [OVERRIDE ...]
+       python tools/bench.py --startup [--repeats 5]
+
+--shape nanogpt is nanoGPT's CPU recipe (Tiny Shakespeare's shape: 4 layers, hidden 128, seq 64,
+batch 12, no bias, erf GELU; gpt2 only). --startup times launch to the end of the first step:
+megaframe-train at the built-in default against tools/plain_gpt.py of the same shape.
 
 --device cuda --shape xl is the GPU benchmark: GPT-3 XL's shape (24 layers, hidden 2048, 16 heads,
 seq 2048, about 1.3B parameters) in bf16 at ZeRO-1; the plain loop then runs in bf16 autocast with
@@ -17,7 +22,10 @@ clipping, in this one process:
   megaframe+compile  the same with train.compile=true (blocks compiled by inductor; the compile
                happens in the warm-up steps, which are not timed); --no-compile leaves it out
   pytorch      megaframe's GPT module with torch.optim.AdamW in a plain loop (no DeepSpeed)
+  pytorch+compile  the same loop over torch.compile(model) (CPU; on CUDA the pytorch row is compiled)
   transformers GPT2LMHeadModel / LlamaForCausalLM of the same shape (SDPA attention)
+  nanogpt loop nanoGPT's train.py loop over megaframe's GPT module, vocabulary unpadded
+  nanogpt model  the same loop over tools/plain_gpt.py's module (nanoGPT's: q, k, v in one matmul)
 """
 from __future__ import annotations
 
@@ -41,6 +49,12 @@ SHAPES = {
     "tiny": ["model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=4", "model.ffn_hidden_size=1024",
              "model.seq_length=128", "parallel.micro_batch_size=8", "parallel.global_batch_size=16"],
     # GPT-3 XL (Brown et al. 2020, table 2.1); ffn 4h for gpt2, SwiGLU's 8h/3 rounded for llama
+    # nanoGPT's CPU recipe (README, "I only have a macbook"): 4 layers, 4 heads, hidden 128, seq 64,
+    # batch 12, no bias, no dropout, AdamW 1e-3 with betas (0.9, 0.99), cosine to 1e-4
+    "nanogpt": ["model.num_layers=4", "model.hidden_size=128", "model.num_attention_heads=4",
+                "model.ffn_hidden_size=512", "model.seq_length=64", "model.bias=false", "model.dropout=0.0",
+                "parallel.micro_batch_size=12", "parallel.global_batch_size=12", "optim.lr=1e-3", "optim.min_lr=1e-4",
+                "optim.betas=[0.9,0.99]", "model.activation=gelu_exact"],
     "xl": ["model.num_layers=24", "model.hidden_size=2048", "model.num_attention_heads=16", "model.seq_length=2048",
            "parallel.micro_batch_size=4", "parallel.global_batch_size=8", "precision=bf16", "zero=stage1"],
 }
@@ -63,7 +77,7 @@ def timed(step_fn, steps: int) -> float:
     return time.perf_counter() - start
 
 
-def setup(arch: str, overrides: list[str], max_steps: int, shape: str = "tiny"):
+def setup(arch: str, overrides: list[str], max_steps: int, shape: str = "tiny", device: str = "cpu"):
     """(cfg, layout, data, dims) of the bench shape in flavour `arch`; raises ConfigError."""
     from megaframe.config.compose import compose
     from megaframe.backends.registry import engine
@@ -75,7 +89,7 @@ def setup(arch: str, overrides: list[str], max_steps: int, shape: str = "tiny"):
                       f"train.max_steps={max_steps}"])
     layout = validate(cfg, 1, engine_problem=engine(cfg.backend.name).config_problem)  # what DeepSpeed cannot run
     data = build_data(cfg.data, cfg.model.seq_length)
-    return cfg, layout, data, resolve_dims(cfg.model, data.vocab_size)
+    return cfg, layout, data, resolve_dims(cfg.model, data.vocab_size, device_type=device)
 
 
 def megaframe_path(cfg, layout):
@@ -130,7 +144,7 @@ def _plain_loop(model, cfg, data, layout, forward, device: str = "cpu"):
     return step, lambda: None
 
 
-def pytorch_path(cfg, layout, data, dims, device: str = "cpu"):
+def pytorch_path(cfg, layout, data, dims, device: str = "cpu", compiled: bool = False):
     import torch
 
     from megaframe.model.factory import build_model
@@ -138,8 +152,70 @@ def pytorch_path(cfg, layout, data, dims, device: str = "cpu"):
     from megaframe.parallel.state import ParallelState
 
     model = build_model(dims, ParallelState(ParallelDims(), rank=0), cfg.train.seed).train().to(device)
-    forward = torch.compile(model) if device == "cuda" else model  # the hand-written loop's best effort
+    # the hand-written loop's best effort on CUDA; on the CPU, compiled=True is its own row
+    forward = torch.compile(model) if device == "cuda" or compiled else model
     return _plain_loop(model, cfg, data, layout, forward, device)
+
+
+def nanogpt_path(cfg, layout, data, dims, device: str = "cpu", module: str = "megaframe"):
+    """(step, close) of nanoGPT's train.py loop, over megaframe's GPT module (module="megaframe") or
+    tools/plain_gpt.py's nanoGPT-shaped one (module="plain": one matmul for q, k and v), at the
+    unpadded vocabulary (nanoGPT pads only when told to): get_batch draws windows with torch.randint from
+    the token stream, the lr is set on every group each step (warm-up, then cosine to min_lr), the
+    loss is read every step (its CPU recipe logs every step), then clip, AdamW as torch defaults it
+    (foreach on the CPU; fused on CUDA, as nanoGPT asks) and zero_grad(set_to_none=True)."""
+    import dataclasses
+    import math
+
+    import numpy as np
+    import torch
+
+    from megaframe.model.factory import build_model
+    from megaframe.parallel.dims import ParallelDims
+    from megaframe.parallel.state import ParallelState
+
+    if module == "plain":
+        import plain_gpt  # tools/plain_gpt.py, beside this file
+
+        gelu = "tanh" if dims.activation == "gelu" else "none"
+        model = plain_gpt.GPT(dims.vocab_size, dims.seq_length, dims.num_layers, dims.hidden_size, dims.num_heads,
+                              dims.bias, gelu).train().to(device)
+    else:
+        unpadded = dataclasses.replace(dims, padded_vocab_size=dims.vocab_size)
+        model = build_model(unpadded, ParallelState(ParallelDims(), rank=0), cfg.train.seed).train().to(device)
+    optimizer = adamw(model, cfg, fused=True) if device == "cuda" else adamw(model, cfg)
+    stream = np.asarray(data.train.stream.tokens)
+    o, block, batch = cfg.optim, dims.seq_length, layout.micro_batch_size
+    accum = layout.global_batch_size // batch
+
+    def get_batch():
+        ix = torch.randint(len(stream) - block, (batch,))
+        x = torch.stack([torch.from_numpy(stream[i:i + block].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(stream[i + 1:i + 1 + block].astype(np.int64)) for i in ix])
+        return x.to(device), y.to(device)
+
+    def get_lr(it):
+        if it < o.warmup_steps:
+            return o.lr * (it + 1) / (o.warmup_steps + 1)
+        ratio = min((it - o.warmup_steps) / max(cfg.train.max_steps - o.warmup_steps, 1), 1.0)
+        return o.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (o.lr - o.min_lr)
+
+    state = {"iter": 0, "batch": get_batch(), "loss": 0.0}
+
+    def step():
+        lr = get_lr(state["iter"])
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        for _ in range(accum):
+            loss = model(*state["batch"]) / accum
+            state["batch"] = get_batch()
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        state["loss"] = loss.item() * accum
+        state["iter"] += 1
+    return step, lambda: None
 
 
 def transformers_path(cfg, layout, data, dims, device: str = "cpu"):
@@ -209,6 +285,54 @@ def cuda_report(args, cfg, layout, dims, builders) -> None:
               f"{'-' if mfu is None else f'{mfu:.1%}'} | {peak_bytes / 2**30:.2f} |")
 
 
+def startup_report(rounds: int) -> None:
+    """Launch to the end of the first step, each a fresh process: megaframe-train at the built-in
+    default model against tools/plain_gpt.py of the same shape and batch, in interleaved rounds.
+    Both train on the demo corpus; neither evaluates before its first step (train.eval_interval=0)."""
+    import json
+    import subprocess
+    import tempfile
+
+    from megaframe.config.compose import compose
+    from megaframe.training.data_setup import build_data
+
+    cfg, _ = compose([])
+    m, p = cfg.model, cfg.parallel
+    tokens = Path(f"{build_data(cfg.data, m.seq_length).train.stream.dataset.prefix}.bin")
+    run_root = Path(tempfile.mkdtemp(prefix="megaframe-startup-"))
+    plain = [sys.executable, str(REPO / "tools" / "plain_gpt.py"), str(tokens), "--layers", str(m.num_layers),
+             "--hidden", str(m.hidden_size), "--heads", str(m.num_attention_heads), "--seq", str(m.seq_length),
+             "--batch", str(p.micro_batch_size), "--accum", str(p.global_batch_size // p.micro_batch_size), "--bias"]
+
+    def megaframe_run(i: int) -> float:
+        run_dir = run_root / f"run-{i}"
+        started = time.time()
+        subprocess.run([sys.executable, "-m", "megaframe.train", "train.max_steps=2", "train.log_interval=1",
+                        "train.eval_interval=0", "logging.wandb.mode=disabled", f"hydra.run.dir={run_dir}"],
+                       check=True, capture_output=True, cwd=run_root)
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return next(r["time"] for r in records if r.get("step") == 1 and "loss" in r) - started
+
+    def plain_run(_: int) -> float:
+        started = time.time()
+        out = subprocess.run(plain, check=True, capture_output=True, text=True).stdout
+        return json.loads(out.splitlines()[-1])["first_step_at"] - started
+
+    times: dict[str, list[float]] = {"megaframe-train": [], "plain_gpt.py": []}
+    for i in range(rounds):
+        times["megaframe-train"].append(megaframe_run(i))
+        times["plain_gpt.py"].append(plain_run(i))
+    gaps = [a - b for a, b in zip(times["megaframe-train"], times["plain_gpt.py"])]
+    print(f"\nlaunch to the end of the first step, default model ({m.num_layers} layers, hidden {m.hidden_size}, "
+          f"seq {m.seq_length}, batch {p.global_batch_size}), {rounds} interleaved rounds, OMP_NUM_THREADS="
+          f"{os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    print("| program | seconds (median) | rounds min-max |")
+    print("|---|---|---|")
+    for name, values in times.items():
+        print(f"| {name} | {statistics.median(values):.2f} | {min(values):.2f}-{max(values):.2f} |")
+    print(f"| megaframe-train - plain_gpt.py | {statistics.median(gaps):+.2f} | {min(gaps):+.2f}-{max(gaps):+.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
@@ -218,18 +342,27 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="leave out the megaframe+compile path")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--shape", choices=list(SHAPES), default="tiny", help="xl: GPT-3 XL (1.3B) in bf16, ZeRO-1")
+    parser.add_argument("--startup", action="store_true",
+                        help="time launch to first step instead: megaframe-train against tools/plain_gpt.py")
     parser.add_argument("overrides", nargs="*", help="extra megaframe config overrides")
     args = parser.parse_args()
     os.environ["DS_ACCELERATOR"] = args.device  # before anything imports DeepSpeed
+    if args.startup:
+        startup_report(args.repeats)
+        return
     import torch
 
     from megaframe.config.validate import ConfigError
 
+    if args.shape == "nanogpt" and args.arch != "gpt2":
+        print("bench: error: --shape nanogpt is nanoGPT's GPT-2 model; use --arch gpt2", file=sys.stderr)
+        sys.exit(2)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench: error: --device cuda: torch sees no CUDA device here", file=sys.stderr)
         sys.exit(2)
     try:
-        cfg, layout, data, dims = setup(args.arch, args.overrides, args.repeats * args.steps + args.warmup, args.shape)
+        cfg, layout, data, dims = setup(args.arch, args.overrides, args.repeats * args.steps + args.warmup, args.shape,
+                                     args.device)
     except ConfigError as err:
         print(f"bench: error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -238,7 +371,12 @@ def main() -> None:
     builders = {"megaframe": lambda: megaframe_path(cfg, layout),
                 "megaframe+compile": lambda: megaframe_path(compiled_cfg, layout),
                 "pytorch": lambda: pytorch_path(cfg, layout, data, dims, args.device),
-                "transformers": lambda: transformers_path(cfg, layout, data, dims, args.device)}
+                "pytorch+compile": lambda: pytorch_path(cfg, layout, data, dims, args.device, compiled=True),
+                "transformers": lambda: transformers_path(cfg, layout, data, dims, args.device),
+                "nanogpt loop": lambda: nanogpt_path(cfg, layout, data, dims, args.device),
+                "nanogpt model": lambda: nanogpt_path(cfg, layout, data, dims, args.device, module="plain")}
+    if args.no_compile or args.device == "cuda":  # on CUDA the pytorch row is the compiled loop already
+        del builders["pytorch+compile"]
     if args.no_compile:
         del builders["megaframe+compile"]
     if args.device == "cuda":

@@ -26,7 +26,8 @@ def test_the_benchmarks_cuda_mode_runs_on_the_device(tmp_path):
     assert_ok(result)
     assert "gpt2 on NVIDIA H100" in result.stdout, result.stdout[-2000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "tokens/s" not in line]
-    assert [row.split("|")[1].strip() for row in rows] == ["megaframe", "pytorch", "transformers"], rows
+    assert [row.split("|")[1].strip() for row in rows] == ["megaframe", "pytorch", "transformers", "nanogpt loop",
+                                                          "nanogpt model"], rows
     assert all(float(row.split("|")[2].replace(",", "")) > 0 for row in rows), rows
     (report,) = [r for r in read_reports(reports) if "tools/bench.py" in r["argv"]]
     assert report["violations"] == [], report["violations"]
