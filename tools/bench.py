@@ -375,6 +375,8 @@ def main() -> None:
                 "transformers": lambda: transformers_path(cfg, layout, data, dims, args.device),
                 "nanogpt loop": lambda: nanogpt_path(cfg, layout, data, dims, args.device),
                 "nanogpt model": lambda: nanogpt_path(cfg, layout, data, dims, args.device, module="plain")}
+    if args.arch != "gpt2":  # tools/plain_gpt.py is nanoGPT's GPT-2 model, not a Llama
+        del builders["nanogpt model"]
     if args.no_compile or args.device == "cuda":  # on CUDA the pytorch row is the compiled loop already
         del builders["pytorch+compile"]
     if args.no_compile:
