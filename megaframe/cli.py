@@ -179,7 +179,7 @@ def _dataset_problem(cfg: TrainConfig) -> Optional[str]:
     from megaframe.data.blend import parse_blend
 
     try:
-        prefixes = [cfg.data.path] if cfg.data.path is not None else []
+        prefixes = [prefix for prefix in (cfg.data.path, cfg.data.valid_path) if prefix is not None]
         for blend, key in ((cfg.data.blend, "data.blend"), (cfg.data.valid_blend, "data.valid_blend")):
             prefixes += parse_blend(list(blend), key)[1] if blend else []
         for prefix in prefixes:

@@ -146,6 +146,8 @@ class DataConfig:
     """Where tokens come from."""
 
     path: Optional[str] = None  # prefix of a .bin/.idx pair; None = the built-in demo corpus
+    # prefix of a validation dataset (nanoGPT's val.bin); then data.path trains whole, nothing held out
+    valid_path: Optional[str] = None
     # weights and prefixes in Megatron's order, [w1, prefix1, w2, prefix2, ...]; replaces data.path
     blend: Optional[List[Any]] = None
     # [[step, [w1, w2, ...]], ...]: data.blend's sources with other weights from that step on
@@ -220,7 +222,9 @@ class LoggingConfig:
     """Where metrics go."""
 
     wandb: WandbConfig = field(default_factory=WandbConfig)
-    progress_bar: bool = True
+    # null: a tqdm bar when rank 0's stderr is a terminal, plain "step N: ..." lines otherwise (a log
+    # file gets no carriage-return redraws); true or false forces the choice
+    progress_bar: Optional[bool] = None
 
 
 @dataclass

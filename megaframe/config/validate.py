@@ -292,8 +292,14 @@ def check_data(cfg: TrainConfig) -> Optional[str]:
     d = cfg.data
     if not 0.0 <= d.valid_fraction < 1.0:
         return f"data.valid_fraction={d.valid_fraction} must be in [0, 1)"
-    if cfg.train.eval_interval and d.valid_fraction == 0 and not d.valid_blend:
-        return "data.valid_fraction=0 leaves nothing to evaluate; set train.eval_interval=0 or a fraction > 0"
+    if d.valid_path is not None and d.blend:
+        return (f"data.valid_path={d.valid_path} is for data.path; with data.blend name the validation sources "
+                f"in data.valid_blend='[1.0,{d.valid_path}]'")
+    if d.valid_path is not None and (problem := _missing_files(f"data.valid_path={d.valid_path}", d.valid_path)):
+        return problem
+    if cfg.train.eval_interval and d.valid_fraction == 0 and not d.valid_blend and d.valid_path is None:
+        return ("data.valid_fraction=0 leaves nothing to evaluate; set train.eval_interval=0, a fraction > 0, "
+                "or a validation dataset in data.valid_path")
     if d.tokenizer != "byte" and not Path(d.tokenizer).is_dir():
         return f"data.tokenizer={d.tokenizer!r} is neither 'byte' nor a local Hugging Face tokenizer directory"
     if d.cache_dir is not None and Path(d.cache_dir).exists() and not Path(d.cache_dir).is_dir():

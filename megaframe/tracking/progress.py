@@ -1,7 +1,18 @@
 """Rank-0 console progress: a tqdm bar with loss, tokens/s and ETA."""
 from __future__ import annotations
 
+import sys
+from typing import Optional
+
 from tqdm import tqdm
+
+
+def wants_bar(progress_bar: Optional[bool]) -> bool:
+    """logging.progress_bar: None draws the bar only where someone watches it, a terminal; a log
+    file would fill with its carriage-return redraws."""
+    if progress_bar is not None:
+        return progress_bar
+    return sys.stderr.isatty()
 
 
 class Progress:

@@ -97,5 +97,13 @@ def build_data(cfg: DataConfig, seq_length: int) -> DataSplits:
     if cfg.blend:
         return build_blend(cfg, seq_length)
     dataset = open_dataset(dataset_prefix(cfg), cfg.tokenizer)
-    train, valid = _split(dataset, cfg.valid_fraction, seq_length)
-    return DataSplits(datasets=[dataset], train=train, valid=valid, vocab_size=dataset.vocab_size)
+    if cfg.valid_path is None:
+        train, valid = _split(dataset, cfg.valid_fraction, seq_length)
+        return DataSplits(datasets=[dataset], train=train, valid=valid, vocab_size=dataset.vocab_size)
+    # a validation file of its own: both train whole (data.valid_fraction does not apply)
+    held_out = open_dataset(cfg.valid_path, cfg.tokenizer)
+    if (held_out.vocab_size, held_out.eod_id) != (dataset.vocab_size, dataset.eod_id):
+        raise DataError(f"data.valid_path={cfg.valid_path}: built with another tokenizer than data.path's (vocabulary "
+                        f"{held_out.vocab_size} against {dataset.vocab_size}); preprocess both with one tokenizer")
+    return DataSplits(datasets=[dataset, held_out], train=_whole(dataset, seq_length),
+                      valid=_whole(held_out, seq_length), vocab_size=dataset.vocab_size)

@@ -44,7 +44,7 @@ from megaframe.plan.startup import (gather_model_states, memory_plan, model_stat
                                     plan_summary)
 from megaframe.tracking.flops import flops_per_token, peak_tflops
 from megaframe.tracking.metrics import MetricsLog, memory_gb, run_metadata
-from megaframe.tracking.progress import Progress
+from megaframe.tracking.progress import Progress, wants_bar
 from megaframe.tracking.wandb_run import WandbRun
 
 
@@ -377,6 +377,22 @@ class Trainer:
                 f"device {self._device_name()} | run dir {self.run_dir}"
                 f"\n{plan_summary(self.memory_plan)}")
 
+    def _eval_wrap_warning(self) -> Optional[str]:
+        """An evaluation larger than the validation set wraps around it (eval_batches) and counts
+        its first samples twice: a loss that is not the set's mean, said once, before training."""
+        t, valid = self.cfg.train, self.data.valid
+        if not t.eval_interval or valid is None:
+            return None
+        batch = self.layout.global_batch_size
+        evaluated = t.eval_steps * batch
+        if evaluated <= len(valid):
+            return None
+        fix = (f"set train.eval_steps<={len(valid) // batch}" if len(valid) >= batch
+               else "hold out more text for validation (data.valid_fraction)")
+        return (f"train.eval_steps={t.eval_steps} evaluates {t.eval_steps} x {batch} = {evaluated} samples but the "
+                f"validation set holds {len(valid)}: evaluation wraps and counts {evaluated - len(valid)} of them "
+                f"twice; {fix}")
+
     def _padding_summary(self) -> str:
         padded = self.dims.padded_vocab_size
         return f" padded to {padded}" if padded != self.dims.vocab_size else ""
@@ -416,12 +432,14 @@ class Trainer:
         self._start_step = self.step  # a signal before any new step has nothing new to save
         if self.is_logger:
             print(self._summary(), flush=True)
+            if problem := self._eval_wrap_warning():
+                print(f"megaframe: warning: {problem}", flush=True)
             layout = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp,
                       **({"cp": self.layout.cp} if self.layout.cp > 1 else {})}
             wandb_config = {**dataclasses.asdict(self.cfg),
                             "run": run_metadata(self.layout.world_size, layout, self.backend.versions())}
             self.wandb = WandbRun(self.cfg.logging.wandb, self.run_dir, wandb_config, *self._wandb_names())
-            self.progress = Progress(t.max_steps, self.step, enabled=self.cfg.logging.progress_bar)
+            self.progress = Progress(t.max_steps, self.step, enabled=wants_bar(self.cfg.logging.progress_bar))
             if self._resized is not None:
                 self._log(self._resized)
         stop_at = t.exit_at_step or t.max_steps

@@ -36,7 +36,9 @@ def test_default_run_learns(tmp_path):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "global_step300"
     # W&B is offline by default and keeps its run inside the run dir
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert "train:" in result.stderr and "tok/s" in result.stderr  # rank-0 progress bar
+    # output to a pipe, as to a log file: plain lines, no bar and none of its carriage-return redraws
+    assert "step 10: loss=" in result.stdout and "tok/s=" in result.stdout
+    assert "\r" not in result.stdout + result.stderr and "train:" not in result.stderr
 
 
 def test_llama_bf16_zero2(tmp_path):
@@ -123,3 +125,52 @@ def test_training_without_a_validation_split(tmp_path):
     assert_ok(result)
     assert "valid samples=0" in result.stdout
     assert [s for s, _ in curve(read_metrics(tmp_path), "loss")] == [1, 2, 3]
+
+
+def test_an_evaluation_larger_than_the_validation_set_is_warned_about_once(tmp_path):
+    """train.eval_steps x global batch beyond the validation set wraps and counts samples twice: one
+    line before training says so and names the largest eval_steps that does not; none when it fits."""
+    import re
+
+    args = [*TINY, "data.valid_fraction=0.005", "train.max_steps=1", "train.eval_interval=1"]
+    result = run_cli([*args, "train.eval_steps=60", f"hydra.run.dir={tmp_path / 'wraps'}"])
+    assert_ok(result)
+    valid = int(re.search(r"valid samples=(\d+)", result.stdout)[1])
+    assert 8 <= valid < 480, result.stdout  # TINY's global batch is 8: 60 of them wrap
+    warnings = [line for line in result.stdout.splitlines() if "evaluation wraps" in line]
+    assert warnings == [f"megaframe: warning: train.eval_steps=60 evaluates 60 x 8 = 480 samples but the validation "
+                        f"set holds {valid}: evaluation wraps and counts {480 - valid} of them twice; set "
+                        f"train.eval_steps<={valid // 8}"], result.stdout
+    result = run_cli([*args, f"train.eval_steps={valid // 8}", f"hydra.run.dir={tmp_path / 'fits'}"])
+    assert_ok(result)
+    assert "evaluation wraps" not in result.stdout + result.stderr
+
+
+def test_a_validation_file_of_its_own(tmp_path):
+    """data.valid_path beside data.path, as nanoGPT's train.bin and val.bin: the training file trains
+    whole, every window of the validation file is evaluated, and nothing is held out of either."""
+    import numpy as np
+
+    from megaframe.data import open_dataset
+
+    prefixes = {}
+    for name, count in (("train", 60), ("val", 12)):
+        corpus = tmp_path / f"{name}.jsonl"
+        corpus.write_text("".join(json.dumps({"text": f"{name} {i}: " + "a lazy dog sleeps. " * 30}) + "\n"
+                                  for i in range(count)))
+        prefixes[name] = tmp_path / "data" / name
+        assert_ok(subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(corpus),
+                                  "--output-prefix", str(prefixes[name])], cwd=REPO, capture_output=True, text=True,
+                                 timeout=120))
+    windows = {name: (len(np.asarray(open_dataset(str(prefix), "byte").tokens)) - 1) // 32
+               for name, prefix in prefixes.items()}  # TINY's seq_length: 32
+    run_dir = tmp_path / "run"
+    result = run_cli([*TINY, "train.max_steps=3", f"data.path={prefixes['train']}",
+                      f"data.valid_path={prefixes['val']}", f"train.eval_steps={windows['val'] // 8}",
+                      f"hydra.run.dir={run_dir}"])
+    assert_ok(result)
+    assert f"train samples={windows['train']} valid samples={windows['val']}" in result.stdout, result.stdout
+    assert curve(read_metrics(run_dir), "eval_loss")
+    # a missing validation file is one line before launch
+    result = run_cli([*TINY, f"data.path={prefixes['train']}", f"data.valid_path={tmp_path / 'nope'}"])
+    assert result.returncode == 2 and "data.valid_path=" in result.stderr and "Traceback" not in result.stderr
