@@ -225,3 +225,15 @@ def test_the_fast_tier_keys_are_refused_in_one_line(train, said):
     cfg.train = TrainConfig().train
     cfg.train.fast_save_interval = 1
     assert check_fast_tier(cfg.train) is None
+
+
+def test_a_validation_path_beside_a_blend_names_the_blends_form(tmp_path):
+    from megaframe.config.validate import check_data
+
+    cfg = TrainConfig()
+    cfg.data.blend, cfg.data.valid_path = [1.0, str(tmp_path / "a")], str(tmp_path / "v")
+    assert check_data(cfg) == (f"data.valid_path={tmp_path / 'v'} is for data.path; with data.blend name the "
+                               f"validation sources in data.valid_blend='[1.0,{tmp_path / 'v'}]'")
+    cfg.data.blend, cfg.data.valid_fraction = None, 0.0  # all data trains; the validation file evaluates
+    problem = check_data(cfg)
+    assert problem is not None and problem.startswith(f"data.valid_path={tmp_path / 'v'}")  # its files are missing
