@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn as nn
 
 from megaframe.compile_breaks import disable_marked
@@ -39,8 +40,8 @@ def compile_blocks(model: nn.Module) -> int:
 
     Blocks, not the whole model (as torchtitan does): all blocks share one compiled graph (torch
     treats their parameters as inputs), so compile time does not grow with depth; parameter names,
-    and with them checkpoints, stay those of the eager model; and the embedding, the vocab-parallel
-    loss and DeepSpeed's pipeline schedule stay eager. Inductor fuses each block's elementwise ops
+    and with them checkpoints, stay those of the eager model; the embedding and DeepSpeed's
+    pipeline schedule stay eager. The GPT's final norm, head and loss are one more graph. Inductor fuses each block's elementwise ops
     (norms, RoPE, SwiGLU, residual adds): 1.2x the eager tokens/s on the bench's llama on CPU
     (BENCHMARKS.md); the matmuls are the same either way.
     """
@@ -48,6 +49,10 @@ def compile_blocks(model: nn.Module) -> int:
     disable_marked()  # the collectives and routing break the graph (compile_breaks.py)
     for block in blocks:
         block.compile()
+    if isinstance(model, GPT):
+        # the final norm, the head and the loss: one more graph, which a whole-model compile would
+        # fuse too (the fp32 upcast and log-softmax of the logits); bound here, names unchanged
+        model.head_loss = torch.compile(model.head_loss)
     return len(blocks)
 
 

@@ -369,20 +369,33 @@ class GPT(nn.Module):
         self.final_norm = build_layer(layers[-2], dims, tp)
         self.head = None if dims.tie_embeddings else build_layer(layers[-1], dims, tp)
 
-    def parallel_logits(self, idx: torch.Tensor) -> torch.Tensor:
-        """This TP rank's slice of the padded-vocabulary logits, (B, T, padded_vocab / tp)."""
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        """The last block's output, before the final norm."""
         if self.positions is not None and idx.shape[1] != len(self.positions):
             raise ValueError(f"a context-parallel shard holds {len(self.positions)} tokens, got {idx.shape[1]}")
-        return forward_layers(self, idx, idx.shape[1], self.blocks, embed=self.embed, final_norm=self.final_norm,
-                              head=self.head, tied=self.embed)
+        return forward_layers(self, idx, idx.shape[1], self.blocks, embed=self.embed)
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head (or the tied embedding) on hidden states: this TP rank's logits."""
+        x = self.final_norm(x)
+        return self.head(x) if self.head is not None else tied_head_logits(self.embed, x)
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean next-token loss from hidden states: one region for train.compile to fuse (the
+        norm, the logits' upcast and the softmax of the cross-entropy), as the blocks are."""
+        return vocab_parallel_cross_entropy(self.head_logits(x), targets, self.tp, self.embed.tok.vocab_start,
+                                            self.dims.vocab_size)
+
+    def parallel_logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """This TP rank's slice of the padded-vocabulary logits, (B, T, padded_vocab / tp)."""
+        return self.head_logits(self.hidden_states(idx))
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         """Full logits over the real vocabulary, (B, T, vocab_size), gathered from the TP ranks."""
         return gather_from_tp_region(self.parallel_logits(idx), self.tp.group)[..., : self.dims.vocab_size]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = vocab_parallel_cross_entropy(self.parallel_logits(idx), targets, self.tp,
-                                            self.embed.tok.vocab_start, self.dims.vocab_size)
+        loss = self.head_loss(self.hidden_states(idx), targets)
         if not self.moe_layers:
             return loss
         if self.training:

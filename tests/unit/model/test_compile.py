@@ -29,5 +29,7 @@ def test_compiled_blocks_give_eager_loss_and_gradients():
     assert_fp32_close(losses[1], losses[2], losses[0], "compiled loss")
     for (name, p_eager), p_compiled, p64 in zip(eager.named_parameters(), compiled.parameters(), eager64.parameters()):
         assert_fp32_close(p_compiled.grad, p64.grad, p_eager.grad, f"compiled grad {name}")
-    # proof the compiled path ran: dynamo wrapped each block's forward
+    # proof the compiled path ran: dynamo wrapped each block's forward, and the head with the loss
     assert all(block._compiled_call_impl is not None for block in compiled.blocks)
+    assert getattr(compiled.head_loss, "_torchdynamo_orig_callable", None) is not None
+    assert "head_loss" not in vars(eager)
