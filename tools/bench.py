@@ -19,8 +19,10 @@ mode has not run yet.)
 All train the same shape on the same demo-corpus batches with AdamW, gradient accumulation and
 clipping, in this one process:
   megaframe    the real path: DeepSpeed engine (tp=1, ZeRO-0) driven by megaframe's Trainer
-  megaframe+compile  the same with train.compile=true (blocks compiled by inductor; the compile
-               happens in the warm-up steps, which are not timed); --no-compile leaves it out
+  megaframe+compile  the same with train.compile=true and train.compile_scope=model (the whole
+               forward as one graph, as pytorch+compile; --compile-scope blocks for the per-block
+               graphs); the compile happens in the warm-up steps, which are not timed; --no-compile
+               leaves it out
   pytorch      megaframe's GPT module with torch.optim.AdamW in a plain loop (no DeepSpeed)
   pytorch+compile  the same loop over torch.compile(model) (CPU; on CUDA the pytorch row is compiled)
   transformers GPT2LMHeadModel / LlamaForCausalLM of the same shape (SDPA attention)
@@ -342,6 +344,9 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="leave out the megaframe+compile path")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--shape", choices=list(SHAPES), default="tiny", help="xl: GPT-3 XL (1.3B) in bf16, ZeRO-1")
+    parser.add_argument("--compile-scope", choices=["model", "blocks"], default="model",
+                        help="train.compile_scope of the megaframe+compile row (model: the whole forward, as the "
+                             "compiled plain loop)")
     parser.add_argument("--startup", action="store_true",
                         help="time launch to first step instead: megaframe-train against tools/plain_gpt.py")
     parser.add_argument("overrides", nargs="*", help="extra megaframe config overrides")
@@ -367,7 +372,8 @@ def main() -> None:
         print(f"bench: error: {err}", file=sys.stderr)
         sys.exit(2)
     tokens = args.steps * layout.global_batch_size * cfg.model.seq_length
-    compiled_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=True))
+    compiled_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=True,
+                                                                      compile_scope=args.compile_scope))
     builders = {"megaframe": lambda: megaframe_path(cfg, layout),
                 "megaframe+compile": lambda: megaframe_path(compiled_cfg, layout),
                 "pytorch": lambda: pytorch_path(cfg, layout, data, dims, args.device),

@@ -201,6 +201,11 @@ class LoopConfig:
     fast_save_interval: int = 0
     fast_save_dir: str = "/dev/shm/megaframe"  # node-local; a directory per run under it
     compile: bool = False  # torch.compile each transformer block (inductor); the first step pays the compile
+    # blocks: each block, and the final norm, head and loss, as graphs that every block shares (compile
+    # time flat in depth; any layout) | model: the whole forward as one graph, which fuses across blocks
+    # and pays fewer graph calls per micro-batch (small, launch-bound models), where one process runs the
+    # whole forward without collectives: tp = cp = pp = ep = 1, dense, DeepSpeed ZeRO <= 2
+    compile_scope: str = "blocks"
     max_consecutive_skips: int = 5  # this many skipped steps in a row (non-finite or spike) stop the run (exit 3)
     spike: SpikeConfig = field(default_factory=SpikeConfig)
     collective_timeout_s: float = 1800.0  # a rank that does not reach a collective within this ends the job (exit 7)

@@ -581,12 +581,35 @@ def validate(cfg: TrainConfig, world_size: int,
         if err := rule(cfg):
             raise ConfigError(err)
     for err in (check_batch(cfg, layout), check_slurm_nodes(cfg, layout.world_size), check_replicas(cfg, layout),
-                engine_layout_problem(cfg, layout) if engine_layout_problem else None):
+                check_compile_scope(cfg, layout), engine_layout_problem(cfg, layout) if engine_layout_problem else None):
         if err:
             raise ConfigError(err)
     if err := check_precision(cfg, fp16_supported, bf16_supported):
         raise ConfigError(err)
     return layout
+
+
+def check_compile_scope(cfg: TrainConfig, layout: Layout) -> Optional[str]:
+    """train.compile_scope=model: one graph over the whole forward, so nothing in it may leave the
+    process or hook each module: no tp/cp/pp/ep collectives, no MoE routing (its graph breaks), no
+    ZeRO-3 or FSDP2 gathering parameters per module."""
+    t = cfg.train
+    if err := choice_problem("train.compile_scope", t.compile_scope, ["blocks", "model"]):
+        return err
+    if t.compile_scope != "model":
+        return None
+    if not t.compile:
+        return "train.compile_scope=model says what train.compile compiles; set train.compile=true"
+    blockers = [f"{axis}={size}" for axis, size in (("tp", layout.tp), ("cp", layout.cp), ("pp", layout.pp),
+                                                     ("ep", cfg.parallel.ep)) if size > 1]
+    if cfg.model.moe.num_experts:
+        blockers.append("an MoE model")
+    if cfg.backend.name != "deepspeed" or cfg.zero.stage == 3:
+        blockers.append(f"backend={cfg.backend.name} zero={cfg.zero.stage}")
+    if blockers:
+        return (f"train.compile_scope=model compiles the whole forward as one graph, which {', '.join(blockers)} "
+                f"cannot run in; use train.compile_scope=blocks")
+    return None
 
 
 def check_replicas(cfg: TrainConfig, layout: Layout) -> Optional[str]:

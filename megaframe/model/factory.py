@@ -35,6 +35,17 @@ def build_model(dims: GPTDims, ps: ParallelState, seed: int, activation_checkpoi
     return model
 
 
+def compile_model(model: nn.Module, scope: str) -> int:
+    """train.compile: scope "blocks" (compile_blocks), or "model": the whole module's forward as one
+    graph, in place (names and checkpoints unchanged), which validation allows only where that
+    forward runs in one process without collectives. Returns the blocks compiled either way."""
+    if scope == "model":
+        disable_marked()
+        model.compile()
+        return sum(isinstance(m, Block) for m in model.modules())
+    return compile_blocks(model)
+
+
 def compile_blocks(model: nn.Module) -> int:
     """torch.compile every transformer block in place; returns how many.
 

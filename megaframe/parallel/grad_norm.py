@@ -30,12 +30,32 @@ def _sum_of_squares(grads: list[torch.Tensor], device: torch.device | str = "cpu
 
 
 def _chunked_squares(grads: list[torch.Tensor]) -> torch.Tensor:
-    """CPU: each cache-sized chunk copied to fp64 before its dot product (the extra memory is one chunk)."""
+    """CPU: each cache-sized chunk copied to fp64 before its dot product (the extra memory is one chunk).
+    Tensors smaller than a chunk are packed together into chunks first: a small model's dozens of
+    norm gains and biases would otherwise cost three tensor ops each per step, more than their
+    arithmetic (the step of a 0.8M-parameter model spent 3% here)."""
     total = torch.zeros((), dtype=torch.float64)
+    small: list[torch.Tensor] = []
+    packed = 0
+
+    def add(chunk: torch.Tensor) -> None:
+        nonlocal total
+        chunk = chunk.double()
+        total += torch.dot(chunk, chunk)
+
     for g in grads:
-        for chunk in g.reshape(-1).split(_SQUARES_CHUNK):
-            chunk = chunk.double()
-            total += torch.dot(chunk, chunk)
+        flat = g.reshape(-1)
+        if flat.numel() >= _SQUARES_CHUNK:
+            for chunk in flat.split(_SQUARES_CHUNK):
+                add(chunk)
+            continue
+        if packed + flat.numel() > _SQUARES_CHUNK:
+            add(torch.cat(small))
+            small, packed = [], 0
+        small.append(flat)
+        packed += flat.numel()
+    if small:
+        add(torch.cat(small) if len(small) > 1 else small[0])
     return total
 
 
@@ -58,7 +78,8 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
 
 
 def grad_norm(model: torch.nn.Module, ps: ParallelState, counted_elsewhere=lambda p: False,
-              shard_group=None, expert_shard_group=None, collective_device: Optional[torch.device] = None) -> float:
+              shard_group=None, expert_shard_group=None, collective_device: Optional[torch.device] = None,
+              parameters: Optional[list[torch.nn.Parameter]] = None) -> float:
     """L2 norm of the (already data-parallel-reduced) gradients, each parameter counted once.
 
     Tensor-parallel shards (marked `tensor_model_parallel`) are summed over the TP group and
@@ -72,14 +93,17 @@ def grad_norm(model: torch.nn.Module, ps: ParallelState, counted_elsewhere=lambd
     split over ep ranks, sharded over their expert-data-parallel ranks). Which parameters are TP shards comes from
     their marks, never from their type: FSDP2's DTensors know only their data-parallel placement.
     collective_device: where the sums meet for the all-reduces, when the gradients live elsewhere
-    (offloaded to the host, while NCCL reduces only device tensors).
+    (offloaded to the host, while NCCL reduces only device tensors). parameters: model.parameters()
+    listed once by a caller that asks every step (walking the module tree costs more than a small
+    model's norm).
     """
-    counted = [p for p in model.parameters()
+    parameters = list(model.parameters()) if parameters is None else parameters
+    counted = [p for p in parameters
                if p.grad is not None and not counted_elsewhere(p)
                and (ps.tp_rank == 0 or getattr(p, "tensor_model_parallel", False))]
     experts = [_local(p.grad.detach()) for p in counted if _split_over_ep(p)]
     # a rank without gradients still joins the all-reduces, with a zero on the model's device
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = next((p.device for p in parameters), torch.device("cpu"))
     sq = _sum_of_squares([_local(p.grad.detach()) for p in counted if not _split_over_ep(p)], device).reshape(1)
     sq = sq.to(collective_device or device)
     if shard_group is not None and dist.get_world_size(shard_group) > 1:

@@ -370,12 +370,17 @@ class Trainer:
                 f"layout {self.layout.grid.describe()}"
                 f"{f' cp_impl={c.parallel.cp_impl}' if self.layout.cp > 1 else ''} | zero={c.zero.stage} "
                 f"offload={c.offload.optimizer}/{c.offload.param} precision={c.precision.dtype}"
-                f"{f' compiled blocks={self.backend.compiled_blocks}' if self.backend.compiled_blocks else ''} | "
+                f"{f' compiled {self._compiled()}' if self.backend.compiled_blocks else ''} | "
                 f"batch micro={self.layout.micro_batch_size} global={self.layout.global_batch_size} "
                 f"accum={self.layout.grad_accum_steps} seq={c.model.seq_length} | "
                 f"train samples={len(self.data.train)} valid samples={len(self.data.valid or ())} | "
                 f"device {self._device_name()} | run dir {self.run_dir}"
                 f"\n{plan_summary(self.memory_plan)}")
+
+    def _compiled(self) -> str:
+        if self.cfg.train.compile_scope == "model":
+            return "model (one graph)"
+        return f"blocks={self.backend.compiled_blocks}"
 
     def _eval_wrap_warning(self) -> Optional[str]:
         """An evaluation larger than the validation set wraps around it (eval_batches) and counts

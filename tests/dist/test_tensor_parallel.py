@@ -64,7 +64,12 @@ def test_compiled_blocks_under_tp2_sp_match_single_rank(reference, tmp_path):
     # One flavour: each costs a cold inductor compile on every rank (1-2 min on CI's 2 cores). gpt2 here
     # (row-parallel biases and LayerNorm gains summed over SP ranks); llama's compiled blocks are held
     # to eager in tests/unit/model/test_compile.py.
+    # and train.compile_scope=model: the whole forward as one graph, at dp=2 ZeRO-1 (its reduction is
+    # DeepSpeed's, outside the graph), in the same two ranks
     runs = [(_args("gpt2", "parallel.tp=2", "parallel.sequence_parallel=true", "train.compile=true"),
-             str(tmp_path / "gpt2-compiled"))]
+             str(tmp_path / "gpt2-compiled")),
+            (_args("gpt2", "parallel.dp=2", "zero=stage1", "train.compile=true", "train.compile_scope=model"),
+             str(tmp_path / "gpt2-compiled-model"))]
     run_ranks(_train_compiled, 2, tmp_path, runs=runs)
     assert_parity(read_metrics(runs[0][1]), reference["gpt2"], "gpt2 tp=2 sp compiled")
+    assert_parity(read_metrics(runs[1][1]), reference["gpt2"], "gpt2 dp=2 compiled whole")

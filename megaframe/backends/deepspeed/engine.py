@@ -35,7 +35,7 @@ from megaframe.backends.deepspeed.zero_init import (built_shape, builds_partitio
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims
-from megaframe.model.factory import build_model, compile_blocks, count_parameters
+from megaframe.model.factory import build_model, compile_model, count_parameters
 from megaframe.model.moe import update_expert_biases
 from megaframe.parallel.elastic import join_restarted_group
 from megaframe.parallel.grad_bucket import ReplicatedGradBucket
@@ -94,7 +94,7 @@ class DeepSpeedBackend:
             module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel,
                                  grad_bucket=self.grad_bucket, cp_impl=p.cp_impl, expert_marks=deepspeed_expert_marks)
         mark_expert_parallel(module, ps, cfg.zero.stage)
-        self.compiled_blocks = compile_blocks(module) if cfg.train.compile else 0
+        self.compiled_blocks = compile_model(module, cfg.train.compile_scope) if cfg.train.compile else 0
         self.module = module
         self.num_parameters = self._count_parameters(module)
         self.writes_layout_free = not layout_free_unsupported(cfg, layout)
@@ -122,13 +122,15 @@ class DeepSpeedBackend:
         take_model_step = self.engine._take_model_step
         self.engine._config.gradient_clipping = 0.0
         clip = self.cfg.optim.grad_clip
+        parameters = list(self.engine.module.parameters())  # fixed from here on (ZeRO-0 keeps the module's own)
 
         def measure_clip_step(*args, **kwargs):
-            self._last_grad_norm = grad_norm(self.engine.module, self.ps, counted_on_another_stage)
+            self._last_grad_norm = grad_norm(self.engine.module, self.ps, counted_on_another_stage,
+                                             parameters=parameters)
             gate_plain_optimizer(self.engine.optimizer, self._last_grad_norm)  # non-finite: no update
             if clip > 0 and self._last_grad_norm > clip:
                 scale = clip / (self._last_grad_norm + 1e-6)
-                torch._foreach_mul_([p.grad for p in self.engine.module.parameters() if p.grad is not None], scale)
+                torch._foreach_mul_([p.grad for p in parameters if p.grad is not None], scale)
             return take_model_step(*args, **kwargs)
         self.engine._take_model_step = measure_clip_step
 

@@ -237,3 +237,26 @@ def test_a_validation_path_beside_a_blend_names_the_blends_form(tmp_path):
     cfg.data.blend, cfg.data.valid_fraction = None, 0.0  # all data trains; the validation file evaluates
     problem = check_data(cfg)
     assert problem is not None and problem.startswith(f"data.valid_path={tmp_path / 'v'}")  # its files are missing
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"compile_scope": "graph"}, "train.compile_scope='graph'"),
+    ({"compile_scope": "model"}, "train.compile_scope=model says what train.compile compiles; set train.compile=true"),
+    ({"compile_scope": "model", "compile": True, "tp": 2},
+     "train.compile_scope=model compiles the whole forward as one graph, which tp=2 cannot run in; use "
+     "train.compile_scope=blocks"),
+    ({"compile_scope": "model", "compile": True, "zero": 3},
+     "train.compile_scope=model compiles the whole forward as one graph, which backend=deepspeed zero=3 cannot "
+     "run in; use train.compile_scope=blocks"),
+])
+def test_whole_model_compile_only_where_one_process_runs_the_forward(overrides, message):
+    cfg = TrainConfig()
+    cfg.train.compile_scope = overrides["compile_scope"]
+    cfg.train.compile = overrides.get("compile", False)
+    cfg.parallel.tp = overrides.get("tp", 1)
+    cfg.zero.stage = overrides.get("zero", 0)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, cfg.parallel.tp)
+    assert message in str(err.value)
+    cfg.parallel.tp, cfg.zero.stage, cfg.train.compile, cfg.train.compile_scope = 1, 1, True, "model"
+    assert validate(cfg, 2).dp == 2  # dp-only at ZeRO-1: allowed

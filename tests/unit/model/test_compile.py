@@ -33,3 +33,16 @@ def test_compiled_blocks_give_eager_loss_and_gradients():
     assert all(block._compiled_call_impl is not None for block in compiled.blocks)
     assert getattr(compiled.head_loss, "_torchdynamo_orig_callable", None) is not None
     assert "head_loss" not in vars(eager)
+
+
+def test_the_model_scope_wraps_the_whole_forward_in_place():
+    """train.compile_scope=model: one graph over the GPT's forward (compiled lazily, at the first call:
+    its numbers are held to the single rank's in tests/dist/test_tensor_parallel.py), names unchanged."""
+    from megaframe.model.factory import compile_model
+
+    dims = resolve_dims(LLAMA, 100)
+    model = build_model(dims, ONE_RANK, seed=7)
+    names = list(model.state_dict())
+    assert compile_model(model, "model") == LLAMA.num_layers
+    assert model._compiled_call_impl is not None and list(model.state_dict()) == names
+    assert all(block._compiled_call_impl is None for block in model.blocks)  # not graphs of their own

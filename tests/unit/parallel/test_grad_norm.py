@@ -3,6 +3,7 @@ other stages report that one), so curves stay comparable across ZeRO stages, and
 same number on every x86-64 host, whatever its vector width (ATEN_CPU_CAPABILITY) and threads."""
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -54,6 +55,22 @@ def test_grad_norm_spans_chunks(monkeypatch):
     model = _wide_range_model()
     exact = _exact(model)
     assert abs(grad_norm(model, ParallelState(ParallelDims(), rank=0)) - exact) <= BOUND * exact
+
+
+def test_small_tensors_are_packed_into_chunks_none_dropped_or_counted_twice(monkeypatch):
+    """Tensors smaller than a chunk share one: 200 of 7..13 elements, packed into chunks of at most 50,
+    with a tensor as long as a chunk among them, sum to the exact fp64 squares."""
+    from megaframe.parallel.grad_norm import _sum_of_squares
+
+    monkeypatch.setattr(grad_norm_module, "_SQUARES_CHUNK", 50)
+    generator = torch.Generator().manual_seed(3)
+    grads = [torch.randn(7 + i % 7, generator=generator) * 10.0 ** (i % 3 - 1) for i in range(200)]
+    grads.insert(57, torch.randn(50, generator=generator))
+    exact = math.fsum(float(x) ** 2 for g in grads for x in g.double())
+    assert abs(_sum_of_squares(grads).item() - exact) <= 1e-13 * exact
+    # a dropped tensor or one counted twice moves the sum by at least the smallest tensor's squares
+    smallest = min(math.fsum(float(x) ** 2 for x in g.double()) for g in grads)
+    assert smallest > 1e-13 * exact
 
 
 _NORM_IN_CHILD = """
