@@ -15,20 +15,19 @@ experts.py     expert parallelism as DeepSpeed's engine sees it, and its marks o
 zero_init.py   ZeRO-3 models built partitioned
 system.py      what offload needs of this machine; skip_gate.py, overflow.py, muon_import.py
 """
-import os as _os
+import logging as _logging
 
 
-def _choose_cpu_accelerator_quietly() -> None:
+class _NoCpuFallbackLine(_logging.Filter):
     """Without a CUDA device DeepSpeed falls back to its CPU accelerator and says so on every rank
-    ("Setting accelerator to CPU. If you have GPU ..."), a line the user cannot act on. Naming the
-    CPU ourselves (DS_ACCELERATOR, inherited by the ranks) is the same choice without the line. A
-    DS_ACCELERATOR the user set is kept; megaframe trains on CUDA or the CPU, so no other
-    accelerator DeepSpeed could detect is lost."""
-    if "DS_ACCELERATOR" not in _os.environ:
-        import torch
+    ("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect
+    it."), a line the user cannot act on: the start-up line names the device already. Dropped from
+    DeepSpeed's logger (by name, before DeepSpeed is imported: it logs while importing), not
+    avoided by setting DS_ACCELERATOR: the environment of the process that submits a SLURM or Ray
+    job travels with the job, and would put a GPU cluster's ranks on their CPUs."""
 
-        if not torch.cuda.is_available():
-            _os.environ["DS_ACCELERATOR"] = "cpu"
+    def filter(self, record: _logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Setting accelerator to CPU.")
 
 
-_choose_cpu_accelerator_quietly()
+_logging.getLogger("DeepSpeed").addFilter(_NoCpuFallbackLine())
