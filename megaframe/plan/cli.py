@@ -109,7 +109,7 @@ def dry_run_report(cfg: TrainConfig, layout: Layout, rank: int) -> dict:
     """The meta-device build of `rank` next to the planner's count for its stage."""
     from megaframe.model.dims import resolve_dims
     from megaframe.plan.dryrun import dry_run
-    from megaframe.plan.estimate import planning_vocab_size
+    from megaframe.plan.estimate import planning_device_type, planning_vocab_size
     from megaframe.plan.memory import stage_parameters
 
     if not 0 <= rank < layout.world_size:
@@ -120,7 +120,7 @@ def dry_run_report(cfg: TrainConfig, layout: Layout, rank: int) -> dict:
         raise ConfigError(f"--dry-run with backend={cfg.backend.name} and parallel.pp={layout.pp}: the meta-device build "
                           f"follows DeepSpeed's pipeline; drop --dry-run (the table counts {cfg.backend.name}'s stages "
                           f"per rank)")
-    dims = resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp)
+    dims = resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp, device_type=planning_device_type(cfg))
     built = dry_run(dims, layout.grid, rank, cfg.parallel.pipeline_partition)
     planned = stage_parameters(dims, layout.tp, layout.pp, built.stage, cfg.parallel.pipeline_partition, layout.grid.ep)
     return {"rank": rank, "stage": built.stage, "tp_rank": built.tp_rank, "layers": built.layers,

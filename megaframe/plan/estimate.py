@@ -80,6 +80,16 @@ class Estimate:
         return d
 
 
+def planning_device_type(cfg: TrainConfig) -> str:
+    """Where the planned run trains, which decides its vocabulary padding (model.make_vocab_size_divisible_by
+    =null): a cluster profile's GPUs, or for cluster=local this machine's device (the CPU without CUDA)."""
+    if cfg.cluster.name != "local":
+        return "cuda"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def planning_vocab_size(cfg: TrainConfig) -> int:
     """The vocabulary the run will use, without opening the dataset: model.vocab_size, the
     dataset's recorded vocabulary, or the tokenizer's."""
@@ -334,6 +344,6 @@ def _ranked_step_time(lay: PlanLayout, cluster: ClusterConfig, compute: float, c
 
 def estimate_config(cfg: TrainConfig, layout: Layout, all_stages: bool = False) -> Estimate:
     """estimate() for a composed, validated config."""
-    dims = resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp)
+    dims = resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp, device_type=planning_device_type(cfg))
     return estimate(dims, plan_layout(cfg, layout), cfg.precision.dtype, cfg.cluster, cfg.plan.mfu, all_stages,
                     cfg.zero)

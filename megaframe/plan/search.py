@@ -11,7 +11,7 @@ from megaframe.config.validate import ffn_hidden_size
 from megaframe.model.dims import resolve_dims
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.pipeline_schedules import SPLIT_BACKWARD, runs_micro_batches, stages_per_rank
-from megaframe.plan.estimate import Estimate, estimate, planning_vocab_size
+from megaframe.plan.estimate import Estimate, estimate, planning_device_type, planning_vocab_size
 from megaframe.plan.memory import PlanLayout
 
 
@@ -101,14 +101,14 @@ def expert_parallel_degrees(model: ModelConfig, replicas: int) -> list[int]:
 def fitting_layouts(cfg: TrainConfig, base: PlanLayout, limit: int = 10) -> list[Estimate]:
     """The fastest `limit` layouts of base.world_size ranks that fit cfg.cluster (fastest first;
     among equal times the one with more memory to spare)."""
-    vocab = planning_vocab_size(cfg)
+    vocab, device = planning_vocab_size(cfg), planning_device_type(cfg)
     dims_for_tp: dict = {}
     fitting = []
     # plan.engines: each engine's own layouts (HSDP replicas are FSDP2's, kept only for the configured one)
     bases = [base if name == base.engine else replace(base, engine=name, dp_replicate=1)
              for name in (cfg.plan.engines or [base.engine])]
     for lay in (lay for b in bases for lay in candidate_layouts(cfg.model, b, cfg.cluster.gpus_per_node)):
-        dims = dims_for_tp.setdefault(lay.tp, resolve_dims(cfg.model, vocab, tp=lay.tp))
+        dims = dims_for_tp.setdefault(lay.tp, resolve_dims(cfg.model, vocab, tp=lay.tp, device_type=device))
         est = estimate(dims, lay, cfg.precision.dtype, cfg.cluster, cfg.plan.mfu, zero=cfg.zero)
         if est.fits:
             fitting.append(est)
