@@ -40,6 +40,7 @@ def evaluate(checkpoint: Path, overrides: Sequence[str]) -> dict:
     from megaframe.config.validate import ConfigError
     from megaframe.convert.files import resolve_checkpoint
     from megaframe.data import DataError, eval_batches
+    from megaframe.data.dataset import eval_wrap_problem
     from megaframe.load import load_model
     from megaframe.training.data_setup import build_data
 
@@ -64,9 +65,8 @@ def evaluate(checkpoint: Path, overrides: Sequence[str]) -> dict:
         raise DataError(f"the dataset's vocabulary ({data.vocab_size}) is larger than the checkpoint's model's "
                         f"({model.dims.vocab_size}): it was tokenized for another model; check data.tokenizer")
     samples = cfg.train.eval_steps * batch
-    if samples > len(data.valid):
-        print(f"{PROG}: warning: train.eval_steps={cfg.train.eval_steps} x {batch} = {samples} samples wraps the "
-              f"validation set of {len(data.valid)}: some count twice", file=sys.stderr, flush=True)
+    if problem := eval_wrap_problem(cfg.train.eval_steps, batch, len(data.valid)):
+        print(f"{PROG}: warning: {problem}", file=sys.stderr, flush=True)
     total = torch.zeros((), dtype=torch.float64, device=device)
     batches = eval_batches(data.valid, cfg.train.eval_steps * (batch // micro), micro, 0, 1)
     with torch.no_grad():

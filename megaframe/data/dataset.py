@@ -224,6 +224,19 @@ def micro_batches(
     ]
 
 
+def eval_wrap_problem(eval_steps: int, global_batch_size: int, valid_samples: int) -> Optional[str]:
+    """An evaluation of eval_steps global batches larger than the validation set wraps around it
+    (eval_batches) and counts its first samples twice: what to say, and the fix, or None."""
+    evaluated = eval_steps * global_batch_size
+    if evaluated <= valid_samples:
+        return None
+    fix = (f"set train.eval_steps<={valid_samples // global_batch_size}" if valid_samples >= global_batch_size
+           else "hold out more text for validation (data.valid_fraction)")
+    return (f"train.eval_steps={eval_steps} evaluates {eval_steps} x {global_batch_size} = {evaluated} samples but the "
+            f"validation set holds {valid_samples}: evaluation wraps and counts {evaluated - valid_samples} of them "
+            f"twice; {fix}")
+
+
 def eval_batches(samples: SampleSet, num_batches: int, batch_size: int, dp_rank: int, dp: int,
                  positions: Optional[np.ndarray] = None) -> list[Batch]:
     """This rank's evaluation micro-batches: global eval batch b is samples [b*B*dp, (b+1)*B*dp) (wrapping).

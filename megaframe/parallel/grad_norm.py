@@ -55,7 +55,7 @@ def _chunked_squares(grads: list[torch.Tensor]) -> torch.Tensor:
         small.append(flat)
         packed += flat.numel()
     if small:
-        add(torch.cat(small) if len(small) > 1 else small[0])
+        add(torch.cat(small))
     return total
 
 

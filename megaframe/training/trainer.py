@@ -22,6 +22,7 @@ from megaframe.checkpoint.universal import CheckpointError
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
 from megaframe.data import micro_batches, eval_batches
+from megaframe.data.dataset import eval_wrap_problem
 from megaframe.data.token_check import cached_token_range, check_token_ids, remember_token_range, token_range
 from megaframe.training import checkpoint
 from megaframe.training.data_setup import DataSplits, build_data
@@ -388,15 +389,7 @@ class Trainer:
         t, valid = self.cfg.train, self.data.valid
         if not t.eval_interval or valid is None:
             return None
-        batch = self.layout.global_batch_size
-        evaluated = t.eval_steps * batch
-        if evaluated <= len(valid):
-            return None
-        fix = (f"set train.eval_steps<={len(valid) // batch}" if len(valid) >= batch
-               else "hold out more text for validation (data.valid_fraction)")
-        return (f"train.eval_steps={t.eval_steps} evaluates {t.eval_steps} x {batch} = {evaluated} samples but the "
-                f"validation set holds {len(valid)}: evaluation wraps and counts {evaluated - len(valid)} of them "
-                f"twice; {fix}")
+        return eval_wrap_problem(t.eval_steps, self.layout.global_batch_size, len(valid))
 
     def _padding_summary(self) -> str:
         padded = self.dims.padded_vocab_size
