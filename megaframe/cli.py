@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 from omegaconf import OmegaConf
 
 from megaframe.backends.registry import engine, validate_for_engine
-from megaframe.config.compose import compose
+from megaframe.config.compose import compose, renamed_key_problem
 from megaframe.config.schema import TrainConfig
 from megaframe.config.store import register_configs
 from megaframe.config.validate import ConfigError, Layout, requested_world_size
@@ -71,21 +71,21 @@ def _pins_run_dir(args: Sequence[str]) -> bool:
 
 def _slurm_world_size(cfg: TrainConfig) -> Optional[int]:
     """launcher=slurm with launcher.nodes, or an elastic job (launcher.min_nodes) at its largest:
-    the job's ranks, one per GPU."""
-    launcher = cfg.launcher
-    if launcher.nodes and (launcher.name == "slurm" or launcher.min_nodes is not None):
-        return launcher.nodes * launcher.gpus_per_node
+    the job's ranks, one per GPU of cluster.gpus_per_node (validation refuses these jobs without it)."""
+    launcher, per_node = cfg.launcher, cfg.cluster.gpus_per_node
+    if launcher.nodes and per_node and (launcher.name == "slurm" or launcher.min_nodes is not None):
+        return launcher.nodes * per_node
     return None
 
 
 def _check_elastic_range(cfg: TrainConfig, args: Sequence[str]) -> None:
     """launcher.min_nodes, before launch: the elastic keys and a shared run dir, then every world size
     of the range must resolve a layout and fit; one line naming those that cannot (exit 2)."""
-    from megaframe.config.validate import check_elastic
+    from megaframe.config.validate import check_elastic, check_launcher_cluster
     from megaframe.elastic_launch import range_problem
     from megaframe.plan.cli import fit_problem
 
-    if problem := check_elastic(cfg):
+    if problem := check_launcher_cluster(cfg) or check_elastic(cfg):
         _fail(problem)
     if not _pins_run_dir(args):
         _fail("launcher.min_nodes: every node and attempt of an elastic job writes and resumes from one run "
@@ -118,12 +118,12 @@ def _launch_elastic(cfg: TrainConfig, layout: Layout, args: list[str], run_dir: 
         args, run_dir = _own_run_dir(args, run_dir)
         dataset_prefix(cfg.data)
         return run_on_ray(cfg, layout.world_size, args, run_path, train_main)
-    command = node_command(cfg.launcher, args, run_path, f"megaframe-{uuid.uuid4().hex[:12]}")
+    per_node = cfg.cluster.gpus_per_node
+    command = node_command(cfg.launcher, per_node, args, run_path, f"megaframe-{uuid.uuid4().hex[:12]}")
     script = run_path / NODE_SCRIPT
     run_path.mkdir(parents=True, exist_ok=True)
     atomic_write_text(script, node_script(command))
     script.chmod(0o755)
-    per_node = cfg.launcher.gpus_per_node
     print(f"{PROG}: elastic job of {cfg.launcher.min_nodes} to {cfg.launcher.nodes} nodes, {per_node} "
           f"rank{'s' if per_node > 1 else ''} per node: run this on every node, also on nodes that join later "
           f"(it is {script}):\n{command}", flush=True)
@@ -157,9 +157,11 @@ def _submit_slurm(cfg: TrainConfig, layout: Layout, args: list[str], run_dir: st
     if cfg.launcher.min_nodes is not None:  # elastic: one torchrun agent per node of a node range
         from megaframe.elastic_launch import elastic_sbatch_script
 
-        script = elastic_sbatch_script(cfg.launcher, task_overrides(args), run_path, sys.executable)
+        script = elastic_sbatch_script(cfg.launcher, cfg.cluster.gpus_per_node, task_overrides(args), run_path,
+                                       sys.executable)
     else:
-        script = sbatch_script(cfg.launcher, layout.world_size, task_overrides(args), run_path)
+        script = sbatch_script(cfg.launcher, cfg.cluster.gpus_per_node, layout.world_size, task_overrides(args),
+                               run_path)
     path = run_path / "submit.sbatch"
     atomic_write_text(path, script)
     if cfg.launcher.dry_run:
@@ -199,12 +201,14 @@ def _check_sweep_point(point: list[str]) -> None:
     """One point of a -m sweep, as megaframe-train alone would check it before launching its ranks
     (compose, validate, the planner's fit, the launcher's package, the dataset's files)."""
     from megaframe.plan.estimate import estimate_config
+    from megaframe.plan.profiles import profile_hint
     from megaframe.plan.report import verdict
 
     cfg, _ = compose(point)
     layout = validate_for_engine(cfg, _slurm_world_size(cfg) or requested_world_size(cfg), ask_bf16=False)
     if cfg.plan.check and not cfg.parallel.auto and not (est := estimate_config(cfg, layout)).fits:
-        raise ConfigError(f"the planner says this will not fit: {verdict(est)} (plan.check=false skips this check)")
+        raise ConfigError(f"the planner says this will not fit: {verdict(est)}{profile_hint(cfg, layout) or ''} "
+                          f"(plan.check=false skips this check)")
     if problem := _launcher_problem(cfg) or _dataset_problem(cfg):
         raise ConfigError(problem)
 
@@ -451,6 +455,8 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
     adopt_slurm_env()  # an srun task (launcher=slurm's job) joins the process group from SLURM's variables
     _stop_if_job_stopped()
     if any(a.split("=", 1)[0] in _HYDRA_FLAGS for a in args):
+        if problem := renamed_key_problem(args):  # --cfg job, --help: Hydra's own error would not say where it went
+            _fail(problem)
         _check_sweep(args)
         _run_hydra(args)
         return

@@ -45,10 +45,10 @@ def is_elastic(launcher: LauncherConfig) -> bool:
     return launcher.min_nodes is not None
 
 
-def world_sizes(launcher: LauncherConfig) -> list[int]:
+def world_sizes(launcher: LauncherConfig, per_node: int) -> list[int]:
     """Every world size the job may run at. torchrun and SLURM add and remove whole nodes of
-    gpus_per_node ranks; Ray places workers one at a time, so any count between the bounds."""
-    per_node = launcher.gpus_per_node
+    per_node ranks (cluster.gpus_per_node); Ray places workers one at a time, so any count between
+    the bounds."""
     if launcher.name == "ray":
         return list(range(launcher.min_nodes * per_node, launcher.nodes * per_node + 1))
     return [nodes * per_node for nodes in range(launcher.min_nodes, launcher.nodes + 1)]
@@ -67,7 +67,7 @@ def range_problem(cfg: TrainConfig, layout_at: Callable[[TrainConfig, int], obje
     first_world, first_why = next(iter(failing.items()))
     sizes = ", ".join(str(w) for w in failing)
     return (f"launcher.min_nodes={launcher.min_nodes} launcher.nodes={launcher.nodes}: the job cannot train at "
-            f"world size {sizes} of {world_sizes(launcher)}; at {first_world}: {first_why}; "
+            f"world size {sizes} of {world_sizes(launcher, cfg.cluster.gpus_per_node)}; at {first_world}: {first_why}; "
             f"{_fixes(cfg, set(failing), layout_at, fit_problem)}")
 
 
@@ -75,7 +75,7 @@ def _failing_worlds(cfg: TrainConfig, layout_at, fit_problem) -> dict[int, str]:
     from megaframe.config.validate import ConfigError
 
     failing: dict[int, str] = {}
-    for world in world_sizes(cfg.launcher):
+    for world in world_sizes(cfg.launcher, cfg.cluster.gpus_per_node):
         try:
             why = fit_problem(cfg, layout_at(cfg, world))
         except ConfigError as err:
@@ -88,8 +88,8 @@ def _failing_worlds(cfg: TrainConfig, layout_at, fit_problem) -> dict[int, str]:
 def _fixes(cfg: TrainConfig, failing: set[int], layout_at, fit_problem) -> str:
     """The widest run of node counts in the range at which the job trains, and the nearest global
     batch that every data-parallel size of the range divides, each only when it works."""
-    launcher, p = cfg.launcher, cfg.parallel
-    worlds = world_sizes(launcher)
+    launcher, p, per_node = cfg.launcher, cfg.parallel, cfg.cluster.gpus_per_node
+    worlds = world_sizes(launcher, per_node)
     best: list[int] = []
     run: list[int] = []
     for world in worlds:
@@ -98,9 +98,9 @@ def _fixes(cfg: TrainConfig, failing: set[int], layout_at, fit_problem) -> str:
             best = run
     fixes = []
     if best:
-        low, high = -(-best[0] // launcher.gpus_per_node), best[-1] // launcher.gpus_per_node
+        low, high = -(-best[0] // per_node), best[-1] // per_node
         narrower = dataclasses.replace(launcher, min_nodes=low, nodes=high)
-        if low <= high and not set(world_sizes(narrower)) & failing:
+        if low <= high and not set(world_sizes(narrower, per_node)) & failing:
             fixes.append(f"narrow the range to launcher.min_nodes={low} launcher.nodes={high}")
     model_parallel = p.tp * p.pp * p.cp
     if p.dp is None and all(world % model_parallel == 0 for world in worlds):
@@ -120,20 +120,20 @@ def rdzv_endpoint(launcher: LauncherConfig, default_host: str) -> str:
     return endpoint if ":" in endpoint else f"{endpoint}:{DEFAULT_RDZV_PORT}"
 
 
-def torchrun_args(launcher: LauncherConfig, endpoint: str, run_id: str) -> list[str]:
+def torchrun_args(launcher: LauncherConfig, per_node: int, endpoint: str, run_id: str) -> list[str]:
     """torchrun's flags for one node of the elastic job (the endpoint and id may be shell words)."""
     return ["-m", "torch.distributed.run", f"--nnodes={launcher.min_nodes}:{launcher.nodes}",
-            f"--nproc-per-node={launcher.gpus_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+            f"--nproc-per-node={per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={run_id}", f"--max-restarts={launcher.max_restarts}"]
 
 
-def node_command(launcher: LauncherConfig, overrides: list[str], run_dir: Path, run_id: str,
+def node_command(launcher: LauncherConfig, per_node: int, overrides: list[str], run_dir: Path, run_id: str,
                  python: str = sys.executable) -> str:
     """The shell line every node of a launcher=local elastic job runs (joining nodes too)."""
     from megaframe.slurm import hydra_quoted, task_overrides
 
     endpoint = rdzv_endpoint(launcher, socket.getfqdn())
-    argv = [python, *torchrun_args(launcher, endpoint, run_id), "-m", "megaframe.train",
+    argv = [python, *torchrun_args(launcher, per_node, endpoint, run_id), "-m", "megaframe.train",
             *task_overrides(overrides), f"hydra.run.dir={hydra_quoted(str(run_dir))}"]
     return f"{STORE_ENV}=1 " + " ".join(shlex.quote(a) for a in argv)
 
@@ -144,7 +144,7 @@ def node_script(command: str) -> str:
             f"exec env {command}\n")
 
 
-def elastic_sbatch_script(launcher: LauncherConfig, overrides: list[str], run_dir: Path,
+def elastic_sbatch_script(launcher: LauncherConfig, per_node: int, overrides: list[str], run_dir: Path,
                           python: str = sys.executable) -> str:
     """launcher.min_nodes: MIN to MAX nodes (sbatch's --nodes=MIN-MAX), one srun task per node
     running torchrun's elastic agent for that node's GPUs. --no-kill keeps the allocation when a
@@ -154,13 +154,12 @@ def elastic_sbatch_script(launcher: LauncherConfig, overrides: list[str], run_di
     this job's rendezvous id (docs/elastic.md)."""
     from megaframe.slurm import hydra_quoted, sbatch_header
 
-    per_node = launcher.gpus_per_node
     cpus = launcher.cpus_per_task * per_node if launcher.cpus_per_task is not None else None
     lines = sbatch_header(launcher, f"{launcher.min_nodes}-{launcher.nodes}",
                            ["#SBATCH --ntasks-per-node=1", f"#SBATCH --gpus-per-node={per_node}", "#SBATCH --no-kill"],
                            cpus)
     endpoint = rdzv_endpoint(launcher, "${RDZV_HOST}")  # the shell expands the first node's name
-    agent = [python, *torchrun_args(launcher, "ENDPOINT", "RUN_ID"), "-m", "megaframe.train", *overrides,
+    agent = [python, *torchrun_args(launcher, per_node, "ENDPOINT", "RUN_ID"), "-m", "megaframe.train", *overrides,
              f"hydra.run.dir={hydra_quoted(str(run_dir))}"]
     # the endpoint and id are the shell's to expand: quoted as words, then put back in double quotes
     line = " ".join(shlex.quote(a) for a in agent)

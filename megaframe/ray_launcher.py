@@ -82,7 +82,8 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
     # elastic (launcher.min_nodes): Ray Train picks any worker count in the range that the cluster has
     # room for at each (re)start, and checks every resize_interval_s whether a healthy group can grow
     elastic = is_elastic(launcher)
-    workers = (world_sizes(launcher)[0], world_sizes(launcher)[-1]) if elastic else world_size
+    sizes = world_sizes(launcher, cfg.cluster.gpus_per_node) if elastic else [world_size]
+    workers = (sizes[0], sizes[-1]) if elastic else world_size
     resize = {"elastic_resize_monitor_interval_s": launcher.resize_interval_s} if elastic else {}
     resources = {"CPU": launcher.cpus_per_worker, **({"GPU": launcher.gpus_per_worker} if launcher.gpus_per_worker else {})}
     trainer = TorchTrainer(

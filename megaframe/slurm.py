@@ -63,12 +63,13 @@ def adopt_slurm_env(env: MutableMapping[str, str] = os.environ) -> bool:
     return True
 
 
-def sbatch_script(launcher: LauncherConfig, world_size: int, overrides: list[str], run_dir: Path,
-                  python: str = sys.executable) -> str:
+def sbatch_script(launcher: LauncherConfig, gpus_per_node: int, world_size: int, overrides: list[str],
+                  run_dir: Path, python: str = sys.executable) -> str:
     """The job: one srun task per rank of the layout, one GPU each, on `nodes` nodes (by default as
-    few as hold world_size ranks at gpus_per_node a node; a layout smaller than a node takes only
-    the GPUs it uses, so `parallel.dp=2` asks for 2 tasks and 2 GPUs, not a whole node's worth)."""
-    per_node = min(launcher.gpus_per_node, world_size)
+    few as hold world_size ranks at gpus_per_node a node, the cluster's; a layout smaller than a node
+    takes only the GPUs it uses, so `parallel.dp=2` asks for 2 tasks and 2 GPUs, not a whole node's
+    worth)."""
+    per_node = min(gpus_per_node, world_size)
     nodes = launcher.nodes or -(-world_size // per_node)
     lines = sbatch_header(launcher, str(nodes), [f"#SBATCH --ntasks={world_size}",
                                                   f"#SBATCH --ntasks-per-node={per_node}",

@@ -61,11 +61,33 @@ def _extra_keys(obj, prefix: str = "") -> list[str]:
     return extra
 
 
+# keys merged into one place (issue 34): the old name is refused with the new one, not a bare "unknown key"
+RENAMED_KEYS = {
+    "launcher.gpus_per_node": ("cluster.gpus_per_node", "a node's GPUs are the cluster's; cluster=h100_80g and "
+                               "cluster=a100_80g set 8"),
+    "cluster.nodes": ("launcher.nodes", "how many nodes the job takes is the launcher's"),
+    "hardware.peak_tflops": ("cluster.peak_tflops", "one peak for MFU and the planner"),
+}
+
+
+def renamed_key_problem(overrides: Sequence[str]) -> str | None:
+    """One line for the first override that sets a key of RENAMED_KEYS, or None."""
+    for override in overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        if key in RENAMED_KEYS:
+            new, why = RENAMED_KEYS[key]
+            value = override.split("=", 1)[1] if "=" in override else "..."
+            return f"{key} is now {new} ({why}): use {new}={value}"
+    return None
+
+
 def compose(overrides: Sequence[str]) -> tuple[TrainConfig, str]:
     """Compose conf/ with the overrides; return the typed config and the resolved hydra.run.dir."""
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    if problem := renamed_key_problem(overrides):
+        raise ConfigError(problem)
     register_configs()
     GlobalHydra.instance().clear()
     try:

@@ -233,21 +233,18 @@ class LoggingConfig:
 
 
 @dataclass
-class HardwareConfig:
-    """What the device can do, for MFU."""
-
-    peak_tflops: Optional[float] = None  # dense peak per device; None = look the GPU up (none on CPU)
-
-
-@dataclass
 class ClusterConfig:
-    """The machines a layout is planned for (megaframe-plan, parallel=auto, the pre-launch check)."""
+    """The machines the job runs on: what one node and one device of them hold and do. The planner
+    (megaframe-plan, parallel=auto, the pre-launch check) plans for them, launcher=slurm and elastic
+    jobs start cluster.gpus_per_node ranks a node, MFU divides by peak_tflops. How many nodes the
+    job takes is launcher.nodes."""
 
     name: str = "local"
     gpus_per_node: Optional[int] = None  # None (local) = the ranks launched on this host
-    nodes: Optional[int] = None  # None = as many as the layout needs; set: world = nodes * gpus_per_node
-    memory_gb: Optional[float] = None  # per device, GiB; None (local) = this host's RAM / ranks
-    peak_tflops: Optional[float] = None  # dense bf16 per device; None = unknown (step time not estimated)
+    memory_gb: Optional[float] = None  # per device, GiB; None (local) = this host's GPU, else its RAM / ranks
+    # dense peak per device at the run's precision (the profiles give bf16's): MFU and the planner's
+    # step time; None = the run looks its GPU up (none on a CPU), the planner gives no step time
+    peak_tflops: Optional[float] = None
     intra_node_gbps: float = 10.0  # GB/s per device and direction inside a node (NVLink)
     inter_node_gbps: float = 10.0  # GB/s per device and direction between nodes (InfiniBand)
     host_gbps: float = 10.0  # GB/s device <-> host memory per device (PCIe), for offload
@@ -271,8 +268,9 @@ class LauncherConfig:
     """How the ranks start (the `launcher` group); `parallel` still says how many."""
 
     name: str = "local"  # local: this host (or under any torchrun) | slurm: an sbatch job of srun tasks | ray: Ray Train
-    nodes: Optional[int] = None  # slurm: nodes; None = the layout's world / gpus_per_node
-    gpus_per_node: int = 8  # slurm: one task per GPU
+    # the job's nodes, of cluster.gpus_per_node ranks each (slurm; elastic: the most; megaframe-plan:
+    # the world is nodes * cluster.gpus_per_node); None = as many as the layout needs
+    nodes: Optional[int] = None
     cpus_per_task: Optional[int] = None  # slurm: --cpus-per-task (None: SLURM's default)
     partition: Optional[str] = None
     account: Optional[str] = None
@@ -314,7 +312,6 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: LoopConfig = field(default_factory=LoopConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    hardware: HardwareConfig = field(default_factory=HardwareConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)

@@ -213,8 +213,7 @@ def check_fast_tier(t) -> Optional[str]:
 def check_cluster(cfg: TrainConfig) -> Optional[str]:
     """The planner's hardware figures: a negative peak or reservation made every layout 'fit'."""
     c = cfg.cluster
-    for key, value in (("cluster.peak_tflops", c.peak_tflops), ("hardware.peak_tflops", cfg.hardware.peak_tflops),
-                       ("cluster.memory_gb", c.memory_gb)):
+    for key, value in (("cluster.peak_tflops", c.peak_tflops), ("cluster.memory_gb", c.memory_gb)):
         if value is not None and not (math.isfinite(value) and value > 0):
             return f"{key}={value} must be a finite number > 0, or null"
     for key, value in (("cluster.intra_node_gbps", c.intra_node_gbps), ("cluster.inter_node_gbps", c.inter_node_gbps),
@@ -223,9 +222,8 @@ def check_cluster(cfg: TrainConfig) -> Optional[str]:
             return f"{key}={value} must be a finite number > 0"
     if not (math.isfinite(c.reserved_gb) and c.reserved_gb >= 0):
         return f"cluster.reserved_gb={c.reserved_gb} must be a finite number >= 0"
-    for key, value in (("cluster.gpus_per_node", c.gpus_per_node), ("cluster.nodes", c.nodes)):
-        if value is not None and value < 1:
-            return f"{key}={value} must be >= 1, or null"
+    if c.gpus_per_node is not None and c.gpus_per_node < 1:
+        return f"cluster.gpus_per_node={c.gpus_per_node} must be >= 1, or null"
     return None
 
 
@@ -248,7 +246,7 @@ def _missing_files(key: str, prefix: str) -> Optional[str]:
     for suffix in (".bin", ".idx"):
         if not Path(prefix + suffix).is_file():
             return (f"{key}: {prefix}{suffix} not found; build it with "
-                    f"'python tools/preprocess_data.py --input FILES --output-prefix {prefix}'")
+                    f"'megaframe-preprocess --input FILES --output-prefix {prefix}'")
     return None
 
 
@@ -440,9 +438,8 @@ def check_launcher(cfg: TrainConfig) -> Optional[str]:
     launcher = cfg.launcher
     if err := choice_problem("launcher", launcher.name, ["local", "slurm", "ray"]):
         return err
-    if launcher.gpus_per_node < 1 or (launcher.nodes is not None and launcher.nodes < 1):
-        return (f"launcher.gpus_per_node={launcher.gpus_per_node} and launcher.nodes={launcher.nodes} must be >= 1 "
-                "(nodes may be null: the layout's world / gpus_per_node)")
+    if launcher.nodes is not None and launcher.nodes < 1:
+        return f"launcher.nodes={launcher.nodes} must be >= 1 (or null: as many as the layout needs)"
     if launcher.cpus_per_task is not None and launcher.cpus_per_task < 1:
         return f"launcher.cpus_per_task={launcher.cpus_per_task} must be >= 1 (or null for SLURM's default)"
     if launcher.connect_timeout_s <= 0:
@@ -450,7 +447,32 @@ def check_launcher(cfg: TrainConfig) -> Optional[str]:
     if launcher.cpus_per_worker <= 0 or launcher.gpus_per_worker < 0 or launcher.max_failures < 0:
         return (f"launcher.cpus_per_worker={launcher.cpus_per_worker} must be > 0, launcher.gpus_per_worker="
                 f"{launcher.gpus_per_worker} and launcher.max_failures={launcher.max_failures} >= 0")
-    return check_sbatch_strings(launcher) or check_elastic(cfg)
+    return check_sbatch_strings(launcher) or check_launcher_cluster(cfg) or check_elastic(cfg)
+
+
+# the profiles in conf/cluster/ a refusal offers (plan/profiles.py checks each against the layout)
+CLUSTER_CHOICES = "cluster=h100_80g or cluster=a100_80g"
+
+
+def check_launcher_cluster(cfg: TrainConfig) -> Optional[str]:
+    """Jobs whose ranks run elsewhere are planned for those machines, never for the host that
+    launches them: cluster=local measures this host (a login node's RAM, or its GPU)."""
+    launcher, cluster = cfg.launcher, cfg.cluster
+    this_host = cluster.memory_gb is None  # cluster=local's marker: device memory measured here
+    if launcher.name == "slurm" and this_host:
+        return (f"launcher=slurm: the planner would measure this host (cluster={cluster.name}), not the job's nodes; "
+                f"name their profile, {CLUSTER_CHOICES}, or describe them with cluster.gpus_per_node=N "
+                f"cluster.memory_gb=GiB")
+    if launcher.name == "ray" and launcher.gpus_per_worker > 0 and this_host:
+        return (f"launcher=ray with launcher.gpus_per_worker={launcher.gpus_per_worker:g}: the planner would measure "
+                f"this host (cluster={cluster.name}), not the workers' GPUs; name their profile, {CLUSTER_CHOICES}, "
+                f"or describe them with cluster.gpus_per_node=N cluster.memory_gb=GiB")
+    whole_nodes = launcher.name == "slurm" or launcher.min_nodes is not None
+    if whole_nodes and cluster.gpus_per_node is None:
+        what = "launcher=slurm" if launcher.min_nodes is None else "launcher.min_nodes (an elastic job)"
+        return (f"{what} starts cluster.gpus_per_node ranks on each node, and cluster={cluster.name} does not say how "
+                f"many; name the nodes' profile, {CLUSTER_CHOICES}, or set cluster.gpus_per_node=N")
+    return None
 
 
 DEFAULT_RDZV_PORT = 29400  # torchrun's own default for c10d
@@ -514,11 +536,11 @@ def check_sbatch_strings(launcher) -> Optional[str]:
 def check_slurm_nodes(cfg: TrainConfig, world_size: int) -> Optional[str]:
     """launcher=slurm without launcher.nodes: the job is whole nodes, or part of one (srun runs the
     same number of tasks on every node, and each task's LOCAL_WORLD_SIZE says so)."""
-    launcher = cfg.launcher
-    per_node = launcher.gpus_per_node
-    if launcher.name != "slurm" or launcher.nodes is not None or world_size <= per_node or world_size % per_node == 0:
+    launcher, per_node = cfg.launcher, cfg.cluster.gpus_per_node
+    if launcher.name != "slurm" or launcher.nodes is not None or per_node is None or world_size <= per_node \
+            or world_size % per_node == 0:
         return None
-    return (f"launcher=slurm: the layout's {world_size} ranks do not fill nodes of launcher.gpus_per_node={per_node}; "
+    return (f"launcher=slurm: the layout's {world_size} ranks do not fill nodes of cluster.gpus_per_node={per_node}; "
             f"make the world a multiple of {per_node}, or at most {per_node}")
 
 

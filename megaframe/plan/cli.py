@@ -1,7 +1,7 @@
 """`megaframe-plan [--json] [--dry-run=RANK] [OVERRIDE ...]`: will this layout fit, and which layouts would?
 
 Same composition and validation as megaframe-train (one-line errors, exit code 2). The world size
-is cluster.nodes x cluster.gpus_per_node when nodes is set, otherwise tp*pp*dp of the config.
+is launcher.nodes x cluster.gpus_per_node when both are set, otherwise tp*pp*cp*dp of the config.
 Also the pre-launch gate megaframe-train calls: preflight() applies parallel=auto and refuses a
 layout that does not fit before any rank starts.
 """
@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import ConfigError, Layout, requested_world_size
 from megaframe.plan.estimate import Estimate, estimate_config, plan_layout
+from megaframe.plan.profiles import profile_hint
 from megaframe.plan.report import as_json, gib, table, verdict
 from megaframe.plan.search import fitting_layouts, layout_overrides
 
@@ -22,19 +23,20 @@ PROG = "megaframe-plan"
 
 
 def planned_world_size(cfg: TrainConfig, launched: Optional[int] = None) -> int:
-    """Ranks the plan is for: a launcher's world, the cluster's nodes x GPUs, or tp*pp*dp."""
+    """Ranks the plan is for: a launcher's world, the job's nodes x the cluster's GPUs per node, or
+    tp*pp*cp*dp."""
     if launched:
         return launched
-    c = cfg.cluster
-    if c.nodes is not None and c.gpus_per_node is not None:
-        return c.nodes * c.gpus_per_node
+    nodes, per_node = cfg.launcher.nodes, cfg.cluster.gpus_per_node
+    if nodes is not None and per_node is not None:
+        return nodes * per_node
     return requested_world_size(cfg)
 
 
 def _check_cluster(cfg: TrainConfig) -> None:
     c = cfg.cluster
-    if c.nodes is not None and c.nodes < 1:
-        raise ConfigError(f"cluster.nodes={c.nodes} must be >= 1 (or null: as many as the layout needs)")
+    if cfg.launcher.nodes is not None and cfg.launcher.nodes < 1:
+        raise ConfigError(f"launcher.nodes={cfg.launcher.nodes} must be >= 1 (or null: as many as the layout needs)")
     if c.memory_gb is not None and c.memory_gb <= 0:
         raise ConfigError(f"cluster.memory_gb={c.memory_gb} must be > 0 (or null: this host's RAM)")
     if not 0 < cfg.plan.mfu <= 1:
@@ -66,15 +68,23 @@ def preflight(cfg: TrainConfig, layout: Layout, args: list[str], prog: str) -> l
     if cfg.parallel.auto:
         if not alternatives:
             _fail(prog, f"parallel=auto: no layout of {layout.world_size} ranks fits cluster={cfg.cluster.name} "
-                        f"({gib(est.capacity)} per device); add devices or shrink parallel.micro_batch_size")
+                        f"({gib(est.capacity)} per device); add devices or shrink parallel.micro_batch_size"
+                        f"{_on_a_profile(cfg, layout)}")
         chosen = alternatives[0].layout
         print(f"{prog}: parallel=auto chose {chosen.describe()} (peak {gib(alternatives[0].peak)})", flush=True)
         return [*args, *layout_overrides(chosen)]
     if not est.fits:
         best = f"; a layout that fits: {alternatives[0].layout.describe()}" if alternatives else \
             "; no layout of this many ranks fits (add devices or shrink parallel.micro_batch_size)"
-        _fail(prog, f"the planner says this will not fit: {verdict(est)}{best} (plan.check=false skips this check)")
+        _fail(prog, f"the planner says this will not fit: {verdict(est)}{best}{profile_hint(cfg, layout) or ''} "
+                    f"(plan.check=false skips this check)")
     return args
+
+
+def _on_a_profile(cfg: TrainConfig, layout: Layout) -> str:
+    """parallel=auto found nothing here: the profiles on which the starting layout fits, if any."""
+    hint = profile_hint(cfg, layout)
+    return f", or plan for the job's machines{hint.replace(';', ':', 1)}" if hint else ""
 
 
 def fit_problem(cfg: TrainConfig, layout: Layout) -> Optional[str]:
@@ -88,7 +98,7 @@ def fit_problem(cfg: TrainConfig, layout: Layout) -> Optional[str]:
         if fitting_layouts(cfg, plan_layout(cfg, layout), limit=1):
             return None
         return f"parallel=auto: no layout of {layout.world_size} ranks fits cluster={cfg.cluster.name} ({gib(est.capacity)} per device)"
-    return None if est.fits else f"the planner says it will not fit: {verdict(est)}"
+    return None if est.fits else f"the planner says it will not fit: {verdict(est)}{profile_hint(cfg, layout) or ''}"
 
 
 def _fail(prog: str, message: str) -> None:

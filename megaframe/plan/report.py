@@ -57,7 +57,7 @@ def table(est: Estimate, mfu: float, alternatives: list[Estimate] | None = None,
     if alternatives is not None:
         lines += ["", "layouts that fit, fastest first (estimated step time with bubble, recompute and exposed comm):"]
         if not alternatives:
-            lines.append("  none: more devices (cluster.nodes), a smaller micro-batch or offload to NVMe are left")
+            lines.append("  none: more devices (launcher.nodes), a smaller micro-batch or offload to NVMe are left")
         for i, alt in enumerate(alternatives, 1):
             lines.append(f"  {i:>2}. {alt.layout.describe():<70} peak {gib(alt.peak):>12}  step ~{alt.ranked_step_time_s:,.2f} s")
     if auto is not None:

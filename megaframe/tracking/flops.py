@@ -57,7 +57,7 @@ def device_peak_tflops(device_name: str, precision: str) -> Optional[float]:
 
 
 def peak_tflops(configured: Optional[float], dtype: str = "bf16") -> Optional[float]:
-    """The dense peak to compute MFU against: hardware.peak_tflops, else this GPU's in the run's
+    """The dense peak to compute MFU against: cluster.peak_tflops, else this GPU's in the run's
     matmul precision (precision.dtype; TF32 for fp32 when torch allows it).
 
     None on CPU (there is no standard CPU peak) and on unknown GPUs: MFU is then not reported.

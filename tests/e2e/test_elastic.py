@@ -24,7 +24,7 @@ def test_elastic_job_loses_a_node_goes_on_at_dp2_and_grows_back(tmp_path, engine
     assert_ok(run_cli([*args, f"hydra.run.dir={whole}"]))  # one rank, uninterrupted
 
     port = free_port()
-    printed = run_cli([*args, "launcher.min_nodes=1", "launcher.nodes=3", "launcher.gpus_per_node=1",
+    printed = run_cli([*args, "launcher.min_nodes=1", "launcher.nodes=3", "cluster.gpus_per_node=1",
                        f"launcher.rdzv_endpoint=127.0.0.1:{port}", f"hydra.run.dir={run}"])
     assert_ok(printed)
     script = run / "elastic_node.sh"

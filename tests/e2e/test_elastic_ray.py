@@ -111,7 +111,7 @@ def test_a_ray_elastic_job_that_loses_a_node_goes_on_at_dp2(tmp_path):
     with _two_node_cluster() as (address, head, node), open(tmp_path / "job.log", "w") as log:
         job = subprocess.Popen(
             [sys.executable, "-m", "megaframe.train", *ARGS, "launcher=ray", f"launcher.ray_address={address}",
-             "launcher.min_nodes=1", "launcher.nodes=3", "launcher.gpus_per_node=1", "launcher.max_failures=3",
+             "launcher.min_nodes=1", "launcher.nodes=3", "cluster.gpus_per_node=1", "launcher.max_failures=3",
              "launcher.resize_interval_s=5", f"hydra.run.dir={run}"],
             cwd=REPO, env=_ray_env(**START_TIMEOUT), stdout=log, stderr=subprocess.STDOUT)
         story = lambda: (f"--- job\n{(tmp_path / 'job.log').read_text()[-3000:]}\n--- Ray Train's controller\n"

@@ -20,7 +20,7 @@ def test_a_deterministic_failure_stops_an_elastic_job_once(tmp_path):
     keyed by the rendezvous id, read by every node's later attempts, which exit at once."""
     run = tmp_path / "run"
     diverging = [*TINY, "zero=stage1", "optim.lr=1e6", "train.max_steps=30", "launcher.min_nodes=1",
-                 "launcher.nodes=2", "launcher.gpus_per_node=1", "launcher.max_restarts=2",
+                 "launcher.nodes=2", "cluster.gpus_per_node=1", "launcher.max_restarts=2",
                  f"launcher.rdzv_endpoint=127.0.0.1:{free_port()}", f"hydra.run.dir={run}"]
     assert_ok(run_cli(diverging))
     script = run / "elastic_node.sh"
@@ -54,7 +54,7 @@ def test_with_the_fast_tier_a_lost_node_costs_at_most_the_step_in_flight(tmp_pat
     port = free_port()
     node_dir = lambda i: tmp_path / f"node{i}-shm"  # noqa: E731  each "node" its own node-local memory
     printed = run_cli([*args, "train.fast_save_interval=1", "train.fast_save_dir=${oc.env:NODE_SHM}",
-                       "launcher.min_nodes=1", "launcher.nodes=3", "launcher.gpus_per_node=1",
+                       "launcher.min_nodes=1", "launcher.nodes=3", "cluster.gpus_per_node=1",
                        f"launcher.rdzv_endpoint=127.0.0.1:{port}", f"hydra.run.dir={run}"],
                       env=cli_env(NODE_SHM=str(node_dir(9))))
     assert_ok(printed)

@@ -20,7 +20,7 @@ def test_gpt_1t_fits_with_its_authors_layout_on_h100():
     table = run_plan(["recipe=gpt_1t", "cluster=h100_80g"])
     assert_ok(table)
     assert "tp=8 pp=64 dp=6" in table.stdout and "FITS" in table.stdout and "3072 devices" in table.stdout
-    result = run_plan(["--json", "--dry-run=3071", "recipe=gpt_1t", "cluster=h100_80g", "cluster.nodes=384"])
+    result = run_plan(["--json", "--dry-run=3071", "recipe=gpt_1t", "cluster=h100_80g", "launcher.nodes=384"])
     assert_ok(result)
     report = json.loads(result.stdout)
     plan, dry = report["plan"], report["dry_run"]
@@ -72,9 +72,9 @@ def test_gpt_1t_without_model_parallelism_does_not_fit_and_layouts_that_do_are_p
 
 
 def test_bad_planner_input_is_one_line():
-    result = run_plan(["cluster=h100_80g", "cluster.nodes=0"])
+    result = run_plan(["cluster=h100_80g", "launcher.nodes=0"])
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        "megaframe-plan: error: cluster.nodes=0 must be >= 1 (or null: as many as the layout needs)"]
+        "megaframe-plan: error: launcher.nodes=0 must be >= 1 (or null: as many as the layout needs)"]
 
 
 def test_train_refuses_a_recipe_this_machine_cannot_hold_before_any_rank_starts():

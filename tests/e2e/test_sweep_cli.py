@@ -60,7 +60,7 @@ def test_a_point_that_cannot_run_stops_the_sweep_before_anything_launches(tmp_pa
 
 def test_a_slurm_sweep_writes_one_job_per_point(tmp_path):
     sweep = tmp_path / "sweep"
-    result = run_cli(["-m", "optim.lr=1e-3,3e-3", "launcher=slurm", "launcher.nodes=1", "launcher.gpus_per_node=2",
+    result = run_cli(["-m", "optim.lr=1e-3,3e-3", "launcher=slurm", "launcher.nodes=1", "cluster.gpus_per_node=2", "cluster.memory_gb=4",
                       "launcher.dry_run=true", *TINY, "zero=stage1", f"hydra.sweep.dir={sweep}"])
     assert_ok(result)
     scripts = [(sweep / str(point) / "submit.sbatch").read_text() for point in (0, 1)]

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 def test_offline_wandb_run_holds_config_and_metrics(tmp_path):
     args = [a for a in TINY if not a.startswith("logging.wandb")]
-    result = run_cli([*args, "train.max_steps=6", "logging.wandb.mode=offline", "hardware.peak_tflops=0.5",
+    result = run_cli([*args, "train.max_steps=6", "logging.wandb.mode=offline", "cluster.peak_tflops=0.5",
                       f"hydra.run.dir={tmp_path}"])
     assert_ok(result)
     records = read_metrics(tmp_path)

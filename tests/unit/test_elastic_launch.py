@@ -19,16 +19,17 @@ def _at_world(cfg: TrainConfig, world: int):
     return validate_for_engine(cfg, world, ask_bf16=False)
 
 
-def _elastic(**launcher) -> TrainConfig:
+def _elastic(gpus_per_node: int = 1, **launcher) -> TrainConfig:
     cfg = TrainConfig()
-    for key, value in {"min_nodes": 1, "nodes": 3, "gpus_per_node": 1, **launcher}.items():
+    cfg.cluster.gpus_per_node = gpus_per_node
+    for key, value in {"min_nodes": 1, "nodes": 3, **launcher}.items():
         setattr(cfg.launcher, key, value)
     return cfg
 
 
 def test_torchrun_adds_whole_nodes_and_ray_single_workers():
-    assert world_sizes(LauncherConfig(min_nodes=2, nodes=4, gpus_per_node=8)) == [16, 24, 32]
-    assert world_sizes(LauncherConfig(name="ray", min_nodes=1, nodes=2, gpus_per_node=2)) == [2, 3, 4]
+    assert world_sizes(LauncherConfig(min_nodes=2, nodes=4), 8) == [16, 24, 32]
+    assert world_sizes(LauncherConfig(name="ray", min_nodes=1, nodes=2), 2) == [2, 3, 4]
 
 
 @pytest.mark.parametrize("launcher, train, said", [
@@ -50,7 +51,7 @@ def test_elastic_keys_are_refused_in_one_line(launcher, train, said):
 
 
 def test_a_range_with_a_world_the_batch_does_not_divide_names_it_and_two_fixes():
-    cfg, _ = compose(["launcher.min_nodes=1", "launcher.nodes=3", "launcher.gpus_per_node=1",
+    cfg, _ = compose(["launcher.min_nodes=1", "launcher.nodes=3", "cluster.gpus_per_node=1",
                       "parallel.micro_batch_size=8", "parallel.global_batch_size=16"])
     problem = range_problem(cfg, _at_world,
                             fit_problem)
@@ -65,7 +66,7 @@ def test_a_range_with_a_world_the_batch_does_not_divide_names_it_and_two_fixes()
 
 def test_the_smallest_worlds_that_do_not_fit_are_refused_with_the_planners_verdict():
     cfg, _ = compose(["recipe=llama2_70b", "cluster=h100_80g", "parallel.dp=null", "parallel.pp=1",
-                      "launcher.min_nodes=1", "launcher.nodes=4", "launcher.gpus_per_node=8"])
+                      "launcher.min_nodes=1", "launcher.nodes=4"])
     problem = range_problem(cfg, _at_world,
                             fit_problem)
     # 70B at tp=8, ZeRO-1: the optimizer states of 8 or 16 GPUs exceed 80 GB per device (the planner),
@@ -87,8 +88,8 @@ def test_a_layout_error_outside_the_planner_is_reported_for_its_world():
 
 
 def test_each_node_runs_torchrun_with_the_range_c10d_and_its_own_rendezvous_store(tmp_path):
-    launcher = LauncherConfig(min_nodes=2, nodes=4, gpus_per_node=8, rdzv_endpoint="head01", max_restarts=5)
-    line = node_command(launcher, ["launcher.min_nodes=2", "model.num_layers=2"], tmp_path / "run", "megaframe-abc")
+    launcher = LauncherConfig(min_nodes=2, nodes=4, rdzv_endpoint="head01", max_restarts=5)
+    line = node_command(launcher, 8, ["launcher.min_nodes=2", "model.num_layers=2"], tmp_path / "run", "megaframe-abc")
     words = shlex.split(line)
     assert words[0] == f"{STORE_ENV}=1"
     assert words[2:5] == ["-m", "torch.distributed.run", "--nnodes=2:4"]
@@ -99,8 +100,8 @@ def test_each_node_runs_torchrun_with_the_range_c10d_and_its_own_rendezvous_stor
 
 
 def test_the_elastic_slurm_job_is_one_agent_per_node_over_a_node_range(tmp_path):
-    launcher = LauncherConfig(name="slurm", min_nodes=2, nodes=4, gpus_per_node=8, cpus_per_task=6)
-    script = elastic_sbatch_script(launcher, ["model.num_layers=2"], tmp_path)
+    launcher = LauncherConfig(name="slurm", min_nodes=2, nodes=4, cpus_per_task=6)
+    script = elastic_sbatch_script(launcher, 8, ["model.num_layers=2"], tmp_path)
     for line in ("#SBATCH --nodes=2-4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --no-kill", "#SBATCH --cpus-per-task=48", f"export {STORE_ENV}=1"):
         assert line in script.splitlines() or any(l.startswith(line) for l in script.splitlines()), line
@@ -125,13 +126,13 @@ def test_an_elastic_job_with_the_half_hour_timeout_is_warned():
 def test_parallel_auto_is_checked_for_a_fitting_layout_at_every_size_of_the_range():
     """parallel=auto re-plans each attempt for its own world: before launch, every world of the
     range must have a layout that fits (the planner's search at that world)."""
-    fits, _ = compose(["parallel=auto", "launcher.min_nodes=1", "launcher.nodes=3", "launcher.gpus_per_node=1",
+    fits, _ = compose(["parallel=auto", "launcher.min_nodes=1", "launcher.nodes=3", "cluster.gpus_per_node=1",
                        "parallel.global_batch_size=48"])
     assert range_problem(fits, _at_world,
                          fit_problem) is None
     # a 1T model on one or two nodes: no layout the search tries fits at either size
     too_big, _ = compose(["parallel=auto", "recipe=gpt_1t", "cluster=h100_80g", "parallel.dp=null", "parallel.tp=8",
-                          "parallel.pp=1", "launcher.min_nodes=1", "launcher.nodes=2", "launcher.gpus_per_node=8"])
+                          "parallel.pp=1", "launcher.min_nodes=1", "launcher.nodes=2"])
     problem = range_problem(too_big, _at_world,
                             fit_problem)
     assert "cannot train at world size 8, 16 of [8, 16]; at 8: parallel=auto: no layout of 8 ranks fits" in problem

@@ -40,7 +40,7 @@ def test_tasks_do_not_submit_again():
 def test_the_job_asks_for_one_task_per_rank_of_the_layout(world, nodes, tasks_per_node, tmp_path):
     """Without launcher.nodes the job holds exactly the layout's ranks: a dp=2 job on 8-GPU nodes is
     2 tasks on 2 GPUs (8 tasks would each find a world size of 8 the layout does not have)."""
-    script = sbatch_script(LauncherConfig(name="slurm", gpus_per_node=8), world, ["parallel.dp=2"], tmp_path)
+    script = sbatch_script(LauncherConfig(name="slurm"), 8, world, ["parallel.dp=2"], tmp_path)
     header = dict(line.removeprefix("#SBATCH --").split("=", 1) for line in script.splitlines()
                   if line.startswith("#SBATCH --") and "=" in line)
     assert (header["nodes"], header["ntasks"], header["ntasks-per-node"], header["gpus-per-node"]) == \
@@ -94,6 +94,7 @@ def test_well_formed_launcher_values_pass():
     cfg = TrainConfig()
     cfg.launcher.name, cfg.launcher.partition, cfg.launcher.time = "slurm", "gpu-h100", "24:00:00"
     cfg.launcher.sbatch_extra = ["--exclusive", "--constraint=h100&ib"]
+    cfg.cluster.gpus_per_node, cfg.cluster.memory_gb = 8, 80.0  # the job's nodes, not this host
     validate(cfg, 1)
 
 
@@ -118,7 +119,7 @@ def test_the_job_script_carries_any_printable_run_dir_to_hydra_and_sbatch(run_di
     from megaframe.slurm import run_dir_problem
 
     assert run_dir_problem(Path(run_dir)) is None
-    script = sbatch_script(LauncherConfig(name="slurm", gpus_per_node=1), 1, [], Path(run_dir))
+    script = sbatch_script(LauncherConfig(name="slurm"), 1, 1, [], Path(run_dir))
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     override = next(arg for arg in shlex.split(srun) if arg.startswith("hydra.run.dir="))
     assert OverridesParser.create().parse_override(override).value() == run_dir

@@ -150,9 +150,10 @@ def test_keep_checkpoints_must_not_be_negative():
 def test_a_slurm_job_without_nodes_is_whole_nodes_or_part_of_one(world, refused):
     cfg = TrainConfig()
     cfg.launcher.name, cfg.parallel.global_batch_size = "slurm", 192
+    cfg.cluster.gpus_per_node, cfg.cluster.memory_gb = 8, 80.0
     if refused:
         with pytest.raises(ConfigError, match="launcher=slurm: the layout's 12 ranks do not fill nodes of "
-                                              "launcher.gpus_per_node=8"):
+                                              "cluster.gpus_per_node=8"):
             validate(cfg, world, _never_fp16)
     else:
         assert validate(cfg, world, _never_fp16).world_size == world
@@ -183,7 +184,7 @@ NAN, INF = float("nan"), float("inf")
     ("cluster", "peak_tflops", -5.0, "cluster.peak_tflops=-5.0 must be a finite number > 0, or null"),
     ("cluster", "reserved_gb", -1.0, "cluster.reserved_gb=-1.0 must be a finite number >= 0"),
     ("cluster", "inter_node_gbps", 0.0, "cluster.inter_node_gbps=0.0 must be a finite number > 0"),
-    ("hardware", "peak_tflops", NAN, "hardware.peak_tflops=nan must be a finite number > 0"),
+    ("cluster", "peak_tflops", NAN, "cluster.peak_tflops=nan must be a finite number > 0"),
 ])
 def test_values_that_failed_only_after_launch_are_refused_naming_the_key(group, key, value, fragment):
     cfg = TrainConfig()
