@@ -78,13 +78,17 @@ def evaluate(checkpoint: Path, overrides: Sequence[str]) -> dict:
             "perplexity": math.exp(loss) if loss < 700 else float("inf"), "data": where}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1])
     parser.add_argument("checkpoint", type=Path, help="a layout-free checkpoint, or a run's checkpoints/ directory")
     parser.add_argument("overrides", nargs="*", help="data.*, train.eval_steps, parallel.micro_batch_size, "
                                                       "parallel.global_batch_size")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
     try:
         result = evaluate(args.checkpoint, args.overrides)
     except ValueError as err:  # ConfigError, ConvertError, DataError: one line each

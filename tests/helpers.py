@@ -161,10 +161,16 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\nSTDOUT:\n{result.stdout[-4000:]}\nSTDERR:\n{result.stderr[-6000:]}"
 
 
+def console_script(name: str) -> str:
+    """The path of an installed console script (megaframe-train, megaframe-preprocess, ...) beside
+    this interpreter, as `pip install -e .` puts it."""
+    return str(Path(sys.executable).with_name(name))
+
+
 def run_preprocess_tool(*args: str | Path, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """Run tools/preprocess_data.py as a user would, in a fresh interpreter that must find megaframe
-    on its own."""
+    """Run megaframe-preprocess as a user would: the installed console script, in a fresh interpreter
+    that must find megaframe on its own."""
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     environment.pop("PYTHONPATH", None)
-    return subprocess.run([sys.executable, str(REPO / "tools" / "preprocess_data.py"), *map(str, args)],
+    return subprocess.run([console_script("megaframe-preprocess"), *map(str, args)],
                           cwd=cwd, env=environment, capture_output=True, text=True, timeout=300)

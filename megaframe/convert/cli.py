@@ -1,4 +1,4 @@
-"""`megaframe-convert` (= `python -m megaframe.convert`, `tools/convert_checkpoint.py`):
+"""`megaframe-convert` (= `python -m megaframe.convert`):
 
   to-hf CKPT OUT      a layout-free megaframe checkpoint -> a transformers model directory
   from-hf HF_DIR OUT  a local Llama / GPT-2 / Mixtral / Qwen3-MoE transformers directory -> a

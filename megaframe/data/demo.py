@@ -36,7 +36,7 @@ def _build(prefix: Path, max_bytes: int) -> None:
     if not sources:
         raise DataError(
             f"demo dataset: no *.py files in {sysconfig.get_paths()['stdlib']}; "
-            "set data.path to a dataset built with tools/preprocess_data.py"
+            "set data.path to a dataset built with megaframe-preprocess"
         )
     collected_bytes = 0
     used_files = []

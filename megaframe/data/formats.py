@@ -25,7 +25,7 @@ def open_dataset(prefix: Union[str, os.PathLike[str]], tokenizer: Optional[str] 
     if not head.startswith(MEGATRON_MAGIC):
         if len(head) >= len(OWN_MAGIC) and not head.startswith(OWN_MAGIC):
             raise DataError(f"data.path={prefix}: {idx} is neither a megaframe (MFTOKIDX) nor a Megatron (MMIDIDX) "
-                            f"index (bad magic bytes); rebuild it with tools/preprocess_data.py")
+                            f"index (bad magic bytes); rebuild it with megaframe-preprocess")
         return _check_tokenizer(IndexedDataset(prefix), prefix, tokenizer)
     if tokenizer is None or read_sidecar(prefix) is not None:
         return _check_tokenizer(MegatronDataset(prefix), prefix, tokenizer)

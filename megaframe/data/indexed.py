@@ -34,7 +34,7 @@ _HEADER = struct.Struct("<8sIIQ16s")
 _DTYPE_BY_CODE: dict[int, np.dtype] = {1: np.dtype("<u2"), 2: np.dtype("<i4")}
 _CODE_BY_DTYPE: dict[np.dtype, int] = {dtype: code for code, dtype in _DTYPE_BY_CODE.items()}
 _REQUIRED_METADATA = ("tokenizer", "vocab_size", "eod_id")
-_REBUILD_HINT = "build it with tools/preprocess_data.py"
+_REBUILD_HINT = "build it with megaframe-preprocess"
 LAYOUTS = ("megatron", "megaframe")  # on-disk layouts the writer produces; the first is the default
 
 

@@ -33,7 +33,7 @@ _HEADER = struct.Struct("<9sQBQQ")
 DTYPES: dict[int, np.dtype] = {1: np.dtype("<u1"), 2: np.dtype("<i1"), 3: np.dtype("<i2"), 4: np.dtype("<i4"),
                                5: np.dtype("<i8"), 6: np.dtype("<f8"), 7: np.dtype("<f4"), 8: np.dtype("<u2")}
 _CODES = {dtype: code for code, dtype in DTYPES.items()}
-_FIX = "rebuild it with Megatron's tools/preprocess_data.py or megaframe's tools/preprocess_data.py"
+_FIX = "rebuild it with Megatron's tools/preprocess_data.py or megaframe-preprocess"
 
 
 def write_index(idx_file: BinaryIO, dtype: np.dtype, doc_offsets: np.ndarray) -> None:

@@ -1,5 +1,5 @@
 """Turn text (.txt, .jsonl, .parquet, local `datasets`) into an indexed token dataset: the logic behind
-tools/preprocess_data.py.
+megaframe-preprocess (preprocess_cli.py).
 
 With workers > 1, documents are tokenized in a process pool a chunk at a time while the parent writes
 the tokens in input order. At most a few chunks per worker are in flight, so memory stays bounded

@@ -71,9 +71,9 @@ def check_token_ids(dataset: IndexedDataset, found: tuple[int, int], vocab_size:
     if smallest < 0:
         raise DataError(
             f"data.path={dataset.prefix}: token id {smallest} is negative (padding or a sentinel in a signed "
-            f"dtype); no embedding row stands for it: rebuild the data without it (tools/preprocess_data.py)")
+            f"dtype); no embedding row stands for it: rebuild the data without it (megaframe-preprocess)")
     if largest >= vocab_size:
         raise DataError(
             f"data.path={dataset.prefix}: token id {largest} is outside the model's vocabulary of {vocab_size} "
             f"({vocab_key}); the data was tokenized with another tokenizer or is corrupt: rebuild it with "
-            f"tools/preprocess_data.py and the model's tokenizer, or set model.vocab_size >= {largest + 1}")
+            f"megaframe-preprocess and the model's tokenizer, or set model.vocab_size >= {largest + 1}")

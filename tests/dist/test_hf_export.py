@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, TINY, assert_ok, cli_env
+from helpers import REPO, TINY, assert_ok, cli_env, console_script
 from megaframe.convert.cli import export_hf
 from parity import FLAVOURS
 from ranks import run_ranks
@@ -52,7 +52,7 @@ def test_trained_models_exported_to_hf_give_megaframe_logits(tmp_path):
         assert trained[flavour]["trained"] and trained[flavour]["padded_rows"] == 384
         out = tmp_path / f"hf-{flavour}"
         if flavour == "llama":  # the tool as a user types it (one process start is enough)
-            result = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "to-hf", str(run_dir / "checkpoints"),
+            result = subprocess.run([console_script("megaframe-convert"), "to-hf", str(run_dir / "checkpoints"),
                                      str(out)], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
             assert_ok(result)
             assert "LlamaForCausalLM" in result.stdout

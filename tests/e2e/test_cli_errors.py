@@ -25,7 +25,7 @@ CASES = {
     "world not divisible by tp*pp": (["parallel.pp=2", "model.num_layers=4", "zero=stage1"], {"WORLD_SIZE": "3", "RANK": "0"},
                                      ["world size 3", "parallel.tp*parallel.pp=2"]),
     "seq_length < 1": (["model.seq_length=0"], {}, ["model.seq_length=0", ">= 1"]),
-    "missing data path": (["data.path=/nonexistent/corpus"], {}, ["data.path=/nonexistent/corpus", ".bin not found", "preprocess_data.py"]),
+    "missing data path": (["data.path=/nonexistent/corpus"], {}, ["data.path=/nonexistent/corpus", ".bin not found", "megaframe-preprocess"]),
     "nvme without path": (["zero=stage3", "offload=nvme"], {}, ["offload.nvme_path"]),
     "nvme with zero < 3": (["zero=stage2", "offload.optimizer=nvme", "offload.nvme_path=/tmp/x"], {},
                            ["NVMe offload needs zero=stage3", "zero.stage=2"]),
@@ -152,7 +152,7 @@ DATA_CASES = {  # damage done to a valid dataset -> fragments of the one-line re
     "truncated .bin": (_truncate_bin, {"megaframe": ["corpus.bin holds", "truncated or from another build"],
                                        "megatron": ["points past the end of", "truncated"]}),
     "bad magic": (_bad_magic, ["neither a megaframe (MFTOKIDX) nor a Megatron (MMIDIDX) index (bad magic bytes)"]),
-    ".json of another build": (_json_of_another_build, ["belongs to a different build", "preprocess_data.py"]),
+    ".json of another build": (_json_of_another_build, ["belongs to a different build", "megaframe-preprocess"]),
 }
 
 

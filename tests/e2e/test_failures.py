@@ -139,7 +139,7 @@ def _refused_before_step_1(dataset: Path, tp: int, tmp_path: Path, *expected: st
 @pytest.mark.parametrize("tp", [1, 2])
 def test_token_id_outside_the_vocabulary_is_one_line_before_step_1(tp, corrupt_dataset, tmp_path):
     _refused_before_step_1(corrupt_dataset, tp, tmp_path, "token id 300 is outside the model's vocabulary of 257",
-                           "tools/preprocess_data.py")
+                           "megaframe-preprocess")
 
 
 def test_token_scan_is_remembered_per_dataset_file(corrupt_dataset, tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, TINY, assert_ok, cli_env, curve, read_metrics, run_cli
+from helpers import REPO, TINY, assert_ok, cli_env, console_script, curve, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def test_default_run_learns(tmp_path):
     train_record = next(r for r in records if "loss" in r)
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "consumed_samples", "time"):
         assert key in train_record
-    assert all("mfu" not in r for r in records)  # CPU, no hardware.peak_tflops: no peak to divide by
+    assert all("mfu" not in r for r in records)  # CPU, no cluster.peak_tflops: no peak to divide by
     assert (run_dir / "config.yaml").is_file() and (run_dir / ".hydra" / "config.yaml").is_file()
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "global_step300"
     # W&B is offline by default and keeps its run inside the run dir
@@ -64,7 +64,7 @@ def test_train_on_preprocessed_jsonl(tmp_path):
              for i in range(40)]
     corpus.write_text("\n".join(lines) + "\n")
     prefix = tmp_path / "data" / "corpus"
-    prep = subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(corpus),
+    prep = subprocess.run([console_script("megaframe-preprocess"), "--input", str(corpus),
                            "--output-prefix", str(prefix)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert_ok(prep)
     result = run_cli([*TINY, "train.max_steps=12", f"data.path={prefix}", f"hydra.run.dir={tmp_path / 'run'}"])
@@ -159,7 +159,7 @@ def test_a_validation_file_of_its_own(tmp_path):
         corpus.write_text("".join(json.dumps({"text": f"{name} {i}: " + "a lazy dog sleeps. " * 30}) + "\n"
                                   for i in range(count)))
         prefixes[name] = tmp_path / "data" / name
-        assert_ok(subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(corpus),
+        assert_ok(subprocess.run([console_script("megaframe-preprocess"), "--input", str(corpus),
                                   "--output-prefix", str(prefixes[name])], cwd=REPO, capture_output=True, text=True,
                                  timeout=120))
     windows = {name: (len(np.asarray(open_dataset(str(prefix), "byte").tokens)) - 1) // 32

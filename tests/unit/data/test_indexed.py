@@ -202,7 +202,7 @@ def test_missing_file_is_reported(tmp_path: Path, suffix: str, layout: str) -> N
         assert f"there is no {prefix}.json sidecar; set data.tokenizer" in str(error.value)
     else:
         assert f"data.path={prefix}: {prefix}{suffix} not found" in str(error.value)
-        assert "tools/preprocess_data.py" in str(error.value)
+        assert "megaframe-preprocess" in str(error.value)
     assert_one_line(error)
 
 

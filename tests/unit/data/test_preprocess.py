@@ -1,4 +1,4 @@
-"""Tests for tokenizers, preprocess() and the tools/preprocess_data.py command line."""
+"""Tests for tokenizers, preprocess() and the megaframe-preprocess command line."""
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def test_tool_bad_input_exits_2_with_one_line(tmp_path: Path, make_args, expecte
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("preprocess_data: error: ")
+    assert lines[0].startswith("megaframe-preprocess: error: ")
     assert expected in lines[0]
     assert not (tmp_path / "out" / "ds.json").exists()
 

@@ -109,7 +109,7 @@ def test_format_megaframe_still_writes_the_earlier_layout(tmp_path, same_text_th
 
 def test_bad_workers_is_one_line(tmp_path, same_text_three_ways) -> None:
     result = run_tool("--input", same_text_three_ways["jsonl"], "--output-prefix", tmp_path / "x", "--workers", "0")
-    assert result.returncode == 2 and result.stderr.strip() == "preprocess_data: error: --workers 0: must be at least 1"
+    assert result.returncode == 2 and result.stderr.strip() == "megaframe-preprocess: error: --workers 0: must be at least 1"
 
 
 def test_a_lone_surrogate_in_the_json_is_one_line_naming_the_document(tmp_path) -> None:

@@ -1,23 +1,16 @@
-#!/usr/bin/env python
-"""Tokenize .txt / .jsonl / .parquet text or a local `datasets` directory into an indexed dataset
-(PREFIX.bin, PREFIX.idx: Megatron-LM's layout by default; PREFIX.json: megaframe's sidecar)."""
+"""`megaframe-preprocess` (= `python -m megaframe.data.preprocess_cli`): tokenize .txt / .jsonl /
+.parquet text or a local `datasets` directory into an indexed dataset (PREFIX.bin, PREFIX.idx:
+Megatron-LM's layout by default; PREFIX.json: megaframe's sidecar). The work is data/preprocess.py."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
-from pathlib import Path
 
-# Run from a source checkout without installing: `python tools/preprocess_data.py ...` puts tools/,
-# not the repo root, on sys.path. An installed megaframe takes precedence.
-if importlib.util.find_spec("megaframe") is None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from megaframe.data import DataError, build_tokenizer, preprocess
+from megaframe.data.indexed import LAYOUTS
 
-from megaframe.data import DataError, build_tokenizer, preprocess  # noqa: E402
-from megaframe.data.indexed import LAYOUTS  # noqa: E402
-
-PROG = "preprocess_data"
+PROG = "megaframe-preprocess"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,5 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def console_main() -> None:
+    """The console script's entry point: main()'s return value as the exit code."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    console_main()
