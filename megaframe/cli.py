@@ -15,10 +15,10 @@ import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from megaframe.backends.registry import engine, validate_for_engine
-from megaframe.config.compose import compose, renamed_key_problem
+from megaframe.config.compose import compose, compose_for_run, renamed_key_problem
 from megaframe.config.schema import TrainConfig
 from megaframe.config.store import register_configs
 from megaframe.config.validate import ConfigError, Layout, requested_world_size
@@ -54,15 +54,21 @@ def _fail(message: str) -> None:
 
 def check(overrides: Sequence[str]) -> tuple[TrainConfig, Layout, str]:
     """Compose and validate; exits with code 2 and a one-line message on bad input."""
+    cfg, layout, run_dir, _ = _check_composed(overrides)
+    return cfg, layout, run_dir
+
+
+def _check_composed(overrides: Sequence[str]) -> tuple[TrainConfig, Layout, str, DictConfig]:
+    """check(), and also Hydra's whole composition, which a one-process run hands to _run_composed."""
     try:
-        cfg, run_dir = compose(overrides)
+        cfg, run_dir, composed = compose_for_run(overrides)
         if _launcher_world_size() is None and cfg.launcher.min_nodes is not None:
             _check_elastic_range(cfg, overrides)
         world = _launcher_world_size() or _slurm_world_size(cfg) or requested_world_size(cfg)
         layout = validate_for_engine(cfg, world)
     except ConfigError as err:
         _fail(str(err))
-    return cfg, layout, run_dir
+    return cfg, layout, run_dir, composed
 
 
 def _pins_run_dir(args: Sequence[str]) -> bool:
@@ -440,6 +446,39 @@ def _run_once(overrides: list[str]) -> None:
         GlobalHydra.instance().clear()
 
 
+def _run_composed(composed: DictConfig, run_dir: str, pinned: list[str]) -> None:
+    """What Hydra's run does after composing (Hydra.run in hydra-core 1.3: logging, callbacks,
+    run_job with the run dir, .hydra/, HydraConfig), given the composition check() made; `pinned`
+    holds the hydra.run.dir override that _own_run_dir added, recorded as Hydra would record it."""
+    from hydra._internal.callbacks import Callbacks
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path, run_and_report
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.utils import configure_log, run_job
+    from hydra.types import HydraContext, RunMode
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    search_path = create_config_search_path(str(conf_dir()))
+    app = run_and_report(lambda: Hydra.create_main_hydra2(task_name="cli", config_search_path=search_path))
+    with open_dict(composed):
+        composed.hydra.mode = RunMode.RUN
+        composed.hydra.run.dir = run_dir
+        composed.hydra.overrides.hydra.extend([*pinned, "hydra.mode=RUN"])
+    try:
+        configure_log(composed.hydra.hydra_logging, composed.hydra.verbose)
+        callbacks = Callbacks(composed)
+        callbacks.on_run_start(config=composed, config_name="config")
+        ret = run_and_report(lambda: run_job(hydra_context=HydraContext(config_loader=app.config_loader,
+                                                                        callbacks=callbacks),
+                                             task_function=_task, config=composed, job_dir_key="hydra.run.dir",
+                                             job_subdir_key=None, configure_logging=True))
+        callbacks.on_run_end(config=composed, config_name="config", job_return=ret)
+        _ = ret.return_value  # re-raises what the task raised (SystemExit with its code included)
+    finally:
+        GlobalHydra.instance().clear()
+
+
 def train_main(argv: Optional[Sequence[str]] = None) -> None:
     """`megaframe-train`: validate, launch as many ranks as the layout needs, train."""
     try:
@@ -468,7 +507,7 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
         return
     from megaframe.plan.cli import preflight
 
-    cfg, layout, run_dir = check(args)
+    cfg, layout, run_dir, composed = _check_composed(args)
     launched = _launcher_world_size() is not None
     if launched:
         _join_elastic_stop_record(args, run_dir)
@@ -478,7 +517,8 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
     planned = args if elastic_launch else preflight(cfg, layout, args, PROG)  # exits 2 when it cannot fit
     if planned is not args:  # parallel=auto chose a layout: the ranks get it as overrides
         args = planned
-        cfg, layout, run_dir = check(args)
+        cfg, layout, run_dir, composed = _check_composed(args)
+    composed_args = list(args)
     _check_launcher(cfg)
     _check_dataset(cfg)
     _check_system(cfg, layout)
@@ -505,6 +545,11 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
         sys.exit(_self_launch(args, layout.world_size, run_dir))
     if launched and layout.world_size > 1 and not _pins_run_dir(args):
         args.append(f"hydra.run.dir={_shared_run_dir(run_dir, cfg)}")
+    if not launched and args[:len(composed_args)] == composed_args and len(args) - len(composed_args) <= 1:
+        # one process, and the overrides are those composed above (plus the run dir _own_run_dir
+        # pinned): run that composition rather than compose again (about 0.2 s of every start)
+        _run_composed(composed, run_dir, args[len(composed_args):])
+        return
     if _rank() != 0:
         args.append("hydra.output_subdir=null")  # rank 0 alone writes .hydra/
     _run_hydra(args)

@@ -5,10 +5,11 @@ Every Hydra/OmegaConf error becomes a one-line ConfigError naming the key and th
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Sequence
 
-from omegaconf import OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from megaframe.config.schema import TrainConfig
 from megaframe.config.store import register_configs
@@ -25,7 +26,7 @@ def _one_line(ex: BaseException) -> str:
     if isinstance(ex, MissingConfigException) and ex.options:
         group = ex.missing_cfg_file.rsplit("/", 1)[0] if ex.missing_cfg_file else "?"
         name = ex.missing_cfg_file.rsplit("/", 1)[-1] if ex.missing_cfg_file else "?"
-        hint = ("; megaframe submits SLURM jobs itself: launcher=slurm (README, \"Scaling out\")"
+        hint = ("; megaframe submits SLURM jobs itself: launcher=slurm (docs/scaling.md)"
                 if group == "hydra/launcher" and name.startswith("submitit") else "")
         return f"{group}={name}: no such option; available: {', '.join(sorted(ex.options))}{hint}"
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
@@ -83,6 +84,14 @@ def renamed_key_problem(overrides: Sequence[str]) -> str | None:
 
 def compose(overrides: Sequence[str]) -> tuple[TrainConfig, str]:
     """Compose conf/ with the overrides; return the typed config and the resolved hydra.run.dir."""
+    typed, run_dir, _ = compose_for_run(overrides)
+    return typed, run_dir
+
+
+def compose_for_run(overrides: Sequence[str]) -> tuple[TrainConfig, str, DictConfig]:
+    """compose(), and also the whole composition with its `hydra` node, as Hydra's own run composes
+    it for the task named "cli" (megaframe-train's): the CLI hands it to the run (cli._run_composed)
+    instead of composing a second time."""
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -91,16 +100,19 @@ def compose(overrides: Sequence[str]) -> tuple[TrainConfig, str]:
     register_configs()
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None, job_name="cli"):
             composed = hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
             run_dir = str(composed.hydra.run.dir)
-            with open_dict(composed):
-                del composed["hydra"]
-            typed = OmegaConf.to_object(composed)
+            # typed without the hydra node, whose sweep keys interpolate values only a running job
+            # has; a shallow copy, so that the composition the run gets keeps it
+            task = copy.copy(composed)
+            with open_dict(task):
+                del task["hydra"]
+            typed = OmegaConf.to_object(task)
     except Exception as ex:  # Hydra / OmegaConf composition errors of every kind
         raise ConfigError(_one_line(ex)) from ex
     if extra := _extra_keys(typed):
         # `+key=value` would otherwise attach a key that nothing reads: a typo the user never sees
         known = _known_keys(extra[0])
         raise ConfigError(f"unknown key '{extra[0]}'" + (f"; known keys there: {', '.join(known)}" if known else ""))
-    return typed, run_dir
+    return typed, run_dir, composed

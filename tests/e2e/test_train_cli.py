@@ -174,3 +174,43 @@ def test_a_validation_file_of_its_own(tmp_path):
     # a missing validation file is one line before launch
     result = run_cli([*TINY, f"data.path={prefixes['train']}", f"data.valid_path={tmp_path / 'nope'}"])
     assert result.returncode == 2 and "data.valid_path=" in result.stderr and "Traceback" not in result.stderr
+
+
+_COUNT_COMPOSITIONS = """
+import sys
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+calls = []
+load = ConfigLoaderImpl.load_configuration
+
+
+def counted(self, *args, **kwargs):
+    calls.append(1)
+    return load(self, *args, **kwargs)
+
+
+ConfigLoaderImpl.load_configuration = counted
+from megaframe.cli import train_main
+
+try:
+    train_main(sys.argv[1:])
+finally:
+    print(f"compositions: {len(calls)}", file=sys.stderr)
+"""
+
+
+def test_a_one_process_run_composes_its_config_once(tmp_path):
+    """Hydra's composition is about 0.2 s of a start (issue 35): the pre-launch check composes and
+    the run uses that composition; .hydra/ holds what Hydra's own run writes there."""
+    import yaml
+
+    args = [*TINY, "train.max_steps=2"]
+    result = subprocess.run([sys.executable, "-c", _COUNT_COMPOSITIONS, *args, f"hydra.run.dir={tmp_path}"],
+                            cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert_ok(result)
+    assert "compositions: 1" in result.stderr, result.stderr[-2000:]
+    hydra = yaml.safe_load((tmp_path / ".hydra" / "hydra.yaml").read_text())["hydra"]
+    assert (hydra["job"]["name"], hydra["mode"], hydra["run"]["dir"]) == ("cli", "RUN", str(tmp_path))
+    assert hydra["overrides"]["hydra"] == [f"hydra.run.dir={tmp_path}", "hydra.mode=RUN"]
+    assert yaml.safe_load((tmp_path / ".hydra" / "overrides.yaml").read_text()) == args
+    assert (tmp_path / "cli.log").exists() and read_metrics(tmp_path)[-1]["step"] == 2
