@@ -141,6 +141,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from megaframe.config.compose import compose
 
     args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__.strip())
+        return
     want_json = "--json" in args
     args, dry_rank = _dry_run_flag([a for a in args if a != "--json"])
     try:

@@ -99,3 +99,9 @@ def test_parallel_auto_picks_a_fitting_layout_and_trains(tmp_path):
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
     held = next(r for r in records if "model_states_bytes_per_rank" in r)
     assert len(held["model_states_bytes_per_rank"]) == 1 and held["model_states_bytes_per_rank"][0]["weights"] > 0
+
+
+def test_help_is_the_usage_not_a_parse_error():
+    result = run_plan(["--help"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("`megaframe-plan [--json] [--dry-run=RANK] [OVERRIDE ...]`") and not result.stderr
