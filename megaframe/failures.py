@@ -2,7 +2,7 @@
 
 PROG names the command in that line (and in the refusals before launch).
 
-The codes are documented in README ("Exit codes"); 2 stays "refused before launch". A failure that
+The codes are documented in docs/failures.md; 2 stays "refused before launch". A failure that
 would happen again on a restart (divergence, bad data, a corrupt checkpoint, a missing system
 piece) is *deterministic*: a restart by torchrun or Ray must not replay it (see parallel/elastic.py).
 """

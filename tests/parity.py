@@ -14,7 +14,7 @@ FLAVOURS = {"gpt2": ["model=gpt_tiny"], "llama": ["model=llama_tiny"]}  # llama_
 # products in another order (TP splits the matmuls' inner dimension, DP and ZeRO add micro-batch
 # gradients across ranks, PP sends activations unchanged), which moves each step's numbers by a
 # few fp32 ulps (~1e-7 relative); AdamW's normalised update keeps that from growing much over 20
-# steps (README, "Numerics across hosts", has the worst deviations measured per capability). What used
+# steps (docs/architecture.md, "Numerics across hosts", has the worst deviations measured per capability). What used
 # to depend on the host was our own ZeRO-0 gradient norm's fp32 accumulation: under AVX2 it was
 # 1.19e-5 off DeepSpeed's fp64 ZeRO-3 norm (the NVMe test). It is fp64 now (training/trainer.py).
 # MEGAFRAME_PARITY_REPORT=FILE appends each comparison's worst relative deviation to FILE.

@@ -1,10 +1,10 @@
-"""Print, write or check README's ZeRO x offload x precision x layout compatibility table.
+"""Print, write or check docs/parallelism.md's ZeRO x offload x precision x layout compatibility table.
 
-usage: python tools/compat_table.py [--write | --check] [--readme README.md]
+usage: python tools/compat_table.py [--write | --check] [--readme docs/parallelism.md]
 
 The table comes from megaframe/backends/deepspeed/compat.py, which asks validation, with DeepSpeed's
 rules (backends/deepspeed/rules.py), about every combination. --write replaces the table between
-README's compat-table markers; --check exits 1 when README's table differs from what the rules say
+the guide's compat-table markers; --check exits 1 when its table differs from what the rules say
 (tests/unit/backends/test_compat.py does the same).
 """
 from __future__ import annotations
@@ -24,9 +24,10 @@ from megaframe.atomic_io import atomic_write_text  # noqa: E402
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="rewrite the table in the README")
-    mode.add_argument("--check", action="store_true", help="exit 1 when the README's table is out of date")
-    parser.add_argument("--readme", type=Path, default=REPO / "README.md")
+    mode.add_argument("--write", action="store_true", help="rewrite the table in the guide")
+    mode.add_argument("--check", action="store_true", help="exit 1 when the guide's table is out of date")
+    parser.add_argument("--readme", type=Path, default=REPO / "docs" / "parallelism.md",
+                        help="the Markdown file holding the table's markers")
     args = parser.parse_args()
     if not (args.write or args.check):
         print(markdown(), end="")

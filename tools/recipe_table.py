@@ -1,4 +1,4 @@
-"""The README's recipe table: every recipe's size, its authors' layout and the planner's memory per GPU.
+"""docs/planner.md's recipe table: every recipe's size, its authors' layout and the planner's memory per GPU.
 
     python tools/recipe_table.py [cluster=h100_80g] [MORE OVERRIDES]
 """

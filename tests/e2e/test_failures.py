@@ -1,5 +1,5 @@
 """Runs that fail after launch, as a user meets them: one line on stderr naming the cause and the
-fix, the exit code README documents, no traceback on the terminal (it is in RUN_DIR/logs), and no
+fix, the exit code docs/failures.md documents, no traceback on the terminal (it is in RUN_DIR/logs), and no
 replay of a deterministic failure by torchrun's restarts."""
 from __future__ import annotations
 

@@ -31,3 +31,14 @@ def test_peer_failures_are_consequences():
     assert is_peer_failure(RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234"))
     assert not is_peer_failure(RuntimeError("CUDA out of memory"))
     assert not is_peer_failure(ValueError("Connection closed by peer"))
+
+
+def test_the_guides_exit_code_table_lists_every_code():
+    """docs/failures.md's table is where users look a code up: every ExitCode, and no other number."""
+    import re
+
+    from helpers import REPO
+
+    guide = (REPO / "docs" / "failures.md").read_text().split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    listed = {int(m) for m in re.findall(r"^\| (\d+) \|", guide, flags=re.M)}
+    assert listed == {0, *(int(code) for code in ExitCode)}

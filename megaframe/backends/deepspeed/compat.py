@@ -1,7 +1,7 @@
 """DeepSpeed's ZeRO x offload x precision x layout compatibility table, decided by validation with
 DeepSpeed's rules (rules.py) handed to it, as the CLI hands them.
 
-README's table is this module's output (`python tools/compat_table.py --write`), and a test fails
+docs/parallelism.md's table is this module's output (`python tools/compat_table.py --write`), and a test fails
 when the two differ, so the documentation cannot drift from what validation accepts.
 """
 from __future__ import annotations
@@ -121,5 +121,5 @@ def with_table(readme: str) -> str:
     """readme with the text between BEGIN and END replaced by markdown(); ValueError without both markers."""
     start, end = readme.find(BEGIN), readme.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"README lacks the markers {BEGIN!r} ... {END!r}")
+        raise ValueError(f"the guide lacks the markers {BEGIN!r} ... {END!r}")
     return readme[:start + len(BEGIN)] + "\n\n" + markdown() + "\n" + readme[end:]

@@ -1,4 +1,4 @@
-"""The compatibility table: README shows what the rules say, and every refusal names the keys and
+"""The compatibility table: docs/parallelism.md shows what the rules say, and every refusal names the keys and
 offers alternatives that the same rules accept."""
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from megaframe.config.validate import ConfigError, validate
 REFUSED = refused_combinations()
 
 
-def test_readme_table_is_what_the_rules_say():
-    readme = (REPO / "README.md").read_text()
-    assert with_table(readme) == readme, "README's table is stale: run python tools/compat_table.py --write"
+def test_the_guides_table_is_what_the_rules_say():
+    guide = (REPO / "docs" / "parallelism.md").read_text()
+    assert with_table(guide) == guide, "docs/parallelism.md's table is stale: run python tools/compat_table.py --write"
 
 
 def test_table_covers_every_combination_once():

@@ -1,0 +1,102 @@
+"""The megaframe-* commands of README.md and docs/*.md, as tests/e2e/test_doc_commands.py checks them.
+
+A guide marks how each fenced ```bash block is checked with an HTML comment on the line before the
+fence (invisible where Markdown renders):
+
+  <!-- doc-test: run -->           the block runs, line by line as bash, in one scratch directory per
+                                   guide (later run blocks see the files earlier ones made); it must
+                                   exit 0, so its commands must be cheap on a CPU
+  <!-- doc-test: run, exit N -->   each command of the block runs on its own and must exit N (a refusal)
+
+An unmarked block's megaframe-train commands are composed and validated as megaframe-train does
+before launch (config, layout, the planner's fit, an elastic job's whole range), without running;
+its megaframe-plan commands run; the arguments of its megaframe-eval, -convert and -preprocess
+commands must parse (their files are the user's: run blocks run them).
+"""
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+GUIDES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+_MARK = re.compile(r"<!--\s*doc-test:\s*run(?:,\s*exit\s+(\d+))?\s*-->")
+_SEPARATORS = {"&&", "||", ";", "|", "&"}
+_FENCE = re.compile(r"^```(bash|sh|shell|console)\s*$")
+
+
+@dataclass
+class Block:
+    guide: Path
+    line: int  # 1-based line of the opening fence
+    run: bool
+    exit_code: int = 0
+    lines: list[str] = field(default_factory=list)  # the block's text, one logical line each
+
+    @property
+    def where(self) -> str:
+        return f"{self.guide.relative_to(REPO)}:{self.line}"
+
+    def megaframe_commands(self) -> list[list[str]]:
+        """Every megaframe-* command of the block, as argv (commands chained with && or ; split)."""
+        found = []
+        for line in self.lines:
+            lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+            lexer.whitespace_split, lexer.commenters = True, "#"
+            words: list[str] = []
+            for token in [*lexer, ";"]:
+                if token in _SEPARATORS:
+                    if words and words[0].startswith("megaframe-"):
+                        found.append(words)
+                    words = []
+                else:
+                    words.append(token)
+        return found
+
+
+def _logical_lines(raw: list[str]) -> list[str]:
+    """Backslash continuations and multi-line quoted strings joined; blank lines and whole-line
+    comments dropped."""
+    lines, pending = [], ""
+    for text in raw:
+        stripped = text.rstrip()
+        if not pending and (not stripped.strip() or stripped.lstrip().startswith("#")):
+            continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        try:
+            shlex.split(pending + stripped, comments=True)
+        except ValueError:  # a quoted string goes on to the next line (python -c "...")
+            pending += stripped + "\n"
+            continue
+        lines.append(pending + stripped)
+        pending = ""
+    if pending:
+        lines.append(pending)
+    return lines
+
+
+def blocks(guide: Path) -> list[Block]:
+    """The ```bash blocks of one guide, with how each is checked."""
+    text = guide.read_text().splitlines()
+    found: list[Block] = []
+    i = 0
+    while i < len(text):
+        if not _FENCE.match(text[i]):
+            i += 1
+            continue
+        before = next((text[j] for j in range(i - 1, -1, -1) if text[j].strip()), "")
+        mark = _MARK.search(before)
+        end = next(j for j in range(i + 1, len(text)) if text[j].startswith("```"))
+        body = [line[2:] if line.startswith("$ ") else line for line in text[i + 1:end]]  # a console's prompts
+        found.append(Block(guide, i + 1, run=mark is not None, exit_code=int(mark.group(1) or 0) if mark else 0,
+                           lines=_logical_lines(body)))
+        i = end + 1
+    return found
+
+
+def all_blocks() -> list[Block]:
+    return [block for guide in GUIDES for block in blocks(guide)]
