@@ -419,10 +419,11 @@ def _run_hydra(args: list[str]) -> None:
     """Hydra's flags (-m, --cfg, --help, ...) through hydra.main; a plain run through _run_once."""
     import hydra
 
-    register_configs()
     if not any(a.split("=", 1)[0] in _HYDRA_FLAGS for a in args):
+        register_configs(args)
         _run_once(args)
         return
+    register_configs()  # --help, --cfg, -m: every recipe, as Hydra may list or sweep them
     sys.argv = [sys.argv[0], *args]
     hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)(_task)()
 
@@ -457,8 +458,7 @@ def _run_composed(composed: DictConfig, run_dir: str, pinned: list[str]) -> None
     from hydra.core.utils import configure_log, run_job
     from hydra.types import HydraContext, RunMode
 
-    register_configs()
-    GlobalHydra.instance().clear()
+    GlobalHydra.instance().clear()  # compose_for_run registered what the composition needs
     search_path = create_config_search_path(str(conf_dir()))
     app = run_and_report(lambda: Hydra.create_main_hydra2(task_name="cli", config_search_path=search_path))
     with open_dict(composed):

@@ -12,7 +12,7 @@ from typing import Sequence
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from megaframe.config.schema import TrainConfig
-from megaframe.config.store import register_configs
+from megaframe.config.store import register_configs, unknown_recipe
 from megaframe.config.validate import ConfigError
 from megaframe.paths import conf_dir
 
@@ -72,7 +72,11 @@ RENAMED_KEYS = {
 
 
 def renamed_key_problem(overrides: Sequence[str]) -> str | None:
-    """One line for the first override that sets a key of RENAMED_KEYS, or None."""
+    """One line for the first override that sets a key of RENAMED_KEYS or names a recipe that does
+    not exist, or None: both would otherwise reach Hydra, which reports the first in many lines
+    and passes the second over in silence."""
+    if problem := unknown_recipe(overrides):
+        return problem
     for override in overrides:
         key = override.lstrip("+~").split("=", 1)[0]
         if key in RENAMED_KEYS:
@@ -97,7 +101,7 @@ def compose_for_run(overrides: Sequence[str]) -> tuple[TrainConfig, str, DictCon
 
     if problem := renamed_key_problem(overrides):
         raise ConfigError(problem)
-    register_configs()
+    register_configs(overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None, job_name="cli"):

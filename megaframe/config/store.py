@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import functools
+import re
+from typing import Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -12,19 +14,56 @@ from megaframe.paths import recipes_dir
 SCHEMA_NAME = "megaframe_schema"
 
 
-@functools.cache
-def register_configs() -> None:
-    """Store TrainConfig as the schema conf/config.yaml lists first, and recipes/*.yaml as group `recipe`.
+def register_configs(overrides: Optional[Sequence[str]] = None) -> None:
+    """Store TrainConfig as the schema conf/config.yaml lists first, and recipes as group `recipe`:
+    those the overrides name (`recipe=NAME`), or every one when `overrides` is None or names one
+    that is not a file (so that Hydra's "no such option" lists them all).
 
     Recipes live at the top of the repo (not under conf/) so users find them; registering them here
-    makes `recipe=NAME` work from a checkout and from an installed wheel alike. Once per process: the
-    store outlives every composition, and parsing the recipes again cost each rank a fraction of a second.
+    makes `recipe=NAME` work from a checkout and from an installed wheel alike. Each is parsed once
+    per process, and only when asked for: parsing all twelve was about 0.1 s of every start.
     """
+    _register_schema()
+    available = {path.stem: path for path in sorted(recipes_dir().glob("*.yaml"))}
+    wanted = _named_recipes(overrides) if overrides is not None else None
+    if wanted is None or not wanted <= available.keys():
+        wanted = set(available)
     store = ConfigStore.instance()
-    store.store(name=SCHEMA_NAME, node=TrainConfig)
+    for name in sorted(wanted - _REGISTERED_RECIPES):
+        store.store(group="recipe", name=name, node=OmegaConf.load(available[name]), package="_global_")
+        _REGISTERED_RECIPES.add(name)
+
+
+_REGISTERED_RECIPES: set[str] = set()  # what this process's ConfigStore holds already
+
+
+@functools.cache
+def _register_schema() -> None:
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=TrainConfig)
     register_sweep_launcher()
-    for path in sorted(recipes_dir().glob("*.yaml")):
-        store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
+
+
+def unknown_recipe(overrides: Sequence[str]) -> Optional[str]:
+    """One line when `recipe=NAME` names no recipes/NAME.yaml, or None. The group is optional in
+    conf/config.yaml (a run need not use a recipe), and Hydra skips an optional group's missing
+    option without a word: `recipe=llama2_7x` trained the default model."""
+    names = _named_recipes(overrides) or set()
+    available = sorted(path.stem for path in recipes_dir().glob("*.yaml"))
+    for name in sorted(names - set(available)):
+        return f"recipe={name}: no such recipe; available: {', '.join(available)}"
+    return None
+
+
+def _named_recipes(overrides: Sequence[str]) -> Optional[set[str]]:
+    """The recipe names `recipe=NAME` overrides give; None (all) for a sweep or another expression."""
+    names = set()
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key.split("@", 1)[0] == "recipe":
+            if not re.fullmatch(r"[\w.-]+", value):
+                return None
+            names.add(value)
+    return names
 
 
 def register_sweep_launcher() -> None:

@@ -25,6 +25,10 @@ CASES = {
     "world not divisible by tp*pp": (["parallel.pp=2", "model.num_layers=4", "zero=stage1"], {"WORLD_SIZE": "3", "RANK": "0"},
                                      ["world size 3", "parallel.tp*parallel.pp=2"]),
     "seq_length < 1": (["model.seq_length=0"], {}, ["model.seq_length=0", ">= 1"]),
+    # the group is optional, and Hydra skipped the missing option in silence: the default model trained
+    "unknown recipe": (["recipe=llama2_7x"], {}, ["recipe=llama2_7x: no such recipe; available: gpt3_175b,", "llama2_7b"]),
+    "renamed key": (["launcher.gpus_per_node=8"], {}, ["launcher.gpus_per_node is now cluster.gpus_per_node",
+                                                       "use cluster.gpus_per_node=8"]),
     "missing data path": (["data.path=/nonexistent/corpus"], {}, ["data.path=/nonexistent/corpus", ".bin not found", "megaframe-preprocess"]),
     "nvme without path": (["zero=stage3", "offload=nvme"], {}, ["offload.nvme_path"]),
     "nvme with zero < 3": (["zero=stage2", "offload.optimizer=nvme", "offload.nvme_path=/tmp/x"], {},
