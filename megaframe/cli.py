@@ -465,16 +465,18 @@ def _run_composed(composed: DictConfig, run_dir: str, pinned: list[str]) -> None
         composed.hydra.mode = RunMode.RUN
         composed.hydra.run.dir = run_dir
         composed.hydra.overrides.hydra.extend([*pinned, "hydra.mode=RUN"])
-    try:
+    def run() -> None:  # Hydra.run after its compose_config, inside run_and_report as hydra.main has it
         configure_log(composed.hydra.hydra_logging, composed.hydra.verbose)
         callbacks = Callbacks(composed)
         callbacks.on_run_start(config=composed, config_name="config")
-        ret = run_and_report(lambda: run_job(hydra_context=HydraContext(config_loader=app.config_loader,
-                                                                        callbacks=callbacks),
-                                             task_function=_task, config=composed, job_dir_key="hydra.run.dir",
-                                             job_subdir_key=None, configure_logging=True))
+        ret = run_job(hydra_context=HydraContext(config_loader=app.config_loader, callbacks=callbacks),
+                      task_function=_task, config=composed, job_dir_key="hydra.run.dir", job_subdir_key=None,
+                      configure_logging=True)
         callbacks.on_run_end(config=composed, config_name="config", job_return=ret)
-        _ = ret.return_value  # re-raises what the task raised (SystemExit with its code included)
+        _ = ret.return_value  # re-raises what the task raised, for run_and_report to report
+
+    try:
+        run_and_report(run)
     finally:
         GlobalHydra.instance().clear()
 

@@ -214,3 +214,30 @@ def test_a_one_process_run_composes_its_config_once(tmp_path):
     assert hydra["overrides"]["hydra"] == [f"hydra.run.dir={tmp_path}", "hydra.mode=RUN"]
     assert yaml.safe_load((tmp_path / ".hydra" / "overrides.yaml").read_text()) == args
     assert (tmp_path / "cli.log").exists() and read_metrics(tmp_path)[-1]["step"] == 2
+
+
+_TASK_RAISES = """
+import sys
+import megaframe.training.trainer as trainer
+
+
+def internal_error(*args, **kwargs):
+    raise RuntimeError("an internal error before training")
+
+
+trainer.train = internal_error
+from megaframe.cli import train_main
+
+train_main(sys.argv[1:])
+"""
+
+
+def test_an_error_in_the_composed_run_is_reported_as_hydras_run_reports_it(tmp_path):
+    """The one-composition path runs the task inside Hydra's run_and_report, as hydra.main does:
+    an exception the trainer does not classify is Hydra's short report and exit 1, not a raw traceback
+    from outside it."""
+    result = subprocess.run([sys.executable, "-c", _TASK_RAISES, *TINY, f"hydra.run.dir={tmp_path}"],
+                            cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "RuntimeError: an internal error before training" in result.stderr
+    assert "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace." in result.stderr
