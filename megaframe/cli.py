@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from megaframe.backends.registry import engine, validate_for_engine
-from megaframe.config.compose import compose, compose_for_run, renamed_key_problem
+from megaframe.config.compose import compose, compose_for_run, override_problem
 from megaframe.config.schema import TrainConfig
 from megaframe.config.store import register_configs
 from megaframe.config.validate import ConfigError, Layout, requested_world_size
@@ -433,13 +433,10 @@ def _run_once(overrides: list[str]) -> None:
     _task), less its first step: hydra.main composes the whole config once only to read hydra.mode,
     then again for the run. That probe was about a second of every rank's start-up; the mode here is
     known. Hydra's internal API: hydra-core 1.3's, unchanged since 1.1."""
-    from hydra._internal.hydra import Hydra
-    from hydra._internal.utils import create_config_search_path, run_and_report
+    from hydra._internal.utils import run_and_report
     from hydra.core.global_hydra import GlobalHydra
 
-    search_path = create_config_search_path(str(conf_dir()))
-    # task name "cli", as hydra.main derived it from this file: RUN_DIR/cli.log, hydra.job.name
-    app = run_and_report(lambda: Hydra.create_main_hydra2(task_name="cli", config_search_path=search_path))
+    app = _cli_hydra()
     try:
         run_and_report(lambda: app.run(config_name="config", task_function=_task,
                                        overrides=[*overrides, "hydra.mode=RUN"]))
@@ -447,20 +444,28 @@ def _run_once(overrides: list[str]) -> None:
         GlobalHydra.instance().clear()
 
 
+def _cli_hydra():
+    """Hydra's app for megaframe-train's runs. Task name "cli", as hydra.main derived it from this
+    file: RUN_DIR/cli.log, hydra.job.name."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path, run_and_report
+
+    search_path = create_config_search_path(str(conf_dir()))
+    return run_and_report(lambda: Hydra.create_main_hydra2(task_name="cli", config_search_path=search_path))
+
+
 def _run_composed(composed: DictConfig, run_dir: str, pinned: list[str]) -> None:
     """What Hydra's run does after composing (Hydra.run in hydra-core 1.3: logging, callbacks,
     run_job with the run dir, .hydra/, HydraConfig), given the composition check() made; `pinned`
     holds the hydra.run.dir override that _own_run_dir added, recorded as Hydra would record it."""
     from hydra._internal.callbacks import Callbacks
-    from hydra._internal.hydra import Hydra
-    from hydra._internal.utils import create_config_search_path, run_and_report
+    from hydra._internal.utils import run_and_report
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.utils import configure_log, run_job
     from hydra.types import HydraContext, RunMode
 
     GlobalHydra.instance().clear()  # compose_for_run registered what the composition needs
-    search_path = create_config_search_path(str(conf_dir()))
-    app = run_and_report(lambda: Hydra.create_main_hydra2(task_name="cli", config_search_path=search_path))
+    app = _cli_hydra()
     with open_dict(composed):
         composed.hydra.mode = RunMode.RUN
         composed.hydra.run.dir = run_dir
@@ -496,7 +501,7 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
     adopt_slurm_env()  # an srun task (launcher=slurm's job) joins the process group from SLURM's variables
     _stop_if_job_stopped()
     if any(a.split("=", 1)[0] in _HYDRA_FLAGS for a in args):
-        if problem := renamed_key_problem(args):  # --cfg job, --help: Hydra's own error would not say where it went
+        if problem := override_problem(args):  # --cfg job, --help: Hydra's own error would not say where it went
             _fail(problem)
         _check_sweep(args)
         _run_hydra(args)

@@ -71,9 +71,9 @@ RENAMED_KEYS = {
 }
 
 
-def renamed_key_problem(overrides: Sequence[str]) -> str | None:
-    """One line for the first override that sets a key of RENAMED_KEYS or names a recipe that does
-    not exist, or None: both would otherwise reach Hydra, which reports the first in many lines
+def override_problem(overrides: Sequence[str]) -> str | None:
+    """One line for an override that names a recipe that does not exist or sets a key of
+    RENAMED_KEYS, or None: both would otherwise reach Hydra, which reports the first in many lines
     and passes the second over in silence."""
     if problem := unknown_recipe(overrides):
         return problem
@@ -99,7 +99,7 @@ def compose_for_run(overrides: Sequence[str]) -> tuple[TrainConfig, str, DictCon
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    if problem := renamed_key_problem(overrides):
+    if problem := override_problem(overrides):
         raise ConfigError(problem)
     register_configs(overrides)
     GlobalHydra.instance().clear()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import re
+from pathlib import Path
 from typing import Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
@@ -24,7 +25,7 @@ def register_configs(overrides: Optional[Sequence[str]] = None) -> None:
     per process, and only when asked for: parsing all twelve was about 0.1 s of every start.
     """
     _register_schema()
-    available = {path.stem: path for path in sorted(recipes_dir().glob("*.yaml"))}
+    available = recipe_files()
     wanted = _named_recipes(overrides) if overrides is not None else None
     if wanted is None or not wanted <= available.keys():
         wanted = set(available)
@@ -32,6 +33,12 @@ def register_configs(overrides: Optional[Sequence[str]] = None) -> None:
     for name in sorted(wanted - _REGISTERED_RECIPES):
         store.store(group="recipe", name=name, node=OmegaConf.load(available[name]), package="_global_")
         _REGISTERED_RECIPES.add(name)
+
+
+@functools.cache
+def recipe_files() -> dict[str, Path]:
+    """recipes/*.yaml by name, listed once per process."""
+    return {path.stem: path for path in sorted(recipes_dir().glob("*.yaml"))}
 
 
 _REGISTERED_RECIPES: set[str] = set()  # what this process's ConfigStore holds already
@@ -47,11 +54,8 @@ def unknown_recipe(overrides: Sequence[str]) -> Optional[str]:
     """One line when `recipe=NAME` names no recipes/NAME.yaml, or None. The group is optional in
     conf/config.yaml (a run need not use a recipe), and Hydra skips an optional group's missing
     option without a word: `recipe=llama2_7x` trained the default model."""
-    names = _named_recipes(overrides) or set()
-    available = sorted(path.stem for path in recipes_dir().glob("*.yaml"))
-    for name in sorted(names - set(available)):
-        return f"recipe={name}: no such recipe; available: {', '.join(available)}"
-    return None
+    missing = sorted((_named_recipes(overrides) or set()) - recipe_files().keys())
+    return f"recipe={missing[0]}: no such recipe; available: {', '.join(recipe_files())}" if missing else None
 
 
 def _named_recipes(overrides: Sequence[str]) -> Optional[set[str]]:

@@ -31,7 +31,7 @@ def _train_problem(args: list[str]) -> str | None:
     What depends on this host (sbatch, Ray, the dataset's files) is left out."""
     from megaframe import cli
     from megaframe.backends.registry import validate_for_engine
-    from megaframe.config.compose import compose, renamed_key_problem
+    from megaframe.config.compose import compose
     from megaframe.config.validate import ConfigError, requested_world_size
     from megaframe.plan.cli import fit_problem
     from megaframe.sweep import check_sweep
@@ -51,16 +51,15 @@ def _train_problem(args: list[str]) -> str | None:
 
     flags = [a for a in args if a in ("-m", "--multirun")]
     rest = [a for a in args if a not in flags]
+    check = check_point
     if "--cfg" in rest or "-c" in rest:  # Hydra prints the composed config: composition is all it does
         at = rest.index("--cfg") if "--cfg" in rest else rest.index("-c")
-        rest, check_point = rest[:at] + rest[at + 2:], compose
-    try:
-        if problem := renamed_key_problem(rest):
-            return problem
+        rest, check = rest[:at] + rest[at + 2:], compose
+    try:  # compose() refuses renamed keys and unknown recipes itself
         if flags:
-            check_sweep(rest, check_point)
+            check_sweep(rest, check)
         else:
-            check_point(rest)
+            check(rest)
     except ConfigError as err:
         return str(err)
     return None
