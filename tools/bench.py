@@ -18,7 +18,9 @@ mode has not run yet.)
 
 All train the same shape on the same demo-corpus batches with AdamW, gradient accumulation and
 clipping, in this one process:
-  megaframe    the real path: DeepSpeed engine (tp=1, ZeRO-0) driven by megaframe's Trainer
+  megaframe    the real path: megaframe's Trainer at tp=1, ZeRO-0; in fp32 on one process that is
+               the plain engine (backends/plain/: DeepSpeed's step, DeepSpeed not imported),
+               otherwise DeepSpeed's engine (backend.plain_one_process=false forces it)
   megaframe+compile  the same with train.compile=true and train.compile_scope=model (the whole
                forward as one graph, as pytorch+compile; --compile-scope blocks for the per-block
                graphs); the compile happens in the warm-up steps, which are not timed; --no-compile
@@ -95,7 +97,7 @@ def setup(arch: str, overrides: list[str], max_steps: int, shape: str = "tiny", 
 
 
 def megaframe_path(cfg, layout):
-    """(step, close) of megaframe's real path: the Trainer on a DeepSpeed engine."""
+    """(step, close) of megaframe's real path: the Trainer on the engine a run of this config gets."""
     import tempfile
 
     from megaframe.training.trainer import Trainer

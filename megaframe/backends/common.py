@@ -90,6 +90,46 @@ def on_device(batches: list[Batch], device: torch.device) -> list[Batch]:
     return [(moved(inputs), moved(targets)) for inputs, targets in batches]
 
 
+def apply_update(optimizer: torch.optim.Optimizer, lr_scheduler, parameters: list[torch.nn.Parameter], norm: float,
+                 clip: float, applied: bool) -> None:
+    """The end of a step torch runs itself (the plain and FSDP2 engines, as DeepSpeed's ZeRO-0 does):
+    when applied, clip to `clip` by clip / (norm + 1e-6), step the optimizer and the schedule (which
+    so advances only on applied steps); either way free the gradients."""
+    if applied:
+        if clip > 0 and norm > clip:
+            torch._foreach_mul_([p.grad for p in parameters if p.grad is not None], clip / (norm + 1e-6))
+        optimizer.step()
+        lr_scheduler.step()
+    # freed, not zeroed: the next backward assigns each gradient instead of adding to a zero one
+    optimizer.zero_grad(set_to_none=True)
+
+
+@torch.no_grad()
+def eval_mean(module: torch.nn.Module, batches: list[Batch], device: torch.device, ps: ParallelState) -> float:
+    """Mean loss of this rank's micro-batches in eval mode, averaged over the data-parallel
+    replicas: summed on the device, one host read."""
+    module.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for inputs, targets in on_device(batches, device):
+        total += module(inputs, targets).detach()
+    module.train()
+    return dp_mean(total / len(batches), ps)
+
+
+def ensure_adam_state(optimizer: torch.optim.Optimizer, step: int) -> None:
+    """Adam's moments exist only after its first applied step: made here (zeros at `step`, what that
+    step would start from) so a checkpoint saved before it, or a resume into it, has moments to
+    write and read. A sharded parameter (a DTensor) keeps its step where its local shard lives."""
+    for group in optimizer.param_groups:
+        in_kernel = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if "exp_avg" not in state:
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] = adam_step_tensor(step, p.to_local() if hasattr(p, "to_local") else p, in_kernel)
+
+
 def router_metrics(module: torch.nn.Module, ps: ParallelState) -> dict[str, float]:
     """MoE router metrics since the last call (every rank calls it: one all-reduce): per MoE layer
     and micro-batch, the aux and z losses added to the loss; the busiest expert's load over the

@@ -4,7 +4,8 @@ engine is a sibling folder with a plug.py and one line in ENGINES."""
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 from megaframe.config.schema import OffloadConfig, TrainConfig
@@ -13,6 +14,7 @@ from megaframe.config.validate import ConfigError, Layout, validate
 DEFAULT = "deepspeed"
 ENGINES = {"deepspeed": "megaframe.backends.deepspeed.plug",  # name -> module holding its PLUG
            "fsdp2": "megaframe.backends.fsdp2.plug"}
+PLAIN = "megaframe.backends.plain.plug"  # what runs a one-process run DeepSpeed's engine adds nothing to
 
 
 @dataclass(frozen=True)
@@ -34,17 +36,20 @@ class EnginePlug:
     config_warnings: Callable[[TrainConfig, Layout], list[str]]  # legal, but the engine will not do all asked
 
 
+def _on_call(folder: str, entry: str) -> Callable[..., Any]:
+    """The function named "module:function" within megaframe/backends/FOLDER/, imported when first called."""
+    module, function = entry.split(":")
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(f"megaframe.backends.{folder}.{module}"), function)(*args, **kwargs)
+    return call
+
+
 def lazy_plug(name: str, **entries: str) -> EnginePlug:
     """The plug of engine `name` whose every entry, given as "module:function" within
     megaframe/backends/NAME/, imports that module when first called: asking for a plug (and refusing
     a bad config) imports no engine library."""
-    def on_call(entry: str) -> Callable[..., Any]:
-        module, function = entry.split(":")
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return getattr(importlib.import_module(f"megaframe.backends.{name}.{module}"), function)(*args, **kwargs)
-        return call
-    return EnginePlug(name=name, **{key: on_call(entry) for key, entry in entries.items()})
+    return EnginePlug(name=name, **{key: _on_call(name, entry) for key, entry in entries.items()})
 
 
 def validate_for_engine(cfg: TrainConfig, world_size: int, ask_bf16: bool = True) -> Layout:
@@ -57,6 +62,28 @@ def validate_for_engine(cfg: TrainConfig, world_size: int, ask_bf16: bool = True
                               f"{', '.join(sorted(ENGINES))}, e.g. plan.engines=[deepspeed,fsdp2]")
     return validate(cfg, world_size, plug.device_supports_fp16, plug.device_supports_bf16 if ask_bf16 else None,
                     plug.config_problem, plug.layout_problem)
+
+
+def runs_plain(cfg: TrainConfig, world_size: int) -> bool:
+    """Whether DeepSpeed's engine would add nothing to this run but its import and bookkeeping: one
+    process, ZeRO-0, fp32, nothing offloaded, layout-free checkpoints only, on the CPU or CUDA (an
+    accelerator DeepSpeed names otherwise stays DeepSpeed's). backend.plain_one_process=false opts out."""
+    return (cfg.backend.name == "deepspeed" and cfg.backend.plain_one_process and world_size == 1
+            and cfg.zero.stage == 0 and cfg.precision.dtype == "fp32"
+            and cfg.offload.optimizer == "none" and cfg.offload.param == "none"
+            and cfg.train.universal_checkpoint and not cfg.train.native_checkpoint
+            and os.environ.get("DS_ACCELERATOR", "") in ("", "cpu", "cuda"))
+
+
+def run_engine(cfg: TrainConfig, world_size: int) -> EnginePlug:
+    """The plug that builds and steps this run: the configured engine's, or, where runs_plain(), the
+    plain one-process engine (backends/plain/: torch alone, DeepSpeed's step bit for bit) under the
+    configured engine's rules, which validated the run."""
+    named = engine(cfg.backend.name)
+    if not runs_plain(cfg, world_size):
+        return named
+    entries = importlib.import_module(PLAIN).RUNS
+    return replace(named, name="plain", **{key: _on_call("plain", entry) for key, entry in entries.items()})
 
 
 def engine(name: str = DEFAULT) -> EnginePlug:

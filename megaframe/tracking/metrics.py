@@ -74,9 +74,11 @@ def memory_gb() -> float:
     return psutil.Process().memory_info().rss / 2**30
 
 
-def run_metadata(world_size: int, layout: dict[str, int], engine_versions: dict[str, str]) -> dict[str, Any]:
-    """What a tracked run should say about where it ran: layout, versions (the engine's from its
-    backend), git commit."""
+def run_metadata(world_size: int, layout: dict[str, int], engine_versions: dict[str, str],
+                 engine: str = "") -> dict[str, Any]:
+    """What a tracked run should say about where it ran: layout, the engine that stepped it (plain:
+    a one-process run without DeepSpeed, backends/plain/), versions (the engine's from its backend),
+    git commit."""
     import platform
     import subprocess
 
@@ -89,6 +91,6 @@ def run_metadata(world_size: int, layout: dict[str, int], engine_versions: dict[
                                 capture_output=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None  # installed from a wheel, or no git
-    return {"world_size": world_size, "layout": layout, "git_commit": commit,
+    return {"world_size": world_size, "layout": layout, "engine": engine, "git_commit": commit,
             "versions": {"megaframe": megaframe.__version__, "torch": torch.__version__,
                          **engine_versions, "python": platform.python_version()}}

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megaframe.backends import StepResult
-from megaframe.backends.registry import engine
+from megaframe.backends.registry import run_engine
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
@@ -58,7 +58,8 @@ class Trainer:
         self.stop_signal = StopSignal(layout.world_size).install()
         self.stopped_by = 0  # the signal that ended the run at a step boundary
         self.saved_step: Optional[int] = None
-        plug = engine(cfg.backend.name)
+        plug = run_engine(cfg, layout.world_size)
+        self.engine = plug.name  # deepspeed, fsdp2, or plain (one process, DeepSpeed not imported)
         plug.init_distributed(cfg.train.collective_timeout_s)
         self.ps = ParallelState.build(layout.grid)
         self.is_logger = self.ps.rank == 0
@@ -435,7 +436,7 @@ class Trainer:
             layout = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp,
                       **({"cp": self.layout.cp} if self.layout.cp > 1 else {})}
             wandb_config = {**dataclasses.asdict(self.cfg),
-                            "run": run_metadata(self.layout.world_size, layout, self.backend.versions())}
+                            "run": run_metadata(self.layout.world_size, layout, self.backend.versions(), self.engine)}
             self.wandb = WandbRun(self.cfg.logging.wandb, self.run_dir, wandb_config, *self._wandb_names())
             self.progress = Progress(t.max_steps, self.step, enabled=wants_bar(self.cfg.logging.progress_bar))
             if self._resized is not None:

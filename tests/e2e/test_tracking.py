@@ -25,7 +25,8 @@ def test_offline_wandb_run_holds_config_and_metrics(tmp_path):
     run = read_offline_run(run_file)
     assert run["config"]["model"]["hidden_size"] == 64 and run["config"]["parallel"]["global_batch_size"] == 8
     assert run["config"]["run"]["world_size"] == 1 and run["config"]["run"]["layout"] == {"tp": 1, "pp": 1, "dp": 1}
-    assert run["config"]["run"]["versions"]["deepspeed"]
+    # one process at ZeRO-0 in fp32: stepped without DeepSpeed (backends/plain/), and the run says so
+    assert run["config"]["run"]["engine"] == "plain" and "deepspeed" not in run["config"]["run"]["versions"]
     # no recipe and no logging.wandb.group: grouped by model, named by layout, ZeRO and precision
     assert run["group"].startswith("gpt2-") and run["name"] == run["group"] + "-tp1pp1dp1-zero0-fp32"
     assert run["id"] == (tmp_path / "wandb_run_id").read_text().strip()

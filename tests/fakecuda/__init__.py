@@ -39,8 +39,16 @@ def install(deepspeed: bool = True) -> None:
     mode.__enter__()  # left on for the life of the process (forked children inherit it)
     _installed.update(done=True, mode=mode)
     if deepspeed:
+        import os
+
         from fakecuda.accelerator import install as install_accelerator
 
+        # DeepSpeed picks an accelerator while it is imported: its CPU one (under this variable),
+        # which install_accelerator then replaces with the fake `cuda` one. The variable goes after,
+        # as on a GPU host: what megaframe runs without DeepSpeed (backends/plain/) reads it as
+        # "train on the host" and would not see the device
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
         install_accelerator()
+        os.environ.pop("DS_ACCELERATOR")
     ledger.write_report_at_exit()
     assert torch.cuda.is_available()

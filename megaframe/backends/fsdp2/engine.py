@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from megaframe.backends import Batch, StepResult
-from megaframe.backends.common import (decay_param_groups, dp_mean, local_device_index, on_device, process_group_defaults,
-                                       router_metrics)
+from megaframe.backends.common import (apply_update, decay_param_groups, dp_mean, eval_mean, local_device_index, on_device,
+                                       process_group_defaults, router_metrics)
 from megaframe.backends.fsdp2 import build, pipeline, state_io
 from megaframe.backends.fsdp2.mesh import data_mesh
 from megaframe.config.schema import TrainConfig
@@ -148,32 +148,25 @@ class Fsdp2Backend:
                          collective_device=self.device)
         self._last_grad_norm = norm
         applied = math.isfinite(norm) and not (skip_if is not None and skip_if(loss))
-        if applied:
-            clip = self.cfg.optim.grad_clip
-            if clip > 0 and norm > clip:
-                grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-                torch._foreach_mul_(grads, clip / (norm + 1e-6))
-            self.optimizer.step()
-            self.lr_scheduler.step()
-        # freed: a step's first reduce-scatter then assigns its gradient instead of adding to a
-        # zero one (which, offloaded, would be a blocking copy to the host per group and micro-batch)
-        self.optimizer.zero_grad(set_to_none=True)
+        # gradients freed after: a step's first reduce-scatter then assigns its gradient instead of adding
+        # to a zero one (which, offloaded, would be a blocking copy to the host per group and micro-batch)
+        apply_update(self.optimizer, self.lr_scheduler, list(self.module.parameters()), norm,
+                     self.cfg.optim.grad_clip, applied)
         # MoE bias balancing: a skipped step's routing moves no bias
         update_expert_biases(getattr(self.module, "moe_layers", []), self.dims.num_moe_blocks, apply=applied)
         return StepResult(loss=loss, applied=applied)
 
     @torch.no_grad()
     def eval_step(self, batches: list[Batch]) -> float:
-        self.module.eval()
-        if self.pipeline is not None:
-            total = self.pipeline.evaluate(on_device(batches, self.device))
+        if self.pipeline is None:
+            mean = eval_mean(self.module, batches, self.device, self.ps)
         else:
-            total = torch.zeros((), dtype=torch.float64, device=self.device)
-            for inputs, targets in on_device(batches, self.device):
-                total += self.module(inputs, targets).detach()
-        self.module.train()
+            self.module.eval()
+            total = self.pipeline.evaluate(on_device(batches, self.device))
+            self.module.train()
+            mean = dp_mean(total / len(batches), self.ps)
         build.reshard(self.module)  # a forward without backward leaves the root gathered
-        return dp_mean(total / len(batches), self.ps)
+        return mean
 
     def grad_norm(self) -> float:
         return float(self._last_grad_norm)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from megaframe.backends.common import adam_step, adam_step_tensor, jsonable, restore_schedule
+from megaframe.backends.common import adam_step, ensure_adam_state, jsonable, restore_schedule
 from megaframe.backends.fsdp2.build import compute_dtype, local_box
 from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.boxes import Box, clip_rows
@@ -94,20 +94,6 @@ def _stored(view: ShardView, part: LocalPart) -> dict[str, Callable[[], torch.Te
     return out
 
 
-def _ensure_adam_state(optimizer: torch.optim.Optimizer, step: int) -> None:
-    """Adam's state exists only after its first step: made here (zeros at `step`) so a checkpoint
-    saved before any applied step, or a resume, has moments to write and read."""
-    for group in optimizer.param_groups:
-        on_device = bool(group.get("fused") or group.get("capturable"))
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            local = p.to_local() if isinstance(p, DTensor) else p
-            state["step"] = adam_step_tensor(step, local, on_device)
-
-
 def layout_record(ps: ParallelState, cfg: TrainConfig) -> dict[str, Any]:
     """The layout this rank's RNG states belong to (restored on a resume into the same one)."""
     record = {"engine": "fsdp2", "tp": ps.tp, "pp": ps.pp, "dp": ps.dp, "zero_stage": cfg.zero.stage,
@@ -124,7 +110,7 @@ def save(view: ShardView, directory: Path, state: dict[str, Any], tokenizer_dir:
     """Write this rank's shard (every rank; no collective) and, on global rank 0, state.json. defer:
     copy the chunks to host memory now and return the function that writes them later."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    _ensure_adam_state(view.optimizer, adam_step(view.optimizer))
+    ensure_adam_state(view.optimizer, adam_step(view.optimizer))
     pieces = []
     for part in local_parts(view):
         if not part.writes or part.box is None:
@@ -156,7 +142,7 @@ def load_shards(view: ShardView, directory: Path, optim_step: Optional[int]) -> 
     with sharded.ShardReader(directory) as reader:
         with_optimizer = optim_step is not None and any(universal.is_optimizer_key(k) for k in reader.keys())
         if with_optimizer:
-            _ensure_adam_state(view.optimizer, optim_step)
+            ensure_adam_state(view.optimizer, optim_step)
         for part in local_parts(view):
             if part.box is None:
                 continue

@@ -1,0 +1,92 @@
+"""Between the one-process model and the layout-free checkpoint (checkpoint/), the format both
+engines write: each parameter whole (the vocabulary's padding rows left out), with Adam's moments,
+so a one-process run resumes any engine's checkpoint of any layout and any layout resumes its."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from megaframe.backends.common import adam_step, ensure_adam_state, jsonable, restore_schedule
+from megaframe.checkpoint import sharded, universal
+from megaframe.checkpoint.boxes import Box, clip_rows
+from megaframe.checkpoint.universal import MOMENT_KEYS
+from megaframe.model.dims import GPTDims
+from megaframe.model.spec import VOCAB_PARAMS
+
+
+@dataclass
+class PlainView:
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    dims: GPTDims
+    layout: dict[str, Any]  # the engine's layout record (RNG states come back only into the same one)
+
+
+def _stored_box(name: str, param: torch.nn.Parameter, dims: GPTDims) -> tuple[tuple[int, ...], Box]:
+    """(full shape, box) of a parameter as stored: whole, but for the vocabulary's padding rows."""
+    shape = tuple(param.shape)
+    box = Box((0,) * len(shape), shape)
+    if name in VOCAB_PARAMS:
+        return (dims.vocab_size, *shape[1:]), clip_rows(box, dims.vocab_size)
+    return shape, box
+
+
+def save(view: PlainView, directory: Path, state: dict[str, Any], tokenizer_dir: Optional[Path],
+         defer: bool) -> Union[dict, Callable[[], dict]]:
+    """Write the one shard and state.json. defer: copy the tensors to host memory now and return the
+    function that writes them later (a background save)."""
+    ensure_adam_state(view.optimizer, adam_step(view.optimizer))
+    pieces = []
+    for name, param in view.module.named_parameters():
+        full_shape, box = _stored_box(name, param, view.dims)
+        moments = view.optimizer.state[param]
+        for key, tensor in ((name, param), *((f"{k}.{name}", moments[k]) for k in MOMENT_KEYS)):
+            def read(t=tensor, rows=box.shape[0]) -> torch.Tensor:
+                return t.detach()[:rows].float()
+            copy = read().to("cpu", copy=True) if defer else None
+            pieces.append(sharded.Piece(key, full_shape, box, (lambda c=copy: c) if defer else read))
+    full_state = {**state, "version": universal.SHARDED_VERSION, "optim_step": adam_step(view.optimizer),
+                  "layout": view.layout, "lr_scheduler": jsonable(view.lr_scheduler.state_dict())}
+    write = sharded.rank_writer(directory, 0, pieces, full_state, tokenizer_dir)
+    return write if defer else write()
+
+
+@torch.no_grad()
+def resume(view: PlainView, directory: Path) -> dict[str, Any]:
+    """Load a layout-free checkpoint written by either engine in any layout; return its state.json.
+    A checkpoint without optimizer tensors (the HF converter's) starts Adam fresh from its weights;
+    fp32 masters (a bf16 run's) are read in place of the rounded weights."""
+    state = universal.read_state(directory)
+    optim_step = int(state.get("optim_step", state["step"]))
+    with sharded.ShardReader(directory) as reader:
+        with_optimizer = any(universal.is_optimizer_key(k) for k in reader.keys())
+        if with_optimizer:
+            ensure_adam_state(view.optimizer, optim_step)
+        for name, param in view.module.named_parameters():
+            full_shape, box = _stored_box(name, param, view.dims)
+            master = f"{universal.MASTER_KEY}.{name}"
+            source = master if with_optimizer and master in reader else name
+            sharded.check_stored(reader, source, full_shape)
+            param[: box.shape[0]].copy_(reader.read(source, box))
+            if with_optimizer:
+                moments = view.optimizer.state[param]
+                for key in MOMENT_KEYS:
+                    sharded.check_stored(reader, f"{key}.{name}", full_shape)
+                    moments[key][: box.shape[0]].copy_(reader.read(f"{key}.{name}", box))
+            reader.release()
+    restore_schedule(view.lr_scheduler, int(state.get("lr_scheduler", {}).get("last_epoch", state["step"])))
+    return state
+
+
+def held_model_states(parameters: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes held by role, in DeepSpeed's categories (backends/deepspeed/memory.py): fp32 weights,
+    their gradients (none between steps: freed by each step), Adam's two moments; no buckets."""
+    def nbytes(t: Optional[torch.Tensor]) -> int:
+        return 0 if t is None else t.numel() * t.element_size()
+    moments = sum(nbytes(v) for p in parameters for k, v in optimizer.state.get(p, {}).items() if k in MOMENT_KEYS)
+    return {"weights": sum(nbytes(p) for p in parameters), "gradients": sum(nbytes(p.grad) for p in parameters),
+            "optimizer": moments, "buckets": 0, "other": 0}
