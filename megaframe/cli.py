@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from megaframe.backends.registry import engine, validate_for_engine
+from megaframe.startup import resume_collector
 from megaframe.config.compose import compose, compose_for_run, override_problem
 from megaframe.config.schema import TrainConfig
 from megaframe.config.store import register_configs
@@ -407,7 +408,9 @@ def _task(dict_cfg) -> None:
         _fail(str(err))
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if _rank() == 0:
-        atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True))
+        # the composition typed by the schema writes what OmegaConf.structured(cfg) would, without
+        # building the schema's node tree again (about 0.05 s of every start)
+        atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(dict_cfg, resolve=True))
     # DeepSpeed's ZeRO calls torch collectives torch 2.13 has renamed: a warning per rank, not the user's business
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     exit_code = train(cfg, layout, run_dir, _rank())  # after launch: one line and the cause's exit code
@@ -501,6 +504,7 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
     adopt_slurm_env()  # an srun task (launcher=slurm's job) joins the process group from SLURM's variables
     _stop_if_job_stopped()
     if any(a.split("=", 1)[0] in _HYDRA_FLAGS for a in args):
+        resume_collector()  # a sweep waits on its points' runs, and --cfg/--help only print
         if problem := override_problem(args):  # --cfg job, --help: Hydra's own error would not say where it went
             _fail(problem)
         _check_sweep(args)
@@ -532,6 +536,8 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
     if _rank() == 0:
         for warning in validate_warnings(cfg, layout, engine(cfg.backend.name).config_warnings):
             print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
+    if not (launched or (not elastic_launch and cfg.launcher.name == "local" and layout.world_size == 1)):
+        resume_collector()  # start-up ends here: this process goes on to wait for the ranks or jobs it launches
     if elastic_launch:
         sys.exit(_launch_elastic(cfg, layout, args, run_dir))
     if not launched and cfg.launcher.name == "slurm":

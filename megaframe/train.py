@@ -1,5 +1,14 @@
-"""`python -m megaframe.train [OVERRIDE ...]`: the same as `megaframe-train`."""
-from megaframe.cli import train_main
+"""`megaframe-train` and `python -m megaframe.train [OVERRIDE ...]`: megaframe.cli.train_main, with
+the garbage collector paused until start-up ends (megaframe/startup.py)."""
+from megaframe.startup import pause_collector
+
+
+def main() -> None:
+    pause_collector()  # before megaframe.cli imports torch
+    from megaframe.cli import train_main
+
+    train_main()
+
 
 if __name__ == "__main__":
-    train_main()
+    main()

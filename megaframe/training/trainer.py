@@ -34,6 +34,7 @@ from megaframe.training.schedule import lr_scheduler_factory
 from megaframe.training.step_guard import StepGuard
 from megaframe.training.stop_signal import StopSignal, exit_code as signal_exit_code
 from megaframe import run_lock
+from megaframe.startup import resume_collector
 from megaframe.failures import Diverged, RankHung, RunDirInUse, SaveFailed, save_failure
 from megaframe.model.factory import resolve_dims
 from megaframe.parallel.context import zigzag_positions
@@ -74,6 +75,7 @@ class Trainer:
         self.dims = resolve_dims(cfg.model, self.data.vocab_size, tp=layout.tp, device_type=plug.device_type())
         torch.manual_seed(cfg.train.seed)  # dropout streams; weights come from init_parameters
         self.backend = plug.build(cfg, layout, self.ps, self.dims, lr_scheduler_factory(cfg.optim, cfg.train.max_steps))
+        resume_collector()  # start-up ends with the engine built (megaframe/startup.py)
         self.num_parameters = self.backend.num_parameters
         self._check_token_ids()
         self.flops_per_token = flops_per_token(self.dims)

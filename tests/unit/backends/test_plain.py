@@ -104,10 +104,11 @@ def test_which_runs_go_plain(monkeypatch):
 
 
 PROBE = """
-import atexit, sys
-atexit.register(lambda: print("deepspeed imported:", "deepspeed" in sys.modules, flush=True))
+import atexit, gc, sys
+atexit.register(lambda: print("deepspeed imported:", "deepspeed" in sys.modules, "| collector on:", gc.isenabled(),
+                              "| frozen:", gc.get_freeze_count() > 0, flush=True))
 sys.argv = ["megaframe-train", *sys.argv[1:]]
-from megaframe.cli import train_main as main
+from megaframe.train import main
 main()
 """
 
@@ -120,6 +121,6 @@ def _probe(tmp_path: Path, *overrides: str) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-def test_a_one_process_run_never_imports_deepspeed(tmp_path):
-    assert _probe(tmp_path) == "deepspeed imported: False"
+def test_a_one_process_run_never_imports_deepspeed_and_collects_again_after_start_up(tmp_path):
+    assert _probe(tmp_path) == "deepspeed imported: False | collector on: True | frozen: True"
     assert _probe(tmp_path / "ds", *DEEPSPEED).startswith("deepspeed imported: True")
