@@ -124,3 +124,21 @@ def _probe(tmp_path: Path, *overrides: str) -> str:
 def test_a_one_process_run_never_imports_deepspeed_and_collects_again_after_start_up(tmp_path):
     assert _probe(tmp_path) == "deepspeed imported: False | collector on: True | frozen: True"
     assert _probe(tmp_path / "ds", *DEEPSPEED).startswith("deepspeed imported: True")
+
+
+def test_a_checkpoint_of_deepspeeds_own_files_only_is_refused_naming_the_key(tmp_path):
+    """Written by DeepSpeed's engine without layout-free tensors, resumed in one process at the
+    defaults: one line naming backend.plain_one_process=false, the bad-checkpoint exit code."""
+    from helpers import run_cli
+
+    from megaframe.failures import ExitCode
+
+    saved_by = [*TINY, "train.max_steps=2", "train.save_interval=2", "train.universal_checkpoint=false"]
+    first = run_cli([*saved_by, f"hydra.run.dir={tmp_path / 'first'}"])
+    assert first.returncode == 0, first.stderr
+    saved = tmp_path / "first" / "checkpoints" / "global_step2"
+    resumed = run_cli([*TINY, "train.max_steps=4", f"train.resume={saved}", "train.trust_pickled_checkpoint=true",
+                       f"hydra.run.dir={tmp_path / 'resumed'}"])
+    assert resumed.returncode == ExitCode.BAD_CHECKPOINT
+    (line,) = [line for line in resumed.stderr.splitlines() if "backend.plain_one_process=false" in line]
+    assert "holds only DeepSpeed's own files" in line and "Traceback" not in resumed.stderr
