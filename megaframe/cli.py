@@ -183,16 +183,19 @@ def _submit_slurm(cfg: TrainConfig, layout: Layout, args: list[str], run_dir: st
 
 def _dataset_problem(cfg: TrainConfig) -> Optional[str]:
     """Open data.path's files before launch (headers, sizes, metadata; the token scan runs after
-    launch, shared by the ranks): what is wrong with them, in one line, or None."""
-    from megaframe.data import DataError, open_dataset
+    launch, shared by the ranks) and split them as the ranks will (memory maps and views: too few
+    tokens for one sample on either side, sources built with different tokenizers): what is wrong,
+    in one line, or None."""
+    from megaframe.data import DataError
     from megaframe.data.blend import parse_blend
+    from megaframe.training.data_setup import build_data
 
     try:
         prefixes = [prefix for prefix in (cfg.data.path, cfg.data.valid_path) if prefix is not None]
         for blend, key in ((cfg.data.blend, "data.blend"), (cfg.data.valid_blend, "data.valid_blend")):
             prefixes += parse_blend(list(blend), key)[1] if blend else []
-        for prefix in prefixes:
-            open_dataset(prefix, cfg.data.tokenizer)
+        if prefixes:  # opened once, as the ranks open them; the built-in corpus is built after launch
+            build_data(cfg.data, cfg.model.seq_length)
     except DataError as err:
         return str(err)
     return None

@@ -173,6 +173,23 @@ def test_broken_dataset_files_are_refused_before_launch(case, layout, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_too_few_tokens_for_one_sample_is_refused_before_launch(tmp_path):
+    """Found by splitting the data as the ranks will, before any starts (was exit 4 after launch)."""
+    import numpy as np
+
+    from megaframe.data import IndexedDatasetWriter
+
+    prefix = tmp_path / "tiny"
+    with IndexedDatasetWriter(prefix, dtype=np.uint16, layout="megaframe") as writer:
+        for doc in range(5):  # 50 tokens: 40 in the training split (documents [0, 4)); seq_length is 128
+            writer.add_document(np.arange(doc, doc + 10) % 256)
+        writer.finalize({"tokenizer": "byte", "vocab_size": 257, "eod_id": 256})
+    result = run_cli([f"data.path={prefix}", "train.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"], timeout=120)
+    _assert_refused(result, [f"data.path={prefix}", "only 40 tokens in documents [0, 4)",
+                             "fewer than model.seq_length+1=129", "use more text or a shorter seq_length"])
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("where", ["the run dir is a file", "its parent is a file"])
 def test_an_unusable_run_dir_is_one_line_with_exit_2(where, tmp_path):
     """Used to end in a traceback from Hydra's mkdir. (A read-only parent would be the same error,
