@@ -8,13 +8,14 @@ import json
 import os
 import socket
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from megaframe.backends import Batch
+from megaframe.parallel.elastic import join_restarted_group
 from megaframe.parallel.state import ParallelState
 
 
@@ -44,6 +45,21 @@ def process_group_defaults(collective_timeout_s: Optional[float]) -> timedelta:
     timeout = timedelta(seconds=collective_timeout_s)
     set_collective_timeout(timeout)
     return timeout
+
+
+def join_torch_world(device_type: str, collective_timeout_s: Optional[float]) -> None:
+    """How an engine without a library of its own (FSDP2, plain) joins its process group: this rank's
+    device first (before any collective creates a communicator on device 0), NCCL on CUDA wherever
+    torch has it (gloo moves CUDA tensors too, slowly), a torchrun restart under its attempt's
+    prefix, else the launcher's group or a world of one."""
+    timeout = process_group_defaults(collective_timeout_s)
+    backend = "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(local_device_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()))
+        backend = "nccl" if dist.is_nccl_available() else "gloo"
+    join_restarted_group(backend, timeout)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timeout)
 
 
 def local_device_index(local_rank: int, visible_devices: int) -> int:
@@ -90,7 +106,7 @@ def on_device(batches: list[Batch], device: torch.device) -> list[Batch]:
     return [(moved(inputs), moved(targets)) for inputs, targets in batches]
 
 
-def apply_update(optimizer: torch.optim.Optimizer, lr_scheduler, parameters: list[torch.nn.Parameter], norm: float,
+def apply_update(optimizer: torch.optim.Optimizer, lr_scheduler, parameters: Iterable[torch.nn.Parameter], norm: float,
                  clip: float, applied: bool) -> None:
     """The end of a step torch runs itself (the plain and FSDP2 engines, as DeepSpeed's ZeRO-0 does):
     when applied, clip to `clip` by clip / (norm + 1e-6), step the optimizer and the schedule (which

@@ -9,7 +9,6 @@ schedule advancing only on applied steps (as DeepSpeed's does).
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -18,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from megaframe.backends import Batch, StepResult
-from megaframe.backends.common import (apply_update, decay_param_groups, dp_mean, eval_mean, local_device_index, on_device,
-                                       process_group_defaults, router_metrics)
+from megaframe.backends.common import (apply_update, decay_param_groups, dp_mean, eval_mean, join_torch_world, on_device,
+                                       router_metrics)
 from megaframe.backends.fsdp2 import build, pipeline, state_io
 from megaframe.backends.fsdp2.mesh import data_mesh
 from megaframe.config.schema import TrainConfig
@@ -27,7 +26,6 @@ from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims
 from megaframe.model.factory import build_model, compile_blocks, count_parameters
 from megaframe.model.moe import update_expert_biases
-from megaframe.parallel.elastic import join_restarted_group
 from megaframe.parallel.grad_norm import grad_norm
 from megaframe.parallel.state import ParallelState
 
@@ -38,17 +36,8 @@ def device_type() -> str:
 
 
 def init_distributed(collective_timeout_s: Optional[float] = None) -> None:
-    """Set this rank's device first (before any collective creates a communicator on device 0), then
-    join the launcher's process group, or make a world of one when there is no launcher."""
-    timeout = process_group_defaults(collective_timeout_s)
-    backend = "gloo"
-    if device_type() == "cuda":
-        torch.cuda.set_device(local_device_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()))
-        # NCCL wherever torch has it (every CUDA build on Linux); gloo moves CUDA tensors too, slowly
-        backend = "nccl" if dist.is_nccl_available() else "gloo"
-    join_restarted_group(backend, timeout)  # a torchrun restart joins under its attempt's prefix
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timeout)
+    """This rank's device, then the launcher's process group or a world of one."""
+    join_torch_world(device_type(), collective_timeout_s)
 
 
 def device_supports_fp16() -> bool:
@@ -150,8 +139,7 @@ class Fsdp2Backend:
         applied = math.isfinite(norm) and not (skip_if is not None and skip_if(loss))
         # gradients freed after: a step's first reduce-scatter then assigns its gradient instead of adding
         # to a zero one (which, offloaded, would be a blocking copy to the host per group and micro-batch)
-        apply_update(self.optimizer, self.lr_scheduler, list(self.module.parameters()), norm,
-                     self.cfg.optim.grad_clip, applied)
+        apply_update(self.optimizer, self.lr_scheduler, self.module.parameters(), norm, self.cfg.optim.grad_clip, applied)
         # MoE bias balancing: a skipped step's routing moves no bias
         update_expert_biases(getattr(self.module, "moe_layers", []), self.dims.num_moe_blocks, apply=applied)
         return StepResult(loss=loss, applied=applied)

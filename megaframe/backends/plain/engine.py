@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from megaframe.backends import Batch, StepResult
-from megaframe.backends.common import (apply_update, decay_param_groups, dp_mean, eval_mean, local_device_index,
-                                       on_device, process_group_defaults, router_metrics)
+from megaframe.backends.common import (apply_update, decay_param_groups, dp_mean, eval_mean, join_torch_world,
+                                       on_device, router_metrics)
 from megaframe.backends.plain import state_io
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.config.schema import TrainConfig
@@ -30,7 +29,6 @@ from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims
 from megaframe.model.factory import build_model, compile_model, count_parameters
 from megaframe.model.moe import update_expert_biases
-from megaframe.parallel.elastic import join_restarted_group
 from megaframe.parallel.grad_norm import grad_norm
 from megaframe.parallel.state import ParallelState
 
@@ -44,16 +42,9 @@ def device_type() -> str:
 
 
 def init_distributed(collective_timeout_s: Optional[float] = None) -> None:
-    """A world of one (ParallelState's groups need one), joined as the other engines join theirs: the
-    device first, then torchrun's restart prefix (a one-rank elastic attempt), else a plain init."""
-    timeout = process_group_defaults(collective_timeout_s)
-    backend = "gloo"
-    if device_type() == "cuda":
-        torch.cuda.set_device(local_device_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()))
-        backend = "nccl" if dist.is_nccl_available() else "gloo"
-    join_restarted_group(backend, timeout)
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timeout)
+    """A world of one (ParallelState's groups need one), joined as FSDP2 joins its world: the device
+    first, then torchrun's restart prefix (a one-rank elastic attempt), else a plain init."""
+    join_torch_world(device_type(), collective_timeout_s)
 
 
 class PlainBackend:
