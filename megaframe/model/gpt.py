@@ -27,7 +27,8 @@ from megaframe.model.layer_list import Layer, layer_list
 from megaframe.parallel.context import AttentionDropout, ContextGroup, ulysses_attention, zigzag_positions
 from megaframe.parallel.experts import ExpertGroup
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megaframe.parallel.layers import ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding
+from megaframe.parallel.layers import (ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding,
+                                       at_least_fp32)
 from megaframe.parallel.mappings import gather_from_tp_region, scatter_to_sequence_parallel_region
 from megaframe.parallel.random import TPDropoutRNG
 from megaframe.parallel.ring import ring_attention
@@ -59,7 +60,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in fp32 for stability under bf16, as Llama does
-        x32 = x.float()
+        x32 = at_least_fp32(x)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         weight = self.tp.sync_grad(self.weight, on_shards=True if self.per_head else None)
         return weight * x32.to(x.dtype)
@@ -123,7 +124,7 @@ def _rope_tables(dims: GPTDims, seq_len: int, device=None, offset: int = 0) -> t
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate (B, nh, T, hs) query/key vectors by position (in fp32, also under bf16)."""
-    x32 = x.float()
+    x32 = at_least_fp32(x)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
     return (x32 * cos + rotated * sin).to(x.dtype)

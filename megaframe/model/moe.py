@@ -27,19 +27,19 @@ from megaframe.model.dims import GPTDims
 from megaframe.model.mlp import MLP, Dropout, gelu
 from megaframe.model.recompute import recomputing
 from megaframe.parallel.experts import ExpertGroup, mark_expert_shard
-from megaframe.parallel.layers import TPGroup
+from megaframe.parallel.layers import TPGroup, at_least_fp32
 from megaframe.parallel.mappings import all_to_all_rows, gather_tokens, split_tokens
 
 
 def _grouped_mm_works(x: torch.Tensor, *widths: int) -> bool:
     """Whether torch's grouped GEMM runs for inputs like x and weights `widths` (in and out
-    features): on the CPU in any float dtype; on CUDA in bf16 from sm80 (torch's documented floor)
+    features): on the CPU in fp32, bf16 and fp16 (not fp64); on CUDA in bf16 from sm80 (torch's documented floor)
     with every width a multiple of 16 bytes, as its kernel requires of the operands' strides. Where
     it does not, the experts take the loop (one host read of the counts per layer)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cpu":
-        return True
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     aligned = all(width * x.element_size() % 16 == 0 for width in (x.shape[-1], *widths))
     return (x.device.type == "cuda" and x.dtype == torch.bfloat16 and aligned
             and torch.cuda.get_device_capability(x.device)[0] >= 8)
@@ -75,7 +75,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, C) -> logits (N, E) fp32, scores (N, E) fp32, top_idx (N, k), top_weights (N, k) fp32."""
         # the tokens here are this TP rank's share: the weight's gradient is summed over TP
-        logits = F.linear(x.float(), self.tp.sync_grad(self.weight, on_shards=True).float())
+        logits = F.linear(at_least_fp32(x), at_least_fp32(self.tp.sync_grad(self.weight, on_shards=True)))
         scores = torch.softmax(logits, dim=-1) if self.moe.router_score == "softmax" else torch.sigmoid(logits)
         choose_by = scores if self.expert_bias is None else scores + self.expert_bias
         top_idx = torch.topk(choose_by, self.moe.top_k, dim=-1, sorted=False).indices
@@ -192,7 +192,7 @@ class MoE(nn.Module):
         its own tokens' part of the sum over tokens, times cp: CP ranks' gradients are averaged,
         TP ranks' summed (the router weight is a replicated parameter used on split tokens)."""
         moe = self.moe
-        global_counts = counts.detach().float()
+        global_counts = counts.detach().to(scores.dtype)  # fp32, or fp64 in a float64 model
         split = self.tp.size * self.cp
         for group, size in ((self.tp.group, self.tp.size), (self.cp_group, self.cp)):
             if size > 1:

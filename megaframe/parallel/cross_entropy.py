@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megaframe.parallel.layers import TPGroup
+from megaframe.parallel.layers import TPGroup, at_least_fp32
 from megaframe.parallel.mappings import reduce_from_tp_region
 
 
@@ -17,9 +17,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp
     Columns at or beyond vocab_size (Megatron's padding) get no probability mass.
     """
     if tp.size == 1:  # one rank holds every column: torch's fused kernel, padded columns sliced off
-        logits = logits[..., :vocab_size].float()
+        logits = at_least_fp32(logits[..., :vocab_size])
         return F.cross_entropy(logits.reshape(-1, vocab_size), targets.reshape(-1), ignore_index=ignore_index)
-    logits = logits.float()
+    logits = at_least_fp32(logits)
     n = logits.shape[-1]
     column_ids = torch.arange(vocab_start, vocab_start + n, device=logits.device)
     logits = logits.masked_fill(column_ids >= vocab_size, float("-inf"))

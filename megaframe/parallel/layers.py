@@ -16,6 +16,12 @@ from megaframe.parallel.mappings import (copy_to_tp_region, gather_from_sequence
                                          reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region)
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32 for the steps that must not run in bf16 (norms, RoPE, the router, the loss); an fp64
+    tensor stays fp64, so a float64 model (the parity tests' exact reference) keeps its precision."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 @dataclass(frozen=True)
 class TPGroup:
     """What a layer needs to know about tensor parallelism: the group, its size, this rank, SP."""

@@ -124,3 +124,28 @@ def test_a_latest_pointer_out_of_the_checkpoints_directory_is_refused(tmp_path, 
     with pytest.raises(ConvertError, match="not a checkpoint directory") as refused:
         export_hf(tmp_path / "run" / "checkpoints", tmp_path / "hf")
     assert "\n" not in str(refused.value) and not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt2-exact-gelu"])
+def test_a_float64_model_computes_in_float64_like_transformers(name, tmp_path):
+    """The parity tests' exact reference is megaframe's model in float64: no step of it may round
+    through fp32. transformers' GPT-2 in float64 is the independent check: the two agree to fp64
+    rounding (fp32 anywhere in either would leave ~1e-7). Not Llama: transformers' RMSNorm computes
+    in fp32 whatever the dtype (tests/unit/model/test_float64.py covers megaframe's)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = VARIANTS[name]
+    model = random_model(cfg)
+    write_layout_free(tmp_path / "ckpt", full_state_dict(model), {"step": 3, "consumed_samples": 24,
+                                                                  "model": dataclasses.asdict(cfg)})
+    export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64).eval()
+    model = model.double()
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = model.logits(ids), hf(ids).logits
+        loss = model(ids[:, :-1], ids[:, 1:])
+    assert want.dtype == got.dtype == loss.dtype == torch.float64
+    assert (got - want).abs().max().item() < 1e-10
+    hf_loss = torch.nn.functional.cross_entropy(got[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    assert abs(loss.item() - hf_loss.item()) < 1e-12
