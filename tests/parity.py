@@ -6,8 +6,10 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import curve, read_metrics
+from numerics import FACTOR, FP32_EPS
 
 FLAVOURS = {"gpt2": ["model=gpt_tiny"], "llama": ["model=llama_tiny"]}  # llama_tiny: 2 kv heads (GQA)
 # Why 1e-5 holds on any x86-64 host (fp32, 20 steps of the tiny models): a layout sums the same
@@ -19,12 +21,14 @@ FLAVOURS = {"gpt2": ["model=gpt_tiny"], "llama": ["model=llama_tiny"]}  # llama_
 # 1.19e-5 off DeepSpeed's fp64 ZeRO-3 norm (the NVMe test). It is fp64 now (training/trainer.py).
 # MEGAFRAME_PARITY_REPORT=FILE appends each comparison's worst relative deviation to FILE.
 RTOL = 1e-5
-# Issue 32's bound on the gradient norm of FSDP2's layouts: the norm sums in fp64, so the layouts differ only by the fp32
-# rounding of the gradients themselves (measured: at most 1e-7 relative on the tiny models). Not under
-# cp: the ring sums attention in another order, and llama's norm under cp2 came 1.2e-6 off; nor with
-# compiled blocks (inductor's fusions reorder sums: 4.8e-7, too near the bound to hold on every host).
-# The other keys' RTOL holds there.
-NORM_RTOL = 1e-6
+# The gradient norm is held to more than RTOL: issue 32 asked 1e-6 of it against the one-process
+# run, and that cannot be met against the fp32 one: on pp2 with 4 llama layers the fp32 one-process
+# norm is itself 1.64e-6 from the exact one, where the cp2 ring's came within 2.2e-7 of exact (and
+# 1.42e-6 of the fp32 run). So the norm is compared with the one-process run in float64
+# (train_runs(fp64=True)), within tests/numerics.py's FACTOR times the fp32 one-process run's own
+# distance from it over the curve (at least one fp32 ulp): a bound from the arithmetic of the case
+# at hand on this host, as issue 36 asks, and tighter than 1e-6 where the arithmetic is (measured:
+# 5e-8 of own rounding on the 2-layer models, ratios up to 1.2).
 
 
 def pretend_fp16_device() -> None:
@@ -35,23 +39,49 @@ def pretend_fp16_device() -> None:
     get_accelerator().is_fp16_supported = lambda: True
 
 
-def train_runs(rank: int, world: int, runs: list[tuple[list[str], str]], fp16: bool = False) -> list[float]:
+def train_runs(rank: int, world: int, runs: list[tuple[list[str], str]], fp16: bool = False,
+               fp64: bool = False) -> list[float]:
     """Train each (overrides, run_dir) in turn inside these ranks (saves a process start per config);
-    fp16=True runs them on a pretended fp16 device (pretend_fp16_device). Returns this rank's last
-    gradient norm of each run (every rank computes the global one)."""
+    fp16=True runs them on a pretended fp16 device (pretend_fp16_device); fp64=True runs the model in
+    float64 from the same initial values (one process only: the exact reference of the gradient
+    norm, assert_norm_parity). Returns this rank's last gradient norm of each run (every rank
+    computes the global one)."""
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
     from megaframe.training.trainer import Trainer
 
     if fp16:
         pretend_fp16_device()
+    if fp64:
+        _build_in_float64()
     norms = []
     for overrides, run_dir in runs:
         cfg, _ = compose(overrides)
         with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:  # validation asks the same check
+            if fp64:  # the engine that steps built its model through the patched builder
+                assert {p.dtype for p in trainer.backend.module.parameters()} == {torch.float64}, trainer.engine
             trainer.fit()
             norms.append(trainer.backend.grad_norm())
     return norms
+
+
+def _build_in_float64() -> None:
+    """This process's one-process engine (the plain one) builds its model as usual, in fp32 (the
+    initial values are those of the fp32 run), then casts it to float64; every tensor made after that
+    defaults to float64 too. The forked rank process ends with its runs, so nothing is undone."""
+    import megaframe.backends.plain.engine as plain
+
+    build = plain.build_model
+
+    def build_then_widen(*args, **kwargs):
+        torch.set_default_dtype(torch.float32)
+        try:
+            return build(*args, **kwargs).double()
+        finally:
+            torch.set_default_dtype(torch.float64)
+
+    plain.build_model = build_then_widen
+    torch.set_default_dtype(torch.float64)
 
 
 def assert_parity(got: list[dict], want: list[dict], what: str,
@@ -64,6 +94,18 @@ def assert_parity(got: list[dict], want: list[dict], what: str,
         _report(what, key, max(abs(a - b) / abs(b) if b else abs(a) for (_, a), (_, b) in zip(g, w)))
         for (step, a), (_, b) in zip(g, w):
             assert a == pytest.approx(b, rel=rtol), f"{what}: {key} at step {step}: {a} vs reference {b}"
+
+
+def assert_norm_parity(got: list[dict], want32: list[dict], want64: list[dict], what: str) -> None:
+    """Every logged gradient norm of `got` within FACTOR x the fp32 reference's own rounding of the
+    fp64 reference's (relative, the worst over the curve, at least one fp32 ulp)."""
+    g, w32, w64 = (curve(records, "grad_norm") for records in (got, want32, want64))
+    assert [s for s, _ in g] == [s for s, _ in w32] == [s for s, _ in w64] and len(w64) >= 2, f"{what}: steps differ"
+    own = max(FP32_EPS, *(abs(a - b) / b for (_, a), (_, b) in zip(w32, w64)))
+    worst = max(abs(a - b) / b for (_, a), (_, b) in zip(g, w64))
+    _report(what, "grad_norm/fp64", worst, own)
+    assert worst <= FACTOR * own, (f"{what}: gradient norm {worst:.3g} (relative) from the fp64 reference's, over "
+                                   f"{FACTOR:g}x the fp32 reference's own {own:.3g}")
 
 
 def assert_deepspeed_continues(saved: Path, overrides: list[str], reference: list[dict], tmp_path: Path,
@@ -80,8 +122,8 @@ def assert_deepspeed_continues(saved: Path, overrides: list[str], reference: lis
     assert_parity([r for r in reference if r["step"] <= step] + resumed, reference, what)
 
 
-def _report(what: str, key: str, worst: float) -> None:
+def _report(what: str, key: str, worst: float, own: float = 0.0) -> None:
     path = os.environ.get("MEGAFRAME_PARITY_REPORT")
     if path:
         with open(path, "a") as f:  # one short line per write: safe from concurrent test processes
-            f.write(json.dumps({"what": what, "key": key, "worst_rel": worst}) + "\n")
+            f.write(json.dumps({"what": what, "key": key, "worst_rel": worst, **({"own_rel": own} if own else {})}) + "\n")
