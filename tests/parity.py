@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -31,6 +32,10 @@ RTOL = 1e-5
 # 5e-8 of own rounding on the 2-layer models, ratios up to 1.2).
 
 
+# A one-process run steps through the plain engine unless told not to (docs/engines.md)
+DEEPSPEED_AT_ONE_RANK = ["backend.plain_one_process=false"]
+
+
 def pretend_fp16_device() -> None:
     """Test-only: tell DeepSpeed's capability check that this CPU has fp16 (the arithmetic then runs on
     the CPU). validate()'s default fp16 rule asks the same accelerator, so it accepts fp16 too."""
@@ -40,12 +45,12 @@ def pretend_fp16_device() -> None:
 
 
 def train_runs(rank: int, world: int, runs: list[tuple[list[str], str]], fp16: bool = False,
-               fp64: bool = False) -> list[float]:
+               fp64: bool = False, engine: Optional[str] = None) -> list[float]:
     """Train each (overrides, run_dir) in turn inside these ranks (saves a process start per config);
     fp16=True runs them on a pretended fp16 device (pretend_fp16_device); fp64=True runs the model in
     float64 from the same initial values (one process only: the exact reference of the gradient
-    norm, assert_norm_parity). Returns this rank's last gradient norm of each run (every rank
-    computes the global one)."""
+    norm, assert_norm_parity). engine: the engine that must step (deepspeed, fsdp2 or plain). Returns
+    this rank's last gradient norm of each run (every rank computes the global one)."""
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
     from megaframe.training.trainer import Trainer
@@ -60,6 +65,7 @@ def train_runs(rank: int, world: int, runs: list[tuple[list[str], str]], fp16: b
         with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:  # validation asks the same check
             if fp64:  # the engine that steps built its model through the patched builder
                 assert {p.dtype for p in trainer.backend.module.parameters()} == {torch.float64}, trainer.engine
+            assert engine in (None, trainer.engine), f"{trainer.engine} stepped, not {engine}"
             trainer.fit()
             norms.append(trainer.backend.grad_norm())
     return norms
@@ -110,13 +116,14 @@ def assert_norm_parity(got: list[dict], want32: list[dict], want64: list[dict], 
 
 def assert_deepspeed_continues(saved: Path, overrides: list[str], reference: list[dict], tmp_path: Path,
                                what: str) -> None:
-    """A checkpoint saved at step k (in any layout, by either engine) resumed by DeepSpeed at one
-    rank with `overrides`: its records start at step k+1 and, after the reference's first k, are
-    the reference run's curve."""
+    """A checkpoint saved at step k (in any layout, by either engine) resumed by DeepSpeed's engine at
+    one rank with `overrides` (not the plain engine a one-process run gets by default): its records
+    start at step k+1 and, after the reference's first k, are the reference run's curve."""
     from ranks import run_ranks
 
     step = int(saved.name.removeprefix("global_step"))
-    run_ranks(train_runs, 1, tmp_path, runs=[([*overrides, f"train.resume={saved}"], str(tmp_path / "deepspeed-resumed"))])
+    run_ranks(train_runs, 1, tmp_path, runs=[([*overrides, *DEEPSPEED_AT_ONE_RANK, f"train.resume={saved}"],
+                                              str(tmp_path / "deepspeed-resumed"))], engine="deepspeed")
     resumed = read_metrics(tmp_path / "deepspeed-resumed")
     assert min(r["step"] for r in resumed) == step + 1
     assert_parity([r for r in reference if r["step"] <= step] + resumed, reference, what)

@@ -3,9 +3,10 @@ steps, every logged loss, gradient norm and eval loss within rtol 1e-5, and the 
 the fp32 rounding of the exact (float64) one-process norm (tests/parity.py), in every layout FSDP2 composes with megaframe's own parallelism; the gradient norm on every TP rank; the held
 model states per rank; checkpoints moving between the two engines through the layout-free format.
 
-The reference is DeepSpeed at one rank (torch's fused AdamW, no ZeRO): an independent
-implementation of the same step, so FSDP2's sharding, reduction and norm are checked against
-code that has none of them."""
+The reference is DeepSpeed's engine at one rank (torch's fused AdamW, no ZeRO; not the plain engine
+a one-process run gets by default): an independent implementation of the same step, so FSDP2's
+sharding, reduction and norm are checked against code that has none of them. The gradient norm's
+exact reference is the same run in float64, through the plain engine (tests/parity.py)."""
 from __future__ import annotations
 
 import subprocess
@@ -16,7 +17,8 @@ import pytest
 
 from helpers import TINY, assert_ok, cli_env, curve, read_metrics, run_cli, FRESH_RANKS
 from hf_logits import assert_same_hf_logits
-from parity import RTOL, assert_deepspeed_continues, assert_norm_parity, assert_parity, train_runs
+from parity import (DEEPSPEED_AT_ONE_RANK, RTOL, assert_deepspeed_continues, assert_norm_parity, assert_parity,
+                    train_runs)
 from ranks import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -97,14 +99,15 @@ def _storage_bytes(backend) -> int:
 
 @pytest.fixture(scope="module")
 def reference_dirs(tmp_path_factory) -> dict[str, Path]:
-    """DeepSpeed at one rank, each flavour, in fp32 and in float64 (FLAVOUR-fp64: the gradient norm's
-    exact reference); and FSDP2 at one rank beside it."""
+    """DeepSpeed's engine at one rank, each flavour, in fp32; the same run in float64 through the plain
+    engine (FLAVOUR-fp64: the gradient norm's exact reference); and FSDP2 at one rank beside them."""
     root = tmp_path_factory.mktemp("single")
-    runs = [([*base, *STEPS], str(root / name)) for name, base in FLAVOURS.items()]
-    runs.append(([*FLAVOURS["gpt2"], *STEPS, *FSDP2, "zero=stage3"], str(root / "fsdp2-gpt2")))
-    run_ranks(train_runs, 1, root, runs=runs)
+    run_ranks(train_runs, 1, root, runs=[([*base, *STEPS, *DEEPSPEED_AT_ONE_RANK], str(root / name))
+                                         for name, base in FLAVOURS.items()], engine="deepspeed")
+    run_ranks(train_runs, 1, root, runs=[([*FLAVOURS["gpt2"], *STEPS, *FSDP2, "zero=stage3"], str(root / "fsdp2-gpt2"))],
+              engine="fsdp2")
     run_ranks(train_runs, 1, root, runs=[([*base, *STEPS], str(root / f"{name}-fp64")) for name, base in FLAVOURS.items()],
-              fp64=True)
+              fp64=True, engine="plain")
     return {name: root / name for name in (*FLAVOURS, *(f"{name}-fp64" for name in FLAVOURS), "fsdp2-gpt2")}
 
 
@@ -229,8 +232,9 @@ def test_a_checkpoint_moves_deepspeed_to_fsdp2_to_deepspeed_changing_layout(refe
     run_ranks(train_runs, 4, tmp_path, runs=[([*base, *FSDP2, "zero=stage3", "parallel.tp=2", "parallel.dp_replicate=2",
                                                "train.exit_at_step=8",
                                                f"train.resume={first / 'checkpoints' / 'global_step4'}"], str(second))])
-    run_ranks(train_runs, 1, tmp_path, runs=[([*base, f"train.resume={second / 'checkpoints' / 'global_step8'}"],
-                                              str(third))])
+    run_ranks(train_runs, 1, tmp_path, runs=[([*base, *DEEPSPEED_AT_ONE_RANK,
+                                               f"train.resume={second / 'checkpoints' / 'global_step8'}"], str(third))],
+              engine="deepspeed")
     records = [r for run in (first, second, third) for r in read_metrics(run)
                if r["step"] <= {first: 4, second: 8, third: 12}[run]]
     assert_parity(records, references["gpt2"], "deepspeed dp2 -> fsdp2 tp2xdp2 -> deepspeed dp1")

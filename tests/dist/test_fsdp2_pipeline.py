@@ -12,7 +12,8 @@ import pytest
 
 from helpers import TINY, curve, read_metrics
 from hf_logits import assert_same_hf_logits
-from parity import RTOL, assert_deepspeed_continues, assert_norm_parity, assert_parity, train_runs
+from parity import (DEEPSPEED_AT_ONE_RANK, RTOL, assert_deepspeed_continues, assert_norm_parity, assert_parity,
+                    train_runs)
 from ranks import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -44,12 +45,13 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def reference_dirs(tmp_path_factory) -> dict[str, Path]:
-    """DeepSpeed at one rank, unpipelined, each flavour, in fp32 and in float64 (FLAVOUR-fp64: the
-    gradient norm's exact reference, tests/parity.py)."""
+    """DeepSpeed's engine at one rank, unpipelined, each flavour, in fp32; the same run in float64
+    through the plain engine (FLAVOUR-fp64: the gradient norm's exact reference, tests/parity.py)."""
     root = tmp_path_factory.mktemp("single")
-    run_ranks(train_runs, 1, root, runs=[([*base, *STEPS], str(root / name)) for name, base in FLAVOURS.items()])
+    run_ranks(train_runs, 1, root, runs=[([*base, *STEPS, *DEEPSPEED_AT_ONE_RANK], str(root / name))
+                                         for name, base in FLAVOURS.items()], engine="deepspeed")
     run_ranks(train_runs, 1, root, runs=[([*base, *STEPS], str(root / f"{name}-fp64")) for name, base in FLAVOURS.items()],
-              fp64=True)
+              fp64=True, engine="plain")
     return {name: root / name for name in (*FLAVOURS, *(f"{name}-fp64" for name in FLAVOURS))}
 
 
