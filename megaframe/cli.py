@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from megaframe.backends.registry import engine, validate_for_engine
 from megaframe.startup import resume_collector
-from megaframe.config.compose import compose, compose_for_run, override_problem
+from megaframe.config.compose import compose, compose_for_run, config_dirs_as_searchpath, override_problem
 from megaframe.config.schema import TrainConfig
 from megaframe.config.store import register_configs
 from megaframe.config.validate import ConfigError, Layout, requested_world_size
@@ -502,7 +502,10 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 def _train_main(argv: Optional[Sequence[str]]) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = config_dirs_as_searchpath(sys.argv[1:] if argv is None else argv)
+    except ConfigError as err:
+        _fail(str(err))
     die_with_launcher()  # a rank under torchrun's agent ends when its launcher is killed outright
     adopt_slurm_env()  # an srun task (launcher=slurm's job) joins the process group from SLURM's variables
     _stop_if_job_stopped()

@@ -50,6 +50,11 @@ class MegaframeLocalLauncher(Launcher):
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         returns, rows = [], []
+        # a user's config directories (--config-dir, which megaframe-train passes on as
+        # hydra.searchpath): filter_overrides drops hydra.* keys, and without them a point composing
+        # an option of that directory failed with "no such option"
+        searchpath = [str(entry) for entry in self.config.hydra.searchpath or []]
+        search = [f"hydra.searchpath=[{','.join(repr(entry) for entry in searchpath)}]"] if searchpath else []
         for offset, overrides in enumerate(job_overrides):
             idx = initial_job_idx + offset
             sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
@@ -58,7 +63,7 @@ class MegaframeLocalLauncher(Launcher):
             run_dir = sweep_dir / str(sweep_config.hydra.sweep.subdir)
             point = list(filter_overrides(overrides))
             print(f"megaframe-train: sweep point {idx}: {' '.join(point)} -> {run_dir}", flush=True)
-            code = subprocess.call([sys.executable, "-m", "megaframe.train", *point, f"hydra.run.dir={run_dir}"])
+            code = subprocess.call([sys.executable, "-m", "megaframe.train", *point, *search, f"hydra.run.dir={run_dir}"])
             rows.append({"point": idx, "overrides": point, "run_dir": str(run_dir), "exit_code": code,
                          **_last_values(run_dir / "metrics.jsonl")})
             returns.append(JobReturn(overrides=list(overrides), cfg=sweep_config, working_dir=str(run_dir),

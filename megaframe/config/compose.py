@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from pathlib import Path
 from typing import Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -84,6 +85,44 @@ def override_problem(overrides: Sequence[str]) -> str | None:
             value = override.split("=", 1)[1] if "=" in override else "..."
             return f"{key} is now {new} ({why}): use {new}={value}"
     return None
+
+
+CONFIG_DIR_FLAGS = ("--config-dir", "-cd")
+
+
+def config_dirs_as_searchpath(args: Sequence[str]) -> list[str]:
+    """Hydra's `--config-dir DIR` (or `-cd DIR`, `--config-dir=DIR`; several are searched in the
+    order given) turned into the override it stands for, `hydra.searchpath=['file:///abs/DIR']`.
+    As a flag it sent megaframe-train through hydra.main, which skips the pre-launch checks and
+    launches no ranks (a dp=2 run died of "needs 2 ranks"), and megaframe-plan, which composes
+    through Hydra's compose API, took it for a malformed override. As an override it goes the
+    ordinary way, to every rank too. Raises ConfigError for a missing value or directory."""
+    rest, dirs = [], []
+    i = 0
+    while i < len(args):
+        name, has_value, value = args[i].partition("=")
+        if name not in CONFIG_DIR_FLAGS:
+            rest.append(args[i])
+        else:
+            if not has_value:
+                if i + 1 == len(args):
+                    raise ConfigError(f"{name} needs a directory: {name} DIR (docs/configuration.md)")
+                i += 1
+                value = args[i]
+            path = Path(value).expanduser().resolve()
+            if not path.is_dir():
+                raise ConfigError(f"{name} {value}: no such directory")
+            if "'" in str(path) or "\\" in str(path):
+                raise ConfigError(f"{name} {value}: a path with a quote or a backslash cannot go into "
+                                  f"hydra.searchpath; link the directory from a plain path")
+            dirs.append(path)
+        i += 1
+    if not dirs:
+        return list(args)
+    if any(a.lstrip("+~").split("=", 1)[0] == "hydra.searchpath" for a in rest):
+        raise ConfigError("hydra.searchpath and --config-dir both given: name the directories once, "
+                          "each as --config-dir DIR")
+    return [*rest, "hydra.searchpath=[" + ",".join(f"'file://{path}'" for path in dirs) + "]"]
 
 
 def compose(overrides: Sequence[str]) -> tuple[TrainConfig, str]:

@@ -138,7 +138,7 @@ def dry_run_report(cfg: TrainConfig, layout: Layout, rank: int) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from megaframe.config.compose import compose
+    from megaframe.config.compose import compose, config_dirs_as_searchpath
 
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
@@ -150,7 +150,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         # DeepSpeed logs to stdout (on a CPU-only login node: "Setting accelerator to CPU"); stdout
         # must hold only the report, so that `megaframe-plan --json | jq` parses.
         with contextlib.redirect_stdout(sys.stderr):
-            cfg, _ = compose(args)
+            cfg, _ = compose(config_dirs_as_searchpath(args))
             layout, est, alternatives = plan(cfg, planned_world_size(cfg))
             dry = dry_run_report(cfg, layout, dry_rank) if dry_rank is not None else None
     except ConfigError as err:

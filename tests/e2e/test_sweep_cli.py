@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from helpers import TINY, assert_ok, cli_env, read_metrics, run_cli
 from parity import assert_parity
@@ -68,3 +69,21 @@ def test_a_slurm_sweep_writes_one_job_per_point(tmp_path):
         assert "#SBATCH --nodes=1" in script and "#SBATCH --ntasks-per-node=2" in script
         assert lr in script and f"hydra.run.dir={(sweep / str(point)).resolve()}" in script
         assert "launcher" not in script.split("srun", 1)[1]  # the tasks train; they do not submit again
+
+
+def test_a_sweep_over_the_options_of_ones_own_config_dir(tmp_path):
+    """`-m --config-dir myconf model=a,b`: each point's own megaframe-train composes the directory's
+    options too (Hydra leaves hydra.searchpath out of the points' overrides; without it every point
+    ended "model=a: no such option", exit 2)."""
+    for name, layers in (("a", 1), ("b", 2)):
+        (tmp_path / "myconf" / "model").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "myconf" / "model" / f"{name}.yaml").write_text(
+            f"arch: gpt2\nnum_layers: {layers}\nhidden_size: 64\nnum_attention_heads: 4\nseq_length: 32\n")
+    sweep = tmp_path / "sweep"
+    schedule = [a for a in TINY if not a.startswith("model.")]  # the shape is the options'
+    result = run_cli(["-m", "--config-dir", str(tmp_path / "myconf"), "model=a,b", *schedule, "train.max_steps=2",
+                      "train.eval_interval=2", f"hydra.sweep.dir={sweep}"])
+    assert_ok(result)
+    summary = json.loads((sweep / "sweep_summary.json").read_text())
+    assert [(row["exit_code"], row["step"]) for row in summary] == [(0, 2), (0, 2)]
+    assert [yaml.safe_load((sweep / p / "config.yaml").read_text())["model"]["num_layers"] for p in "01"] == [1, 2]

@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -241,3 +239,23 @@ def test_an_error_in_the_composed_run_is_reported_as_hydras_run_reports_it(tmp_p
     assert result.returncode == 1, result.stderr[-2000:]
     assert "RuntimeError: an internal error before training" in result.stderr
     assert "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace." in result.stderr
+
+
+def test_an_option_of_ones_own_config_dir_trains_on_two_ranks_and_plans(tmp_path):
+    """docs/configuration.md's own option (`--config-dir myconf model=gpt_small`) at dp=2: the run
+    launches its two ranks (as a Hydra flag it went through hydra.main, which launches none: "needs 2
+    ranks but the process group has 1"), and megaframe-plan reads the same option."""
+    (tmp_path / "myconf" / "model").mkdir(parents=True)
+    (tmp_path / "myconf" / "model" / "gpt_small.yaml").write_text(
+        "arch: gpt2\nnum_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\nffn_hidden_size: 256\nseq_length: 64\n")
+    result = run_cli(["--config-dir", str(tmp_path / "myconf"), "model=gpt_small", "parallel.dp=2",
+                      "train.max_steps=2", "train.eval_interval=2", "train.log_interval=1",
+                      "logging.wandb.mode=disabled", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert_ok(result)
+    assert "launching 2 ranks" in result.stdout
+    assert [s for s, _ in curve(read_metrics(tmp_path / "run"), "loss")] == [1, 2]
+    plan = subprocess.run([sys.executable, "-m", "megaframe.plan", "-cd", str(tmp_path / "myconf"), "model=gpt_small",
+                           "parallel.global_batch_size=16", "--json"], cwd=REPO, env=cli_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert_ok(plan)
+    assert json.loads(plan.stdout)["plan"]["tokens_per_step"] == 16 * 64  # the option's seq_length
