@@ -82,3 +82,13 @@ def deepspeed_ops() -> Callable[..., None]:
             load_ops(ops_for(compose(overrides)[0].offload))
 
     return build
+
+
+@pytest.fixture
+def tf32_restored():
+    """torch's TF32 switch for matmuls as it was before the test (tests that flip it)."""
+    import torch
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before

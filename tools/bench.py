@@ -258,7 +258,7 @@ def cuda_report(args, cfg, layout, dims, builders) -> None:
     from megaframe.tracking.flops import flops_per_token, peak_tflops
 
     tokens = args.steps * layout.global_batch_size * cfg.model.seq_length
-    peak = peak_tflops(cfg.cluster.peak_tflops, cfg.precision.dtype)
+    peak = peak_tflops(cfg.cluster.peak_tflops, cfg.precision.dtype, cfg.cluster.gpu)
     planned = estimate_config(cfg, layout)
     rows = []
     for name, build in builders.items():

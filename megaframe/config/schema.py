@@ -242,8 +242,11 @@ class ClusterConfig:
     name: str = "local"
     gpus_per_node: Optional[int] = None  # None (local) = the ranks launched on this host
     memory_gb: Optional[float] = None  # per device, GiB; None (local) = this host's GPU, else its RAM / ranks
-    # dense peak per device at the run's precision (the profiles give bf16's): MFU and the planner's
-    # step time; None = the run looks its GPU up (none on a CPU), the planner gives no step time
+    # the GPU model (H100, H100 PCIe, H200, A100): MFU and the planner's step time divide by its dense
+    # peak in the run's matmul precision (bf16 989 on an H100, fp32 66.9: tracking/flops.py)
+    gpu: Optional[str] = None
+    # dense peak per device, used as given in every precision (replaces gpu's); None = gpu's, else
+    # a run looks its own GPU up (none on a CPU), and a local plan this host's
     peak_tflops: Optional[float] = None
     intra_node_gbps: float = 10.0  # GB/s per device and direction inside a node (NVLink)
     inter_node_gbps: float = 10.0  # GB/s per device and direction between nodes (InfiniBand)

@@ -212,7 +212,12 @@ def check_fast_tier(t) -> Optional[str]:
 
 def check_cluster(cfg: TrainConfig) -> Optional[str]:
     """The planner's hardware figures: a negative peak or reservation made every layout 'fit'."""
+    from megaframe.tracking.flops import DENSE_PEAK_TFLOPS, known_gpu
+
     c = cfg.cluster
+    if c.gpu is not None and not known_gpu(c.gpu):
+        return (f"cluster.gpu={c.gpu}: no dense peaks known for it (known: "
+                f"{', '.join(key for key, _ in DENSE_PEAK_TFLOPS)}); set cluster.peak_tflops instead")
     for key, value in (("cluster.peak_tflops", c.peak_tflops), ("cluster.memory_gb", c.memory_gb)):
         if value is not None and not (math.isfinite(value) and value > 0):
             return f"{key}={value} must be a finite number > 0, or null"

@@ -25,7 +25,7 @@ from megaframe.plan.memory import (ACTIVATION_BYTES, GIB, STATE_BYTES, ModelStat
                                    block_parameters, embedding_parameters, fsdp2_state_bytes, model_state_bytes,
                                    stage_blocks, stage_expert_parameters, stage_parameters, total_parameters)
 from megaframe.parallel.pipeline_schedules import bubble_fraction, in_flight_micro_batches, stage_indices
-from megaframe.tracking.flops import flops_per_token
+from megaframe.tracking.flops import flops_per_token, peak_tflops
 
 
 @dataclass
@@ -250,10 +250,10 @@ def estimate(dims: GPTDims, lay: PlanLayout, dtype: str, cluster: ClusterConfig,
     worst = max(stages, key=lambda st: st.peak)
     step_tokens = lay.global_batch_size * dims.seq_length
     flops = flops_per_token(dims) * step_tokens
-    step_time = flops / (lay.world_size * cluster.peak_tflops * 1e12 * mfu) if cluster.peak_tflops else None
+    peak = peak_tflops(cluster.peak_tflops, dtype, cluster.gpu, this_gpu=local)
+    step_time = flops / (lay.world_size * peak * 1e12 * mfu) if peak else None
     comm = communication_bytes(dims, lay, dtype, worst)
-    ranked = _ranked_step_time(lay, cluster, flops / (lay.world_size * (cluster.peak_tflops or 1.0) * 1e12 * mfu),
-                               comm, worst)
+    ranked = _ranked_step_time(lay, cluster, flops / (lay.world_size * (peak or 1.0) * 1e12 * mfu), comm, worst)
     return Estimate(layout=lay, cluster=cluster.name, total_parameters=total_parameters(dims), stages=stages,
                     capacity=capacity, reserved=reserved, peak=worst.peak, peak_stage=worst.stage,
                     flops_per_step=flops, tokens_per_step=step_tokens, step_time_s=step_time,

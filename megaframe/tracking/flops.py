@@ -56,9 +56,12 @@ def device_peak_tflops(device_name: str, precision: str) -> Optional[float]:
     return next((peaks[precision] for key, peaks in DENSE_PEAK_TFLOPS if key in device_name), None)
 
 
-def peak_tflops(configured: Optional[float], dtype: str = "bf16") -> Optional[float]:
-    """The dense peak to compute MFU against: cluster.peak_tflops, else this GPU's in the run's
-    matmul precision (precision.dtype; TF32 for fp32 when torch allows it).
+def peak_tflops(configured: Optional[float], dtype: str = "bf16", gpu: Optional[str] = None,
+                this_gpu: bool = True) -> Optional[float]:
+    """The dense peak to compute MFU and step times against, in this order: cluster.peak_tflops as
+    given; the cluster profile's GPU (cluster.gpu) in the run's matmul precision (precision.dtype;
+    TF32 for fp32 when torch allows it); this host's GPU the same way (this_gpu: a run measuring
+    itself, or a plan for this host; not a plan for other machines).
 
     None on CPU (there is no standard CPU peak) and on unknown GPUs: MFU is then not reported.
     """
@@ -66,7 +69,14 @@ def peak_tflops(configured: Optional[float], dtype: str = "bf16") -> Optional[fl
         return configured
     import torch
 
-    if not torch.cuda.is_available():
-        return None
     precision = matmul_precision(dtype, torch.backends.cuda.matmul.allow_tf32)
+    if gpu:
+        return device_peak_tflops(gpu, precision)
+    if not this_gpu or not torch.cuda.is_available():
+        return None
     return device_peak_tflops(torch.cuda.get_device_name(), precision)
+
+
+def known_gpu(name: str) -> bool:
+    """Whether cluster.gpu names a GPU of DENSE_PEAK_TFLOPS exactly (H100, H100 PCIe, H200, A100)."""
+    return any(name == key for key, _ in DENSE_PEAK_TFLOPS)

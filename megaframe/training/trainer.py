@@ -79,7 +79,7 @@ class Trainer:
         self.num_parameters = self.backend.num_parameters
         self._check_token_ids()
         self.flops_per_token = flops_per_token(self.dims)
-        self.peak_tflops = peak_tflops(cfg.cluster.peak_tflops, cfg.precision.dtype)
+        self.peak_tflops = peak_tflops(cfg.cluster.peak_tflops, cfg.precision.dtype, cfg.cluster.gpu)
         self.tokens_per_step = layout.global_batch_size * cfg.model.seq_length
         self.memory_plan = memory_plan(cfg, layout)
         self._model_states_logged = False

@@ -52,6 +52,22 @@ def test_mfu_needs_a_known_peak():
         assert peak_tflops(None) is None  # no standard CPU peak: no MFU unless configured
 
 
+def test_a_profiles_gpu_gives_its_peak_in_the_runs_matmul_precision(tf32_restored):
+    """cluster=h100_80g names its GPU, not one peak: an fp32 run divided by the bf16 peak (989) had
+    its MFU understated 15x. The datasheet figures (tracking/flops.py) by precision, TF32 where torch
+    allows it; cluster.peak_tflops, when given, in every precision."""
+    import torch
+
+    from megaframe.tracking.flops import peak_tflops
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    assert [peak_tflops(None, dtype, "H100") for dtype in ("bf16", "fp16", "fp32")] == [989.0, 989.0, 66.9]
+    assert peak_tflops(None, "fp32", "H100 PCIe") == 51.2 and peak_tflops(None, "bf16", "A100") == 312.0
+    torch.backends.cuda.matmul.allow_tf32 = True
+    assert peak_tflops(None, "fp32", "H100") == 494.7
+    assert peak_tflops(500.0, "fp32", "H100") == 500.0
+
+
 def test_records_are_strict_json_with_null_for_non_finite_numbers(tmp_path):
     """train.eval_steps=0 once wrote a bare NaN: valid for Python, refused by jq and browsers."""
     import json
