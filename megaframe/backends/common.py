@@ -209,3 +209,22 @@ def restore_schedule(scheduler, last_epoch: int) -> None:
     scheduler._last_lr = lrs
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):
         group["lr"] = lr
+
+
+def held_model_states(parameters: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of this rank's parameters, their gradients and Adam's two moments, by role in DeepSpeed's
+    categories (backends/deepspeed/memory.py); a sharded tensor counts its local shard. The engines
+    that step with torch's optimizer (FSDP2, plain) keep no reduce buckets, and between steps no
+    gradients (each step frees them)."""
+    from megaframe.checkpoint.universal import MOMENT_KEYS
+
+    def local_bytes(t: Optional[torch.Tensor]) -> int:
+        if t is None:
+            return 0
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    parameters = list(parameters)
+    moments = sum(local_bytes(v) for p in parameters for k, v in optimizer.state.get(p, {}).items() if k in MOMENT_KEYS)
+    return {"weights": sum(local_bytes(p) for p in parameters), "gradients": sum(local_bytes(p.grad) for p in parameters),
+            "optimizer": moments, "buckets": 0, "other": 0}

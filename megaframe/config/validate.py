@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
+from megaframe.config.gpus import DENSE_PEAK_TFLOPS, known_gpu
 from megaframe.config.schema import TrainConfig
 from megaframe.parallel.dims import OnGrid, ParallelDims
 
@@ -212,8 +213,6 @@ def check_fast_tier(t) -> Optional[str]:
 
 def check_cluster(cfg: TrainConfig) -> Optional[str]:
     """The planner's hardware figures: a negative peak or reservation made every layout 'fit'."""
-    from megaframe.tracking.flops import DENSE_PEAK_TFLOPS, known_gpu
-
     c = cfg.cluster
     if c.gpu is not None and not known_gpu(c.gpu):
         return (f"cluster.gpu={c.gpu}: no dense peaks known for it (known: "

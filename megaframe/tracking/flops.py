@@ -5,18 +5,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from megaframe.config.gpus import DENSE_PEAK_TFLOPS
 from megaframe.model.dims import GPTDims
 
-# Dense (not sparse) peaks, TFLOP/s per device, by the precision the matmuls run in, from the
-# vendors' datasheets. Dividing by the sparse figure (1979 for H100) halves MFU, a frequent
-# complaint about other frameworks; dividing an fp32 run by the bf16 peak understates it 15x.
-# First match wins, so the more specific names come first.
-DENSE_PEAK_TFLOPS = (
-    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2}),
-    ("H100", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 66.9}),
-    ("H200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 66.9}),
-    ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
-)
 
 
 def matmul_parameters(dims: GPTDims) -> int:
@@ -75,8 +66,3 @@ def peak_tflops(configured: Optional[float], dtype: str = "bf16", gpu: Optional[
     if not this_gpu or not torch.cuda.is_available():
         return None
     return device_peak_tflops(torch.cuda.get_device_name(), precision)
-
-
-def known_gpu(name: str) -> bool:
-    """Whether cluster.gpu names a GPU of DENSE_PEAK_TFLOPS exactly (H100, H100 PCIe, H200, A100)."""
-    return any(name == key for key, _ in DENSE_PEAK_TFLOPS)

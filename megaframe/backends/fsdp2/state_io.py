@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from megaframe.backends import common
 from megaframe.backends.common import adam_step, ensure_adam_state, jsonable, restore_schedule
 from megaframe.backends.fsdp2.build import compute_dtype, local_box
 from megaframe.checkpoint import sharded, universal
@@ -166,18 +167,8 @@ def resume(view: ShardView, directory: Path) -> dict[str, Any]:
 
 
 def held_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes of this rank's local shards by role: weights (the sharded fp32 parameters), gradients
-    and Adam moments. FSDP2 keeps no reduce buckets between steps; the gathered blocks of a forward
-    or backward are transient (the planner counts them apart)."""
-    def local_bytes(t: Optional[torch.Tensor]) -> int:
-        if t is None:
-            return 0
-        t = t.to_local() if isinstance(t, DTensor) else t
-        return t.numel() * t.element_size()
-    params = list(module.parameters())
-    moments = sum(local_bytes(v) for p in params for k, v in optimizer.state.get(p, {}).items() if k in MOMENT_KEYS)
-    weights = sum(local_bytes(p) for p in params)
-    # the step frees the gradients (set_to_none): between steps there are none, and in the backward
-    # each sharded gradient is its parameter's shape and dtype (fp32), so as many bytes as the weights
-    return {"weights": weights, "gradients": sum(local_bytes(p.grad) for p in params), "optimizer": moments,
-            "buckets": 0, "other": 0, "gradients_in_backward": weights}
+    """Bytes of this rank's local shards by role (backends/common.py). The gathered blocks of a
+    forward or backward are transient (the planner counts them apart); in the backward each sharded
+    gradient is its parameter's shape and dtype (fp32), so as many bytes as the weights."""
+    held = common.held_model_states(module.parameters(), optimizer)
+    return {**held, "gradients_in_backward": held["weights"]}

@@ -20,8 +20,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from megaframe.backends import Batch, StepResult
-from megaframe.backends.common import (apply_update, decay_param_groups, dp_mean, eval_mean, join_torch_world,
-                                       on_device, router_metrics)
+from megaframe.backends.common import (apply_update, decay_param_groups, dp_mean, eval_mean, held_model_states,
+                                       join_torch_world, on_device, router_metrics)
 from megaframe.backends.plain import state_io
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.config.schema import TrainConfig
@@ -104,7 +104,7 @@ class PlainBackend:
         return router_metrics(self.module, self.ps)
 
     def held_model_states(self) -> dict[str, int]:
-        return state_io.held_model_states(self.parameters, self.optimizer)
+        return held_model_states(self.parameters, self.optimizer)
 
     # ---- state -------------------------------------------------------------------------------
     def layout_record(self) -> dict[str, Any]:

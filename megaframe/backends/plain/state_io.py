@@ -81,12 +81,3 @@ def resume(view: PlainView, directory: Path) -> dict[str, Any]:
     restore_schedule(view.lr_scheduler, int(state.get("lr_scheduler", {}).get("last_epoch", state["step"])))
     return state
 
-
-def held_model_states(parameters: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes held by role, in DeepSpeed's categories (backends/deepspeed/memory.py): fp32 weights,
-    their gradients (none between steps: freed by each step), Adam's two moments; no buckets."""
-    def nbytes(t: Optional[torch.Tensor]) -> int:
-        return 0 if t is None else t.numel() * t.element_size()
-    moments = sum(nbytes(v) for p in parameters for k, v in optimizer.state.get(p, {}).items() if k in MOMENT_KEYS)
-    return {"weights": sum(nbytes(p) for p in parameters), "gradients": sum(nbytes(p.grad) for p in parameters),
-            "optimizer": moments, "buckets": 0, "other": 0}
