@@ -88,6 +88,8 @@ def override_problem(overrides: Sequence[str]) -> str | None:
 
 
 CONFIG_DIR_FLAGS = ("--config-dir", "-cd")
+# Hydra lists a help's option groups before it reads hydra.searchpath: with these the flag stays a flag
+_LISTING_FLAGS = ("-h", "--help", "--hydra-help", "-i", "--info")
 
 
 def config_dirs_as_searchpath(args: Sequence[str]) -> list[str]:
@@ -96,7 +98,11 @@ def config_dirs_as_searchpath(args: Sequence[str]) -> list[str]:
     As a flag it sent megaframe-train through hydra.main, which skips the pre-launch checks and
     launches no ranks (a dp=2 run died of "needs 2 ranks"), and megaframe-plan, which composes
     through Hydra's compose API, took it for a malformed override. As an override it goes the
-    ordinary way, to every rank too. Raises ConfigError for a missing value or directory."""
+    ordinary way, to every rank too. It goes before the first override, where Hydra's own flags
+    (--cfg job, -m) may follow it. --help and --info keep the flag: Hydra lists the options of a
+    help before it reads the search path. Raises ConfigError for a missing value or directory."""
+    if any(a.split("=", 1)[0] in _LISTING_FLAGS for a in args):
+        return list(args)
     rest, dirs = [], []
     i = 0
     while i < len(args):
@@ -109,11 +115,13 @@ def config_dirs_as_searchpath(args: Sequence[str]) -> list[str]:
                     raise ConfigError(f"{name} needs a directory: {name} DIR (docs/configuration.md)")
                 i += 1
                 value = args[i]
+            if not value.strip():
+                raise ConfigError(f"{name} needs a directory: {name} DIR (docs/configuration.md)")
             path = Path(value).expanduser().resolve()
             if not path.is_dir():
                 raise ConfigError(f"{name} {value}: no such directory")
-            if "'" in str(path) or "\\" in str(path):
-                raise ConfigError(f"{name} {value}: a path with a quote or a backslash cannot go into "
+            if any(char in str(path) for char in ("'", "\\", "${")):
+                raise ConfigError(f"{name} {value}: a path with a quote, a backslash or '${{' cannot go into "
                                   f"hydra.searchpath; link the directory from a plain path")
             dirs.append(path)
         i += 1
@@ -122,7 +130,9 @@ def config_dirs_as_searchpath(args: Sequence[str]) -> list[str]:
     if any(a.lstrip("+~").split("=", 1)[0] == "hydra.searchpath" for a in rest):
         raise ConfigError("hydra.searchpath and --config-dir both given: name the directories once, "
                           "each as --config-dir DIR")
-    return [*rest, "hydra.searchpath=[" + ",".join(f"'file://{path}'" for path in dirs) + "]"]
+    searchpath = "hydra.searchpath=[" + ",".join(f"'file://{path}'" for path in dirs) + "]"
+    first = next((i for i, a in enumerate(rest) if "=" in a and not a.startswith("-")), len(rest))
+    return [*rest[:first], searchpath, *rest[first:]]
 
 
 def compose(overrides: Sequence[str]) -> tuple[TrainConfig, str]:

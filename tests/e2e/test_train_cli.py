@@ -259,3 +259,10 @@ def test_an_option_of_ones_own_config_dir_trains_on_two_ranks_and_plans(tmp_path
                           text=True, timeout=300)
     assert_ok(plan)
     assert json.loads(plan.stdout)["plan"]["tokens_per_step"] == 16 * 64  # the option's seq_length
+    # Hydra's own flags after the overrides, as before the flag became an override
+    shown = run_cli(["--config-dir", str(tmp_path / "myconf"), "model=gpt_small", "--cfg", "job"])
+    assert_ok(shown)
+    assert "seq_length: 64" in shown.stdout
+    listed = run_cli(["--config-dir", str(tmp_path / "myconf"), "--help"])
+    assert_ok(listed)
+    assert "gpt_small" in listed.stdout

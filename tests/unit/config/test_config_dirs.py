@@ -20,7 +20,7 @@ def own(tmp_path):
 @pytest.mark.parametrize("form", ["--config-dir {}", "-cd {}", "--config-dir={}"])
 def test_each_spelling_composes_the_directorys_options(own, form):
     args = config_dirs_as_searchpath(["model=mine", *form.format(own).split(" "), "train.max_steps=3"])
-    assert args[:2] == ["model=mine", "train.max_steps=3"] and args[2].startswith("hydra.searchpath=")
+    assert args[1:] == ["model=mine", "train.max_steps=3"] and args[0].startswith("hydra.searchpath=")
     cfg, _ = compose(args)
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length) == (3, 48, 40)
 
@@ -44,11 +44,27 @@ def test_several_directories_are_searched_in_the_order_given(own, tmp_path):
 def test_a_relative_directory_is_made_absolute(own, monkeypatch):
     monkeypatch.chdir(own.parent)
     args = config_dirs_as_searchpath(["--config-dir", "own", "model=mine"])
-    assert args[-1] == f"hydra.searchpath=['file://{own.resolve()}']"
+    assert args[0] == f"hydra.searchpath=['file://{own.resolve()}']"
+
+
+def test_the_override_goes_before_the_first_override_where_hydras_flags_may_follow(own):
+    """Hydra's parser takes the overrides as one run of words: an override after `--cfg job` or a
+    trailing `-m` is an 'unrecognized argument'."""
+    path = f"hydra.searchpath=['file://{own.resolve()}']"
+    assert config_dirs_as_searchpath(["--cfg", "job", "-cd", str(own), "model=mine"]) == ["--cfg", "job", path, "model=mine"]
+    assert config_dirs_as_searchpath(["-cd", str(own), "model=mine", "-m"]) == [path, "model=mine", "-m"]
+    assert config_dirs_as_searchpath(["-cd", str(own)]) == [path]
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h", "--info"])
+def test_a_help_keeps_the_flag_which_hydra_lists_the_options_of(own, flag):
+    args = ["--config-dir", str(own), "model=mine", flag]
+    assert config_dirs_as_searchpath(args) == args
 
 
 @pytest.mark.parametrize("args, message", [
     (["model=mine", "--config-dir"], "--config-dir needs a directory: --config-dir DIR"),
+    (["model=mine", "--config-dir="], "--config-dir needs a directory: --config-dir DIR"),
     (["-cd", "/no/such/dir", "model=mine"], "-cd /no/such/dir: no such directory"),
     (["-cd", "OWN", "hydra.searchpath=[file:///tmp]"], "hydra.searchpath and --config-dir both given"),
 ])

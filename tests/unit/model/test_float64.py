@@ -50,3 +50,9 @@ def test_no_step_of_a_float64_model_rounds_through_fp32(name):
     assert loss.dtype == torch.float64
     assert all(p.grad.dtype == torch.float64 for p in model.parameters() if p.grad is not None)
     assert not seen.ops, f"fp64 rounded to fp32 inside a float64 {name} model by {sorted(seen.ops)}"
+    # the load-balancing loss's expert shares come from integer counts, which round nothing on the
+    # way to fp32 but would make the shares' division fp32
+    from megaframe.model.moe import MoE
+
+    for layer in (m for m in model.modules() if isinstance(m, MoE)):
+        assert layer.stats["counts"].dtype == torch.float64
