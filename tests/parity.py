@@ -9,7 +9,7 @@ from typing import Optional
 import pytest
 import torch
 
-from helpers import curve, read_metrics
+from helpers import assert_ok, cli_env, curve, read_metrics, run_cli
 from numerics import FACTOR, FP32_EPS
 
 FLAVOURS = {"gpt2": ["model=gpt_tiny"], "llama": ["model=llama_tiny"]}  # llama_tiny: 2 kv heads (GQA)
@@ -24,12 +24,19 @@ FLAVOURS = {"gpt2": ["model=gpt_tiny"], "llama": ["model=llama_tiny"]}  # llama_
 RTOL = 1e-5
 # The gradient norm is held to more than RTOL: issue 32 asked 1e-6 of it against the one-process
 # run, and that cannot be met against the fp32 one: on pp2 with 4 llama layers the fp32 one-process
-# norm is itself 1.64e-6 from the exact one, where the cp2 ring's came within 2.2e-7 of exact (and
-# 1.42e-6 of the fp32 run). So the norm is compared with the one-process run in float64
-# (train_runs(fp64=True)), within tests/numerics.py's FACTOR times the fp32 one-process run's own
-# distance from it over the curve (at least one fp32 ulp): a bound from the arithmetic of the case
-# at hand on this host, as issue 36 asks, and tighter than 1e-6 where the arithmetic is (measured:
-# 5e-8 of own rounding on the 2-layer models, ratios up to 1.2).
+# norm is itself 1.64e-6 from the exact one at one step, where the cp2 ring's came within 2.2e-7 of
+# exact (and 1.42e-6 of the fp32 run). So the norm is compared with the one-process run in float64
+# (train_runs(fp64=True)), step by step, within tests/numerics.py's FACTOR times the fp32 rounding of
+# that step: the larger distance from it of two fp32 one-process runs that sum in different orders
+# (OTHER_ORDER), and at least one fp32 ulp. A bound from the arithmetic of the case at hand on this
+# host, as issue 36 asks: 9.5e-7 at the steps where both fp32 runs round within an ulp, wider only
+# at ill-conditioned steps (there RTOL's check may be the tighter one).
+# Per step, not the worst over the curve: one ill-conditioned step would otherwise lend its
+# allowance to every other step (BENCHMARKS.md has the measured ratios).
+# The second fp32 reference runs with ATEN_CPU_CAPABILITY=default: torch's kernels without SIMD, the
+# same arithmetic in another order. (A smaller micro-batch would change an MoE's load-balancing loss,
+# which is per micro-batch, not only the order.)
+OTHER_ORDER = {"ATEN_CPU_CAPABILITY": "default"}
 
 
 # A one-process run steps through the plain engine unless told not to (docs/engines.md)
@@ -102,16 +109,45 @@ def assert_parity(got: list[dict], want: list[dict], what: str,
             assert a == pytest.approx(b, rel=rtol), f"{what}: {key} at step {step}: {a} vs reference {b}"
 
 
-def assert_norm_parity(got: list[dict], want32: list[dict], want64: list[dict], what: str) -> None:
-    """Every logged gradient norm of `got` within FACTOR x the fp32 reference's own rounding of the
-    fp64 reference's (relative, the worst over the curve, at least one fp32 ulp)."""
-    g, w32, w64 = (curve(records, "grad_norm") for records in (got, want32, want64))
-    assert [s for s, _ in g] == [s for s, _ in w32] == [s for s, _ in w64] and len(w64) >= 2, f"{what}: steps differ"
-    own = max(FP32_EPS, *(abs(a - b) / b for (_, a), (_, b) in zip(w32, w64)))
-    worst = max(abs(a - b) / b for (_, a), (_, b) in zip(g, w64))
-    _report(what, "grad_norm/fp64", worst, own)
-    assert worst <= FACTOR * own, (f"{what}: gradient norm {worst:.3g} (relative) from the fp64 reference's, over "
-                                   f"{FACTOR:g}x the fp32 reference's own {own:.3g}")
+def assert_norm_parity(got: list[dict], fp32_runs: list[list[dict]], want64: list[dict], what: str) -> None:
+    """Each logged gradient norm of `got` within FACTOR x that step's fp32 rounding of the fp64
+    reference's norm: the fp32 references' largest relative distance from it (at least one fp32 ulp)."""
+    g, w64, *w32 = (curve(records, "grad_norm") for records in (got, want64, *fp32_runs))
+    steps = [s for s, _ in w64]
+    assert len(steps) >= 2 and w32 and all([s for s, _ in c] == steps for c in (g, *w32)), f"{what}: steps differ"
+    worst_ratio, worst = 0.0, (0, 0.0, 0.0)
+    for k, (step, exact) in enumerate(w64):
+        own = max(FP32_EPS, *(abs(c[k][1] - exact) / exact for c in w32))
+        off = abs(g[k][1] - exact) / exact
+        if off / own >= worst_ratio:
+            worst_ratio, worst = off / own, (step, off, own)
+    step, off, own = worst
+    _report(what, "grad_norm/fp64", off, own)
+    assert worst_ratio <= FACTOR, (f"{what}: gradient norm at step {step} {off:.3g} (relative) from the fp64 "
+                                   f"reference's, over {FACTOR:g}x the fp32 references' own {own:.3g}")
+
+
+def exact_references(root: Path, flavours: dict[str, list[str]]) -> dict[str, Path]:
+    """The references of each flavour's run (name -> overrides) at one rank: NAME, DeepSpeed's engine
+    in fp32; NAME-order, the same summing in another order (a fresh megaframe-train under
+    OTHER_ORDER); NAME-fp64, the plain engine in float64 from the same initial values. Returns their
+    run directories by name."""
+    from ranks import run_ranks
+
+    run_ranks(train_runs, 1, root, runs=[([*overrides, *DEEPSPEED_AT_ONE_RANK], str(root / name))
+                                         for name, overrides in flavours.items()], engine="deepspeed")
+    run_ranks(train_runs, 1, root, runs=[(overrides, str(root / f"{name}-fp64")) for name, overrides in flavours.items()],
+              fp64=True, engine="plain")
+    for name, overrides in flavours.items():  # the import reads the capability: a new interpreter each
+        assert_ok(run_cli([*overrides, f"hydra.run.dir={root / f'{name}-order'}"], env={**cli_env(), **OTHER_ORDER},
+                          fresh=True))
+    return {f"{name}{suffix}": root / f"{name}{suffix}" for name in flavours for suffix in ("", "-order", "-fp64")}
+
+
+def assert_exact_norm(run_dir: Path, references: dict[str, Path], flavour: str, what: str) -> None:
+    """assert_norm_parity of the run in run_dir against exact_references' runs of `flavour`."""
+    assert_norm_parity(read_metrics(run_dir), [read_metrics(references[flavour]), read_metrics(references[f"{flavour}-order"])],
+                       read_metrics(references[f"{flavour}-fp64"]), what)
 
 
 def assert_deepspeed_continues(saved: Path, overrides: list[str], reference: list[dict], tmp_path: Path,

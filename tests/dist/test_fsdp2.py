@@ -17,8 +17,8 @@ import pytest
 
 from helpers import TINY, assert_ok, cli_env, curve, read_metrics, run_cli, FRESH_RANKS
 from hf_logits import assert_same_hf_logits
-from parity import (DEEPSPEED_AT_ONE_RANK, RTOL, assert_deepspeed_continues, assert_norm_parity, assert_parity,
-                    train_runs)
+from parity import (DEEPSPEED_AT_ONE_RANK, RTOL, assert_deepspeed_continues, assert_exact_norm, assert_parity,
+                    exact_references, train_runs)
 from ranks import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -99,16 +99,13 @@ def _storage_bytes(backend) -> int:
 
 @pytest.fixture(scope="module")
 def reference_dirs(tmp_path_factory) -> dict[str, Path]:
-    """DeepSpeed's engine at one rank, each flavour, in fp32; the same run in float64 through the plain
-    engine (FLAVOUR-fp64: the gradient norm's exact reference); and FSDP2 at one rank beside them."""
+    """DeepSpeed's engine at one rank, each flavour, in fp32 (also summing in another order) and the
+    same run in float64 (tests/parity.py: exact_references); and FSDP2 at one rank beside them."""
     root = tmp_path_factory.mktemp("single")
-    run_ranks(train_runs, 1, root, runs=[([*base, *STEPS, *DEEPSPEED_AT_ONE_RANK], str(root / name))
-                                         for name, base in FLAVOURS.items()], engine="deepspeed")
+    references = exact_references(root, {name: [*base, *STEPS] for name, base in FLAVOURS.items()})
     run_ranks(train_runs, 1, root, runs=[([*FLAVOURS["gpt2"], *STEPS, *FSDP2, "zero=stage3"], str(root / "fsdp2-gpt2"))],
               engine="fsdp2")
-    run_ranks(train_runs, 1, root, runs=[([*base, *STEPS], str(root / f"{name}-fp64")) for name, base in FLAVOURS.items()],
-              fp64=True, engine="plain")
-    return {name: root / name for name in (*FLAVOURS, *(f"{name}-fp64" for name in FLAVOURS), "fsdp2-gpt2")}
+    return {**references, "fsdp2-gpt2": root / "fsdp2-gpt2"}
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +141,8 @@ def test_fsdp2_layouts_match_the_single_rank_run(flavour, references, reference_
     last_norm = curve(reference, "grad_norm")[-1][1]
     for i, (name, (_, run_dir)) in enumerate(zip(layouts, runs)):
         assert_parity(read_metrics(run_dir), reference, f"fsdp2 {flavour} {name}")
-        # the norm against the exact one, within the fp32 reference's own rounding (tests/parity.py)
-        assert_norm_parity(read_metrics(run_dir), reference, references[f"{flavour}-fp64"], f"fsdp2 {flavour} {name}")
+        # the norm against the exact one, within the fp32 rounding of each step (tests/parity.py)
+        assert_exact_norm(run_dir, reference_dirs, flavour, f"fsdp2 {flavour} {name}")
         # every rank's norm, TP ranks included: each counts the TP shards once and the replicas once
         for rank, rank_reports in enumerate(reports):
             norm = rank_reports[i]["grad_norm"]
@@ -171,7 +168,7 @@ def test_fsdp2_layouts_match_the_single_rank_run(flavour, references, reference_
                     assert a == pytest.approx(b, rel=1e-6), f"{name} {key} at step {step}: fsdp2 {a} vs deepspeed {b}"
 
 
-def test_bf16_compile_and_async_saves_at_dp2(references, tmp_path):
+def test_bf16_compile_and_async_saves_at_dp2(references, reference_dirs, tmp_path):
     """bf16 stays as near the fp32 curve as DeepSpeed's bf16 does (at most twice its largest distance;
     measured: 0.61e-3 against 0.79e-3 on the loss); compiled blocks under tp2 and background saves
     at dp2 give the fp32 curve, and the exact gradient norm within the fp32 one's rounding; a resume
@@ -194,7 +191,7 @@ def test_bf16_compile_and_async_saves_at_dp2(references, tmp_path):
                                                                                   distance("deepspeed-bf16"))
     for name in ("fsdp2-compiled-tp2", "fsdp2-async"):
         assert_parity(read_metrics(tmp_path / name), fp32, name)
-        assert_norm_parity(read_metrics(tmp_path / name), fp32, references["gpt2-fp64"], name)
+        assert_exact_norm(tmp_path / name, reference_dirs, "gpt2", name)
     assert sorted(p.name for p in saved.parent.glob("global_step*")) == ["global_step12", "global_step4", "global_step8"]
     resumed_records = read_metrics(Path(resumed[1]))
     assert min(r["step"] for r in resumed_records) == 9

@@ -12,8 +12,7 @@ import pytest
 
 from helpers import TINY, curve, read_metrics
 from hf_logits import assert_same_hf_logits
-from parity import (DEEPSPEED_AT_ONE_RANK, RTOL, assert_deepspeed_continues, assert_norm_parity, assert_parity,
-                    train_runs)
+from parity import RTOL, assert_deepspeed_continues, assert_exact_norm, assert_parity, exact_references, train_runs
 from ranks import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -45,19 +44,9 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def reference_dirs(tmp_path_factory) -> dict[str, Path]:
-    """DeepSpeed's engine at one rank, unpipelined, each flavour, in fp32; the same run in float64
-    through the plain engine (FLAVOUR-fp64: the gradient norm's exact reference, tests/parity.py)."""
-    root = tmp_path_factory.mktemp("single")
-    run_ranks(train_runs, 1, root, runs=[([*base, *STEPS, *DEEPSPEED_AT_ONE_RANK], str(root / name))
-                                         for name, base in FLAVOURS.items()], engine="deepspeed")
-    run_ranks(train_runs, 1, root, runs=[([*base, *STEPS], str(root / f"{name}-fp64")) for name, base in FLAVOURS.items()],
-              fp64=True, engine="plain")
-    return {name: root / name for name in (*FLAVOURS, *(f"{name}-fp64" for name in FLAVOURS))}
-
-
-def assert_norm_exact(run_dir: Path, reference_dirs: dict[str, Path], flavour: str, what: str) -> None:
-    assert_norm_parity(read_metrics(run_dir), read_metrics(reference_dirs[flavour]),
-                       read_metrics(reference_dirs[f"{flavour}-fp64"]), what)
+    """DeepSpeed's engine at one rank, unpipelined, each flavour, in fp32 (also summing in another
+    order) and the same run in float64 (tests/parity.py: exact_references)."""
+    return exact_references(tmp_path_factory.mktemp("single"), {name: [*base, *STEPS] for name, base in FLAVOURS.items()})
 
 
 @pytest.mark.parametrize("flavour", sorted(LAYOUTS))
@@ -69,7 +58,7 @@ def test_pipeline_schedules_match_the_single_rank_run(flavour, reference_dirs, t
     last_norm = curve(reference, "grad_norm")[-1][1]
     for i, name in enumerate(layouts):
         assert_parity(read_metrics(tmp_path / name), reference, f"fsdp2 {flavour} pp2 {name}")
-        assert_norm_exact(tmp_path / name, reference_dirs, flavour, f"fsdp2 {flavour} pp2 {name}")
+        assert_exact_norm(tmp_path / name, reference_dirs, flavour, f"fsdp2 {flavour} pp2 {name}")
         for rank, rank_norms in enumerate(norms):  # each stage's rank, each TP rank: the global norm
             assert rank_norms[i] == pytest.approx(last_norm, rel=RTOL), (name, rank, rank_norms[i], last_norm)
     if flavour == "gpt2":
@@ -89,7 +78,7 @@ def test_each_schedule_alone_on_two_ranks(reference_dirs, tmp_path):
     reference = read_metrics(reference_dirs["gpt2"])
     for name in runs:
         assert_parity(read_metrics(tmp_path / name), reference, f"fsdp2 gpt2 pp2 {name}")
-        assert_norm_exact(tmp_path / name, reference_dirs, "gpt2", f"fsdp2 gpt2 pp2 {name}")
+        assert_exact_norm(tmp_path / name, reference_dirs, "gpt2", f"fsdp2 gpt2 pp2 {name}")
 
 
 def test_pp2_tp2_dp2_on_eight_ranks_and_its_checkpoint_in_hugging_face(reference_dirs, tmp_path):
@@ -99,7 +88,7 @@ def test_pp2_tp2_dp2_on_eight_ranks_and_its_checkpoint_in_hugging_face(reference
     norms = run_ranks(train_runs, 8, tmp_path, runs=[run])
     reference = read_metrics(reference_dirs["gpt2"])
     assert_parity(read_metrics(tmp_path / "pp2tp2dp2"), reference, "fsdp2 gpt2 pp2 x tp2 x dp2")
-    assert_norm_exact(tmp_path / "pp2tp2dp2", reference_dirs, "gpt2", "fsdp2 gpt2 pp2 x tp2 x dp2")
+    assert_exact_norm(tmp_path / "pp2tp2dp2", reference_dirs, "gpt2", "fsdp2 gpt2 pp2 x tp2 x dp2")
     last_norm = curve(reference, "grad_norm")[-1][1]
     assert all(rank_norms[0] == pytest.approx(last_norm, rel=RTOL) for rank_norms in norms), (norms, last_norm)
     assert_same_hf_logits(tmp_path / "pp2tp2dp2", reference_dirs["gpt2"], tmp_path)
