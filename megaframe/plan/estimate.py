@@ -233,8 +233,9 @@ def _stages_to_report(pp: int) -> list[int]:
 
 
 def estimate(dims: GPTDims, lay: PlanLayout, dtype: str, cluster: ClusterConfig, mfu: float,
-             all_stages: bool = False, zero: Optional[ZeroConfig] = None) -> Estimate:
-    """Memory, FLOPs, time and communication of `lay` for the model `dims` on `cluster`."""
+             all_stages: bool = False, zero: Optional[ZeroConfig] = None, tf32: bool = False) -> Estimate:
+    """Memory, FLOPs, time and communication of `lay` for the model `dims` on `cluster` (tf32:
+    precision.tf32, fp32 matmuls on TF32 tensor cores)."""
     local = cluster.gpus_per_node is None
     ranks_on_host = lay.world_size if local else min(lay.world_size, cluster.gpus_per_node)
     capacity = device_capacity(cluster, ranks_on_host)
@@ -250,7 +251,7 @@ def estimate(dims: GPTDims, lay: PlanLayout, dtype: str, cluster: ClusterConfig,
     worst = max(stages, key=lambda st: st.peak)
     step_tokens = lay.global_batch_size * dims.seq_length
     flops = flops_per_token(dims) * step_tokens
-    peak = peak_tflops(cluster.peak_tflops, dtype, cluster.gpu, this_gpu=local)
+    peak = peak_tflops(cluster.peak_tflops, dtype, cluster.gpu, this_gpu=local, tf32=tf32)
     step_time = flops / (lay.world_size * peak * 1e12 * mfu) if peak else None
     comm = communication_bytes(dims, lay, dtype, worst)
     ranked = _ranked_step_time(lay, cluster, flops / (lay.world_size * (peak or 1.0) * 1e12 * mfu), comm, worst)
@@ -346,4 +347,4 @@ def estimate_config(cfg: TrainConfig, layout: Layout, all_stages: bool = False) 
     """estimate() for a composed, validated config."""
     dims = resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp, device_type=planning_device_type(cfg))
     return estimate(dims, plan_layout(cfg, layout), cfg.precision.dtype, cfg.cluster, cfg.plan.mfu, all_stages,
-                    cfg.zero)
+                    cfg.zero, cfg.precision.tf32)

@@ -109,7 +109,7 @@ def fitting_layouts(cfg: TrainConfig, base: PlanLayout, limit: int = 10) -> list
              for name in (cfg.plan.engines or [base.engine])]
     for lay in (lay for b in bases for lay in candidate_layouts(cfg.model, b, cfg.cluster.gpus_per_node)):
         dims = dims_for_tp.setdefault(lay.tp, resolve_dims(cfg.model, vocab, tp=lay.tp, device_type=device))
-        est = estimate(dims, lay, cfg.precision.dtype, cfg.cluster, cfg.plan.mfu, zero=cfg.zero)
+        est = estimate(dims, lay, cfg.precision.dtype, cfg.cluster, cfg.plan.mfu, zero=cfg.zero, tf32=cfg.precision.tf32)
         if est.fits:
             fitting.append(est)
     fitting.sort(key=lambda e: (round(e.ranked_step_time_s, 9), e.peak))

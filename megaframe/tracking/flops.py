@@ -48,11 +48,12 @@ def device_peak_tflops(device_name: str, precision: str) -> Optional[float]:
 
 
 def peak_tflops(configured: Optional[float], dtype: str = "bf16", gpu: Optional[str] = None,
-                this_gpu: bool = True) -> Optional[float]:
+                this_gpu: bool = True, tf32: Optional[bool] = None) -> Optional[float]:
     """The dense peak to compute MFU and step times against, in this order: cluster.peak_tflops as
     given; the cluster profile's GPU (cluster.gpu) in the run's matmul precision (precision.dtype;
     TF32 for fp32 when torch allows it); this host's GPU the same way (this_gpu: a run measuring
-    itself, or a plan for this host; not a plan for other machines).
+    itself, or a plan for this host; not a plan for other machines). tf32: whether fp32 matmuls run
+    in TF32 (None: as torch is set now).
 
     None on CPU (there is no standard CPU peak) and on unknown GPUs: MFU is then not reported.
     """
@@ -60,7 +61,7 @@ def peak_tflops(configured: Optional[float], dtype: str = "bf16", gpu: Optional[
         return configured
     import torch
 
-    precision = matmul_precision(dtype, torch.backends.cuda.matmul.allow_tf32)
+    precision = matmul_precision(dtype, torch.backends.cuda.matmul.allow_tf32 if tf32 is None else tf32)
     if gpu:
         return device_peak_tflops(gpu, precision)
     if not this_gpu or not torch.cuda.is_available():

@@ -74,6 +74,8 @@ class Trainer:
                                 if layout.cp > 1 else None)
         self.dims = resolve_dims(cfg.model, self.data.vocab_size, tp=layout.tp, device_type=plug.device_type())
         torch.manual_seed(cfg.train.seed)  # dropout streams; weights come from init_parameters
+        if cfg.precision.tf32:  # fp32 matmuls on TF32 tensor cores; false leaves torch's own setting
+            torch.backends.cuda.matmul.allow_tf32 = True
         self.backend = plug.build(cfg, layout, self.ps, self.dims, lr_scheduler_factory(cfg.optim, cfg.train.max_steps))
         resume_collector()  # start-up ends with the engine built (megaframe/startup.py)
         self.num_parameters = self.backend.num_parameters

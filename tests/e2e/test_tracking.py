@@ -35,6 +35,17 @@ def test_offline_wandb_run_holds_config_and_metrics(tmp_path):
     assert [row["eval_loss"] for row in run["history"] if "eval_loss" in row] == [v for _, v in curve(records, "eval_loss")]
 
 
+@pytest.mark.parametrize("tf32, peak", [(False, 66.9), (True, 494.7)])
+def test_mfu_divides_by_the_profiles_gpu_in_the_runs_matmul_precision(tmp_path, tf32, peak):
+    """cluster.gpu=H100 in fp32: MFU against the fp32 peak, or TF32's with precision.tf32=true (which
+    the run turns on in torch). The profiles once gave every precision bf16's 989."""
+    result = run_cli([*TINY, "train.max_steps=2", "cluster.gpu=H100", f"precision.tf32={str(tf32).lower()}",
+                      f"hydra.run.dir={tmp_path}"])
+    assert_ok(result)
+    for record in (r for r in read_metrics(tmp_path) if "loss" in r):
+        assert record["mfu"] * peak == pytest.approx(record["tflops"], rel=1e-6)
+
+
 def test_bench_tool_compares_megaframe_with_plain_loops_and_transformers():
     """Without its compiled path (tests/unit/model/test_compile.py covers compiled blocks): CI time."""
     import subprocess

@@ -20,5 +20,7 @@ def test_a_profiles_step_time_uses_its_gpus_peak_in_the_plans_precision(tf32_res
     torch.backends.cuda.matmul.allow_tf32 = False
     bf16, fp32 = _step_time("precision=bf16"), _step_time("precision=fp32")
     assert fp32 / bf16 == pytest.approx(989.0 / 66.9)
+    # precision.tf32=true: the fp32 matmuls on TF32 tensor cores, half the bf16 rate
+    assert _step_time("precision=fp32", "precision.tf32=true") / bf16 == pytest.approx(989.0 / 494.7)
     # a peak given by hand is used as given, in every precision
     assert _step_time("precision=bf16", "cluster.peak_tflops=500") == _step_time("precision=fp32", "cluster.peak_tflops=500")
