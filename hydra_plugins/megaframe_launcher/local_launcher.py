@@ -24,6 +24,8 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 
+from megaframe.config.compose import searchpath_override
+
 
 @dataclass
 class MegaframeLocalLauncherConf:
@@ -54,7 +56,7 @@ class MegaframeLocalLauncher(Launcher):
         # hydra.searchpath): filter_overrides drops hydra.* keys, and without them a point composing
         # an option of that directory failed with "no such option"
         searchpath = [str(entry) for entry in self.config.hydra.searchpath or []]
-        search = [f"hydra.searchpath=[{','.join(repr(entry) for entry in searchpath)}]"] if searchpath else []
+        search = [searchpath_override(searchpath)] if searchpath else []
         for offset, overrides in enumerate(job_overrides):
             idx = initial_job_idx + offset
             sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))

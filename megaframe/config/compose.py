@@ -130,9 +130,16 @@ def config_dirs_as_searchpath(args: Sequence[str]) -> list[str]:
     if any(a.lstrip("+~").split("=", 1)[0] == "hydra.searchpath" for a in rest):
         raise ConfigError("hydra.searchpath and --config-dir both given: name the directories once, "
                           "each as --config-dir DIR")
-    searchpath = "hydra.searchpath=[" + ",".join(f"'file://{path}'" for path in dirs) + "]"
+    searchpath = searchpath_override([f"file://{path}" for path in dirs])
     first = next((i for i, a in enumerate(rest) if "=" in a and not a.startswith("-")), len(rest))
     return [*rest[:first], searchpath, *rest[first:]]
+
+
+def searchpath_override(entries: Sequence[str]) -> str:
+    """The override `hydra.searchpath=['ENTRY',...]` (entries free of quotes, as
+    config_dirs_as_searchpath checks): how megaframe-train passes a user's config directories on,
+    to its ranks and to each point of a sweep."""
+    return "hydra.searchpath=[" + ",".join(f"'{entry}'" for entry in entries) + "]"
 
 
 def compose(overrides: Sequence[str]) -> tuple[TrainConfig, str]:

@@ -9,7 +9,6 @@ from megaframe.config.gpus import DENSE_PEAK_TFLOPS
 from megaframe.model.dims import GPTDims
 
 
-
 def matmul_parameters(dims: GPTDims) -> int:
     """N of the PaLM formula: every parameter that takes part in a matmul per token (for MoE, the
     active ones: a token meets the router, its top_k experts and the shared experts).
