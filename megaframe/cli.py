@@ -207,6 +207,18 @@ def _check_dataset(cfg: TrainConfig) -> None:
         _fail(problem)
 
 
+def _check_resume(cfg: TrainConfig, run_dir: str) -> None:
+    """A run dir that would start over on top of an earlier run's history (its checkpoints not
+    mounted, a file in their place: training/resume_checks.py) is one line and exit code 2, before
+    launch; every rank of a launched job exits, rank 0 says why."""
+    from megaframe.training.resume_checks import prelaunch_problem
+
+    if problem := prelaunch_problem(Path(run_dir), cfg.train.resume):
+        if _rank() == 0:
+            print(f"{PROG}: error: {problem}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def _check_sweep_point(point: list[str]) -> None:
     """One point of a -m sweep, as megaframe-train alone would check it before launching its ranks
     (compose, validate, the planner's fit, the launcher's package, the dataset's files)."""
@@ -538,6 +550,7 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
     composed_args = list(args)
     _check_launcher(cfg)
     _check_dataset(cfg)
+    _check_resume(cfg, run_dir)
     _check_system(cfg, layout)
     if _rank() == 0:
         for warning in validate_warnings(cfg, layout, engine(cfg.backend.name).config_warnings):

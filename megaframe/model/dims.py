@@ -132,11 +132,22 @@ _SHAPE_KEYS = {"num_layers": "model.num_layers", "hidden_size": "model.hidden_si
 _MOE_SHAPE_KEYS = ("num_experts", "ffn_hidden_size", "layer_freq", "first_dense_layers", "shared_experts")
 
 
+def _has_dense_block(dims: GPTDims) -> bool:
+    """Whether some block has a dense MLP (of model.ffn_hidden_size): not when every block routes
+    (a Mixtral). Arithmetic on the pattern, not a loop over the layers."""
+    moe = dims.moe
+    if moe is None or moe.first_dense_layers > 0:
+        return dims.num_layers > 0
+    return moe.layer_freq > 1 and dims.num_layers > 1
+
+
 def shape_change(saved: GPTDims, now: GPTDims) -> Optional[tuple[str, Any, Any]]:
     """The first (key, saved value, current value) that gives the model another set of parameter
     shapes, or None. Dropout, init, norm epsilon, RoPE theta and routing coefficients may change on
     resume; so may the sequence length, except under learned positions (the table's rows)."""
-    pairs = [(key, getattr(saved, field), getattr(now, field)) for field, key in _SHAPE_KEYS.items()]
+    dense = _has_dense_block(saved) or _has_dense_block(now)  # else model.ffn_hidden_size shapes no tensor
+    pairs = [(key, getattr(saved, field), getattr(now, field)) for field, key in _SHAPE_KEYS.items()
+             if dense or field != "ffn_hidden_size"]
     if saved.position_embedding == now.position_embedding == "learned":
         pairs.append(("model.seq_length", saved.seq_length, now.seq_length))
     saved_moe, now_moe = saved.moe, now.moe

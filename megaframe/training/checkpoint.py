@@ -29,6 +29,7 @@ from megaframe.checkpoint.universal import CheckpointError
 from megaframe.atomic_io import atomic_write_text
 from megaframe.failures import save_failure
 from megaframe.parallel.random import get_rng_states, set_rng_states
+from megaframe.training.resume_checks import clear_unsaved
 
 LATEST = universal.LATEST_FILE
 TMP_PREFIX = "tmp-"
@@ -174,6 +175,7 @@ def publish_dir(tmp: Path, save_dir: Path, step: int, world: int, keep: int = 0)
     universal.write_manifest(tmp, hashed)  # rank 0 hashes only its own small files
     final = universal.replace_dir(tmp, save_dir / tag)  # re-saving a step keeps the old one until the swap
     atomic_write_text(save_dir / LATEST, tag + "\n")
+    clear_unsaved(save_dir)  # the run has a checkpoint now: records without one mean lost storage
     if keep > 0:
         prune(save_dir, keep)
     return final

@@ -24,7 +24,7 @@ from megaframe.config.validate import Layout
 from megaframe.data import micro_batches, eval_batches
 from megaframe.data.dataset import eval_wrap_problem
 from megaframe.data.token_check import cached_token_range, check_token_ids, remember_token_range, token_range
-from megaframe.training import checkpoint
+from megaframe.training import checkpoint, resume_checks
 from megaframe.training.data_setup import DataSplits, build_data
 from megaframe.training.failure_report import report_failure
 from megaframe.training.fast_checkpoint import FastTier
@@ -195,28 +195,26 @@ class Trainer:
                 print(f"megaframe: warning: {self.checkpoint_dir / checkpoint.LATEST} is missing: resuming from the "
                       f"newest checkpoint that verifies, {path.name} (train.resume=none starts over)",
                       file=sys.stderr, flush=True)
+            if self.is_logger and (gone := resume_checks.gone_latest_warning(self.checkpoint_dir, path)):
+                print(gone, file=sys.stderr, flush=True)
             if skipped and self.is_logger:
                 print(f"megaframe: warning: resume skipped {len(skipped)} newer checkpoint(s) that do not verify: "
                       f"{'; '.join(skipped)}; resuming from {path.name}", file=sys.stderr, flush=True)
         else:
             path = checkpoint.resolve_resume(self.cfg.train.resume, self.checkpoint_dir)
         if path is None:
-            if self.cfg.train.resume == "auto" and self.is_logger:
-                # an attempt that crashed before its first checkpoint: its records would repeat
-                dropped = self.metrics.truncate_after(-1)
-                if dropped:
-                    print(f"no checkpoint to resume from: dropped {dropped} metrics records of an earlier attempt",
-                          flush=True)
+            self._start_over()
             return
         checkpoint.check_model_shape(path, self.dims)
         point = checkpoint.load_any(self.backend, path, verified=verified,
                                     trust_pickled=self.cfg.train.trust_pickled_checkpoint)
         self.step = point.step
         self._check_batch_size(path, point.client_state)
+        data_changed = self._check_data_order(path, point.client_state)
         self.guard.load_state_dict(point.client_state.get("guard", {}))
         load_router_biases(getattr(self.backend.module, "moe_layers", []), point.client_state.get("router_biases", {}))
         blend_cursor = point.client_state.get("blend_cursor")
-        if self.data.blended and blend_cursor is not None:
+        if self.data.blended and blend_cursor is not None and not data_changed:
             # saves re-walking the blend from sample 0; where it is absent the walk gives the same samples
             self.data.train.restore(blend_cursor)
         if "tp_dropout" in point.rng_state:
@@ -230,7 +228,23 @@ class Trainer:
             dropped = self.metrics.truncate_after(self.step)
             print(f"resumed from {path} at step {self.step}"
                   + (f" (dropped {dropped} metrics records logged after it)" if dropped else ""), flush=True)
+            now = resume_checks.run_record(self.cfg, self.layout)
+            if line := resume_checks.change_line(path, point.client_state, now):  # layout, engine, schedule
+                print(line, flush=True)
             self._resized = self._resize_event(point.client_state.get("layout") or {})
+
+    def _start_over(self) -> None:
+        """No checkpoint to resume from: refused on every rank when the run dir says one should be
+        there, else step 0 (resume_checks.start_over)."""
+        resume_checks.start_over(self.run_dir, self.checkpoint_dir, self.cfg.train.resume, self.metrics,
+                                 self.is_logger, self.layout.world_size > 1)
+
+    def _check_data_order(self, path: Path, state: dict) -> bool:
+        """A resume that changes the data order is refused unless train.resume_accept_data_change
+        (resume_checks.py); returns whether it changes."""
+        record = resume_checks.data_record(self.cfg.model.seq_length, self.cfg.train.seed, self.data)
+        return resume_checks.check_data_order(path, state, record, self.cfg.train.resume_accept_data_change,
+                                              self.is_logger)
 
     def _resize_event(self, saved: dict) -> Optional[dict]:
         """A resume into another world size (an elastic restart after a node left or joined, or a
@@ -287,7 +301,8 @@ class Trainer:
         rank's layout-free shard (None without one), and whether DeepSpeed's own files are written."""
         state = {"step": self.step, "consumed_samples": self.consumed_samples,
                  "global_batch_size": self.layout.global_batch_size, "layout": self.backend.layout_record(),
-                 "guard": self.guard.state_dict()}
+                 "guard": self.guard.state_dict(), "run": resume_checks.run_record(self.cfg, self.layout),
+                 "data": resume_checks.data_record(self.cfg.model.seq_length, self.cfg.train.seed, self.data)}
         if biases := router_biases(getattr(self.backend.module, "moe_layers", []), self.dims.num_moe_blocks,
                                    self.ps.pp_group):
             state["router_biases"] = biases  # MoE bias balancing: whole per layer, the same on every rank

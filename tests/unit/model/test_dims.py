@@ -1,0 +1,46 @@
+"""The resume's shape check (model/dims.py shape_change) refuses only keys that shape a tensor."""
+from __future__ import annotations
+
+import dataclasses
+
+from megaframe.config.compose import compose
+from megaframe.convert.hf import config_from_hf
+from megaframe.model.dims import resolve_dims, shape_change
+
+VOCAB = 257
+
+
+def _mixtral_from_hf(moe_tiny) -> dict:
+    """The config.json of a Mixtral shaped like model=moe_tiny, as `megaframe-convert from-hf` reads it."""
+    return {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "vocab_size": VOCAB,
+            "hidden_size": moe_tiny.hidden_size, "intermediate_size": moe_tiny.moe.ffn_hidden_size,
+            "num_hidden_layers": moe_tiny.num_layers, "num_attention_heads": moe_tiny.num_attention_heads,
+            "num_key_value_heads": moe_tiny.num_kv_heads, "num_local_experts": moe_tiny.moe.num_experts,
+            "num_experts_per_tok": moe_tiny.moe.top_k, "max_position_embeddings": moe_tiny.seq_length,
+            "rms_norm_eps": moe_tiny.norm_eps, "rope_theta": moe_tiny.rope_theta, "tie_word_embeddings": False}
+
+
+def test_model_ffn_hidden_size_is_no_shape_when_every_block_routes():
+    """model=moe_tiny (ffn_hidden_size 352, experts 128 wide) resumes an imported Mixtral (whose
+    model.ffn_hidden_size is its experts' width): no block has a dense MLP of that width."""
+    moe_tiny = compose(["model=moe_tiny"])[0].model
+    imported = config_from_hf(_mixtral_from_hf(moe_tiny))
+    assert imported.ffn_hidden_size != moe_tiny.ffn_hidden_size  # the key the check used to refuse
+    assert shape_change(resolve_dims(imported, VOCAB), resolve_dims(moe_tiny, VOCAB)) is None
+
+
+def test_model_ffn_hidden_size_still_shapes_a_dense_block():
+    moe_tiny = compose(["model=moe_tiny"])[0].model
+    wider = dataclasses.replace(moe_tiny, ffn_hidden_size=512)
+    assert shape_change(resolve_dims(moe_tiny, VOCAB), resolve_dims(wider, VOCAB)) is None
+    for pattern in ({"first_dense_layers": 1}, {"layer_freq": 2}):  # a dense block in both
+        a = dataclasses.replace(moe_tiny, moe=dataclasses.replace(moe_tiny.moe, **pattern))
+        b = dataclasses.replace(a, ffn_hidden_size=512)
+        assert shape_change(resolve_dims(a, VOCAB), resolve_dims(b, VOCAB)) == ("model.ffn_hidden_size", 352, 512)
+    # the experts' width shapes the experts
+    narrow = dataclasses.replace(moe_tiny, moe=dataclasses.replace(moe_tiny.moe, ffn_hidden_size=64))
+    assert shape_change(resolve_dims(moe_tiny, VOCAB), resolve_dims(narrow, VOCAB)) == \
+        ("model.moe.ffn_hidden_size", 128, 64)
+    dense = compose([])[0].model
+    assert shape_change(resolve_dims(dense, VOCAB), resolve_dims(dataclasses.replace(dense, ffn_hidden_size=99),
+                                                                 VOCAB))[0] == "model.ffn_hidden_size"
