@@ -124,3 +124,40 @@ def test_a_checkpoint_written_with_a_gpus_vocabulary_padding_resumes_on_the_cpus
     assert [s for s, _ in got] == [s for s, _ in want] and got
     for (step, a), (_, b) in zip(got, want):
         assert a == pytest.approx(b, rel=1e-5), f"loss at step {step}: unpadded {a} vs padded {b}"
+
+
+def test_a_changed_data_order_is_refused_unless_accepted_and_the_resume_says_what_changed(tmp_path):
+    """A new train.seed or model.seq_length changes which samples every later step trains on (as a
+    new global batch does): refused in one line (exit 5) unless train.resume_accept_data_change=true,
+    which says what changes. The resume names, old -> new, what it changes of the run's schedule.
+    Unmounted checkpoints under a run with records: refused before launch (exit 2), records kept."""
+    import shutil
+
+    from megaframe.failures import ExitCode
+
+    args = [*TINY, "model.position_embedding=rope", "train.max_steps=4", "train.save_interval=2",
+            "train.eval_interval=0", f"hydra.run.dir={tmp_path}"]
+    assert_ok(run_cli([*args, "train.exit_at_step=2"]))
+    records = (tmp_path / "metrics.jsonl").read_bytes()
+    result = run_cli([*args, "train.seed=7", "model.seq_length=16"])
+    assert result.returncode == ExitCode.BAD_CHECKPOINT, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("megaframe-train: error")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "model.seq_length 32 -> 16; train.seed 1234 -> 7" in errors[0], errors[0]
+    assert "train.resume_accept_data_change=true" in errors[0]
+    assert (tmp_path / "metrics.jsonl").read_bytes() == records
+
+    accepted = run_cli([*args, "train.seed=7", "train.resume_accept_data_change=true", "train.max_steps=5"])
+    assert_ok(accepted)
+    assert "from step 3 the samples of each step follow the new data order (train.seed 1234 -> 7)" in accepted.stderr
+    assert "resumed from global_step2 with changes: train.max_steps 4 -> 5;" in accepted.stdout, accepted.stdout[-2000:]
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5]
+
+    records = (tmp_path / "metrics.jsonl").read_bytes()
+    shutil.move(tmp_path / "checkpoints", tmp_path / "elsewhere")
+    (tmp_path / "checkpoints").symlink_to(tmp_path / "not-mounted")
+    refused = run_cli([*args, "train.seed=7", "train.max_steps=6"])
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("megaframe-train: error")]
+    assert len(errors) == 1 and "checkpoints is a link to" in errors[0] and "train.resume=none" in errors[0], errors
+    assert (tmp_path / "metrics.jsonl").read_bytes() == records and not (tmp_path / "not-mounted").exists()
