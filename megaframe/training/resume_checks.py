@@ -314,4 +314,4 @@ def change_line(path: Path, state: dict, now: dict[str, Any]) -> Optional[str]:
     stretched = any(key in saved and saved[key] != now[key] for key in ("max_steps", "warmup_steps", "lr_decay",
                                                                         "lr", "min_lr"))
     note = "; the learning-rate schedule follows the new values from here" if stretched else ""
-    return f"resumed from {Path(path).name} with changes: {', '.join(changes)}{note}"
+    return f"changed since {Path(path).name}: {', '.join(changes)}{note}"

@@ -150,7 +150,7 @@ def test_a_changed_data_order_is_refused_unless_accepted_and_the_resume_says_wha
     accepted = run_cli([*args, "train.seed=7", "train.resume_accept_data_change=true", "train.max_steps=5"])
     assert_ok(accepted)
     assert "from step 3 the samples of each step follow the new data order (train.seed 1234 -> 7)" in accepted.stderr
-    assert "resumed from global_step2 with changes: train.max_steps 4 -> 5;" in accepted.stdout, accepted.stdout[-2000:]
+    assert "changed since global_step2: train.max_steps 4 -> 5;" in accepted.stdout, accepted.stdout[-2000:]
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5]
 
     records = (tmp_path / "metrics.jsonl").read_bytes()

@@ -224,7 +224,7 @@ NOW = {"backend": "deepspeed", "tp": 2, "pp": 1, "dp": 2, "cp": 1, "ep": 1, "zer
 def test_the_change_line_names_what_changed_old_to_new():
     saved = {**NOW, "backend": "fsdp2", "tp": 1, "dp": 4, "zero": 3, "max_steps": 20, "warmup_steps": 5}
     line = change_line(Path("c/global_step10"), {"run": saved}, NOW)
-    assert line.startswith("resumed from global_step10 with changes: ")
+    assert line.startswith("changed since global_step10: ")
     for said in ("backend fsdp2 -> deepspeed", "parallel.tp 1 -> 2", "parallel.dp 4 -> 2", "zero.stage 3 -> 2",
                  "train.max_steps 20 -> 40", "optim.warmup_steps 5 -> 10"):
         assert said in line, said
@@ -237,11 +237,11 @@ def test_the_change_line_of_a_checkpoint_that_records_only_its_layout():
     """Written before the run record: the layout record says tp, pp, dp, cp, ep, ZeRO stage and,
     for fsdp2, the engine; nothing is said of what it does not record."""
     line = change_line(Path("global_step4"), {"layout": {"tp": 1, "pp": 2, "dp": 2, "zero_stage": 1, "ep": 2}}, NOW)
-    assert line == ("resumed from global_step4 with changes: parallel.tp 1 -> 2, parallel.pp 2 -> 1, "
+    assert line == ("changed since global_step4: parallel.tp 1 -> 2, parallel.pp 2 -> 1, "
                     "parallel.ep 2 -> 1, zero.stage 1 -> 2")
     line = change_line(Path("global_step4"), {"layout": {"engine": "fsdp2", "tp": 2, "pp": 1, "dp": 2,
                                                          "zero_stage": 2}}, NOW)
-    assert line == "resumed from global_step4 with changes: backend fsdp2 -> deepspeed"
+    assert line == "changed since global_step4: backend fsdp2 -> deepspeed"
     assert change_line(Path("global_step0"), {"step": 0}, NOW) is None  # an imported model
 
 
