@@ -2,9 +2,8 @@
 run's history, a changed data order, and the one line of layout, engine and schedule changes."""
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -130,7 +129,6 @@ def test_a_latest_naming_a_deleted_checkpoint(tmp_path):
     checkpoints = run / "checkpoints"
     _publish(checkpoints, 2)
     _publish(checkpoints, 4)
-    import shutil
     shutil.rmtree(checkpoints / "global_step4")
     path, _ = checkpoint.newest_verified(checkpoints)
     assert path == checkpoints / "global_step2"
@@ -177,7 +175,8 @@ def test_changes_that_move_the_data_order_are_named(sources):
         "data.blend weights [0.3, 0.7] -> [0.5, 0.5]": _record(sources, blend=[1, sources["web"], 1, sources["code"]]),
         "data.blend sources [web, code] -> [web, code, books]":
             _record(sources, blend=[0.3, sources["web"], 0.7, sources["code"], 0.1, sources["books"]]),
-        "data.blend sources [web, code] -> [code, web]": _record(sources, blend=[0.3, sources["code"], 0.7, sources["web"]]),
+        "data.blend sources [web, code] -> [code, web]":
+            _record(sources, blend=[0.3, sources["code"], 0.7, sources["web"]]),
         "data.blend weights [0.3, 0.7] -> [0.3, 0.7] then [0.5, 0.5] from step 20":
             _record(sources, blend_schedule=[[20, [0.5, 0.5]]], **blend),
     }
