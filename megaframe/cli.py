@@ -24,7 +24,8 @@ from megaframe.config.schema import TrainConfig
 from megaframe.config.store import register_configs
 from megaframe.config.validate import ConfigError, Layout, requested_world_size
 from megaframe.config.validate import warnings as validate_warnings
-from megaframe.failures import PROG
+from megaframe.failures import PROG, RunFailure
+from megaframe.launch_env import launch_env_problem
 from megaframe.launch_guard import LAUNCHER_PID, die_with_launcher
 from megaframe.paths import conf_dir
 from megaframe.slurm import adopt_slurm_env
@@ -301,6 +302,9 @@ def _self_launch(overrides: list[str], world: int, run_dir: str) -> int:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     print(f"{PROG}: launching {world} ranks on this host", flush=True)
+    # SIGUSR1 too (SLURM's --signal=USR1@90 before the time limit): the agent passes it on, and the
+    # ranks stop and save as for SIGTERM (torch's agent, left to itself, would die of it unsaved)
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     # Ctrl-C or SIGTERM reaches the agent, which passes it to the ranks (training/stop_signal.py): they
     # stop at one step boundary and may save; a rank is SIGKILLed only after this grace
     grace = ["--shutdown-timeout", str(_SIGNAL_GRACE_S)]
@@ -366,7 +370,12 @@ def _shared_run_dir(run_dir: str, cfg: TrainConfig) -> str:
     """Under a launcher every rank must write to rank 0's run dir (timestamps differ per rank)."""
     import torch.distributed as dist
 
-    engine(cfg.backend.name).init_distributed(cfg.train.collective_timeout_s)
+    try:
+        engine(cfg.backend.name).init_distributed(cfg.train.collective_timeout_s, cfg.train.join_timeout_s)
+    except RunFailure as err:  # ranks that never joined (parallel/rendezvous.py): one line, exit 7
+        if not getattr(err, "quiet", False):
+            print(f"{PROG}: error: {err} [exit {int(err.exit_code)}]", file=sys.stderr, flush=True)
+        sys.exit(int(err.exit_code))
     holder = [str(Path(run_dir).resolve())]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]
@@ -508,6 +517,8 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
         _fail(str(err))
     die_with_launcher()  # a rank under torchrun's agent ends when its launcher is killed outright
     adopt_slurm_env()  # an srun task (launcher=slurm's job) joins the process group from SLURM's variables
+    if problem := launch_env_problem():  # RANK >= WORLD_SIZE and the like: one line, not C++ stack dumps
+        _fail(problem)
     _stop_if_job_stopped()
     if any(a.split("=", 1)[0] in _HYDRA_FLAGS for a in args):
         resume_collector()  # a sweep waits on its points' runs, and --cfg/--help only print

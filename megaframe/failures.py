@@ -104,9 +104,10 @@ class JobStopped(RunFailure):
         self.exit_code = ExitCode(exit_code)
 
 
-# a run that SIGINT (Ctrl-C) or SIGTERM (kill, SLURM's preemption) stopped at a step boundary exits as
-# a shell reports such a process: 128 + the signal's number (training/stop_signal.py)
-SIGNAL_STOPS = (130, 143)
+# a run that SIGINT (Ctrl-C), SIGTERM (kill, SLURM's preemption), SIGHUP or SIGUSR1 (SLURM's --signal)
+# stopped at a step boundary exits as a shell reports such a process: 128 + the signal's number
+# (training/stop_signal.py)
+SIGNAL_STOPS = (130, 143, 129, 138)
 
 _BY_CODE = {failure.exit_code: failure for failure in (Diverged, BadData, BadCheckpoint, MissingSystemPiece, RankHung,
                                                        SaveFailed)}
@@ -140,8 +141,8 @@ def exit_code_of_job(codes: list[Optional[int]]) -> int:
     if documented:
         return documented[0]
     stopped = {c for c in codes if c}
-    # SIGINT/SIGTERM: every rank stopped at one boundary; one that was still closing when the first
-    # exited was sent SIGTERM by torchrun's agent (-15), which changes nothing about how the job ended
-    if stopped & set(SIGNAL_STOPS) and stopped <= {*SIGNAL_STOPS, -2, -15}:
+    # a stop signal: every rank stopped at one boundary; one that was still closing when the first
+    # exited was sent the signal again by torchrun's agent (-2, -15, -1, -10), which changes nothing
+    if stopped & set(SIGNAL_STOPS) and stopped <= {*SIGNAL_STOPS, *(128 - code for code in SIGNAL_STOPS)}:
         return max(stopped)
     return ExitCode.INTERNAL if any(c for c in codes) else ExitCode.OK

@@ -212,6 +212,9 @@ class LoopConfig:
     max_consecutive_skips: int = 5  # this many skipped steps in a row (non-finite or spike) stop the run (exit 3)
     spike: SpikeConfig = field(default_factory=SpikeConfig)
     collective_timeout_s: float = 1800.0  # a rank that does not reach a collective within this ends the job (exit 7)
+    # at start-up, how long each rank waits for all ranks to join the process group (one "waiting for N of
+    # M ranks" line meanwhile) before it ends with exit 7 (parallel/rendezvous.py)
+    join_timeout_s: float = 600.0
 
 
 @dataclass
