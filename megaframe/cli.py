@@ -32,6 +32,7 @@ from megaframe.slurm import adopt_slurm_env
 
 _SELF_LAUNCHED = "MEGAFRAME_SELF_LAUNCHED"  # set for the ranks _self_launch starts
 _SIGNAL_GRACE_S = 300  # how long ranks stopped by a signal may take to save before torchrun kills them
+_AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # what the agent passes on to the ranks
 # Hydra's own flags (help, --cfg job, multirun, ...): Hydra handles them, we do not pre-validate.
 _HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-p", "--package",
                 "--resolve", "-m", "--multirun", "-cp", "--config-path", "-cn", "--config-name",
@@ -302,12 +303,11 @@ def _self_launch(overrides: list[str], world: int, run_dir: str) -> int:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     print(f"{PROG}: launching {world} ranks on this host", flush=True)
-    # SIGUSR1 too (SLURM's --signal=USR1@90 before the time limit): the agent passes it on, and the
-    # ranks stop and save as for SIGTERM (torch's agent, left to itself, would die of it unsaved)
-    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     # Ctrl-C or SIGTERM reaches the agent, which passes it to the ranks (training/stop_signal.py): they
     # stop at one step boundary and may save; a rank is SIGKILLed only after this grace
-    grace = ["--shutdown-timeout", str(_SIGNAL_GRACE_S)]
+    # SIGUSR1 too (SLURM's --signal=USR1@90 before the time limit): the agent passes it on and the ranks
+    # stop and save as for SIGTERM (torch's agent, left to its default list, dies of it unsaved)
+    grace = ["--shutdown-timeout", str(_SIGNAL_GRACE_S), f"--signals-to-handle={_AGENT_SIGNALS}"]
     try:
         run(parse_args(["--standalone", f"--nproc-per-node={world}", *grace, "-m", "megaframe.train", *overrides]))
     except ChildFailedError as err:
