@@ -39,11 +39,10 @@ def launch_env_problem(env: Mapping[str, str] = os.environ) -> Optional[str]:
         return f"RANK={rank} must be in [0, WORLD_SIZE={world}){fix}"
     if local_world is not None and not 1 <= local_world <= world:
         return f"LOCAL_WORLD_SIZE={local_world} must be in [1, WORLD_SIZE={world}]{fix}"
-    if local_rank is not None:
-        bound = local_world if local_world is not None else world
-        if not 0 <= local_rank < bound:
-            name = "LOCAL_WORLD_SIZE" if local_world is not None else "WORLD_SIZE"
-            return f"LOCAL_RANK={local_rank} must be in [0, {name}={bound}){fix}"
+    if local_rank is not None and local_rank < 0:
+        return f"LOCAL_RANK={local_rank} must be >= 0{fix}"
+    if local_rank is not None and local_world is not None and local_rank >= local_world:
+        return f"LOCAL_RANK={local_rank} must be in [0, LOCAL_WORLD_SIZE={local_world}){fix}"
     if world > 1:
         for name in ("MASTER_ADDR", "MASTER_PORT"):
             if not env.get(name, "").strip():

@@ -18,7 +18,7 @@ OK = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"
     ({"WORLD_SIZE": "four"}, "WORLD_SIZE='four' is not an integer"),
     ({"LOCAL_RANK": "2"}, "LOCAL_RANK=2 must be in [0, LOCAL_WORLD_SIZE=2)"),
     ({"LOCAL_WORLD_SIZE": "8"}, "LOCAL_WORLD_SIZE=8 must be in [1, WORLD_SIZE=4]"),
-    ({"LOCAL_WORLD_SIZE": None, "LOCAL_RANK": "4"}, "LOCAL_RANK=4 must be in [0, WORLD_SIZE=4)"),
+    ({"LOCAL_RANK": "-1"}, "LOCAL_RANK=-1 must be >= 0"),
     ({"MASTER_PORT": None}, "MASTER_PORT is not set, and WORLD_SIZE=4 ranks need it"),
     ({"MASTER_ADDR": " "}, "MASTER_ADDR is not set"),
     ({"MASTER_PORT": "70000"}, "MASTER_PORT='70000' must be a TCP port in [1, 65535]"),
@@ -33,7 +33,9 @@ def test_contradicting_launcher_variables_are_named(change, problem):
 
 
 @pytest.mark.parametrize("env", [OK, {}, {"RANK": "0", "WORLD_SIZE": "1"}, {"LOCAL_RANK": "0"},
-                                 {**OK, "LOCAL_WORLD_SIZE": None}])
+                                 {**OK, "LOCAL_WORLD_SIZE": None},
+                                 # one device seen (SLURM --gpus-per-task): its local rank counts the node's tasks
+                                 {**OK, "LOCAL_WORLD_SIZE": None, "LOCAL_RANK": "5"}])
 def test_a_consistent_launch_or_none_passes(env):
     assert launch_env_problem({k: v for k, v in env.items() if v is not None}) is None
 
