@@ -492,13 +492,14 @@ class Trainer:
             self.fast.clear()  # the run is done: its parts leave the nodes' memory
 
     def _stop_on_signal(self, signum: int) -> None:
-        """A rank got SIGINT or SIGTERM: save the steps done (train.save_on_signal) and end the loop."""
+        """A rank got a stop signal (stop_signal.py): save the steps done (train.save_on_signal) and end the loop."""
         self.stopped_by = signum
+        # not when the signal came during this very step's periodic save, which it waited for
+        saves = self.cfg.train.save_on_signal and self.step > self._start_step and self.saved_step != self.step
         if self.is_logger:
             print(f"megaframe: {StopSignal.name(signum)}: stopping after step {self.step}"
-                  + (", saving first" if self.cfg.train.save_on_signal and self.step > self._start_step else ""),
-                  flush=True)
-        if self.cfg.train.save_on_signal and self.step > self._start_step and self.saved_step != self.step:
+                  + (", saving first" if saves else ""), flush=True)
+        if saves:
             self._save()
 
     def close(self, failed: bool = False) -> None:
