@@ -93,8 +93,8 @@ def _connect(host: str, port: int, rank: int, world: int, join_timeout_s: float,
                  f"(giving up after train.join_timeout_s={join_timeout_s:g})")
             said = True
         time.sleep(_POLL_S)
-    return dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
-                         wait_for_workers=False)
+    left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
+    return dist.TCPStore(host, port, world, is_master=False, timeout=left, wait_for_workers=False)
 
 
 def _count(store, key: str) -> int:
@@ -139,10 +139,10 @@ def join_world(backend: str, timeout: Optional[timedelta], join_timeout_s: Optio
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     agent_store = attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if world == 1 and not agent_store:
-        if "MASTER_PORT" not in os.environ:  # RANK=0 WORLD_SIZE=1 by hand: env:// needs an address
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # RANK=0 WORLD_SIZE=1 by hand: env:// needs one
+        if not os.environ.get("MASTER_PORT"):
             with socket.socket() as probe:
                 probe.bind(("127.0.0.1", 0))
-                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
                 os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
         return False
     join_timeout_s = join_timeout_s or 600.0

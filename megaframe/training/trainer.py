@@ -275,7 +275,8 @@ class Trainer:
                 self.fast.save(self.step, lambda part: checkpoint.write_rank_part(part, self.ps.rank, state, rng,
                                                                                   write_universal)())
             except OSError as err:  # /dev/shm full (64 MB in a default container), or not writable
-                raise save_failure(err, f"the fast-tier part of step {self.step}", self.cfg.train.fast_save_dir) from err
+                raise save_failure(err, f"the fast-tier part of step {self.step}",
+                                   self.cfg.train.fast_save_dir) from err
 
     def _save(self) -> None:
         with self.stop_signal.unguarded():  # a stop signal waits for the save, minutes on a 7B (not 3 steps)

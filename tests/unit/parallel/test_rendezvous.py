@@ -17,7 +17,7 @@ import torch.distributed as dist
 from helpers import REPO
 from megaframe.backends.common import free_port
 from megaframe.failures import ExitCode
-from megaframe.parallel.rendezvous import JoinTimeout, _connect, wait_for_world
+from megaframe.parallel.rendezvous import JoinTimeout, LaunchEnvError, _connect, join_world, wait_for_world
 
 
 def _store() -> dist.TCPStore:
@@ -96,3 +96,21 @@ def test_a_signal_ends_a_waiting_rank_at_once():
     assert process.returncode == 143 and time.monotonic() - start < 10, err[-2000:]
     assert err.strip().splitlines() == [
         "megaframe-train: SIGTERM while waiting for the ranks to join: stopping now (nothing to save yet)"]
+
+
+def test_a_world_of_one_set_by_hand_gets_an_address_to_join(monkeypatch):
+    """RANK=0 WORLD_SIZE=1 without MASTER_ADDR/MASTER_PORT: torch's env:// join raised a traceback."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    assert join_world("gloo", None, 5) is False  # the engine's own init then joins the world of one
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1" and 0 < int(os.environ["MASTER_PORT"]) < 65536
+
+
+def test_contradicting_variables_are_refused_before_any_store(monkeypatch):
+    for name, value in {"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(LaunchEnvError) as err:
+        join_world("gloo", None, 5)
+    assert err.value.exit_code == ExitCode.REFUSED and str(err.value).startswith("RANK=2 must be in [0, WORLD_SIZE=2)")
