@@ -5,6 +5,9 @@ megaframe-train [OVERRIDE ...]
   2. asked for more ranks than it was started with and not under a launcher, it re-runs itself
      under torch.distributed.run on this host;
   3. otherwise hands the same overrides to hydra.main, which creates the run dir and calls train().
+Exit codes: docs/failures.md (megaframe/failures.py). A run stopped by SIGINT, SIGTERM, SIGHUP or
+SIGUSR1 saves at a step boundary and exits 128 + the signal's number: 130, 143, 129, 138; the ranks
+this command launches get the signal passed on, and 300 s to save (_SIGNAL_GRACE_S).
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ class ExitCode(enum.IntEnum):
     BAD_DATA = 4  # the dataset cannot be trained on (token ids outside the vocabulary, corrupt files)
     BAD_CHECKPOINT = 5  # the checkpoint to resume from is corrupt or incompatible
     MISSING_SYSTEM = 6  # a system piece failed after launch (a DeepSpeed op that does not load)
-    RANK_HUNG = 7  # a rank did not reach a collective within train.collective_timeout_s
+    RANK_HUNG = 7  # a rank did not reach a collective within train.collective_timeout_s (or join within join_timeout_s)
     SAVE_FAILED = 8  # a checkpoint could not be written (a full disk, a quota, permissions); the last good one stands
 
 

@@ -189,8 +189,9 @@ class LoopConfig:
     native_checkpoint: bool = False  # also write DeepSpeed's own files (always when there is no layout-free copy)
     # resume from DeepSpeed's own files, which load by unpickling: code a crafted file holds would run
     trust_pickled_checkpoint: bool = False
-    # SIGINT/SIGTERM (Ctrl-C, SLURM preemption): every rank stops at the same step boundary and, when
-    # this is on, saves there before exiting 130/143 (training/stop_signal.py)
+    # SIGINT/SIGTERM/SIGHUP/SIGUSR1 (Ctrl-C, SLURM preemption, --signal=USR1@90): every rank stops at the
+    # same step boundary and, when this is on, saves there before exiting 128 + the signal's number
+    # (130/143/129/138; training/stop_signal.py)
     save_on_signal: bool = True
     # a resume whose parallel.global_batch_size differs from the checkpoint's: `refuse`, or
     # `move_position` (the data position becomes step x the new global batch size, as every step's
