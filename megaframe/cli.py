@@ -5,6 +5,9 @@ megaframe-train [OVERRIDE ...]
   2. asked for more ranks than it was started with and not under a launcher, it re-runs itself
      under torch.distributed.run on this host;
   3. otherwise hands the same overrides to hydra.main, which creates the run dir and calls train().
+Exit codes: docs/failures.md (megaframe/failures.py). A run stopped by SIGINT, SIGTERM, SIGHUP or
+SIGUSR1 saves at a step boundary and exits 128 + the signal's number: 130, 143, 129, 138; the ranks
+this command launches get the signal passed on, and 300 s to save (_SIGNAL_GRACE_S).
 """
 from __future__ import annotations
 
@@ -24,13 +27,15 @@ from megaframe.config.schema import TrainConfig
 from megaframe.config.store import register_configs
 from megaframe.config.validate import ConfigError, Layout, requested_world_size
 from megaframe.config.validate import warnings as validate_warnings
-from megaframe.failures import PROG
+from megaframe.failures import PROG, RunFailure
+from megaframe.launch_env import launch_env_problem
 from megaframe.launch_guard import LAUNCHER_PID, die_with_launcher
 from megaframe.paths import conf_dir
 from megaframe.slurm import adopt_slurm_env
 
 _SELF_LAUNCHED = "MEGAFRAME_SELF_LAUNCHED"  # set for the ranks _self_launch starts
 _SIGNAL_GRACE_S = 300  # how long ranks stopped by a signal may take to save before torchrun kills them
+_AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # what the agent passes on to the ranks
 # Hydra's own flags (help, --cfg job, multirun, ...): Hydra handles them, we do not pre-validate.
 _HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-p", "--package",
                 "--resolve", "-m", "--multirun", "-cp", "--config-path", "-cn", "--config-name",
@@ -315,7 +320,9 @@ def _self_launch(overrides: list[str], world: int, run_dir: str) -> int:
     print(f"{PROG}: launching {world} ranks on this host", flush=True)
     # Ctrl-C or SIGTERM reaches the agent, which passes it to the ranks (training/stop_signal.py): they
     # stop at one step boundary and may save; a rank is SIGKILLed only after this grace
-    grace = ["--shutdown-timeout", str(_SIGNAL_GRACE_S)]
+    # SIGUSR1 too (SLURM's --signal=USR1@90 before the time limit): the agent passes it on and the ranks
+    # stop and save as for SIGTERM (torch's agent, left to its default list, dies of it unsaved)
+    grace = ["--shutdown-timeout", str(_SIGNAL_GRACE_S), f"--signals-to-handle={_AGENT_SIGNALS}"]
     try:
         run(parse_args(["--standalone", f"--nproc-per-node={world}", *grace, "-m", "megaframe.train", *overrides]))
     except ChildFailedError as err:
@@ -378,7 +385,12 @@ def _shared_run_dir(run_dir: str, cfg: TrainConfig) -> str:
     """Under a launcher every rank must write to rank 0's run dir (timestamps differ per rank)."""
     import torch.distributed as dist
 
-    engine(cfg.backend.name).init_distributed(cfg.train.collective_timeout_s)
+    try:
+        engine(cfg.backend.name).init_distributed(cfg.train.collective_timeout_s, cfg.train.join_timeout_s)
+    except RunFailure as err:  # ranks that never joined (parallel/rendezvous.py): one line, exit 7
+        if not getattr(err, "quiet", False):
+            print(f"{PROG}: error: {err} [exit {int(err.exit_code)}]", file=sys.stderr, flush=True)
+        sys.exit(int(err.exit_code))
     holder = [str(Path(run_dir).resolve())]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]
@@ -520,6 +532,8 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
         _fail(str(err))
     die_with_launcher()  # a rank under torchrun's agent ends when its launcher is killed outright
     adopt_slurm_env()  # an srun task (launcher=slurm's job) joins the process group from SLURM's variables
+    if problem := launch_env_problem():  # RANK >= WORLD_SIZE and the like: one line, not C++ stack dumps
+        _fail(problem)
     _stop_if_job_stopped()
     if any(a.split("=", 1)[0] in _HYDRA_FLAGS for a in args):
         resume_collector()  # a sweep waits on its points' runs, and --cfg/--help only print

@@ -24,7 +24,7 @@ class ExitCode(enum.IntEnum):
     BAD_DATA = 4  # the dataset cannot be trained on (token ids outside the vocabulary, corrupt files)
     BAD_CHECKPOINT = 5  # the checkpoint to resume from is corrupt or incompatible
     MISSING_SYSTEM = 6  # a system piece failed after launch (a DeepSpeed op that does not load)
-    RANK_HUNG = 7  # a rank did not reach a collective within train.collective_timeout_s
+    RANK_HUNG = 7  # a rank did not reach a collective within train.collective_timeout_s (or join within join_timeout_s)
     SAVE_FAILED = 8  # a checkpoint could not be written (a full disk, a quota, permissions); the last good one stands
 
 
@@ -104,9 +104,10 @@ class JobStopped(RunFailure):
         self.exit_code = ExitCode(exit_code)
 
 
-# a run that SIGINT (Ctrl-C) or SIGTERM (kill, SLURM's preemption) stopped at a step boundary exits as
-# a shell reports such a process: 128 + the signal's number (training/stop_signal.py)
-SIGNAL_STOPS = (130, 143)
+# a run that SIGINT (Ctrl-C), SIGTERM (kill, SLURM's preemption), SIGHUP or SIGUSR1 (SLURM's --signal)
+# stopped at a step boundary exits as a shell reports such a process: 128 + the signal's number
+# (training/stop_signal.py)
+SIGNAL_STOPS = (130, 143, 129, 138)
 
 _BY_CODE = {failure.exit_code: failure for failure in (Diverged, BadData, BadCheckpoint, MissingSystemPiece, RankHung,
                                                        SaveFailed)}
@@ -140,8 +141,8 @@ def exit_code_of_job(codes: list[Optional[int]]) -> int:
     if documented:
         return documented[0]
     stopped = {c for c in codes if c}
-    # SIGINT/SIGTERM: every rank stopped at one boundary; one that was still closing when the first
-    # exited was sent SIGTERM by torchrun's agent (-15), which changes nothing about how the job ended
-    if stopped & set(SIGNAL_STOPS) and stopped <= {*SIGNAL_STOPS, -2, -15}:
+    # a stop signal: every rank stopped at one boundary; one that was still closing when the first
+    # exited was sent the signal again by torchrun's agent (-2, -15, -1, -10), which changes nothing
+    if stopped & set(SIGNAL_STOPS) and stopped <= {*SIGNAL_STOPS, *(128 - code for code in SIGNAL_STOPS)}:
         return max(stopped)
     return ExitCode.INTERNAL if any(c for c in codes) else ExitCode.OK

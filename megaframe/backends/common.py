@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from megaframe.backends import Batch
-from megaframe.parallel.elastic import join_restarted_group
+from megaframe.parallel.rendezvous import join_world
 from megaframe.parallel.state import ParallelState
 
 
@@ -47,17 +47,19 @@ def process_group_defaults(collective_timeout_s: Optional[float]) -> timedelta:
     return timeout
 
 
-def join_torch_world(device_type: str, collective_timeout_s: Optional[float]) -> None:
+def join_torch_world(device_type: str, collective_timeout_s: Optional[float],
+                     join_timeout_s: Optional[float] = None) -> None:
     """How an engine without a library of its own (FSDP2, plain) joins its process group: this rank's
     device first (before any collective creates a communicator on device 0), NCCL on CUDA wherever
     torch has it (gloo moves CUDA tensors too, slowly), a torchrun restart under its attempt's
-    prefix, else the launcher's group or a world of one."""
+    prefix, else the launcher's group (parallel/rendezvous.py: every rank awaited within
+    join_timeout_s) or a world of one."""
     timeout = process_group_defaults(collective_timeout_s)
     backend = "gloo"
     if device_type == "cuda":
         torch.cuda.set_device(local_device_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()))
         backend = "nccl" if dist.is_nccl_available() else "gloo"
-    join_restarted_group(backend, timeout)
+    join_world(backend, timeout, join_timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout)
 

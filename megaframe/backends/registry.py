@@ -24,7 +24,8 @@ class EnginePlug:
 
     name: str
     build: Callable[..., Any]  # (cfg, layout, ps, dims, lr_scheduler) -> a Backend (backends/__init__.py)
-    init_distributed: Callable[[Optional[float]], None]  # this rank's device and process group
+    # this rank's device and process group: (collective_timeout_s, join_timeout_s) (parallel/rendezvous.py)
+    init_distributed: Callable[[Optional[float], Optional[float]], None]
     device_type: Callable[[], str]  # "cuda" or "cpu": what this rank trains on (after init_distributed)
     device_supports_fp16: Callable[[], bool]
     device_supports_bf16: Callable[[], bool]

@@ -189,8 +189,9 @@ class LoopConfig:
     native_checkpoint: bool = False  # also write DeepSpeed's own files (always when there is no layout-free copy)
     # resume from DeepSpeed's own files, which load by unpickling: code a crafted file holds would run
     trust_pickled_checkpoint: bool = False
-    # SIGINT/SIGTERM (Ctrl-C, SLURM preemption): every rank stops at the same step boundary and, when
-    # this is on, saves there before exiting 130/143 (training/stop_signal.py)
+    # SIGINT/SIGTERM/SIGHUP/SIGUSR1 (Ctrl-C, SLURM preemption, --signal=USR1@90): every rank stops at the
+    # same step boundary and, when this is on, saves there before exiting 128 + the signal's number
+    # (130/143/129/138; training/stop_signal.py)
     save_on_signal: bool = True
     # a resume whose parallel.global_batch_size differs from the checkpoint's: `refuse`, or
     # `move_position` (the data position becomes step x the new global batch size, as every step's
@@ -215,6 +216,9 @@ class LoopConfig:
     max_consecutive_skips: int = 5  # this many skipped steps in a row (non-finite or spike) stop the run (exit 3)
     spike: SpikeConfig = field(default_factory=SpikeConfig)
     collective_timeout_s: float = 1800.0  # a rank that does not reach a collective within this ends the job (exit 7)
+    # at start-up, how long each rank waits for all ranks to join the process group (one "waiting for N of
+    # M ranks" line meanwhile) before it ends with exit 7 (parallel/rendezvous.py)
+    join_timeout_s: float = 600.0
 
 
 @dataclass

@@ -184,6 +184,8 @@ def check_train(cfg: TrainConfig) -> Optional[str]:
         return f"train.max_consecutive_skips={t.max_consecutive_skips} must be >= 1 (skipped steps in a row that stop the run)"
     if not (math.isfinite(t.collective_timeout_s) and t.collective_timeout_s > 0):
         return f"train.collective_timeout_s={t.collective_timeout_s} must be a finite number of seconds > 0"
+    if not (math.isfinite(t.join_timeout_s) and t.join_timeout_s > 0):
+        return f"train.join_timeout_s={t.join_timeout_s} must be a finite number of seconds > 0"
     if not 0 <= t.seed < 2**32:  # numpy's generators take no other seed
         return f"train.seed={t.seed} must be in [0, 2**32)"
     if t.eval_interval and t.eval_steps == 0:

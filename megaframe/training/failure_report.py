@@ -53,7 +53,8 @@ def report_failure(err: BaseException, run_dir: Path, rank: int) -> int:
         where = ""
     if failure.deterministic and not isinstance(failure, JobStopped):
         record_job_stop(failure.exit_code, str(failure))
-    if not is_peer_failure(err) and _first_to_report():
+    # quiet: a rank whose line another prints (parallel/rendezvous.py: one line for a world not joined)
+    if not is_peer_failure(err) and not getattr(err, "quiet", False) and _first_to_report():
         rank_note = "" if failure.deterministic or failure.exit_code == ExitCode.REFUSED else f" (rank {rank})"
         print(f"{PROG}: error{rank_note}: {failure} [exit {int(failure.exit_code)}{where}]",
               file=sys.stderr, flush=True)

@@ -11,7 +11,8 @@ MEGAFRAME_FAULTS is a comma-separated list of KIND@STEP or KIND@STEP:RANK (RANK 
   disk_full@4    the checkpoint of step 4 fails as a full disk makes it fail (OSError ENOSPC) before its files
                  are written
   slow_save@4    the checkpoint of step 4 waits 3 s before its files are written (under
-                 train.async_save training goes on meanwhile: what is written must be step 4's)
+                 train.async_save training goes on meanwhile: what is written must be step 4's); with
+                 MEGAFRAME_FAULTS_STAMPS set, `save-rankR` is written there as the wait starts
 Steps count from 1 (the step being taken).
 MEGAFRAME_FAULTS_STAMPS, when set, names a directory where a rank writes `hang-rankR` as it starts
 hanging, so a test can time the watchdog from the hang rather than from a start-up it does not control.
@@ -79,6 +80,9 @@ class Faults:
             if full and stage == "write":
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"global_step{step}")
             if slow and stage == "write":
+                if stamps := os.environ.get(STAMPS_ENV):  # a test's signal can then aim at the save
+                    with open(os.path.join(stamps, f"save-rank{self.rank}"), "w") as stamp:
+                        stamp.write(str(step))
                 time.sleep(3)
             if kill and stage == "publish":
                 os.kill(os.getpid(), signal.SIGKILL)

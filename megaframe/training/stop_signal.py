@@ -1,31 +1,48 @@
-"""SIGINT and SIGTERM end a run at a step boundary, not in the middle of a collective.
+"""SIGINT, SIGTERM, SIGHUP and SIGUSR1 end a run at a step boundary, not in the middle of a collective.
 
 Ctrl-C, `kill`, and SLURM's preemption (SIGTERM, then SIGKILL after the site's KillWait) used to
-leave tracebacks from every rank and nothing saved. Here the first signal only raises a flag; at
-the next step boundary the ranks agree (one MAX all-reduce of the flag, since the signal reaches
-them at different moments) and all stop after the same step, save when train.save_on_signal,
-print the closing line and exit 128 + the signal's number (130 for SIGINT, 143 for SIGTERM), as a
-shell reports a process the signal ended. A second signal stops the rank at once, saving nothing, and
-so does a rank that does not reach a step boundary within three of its slowest steps (at least 2 s):
-one stuck outside the loop, or one torchrun's agent stops with SIGTERM because a peer failed.
+leave tracebacks from every rank and nothing saved; SIGHUP (a closed terminal, some schedulers) and
+SIGUSR1 (SLURM's `--signal=USR1@90`, sent before the time limit) ended the run with no save at all.
+Here the first signal only raises a flag; at the next step boundary the ranks agree (one MAX
+all-reduce of the flag, since the signal reaches them at different moments) and all stop after the
+same step, save when train.save_on_signal, print the closing line and exit 128 + the signal's number
+(130 SIGINT, 143 SIGTERM, 129 SIGHUP, 138 SIGUSR1), as a shell reports a process the signal ended.
+
+The watchdog: a rank that does not reach a step boundary within three of its slowest steps (at least
+2 s) ends anyway, saving nothing: one stuck in a collective whose peer died (torchrun's agent stops
+the survivors with SIGTERM), where waiting for the boundary would wait for the collective timeout.
+It guards the step loop only: a checkpoint being written or an evaluation (`unguarded()`) takes as
+long as it takes (a 7B save takes minutes, a step seconds), and start-up before the first timed step
+is not guarded either (a resume's load is a save's size). While the rank waits for its peers to join
+the process group (`joining()`), a signal ends it at once: nothing is written yet.
+A second signal ends the rank at once, saving nothing: a save it interrupts is left in a tmp-*
+directory, which is never taken for a checkpoint (training/checkpoint.py).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 GRACE_FLOOR_S = 2.0  # the least time a signalled rank is given to reach the next step boundary
+PROG = "megaframe-train"
 
 
 def exit_code(signum: int) -> int:
     """What a shell reports for a process that `signum` ended."""
     return 128 + int(signum)
+
+
+def _exit_now(signum: int, why: str) -> None:
+    """One line on stderr and the signal's exit code, at once (no Python clean-up: none is owed)."""
+    os.write(2, f"{PROG}: {signal.Signals(signum).name} {why}\n".encode())
+    os._exit(exit_code(signum))
 
 
 class StopSignal:
@@ -36,15 +53,19 @@ class StopSignal:
         self.world_size = world_size
         self._flag: Optional[torch.Tensor] = None  # made once, then filled in place at each check
         self._previous: dict[int, object] = {}
-        self._slowest_step_s = 0.0
+        self._slowest_step_s = 0.0  # 0 until a step was timed: nothing is guarded before
+        self._guarding = True  # False inside unguarded(): a save or an evaluation
+        self._joining = False  # inside joining(): a signal ends the rank at once
+        self._stopping = False  # the ranks agreed to stop: the watchdog is done
         self._watchdog: Optional[threading.Timer] = None
 
     def note_step(self, seconds: float) -> None:
         """How long a step took: a signalled rank waits three of the slowest for the next boundary."""
         self._slowest_step_s = max(self._slowest_step_s, seconds)
+        self._arm()  # a signal during the first step is guarded from its end on
 
     def install(self) -> "StopSignal":
-        """Catch SIGINT and SIGTERM (main thread only: Ray Train runs the loop on a thread of its own,
+        """Catch the stop signals (main thread only: Ray Train runs the loop on a thread of its own,
         and Ray stops its workers itself)."""
         if threading.current_thread() is threading.main_thread():
             for signum in SIGNALS:
@@ -55,19 +76,55 @@ class StopSignal:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        self._disarm()
 
     def _handle(self, signum: int, _frame) -> None:
+        if self._joining:
+            _exit_now(signum, "while waiting for the ranks to join: stopping now (nothing to save yet)")
         if self.received:  # the second one: the user means now
-            os.write(2, f"megaframe-train: {signal.Signals(signum).name} again: stopping now, without saving\n"
-                     .encode())
-            os._exit(exit_code(signum))
+            _exit_now(signum, "again: stopping now, without saving")
         self.received = signum
+        self._arm()
+
+    @contextlib.contextmanager
+    def joining(self) -> Iterator[None]:
+        """While this rank waits for the others to join the process group: a signal ends it at once
+        (a wait in C++ would otherwise hold the flag unseen until train.join_timeout_s)."""
+        self._joining = True
+        try:
+            yield
+        finally:
+            self._joining = False
+
+    @contextlib.contextmanager
+    def unguarded(self) -> Iterator[None]:
+        """A checkpoint save or an evaluation: a signal waits for it to finish; the watchdog (when a
+        signal came) starts afresh after it, back in the step loop."""
+        guarding, self._guarding = self._guarding, False
+        self._disarm()
+        try:
+            yield
+        finally:
+            self._guarding = guarding
+            self._arm()
+
+    def _arm(self) -> None:
+        """Start the watchdog when a signal is pending in the timed step loop (once)."""
+        if (not self.received or self._stopping or not self._guarding or self._slowest_step_s <= 0
+                or self._watchdog is not None):
+            return
         # A rank that never reaches a step boundary (hung, or torchrun ending the others after one
         # failed) must still end: SIGTERM is also how the agent stops the ranks of a failed job.
         grace = max(GRACE_FLOOR_S, 3 * self._slowest_step_s)
-        self._watchdog = threading.Timer(grace, os._exit, (exit_code(signum),))
+        self._watchdog = threading.Timer(grace, _exit_now, (self.received, f"and no step boundary within {grace:.0f} s "
+                                                            "(a rank hung?): stopping now, without saving"))
         self._watchdog.daemon = True
         self._watchdog.start()
+
+    def _disarm(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
 
     def agreed(self, device: torch.device) -> int:
         """The signal any rank has received (the highest number when several), 0 for none. Every
@@ -85,8 +142,9 @@ class StopSignal:
         return agreed
 
     def _at_boundary(self, agreed: int) -> None:
-        if agreed and self._watchdog is not None:  # the boundary is reached: the save may take its time
-            self._watchdog.cancel()
+        if agreed:  # the boundary is reached: the save may take its time
+            self._stopping = True
+            self._disarm()
 
     @staticmethod
     def name(signum: Optional[int]) -> str:

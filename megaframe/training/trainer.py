@@ -61,7 +61,8 @@ class Trainer:
         self.saved_step: Optional[int] = None
         plug = run_engine(cfg, layout.world_size)
         self.engine = plug.name  # deepspeed, fsdp2, or plain (one process, DeepSpeed not imported)
-        plug.init_distributed(cfg.train.collective_timeout_s)
+        with self.stop_signal.joining():  # a signal while peers are awaited ends this rank at once
+            plug.init_distributed(cfg.train.collective_timeout_s, cfg.train.join_timeout_s)
         self.ps = ParallelState.build(layout.grid)
         self.is_logger = self.ps.rank == 0
         self._own_run_dir()  # before anything is written to it
@@ -163,7 +164,8 @@ class Trainer:
         # eval_steps global batches, fed as micro-batches: the same samples in every layout
         batches = eval_batches(self.data.valid, self.cfg.train.eval_steps * self.layout.grad_accum_steps,
                                self.layout.micro_batch_size, self.ps.dp_rank, self.layout.dp, self.token_positions)
-        return self.backend.eval_step(batches)
+        with self.stop_signal.unguarded():  # a stop signal waits for the evaluation, however long
+            return self.backend.eval_step(batches)
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def _restore_fast_tier(self) -> None:
@@ -280,21 +282,24 @@ class Trainer:
 
     def _fast_save(self) -> None:
         """This rank's part of a checkpoint into node-local memory and its buddy's (no shared storage)."""
-        state, write_universal, _ = self._checkpoint_state(defer=False)
-        rng = {"tp_dropout": self.backend.module.rng.state_dict()}
-        try:
-            self.fast.save(self.step, lambda part: checkpoint.write_rank_part(part, self.ps.rank, state, rng,
-                                                                              write_universal)())
-        except OSError as err:  # /dev/shm full (64 MB in a default container), or not writable
-            raise save_failure(err, f"the fast-tier part of step {self.step}", self.cfg.train.fast_save_dir) from err
+        with self.stop_signal.unguarded():  # a stop signal waits for the save (the watchdog guards steps only)
+            state, write_universal, _ = self._checkpoint_state(defer=False)
+            rng = {"tp_dropout": self.backend.module.rng.state_dict()}
+            try:
+                self.fast.save(self.step, lambda part: checkpoint.write_rank_part(part, self.ps.rank, state, rng,
+                                                                                  write_universal)())
+            except OSError as err:  # /dev/shm full (64 MB in a default container), or not writable
+                raise save_failure(err, f"the fast-tier part of step {self.step}",
+                                   self.cfg.train.fast_save_dir) from err
 
     def _save(self) -> None:
-        state, write_universal, native = self._checkpoint_state(defer=self.cfg.train.async_save)
-        self.saved_step = self.step
-        try:
-            self._write_checkpoint(state, write_universal, native)
-        except OSError as err:  # a full disk or a quota: which checkpoint, why, and that the last one stands
-            raise save_failure(err, f"global_step{self.step}", str(self.checkpoint_dir)) from err
+        with self.stop_signal.unguarded():  # a stop signal waits for the save, minutes on a 7B (not 3 steps)
+            state, write_universal, native = self._checkpoint_state(defer=self.cfg.train.async_save)
+            self.saved_step = self.step
+            try:
+                self._write_checkpoint(state, write_universal, native)
+            except OSError as err:  # a full disk or a quota: which checkpoint, why, and that the last one stands
+                raise save_failure(err, f"global_step{self.step}", str(self.checkpoint_dir)) from err
 
     def _checkpoint_state(self, defer: bool):
         """What a checkpoint of this step holds: the client state, the function that writes this
@@ -503,13 +508,14 @@ class Trainer:
             self.fast.clear()  # the run is done: its parts leave the nodes' memory
 
     def _stop_on_signal(self, signum: int) -> None:
-        """A rank got SIGINT or SIGTERM: save the steps done (train.save_on_signal) and end the loop."""
+        """A rank got a stop signal (stop_signal.py): save the steps done (train.save_on_signal) and end the loop."""
         self.stopped_by = signum
+        # not when the signal came during this very step's periodic save, which it waited for
+        saves = self.cfg.train.save_on_signal and self.step > self._start_step and self.saved_step != self.step
         if self.is_logger:
             print(f"megaframe: {StopSignal.name(signum)}: stopping after step {self.step}"
-                  + (", saving first" if self.cfg.train.save_on_signal and self.step > self._start_step else ""),
-                  flush=True)
-        if self.cfg.train.save_on_signal and self.step > self._start_step and self.saved_step != self.step:
+                  + (", saving first" if saves else ""), flush=True)
+        if saves:
             self._save()
 
     def close(self, failed: bool = False) -> None:
@@ -518,7 +524,8 @@ class Trainer:
         collective this rank will never join, and a barrier would turn the error into a hang."""
         save_error, run_failed = None, failed
         try:
-            self.background.wait()  # a checkpoint still being written is finished, failure or not
+            with self.stop_signal.unguarded():
+                self.background.wait()  # a checkpoint still being written is finished, failure or not
         except (RuntimeError, SaveFailed) as err:
             save_error, failed = err, True
         if self.progress:

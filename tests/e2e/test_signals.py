@@ -101,3 +101,41 @@ def test_a_rank_killed_by_a_signal_is_named_with_it(tmp_path):
     assert errors == ["megaframe-train: error (rank 1): killed by SIGKILL (the kernel's OOM killer sends it when "
                       "memory runs out: see `dmesg`) [exit 1]"], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("name, extra", [("SIGTERM", []), ("SIGUSR1", ["train.async_save=true"])])
+def test_a_signal_during_a_save_lets_it_finish_then_stops_with_the_closing_line(name, extra, tmp_path):
+    """SLURM's preemption (SIGTERM), or its --signal=USR1@90 before the time limit, while every rank
+    writes the checkpoint of step 4, held open 3 s (faults.py slow_save; a 7B save takes minutes, a
+    step seconds): the stop watchdog (three step times, at least 2 s) used to end the ranks mid-save,
+    with no stop line, no closing line and tmp-global_step4 left; SIGUSR1 killed torchrun's agent
+    and every rank unsaved. The synchronous save finishes and the ranks stop after step 4; the
+    background one finishes while training goes on, and the stop saves its own step after it."""
+    run_dir, stamps = tmp_path / "run", tmp_path / "stamps"
+    stamps.mkdir()
+    process = _start([*ARGS, "parallel.dp=2", "zero=stage1", "train.save_interval=4", *extra, f"hydra.run.dir={run_dir}"],
+                     MEGAFRAME_FAULTS="slow_save@4", MEGAFRAME_FAULTS_STAMPS=str(stamps))
+    deadline = time.monotonic() + 240
+    while not (stamps / "save-rank0").exists():  # rank 0 is inside the save of step 4
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    ranks = [p for p in psutil.Process(process.pid).children(recursive=True) if "megaframe.train" in " ".join(p.cmdline())]
+    signum = signal.Signals[name]
+    process.send_signal(signum)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 128 + signum, out[-2000:] + err[-3000:]
+    assert "Traceback" not in out + err and not err.strip(), err[-3000:]
+    lines = out.strip().splitlines()
+    closing = lines[-1]
+    assert closing.startswith(f"megaframe: stopped by {name} at step "), closing
+    stopped_at = int(closing.split("at step ")[1].split("/")[0])
+    # synchronous: the save the signal waited for is the stop's; background: step 4's completed, and a
+    # stop after a later step saved that step too
+    assert stopped_at == 4 or (extra and stopped_at > 4), stopped_at
+    assert _saved_steps(run_dir) == sorted({4, stopped_at})
+    saving = ", saving first" if stopped_at > 4 else ""
+    assert f"megaframe: {name}: stopping after step {stopped_at}{saving}" in lines, out[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"global_step{stopped_at}"
+    assert not list((run_dir / "checkpoints").glob("tmp-*"))
+    _, alive = psutil.wait_procs(ranks, timeout=10)
+    assert not alive

@@ -37,13 +37,13 @@ from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims
 from megaframe.model.factory import build_model, compile_model, count_parameters
 from megaframe.model.moe import update_expert_biases
-from megaframe.parallel.elastic import join_restarted_group
+from megaframe.parallel.rendezvous import join_world
 from megaframe.parallel.grad_bucket import ReplicatedGradBucket
 from megaframe.parallel.grad_norm import grad_norm
 from megaframe.parallel.state import ParallelState
 
 
-def init_distributed(collective_timeout_s: Optional[float] = None) -> None:
+def init_distributed(collective_timeout_s: Optional[float] = None, join_timeout_s: Optional[float] = None) -> None:
     """Set this rank's device, join the launcher's process group (or make a world of one when
     there is no launcher) and register it with deepspeed.comm, which PipelineModule needs before
     deepspeed.initialize.
@@ -53,7 +53,8 @@ def init_distributed(collective_timeout_s: Optional[float] = None) -> None:
     timeout = process_group_defaults(collective_timeout_s)
     get_accelerator().set_device(local_device_index(int(os.environ.get("LOCAL_RANK", "0")),
                                                     get_accelerator().device_count()))  # a no-op on the CPU
-    join_restarted_group(get_accelerator().communication_backend_name(), timeout)  # torchrun restarts
+    # every rank awaited within join_timeout_s, a torchrun restart under its attempt's prefix (rendezvous.py)
+    join_world(get_accelerator().communication_backend_name(), timeout, join_timeout_s)
     if get_accelerator().device_name() == "cpu":
         # DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce op here (45 s on first use)
         # that only its inference path calls; training collectives go through torch.distributed.

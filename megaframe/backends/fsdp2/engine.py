@@ -35,9 +35,9 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init_distributed(collective_timeout_s: Optional[float] = None) -> None:
+def init_distributed(collective_timeout_s: Optional[float] = None, join_timeout_s: Optional[float] = None) -> None:
     """This rank's device, then the launcher's process group or a world of one."""
-    join_torch_world(device_type(), collective_timeout_s)
+    join_torch_world(device_type(), collective_timeout_s, join_timeout_s)
 
 
 def device_supports_fp16() -> bool:

@@ -41,10 +41,10 @@ def device_type() -> str:
     return "cuda"
 
 
-def init_distributed(collective_timeout_s: Optional[float] = None) -> None:
+def init_distributed(collective_timeout_s: Optional[float] = None, join_timeout_s: Optional[float] = None) -> None:
     """A world of one (ParallelState's groups need one), joined as FSDP2 joins its world: the device
     first, then torchrun's restart prefix (a one-rank elastic attempt), else a plain init."""
-    join_torch_world(device_type(), collective_timeout_s)
+    join_torch_world(device_type(), collective_timeout_s, join_timeout_s)
 
 
 class PlainBackend:

@@ -1,12 +1,18 @@
-"""The first SIGINT/SIGTERM only raises a flag; a rank that then never reaches a step boundary (hung,
+"""The first SIGINT/SIGTERM/SIGHUP/SIGUSR1 only raises a flag; a rank that then never reaches a step boundary (hung,
 or stopped by torchrun's agent because a peer failed) still ends, within its grace."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
 
+import pytest
+import torch
+
 from helpers import REPO
+from megaframe.training import stop_signal
 
 _NO_BOUNDARY = """
 import os, signal, time
@@ -47,3 +53,73 @@ def test_the_boundary_disarms_the_watchdog_so_the_save_can_finish():
     result, _ = _run(_AT_BOUNDARY)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["agreed", "2", "saved"]
+
+
+class _Exits:
+    """Stands in for stop_signal._exit_now: records what would have ended the rank."""
+
+    def __init__(self):
+        self.calls: list[tuple[int, str]] = []
+
+    def __call__(self, signum: int, why: str) -> None:
+        self.calls.append((signum, why))
+
+
+def test_a_signal_during_a_save_waits_for_it_however_long(monkeypatch):
+    """SLURM's preemption mid-save used to meet the watchdog (three step times) before the save ended."""
+    exits = _Exits()
+    monkeypatch.setattr(stop_signal, "_exit_now", exits)
+    monkeypatch.setattr(stop_signal, "GRACE_FLOOR_S", 0.2)
+    stop = stop_signal.StopSignal(1).install()
+    try:
+        stop.note_step(0.01)
+        with stop.unguarded():  # a save taking minutes on a GPU cluster, here 0.8 s: four graces
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.8)
+        assert exits.calls == []
+        assert stop.agreed(torch.device("cpu")) == signal.SIGTERM
+        time.sleep(0.4)  # the stop's own save, after the boundary
+        assert exits.calls == []
+    finally:
+        stop.restore()
+
+
+def test_a_second_signal_during_a_save_ends_the_rank_at_once(monkeypatch):
+    exits = _Exits()
+    monkeypatch.setattr(stop_signal, "_exit_now", exits)
+    stop = stop_signal.StopSignal(1).install()
+    try:
+        stop.note_step(0.01)
+        with stop.unguarded():
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # the user means now
+        assert exits.calls == [(signal.SIGTERM, "again: stopping now, without saving")]
+    finally:
+        stop.restore()
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGHUP, 129), (signal.SIGUSR1, 138), (signal.SIGTERM, 143)])
+def test_sighup_and_sigusr1_stop_like_sigterm(signum, code):
+    """What SLURM (--signal=USR1@90) and a closed terminal send before the end used to kill the run unsaved."""
+    before = signal.signal(signum, lambda *_: None)  # a signal StopSignal missed must not end pytest
+    stop = stop_signal.StopSignal(1).install()
+    try:
+        os.kill(os.getpid(), signum)
+        assert stop.received == signum and stop_signal.exit_code(stop.agreed(torch.device("cpu"))) == code
+    finally:
+        stop.restore()
+        signal.signal(signum, before)
+
+
+def test_start_up_and_evaluations_are_not_guarded_until_the_step_loop_resumes():
+    stop = stop_signal.StopSignal(1).install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # start-up: a resume's load can be a save's size
+        assert stop._watchdog is None
+        with stop.unguarded():
+            stop.note_step(0.5)  # a step was timed, but an evaluation runs now
+            assert stop._watchdog is None
+        assert stop._watchdog is not None  # back in the step loop: the next boundary is owed
+        assert stop.agreed(torch.device("cpu")) == signal.SIGTERM and stop._watchdog is None
+    finally:
+        stop.restore()

@@ -1,0 +1,165 @@
+"""Joining the process group: the launcher's variables checked first, then a wait for every rank with
+a timeout of its own, that a signal can end.
+
+torch's env:// join used to take `RANK >= WORLD_SIZE` and end in C++ stack dumps, and a rank that
+never started left the others silent inside gloo's or NCCL's connect for train.collective_timeout_s
+(30 min), deaf to SIGTERM (a Python handler runs only between C++ calls). Here each rank checks
+RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT (`launch_env_problem`), then
+counts itself in on the rendezvous store (rank 0's TCPStore at MASTER_ADDR:MASTER_PORT, or torchrun's
+agent store) in short, polled calls: one rank says "waiting for N of M ranks to join" once, and after
+train.join_timeout_s every waiting rank ends with exit 7 (RankHung). Only a complete world calls
+init_process_group, on that same store.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from megaframe.failures import ExitCode, RankHung, RunFailure
+from megaframe.launch_env import launch_env_problem
+
+_POLL_S = 0.25  # between looks at the store: a signal is seen within this
+_NAMED = 8  # missing ranks named in a line, at most
+
+
+class LaunchEnvError(RunFailure):
+    """The launcher's variables contradict each other: refused before joining (exit 2)."""
+
+    exit_code = ExitCode.REFUSED
+
+
+class JoinTimeout(RankHung):
+    """Ranks did not join within train.join_timeout_s. `quiet` on the ranks that leave the line to another."""
+
+    def __init__(self, message: str, quiet: bool = False):
+        super().__init__(message)
+        self.quiet = quiet
+
+
+def _reachable(host: str, port: int, timeout_s: float) -> bool:
+    """Whether something listens at host:port (a plain socket: a TCPStore client that fails to
+    connect prints C++ stack traces to stderr at every retry)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _say(line: str) -> None:
+    print(f"megaframe: {line}", file=sys.stderr, flush=True)
+
+
+def _missing(store, prefix: str, world: int) -> list[int]:
+    """The ranks (at most _NAMED) that have not counted themselves in yet."""
+    missing = []
+    for rank in range(world):
+        if not store.check([f"{prefix}rank{rank}"]):
+            missing.append(rank)
+            if len(missing) == _NAMED:
+                break
+    return missing
+
+
+def _named(ranks: list[int], absent: int) -> str:
+    listed = ", ".join(map(str, ranks))
+    return f"rank{'s' if absent > 1 else ''} {listed}{', …' if absent > len(ranks) else ''}"
+
+
+def _connect(host: str, port: int, rank: int, world: int, join_timeout_s: float, deadline: float) -> dist.TCPStore:
+    """Rank 0 serves the store; the others connect to it, polling, until the deadline."""
+    if rank == 0:
+        return dist.TCPStore(host, port, world, is_master=True, timeout=timedelta(seconds=join_timeout_s),
+                             wait_for_workers=False)
+    said = False
+    notice_at = time.monotonic() + min(30.0, join_timeout_s / 2)
+    while not _reachable(host, port, _POLL_S):
+        now = time.monotonic()
+        # rank 0 is not there to count anyone: one line per node (its first rank), not one per rank
+        speaks = os.environ.get("LOCAL_RANK", "0") == "0"
+        if now >= deadline:
+            raise JoinTimeout(f"rank 0 did not start the rendezvous at MASTER_ADDR:MASTER_PORT={host}:{port} within "
+                              f"train.join_timeout_s={join_timeout_s:g}: check that rank 0 started (its host, the "
+                              f"launcher's log) and that MASTER_ADDR/MASTER_PORT are the same on every rank",
+                              quiet=not speaks)
+        if not said and now >= notice_at and speaks:
+            _say(f"waiting for rank 0 of {world} to start the rendezvous at {host}:{port} "
+                 f"(giving up after train.join_timeout_s={join_timeout_s:g})")
+            said = True
+        time.sleep(_POLL_S)
+    left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
+    return dist.TCPStore(host, port, world, is_master=False, timeout=left, wait_for_workers=False)
+
+
+def _count(store, key: str) -> int:
+    """The ranks counted in so far. The store's host (rank 0) ending its own wait ends the others'."""
+    try:
+        return store.add(key, 0)
+    except RuntimeError as err:  # DistNetworkError: rank 0 gave up (it says why) or died
+        raise JoinTimeout(f"the rendezvous store went away while this rank waited for the others to join ({err})",
+                          quiet=True) from None
+
+
+def wait_for_world(store, prefix: str, rank: int, world: int, join_timeout_s: float, deadline: float) -> None:
+    """Count this rank in on `store` and poll until all `world` ranks are; the first rank to arrive
+    says once who is missing, and names them if the deadline passes (JoinTimeout)."""
+    store.set(f"{prefix}rank{rank}", "1")
+    speaks = store.add(f"{prefix}count", 1) == 1  # one rank speaks for all: the first to arrive
+    notice_at = time.monotonic() + min(30.0, join_timeout_s / 2)
+    said = False
+    while (joined := _count(store, f"{prefix}count")) < world:
+        now = time.monotonic()
+        if now >= deadline:
+            missing = _missing(store, prefix, world) if speaks else []
+            raise JoinTimeout(f"{world - joined} of {world} ranks did not join within train.join_timeout_s="
+                              f"{join_timeout_s:g} ({_named(missing, world - joined)}): check that they started "
+                              "(their hosts, the launcher's log), or raise train.join_timeout_s", quiet=not speaks)
+        if not said and now >= notice_at and speaks:
+            missing = _missing(store, prefix, world)
+            _say(f"waiting for {world - joined} of {world} ranks to join ({_named(missing, world - joined)}; giving up "
+                 f"after train.join_timeout_s={join_timeout_s:g})")
+            said = True
+        time.sleep(_POLL_S)
+
+
+def join_world(backend: str, timeout: Optional[timedelta], join_timeout_s: Optional[float]) -> bool:
+    """Join the default process group once every rank has arrived. Returns False (doing nothing)
+    when already joined, or for a world of one outside torchrun (the caller's plain init serves)."""
+    if dist.is_initialized():
+        return False
+    if problem := launch_env_problem():
+        raise LaunchEnvError(problem)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    agent_store = attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if world == 1 and not agent_store:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # RANK=0 WORLD_SIZE=1 by hand: env:// needs one
+        if not os.environ.get("MASTER_PORT"):
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
+        return False
+    join_timeout_s = join_timeout_s or 600.0
+    deadline = time.monotonic() + join_timeout_s
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if agent_store:
+        # torchrun keeps one store for every restart attempt and env:// does not namespace its keys:
+        # a new attempt's gloo ranks read a dead attempt's addresses and hang in connectFullMesh (torch
+        # 2.13), so each attempt joins under its own prefix
+        store = dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=join_timeout_s))
+        prefix = f"megaframe/attempt{attempt}/"
+    else:
+        store = _connect(host, port, rank, world, join_timeout_s, deadline)
+        prefix = "megaframe/"
+    wait_for_world(store, f"{prefix}join/", rank, world, join_timeout_s, deadline)
+    if timeout is not None:
+        store.set_timeout(timeout)  # the group's own waits: the collective timeout from here on
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world,
+                            timeout=timeout)
+    return True

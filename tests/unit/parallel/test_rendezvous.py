@@ -1,0 +1,116 @@
+"""Joining the process group (megaframe/parallel/rendezvous.py): every rank counted in on the store
+before init_process_group, one waiting line naming the missing ranks, a join timeout of its own
+(exit 7, RankHung), and a signal that ends a waiting rank at once."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from helpers import REPO
+from megaframe.backends.common import free_port
+from megaframe.failures import ExitCode
+from megaframe.parallel.rendezvous import JoinTimeout, LaunchEnvError, _connect, join_world, wait_for_world
+
+
+def _store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+
+
+def test_a_complete_world_joins(capsys):
+    store, world = _store(), 3
+    joined = []
+    threads = [threading.Thread(target=lambda r=rank: (wait_for_world(store, "j/", r, world, 30, time.monotonic() + 30),
+                                                      joined.append(r))) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert sorted(joined) == [0, 1, 2]
+    assert capsys.readouterr().err == ""  # nobody waited long enough to say so
+
+
+def test_missing_ranks_are_named_once_then_the_wait_ends_with_exit_7(capsys):
+    store, world = _store(), 4
+    # rank 0 arrives first (so it speaks), rank 2 a moment later, ranks 1 and 3 never
+    threading.Timer(0.1, lambda: (store.set("j/rank2", "1"), store.add("j/count", 1))).start()
+    start = time.monotonic()
+    with pytest.raises(JoinTimeout) as err:
+        wait_for_world(store, "j/", 0, world, 1.0, time.monotonic() + 1.0)
+    assert 1.0 <= time.monotonic() - start < 10
+    assert err.value.exit_code == ExitCode.RANK_HUNG and not err.value.quiet  # the first to arrive speaks
+    assert str(err.value).startswith("2 of 4 ranks did not join within train.join_timeout_s=1 (ranks 1, 3): ")
+    assert capsys.readouterr().err.splitlines() == [
+        "megaframe: waiting for 2 of 4 ranks to join (ranks 1, 3; giving up after train.join_timeout_s=1)"]
+
+
+def test_a_rank_that_arrives_later_leaves_the_line_to_the_first():
+    store = _store()
+    store.set("j/rank0", "1")
+    store.add("j/count", 1)
+    with pytest.raises(JoinTimeout) as err:
+        wait_for_world(store, "j/", 1, 3, 0.5, time.monotonic() + 0.5)
+    assert err.value.quiet
+
+
+def test_without_rank_0_the_others_give_up_naming_its_address(monkeypatch, capsys):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    port = free_port()  # nothing listens there
+    with pytest.raises(JoinTimeout) as err:
+        _connect("127.0.0.1", port, 1, 2, 1.0, time.monotonic() + 1.0)
+    assert str(err.value).startswith(f"rank 0 did not start the rendezvous at MASTER_ADDR:MASTER_PORT=127.0.0.1:{port} "
+                                     "within train.join_timeout_s=1")
+    assert capsys.readouterr().err.splitlines() == [
+        f"megaframe: waiting for rank 0 of 2 to start the rendezvous at 127.0.0.1:{port} "
+        "(giving up after train.join_timeout_s=1)"]  # no C++ connect errors on the terminal
+
+
+_WAITING = """
+import sys
+from megaframe.training.stop_signal import StopSignal
+from megaframe.parallel.rendezvous import join_world
+stop = StopSignal(2).install()
+print("joining", flush=True)
+with stop.joining():
+    join_world("gloo", None, 120)
+"""
+
+
+def test_a_signal_ends_a_waiting_rank_at_once():
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    process = subprocess.Popen([sys.executable, "-c", _WAITING], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "joining"
+    time.sleep(1.0)  # inside the wait for rank 1
+    process.send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 143 and time.monotonic() - start < 10, err[-2000:]
+    assert err.strip().splitlines() == [
+        "megaframe-train: SIGTERM while waiting for the ranks to join: stopping now (nothing to save yet)"]
+
+
+def test_a_world_of_one_set_by_hand_gets_an_address_to_join(monkeypatch):
+    """RANK=0 WORLD_SIZE=1 without MASTER_ADDR/MASTER_PORT: torch's env:// join raised a traceback."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    assert join_world("gloo", None, 5) is False  # the engine's own init then joins the world of one
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1" and 0 < int(os.environ["MASTER_PORT"]) < 65536
+
+
+def test_contradicting_variables_are_refused_before_any_store(monkeypatch):
+    for name, value in {"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(LaunchEnvError) as err:
+        join_world("gloo", None, 5)
+    assert err.value.exit_code == ExitCode.REFUSED and str(err.value).startswith("RANK=2 must be in [0, WORLD_SIZE=2)")
