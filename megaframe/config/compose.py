@@ -12,6 +12,7 @@ from typing import Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from megaframe.config.empty_values import empty_override_problem, run_dir_problem
 from megaframe.config.schema import TrainConfig
 from megaframe.config.store import register_configs, unknown_recipe
 from megaframe.config.validate import ConfigError
@@ -76,7 +77,7 @@ def override_problem(overrides: Sequence[str]) -> str | None:
     """One line for an override that names a recipe that does not exist or sets a key of
     RENAMED_KEYS, or None: both would otherwise reach Hydra, which reports the first in many lines
     and passes the second over in silence."""
-    if problem := unknown_recipe(overrides):
+    if problem := unknown_recipe(overrides) or empty_override_problem(overrides):
         return problem
     for override in overrides:
         key = override.lstrip("+~").split("=", 1)[0]
@@ -171,6 +172,8 @@ def compose_for_run(overrides: Sequence[str]) -> tuple[TrainConfig, str, DictCon
             typed = OmegaConf.to_object(task)
     except Exception as ex:  # Hydra / OmegaConf composition errors of every kind
         raise ConfigError(_one_line(ex)) from ex
+    if problem := run_dir_problem(run_dir):  # a config file's empty hydra.run.dir, as an override's
+        raise ConfigError(problem)
     if extra := _extra_keys(typed):
         # `+key=value` would otherwise attach a key that nothing reads: a typo the user never sees
         known = _known_keys(extra[0])

@@ -7,14 +7,16 @@ ignore them), so they are refused up front.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
+from megaframe.config.dataset_meta import SidecarError, recorded_vocab_size
+from megaframe.config.empty_values import empty_value_problem
 from megaframe.config.gpus import DENSE_PEAK_TFLOPS, known_gpu
+from megaframe.config.size_limits import absurd_size_problem
 from megaframe.config.schema import TrainConfig
 from megaframe.parallel.dims import OnGrid, ParallelDims
 
@@ -47,7 +49,9 @@ def choice_problem(key: str, value, allowed: Iterable) -> Optional[str]:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending, in O(sqrt(n)) (n may be a typo's 10**9)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0] if n > 0 else []
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def requested_world_size(cfg: TrainConfig) -> int:
@@ -314,12 +318,14 @@ def check_data(cfg: TrainConfig) -> Optional[str]:
     problem = _missing_files(f"data.path={d.path}", d.path)
     if problem:
         return problem
-    meta_file = Path(d.path + ".json")
-    if cfg.model.vocab_size is not None and meta_file.is_file():
-        data_vocab = json.loads(meta_file.read_text()).get("vocab_size")
+    if cfg.model.vocab_size is not None:
+        try:
+            data_vocab = recorded_vocab_size(d.path)
+        except SidecarError as err:
+            return str(err)
         if data_vocab and cfg.model.vocab_size < data_vocab:
             return (f"model.vocab_size={cfg.model.vocab_size} is smaller than the dataset's vocabulary "
-                    f"{data_vocab} ({meta_file}); set model.vocab_size=null or >= {data_vocab}")
+                    f"{data_vocab} ({d.path}.json); set model.vocab_size=null or >= {data_vocab}")
     return None
 
 
@@ -338,7 +344,7 @@ def check_batch(cfg: TrainConfig, layout: Layout) -> Optional[str]:
         return "parallel.micro_batch_size and parallel.global_batch_size must be >= 1"
     per_step = p.micro_batch_size * layout.dp
     if p.global_batch_size % per_step:
-        ok = [g for g in range(per_step, 4 * p.global_batch_size + per_step, per_step)][:4]
+        ok = list(range(per_step, 4 * p.global_batch_size + per_step, per_step)[:4])  # not a list of gbs/per_step
         return (f"parallel.global_batch_size={p.global_batch_size} is not divisible by "
                 f"parallel.micro_batch_size*dp={p.micro_batch_size}*{layout.dp}={per_step}; "
                 f"use a global batch in {ok} or change micro_batch_size")
@@ -599,8 +605,11 @@ def validate(cfg: TrainConfig, world_size: int,
     engine_layout_problem those that need the resolved layout (a pipeline schedule's micro-batch
     count). None leaves that part to the engine itself, after launch."""
     engine_rule = engine_problem or (lambda _: None)
-    # check_finite last: the rules before it say a key's range, which helps more than "finite"
-    for rule in (check_model, check_optim, check_train, check_cluster, check_data, engine_rule, check_pipeline,
+    # check_finite last: the rules before it say a key's range, which helps more than "finite";
+    # empty values and absurd sizes first: the others would word an empty key's cause as something
+    # else, and walk a typo's 10**12 (its divisors, a list of batch sizes) before refusing it
+    for rule in (empty_value_problem, absurd_size_problem,
+                 check_model, check_optim, check_train, check_cluster, check_data, engine_rule, check_pipeline,
                  check_launcher, check_plan, check_finite):
         if err := rule(cfg):
             raise ConfigError(err)

@@ -120,11 +120,32 @@ def _iter_parquet(path: Path, key: str) -> Iterator[str]:
         raise DataError(f"--input {path}: not a readable parquet file ({' '.join(str(error).split())[:200]})") \
             from None
     _text_column(path, parquet.schema_arrow.names, key)
+    batches = (batch.column(0).to_pylist()
+               for batch in parquet.iter_batches(batch_size=_ARROW_BATCH_ROWS, columns=[key]))
+    yield from _rows(path, batches, key, "a parquet file whose data pages can be read")
+
+
+def _damaged(path: Path, error: Exception, what: str) -> DataError:
+    """A file pyarrow or datasets cannot read (truncated, overwritten, a piece missing), in one line
+    naming the input: their own errors (ArrowInvalid, JSONDecodeError, FileNotFoundError of a
+    shard) name neither the input nor what to do."""
+    reason = " ".join(str(error).split())[:200]
+    return DataError(f"--input {path}: damaged, not {what} ({type(error).__name__}: {reason}); "
+                     f"write it again or leave it out")
+
+
+def _rows(path: Path, batches: Iterator[list], key: str, what: str) -> Iterator[str]:
+    """The text of each row of `batches`, checked; a read error on the way is one line naming `path`."""
     row = 0
-    for batch in parquet.iter_batches(batch_size=_ARROW_BATCH_ROWS, columns=[key]):
-        for value in batch.column(0).to_pylist():
-            row += 1
-            yield _check_text(value, f"--input {path} row {row}", key)
+    try:
+        for values in batches:
+            for value in values:
+                row += 1
+                yield _check_text(value, f"--input {path} row {row}", key)
+    except DataError:
+        raise
+    except Exception as error:  # pyarrow's ArrowInvalid / OSError, datasets' own, mid-file
+        raise _damaged(path, error, what) from None
 
 
 def _iter_hf(path: Path, key: str, split: Optional[str]) -> Iterator[str]:
@@ -132,18 +153,19 @@ def _iter_hf(path: Path, key: str, split: Optional[str]) -> Iterator[str]:
         import datasets
     except ImportError:
         raise DataError(f"--input {path}: reading a datasets directory needs datasets; {_NEEDS_ARROW}") from None
-    loaded = datasets.load_from_disk(str(path))  # memory-mapped Arrow files, nothing downloaded
+    what = "a datasets save_to_disk directory"
+    try:
+        loaded = datasets.load_from_disk(str(path))  # memory-mapped Arrow files, nothing downloaded
+    except Exception as error:  # a damaged state.json or dataset_info.json, a shard missing or overwritten
+        raise _damaged(path, error, what) from None
     if isinstance(loaded, datasets.DatasetDict):
         chosen = split or "train"
         if chosen not in loaded:
             raise DataError(f"--input {path}: no split {chosen!r} (it has {list(loaded)}); pass --split NAME")
         loaded = loaded[chosen]
     _text_column(path, loaded.column_names, key)
-    row = 0
-    for batch in loaded.select_columns([key]).iter(batch_size=_ARROW_BATCH_ROWS):
-        for value in batch[key]:
-            row += 1
-            yield _check_text(value, f"--input {path} row {row}", key)
+    batches = (batch[key] for batch in loaded.select_columns([key]).iter(batch_size=_ARROW_BATCH_ROWS))
+    yield from _rows(path, batches, key, what)
 
 
 def iter_documents(source: Source, key: str = "text", split: Optional[str] = None) -> Iterator[str]:

@@ -72,6 +72,13 @@ class HFTokenizer:
                 f"data.tokenizer={path}: tokenizer has no eos_token to mark document ends; "
                 "set eos_token in its tokenizer_config.json"
             )
+        if len(self._tokenizer) <= len(set(self._tokenizer.all_special_ids)):
+            # a tokenizer_config.json without its vocabulary files loads as a tokenizer of its special
+            # tokens alone, which encodes every text to nothing
+            raise DataError(
+                f"data.tokenizer={path}: the tokenizer has no tokens beyond its {len(self._tokenizer)} special "
+                "ones (its vocabulary files are missing); point it at a directory written by save_pretrained()"
+            )
         self.vocab_size = len(self._tokenizer)
         self.eod_id = int(self._tokenizer.eos_token_id)
 

@@ -31,6 +31,16 @@ class MoEDims:
         """Block `index` (0-based) has routed experts in place of its dense MLP."""
         return index >= self.first_dense_layers and (index - self.first_dense_layers) % self.layer_freq == 0
 
+    def moe_blocks_in(self, start: int, stop: int) -> int:
+        """How many of blocks [start, stop) route, in O(1): is_moe_block's every layer_freq-th block from
+        first_dense_layers on, counted without a loop over the blocks."""
+        start = max(start, self.first_dense_layers)
+        if stop <= start:
+            return 0
+        def routed_below(index: int) -> int:  # MoE blocks among [first_dense_layers, index)
+            return -(-(index - self.first_dense_layers) // self.layer_freq)
+        return routed_below(stop) - routed_below(start)
+
 
 @dataclass(frozen=True)
 class GPTDims:
@@ -64,9 +74,13 @@ class GPTDims:
     def is_moe_block(self, index: int) -> bool:
         return self.moe is not None and self.moe.is_moe_block(index)
 
+    def moe_blocks_in(self, start: int, stop: int) -> int:
+        """MoE blocks among blocks [start, stop)."""
+        return self.moe.moe_blocks_in(start, stop) if self.moe is not None else 0
+
     @property
     def num_moe_blocks(self) -> int:
-        return sum(self.is_moe_block(i) for i in range(self.num_layers))
+        return self.moe_blocks_in(0, self.num_layers)
 
 
 def resolve_dims(cfg: ModelConfig, tokenizer_vocab_size: int, tp: int = 1, device_type: str = "cuda") -> GPTDims:

@@ -10,20 +10,20 @@ and offload transfers over the host link. It ranks layouts; it is not a benchmar
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Optional
 
 from megaframe.config.schema import ClusterConfig, TrainConfig, ZeroConfig
-from megaframe.config.validate import Layout
+from megaframe.config.dataset_meta import SidecarError, recorded_vocab_size
+from megaframe.config.validate import ConfigError, Layout
 from megaframe.model.dims import GPTDims, resolve_dims
 from megaframe.plan.activations import (ActivationShape, block_activation_bytes,
                                         logits_working_bytes, moe_mlp_extra_bytes, stage_activation_bytes, tokens)
 from megaframe.plan.memory import (ACTIVATION_BYTES, GIB, STATE_BYTES, ModelStates, PlanLayout, active_parameters,
-                                   block_parameters, embedding_parameters, fsdp2_state_bytes, model_state_bytes,
-                                   stage_blocks, stage_expert_parameters, stage_parameters, total_parameters)
+                                   embedding_parameters, fsdp2_state_bytes, largest_block_parameters,
+                                   model_state_bytes, stage_blocks, stage_expert_parameters, stage_parameters,
+                                   total_parameters)
 from megaframe.parallel.pipeline_schedules import bubble_fraction, in_flight_micro_batches, stage_indices
 from megaframe.tracking.flops import flops_per_token, peak_tflops
 
@@ -95,13 +95,17 @@ def planning_vocab_size(cfg: TrainConfig) -> int:
     dataset's recorded vocabulary, or the tokenizer's."""
     if cfg.model.vocab_size is not None:
         return cfg.model.vocab_size
-    if cfg.data.path and Path(cfg.data.path + ".json").is_file():
-        recorded = json.loads(Path(cfg.data.path + ".json").read_text()).get("vocab_size")
-        if recorded:
-            return int(recorded)
+    from megaframe.data.token_files import DataError
     from megaframe.data.tokenizer import build_tokenizer
 
-    return build_tokenizer(cfg.data.tokenizer).vocab_size
+    try:
+        if cfg.data.path and (recorded := recorded_vocab_size(cfg.data.path)):
+            return recorded
+        # a tokenizer directory that does not load (the usual way to name a Megatron dataset's) was a
+        # traceback here, in megaframe-plan and megaframe-train's pre-launch check
+        return build_tokenizer(cfg.data.tokenizer).vocab_size
+    except (SidecarError, DataError) as err:
+        raise ConfigError(" ".join(str(err).split())) from None
 
 
 def host_memory_bytes() -> float:
@@ -204,7 +208,7 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
             # the module order no longer holds: it gathers on demand, about one block ahead (measured
             # on a 13M model, BENCHMARKS.md: 11 MB of the 52 MB bucket). From ~1B parameters a block
             # outweighs the default bucket and this changes nothing.
-            prefetch = min(prefetch, max(block_parameters(dims, lay.tp, i, ep) for i in range(dims.num_layers)))
+            prefetch = min(prefetch, largest_block_parameters(dims, lay.tp, ep))
         working += (min(zero.stage3_max_live_parameters, params) + prefetch) * STATE_BYTES[dtype][0]
     activations = in_flight * per_micro
     # on this host "offloaded" states stay in the same RAM the ranks share
@@ -221,7 +225,7 @@ def fsdp2_gathered_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, params: int
     group's gradients being reduced: in the compute dtype plus their fp32 copy that the
     reduce-scatter reads."""
     compute = ACTIVATION_BYTES[dtype]
-    block = max(block_parameters(dims, lay.tp, i, lay.grid.ep) for i in range(dims.num_layers))
+    block = largest_block_parameters(dims, lay.tp, lay.grid.ep)
     head = 0 if dims.tie_embeddings else dims.padded_vocab_size // lay.tp * dims.hidden_size
     root = embedding_parameters(dims, lay.tp) + head + dims.hidden_size
     gathered = params if lay.zero_stage == 2 else min(params, root + 2 * block)
@@ -343,8 +347,17 @@ def _ranked_step_time(lay: PlanLayout, cluster: ClusterConfig, compute: float, c
     return compute + exposed
 
 
+# a model beyond any machine: 10**15 parameters hold 16 PB of model states (16 bytes each, the ZeRO
+# paper's mixed-precision Adam), twice the memory of 10**5 H100s together (8 PB); gpt_1t is 10**12
+MAX_PARAMETERS = 10**15
+
+
 def estimate_config(cfg: TrainConfig, layout: Layout, all_stages: bool = False) -> Estimate:
-    """estimate() for a composed, validated config."""
+    """estimate() for a composed, validated config; ConfigError for a model beyond MAX_PARAMETERS."""
     dims = resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp, device_type=planning_device_type(cfg))
+    if (count := total_parameters(dims)) > MAX_PARAMETERS:
+        raise ConfigError(f"the model has {count:.3g} parameters (model.num_layers={dims.num_layers}, "
+                          f"model.hidden_size={dims.hidden_size}): beyond 1e15, whose model states (16 bytes each) "
+                          f"outgrow the memory of 10**5 GPUs together; check the model's sizes for a typo")
     return estimate(dims, plan_layout(cfg, layout), cfg.precision.dtype, cfg.cluster, cfg.plan.mfu, all_stages,
                     cfg.zero, cfg.precision.tf32)

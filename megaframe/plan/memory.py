@@ -81,24 +81,42 @@ def expert_parameters(dims: GPTDims) -> int:
 
 def block_expert_parameters(dims: GPTDims, index: int, ep: int = 1) -> int:
     """The routed experts one rank holds of block `index` (experts are split over ep, not TP)."""
-    return dims.moe.num_experts // ep * expert_parameters(dims) if dims.is_moe_block(index) else 0
+    return _moe_block_expert_parameters(dims, ep) if dims.is_moe_block(index) else 0
+
+
+def _moe_block_expert_parameters(dims: GPTDims, ep: int) -> int:
+    return dims.moe.num_experts // ep * expert_parameters(dims)
 
 
 def block_parameters(dims: GPTDims, tp: int, index: int = 0, ep: int = 1) -> int:
     """Block `index`'s parameters on one TP rank (model/gpt.py: Block), its routed experts included
     (this ep rank's share): an MoE block has a router (replicated) and shared experts (an MLP)."""
+    return block_kind_parameters(dims, tp, dims.is_moe_block(index), ep)
+
+
+def block_kind_parameters(dims: GPTDims, tp: int, moe_block: bool, ep: int = 1) -> int:
+    """The parameters of a dense block, or of an MoE block (moe_block), on one TP and ep rank: every
+    block of a kind has the same, so the planner counts kinds, never layers (10**8 layers plan in
+    microseconds)."""
     h, hs, f = dims.hidden_size, dims.head_dim, dims.ffn_hidden_size
     q, kv = dims.num_heads * hs, dims.num_kv_heads * hs
     bias = 1 if dims.bias else 0
     kv_local = kv // tp if dims.num_kv_heads % tp == 0 else kv  # fewer kv heads than TP ranks: replicated
     attention = h * q // tp + bias * q // tp + 2 * (h * kv_local + bias * kv_local) + q // tp * h + bias * h
     attention += 2 * hs if dims.qk_norm else 0
-    if not dims.is_moe_block(index):
+    if not moe_block:
         return 2 * _norm_parameters(dims) + attention + _mlp_parameters(dims, f, tp)
     moe = dims.moe
     shared = _mlp_parameters(dims, moe.shared_experts * moe.ffn_hidden_size, tp) if moe.shared_experts else 0
     return (2 * _norm_parameters(dims) + attention + moe.num_experts * h + shared
-            + block_expert_parameters(dims, index, ep))
+            + _moe_block_expert_parameters(dims, ep))
+
+
+def largest_block_parameters(dims: GPTDims, tp: int, ep: int = 1) -> int:
+    """The largest block's parameters on one rank, of the kinds the model has."""
+    kinds = [moe for moe, count in ((False, dims.num_layers - dims.num_moe_blocks), (True, dims.num_moe_blocks))
+             if count]
+    return max(block_kind_parameters(dims, tp, moe, ep) for moe in kinds)
 
 
 def embedding_parameters(dims: GPTDims, tp: int) -> int:
@@ -164,31 +182,67 @@ def stage_bounds(dims: GPTDims, tp: int, pp: int, partition: str = "uniform") ->
 
     "uniform" is our name for DeepSpeed's "type:BlockPipe" (balance transformer blocks),
     "parameters" balances per-rank parameter counts (backends/deepspeed/pipeline.py: PARTITION_METHODS).
+    A list of pp + 1 entries: the planner itself asks for one stage at a time (_stage_range).
     """
-    if partition == "uniform":
-        weights = uniform_weights(dims)
-    else:
-        weights = tuple(pipeline_layer_parameters(dims, tp))
-    return list(_cut(weights, pp))
+    return [0] + [_stage_range(dims, tp, pp, stage, partition)[1] for stage in range(pp)]
+
+
+# partition=parameters runs DeepSpeed's balanced partition, O(layers^2 * pp) (and DeepSpeed's own copy,
+# at every start of the run, in pure Python): beyond this many layers it takes hours
+PARAMETERS_PARTITION_MAX_LAYERS = 2048
+
+
+def uniform_stage_range(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
+    """What partition_balanced returns for "type:BlockPipe" weights (0, 1 x num_layers, 0, 0), for one
+    stage, in O(1): the blocks split as evenly as they go, the first num_layers % pp stages one more,
+    the embedding on the first stage, the final norm and head on the last (tests/unit/plan checks it
+    against the DP for every num_layers <= 64 and pp <= num_layers)."""
+    q, r = divmod(num_layers, pp)
+
+    def cut(s: int) -> int:  # layer-list index where stage s starts (the embedding is layer 0)
+        return 0 if s == 0 else num_layers + 3 if s == pp else 1 + s * q + min(s, r)
+    return cut(stage), cut(stage + 1)
 
 
 def stage_parameters(dims: GPTDims, tp: int, pp: int, stage: int, partition: str = "uniform", ep: int = 1) -> int:
     """Parameters one rank of pipeline stage `stage` holds (TP shard, this ep rank's experts; a
     tied embedding on the first and last stage is held, trained and stored by both)."""
-    per_layer = pipeline_layer_parameters(dims, tp, ep)
-    if pp == 1:
-        return sum(per_layer) - (per_layer[-1] if dims.tie_embeddings else 0)
     start, stop = _stage_range(dims, tp, pp, stage, partition, ep)
-    held = sum(per_layer[start:stop])
-    last = len(per_layer) - 1
-    if dims.tie_embeddings and start == 0 and stop > last:
-        held -= per_layer[last]  # one stage holding both ends builds the tied module once
+    return range_parameters(dims, tp, start, stop, ep, share_tied=True)
+
+
+def range_parameters(dims: GPTDims, tp: int, start: int, stop: int, ep: int = 1, share_tied: bool = False) -> int:
+    """Per-rank parameters of layers [start, stop) of ModelSpec's list (embed | blocks | final norm |
+    head), counted by kind. With tied embeddings the head is the embedding module again (a
+    TiedLayerSpec), whose parameters DeepSpeed counts at the head's position too; share_tied: a
+    range holding both ends builds the tied module once."""
+    n = dims.num_layers
+    embed = embedding_parameters(dims, tp)
+    head = embed if dims.tie_embeddings else dims.padded_vocab_size // tp * dims.hidden_size
+    first_block, last_block = max(start - 1, 0), min(stop - 1, n)  # blocks [first_block, last_block)
+    blocks = max(0, last_block - first_block)
+    moe_blocks = dims.moe_blocks_in(first_block, last_block) if blocks else 0
+    held = ((blocks - moe_blocks) * block_kind_parameters(dims, tp, False, ep)
+            + (moe_blocks * block_kind_parameters(dims, tp, True, ep) if moe_blocks else 0))
+    held += embed if start == 0 < stop else 0
+    held += _norm_parameters(dims) if start <= n + 1 < stop else 0
+    if start <= n + 2 < stop:  # the head
+        held += 0 if share_tied and dims.tie_embeddings and start == 0 else head
     return held
 
 
 def _stage_range(dims: GPTDims, tp: int, pp: int, stage: int, partition: str, ep: int = 1) -> tuple[int, int]:
+    n = dims.num_layers
     if pp == 1:
-        return 0, len(ModelSpec(dims).layers())
+        return 0, n + 3
+    if partition == "uniform" and pp <= n:
+        return uniform_stage_range(n, pp, stage)
+    if n > PARAMETERS_PARTITION_MAX_LAYERS:
+        from megaframe.config.validate import ConfigError
+
+        raise ConfigError(f"parallel.pipeline_partition={partition} with model.num_layers={n}: the balanced partition "
+                          f"takes O(layers^2 * pp) steps (hours beyond {PARAMETERS_PARTITION_MAX_LAYERS} layers, at "
+                          f"every start of the run too); use parallel.pipeline_partition=uniform")
     weights = uniform_weights(dims) if partition == "uniform" else tuple(pipeline_layer_parameters(dims, tp, ep))
     parts = _cut(weights, pp)
     return parts[stage], parts[stage + 1]
@@ -200,16 +254,17 @@ def stage_expert_parameters(dims: GPTDims, tp: int, pp: int, stage: int, partiti
     ranks (dp*cp/ep), the rest over dp*cp."""
     if dims.moe is None:
         return 0
-    start, stop = _stage_range(dims, tp, pp, stage, partition, ep)
-    return sum(block_expert_parameters(dims, layer.block, ep) for layer in ModelSpec(dims).layers()[start:stop]
-               if layer.kind == "block")
+    return stage_blocks(dims, tp, pp, stage, partition, moe_only=True, ep=ep) * _moe_block_expert_parameters(dims, ep)
 
 
-def stage_blocks(dims: GPTDims, tp: int, pp: int, stage: int, partition: str = "uniform", moe_only: bool = False) -> int:
+def stage_blocks(dims: GPTDims, tp: int, pp: int, stage: int, partition: str = "uniform", moe_only: bool = False,
+                 ep: int = 1) -> int:
     """Transformer blocks on a pipeline stage (moe_only: those with routed experts)."""
-    start, stop = _stage_range(dims, tp, pp, stage, partition)
-    return sum(layer.kind == "block" and (not moe_only or dims.is_moe_block(layer.block))
-               for layer in ModelSpec(dims).layers()[start:stop])
+    start, stop = _stage_range(dims, tp, pp, stage, partition, ep)
+    first_block, last_block = max(start - 1, 0), min(stop - 1, dims.num_layers)
+    if last_block <= first_block:
+        return 0
+    return dims.moe_blocks_in(first_block, last_block) if moe_only else last_block - first_block
 
 
 def total_parameters(dims: GPTDims) -> int:

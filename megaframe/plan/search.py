@@ -7,7 +7,7 @@ from itertools import product
 from typing import Iterator
 
 from megaframe.config.schema import ModelConfig, TrainConfig
-from megaframe.config.validate import ffn_hidden_size
+from megaframe.config.validate import _divisors, ffn_hidden_size  # O(sqrt(n)): worlds of 10**6 ranks
 from megaframe.model.dims import resolve_dims
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.pipeline_schedules import SPLIT_BACKWARD, runs_micro_batches, stages_per_rank
@@ -16,10 +16,6 @@ from megaframe.plan.memory import PlanLayout
 
 
 LONG_SEQUENCE = 32768  # tokens: below this, cp only adds communication to what tp and dp do
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def tensor_parallel_degrees(model: ModelConfig, world: int, gpus_per_node: int | None) -> list[int]:

@@ -1,0 +1,38 @@
+"""The vocabulary a dataset's sidecar (PREFIX.json) records, read before launch by validation and the
+planner. A damaged sidecar (not JSON, not an object, a vocab_size that is not a whole number) was a
+JSONDecodeError or AttributeError traceback there, before the data reader, which checks the whole
+file (data/indexed.py), could say so in one line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+_REBUILD = "rebuild it with megaframe-preprocess"
+
+
+class SidecarError(ValueError):
+    """PREFIX.json cannot be read as a sidecar; str(err) is one line naming the file."""
+
+
+def recorded_vocab_size(prefix: str) -> Optional[int]:
+    """The vocab_size PREFIX.json records; None without a sidecar or without the field."""
+    meta = Path(prefix + ".json")
+    if not meta.is_file():
+        return None
+    try:
+        recorded = json.loads(meta.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SidecarError(f"{meta} is not valid JSON ({err.__class__.__name__} at byte "
+                           f"{getattr(err, 'pos', getattr(err, 'start', '?'))}); {_REBUILD}") from None
+    except OSError as err:
+        raise SidecarError(f"{meta}: cannot read it ({err.strerror}); {_REBUILD}") from None
+    if not isinstance(recorded, dict):
+        raise SidecarError(f"{meta} must hold a JSON object; {_REBUILD}")
+    vocab = recorded.get("vocab_size")
+    if vocab is None:
+        return None
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise SidecarError(f"{meta}: its vocab_size is {vocab!r}, not a whole number >= 1 (damaged or edited); "
+                           f"{_REBUILD}")
+    return vocab
