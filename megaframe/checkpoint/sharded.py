@@ -264,27 +264,29 @@ class ShardReader:
         as zeros): as index.json declares it, or by name for checkpoints written before it did."""
         return self.tensors[key].get("pad_rows") is True if self._declared else pads_rows_by_name(key)
 
-    def _handle(self, rel: str):
+    def _handle(self, rel: str, key: str = ""):
         if rel not in self._handles:
             universal.inside(self.directory, rel, INDEX_FILE)
             try:
                 handle = universal.open_tensors(self.directory, rel)
             except Exception as err:  # safetensors' own errors (truncated, garbage header) are no OSError
-                raise CheckpointError(f"checkpoint {self.directory}: {rel} is not a readable safetensors file "
-                                      f"({universal.quote(err)}); resume from an earlier checkpoint") from None
+                raise CheckpointError(f"checkpoint {self.directory}: {rel} (holding tensor {key}) is not a readable "
+                                      f"safetensors file ({universal.quote(err)}); resume from an earlier "
+                                      f"checkpoint") from None
             self._handles[rel] = self._stack.enter_context(handle)
         return self._handles[rel]
 
-    def _slice(self, chunk: dict, src: tuple) -> torch.Tensor:
-        """The `src` slice of a chunk, after checking that its file holds it at the shape the index says."""
-        handle = self._handle(chunk["file"])
+    def _slice(self, key: str, chunk: dict, src: tuple) -> torch.Tensor:
+        """The `src` slice of a chunk of `key`, after checking that its file holds it at the shape the
+        index says."""
+        handle = self._handle(chunk["file"], key)
         try:
             part = handle.get_slice(chunk["key"])
             if list(part.get_shape()) != list(chunk["shape"]):
                 raise ValueError(f"shape {part.get_shape()}, the index says {chunk['shape']}")
             return part[src].float()
         except Exception as err:  # a missing key or a file that lies about its data
-            raise CheckpointError(f"checkpoint {self.directory}: {chunk['file']} does not hold chunk "
+            raise CheckpointError(f"checkpoint {self.directory}: tensor {key}: {chunk['file']} does not hold chunk "
                                   f"{chunk['key'][:80]!r} as indexed ({universal.quote(err)}); the checkpoint is "
                                   f"damaged: resume from an earlier one") from None
 
@@ -310,7 +312,7 @@ class ShardReader:
                 continue
             src = tuple(slice(c - s, c - s + n) for c, s, n in zip(common.offset, stored.offset, common.shape))
             dst = tuple(slice(c - b, c - b + n) for c, b, n in zip(common.offset, box.offset, common.shape))
-            out[dst] = self._slice(chunk, src)
+            out[dst] = self._slice(key, chunk, src)
         return out
 
     def full(self, key: str) -> torch.Tensor:
