@@ -216,9 +216,32 @@ def _truncate_weights(step_dir: Path) -> None:
     target.write_bytes(target.read_bytes()[:1000])
 
 
+def _drop_a_chunk_and_rehash(step_dir: Path) -> None:
+    """What an index that lost a rank's record looks like once its manifest agrees: it loaded as zeros."""
+    import json
+
+    from megaframe.checkpoint import universal
+
+    group = step_dir / "index" / "blocks.0.json"
+    chunks = json.loads(group.read_text())
+    chunks["blocks.0.attn_norm.weight"] = []  # a tensor every GPT block has
+    group.write_text(json.dumps(chunks))
+    universal.write_manifest(step_dir)
+
+
+def _garbage_rng_and_rehash(step_dir: Path) -> None:
+    """torch's error for it advises weights_only=False; that advice must not reach the user."""
+    from megaframe.checkpoint import universal
+
+    (step_dir / "rng_rank0.pt").write_bytes(b"\x80\x02garbage" * 20)
+    universal.write_manifest(step_dir)
+
+
 CHECKPOINT_CASES = {  # damage to the checkpoint resumed from -> fragments of the one line (exit 5)
     "manifest missing": (_drop_manifest, ["has no manifest.json", "incomplete"]),
     "weights truncated": (_truncate_weights, ["truncated or corrupted: shards/rank00000.safetensors has 1000 bytes"]),
+    "a chunk missing": (_drop_a_chunk_and_rehash, ["tensor blocks.0.attn_norm.weight: no chunk covers element [0]"]),
+    "rng pickle garbage": (_garbage_rng_and_rehash, ["rng_rank0.pt is damaged"]),
 }
 
 
@@ -248,6 +271,7 @@ def test_a_damaged_checkpoint_is_one_line_with_exit_5(case, stopped_at_2, tmp_pa
     damage(run / "checkpoints" / "global_step2")
     result = run_cli([*args, "train.resume=" + str(run / "checkpoints" / "global_step2")])
     assert_one_line_failure(result, ExitCode.BAD_CHECKPOINT, "global_step2", *fragments)
+    assert "weights_only" not in result.stderr
 
 
 def test_resume_auto_falls_back_past_a_corrupt_newest_checkpoint(tmp_path):
