@@ -82,9 +82,10 @@ def acquire(run_dir: Path) -> Optional[str]:
     return None
 
 
-# what megaframe-train writes in a run dir by name: a symbolic link there (where megaframe makes
-# none) would send its appends and reads to the link's target
-_WRITTEN_BY_NAME = ("metrics.jsonl", "logs", "checkpoints/latest")
+# what megaframe-train appends to or reads back in a run dir by name: a symbolic link there (where
+# megaframe makes none) would send its appends and reads to the link's target (files it only
+# replaces by rename, config.yaml, are safe: the rename replaces a link, never follows it)
+_WRITTEN_BY_NAME = ("metrics.jsonl", "logs", "checkpoints/latest", "wandb_run_id")
 
 
 def planted_link(run_dir: Path) -> Optional[str]:

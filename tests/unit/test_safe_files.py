@@ -55,7 +55,7 @@ def test_a_lock_holder_record_is_quoted_short_and_sanitised(tmp_path):
     assert "\x1b" not in text and len(text) < 120 and text.startswith(" by pid 7 on h\\x1b[31mxxx")
 
 
-@pytest.mark.parametrize("name", ["metrics.jsonl", "logs", "checkpoints/latest"])
+@pytest.mark.parametrize("name", ["metrics.jsonl", "logs", "checkpoints/latest", "wandb_run_id"])
 def test_a_link_planted_where_megaframe_writes_refuses_the_run_dir(name, tmp_path, victim):
     run_dir = tmp_path / "run"
     (run_dir / name).parent.mkdir(parents=True)
