@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from megaframe.safe_files import UnsafeFile, open_regular, quote
+
 LOCK_NAME = ".megaframe.lock"
 HELD_BY_PARENT = "MEGAFRAME_RUN_DIR_LOCK"  # the resolved run dir our launcher has locked for us
 
@@ -35,7 +37,7 @@ def _holder_text(fd: int) -> str:
     try:
         raw = os.pread(fd, 4096, 0).decode("utf-8", "replace")
         holder = json.loads(raw)
-        return f" by pid {int(holder['pid'])} on {holder['host']} since {holder['since']}"
+        return f" by pid {int(holder['pid'])} on {quote(holder['host'])} since {quote(holder['since'])}"
     except (OSError, ValueError, KeyError, TypeError):
         return ""
 
@@ -54,7 +56,14 @@ def acquire(run_dir: Path) -> Optional[str]:
     if run_dir in _held:
         return None
     run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # a link planted as the lock is not followed: truncating it would overwrite its target
+        fd = open_regular(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except UnsafeFile as err:
+        return (f"{err.strerror}: megaframe-train will not lock or write through it; remove it "
+                f"(rm {run_dir / LOCK_NAME}) and check who put it there, or choose another run dir (hydra.run.dir=...)")
+    except OSError as err:
+        return (f"run dir {run_dir}: cannot create {LOCK_NAME} ({err.strerror or err}); fix its permissions or "
+                f"choose another run dir (hydra.run.dir=...)")
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -62,11 +71,35 @@ def acquire(run_dir: Path) -> Optional[str]:
         os.close(fd)
         return (f"run dir {run_dir} is in use{holder}: another megaframe-train is training there; "
                 f"wait for it to end, or choose another run dir (hydra.run.dir=...)")
+    if planted := planted_link(run_dir):
+        os.close(fd)
+        return planted
     record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                          "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode()
     os.ftruncate(fd, 0)
     os.pwrite(fd, record, 0)
     _held[run_dir] = fd
+    return None
+
+
+# what megaframe-train appends to or reads back in a run dir by name: a symbolic link there (where
+# megaframe makes none) would send its appends and reads to the link's target (files it only
+# replaces by rename, config.yaml, are safe: the rename replaces a link, never follows it)
+_WRITTEN_BY_NAME = ("metrics.jsonl", "logs", "checkpoints/latest", "wandb_run_id")
+
+
+def planted_link(run_dir: Path) -> Optional[str]:
+    """The one-line refusal when a file megaframe writes in run_dir by name is a symbolic link
+    (checkpoints/ itself may be one: storage the user mounted elsewhere), else None."""
+    logs = Path(run_dir) / "logs"
+    candidates = [Path(run_dir) / name for name in _WRITTEN_BY_NAME]
+    if logs.is_dir() and not logs.is_symlink():
+        candidates += sorted(logs.glob("rank*.log"))
+    for path in candidates:
+        if path.is_symlink():
+            return (f"run dir {run_dir}: {path.relative_to(run_dir)} is a symbolic link, which megaframe never makes "
+                    f"there; megaframe-train will not write through it: remove it (rm {path}) and check who put it "
+                    f"there, or choose another run dir (hydra.run.dir=...)")
     return None
 
 

@@ -7,7 +7,8 @@ each in some rank's file. In a checkpoint directory:
   shards/rankNNNNN.safetensors   one rank's chunks, fp32, written one tensor at a time
   shards/rankNNNNN.json          that rank's record: its chunks' boxes, and the bytes and sha256 of
                                  the files it wrote (hashed by that rank as it wrote them)
-  index.json                     every tensor's shape and the group file holding its chunks
+  index.json                     every tensor's shape, the group file holding its chunks, and whether
+                                 its rows are a vocabulary a layout may pad ("pad_rows": declared)
   index/GROUP.json               the chunks of one layer's tensors (GROUP: blocks.N, embed, final_norm,
                                  head), merged from the records at publication
 A rank resuming reads index.json (a line per tensor) and the group files of the layers it holds,
@@ -27,7 +28,6 @@ import contextlib
 import json
 import time
 from dataclasses import dataclass
-from math import prod
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -35,6 +35,7 @@ import torch
 
 from megaframe.checkpoint import universal
 from megaframe.checkpoint.boxes import Box, intersect
+from megaframe.checkpoint.coverage import coverage_problem
 from megaframe.checkpoint.stream import write_streaming
 from megaframe.checkpoint.universal import CheckpointError, _atomic_json
 
@@ -158,10 +159,8 @@ def merge_records(directory: Path, world: int) -> dict[str, dict]:
                 raise CheckpointError(f"{key}: ranks disagree on its shape ({merged['shape']} vs {entry['shape']})")
             merged["chunks"].extend(entry["chunks"])
     for key, entry in tensors.items():
-        stored = sum(prod(chunk["shape"]) for chunk in entry["chunks"])
-        if stored != prod(entry["shape"]):
-            raise CheckpointError(f"{key}: the ranks wrote {stored} of its {prod(entry['shape'])} elements; "
-                                  f"the save is incomplete (a layout the writer does not cover)")
+        if problem := coverage_problem(tuple(entry["shape"]), entry["chunks"]):
+            raise CheckpointError(f"{key}: {problem}; the save is incomplete (a layout the writer does not cover)")
     if tensors:
         groups: dict[str, dict] = {}
         for key, entry in sorted(tensors.items()):
@@ -169,9 +168,24 @@ def merge_records(directory: Path, world: int) -> dict[str, dict]:
         (directory / INDEX_DIR).mkdir(exist_ok=True)
         for group, chunks in groups.items():
             _atomic_json(directory / INDEX_DIR / f"{group}.json", chunks)
-        _atomic_json(directory / INDEX_FILE, {"tensors": {key: {"shape": entry["shape"], "group": index_group(key)}
-                                                          for key, entry in sorted(tensors.items())}})
+        _atomic_json(directory / INDEX_FILE, {
+            "padding": PADDING_DECLARED,
+            "tensors": {key: {"shape": entry["shape"], "group": index_group(key), "pad_rows": pads_rows_by_name(key)}
+                        for key, entry in sorted(tensors.items())}})
     return files
+
+
+# index.json says which tensors a layout may pad (rows past the stored vocabulary, read as zeros);
+# an index without this marker predates the declaration and gets the rule it was written under
+PADDING_DECLARED = "declared"
+
+
+def pads_rows_by_name(key: str) -> bool:
+    """Whether stored tensor `key` has the vocabulary as its rows (the embedding, the LM head and
+    their optimizer state): the only tensors whose reads may reach past the stored rows."""
+    from megaframe.model.spec import VOCAB_PARAMS
+
+    return (key.split(".", 1)[1] if universal.is_optimizer_key(key) else key) in VOCAB_PARAMS
 
 
 class ShardReader:
@@ -184,12 +198,16 @@ class ShardReader:
         self._handles: dict[str, object] = {}
         self._stack = contextlib.ExitStack()
         self._chunks: dict[str, list] = {}  # key -> its chunks, filled group by group as they are needed
+        self._covered: set[str] = set()  # keys whose chunks were checked to tile the tensor
+        self._declared = False  # index.json declares its padded tensors (else the name rule)
         index_path = self.directory / INDEX_FILE
         if index_path.is_file():
-            try:
-                self.tensors = json.loads(index_path.read_text())["tensors"]
-            except (ValueError, KeyError, TypeError) as err:
-                raise CheckpointError(f"checkpoint {directory}: {INDEX_FILE} is unreadable ({err})") from err
+            index = universal.read_json(index_path, f"checkpoint {directory}: {INDEX_FILE}")
+            self.tensors = index.get("tensors") if isinstance(index, dict) else None
+            self._declared = isinstance(index, dict) and index.get("padding") == PADDING_DECLARED
+            if not isinstance(self.tensors, dict) or not all(_entry_ok(e) for e in self.tensors.values()):
+                raise CheckpointError(f"checkpoint {directory}: {INDEX_FILE} is damaged (its tensor table is not "
+                                      f"{{name: {{shape, group}}}}); resume from an earlier checkpoint")
         else:
             self.tensors = {}
             for filename in (universal.MODEL_FILE, universal.OPTIMIZER_FILE):
@@ -222,31 +240,70 @@ class ShardReader:
         return tuple(self.tensors[key]["shape"])
 
     def chunks(self, key: str) -> list[dict]:
-        """The stored chunks of tensor `key` (reads its group's index file the first time)."""
+        """The stored chunks of tensor `key` (reads its group's index file the first time), checked
+        to tile the tensor exactly: CheckpointError (exit 5) naming it for a gap, an overlap or a
+        chunk out of bounds, which would otherwise load as zeros or as the wrong values."""
         if key not in self._chunks:
             rel = f"{INDEX_DIR}/{self.tensors[key]['group']}.json"
             path = universal.inside(self.directory, rel, INDEX_FILE)
-            try:
-                self._chunks.update(json.loads(path.read_text()))
-            except (OSError, ValueError) as err:
-                raise CheckpointError(f"checkpoint {self.directory}: {rel} is unreadable ({err})") from err
+            group = universal.read_json(path, f"checkpoint {self.directory}: {rel}")
+            if not isinstance(group, dict):
+                raise CheckpointError(f"checkpoint {self.directory}: {rel} is damaged (not a table of chunk lists)")
+            self._chunks.update(group)
             if key not in self._chunks:
                 raise CheckpointError(f"checkpoint {self.directory}: {rel} has no chunks of {key}")
+        if key not in self._covered:
+            if problem := coverage_problem(self.shape(key), self._chunks[key]):
+                raise CheckpointError(f"checkpoint {self.directory}: tensor {key}: {problem}; the checkpoint is "
+                                      f"damaged: resume from an earlier one (train.resume=PATH)")
+            self._covered.add(key)
         return self._chunks[key]
 
-    def _handle(self, rel: str):
+    def pads_rows(self, key: str) -> bool:
+        """Whether reads of `key` may reach past its stored rows (a layout's vocabulary padding, read
+        as zeros): as index.json declares it, or by name for checkpoints written before it did."""
+        return self.tensors[key].get("pad_rows") is True if self._declared else pads_rows_by_name(key)
+
+    def _handle(self, rel: str, key: str = ""):
         if rel not in self._handles:
             universal.inside(self.directory, rel, INDEX_FILE)
-            self._handles[rel] = self._stack.enter_context(universal.open_tensors(self.directory, rel))
+            try:
+                handle = universal.open_tensors(self.directory, rel)
+            except Exception as err:  # safetensors' own errors (truncated, garbage header) are no OSError
+                raise CheckpointError(f"checkpoint {self.directory}: {rel} (holding tensor {key}) is not a readable "
+                                      f"safetensors file ({universal.quote(err)}); resume from an earlier "
+                                      f"checkpoint") from None
+            self._handles[rel] = self._stack.enter_context(handle)
         return self._handles[rel]
 
+    def _slice(self, key: str, chunk: dict, src: tuple) -> torch.Tensor:
+        """The `src` slice of a chunk of `key`, after checking that its file holds it at the shape the
+        index says."""
+        handle = self._handle(chunk["file"], key)
+        try:
+            part = handle.get_slice(chunk["key"])
+            if list(part.get_shape()) != list(chunk["shape"]):
+                raise ValueError(f"shape {part.get_shape()}, the index says {chunk['shape']}")
+            return part[src].float()
+        except Exception as err:  # a missing key or a file that lies about its data
+            raise CheckpointError(f"checkpoint {self.directory}: tensor {key}: {chunk['file']} does not hold chunk "
+                                  f"{chunk['key'][:80]!r} as indexed ({universal.quote(err)}); the checkpoint is "
+                                  f"damaged: resume from an earlier one") from None
+
     def read(self, key: str, box: Box, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The fp32 values of `box` of tensor `key`; where the box reaches beyond the stored tensor
-        (this layout's vocabulary padding) the values are zeros. Only the overlapping slices of the
+        """The fp32 values of `box` of tensor `key`; only past the stored rows of a tensor declared
+        padded (this layout's vocabulary padding) are the values zeros; a box that reaches anywhere
+        else outside the stored tensor is a CheckpointError. Only the overlapping slices of the
         chunks are read."""
         if key not in self.tensors:
             raise CheckpointError(f"checkpoint {self.directory} has no tensor {key}; the model.* config must "
                                   f"match the checkpoint's state.json")
+        shape = self.shape(key)
+        outside = [d for d, (o, n, full) in enumerate(zip(box.offset, box.shape, shape)) if o < 0 or o + n > full]
+        if len(box.shape) != len(shape) or (outside and (outside != [0] or not self.pads_rows(key))):
+            raise CheckpointError(f"checkpoint {self.directory}: tensor {key} of shape {list(shape)} is read at "
+                                  f"offset {list(box.offset)} shape {list(box.shape)}, outside what it stores; the "
+                                  f"model.* config must match the checkpoint's state.json")
         out = torch.zeros(box.shape, dtype=torch.float32) if out is None else out
         for chunk in self.chunks(key):
             stored = Box(tuple(chunk["offset"]), tuple(chunk["shape"]))
@@ -255,13 +312,20 @@ class ShardReader:
                 continue
             src = tuple(slice(c - s, c - s + n) for c, s, n in zip(common.offset, stored.offset, common.shape))
             dst = tuple(slice(c - b, c - b + n) for c, b, n in zip(common.offset, box.offset, common.shape))
-            out[dst] = self._handle(chunk["file"]).get_slice(chunk["key"])[src].float()
+            out[dst] = self._slice(key, chunk, src)
         return out
 
     def full(self, key: str) -> torch.Tensor:
         """The whole tensor `key` (tools and the converter: one tensor at a time)."""
         shape = self.shape(key)
         return self.read(key, Box((0,) * len(shape), shape))
+
+
+def _entry_ok(entry: Any) -> bool:
+    """An index.json tensor entry: {shape: [whole numbers >= 0], group: name, ...}."""
+    return (isinstance(entry, dict) and isinstance(entry.get("shape"), list)
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in entry["shape"])
+            and isinstance(entry.get("group"), str))
 
 
 def read_universal(directory: Path, verify: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor],

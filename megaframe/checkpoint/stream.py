@@ -18,6 +18,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from megaframe.safe_files import create_fresh
+
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
           torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
 _SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.uint8}
@@ -48,7 +50,7 @@ def write_streaming(path: Path, entries: Iterable[tuple[str, torch.dtype, tuple[
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(create_fresh(tmp), "wb") as f:  # a link planted at the temp name is not followed
             for piece in (struct.pack("<Q", len(blob)), blob):
                 f.write(piece)
                 digest.update(piece)

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 
 from megaframe.failures import ExitCode
 from megaframe.atomic_io import atomic_write_text
+from megaframe.safe_files import quote, read_capped
 
 FORMAT, VERSION, SHARDED_VERSION = "megaframe-universal", 1, 2
 READABLE_VERSIONS = (VERSION, SHARDED_VERSION)
@@ -79,6 +80,22 @@ def safetensors_header(path: Path) -> dict[str, dict]:
     return shapes
 
 
+JSON_CAP = 1 << 26  # 64 MiB: a manifest or index of thousands of ranks' files is a few MiB
+LATEST_CAP = 4096  # `latest` holds one directory name
+
+
+def read_json(path: Path, what: str) -> Any:
+    """The JSON value of a checkpoint's own file (not a link, at most JSON_CAP bytes);
+    CheckpointError naming `what` when it cannot be read or parsed, quoting nothing of its content."""
+    try:
+        return json.loads(read_capped(path, JSON_CAP))
+    except OSError as err:
+        raise CheckpointError(f"{what} cannot be read ({err.strerror or err})") from None
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError: position only, no content
+        raise CheckpointError(f"{what} is not valid JSON ({quote(err, 100)}): damaged; resume from an "
+                              f"earlier checkpoint") from None
+
+
 def _atomic_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
@@ -127,12 +144,16 @@ def latest_pointer(save_dir: Path) -> Optional[Path]:
     may not exist (a crash mid-swap). The name must be a global_stepN directory of save_dir itself:
     anything else, a path that leaves it included, is a CheckpointError."""
     pointer = Path(save_dir) / LATEST_FILE
-    if not pointer.is_file():
+    if not os.path.lexists(pointer):
         return None
-    name = pointer.read_text().strip()
+    try:  # not a link, not a FIFO, not a large file: its content goes into no line unchecked
+        name = read_capped(pointer, LATEST_CAP).decode("utf-8", "replace").strip()
+    except OSError as err:
+        raise CheckpointError(f"{pointer} cannot be read ({err.strerror or err}); megaframe writes it as a "
+                              f"small file naming global_stepN: delete it") from None
     if not re.fullmatch(r"global_step\d+", name):
-        raise CheckpointError(f"{pointer} names {name!r}, not a checkpoint directory of {save_dir} (global_stepN); "
-                              f"the file was edited: fix it or delete it")
+        raise CheckpointError(f"{pointer} names {quote(name)!r}, not a checkpoint directory of {save_dir} "
+                              f"(global_stepN); the file was edited: fix it or delete it")
     return inside(save_dir, name, str(pointer))
 
 
@@ -143,13 +164,13 @@ def read_manifest(directory: Path) -> dict:
     if not manifest_path.is_file():
         raise CheckpointError(f"checkpoint {directory} has no {MANIFEST_FILE}: it is incomplete (a save that did not "
                               f"finish) or not a megaframe checkpoint")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"checkpoint {directory}: {MANIFEST_FILE} is unreadable ({err})") from err
-    if not isinstance(files, dict):
-        raise CheckpointError(f"checkpoint {directory}: {MANIFEST_FILE} is unreadable (no file table)")
+    manifest = read_json(manifest_path, f"checkpoint {directory}: {MANIFEST_FILE}")
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(
+            isinstance(meta, dict) and isinstance(meta.get("bytes"), int) and isinstance(meta.get("sha256"), str)
+            for meta in files.values()):
+        raise CheckpointError(f"checkpoint {directory}: {MANIFEST_FILE} is unreadable (its file table is not "
+                              f"{{file: {{bytes, sha256}}}}); resume from an earlier checkpoint")
     return manifest
 
 
@@ -238,13 +259,13 @@ def replace_dir(tmp: Path, final: Path) -> Path:
 def read_state(directory: Path) -> dict[str, Any]:
     """state.json of a universal checkpoint (format and version checked)."""
     path = Path(directory) / STATE_FILE
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"checkpoint {directory}: cannot read {STATE_FILE} ({err})") from err
+    state = read_json(path, f"checkpoint {directory}: {STATE_FILE}")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {directory}: {STATE_FILE} holds no JSON object; resume from an earlier "
+                              f"checkpoint")
     if state.get("format") != FORMAT or state.get("version") not in READABLE_VERSIONS:
-        raise CheckpointError(f"checkpoint {directory}: {STATE_FILE} is format {state.get('format')!r} version "
-                              f"{state.get('version')!r}; this megaframe reads {FORMAT!r} versions "
+        raise CheckpointError(f"checkpoint {directory}: {STATE_FILE} is format {quote(state.get('format'))!r} "
+                              f"version {quote(state.get('version'))!r}; this megaframe reads {FORMAT!r} versions "
                               f"{', '.join(map(str, READABLE_VERSIONS))}")
     return state
 

@@ -138,14 +138,18 @@ def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        return load_file(str(path))
+        try:
+            return load_file(str(path))
+        except Exception as error:  # SafetensorError (a truncated or garbage file) is no OSError
+            raise ConvertError(f"{path}: not a readable safetensors file ({type(error).__name__}); re-download or "
+                               f"re-save it") from None
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, AttributeError, EOFError) as error:
-        reason = " ".join(str(error).split())[:200]
-        raise ConvertError(f"{path}: refusing to load: it is not a plain tensor file (torch.load with "
-                           f"weights_only=True failed: {reason}); convert it to safetensors from a trusted "
-                           "environment") from None
+        # torch's own message advises weights_only=False, which runs what a crafted file holds: not relayed
+        raise ConvertError(f"{path}: refusing to load: it is not a plain tensor file ({type(error).__name__} "
+                           f"reading it with torch.load's tensors-only loader); convert it to safetensors from a "
+                           "trusted environment") from None
     if not isinstance(loaded, dict) or not all(isinstance(t, torch.Tensor) for t in loaded.values()):
         raise ConvertError(f"{path}: expected a dict of tensors, found {type(loaded).__name__}")
     return loaded
@@ -257,6 +261,8 @@ def model_tensors(reader: ShardReader) -> LazyTensors:
     def make(name: str) -> torch.Tensor:
         try:
             return reader.full(name)
+        except universal.CheckpointError as err:  # read lazily, mid-export: a chunk missing, a shard damaged
+            raise ConvertError(str(err)) from None
         finally:
             reader.release()
 
@@ -277,6 +283,8 @@ def model_tensors(reader: ShardReader) -> LazyTensors:
             keep.append(dim)
         try:
             value = reader.read(name, Box(tuple(offset), tuple(size)))
+        except universal.CheckpointError as err:
+            raise ConvertError(str(err)) from None
         finally:
             reader.release()
         return value.reshape([size[d] for d in keep])

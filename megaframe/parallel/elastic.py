@@ -73,9 +73,19 @@ def job_stop() -> Optional[tuple[int, str]]:
 
 
 def _read_stop_file(path: str) -> Optional[tuple[int, str]]:
+    """The stop an earlier attempt recorded in the run dir, or None. The file is megaframe's own or
+    nothing: not through a link, a few KiB at most, a documented deterministic exit code, and its
+    message is quoted short and sanitised (a planted file must not write the job log or choose the
+    exit code)."""
+    from megaframe.failures import ExitCode
+    from megaframe.safe_files import quote, read_capped
+
     try:
-        with open(path, encoding="utf-8") as f:
-            stop = json.load(f)
-    except (OSError, ValueError):
+        stop = json.loads(read_capped(Path(path), 1 << 16))
+        code, message = stop["exit_code"], stop["message"]
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    return int(stop["exit_code"]), str(stop["message"])
+    deterministic = (ExitCode.DIVERGED, ExitCode.BAD_DATA, ExitCode.BAD_CHECKPOINT, ExitCode.MISSING_SYSTEM)
+    if not isinstance(message, str) or isinstance(code, bool) or code not in deterministic:
+        return None
+    return code, quote(message, 1000)

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 from megaframe.atomic_io import atomic_write_text
+from megaframe.safe_files import open_regular
 
 
 class MetricsLog:
@@ -20,10 +22,12 @@ class MetricsLog:
 
         Returns how many records were dropped. The rewrite is atomic: a crash keeps the old file.
         """
-        if not self.path.exists():
+        if not os.path.lexists(self.path):
             return 0
         kept, dropped = [], 0
-        for line in self.path.read_text().splitlines():
+        with os.fdopen(open_regular(self.path, os.O_RDONLY)) as f:  # a planted link (to /dev/zero) is refused
+            text = f.read()
+        for line in text.splitlines():
             if not line.strip():
                 continue
             try:
@@ -42,7 +46,8 @@ class MetricsLog:
     def append(self, record: dict[str, Any]) -> None:
         """Add one record and flush it to disk: strict JSON, a non-finite number written as null
         (Python's NaN and Infinity are no JSON; jq and browsers refuse the line)."""
-        with open(self.path, "a") as f:
+        # not through a link planted in the run dir: appending would write into its target
+        with os.fdopen(open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
             f.write(json.dumps(strict_json(record), sort_keys=False, allow_nan=False) + "\n")
             f.flush()
 

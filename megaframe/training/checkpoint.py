@@ -12,8 +12,10 @@ the files split over the ranks, then reshards into the running layout.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import re
 import shutil
 import threading
@@ -28,6 +30,7 @@ from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.atomic_io import atomic_write_text
 from megaframe.failures import save_failure
+from megaframe.safe_files import read_capped
 from megaframe.parallel.random import get_rng_states, set_rng_states
 from megaframe.training.resume_checks import clear_unsaved
 
@@ -307,7 +310,8 @@ def load_any(backend, path: Path, verified: bool = False, trust_pickled: bool = 
         state = backend.load_full_state(path)
         rng_state = _load_rng(path) if state.get("layout") == layout else {}
         return ResumePoint(path=path, step=int(state["step"]), client_state=state, rng_state=rng_state)
-    saved = json.loads((path / LAYOUT_FILE).read_text()) if (path / LAYOUT_FILE).is_file() else None
+    saved = (universal.read_json(path / LAYOUT_FILE, f"train.resume: {path / LAYOUT_FILE}")
+             if os.path.lexists(path / LAYOUT_FILE) else None)
     if not backend.has_native(path):
         raise CheckpointError(f"train.resume: {path} holds neither layout-free tensors ({universal.INDEX_FILE}) "
                               f"nor the engine's own files")
@@ -326,10 +330,38 @@ def _load_rng(path: Path) -> dict[str, Any]:
     """This rank's saved RNG states (weights_only: tensors and plain containers only); the default
     generators' applied (CPU, and the accelerator's when the checkpoint holds it)."""
     rng_file = Path(path) / f"rng_rank{_rank()}.pt"
-    rng_state = torch.load(rng_file, weights_only=True) if rng_file.exists() else {}
+    rng_state = load_tensors_pickle(rng_file) if os.path.lexists(rng_file) else {}
     if "cpu" in rng_state:
         set_rng_states([rng_state["cpu"], *rng_state.get("accelerator", [])])
     return rng_state
+
+
+def _damaged_native(path: Path, err: BaseException) -> CheckpointError:
+    """One line for an engine file that does not unpickle (torch's message, which advises
+    weights_only=False, is not relayed)."""
+    return CheckpointError(f"train.resume: checkpoint {path}: one of the engine's .pt files is damaged "
+                           f"({type(err).__name__}); resume from an earlier checkpoint")
+
+
+_RNG_CAP = 1 << 24  # 16 MiB: a rank's generator states are kilobytes
+
+
+def load_tensors_pickle(path: Path) -> dict:
+    """A small torch file of tensors and plain containers (weights_only), megaframe's own (not a
+    link, at most _RNG_CAP bytes). Damage is a CheckpointError naming the file (exit 5): torch's
+    own error says to retry with weights_only=False, which would run what a crafted file holds."""
+    try:
+        loaded = torch.load(io.BytesIO(read_capped(path, _RNG_CAP)), weights_only=True)
+    except OSError as err:
+        raise CheckpointError(f"train.resume: {path} cannot be read ({err.strerror or err}); resume from an "
+                              f"earlier checkpoint") from None
+    except Exception as err:  # UnpicklingError, EOFError, RuntimeError from a truncated zip: all damage
+        raise CheckpointError(f"train.resume: {path} is damaged ({type(err).__name__}: not a torch file of "
+                              f"plain tensors); resume from an earlier checkpoint") from None
+    if not isinstance(loaded, dict):
+        raise CheckpointError(f"train.resume: {path} holds a {type(loaded).__name__}, not the RNG states "
+                              f"megaframe saves; resume from an earlier checkpoint")
+    return loaded
 
 
 def load(backend, path: Path) -> ResumePoint:
@@ -337,6 +369,13 @@ def load(backend, path: Path) -> ResumePoint:
 
     The returned rng_state holds what the caller passed to save() besides the default generators."""
     path = Path(path)
-    client_state = backend.load_native(path.parent, path.name)
+    try:
+        client_state = backend.load_native(path.parent, path.name)
+    except (pickle.UnpicklingError, EOFError) as err:
+        raise _damaged_native(path, err) from None
+    except RuntimeError as err:  # torch's zip reader on a truncated .pt; other RuntimeErrors are no damage
+        if "PytorchStreamReader" not in str(err) and "zip archive" not in str(err):
+            raise
+        raise _damaged_native(path, err) from None
     return ResumePoint(path=path, step=int(client_state["step"]), client_state=client_state,
                        rng_state=_load_rng(path))

@@ -3,6 +3,7 @@ line on stderr (from one rank, not from every rank that saw it), the exit code o
 for a failure a restart would repeat, a note that stops torchrun from replaying it."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from megaframe.failures import PROG, ExitCode, JobStopped, RunFailure, classify, is_peer_failure
 from megaframe.parallel.elastic import record_job_stop
+from megaframe.safe_files import open_regular
 _REPORTED = "megaframe/failure_reported"
 
 
@@ -23,7 +25,8 @@ def log_path(run_dir: Path, rank: int) -> Path:
 def append_to_log(path: Path, text: str) -> None:
     """Append a dated entry to a rank's log (appended: every attempt's entries stay readable)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as log:
+    # not through a link planted in the run dir: appending would write into its target
+    with os.fdopen(open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8") as log:
         log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
         log.write(text if text.endswith("\n") else text + "\n")
 

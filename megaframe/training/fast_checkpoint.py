@@ -42,6 +42,7 @@ import torch.distributed as dist
 from megaframe.atomic_io import atomic_write_text
 from megaframe.checkpoint import universal
 from megaframe.checkpoint.sharded import write_record
+from megaframe.safe_files import read_capped
 
 _STEP_DIR = re.compile(r"global_step(\d+)")
 _DONE = re.compile(r"rank(\d+)\.done\.json")
@@ -144,11 +145,12 @@ class FastTier:
             for done in step_dir.glob("rank*.done.json"):
                 if not _DONE.fullmatch(done.name):
                     continue
-                try:
-                    marker = json.loads(done.read_text())
-                except (OSError, ValueError):
+                try:  # node-local memory may be shared: a planted link or a foreign marker is no part of ours
+                    marker = json.loads(read_capped(done, universal.JSON_CAP))
+                    step, rank = int(marker["step"]), int(marker["rank"])
+                except (OSError, ValueError, KeyError, TypeError):
                     continue
-                found.setdefault(int(marker["step"]), {})[int(marker["rank"])] = marker
+                found.setdefault(step, {})[rank] = marker
         return found
 
     def restore(self, save_dir: Path, shared_step: int, publish: Callable[[Path, int, int], None]) -> Optional[str]:

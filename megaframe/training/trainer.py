@@ -23,7 +23,7 @@ from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
 from megaframe.data import micro_batches, eval_batches
 from megaframe.data.dataset import eval_wrap_problem
-from megaframe.data.token_check import cached_token_range, check_token_ids, remember_token_range, token_range
+from megaframe.data.token_check import check_token_ids, dataset_token_ranges
 from megaframe.training import checkpoint, resume_checks
 from megaframe.training.data_setup import DataSplits, build_data
 from megaframe.training.failure_report import report_failure
@@ -41,7 +41,6 @@ from megaframe.parallel.context import zigzag_positions
 from megaframe.parallel.hang import describe_hang, is_collective_timeout
 from megaframe.parallel.random import TPDropoutRNG
 from megaframe.parallel.state import ParallelState
-from megaframe.paths import cache_dir
 from megaframe.plan.startup import (gather_model_states, memory_plan, model_states_line, model_states_record,
                                     plan_summary)
 from megaframe.tracking.flops import flops_per_token, peak_tflops
@@ -117,21 +116,17 @@ class Trainer:
             raise RunDirInUse(problem)
 
     def _check_token_ids(self) -> None:
-        """Every token id in [0, vocabulary) (data/token_check.py), before step 1: the ranks scan
-        1/world of the tokens each and reduce the extremes, once per dataset file."""
-        cache = cache_dir(self.cfg.data.cache_dir)
-        for dataset in self.data.datasets:  # the same decision on every rank: the cache is shared
-            found = cached_token_range(dataset, cache)
-            if found is None:
-                smallest, largest = token_range(dataset, self.ps.rank, self.layout.world_size)
-                # one MAX reduction for both: the largest id and the negated smallest
-                local = torch.tensor([largest, -smallest], dtype=torch.int64, device=self.backend.device)
-                if self.layout.world_size > 1:
-                    dist.all_reduce(local, op=dist.ReduceOp.MAX)
-                largest, negated = local.tolist()
-                found = (-negated, largest)
-                if self.is_logger:
-                    remember_token_range(dataset, cache, found)
+        """Every token id in [0, vocabulary) (data/token_check.py), before step 1 and on every rank,
+        whatever the layout: the ranks scan 1/world of the tokens each and reduce the extremes in
+        one collective, at every start (the content, never a cache keyed on file metadata)."""
+        def reduce_max(local):
+            extremes = torch.from_numpy(local).to(self.backend.device)
+            if self.layout.world_size > 1:
+                dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+            return extremes.cpu().numpy()
+        datasets = self.data.datasets
+        for dataset, found in zip(datasets, dataset_token_ranges(datasets, self.ps.rank, self.layout.world_size,
+                                                                 reduce_max)):
             vocab_key = "model.vocab_size" if self.cfg.model.vocab_size is not None else dataset.vocab_source
             check_token_ids(dataset, found, self.dims.vocab_size, vocab_key)
 

@@ -3,6 +3,7 @@ fix, the exit code docs/failures.md documents, no traceback on the terminal (it 
 replay of a deterministic failure by torchrun's restarts."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -136,24 +137,26 @@ def _refused_before_step_1(dataset: Path, tp: int, tmp_path: Path, *expected: st
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run")
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_token_id_outside_the_vocabulary_is_one_line_before_step_1(tp, corrupt_dataset, tmp_path):
-    _refused_before_step_1(corrupt_dataset, tp, tmp_path, "token id 300 is outside the model's vocabulary of 257",
+def test_token_id_outside_the_vocabulary_is_one_line_before_step_1(corrupt_dataset, tmp_path):
+    _refused_before_step_1(corrupt_dataset, 1, tmp_path, "token id 300 is outside the model's vocabulary of 257",
                            "megaframe-preprocess")
 
 
-def test_token_scan_is_remembered_per_dataset_file(corrupt_dataset, tmp_path):
-    from megaframe.data import open_dataset
-    from megaframe.data.token_check import cached_token_range, remember_token_range, token_range
-
-    dataset = open_dataset(corrupt_dataset)
-    assert cached_token_range(dataset, tmp_path) is None
-    shares = [token_range(dataset, part, 3) for part in range(3)]
-    largest = [high for _, high in shares]
-    assert max(largest) == 300 and sorted(largest)[:2] == [255, 255]  # only one share holds the bad id
-    found = (min(low for low, _ in shares), max(largest))
-    remember_token_range(dataset, tmp_path, found)
-    assert cached_token_range(open_dataset(corrupt_dataset), tmp_path) == (0, 300)
+def test_a_token_changed_in_place_after_a_clean_run_is_exit_4_at_tp_2(tmp_path):
+    """Bit rot after a run that passed the check: size and mtime unchanged, so a scan cache keyed on
+    them trusted the file, and the vocab-parallel embedding trained through id 300 with exit 0."""
+    (tmp_path / "data").mkdir()
+    prefix = _byte_dataset_with(tmp_path / "data" / "corpus", np.uint16, slice(0, 0), 0, 3)
+    assert_ok(run_cli([*TINY, f"data.path={prefix}", "train.max_steps=1", f"data.cache_dir={tmp_path / 'cache'}",
+                       f"hydra.run.dir={tmp_path / 'clean'}"]))
+    bin_path = Path(f"{prefix}.bin")
+    stamp = bin_path.stat()
+    tokens = np.memmap(bin_path, dtype="<u2", mode="r+")
+    tokens[23456] = 300
+    tokens.flush()
+    del tokens
+    os.utime(bin_path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    _refused_before_step_1(prefix, 2, tmp_path, "token id 300 is outside the model's vocabulary of 257")
 
 
 @pytest.fixture(scope="module")
@@ -213,9 +216,32 @@ def _truncate_weights(step_dir: Path) -> None:
     target.write_bytes(target.read_bytes()[:1000])
 
 
+def _drop_a_chunk_and_rehash(step_dir: Path) -> None:
+    """What an index that lost a rank's record looks like once its manifest agrees: it loaded as zeros."""
+    import json
+
+    from megaframe.checkpoint import universal
+
+    group = step_dir / "index" / "blocks.0.json"
+    chunks = json.loads(group.read_text())
+    chunks["blocks.0.attn_norm.weight"] = []  # a tensor every GPT block has
+    group.write_text(json.dumps(chunks))
+    universal.write_manifest(step_dir)
+
+
+def _garbage_rng_and_rehash(step_dir: Path) -> None:
+    """torch's error for it advises weights_only=False; that advice must not reach the user."""
+    from megaframe.checkpoint import universal
+
+    (step_dir / "rng_rank0.pt").write_bytes(b"\x80\x02garbage" * 20)
+    universal.write_manifest(step_dir)
+
+
 CHECKPOINT_CASES = {  # damage to the checkpoint resumed from -> fragments of the one line (exit 5)
     "manifest missing": (_drop_manifest, ["has no manifest.json", "incomplete"]),
     "weights truncated": (_truncate_weights, ["truncated or corrupted: shards/rank00000.safetensors has 1000 bytes"]),
+    "a chunk missing": (_drop_a_chunk_and_rehash, ["tensor blocks.0.attn_norm.weight: no chunk covers element [0]"]),
+    "rng pickle garbage": (_garbage_rng_and_rehash, ["rng_rank0.pt is damaged"]),
 }
 
 
@@ -245,6 +271,7 @@ def test_a_damaged_checkpoint_is_one_line_with_exit_5(case, stopped_at_2, tmp_pa
     damage(run / "checkpoints" / "global_step2")
     result = run_cli([*args, "train.resume=" + str(run / "checkpoints" / "global_step2")])
     assert_one_line_failure(result, ExitCode.BAD_CHECKPOINT, "global_step2", *fragments)
+    assert "weights_only" not in result.stderr
 
 
 def test_resume_auto_falls_back_past_a_corrupt_newest_checkpoint(tmp_path):

@@ -112,3 +112,16 @@ def test_each_rank_has_a_buddy_on_the_next_node_whatever_the_node_sizes():
     assert buddies(["head", "head", "b"]) == [2, 2, 0]
     # ranks of a node need not be numbered contiguously
     assert buddies(["a", "b", "a", "b"]) == [1, 0, 3, 2]
+
+
+def test_a_planted_or_foreign_done_marker_is_not_a_part(tmp_path):
+    """Node-local memory may be shared: a marker that is a link (to a big or secret file) or holds
+    other JSON is passed over, neither read through nor a traceback."""
+    tier = _tier(tmp_path)
+    tier.save(5, _writer(5))
+    step_dir = tier.dir / "global_step5"
+    (tmp_path / "victim").write_text(json.dumps({"step": 5, "rank": 1, "world": 2}))
+    (step_dir / "rank1.done.json").symlink_to(tmp_path / "victim")
+    (step_dir / "rank2.done.json").write_text(json.dumps({"step": "five", "rank": []}))
+    (step_dir / "rank3.done.json").write_text(json.dumps(["not", "a", "marker"]))
+    assert sorted(tier.inventory()[5]) == [0]
