@@ -24,7 +24,7 @@ from megaframe.config.validate import Layout
 from megaframe.data import micro_batches, eval_batches
 from megaframe.data.dataset import eval_wrap_problem
 from megaframe.data.token_check import cached_token_range, check_token_ids, remember_token_range, token_range
-from megaframe.training import checkpoint
+from megaframe.training import checkpoint, tokenizer_check
 from megaframe.training.data_setup import DataSplits, build_data
 from megaframe.training.failure_report import report_failure
 from megaframe.training.fast_checkpoint import FastTier
@@ -68,6 +68,7 @@ class Trainer:
         if self.is_logger:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.data: DataSplits = build_data(cfg.data, cfg.model.seq_length)
+        self.tokenizer_record = tokenizer_check.run_record(cfg.data)  # saved with checkpoints, checked on resume
         # context parallelism: the cp ranks of one dp rank read the same samples, each keeping only
         # its zig-zag shard of every sequence (cut by the data path, before tensors are made)
         self.token_positions = (zigzag_positions(cfg.model.seq_length, layout.cp, self.ps.cp_rank).numpy()
@@ -209,8 +210,11 @@ class Trainer:
                           flush=True)
             return
         checkpoint.check_model_shape(path, self.dims)
+        tokenizer_check.check_resume(path, self.tokenizer_record, self.is_logger)  # before any tensor is read
         point = checkpoint.load_any(self.backend, path, verified=verified,
                                     trust_pickled=self.cfg.train.trust_pickled_checkpoint)
+        if "format" not in point.client_state:  # the engine's own files: their client state is read only now
+            tokenizer_check.check_resume(path, self.tokenizer_record, self.is_logger, point.client_state)
         self.step = point.step
         self._check_batch_size(path, point.client_state)
         self.guard.load_state_dict(point.client_state.get("guard", {}))
@@ -287,7 +291,7 @@ class Trainer:
         rank's layout-free shard (None without one), and whether DeepSpeed's own files are written."""
         state = {"step": self.step, "consumed_samples": self.consumed_samples,
                  "global_batch_size": self.layout.global_batch_size, "layout": self.backend.layout_record(),
-                 "guard": self.guard.state_dict()}
+                 "guard": self.guard.state_dict(), tokenizer_check.RECORD_KEY: self.tokenizer_record}
         if biases := router_biases(getattr(self.backend.module, "moe_layers", []), self.dims.num_moe_blocks,
                                    self.ps.pp_group):
             state["router_biases"] = biases  # MoE bias balancing: whole per layer, the same on every rank
