@@ -156,3 +156,16 @@ def test_from_hf_import_records_its_tokenizer(tmp_path):
     assert (record["vocab_size"], record["eod_id"]) == (11, 1)
     assert record["sha256"] == records.files_hash(tmp_path / "hf")
     json.loads((tmp_path / "imported" / "tokenizer" / "tokenizer_config.json").read_text())
+
+
+def test_tampered_copy_in_the_checkpoint_is_refused(tmp_path, capsys):
+    """Edited inside the checkpoint: its manifest no longer verifies (the record is not even asked)."""
+    tok = save_word_tokenizer(tmp_path / "tok")
+    record = records.hf_record(tok, 11, 1)
+    ckpt = checkpoint(tmp_path / "ckpt", LLAMA, {records.RECORD_KEY: record}, tokenizer_src=tok)
+    swap_words(ckpt / "tokenizer")
+    with pytest.raises(SystemExit) as code:
+        main(["to-hf", str(ckpt), str(tmp_path / "hf")])
+    error = capsys.readouterr().err
+    assert code.value.code == 2 and error.count("\n") == 1 and "tokenizer/tokenizer.json" in error
+    assert not (tmp_path / "hf").exists()

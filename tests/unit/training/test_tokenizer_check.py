@@ -114,3 +114,19 @@ def test_checkpoint_copy_holds_only_the_tokenizer_files(tmp_path):
     shutil.copytree(tok, tmp_path / "model")
     ckpt = saved_checkpoint(tmp_path / "ckpt", None, tmp_path / "model")
     assert sorted(p.name for p in (ckpt / "tokenizer").iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+
+
+def test_tokenizer_linked_into_a_cache_snapshot_is_recorded_and_copied_as_files(tmp_path):
+    """A Hugging Face cache's snapshot links each file to a blob: the content counts, and the
+    checkpoint holds plain files (never a link out of the run dir)."""
+    blobs = save_word_tokenizer(tmp_path / "blobs")
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    for path in blobs.iterdir():
+        (snapshot / path.name).symlink_to(path)
+    record = run_record(DataConfig(tokenizer=str(snapshot)))
+    assert record["sha256"] == run_record(DataConfig(tokenizer=str(blobs)))["sha256"]
+    ckpt = saved_checkpoint(tmp_path / "ckpt", record, snapshot)
+    copies = sorted((ckpt / "tokenizer").iterdir())
+    assert copies and not any(path.is_symlink() for path in copies)
+    check_resume(ckpt, run_record(DataConfig(tokenizer=str(ckpt / "tokenizer"))), announce=True)
