@@ -45,7 +45,8 @@ def check_resume(path: Path, current: dict, announce: bool, client_state: Option
     saved = client_state.get(records.RECORD_KEY)
     if saved is None:
         if announce:
-            print(f"megaframe: note: checkpoint {path} records no tokenizer (written before checkpoints did): "
+            print(f"megaframe: note: checkpoint {path} records no tokenizer (written before checkpoints "
+                  f"did, or imported from a model directory without one): "
                   f"resuming without checking data.tokenizer against it", file=sys.stderr, flush=True)
         return
     if not records.is_record(saved):
