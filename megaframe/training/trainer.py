@@ -209,8 +209,8 @@ class Trainer:
                     print(f"no checkpoint to resume from: dropped {dropped} metrics records of an earlier attempt",
                           flush=True)
             return
+        tokenizer_check.check_resume(path, self.tokenizer_record, self.is_logger)  # the cause of a vocabulary change
         checkpoint.check_model_shape(path, self.dims)
-        tokenizer_check.check_resume(path, self.tokenizer_record, self.is_logger)  # before any tensor is read
         point = checkpoint.load_any(self.backend, path, verified=verified,
                                     trust_pickled=self.cfg.train.trust_pickled_checkpoint)
         if "format" not in point.client_state:  # the engine's own files: their client state is read only now
