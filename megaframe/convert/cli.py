@@ -1,6 +1,7 @@
 """`megaframe-convert` (= `python -m megaframe.convert`):
 
-  to-hf CKPT OUT      a layout-free megaframe checkpoint -> a transformers model directory
+  to-hf CKPT OUT      a layout-free megaframe checkpoint -> a transformers model directory, with the
+                      tokenizer the weights were trained with (convert/tokenizer_export.py)
   from-hf HF_DIR OUT  a local Llama / GPT-2 / Mixtral / Qwen3-MoE transformers directory -> a
                       model-only megaframe checkpoint
 Both directions go one output tensor at a time (safetensors read on demand, written streaming; a
