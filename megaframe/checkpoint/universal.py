@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from megaframe.failures import ExitCode
 from megaframe.atomic_io import atomic_write_text
 from megaframe.safe_files import quote, read_capped
+from megaframe.checkpoint.tokenizer_record import tokenizer_files
 
 FORMAT, VERSION, SHARDED_VERSION = "megaframe-universal", 1, 2
 READABLE_VERSIONS = (VERSION, SHARDED_VERSION)
@@ -204,8 +205,10 @@ def write_state(directory: Path, state: dict[str, Any], tokenizer_dir: Optional[
     for key in ("step", "consumed_samples", "model"):
         if key not in state:
             raise ValueError(f"state.json needs '{key}'")
-    if tokenizer_dir is not None:
-        shutil.copytree(tokenizer_dir, Path(directory) / "tokenizer", dirs_exist_ok=True)
+    if tokenizer_dir is not None:  # its tokenizer files only: data.tokenizer may name a model directory
+        (Path(directory) / "tokenizer").mkdir(exist_ok=True)
+        for path in tokenizer_files(tokenizer_dir):
+            shutil.copy2(path, Path(directory) / "tokenizer" / path.name)
     _atomic_json(Path(directory) / STATE_FILE, state)
 
 

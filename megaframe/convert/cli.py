@@ -1,6 +1,7 @@
 """`megaframe-convert` (= `python -m megaframe.convert`):
 
-  to-hf CKPT OUT      a layout-free megaframe checkpoint -> a transformers model directory
+  to-hf CKPT OUT      a layout-free megaframe checkpoint -> a transformers model directory, with the
+                      tokenizer the weights were trained with (convert/tokenizer_export.py)
   from-hf HF_DIR OUT  a local Llama / GPT-2 / Mixtral / Qwen3-MoE transformers directory -> a
                       model-only megaframe checkpoint
 Both directions go one output tensor at a time (safetensors read on demand, written streaming; a
@@ -22,6 +23,8 @@ from typing import Optional, Sequence
 
 from megaframe.config.schema import ModelConfig, MoEConfig
 from megaframe.convert import files
+from megaframe.checkpoint.tokenizer_record import RECORD_KEY
+from megaframe.convert import tokenizer_export as tokens
 from megaframe.convert.hf import (ConvertError, check_tied_copy, config_from_hf, plan_shapes, state_from_hf_plan,
                                   to_hf_plan)
 from megaframe.model.dims import model_config_from_record
@@ -45,37 +48,39 @@ def model_overrides(cfg: ModelConfig) -> list[str]:
     return [f"model.{key}={value if isinstance(value, str) else json.dumps(value)}" for key, value in values.items()]
 
 
-def _tokenizer_source(ckpt: Path, state: dict) -> Optional[Path]:
-    """The checkpoint's copied tokenizer/, else the run's data.tokenizer directory, else None (byte)."""
-    if files.has_tokenizer(ckpt / files.TOKENIZER_DIR):
-        return ckpt / files.TOKENIZER_DIR
-    recorded = state.get("tokenizer")
-    if recorded and recorded != "byte" and files.has_tokenizer(Path(recorded)):
-        return Path(recorded)
-    return None
-
-
-def export_hf(ckpt: Path, out: Path, force: bool = False) -> str:
+def export_hf(ckpt: Path, out: Path, force: bool = False, tokenizer: Optional[Path] = None) -> str:
     """Write the transformers directory for checkpoint `ckpt` to `out`, one tensor at a time (the
-    model is never whole in memory); return a summary line."""
+    model is never whole in memory), with the tokenizer the weights were trained with (`tokenizer`:
+    a directory holding it, checked against the checkpoint's record); return a summary line."""
     ckpt = files.resolve_checkpoint(ckpt)
     files.refuse_existing(out, force, source=ckpt)  # after `latest` is resolved: the checkpoint it names
     state, reader = files.open_layout_free(ckpt)
     cfg = model_config(state, ckpt)
+    record = tokens.checkpoint_record(ckpt, state)
+    if tokenizer is not None and (record is None or record["kind"] != "hf"):
+        raise ConvertError(f"--tokenizer {tokenizer}: {ckpt} was trained with "
+                           f"{'no recorded tokenizer' if record is None else 'the byte tokenizer'}; drop --tokenizer")
+    # before any weights are read: a tokenizer that cannot ship refuses the export
+    source, note = (tokens.hf_tokenizer_source(ckpt, record, tokenizer) if record and record["kind"] == "hf"
+                    else (None, "byte-level tokenizer" if record else "no tokenizer (the checkpoint names none)"))
     with reader:
-        source = files.model_tensors(reader)
-        padded_rows = source.shapes["embed.tok.weight"][0]
-        hf_config, plan = to_hf_plan(cfg, source.shapes)
-        shapes = plan_shapes(plan, source.shapes)
+        weights = files.model_tensors(reader)
+        padded_rows = weights.shapes["embed.tok.weight"][0]
+        hf_config, plan = to_hf_plan(cfg, weights.shapes)
+        shapes = plan_shapes(plan, weights.shapes)
         tmp = files.staging_dir(out, force)
         try:
-            tokenizer = _tokenizer_source(ckpt, state)
-            if tokenizer is not None:
-                files.copy_tokenizer(tokenizer, tmp)
+            if source is not None:
+                files.copy_tokenizer(source, tmp)
                 _set_special_tokens(hf_config, tmp)
+            elif record is not None:
+                tokens.write_byte_tokenizer(tmp, cfg.seq_length)
+            if record is not None:
+                tokens.set_special_ids(hf_config, record.get("eod_id"), record.get("bos_id"))
             hf_config.save_pretrained(str(tmp))
+            tokens.write_generation_config(tmp, hf_config, cfg.seq_length)
             files.write_tensors(tmp / "model.safetensors",
-                                files.LazyTensors(shapes, lambda name: plan[name](source)), metadata={"format": "pt"})
+                                files.LazyTensors(shapes, lambda name: plan[name](weights)), metadata={"format": "pt"})
             files.publish(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -87,7 +92,7 @@ def export_hf(ckpt: Path, out: Path, force: bool = False) -> str:
             f"{params / 1e6:.2f}M parameters, vocab {hf_config.vocab_size}"
             + (f" ({dropped} padded rows dropped)" if dropped else "")
             + (f", routing dropless (the run capped experts at capacity_factor={capacity})" if capacity else "")
-            + (f", tokenizer from {tokenizer}" if tokenizer else ", no HF tokenizer (the run used bytes)"))
+            + f", {note}")
 
 
 def _set_special_tokens(hf_config, tokenizer_dir: Path) -> None:
@@ -119,6 +124,8 @@ def import_hf(hf_dir: Path, out: Path, force: bool = False) -> tuple[ModelConfig
     record = {"step": 0, "consumed_samples": 0, "model": dataclasses.asdict(cfg),
               "source": {"hf_dir": str(hf_dir.resolve()), "model_type": hf_config["model_type"]}}
     tokenizer = hf_dir if files.has_tokenizer(hf_dir) else None
+    if tokenizer is not None:  # what a resume with data.tokenizer=OUT/tokenizer is checked against
+        record[RECORD_KEY] = tokens.import_record(hf_dir)
     files.write_layout_free(out, state, record, tokenizer_src=tokenizer, force=force)
     params = sum(math.prod(shape) for shape in state.shapes.values())
     experts = (f" ({hf_config['model_type']}: {cfg.moe.num_experts} experts, top-{cfg.moe.top_k})"
@@ -135,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     to = sub.add_parser("to-hf", help="megaframe checkpoint -> transformers model directory")
     to.add_argument("ckpt", type=Path, help="layout-free checkpoint dir, or a run's checkpoints/ dir (uses `latest`)")
     to.add_argument("out", type=Path, help="output directory (AutoModelForCausalLM.from_pretrained loads it)")
+    to.add_argument("--tokenizer", type=Path, default=None,
+                    help="a directory holding the HF tokenizer the run trained with, when neither the checkpoint's "
+                         "copy nor the run's data.tokenizer does (its files must hash to the checkpoint's record)")
     frm = sub.add_parser("from-hf", help="local Llama / GPT-2 / Mixtral / Qwen3-MoE transformers directory -> "
                                          "megaframe checkpoint")
     frm.add_argument("hf_dir", type=Path, help="directory with config.json and safetensors / .bin weights")
@@ -149,7 +159,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "to-hf":
-            print(export_hf(args.ckpt, args.out, args.force), flush=True)
+            print(export_hf(args.ckpt, args.out, args.force, args.tokenizer), flush=True)
         else:
             cfg, summary = import_hf(args.hf_dir, args.out, args.force)
             tokenizer = f" data.tokenizer={args.out}/tokenizer" if files.has_tokenizer(args.hf_dir) else ""

@@ -24,13 +24,11 @@ from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.boxes import Box
 from megaframe.checkpoint.sharded import ShardReader
 from megaframe.checkpoint.stream import write_streaming
+from megaframe.checkpoint.tokenizer_record import (RECORD_KEY, TOKENIZER_FILES, has_tokenizer,  # noqa: F401
+                                                   tokenizer_files)
 from megaframe.convert.hf import ConvertError
 
 TOKENIZER_DIR = "tokenizer"
-# what save_pretrained() writes for a tokenizer (any of these marks a directory as holding one)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "chat_template.jinja",
-                   "chat_template.json")
 
 
 # ---- Hugging Face directories ----------------------------------------------------------------
@@ -155,17 +153,12 @@ def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
     return loaded
 
 
-def has_tokenizer(directory: Path) -> bool:
-    """Whether `directory` holds a saved HF tokenizer."""
-    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
-
-
 def copy_tokenizer(src: Path, dst: Path) -> None:
-    """Copy the tokenizer files of `src` (a model or tokenizer directory) into dst/."""
+    """Copy the tokenizer files of `src` (a model or tokenizer directory) into dst/: only those
+    (a model directory also holds gigabytes of weights), copied as plain files."""
     dst.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        if (Path(src) / name).is_file():
-            shutil.copy2(Path(src) / name, dst / name)
+    for path in tokenizer_files(src):
+        shutil.copy2(path, dst / path.name)
 
 
 # ---- atomic directories ----------------------------------------------------------------------
@@ -221,6 +214,8 @@ def write_layout_free(out: Path, model: Mapping[str, torch.Tensor], state: dict,
         if tokenizer_src is not None:
             copy_tokenizer(tokenizer_src, tmp / TOKENIZER_DIR)
             state = {**state, "tokenizer": str((out / TOKENIZER_DIR).resolve())}
+            if RECORD_KEY in state:  # the copy is what the checkpoint names from now on
+                state[RECORD_KEY] = {**state[RECORD_KEY], "name": state["tokenizer"]}
         write_tensors(tmp / universal.MODEL_FILE, model)
         universal.write_state(tmp, state)
         universal.write_manifest(tmp)

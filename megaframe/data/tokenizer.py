@@ -32,6 +32,7 @@ class ByteTokenizer:
     name = "byte"
     vocab_size = 257
     eod_id = 256
+    bos_id = None
 
     def encode(self, text: str) -> list[int]:
         """UTF-8 bytes of `text`."""
@@ -81,6 +82,8 @@ class HFTokenizer:
             )
         self.vocab_size = len(self._tokenizer)
         self.eod_id = int(self._tokenizer.eos_token_id)
+        bos = self._tokenizer.bos_token_id
+        self.bos_id = int(bos) if bos is not None else None  # recorded with checkpoints, set in HF exports
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` without BOS/EOS or other special tokens."""

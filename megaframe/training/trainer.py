@@ -24,7 +24,7 @@ from megaframe.config.validate import Layout
 from megaframe.data import micro_batches, eval_batches
 from megaframe.data.dataset import eval_wrap_problem
 from megaframe.data.token_check import check_token_ids, dataset_token_ranges
-from megaframe.training import checkpoint, resume_checks
+from megaframe.training import checkpoint, resume_checks, tokenizer_check
 from megaframe.training.data_setup import DataSplits, build_data
 from megaframe.training.failure_report import report_failure
 from megaframe.training.fast_checkpoint import FastTier
@@ -68,6 +68,7 @@ class Trainer:
         if self.is_logger:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.data: DataSplits = build_data(cfg.data, cfg.model.seq_length)
+        self.tokenizer_record = tokenizer_check.run_record(cfg.data)  # saved with checkpoints, checked on resume
         # context parallelism: the cp ranks of one dp rank read the same samples, each keeping only
         # its zig-zag shard of every sequence (cut by the data path, before tensors are made)
         self.token_positions = (zigzag_positions(cfg.model.seq_length, layout.cp, self.ps.cp_rank).numpy()
@@ -202,9 +203,12 @@ class Trainer:
         if path is None:
             self._start_over()
             return
+        tokenizer_check.check_resume(path, self.tokenizer_record, self.is_logger)  # the cause of a vocabulary change
         checkpoint.check_model_shape(path, self.dims)
         point = checkpoint.load_any(self.backend, path, verified=verified,
                                     trust_pickled=self.cfg.train.trust_pickled_checkpoint)
+        if "format" not in point.client_state:  # the engine's own files: their client state is read only now
+            tokenizer_check.check_resume(path, self.tokenizer_record, self.is_logger, point.client_state)
         self.step = point.step
         self._check_batch_size(path, point.client_state)
         data_changed = self._check_data_order(path, point.client_state)
@@ -302,7 +306,8 @@ class Trainer:
         state = {"step": self.step, "consumed_samples": self.consumed_samples,
                  "global_batch_size": self.layout.global_batch_size, "layout": self.backend.layout_record(),
                  "guard": self.guard.state_dict(), "run": resume_checks.run_record(self.cfg, self.layout),
-                 "data": resume_checks.data_record(self.cfg.model.seq_length, self.cfg.train.seed, self.data)}
+                 "data": resume_checks.data_record(self.cfg.model.seq_length, self.cfg.train.seed, self.data),
+                 tokenizer_check.RECORD_KEY: self.tokenizer_record}
         if biases := router_biases(getattr(self.backend.module, "moe_layers", []), self.dims.num_moe_blocks,
                                    self.ps.pp_group):
             state["router_biases"] = biases  # MoE bias balancing: whole per layer, the same on every rank

@@ -42,7 +42,9 @@ def train_and_snapshot(rank: int, world: int, runs: dict, ids: torch.Tensor) -> 
 
 
 def test_trained_models_exported_to_hf_give_megaframe_logits(tmp_path):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    from megaframe.data.tokenizer import ByteTokenizer
 
     ids = torch.randint(0, BYTE_VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
     runs = {flavour: tmp_path / flavour for flavour in ("llama", "gpt2")}
@@ -69,3 +71,12 @@ def test_trained_models_exported_to_hf_give_megaframe_logits(tmp_path):
         print(f"export parity {flavour}: max |transformers - megaframe| = {diff:.3g}")
         # as in test_hf_import: two implementations, fp32 rounding ~1e-6 on logits of O(1-10)
         assert diff < 1e-4, f"{flavour}: max |transformers - megaframe| = {diff}"
+
+        # the byte run's export carries a byte-level tokenizer with megaframe's ids, and generates
+        tokenizer, text = AutoTokenizer.from_pretrained(out), "To be, or not to be: é"
+        assert tokenizer.encode(text) == ByteTokenizer().encode(text)
+        assert hf.config.eos_token_id == ByteTokenizer.eod_id
+        prompt = tokenizer(text, return_tensors="pt").input_ids
+        assert hf.generate(prompt, do_sample=False).shape[1] <= 32  # stops at the context (model.seq_length=32)
+        generated = pipeline("text-generation", model=str(out))(text, max_new_tokens=4, do_sample=False)
+        assert generated[0]["generated_text"].startswith(text)

@@ -1,0 +1,128 @@
+"""The tokenizer side of `megaframe-convert`: which tokenizer a checkpoint's weights were trained
+with, shipped with the Hugging Face export so that `AutoTokenizer` and `pipeline("text-generation")`
+work on it, and the generation settings that go with it.
+
+- A `byte` run gets a byte-level tokenizer built with `tokenizers` (what transformers itself uses):
+  ids 0..255 are the UTF-8 bytes, 256 is end-of-document, exactly megaframe's ByteTokenizer.
+- An HF-tokenizer run gets the files of its tokenizer, copied only from a directory whose files
+  hash to the checkpoint's record (checkpoint/tokenizer_record.py): the checkpoint's own copy, the
+  run's data.tokenizer, or --tokenizer. Anything else is refused in one line.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from megaframe.checkpoint import tokenizer_record as records
+from megaframe.convert.hf import ConvertError
+
+EOD_TOKEN = "<|endoftext|>"  # GPT-2's spelling; the ids, not the spelling, are megaframe's
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, the alphabet of `tokenizers`' ByteLevel steps."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[byte] = chr(byte)
+        else:
+            chars[byte] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def write_byte_tokenizer(directory: Path, context: int) -> None:
+    """An HF tokenizer with megaframe's byte ids into `directory`: a BPE without merges over the 256
+    byte characters (each byte its own token, id = byte value), end-of-document 256 as eos and bos.
+    split_special_tokens: text that spells the eos token is still encoded as its bytes, as ours does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.add_special_tokens([EOD_TOKEN])  # id 256: the next free id
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()  # invalid UTF-8 decodes to U+FFFD, as ByteTokenizer.decode does
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOD_TOKEN, "bos_token": EOD_TOKEN,
+              "pad_token": EOD_TOKEN, "clean_up_tokenization_spaces": False, "split_special_tokens": True,
+              "model_max_length": context}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def checkpoint_record(ckpt: Path, state: dict) -> Optional[dict]:
+    """The checkpoint's tokenizer record, or one inferred from the data.tokenizer string that
+    checkpoints written before records carried (no hash: nothing to verify against); None when
+    the checkpoint names no tokenizer at all."""
+    record = state.get(records.RECORD_KEY)
+    if record is not None:
+        if not records.is_record(record):
+            raise ConvertError(f"{ckpt}/state.json: '{records.RECORD_KEY}' is not a tokenizer record (the file was "
+                               f"edited); restore the checkpoint from a copy")
+        return record
+    spec = state.get("tokenizer")
+    if not isinstance(spec, str) or not spec:
+        return None
+    return records.byte_record() if spec == "byte" else {"kind": "hf", "name": spec, "sha256": None}
+
+
+def hf_tokenizer_source(ckpt: Path, record: dict, override: Optional[Path]) -> tuple[Path, str]:
+    """(directory to copy, a note for the summary) of an HF-tokenizer run: the first of --tokenizer,
+    the checkpoint's copy and the run's data.tokenizer whose files hash to the record."""
+    candidates = [Path(override)] if override is not None else [ckpt / "tokenizer", Path(str(record.get("name")))]
+    seen = []
+    for directory in candidates:
+        if not records.has_tokenizer(directory):
+            seen.append(f"{directory}: no tokenizer files")
+            continue
+        if record.get("sha256") is None:  # an old checkpoint: nothing to check against
+            return directory, f"tokenizer from {directory} (unverified: the checkpoint predates tokenizer records)"
+        try:
+            digest = records.files_hash(directory)
+        except OSError as err:
+            seen.append(f"{directory}: unreadable ({err})")
+            continue
+        if digest == record["sha256"]:
+            return directory, f"tokenizer from {directory}"
+        seen.append(f"{directory}: other files (sha256 {digest[:12]}, trained with {record['sha256'][:12]})")
+    flag = "" if override is not None else "; pass --tokenizer DIR with the tokenizer the run trained with"
+    raise ConvertError(f"{ckpt}: no copy of the tokenizer the weights were trained with ({records.describe(record)}): "
+                       f"{'; '.join(seen)}{flag}")
+
+
+def import_record(hf_dir: Path) -> dict:
+    """The tokenizer record of an HF model directory's tokenizer (from-hf): its ids where it loads
+    as a megaframe tokenizer (with an eos token), its files' hash always."""
+    from megaframe.data.indexed import DataError
+    from megaframe.data.tokenizer import HFTokenizer
+
+    try:
+        tokenizer = HFTokenizer(hf_dir)
+        ids = (tokenizer.vocab_size, tokenizer.eod_id, tokenizer.bos_id)
+    except DataError:  # no eos token: training with it is refused later, with its own line
+        ids = (None, None, None)
+    try:
+        return records.hf_record(hf_dir, *ids)
+    except OSError as err:
+        raise ConvertError(f"{hf_dir}: cannot read its tokenizer files ({err})") from None
+
+
+def set_special_ids(hf_config: Any, eod_id: Optional[int], bos_id: Optional[int]) -> None:
+    """eos/bos of the HF config: the run's end-of-document id (bos: the tokenizer's, else the same)."""
+    if eod_id is not None and 0 <= eod_id < hf_config.vocab_size:
+        hf_config.eos_token_id = eod_id
+        bos = bos_id if bos_id is not None and 0 <= bos_id < hf_config.vocab_size else eod_id
+        hf_config.bos_token_id = bos
+
+
+def write_generation_config(directory: Path, hf_config: Any, context: int) -> None:
+    """generation_config.json: generate() stops at the end-of-document id and, by default, at the
+    model's context (model.seq_length) instead of running past the positions it was trained on."""
+    from transformers import GenerationConfig
+
+    eos = getattr(hf_config, "eos_token_id", None)
+    pad = getattr(hf_config, "pad_token_id", None)
+    GenerationConfig(max_length=context, eos_token_id=eos, bos_token_id=getattr(hf_config, "bos_token_id", None),
+                     pad_token_id=pad if pad is not None else eos).save_pretrained(str(directory))
