@@ -42,21 +42,24 @@ def test_each_steps_logits_are_the_full_forwards_of_the_cropped_context(name, kv
     seen = []
     pick = gen.pick_next
     monkeypatch.setattr(gen, "pick_next", lambda logits, *args: seen.append(logits) or pick(logits, *args))
-    prompt = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))  # longer than the window
-    out = model.generate(prompt, 25, temperature=1.0, seed=0)
-    assert out.shape == (2, 45) and torch.equal(out[:, :20], prompt) and len(seen) == 25
-    for step, logits in enumerate(seen):
-        context = out[:, : 20 + step][:, -WINDOW:]  # nanoGPT's crop
-        with torch.no_grad(), gen.dropless(model):
-            full = model.logits(context)[:, -1]
-        assert logits.shape == (2, VOCAB)
-        torch.testing.assert_close(logits, full, atol=1e-5, rtol=1e-5, msg=f"{name}: step {step}")
-    # the tokens of the recompute (use_cache=False): the same draws from the same logits
-    assert torch.equal(model.generate(prompt, 25, temperature=1.0, seed=0, use_cache=False), out)
+    # 6 + 25 tokens: one-token steps on the cache, then the window slides; 20: a prompt cropped
+    for length in (6, 20):
+        seen.clear()
+        prompt = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(length))
+        out = model.generate(prompt, 25, temperature=1.0, seed=0)
+        assert out.shape == (2, length + 25) and torch.equal(out[:, :length], prompt) and len(seen) == 25
+        for step, logits in enumerate(seen):
+            context = out[:, : length + step][:, -WINDOW:]  # nanoGPT's crop
+            with torch.no_grad(), gen.dropless(model):
+                full = model.logits(context)[:, -1]
+            assert logits.shape == (2, VOCAB)
+            torch.testing.assert_close(logits, full, atol=1e-5, rtol=1e-5, msg=f"{name}: step {step}")
+        # the tokens of the recompute (use_cache=False): the same draws from the same logits
+        assert torch.equal(model.generate(prompt, 25, temperature=1.0, seed=0, use_cache=False), out)
     if name == "moe-capacity":  # the capacity, lifted for generation (it changes the logits), is back
         assert all(layer.moe.capacity_factor == 0.5 for layer in model.moe_layers)
         with torch.no_grad():
-            assert not torch.allclose(model.logits(out[:, 4:20])[:, -1], seen[0], atol=1e-3)
+            assert not torch.allclose(model.logits(out[:, 4:20])[:, -1], seen[0], atol=1e-3)  # out: the 20-token prompt's
 
 
 def test_the_cache_takes_a_prompt_in_chunks_after_a_past():
@@ -110,8 +113,9 @@ def test_a_row_stops_at_the_end_of_document():
     model = model_of(LLAMA)
     prompt = torch.randint(0, VOCAB, (2, 3), generator=torch.Generator().manual_seed(4))
     free = model.generate(prompt, 12, temperature=0)
-    eod = int(free[0, 3 + 4])  # row 0's fifth new token
-    first = (free[0, 3:] == eod).nonzero()[0].item()  # where row 0 first produces it
+    new = free[0, 3:].tolist()
+    # the end of document: a token row 0 produces, and then does not repeat (were it not stopped)
+    first, eod = next((i, t) for i, t in enumerate(new[:-1]) if new.index(t) == i and new[i + 1] != t)
     out = model.generate(prompt, 12, temperature=0, eod_id=eod)
     assert out[0, : 3 + first + 1].tolist() == free[0, : 3 + first + 1].tolist()
     assert (out[0, 3 + first:] == eod).all()  # the finished row repeats it
