@@ -78,6 +78,22 @@ def hf_window_argmax(hf, ids: list[int], start: int) -> list[int]:
         return hf(windows).logits[:, -1].argmax(-1).tolist()
 
 
+def assert_cached_logits_are_transformers(checkpoint: Path, hf, ids: list[int]) -> None:
+    """The cached path's logits at every step (the prompt's, then each one-token step) are
+    transformers' on the whole sequence: greedy tokens alone may hide a small error (a position)."""
+    from megaframe.load import load_model
+    from megaframe.model.generate import KVCache, forward_cached
+
+    model = load_model(checkpoint)
+    cache, tokens = KVCache(len(model.blocks), SEQ), torch.tensor([ids])
+    with torch.no_grad():
+        want = hf(tokens).logits[0, 7:]
+        got = [forward_cached(model, tokens[:, :8], cache)]
+        got += [forward_cached(model, tokens[:, i:i + 1], cache) for i in range(8, len(ids))]
+    diff = (torch.cat(got) - want).abs().max().item()
+    assert diff < 1e-4, f"{checkpoint}: max |cached megaframe - transformers| = {diff}"  # as test_hf_export
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_greedy_sampling_gives_transformers_tokens_on_each_layouts_checkpoint(layout, checkpoints, capsys, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -94,6 +110,7 @@ def test_greedy_sampling_gives_transformers_tokens_on_each_layouts_checkpoint(la
     assert len(set(want)) >= 3, f"{layout}: the model learned too little for a telling comparison: {bytes(want)!r}"
     assert got["new_ids"] == want and got["stopped"] == (len(want) < SEQ - len(prompt))
     assert got["text"] == bytes(want).decode("utf-8", errors="replace")
+    assert_cached_logits_are_transformers(checkpoints[layout], hf, prompt + want)
 
     # a prompt longer than the context, and generation past it: the window slides by one token
     # per token, each one what transformers' logits give after the SEQ tokens before it
