@@ -6,8 +6,8 @@
 The prompt runs through the model once, filling each block's cache with its keys and values; every
 new token then runs alone, attending to the cache, so N new tokens cost N one-token forwards instead
 of N forwards of the whole context. The training forward (gpt.py) is not touched: this module walks
-the same modules (embedding, each block's norms, projections and MLP, the final norm and head) with
-the cache in between.
+the same modules (embedding, each block's norms and MLP, the final norm and head), and each block's
+attention runs Attention.forward_cached, its projections with the cache in between.
 
 The context is the model's seq_length, as in training. A prompt longer than that is cropped to its
 last seq_length tokens. When the context is full the window slides by one token per new token as
@@ -28,9 +28,6 @@ from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-
-from megaframe.model.gpt import GPT, Attention, apply_rope, rope_tables
 
 
 class KVCache:
@@ -60,37 +57,7 @@ class KVCache:
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
 
-def cached_attention(attn: Attention, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
-                     cache: KVCache, layer: int) -> torch.Tensor:
-    """Attention.forward for new tokens x (B, T, C) that follow the cache's tokens: the same
-    projections, QK-norm, RoPE and grouped-query mapping, with keys and values from the cache."""
-    B, T, _ = x.shape
-    hs = attn.dims.head_dim
-    q = attn.q_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
-    k = attn.k_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nkv, T, hs)
-    v = attn.v_proj(x).view(B, T, -1, hs).transpose(1, 2)
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    if rope is not None:  # the rows of these tokens' positions
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    past = cache.length
-    k, v = cache.store(layer, k, v)  # (B, nkv, past + T, hs)
-    if attn.kv_index is not None:
-        k, v = k[:, attn.kv_index], v[:, attn.kv_index]  # (B, nh, past + T, hs)
-    gqa = {"enable_gqa": True} if attn.sdpa_gqa else {}
-    if past == 0:  # the prompt: plain causal attention, as in training
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
-    elif T == 1:  # one new token sees every cached one
-        y = F.scaled_dot_product_attention(q, k, v, **gqa)
-    else:  # several new tokens after a past: causal, aligned to the end (SDPA's is_causal aligns to the start)
-        mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
-    y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hs)
-    return attn.out_proj(y)
-
-
-def forward_cached(model: GPT, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def forward_cached(model: nn.Module, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """The next-token logits (B, vocab_size) after `tokens` (B, T), which follow the cache's
     tokens; their keys and values join the cache."""
     dims = model.dims
@@ -101,16 +68,16 @@ def forward_cached(model: GPT, tokens: torch.Tensor, cache: KVCache) -> torch.Te
     x = model.embed(tokens, positions)  # learned positions at their place in the window
     rope = None
     if dims.position_embedding == "rope":
-        cos, sin = rope_tables(dims, dims.seq_length, x.device)
+        cos, sin = model.rope(dims.seq_length, x.device)  # the tables of positions 0..seq_length-1
         rope = cos[start:start + T], sin[start:start + T]
     for layer, block in enumerate(model.blocks):  # Block.forward, with the cache in attention
-        x = x + cached_attention(block.attn, block.attn_norm(x), rope, cache, layer)
+        x = x + block.attn.forward_cached(block.attn_norm(x), rope, cache, layer)
         x = x + block.mlp(block.mlp_norm(x))
     cache.length += T
     return model.head_logits(x[:, -1:])[:, -1, : dims.vocab_size]
 
 
-def full_forward(model: GPT, context: torch.Tensor) -> torch.Tensor:
+def full_forward(model: nn.Module, context: torch.Tensor) -> torch.Tensor:
     """The next-token logits (B, vocab_size) by a forward of the whole context, no cache: the
     reference the cached path must match (and what generation costs without one)."""
     return model.head_logits(model.hidden_states(context)[:, -1:])[:, -1, : model.dims.vocab_size]
@@ -161,7 +128,7 @@ def dropless(model: nn.Module) -> Iterator[None]:
 
 
 @torch.no_grad()
-def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None, generator: Optional[torch.Generator] = None,
              seed: Optional[int] = None, eod_id: Optional[int] = None, use_cache: bool = True) -> torch.Tensor:
     """idx (B, T) of token ids followed by up to max_new_tokens generated ones, (B, T + new).
