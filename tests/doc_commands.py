@@ -10,8 +10,8 @@ fence (invisible where Markdown renders):
 
 An unmarked block's megaframe-train commands are composed and validated as megaframe-train does
 before launch (config, layout, the planner's fit, an elastic job's whole range), without running;
-its megaframe-plan commands run; the arguments of its megaframe-eval, -convert and -preprocess
-commands must parse (their files are the user's: run blocks run them).
+its megaframe-plan commands run; the arguments of its megaframe-eval, -convert, -preprocess and
+-sample commands must parse (their files are the user's: run blocks run them).
 """
 from __future__ import annotations
 

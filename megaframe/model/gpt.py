@@ -223,6 +223,32 @@ class Attention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh/tp * hs)
         return self.resid_dropout(self.out_proj(y))
 
+    def forward_cached(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]], cache,
+                       layer: int) -> torch.Tensor:
+        """forward() for new tokens x (B, T, C) that follow those of a KVCache (model/generate.py),
+        whose keys and values they join: generation only (tp=1, no cp, no dropout). rope: the
+        cos/sin rows of the new tokens' positions."""
+        B, T, _ = x.shape
+        hs = self.dims.head_dim
+        q = self.q_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.v_proj(x).view(B, T, -1, hs).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        past = cache.length
+        k, v = cache.store(layer, k, v)  # (B, nkv, past + T, hs)
+        if self.kv_index is not None:
+            k, v = k[:, self.kv_index], v[:, self.kv_index]  # (B, nh, past + T, hs)
+        gqa = {"enable_gqa": True} if self.sdpa_gqa else {}
+        if past == 0:  # the prompt: causal, as in training
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+        else:  # causal aligned to the end (SDPA's is_causal aligns to the start); one token sees all
+            mask = None if T == 1 else torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, -1))
+
 
 @dataclass(frozen=True)
 class BlockSpec:
@@ -403,6 +429,17 @@ class GPT(nn.Module):
             self.router_stats.add(self.moe_layers)
         # the value stays the language-model loss; the router losses train through its gradient
         return AddAux.apply(loss, sum(layer.aux_loss for layer in self.moe_layers))
+
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
+                 top_p: Optional[float] = None, generator: Optional[torch.Generator] = None,
+                 seed: Optional[int] = None, eod_id: Optional[int] = None, use_cache: bool = True) -> torch.Tensor:
+        """idx (B, T) followed by up to max_new_tokens sampled tokens, with a key/value cache
+        (megaframe/model/generate.py): temperature 0 or top_k 1 is greedy; seed or generator makes
+        sampling reproducible; a row stops at eod_id."""
+        from megaframe.model.generate import generate
+
+        return generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        generator=generator, seed=seed, eod_id=eod_id, use_cache=use_cache)
 
 
 # ---- layout-invariant initialisation ---------------------------------------------------------

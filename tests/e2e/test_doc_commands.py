@@ -17,7 +17,7 @@ from doc_commands import GUIDES, REPO, Block, all_blocks
 from helpers import cli_env
 
 BLOCKS = all_blocks()
-FILE_COMMANDS = ("megaframe-eval", "megaframe-convert", "megaframe-preprocess")
+FILE_COMMANDS = ("megaframe-eval", "megaframe-convert", "megaframe-preprocess", "megaframe-sample")
 
 
 def _validated() -> list[tuple[str, list[str]]]:
@@ -69,9 +69,10 @@ def _parsers() -> dict:
     from megaframe.convert.cli import build_parser as convert_parser
     from megaframe.data.preprocess_cli import build_parser as preprocess_parser
     from megaframe.eval_cli import build_parser as eval_parser
+    from megaframe.sample_cli import build_parser as sample_parser
 
     return {"megaframe-convert": convert_parser, "megaframe-eval": eval_parser,
-            "megaframe-preprocess": preprocess_parser}
+            "megaframe-preprocess": preprocess_parser, "megaframe-sample": sample_parser}
 
 
 @pytest.mark.parametrize("where, words", _validated(), ids=[w for w, _ in _validated()])

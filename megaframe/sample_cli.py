@@ -1,0 +1,201 @@
+"""`megaframe-sample CKPT`: text a checkpoint's model writes after a prompt (nanoGPT's sample.py).
+
+CKPT is a layout-free checkpoint directory or a run's checkpoints/ directory (its `latest`), written
+in any layout by either engine. The whole model loads in one process (megaframe.load_model) on
+--device, and generates with a key/value cache (megaframe/model/generate.py): the context is the
+model's seq_length (a longer prompt is cropped to its last seq_length tokens) and a sample ends at
+the end-of-document token or after --max-new-tokens. Text is encoded and decoded with the run's
+tokenizer: the checkpoint's tokenizer/ copy, else the run's data.tokenizer (`byte` or a Hugging
+Face tokenizer directory) recorded in its state.json, else --tokenizer.
+
+Without a prompt a sample starts a new document (the prompt is the end-of-document token).
+Temperature 0 (or --top-k 1) is greedy; otherwise --seed makes the samples reproducible.
+
+Bad input ends with one line `megaframe-sample: error: ...` and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import NoReturn, Optional, Sequence
+
+PROG = "megaframe-sample"
+SEPARATOR = "---------------"  # between samples, as nanoGPT's sample.py prints them
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose refusals are one line (no usage block), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        _fail(f"{message} (see {PROG} --help)")
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser.add_argument("checkpoint", type=Path, help="a layout-free checkpoint, or a run's checkpoints/ directory")
+    prompt = parser.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="the text to continue (default: start a new document)")
+    prompt.add_argument("--prompt-file", type=Path, help="a UTF-8 text file holding the prompt")
+    prompt.add_argument("--prompt-ids", help="the prompt as comma-separated token ids, e.g. 84,104,101")
+    parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per sample (200)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; below 1 more likely tokens (0.8)")
+    parser.add_argument("--top-k", type=int, default=200, help="sample among the k most likely tokens; 0 = all (200)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sample among the most likely tokens whose probability reaches p; 1 = all (1.0)")
+    parser.add_argument("--seed", type=int, default=1337, help="seed of the sampling (1337)")
+    parser.add_argument("--num-samples", type=int, default=1, help="samples to draw, as one batch (1)")
+    parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N (cpu)")
+    parser.add_argument("--tokenizer", help="byte, or a Hugging Face tokenizer directory: overrides the run's")
+    parser.add_argument("--json", action="store_true",
+                        help="one JSON line per sample: prompt_ids, new_ids, text (the new text), stopped")
+    return parser
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Raise ValueError (one line) for settings that cannot sample; before anything loads."""
+    from megaframe.model.generate import check_sampling
+
+    try:
+        check_sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as err:
+        raise ValueError(f"--{str(err).replace('_', '-')}") from None
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
+    if args.num_samples < 1:
+        raise ValueError(f"--num-samples={args.num_samples} must be >= 1")
+    if args.prompt == "":
+        raise ValueError("--prompt is empty: give some text, or leave --prompt out to start a new document")
+
+
+def resolve_device(name: str):
+    """torch.device(name), refused in one line when it is not one or is not on this machine."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device={name}: not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if count == 0 or (device.index or 0) >= count:
+            raise ValueError(f"--device={name}: this machine has {count} CUDA device(s); use "
+                             + ("cpu" if count == 0 else f"cuda:0..cuda:{count - 1}"))
+    elif device.type != "cpu":
+        raise ValueError(f"--device={name}: {PROG} runs on cpu or cuda")
+    return device
+
+
+def run_tokenizer(checkpoint: Path, state: dict, override: Optional[str]):
+    """The tokenizer the run trained with (see the module docstring); DataError naming what is missing."""
+    from megaframe.convert.files import TOKENIZER_DIR, has_tokenizer
+    from megaframe.data import DataError, build_tokenizer
+
+    if override:
+        if override != "byte" and not Path(override).is_dir():
+            raise DataError(f"--tokenizer={override}: not 'byte' and not a local directory; use byte or the "
+                            "directory of a Hugging Face tokenizer (saved with save_pretrained())")
+        return build_tokenizer(override)
+    if has_tokenizer(checkpoint / TOKENIZER_DIR):
+        return build_tokenizer(checkpoint / TOKENIZER_DIR)
+    recorded = state.get("tokenizer")
+    if recorded is None:
+        raise DataError(f"{checkpoint}: the checkpoint records no tokenizer; pass --tokenizer byte or "
+                        "--tokenizer DIR (the Hugging Face tokenizer its model was trained with)")
+    if recorded != "byte" and not Path(recorded).is_dir():
+        raise DataError(f"{checkpoint}: the run's tokenizer {recorded} is gone and the checkpoint holds no "
+                        f"{TOKENIZER_DIR}/ copy; pass --tokenizer DIR")
+    return build_tokenizer(recorded)
+
+
+def prompt_ids(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[int]:
+    """The prompt's token ids, each one the model and the tokenizer know; ValueError otherwise."""
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(word) for word in args.prompt_ids.split(",")]
+        except ValueError:
+            raise ValueError(f"--prompt-ids={args.prompt_ids}: not comma-separated integers") from None
+        what = "--prompt-ids"
+    elif args.prompt_file is not None:
+        try:
+            text = args.prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"--prompt-file={args.prompt_file}: cannot read it as UTF-8 text ({err})") from None
+        if not text:
+            raise ValueError(f"--prompt-file={args.prompt_file} is empty: give a prompt, or leave it out to start "
+                             "a new document")
+        ids, what = tokenizer.encode(text), f"--prompt-file={args.prompt_file}"
+    elif args.prompt is not None:
+        ids, what = tokenizer.encode(args.prompt), "--prompt"
+    else:
+        return [tokenizer.eod_id]
+    if not ids:
+        raise ValueError(f"{what}: the prompt encodes to no tokens; give some text")
+    limit = min(vocab_size, tokenizer.vocab_size)
+    if bad := [i for i in ids if not 0 <= i < limit]:
+        raise ValueError(f"{what}: token id {bad[0]} is outside the vocabulary (0..{limit - 1}) of the model and "
+                         f"its tokenizer {tokenizer.name}")
+    return ids
+
+
+def sample(args: argparse.Namespace) -> list[dict]:
+    """Generate args.num_samples continuations; one dict per sample: prompt_ids, new_ids (the
+    end-of-document token left out), text (the new tokens decoded), stopped (at end of document).
+    Raises ValueError (ConvertError, DataError) with one line on bad input."""
+    import torch
+
+    from megaframe.checkpoint import universal
+    from megaframe.convert.files import resolve_checkpoint
+    from megaframe.load import load_model
+
+    check_arguments(args)
+    device = resolve_device(args.device)
+    path = resolve_checkpoint(args.checkpoint)
+    try:
+        state = universal.read_state(path)
+    except universal.CheckpointError as err:
+        raise ValueError(str(err)) from None
+    tokenizer = run_tokenizer(path, state, args.tokenizer)
+    model = load_model(path, device)
+    ids = prompt_ids(args, tokenizer, model.dims.vocab_size)
+    window = model.dims.seq_length
+    if len(ids) > window:
+        print(f"{PROG}: note: the prompt's {len(ids)} tokens exceed the model's context (model.seq_length="
+              f"{window}): it sees the last {window}", file=sys.stderr, flush=True)
+    idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
+    out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, seed=args.seed, eod_id=tokenizer.eod_id)
+    results = []
+    for row in out[:, len(ids):].tolist():
+        stopped = tokenizer.eod_id in row
+        new = row[: row.index(tokenizer.eod_id)] if stopped else row
+        results.append({"prompt_ids": ids, "new_ids": new, "text": tokenizer.decode(new), "stopped": stopped,
+                        "full_text": tokenizer.decode(ids + new)})
+    return results
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        results = sample(args)
+    except ValueError as err:  # ConvertError, DataError, StateMismatch and the checks above: one line each
+        _fail(str(err))
+    except KeyboardInterrupt:
+        _fail("interrupted", code=130)
+    for i, result in enumerate(results):
+        if args.json:
+            print(json.dumps({key: value for key, value in result.items() if key != "full_text"}), flush=True)
+            continue
+        if i:
+            print(SEPARATOR)
+        print(result["full_text"], flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""megaframe-sample's tokenizer: the checkpoint's copy of a Hugging Face tokenizer encodes the prompt
+and decodes the samples, whose end is its eos token; a tokenizer that is gone or was never recorded
+is one line naming the fix. Checkpoints written in-process (no training): the layouts and the
+transformers parity are tests/e2e/test_sample_cli.py."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from megaframe.config.schema import ModelConfig
+from megaframe.convert.files import write_layout_free
+from megaframe.model.factory import build_model, resolve_dims
+from megaframe.model.full_state import full_state_dict
+from megaframe.parallel.dims import ParallelDims
+from megaframe.parallel.state import ParallelState
+from megaframe.sample_cli import main
+
+VOCAB = 12
+CFG = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64, vocab_size=VOCAB,
+                  seq_length=8, init_std=0.5)
+
+
+def checkpoint(path, tokenizer_src=None, **state):
+    model = build_model(resolve_dims(CFG, VOCAB, device_type="cpu"), ParallelState(ParallelDims(), rank=0), seed=1)
+    write_layout_free(path, full_state_dict(model), {"step": 1, "consumed_samples": 8,
+                                                    "model": dataclasses.asdict(CFG), **state}, tokenizer_src=tokenizer_src)
+    return model.eval()
+
+
+def word_tokenizer(directory):
+    """A word-level HF tokenizer of the words w0..w10 and an eos token </s> (id 11), saved locally."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(VOCAB - 1)} | {"</s>": VOCAB - 1}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>").save_pretrained(directory)
+    return directory
+
+
+def refusal(capsys, *args) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(a) for a in args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+def test_an_hf_tokenizer_run_samples_through_its_copied_tokenizer(tmp_path, capsys):
+    tokenizer = word_tokenizer(tmp_path / "tok")
+    model = checkpoint(tmp_path / "ckpt", tokenizer_src=tokenizer)
+    # the run's tokenizer directory is gone: the checkpoint's copy serves
+    for path in tokenizer.iterdir():
+        path.unlink()
+    main([str(tmp_path / "ckpt"), "--prompt", "w3 w5 w7", "--temperature", "0", "--max-new-tokens", "20", "--json"])
+    [got] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert got["prompt_ids"] == [3, 5, 7]
+    want = model.generate(torch.tensor([[3, 5, 7]]), 20, temperature=0, eod_id=VOCAB - 1)[0, 3:].tolist()
+    stop = want.index(VOCAB - 1) if VOCAB - 1 in want else len(want)
+    assert got["new_ids"] == want[:stop] and got["stopped"] == (stop < len(want))
+    assert got["text"] == " ".join(f"w{i}" for i in want[:stop])
+    # the human form: prompt and continuation as one text
+    main([str(tmp_path / "ckpt"), "--prompt", "w3 w5 w7", "--temperature", "0", "--max-new-tokens", "20"])
+    assert capsys.readouterr().out == " ".join(f"w{i}" for i in [3, 5, 7, *want[:stop]]) + "\n"
+    # no prompt: a new document, which starts after the end-of-document token
+    main([str(tmp_path / "ckpt"), "--temperature", "0", "--max-new-tokens", "3", "--json"])
+    assert json.loads(capsys.readouterr().out)["prompt_ids"] == [VOCAB - 1]
+
+
+def test_a_missing_tokenizer_is_one_line(tmp_path, capsys):
+    checkpoint(tmp_path / "gone", tokenizer=str(tmp_path / "deleted-tokenizer"))
+    err = refusal(capsys, tmp_path / "gone", "--prompt", "hi")
+    assert "deleted-tokenizer is gone" in err and "--tokenizer DIR" in err
+    checkpoint(tmp_path / "unrecorded")  # a from-hf import without a tokenizer records none
+    err = refusal(capsys, tmp_path / "unrecorded", "--prompt", "hi")
+    assert "records no tokenizer; pass --tokenizer byte" in err
+    # --tokenizer names it; a prompt the model's 12 ids cannot hold is refused
+    err = refusal(capsys, tmp_path / "unrecorded", "--tokenizer", "byte", "--prompt", "hi")
+    assert "token id 104 is outside the vocabulary (0..11)" in err
