@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -121,6 +122,13 @@ def test_with_no_data_arguments_it_scores_the_runs_own_data_or_says_it_cannot(tm
                          "parallel.micro_batch_size=2", "parallel.global_batch_size=8")
     assert code == 0 and f"loss {eval_loss:.4f}" in out, err
     (tmp_path / "config.yaml").rename(run_dir / "config.yaml")
+    # a checkpoint copied out of its run directory has no run config either
+    shutil.copytree(run_dir / "checkpoints" / "global_step4", tmp_path / "copy")
+    with pytest.raises(SystemExit) as done:
+        evaluate([str(tmp_path / "copy")])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"{tmp_path / 'copy'} (a checkpoint outside a run directory): the run's config is missing" in err, err
 
     # a token outside the vocabulary (a corrupt validation file): one line, exit 4, not an IndexError
     tokens = np.memmap(tmp_path / "data" / "val.bin", dtype=np.uint16, mode="r+")
