@@ -30,6 +30,7 @@ from megaframe.config.validate import warnings as validate_warnings
 from megaframe.failures import PROG, RunFailure
 from megaframe.launch_env import launch_env_problem
 from megaframe.launch_guard import LAUNCHER_PID, die_with_launcher
+from megaframe import resume_hint
 from megaframe.paths import conf_dir
 from megaframe.slurm import adopt_slurm_env
 
@@ -550,6 +551,12 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
         return
     from megaframe.plan.cli import preflight
 
+    if _launcher_world_size() is None:  # the user's own command: the closing line's resume hint repeats it
+        resume_hint.remember_command(sys.argv[1:] if argv is None else argv)
+    try:
+        args = resume_hint.latest_run(args)  # train.resume=latest-run: hydra.run.dir names that run
+    except ConfigError as err:
+        _fail(str(err))
     cfg, layout, run_dir, composed = _check_composed(args)
     launched = _launcher_world_size() is not None
     if launched:

@@ -1,17 +1,22 @@
-"""`megaframe-eval CKPT [OVERRIDE ...]`: the loss and perplexity of a checkpoint on a dataset.
+"""`megaframe-eval CKPT [OVERRIDE ...]`: the loss, perplexity and bits of a checkpoint on a dataset.
 
 CKPT is a layout-free checkpoint directory or a run's checkpoints/ directory (its `latest`), written
-in any layout by either engine. The samples are those a training run evaluates: the first
-train.eval_steps global batches (parallel.global_batch_size) of the validation set, which is
-data.valid_path when set, else the held-out data.valid_fraction of data.path (or of the demo corpus).
-So on the run's own data and batch settings the figure is the run's eval_loss at that step.
+in any layout by either engine. By default the data is the run's own: its data.*, tokenizer,
+train.eval_steps and batch sizes come from the config the run saved beside its checkpoints
+(RUN_DIR/config.yaml), so the figure is the run's own eval_loss at that step. When that file or the
+data it names is gone, the command says so in one line (exit 2) rather than scoring other data.
+The samples are those a training run evaluates: the first train.eval_steps global batches
+(parallel.global_batch_size) of the validation set (data.valid_path when set, else the held-out
+data.valid_fraction of data.path or of data.blend's sources).
 
-The model (its shape and sequence length) comes from the checkpoint; the overrides take data.*,
-train.eval_steps, parallel.micro_batch_size and parallel.global_batch_size. It runs in one process
-on the GPU when there is one, else the CPU, holding the whole model: a model larger than one device
-is evaluated by a training run's eval (train.eval_interval) instead.
+The model (its shape and sequence length) comes from the checkpoint; the overrides change data.*
+(or pick another option with `data=NAME`), train.eval_steps, parallel.micro_batch_size and
+parallel.global_batch_size. It runs in one process on the GPU when there is one, else the CPU,
+holding the whole model: a model larger than one device is evaluated by a training run's eval
+(train.eval_interval) instead.
 
-Bad input ends with one line `megaframe-eval: error: ...` and exit code 2.
+Bad input ends with one line `megaframe-eval: error: ...` and exit code 2; token ids outside the
+model's vocabulary with exit code 4 (docs/failures.md).
 """
 from __future__ import annotations
 
@@ -23,81 +28,140 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 PROG = "megaframe-eval"
-ALLOWED = ("data.", "train.eval_steps=", "parallel.micro_batch_size=", "parallel.global_batch_size=")
+ALLOWED = ("data.", "data=", "train.eval_steps=", "parallel.micro_batch_size=", "parallel.global_batch_size=")
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, code: int = 2) -> None:
     print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    sys.exit(code)
+
+
+def _eval_config(checkpoint: Path, overrides: Sequence[str]):
+    """(typed config, the run config file it came from or None): the run's own config with the
+    overrides applied; without one, only data the overrides name (never a default dataset)."""
+    from megaframe.config.compose import compose
+    from megaframe.config.validate import ConfigError
+    from megaframe.run_config import load_run_config, run_config_file
+
+    config_file = run_config_file(checkpoint)
+    if config_file is not None and (config_file.is_file() or config_file.is_symlink()):
+        return load_run_config(config_file, overrides), config_file
+    if any(o.startswith(("data.path=", "data.blend=", "data=")) for o in overrides):
+        return compose(list(overrides))[0], None  # the user named the data: theirs, not the run's
+    where = config_file or f"{checkpoint} (a checkpoint outside a run directory)"
+    raise ConfigError(f"{where}: the run's config is missing, so the data it trained on is unknown; name the data "
+                      f"to score with data.path=PREFIX (and data.valid_path=PREFIX), data.blend=... or data=demo")
+
+
+def describe_data(data) -> str:
+    """The validation set a DataConfig names, in words."""
+    if data.blend:
+        return f"data.valid_blend={data.valid_blend}" if data.valid_blend else \
+            f"held-out {data.valid_fraction:g} of data.blend's sources"
+    if data.valid_path:
+        return f"data.valid_path={data.valid_path}"
+    return f"held-out {data.valid_fraction:g} of " + (f"data.path={data.path}" if data.path else "the demo corpus")
 
 
 def evaluate(checkpoint: Path, overrides: Sequence[str]) -> dict:
-    """{"checkpoint", "samples", "tokens_per_sample", "loss", "perplexity", "data"}; raises
-    ValueError (ConfigError, ConvertError, DataError) with one line on bad input."""
+    """{"checkpoint", "config", "data", "samples", "tokens_per_sample", "loss", "perplexity",
+    "bits_per_byte" or "bits_per_token"}; raises ValueError (ConfigError, ConvertError, DataError)
+    with one line on bad input, BadData (exit 4) for token ids outside the model's vocabulary."""
     import torch
 
-    from megaframe.config.compose import compose
     from megaframe.config.validate import ConfigError
     from megaframe.convert.files import resolve_checkpoint
     from megaframe.data import DataError, eval_batches
     from megaframe.data.dataset import eval_wrap_problem
     from megaframe.load import load_model
+    from megaframe.tracking.loss_report import bits
     from megaframe.training.data_setup import build_data
 
     for override in overrides:
         if not override.startswith(ALLOWED):
             raise ConfigError(f"{override.split('=', 1)[0]}: the model comes from the checkpoint; {PROG} takes "
                               f"data.*, train.eval_steps, parallel.micro_batch_size and parallel.global_batch_size")
-    cfg, _ = compose(list(overrides))
+    path = resolve_checkpoint(checkpoint)
+    cfg, config_file = _eval_config(path, overrides)
     batch, micro = cfg.parallel.global_batch_size, cfg.parallel.micro_batch_size
     if micro < 1 or batch % micro:
         raise ConfigError(f"parallel.global_batch_size={batch} must be a multiple of parallel.micro_batch_size={micro}")
     if cfg.train.eval_steps < 1:
         raise ConfigError(f"train.eval_steps={cfg.train.eval_steps} must be >= 1")
-    path = resolve_checkpoint(checkpoint)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_model(path, device)
-    data = build_data(cfg.data, model.dims.seq_length)
+    where = describe_data(cfg.data)
+    try:
+        data = build_data(cfg.data, model.dims.seq_length)
+    except (DataError, OSError) as err:  # the run's files moved or deleted: say whose they were
+        origin = f"the run's data ({config_file})" if config_file else "the data"
+        raise DataError(f"{origin}: {err}") from None
     if data.valid is None:
-        raise DataError("data.valid_fraction=0 leaves no validation set to evaluate; set data.valid_fraction > 0 "
-                        "or data.valid_path=PREFIX")
+        raise DataError(f"{where}: data.valid_fraction=0 leaves no validation set to evaluate; set "
+                        f"data.valid_fraction > 0 or data.valid_path=PREFIX")
     if data.vocab_size > model.dims.vocab_size:
         raise DataError(f"the dataset's vocabulary ({data.vocab_size}) is larger than the checkpoint's model's "
                         f"({model.dims.vocab_size}): it was tokenized for another model; check data.tokenizer")
-    samples = cfg.train.eval_steps * batch
     if problem := eval_wrap_problem(cfg.train.eval_steps, batch, len(data.valid)):
         print(f"{PROG}: warning: {problem}", file=sys.stderr, flush=True)
-    total = torch.zeros((), dtype=torch.float64, device=device)
     batches = eval_batches(data.valid, cfg.train.eval_steps * (batch // micro), micro, 0, 1)
+    total = torch.zeros((), dtype=torch.float64, device=device)
     with torch.no_grad():
         for inputs, targets in batches:  # each micro-batch's mean, as the trainer's evaluate() takes them
+            _check_ids(inputs, targets, model.dims.vocab_size, where)  # on the host, before the device sees them
             total += model(inputs.to(device), targets.to(device)).double()
     loss = (total / len(batches)).item()
-    where = cfg.data.valid_path or (f"held-out part of {cfg.data.path}" if cfg.data.path else "demo corpus's held-out part")
-    return {"checkpoint": str(path), "samples": samples, "tokens_per_sample": model.dims.seq_length, "loss": loss,
-            "perplexity": math.exp(loss) if loss < 700 else float("inf"), "data": where}
+    unit, value = bits(loss, cfg.data.tokenizer)
+    return {"checkpoint": str(path), "config": str(config_file) if config_file else None, "data": where,
+            "samples": cfg.train.eval_steps * batch, "tokens_per_sample": model.dims.seq_length, "loss": loss,
+            "perplexity": math.exp(loss) if loss < 700 else float("inf"), unit: value}
+
+
+def _check_ids(inputs, targets, vocab_size: int, where: str) -> None:
+    """BadData (exit 4) for an id below 0 or at or above the model's vocabulary: the embedding would
+    fail deep inside with an IndexError (or, padded, score a token no logit stands for)."""
+    from megaframe.failures import BadData
+
+    for ids in (inputs, targets):
+        smallest, largest = int(ids.min()), int(ids.max())
+        if smallest < 0 or largest >= vocab_size:
+            bad = smallest if smallest < 0 else largest
+            raise BadData(f"{where}: token id {bad} is outside the model's vocabulary of {vocab_size}; the data was "
+                          f"tokenized with another tokenizer or is corrupt: rebuild it with megaframe-preprocess")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1])
     parser.add_argument("checkpoint", type=Path, help="a layout-free checkpoint, or a run's checkpoints/ directory")
-    parser.add_argument("overrides", nargs="*", help="data.*, train.eval_steps, parallel.micro_batch_size, "
-                                                      "parallel.global_batch_size")
+    parser.add_argument("overrides", nargs="*", help="data.* (or data=NAME), train.eval_steps, "
+                                                      "parallel.micro_batch_size, parallel.global_batch_size")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     return parser
 
 
+def human_line(result: dict) -> str:
+    """The result in one line: what was scored, on what, and the figures."""
+    unit = "bits_per_byte" if "bits_per_byte" in result else "bits_per_token"
+    return (f"{PROG}: {result['checkpoint']} on {result['data']}: loss {result['loss']:.4f}, perplexity "
+            f"{result['perplexity']:.2f}, {result[unit]:.4f} {unit.replace('_', ' ')} over {result['samples']} "
+            f"samples of {result['tokens_per_sample']} tokens")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    from megaframe.failures import BadData
+    from megaframe.tracking.metrics import strict_json
+
     args = build_parser().parse_args(argv)
     try:
         result = evaluate(args.checkpoint, args.overrides)
+    except BadData as err:
+        _fail(str(err), int(err.exit_code))
     except ValueError as err:  # ConfigError, ConvertError, DataError: one line each
         _fail(str(err))
-    if args.json:
-        print(json.dumps(result))
+    if args.json:  # strict JSON: a non-finite loss is null, not NaN/Infinity
+        print(json.dumps(strict_json(result), allow_nan=False))
         return
-    print(f"{PROG}: {result['checkpoint']}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} over "
-          f"{result['samples']} samples of {result['tokens_per_sample']} tokens ({result['data']})")
+    print(human_line(result))
 
 
 if __name__ == "__main__":

@@ -182,7 +182,7 @@ class LoopConfig:
     eval_interval: int = 50  # 0 disables periodic eval
     eval_steps: int = 4
     save_interval: int = 100  # 0 = save only at the end
-    resume: str = "auto"  # auto | none | a checkpoint directory
+    resume: str = "auto"  # auto | none | a checkpoint directory | latest-run (megaframe-train: resume_hint.py)
     exit_at_step: Optional[int] = None  # stop early (saving a checkpoint) without changing the schedule
     keep_checkpoints: int = 0  # keep the newest K checkpoints (0 = keep all)
     universal_checkpoint: bool = True  # write layout-free safetensors (resume into any tp/pp/dp/ZeRO)

@@ -24,8 +24,12 @@ class Progress:
                         dynamic_ncols=True) if enabled else None
 
     def update(self, step: int, record: dict) -> None:
-        postfix = {"loss": f"{record['loss']:.4f}", "tok/s": f"{record['tokens_per_s']:.0f}",
-                   "TFLOP/s": f"{record['tflops']:.3g}", "lr": f"{record['lr']:.2e}"}
+        # loss: the step's; loss_avg: the mean over the log interval (docs/metrics.md)
+        postfix = {"loss": f"{record['loss']:.4f}"}
+        if "loss_avg" in record:
+            postfix["loss_avg"] = f"{record['loss_avg']:.4f}"
+        postfix.update({"tok/s": f"{record['tokens_per_s']:.0f}", "TFLOP/s": f"{record['tflops']:.3g}",
+                        "lr": f"{record['lr']:.2e}"})
         if "mfu" in record:
             postfix["MFU"] = f"{record['mfu']:.1%}"
         if self.bar is not None:

@@ -43,7 +43,9 @@ from megaframe.parallel.random import TPDropoutRNG
 from megaframe.parallel.state import ParallelState
 from megaframe.plan.startup import (gather_model_states, memory_plan, model_states_line, model_states_record,
                                     plan_summary)
+from megaframe.resume_hint import resume_command
 from megaframe.tracking.flops import flops_per_token, peak_tflops
+from megaframe.tracking.loss_report import eval_summary
 from megaframe.tracking.metrics import MetricsLog, memory_gb, run_metadata
 from megaframe.tracking.progress import Progress, wants_bar
 from megaframe.tracking.wandb_run import WandbRun
@@ -339,11 +341,13 @@ class Trainer:
         self.metrics.append(record)
         self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
-    def _train_record(self, loss: float, lr: float, steps: int, seconds: float) -> dict:
-        """One metrics.jsonl line: loss, schedule, throughput, MFU (when the peak is known), memory."""
+    def _train_record(self, loss: float, loss_avg: float, lr: float, steps: int, seconds: float) -> dict:
+        """One metrics.jsonl line: the step's loss, its mean over the log interval (loss_avg, the
+        finite steps only), schedule, throughput, MFU (when the peak is known), memory."""
         tokens_per_s = steps * self.tokens_per_step / seconds
         tflops = tokens_per_s * self.flops_per_token / self.layout.world_size / 1e12  # model TFLOP/s per device
-        record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": self.backend.grad_norm(),
+        record = {"step": self.step, "loss": loss, "loss_avg": loss_avg, "lr": lr,
+                  "grad_norm": self.backend.grad_norm(),
                   "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.layout.world_size,
                   "tflops": tflops, "consumed_samples": self.consumed_samples,
                   "consumed_tokens": self.step * self.tokens_per_step, "step_time_s": seconds / steps,
@@ -490,7 +494,7 @@ class Trainer:
                 self._log_model_states()
             if self.step % t.log_interval == 0 or self.step == stop_at:
                 mean_loss = math.fsum(losses) / len(losses) if losses else float("nan")
-                record = self._train_record(mean_loss, lr, interval_steps, interval_time)
+                record = self._train_record(result.loss, mean_loss, lr, interval_steps, interval_time)
                 self._log(record)
                 if self.progress:
                     self.progress.update(self.step, record)
@@ -552,8 +556,10 @@ class Trainer:
         else:
             ended = "finished"
         parts = [f"megaframe: {ended} at step {self.step}/{t.max_steps}"]
-        losses = [f"{name} {value:.4f}" if abs(value) < 1e4 else f"{name} {value:.4g}"
-                  for name, value in (("loss", self.last_loss), ("eval_loss", self.last_eval_loss)) if value is not None]
+        losses = [f"loss {value:.4f}" if abs(value) < 1e4 else f"loss {value:.4g}"
+                  for value in (self.last_loss,) if value is not None]
+        if self.last_eval_loss is not None:  # next to a uniform guess, and in bits: did the run learn?
+            losses.append(eval_summary(self.last_eval_loss, self.dims.vocab_size, self.cfg.data.tokenizer))
         if losses:
             parts.append(" ".join(losses))
         minutes, seconds = divmod(int(time.monotonic() - self.started), 60)
@@ -566,6 +572,8 @@ class Trainer:
         except CheckpointError:  # an edited `latest`: the run's error line says so
             last = None
         parts.append(f"last checkpoint {last or 'none'}")
+        if last is not None and ended != "finished":
+            parts.append(f"resume: {resume_command(self.run_dir)}")
         if self.wandb and (hint := self.wandb.sync_hint()):
             parts.append(f"W&B offline: {hint}")
         return " | ".join(parts)

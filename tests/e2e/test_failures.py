@@ -3,6 +3,7 @@ fix, the exit code docs/failures.md documents, no traceback on the terminal (it 
 replay of a deterministic failure by torchrun's restarts."""
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -200,7 +201,9 @@ def test_a_run_ends_with_one_summary_line(tmp_path):
     eval_loss = [r["eval_loss"] for r in records if "eval_loss" in r][-1]
     parts = last.split(" | ")
     assert parts[0] == "megaframe: finished at step 4/4", last
-    assert parts[1] == f"loss {loss:.4f} eval_loss {eval_loss:.4f}", last
+    # the last step's loss (TINY logs every step), and eval_loss next to ln 257 and in bits per byte
+    assert parts[1] == (f"loss {loss:.4f} eval_loss {eval_loss:.4f} (uniform {math.log(257):.4f}, "
+                        f"{eval_loss / math.log(2):.3f} bits/byte)"), last
     assert parts[2].startswith("1.02k tokens in 0m"), last  # 4 steps x 8 samples x 32 tokens
     assert parts[3] == f"last checkpoint {tmp_path / 'checkpoints' / 'global_step4'}", last
     (offline,) = (tmp_path / "wandb").glob("offline-run-*")

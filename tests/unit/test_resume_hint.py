@@ -1,0 +1,71 @@
+"""The closing line's resume command and train.resume=latest-run (megaframe/resume_hint.py);
+tests/e2e/test_resume_hint.py runs a printed command."""
+from __future__ import annotations
+
+import os
+import shlex
+
+import pytest
+
+from megaframe import resume_hint
+from megaframe.config.validate import ConfigError
+
+PATTERN = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
+
+
+def test_the_resume_command_repeats_the_users_arguments_and_names_the_run_dir(monkeypatch, tmp_path):
+    monkeypatch.delenv(resume_hint.ARGS_ENV, raising=False)
+    run_dir = tmp_path / "outputs" / "2026-11-28" / "12-00-00"
+    # a rank of another launcher: that launcher's command line is not known
+    assert resume_hint.resume_command(run_dir) == f"run this job's launch command again with hydra.run.dir={run_dir}"
+    resume_hint.remember_command(["model=llama_tiny", "optim.betas=[0.9,0.99]", "train.resume=none",
+                                  "train.exit_at_step=10", "hydra.run.dir=old", "--config-dir", "my conf"])
+    command = resume_hint.resume_command(run_dir)
+    # what a resume must not repeat is gone: a fresh start, an exit step already reached, the old run dir
+    assert shlex.split(command) == ["megaframe-train", "model=llama_tiny", "optim.betas=[0.9,0.99]", "--config-dir",
+                                    "my conf", f"hydra.run.dir={run_dir}"]
+    odd = tmp_path / "a b,c=d"  # Hydra's grammar and the shell's both keep it one value
+    assert shlex.split(resume_hint.resume_command(odd))[-1] == f"hydra.run.dir='{odd}'"
+    os.environ[resume_hint.ARGS_ENV] = "not json"
+    assert resume_hint.resume_command(run_dir).startswith("run this job's launch command again")
+
+
+def _run(root, name: str, mtime: int, checkpoint: bool = True):
+    run_dir = root / "outputs" / name
+    (run_dir / "checkpoints").mkdir(parents=True)
+    if checkpoint:
+        (run_dir / "checkpoints" / "latest").write_text("global_step4")
+        os.utime(run_dir / "checkpoints" / "latest", (mtime, mtime))
+    return run_dir
+
+
+def test_latest_run_is_the_newest_checkpointed_run_under_the_default_root(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["train.max_steps=20", "train.resume=latest-run"]
+    with pytest.raises(ValueError, match=r"no run under outputs/ has a checkpoint \(looked for "
+                                         r"outputs/\*/\*/checkpoints/latest\)"):
+        resume_hint.resolve_latest_run(args, lambda _: PATTERN)
+    older = _run(tmp_path, "2026-11-27/09-00-00", 1_000)
+    newer = _run(tmp_path, "2026-11-28/10-00-00", 2_000)
+    _run(tmp_path, "2026-11-28/11-00-00", 3_000, checkpoint=False)  # crashed before its first checkpoint
+    (tmp_path / "outputs" / "2026-11-28" / "12-00-00").symlink_to(older)  # a link megaframe did not make
+    os.utime(older / "checkpoints" / "latest", (4_000, 4_000))
+    got, run_dir = resume_hint.resolve_latest_run(args, lambda _: PATTERN)
+    assert run_dir == str(older.resolve())  # written last; the link to it is not a run of its own
+    assert got == ["train.max_steps=20", "train.resume=auto", f"hydra.run.dir={older.resolve()}"]
+    os.utime(newer / "checkpoints" / "latest", (5_000, 5_000))
+    assert resume_hint.resolve_latest_run(args, lambda _: PATTERN)[1] == str(newer.resolve())
+    # with hydra.run.dir given, that run is the one
+    assert resume_hint.resolve_latest_run([*args, "hydra.run.dir=mine"], lambda _: PATTERN) == \
+        (["train.max_steps=20", "hydra.run.dir=mine", "train.resume=auto"], "mine")
+
+
+def test_latest_run_reads_the_default_root_from_the_composed_config(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert resume_hint.latest_run(["train.max_steps=2"]) == ["train.max_steps=2"]  # nothing asked: unchanged
+    with pytest.raises(ConfigError, match="train.resume=latest-run: no run under outputs/ has a checkpoint"):
+        resume_hint.latest_run(["train.resume=latest-run"])
+    run_dir = _run(tmp_path, "2026-11-28/10-00-00", 1_000)
+    assert resume_hint.latest_run(["train.resume=latest-run"]) == ["train.resume=auto",
+                                                                  f"hydra.run.dir={run_dir.resolve()}"]
+    assert capsys.readouterr().out == f"megaframe-train: train.resume=latest-run: resuming {run_dir.resolve()}\n"
