@@ -113,10 +113,11 @@ def preprocess(
     is left intact. `progress`: a bar on stderr (None: only when stderr is a terminal). `workers` is
     capped at the cores this process may use (usable_workers).
 
-    valid_fraction > 0 holds out the end of the input as data.valid_fraction would (the last
-    ceil(f x documents) documents; of a single document, the last f of its tokens) and writes it to
-    `valid_prefix` (default OUTPUT_PREFIX_val), the rest to `output_prefix`: nanoGPT's train.bin and
-    val.bin. The input is then read twice (first to count its documents).
+    valid_fraction > 0 holds out the end of the input and writes it to `valid_prefix` (default
+    OUTPUT_PREFIX_val), the rest to `output_prefix`: nanoGPT's train.bin and val.bin. Of several
+    documents, the last ceil(f x documents), whole, as data.valid_fraction holds out; of a single
+    document, the last f of its tokens (nanoGPT's data[int(n*0.9):]), both parts ending with the
+    end-of-document token. The input is then read twice (first to count its documents).
     """
     started = time.perf_counter()
     if workers < 1:
@@ -146,9 +147,13 @@ def preprocess(
                 writers[0].add_document(tokens)
             elif index >= boundary:
                 writers[1].add_document(tokens)
-            else:  # one document, split inside it as data.valid_fraction splits it
-                cut = int((boundary - index) * tokens.size)
-                writers[0].add_document(tokens[:cut])
+            else:  # a single document: its text split as nanoGPT's prepare.py splits it, each part ending a document
+                text = tokens[:-1] if append_eod else tokens
+                cut = int((boundary - index) * text.size)
+                if cut == 0:  # (the held-out part always keeps a token: cut < text.size)
+                    raise DataError(f"--valid-fraction {valid_fraction} leaves no training text of the input's "
+                                    f"{text.size} tokens; give more text or a smaller fraction")
+                writers[0].add_document(np.append(text[:cut], tokenizer.eod_id) if append_eod else text[:cut])
                 writers[1].add_document(tokens[cut:])
             bar.update(1)
         _check_written(writers, inputs, valid_fraction)

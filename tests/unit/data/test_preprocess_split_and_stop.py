@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from megaframe.data import open_dataset, preprocess
-from megaframe.data.dataset import TokenStream, split_documents
 from megaframe.data.preprocess_cli import main
 from megaframe.data.preprocess_stop import Stopped, signals_deferred, stop_on_signals
 
@@ -26,8 +25,8 @@ def _tokens(prefix: Path) -> list[list[int]]:
 
 
 def test_one_text_file_splits_as_nanogpt_prepare_does(tmp_path, capsys):
-    """One .txt: the last 10% of its tokens are validation (nanoGPT: data[int(n*0.9):]), and the two
-    parts are exactly what data.valid_fraction=0.1 would train and evaluate on."""
+    """One .txt: the last 10% of its bytes are validation, as nanoGPT's prepare.py splits
+    (data[:int(n*0.9)], data[int(n*0.9):]), each part a document that ends with the end-of-document id."""
     text = "".join(f"line {i}: to be or not to be\n" for i in range(300))
     (tmp_path / "book.txt").write_text(text)
     assert main(["--input", str(tmp_path / "book.txt"), "--output-prefix", str(tmp_path / "book"),
@@ -35,14 +34,10 @@ def test_one_text_file_splits_as_nanogpt_prepare_does(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == (f"megaframe-preprocess: train on them with data.path={tmp_path / 'book'} "
                        f"data.valid_path={tmp_path / 'book'}_val")
-    tokens = list(text.encode()) + [EOD]
-    cut = int(0.9 * len(tokens))
-    assert _tokens(tmp_path / "book") == [tokens[:cut]] and _tokens(tmp_path / "book_val") == [tokens[cut:]]
-    preprocess([tmp_path / "book.txt"], tmp_path / "whole", "byte")
-    whole = open_dataset(tmp_path / "whole")
-    (train_start, train_end), (valid_start, valid_end) = split_documents(len(whole), 0.1)
-    assert TokenStream(whole, train_start, train_end).tokens.tolist() == tokens[:cut]
-    assert TokenStream(whole, valid_start, valid_end).tokens.tolist() == tokens[cut:]
+    data = text.encode()
+    n = len(data)
+    assert _tokens(tmp_path / "book") == [list(data[:int(n * 0.9)]) + [EOD]]
+    assert _tokens(tmp_path / "book_val") == [list(data[int(n * 0.9):]) + [EOD]]
 
 
 def test_many_documents_hold_out_whole_documents(tmp_path):
@@ -59,7 +54,7 @@ def test_many_documents_hold_out_whole_documents(tmp_path):
 
 @pytest.mark.parametrize("args, says", [
     (["--valid-fraction", "1"], "--valid-fraction 1.0: must be at least 0 and below 1"),
-    (["--valid-fraction", "0.999"], "--valid-fraction 0.999 leaves no training tokens"),
+    (["--valid-fraction", "0.999"], "--valid-fraction 0.999 leaves no training text of the input's 2 tokens"),
     (["--valid-output-prefix", "v"], "--valid-output-prefix needs --valid-fraction"),
 ])
 def test_a_split_that_cannot_be_made_is_one_line(tmp_path, capsys, args, says):
