@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -135,6 +136,8 @@ def preprocess(
                 if valid_fraction else math.inf)
     texts = (text for source in sources for text in iter_documents(source, json_key, split))
     prefixes = [output_prefix] if not valid_fraction else [output_prefix, valid_prefix or f"{output_prefix}_val"]
+    if len({Path(prefix).resolve() for prefix in prefixes}) < len(prefixes):
+        raise DataError(f"--valid-output-prefix {valid_prefix}: is --output-prefix too; name another for the held-out part")
     with contextlib.ExitStack() as stack:
         writers = [stack.enter_context(IndexedDatasetWriter(prefix, dtype=best_dtype(tokenizer.vocab_size),
                                                             layout=layout)) for prefix in prefixes]
@@ -143,18 +146,7 @@ def preprocess(
         # closed with the stack: a stop signal terminates the worker pool before this returns
         encoded = stack.enter_context(contextlib.closing(_encoded(texts, tokenizer, append_eod, workers)))
         for index, tokens in enumerate(encoded):
-            if index + 1 <= boundary:
-                writers[0].add_document(tokens)
-            elif index >= boundary:
-                writers[1].add_document(tokens)
-            else:  # a single document: its text split as nanoGPT's prepare.py splits it, each part ending a document
-                text = tokens[:-1] if append_eod else tokens
-                cut = int((boundary - index) * text.size)
-                if cut == 0:  # (the held-out part always keeps a token: cut < text.size)
-                    raise DataError(f"--valid-fraction {valid_fraction} leaves no training text of the input's "
-                                    f"{text.size} tokens; give more text or a smaller fraction")
-                writers[0].add_document(np.append(text[:cut], tokenizer.eod_id) if append_eod else text[:cut])
-                writers[1].add_document(tokens[cut:])
+            _add(writers, index, tokens, boundary, tokenizer.eod_id if append_eod else None, valid_fraction)
             bar.update(1)
         _check_written(writers, inputs, valid_fraction)
         metadata = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id,
@@ -179,6 +171,24 @@ def preprocess(
     tokens_written = sum(part["num_tokens"] for part in (summary, summary.get("valid", {"num_tokens": 0})))
     summary["tokens_per_second"] = tokens_written / max(summary["seconds"], 1e-9)
     return summary
+
+
+def _add(writers: list[IndexedDatasetWriter], index: int, tokens: np.ndarray, boundary: float,
+         eod_id: Optional[int], valid_fraction: float) -> None:
+    """Document `index` to the training writer, the held-out one, or (the boundary inside it: a
+    single document) its text split as nanoGPT's prepare.py splits it, each part ending a document."""
+    if index + 1 <= boundary:
+        writers[0].add_document(tokens)
+    elif index >= boundary:
+        writers[1].add_document(tokens)
+    else:
+        text = tokens[:-1] if eod_id is not None else tokens
+        cut = int((boundary - index) * text.size)  # < text.size: the held-out part keeps a token
+        if cut == 0:
+            raise DataError(f"--valid-fraction {valid_fraction} leaves no training text of the input's "
+                            f"{text.size} tokens; give more text or a smaller fraction")
+        writers[0].add_document(text[:cut] if eod_id is None else np.append(text[:cut], eod_id))
+        writers[1].add_document(tokens[cut:])
 
 
 def _count_documents(sources: list[Source], json_key: str, split: Optional[str]) -> int:

@@ -56,9 +56,11 @@ def test_many_documents_hold_out_whole_documents(tmp_path):
     (["--valid-fraction", "1"], "--valid-fraction 1.0: must be at least 0 and below 1"),
     (["--valid-fraction", "0.999"], "--valid-fraction 0.999 leaves no training text of the input's 2 tokens"),
     (["--valid-output-prefix", "v"], "--valid-output-prefix needs --valid-fraction"),
+    (["--valid-fraction", "0.1", "--valid-output-prefix", "{tmp}/a"], "is --output-prefix too"),
 ])
 def test_a_split_that_cannot_be_made_is_one_line(tmp_path, capsys, args, says):
     (tmp_path / "a.txt").write_text("ab")
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
     assert main(["--input", str(tmp_path / "a.txt"), "--output-prefix", str(tmp_path / "a"), *args]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert says in line
@@ -127,7 +129,7 @@ def test_a_stopped_preprocess_leaves_no_temp_files_and_the_old_dataset(tmp_path,
     time.sleep(0.2)
     assert tool.poll() is None and list(tmp_path.glob(".ds.bin.*.tmp")) and list(tmp_path.glob(".ds_val.bin.*.tmp"))
     (os.killpg if group else os.kill)(tool.pid, signum)
-    out, err = tool.communicate(timeout=60)
+    _, err = tool.communicate(timeout=60)
     assert tool.returncode == 128 + signum, err
     assert err.strip().splitlines() == [f"megaframe-preprocess: stopped by {signal.Signals(signum).name}: nothing "
                                         f"written, temporary files removed; a dataset already at {tmp_path / 'ds'} "
