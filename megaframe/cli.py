@@ -437,7 +437,9 @@ def _task(dict_cfg) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if _rank() == 0:
         # the composition typed by the schema writes what OmegaConf.structured(cfg) would, without
-        # building the schema's node tree again (about 0.05 s of every start)
+        # building the schema's node tree again (about 0.05 s of every start); with the ZeRO stage the
+        # engine's default chose (zero=engine_default composes it as null)
+        dict_cfg.zero.stage = cfg.zero.stage
         atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(dict_cfg, resolve=True))
     # DeepSpeed's ZeRO calls torch collectives torch 2.13 has renamed: a warning per rank, not the user's business
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)

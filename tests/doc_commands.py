@@ -100,3 +100,64 @@ def blocks(guide: Path) -> list[Block]:
 
 def all_blocks() -> list[Block]:
     return [block for guide in GUIDES for block in blocks(guide)]
+
+
+_REDIRECT = re.compile(r"(?<![0-9&<])>\s*([\w./-]+)")
+_SAVED = re.compile(r"save_pretrained\('([^']+)'\)")
+_NOT_PATHS = {"auto", "none", "null", "byte"}
+
+
+@dataclass
+class GuidePaths:
+    """The relative paths a guide's run blocks write (run and sweep directories, datasets, exports,
+    redirected files) and the run or data paths they read (train.resume, data.*, eval and convert)."""
+
+    writes: set[str] = field(default_factory=set)
+    reads: set[str] = field(default_factory=set)
+
+    def owns(self, path: str) -> bool:
+        """Whether the guide wrote path itself, or a directory or dataset prefix holding it."""
+        return any(path == w or path.startswith(w.rstrip("/") + "/") or w.startswith(path + ".")  # PREFIX.bin
+                   for w in self.writes)
+
+
+def guide_paths(guide: Path) -> GuidePaths:
+    """What guide's run blocks write and read, from their commands (tests/e2e/test_doc_commands.py
+    checks that no two guides share a path and that no guide reads another's)."""
+    found = GuidePaths()
+    for block in blocks(guide):
+        if not block.run:
+            continue
+        for line in block.lines:
+            found.writes.update(_REDIRECT.findall(line.split("<<", 1)[0]))
+            found.writes.update(_SAVED.findall(line))
+            words = line.split()
+            if words[:2] in (["mkdir", "-p"],) and len(words) > 2:
+                found.writes.add(words[2])
+            if words[:1] == ["cp"] and len(words) == 3:
+                found.writes.add(words[2])
+        for words in block.megaframe_commands():
+            _megaframe_paths(words, found)
+    found.writes -= _NOT_PATHS
+    found.reads = {path for path in found.reads - _NOT_PATHS if not Path(path).is_absolute()}
+    return found
+
+
+def _megaframe_paths(words: list[str], found: GuidePaths) -> None:
+    name, args = words[0], words[1:]
+    for i, arg in enumerate(args):
+        key, _, value = arg.partition("=")
+        if key in ("hydra.run.dir", "hydra.sweep.dir"):
+            found.writes.add(value)
+        elif key in ("train.resume", "data.path", "data.valid_path"):
+            found.reads.add(value)
+        elif key in ("data.blend", "data.valid_blend"):
+            found.reads.update(part for part in value.strip("[]").split(",") if "/" in part)
+        elif arg in ("--output-prefix", "--valid-output-prefix") and i + 1 < len(args):
+            found.writes.add(args[i + 1])
+    positional = [a for a in args if "=" not in a and not a.startswith("-")]
+    if name == "megaframe-convert" and len(positional) == 3:  # to-hf|from-hf SOURCE DESTINATION
+        found.reads.add(positional[1])
+        found.writes.add(positional[2])
+    elif name == "megaframe-eval" and positional:
+        found.reads.add(positional[0])

@@ -86,7 +86,8 @@ class ParallelConfig:
 class ZeroConfig:
     """ZeRO stage and the DeepSpeed knobs users tune."""
 
-    stage: int = 0
+    # None (zero=engine_default): the engine's own default, set by TrainConfig (ENGINE_ZERO_STAGE)
+    stage: Optional[int] = None
     overlap_comm: bool = False
     contiguous_gradients: bool = True
     reduce_bucket_size: int = 500_000_000
@@ -331,3 +332,14 @@ class TrainConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+    def __post_init__(self) -> None:
+        """An unset ZeRO stage becomes the engine's default, so every reader sees an int."""
+        if self.zero.stage is None:
+            self.zero.stage = ENGINE_ZERO_STAGE.get(self.backend.name, 0)
+
+
+# The ZeRO stage an engine runs when the command names none: DeepSpeed's own default (0), and full
+# sharding under FSDP2, as torchtitan's fully_shard does (its rules refuse stages 0 and 1). Chosen
+# here, not in YAML: a config group's default cannot depend on another group's choice there.
+ENGINE_ZERO_STAGE = {"deepspeed": 0, "fsdp2": 3}

@@ -8,22 +8,27 @@ however large the input (Pool.imap would read the whole input ahead into its tas
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import math
 import multiprocessing
 import os
 import sys
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
+from megaframe.data.dataset import split_documents
 from megaframe.data.indexed import LAYOUTS, DataError, IndexedDatasetWriter, best_dtype
-from megaframe.data.sources import find_sources, iter_documents
+from megaframe.data.preprocess_stop import ignore_stop_in_worker, signals_deferred
+from megaframe.data.sources import Source, find_sources, iter_documents
 from megaframe.data.tokenizer import Tokenizer, build_tokenizer
 
-__all__ = ["preprocess"]
+__all__ = ["preprocess", "usable_workers"]
 
 _CHUNK_DOCUMENTS = 64  # documents per task sent to a worker: large enough to amortise the pickling
 _CHUNKS_IN_FLIGHT_PER_WORKER = 4
@@ -40,8 +45,22 @@ def _document(tokenizer: Tokenizer, text: str, append_eod: bool) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64)
 
 
+def usable_workers(requested: int) -> tuple[int, Optional[str]]:
+    """At most one worker per core this process may run on (os.sched_getaffinity: a SLURM job's or a
+    container's share, not the whole machine): more only add processes that wait for a core, since
+    the output is the same for any count. Returns the count and, when capped, a line saying so."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS and Windows have no affinity mask
+        cores = os.cpu_count() or 1
+    if requested <= cores:
+        return requested, None
+    return cores, f"--workers {requested}: capped at {cores}, the cores this process may use (os.sched_getaffinity)"
+
+
 def _start_worker(tokenizer_spec: str, append_eod: bool) -> None:
     global _worker
+    ignore_stop_in_worker()
     _worker = (build_tokenizer(tokenizer_spec), append_eod)
 
 
@@ -84,53 +103,108 @@ def preprocess(
     workers: int = 1,
     split: Optional[str] = None,
     progress: Optional[bool] = None,
+    valid_fraction: float = 0.0,
+    valid_prefix: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Tokenize every document of `inputs` into OUTPUT_PREFIX.bin/.idx/.json; returns a summary dict.
 
     Each input document becomes one dataset document (empty ones included, so indices line up with
     the input). `layout` is "megatron" (Megatron-LM's MMIDIDX files plus megaframe's sidecar) or
     "megaframe" (the earlier MFTOKIDX). On any error the previous dataset at `output_prefix`, if any,
-    is left intact. `progress`: a bar on stderr (None: only when stderr is a terminal).
+    is left intact. `progress`: a bar on stderr (None: only when stderr is a terminal). `workers` is
+    capped at the cores this process may use (usable_workers).
+
+    valid_fraction > 0 holds out the end of the input and writes it to `valid_prefix` (default
+    OUTPUT_PREFIX_val), the rest to `output_prefix`: nanoGPT's train.bin and val.bin. Of several
+    documents, the last ceil(f x documents), whole, as data.valid_fraction holds out; of a single
+    document, the last f of its tokens (nanoGPT's data[int(n*0.9):]), both parts ending with the
+    end-of-document token. The input is then read twice (first to count its documents).
     """
     started = time.perf_counter()
     if workers < 1:
         raise DataError(f"--workers {workers}: must be at least 1")
+    workers = usable_workers(workers)[0]
+    if not 0.0 <= valid_fraction < 1.0:
+        raise DataError(f"--valid-fraction {valid_fraction}: must be at least 0 and below 1 (0.1 holds out 10%)")
     if isinstance(tokenizer, str):
         tokenizer = build_tokenizer(tokenizer)
     sources = find_sources(inputs)
     if not sources:
         raise DataError("--input: no input files given")
+    # where the training part ends, as a document position (data/dataset.py); inf: nothing held out
+    boundary = (split_documents(_count_documents(sources, json_key, split), valid_fraction)[0][1]
+                if valid_fraction else math.inf)
     texts = (text for source in sources for text in iter_documents(source, json_key, split))
-    with IndexedDatasetWriter(output_prefix, dtype=best_dtype(tokenizer.vocab_size), layout=layout) as writer, \
-            tqdm(desc="tokenizing", unit=" docs", file=sys.stderr, disable=None if progress is None else not progress,
-                 mininterval=1.0) as bar:
-        for tokens in _encoded(texts, tokenizer, append_eod, workers):
-            writer.add_document(tokens)
+    prefixes = [output_prefix] if not valid_fraction else [output_prefix, valid_prefix or f"{output_prefix}_val"]
+    if len({Path(prefix).resolve() for prefix in prefixes}) < len(prefixes):
+        raise DataError(f"--valid-output-prefix {valid_prefix}: is --output-prefix too; name another for the held-out part")
+    with contextlib.ExitStack() as stack:
+        writers = [stack.enter_context(IndexedDatasetWriter(prefix, dtype=best_dtype(tokenizer.vocab_size),
+                                                            layout=layout)) for prefix in prefixes]
+        bar = stack.enter_context(tqdm(desc="tokenizing", unit=" docs", file=sys.stderr, mininterval=1.0,
+                                       disable=None if progress is None else not progress))
+        # closed with the stack: a stop signal terminates the worker pool before this returns
+        encoded = stack.enter_context(contextlib.closing(_encoded(texts, tokenizer, append_eod, workers)))
+        for index, tokens in enumerate(encoded):
+            _add(writers, index, tokens, boundary, tokenizer.eod_id if append_eod else None, valid_fraction)
             bar.update(1)
-        if writer.num_documents == 0 or writer.num_tokens == 0:
-            raise DataError(
-                f"--input {' '.join(str(raw) for raw in inputs)}: produced no tokens "
-                f"({writer.num_documents} documents); check the files and --json-key"
-            )
-        writer.finalize(
-            {
-                "tokenizer": tokenizer.name,
-                "vocab_size": tokenizer.vocab_size,
-                "eod_id": tokenizer.eod_id,
-                "append_eod": append_eod,
-                "json_key": json_key,
-                "source_files": [str(source.path) for source in sources],
-            }
-        )
-        summary = {
+        _check_written(writers, inputs, valid_fraction)
+        metadata = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id,
+                    "append_eod": append_eod, "json_key": json_key,
+                    "source_files": [str(source.path) for source in sources]}
+        with signals_deferred():  # a stop signal waits until the datasets are in place (preprocess_stop.py)
+            for writer in writers:
+                writer.finalize(metadata)
+        summary: dict[str, Any] = {
             "output_prefix": str(output_prefix),
             "num_files": len(sources),
-            "num_documents": writer.num_documents,
-            "num_tokens": writer.num_tokens,
+            "num_documents": writers[0].num_documents,
+            "num_tokens": writers[0].num_tokens,
             "tokenizer": tokenizer.name,
             "layout": layout,
             "workers": workers,
         }
+        if valid_fraction:
+            summary["valid"] = {"output_prefix": str(prefixes[1]), "num_documents": writers[1].num_documents,
+                                "num_tokens": writers[1].num_tokens, "valid_fraction": valid_fraction}
     summary["seconds"] = time.perf_counter() - started
-    summary["tokens_per_second"] = summary["num_tokens"] / max(summary["seconds"], 1e-9)
+    tokens_written = sum(part["num_tokens"] for part in (summary, summary.get("valid", {"num_tokens": 0})))
+    summary["tokens_per_second"] = tokens_written / max(summary["seconds"], 1e-9)
     return summary
+
+
+def _add(writers: list[IndexedDatasetWriter], index: int, tokens: np.ndarray, boundary: float,
+         eod_id: Optional[int], valid_fraction: float) -> None:
+    """Document `index` to the training writer, the held-out one, or (the boundary inside it: a
+    single document) its text split as nanoGPT's prepare.py splits it, each part ending a document."""
+    if index + 1 <= boundary:
+        writers[0].add_document(tokens)
+    elif index >= boundary:
+        writers[1].add_document(tokens)
+    else:
+        text = tokens[:-1] if eod_id is not None else tokens
+        cut = int((boundary - index) * text.size)  # < text.size: the held-out part keeps a token
+        if cut == 0:
+            raise DataError(f"--valid-fraction {valid_fraction} leaves no training text of the input's "
+                            f"{text.size} tokens; give more text or a smaller fraction")
+        writers[0].add_document(text[:cut] if eod_id is None else np.append(text[:cut], eod_id))
+        writers[1].add_document(tokens[cut:])
+
+
+def _count_documents(sources: list[Source], json_key: str, split: Optional[str]) -> int:
+    """The inputs' documents, counted in a first pass (read, not tokenized) so that the held-out
+    part can be written as the documents stream by."""
+    return sum(1 for source in sources for _ in iter_documents(source, json_key, split))
+
+
+def _check_written(writers: list[IndexedDatasetWriter], inputs: Sequence[Any], valid_fraction: float) -> None:
+    """DataError for an output without tokens: an empty input, or a held-out part rounded to nothing."""
+    if writers[0].num_documents == 0 or sum(writer.num_tokens for writer in writers) == 0:
+        raise DataError(
+            f"--input {' '.join(str(raw) for raw in inputs)}: produced no tokens "
+            f"({writers[0].num_documents} documents); check the files and --json-key"
+        )
+    for writer, part in zip(writers if len(writers) == 2 else [], ("training", "validation")):
+        if writer.num_tokens == 0:
+            raise DataError(f"--valid-fraction {valid_fraction} leaves no {part} tokens ({writers[0].num_tokens} "
+                            f"training, {writers[1].num_tokens} validation); give more text or another fraction")

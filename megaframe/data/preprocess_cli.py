@@ -9,6 +9,8 @@ import sys
 
 from megaframe.data import DataError, build_tokenizer, preprocess
 from megaframe.data.indexed import LAYOUTS
+from megaframe.data.preprocess import usable_workers
+from megaframe.data.preprocess_stop import Stopped, stop_on_signals
 
 PROG = "megaframe-preprocess"
 
@@ -47,7 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "Megatron-DeepSpeed read as is, plus megaframe's .json sidecar; megaframe: the earlier "
                         "MFTOKIDX layout")
     parser.add_argument("--workers", type=int, default=1, metavar="N",
-                        help="tokenizer processes (default: 1); output is identical for any N")
+                        help="tokenizer processes (default: 1; at most the cores available); output is identical "
+                        "for any N")
+    parser.add_argument("--valid-fraction", type=float, default=0.0, metavar="F",
+                        help="hold out the end of the input as a validation set (as data.valid_fraction splits: "
+                        "the last F of the documents, or of a single document's tokens) and write it to "
+                        "PREFIX_val; train with data.path=PREFIX data.valid_path=PREFIX_val")
+    parser.add_argument("--valid-output-prefix", default=None, metavar="PREFIX",
+                        help="where --valid-fraction writes the held-out part (default: OUTPUT_PREFIX_val)")
     parser.add_argument(
         "--no-append-eod",
         dest="append_eod",
@@ -58,22 +67,43 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the tool; returns the process exit code (2 on bad input)."""
+    """Run the tool; returns the process exit code (2 on bad input, 128 + N when signal N stopped it)."""
     args = build_parser().parse_args(argv)
+    if args.valid_output_prefix and not args.valid_fraction:
+        print(f"{PROG}: error: --valid-output-prefix needs --valid-fraction F (the part to hold out)", file=sys.stderr)
+        return 2
+    workers, capped = usable_workers(args.workers) if args.workers >= 1 else (args.workers, None)
+    if capped:
+        print(f"{PROG}: {capped}", file=sys.stderr)
     try:
-        tokenizer = build_tokenizer(args.tokenizer)
-        summary = preprocess(args.input, args.output_prefix, tokenizer, args.json_key, args.append_eod,
-                             layout=args.layout, workers=args.workers, split=args.split)
+        with stop_on_signals():
+            tokenizer = build_tokenizer(args.tokenizer)
+            summary = preprocess(args.input, args.output_prefix, tokenizer, args.json_key, args.append_eod,
+                                 layout=args.layout, workers=workers, split=args.split,
+                                 valid_fraction=args.valid_fraction, valid_prefix=args.valid_output_prefix)
     except (DataError, OSError) as error:
         message = " ".join(str(error).split())
         print(f"{PROG}: error: {message}", file=sys.stderr)
         return 2
+    except Stopped as stop:
+        print(f"{PROG}: stopped by {stop}: nothing written, temporary files removed; a dataset already at "
+              f"{args.output_prefix} is untouched", file=sys.stderr)
+        return stop.exit_code
+    _report(summary)
+    return 0
+
+
+def _report(summary: dict) -> None:
+    """What was written, and with --valid-fraction the keys that train on it."""
     print(
         f"{PROG}: wrote {summary['output_prefix']}.{{bin,idx,json}}: {summary['num_documents']} documents, "
         f"{summary['num_tokens']} tokens from {summary['num_files']} inputs in {summary['seconds']:.2f} s "
         f"({summary['tokens_per_second']:,.0f} tokens/s, {summary['workers']} workers, {summary['layout']} layout)"
     )
-    return 0
+    if valid := summary.get("valid"):
+        print(f"{PROG}: wrote {valid['output_prefix']}.{{bin,idx,json}}: {valid['num_documents']} documents, "
+              f"{valid['num_tokens']} tokens (held out: --valid-fraction {valid['valid_fraction']})")
+        print(f"{PROG}: train on them with data.path={summary['output_prefix']} data.valid_path={valid['output_prefix']}")
 
 
 def console_main() -> None:

@@ -242,7 +242,8 @@ class DeepSpeedBackend:
         self.engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
 
     def load_native(self, directory: Path, tag: str) -> dict[str, Any]:
-        loaded, client_state = self.engine.load_checkpoint(str(directory), tag=tag)
+        with torch.no_grad():  # a pipeline's load broadcasts its tied weights again (pipeline.py says why no grad)
+            loaded, client_state = self.engine.load_checkpoint(str(directory), tag=tag)
         if loaded is None:
             raise RuntimeError(f"train.resume: DeepSpeed could not load a checkpoint from {Path(directory) / tag}")
         return client_state

@@ -7,6 +7,8 @@ pipelined model starts from exactly the weights of the plain one.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 from functools import lru_cache
 from typing import Callable, Optional, Sequence
@@ -137,8 +139,14 @@ def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition:
         else:
             layers.append(LayerSpec(HeadPipe, dims, tp, seed))
     # "uniform" balances transformer blocks (Megatron's notion), not DeepSpeed's raw layer count
-    model = PipelineModule(layers=layers, loss_fn=VocabParallelLoss(dims, tp), topology=build_topology(ps.grid),
-                           partition_method=PARTITION_METHODS[partition], activation_checkpoint_interval=0)
+    # DeepSpeed prints its seed settings, its topology and each stage's layers on rank 0 (print, not
+    # its logger): nothing a user can act on; megaframe's start-up line says the layout. No grad: its
+    # broadcast of a tied embedding's values (_synchronize_tied_weights) is a copy between stages,
+    # no step of any loss; recorded by autograd, each rank's first backward warned that c10d's
+    # broadcast_ has no autograd kernel and "may lead to silently incorrect behavior"
+    with contextlib.redirect_stdout(io.StringIO()), torch.no_grad():
+        model = PipelineModule(layers=layers, loss_fn=VocabParallelLoss(dims, tp), topology=build_topology(ps.grid),
+                               partition_method=PARTITION_METHODS[partition], activation_checkpoint_interval=0)
     model.rng = rng  # a tied embedding's non-owning copies carry DeepSpeed's ds_pipe_replicated=True
     model.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]  # this stage's, as GPT.moe_layers
     model.router_stats = router_stats

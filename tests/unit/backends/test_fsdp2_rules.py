@@ -39,7 +39,7 @@ def test_what_fsdp2_runs_passes(overrides):
 
 
 @pytest.mark.parametrize("overrides,says", [
-    ([], "zero.stage=0 with backend=fsdp2: FSDP2 always shards gradients and optimizer states; use zero=stage2"),
+    (["zero=stage0"], "zero.stage=0 with backend=fsdp2: FSDP2 always shards gradients and optimizer states; use zero=stage2"),
     (["zero=stage1"], "zero.stage=1 with backend=fsdp2"),
     (["zero=stage3", "precision=fp16"], "precision=fp16 with backend=fsdp2: it has no loss scaler; use precision=bf16"),
     (["zero=stage3", "offload=nvme", "offload.nvme_path=/tmp"], "offload=nvme with backend=fsdp2"),
@@ -75,6 +75,15 @@ def test_what_fsdp2_runs_passes(overrides):
 def test_what_fsdp2_cannot_do_is_one_line_before_launch(overrides, says, capsys):
     line = _refusal(overrides, capsys)
     assert line.startswith(says), line
+
+
+@pytest.mark.parametrize("overrides,stage", [(FSDP2, 3), ([*FSDP2, "zero=stage2"], 2), ([*FSDP2, "zero.stage=2"], 2),
+                                             ([], 0), (["backend=deepspeed"], 0), (["zero=stage1"], 1)])
+def test_each_engine_has_its_own_default_stage(overrides, stage):
+    """backend=fsdp2 alone shards fully (ZeRO-3), as torchtitan users expect; DeepSpeed keeps its
+    stage 0; a stage the command names wins under either engine (issue 51)."""
+    cfg, _, _ = check(overrides)
+    assert cfg.zero.stage == stage
 
 
 def test_the_stage_refusal_names_both_ways_out(capsys):

@@ -1,0 +1,74 @@
+"""How megaframe-preprocess ends on a signal: SIGINT (Ctrl-C), SIGTERM (kill, a scheduler's time
+limit) and SIGHUP (a closed terminal) raise Stopped in the main thread, so the writers' context
+managers remove their temp files (which grow as large as the output) and the worker pool is
+terminated; the previous dataset under the output prefix is left as it was.
+
+A signal that arrives while a dataset is being moved into place (finalize: .json removed, then
+.bin, .idx and .json renamed) waits until that is done: stopped midway, the old dataset would be
+gone and the new one incomplete.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+from typing import Iterator, Optional
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+_deferring = 0
+_pending: Optional[int] = None
+
+
+class Stopped(BaseException):
+    """A stop signal arrived (a BaseException, as KeyboardInterrupt: `except Exception` lets it pass)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        """What a shell reports for a process a signal ended: 128 + the signal's number."""
+        return 128 + self.signum
+
+
+def _handler(signum: int, frame) -> None:
+    global _pending
+    if _deferring:
+        _pending = signum
+        return
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Within the block, STOP_SIGNALS raise Stopped; the previous handlers come back after it."""
+    global _pending
+    previous = {signum: signal.signal(signum, _handler) for signum in STOP_SIGNALS}
+    _pending = None
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """A stop signal that arrives within the block is raised when the block ends (a no-op outside
+    stop_on_signals: the handlers are then not ours)."""
+    global _deferring, _pending
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
+        if not _deferring and _pending is not None:
+            signum, _pending = _pending, None
+            raise Stopped(signum)
+
+
+def ignore_stop_in_worker() -> None:
+    """A tokenizer worker leaves Ctrl-C to the parent (the terminal sends it to the whole process
+    group): the parent terminates the pool, and no worker prints a KeyboardInterrupt traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

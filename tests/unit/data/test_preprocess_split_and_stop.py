@@ -1,0 +1,142 @@
+"""megaframe-preprocess --valid-fraction (nanoGPT's prepare.py in one line), --workers capped at the
+cores, and a stop signal that leaves no temp files and the previous dataset untouched (issues 50, 51)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megaframe.data import open_dataset, preprocess
+from megaframe.data.preprocess_cli import main
+from megaframe.data.preprocess_stop import Stopped, signals_deferred, stop_on_signals
+
+EOD = 256
+
+
+def _tokens(prefix: Path) -> list[list[int]]:
+    dataset = open_dataset(prefix)
+    return [dataset[i].tolist() for i in range(len(dataset))]
+
+
+def test_one_text_file_splits_as_nanogpt_prepare_does(tmp_path, capsys):
+    """One .txt: the last 10% of its bytes are validation, as nanoGPT's prepare.py splits
+    (data[:int(n*0.9)], data[int(n*0.9):]), each part a document that ends with the end-of-document id."""
+    text = "".join(f"line {i}: to be or not to be\n" for i in range(300))
+    (tmp_path / "book.txt").write_text(text)
+    assert main(["--input", str(tmp_path / "book.txt"), "--output-prefix", str(tmp_path / "book"),
+                 "--valid-fraction", "0.1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == (f"megaframe-preprocess: train on them with data.path={tmp_path / 'book'} "
+                       f"data.valid_path={tmp_path / 'book'}_val")
+    data = text.encode()
+    n = len(data)
+    assert _tokens(tmp_path / "book") == [list(data[:int(n * 0.9)]) + [EOD]]
+    assert _tokens(tmp_path / "book_val") == [list(data[int(n * 0.9):]) + [EOD]]
+
+
+def test_many_documents_hold_out_whole_documents(tmp_path):
+    """Several documents: the last ceil(f x n) of them, whole, as data.valid_fraction; the prefix of
+    the held-out part is the one named."""
+    docs = [f"document {i} " * (i + 1) for i in range(25)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    summary = preprocess([tmp_path / "docs.jsonl"], tmp_path / "train", "byte", valid_fraction=0.1,
+                         valid_prefix=tmp_path / "held" / "val")
+    as_tokens = [list(d.encode()) + [EOD] for d in docs]
+    assert _tokens(tmp_path / "train") == as_tokens[:22] and _tokens(tmp_path / "held" / "val") == as_tokens[22:]
+    assert (summary["num_documents"], summary["valid"]["num_documents"]) == (22, 3)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--valid-fraction", "1"], "--valid-fraction 1.0: must be at least 0 and below 1"),
+    (["--valid-fraction", "0.999"], "--valid-fraction 0.999 leaves no training text of the input's 2 tokens"),
+    (["--valid-output-prefix", "v"], "--valid-output-prefix needs --valid-fraction"),
+    (["--valid-fraction", "0.1", "--valid-output-prefix", "{tmp}/a"], "is --output-prefix too"),
+])
+def test_a_split_that_cannot_be_made_is_one_line(tmp_path, capsys, args, says):
+    (tmp_path / "a.txt").write_text("ab")
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
+    assert main(["--input", str(tmp_path / "a.txt"), "--output-prefix", str(tmp_path / "a"), *args]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert says in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]  # nothing written, no temp file left
+
+
+def test_workers_are_capped_at_the_cores_available(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    (tmp_path / "a.txt").write_text("some text")
+    assert main(["--input", str(tmp_path / "a.txt"), "--output-prefix", str(tmp_path / "a"), "--workers", "500"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.strip() == ("megaframe-preprocess: --workers 500: capped at 1, the cores this process may use "
+                                    "(os.sched_getaffinity)")
+    assert "1 workers" in captured.out
+    assert main(["--input", str(tmp_path / "a.txt"), "--output-prefix", str(tmp_path / "a"), "--workers", "1"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_a_signal_while_the_dataset_moves_into_place_waits_for_it():
+    with stop_on_signals():
+        moved = False
+        with pytest.raises(Stopped) as stopped:
+            with signals_deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                moved = True  # reached: the signal did not interrupt the block
+        assert moved and stopped.value.exit_code == 143
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
+
+
+# the tool run as a user runs it, slowed down in the parent (each document takes 20 ms to write) so
+# that the signal lands while the temp files grow; the first document written (by then the workers
+# have started and sent it) leaves the file named by argv[1]
+_SLOW = """
+import pathlib, sys, time
+from megaframe.data import indexed
+add, started = indexed.IndexedDatasetWriter.add_document, pathlib.Path(sys.argv.pop(1))
+def slow(self, tokens):
+    add(self, tokens)
+    started.touch()
+    time.sleep(0.02)
+indexed.IndexedDatasetWriter.add_document = slow
+from megaframe.data.preprocess_cli import console_main
+sys.argv = ["megaframe-preprocess", *sys.argv[1:]]
+console_main()
+"""
+
+
+@pytest.mark.parametrize("signum, workers, group", [(signal.SIGTERM, 1, False), (signal.SIGINT, 2, True)],
+                         ids=["sigterm", "ctrl-c-with-workers"])
+def test_a_stopped_preprocess_leaves_no_temp_files_and_the_old_dataset(tmp_path, signum, workers, group):
+    """SIGTERM to the tool, or Ctrl-C to its whole process group (what a terminal sends, workers
+    included): one line, exit 128+N, no hidden temp file, no process left, the old dataset intact."""
+    (tmp_path / "old.txt").write_text("the previous dataset")
+    preprocess([tmp_path / "old.txt"], tmp_path / "ds", "byte")
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("ds.*")}
+    (tmp_path / "new.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(2000)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    started = tmp_path.parent / f"{tmp_path.name}.started"
+    tool = subprocess.Popen([sys.executable, "-c", _SLOW, str(started), "--input", str(tmp_path / "new.jsonl"), "--output-prefix",
+                             str(tmp_path / "ds"), "--workers", str(workers), "--valid-fraction", "0.1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    assert tool.poll() is None and list(tmp_path.glob(".ds.bin.*.tmp")) and list(tmp_path.glob(".ds_val.bin.*.tmp"))
+    (os.killpg if group else os.kill)(tool.pid, signum)
+    _, err = tool.communicate(timeout=60)
+    assert tool.returncode == 128 + signum, err
+    assert err.strip().splitlines() == [f"megaframe-preprocess: stopped by {signal.Signals(signum).name}: nothing "
+                                        f"written, temporary files removed; a dataset already at {tmp_path / 'ds'} "
+                                        f"is untouched"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.bin", "ds.idx", "ds.json", "new.jsonl", "old.txt"]
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("ds.*")} == before
+    with pytest.raises(ProcessLookupError):  # no worker outlived the tool
+        for _ in range(50):
+            os.killpg(tool.pid, 0)
+            time.sleep(0.1)
