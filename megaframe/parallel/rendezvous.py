@@ -157,7 +157,9 @@ def join_world(backend: str, timeout: Optional[timedelta], join_timeout_s: Optio
     else:
         store = _connect(host, port, rank, world, join_timeout_s, deadline)
         prefix = "megaframe/"
-    wait_for_world(store, f"{prefix}join/", rank, world, join_timeout_s, deadline)
+    # by world size too: torchrun keeps the restart count (and so the prefix) when a node joins or leaves.
+    # A count left from an earlier round of the same size only lets the wait pass early, never hangs it.
+    wait_for_world(store, f"{prefix}join/world{world}/", rank, world, join_timeout_s, deadline)
     if timeout is not None:
         store.set_timeout(timeout)  # the group's own waits: the collective timeout from here on
     dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world,

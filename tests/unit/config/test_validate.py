@@ -176,6 +176,7 @@ NAN, INF = float("nan"), float("inf")
     ("optim", "weight_decay", NAN, "optim.weight_decay=nan must be a finite number >= 0"),
     ("optim", "grad_clip", INF, "optim.grad_clip=inf must be a finite number >= 0"),
     ("train", "collective_timeout_s", INF, "train.collective_timeout_s=inf must be a finite number of seconds"),
+    ("train", "join_timeout_s", 0.0, "train.join_timeout_s=0.0 must be a finite number of seconds > 0"),
     ("train", "seed", -1, "train.seed=-1 must be in [0, 2**32)"),
     ("train", "on_batch_size_change", "ignore", "train.on_batch_size_change='ignore'"),
     ("model", "init_std", NAN, "model.init_std=nan must be a finite number > 0"),
