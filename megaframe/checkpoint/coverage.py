@@ -56,7 +56,7 @@ def _tiling_problem(rects: list[Rect], extent: Extent) -> Optional[tuple[str, Ex
     edges = sorted({0, extent[0], *starting, *ending})
     active: set[int] = set()
     checked: dict[frozenset, Optional[tuple[str, Extent]]] = {}
-    for low, high in zip(edges, edges[1:]):
+    for low in edges[:-1]:  # the slab from this edge to the next
         active.difference_update(ending[low])
         active.update(starting[low])
         if not active:

@@ -167,7 +167,7 @@ def test_a_manifest_of_wrong_types_or_garbage_is_exit_5_quoting_nothing(saved, c
     assert "secret" not in str(error.value) and "\n" not in str(error.value)
 
 
-def test_state_json_that_is_no_object_or_a_link_is_exit_5(saved, tmp_path):
+def test_state_json_that_is_no_object_or_a_link_is_exit_5(saved):
     (saved / universal.STATE_FILE).write_text("[1, 2]")
     with pytest.raises(CheckpointError, match="state.json holds no JSON object"):
         universal.read_state(saved)
