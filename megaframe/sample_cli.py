@@ -134,14 +134,14 @@ def prompt_ids(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[int
         ids, what = tokenizer.encode(text), f"--prompt-file={args.prompt_file}"
     elif args.prompt is not None:
         ids, what = tokenizer.encode(args.prompt), "--prompt"
-    else:
-        return [tokenizer.eod_id]
+    else:  # a new document: what follows an end of document
+        ids, what = [tokenizer.eod_id], f"the end-of-document id of {tokenizer.name}"
     if not ids:
         raise ValueError(f"{what}: the prompt encodes to no tokens; give some text")
     limit = min(vocab_size, tokenizer.vocab_size)
     if bad := [i for i in ids if not 0 <= i < limit]:
         raise ValueError(f"{what}: token id {bad[0]} is outside the vocabulary (0..{limit - 1}) of the model and "
-                         f"its tokenizer {tokenizer.name}")
+                         f"the tokenizer {tokenizer.name}")
     return ids
 
 
