@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn, Optional, Sequence
@@ -32,9 +33,9 @@ class _Parser(argparse.ArgumentParser):
         _fail(f"{message} (see {PROG} --help)")
 
 
-def _fail(message: str, code: int = 2) -> NoReturn:
+def _fail(message: str) -> NoReturn:
     print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(code)
+    sys.exit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,14 +134,14 @@ def prompt_ids(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[int
         ids, what = tokenizer.encode(text), f"--prompt-file={args.prompt_file}"
     elif args.prompt is not None:
         ids, what = tokenizer.encode(args.prompt), "--prompt"
-    else:
-        return [tokenizer.eod_id]
+    else:  # a new document: what follows an end of document
+        ids, what = [tokenizer.eod_id], f"the end-of-document id of {tokenizer.name}"
     if not ids:
         raise ValueError(f"{what}: the prompt encodes to no tokens; give some text")
     limit = min(vocab_size, tokenizer.vocab_size)
     if bad := [i for i in ids if not 0 <= i < limit]:
         raise ValueError(f"{what}: token id {bad[0]} is outside the vocabulary (0..{limit - 1}) of the model and "
-                         f"its tokenizer {tokenizer.name}")
+                         f"the tokenizer {tokenizer.name}")
     return ids
 
 
@@ -186,15 +187,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         results = sample(args)
     except ValueError as err:  # ConvertError, DataError, StateMismatch and the checks above: one line each
         _fail(str(err))
-    except KeyboardInterrupt:
-        _fail("interrupted", code=130)
-    for i, result in enumerate(results):
-        if args.json:
-            print(json.dumps({key: value for key, value in result.items() if key != "full_text"}), flush=True)
-            continue
-        if i:
-            print(SEPARATOR)
-        print(result["full_text"], flush=True)
+    except KeyboardInterrupt:  # Ctrl-C: 130, as megaframe-train's (docs/failures.md), no traceback
+        print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
+    try:
+        for i, result in enumerate(results):
+            if args.json:
+                print(json.dumps({key: value for key, value in result.items() if key != "full_text"}), flush=True)
+                continue
+            if i:
+                print(SEPARATOR)
+            print(result["full_text"], flush=True)
+    except BrokenPipeError:  # `| head`: the reader has what it wanted; no traceback at exit either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

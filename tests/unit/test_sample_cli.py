@@ -81,3 +81,18 @@ def test_a_missing_tokenizer_is_one_line(tmp_path, capsys):
     # --tokenizer names it; a prompt the model's 12 ids cannot hold is refused
     err = refusal(capsys, tmp_path / "unrecorded", "--tokenizer", "byte", "--prompt", "hi")
     assert "token id 104 is outside the vocabulary (0..11)" in err
+    # no prompt starts a new document after the end-of-document id, which the model must hold
+    err = refusal(capsys, tmp_path / "unrecorded", "--tokenizer", "byte")
+    assert "the end-of-document id of byte: token id 256 is outside the vocabulary (0..11)" in err
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
+    checkpoint(tmp_path / "ckpt", tokenizer="byte")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("megaframe.model.generate.generate", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "ckpt"), "--prompt-ids", "1,2"])
+    assert exit_info.value.code == 130 and capsys.readouterr().err == "megaframe-sample: interrupted\n"
