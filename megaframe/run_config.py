@@ -45,12 +45,61 @@ def load_run_config(path: Path, overrides: Sequence[str] = ()) -> TrainConfig:
         saved = OmegaConf.load(path)
     except Exception as ex:  # YAML or OmegaConf errors of every kind: a damaged file
         raise ConfigError(f"{path}: not a readable run config ({' '.join(str(ex).split())[:200]})") from None
+    _from_training_directory(saved, path.parent)
     _apply(saved, overrides)
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), saved))
     except Exception as ex:  # a key this version does not know, a value of the wrong type
         raise ConfigError(f"{path}: does not fit this megaframe's config schema "
                           f"({' '.join(str(ex).split())[:200]})") from None
+
+
+def training_directory(run_dir: Path) -> Optional[Path]:
+    """The directory the run was started in (Hydra's hydra.runtime.cwd in RUN/.hydra/hydra.yaml),
+    against which its relative data paths were read; None when not recorded."""
+    import yaml
+
+    record = run_dir / ".hydra" / "hydra.yaml"
+    if record.is_symlink() or not record.is_file() or record.stat().st_size > 1 << 20:
+        return None
+    try:
+        cwd = yaml.safe_load(record.read_text())["hydra"]["runtime"]["cwd"]
+    except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError):
+        return None
+    return Path(cwd) if isinstance(cwd, str) and Path(cwd).is_absolute() else None
+
+
+def _from_training_directory(saved, run_dir: Path) -> None:
+    """The run's relative data paths (data.path, valid_path, the prefixes of blend and valid_blend,
+    a tokenizer directory) made absolute against the directory the run was started in, when that
+    is not this one: the run's files, wherever megaframe-eval is started."""
+    from omegaconf import OmegaConf
+
+    cwd = training_directory(run_dir)
+    data = saved.get("data") if OmegaConf.is_dict(saved) else None
+    if cwd is None or data is None or cwd.resolve() == Path.cwd().resolve():
+        return
+
+    def absolute(value):
+        if not isinstance(value, str) or not value or Path(value).is_absolute() or _is_number(value):
+            return value  # a blend's weight stays a weight
+        return str(cwd / value)
+    for key in ("path", "valid_path"):
+        if key in data:
+            data[key] = absolute(data[key])
+    if data.get("tokenizer") not in (None, "byte"):
+        data["tokenizer"] = absolute(data["tokenizer"])
+    for key in ("blend", "valid_blend"):
+        if OmegaConf.is_list(data.get(key)):
+            data[key] = [absolute(item) for item in data[key]]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _apply(saved, overrides: Sequence[str]) -> None:

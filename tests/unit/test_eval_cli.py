@@ -56,3 +56,23 @@ def test_overrides_change_single_keys_of_the_runs_config_or_pick_a_data_option(t
     config.unlink()
     with pytest.raises(ConfigError, match="the run's config is missing"):
         load_run_config(config)
+
+
+def test_the_runs_relative_data_paths_are_read_from_the_directory_it_was_started_in(tmp_path, monkeypatch):
+    """megaframe-eval RUN/checkpoints from another directory: data/train is the run's, relative to
+    where it trained (Hydra's hydra.runtime.cwd), not to wherever the command is started."""
+    run_dir, started = tmp_path / "run", tmp_path / "project"
+    (run_dir / ".hydra").mkdir(parents=True)
+    started.mkdir()
+    (run_dir / "config.yaml").write_text("data:\n  path: data/train\n  valid_path: /abs/val\n"
+                                         "  blend: [0.3, data/a, '0.7', data/b]\n  tokenizer: byte\n")
+    (run_dir / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    cwd: {started}\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_run_config(run_dir / "config.yaml", ["data.valid_path=mine"])  # an override is the user's, as given
+    assert (cfg.data.path, cfg.data.valid_path) == (str(started / "data/train"), "mine")
+    assert cfg.data.blend == [0.3, str(started / "data/a"), "0.7", str(started / "data/b")] and cfg.data.tokenizer == "byte"
+    monkeypatch.chdir(started)  # where the run started: the paths as the run wrote them
+    assert load_run_config(run_dir / "config.yaml").data.path == "data/train"
+    (run_dir / ".hydra" / "hydra.yaml").unlink()  # not recorded: as written, read from here
+    monkeypatch.chdir(tmp_path)
+    assert load_run_config(run_dir / "config.yaml").data.path == "data/train"
