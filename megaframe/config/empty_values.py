@@ -80,7 +80,7 @@ def empty_value_problem(cfg: Any) -> Optional[str]:
                 if problem := walk(value, key + "."):
                     return problem
             elif _blank(value):
-                return f"{key} is empty {_UNSET}; {_fix(key, _field_default(f))}"
+                return f"{key}={value!r} is empty {_UNSET}; {_fix(key, _field_default(f))}"
             elif isinstance(value, (list, tuple)):
                 if not value and key in EMPTY_LIST_KEYS:
                     return f"{key}=[] is empty; {EMPTY_LIST_KEYS[key]}"
@@ -95,7 +95,7 @@ def empty_value_problem(cfg: Any) -> Optional[str]:
 def run_dir_problem(run_dir: str) -> Optional[str]:
     """hydra.run.dir resolved to nothing: Hydra would run in the current directory."""
     if _blank(run_dir):
-        return f"hydra.run.dir is empty {_UNSET}; {_run_dir_fix('hydra.run.dir')}"
+        return f"hydra.run.dir={run_dir!r} is empty {_UNSET}; {_run_dir_fix('hydra.run.dir')}"
     return None
 
 
@@ -105,6 +105,6 @@ def empty_override_problem(overrides: Sequence[str]) -> Optional[str]:
     Hydra's own flags (-m) never reach the composition that run_dir_problem checks."""
     for override in overrides:
         key, has_value, value = override.lstrip("+").partition("=")
-        if has_value and key in RUN_DIR_KEYS and _blank(value.strip("'\"")):
-            return f"{key} is empty {_UNSET}; {_run_dir_fix(key)}"
+        if has_value and key in RUN_DIR_KEYS and _blank(unquoted := value.strip("'\"")):
+            return f"{key}={unquoted!r} is empty {_UNSET}; {_run_dir_fix(key)}"
     return None

@@ -66,9 +66,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def blank_argument(args: argparse.Namespace) -> str | None:
+    """The first flag given an empty or blank value (`--input "$DIR"` with DIR unset), as one line, or
+    None: an empty --input walked the current directory, an empty --output-prefix wrote hidden
+    .bin/.idx/.json files into it, an empty --split read the train split."""
+    given = [("--input", value, "give a file or directory") for value in args.input] + [
+        ("--output-prefix", args.output_prefix, "give the prefix of the files to write, e.g. data/corpus"),
+        ("--tokenizer", args.tokenizer, "give byte or a tokenizer directory, or leave the flag out (byte)"),
+        ("--json-key", args.json_key, "give the field holding the text, or leave the flag out (text)"),
+        ("--split", args.split, "give a split's name, or leave the flag out (train)")]
+    for flag, value, fix in given:
+        if value is not None and not value.strip():
+            return f"{flag} is empty (an unset shell variable?); {fix}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the tool; returns the process exit code (2 on bad input, 128 + N when signal N stopped it)."""
     args = build_parser().parse_args(argv)
+    if problem := blank_argument(args):
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        return 2
     if args.valid_output_prefix and not args.valid_fraction:
         print(f"{PROG}: error: --valid-output-prefix needs --valid-fraction F (the part to hold out)", file=sys.stderr)
         return 2

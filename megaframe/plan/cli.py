@@ -20,6 +20,8 @@ from megaframe.plan.report import as_json, gib, table, verdict
 from megaframe.plan.search import fitting_layouts, layout_overrides
 
 PROG = "megaframe-plan"
+# --dry-run builds one rank's blocks as modules; the deepest real models have ~100 blocks a stage
+DRY_RUN_MAX_BLOCKS = 10_000
 
 
 def planned_world_size(cfg: TrainConfig, launched: Optional[int] = None) -> int:
@@ -120,7 +122,7 @@ def dry_run_report(cfg: TrainConfig, layout: Layout, rank: int) -> dict:
     from megaframe.model.dims import resolve_dims
     from megaframe.plan.dryrun import dry_run
     from megaframe.plan.estimate import planning_device_type, planning_vocab_size
-    from megaframe.plan.memory import stage_parameters
+    from megaframe.plan.memory import stage_blocks, stage_parameters
 
     if not 0 <= rank < layout.world_size:
         raise ConfigError(f"--dry-run={rank}: the layout has ranks 0..{layout.world_size - 1}")
@@ -131,6 +133,11 @@ def dry_run_report(cfg: TrainConfig, layout: Layout, rank: int) -> dict:
                           f"follows DeepSpeed's pipeline; drop --dry-run (the table counts {cfg.backend.name}'s stages "
                           f"per rank)")
     dims = resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp, device_type=planning_device_type(cfg))
+    blocks = stage_blocks(dims, layout.tp, layout.pp, layout.grid.coords(rank).pp, cfg.parallel.pipeline_partition)
+    if blocks > DRY_RUN_MAX_BLOCKS:  # model.num_layers=100000000 --dry-run=0 took 20 GB before the OOM killer came
+        raise ConfigError(f"--dry-run={rank}: its stage holds {blocks:,} blocks, each built as Python modules on the "
+                          f"meta device (beyond {DRY_RUN_MAX_BLOCKS:,} that takes minutes and gigabytes); drop "
+                          f"--dry-run (the table counts them by kind) or check model.num_layers for a typo")
     built = dry_run(dims, layout.grid, rank, cfg.parallel.pipeline_partition)
     planned = stage_parameters(dims, layout.tp, layout.pp, built.stage, cfg.parallel.pipeline_partition, layout.grid.ep)
     return {"rank": rank, "stage": built.stage, "tp_rank": built.tp_rank, "layers": built.layers,

@@ -13,6 +13,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from megaframe.config.validate import ConfigError
 from megaframe.model.dims import GPTDims
 from megaframe.model.spec import ModelSpec
 from megaframe.parallel.dims import OnGrid, ParallelDims
@@ -195,8 +196,8 @@ PARAMETERS_PARTITION_MAX_LAYERS = 2048
 def uniform_stage_range(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
     """What partition_balanced returns for "type:BlockPipe" weights (0, 1 x num_layers, 0, 0), for one
     stage, in O(1): the blocks split as evenly as they go, the first num_layers % pp stages one more,
-    the embedding on the first stage, the final norm and head on the last (tests/unit/plan checks it
-    against the DP for every num_layers <= 64 and pp <= num_layers)."""
+    the embedding on the first stage, the final norm and head on the last (equal to the DP for every
+    num_layers <= 64 and pp <= num_layers when written; tests/unit/plan/test_layer_count.py keeps a part)."""
     q, r = divmod(num_layers, pp)
 
     def cut(s: int) -> int:  # layer-list index where stage s starts (the embedding is layer 0)
@@ -238,8 +239,6 @@ def _stage_range(dims: GPTDims, tp: int, pp: int, stage: int, partition: str, ep
     if partition == "uniform" and pp <= n:
         return uniform_stage_range(n, pp, stage)
     if n > PARAMETERS_PARTITION_MAX_LAYERS:
-        from megaframe.config.validate import ConfigError
-
         raise ConfigError(f"parallel.pipeline_partition={partition} with model.num_layers={n}: the balanced partition "
                           f"takes O(layers^2 * pp) steps (hours beyond {PARAMETERS_PARTITION_MAX_LAYERS} layers, at "
                           f"every start of the run too); use parallel.pipeline_partition=uniform")

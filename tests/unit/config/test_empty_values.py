@@ -75,7 +75,7 @@ def _refused(cfg) -> str:
 def test_an_empty_or_blank_string_key_is_one_line_naming_it(key, default_config):
     for blank in BLANKS:
         message = _refused(_with(default_config, key, blank))
-        assert "\n" not in message and message.startswith(f"{key} is empty"), (blank, message)
+        assert "\n" not in message and message.startswith(f"{key}={blank!r} is empty"), (blank, message)
 
 
 @pytest.mark.parametrize("key", LIST_KEYS)
@@ -118,7 +118,7 @@ def test_a_sweep_with_an_empty_sweep_dir_is_refused(capsys, tmp_path, monkeypatc
     with pytest.raises(SystemExit) as ended:
         train_main(["-m", "hydra.sweep.dir=", "train.seed=1,2"])
     lines = capsys.readouterr().err.strip().splitlines()
-    assert ended.value.code == 2 and len(lines) == 1 and "hydra.sweep.dir is empty" in lines[0], lines
+    assert ended.value.code == 2 and len(lines) == 1 and "hydra.sweep.dir='' is empty" in lines[0], lines
     assert list(tmp_path.iterdir()) == []
 
 

@@ -71,3 +71,19 @@ def test_the_undamaged_copy_still_reads(saved, tmp_path, capsys):
     for kind in ("dataset", "dict"):
         assert main(["--input", str(saved[kind]), "--output-prefix", str(tmp_path / kind)]) == 0
         assert f"{len(ROWS)} documents" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags", [["--input", ""], ["--input", "notes.txt", " "], ["--output-prefix", ""],
+                                   ["--output-prefix", " "], ["--tokenizer", ""], ["--json-key", ""],
+                                   ["--split", " "]])
+def test_an_empty_argument_is_one_line_naming_the_flag(flags, tmp_path, monkeypatch, capsys):
+    """An unset shell variable: an empty --input walked the current directory, an empty --output-prefix
+    wrote hidden .bin/.idx/.json files there, an empty --split read the train split."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("private notes in the current directory")
+    args = {"--input": ["notes.txt"], "--output-prefix": ["out"]}
+    args[flags[0]] = flags[1:]
+    code = main([item for flag, values in args.items() for item in (flag, *values)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"megaframe-preprocess: error: {flags[0]} is empty")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # nothing written

@@ -111,6 +111,9 @@ def test_a_hundred_million_layers_plan_in_a_fraction_of_a_second(args, blocks, c
      "parallel.pipeline_partition=parameters with model.num_layers=100000000"),
     ([HUGE, "model.hidden_size=100000", "model.num_attention_heads=100"], "the model has 4.0"),
     (["model.num_layers=3000000000"], "model.num_layers=3000000000 is beyond the 32-bit sizes"),
+    # the meta-device build of one rank is per layer by nature: 20 GB before the OOM killer came
+    ([HUGE, "parallel.pp=2", "parallel.global_batch_size=32", "--dry-run=1"],
+     "--dry-run=1: its stage holds 50,000,000 blocks"),
 ])
 def test_what_no_machine_can_run_is_one_line(args, line, capsys):
     with pytest.raises(SystemExit) as ended:
