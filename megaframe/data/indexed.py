@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from array import array
 from pathlib import Path
 from types import TracebackType
@@ -21,6 +20,7 @@ import numpy as np
 
 from megaframe.data.megatron import write_index
 from megaframe.data.sidecar import field_problem
+from megaframe.data.temp_files import open_temp
 from megaframe.data.token_files import DataError, content_checksum, read_head
 
 __all__ = ["DataError", "IndexedDataset", "IndexedDatasetWriter", "LAYOUTS", "best_dtype", "umask_permissions"]
@@ -105,8 +105,8 @@ class IndexedDatasetWriter:
 
     def _open_temp(self, suffix: str) -> BinaryIO:
         # Same directory as the final file so os.replace is an atomic rename, never a copy.
-        fd, temp_name = tempfile.mkstemp(dir=self.directory, prefix=f".{self.prefix.name}.{suffix}.", suffix=".tmp")
-        self._temp_paths.append(Path(temp_name))
+        fd, temp_path = open_temp(self.directory, self.prefix.name, suffix)
+        self._temp_paths.append(temp_path)
         return os.fdopen(fd, "wb")
 
     @property

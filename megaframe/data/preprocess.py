@@ -26,6 +26,7 @@ from megaframe.data.dataset import split_documents
 from megaframe.data.indexed import LAYOUTS, DataError, IndexedDatasetWriter, best_dtype
 from megaframe.data.preprocess_stop import ignore_stop_in_worker, signals_deferred
 from megaframe.data.sources import Source, find_sources, iter_documents
+from megaframe.data.temp_files import remove_orphans
 from megaframe.data.tokenizer import Tokenizer, build_tokenizer
 
 __all__ = ["preprocess", "usable_workers"]
@@ -112,7 +113,8 @@ def preprocess(
     the input). `layout` is "megatron" (Megatron-LM's MMIDIDX files plus megaframe's sidecar) or
     "megaframe" (the earlier MFTOKIDX). On any error the previous dataset at `output_prefix`, if any,
     is left intact. `progress`: a bar on stderr (None: only when stderr is a terminal). `workers` is
-    capped at the cores this process may use (usable_workers).
+    capped at the cores this process may use (usable_workers). Temp files that a killed run left
+    for these prefixes are removed first (temp_files.py).
 
     valid_fraction > 0 holds out the end of the input and writes it to `valid_prefix` (default
     OUTPUT_PREFIX_val), the rest to `output_prefix`: nanoGPT's train.bin and val.bin. Of several
@@ -138,6 +140,7 @@ def preprocess(
     prefixes = [output_prefix] if not valid_fraction else [output_prefix, valid_prefix or f"{output_prefix}_val"]
     if len({Path(prefix).resolve() for prefix in prefixes}) < len(prefixes):
         raise DataError(f"--valid-output-prefix {valid_prefix}: is --output-prefix too; name another for the held-out part")
+    orphans = [path for prefix in prefixes for path in remove_orphans(Path(prefix))]
     with contextlib.ExitStack() as stack:
         writers = [stack.enter_context(IndexedDatasetWriter(prefix, dtype=best_dtype(tokenizer.vocab_size),
                                                             layout=layout)) for prefix in prefixes]
@@ -163,6 +166,7 @@ def preprocess(
             "tokenizer": tokenizer.name,
             "layout": layout,
             "workers": workers,
+            "orphans_removed": len(orphans),
         }
         if valid_fraction:
             summary["valid"] = {"output_prefix": str(prefixes[1]), "num_documents": writers[1].num_documents,

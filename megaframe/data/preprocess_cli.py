@@ -118,6 +118,9 @@ def _report(summary: dict) -> None:
         f"{summary['num_tokens']} tokens from {summary['num_files']} inputs in {summary['seconds']:.2f} s "
         f"({summary['tokens_per_second']:,.0f} tokens/s, {summary['workers']} workers, {summary['layout']} layout)"
     )
+    if summary.get("orphans_removed"):
+        print(f"{PROG}: removed {summary['orphans_removed']} temporary files that a killed {PROG} left beside "
+              f"{summary['output_prefix']}", file=sys.stderr)
     if valid := summary.get("valid"):
         print(f"{PROG}: wrote {valid['output_prefix']}.{{bin,idx,json}}: {valid['num_documents']} documents, "
               f"{valid['num_tokens']} tokens (held out: --valid-fraction {valid['valid_fraction']})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -80,6 +81,7 @@ def test_workers_are_capped_at_the_cores_available(tmp_path, capsys, monkeypatch
 
 
 def test_a_signal_while_the_dataset_moves_into_place_waits_for_it():
+    before = signal.getsignal(signal.SIGTERM)
     with stop_on_signals():
         moved = False
         with pytest.raises(Stopped) as stopped:
@@ -87,7 +89,7 @@ def test_a_signal_while_the_dataset_moves_into_place_waits_for_it():
                 os.kill(os.getpid(), signal.SIGTERM)
                 moved = True  # reached: the signal did not interrupt the block
         assert moved and stopped.value.exit_code == 143
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is put back
 
 
 # the tool run as a user runs it, slowed down in the parent (each document takes 20 ms to write) so
@@ -140,3 +142,28 @@ def test_a_stopped_preprocess_leaves_no_temp_files_and_the_old_dataset(tmp_path,
         for _ in range(50):
             os.killpg(tool.pid, 0)
             time.sleep(0.1)
+
+
+def test_the_temp_files_of_a_killed_run_are_removed_by_the_next(tmp_path, capsys):
+    """SIGKILL runs no handler: the next megaframe-preprocess of the prefix removes what the killed
+    one left, and only that (not a live writer's, nor another host's on a shared file system)."""
+    (tmp_path / "new.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(2000)))
+    started = tmp_path.parent / f"{tmp_path.name}.started"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    tool = subprocess.Popen([sys.executable, "-c", _SLOW, str(started), "--input", str(tmp_path / "new.jsonl"),
+                             "--output-prefix", str(tmp_path / "ds")], env=env, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    tool.kill()
+    tool.wait(timeout=60)
+    left = sorted(p.name for p in tmp_path.glob(".ds.*.tmp"))
+    assert left and all(f"-{tool.pid}." in name for name in left)
+    host = socket.gethostname().replace(".", "_")
+    kept = [f".ds.bin.{host}-1.abcd1234.tmp", f".ds.bin.other_node-{tool.pid}.abcd1234.tmp", ".dsx.bin.h-1.a.tmp"]
+    for name in kept:  # pid 1 lives; another node's writer cannot be judged from here
+        (tmp_path / name).write_bytes(b"x")
+    assert main(["--input", str(tmp_path / "new.jsonl"), "--output-prefix", str(tmp_path / "ds")]) == 0
+    assert capsys.readouterr().err == (f"megaframe-preprocess: removed {len(left)} temporary files that a killed "
+                                       f"megaframe-preprocess left beside {tmp_path / 'ds'}\n")
+    assert sorted(p.name for p in tmp_path.glob(".*.tmp")) == sorted(kept)

@@ -1,0 +1,51 @@
+"""The hidden temp files a dataset is written to before it moves into place, named after their
+writer (`.NAME.SUFFIX.HOST-PID.XXXXXXXX.tmp`), so that those a SIGKILLed megaframe-preprocess left
+behind (as large as its output; no handler runs on SIGKILL) are found and removed by the next
+writer of the same prefix. Only files of this host whose writing process is gone are removed: a
+live writer's, or one on another node of a shared file system, is never touched."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import tempfile
+from pathlib import Path
+
+_SUFFIXES = ("bin", "idx", "json")
+
+
+def _host() -> str:
+    return socket.gethostname().replace(".", "_") or "host"
+
+
+def open_temp(directory: Path, name: str, suffix: str) -> tuple[int, Path]:
+    """mkstemp beside the dataset (an os.replace into place is then a rename), named after its writer."""
+    fd, path = tempfile.mkstemp(dir=directory, prefix=f".{name}.{suffix}.{_host()}-{os.getpid()}.", suffix=".tmp")
+    return fd, Path(path)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's live process
+        return False
+    return False
+
+
+def remove_orphans(prefix: Path) -> list[Path]:
+    """Remove the temp files that a writer of `prefix` on this host left when it was killed; return them."""
+    pattern = re.compile(rf"\.{re.escape(prefix.name)}\.(?:{'|'.join(_SUFFIXES)})\.(?P<host>.+)-(?P<pid>\d+)\.[^.]+\.tmp")
+    removed = []
+    try:
+        entries = list(os.scandir(prefix.parent))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        found = pattern.fullmatch(entry.name)
+        if found and found["host"] == _host() and int(found["pid"]) != os.getpid() and _gone(int(found["pid"])) \
+                and entry.is_file(follow_symlinks=False):
+            Path(entry.path).unlink(missing_ok=True)
+            removed.append(Path(entry.path))
+    return removed
