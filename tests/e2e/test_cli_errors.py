@@ -8,6 +8,10 @@ import pytest
 from helpers import REPO, cli_env, run_cli
 from megaframe.backends.deepspeed.accelerator import device_supports_fp16
 
+# what torchrun and srun set beside RANK and WORLD_SIZE (a world without a rendezvous address is refused
+# before the config is read: launch_env.py)
+_LAUNCHER = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+
 # (overrides, environment, fragments the one-line message must contain)
 CASES = {
     "unknown key": (["model.hidden_sise=64"], {}, ["unknown key 'model.hidden_sise'", "hidden_size"]),
@@ -20,9 +24,9 @@ CASES = {
                                    ["parallel.global_batch_size=20", "micro_batch_size*dp=8*1=8"]),
     "global batch not divisible by dp": (["parallel.dp=2", "parallel.global_batch_size=24", "parallel.micro_batch_size=8"], {},
                                          ["parallel.global_batch_size=24", "8*2=16"]),
-    "tp*pp*dp != world (launcher)": (["parallel.dp=4"], {"WORLD_SIZE": "2", "RANK": "0"},
+    "tp*pp*dp != world (launcher)": (["parallel.dp=4"], {"WORLD_SIZE": "2", "RANK": "0", **_LAUNCHER},
                                      ["parallel.tp*parallel.pp*parallel.dp=1*1*4=4", "world size is 2"]),
-    "world not divisible by tp*pp": (["parallel.pp=2", "model.num_layers=4", "zero=stage1"], {"WORLD_SIZE": "3", "RANK": "0"},
+    "world not divisible by tp*pp": (["parallel.pp=2", "model.num_layers=4", "zero=stage1"], {"WORLD_SIZE": "3", "RANK": "0", **_LAUNCHER},
                                      ["world size 3", "parallel.tp*parallel.pp=2"]),
     "seq_length < 1": (["model.seq_length=0"], {}, ["model.seq_length=0", ">= 1"]),
     # the group is optional, and Hydra skipped the missing option in silence: the default model trained
