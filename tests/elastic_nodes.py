@@ -81,8 +81,9 @@ class Nodes:
                                            stderr=subprocess.STDOUT))
         return self.procs[-1]
 
-    def story(self) -> str:
-        return "\n".join(f"--- node{i}\n{(self.logs_dir / f'node{i}.log').read_text()[-3000:]}"
+    def story(self, tail: int | None = 3000) -> str:
+        """Each node's log, its last `tail` characters (None: whole) -- enough to read in a failure message."""
+        return "\n".join(f"--- node{i}\n{(self.logs_dir / f'node{i}.log').read_text()[-(tail or 0):]}"
                          for i in range(len(self.procs)))
 
     def __enter__(self) -> "Nodes":
