@@ -70,36 +70,6 @@ def _checked(cfg, config_file: Optional[Path]):
     return cfg
 
 
-def as_named(argument: Path, resolved: Path) -> Path:
-    """The checkpoint `resolved` as the user named it: ARG/global_stepN when ARG is a run's
-    checkpoints/ directory (its `latest` named it), else ARG; made absolute without following links.
-    The run dir is taken from this path, never from `resolved`: resolving `latest` follows links,
-    and with RUN/checkpoints linked to /shared/x its parent is /shared, whose config.yaml is not
-    this run's (a missing one, or another run's, scoring other data in silence). A run dir recorded
-    in state.json at save time would name the run's old place after the run dir is copied or
-    moved, and another run may have taken that place since; what the user typed moves with it."""
-    import os
-
-    from megaframe.checkpoint.universal import LATEST_FILE
-
-    argument = Path(os.path.normpath(Path(_logical_cwd()) / argument))  # lexical: no link followed
-    return argument / resolved.name if os.path.lexists(argument / LATEST_FILE) else argument
-
-
-def _logical_cwd() -> str:
-    """The current directory as the shell names it ($PWD, as `pwd -L`): `cd RUN/checkpoints;
-    megaframe-eval .` names RUN even when RUN/checkpoints is a link (os.getcwd() gives its target)."""
-    import os
-
-    logical = os.environ.get("PWD", "")
-    try:
-        if os.path.isabs(logical) and os.path.samefile(logical, "."):
-            return logical
-    except OSError:
-        pass
-    return os.getcwd()
-
-
 def describe_data(data) -> str:
     """The validation set a DataConfig names, in words."""
     if data.blend:
@@ -121,6 +91,7 @@ def evaluate(checkpoint: Path, overrides: Sequence[str]) -> dict:
     from megaframe.data import DataError, eval_batches
     from megaframe.data.dataset import eval_wrap_problem
     from megaframe.load import load_model
+    from megaframe.run_config import named_checkpoint
     from megaframe.tracking.loss_report import bits
     from megaframe.training.data_setup import build_data
 
@@ -129,7 +100,7 @@ def evaluate(checkpoint: Path, overrides: Sequence[str]) -> dict:
             raise ConfigError(f"{override.split('=', 1)[0]}: the model comes from the checkpoint; {PROG} takes "
                               f"data.*, train.eval_steps, parallel.micro_batch_size and parallel.global_batch_size")
     path = resolve_checkpoint(checkpoint)
-    cfg, config_file = _eval_config(as_named(checkpoint, path), overrides)
+    cfg, config_file = _eval_config(named_checkpoint(checkpoint, path), overrides)
     batch, micro = cfg.parallel.global_batch_size, cfg.parallel.micro_batch_size
     if micro < 1 or batch % micro:
         raise ConfigError(f"parallel.global_batch_size={batch} must be a multiple of parallel.micro_batch_size={micro}")

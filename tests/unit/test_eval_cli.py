@@ -150,3 +150,40 @@ def test_empty_data_overrides_are_refused_not_scored_as_other_data(tmp_path, mon
         eval_cli.main([str(run / "checkpoints")])
     err = capsys.readouterr().err
     assert f"the run's data ({run / 'config.yaml'})" in err and "gone/train" in err, err
+
+
+def test_run_files_are_read_once_not_through_links_and_capped(tmp_path, monkeypatch):
+    """config.yaml linked elsewhere was reported as "missing" (is_symlink, then OmegaConf.load: a
+    race, no size cap), .hydra/hydra.yaml likewise; the plot read config.yaml a third way. Now one
+    reader: a link is named as a link, a FIFO does not hang, a huge file is not read."""
+    import os
+
+    import megaframe.run_config as run_config
+    from megaframe.tracking.plot import _seq_length
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere.yaml"
+    elsewhere.write_text("data:\n  tokenizer: byte\nmodel:\n  seq_length: 64\n")
+    (run / "config.yaml").symlink_to(elsewhere)
+    for read in (load_run_config, lambda path: _seq_length(path.parent)):
+        with pytest.raises(ConfigError, match="config.yaml is a symbolic link, not a file megaframe wrote"):
+            read(run / "config.yaml")
+    (run / "config.yaml").unlink()
+    os.mkfifo(run / "config.yaml")  # nobody writes it: reading it would wait forever
+    with pytest.raises(ConfigError, match="config.yaml is a FIFO"):
+        load_run_config(run / "config.yaml")
+    (run / "config.yaml").unlink()
+    (run / "config.yaml").write_text("model:\n  seq_length: 32\n")
+    assert _seq_length(run) == 32 and _seq_length(tmp_path) is None  # the plot: read, or no config at all
+    monkeypatch.setattr(run_config, "CONFIG_CAP", 8)
+    with pytest.raises(ConfigError, match="more than the 8"):
+        load_run_config(run / "config.yaml")
+    started = tmp_path / "started"
+    started.mkdir()
+    (tmp_path / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    cwd: {started}\n")
+    (run / ".hydra" / "hydra.yaml").symlink_to(tmp_path / "hydra.yaml")
+    assert run_config.training_directory(run) is None  # a link megaframe did not make: not recorded
+    (run / ".hydra" / "hydra.yaml").unlink()
+    (run / ".hydra" / "hydra.yaml").write_text((tmp_path / "hydra.yaml").read_text())
+    assert run_config.training_directory(run) == started
