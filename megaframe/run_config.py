@@ -117,7 +117,8 @@ def training_directory(run_dir: Path) -> Optional[Path]:
     from megaframe.safe_files import read_capped
 
     try:  # not a link, a FIFO or a huge file (safe_files): unread, it is "not recorded"
-        cwd = yaml.safe_load(read_capped(run_dir / ".hydra" / "hydra.yaml", HYDRA_RECORD_CAP))["hydra"]["runtime"]["cwd"]
+        record = yaml.safe_load(read_capped(run_dir / ".hydra" / "hydra.yaml", HYDRA_RECORD_CAP))
+        cwd = record["hydra"]["runtime"]["cwd"]
     except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError):
         return None
     return Path(cwd) if isinstance(cwd, str) and Path(cwd).is_absolute() else None
