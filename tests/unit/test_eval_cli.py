@@ -137,7 +137,8 @@ def test_empty_data_overrides_are_refused_not_scored_as_other_data(tmp_path, mon
     for prefix in ("a", "b"):
         (tmp_path / f"{prefix}.bin").write_bytes(b"")
         (tmp_path / f"{prefix}.idx").write_bytes(b"")
-    (run / "config.yaml").write_text(f"data:\n  tokenizer: byte\n  blend: [0.5, {tmp_path}/a, 0.5, {tmp_path}/b]\n")
+    (run / "config.yaml").write_text(f"data:\n  tokenizer: byte\n  valid_path: null\n"
+                                     f"  blend: [0.5, {tmp_path}/a, 0.5, {tmp_path}/b]\n")  # as a run saves it: every key
     monkeypatch.setattr("megaframe.load.load_model", lambda *_: pytest.fail("the model loaded"))
     for override, key in (("data.blend=[]", "data.blend=[] is empty"), ("data.valid_path=", "data.valid_path=''"),
                           ("data.tokenizer=", "data.tokenizer=''")):
