@@ -21,6 +21,7 @@ model's vocabulary with exit code 4 (docs/failures.md).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -45,12 +46,28 @@ def _eval_config(checkpoint: Path, overrides: Sequence[str]):
 
     config_file = run_config_file(checkpoint)
     if config_file is not None and (config_file.is_file() or config_file.is_symlink()):
-        return load_run_config(config_file, overrides), config_file
+        return _checked(load_run_config(config_file, overrides), config_file), config_file
     if any(o.startswith(("data.path=", "data.blend=", "data=")) for o in overrides):
-        return compose(list(overrides))[0], None  # the user named the data: theirs, not the run's
+        return _checked(compose(list(overrides))[0], None), None  # the user named the data: theirs, not the run's
     where = config_file or f"{checkpoint} (a checkpoint outside a run directory)"
     raise ConfigError(f"{where}: the run's config is missing, so the data it trained on is unknown; name the data "
                       f"to score with data.path=PREFIX (and data.valid_path=PREFIX), data.blend=... or data=demo")
+
+
+def _checked(cfg, config_file: Optional[Path]):
+    """cfg, after the rules megaframe-train runs on data before launch: an empty value
+    (`data.blend=[]`, `data.valid_path=`) falls back to other data (the demo corpus, a slice of the
+    training set), which would be scored in silence; a missing file is named with whose it is."""
+    from megaframe.config.empty_values import empty_value_problem
+    from megaframe.config.validate import ConfigError, check_data
+
+    if problem := empty_value_problem(cfg):
+        raise ConfigError(problem)
+    # with no validation set evaluate() says what to override; check_data's line would name
+    # train.eval_interval, which this command does not take
+    if problem := check_data(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_interval=0))):
+        raise ConfigError(f"the run's data ({config_file}): {problem}" if config_file else problem)
+    return cfg
 
 
 def describe_data(data) -> str:
@@ -74,6 +91,7 @@ def evaluate(checkpoint: Path, overrides: Sequence[str]) -> dict:
     from megaframe.data import DataError, eval_batches
     from megaframe.data.dataset import eval_wrap_problem
     from megaframe.load import load_model
+    from megaframe.run_config import named_checkpoint
     from megaframe.tracking.loss_report import bits
     from megaframe.training.data_setup import build_data
 
@@ -82,7 +100,7 @@ def evaluate(checkpoint: Path, overrides: Sequence[str]) -> dict:
             raise ConfigError(f"{override.split('=', 1)[0]}: the model comes from the checkpoint; {PROG} takes "
                               f"data.*, train.eval_steps, parallel.micro_batch_size and parallel.global_batch_size")
     path = resolve_checkpoint(checkpoint)
-    cfg, config_file = _eval_config(path, overrides)
+    cfg, config_file = _eval_config(named_checkpoint(checkpoint, path), overrides)
     batch, micro = cfg.parallel.global_batch_size, cfg.parallel.micro_batch_size
     if micro < 1 or batch % micro:
         raise ConfigError(f"parallel.global_batch_size={batch} must be a multiple of parallel.micro_batch_size={micro}")

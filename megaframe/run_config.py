@@ -9,6 +9,7 @@ never score another dataset silently. Overrides in Hydra's syntax change single 
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -16,6 +17,8 @@ from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import ConfigError
 
 CONFIG_FILE = "config.yaml"
+CONFIG_CAP = 16 << 20  # a run's config.yaml is KBs: a larger file is not one megaframe-train wrote
+HYDRA_RECORD_CAP = 1 << 20  # .hydra/hydra.yaml, likewise
 
 
 def run_dir_of(checkpoint: Path) -> Optional[Path]:
@@ -25,6 +28,31 @@ def run_dir_of(checkpoint: Path) -> Optional[Path]:
     if checkpoint.parent.name == "checkpoints":
         return checkpoint.parent.parent
     return None
+
+
+def named_checkpoint(argument: Path, resolved: Path) -> Path:
+    """The checkpoint `resolved` as the user named it: ARG/global_stepN when ARG is a run's
+    checkpoints/ directory (its `latest` named it), else ARG; made absolute without following links.
+    The run dir is taken from this path, never from `resolved`: resolving `latest` follows links,
+    and with RUN/checkpoints linked to /shared/x its parent is /shared, whose config.yaml is not
+    this run's (a missing one, or another run's, scoring other data in silence). A run dir recorded
+    in state.json at save time would name the run's old place after the run dir is copied or
+    moved, and another run may have taken that place since; what the user typed moves with it."""
+    argument = Path(os.path.normpath(Path(_logical_cwd()) / argument))  # lexical: no link followed
+    # resolve_checkpoint's rule: a `latest` there names the checkpoint
+    return argument / resolved.name if os.path.lexists(argument / "latest") else argument
+
+
+def _logical_cwd() -> str:
+    """The current directory as the shell names it ($PWD, as `pwd -L`): `cd RUN/checkpoints;
+    megaframe-eval .` names RUN even when RUN/checkpoints is a link (os.getcwd() gives its target)."""
+    logical = os.environ.get("PWD", "")
+    try:
+        if os.path.isabs(logical) and os.path.samefile(logical, "."):
+            return logical
+    except OSError:
+        pass
+    return os.getcwd()
 
 
 def run_config_file(checkpoint: Path) -> Optional[Path]:
@@ -39,12 +67,7 @@ def load_run_config(path: Path, overrides: Sequence[str] = ()) -> TrainConfig:
     the file is missing, unreadable, or does not fit the schema."""
     from omegaconf import OmegaConf
 
-    if path.is_symlink() or not path.is_file():
-        raise ConfigError(f"{path}: the run's config is missing, so the data it trained on is unknown")
-    try:
-        saved = OmegaConf.load(path)
-    except Exception as ex:  # YAML or OmegaConf errors of every kind: a damaged file
-        raise ConfigError(f"{path}: not a readable run config ({' '.join(str(ex).split())[:200]})") from None
+    saved = saved_run_config(path)
     _from_training_directory(saved, path.parent)
     _apply(saved, overrides)
     try:
@@ -54,16 +77,48 @@ def load_run_config(path: Path, overrides: Sequence[str] = ()) -> TrainConfig:
                           f"({' '.join(str(ex).split())[:200]})") from None
 
 
+def saved_run_config(path: Path):
+    """RUN/config.yaml as saved (an OmegaConf DictConfig, not yet typed): read once, not through a
+    link, size-capped (safe_files); ConfigError (one line) when missing, a link, or damaged."""
+    from omegaconf import OmegaConf
+
+    text = _read_run_file(path, CONFIG_CAP)
+    try:
+        saved = OmegaConf.create(text)  # YAML text, parsed as OmegaConf.load parses a file
+    except Exception as ex:  # YAML or OmegaConf errors of every kind: a damaged file
+        raise ConfigError(f"{path}: not a readable run config ({' '.join(str(ex).split())[:200]})") from None
+    if not OmegaConf.is_dict(saved):
+        raise ConfigError(f"{path}: not a readable run config (a YAML mapping of config sections expected)")
+    return saved
+
+
+def _read_run_file(path: Path, cap: int) -> str:
+    """The text of a file megaframe-train wrote in a run dir: opened once, not through a link (one
+    someone else put there), at most `cap` bytes; ConfigError (one line) otherwise."""
+    from megaframe.safe_files import UnsafeFile, quote, read_capped
+
+    try:
+        return read_capped(path, cap).decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: the run's config is missing, so the data it trained on is unknown") from None
+    except UnsafeFile as err:  # a link, a FIFO, a directory, a huge file: not what megaframe-train wrote
+        raise ConfigError(f"{err.strerror}; megaframe reads no link or special file in a run dir: put the run's own "
+                          f"{path.name} there as a plain file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: not a readable run config ({quote(getattr(err, 'strerror', None) or err, 200)})"
+                          ) from None
+
+
 def training_directory(run_dir: Path) -> Optional[Path]:
     """The directory the run was started in (Hydra's hydra.runtime.cwd in RUN/.hydra/hydra.yaml),
     against which its relative data paths were read; None when not recorded."""
     import yaml
 
-    record = run_dir / ".hydra" / "hydra.yaml"
-    if record.is_symlink() or not record.is_file() or record.stat().st_size > 1 << 20:
-        return None
-    try:
-        cwd = yaml.safe_load(record.read_text())["hydra"]["runtime"]["cwd"]
+    from megaframe.safe_files import read_capped
+
+    try:  # not a link, a FIFO or a huge file (safe_files): unread, it is "not recorded"
+        record = yaml.safe_load(read_capped(run_dir / ".hydra" / "hydra.yaml", HYDRA_RECORD_CAP))
+        cwd = record["hydra"]["runtime"]["cwd"]
     except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError):
         return None
     return Path(cwd) if isinstance(cwd, str) and Path(cwd).is_absolute() else None

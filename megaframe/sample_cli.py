@@ -5,8 +5,9 @@ in any layout by either engine. The whole model loads in one process (megaframe.
 --device, and generates with a key/value cache (megaframe/model/generate.py): the context is the
 model's seq_length (a longer prompt is cropped to its last seq_length tokens) and a sample ends at
 the end-of-document token or after --max-new-tokens. Text is encoded and decoded with the run's
-tokenizer: the checkpoint's tokenizer/ copy, else the run's data.tokenizer (`byte` or a Hugging
-Face tokenizer directory) recorded in its state.json, else --tokenizer.
+tokenizer: --tokenizer, else the checkpoint's tokenizer/ copy, else the run's data.tokenizer (`byte`
+or a Hugging Face tokenizer directory) recorded in its state.json; whichever it is must hash to the
+checkpoint's tokenizer record, as `megaframe-convert to-hf` requires (convert/tokenizer_export.py).
 
 Without a prompt a sample starts a new document (the prompt is the end-of-document token).
 Temperature 0 (or --top-k 1) is greedy; otherwise --seed makes the samples reproducible.
@@ -93,26 +94,21 @@ def resolve_device(name: str):
     return device
 
 
-def run_tokenizer(checkpoint: Path, state: dict, override: Optional[str]):
-    """The tokenizer the run trained with (see the module docstring); DataError naming what is missing."""
-    from megaframe.convert.files import TOKENIZER_DIR, has_tokenizer
+def run_tokenizer(checkpoint: Path, state: dict, override: Optional[str], named: Optional[Path] = None):
+    """The tokenizer the run trained with, chosen and verified against the checkpoint's tokenizer
+    record as `megaframe-convert to-hf` does (tokenizer_export.tokenizer_source): --tokenizer, the
+    checkpoint's tokenizer/ copy, or the run's recorded directory (a relative one read from where
+    the run trained, not from here). `named`: the checkpoint as the user named it (its run dir).
+    DataError or ConvertError (one line) for a missing, empty or other tokenizer."""
+    from megaframe.convert.tokenizer_export import tokenizer_source
     from megaframe.data import DataError, build_tokenizer
+    from megaframe.run_config import run_dir_of
 
-    if override:
-        if override != "byte" and not Path(override).is_dir():
-            raise DataError(f"--tokenizer={override}: not 'byte' and not a local directory; use byte or the "
-                            "directory of a Hugging Face tokenizer (saved with save_pretrained())")
-        return build_tokenizer(override)
-    if has_tokenizer(checkpoint / TOKENIZER_DIR):
-        return build_tokenizer(checkpoint / TOKENIZER_DIR)
-    recorded = state.get("tokenizer")
-    if recorded is None:
+    _, source, _ = tokenizer_source(checkpoint, state, override, run_dir_of(named or checkpoint))
+    if source is None:
         raise DataError(f"{checkpoint}: the checkpoint records no tokenizer; pass --tokenizer byte or "
                         "--tokenizer DIR (the Hugging Face tokenizer its model was trained with)")
-    if recorded != "byte" and not Path(recorded).is_dir():
-        raise DataError(f"{checkpoint}: the run's tokenizer {recorded} is gone and the checkpoint holds no "
-                        f"{TOKENIZER_DIR}/ copy; pass --tokenizer DIR")
-    return build_tokenizer(recorded)
+    return build_tokenizer(source)
 
 
 def prompt_ids(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[int]:
@@ -162,7 +158,9 @@ def sample(args: argparse.Namespace) -> list[dict]:
         state = universal.read_state(path)
     except universal.CheckpointError as err:
         raise ValueError(str(err)) from None
-    tokenizer = run_tokenizer(path, state, args.tokenizer)
+    from megaframe.run_config import named_checkpoint
+
+    tokenizer = run_tokenizer(path, state, args.tokenizer, named_checkpoint(args.checkpoint, path))
     model = load_model(path, device)
     ids = prompt_ids(args, tokenizer, model.dims.vocab_size)
     window = model.dims.seq_length

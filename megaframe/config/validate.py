@@ -180,8 +180,13 @@ def check_train(cfg: TrainConfig) -> Optional[str]:
             return f"{key}={value} must be >= 0 (0 disables it)"
     if t.exit_at_step is not None and not 1 <= t.exit_at_step <= t.max_steps:
         return f"train.exit_at_step={t.exit_at_step} must be in [1, train.max_steps={t.max_steps}] or null"
-    # latest-run: megaframe-train names the run it finds (resume_hint.py) before this check runs
-    if t.resume not in ("auto", "none", "latest-run") and not Path(t.resume).is_dir():
+    # a plain megaframe-train replaces latest-run (resume_hint.latest_run) before composing: one left
+    # here is unresolved (a -m sweep), and the trainer would read it as the directory ./latest-run
+    if t.resume == "latest-run":
+        from megaframe.resume_hint import UNRESOLVED
+
+        return UNRESOLVED
+    if t.resume not in ("auto", "none") and not Path(t.resume).is_dir():
         return f"train.resume={t.resume!r}: no such checkpoint directory; use auto, none, latest-run or an existing path"
     if err := choice_problem("logging.wandb.mode", cfg.logging.wandb.mode, ["offline", "online", "disabled"]):
         return err

@@ -19,7 +19,7 @@ import math
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from megaframe.config.schema import ModelConfig, MoEConfig
 from megaframe.convert import files
@@ -48,21 +48,23 @@ def model_overrides(cfg: ModelConfig) -> list[str]:
     return [f"model.{key}={value if isinstance(value, str) else json.dumps(value)}" for key, value in values.items()]
 
 
-def export_hf(ckpt: Path, out: Path, force: bool = False, tokenizer: Optional[Path] = None) -> str:
+def export_hf(ckpt: Path, out: Path, force: bool = False, tokenizer: Union[str, Path, None] = None) -> str:
     """Write the transformers directory for checkpoint `ckpt` to `out`, one tensor at a time (the
     model is never whole in memory), with the tokenizer the weights were trained with (`tokenizer`:
     a directory holding it, checked against the checkpoint's record); return a summary line."""
-    ckpt = files.resolve_checkpoint(ckpt)
+    from megaframe.run_config import named_checkpoint, run_dir_of
+
+    named, ckpt = ckpt, files.resolve_checkpoint(ckpt)
     files.refuse_existing(out, force, source=ckpt)  # after `latest` is resolved: the checkpoint it names
     state, reader = files.open_layout_free(ckpt)
     cfg = model_config(state, ckpt)
-    record = tokens.checkpoint_record(ckpt, state)
-    if tokenizer is not None and (record is None or record["kind"] != "hf"):
-        raise ConvertError(f"--tokenizer {tokenizer}: {ckpt} was trained with "
-                           f"{'no recorded tokenizer' if record is None else 'the byte tokenizer'}; drop --tokenizer")
-    # before any weights are read: a tokenizer that cannot ship refuses the export
-    source, note = (tokens.hf_tokenizer_source(ckpt, record, tokenizer) if record and record["kind"] == "hf"
-                    else (None, "byte-level tokenizer" if record else "no tokenizer (the checkpoint names none)"))
+    if tokenizer is not None and tokens.checkpoint_record(ckpt, state) is None:  # nothing to check it against
+        raise ConvertError(f"--tokenizer {tokenizer}: {ckpt} was trained with no recorded tokenizer; drop --tokenizer")
+    # before any weights are read: a tokenizer that cannot ship refuses the export (the rule megaframe-sample uses)
+    record, chosen, note = tokens.tokenizer_source(ckpt, state, tokenizer, run_dir_of(named_checkpoint(named, ckpt)))
+    source = chosen if record is not None and record["kind"] == "hf" else None
+    if record is None:
+        note = "no tokenizer (the checkpoint names none)"
     with reader:
         weights = files.model_tensors(reader)
         padded_rows = weights.shapes["embed.tok.weight"][0]
@@ -142,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     to = sub.add_parser("to-hf", help="megaframe checkpoint -> transformers model directory")
     to.add_argument("ckpt", type=Path, help="layout-free checkpoint dir, or a run's checkpoints/ dir (uses `latest`)")
     to.add_argument("out", type=Path, help="output directory (AutoModelForCausalLM.from_pretrained loads it)")
-    to.add_argument("--tokenizer", type=Path, default=None,
+    to.add_argument("--tokenizer", default=None,  # a str: an empty one is refused, Path("") would be "."
                     help="a directory holding the HF tokenizer the run trained with, when neither the checkpoint's "
                          "copy nor the run's data.tokenizer does (its files must hash to the checkpoint's record)")
     frm = sub.add_parser("from-hf", help="local Llama / GPT-2 / Mixtral / Qwen3-MoE transformers directory -> "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from megaframe.checkpoint import tokenizer_record as records
 from megaframe.convert.hf import ConvertError
@@ -68,10 +68,49 @@ def checkpoint_record(ckpt: Path, state: dict) -> Optional[dict]:
     return records.byte_record() if spec == "byte" else {"kind": "hf", "name": spec, "sha256": None}
 
 
-def hf_tokenizer_source(ckpt: Path, record: dict, override: Optional[Path]) -> tuple[Path, str]:
+def tokenizer_source(ckpt: Path, state: dict, override: Union[str, Path, None],
+                     run_dir: Optional[Path] = None) -> tuple[Optional[dict], Union[str, Path, None], str]:
+    """(the checkpoint's record, the tokenizer to use, a note) for megaframe-sample and to-hf alike:
+    "byte", a directory whose files hash to the record (--tokenizer, the checkpoint's tokenizer/
+    copy, the run's recorded directory: a relative one read from where the run trained, `run_dir`'s
+    .hydra record), or None when the checkpoint names none and no --tokenizer is given. A source
+    that is not the one the weights were trained with is refused in one line (ConvertError)."""
+    if override is not None and not str(override).strip():
+        raise ConvertError("--tokenizer is empty (an unset shell variable?); give byte or a tokenizer directory, or "
+                           "leave it out to use the checkpoint's own")
+    if override is not None and str(override) != "byte" and not Path(override).is_dir():
+        raise ConvertError(f"--tokenizer={override}: not 'byte' and not a local directory; use byte or the directory "
+                           f"of a Hugging Face tokenizer (saved with save_pretrained())")
+    record = checkpoint_record(ckpt, state)
+    wants_byte = override is not None and str(override) == "byte"
+    if record is None:  # nothing to verify against: the user's word, or nothing
+        return None, ("byte" if wants_byte else override), "no tokenizer recorded in the checkpoint"
+    if record["kind"] == "byte":
+        if override is not None and not wants_byte:
+            raise ConvertError(f"--tokenizer {override}: {ckpt} was trained with the byte tokenizer; drop --tokenizer")
+        return record, "byte", "byte-level tokenizer"
+    if wants_byte:
+        raise ConvertError(f"--tokenizer byte: {ckpt} was trained with {records.describe(record)}; drop --tokenizer")
+    directory, note = hf_tokenizer_source(ckpt, record, None if override is None else Path(override), run_dir)
+    return record, directory, note
+
+
+def _recorded_directory(record: dict, run_dir: Optional[Path]) -> Path:
+    """The record's directory; a relative one (an old checkpoint's raw data.tokenizer) against the
+    directory the run was started in, as megaframe-eval reads the run's data paths."""
+    from megaframe.run_config import training_directory
+
+    name = Path(str(record.get("name")))
+    started = training_directory(run_dir) if run_dir is not None and not name.is_absolute() else None
+    return started / name if started is not None else name
+
+
+def hf_tokenizer_source(ckpt: Path, record: dict, override: Optional[Path],
+                        run_dir: Optional[Path] = None) -> tuple[Path, str]:
     """(directory to copy, a note for the summary) of an HF-tokenizer run: the first of --tokenizer,
     the checkpoint's copy and the run's data.tokenizer whose files hash to the record."""
-    candidates = [Path(override)] if override is not None else [ckpt / "tokenizer", Path(str(record.get("name")))]
+    candidates = [Path(override)] if override is not None else [ckpt / "tokenizer",
+                                                                _recorded_directory(record, run_dir)]
     seen = []
     for directory in candidates:
         if not records.has_tokenizer(directory):

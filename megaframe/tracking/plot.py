@@ -14,12 +14,17 @@ def _tokens(record: dict, seq_length: int | None) -> float | None:
 
 def _seq_length(run_dir: Path) -> int | None:
     """model.seq_length from the run's resolved config (older runs log samples, not tokens)."""
-    config = run_dir / "config.yaml"
-    if not config.is_file():
-        return None
+    import os
+
     from omegaconf import OmegaConf
 
-    return OmegaConf.load(config).model.seq_length
+    from megaframe.run_config import CONFIG_FILE, saved_run_config
+
+    config = run_dir / CONFIG_FILE
+    if not os.path.lexists(config):
+        return None
+    # the one reader of a run's config (no link followed, size-capped); ConfigError is a ValueError
+    return OmegaConf.select(saved_run_config(config), "model.seq_length", default=None)
 
 
 def plot_runs(run_dirs: list[Path], out: Path) -> Path:

@@ -109,7 +109,8 @@ def test_with_no_data_arguments_it_scores_the_runs_own_data_or_says_it_cannot(tm
     (tmp_path / "data").rename(tmp_path / "moved")  # the run's data gone: one line naming it, exit 2
     code, out, err = run()
     assert code == 2 and not out and len(err.strip().splitlines()) == 1, err
-    assert str(run_dir / "config.yaml") in err and "data/train" in err and "Traceback" not in err
+    # checked before anything loads, as megaframe-train checks it (validate.check_data): the first file gone
+    assert str(run_dir / "config.yaml") in err and "data/val.bin not found" in err and "Traceback" not in err
     (tmp_path / "moved").rename(tmp_path / "data")
     (run_dir / "config.yaml").rename(tmp_path / "config.yaml")  # the run's config gone: the same
     code, out, err = run()

@@ -76,3 +76,115 @@ def test_the_runs_relative_data_paths_are_read_from_the_directory_it_was_started
     (run_dir / ".hydra" / "hydra.yaml").unlink()  # not recorded: as written, read from here
     monkeypatch.chdir(tmp_path)
     assert load_run_config(run_dir / "config.yaml").data.path == "data/train"
+
+
+class _Stop(Exception):
+    """Raised where the model would load: the test is about the config chosen before that."""
+
+
+def _scored_config(monkeypatch, checkpoint, overrides=()):
+    """The (config, config file) megaframe-eval picks for `checkpoint`; the model is never loaded."""
+    chosen = []
+    real = eval_cli._eval_config
+
+    def record(path, given):
+        chosen.append(real(path, given))
+        return chosen[-1]
+
+    def stop(*_):
+        raise _Stop
+    monkeypatch.setattr(eval_cli, "_eval_config", record)
+    monkeypatch.setattr("megaframe.load.load_model", stop)
+    with pytest.raises(_Stop):
+        eval_cli.evaluate(checkpoint, list(overrides))
+    return chosen[-1]
+
+
+def _fake_checkpoint(directory):
+    """The files resolve_checkpoint looks for (a layout-free checkpoint's), empty: never loaded."""
+    directory.mkdir(parents=True)
+    (directory / "state.json").write_text("{}")
+    (directory / "model.safetensors").write_bytes(b"")
+
+
+def test_a_linked_checkpoints_directory_is_scored_with_its_own_runs_config(tmp_path, monkeypatch):
+    """RUN/checkpoints linked to /shared/proj/checkpoints: resolving `latest` follows the link, and
+    the config beside its target (/shared/proj/config.yaml) is another run's: its data were scored
+    in silence. The run is the one the user named, also as `.` from inside the linked directory."""
+    shared, run = tmp_path / "shared" / "proj", tmp_path / "run"
+    _fake_checkpoint(shared / "checkpoints" / "global_step5")
+    (shared / "checkpoints" / "latest").write_text("global_step5\n")
+    (shared / "config.yaml").write_text("data:\n  tokenizer: byte\ntrain:\n  eval_steps: 9\n")  # another run's
+    run.mkdir()
+    (run / "checkpoints").symlink_to(shared / "checkpoints")
+    (run / "config.yaml").write_text("data:\n  tokenizer: byte\ntrain:\n  eval_steps: 3\n")
+    cfg, config_file = _scored_config(monkeypatch, run / "checkpoints")
+    assert (config_file, cfg.train.eval_steps) == (run / "config.yaml", 3)
+    cfg, config_file = _scored_config(monkeypatch, run / "checkpoints" / "global_step5")
+    assert (config_file, cfg.train.eval_steps) == (run / "config.yaml", 3)
+    monkeypatch.chdir(run / "checkpoints")
+    monkeypatch.setenv("PWD", str(run / "checkpoints"))  # the shell's logical directory
+    cfg, config_file = _scored_config(monkeypatch, eval_cli.Path("."))
+    assert (config_file, cfg.train.eval_steps) == (run / "config.yaml", 3)
+
+
+def test_empty_data_overrides_are_refused_not_scored_as_other_data(tmp_path, monkeypatch, capsys):
+    """`data.blend=[]` read as "no blend" and scored the demo corpus; `data.valid_path=` a slice of
+    the training data: one line naming the key, exit 2, before the model loads."""
+    run = tmp_path / "run"
+    _fake_checkpoint(run / "checkpoints" / "global_step5")
+    (run / "checkpoints" / "latest").write_text("global_step5\n")
+    for prefix in ("a", "b"):
+        (tmp_path / f"{prefix}.bin").write_bytes(b"")
+        (tmp_path / f"{prefix}.idx").write_bytes(b"")
+    (run / "config.yaml").write_text(f"data:\n  tokenizer: byte\n  valid_path: null\n"
+                                     f"  blend: [0.5, {tmp_path}/a, 0.5, {tmp_path}/b]\n")  # as a run saves it: every key
+    monkeypatch.setattr("megaframe.load.load_model", lambda *_: pytest.fail("the model loaded"))
+    for override, key in (("data.blend=[]", "data.blend=[] is empty"), ("data.valid_path=", "data.valid_path=''"),
+                          ("data.tokenizer=", "data.tokenizer=''")):
+        with pytest.raises(SystemExit) as exit_info:
+            eval_cli.main([str(run / "checkpoints"), override])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and key in err, (override, err)
+    (run / "config.yaml").write_text("data:\n  tokenizer: byte\n  path: gone/train\n")  # the run's data moved
+    with pytest.raises(SystemExit):
+        eval_cli.main([str(run / "checkpoints")])
+    err = capsys.readouterr().err
+    assert f"the run's data ({run / 'config.yaml'})" in err and "gone/train" in err, err
+
+
+def test_run_files_are_read_once_not_through_links_and_capped(tmp_path, monkeypatch):
+    """config.yaml linked elsewhere was reported as "missing" (is_symlink, then OmegaConf.load: a
+    race, no size cap), .hydra/hydra.yaml likewise; the plot read config.yaml a third way. Now one
+    reader: a link is named as a link, a FIFO does not hang, a huge file is not read."""
+    import os
+
+    import megaframe.run_config as run_config
+    from megaframe.tracking.plot import _seq_length
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere.yaml"
+    elsewhere.write_text("data:\n  tokenizer: byte\nmodel:\n  seq_length: 64\n")
+    (run / "config.yaml").symlink_to(elsewhere)
+    for read in (load_run_config, lambda path: _seq_length(path.parent)):
+        with pytest.raises(ConfigError, match="config.yaml is a symbolic link, not a file megaframe wrote"):
+            read(run / "config.yaml")
+    (run / "config.yaml").unlink()
+    os.mkfifo(run / "config.yaml")  # nobody writes it: reading it would wait forever
+    with pytest.raises(ConfigError, match="config.yaml is a FIFO"):
+        load_run_config(run / "config.yaml")
+    (run / "config.yaml").unlink()
+    (run / "config.yaml").write_text("model:\n  seq_length: 32\n")
+    assert _seq_length(run) == 32 and _seq_length(tmp_path) is None  # the plot: read, or no config at all
+    monkeypatch.setattr(run_config, "CONFIG_CAP", 8)
+    with pytest.raises(ConfigError, match="more than the 8"):
+        load_run_config(run / "config.yaml")
+    started = tmp_path / "started"
+    started.mkdir()
+    (tmp_path / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    cwd: {started}\n")
+    (run / ".hydra" / "hydra.yaml").symlink_to(tmp_path / "hydra.yaml")
+    assert run_config.training_directory(run) is None  # a link megaframe did not make: not recorded
+    (run / ".hydra" / "hydra.yaml").unlink()
+    (run / ".hydra" / "hydra.yaml").write_text((tmp_path / "hydra.yaml").read_text())
+    assert run_config.training_directory(run) == started

@@ -69,3 +69,23 @@ def test_latest_run_reads_the_default_root_from_the_composed_config(tmp_path, mo
     assert resume_hint.latest_run(["train.resume=latest-run"]) == ["train.resume=auto",
                                                                   f"hydra.run.dir={run_dir.resolve()}"]
     assert capsys.readouterr().out == f"megaframe-train: train.resume=latest-run: resuming {run_dir.resolve()}\n"
+
+
+def test_latest_run_where_megaframe_train_does_not_choose_it_is_refused_not_read_as_a_directory(
+        tmp_path, monkeypatch, capsys):
+    """A -m sweep point and a rank of torchrun or srun (`python -m megaframe.train`) handed the
+    trainer Path("latest-run"); under a launcher each rank would also pick a run on its own, and
+    each printed "resuming". One line naming the fix instead, and no rank prints a choice."""
+    from megaframe.cli import _check_sweep_point
+
+    monkeypatch.chdir(tmp_path)
+    _run(tmp_path, "2026-11-28/10-00-00", 1_000)  # a run latest-run would find
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError) as refused:
+        resume_hint.latest_run(["train.resume=latest-run"])
+    assert str(refused.value) == resume_hint.UNRESOLVED and "hydra.run.dir=DIR" in str(refused.value)
+    assert capsys.readouterr().out == ""
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(ConfigError) as refused:  # the config a sweep point (or any unresolved path) validates
+        _check_sweep_point(["train.resume=latest-run", "train.max_steps=2"])
+    assert str(refused.value) == resume_hint.UNRESOLVED

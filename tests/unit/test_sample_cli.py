@@ -74,7 +74,7 @@ def test_an_hf_tokenizer_run_samples_through_its_copied_tokenizer(tmp_path, caps
 def test_a_missing_tokenizer_is_one_line(tmp_path, capsys):
     checkpoint(tmp_path / "gone", tokenizer=str(tmp_path / "deleted-tokenizer"))
     err = refusal(capsys, tmp_path / "gone", "--prompt", "hi")
-    assert "deleted-tokenizer is gone" in err and "--tokenizer DIR" in err
+    assert "deleted-tokenizer: no tokenizer files" in err and "--tokenizer DIR" in err
     checkpoint(tmp_path / "unrecorded")  # a from-hf import without a tokenizer records none
     err = refusal(capsys, tmp_path / "unrecorded", "--prompt", "hi")
     assert "records no tokenizer; pass --tokenizer byte" in err
@@ -96,3 +96,39 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         main([str(tmp_path / "ckpt"), "--prompt-ids", "1,2"])
     assert exit_info.value.code == 130 and capsys.readouterr().err == "megaframe-sample: interrupted\n"
+
+
+def test_the_tokenizer_is_verified_against_the_checkpoints_record_and_read_from_where_the_run_trained(
+        tmp_path, capsys, monkeypatch):
+    """megaframe-sample took state["tokenizer"] as a path from the current directory, never checked
+    it against the record's hash that to-hf checks, and `--tokenizer ""` fell back in silence. One
+    rule for both (tokenizer_export.tokenizer_source)."""
+    from megaframe.checkpoint import tokenizer_record as records
+
+    tok = word_tokenizer(tmp_path / "tok")
+    record = records.hf_record(tok, VOCAB, VOCAB - 1)
+    checkpoint(tmp_path / "ckpt", **{records.RECORD_KEY: record, "tokenizer": str(tok)})  # no tokenizer/ copy
+    edited = word_tokenizer(tmp_path / "edited")
+    with open(edited / "tokenizer_config.json", "a") as f:
+        f.write("\n")  # other files: same vocabulary size, not what the weights were trained with
+    args = ["--prompt-ids", "3", "--max-new-tokens", "2", "--json"]
+    assert "other files" in refusal(capsys, tmp_path / "ckpt", "--tokenizer", edited, *args)
+    assert "--tokenizer is empty" in refusal(capsys, tmp_path / "ckpt", "--tokenizer", "", *args)
+    assert "--tokenizer byte: " in refusal(capsys, tmp_path / "ckpt", "--tokenizer", "byte", *args)
+    main([str(tmp_path / "ckpt"), *args])  # the recorded directory, verified: it samples
+    assert json.loads(capsys.readouterr().out)["prompt_ids"] == [3]
+    with open(tok / "tokenizer_config.json", "a") as f:
+        f.write("\n")  # edited after training, in place
+    assert f"{tok}: other files" in refusal(capsys, tmp_path / "ckpt", *args)
+
+    # an old checkpoint's relative data.tokenizer: from the directory the run was started in
+    run, started = tmp_path / "run", tmp_path / "started"
+    word_tokenizer(started / "toks" / "mine")
+    (run / ".hydra").mkdir(parents=True)
+    (run / "checkpoints").mkdir()
+    (run / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    cwd: {started}\n")
+    checkpoint(run / "checkpoints" / "global_step1", tokenizer="toks/mine")
+    (run / "checkpoints" / "latest").write_text("global_step1\n")
+    monkeypatch.chdir(tmp_path)
+    main([str(run / "checkpoints"), "--prompt", "w3 w5", *args[2:]])
+    assert json.loads(capsys.readouterr().out)["prompt_ids"] == [3, 5]
