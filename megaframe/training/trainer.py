@@ -205,12 +205,15 @@ class Trainer:
         if path is None:
             self._start_over()
             return
-        tokenizer_check.check_resume(path, self.tokenizer_record, self.is_logger)  # the cause of a vocabulary change
+        accept_tokenizer = self.cfg.train.resume_accept_tokenizer_change
+        tokenizer_check.check_resume(path, self.tokenizer_record, self.is_logger,  # the cause of a vocabulary change
+                                     accept=accept_tokenizer)
         checkpoint.check_model_shape(path, self.dims)
         point = checkpoint.load_any(self.backend, path, verified=verified,
                                     trust_pickled=self.cfg.train.trust_pickled_checkpoint)
         if "format" not in point.client_state:  # the engine's own files: their client state is read only now
-            tokenizer_check.check_resume(path, self.tokenizer_record, self.is_logger, point.client_state)
+            tokenizer_check.check_resume(path, self.tokenizer_record, self.is_logger, point.client_state,
+                                         accept=accept_tokenizer)
         self.step = point.step
         self._check_batch_size(path, point.client_state)
         data_changed = self._check_data_order(path, point.client_state)
