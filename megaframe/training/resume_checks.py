@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 from megaframe.atomic_io import atomic_write_text
 from megaframe.checkpoint.universal import CheckpointError
+from megaframe.safe_files import UnsafeFile, open_regular
 
 UNSAVED_MARKER = ".megaframe-unsaved"  # in the run dir: started from step 0, no checkpoint published since
 _TAIL_BYTES = 1 << 16  # metrics.jsonl is read from its end: its last records say how far a run got
@@ -50,14 +51,17 @@ def checkpoints_path_problem(checkpoint_dir: Path) -> Optional[str]:
 
 def last_logged_step(metrics_path: Path) -> Optional[int]:
     """The highest training step (>= 1) among metrics.jsonl's last records, None when it holds none.
-    Reads only the file's tail, without following a link megaframe did not make: a link, or a tail
-    with no whole record, counts as an unknown step (-1): evidence, not proof, of earlier steps."""
-    try:
-        fd = os.open(metrics_path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    Reads only the file's tail, without following a link megaframe did not make: a link, a FIFO or
+    other non-file, or a tail with no whole record, counts as an unknown step (-1): evidence, not
+    proof, of earlier steps."""
+    try:  # safe_files: a link is not followed, a FIFO planted in its place not waited on
+        fd = open_regular(metrics_path, os.O_RDONLY)
     except FileNotFoundError:
         return None
+    except UnsafeFile:
+        return -1
     except OSError as err:
-        return -1 if err.errno in (errno.ELOOP, errno.EACCES) else None
+        return -1 if err.errno == errno.EACCES else None
     with os.fdopen(fd, "rb") as f:
         size = f.seek(0, os.SEEK_END)
         if size == 0:

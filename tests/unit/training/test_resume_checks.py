@@ -115,6 +115,28 @@ def test_what_is_not_evidence_of_earlier_steps(tmp_path):
     assert problem and "holds records of earlier steps" in problem
 
 
+def test_a_fifo_planted_as_metrics_is_not_waited_on(tmp_path):
+    """A FIFO in metrics.jsonl's place blocked the pre-launch check's open until someone wrote to it:
+    it counts as evidence of earlier steps (-1), at once."""
+    import os
+    import threading
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "metrics.jsonl")
+    result = []
+    reader = threading.Thread(target=lambda: result.append(resume_checks.last_logged_step(run / "metrics.jsonl")),
+                              daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    if reader.is_alive():  # release the blocked open, so the failure does not leave a thread hanging
+        os.close(os.open(run / "metrics.jsonl", os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(timeout=10)
+    assert result == [-1]
+    problem = prelaunch_problem(run, "auto")
+    assert problem and "holds records of earlier steps" in problem
+
+
 def test_metrics_are_read_from_their_tail(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
