@@ -196,7 +196,16 @@ def data_record(seq_length: int, seed: int, data) -> dict[str, Any]:
     else:
         sources = [[Path(data.datasets[0].prefix).name, len(train)]]
         stages = [[0, [1.0]]]
-    return {"seq_length": seq_length, "seed": seed, "sources": sources, "stages": stages, "blended": data.blended}
+    checksums = [_checksum(dataset) for dataset in data.datasets[:len(sources)]]  # the training sources, in order
+    return {"seq_length": seq_length, "seed": seed, "sources": sources, "stages": stages, "blended": data.blended,
+            "checksums": checksums}
+
+
+def _checksum(dataset) -> Optional[str]:
+    """The build checksum a dataset read when it opened (its header or sidecar: the data is not read
+    again), hex; None for a dataset without one."""
+    checksum = getattr(dataset, "checksum", None)
+    return checksum.hex() if isinstance(checksum, bytes) else None
 
 
 def _saved_data(state: dict) -> dict[str, Any]:
@@ -232,12 +241,25 @@ def data_changes(state: dict, now: dict[str, Any]) -> list[str]:
         before, after = [list(s) for s in saved["sources"]], now["sources"]
         if [name for name, _ in before] != [name for name, _ in after]:
             changes.append(f"{key} sources {_names(before)} -> {_names(after)}")
-        elif before != after:
+        else:
             changes += [f"{key} {name}: {was} -> {samples} training samples (another file, or data.valid_fraction)"
                         for (name, was), (_, samples) in zip(before, after) if was != samples]
+            changes += _checksum_changes(key, saved, now)
     if "stages" in saved and [[s, list(w)] for s, w in saved["stages"]] != now["stages"]:
         changes.append(f"{key} weights {_stages(saved['stages'])} -> {_stages(now['stages'])}")
     return changes
+
+
+def _checksum_changes(key: str, saved: dict, now: dict[str, Any]) -> list[str]:
+    """Sources of one name and sample count whose build checksums differ: another file put in the
+    place of the one trained on. Checkpoints written before records held checksums say nothing."""
+    was, new = saved.get("checksums"), now.get("checksums")
+    if not isinstance(was, list) or not isinstance(new, list) or len(was) != len(new):
+        return []
+    return [f"{key} {name}: another file of the same name and {samples} training samples (build checksum "
+            f"{old[:12]} -> {cur[:12]})"
+            for (name, samples), (_, before), old, cur in zip(now["sources"], saved["sources"], was, new)
+            if isinstance(old, str) and isinstance(cur, str) and old != cur and before == samples]
 
 
 def check_data_order(path: Path, state: dict, now: dict[str, Any], accept: bool, is_logger: bool) -> bool:

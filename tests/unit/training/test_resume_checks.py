@@ -216,6 +216,30 @@ def test_a_single_dataset_changing_its_training_samples(sources):
     assert data_changes(_saved(base), _record(sources, path=sources["books"])) == ["data.path sources [web] -> [books]"]
 
 
+def test_another_file_of_the_same_name_and_sample_count_is_named(sources, tmp_path):
+    """Keyed by file name and sample count alone, a dataset replaced by another file of both went
+    unnoticed; the build checksum the dataset read on opening tells them apart (blend sources too).
+    A checkpoint whose record predates checksums still resumes."""
+    other = tmp_path / "other"
+    other.mkdir()
+    with IndexedDatasetWriter(other / "web") as writer:  # web's name and document count, other tokens
+        for i in range(30):
+            writer.add_document((np.arange(i, i + 40) + 7) % 256)
+        writer.finalize({"tokenizer": "byte", "vocab_size": 257, "eod_id": 256})
+    base = _record(sources)
+    now = _record(sources, path=str(other / "web"))
+    assert now["sources"] == base["sources"]
+    changes = data_changes(_saved(base), now)
+    assert len(changes) == 1 and changes[0].startswith("data.path web: another file of the same name and ")
+    assert "build checksum" in changes[0]
+    old = {key: value for key, value in base.items() if key != "checksums"}
+    assert data_changes(_saved(old), now) == []
+    blend = _record(sources, blend=[1, sources["web"], 1, sources["code"]])
+    swapped = _record(sources, blend=[1, str(other / "web"), 1, sources["code"]])
+    changes = data_changes(_saved(blend), swapped)
+    assert len(changes) == 1 and changes[0].startswith("data.blend web: another file")
+
+
 def test_old_and_imported_checkpoints_resume(sources):
     """No refusal on what a checkpoint does not record; an older layout-free state.json still
     names its sequence length and seed; a step-0 checkpoint (from-hf) has drawn no sample."""
