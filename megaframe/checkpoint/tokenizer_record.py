@@ -23,7 +23,8 @@ from typing import Any, Optional
 
 RECORD_KEY = "tokenizer_record"
 # what save_pretrained() writes for a tokenizer (any of these marks a directory as holding one);
-# only these are hashed, copied into a checkpoint and exported (a model directory's weights are not)
+# only these are copied into a checkpoint and exported (a model directory's weights are not); which of
+# them are hashed: HASH_SCHEMES
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "chat_template.jinja",
                    "chat_template.json")
@@ -72,7 +73,8 @@ def files_hash(directory: Path, scheme: int = HASH_SCHEME) -> str:
 def scheme_of(record: dict) -> int:
     """The hash scheme of a record: 1 for one written before records named theirs."""
     scheme = record.get("hash_scheme", 1)
-    return scheme if scheme in HASH_SCHEMES and not isinstance(scheme, bool) else HASH_SCHEME
+    known = isinstance(scheme, int) and not isinstance(scheme, bool) and scheme in HASH_SCHEMES
+    return scheme if known else HASH_SCHEME  # state.json is a file a user can edit
 
 
 def under_scheme(current: dict, saved: dict) -> dict:

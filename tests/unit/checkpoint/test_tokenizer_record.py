@@ -67,3 +67,5 @@ def test_a_record_of_the_old_scheme_is_compared_under_it(tmp_path):
     assert records.difference(old, records.under_scheme(current, old)) is None
     assert records.under_scheme(current, current) is current
     assert records.under_scheme(records.byte_record(), old)["kind"] == "byte"
+    for edited in ([1], "1", True, 99):  # an edited state.json: the current scheme, never a TypeError
+        assert records.scheme_of({**old, "hash_scheme": edited}) == records.HASH_SCHEME
