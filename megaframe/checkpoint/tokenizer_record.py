@@ -3,7 +3,13 @@
 Every checkpoint carries a record of it (the client state, and state.json of a layout-free copy):
 
   {"kind": "byte" | "hf", "name": "byte" or the directory, "vocab_size": V, "eod_id": E,
-   "bos_id": B or None, "sha256": a hash of the tokenizer's files (a constant for byte)}
+   "bos_id": B or None, "sha256": a hash of the tokenizer's files (a constant for byte),
+   "hash_scheme": 2 (hf only; absent: 1)}
+
+The hash covers what defines the mapping of ids to text (HASH_SCHEMES): scheme 1, of checkpoints
+written before, also hashed tokenizer_config.json and special_tokens_map.json, which save_pretrained
+rewrites with keys of its own version, so re-saving the same tokenizer changed it. A record is
+compared under its own scheme (rehashed), so an old checkpoint is not refused for the change of scheme.
 
 Resume compares it with the run's data.tokenizer (two tokenizers with one vocabulary size map the
 same ids to different text: the weights would silently learn another language), and the Hugging
@@ -17,7 +23,8 @@ from typing import Any, Optional
 
 RECORD_KEY = "tokenizer_record"
 # what save_pretrained() writes for a tokenizer (any of these marks a directory as holding one);
-# only these are hashed, copied into a checkpoint and exported (a model directory's weights are not)
+# only these are copied into a checkpoint and exported (a model directory's weights are not); which of
+# them are hashed: HASH_SCHEMES
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "chat_template.jinja",
                    "chat_template.json")
@@ -26,6 +33,12 @@ MAX_TOKENIZER_FILE = 1 << 30  # a tokenizer file is MBs; a larger one is not a t
 BYTE_SPEC = "megaframe byte tokenizer: UTF-8 bytes as ids 0..255, end-of-document 256"
 # compared in this order: the first difference is the one a refusal names
 FIELDS = ("kind", "vocab_size", "eod_id", "bos_id", "sha256")
+# the files each hash scheme covers. 2: the vocabulary, merges and added tokens (the special ids are
+# record fields of their own); a tokenizer.json, where there is one, holds all of them and is what
+# transformers loads, so the slow tokenizer's files beside it (present or not by version) do not count
+HASH_SCHEMES = {1: TOKENIZER_FILES, 2: ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt",
+                                        "added_tokens.json")}
+HASH_SCHEME = 2  # what new records use
 
 
 def tokenizer_files(directory: Path) -> list[Path]:
@@ -40,19 +53,38 @@ def has_tokenizer(directory: Path) -> bool:
     return bool(tokenizer_files(directory))
 
 
-def files_hash(directory: Path) -> str:
-    """sha256 over the tokenizer files of `directory` (name and content of each, in a fixed order);
-    OSError when one cannot be read or is larger than a tokenizer file can be."""
+def files_hash(directory: Path, scheme: int = HASH_SCHEME) -> str:
+    """sha256 over the files of `directory` that hash scheme `scheme` covers (name and sha256 of
+    each, in a fixed order); OSError when one cannot be read or is larger than a tokenizer file can be."""
+    from megaframe.checkpoint.universal import hash_file  # universal imports this module: not at the top
+
+    directory = Path(directory)
+    names = HASH_SCHEMES[scheme]
+    if scheme >= 2 and (directory / "tokenizer.json").is_file():
+        names = ("tokenizer.json",)
     digest = hashlib.sha256()
-    for path in tokenizer_files(directory):
+    for path in (directory / name for name in names if (directory / name).is_file()):
         if path.stat().st_size > MAX_TOKENIZER_FILE:
             raise OSError(f"{path} is {path.stat().st_size} bytes, not a tokenizer file")
-        file_digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                file_digest.update(block)
-        digest.update(f"{path.name}\0{file_digest.hexdigest()}\n".encode())
+        digest.update(f"{path.name}\0{hash_file(path)}\n".encode())
     return digest.hexdigest()
+
+
+def scheme_of(record: dict) -> int:
+    """The hash scheme of a record: 1 for one written before records named theirs."""
+    scheme = record.get("hash_scheme", 1)
+    known = isinstance(scheme, int) and not isinstance(scheme, bool) and scheme in HASH_SCHEMES
+    return scheme if known else HASH_SCHEME  # state.json is a file a user can edit
+
+
+def under_scheme(current: dict, saved: dict) -> dict:
+    """`current` (an hf record of this run) with its hash recomputed under `saved`'s scheme, so the
+    two compare; `current` itself when the schemes agree or either is not an hf record. OSError when
+    the directory cannot be read again."""
+    scheme = scheme_of(saved)
+    if current.get("kind") != "hf" or saved.get("kind") != "hf" or scheme == scheme_of(current):
+        return current
+    return {**current, "sha256": files_hash(Path(current["name"]), scheme), "hash_scheme": scheme}
 
 
 def byte_record() -> dict[str, Any]:
@@ -65,7 +97,7 @@ def hf_record(directory: Path, vocab_size: Optional[int], eod_id: Optional[int],
               bos_id: Optional[int] = None) -> dict[str, Any]:
     """The record of the HF tokenizer saved in `directory` (None: not known)."""
     return {"kind": "hf", "name": str(Path(directory).resolve()), "vocab_size": vocab_size, "eod_id": eod_id,
-            "bos_id": bos_id, "sha256": files_hash(directory)}
+            "bos_id": bos_id, "sha256": files_hash(directory), "hash_scheme": HASH_SCHEME}
 
 
 def difference(saved: dict, current: dict) -> Optional[tuple[str, Any, Any]]:

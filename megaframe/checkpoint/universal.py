@@ -45,7 +45,8 @@ class CheckpointError(RuntimeError):
     exit_code = ExitCode.BAD_CHECKPOINT  # after launch (megaframe/failures.py)
 
 
-def _hash_file(path: Path) -> str:
+def hash_file(path: Path) -> str:
+    """The sha256 of a file's content (hex), read in 4 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -55,7 +56,7 @@ def _hash_file(path: Path) -> str:
 
 def file_entry(path: Path) -> dict:
     """A manifest entry: the file's size and sha256."""
-    return {"bytes": path.stat().st_size, "sha256": _hash_file(path)}
+    return {"bytes": path.stat().st_size, "sha256": hash_file(path)}
 
 
 def safetensors_header(path: Path) -> dict[str, dict]:
@@ -186,7 +187,7 @@ def verify_files(directory: Path, files: dict[str, dict]) -> None:
         if size != meta["bytes"]:
             raise CheckpointError(f"checkpoint {directory} is truncated or corrupted: {rel} has {size} bytes, "
                                   f"the manifest says {meta['bytes']}")
-        if _hash_file(path) != meta["sha256"]:
+        if hash_file(path) != meta["sha256"]:
             raise CheckpointError(f"checkpoint {directory} is corrupted: {rel} does not match its sha256 in "
                                   f"{MANIFEST_FILE}")
 

@@ -8,7 +8,12 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from megaframe.safe_files import UnsafeFile, read_capped
+
 _REBUILD = "rebuild it with megaframe-preprocess"
+# a sidecar is metadata (its longest part the list of source files: a few MB for 100k of them);
+# a larger file is not one, and is not read whole into memory before launch
+MAX_SIDECAR_BYTES = 64 << 20
 
 
 class SidecarError(ValueError):
@@ -21,10 +26,14 @@ def recorded_vocab_size(prefix: str) -> Optional[int]:
     if not meta.is_file():
         return None
     try:
-        recorded = json.loads(meta.read_text(encoding="utf-8"))
+        # the user's own data directory: a link they made is followed (resolve), but what it ends in must
+        # be a regular file of sidecar size (a FIFO would hang validation, a huge file fill the memory)
+        recorded = json.loads(read_capped(meta.resolve(), MAX_SIDECAR_BYTES).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise SidecarError(f"{meta} is not valid JSON ({err.__class__.__name__} at byte "
                            f"{getattr(err, 'pos', getattr(err, 'start', '?'))}); {_REBUILD}") from None
+    except UnsafeFile as err:
+        raise SidecarError(f"{err.strerror}; {_REBUILD}") from None
     except OSError as err:
         raise SidecarError(f"{meta}: cannot read it ({err.strerror}); {_REBUILD}") from None
     if not isinstance(recorded, dict):

@@ -202,6 +202,9 @@ class LoopConfig:
     # a resume that changes the data order (model.seq_length, train.seed, data.blend's sources or
     # weights, data.path's samples) is refused; true accepts it and says in one line what changes
     resume_accept_data_change: bool = False
+    # a resume with another tokenizer than the checkpoint records (its vocabulary files' hash or its
+    # ids) is refused; true accepts it with one warning line (the same tokenizer saved otherwise)
+    resume_accept_tokenizer_change: bool = False
     async_save: bool = False  # write checkpoints on a background thread while training goes on (rank 0)
     # the fast tier (training/fast_checkpoint.py): every this many steps each rank keeps its part of a
     # checkpoint in node-local memory and a buddy rank's copy on the next node; an attempt restores

@@ -119,7 +119,7 @@ def hf_tokenizer_source(ckpt: Path, record: dict, override: Optional[Path],
         if record.get("sha256") is None:  # an old checkpoint: nothing to check against
             return directory, f"tokenizer from {directory} (unverified: the checkpoint predates tokenizer records)"
         try:
-            digest = records.files_hash(directory)
+            digest = records.files_hash(directory, records.scheme_of(record))  # under the record's own scheme
         except OSError as err:
             seen.append(f"{directory}: unreadable ({err})")
             continue

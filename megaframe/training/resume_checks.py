@@ -24,10 +24,11 @@ import re
 import stat
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from megaframe.atomic_io import atomic_write_text
 from megaframe.checkpoint.universal import CheckpointError
+from megaframe.safe_files import UnsafeFile, open_regular
 
 UNSAVED_MARKER = ".megaframe-unsaved"  # in the run dir: started from step 0, no checkpoint published since
 _TAIL_BYTES = 1 << 16  # metrics.jsonl is read from its end: its last records say how far a run got
@@ -50,14 +51,17 @@ def checkpoints_path_problem(checkpoint_dir: Path) -> Optional[str]:
 
 def last_logged_step(metrics_path: Path) -> Optional[int]:
     """The highest training step (>= 1) among metrics.jsonl's last records, None when it holds none.
-    Reads only the file's tail, without following a link megaframe did not make: a link, or a tail
-    with no whole record, counts as an unknown step (-1): evidence, not proof, of earlier steps."""
-    try:
-        fd = os.open(metrics_path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    Reads only the file's tail, without following a link megaframe did not make: a link, a FIFO or
+    other non-file, or a tail with no whole record, counts as an unknown step (-1): evidence, not
+    proof, of earlier steps."""
+    try:  # safe_files: a link is not followed, a FIFO planted in its place not waited on
+        fd = open_regular(metrics_path, os.O_RDONLY)
     except FileNotFoundError:
         return None
+    except UnsafeFile:
+        return -1
     except OSError as err:
-        return -1 if err.errno in (errno.ELOOP, errno.EACCES) else None
+        return -1 if err.errno == errno.EACCES else None
     with os.fdopen(fd, "rb") as f:
         size = f.seek(0, os.SEEK_END)
         if size == 0:
@@ -149,6 +153,28 @@ def start_over(run_dir: Path, checkpoint_dir: Path, resume: str, metrics, is_log
     mark_unsaved(run_dir)
 
 
+def rank0_choice(choose: Callable[[], Optional[Path]], is_rank0: bool, distributed: bool) -> Optional[Path]:
+    """The checkpoint to resume from, or None to start over, as rank 0's choose() says, on every
+    rank: each rank picking its own could see shared storage differently and take the other branch
+    (one of them then waits in a collective the rest never reach). choose() runs on rank 0 only; a
+    CheckpointError it raises is raised on every rank (exit 5 everywhere, no rank left waiting)."""
+    answer: list[Any] = [None]
+    if is_rank0 or not distributed:
+        try:
+            path = choose()
+            answer[0] = ("path", None if path is None else str(path))
+        except CheckpointError as err:
+            answer[0] = ("error", str(err))
+    if distributed:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(answer, src=0)  # a tuple of strings megaframe made, never a user's file
+    kind, value = answer[0]
+    if kind == "error":
+        raise CheckpointError(value)
+    return None if value is None else Path(value)
+
+
 def gone_latest_warning(checkpoint_dir: Path, path: Optional[Path]) -> Optional[str]:
     """The warning when `latest` names a checkpoint that is gone (deleted, or a crash mid-swap) and
     the resume falls back to `path`, an older one: the steps after it are trained again."""
@@ -192,7 +218,16 @@ def data_record(seq_length: int, seed: int, data) -> dict[str, Any]:
     else:
         sources = [[Path(data.datasets[0].prefix).name, len(train)]]
         stages = [[0, [1.0]]]
-    return {"seq_length": seq_length, "seed": seed, "sources": sources, "stages": stages, "blended": data.blended}
+    checksums = [_checksum(dataset) for dataset in data.datasets[:len(sources)]]  # the training sources, in order
+    return {"seq_length": seq_length, "seed": seed, "sources": sources, "stages": stages, "blended": data.blended,
+            "checksums": checksums}
+
+
+def _checksum(dataset) -> Optional[str]:
+    """The build checksum a dataset read when it opened (its header or sidecar: the data is not read
+    again), hex; None for a dataset without one."""
+    checksum = getattr(dataset, "checksum", None)
+    return checksum.hex() if isinstance(checksum, bytes) else None
 
 
 def _saved_data(state: dict) -> dict[str, Any]:
@@ -228,12 +263,25 @@ def data_changes(state: dict, now: dict[str, Any]) -> list[str]:
         before, after = [list(s) for s in saved["sources"]], now["sources"]
         if [name for name, _ in before] != [name for name, _ in after]:
             changes.append(f"{key} sources {_names(before)} -> {_names(after)}")
-        elif before != after:
+        else:
             changes += [f"{key} {name}: {was} -> {samples} training samples (another file, or data.valid_fraction)"
                         for (name, was), (_, samples) in zip(before, after) if was != samples]
+            changes += _checksum_changes(key, saved, now)
     if "stages" in saved and [[s, list(w)] for s, w in saved["stages"]] != now["stages"]:
         changes.append(f"{key} weights {_stages(saved['stages'])} -> {_stages(now['stages'])}")
     return changes
+
+
+def _checksum_changes(key: str, saved: dict, now: dict[str, Any]) -> list[str]:
+    """Sources of one name and sample count whose build checksums differ: another file put in the
+    place of the one trained on. Checkpoints written before records held checksums say nothing."""
+    was, new = saved.get("checksums"), now.get("checksums")
+    if not isinstance(was, list) or not isinstance(new, list) or len(was) != len(new):
+        return []
+    return [f"{key} {name}: another file of the same name and {samples} training samples (build checksum "
+            f"{old[:12]} -> {cur[:12]})"
+            for (name, samples), (_, before), old, cur in zip(now["sources"], saved["sources"], was, new)
+            if isinstance(old, str) and isinstance(cur, str) and old != cur and before == samples]
 
 
 def check_data_order(path: Path, state: dict, now: dict[str, Any], accept: bool, is_logger: bool) -> bool:

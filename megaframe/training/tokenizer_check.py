@@ -32,8 +32,10 @@ def run_record(data: DataConfig) -> dict:
         raise DataError(f"data.tokenizer={data.tokenizer}: cannot read its tokenizer files ({err})") from None
 
 
-def check_resume(path: Path, current: dict, announce: bool, client_state: Optional[dict] = None) -> None:
-    """Refuse to resume checkpoint `path` with another tokenizer than the one it records.
+def check_resume(path: Path, current: dict, announce: bool, client_state: Optional[dict] = None,
+                 accept: bool = False) -> None:
+    """Refuse to resume checkpoint `path` with another tokenizer than the one it records; with
+    `accept` (train.resume_accept_tokenizer_change) say so in one warning line instead.
 
     client_state: the loaded client state; without it the check reads the layout-free state.json
     (before any tensor is read) and returns when there is none (an engine-only checkpoint: checked
@@ -52,19 +54,31 @@ def check_resume(path: Path, current: dict, announce: bool, client_state: Option
     if not records.is_record(saved):
         raise CheckpointError(f"train.resume: checkpoint {path}: its {records.RECORD_KEY} is not a tokenizer record "
                               f"(state.json was edited); resume from another checkpoint with train.resume=PATH")
+    try:
+        current = records.under_scheme(current, saved)  # a checkpoint of an earlier hash scheme: compared under it
+    except OSError as err:
+        raise CheckpointError(f"train.resume: data.tokenizer={current.get('name')}: cannot read its tokenizer files "
+                              f"again ({err})") from None
     change = records.difference(saved, current)
     if change is None:
         return
     field, was, now = change
     if field == "sha256":
         was, now = was[:12], now[:12]
+    if accept:
+        if announce:
+            print(f"megaframe: warning: train.resume_accept_tokenizer_change=true: checkpoint {path} was trained with "
+                  f"data.tokenizer={records.describe(saved)}; continuing with {records.describe(current)} (differs in "
+                  f"{_FIELD_NAMES[field]}: {was} -> {now})", file=sys.stderr, flush=True)
+        return
     copy = Path(path) / "tokenizer"
     fix = (f"data.tokenizer={copy} (the checkpoint's copy)" if saved["kind"] == "hf" and records.has_tokenizer(copy)
            else f"data.tokenizer={saved.get('name')}")
     raise CheckpointError(
         f"train.resume: checkpoint {path} was trained with data.tokenizer={records.describe(saved)}; this run's "
         f"data.tokenizer={records.describe(current)} differs in {_FIELD_NAMES[field]} ({was} -> {now}) and would "
-        f"train the weights on other text: set {fix}, or start a new run (train.resume=none or another hydra.run.dir)")
+        f"train the weights on other text: set {fix}, start a new run (train.resume=none or another hydra.run.dir), "
+        f"or, if it maps the same ids to the same text, accept it with train.resume_accept_tokenizer_change=true")
 
 
 _FIELD_NAMES = {"kind": "kind", "vocab_size": "vocabulary size", "eod_id": "end-of-document id",

@@ -33,3 +33,39 @@ def test_difference_names_the_first_field_that_differs(tmp_path):
     assert not records.is_record({"kind": "hf"}) and not records.is_record("byte")
     assert records.describe(byte) == "byte (vocabulary 257, end-of-document 256)"
     assert records.describe(hf) == f"{directory.resolve()} (vocabulary 11, end-of-document 1)"
+
+
+def test_hash_ignores_what_save_pretrained_rewrites_by_version_and_scheme_1_is_the_old_hash(tmp_path):
+    """tokenizer_config.json and special_tokens_map.json hold keys of the transformers version that
+    saved them: re-saving the same tokenizer elsewhere must not change the hash; scheme 1 (records of
+    checkpoints written before) stays the hash of every tokenizer file, byte for byte as it was."""
+    import hashlib
+
+    directory = save_word_tokenizer(tmp_path / "tok")
+    digest, old = records.files_hash(directory), records.files_hash(directory, 1)
+    expected_old = hashlib.sha256()
+    for path in records.tokenizer_files(directory):
+        expected_old.update(f"{path.name}\0{hashlib.sha256(path.read_bytes()).hexdigest()}\n".encode())
+    assert old == expected_old.hexdigest() and old != digest
+    config = directory / "tokenizer_config.json"
+    config.write_text(config.read_text().replace("{", '{"transformers_version": "9.9.9", ', 1))
+    (directory / "special_tokens_map.json").write_text('{"eos_token": "</s>"}')
+    assert records.files_hash(directory) == digest  # the same mapping of ids to text
+    assert records.files_hash(directory, 1) != old
+    record = records.hf_record(directory, 11, 1)
+    assert record["hash_scheme"] == records.HASH_SCHEME and record["sha256"] == digest
+    swap_words(directory)  # the mapping itself: still counts
+    assert records.files_hash(directory) != digest
+
+
+def test_a_record_of_the_old_scheme_is_compared_under_it(tmp_path):
+    directory = save_word_tokenizer(tmp_path / "tok")
+    current = records.hf_record(directory, 11, 1)
+    old = {key: value for key, value in current.items() if key != "hash_scheme"}
+    old["sha256"] = records.files_hash(directory, 1)
+    assert records.scheme_of(old) == 1 and records.difference(old, current) is not None
+    assert records.difference(old, records.under_scheme(current, old)) is None
+    assert records.under_scheme(current, current) is current
+    assert records.under_scheme(records.byte_record(), old)["kind"] == "byte"
+    for edited in ([1], "1", True, 99):  # an edited state.json: the current scheme, never a TypeError
+        assert records.scheme_of({**old, "hash_scheme": edited}) == records.HASH_SCHEME

@@ -169,3 +169,17 @@ def test_tampered_copy_in_the_checkpoint_is_refused(tmp_path, capsys):
     error = capsys.readouterr().err
     assert code.value.code == 2 and error.count("\n") == 1 and "tokenizer/tokenizer.json" in error
     assert not (tmp_path / "hf").exists()
+
+
+def test_export_checks_a_record_of_the_old_hash_scheme_under_it(tmp_path):
+    """A checkpoint whose record hashed every tokenizer file (before tokenizer_config.json was left
+    out) still exports its own tokenizer; an edited copy is still refused."""
+    from megaframe.convert.tokenizer_export import hf_tokenizer_source
+
+    tok = save_word_tokenizer(tmp_path / "tok")
+    old = {"kind": "hf", "name": str(tok), "vocab_size": 11, "eod_id": 1, "bos_id": None,
+           "sha256": records.files_hash(tok, 1)}
+    assert hf_tokenizer_source(tmp_path / "ckpt", old, None)[0] == tok
+    swap_words(tok)
+    with pytest.raises(ConvertError, match="no copy of the tokenizer"):
+        hf_tokenizer_source(tmp_path / "ckpt", old, None)

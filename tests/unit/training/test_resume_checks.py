@@ -115,6 +115,65 @@ def test_what_is_not_evidence_of_earlier_steps(tmp_path):
     assert problem and "holds records of earlier steps" in problem
 
 
+def test_a_fifo_planted_as_metrics_is_not_waited_on(tmp_path):
+    """A FIFO in metrics.jsonl's place blocked the pre-launch check's open until someone wrote to it:
+    it counts as evidence of earlier steps (-1), at once."""
+    import os
+    import threading
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "metrics.jsonl")
+    result = []
+    reader = threading.Thread(target=lambda: result.append(resume_checks.last_logged_step(run / "metrics.jsonl")),
+                              daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    if reader.is_alive():  # release the blocked open, so the failure does not leave a thread hanging
+        os.close(os.open(run / "metrics.jsonl", os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(timeout=10)
+    assert result == [-1]
+    problem = prelaunch_problem(run, "auto")
+    assert problem and "holds records of earlier steps" in problem
+
+
+def test_every_rank_resumes_from_rank_0s_choice(monkeypatch, tmp_path):
+    """Each rank picked its own checkpoint: on storage that ranks see differently one could start
+    over (and wait in start_over's broadcast) while the others resumed. Rank 0 picks; the others
+    take its answer (a rank > 0 is simulated: the broadcast hands it what rank 0 sent)."""
+    import torch.distributed as dist
+
+    sent = {}
+
+    def broadcast(objects, src):
+        assert src == 0
+        objects[0] = sent["rank0"]
+
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast)
+    ckpt = tmp_path / "checkpoints" / "global_step4"
+
+    def rank1_view():
+        raise AssertionError("a rank > 0 looked for a checkpoint itself")
+
+    for rank0_pick in (ckpt, None):
+        sent["rank0"] = ("path", None if rank0_pick is None else str(rank0_pick))
+        assert resume_checks.rank0_choice(rank1_view, is_rank0=False, distributed=True) == rank0_pick
+    sent["rank0"] = ("error", "train.resume=auto: no checkpoint under x verifies")  # ends every rank alike
+    with pytest.raises(CheckpointError, match="no checkpoint under x verifies"):
+        resume_checks.rank0_choice(rank1_view, is_rank0=False, distributed=True)
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda objects, src: sent.update(rank0=objects[0]))
+    assert resume_checks.rank0_choice(lambda: ckpt, is_rank0=True, distributed=True) == ckpt
+    assert sent["rank0"] == ("path", str(ckpt))  # plain strings on the wire
+
+    def refused():
+        raise CheckpointError("refused")
+
+    with pytest.raises(CheckpointError, match="refused"):
+        resume_checks.rank0_choice(refused, is_rank0=True, distributed=True)
+    assert sent["rank0"] == ("error", "refused")
+    assert resume_checks.rank0_choice(lambda: None, is_rank0=True, distributed=False) is None
+
+
 def test_metrics_are_read_from_their_tail(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -192,6 +251,30 @@ def test_a_single_dataset_changing_its_training_samples(sources):
     changes = data_changes(_saved(base), _record(sources, path=sources["web"], valid_fraction=0.3))
     assert len(changes) == 1 and changes[0].startswith("data.path web: ") and "training samples" in changes[0]
     assert data_changes(_saved(base), _record(sources, path=sources["books"])) == ["data.path sources [web] -> [books]"]
+
+
+def test_another_file_of_the_same_name_and_sample_count_is_named(sources, tmp_path):
+    """Keyed by file name and sample count alone, a dataset replaced by another file of both went
+    unnoticed; the build checksum the dataset read on opening tells them apart (blend sources too).
+    A checkpoint whose record predates checksums still resumes."""
+    other = tmp_path / "other"
+    other.mkdir()
+    with IndexedDatasetWriter(other / "web") as writer:  # web's name and document count, other tokens
+        for i in range(30):
+            writer.add_document((np.arange(i, i + 40) + 7) % 256)
+        writer.finalize({"tokenizer": "byte", "vocab_size": 257, "eod_id": 256})
+    base = _record(sources)
+    now = _record(sources, path=str(other / "web"))
+    assert now["sources"] == base["sources"]
+    changes = data_changes(_saved(base), now)
+    assert len(changes) == 1 and changes[0].startswith("data.path web: another file of the same name and ")
+    assert "build checksum" in changes[0]
+    old = {key: value for key, value in base.items() if key != "checksums"}
+    assert data_changes(_saved(old), now) == []
+    blend = _record(sources, blend=[1, sources["web"], 1, sources["code"]])
+    swapped = _record(sources, blend=[1, str(other / "web"), 1, sources["code"]])
+    changes = data_changes(_saved(blend), swapped)
+    assert len(changes) == 1 and changes[0].startswith("data.blend web: another file")
 
 
 def test_old_and_imported_checkpoints_resume(sources):

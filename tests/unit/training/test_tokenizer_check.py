@@ -130,3 +130,31 @@ def test_tokenizer_linked_into_a_cache_snapshot_is_recorded_and_copied_as_files(
     copies = sorted((ckpt / "tokenizer").iterdir())
     assert copies and not any(path.is_symlink() for path in copies)
     check_resume(ckpt, run_record(DataConfig(tokenizer=str(ckpt / "tokenizer"))), announce=True)
+
+
+def test_checkpoint_of_the_old_hash_scheme_resumes_and_still_refuses_another_tokenizer(tmp_path):
+    """Records written before the hash left out tokenizer_config.json hashed every file: compared
+    under that scheme, the same tokenizer resumes; an edited one is still refused."""
+    from megaframe.checkpoint import tokenizer_record as records
+
+    tok = save_word_tokenizer(tmp_path / "tok")
+    old = {k: v for k, v in run_record(DataConfig(tokenizer=str(tok))).items() if k != "hash_scheme"}
+    old["sha256"] = records.files_hash(tok, 1)
+    ckpt = saved_checkpoint(tmp_path / "ckpt", old)
+    check_resume(ckpt, run_record(DataConfig(tokenizer=str(tok))), announce=True)
+    swap_words(tok)
+    assert "differs in its files' sha256" in refusal(ckpt, run_record(DataConfig(tokenizer=str(tok))))
+
+
+def test_accept_tokenizer_change_resumes_with_one_warning_line(tmp_path, capsys):
+    tok = save_word_tokenizer(tmp_path / "tok")
+    ckpt = saved_checkpoint(tmp_path / "ckpt", run_record(DataConfig(tokenizer=str(tok))), tok)
+    swap_words(tok)  # e.g. tokenizer.json re-serialized by another tokenizers version
+    current = run_record(DataConfig(tokenizer=str(tok)))
+    assert "train.resume_accept_tokenizer_change=true" in refusal(ckpt, current)
+    check_resume(ckpt, current, announce=True, accept=True)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "train.resume_accept_tokenizer_change=true" in lines[0]
+    assert "differs in its files' sha256" in lines[0]
+    check_resume(ckpt, current, announce=False, accept=True)  # ranks > 0 stay quiet
+    assert capsys.readouterr().err == ""
