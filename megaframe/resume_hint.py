@@ -51,11 +51,6 @@ def resume_command(run_dir: Path) -> str:
     return " ".join(["megaframe-train", *map(shlex.quote, kept), shlex.quote(pinned)])
 
 
-# latest-run is chosen once, by megaframe-train before it starts any rank (the ranks it starts get
-# the run dir it chose); where that does not happen, refused rather than read as a directory
-UNRESOLVED = (f"train.resume={LATEST_RUN} is chosen by a plain megaframe-train command before it starts its "
-              f"ranks (not in a -m sweep, not under torchrun, srun or Ray, where each rank would choose on its "
-              f"own); name the run with hydra.run.dir=DIR and train.resume=auto")
 
 
 def wants_latest_run(args: Sequence[str]) -> bool:
@@ -67,7 +62,7 @@ def latest_run(args: list[str]) -> list[str]:
     one line; other arguments unchanged. ConfigError (one line) when no run has a checkpoint."""
     if not wants_latest_run(args):
         return args
-    from megaframe.config.validate import ConfigError
+    from megaframe.config.validate import UNRESOLVED, ConfigError
 
     if os.environ.get("WORLD_SIZE"):  # a rank of another launcher: its peers would each pick a run
         raise ConfigError(UNRESOLVED)

@@ -21,6 +21,8 @@ import hashlib
 from pathlib import Path
 from typing import Any, Optional
 
+from megaframe.checkpoint.file_hash import hash_file
+
 RECORD_KEY = "tokenizer_record"
 # what save_pretrained() writes for a tokenizer (any of these marks a directory as holding one);
 # only these are copied into a checkpoint and exported (a model directory's weights are not); which of
@@ -56,8 +58,6 @@ def has_tokenizer(directory: Path) -> bool:
 def files_hash(directory: Path, scheme: int = HASH_SCHEME) -> str:
     """sha256 over the files of `directory` that hash scheme `scheme` covers (name and sha256 of
     each, in a fixed order); OSError when one cannot be read or is larger than a tokenizer file can be."""
-    from megaframe.checkpoint.universal import hash_file  # universal imports this module: not at the top
-
     directory = Path(directory)
     names = HASH_SCHEMES[scheme]
     if scheme >= 2 and (directory / "tokenizer.json").is_file():

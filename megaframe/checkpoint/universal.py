@@ -14,7 +14,6 @@ this module: engine and rank code lives in backends/deepspeed/state_io.py.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -30,6 +29,7 @@ from safetensors.torch import save_file
 from megaframe.failures import ExitCode
 from megaframe.atomic_io import atomic_write_text
 from megaframe.safe_files import quote, read_capped
+from megaframe.checkpoint.file_hash import hash_file
 from megaframe.checkpoint.tokenizer_record import tokenizer_files
 
 FORMAT, VERSION, SHARDED_VERSION = "megaframe-universal", 1, 2
@@ -43,15 +43,6 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: corrupted, truncated, incompatible. The message is one line."""
 
     exit_code = ExitCode.BAD_CHECKPOINT  # after launch (megaframe/failures.py)
-
-
-def hash_file(path: Path) -> str:
-    """The sha256 of a file's content (hex), read in 4 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def file_entry(path: Path) -> dict:

@@ -20,6 +20,12 @@ from megaframe.config.size_limits import absurd_size_problem
 from megaframe.config.schema import TrainConfig
 from megaframe.parallel.dims import OnGrid, ParallelDims
 
+# latest-run is chosen once, by megaframe-train before it starts any rank (the ranks it starts get
+# the run dir it chose: resume_hint.py); where that does not happen, refused rather than read as a directory
+UNRESOLVED = ("train.resume=latest-run is chosen by a plain megaframe-train command before it starts its "
+              "ranks (not in a -m sweep, not under torchrun, srun or Ray, where each rank would choose on its "
+              "own); name the run with hydra.run.dir=DIR and train.resume=auto")
+
 
 class ConfigError(ValueError):
     """A configuration the run cannot honour; str(err) is a single line for the user."""
@@ -183,8 +189,6 @@ def check_train(cfg: TrainConfig) -> Optional[str]:
     # a plain megaframe-train replaces latest-run (resume_hint.latest_run) before composing: one left
     # here is unresolved (a -m sweep), and the trainer would read it as the directory ./latest-run
     if t.resume == "latest-run":
-        from megaframe.resume_hint import UNRESOLVED
-
         return UNRESOLVED
     if t.resume not in ("auto", "none") and not Path(t.resume).is_dir():
         return f"train.resume={t.resume!r}: no such checkpoint directory; use auto, none, latest-run or an existing path"

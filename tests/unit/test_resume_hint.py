@@ -8,7 +8,7 @@ import shlex
 import pytest
 
 from megaframe import resume_hint
-from megaframe.config.validate import ConfigError
+from megaframe.config.validate import UNRESOLVED, ConfigError
 
 PATTERN = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
 
@@ -83,9 +83,9 @@ def test_latest_run_where_megaframe_train_does_not_choose_it_is_refused_not_read
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError) as refused:
         resume_hint.latest_run(["train.resume=latest-run"])
-    assert str(refused.value) == resume_hint.UNRESOLVED and "hydra.run.dir=DIR" in str(refused.value)
+    assert str(refused.value) == UNRESOLVED and "hydra.run.dir=DIR" in str(refused.value)
     assert capsys.readouterr().out == ""
     monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(ConfigError) as refused:  # the config a sweep point (or any unresolved path) validates
         _check_sweep_point(["train.resume=latest-run", "train.max_steps=2"])
-    assert str(refused.value) == resume_hint.UNRESOLVED
+    assert str(refused.value) == UNRESOLVED

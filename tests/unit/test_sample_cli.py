@@ -109,15 +109,15 @@ def test_the_tokenizer_is_verified_against_the_checkpoints_record_and_read_from_
     record = records.hf_record(tok, VOCAB, VOCAB - 1)
     checkpoint(tmp_path / "ckpt", **{records.RECORD_KEY: record, "tokenizer": str(tok)})  # no tokenizer/ copy
     edited = word_tokenizer(tmp_path / "edited")
-    with open(edited / "tokenizer_config.json", "a") as f:
-        f.write("\n")  # other files: same vocabulary size, not what the weights were trained with
+    with open(edited / "tokenizer.json", "a") as f:
+        f.write("\n")  # another tokenizer.json: same vocabulary size, not what the weights were trained with
     args = ["--prompt-ids", "3", "--max-new-tokens", "2", "--json"]
     assert "other files" in refusal(capsys, tmp_path / "ckpt", "--tokenizer", edited, *args)
     assert "--tokenizer is empty" in refusal(capsys, tmp_path / "ckpt", "--tokenizer", "", *args)
     assert "--tokenizer byte: " in refusal(capsys, tmp_path / "ckpt", "--tokenizer", "byte", *args)
     main([str(tmp_path / "ckpt"), *args])  # the recorded directory, verified: it samples
     assert json.loads(capsys.readouterr().out)["prompt_ids"] == [3]
-    with open(tok / "tokenizer_config.json", "a") as f:
+    with open(tok / "tokenizer.json", "a") as f:
         f.write("\n")  # edited after training, in place
     assert f"{tok}: other files" in refusal(capsys, tmp_path / "ckpt", *args)
 
