@@ -1,7 +1,8 @@
 """How megaframe-preprocess ends on a signal: SIGINT (Ctrl-C), SIGTERM (kill, a scheduler's time
 limit) and SIGHUP (a closed terminal) raise Stopped in the main thread, so the writers' context
 managers remove their temp files (which grow as large as the output) and the worker pool is
-terminated; the previous dataset under the output prefix is left as it was.
+terminated; the previous dataset under the output prefix is left as it was. A signal ignored at
+start (SIGHUP under `nohup`) stays ignored.
 
 A signal that arrives while a dataset is being moved into place (finalize: .json removed, then
 .bin, .idx and .json renamed) waits until that is done: stopped midway, the old dataset would be
@@ -32,6 +33,11 @@ class Stopped(BaseException):
         return 128 + self.signum
 
 
+def _not_ignored(signals) -> tuple[int, ...]:
+    """Those not SIG_IGN now: `nohup` ignores SIGHUP so that a closed terminal lets the work finish."""
+    return tuple(signum for signum in signals if signal.getsignal(signum) is not signal.SIG_IGN)
+
+
 def _handler(signum: int, frame) -> None:
     global _pending
     if _deferring:
@@ -44,7 +50,7 @@ def _handler(signum: int, frame) -> None:
 def stop_on_signals() -> Iterator[None]:
     """Within the block, STOP_SIGNALS raise Stopped; the previous handlers come back after it."""
     global _pending
-    previous = {signum: signal.signal(signum, _handler) for signum in STOP_SIGNALS}
+    previous = {signum: signal.signal(signum, _handler) for signum in _not_ignored(STOP_SIGNALS)}
     _pending = None
     try:
         yield

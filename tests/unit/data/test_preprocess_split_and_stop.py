@@ -92,6 +92,19 @@ def test_a_signal_while_the_dataset_moves_into_place_waits_for_it():
     assert signal.getsignal(signal.SIGTERM) == before  # the handler is put back
 
 
+def test_a_signal_ignored_at_start_stays_ignored_as_nohup_asks():
+    """`nohup megaframe-preprocess ... &` then logging out: SIGHUP used to stop the tool (exit 129)."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup leaves to the process it starts
+    try:
+        with stop_on_signals():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGHUP)  # ignored: the block goes on
+            with pytest.raises(Stopped):  # the others still stop it
+                os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
 # the tool run as a user runs it, slowed down in the parent (each document takes 20 ms to write) so
 # that the signal lands while the temp files grow; the first document written (by then the workers
 # have started and sent it) leaves the file named by argv[1]
