@@ -394,8 +394,11 @@ def _shared_run_dir(run_dir: str, cfg: TrainConfig) -> str:
     """Under a launcher every rank must write to rank 0's run dir (timestamps differ per rank)."""
     import torch.distributed as dist
 
+    from megaframe.training.stop_signal import joining_before_the_run
+
     try:
-        engine(cfg.backend.name).init_distributed(cfg.train.collective_timeout_s, cfg.train.join_timeout_s)
+        with joining_before_the_run():  # SIGTERM/SIGUSR1/SIGHUP end a waiting rank with 143/138/129
+            engine(cfg.backend.name).init_distributed(cfg.train.collective_timeout_s, cfg.train.join_timeout_s)
     except RunFailure as err:  # ranks that never joined (parallel/rendezvous.py): one line, exit 7
         if not getattr(err, "quiet", False):
             print(f"{PROG}: error: {err} [exit {int(err.exit_code)}]", file=sys.stderr, flush=True)

@@ -61,6 +61,19 @@ def _quit(signum: int, _frame) -> None:
     _exit_now(signum, "received: stopping now, without saving")
 
 
+@contextlib.contextmanager
+def joining_before_the_run() -> Iterator[None]:
+    """StopSignal.joining() for a join before the Trainer exists (cli.py's shared run dir, under
+    torchrun or srun): a rank waiting for its peers ends on a signal with its line and code, not by
+    the signal's default action; the previous handlers come back after the join."""
+    stop = StopSignal(1).install()
+    try:
+        with stop.joining():
+            yield
+    finally:
+        stop.restore()
+
+
 class StopSignal:
     """The stop requested by a signal on this rank, and the ranks' agreement on it."""
 
