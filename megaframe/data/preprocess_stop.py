@@ -4,9 +4,10 @@ managers remove their temp files (which grow as large as the output) and the wor
 terminated; the previous dataset under the output prefix is left as it was. A signal ignored at
 start (SIGHUP under `nohup`) stays ignored.
 
-A signal that arrives while a dataset is being moved into place (finalize: .json removed, then
+A signal that arrives while the datasets are being moved into place (commit: .json removed, then
 .bin, .idx and .json renamed) waits until that is done: stopped midway, the old dataset would be
-gone and the new one incomplete.
+gone and the new one incomplete. Stopped after that, the tool reports the datasets it wrote
+(Stopped.written), which are complete.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class Stopped(BaseException):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+        self.written: list[str] = []  # the prefixes moved into place before the stop (preprocess.py)
 
     @property
     def exit_code(self) -> int:
@@ -67,11 +69,13 @@ def signals_deferred() -> Iterator[None]:
     _deferring += 1
     try:
         yield
-    finally:
+    except BaseException:  # the block's own error ends the tool: it is what the user must read
         _deferring -= 1
-        if not _deferring and _pending is not None:
-            signum, _pending = _pending, None
-            raise Stopped(signum)
+        raise
+    _deferring -= 1
+    if not _deferring and _pending is not None:
+        signum, _pending = _pending, None
+        raise Stopped(signum)
 
 
 def ignore_stop_in_worker() -> None:

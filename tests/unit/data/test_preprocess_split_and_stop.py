@@ -180,3 +180,64 @@ def test_the_temp_files_of_a_killed_run_are_removed_by_the_next(tmp_path, capsys
     assert capsys.readouterr().err == (f"megaframe-preprocess: removed {len(left)} temporary files that a killed "
                                        f"megaframe-preprocess left beside {tmp_path / 'ds'}\n")
     assert sorted(p.name for p in tmp_path.glob(".*.tmp")) == sorted(kept)
+
+
+def _old_pair(tmp_path: Path) -> dict[str, bytes]:
+    """A train/validation pair already at tmp/ds and tmp/ds_val, and new input at tmp/new.jsonl."""
+    (tmp_path / "old.jsonl").write_text("".join(json.dumps({"text": f"old {i}"}) + "\n" for i in range(20)))
+    preprocess([tmp_path / "old.jsonl"], tmp_path / "ds", "byte", valid_fraction=0.1)
+    (tmp_path / "new.jsonl").write_text("".join(json.dumps({"text": f"new {i}"}) + "\n" for i in range(20)))
+    return {p.name: p.read_bytes() for p in tmp_path.glob("ds*.*")}
+
+
+def test_a_signal_once_the_datasets_are_in_place_reports_them_complete(tmp_path, capsys, monkeypatch):
+    """The signal waited for the renames, then the tool said "nothing written ... untouched" (exit
+    143) about the datasets it had just replaced."""
+    from megaframe.data.indexed import IndexedDatasetWriter
+
+    _old_pair(tmp_path)
+    commit = IndexedDatasetWriter.commit
+
+    def signalled(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # lands while the datasets move into place
+        return commit(self)
+
+    monkeypatch.setattr(IndexedDatasetWriter, "commit", signalled)
+    assert main(["--input", str(tmp_path / "new.jsonl"), "--output-prefix", str(tmp_path / "ds"),
+                 "--valid-fraction", "0.1"]) == 0
+    out, err = capsys.readouterr()
+    assert f"megaframe-preprocess: wrote {tmp_path / 'ds'}.{{bin,idx,json}}" in out
+    assert f"data.path={tmp_path / 'ds'} data.valid_path={tmp_path / 'ds'}_val" in out
+    assert err.strip().splitlines() == ["megaframe-preprocess: stopped by SIGTERM after the datasets were written "
+                                        "and in place: they are complete"]
+    assert _tokens(tmp_path / "ds")[0] == list(b"new 0") + [EOD] and len(_tokens(tmp_path / "ds_val")) == 2
+
+
+def test_the_pair_is_published_only_once_both_are_complete(tmp_path, capsys, monkeypatch):
+    """--valid-fraction moved the training set into place, then failed on the held-out one: a new
+    training set beside the old validation set, and the tool said nothing of it."""
+    from megaframe.data.indexed import IndexedDatasetWriter
+
+    before = _old_pair(tmp_path)
+    argv = ["--input", str(tmp_path / "new.jsonl"), "--output-prefix", str(tmp_path / "ds"), "--valid-fraction", "0.1"]
+    prepare, commit = IndexedDatasetWriter.prepare, IndexedDatasetWriter.commit
+
+    def full_disk(step):
+        def failing(self, *args):
+            if self.prefix.name == "ds_val":
+                raise OSError(28, "No space left on device")
+            return step(self, *args)
+        return failing
+
+    monkeypatch.setattr(IndexedDatasetWriter, "prepare", full_disk(prepare))  # writing the second set's index
+    assert main(argv) == 2
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("ds*.*")} == before  # both previous sets stand
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temp file left
+    monkeypatch.setattr(IndexedDatasetWriter, "prepare", prepare)
+    monkeypatch.setattr(IndexedDatasetWriter, "commit", full_disk(commit))  # the renames of the second set
+    capsys.readouterr()
+    assert main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"megaframe-preprocess: error: {tmp_path / 'ds'} was replaced, but moving {tmp_path / 'ds_val'} "
+                    "into place failed (No space left on device): the two no longer match; run megaframe-preprocess "
+                    "again")
