@@ -6,7 +6,7 @@ never started left the others silent inside gloo's or NCCL's connect for train.c
 (30 min), deaf to SIGTERM (a Python handler runs only between C++ calls). Here each rank checks
 RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT (`launch_env_problem`), then
 counts itself in on the rendezvous store (rank 0's TCPStore at MASTER_ADDR:MASTER_PORT, or torchrun's
-agent store) and waits, in waits of a second, for the last to arrive to say all are in: one rank says
+agent store) and waits for the last to arrive to say all are in: the first to arrive says
 "waiting for N of M ranks to join" once, and after train.join_timeout_s every waiting rank ends with
 exit 7 (RankHung). Only a complete world calls init_process_group, on that same store.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Optional
@@ -24,10 +25,8 @@ import torch.distributed as dist
 from megaframe.failures import ExitCode, RankHung, RunFailure
 from megaframe.launch_env import launch_env_problem
 
-_POLL_S = 0.25  # between looks for rank 0's store: a signal is seen within this
-# the longest wait for the other ranks in one call: a signal's handler runs within this, and each
-# waiting rank sends the store one wait (and, timed out, its cancel) per this
-_WAIT_S = 1.0
+_POLL_S = 0.25  # between looks for rank 0's store, and the first rank's for `done`: one rank, 4 a second
+_WAIT_MARGIN_S = 5.0  # a quiet rank's wait outlasts its deadline by this: the rank ends first, silently
 _NAMED = 8  # missing ranks named in a line, at most
 
 
@@ -120,39 +119,56 @@ def _gone(err: Exception) -> JoinTimeout:
                        quiet=True)
 
 
-def _all_arrived(store, done: str, seconds: float) -> bool:
-    """Whether the last rank to arrive has set `done`, waiting for it at most `seconds`: the store's
-    host answers when the key is set, so a waiting rank puts no load on it meanwhile."""
+def _waiting_for(store, done: str, seconds: float) -> tuple[threading.Event, list]:
+    """Wait on a daemon thread, in one request, until the last rank sets `done` (or `seconds` pass):
+    the main thread then waits on an Event, which a signal's Python handler interrupts (a handler runs
+    only between C++ calls, and the store's timed-out waits print C++ warnings). The list gets the
+    store's error, if any."""
+    ended, errors = threading.Event(), []
+
+    def wait() -> None:
+        try:
+            store.wait([done], timedelta(seconds=seconds))
+        except RuntimeError as err:  # DistNetworkError: rank 0 gave up or died; DistStoreError: timed out
+            errors.append(err)
+        ended.set()
+
+    threading.Thread(target=wait, name="megaframe-join", daemon=True).start()
+    return ended, errors
+
+
+def _checked(store, key: str) -> bool:
     try:
-        store.wait([done], timedelta(seconds=seconds))
-        return True
-    except dist.DistStoreError:  # the wait timed out (the store cancels it)
-        return False
-    except RuntimeError as err:  # DistNetworkError: rank 0 gave up (it says why) or died
+        return store.check([key])
+    except RuntimeError as err:
         raise _gone(err) from None
 
 
 def wait_for_world(store, prefix: str, rank: int, world: int, join_timeout_s: float, deadline: float) -> None:
     """Count this rank in on `store` and wait until all `world` ranks are: the last to arrive sets a
-    `done` key that the others wait for, in waits of at most _WAIT_S (a signal's Python handler runs
-    between them). The first rank to arrive says once who is missing, and names them if the deadline
-    passes (JoinTimeout); only it reads the count and the ranks' keys, and only then: polling them
-    from every rank put O(world) requests a second on rank 0's store (40k/s for 10k ranks)."""
+    `done` key that the others wait for in one request each. The first rank to arrive speaks for all:
+    it looks for `done` every _POLL_S, says once who is missing, and names them if the deadline passes
+    (JoinTimeout); only it reads the count and the ranks' keys. Every rank polling the count put
+    O(world) requests a second on rank 0's store (40k/s for 10k ranks). A signal ends any of them at
+    once (stop_signal.joining)."""
     store.set(f"{prefix}rank{rank}", "1")
     arrived = store.add(f"{prefix}count", 1)
     done = f"{prefix}done"
     if arrived >= world:
         store.set(done, "1")
         return
-    speaks = arrived == 1  # one rank speaks for all: the first to arrive
+    if arrived > 1:  # a quiet rank: it waits for `done`, leaving the line to the first
+        ended, errors = _waiting_for(store, done, max(0.0, deadline - time.monotonic()) + _WAIT_MARGIN_S)
+        if ended.wait(max(0.0, deadline - time.monotonic())) and not errors:
+            return
+        if errors and not isinstance(errors[0], dist.DistStoreError):
+            raise _gone(errors[0])
+        raise JoinTimeout(f"not all {world} ranks joined within train.join_timeout_s={join_timeout_s:g}", quiet=True)
     notice_at = time.monotonic() + min(30.0, join_timeout_s / 2)
-    said = not speaks
-    while True:
+    said = False
+    while not _checked(store, done):
         now = time.monotonic()
         if now >= deadline:
-            if not speaks:  # the first to arrive names the missing ranks
-                raise JoinTimeout(f"not all {world} ranks joined within train.join_timeout_s={join_timeout_s:g}",
-                                  quiet=True)
             joined = _count(store, f"{prefix}count")
             raise JoinTimeout(f"{world - joined} of {world} ranks did not join within train.join_timeout_s="
                               f"{join_timeout_s:g} ({_named(_missing(store, prefix, world), world - joined)}): check "
@@ -164,9 +180,7 @@ def wait_for_world(store, prefix: str, rank: int, world: int, join_timeout_s: fl
                 _say(f"waiting for {world - joined} of {world} ranks to join ({_named(missing, world - joined)}; "
                      f"giving up after train.join_timeout_s={join_timeout_s:g})")
             said = True
-        next_look = deadline if said else min(deadline, notice_at)
-        if _all_arrived(store, done, max(0.01, min(_WAIT_S, next_look - now))):
-            return
+        time.sleep(_POLL_S)
 
 
 def join_world(backend: str, timeout: Optional[timedelta], join_timeout_s: Optional[float]) -> bool:
