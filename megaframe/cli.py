@@ -36,7 +36,7 @@ from megaframe.slurm import adopt_slurm_env
 
 _SELF_LAUNCHED = "MEGAFRAME_SELF_LAUNCHED"  # set for the ranks _self_launch starts
 _SIGNAL_GRACE_S = 300  # how long ranks stopped by a signal may take to save before torchrun kills them
-_AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # what the agent passes on to the ranks
+_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")  # what the agent passes on to the ranks
 # Hydra's own flags (help, --cfg job, multirun, ...): Hydra handles them, we do not pre-validate.
 _HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-p", "--package",
                 "--resolve", "-m", "--multirun", "-cp", "--config-path", "-cn", "--config-name",
@@ -323,7 +323,7 @@ def _self_launch(overrides: list[str], world: int, run_dir: str) -> int:
     # stop at one step boundary and may save; a rank is SIGKILLed only after this grace
     # SIGUSR1 too (SLURM's --signal=USR1@90 before the time limit): the agent passes it on and the ranks
     # stop and save as for SIGTERM (torch's agent, left to its default list, dies of it unsaved)
-    grace = ["--shutdown-timeout", str(_SIGNAL_GRACE_S), f"--signals-to-handle={_AGENT_SIGNALS}"]
+    grace = ["--shutdown-timeout", str(_SIGNAL_GRACE_S), f"--signals-to-handle={_agent_signals()}"]
     try:
         run(parse_args(["--standalone", f"--nproc-per-node={world}", *grace, "-m", "megaframe.train", *overrides]))
     except ChildFailedError as err:
@@ -332,6 +332,14 @@ def _self_launch(overrides: list[str], world: int, run_dir: str) -> int:
     except SignalException as err:  # the ranks have stopped (or were killed after the grace)
         return 128 + int(err.sigval)
     return 0
+
+
+def _agent_signals() -> str:
+    """_AGENT_SIGNALS less those ignored now (SIGHUP under `nohup`): the agent would catch and pass on
+    what the user asked to ignore, and the ranks inherit SIG_IGN and keep ignoring it (stop_signal.py)."""
+    from megaframe.training.stop_signal import not_ignored
+
+    return ",".join(signal.Signals(s).name for s in not_ignored(signal.Signals[name] for name in _AGENT_SIGNALS))
 
 
 def _signal_name(number: int) -> str:
@@ -386,8 +394,11 @@ def _shared_run_dir(run_dir: str, cfg: TrainConfig) -> str:
     """Under a launcher every rank must write to rank 0's run dir (timestamps differ per rank)."""
     import torch.distributed as dist
 
+    from megaframe.training.stop_signal import joining_before_the_run
+
     try:
-        engine(cfg.backend.name).init_distributed(cfg.train.collective_timeout_s, cfg.train.join_timeout_s)
+        with joining_before_the_run():  # SIGTERM/SIGUSR1/SIGHUP end a waiting rank with 143/138/129
+            engine(cfg.backend.name).init_distributed(cfg.train.collective_timeout_s, cfg.train.join_timeout_s)
     except RunFailure as err:  # ranks that never joined (parallel/rendezvous.py): one line, exit 7
         if not getattr(err, "quiet", False):
             print(f"{PROG}: error: {err} [exit {int(err.exit_code)}]", file=sys.stderr, flush=True)

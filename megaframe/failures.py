@@ -106,8 +106,8 @@ class JobStopped(RunFailure):
 
 # a run that SIGINT (Ctrl-C), SIGTERM (kill, SLURM's preemption), SIGHUP or SIGUSR1 (SLURM's --signal)
 # stopped at a step boundary exits as a shell reports such a process: 128 + the signal's number
-# (training/stop_signal.py)
-SIGNAL_STOPS = (130, 143, 129, 138)
+# (training/stop_signal.py); SIGQUIT (131) ends every rank at once, unsaved, as the user asked
+SIGNAL_STOPS = (130, 143, 129, 138, 131)
 
 _BY_CODE = {failure.exit_code: failure for failure in (Diverged, BadData, BadCheckpoint, MissingSystemPiece, RankHung,
                                                        SaveFailed)}

@@ -177,6 +177,25 @@ class IndexedDatasetWriter:
 
     def finalize(self, metadata: dict[str, Any]) -> Path:
         """Write .idx and .json, then atomically move all three files into place; returns the prefix."""
+        self.prepare(metadata)
+        return self.commit()
+
+    def commit(self) -> Path:
+        """Move the files that prepare() completed into place (three renames); returns the prefix.
+        Apart from prepare, so that a pair (train and validation sets) is published only once both
+        are complete: a failure while preparing the second leaves both previous datasets as they were."""
+        if self._state != "prepared":
+            raise DataError(f"{self.prefix}: writer is {self._state}, not prepared; call prepare() first")
+        try:
+            self._commit()
+        except BaseException:
+            self.abort()
+            raise
+        self._state = "finalized"
+        return self.prefix
+
+    def prepare(self, metadata: dict[str, Any]) -> None:
+        """Write .idx and .json beside the .bin, all three under temporary names, synced to disk."""
         if self._state != "open":
             raise DataError(f"{self.prefix}: writer is already {self._state}; create a new IndexedDatasetWriter")
         if self.num_documents == 0:
@@ -202,12 +221,10 @@ class IndexedDatasetWriter:
                 json_file.write(metadata_text.encode("utf-8"))
                 json_file.flush()
                 os.fsync(json_file.fileno())
-            self._commit()
         except BaseException:
             self.abort()
             raise
-        self._state = "finalized"
-        return self.prefix
+        self._state = "prepared"
 
     def _commit(self) -> None:
         bin_temp, idx_temp, json_temp = self._temp_paths

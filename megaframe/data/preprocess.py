@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from megaframe.data.dataset import split_documents
 from megaframe.data.indexed import LAYOUTS, DataError, IndexedDatasetWriter, best_dtype
-from megaframe.data.preprocess_stop import ignore_stop_in_worker, signals_deferred
+from megaframe.data.preprocess_stop import Stopped, ignore_stop_in_worker, signals_deferred
 from megaframe.data.sources import Source, find_sources, iter_documents
 from megaframe.data.temp_files import remove_orphans
 from megaframe.data.tokenizer import Tokenizer, build_tokenizer
@@ -141,7 +141,8 @@ def preprocess(
     if len({Path(prefix).resolve() for prefix in prefixes}) < len(prefixes):
         raise DataError(f"--valid-output-prefix {valid_prefix}: is --output-prefix too; name another for the held-out part")
     orphans = [path for prefix in prefixes for path in remove_orphans(Path(prefix))]
-    with contextlib.ExitStack() as stack:
+    published: list[str] = []  # the prefixes moved into place: a stop after that finds them complete
+    with _noting_published(published), contextlib.ExitStack() as stack:
         writers = [stack.enter_context(IndexedDatasetWriter(prefix, dtype=best_dtype(tokenizer.vocab_size),
                                                             layout=layout)) for prefix in prefixes]
         bar = stack.enter_context(tqdm(desc="tokenizing", unit=" docs", file=sys.stderr, mininterval=1.0,
@@ -155,9 +156,10 @@ def preprocess(
         metadata = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id,
                     "append_eod": append_eod, "json_key": json_key,
                     "source_files": [str(source.path) for source in sources]}
+        for writer in writers:  # every dataset complete on disk before any replaces a previous one
+            writer.prepare(metadata)
         with signals_deferred():  # a stop signal waits until the datasets are in place (preprocess_stop.py)
-            for writer in writers:
-                writer.finalize(metadata)
+            _publish(writers, published)
         summary: dict[str, Any] = {
             "output_prefix": str(output_prefix),
             "num_files": len(sources),
@@ -175,6 +177,31 @@ def preprocess(
     tokens_written = sum(part["num_tokens"] for part in (summary, summary.get("valid", {"num_tokens": 0})))
     summary["tokens_per_second"] = tokens_written / max(summary["seconds"], 1e-9)
     return summary
+
+
+@contextlib.contextmanager
+def _noting_published(published: list[str]) -> Iterator[None]:
+    """A Stopped raised within the block carries the prefixes already moved into place (Stopped.written)."""
+    try:
+        yield
+    except Stopped as stop:
+        stop.written = list(published)
+        raise
+
+
+def _publish(writers: list[IndexedDatasetWriter], published: list[str]) -> None:
+    """Move the prepared datasets into place, the training set first: three renames each, which
+    rarely fail once the files are written. If the held-out set's fail, the pair no longer matches
+    and the error says so (its .json is removed first, so it will not load unnoticed)."""
+    for writer in writers:
+        try:
+            writer.commit()
+        except OSError as err:
+            if not published:
+                raise
+            raise DataError(f"{published[0]} was replaced, but moving {writer.prefix} into place failed "
+                            f"({err.strerror or err}): the two no longer match; run megaframe-preprocess again") from err
+        published.append(str(writer.prefix))
 
 
 def _add(writers: list[IndexedDatasetWriter], index: int, tokens: np.ndarray, boundary: float,

@@ -82,7 +82,8 @@ def blank_argument(args: argparse.Namespace) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the tool; returns the process exit code (2 on bad input, 128 + N when signal N stopped it)."""
+    """Run the tool; returns the process exit code (2 on bad input, 128 + N when signal N stopped it
+    before the datasets were in place, 0 when after)."""
     args = build_parser().parse_args(argv)
     if problem := blank_argument(args):
         print(f"{PROG}: error: {problem}", file=sys.stderr)
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     workers, capped = usable_workers(args.workers) if args.workers >= 1 else (args.workers, None)
     if capped:
         print(f"{PROG}: {capped}", file=sys.stderr)
+    summary = None
     try:
         with stop_on_signals():
             tokenizer = build_tokenizer(args.tokenizer)
@@ -104,9 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {message}", file=sys.stderr)
         return 2
     except Stopped as stop:
-        print(f"{PROG}: stopped by {stop}: nothing written, temporary files removed; a dataset already at "
-              f"{args.output_prefix} is untouched", file=sys.stderr)
-        return stop.exit_code
+        if summary is None and not stop.written:
+            print(f"{PROG}: stopped by {stop}: nothing written, temporary files removed; a dataset already at "
+                  f"{args.output_prefix} is untouched", file=sys.stderr)
+            return stop.exit_code
+        return _stopped_after_writing(stop, summary)
     _report(summary)
     return 0
 
@@ -125,6 +129,21 @@ def _report(summary: dict) -> None:
         print(f"{PROG}: wrote {valid['output_prefix']}.{{bin,idx,json}}: {valid['num_documents']} documents, "
               f"{valid['num_tokens']} tokens (held out: --valid-fraction {valid['valid_fraction']})")
         print(f"{PROG}: train on them with data.path={summary['output_prefix']} data.valid_path={valid['output_prefix']}")
+
+
+def _stopped_after_writing(stop: Stopped, summary: dict | None) -> int:
+    """A signal that came once the datasets were in place: they are complete, so the tool reports them
+    and exits 0 (the work is done; 128+N would tell a script to discard or redo a good dataset)."""
+    if summary is not None:
+        _report(summary)
+    else:
+        for prefix in stop.written:
+            print(f"{PROG}: wrote {prefix}.{{bin,idx,json}}")
+        if len(stop.written) == 2:
+            print(f"{PROG}: train on them with data.path={stop.written[0]} data.valid_path={stop.written[1]}")
+    print(f"{PROG}: stopped by {stop} after the datasets were written and in place: they are complete",
+          file=sys.stderr)
+    return 0
 
 
 def console_main() -> None:

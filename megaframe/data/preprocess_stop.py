@@ -1,11 +1,13 @@
 """How megaframe-preprocess ends on a signal: SIGINT (Ctrl-C), SIGTERM (kill, a scheduler's time
 limit) and SIGHUP (a closed terminal) raise Stopped in the main thread, so the writers' context
 managers remove their temp files (which grow as large as the output) and the worker pool is
-terminated; the previous dataset under the output prefix is left as it was.
+terminated; the previous dataset under the output prefix is left as it was. A signal ignored at
+start (SIGHUP under `nohup`) stays ignored.
 
-A signal that arrives while a dataset is being moved into place (finalize: .json removed, then
+A signal that arrives while the datasets are being moved into place (commit: .json removed, then
 .bin, .idx and .json renamed) waits until that is done: stopped midway, the old dataset would be
-gone and the new one incomplete.
+gone and the new one incomplete. Stopped after that, the tool reports the datasets it wrote
+(Stopped.written), which are complete.
 """
 from __future__ import annotations
 
@@ -25,11 +27,17 @@ class Stopped(BaseException):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+        self.written: list[str] = []  # the prefixes moved into place before the stop (preprocess.py)
 
     @property
     def exit_code(self) -> int:
         """What a shell reports for a process a signal ended: 128 + the signal's number."""
         return 128 + self.signum
+
+
+def _not_ignored(signals) -> tuple[int, ...]:
+    """Those not SIG_IGN now: `nohup` ignores SIGHUP so that a closed terminal lets the work finish."""
+    return tuple(signum for signum in signals if signal.getsignal(signum) is not signal.SIG_IGN)
 
 
 def _handler(signum: int, frame) -> None:
@@ -44,7 +52,7 @@ def _handler(signum: int, frame) -> None:
 def stop_on_signals() -> Iterator[None]:
     """Within the block, STOP_SIGNALS raise Stopped; the previous handlers come back after it."""
     global _pending
-    previous = {signum: signal.signal(signum, _handler) for signum in STOP_SIGNALS}
+    previous = {signum: signal.signal(signum, _handler) for signum in _not_ignored(STOP_SIGNALS)}
     _pending = None
     try:
         yield
@@ -61,11 +69,13 @@ def signals_deferred() -> Iterator[None]:
     _deferring += 1
     try:
         yield
-    finally:
+    except BaseException:  # the block's own error ends the tool: it is what the user must read
         _deferring -= 1
-        if not _deferring and _pending is not None:
-            signum, _pending = _pending, None
-            raise Stopped(signum)
+        raise
+    _deferring -= 1
+    if not _deferring and _pending is not None:
+        signum, _pending = _pending, None
+        raise Stopped(signum)
 
 
 def ignore_stop_in_worker() -> None:

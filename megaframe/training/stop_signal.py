@@ -17,6 +17,11 @@ is not guarded either (a resume's load is a save's size). While the rank waits f
 the process group (`joining()`), a signal ends it at once: nothing is written yet.
 A second signal ends the rank at once, saving nothing: a save it interrupts is left in a tmp-*
 directory, which is never taken for a checkpoint (training/checkpoint.py).
+SIGQUIT (Ctrl-\\, and in torchrun's default list of signals its agent passes on to the ranks) means
+"quit now": the rank ends at once, saving nothing, with one line and exit 131, rather than dumping
+core in every rank.
+A signal ignored when the process started (SIGHUP under `nohup`, SIGINT for a `&` job of a script)
+stays ignored: the user asked that it not end the run.
 """
 from __future__ import annotations
 
@@ -30,8 +35,15 @@ import torch
 import torch.distributed as dist
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+QUIT = signal.SIGQUIT  # ends the rank at once: what Ctrl-\ asks for (no save)
 GRACE_FLOOR_S = 2.0  # the least time a signalled rank is given to reach the next step boundary
 PROG = "megaframe-train"
+
+
+def not_ignored(signals) -> tuple[int, ...]:
+    """The signals whose disposition is not SIG_IGN now: `nohup` ignores SIGHUP so that a closed
+    terminal leaves the run training, and a handler of ours would undo that."""
+    return tuple(signum for signum in signals if signal.getsignal(signum) is not signal.SIG_IGN)
 
 
 def exit_code(signum: int) -> int:
@@ -43,6 +55,23 @@ def _exit_now(signum: int, why: str) -> None:
     """One line on stderr and the signal's exit code, at once (no Python clean-up: none is owed)."""
     os.write(2, f"{PROG}: {signal.Signals(signum).name} {why}\n".encode())
     os._exit(exit_code(signum))
+
+
+def _quit(signum: int, _frame) -> None:
+    _exit_now(signum, "received: stopping now, without saving")
+
+
+@contextlib.contextmanager
+def joining_before_the_run() -> Iterator[None]:
+    """StopSignal.joining() for a join before the Trainer exists (cli.py's shared run dir, under
+    torchrun or srun): a rank waiting for its peers ends on a signal with its line and code, not by
+    the signal's default action; the previous handlers come back after the join."""
+    stop = StopSignal(1).install()
+    try:
+        with stop.joining():
+            yield
+    finally:
+        stop.restore()
 
 
 class StopSignal:
@@ -68,8 +97,10 @@ class StopSignal:
         """Catch the stop signals (main thread only: Ray Train runs the loop on a thread of its own,
         and Ray stops its workers itself)."""
         if threading.current_thread() is threading.main_thread():
-            for signum in SIGNALS:
+            for signum in not_ignored(SIGNALS):
                 self._previous[signum] = signal.signal(signum, self._handle)
+            for signum in not_ignored((QUIT,)):
+                self._previous[signum] = signal.signal(signum, _quit)
         return self
 
     def restore(self) -> None:

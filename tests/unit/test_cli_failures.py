@@ -54,3 +54,44 @@ def test_a_sigterm_is_named_only_when_it_came_first(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == "megaframe-train: error (rank 1): killed by SIGTERM [exit 1]"
     _name_a_killed_rank(_failed(tmp_path, (1, 100), (-signal.SIGTERM, 100)))  # the agent's, after rank 0's error
     assert capsys.readouterr().err.strip() == ""
+
+
+class _Ended(Exception):
+    """Raised where stop_signal._exit_now would end the process."""
+
+
+def test_a_rank_waiting_to_join_under_a_launcher_ends_on_a_signal_with_its_code(monkeypatch):
+    """Under torchrun or srun (run dir not pinned) the join happens in cli._shared_run_dir, before
+    the Trainer: SIGUSR1/SIGTERM/SIGHUP used to end that waiting rank by the default action, no line."""
+    import os
+    import time
+    from types import SimpleNamespace
+
+    from megaframe import cli
+    from megaframe.training import stop_signal
+
+    def ended(signum, why):
+        raise _Ended(signum, why)
+
+    class Waiting:  # an engine whose join waits for a rank that never comes
+        def init_distributed(self, *_):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(3)
+
+    monkeypatch.setattr(stop_signal, "_exit_now", ended)
+    monkeypatch.setattr(cli, "engine", lambda name: Waiting())
+    cfg = SimpleNamespace(backend=SimpleNamespace(name="any"),
+                          train=SimpleNamespace(collective_timeout_s=60, join_timeout_s=60))
+    def missed(*_):  # a signal the join missed must not end pytest
+        pass
+
+    before = signal.signal(signal.SIGUSR1, missed)
+    try:
+        with pytest.raises(_Ended) as err:
+            cli._shared_run_dir("runs/x", cfg)
+        assert err.value.args == (signal.SIGUSR1, "while waiting for the ranks to join: stopping now "
+                                                  "(nothing to save yet)")
+        assert stop_signal.exit_code(signal.SIGUSR1) == 138
+        assert signal.getsignal(signal.SIGUSR1) is missed  # the previous handler is put back
+    finally:
+        signal.signal(signal.SIGUSR1, before)

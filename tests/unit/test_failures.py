@@ -25,6 +25,7 @@ def test_the_job_exit_code_is_the_cause_not_the_ranks_that_followed_it():
     assert exit_code_of_job([130, -15]) == 130  # rank 1 was still closing when the agent ended it
     assert exit_code_of_job([-15, -15]) == 1  # killed, not stopped: no rank said it stopped
     assert exit_code_of_job([143, 1]) == 1
+    assert exit_code_of_job([131, -3]) == 131  # SIGQUIT: every rank quit at once, as asked (not INTERNAL)
 
 
 def test_peer_failures_are_consequences():

@@ -92,6 +92,19 @@ def test_a_signal_while_the_dataset_moves_into_place_waits_for_it():
     assert signal.getsignal(signal.SIGTERM) == before  # the handler is put back
 
 
+def test_a_signal_ignored_at_start_stays_ignored_as_nohup_asks():
+    """`nohup megaframe-preprocess ... &` then logging out: SIGHUP used to stop the tool (exit 129)."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup leaves to the process it starts
+    try:
+        with stop_on_signals():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGHUP)  # ignored: the block goes on
+            with pytest.raises(Stopped):  # the others still stop it
+                os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
 # the tool run as a user runs it, slowed down in the parent (each document takes 20 ms to write) so
 # that the signal lands while the temp files grow; the first document written (by then the workers
 # have started and sent it) leaves the file named by argv[1]
@@ -167,3 +180,64 @@ def test_the_temp_files_of_a_killed_run_are_removed_by_the_next(tmp_path, capsys
     assert capsys.readouterr().err == (f"megaframe-preprocess: removed {len(left)} temporary files that a killed "
                                        f"megaframe-preprocess left beside {tmp_path / 'ds'}\n")
     assert sorted(p.name for p in tmp_path.glob(".*.tmp")) == sorted(kept)
+
+
+def _old_pair(tmp_path: Path) -> dict[str, bytes]:
+    """A train/validation pair already at tmp/ds and tmp/ds_val, and new input at tmp/new.jsonl."""
+    (tmp_path / "old.jsonl").write_text("".join(json.dumps({"text": f"old {i}"}) + "\n" for i in range(20)))
+    preprocess([tmp_path / "old.jsonl"], tmp_path / "ds", "byte", valid_fraction=0.1)
+    (tmp_path / "new.jsonl").write_text("".join(json.dumps({"text": f"new {i}"}) + "\n" for i in range(20)))
+    return {p.name: p.read_bytes() for p in tmp_path.glob("ds*.*")}
+
+
+def test_a_signal_once_the_datasets_are_in_place_reports_them_complete(tmp_path, capsys, monkeypatch):
+    """The signal waited for the renames, then the tool said "nothing written ... untouched" (exit
+    143) about the datasets it had just replaced."""
+    from megaframe.data.indexed import IndexedDatasetWriter
+
+    _old_pair(tmp_path)
+    commit = IndexedDatasetWriter.commit
+
+    def signalled(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # lands while the datasets move into place
+        return commit(self)
+
+    monkeypatch.setattr(IndexedDatasetWriter, "commit", signalled)
+    assert main(["--input", str(tmp_path / "new.jsonl"), "--output-prefix", str(tmp_path / "ds"),
+                 "--valid-fraction", "0.1"]) == 0
+    out, err = capsys.readouterr()
+    assert f"megaframe-preprocess: wrote {tmp_path / 'ds'}.{{bin,idx,json}}" in out
+    assert f"data.path={tmp_path / 'ds'} data.valid_path={tmp_path / 'ds'}_val" in out
+    assert err.strip().splitlines() == ["megaframe-preprocess: stopped by SIGTERM after the datasets were written "
+                                        "and in place: they are complete"]
+    assert _tokens(tmp_path / "ds")[0] == list(b"new 0") + [EOD] and len(_tokens(tmp_path / "ds_val")) == 2
+
+
+def test_the_pair_is_published_only_once_both_are_complete(tmp_path, capsys, monkeypatch):
+    """--valid-fraction moved the training set into place, then failed on the held-out one: a new
+    training set beside the old validation set, and the tool said nothing of it."""
+    from megaframe.data.indexed import IndexedDatasetWriter
+
+    before = _old_pair(tmp_path)
+    argv = ["--input", str(tmp_path / "new.jsonl"), "--output-prefix", str(tmp_path / "ds"), "--valid-fraction", "0.1"]
+    prepare, commit = IndexedDatasetWriter.prepare, IndexedDatasetWriter.commit
+
+    def full_disk(step):
+        def failing(self, *args):
+            if self.prefix.name == "ds_val":
+                raise OSError(28, "No space left on device")
+            return step(self, *args)
+        return failing
+
+    monkeypatch.setattr(IndexedDatasetWriter, "prepare", full_disk(prepare))  # writing the second set's index
+    assert main(argv) == 2
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("ds*.*")} == before  # both previous sets stand
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temp file left
+    monkeypatch.setattr(IndexedDatasetWriter, "prepare", prepare)
+    monkeypatch.setattr(IndexedDatasetWriter, "commit", full_disk(commit))  # the renames of the second set
+    capsys.readouterr()
+    assert main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"megaframe-preprocess: error: {tmp_path / 'ds'} was replaced, but moving {tmp_path / 'ds_val'} "
+                    "into place failed (No space left on device): the two no longer match; run megaframe-preprocess "
+                    "again")

@@ -123,3 +123,38 @@ def test_start_up_and_evaluations_are_not_guarded_until_the_step_loop_resumes():
         assert stop.agreed(torch.device("cpu")) == signal.SIGTERM and stop._watchdog is None
     finally:
         stop.restore()
+
+
+def test_a_signal_ignored_at_start_stays_ignored_as_nohup_asks():
+    """`nohup megaframe-train ... &` then logging out: SIGHUP used to reach our handler (and the agent's
+    --signals-to-handle) and stop the run with 129 where nohup had kept it training."""
+    from megaframe import cli
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup leaves to the process it starts
+    stop = stop_signal.StopSignal(1).install()
+    try:
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert stop.received == 0
+        assert cli._agent_signals() == "SIGTERM,SIGINT,SIGQUIT,SIGUSR1"  # the ranks inherit SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == stop._handle  # the others are still ours
+    finally:
+        stop.restore()
+        signal.signal(signal.SIGHUP, before)
+    if before is not signal.SIG_IGN:  # not itself run under nohup: the full list
+        assert cli._agent_signals() == "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+def test_sigquit_ends_the_rank_at_once_without_a_core_dump(monkeypatch):
+    """torchrun's agent passes SIGQUIT on by default: each rank dumped core (read as INTERNAL)."""
+    exits = _Exits()
+    monkeypatch.setattr(stop_signal, "_exit_now", exits)
+    before = signal.signal(signal.SIGQUIT, lambda *_: None)  # a SIGQUIT StopSignal missed must not end pytest
+    stop = stop_signal.StopSignal(1).install()
+    try:
+        os.kill(os.getpid(), signal.SIGQUIT)
+        assert exits.calls == [(signal.SIGQUIT, "received: stopping now, without saving")]
+        assert stop_signal.exit_code(signal.SIGQUIT) == 131
+    finally:
+        stop.restore()
+        signal.signal(signal.SIGQUIT, before)
