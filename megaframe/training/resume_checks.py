@@ -24,7 +24,7 @@ import re
 import stat
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from megaframe.atomic_io import atomic_write_text
 from megaframe.checkpoint.universal import CheckpointError
@@ -151,28 +151,6 @@ def start_over(run_dir: Path, checkpoint_dir: Path, resume: str, metrics, is_log
         print(f"no checkpoint to resume from: dropped {dropped} metrics records of an earlier attempt that saved none",
               flush=True)
     mark_unsaved(run_dir)
-
-
-def rank0_choice(choose: Callable[[], Optional[Path]], is_rank0: bool, distributed: bool) -> Optional[Path]:
-    """The checkpoint to resume from, or None to start over, as rank 0's choose() says, on every
-    rank: each rank picking its own could see shared storage differently and take the other branch
-    (one of them then waits in a collective the rest never reach). choose() runs on rank 0 only; a
-    CheckpointError it raises is raised on every rank (exit 5 everywhere, no rank left waiting)."""
-    answer: list[Any] = [None]
-    if is_rank0 or not distributed:
-        try:
-            path = choose()
-            answer[0] = ("path", None if path is None else str(path))
-        except CheckpointError as err:
-            answer[0] = ("error", str(err))
-    if distributed:
-        import torch.distributed as dist
-
-        dist.broadcast_object_list(answer, src=0)  # a tuple of strings megaframe made, never a user's file
-    kind, value = answer[0]
-    if kind == "error":
-        raise CheckpointError(value)
-    return None if value is None else Path(value)
 
 
 def gone_latest_warning(checkpoint_dir: Path, path: Optional[Path]) -> Optional[str]:

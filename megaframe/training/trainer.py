@@ -189,18 +189,6 @@ class Trainer:
         verified = self.cfg.train.resume == "auto"
         if verified and self.fast is not None:
             self._restore_fast_tier()
-        # rank 0 picks, every rank takes its pick: ranks that looked themselves could see an eventually
-        # consistent file system differently, and one would wait in a collective the others never reach
-        path = resume_checks.rank0_choice(lambda: self._pick_checkpoint(verified), self.is_logger,
-                                          dist.is_initialized())
-        if path is None:
-            self._start_over()
-            return
-        self._resume_from(path, verified=verified and self.is_logger)  # other ranks verify what they read
-
-    def _pick_checkpoint(self, verified: bool) -> Optional[Path]:
-        """Rank 0: the checkpoint to resume from (train.resume=auto: the newest that verifies, saying
-        what it skipped; else train.resume's), None to start from step 0."""
         if verified:  # the newest checkpoint that verifies; a corrupt newer one is skipped, said in one line
             path, skipped = checkpoint.newest_verified(self.checkpoint_dir)
             if path is not None and not (self.checkpoint_dir / checkpoint.LATEST).is_file() and self.is_logger:
@@ -214,9 +202,9 @@ class Trainer:
                       f"{'; '.join(skipped)}; resuming from {path.name}", file=sys.stderr, flush=True)
         else:
             path = checkpoint.resolve_resume(self.cfg.train.resume, self.checkpoint_dir)
-        return path
-
-    def _resume_from(self, path: Path, verified: bool) -> None:
+        if path is None:
+            self._start_over()
+            return
         accept_tokenizer = self.cfg.train.resume_accept_tokenizer_change
         tokenizer_check.check_resume(path, self.tokenizer_record, self.is_logger,  # the cause of a vocabulary change
                                      accept=accept_tokenizer)

@@ -137,43 +137,6 @@ def test_a_fifo_planted_as_metrics_is_not_waited_on(tmp_path):
     assert problem and "holds records of earlier steps" in problem
 
 
-def test_every_rank_resumes_from_rank_0s_choice(monkeypatch, tmp_path):
-    """Each rank picked its own checkpoint: on storage that ranks see differently one could start
-    over (and wait in start_over's broadcast) while the others resumed. Rank 0 picks; the others
-    take its answer (a rank > 0 is simulated: the broadcast hands it what rank 0 sent)."""
-    import torch.distributed as dist
-
-    sent = {}
-
-    def broadcast(objects, src):
-        assert src == 0
-        objects[0] = sent["rank0"]
-
-    monkeypatch.setattr(dist, "broadcast_object_list", broadcast)
-    ckpt = tmp_path / "checkpoints" / "global_step4"
-
-    def rank1_view():
-        raise AssertionError("a rank > 0 looked for a checkpoint itself")
-
-    for rank0_pick in (ckpt, None):
-        sent["rank0"] = ("path", None if rank0_pick is None else str(rank0_pick))
-        assert resume_checks.rank0_choice(rank1_view, is_rank0=False, distributed=True) == rank0_pick
-    sent["rank0"] = ("error", "train.resume=auto: no checkpoint under x verifies")  # ends every rank alike
-    with pytest.raises(CheckpointError, match="no checkpoint under x verifies"):
-        resume_checks.rank0_choice(rank1_view, is_rank0=False, distributed=True)
-    monkeypatch.setattr(dist, "broadcast_object_list", lambda objects, src: sent.update(rank0=objects[0]))
-    assert resume_checks.rank0_choice(lambda: ckpt, is_rank0=True, distributed=True) == ckpt
-    assert sent["rank0"] == ("path", str(ckpt))  # plain strings on the wire
-
-    def refused():
-        raise CheckpointError("refused")
-
-    with pytest.raises(CheckpointError, match="refused"):
-        resume_checks.rank0_choice(refused, is_rank0=True, distributed=True)
-    assert sent["rank0"] == ("error", "refused")
-    assert resume_checks.rank0_choice(lambda: None, is_rank0=True, distributed=False) is None
-
-
 def test_metrics_are_read_from_their_tail(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
