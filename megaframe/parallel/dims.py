@@ -13,6 +13,15 @@ edp_rank, the expert-data-parallel coordinate:
     ep_rank = (dp_rank * cp + cp_rank) % ep,   edp_rank = (dp_rank * cp + cp_rank) // ep
 
 so experts are sharded over ep ranks and each expert's gradient is reduced over edp ranks.
+
+HSDP (dp_replicate = R > 1) takes a second view of the same flattened index: R replicas (slow) of a
+shard group of dp_shard = dp*cp/R neighbouring ranks (fast), as torchtitan's dp_replicate x dp_shard
+mesh (here the shard group spans cp too: cp ranks hold replicas of the weights):
+
+    dp_replicate_rank = (dp_rank * cp + cp_rank) // dp_shard,   dp_shard_rank = (...) % dp_shard
+
+FSDP shards within a dp_shard group and all-reduces across a dp_replicate group; data is still
+sharded over all dp ranks (the dp axis), whatever R is.
 Everything here is arithmetic: the process groups live in ParallelState (parallel/state.py).
 """
 from __future__ import annotations
@@ -24,6 +33,10 @@ from functools import lru_cache
 RANK_AXES = ("pp", "dp", "cp", "tp")
 # The view expert layers take of the same ranks: dp x cp split into edp (slow) and ep (fast).
 EXPERT_AXES = ("pp", "edp", "ep", "tp")
+# HSDP's view of them: dp x cp split into dp_replicate (slow) and dp_shard (fast).
+HSDP_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+# The views that split dp x cp, by their own axes: groups along one view's axes never mix in another's.
+_VIEWS = (EXPERT_AXES, HSDP_AXES)
 
 
 @dataclass(frozen=True)
@@ -40,22 +53,27 @@ class RankCoords:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of pipeline, data, context, expert and tensor parallelism (world = pp*dp*cp*tp)."""
+    """Degrees of pipeline, data, context, expert and tensor parallelism (world = pp*dp*cp*tp), and
+    HSDP's replicas of the data-parallel ranks (dp_replicate)."""
 
     pp: int = 1
     dp: int = 1
     cp: int = 1
     ep: int = 1
     tp: int = 1
+    dp_replicate: int = 1
 
     def __post_init__(self) -> None:
-        for axis in ("pp", "dp", "cp", "ep", "tp"):
+        for axis in ("pp", "dp", "cp", "ep", "tp", "dp_replicate"):
             value = getattr(self, axis)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel.{axis}={value!r} must be a positive integer")
         if (self.dp * self.cp) % self.ep:
             raise ValueError(f"parallel.ep={self.ep} must divide dp*cp={self.dp * self.cp}: expert "
                              "parallelism shares the data- and context-parallel ranks")
+        if (self.dp * self.cp) % self.dp_replicate:
+            raise ValueError(f"parallel.dp_replicate={self.dp_replicate} must divide dp*cp={self.dp * self.cp}: "
+                             "HSDP's replicas are equal shard groups of the data- and context-parallel ranks")
 
     @property
     def world_size(self) -> int:
@@ -65,6 +83,11 @@ class ParallelDims:
     def edp(self) -> int:
         """Expert-data-parallel degree: the replicas of each expert."""
         return self.dp * self.cp // self.ep
+
+    @property
+    def dp_shard(self) -> int:
+        """HSDP's shard-group size: the dp x cp ranks of one replica (all of them without HSDP)."""
+        return self.dp * self.cp // self.dp_replicate
 
     def size(self, *axes: str) -> int:
         """Ranks in one group along `axes` (1 for no axes)."""
@@ -84,6 +107,11 @@ class ParallelDims:
         edp_rank, ep_rank = divmod(dp_rank * self.cp + cp_rank, self.ep)
         return RankCoords(pp=pp_rank, dp=dp_rank, cp=cp_rank, tp=tp_rank, ep=ep_rank, edp=edp_rank)
 
+    def coord(self, rank: int, axis: str) -> int:
+        """The coordinate of `rank` on one axis, HSDP's dp_replicate and dp_shard included."""
+        _check_axes((axis,))
+        return _on_axis(self, self.coords(rank), axis)
+
     def rank(self, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
         """The rank at these coordinates (the inverse of coords on the rank axes)."""
         for axis, value in (("pp", pp), ("dp", dp), ("cp", cp), ("tp", tp)):
@@ -94,7 +122,8 @@ class ParallelDims:
     def groups(self, *axes: str) -> list[list[int]]:
         """Every group along `axes`: ranks that differ only on those axes, each list ascending,
         the lists ordered by their first rank. `groups("dp", "cp")` is the gradient-reduction
-        group of dense parameters, `groups("ep")` and `groups("edp")` those of the experts."""
+        group of dense parameters, `groups("ep")` and `groups("edp")` those of the experts,
+        `groups("dp_shard")` and `groups("dp_replicate")` HSDP's shard and replica groups."""
         _check_axes(axes)
         return [list(ranks) for ranks in _groups(self, axes)]
 
@@ -140,13 +169,21 @@ class OnGrid:
 # and one pass over the world is O(world) work (3,072 ranks for gpt_1t).
 @lru_cache(maxsize=None)
 def _groups(grid: ParallelDims, axes: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-    system = EXPERT_AXES if {"ep", "edp"} & set(axes) else RANK_AXES
+    system = next((view for view in _VIEWS if set(view) & set(axes) - set(RANK_AXES)), RANK_AXES)
     fixed = [axis for axis in system if axis not in axes]
     by_fixed: dict[tuple[int, ...], list[int]] = {}
     for rank in range(grid.world_size):
         c = grid.coords(rank)
-        by_fixed.setdefault(tuple(getattr(c, axis) for axis in fixed), []).append(rank)
+        by_fixed.setdefault(tuple(_on_axis(grid, c, axis) for axis in fixed), []).append(rank)
     return tuple(sorted(tuple(ranks) for ranks in by_fixed.values()))
+
+
+def _on_axis(grid: ParallelDims, c: RankCoords, axis: str) -> int:
+    """One coordinate: RankCoords' own, or HSDP's split of the flattened dp x cp index."""
+    if axis in ("dp_replicate", "dp_shard"):
+        replica, position = divmod(c.dp * grid.cp + c.cp, grid.dp_shard)
+        return replica if axis == "dp_replicate" else position
+    return getattr(c, axis)
 
 
 @lru_cache(maxsize=None)
@@ -155,12 +192,17 @@ def _group_of_rank(grid: ParallelDims, axes: tuple[str, ...]) -> dict[int, tuple
 
 
 def _check_axes(axes: tuple[str, ...]) -> None:
-    known = set(RANK_AXES) | set(EXPERT_AXES)
+    known = set(RANK_AXES).union(*_VIEWS)
     unknown = [a for a in axes if a not in known]
     if unknown:
         raise ValueError(f"unknown parallel axes {unknown}; known: {sorted(known)}")
-    if {"ep", "edp"} & set(axes) and {"dp", "cp"} & set(axes):
-        raise ValueError(f"axes {list(axes)} mix the expert view (ep, edp) with dp/cp, which it splits")
+    views = [view for view in _VIEWS if set(view) & set(axes) - set(RANK_AXES)]
+    if len(views) > 1:
+        raise ValueError(f"axes {list(axes)} mix the expert view (ep, edp) with HSDP's (dp_replicate, dp_shard)")
+    if views and {"dp", "cp"} & set(axes):
+        own = [a for a in views[0] if a not in RANK_AXES]
+        name = "the expert view" if views[0] is EXPERT_AXES else "HSDP's view"
+        raise ValueError(f"axes {list(axes)} mix {name} ({', '.join(own)}) with dp/cp, which it splits")
     if len(set(axes)) != len(axes):
         raise ValueError(f"axes {list(axes)} repeat an axis")
 

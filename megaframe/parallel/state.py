@@ -16,6 +16,13 @@ from megaframe.parallel.dims import OnGrid, ParallelDims, RankCoords
 # The groups a run may use, each created once (groups with the same members share one).
 # ("dp", "cp") reduces dense gradients; ("ep",) and ("edp",) shard and reduce experts.
 GROUP_AXES = (("tp",), ("cp",), ("dp",), ("pp",), ("dp", "cp"), ("ep",), ("edp",))
+# HSDP's shard and replica groups, created only on a grid with dp_replicate > 1.
+HSDP_GROUP_AXES = (("dp_shard",), ("dp_replicate",))
+
+
+def group_axes(grid: ParallelDims) -> tuple[tuple[str, ...], ...]:
+    """The axes ParallelState.build creates groups along on `grid`."""
+    return GROUP_AXES + (HSDP_GROUP_AXES if grid.dp_replicate > 1 else ())
 
 
 class ParallelState(OnGrid):
@@ -28,20 +35,27 @@ class ParallelState(OnGrid):
         self._groups = groups or {}
 
     @classmethod
-    def build(cls, grid: ParallelDims) -> "ParallelState":
-        """Create the groups on an initialised default process group (every rank must call this)."""
+    def build(cls, grid: ParallelDims, reuse: Optional["ParallelState"] = None) -> "ParallelState":
+        """Create the groups on an initialised default process group (every rank must call this).
+        `reuse`: a state of the same ranks whose groups are kept (only the missing ones are created)."""
         if not dist.is_initialized():
             return cls(grid, rank=0)
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != grid.world_size:
             raise RuntimeError(f"{grid.describe()} needs {grid.world_size} ranks but the process group has {world}")
         by_members: dict[tuple[int, ...], object] = {}
+        # what `reuse` created, decided by arithmetic alone: every rank must skip the same groups
+        created: set[tuple[int, ...]] = set()
+        if reuse is not None:
+            for axes in group_axes(reuse.grid):
+                created.update(tuple(ranks) for ranks in reuse.grid.groups(*axes))
+                by_members[tuple(reuse.group_ranks(*axes))] = reuse.group(*axes)
         mine: dict[tuple[str, ...], object] = {}
         # new_group is collective over the world: every rank creates every group in the same order.
-        for axes in GROUP_AXES:
+        for axes in group_axes(grid):
             for ranks in grid.groups(*axes):
                 key = tuple(ranks)
-                if key not in by_members:
+                if key not in by_members and key not in created:
                     by_members[key] = dist.new_group(ranks=ranks)
                 if rank in ranks:
                     mine[axes] = by_members[key]
@@ -51,7 +65,7 @@ class ParallelState(OnGrid):
         """This rank's process group along `axes` (None when this state was made without process
         groups: ParallelState(grid, rank) rather than build)."""
         if self._groups and axes not in self._groups:
-            raise KeyError(f"no process group along {axes}: ParallelState.build creates {GROUP_AXES}")
+            raise KeyError(f"no process group along {axes}: ParallelState.build creates {group_axes(self.grid)}")
         return self._groups.get(axes)
 
     def group_ranks(self, *axes: str) -> list[int]:

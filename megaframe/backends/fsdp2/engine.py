@@ -20,7 +20,7 @@ from megaframe.backends import Batch, StepResult
 from megaframe.backends.common import (apply_update, decay_param_groups, dp_mean, eval_mean, join_torch_world, on_device,
                                        router_metrics)
 from megaframe.backends.fsdp2 import build, pipeline, state_io
-from megaframe.backends.fsdp2.mesh import data_mesh
+from megaframe.backends.fsdp2.mesh import data_mesh, with_replicas
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims
@@ -61,16 +61,17 @@ class Fsdp2Backend:
 
     def __init__(self, cfg: TrainConfig, layout: Layout, ps: ParallelState, dims: GPTDims,
                  lr_scheduler: Callable[[torch.optim.Optimizer], Any]):
-        self.cfg, self.layout, self.ps, self.dims = cfg, layout, ps, dims
         p = cfg.parallel
+        ps = with_replicas(ps, p.dp_replicate)  # HSDP: its replicas an axis of the grid, with their groups
+        self.cfg, self.layout, self.ps, self.dims = cfg, layout, ps, dims
         offload = cfg.offload.optimizer == "cpu"  # CPUOffloadPolicy: parameters, gradients, AdamW
         self.device = torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" \
             else torch.device("cpu")
         # the data-parallel ranks (dp x cp: cp ranks hold replicas of the weights too) as FSDP's mesh;
         # experts split over ep ranks shard over their expert-data-parallel ranks instead
-        data = data_mesh(ps, p.dp_replicate, device_type())
+        data = data_mesh(ps, device_type())
         self.mesh, self.shard_group, self.replica = data.mesh, data.shard_group, data.replica
-        self.replicated = p.dp_replicate > 1
+        self.replicated = ps.grid.dp_replicate > 1
         # no replicated-gradient bucket: FSDP2 reduces each gradient as its backward ends, and a
         # bucket summed at the step's end would miss it (TP-replicated gradients sum at each use)
         pipelined = layout.grid.pp > 1

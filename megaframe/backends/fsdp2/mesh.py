@@ -1,18 +1,18 @@
 """FSDP2's device meshes, built from megaframe's own process groups (no second world of groups).
 
 Plain sharding: one dimension, the dp x cp ranks (cp ranks hold replicas of the weights too). HSDP
-(parallel.dp_replicate = R > 1): those ranks as R replicas of a shard group of S = dp*cp/R
-consecutive ranks; FSDP shards within a group (reduce-scatter, all-gather over S ranks, on a node
-when S fits one) and all-reduces gradients across the replicas. Experts split over ep ranks shard
-over their expert-data-parallel ranks instead (build.ExpertSharding).
+(parallel.dp_replicate = R > 1): the grid's dp_replicate x dp_shard axes (parallel/dims.py), R
+replicas of a shard group of S = dp*cp/R consecutive ranks; FSDP shards within a group
+(reduce-scatter, all-gather over S ranks, on a node when S fits one) and all-reduces gradients
+across the replicas. Experts split over ep ranks shard over their expert-data-parallel ranks
+instead (build.ExpertSharding).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from megaframe.parallel.state import ParallelState
@@ -25,22 +25,22 @@ class DataMesh:
     replica: int  # which replica this rank's shard group is (0 when not HSDP): replica 0 writes checkpoints
 
 
-def data_mesh(ps: ParallelState, replicas: int, device_type: str) -> DataMesh:
-    """The mesh fully_shard takes for dense parameters. Every rank creates every HSDP group, in
-    the same order (new_group is collective over the world)."""
-    if replicas == 1:
+def with_replicas(ps: ParallelState, replicas: int) -> ParallelState:
+    """This rank's state on its grid with HSDP's `replicas` as the dp_replicate axis: the groups `ps`
+    has are kept, HSDP's shard and replica groups created (every rank must call this)."""
+    if ps.grid.dp_replicate == replicas:
+        return ps
+    return ParallelState.build(replace(ps.grid, dp_replicate=replicas), reuse=ps)
+
+
+def data_mesh(ps: ParallelState, device_type: str) -> DataMesh:
+    """The mesh fully_shard takes for dense parameters: (shard,) or, under HSDP, (replicate, shard)."""
+    if ps.grid.dp_replicate == 1:
         group = ps.grad_reduce_group
         return DataMesh(DeviceMesh.from_group(group, device_type, mesh_dim_names=("shard",)), group, 0)
-    mine = None
-    for ranks in ps.grid.groups("dp", "cp"):
-        size = len(ranks) // replicas
-        blocks = [ranks[i * size:(i + 1) * size] for i in range(replicas)]
-        shard_groups = [dist.new_group(block) for block in blocks]
-        replicate_groups = [dist.new_group(ranks[j::size]) for j in range(size)]
-        if ps.rank in ranks:
-            at = ranks.index(ps.rank)
-            mine = (blocks, replicate_groups[at % size], shard_groups[at // size], at // size)
-    blocks, replicate_group, shard_group, replica = mine
-    mesh = DeviceMesh.from_group([replicate_group, shard_group], device_type, mesh=torch.tensor(blocks),
+    # one row per replica of this rank's dp x cp ranks, in replica order: that replica's shard group
+    rows = [ps.grid.group_of(rank, "dp_shard") for rank in ps.group_ranks("dp_replicate")]
+    shard_group = ps.group("dp_shard")
+    mesh = DeviceMesh.from_group([ps.group("dp_replicate"), shard_group], device_type, mesh=torch.tensor(rows),
                                  mesh_dim_names=("replicate", "shard"))
-    return DataMesh(mesh, shard_group, replica)
+    return DataMesh(mesh, shard_group, ps.grid.coord(ps.rank, "dp_replicate"))

@@ -99,8 +99,8 @@ def layout_record(ps: ParallelState, cfg: TrainConfig) -> dict[str, Any]:
     """The layout this rank's RNG states belong to (restored on a resume into the same one)."""
     record = {"engine": "fsdp2", "tp": ps.tp, "pp": ps.pp, "dp": ps.dp, "zero_stage": cfg.zero.stage,
               "dtype": cfg.precision.dtype}
-    if cfg.parallel.dp_replicate > 1:
-        record["dp_replicate"] = cfg.parallel.dp_replicate
+    if ps.grid.dp_replicate > 1:
+        record["dp_replicate"] = ps.grid.dp_replicate
     if ps.cp > 1:
         record["cp"] = ps.cp
     return record

@@ -68,3 +68,67 @@ def test_bad_axes_and_coordinates_are_refused():
         dims.groups("model")
     with pytest.raises(ValueError, match="outside a world of 4"):
         dims.coords(4)
+
+
+def _hsdp_by_enumeration(pp: int, dp: int, cp: int, tp: int, replicas: int) -> dict[str, list[list[int]]]:
+    """HSDP's groups found by walking the ranks in launch order (tp fastest, then cp, dp, pp) and
+    cutting each (pp, tp) position's data-parallel ranks into `replicas` equal consecutive blocks:
+    no coordinate arithmetic shared with ParallelDims."""
+    data_parallel: dict[tuple[int, int], list[int]] = {}
+    rank = 0
+    for p in range(pp):
+        for _ in range(dp * cp):
+            for t in range(tp):
+                data_parallel.setdefault((p, t), []).append(rank)
+                rank += 1
+    shard, replicate = [], []
+    for ranks in data_parallel.values():
+        blocks = [ranks[i:i + len(ranks) // replicas] for i in range(0, len(ranks), len(ranks) // replicas)]
+        shard += blocks
+        replicate += [list(column) for column in zip(*blocks)]
+    return {"dp_shard": sorted(shard), "dp_replicate": sorted(replicate)}
+
+
+def test_hsdp_replicas_dp4_tp2_written_out():
+    """dp=4, dp_replicate=2, tp=2: FSDP shards over neighbouring data-parallel ranks and all-reduces
+    across the two replicas; data is still read by all four dp ranks."""
+    dims = ParallelDims(dp=4, tp=2, dp_replicate=2)
+    assert dims.dp_shard == 2 and dims.size("dp_replicate") == 2 and dims.size("dp_shard") == 2
+    assert dims.groups("dp_shard") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.groups("dp_replicate") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dims.groups("dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]  # data sharding: unchanged by HSDP
+    assert [dims.coord(r, "dp_replicate") for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [dims.coord(r, "dp_shard") for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [dims.coord(r, "dp") for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+@pytest.mark.parametrize("degrees", [
+    dict(dp=4, tp=2, dp_replicate=2), dict(pp=2, dp=2, cp=2, tp=2, dp_replicate=2),
+    dict(dp=1, cp=4, dp_replicate=2), dict(pp=2, dp=3, cp=2, dp_replicate=3), dict(dp=4, dp_replicate=4),
+    dict(dp=2, cp=2, tp=2, dp_replicate=1),
+])
+def test_hsdp_groups_match_an_enumeration_of_the_ranks(degrees):
+    dims = ParallelDims(**degrees)
+    expected = _hsdp_by_enumeration(dims.pp, dims.dp, dims.cp, dims.tp, dims.dp_replicate)
+    for axis in ("dp_shard", "dp_replicate"):
+        assert dims.groups(axis) == expected[axis], axis
+        for ranks in expected[axis]:  # coordinates: constant across the other axis' group, distinct along it
+            assert sorted(dims.coord(r, axis) for r in ranks) == list(range(len(ranks)))
+    for ranks in expected["dp_shard"]:
+        assert len({dims.coord(r, "dp_replicate") for r in ranks}) == 1
+    # together the two axes are exactly the dense gradient-reduction group; dp (data) is untouched
+    assert dims.groups("dp_replicate", "dp_shard") == dims.groups("dp", "cp")
+    assert dims.groups("dp") == ParallelDims(**{**degrees, "dp_replicate": 1}).groups("dp")
+
+
+def test_hsdp_replicas_are_refused_when_they_do_not_divide_or_mix_views():
+    with pytest.raises(ValueError, match=r"parallel.dp_replicate=3 must divide dp\*cp=4"):
+        ParallelDims(dp=4, dp_replicate=3)
+    with pytest.raises(ValueError, match="parallel.dp_replicate=0 must be a positive integer"):
+        ParallelDims(dp_replicate=0)
+    dims = ParallelDims(dp=4, ep=2, dp_replicate=2)
+    with pytest.raises(ValueError, match="mix the expert view"):
+        dims.groups("ep", "dp_shard")
+    with pytest.raises(ValueError, match="mix HSDP's view"):
+        dims.groups("dp_replicate", "dp")
+

@@ -45,3 +45,29 @@ def test_dropout_streams_differ_by_tp_and_cp_rank():
     streams = {(tp, cp): draw(TPDropoutRNG(5, tp, cp)) for tp in range(2) for cp in range(3)}
     assert len({tuple(v.tolist()) for v in streams.values()}) == len(streams)
     assert torch.equal(streams[(1, 0)], draw(TPDropoutRNG(5, 1)))
+
+
+def test_hsdp_groups_join_a_built_state_in_the_same_order_on_every_rank(monkeypatch):
+    """ParallelState.build(grid with dp_replicate, reuse=state) on each of 8 simulated ranks: every rank
+    creates the same groups in the same order (new_group is collective), only HSDP's new ones, and
+    keeps the group objects it had."""
+    import megaframe.parallel.state as state
+
+    grid = ParallelDims(dp=4, tp=2)
+    calls: dict[int, list[tuple[int, ...]]] = {}
+    me = {"rank": 0}
+    monkeypatch.setattr(state.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(state.dist, "get_world_size", lambda: grid.world_size)
+    monkeypatch.setattr(state.dist, "get_rank", lambda: me["rank"])
+    monkeypatch.setattr(state.dist, "new_group", lambda ranks: calls[me["rank"]].append(tuple(ranks)) or tuple(ranks))
+    for rank in range(grid.world_size):
+        me["rank"], calls[rank] = rank, []
+        plain = ParallelState.build(grid)
+        before = len(calls[rank])
+        hsdp = ParallelState.build(ParallelDims(dp=4, tp=2, dp_replicate=2), reuse=plain)
+        # dp x cp is [0, 2, 4, 6] or [1, 3, 5, 7]: shard groups of 2 neighbours, replicas 4 apart
+        assert calls[rank][before:] == [(0, 2), (1, 3), (4, 6), (5, 7), (0, 4), (1, 5), (2, 6), (3, 7)]
+        assert hsdp.group("dp_shard") == tuple(hsdp.group_ranks("dp_shard")) and rank in hsdp.group("dp_replicate")
+        for axes in state.GROUP_AXES:
+            assert hsdp.group(*axes) is plain.group(*axes)
+    assert all(calls[rank] == calls[0] for rank in calls)
