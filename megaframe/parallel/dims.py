@@ -37,6 +37,11 @@ EXPERT_AXES = ("pp", "edp", "ep", "tp")
 HSDP_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 # The views that split dp x cp, by their own axes: groups along one view's axes never mix in another's.
 _VIEWS = (EXPERT_AXES, HSDP_AXES)
+# The degrees a run is recorded and compared by (parallel.<axis>), in the order records list them;
+# a new axis added here reaches run records, layout records and resume lines with no edit there.
+LAYOUT_AXES = ("tp", "pp", "dp", "cp", "ep")
+# Axes every layout record holds; the others only above 1, so records written before they existed match.
+_ALWAYS_RECORDED = ("tp", "pp", "dp")
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,16 @@ class ParallelDims:
         for axis in axes:
             n *= getattr(self, axis)
         return n
+
+    def degrees(self) -> dict[str, int]:
+        """Every layout axis' degree, in LAYOUT_AXES order (a run record's layout)."""
+        return {axis: getattr(self, axis) for axis in LAYOUT_AXES}
+
+    def layout_record(self) -> dict[str, int]:
+        """The degrees of a checkpoint's layout record: tp, pp and dp always, every other axis (HSDP's
+        dp_replicate included) only above 1."""
+        return {axis: getattr(self, axis) for axis in (*LAYOUT_AXES, "dp_replicate")
+                if axis in _ALWAYS_RECORDED or getattr(self, axis) > 1}
 
     def coords(self, rank: int) -> RankCoords:
         """Coordinates of `rank` on every axis."""

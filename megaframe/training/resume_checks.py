@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 from megaframe.atomic_io import atomic_write_text
 from megaframe.checkpoint.universal import CheckpointError
+from megaframe.parallel.dims import LAYOUT_AXES
 from megaframe.safe_files import UnsafeFile, open_regular
 
 UNSAVED_MARKER = ".megaframe-unsaved"  # in the run dir: started from step 0, no checkpoint published since
@@ -301,8 +302,8 @@ def _next_step(path: Path) -> str:
 
 
 # ---- what changed ----------------------------------------------------------------------------
-_RUN_KEYS = (("backend", "backend"), ("tp", "parallel.tp"), ("pp", "parallel.pp"), ("dp", "parallel.dp"),
-             ("cp", "parallel.cp"), ("ep", "parallel.ep"), ("zero", "zero.stage"), ("max_steps", "train.max_steps"),
+_RUN_KEYS = (("backend", "backend"), *((axis, f"parallel.{axis}") for axis in LAYOUT_AXES),
+             ("zero", "zero.stage"), ("max_steps", "train.max_steps"),
              ("lr", "optim.lr"), ("min_lr", "optim.min_lr"), ("warmup_steps", "optim.warmup_steps"),
              ("lr_decay", "optim.lr_decay"))
 
@@ -310,9 +311,9 @@ _RUN_KEYS = (("backend", "backend"), ("tp", "parallel.tp"), ("pp", "parallel.pp"
 def run_record(cfg, layout) -> dict[str, Any]:
     """The layout, engine and schedule a checkpoint was trained with (cfg: TrainConfig)."""
     o = cfg.optim
-    return {"backend": cfg.backend.name, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp,
-            "ep": layout.grid.ep, "zero": cfg.zero.stage, "max_steps": cfg.train.max_steps, "lr": o.lr,
-            "min_lr": o.min_lr, "warmup_steps": o.warmup_steps, "lr_decay": o.lr_decay}
+    return {"backend": cfg.backend.name, **layout.grid.degrees(), "zero": cfg.zero.stage,
+            "max_steps": cfg.train.max_steps, "lr": o.lr, "min_lr": o.min_lr, "warmup_steps": o.warmup_steps,
+            "lr_decay": o.lr_decay}
 
 
 def _saved_run(state: dict) -> dict[str, Any]:
@@ -322,7 +323,7 @@ def _saved_run(state: dict) -> dict[str, Any]:
     layout = state.get("layout")
     if not isinstance(layout, dict):
         return {}
-    saved = {axis: layout.get(axis, 1) for axis in ("tp", "pp", "dp", "cp", "ep")}
+    saved = {axis: layout.get(axis, 1) for axis in LAYOUT_AXES}
     saved["backend"] = layout.get("engine", "deepspeed")  # the plain engine writes DeepSpeed's record
     if "zero_stage" in layout:
         saved["zero"] = layout["zero_stage"]

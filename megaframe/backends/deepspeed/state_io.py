@@ -328,12 +328,7 @@ def load_shards(view: EngineView, directory: Path, optim_step: Optional[int]) ->
 
 def layout_record(view: EngineView) -> dict[str, Any]:
     """The layout a checkpoint was written in: DeepSpeed's own files load only into the same one."""
-    record = {"tp": view.ps.tp, "pp": view.ps.pp, "dp": view.ps.dp, "zero_stage": view.zero_stage, "dtype": view.dtype}
-    if view.ps.cp > 1:  # absent at cp=1, so records written before cp existed still match
-        record["cp"] = view.ps.cp
-    if view.ps.grid.ep > 1:
-        record["ep"] = view.ps.grid.ep
-    return record
+    return {**view.ps.grid.layout_record(), "zero_stage": view.zero_stage, "dtype": view.dtype}
 
 
 def save_universal(view: EngineView, directory: Path, state: dict[str, Any], lr_scheduler,

@@ -97,13 +97,7 @@ def _stored(view: ShardView, part: LocalPart) -> dict[str, Callable[[], torch.Te
 
 def layout_record(ps: ParallelState, cfg: TrainConfig) -> dict[str, Any]:
     """The layout this rank's RNG states belong to (restored on a resume into the same one)."""
-    record = {"engine": "fsdp2", "tp": ps.tp, "pp": ps.pp, "dp": ps.dp, "zero_stage": cfg.zero.stage,
-              "dtype": cfg.precision.dtype}
-    if ps.grid.dp_replicate > 1:
-        record["dp_replicate"] = ps.grid.dp_replicate
-    if ps.cp > 1:
-        record["cp"] = ps.cp
-    return record
+    return {"engine": "fsdp2", **ps.grid.layout_record(), "zero_stage": cfg.zero.stage, "dtype": cfg.precision.dtype}
 
 
 def save(view: ShardView, directory: Path, state: dict[str, Any], tokenizer_dir: Optional[Path],

@@ -109,7 +109,8 @@ class PlainBackend:
     # ---- state -------------------------------------------------------------------------------
     def layout_record(self) -> dict[str, Any]:
         # DeepSpeed's record of the same layout: a checkpoint either engine wrote brings the RNG back
-        return {"tp": 1, "pp": 1, "dp": 1, "zero_stage": self.cfg.zero.stage, "dtype": self.cfg.precision.dtype}
+        return {**self.layout.grid.layout_record(), "zero_stage": self.cfg.zero.stage,
+                "dtype": self.cfg.precision.dtype}
 
     def save_native(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
         raise NotImplementedError("the plain engine writes layout-free checkpoints only: registry.run_engine "

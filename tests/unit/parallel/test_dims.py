@@ -132,3 +132,12 @@ def test_hsdp_replicas_are_refused_when_they_do_not_divide_or_mix_views():
     with pytest.raises(ValueError, match="mix HSDP's view"):
         dims.groups("dp_replicate", "dp")
 
+
+def test_layout_records_hold_tp_pp_dp_and_every_other_axis_only_above_one():
+    """What checkpoints record: records written before cp, ep or HSDP existed hold none of them, and
+    a layout without them must still match such a record."""
+    assert ParallelDims(dp=4, tp=2).layout_record() == {"tp": 2, "pp": 1, "dp": 4}
+    assert ParallelDims(pp=2, dp=2, cp=2, ep=4, tp=2, dp_replicate=2).layout_record() == \
+        {"tp": 2, "pp": 2, "dp": 2, "cp": 2, "ep": 4, "dp_replicate": 2}
+    assert ParallelDims(dp=2, cp=2, ep=2).degrees() == {"tp": 1, "pp": 1, "dp": 2, "cp": 2, "ep": 2}
+    assert list(ParallelDims().degrees()) == ["tp", "pp", "dp", "cp", "ep"]  # the order resume lines list them
