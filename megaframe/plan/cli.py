@@ -119,6 +119,7 @@ def _dry_run_flag(args: list[str]) -> tuple[list[str], Optional[int]]:
 
 def dry_run_report(cfg: TrainConfig, layout: Layout, rank: int) -> dict:
     """The meta-device build of `rank` next to the planner's count for its stage."""
+    from megaframe.backends.registry import engine_facts
     from megaframe.model.dims import resolve_dims
     from megaframe.plan.dryrun import dry_run
     from megaframe.plan.estimate import planning_device_type, planning_vocab_size
@@ -126,7 +127,7 @@ def dry_run_report(cfg: TrainConfig, layout: Layout, rank: int) -> dict:
 
     if not 0 <= rank < layout.world_size:
         raise ConfigError(f"--dry-run={rank}: the layout has ranks 0..{layout.world_size - 1}")
-    if cfg.backend.name != "deepspeed" and layout.pp > 1:
+    if layout.pp > 1 and not engine_facts(cfg.backend.name).dry_run_pipeline:
         # its build is DeepSpeed's PipelineModule partition; FSDP2's stages per rank are checked
         # against the planner by tests/unit/parallel/test_pipeline_schedules.py instead
         raise ConfigError(f"--dry-run with backend={cfg.backend.name} and parallel.pp={layout.pp}: the meta-device build "
