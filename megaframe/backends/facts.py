@@ -24,7 +24,7 @@ class MemoryTerms:
 
     states: str  # ZERO_PAPER | SHARDED_FP32
     unsharded: str  # ZERO_BUFFERS | SHARD_GROUPS
-    shards_within_replica: bool  # HSDP: states shard over (dp x cp) / parallel.dp_replicate ranks, not dp x cp
+    shards_within_replica: bool  # HSDP: states shard over one replica's ranks, not over all of dp x cp
     # a tied embedding under a pipeline: the last stage's copy is the whole embedding layer (learned
     # positions too), not the token table alone
     tied_copy_holds_positions: bool
