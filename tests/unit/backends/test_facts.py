@@ -86,3 +86,17 @@ def test_the_plain_engine_keeps_the_named_engines_facts():
     assert plain.facts is named.facts and plain.config_problem is named.config_problem
     assert plain.build is not named.build
     assert all(dataclasses.is_dataclass(f) for f in (named.facts, named.facts.memory))
+
+
+def test_the_planner_reads_the_facts_without_importing_torch_or_an_engine():
+    """The planner's search and a refused config stay cheap: every engine's facts, and the planner
+    that reads them, come without torch (let alone DeepSpeed or torch.distributed.fsdp)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from megaframe.backends.registry import ENGINES, engine_facts; import megaframe.plan.search; "
+             "[engine_facts(name) for name in ENGINES]; "
+             "print(sorted(m for m in ('torch', 'deepspeed', 'torch.distributed.fsdp') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
