@@ -81,12 +81,21 @@ def runs_plain(cfg: TrainConfig, world_size: int) -> bool:
 def run_engine(cfg: TrainConfig, world_size: int) -> EnginePlug:
     """The plug that builds and steps this run: the configured engine's, or, where runs_plain(), the
     plain one-process engine (backends/plain/: torch alone, DeepSpeed's step bit for bit) under the
-    configured engine's rules, which validated the run."""
+    configured engine's rules and facts, which validated and planned the run."""
     named = engine(cfg.backend.name)
     if not runs_plain(cfg, world_size):
         return named
     entries = importlib.import_module(PLAIN).RUNS
     return replace(named, name="plain", **{key: _on_call("plain", entry) for key, entry in entries.items()})
+
+
+def engine_said(cfg: TrainConfig, ran: str) -> str:
+    """What the start-up line says of the engine that stepped the run (`ran`, run_engine's name):
+    backend=NAME, and where the plain engine stood in for the one named, that it did and how to
+    run the named one, so that no one benchmarks or debugs DeepSpeed believing it ran."""
+    if ran == cfg.backend.name:
+        return f"backend={ran}"
+    return f"backend={cfg.backend.name} {importlib.import_module(PLAIN).SAID}"
 
 
 def engine_facts(name: str) -> EngineFacts:
