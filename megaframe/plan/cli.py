@@ -121,7 +121,6 @@ def dry_run_report(cfg: TrainConfig, layout: Layout, rank: int) -> dict:
     """The meta-device build of `rank` next to the planner's count for its stage."""
     from megaframe.backends.registry import engine_facts
     from megaframe.model.dims import resolve_dims
-    from megaframe.plan.dryrun import dry_run
     from megaframe.plan.estimate import planning_device_type, planning_vocab_size
     from megaframe.plan.memory import stage_blocks, stage_parameters
 
@@ -139,6 +138,8 @@ def dry_run_report(cfg: TrainConfig, layout: Layout, rank: int) -> dict:
         raise ConfigError(f"--dry-run={rank}: its stage holds {blocks:,} blocks, each built as Python modules on the "
                           f"meta device (beyond {DRY_RUN_MAX_BLOCKS:,} that takes minutes and gigabytes); drop "
                           f"--dry-run (the table counts them by kind) or check model.num_layers for a typo")
+    from megaframe.plan.dryrun import dry_run  # torch and the model: imported once the checks have passed
+
     built = dry_run(dims, layout.grid, rank, cfg.parallel.pipeline_partition)
     planned = stage_parameters(dims, layout.tp, layout.pp, built.stage, cfg.parallel.pipeline_partition, layout.grid.ep)
     return {"rank": rank, "stage": built.stage, "tp_rank": built.tp_rank, "layers": built.layers,
