@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
-import torch
+if TYPE_CHECKING:  # the planner reaches engines' facts through this package without importing torch
+    import torch
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), each (micro_batch, seq)
+Batch = tuple["torch.Tensor", "torch.Tensor"]  # (inputs, targets), each (micro_batch, seq)
 
 
 @dataclass(frozen=True)

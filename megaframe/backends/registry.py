@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
+from megaframe.backends.facts import EngineFacts
 from megaframe.config.schema import OffloadConfig, TrainConfig
 from megaframe.config.validate import ConfigError, Layout, validate
 
@@ -35,6 +36,7 @@ class EnginePlug:
     config_problem: Callable[[TrainConfig], Optional[str]]  # the engine's own rules, for validate()
     layout_problem: Callable[[TrainConfig, Layout], Optional[str]]  # its rules on the resolved layout
     config_warnings: Callable[[TrainConfig, Layout], list[str]]  # legal, but the engine will not do all asked
+    facts: EngineFacts  # what the planner and validation read of it (backends/facts.py)
 
 
 def _on_call(folder: str, entry: str) -> Callable[..., Any]:
@@ -46,11 +48,11 @@ def _on_call(folder: str, entry: str) -> Callable[..., Any]:
     return call
 
 
-def lazy_plug(name: str, **entries: str) -> EnginePlug:
+def lazy_plug(name: str, facts: EngineFacts, **entries: str) -> EnginePlug:
     """The plug of engine `name` whose every entry, given as "module:function" within
     megaframe/backends/NAME/, imports that module when first called: asking for a plug (and refusing
     a bad config) imports no engine library."""
-    return EnginePlug(name=name, **{key: _on_call(name, entry) for key, entry in entries.items()})
+    return EnginePlug(name=name, facts=facts, **{key: _on_call(name, entry) for key, entry in entries.items()})
 
 
 def validate_for_engine(cfg: TrainConfig, world_size: int, ask_bf16: bool = True) -> Layout:
@@ -62,7 +64,7 @@ def validate_for_engine(cfg: TrainConfig, world_size: int, ask_bf16: bool = True
             raise ConfigError(f"plan.engines holds {name!r}, which is not an engine megaframe has; list some of "
                               f"{', '.join(sorted(ENGINES))}, e.g. plan.engines=[deepspeed,fsdp2]")
     return validate(cfg, world_size, plug.device_supports_fp16, plug.device_supports_bf16 if ask_bf16 else None,
-                    plug.config_problem, plug.layout_problem)
+                    plug.config_problem, plug.layout_problem, plug.facts.per_module_gather_stages)
 
 
 def runs_plain(cfg: TrainConfig, world_size: int) -> bool:
@@ -79,12 +81,26 @@ def runs_plain(cfg: TrainConfig, world_size: int) -> bool:
 def run_engine(cfg: TrainConfig, world_size: int) -> EnginePlug:
     """The plug that builds and steps this run: the configured engine's, or, where runs_plain(), the
     plain one-process engine (backends/plain/: torch alone, DeepSpeed's step bit for bit) under the
-    configured engine's rules, which validated the run."""
+    configured engine's rules and facts, which validated and planned the run."""
     named = engine(cfg.backend.name)
     if not runs_plain(cfg, world_size):
         return named
     entries = importlib.import_module(PLAIN).RUNS
     return replace(named, name="plain", **{key: _on_call("plain", entry) for key, entry in entries.items()})
+
+
+def engine_said(cfg: TrainConfig, ran: str) -> str:
+    """What the start-up line says of the engine that stepped the run (`ran`, run_engine's name):
+    backend=NAME, and where the plain engine stood in for the one named, that it did and how to
+    run the named one, so that no one benchmarks or debugs DeepSpeed believing it ran."""
+    if ran == cfg.backend.name:
+        return f"backend={ran}"
+    return f"backend={cfg.backend.name} {importlib.import_module(PLAIN).SAID}"
+
+
+def engine_facts(name: str) -> EngineFacts:
+    """The named engine's facts (backends/facts.py); ConfigError for an unknown name, as engine()."""
+    return engine(name).facts
 
 
 def engine(name: str = DEFAULT) -> EnginePlug:

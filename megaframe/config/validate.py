@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 from megaframe.config.dataset_meta import SidecarError, recorded_vocab_size
 from megaframe.config.empty_values import empty_value_problem
@@ -606,14 +606,16 @@ def validate(cfg: TrainConfig, world_size: int,
              fp16_supported: Optional[Callable[[], bool]] = None,
              bf16_supported: Optional[Callable[[], bool]] = None,
              engine_problem: Optional[Callable[[TrainConfig], Optional[str]]] = None,
-             engine_layout_problem: Optional[Callable[[TrainConfig, Layout], Optional[str]]] = None) -> Layout:
+             engine_layout_problem: Optional[Callable[[TrainConfig, Layout], Optional[str]]] = None,
+             per_module_gather_stages: Sequence[int] = (3,)) -> Layout:
     """Run every rule; raise ConfigError with the first message, else return the resolved layout.
 
     The engine's part comes from its plug (backends/registry.py), which callers hand over:
     fp16_supported / bf16_supported ask the device whether it computes that precision, and
     engine_problem holds the engine's own rules (its ZeRO stages, offload and knobs) and
     engine_layout_problem those that need the resolved layout (a pipeline schedule's micro-batch
-    count). None leaves that part to the engine itself, after launch."""
+    count). None leaves that part to the engine itself, after launch. per_module_gather_stages: the
+    ZeRO stages at which the engine gathers parameters module by module (its facts; ZeRO-3's own)."""
     engine_rule = engine_problem or (lambda _: None)
     # check_finite last: the rules before it say a key's range, which helps more than "finite";
     # empty values and absurd sizes first: the others would word an empty key's cause as something
@@ -628,7 +630,8 @@ def validate(cfg: TrainConfig, world_size: int,
         if err := rule(cfg):
             raise ConfigError(err)
     for err in (check_batch(cfg, layout), check_slurm_nodes(cfg, layout.world_size), check_replicas(cfg, layout),
-                check_compile_scope(cfg, layout), engine_layout_problem(cfg, layout) if engine_layout_problem else None):
+                check_compile_scope(cfg, layout, per_module_gather_stages),
+                engine_layout_problem(cfg, layout) if engine_layout_problem else None):
         if err:
             raise ConfigError(err)
     if err := check_precision(cfg, fp16_supported, bf16_supported):
@@ -636,10 +639,11 @@ def validate(cfg: TrainConfig, world_size: int,
     return layout
 
 
-def check_compile_scope(cfg: TrainConfig, layout: Layout) -> Optional[str]:
+def check_compile_scope(cfg: TrainConfig, layout: Layout,
+                        per_module_gather_stages: Sequence[int] = (3,)) -> Optional[str]:
     """train.compile_scope=model: one graph over the whole forward, so nothing in it may leave the
     process or hook each module: no tp/cp/pp/ep collectives, no MoE routing (its graph breaks), no
-    ZeRO-3 or FSDP2 gathering parameters per module."""
+    engine gathering parameters per module (ZeRO-3, FSDP2 at any stage: per_module_gather_stages)."""
     t = cfg.train
     if err := choice_problem("train.compile_scope", t.compile_scope, ["blocks", "model"]):
         return err
@@ -651,7 +655,7 @@ def check_compile_scope(cfg: TrainConfig, layout: Layout) -> Optional[str]:
                                                      ("ep", cfg.parallel.ep)) if size > 1]
     if cfg.model.moe.num_experts:
         blockers.append("an MoE model")
-    if cfg.backend.name != "deepspeed" or cfg.zero.stage == 3:
+    if cfg.zero.stage in per_module_gather_stages:
         blockers.append(f"backend={cfg.backend.name} zero={cfg.zero.stage}")
     if blockers:
         return (f"train.compile_scope=model compiles the whole forward as one graph, which {', '.join(blockers)} "

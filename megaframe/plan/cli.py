@@ -119,14 +119,14 @@ def _dry_run_flag(args: list[str]) -> tuple[list[str], Optional[int]]:
 
 def dry_run_report(cfg: TrainConfig, layout: Layout, rank: int) -> dict:
     """The meta-device build of `rank` next to the planner's count for its stage."""
+    from megaframe.backends.registry import engine_facts
     from megaframe.model.dims import resolve_dims
-    from megaframe.plan.dryrun import dry_run
     from megaframe.plan.estimate import planning_device_type, planning_vocab_size
     from megaframe.plan.memory import stage_blocks, stage_parameters
 
     if not 0 <= rank < layout.world_size:
         raise ConfigError(f"--dry-run={rank}: the layout has ranks 0..{layout.world_size - 1}")
-    if cfg.backend.name != "deepspeed" and layout.pp > 1:
+    if layout.pp > 1 and not engine_facts(cfg.backend.name).dry_run_pipeline:
         # its build is DeepSpeed's PipelineModule partition; FSDP2's stages per rank are checked
         # against the planner by tests/unit/parallel/test_pipeline_schedules.py instead
         raise ConfigError(f"--dry-run with backend={cfg.backend.name} and parallel.pp={layout.pp}: the meta-device build "
@@ -138,6 +138,8 @@ def dry_run_report(cfg: TrainConfig, layout: Layout, rank: int) -> dict:
         raise ConfigError(f"--dry-run={rank}: its stage holds {blocks:,} blocks, each built as Python modules on the "
                           f"meta device (beyond {DRY_RUN_MAX_BLOCKS:,} that takes minutes and gigabytes); drop "
                           f"--dry-run (the table counts them by kind) or check model.num_layers for a typo")
+    from megaframe.plan.dryrun import dry_run  # torch and the model: imported once the checks have passed
+
     built = dry_run(dims, layout.grid, rank, cfg.parallel.pipeline_partition)
     planned = stage_parameters(dims, layout.tp, layout.pp, built.stage, cfg.parallel.pipeline_partition, layout.grid.ep)
     return {"rank": rank, "stage": built.stage, "tp_rank": built.tp_rank, "layers": built.layers,

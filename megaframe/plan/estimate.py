@@ -14,16 +14,17 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from megaframe.backends.facts import SHARD_GROUPS, ZERO_BUFFERS
+from megaframe.backends.registry import engine_facts
 from megaframe.config.schema import ClusterConfig, TrainConfig, ZeroConfig
 from megaframe.config.dataset_meta import SidecarError, recorded_vocab_size
 from megaframe.config.validate import ConfigError, Layout
 from megaframe.model.dims import GPTDims, resolve_dims
 from megaframe.plan.activations import (ActivationShape, block_activation_bytes,
                                         logits_working_bytes, moe_mlp_extra_bytes, stage_activation_bytes, tokens)
-from megaframe.plan.memory import (ACTIVATION_BYTES, GIB, STATE_BYTES, ModelStates, PlanLayout, active_parameters,
-                                   embedding_parameters, fsdp2_state_bytes, largest_block_parameters,
-                                   model_state_bytes, stage_blocks, stage_expert_parameters, stage_parameters,
-                                   total_parameters)
+from megaframe.plan.memory import (ACTIVATION_BYTES, GIB, STATE_BYTES, STATE_TERMS, ModelStates, PlanLayout,
+                                   active_parameters, embedding_parameters, largest_block_parameters, stage_blocks,
+                                   stage_expert_parameters, stage_parameters, total_parameters)
 from megaframe.parallel.pipeline_schedules import bubble_fraction, in_flight_micro_batches, stage_indices
 from megaframe.tracking.flops import flops_per_token, peak_tflops
 
@@ -152,12 +153,13 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     and prefetch bucket; None: DeepSpeed's defaults)."""
     zero = zero or ZeroConfig()
     ep = lay.grid.ep
+    terms = engine_facts(lay.engine).memory  # how this engine holds what (backends/facts.py)
     # the pipeline stages this rank runs: one, or under FSDP2's multi-stage schedules several (the
     # rank's share of pp x v stages; a V-shaped schedule's rank 0 holds the first and the last)
     chunks = stage_indices(lay.pipeline_schedule, lay.pp, lay.virtual_stages, stage) if lay.pp > 1 else [0]
     cuts = lay.pp * len(chunks)
     params = sum(stage_parameters(dims, lay.tp, cuts, c, lay.partition, ep) for c in chunks)
-    if lay.engine == "fsdp2" and cuts > 1 and cuts - 1 in chunks and dims.tie_embeddings \
+    if not terms.tied_copy_holds_positions and cuts > 1 and cuts - 1 in chunks and dims.tie_embeddings \
             and dims.position_embedding == "learned":
         # DeepSpeed's last stage holds the whole tied embedding layer; FSDP2's copy is the token table alone
         params -= dims.seq_length * dims.hidden_size
@@ -168,11 +170,8 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     # ZeRO partitions over DeepSpeed's data axis, dp x cp; a rank's experts over their replicas, dp x cp / ep
     in_backward = lay.micro_batches == 1 and lay.pp == 1 and (zero.contiguous_gradients or zero.overlap_comm)
     def states_of(n: int, replicas: int) -> ModelStates:
-        if lay.engine == "fsdp2":
-            return fsdp2_state_bytes(n, replicas, lay.offload_optimizer == "cpu")
-        return model_state_bytes(n, replicas, lay.zero_stage, dtype, lay.offload_optimizer, lay.offload_param,
-                                 reduces_in_backward=in_backward)
-    states = states_of(params - experts, lay.dp * lay.cp // (lay.dp_replicate if lay.engine == "fsdp2" else 1))
+        return STATE_TERMS[terms.states](n, replicas, lay, dtype, in_backward)
+    states = states_of(params - experts, lay.dp * lay.cp // (lay.dp_replicate if terms.shards_within_replica else 1))
     if experts:
         states = states + states_of(experts, lay.grid.edp)
     shape = ActivationShape(lay.micro_batch_size, lay.tp, lay.sequence_parallel, dtype, device, lay.cp, lay.cp_impl)
@@ -192,13 +191,25 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
         working += logits_working_bytes(dims, shape)
     if lay.pp > 1 and not last:  # the pipeline engine's output buffers, one per micro-batch in flight
         working += in_flight * tokens(dims, shape) * dims.hidden_size * ACTIVATION_BYTES[dtype]
-    if lay.engine == "fsdp2":
-        working += fsdp2_gathered_bytes(dims, lay, dtype, params)
-    elif lay.zero_stage >= 1:
+    for held in UNSHARDED_TERMS[terms.unsharded](dims, lay, dtype, params, zero, blocks):
+        working += held
+    activations = in_flight * per_micro
+    # on this host "offloaded" states stay in the same RAM the ranks share
+    peak = states.device + activations + working + reserved + (states.host if host_counts_as_device else 0.0)
+    return StageEstimate(stage, blocks, params, states, per_micro, in_flight, activations, working, peak)
+
+
+def zero_buffer_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, params: int, zero: ZeroConfig,
+                      blocks: int) -> tuple[float, ...]:
+    """What DeepSpeed's ZeRO holds unsharded at its peak, besides the sharded states: its gradient
+    reduce bucket from ZeRO-1 on, and at ZeRO-3 the parameters it gathers (each term on its own,
+    added in this order)."""
+    held = []
+    if lay.zero_stage >= 1:
         # DeepSpeed's ZeRO allocates its gradient reduce bucket at full zero.reduce_bucket_size
         # (measured: 1 GB in bf16 at the default 5e8 elements, see BENCHMARKS.md)
-        working += zero.reduce_bucket_size * STATE_BYTES[dtype][1]
-    if lay.engine != "fsdp2" and lay.zero_stage >= 3 and lay.offload_param == "none":
+        held.append(zero.reduce_bucket_size * STATE_BYTES[dtype][1])
+    if lay.zero_stage >= 3 and lay.offload_param == "none":
         # ZeRO-3 gathers whole parameters for the forward and keeps them live up to
         # stage3_max_live_parameters, and gathers ahead through its prefetch bucket (measured: the
         # gathered weights stay resident from the forward into the backward, BENCHMARKS.md)
@@ -208,12 +219,9 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
             # the module order no longer holds: it gathers on demand, about one block ahead (measured
             # on a 13M model, BENCHMARKS.md: 11 MB of the 52 MB bucket). From ~1B parameters a block
             # outweighs the default bucket and this changes nothing.
-            prefetch = min(prefetch, largest_block_parameters(dims, lay.tp, ep))
-        working += (min(zero.stage3_max_live_parameters, params) + prefetch) * STATE_BYTES[dtype][0]
-    activations = in_flight * per_micro
-    # on this host "offloaded" states stay in the same RAM the ranks share
-    peak = states.device + activations + working + reserved + (states.host if host_counts_as_device else 0.0)
-    return StageEstimate(stage, blocks, params, states, per_micro, in_flight, activations, working, peak)
+            prefetch = min(prefetch, largest_block_parameters(dims, lay.tp, lay.grid.ep))
+        held.append((min(zero.stage3_max_live_parameters, params) + prefetch) * STATE_BYTES[dtype][0])
+    return tuple(held)
 
 
 def fsdp2_gathered_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, params: int) -> float:
@@ -230,6 +238,13 @@ def fsdp2_gathered_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, params: int
     root = embedding_parameters(dims, lay.tp) + head + dims.hidden_size
     gathered = params if lay.zero_stage == 2 else min(params, root + 2 * block)
     return gathered * compute + root * compute + max(block, root) * (compute + 4)
+
+
+# what each engine's MemoryTerms.unsharded holds beside its sharded states, term by term
+UNSHARDED_TERMS = {
+    ZERO_BUFFERS: zero_buffer_bytes,
+    SHARD_GROUPS: lambda dims, lay, dtype, params, zero, blocks: (fsdp2_gathered_bytes(dims, lay, dtype, params),),
+}
 
 
 def _stages_to_report(pp: int) -> list[int]:

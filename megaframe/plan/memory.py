@@ -13,6 +13,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from megaframe.backends.facts import SHARDED_FP32, ZERO_PAPER
+from megaframe.backends.registry import DEFAULT
 from megaframe.config.validate import ConfigError
 from megaframe.model.dims import GPTDims
 from megaframe.model.spec import ModelSpec
@@ -40,7 +42,7 @@ class PlanLayout(OnGrid):
     sequence_parallel: bool = False
     partition: str = "uniform"  # uniform | parameters (PipelineModule's partition method)
     cp_impl: str = "ring"  # ring | ulysses, when grid.cp > 1
-    engine: str = "deepspeed"  # deepspeed | fsdp2 (backend.name): who holds the model states, and how
+    engine: str = DEFAULT  # backend.name: who holds the model states, and how (its facts' memory terms)
     dp_replicate: int = 1  # HSDP (fsdp2): the dp x cp ranks as this many replicas of one shard group
     pipeline_schedule: str = "1f1b"  # parallel.pipeline_schedule (fsdp2's schedules; DeepSpeed runs 1f1b)
     virtual_stages: int = 1  # parallel.virtual_stages: stages per pipeline rank
@@ -54,7 +56,7 @@ class PlanLayout(OnGrid):
         off = self.offload_optimizer if self.offload_param == "none" else f"{self.offload_optimizer}+param:{self.offload_param}"
         cp = f" cp={self.cp} ({self.cp_impl})" if self.cp > 1 else ""
         cp += f" ep={self.grid.ep}" if self.grid.ep > 1 else ""
-        engine = f" backend={self.engine}" if self.engine != "deepspeed" else ""
+        engine = f" backend={self.engine}" if self.engine != DEFAULT else ""
         if self.pp > 1 and self.pipeline_schedule != "1f1b":
             v = f" x{self.virtual_stages}" if self.pipeline_schedule in ("interleaved_1f1b", "zero_bubble") else ""
             engine += f" schedule={self.pipeline_schedule}{v}"
@@ -337,3 +339,13 @@ def model_state_bytes(params: int, dp: int, zero_stage: int, dtype: str, offload
     if offload_param != "none":
         host, weights = host + weights, 0.0
     return ModelStates(weights, gradients, optimizer, host)
+
+
+# each engine's MemoryTerms.states (backends/facts.py): the model states of n parameters sharded
+# over `replicas` ranks of layout `lay` (in_backward: ZeRO-1 reduces into its partition in the backward)
+STATE_TERMS = {
+    ZERO_PAPER: lambda n, replicas, lay, dtype, in_backward: model_state_bytes(
+        n, replicas, lay.zero_stage, dtype, lay.offload_optimizer, lay.offload_param, reduces_in_backward=in_backward),
+    SHARDED_FP32: lambda n, replicas, lay, dtype, in_backward: fsdp2_state_bytes(
+        n, replicas, lay.offload_optimizer == "cpu"),
+}

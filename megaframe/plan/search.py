@@ -6,6 +6,8 @@ from dataclasses import replace
 from itertools import product
 from typing import Iterator
 
+from megaframe.backends.facts import EngineFacts
+from megaframe.backends.registry import engine_facts
 from megaframe.config.schema import ModelConfig, TrainConfig
 from megaframe.config.validate import _divisors, ffn_hidden_size  # O(sqrt(n)): worlds of 10**6 ranks
 from megaframe.model.dims import resolve_dims
@@ -29,11 +31,12 @@ def tensor_parallel_degrees(model: ModelConfig, world: int, gpus_per_node: int |
 def candidate_layouts(model: ModelConfig, base: PlanLayout, gpus_per_node: int | None) -> Iterator[PlanLayout]:
     """Every layout of base.world_size ranks that validation would accept, same batch sizes.
 
-    DeepSpeed's pipeline engine takes ZeRO 0-1 only; parameter offload needs ZeRO-3; SP needs tp > 1
-    and a sequence divisible by tp. Context parallelism (ring) is tried for long sequences only.
-    base.engine fsdp2: ZeRO stages 2 and 3, CPU offload of everything or nothing, and pipelines
-    with torch's 1F1B, interleaved 1F1B (two stages per rank) and ZBV (ZeRO-2 only), where the
-    model has the blocks and the step the micro-batches they need (backends/fsdp2/rules.py)."""
+    The engine's facts (backends/facts.py) say which ZeRO stages it runs with and without a
+    pipeline, at which stages parameters offload on their own, and which pipeline schedules it
+    runs (DeepSpeed: ZeRO 0-1 in its 1F1B pipeline, parameter offload at ZeRO-3; FSDP2: ZeRO 2-3,
+    CPU offload of everything or nothing, torch's schedules where the model has the blocks and the
+    step the micro-batches they need). SP needs tp > 1 and a sequence divisible by tp. Context
+    parallelism (ring) is tried for long sequences only."""
     world = base.world_size
     for tp in tensor_parallel_degrees(model, world, gpus_per_node):
         for cp in context_parallel_degrees(model, world // tp):
@@ -50,20 +53,20 @@ def context_parallel_degrees(model: ModelConfig, ranks: int) -> list[int]:
 
 def _with_tp_cp(model: ModelConfig, base: PlanLayout, tp: int, cp: int) -> Iterator[PlanLayout]:
     world = base.world_size
-    fsdp2 = base.engine == "fsdp2"
+    facts = engine_facts(base.engine)
     for pp in _divisors(world // (tp * cp)):
         dp = world // (tp * cp * pp)
         if pp > model.num_layers or base.global_batch_size % (base.micro_batch_size * dp):
             continue
-        if fsdp2 and pp > 1 and model.moe.num_experts:
-            continue  # refused by its rules: router losses do not cross stages yet
-        stages = (2, 3) if fsdp2 else (0, 1) if pp > 1 else (0, 1, 2, 3)
+        if not facts.pipelines_moe and pp > 1 and model.moe.num_experts:
+            continue  # refused by its rules (FSDP2's: router losses do not cross stages yet)
+        stages = facts.pipeline_zero_stages if pp > 1 else facts.zero_stages
         for ep, stage, (schedule, virtual) in product(expert_parallel_degrees(model, dp * cp), stages,
-                                                       _schedules(model, base, pp, dp, fsdp2)):
-            if stage == 3 and schedule in SPLIT_BACKWARD:
+                                                       _schedules(model, base, pp, dp, facts)):
+            if schedule in SPLIT_BACKWARD and stage not in facts.split_backward_zero_stages:
                 continue
             offloads = [("none", "none")] + ([("cpu", "none")] if stage else []) + \
-                ([("cpu", "cpu")] if stage == 3 and not fsdp2 else [])
+                ([("cpu", "cpu")] if stage in facts.param_offload_stages else [])
             for optimizer, param in offloads:
                 for recompute in (False, True):
                     for sp in ((False, True) if tp > 1 and (model.seq_length // cp) % tp == 0 else (False,)):
@@ -73,16 +76,14 @@ def _with_tp_cp(model: ModelConfig, base: PlanLayout, tp: int, cp: int) -> Itera
                                       pipeline_schedule=schedule, virtual_stages=virtual)
 
 
-# FSDP2's schedules the search tries (DeepSpeed's pipeline runs 1F1B alone)
-SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2))
-
-
-def _schedules(model: ModelConfig, base: PlanLayout, pp: int, dp: int, fsdp2: bool) -> list[tuple[str, int]]:
-    if pp == 1 or not fsdp2:
+def _schedules(model: ModelConfig, base: PlanLayout, pp: int, dp: int, facts: EngineFacts) -> list[tuple[str, int]]:
+    """The engine's pipeline schedules (facts.pipeline_schedules) this model and step can run."""
+    if pp == 1:
         return [("1f1b", 1)]
     m = base.global_batch_size // (base.micro_batch_size * dp)
-    return [(name, v) for name, v in SEARCHED_SCHEDULES
-            if pp * stages_per_rank(name, v) <= model.num_layers and runs_micro_batches(name, pp, v, m)]
+    return [(name, v) for name, v in facts.pipeline_schedules
+            if pp * stages_per_rank(name, v) <= model.num_layers
+            and (not facts.schedules_need_micro_batches or runs_micro_batches(name, pp, v, m))]
 
 
 def expert_parallel_degrees(model: ModelConfig, replicas: int) -> list[int]:

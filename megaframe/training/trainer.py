@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megaframe.backends import StepResult
-from megaframe.backends.registry import run_engine
+from megaframe.backends.registry import engine_said, run_engine
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
@@ -401,7 +401,8 @@ class Trainer:
                 f"vocab={self.dims.vocab_size}{self._padding_summary()}"
                 f"{self._moe_summary()}) | "
                 f"layout {self.layout.grid.describe()}"
-                f"{f' cp_impl={c.parallel.cp_impl}' if self.layout.cp > 1 else ''} | zero={c.zero.stage} "
+                f"{f' cp_impl={c.parallel.cp_impl}' if self.layout.cp > 1 else ''} | {engine_said(c, self.engine)} "
+                f"zero={c.zero.stage} "
                 f"offload={c.offload.optimizer}/{c.offload.param} precision={c.precision.dtype}"
                 f"{f' compiled {self._compiled()}' if self.backend.compiled_blocks else ''} | "
                 f"batch micro={self.layout.micro_batch_size} global={self.layout.global_batch_size} "

@@ -21,6 +21,7 @@ def test_the_documented_fsdp2_commands_train(command, tmp_path):
     args = shlex.split(command)[1:]
     result = run_cli([*args, "train.eval_interval=10", f"hydra.run.dir={tmp_path}"])
     assert_ok(result)
+    assert "| backend=fsdp2 zero=" in result.stdout  # the start-up line names the engine that ran
     losses = [r["loss"] for r in read_metrics(tmp_path) if "loss" in r]
     assert len(losses) >= 2 and losses[-1] < losses[0]  # logged every train.log_interval=10 steps
 

@@ -1,6 +1,7 @@
 """The package's shape: no import cycle between megaframe's packages or files, DeepSpeed imported
 only by its backend, an engine's folder reached only through backends/registry.py, DeepSpeed's
-parameter marks only in its folder, no docstring pointing outside the repository. Read from the source with ast, so a
+parameter marks only in its folder, no engine's name compared outside backends/, no docstring
+pointing outside the repository. Read from the source with ast, so a
 lazy import inside a function counts as much as one at the top."""
 from __future__ import annotations
 
@@ -199,3 +200,114 @@ def test_deepspeeds_parameter_marks_stay_in_its_folder():
     outside = [m for path in sorted(MEGAFRAME.rglob("*.py")) if folder not in path.parents
                for m in _deepspeed_marks_in(path)]
     assert outside == []
+
+
+# ---- engines' facts: no branch on the engine's name outside backends/ ---------------------------
+
+def _engine_names() -> set[str]:
+    from megaframe.backends.registry import ENGINES, PLAIN
+
+    return {*ENGINES, PLAIN.split(".")[2]}
+
+
+def _identifier(node: ast.AST) -> str | None:
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+
+
+def _engine_name_compares(source: str, filename: str, names: set[str]) -> list[str]:
+    """Each place `source` tests an engine's name: a comparison (==, !=, in, is, ...), a match case,
+    or a str method (startswith, endswith, __eq__, ...) between a literal engine name (or a piece of
+    one, three letters or more, or a name bound to such a literal, or a tuple of them) and an
+    expression that reads an engine: any name or attribute in it says engine or backend
+    (lay.engine, cfg.backend.name, engine_of(cfg)), or is a variable assigned from such an expression
+    or looping over one. Scope-blind on purpose: a rename or a local copy does not hide the test."""
+    tree = ast.parse(source, filename=filename)
+
+    def literal(node: ast.AST, aliases: set[str]) -> bool:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and len(node.value) >= 3:
+            return any(node.value in name for name in names)
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(literal(e, aliases) for e in node.elts)
+        return isinstance(node, ast.Name) and node.id in aliases
+
+    def reads_engine(node: ast.AST, tainted: set[str]) -> bool:
+        return any((ident := _identifier(sub)) is not None
+                   and ("engine" in ident.lower() or "backend" in ident.lower() or ident in tainted)
+                   for sub in ast.walk(node))
+
+    def bindings(node: ast.AST) -> list[tuple[list[ast.AST], ast.AST]]:
+        """(targets, value) of assignments, loops and comprehensions: a target holds what value reads."""
+        if isinstance(node, ast.Assign):
+            return [(node.targets, node.value)]
+        if isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+            return [([node.target], node.value)]
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+            return [([node.target], node.iter)]
+        return []
+
+    aliases: set[str] = set()
+    tainted: set[str] = set()
+    changed = True
+    while changed:  # to a fixed point: a copy of a copy counts
+        changed = False
+        for node in ast.walk(tree):
+            for targets, value in bindings(node):
+                for target in targets:
+                    for sub in ast.walk(target):
+                        if not isinstance(sub, ast.Name):
+                            continue
+                        for found, test in ((aliases, literal), (tainted, reads_engine)):
+                            if sub.id not in found and test(value, aliases if found is aliases else tainted):
+                                found.add(sub.id)
+                                changed = True
+    offenders = []
+    for node in ast.walk(tree):
+        pairs: list[tuple[ast.AST, ast.AST]] = []
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            pairs = [(a, b) for a in operands for b in operands if a is not b]
+        elif isinstance(node, ast.Match):
+            pairs = [(node.subject, pattern.value) for case in node.cases for pattern in ast.walk(case.pattern)
+                     if isinstance(pattern, ast.MatchValue)]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+                "startswith", "endswith", "__eq__", "__ne__", "__contains__", "find", "index", "count"):
+            pairs = [(node.func.value, arg) for arg in node.args]
+        if any(literal(b, aliases) and reads_engine(a, tainted) for a, b in pairs):
+            offenders.append(f"{filename}:{node.lineno} {ast.unparse(node)[:80]}")
+    return offenders
+
+
+def test_nothing_outside_the_backends_compares_the_engines_name():
+    """The planner and validation ask the engine's facts (backends/facts.py: the stages it runs, its
+    memory terms) and its rules instead of testing which engine it is: a third engine is its own
+    folder, not a hunt for every `== "fsdp2"`. Inside backends/ the registry and the engines may."""
+    names = _engine_names()
+    assert names >= {"deepspeed", "fsdp2", "plain"}, names
+    inside = MEGAFRAME / "backends"
+    offenders = [hit for path in _source_files() if inside not in path.parents
+                 for hit in _engine_name_compares(path.read_text(), str(path.relative_to(MEGAFRAME.parent)), names)]
+    assert offenders == []
+    registry = (inside / "registry.py").read_text()  # the check sees the comparisons that are allowed there
+    assert _engine_name_compares(registry, "registry.py", names)
+
+
+def test_the_engine_name_check_finds_planted_comparisons():
+    names = {"deepspeed", "fsdp2", "plain"}
+    planted = {
+        'if lay.engine == "fsdp2": pass': True,
+        'x = cfg.backend.name != "deepspeed"': True,
+        'x = "plain" in (self.engine, other)': True,
+        'x = cfg.backend.name in ("fsdp2", "megatron")': True,
+        'n = cfg.backend.name\nm = n\nif m == "fsdp2": pass': True,  # a copy of a copy
+        'FSDP = "fsdp2"\nif lay.engine == FSDP: pass': True,  # the literal behind a constant
+        'x = cfg.backend.name.startswith("fsdp")': True,  # a piece of the name
+        'for e in cfg.plan.engines:\n    if e == "deepspeed": pass': True,
+        'match cfg.backend.name:\n    case "fsdp2": pass': True,
+        'x = engine_of(cfg) == "deepspeed"': True,
+        'x = fmt == "plain"': False,  # the word, not an engine
+        'x = lay.engine != DEFAULT': False,  # asks the registry's default, names no engine
+        'x = name == base.engine': False,
+        'x = {"deepspeed": 0}[cfg.backend.name]': False,  # a table keyed by name is not a comparison (config/schema.py's ENGINE_ZERO_STAGE, the one left)
+    }
+    for source, flagged in planted.items():
+        assert bool(_engine_name_compares(source, "planted.py", names)) is flagged, source

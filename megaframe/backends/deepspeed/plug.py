@@ -2,9 +2,20 @@
 when called: importing this file imports no DeepSpeed."""
 from __future__ import annotations
 
+from megaframe.backends.facts import ZERO_BUFFERS, ZERO_PAPER, EngineFacts, MemoryTerms
 from megaframe.backends.registry import lazy_plug
 
-PLUG = lazy_plug("deepspeed", build="engine:DeepSpeedBackend", init_distributed="engine:init_distributed",
+FACTS = EngineFacts(
+    zero_stages=(0, 1, 2, 3), pipeline_zero_stages=(0, 1),  # its pipeline engine: ZeRO 0-1 (rules.py)
+    per_module_gather_stages=(3,), param_offload_stages=(3,),
+    pipeline_schedules=(("1f1b", 1),), schedules_need_micro_batches=False,  # its 1F1B takes any count
+    split_backward_zero_stages=(), pipelines_moe=True, dry_run_pipeline=True,
+    # its fp32 masters (and under ZeRO at fp32 a flat partition) by stage; a pipeline's tied embedding
+    # is the TiedLayerSpec's whole module on both ends
+    memory=MemoryTerms(states=ZERO_PAPER, unsharded=ZERO_BUFFERS, shards_within_replica=False,
+                       tied_copy_holds_positions=True))
+
+PLUG = lazy_plug("deepspeed", FACTS, build="engine:DeepSpeedBackend", init_distributed="engine:init_distributed",
                  device_type="accelerator:device_type",
                  device_supports_fp16="accelerator:device_supports_fp16",
                  device_supports_bf16="accelerator:device_supports_bf16",

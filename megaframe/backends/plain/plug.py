@@ -5,3 +5,5 @@ from __future__ import annotations
 
 RUNS = {"build": "engine:PlainBackend", "init_distributed": "engine:init_distributed",
         "device_type": "engine:device_type"}
+# the start-up line, after backend=deepspeed (registry.engine_said)
+SAID = "as plain torch (one process: DeepSpeed's step, bit for bit, without its engine; backend.plain_one_process=false runs it)"

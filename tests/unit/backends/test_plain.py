@@ -113,17 +113,25 @@ main()
 """
 
 
-def _probe(tmp_path: Path, *overrides: str) -> str:
+def _probe(tmp_path: Path, *overrides: str) -> tuple[str, str]:
+    """The probe's line and the run's start-up line."""
     done = subprocess.run([sys.executable, "-c", PROBE, *TINY, "train.max_steps=2", "logging.wandb.mode=disabled",
                            f"hydra.run.dir={tmp_path / 'run'}", *overrides],
                           capture_output=True, text=True, env=cli_env(), timeout=300)
     assert done.returncode == 0, done.stderr
-    return done.stdout.strip().splitlines()[-1]
+    lines = done.stdout.strip().splitlines()
+    return lines[-1], next(line for line in lines if line.startswith("megaframe: gpt2"))
 
 
 def test_a_one_process_run_never_imports_deepspeed_and_collects_again_after_start_up(tmp_path):
-    assert _probe(tmp_path) == "deepspeed imported: False | collector on: True | frozen: True"
-    assert _probe(tmp_path / "ds", *DEEPSPEED).startswith("deepspeed imported: True")
+    """...and its start-up line says so: backend=deepspeed ran as plain torch, and the key that runs
+    DeepSpeed's engine (which, asked for, runs and is named)."""
+    probe, summary = _probe(tmp_path)
+    assert probe == "deepspeed imported: False | collector on: True | frozen: True"
+    assert "| backend=deepspeed as plain torch (" in summary and "backend.plain_one_process=false" in summary
+    probe, summary = _probe(tmp_path / "ds", *DEEPSPEED)
+    assert probe.startswith("deepspeed imported: True")
+    assert "| backend=deepspeed zero=0 " in summary, summary
 
 
 def test_a_checkpoint_of_deepspeeds_own_files_only_is_refused_naming_the_key(tmp_path):

@@ -1,0 +1,50 @@
+"""What the planner and validation know of an engine, as data: the ZeRO stages and pipeline
+schedules it runs, what a whole-model graph cannot cross, and how it holds a rank's memory, in the
+planner's terms. Each engine's plug.py holds one EngineFacts and the registry hands it out
+(registry.engine_facts); plan/ and config/validate.py read it instead of comparing the engine's
+name (tests/unit/test_architecture.py holds them to that), so a third engine states its facts in
+its own folder. Pure data: nothing here imports torch or an engine library, so the planner's search
+over thousands of layouts, and a refused config, stay cheap."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# How an engine holds a rank's model states (plan/memory.py: STATE_TERMS holds each formula)
+ZERO_PAPER = "zero_paper"  # by ZeRO stage (1: optimizer states sharded, 2: gradients too, 3: weights too)
+SHARDED_FP32 = "sharded_fp32"  # weights, gradients and Adam moments sharded in fp32 at any stage; offload moves all
+# What it holds unsharded beside them at its peak (plan/estimate.py: UNSHARDED_TERMS)
+ZERO_BUFFERS = "zero_buffers"  # ZeRO's reduce bucket from stage 1; ZeRO-3's live parameters and prefetch bucket
+SHARD_GROUPS = "shard_groups"  # the root group and the blocks gathered in flight, gradients reduced per group
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """How the engine's memory is counted (plan/estimate.py): the formulas it follows and the
+    choices that differ between engines."""
+
+    states: str  # ZERO_PAPER | SHARDED_FP32
+    unsharded: str  # ZERO_BUFFERS | SHARD_GROUPS
+    shards_within_replica: bool  # HSDP: states shard over one replica's ranks, not over all of dp x cp
+    # a tied embedding under a pipeline: the last stage's copy is the whole embedding layer (learned
+    # positions too), not the token table alone
+    tied_copy_holds_positions: bool
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What an engine runs, for the layout search and validation (its refusals, with their
+    messages, stay its rules: plug.config_problem / layout_problem)."""
+
+    zero_stages: tuple[int, ...]  # the ZeRO stages it runs without a pipeline
+    pipeline_zero_stages: tuple[int, ...]  # ... and with parallel.pp > 1
+    # stages whose parameters are gathered module by module: a whole-model graph (train.compile_scope=
+    # model) cannot run across them
+    per_module_gather_stages: tuple[int, ...]
+    # stages at which parameters offload on their own (offload.param=cpu with offload.optimizer=none runs)
+    param_offload_stages: tuple[int, ...]
+    pipeline_schedules: tuple[tuple[str, int], ...]  # (parallel.pipeline_schedule, virtual_stages) the search tries
+    schedules_need_micro_batches: bool  # its pipeline refuses a micro-batch count its schedule cannot run
+    split_backward_zero_stages: tuple[int, ...]  # stages a split-backward schedule (zbv, ...) runs at
+    pipelines_moe: bool  # whether it runs MoE blocks in a pipeline
+    dry_run_pipeline: bool  # megaframe-plan --dry-run builds its pipeline stages (DeepSpeed's partition)
+    memory: MemoryTerms
