@@ -57,6 +57,10 @@ class Backend(Protocol):
     def held_model_states(self) -> dict[str, int]:
         """Bytes of weights, gradients, optimizer states, buckets and other this rank holds."""
 
+    def hook_forward(self, hook: Callable[..., Any]) -> torch.utils.hooks.RemovableHandle:
+        """Register hook(module, inputs, output) on this rank's model (a forward hook): the tests'
+        fault injection (training/faults.py) reaches the model through it, never through .module."""
+
     def layout_record(self) -> dict[str, Any]:
         """The layout native checkpoints are bound to (they load only into the same one)."""
 

@@ -147,10 +147,16 @@ class ParallelDims:
         _check_axes(axes)
         return list(_group_of_rank(self, axes)[rank])
 
-    def describe(self) -> str:
-        """`tp=2 pp=1 dp=4`, with cp and ep only when used (the start-up line and run names)."""
-        extra = "".join(f" {axis}={getattr(self, axis)}" for axis in ("cp", "ep") if getattr(self, axis) > 1)
-        return f"tp={self.tp} pp={self.pp} dp={self.dp}{extra}"
+    def describe(self, style: str = "text") -> "str | dict[str, int]":
+        """The one spelling of a layout: tp, pp and dp, then cp and ep only when used. text:
+        `tp=2 pp=1 dp=4 ep=2` (start-up line, plans, errors); name: `tp2pp1dp4ep2` (W&B run names);
+        record: {"tp": 2, "pp": 1, "dp": 4, "ep": 2} (run metadata)."""
+        used = {"tp": self.tp, "pp": self.pp, "dp": self.dp, **{a: getattr(self, a) for a in ("cp", "ep")
+                                                                  if getattr(self, a) > 1}}
+        if style == "record":
+            return used
+        sep, join = {"text": ("=", " "), "name": ("", "")}[style]
+        return join.join(f"{axis}{sep}{degree}" for axis, degree in used.items())
 
 
 class OnGrid:

@@ -54,13 +54,12 @@ class PlanLayout(OnGrid):
 
     def describe(self) -> str:
         off = self.offload_optimizer if self.offload_param == "none" else f"{self.offload_optimizer}+param:{self.offload_param}"
-        cp = f" cp={self.cp} ({self.cp_impl})" if self.cp > 1 else ""
-        cp += f" ep={self.grid.ep}" if self.grid.ep > 1 else ""
+        cp = f" cp_impl={self.cp_impl}" if self.cp > 1 else ""  # as the start-up line says it
         engine = f" backend={self.engine}" if self.engine != DEFAULT else ""
         if self.pp > 1 and self.pipeline_schedule != "1f1b":
             v = f" x{self.virtual_stages}" if self.pipeline_schedule in ("interleaved_1f1b", "zero_bubble") else ""
             engine += f" schedule={self.pipeline_schedule}{v}"
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp}{cp} zero={self.zero_stage} offload={off} "
+        return (f"{self.grid.describe()}{cp} zero={self.zero_stage} offload={off} "
                 f"recompute={'full' if self.recompute else 'none'} sp={str(self.sequence_parallel).lower()}{engine}")
 
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megaframe.failures import PROG, ExitCode, JobStopped, RunFailure, classify, is_peer_failure
+from megaframe.failures import PROG, ExitCode, JobStopped, RankHung, RunFailure, classify, is_peer_failure
 from megaframe.parallel.elastic import record_job_stop
+from megaframe.parallel.hang import describe_hang, is_collective_timeout
 from megaframe.safe_files import open_regular
 _REPORTED = "megaframe/failure_reported"
 
@@ -43,6 +44,16 @@ def _first_to_report() -> bool:
         return dist.distributed_c10d._get_default_store().add(_REPORTED, 1) == 1
     except (RuntimeError, OSError):  # the store went down with the rank that served it
         return True
+
+
+def translate(err: BaseException, step: int, collective_timeout_s: float) -> BaseException:
+    """The failure a run reports for err: a collective that timed out during `step` (0 before step 1)
+    becomes RankHung naming the rank that never arrived; anything else is itself."""
+    if not is_collective_timeout(err):
+        return err
+    hung = RankHung(describe_hang(step, collective_timeout_s, wait_s=min(30.0, collective_timeout_s)))
+    hung.__cause__ = err
+    return hung
 
 
 def report_failure(err: BaseException, run_dir: Path, rank: int) -> int:

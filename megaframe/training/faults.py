@@ -94,8 +94,9 @@ class Faults:
             return batches
         return [(inputs, torch.zeros_like(targets)) for inputs, targets in batches]
 
-    def before_step(self, step: int, module: torch.nn.Module) -> Optional[torch.utils.hooks.RemovableHandle]:
-        """Apply the faults due at the start of `step`; returns a hook to remove after the step."""
+    def before_step(self, step: int, backend) -> Optional[torch.utils.hooks.RemovableHandle]:
+        """Apply the faults due at the start of `step` (backend: the run's Backend); returns a hook to
+        remove after the step."""
         if self._due("hang", step):
             stamps = os.environ.get(STAMPS_ENV)
             if stamps:
@@ -117,5 +118,5 @@ class Faults:
             def poison(_module, _inputs, output):
                 if isinstance(output, torch.Tensor) and output.requires_grad:
                     output.register_hook(lambda grad: torch.full_like(grad, float("nan")))
-            return module.register_forward_hook(poison)
+            return backend.hook_forward(poison)
         return None

@@ -230,6 +230,9 @@ class DeepSpeedBackend:
     def held_model_states(self) -> dict[str, int]:
         return held_model_states(self.engine)
 
+    def hook_forward(self, hook) -> torch.utils.hooks.RemovableHandle:
+        return self.module.register_forward_hook(hook)
+
     # ---- state -------------------------------------------------------------------------------
     def _view(self) -> state_io.EngineView:
         return state_io.EngineView(self.engine, self.ps, self.dims, self.pipelined, self.cfg.zero.stage,

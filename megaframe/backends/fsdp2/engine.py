@@ -172,6 +172,9 @@ class Fsdp2Backend:
     def held_model_states(self) -> dict[str, int]:
         return state_io.held_model_states(self.module, self.optimizer)
 
+    def hook_forward(self, hook) -> torch.utils.hooks.RemovableHandle:
+        return self.module.register_forward_hook(hook)
+
     # ---- state -------------------------------------------------------------------------------
     def layout_record(self) -> dict[str, Any]:
         return state_io.layout_record(self.ps, self.cfg)

@@ -106,6 +106,9 @@ class PlainBackend:
     def held_model_states(self) -> dict[str, int]:
         return held_model_states(self.parameters, self.optimizer)
 
+    def hook_forward(self, hook) -> torch.utils.hooks.RemovableHandle:
+        return self.module.register_forward_hook(hook)
+
     # ---- state -------------------------------------------------------------------------------
     def layout_record(self) -> dict[str, Any]:
         # DeepSpeed's record of the same layout: a checkpoint either engine wrote brings the RNG back

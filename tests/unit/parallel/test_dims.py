@@ -51,6 +51,16 @@ def test_the_default_grid_is_one_rank():
     assert dims.world_size == 1 and dims.groups("dp") == [[0]] and dims.describe() == "tp=1 pp=1 dp=1"
 
 
+def test_every_spelling_of_a_layout_names_the_same_axes():
+    """The start-up line, W&B's run name and the run metadata spell one layout alike: cp and ep when
+    used (the W&B name and the metadata once dropped ep)."""
+    dims = ParallelDims(tp=2, dp=2, cp=2, ep=4)
+    assert dims.describe() == "tp=2 pp=1 dp=2 cp=2 ep=4"
+    assert dims.describe("name") == "tp2pp1dp2cp2ep4"
+    assert dims.describe("record") == {"tp": 2, "pp": 1, "dp": 2, "cp": 2, "ep": 4}
+    assert ParallelDims(dp=2, ep=2).describe("name") == "tp1pp1dp2ep2"
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"tp": 0}, "parallel.tp=0 must be a positive integer"),
     ({"dp": 3, "ep": 2}, "parallel.ep=2 must divide dp*cp=3"),

@@ -1,0 +1,59 @@
+"""The run's reports as callbacks (training/reporting.py): the hooks reach every callback in order,
+the close in reverse, and W&B's default run name spells the layout as the start-up line does."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from megaframe.backends import StepResult
+from megaframe.parallel.dims import ParallelDims
+from megaframe.training.reporting import Callback, Reporting, wandb_names
+
+
+def _trainer(tmp_path):
+    cfg = SimpleNamespace(
+        model=SimpleNamespace(arch="gpt2", seq_length=8),
+        logging=SimpleNamespace(wandb=SimpleNamespace(group=None)),
+        zero=SimpleNamespace(stage=1), precision=SimpleNamespace(dtype="bf16"))
+    layout = SimpleNamespace(grid=ParallelDims(dp=2, ep=2))
+    return SimpleNamespace(cfg=cfg, layout=layout, is_logger=True, run_dir=tmp_path)
+
+
+def test_hooks_reach_the_callbacks_in_order_and_close_in_reverse(tmp_path, monkeypatch):
+    calls = []
+
+    def recorder(tag):
+        class Recorder(Callback):
+            def on_start(self):
+                calls.append((tag, "start"))
+
+            def on_step(self, result, lr, seconds):
+                calls.append((tag, "step", result.loss, lr))
+
+            def on_event(self, event):
+                calls.append((tag, "event", event))
+
+            def on_eval(self, loss):
+                calls.append((tag, "eval", loss))
+
+            def on_close(self, failed):
+                calls.append((tag, "close", failed))
+        return Recorder
+
+    monkeypatch.setattr("megaframe.training.reporting.memory_plan", lambda cfg, layout: None)
+    report = Reporting(_trainer(tmp_path), metrics=None, callbacks=[recorder("a"), recorder("b")])
+    report.on_start()
+    report.on_step(StepResult(loss=2.5, applied=True), 0.1, 1.0)
+    report.on_event("skip")
+    report.on_eval(3.0)
+    report.on_close(True)
+    assert calls == [("a", "start"), ("b", "start"), ("a", "step", 2.5, 0.1), ("b", "step", 2.5, 0.1),
+                     ("a", "event", "skip"), ("b", "event", "skip"), ("a", "eval", 3.0), ("b", "eval", 3.0),
+                     ("b", "close", True), ("a", "close", True)]
+
+
+def test_the_wandb_name_holds_every_axis_in_use(tmp_path):
+    """ep was missing from the W&B name: two runs that differ only in ep shared one name."""
+    t = _trainer(tmp_path)
+    assert wandb_names(t.cfg, t.layout, 12_400_000) == ("gpt2-12M-tp1pp1dp2ep2-zero1-bf16", "gpt2-12M")
+    t.cfg.logging.wandb.group = "recipe"
+    assert wandb_names(t.cfg, t.layout, 12_400_000)[0] == "recipe-tp1pp1dp2ep2-zero1-bf16"
