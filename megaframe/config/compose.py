@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -179,3 +180,13 @@ def compose_for_run(overrides: Sequence[str]) -> tuple[TrainConfig, str, DictCon
         known = _known_keys(extra[0])
         raise ConfigError(f"unknown key '{extra[0]}'" + (f"; known keys there: {', '.join(known)}" if known else ""))
     return typed, run_dir, composed
+
+
+def hydra_quoted(value: str) -> str:
+    """`value` as a quoted string of Hydra's override grammar, so ':', '=', ',' or brackets in a
+    path stay part of it. Hydra reads a backslash as an escape only in a run of them before a quote
+    (or the closing one): those runs are doubled, then each quote escaped."""
+    if re.fullmatch(r"[\w./+~@-]+", value):
+        return value  # nothing Hydra would read as grammar: the job script stays plain
+    doubled = re.sub(r"(\\+)(?='|$)", lambda run: run.group(1) * 2, value)
+    return "'" + doubled.replace("'", "\\'") + "'"

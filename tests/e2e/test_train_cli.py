@@ -199,7 +199,7 @@ def counted(self, *args, **kwargs):
 
 
 ConfigLoaderImpl.load_configuration = counted
-from megaframe.cli import train_main
+from megaframe.launch.main import train_main
 
 try:
     train_main(sys.argv[1:])
@@ -235,7 +235,7 @@ def internal_error(*args, **kwargs):
 
 
 trainer.train = internal_error
-from megaframe.cli import train_main
+from megaframe.launch.main import train_main
 
 train_main(sys.argv[1:])
 """

@@ -199,3 +199,37 @@ def test_deepspeeds_parameter_marks_stay_in_its_folder():
     outside = [m for path in sorted(MEGAFRAME.rglob("*.py")) if folder not in path.parents
                for m in _deepspeed_marks_in(path)]
     assert outside == []
+
+
+def _entry_points() -> set[str]:
+    """megaframe's entry points: the modules [project.scripts] in pyproject.toml names (megaframe-train's
+    is megaframe/train.py, which every rank also runs as `python -m megaframe.train`)."""
+    import tomllib
+
+    scripts = tomllib.loads((MEGAFRAME.parent / "pyproject.toml").read_text())["project"]["scripts"]
+    return {target.split(":")[0] for target in scripts.values()}
+
+
+def _importers_of(package: str, graph: dict[str, set[str]], allowed: set[str]) -> list[str]:
+    """'A imports B' for every module A outside `package` and not in `allowed` that imports B in it."""
+    return [f"{module} imports {target}" for module, targets in sorted(graph.items())
+            if module not in allowed and not (module + ".").startswith(package + ".")
+            for target in sorted(targets) if (target + ".").startswith(package + ".")]
+
+
+def test_only_the_entry_points_import_launch():
+    """launch/ is the top floor (argv, the checks before launch, the launchers, Hydra's run): a
+    module below it that imported it would make the layers a knot, so only the entry points do."""
+    entry = _entry_points()
+    assert "megaframe.train" in entry and "megaframe.plan.cli" in entry, entry
+    graph = _file_graph()
+    assert "megaframe.launch.main" in graph.get("megaframe.train", set()), "megaframe-train starts in launch/"
+    assert _importers_of("megaframe.launch", graph, entry) == []
+
+
+def test_the_launch_check_finds_a_planted_importer():
+    graph = {"megaframe.train": {"megaframe.launch.main"}, "megaframe.launch.main": {"megaframe.launch.base"},
+             "megaframe.training.trainer": {"megaframe.launch.base", "megaframe.launcher_x"}}
+    assert _importers_of("megaframe.launch", graph, {"megaframe.train"}) == [
+        "megaframe.training.trainer imports megaframe.launch.base"]
+    assert _importers_of("megaframe.launch", graph, {"megaframe.train", "megaframe.training.trainer"}) == []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megaframe.cli import train_main
+from megaframe.launch.main import train_main
 from megaframe.launch_env import launch_env_problem
 
 OK = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node0",
