@@ -1,6 +1,6 @@
 """The configuration a run trained with, read back from RUN_DIR/config.yaml beside its checkpoints.
 
-megaframe-train writes the resolved config of every run to RUN_DIR/config.yaml (cli._task); a
+megaframe-train writes the resolved config of every run to RUN_DIR/config.yaml (launch/hydra_run.py); a
 checkpoint of that run lives in RUN_DIR/checkpoints/global_stepN. Tools that act on a checkpoint
 (megaframe-eval) take the run's own data, tokenizer and batch settings from there, so that they
 never score another dataset silently. Overrides in Hydra's syntax change single keys of it

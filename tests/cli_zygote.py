@@ -33,6 +33,7 @@ def import_what_runs_import() -> None:
     import torch.distributed.run  # noqa: F401  (self-launch)
 
     import megaframe.launch.main  # noqa: F401
+    import megaframe.launch.local  # noqa: F401  (its launcher, imported by name when a run starts)
     import megaframe.training.trainer  # noqa: F401
     import megaframe.backends.deepspeed.engine  # noqa: F401
     from megaframe.backends.deepspeed.muon_import import import_muon_lazily

@@ -152,7 +152,7 @@ def compose(overrides: Sequence[str]) -> tuple[TrainConfig, str]:
 
 def compose_for_run(overrides: Sequence[str]) -> tuple[TrainConfig, str, DictConfig]:
     """compose(), and also the whole composition with its `hydra` node, as Hydra's own run composes
-    it for the task named "cli" (megaframe-train's): the CLI hands it to the run (cli._run_composed)
+    it for the task named "cli" (megaframe-train's): launch/hydra_run.py's run_composed runs it
     instead of composing a second time."""
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra

@@ -28,7 +28,7 @@ def _imports(path: Path) -> list[str]:
 
 def _unit(module: str) -> str | None:
     """The part of megaframe a module belongs to: its package (megaframe.X), or the top-level
-    module itself (megaframe.cli); None outside megaframe."""
+    module itself (megaframe.train); None outside megaframe."""
     parts = module.split(".")
     if parts[0] != "megaframe":
         return None
