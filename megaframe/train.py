@@ -1,6 +1,6 @@
 """`megaframe-train` and `python -m megaframe.train [OVERRIDE ...]`: megaframe.launch.main.train_main, with
-the garbage collector paused until start-up ends (megaframe/startup.py)."""
-from megaframe.startup import pause_collector
+the garbage collector paused until start-up ends (megaframe/common/startup.py)."""
+from megaframe.common.startup import pause_collector
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from megaframe.config.empty_values import empty_override_problem, run_dir_proble
 from megaframe.config.schema import TrainConfig
 from megaframe.config.store import register_configs, unknown_recipe
 from megaframe.config.validate import ConfigError
-from megaframe.paths import conf_dir
+from megaframe.common.paths import conf_dir
 
 
 def _one_line(ex: BaseException) -> str:

@@ -5,7 +5,7 @@ import os
 import sys
 from typing import NoReturn, Optional, Sequence
 
-from megaframe.failures import PROG
+from megaframe.common.failures import PROG
 
 # Hydra's own flags (help, --cfg job, multirun, ...): Hydra handles them, we do not pre-validate.
 HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-p", "--package",

@@ -16,7 +16,7 @@ from megaframe.config.compose import compose_for_run
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import ConfigError, Layout, requested_world_size
 from megaframe.config.validate import warnings as validate_warnings
-from megaframe.failures import PROG
+from megaframe.common.failures import PROG
 from megaframe.launch.base import fail, launcher_world_size, rank
 from megaframe.launch.registry import launcher
 

@@ -20,7 +20,7 @@ from megaframe.config.schema import TrainConfig
 from megaframe.config.store import register_configs
 from megaframe.config.validate import ConfigError, requested_world_size
 from megaframe.launch.base import HYDRA_FLAGS, fail, launcher_world_size, rank
-from megaframe.paths import conf_dir
+from megaframe.common.paths import conf_dir
 
 TASK_NAME = "cli"  # Hydra's job name: RUN_DIR/cli.log, hydra.job.name
 
@@ -29,7 +29,7 @@ def task(dict_cfg) -> None:
     """What Hydra runs: type the config, validate again (cheap), train."""
     from hydra.core.hydra_config import HydraConfig
 
-    from megaframe.atomic_io import atomic_write_text
+    from megaframe.common.atomic_io import atomic_write_text
     from megaframe.training.trainer import train
 
     try:

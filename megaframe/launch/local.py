@@ -13,7 +13,7 @@ from typing import Optional
 
 from megaframe.config.compose import hydra_quoted
 from megaframe.config.schema import LauncherConfig, TrainConfig
-from megaframe.failures import PROG
+from megaframe.common.failures import PROG
 from megaframe.launch.base import SELF_LAUNCHED, fail, pins_run_dir
 from megaframe.launch.elastic import STORE_ENV, rdzv_endpoint, torchrun_args
 from megaframe.launch.guard import LAUNCHER_PID
@@ -59,7 +59,7 @@ def start_elastic(job: Job) -> int:
     printed and written to RUN_DIR/elastic_node.sh."""
     import uuid
 
-    from megaframe.atomic_io import atomic_write_text
+    from megaframe.common.atomic_io import atomic_write_text
     from megaframe.launch.elastic import NODE_SCRIPT, node_script
 
     cfg, run_path = job.cfg, Path(job.run_dir).resolve()
@@ -87,7 +87,7 @@ def node_command(launcher: LauncherConfig, per_node: int, overrides: list[str], 
 def own_run_dir(args: list[str], run_dir: str) -> tuple[list[str], str]:
     """Lock the run dir (run_lock.py) for this process and the ranks it starts, pinning it in the
     overrides so Hydra cannot pick another timestamp; refuse in one line when another run holds it."""
-    from megaframe.run_lock import lock_for_children
+    from megaframe.common.run_lock import lock_for_children
 
     run_dir = str(Path(run_dir).resolve())
     if not pins_run_dir(args):
@@ -112,7 +112,7 @@ def self_launch(overrides: list[str], world: int, run_dir: str) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    from megaframe.failures import exit_code_of_job
+    from megaframe.common.failures import exit_code_of_job
 
     os.environ[SELF_LAUNCHED] = "1"
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the agent runs in this process: the ranks' parent

@@ -8,7 +8,7 @@ megaframe-train [OVERRIDE ...]
      submitted to SLURM, or on Ray's workers; elastic (launcher.min_nodes) is a mode of each;
   3. a run in this process goes through Hydra's run (launch/hydra_run.py), which creates the run dir
      and calls train().
-Exit codes: docs/failures.md (megaframe/failures.py). A run stopped by SIGINT, SIGTERM, SIGHUP or
+Exit codes: docs/failures.md (megaframe/common/failures.py). A run stopped by SIGINT, SIGTERM, SIGHUP or
 SIGUSR1 saves at a step boundary and exits 128 + the signal's number: 130, 143, 129, 138; the ranks
 this command launches get the signal passed on, and 300 s to save (local.SIGNAL_GRACE_S).
 """
@@ -20,13 +20,13 @@ from typing import Optional, Sequence
 from megaframe import resume_hint
 from megaframe.config.compose import config_dirs_as_searchpath, override_problem
 from megaframe.config.validate import ConfigError
-from megaframe.failures import PROG
+from megaframe.common.failures import PROG
 from megaframe.launch import torchrun
 from megaframe.launch.base import fail, hydra_flags, launcher_world_size, rank
 from megaframe.launch.checks import check_before_launch, check_composed
 from megaframe.launch.hydra_run import run_hydra
 from megaframe.launch.registry import Job, launcher_for
-from megaframe.startup import resume_collector
+from megaframe.common.startup import resume_collector
 
 
 def train_main(argv: Optional[Sequence[str]] = None) -> None:

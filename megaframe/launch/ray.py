@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from megaframe.config.schema import TrainConfig
-from megaframe.failures import PROG
+from megaframe.common.failures import PROG
 
 STOP_FILE = ".job_stop.json"  # parallel/elastic.py: an earlier attempt's deterministic failure
 MISSING = 'launcher=ray needs Ray Train, which is not installed: pip install "megaframe[ray]"'
@@ -170,7 +170,7 @@ def _exit_code(error: BaseException) -> int:
     """The job's exit code from Ray's error: each failed worker's SystemExit code (Ray Train keeps
     them in worker_failures; older Ray chains them as causes), the documented cause winning over
     the ranks that only followed it (failures.exit_code_of_job); 1 when none carried a code."""
-    from megaframe.failures import exit_code_of_job
+    from megaframe.common.failures import exit_code_of_job
 
     codes = []
     for failure in [*getattr(error, "worker_failures", {}).values(), error]:

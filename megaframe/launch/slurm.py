@@ -23,7 +23,7 @@ from typing import Mapping, MutableMapping, Optional
 
 from megaframe.config.compose import hydra_quoted
 from megaframe.config.schema import LauncherConfig, TrainConfig
-from megaframe.failures import PROG
+from megaframe.common.failures import PROG
 from megaframe.launch.base import fail, launcher_world_size
 from megaframe.launch.elastic import STORE_ENV, rdzv_endpoint, torchrun_args
 
@@ -185,7 +185,7 @@ def waits(job) -> bool:
 def start(job) -> int:
     """Write RUN_DIR/submit.sbatch (atomically) and sbatch it, or print it (dry run); an elastic job
     (launcher.min_nodes) runs one torchrun agent per node of its node range."""
-    from megaframe.atomic_io import atomic_write_text
+    from megaframe.common.atomic_io import atomic_write_text
 
     cfg = job.cfg
     run_path = Path(job.run_dir).resolve()

@@ -11,7 +11,7 @@ from typing import Optional
 
 from megaframe.backends.registry import engine
 from megaframe.config.schema import TrainConfig
-from megaframe.failures import PROG, RunFailure
+from megaframe.common.failures import PROG, RunFailure
 from megaframe.launch.base import SELF_LAUNCHED, fail, launcher_world_size, pins_run_dir, rank
 from megaframe.launch.registry import Job
 
@@ -29,7 +29,7 @@ def admit() -> None:
     launcher variables in one line, and ends at once when its job has stopped."""
     from megaframe.launch.guard import die_with_launcher
     from megaframe.launch.slurm import adopt_slurm_env
-    from megaframe.launch_env import launch_env_problem
+    from megaframe.common.launch_env import launch_env_problem
 
     die_with_launcher()  # a rank under torchrun's agent ends when its launcher is killed outright
     adopt_slurm_env()  # an srun task (launcher=slurm's job) joins the process group from SLURM's variables

@@ -33,9 +33,9 @@ from megaframe.training.faults import Faults
 from megaframe.training.schedule import lr_scheduler_factory
 from megaframe.training.step_guard import StepGuard
 from megaframe.training.stop_signal import StopSignal, exit_code as signal_exit_code
-from megaframe import run_lock
-from megaframe.startup import resume_collector
-from megaframe.failures import Diverged, RankHung, RunDirInUse, SaveFailed, save_failure
+from megaframe.common import run_lock
+from megaframe.common.startup import resume_collector
+from megaframe.common.failures import Diverged, RankHung, RunDirInUse, SaveFailed, save_failure
 from megaframe.model.factory import resolve_dims
 from megaframe.parallel.context import zigzag_positions
 from megaframe.parallel.hang import describe_hang, is_collective_timeout
@@ -80,7 +80,7 @@ class Trainer:
         if cfg.precision.tf32:  # fp32 matmuls on TF32 tensor cores; false leaves torch's own setting
             torch.backends.cuda.matmul.allow_tf32 = True
         self.backend = plug.build(cfg, layout, self.ps, self.dims, lr_scheduler_factory(cfg.optim, cfg.train.max_steps))
-        resume_collector()  # start-up ends with the engine built (megaframe/startup.py)
+        resume_collector()  # start-up ends with the engine built (megaframe/common/startup.py)
         self.num_parameters = self.backend.num_parameters
         self._check_token_ids()
         self.flops_per_token = flops_per_token(self.dims)

@@ -233,3 +233,27 @@ def test_the_launch_check_finds_a_planted_importer():
     assert _importers_of("megaframe.launch", graph, {"megaframe.train"}) == [
         "megaframe.training.trainer imports megaframe.launch.base"]
     assert _importers_of("megaframe.launch", graph, {"megaframe.train", "megaframe.training.trainer"}) == []
+
+
+def _outside_imports(package: str, graph: dict[str, set[str]]) -> list[str]:
+    """'A imports B' for every module A in `package` that imports a megaframe module B outside it."""
+    def inside(name: str) -> bool:
+        return (name + ".").startswith(package + ".")
+
+    return [f"{module} imports {target}" for module, targets in sorted(graph.items()) if inside(module)
+            for target in sorted(targets) if not inside(target)]
+
+
+def test_common_imports_nothing_of_megaframe():
+    """megaframe/common/ holds the leaves (atomic_io, failures, paths, run_lock, ...) every floor uses:
+    one that imported megaframe above it would tie every floor to that module."""
+    graph = _file_graph()
+    assert "megaframe.common.safe_files" in graph.get("megaframe.common.atomic_io", set()), "no imports found"
+    assert _outside_imports("megaframe.common", graph) == []
+
+
+def test_the_common_check_finds_a_planted_import():
+    graph = {"megaframe.common.atomic_io": {"megaframe.common.safe_files"},
+             "megaframe.common.failures": {"megaframe.config.schema"},
+             "megaframe.training.trainer": {"megaframe.common.paths"}}
+    assert _outside_imports("megaframe.common", graph) == ["megaframe.common.failures imports megaframe.config.schema"]
