@@ -138,7 +138,7 @@ def evaluate(checkpoint: Path, overrides: Sequence[str]) -> dict:
 def _check_ids(inputs, targets, vocab_size: int, where: str) -> None:
     """BadData (exit 4) for an id below 0 or at or above the model's vocabulary: the embedding would
     fail deep inside with an IndexError (or, padded, score a token no logit stands for)."""
-    from megaframe.failures import BadData
+    from megaframe.common.failures import BadData
 
     for ids in (inputs, targets):
         smallest, largest = int(ids.min()), int(ids.max())
@@ -166,7 +166,7 @@ def human_line(result: dict) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from megaframe.failures import BadData
+    from megaframe.common.failures import BadData
     from megaframe.tracking.metrics import strict_json
 
     args = build_parser().parse_args(argv)

@@ -38,7 +38,7 @@ def _key(arg: str) -> str:
 def resume_command(run_dir: Path) -> str:
     """The command that resumes the run in run_dir: the remembered arguments, without those a
     resume must not repeat, and with hydra.run.dir naming the run."""
-    from megaframe.slurm import hydra_quoted
+    from megaframe.config.compose import hydra_quoted
 
     pinned = f"hydra.run.dir={hydra_quoted(str(Path(run_dir).resolve()))}"
     try:
@@ -106,7 +106,7 @@ def resolve_latest_run(args: list[str], run_dir_pattern: Callable[[list[str]], s
 
 
 def _quoted(path: str) -> str:
-    from megaframe.slurm import hydra_quoted
+    from megaframe.config.compose import hydra_quoted
 
     return hydra_quoted(path)
 

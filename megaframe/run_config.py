@@ -1,6 +1,6 @@
 """The configuration a run trained with, read back from RUN_DIR/config.yaml beside its checkpoints.
 
-megaframe-train writes the resolved config of every run to RUN_DIR/config.yaml (cli._task); a
+megaframe-train writes the resolved config of every run to RUN_DIR/config.yaml (launch/hydra_run.py); a
 checkpoint of that run lives in RUN_DIR/checkpoints/global_stepN. Tools that act on a checkpoint
 (megaframe-eval) take the run's own data, tokenizer and batch settings from there, so that they
 never score another dataset silently. Overrides in Hydra's syntax change single keys of it
@@ -95,7 +95,7 @@ def saved_run_config(path: Path):
 def _read_run_file(path: Path, cap: int) -> str:
     """The text of a file megaframe-train wrote in a run dir: opened once, not through a link (one
     someone else put there), at most `cap` bytes; ConfigError (one line) otherwise."""
-    from megaframe.safe_files import UnsafeFile, quote, read_capped
+    from megaframe.common.safe_files import UnsafeFile, quote, read_capped
 
     try:
         return read_capped(path, cap).decode("utf-8")
@@ -114,7 +114,7 @@ def training_directory(run_dir: Path) -> Optional[Path]:
     against which its relative data paths were read; None when not recorded."""
     import yaml
 
-    from megaframe.safe_files import read_capped
+    from megaframe.common.safe_files import read_capped
 
     try:  # not a link, a FIFO or a huge file (safe_files): unread, it is "not recorded"
         record = yaml.safe_load(read_capped(run_dir / ".hydra" / "hydra.yaml", HYDRA_RECORD_CAP))

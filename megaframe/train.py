@@ -1,11 +1,11 @@
-"""`megaframe-train` and `python -m megaframe.train [OVERRIDE ...]`: megaframe.cli.train_main, with
-the garbage collector paused until start-up ends (megaframe/startup.py)."""
-from megaframe.startup import pause_collector
+"""`megaframe-train` and `python -m megaframe.train [OVERRIDE ...]`: megaframe.launch.main.train_main, with
+the garbage collector paused until start-up ends (megaframe/common/startup.py)."""
+from megaframe.common.startup import pause_collector
 
 
 def main() -> None:
-    pause_collector()  # before megaframe.cli imports torch
-    from megaframe.cli import train_main
+    pause_collector()  # before megaframe.launch imports torch
+    from megaframe.launch.main import train_main
 
     train_main()
 

@@ -32,7 +32,8 @@ def import_what_runs_import() -> None:
     import torch._dynamo  # noqa: F401  (torch's Optimizer.step imports it)
     import torch.distributed.run  # noqa: F401  (self-launch)
 
-    import megaframe.cli  # noqa: F401
+    import megaframe.launch.main  # noqa: F401
+    import megaframe.launch.local  # noqa: F401  (its launcher, imported by name when a run starts)
     import megaframe.training.trainer  # noqa: F401
     import megaframe.backends.deepspeed.engine  # noqa: F401
     from megaframe.backends.deepspeed.muon_import import import_muon_lazily

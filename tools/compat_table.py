@@ -18,7 +18,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from megaframe.backends.deepspeed.compat import markdown, with_table  # noqa: E402
-from megaframe.atomic_io import atomic_write_text  # noqa: E402
+from megaframe.common.atomic_io import atomic_write_text  # noqa: E402
 
 
 def main() -> int:

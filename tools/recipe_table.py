@@ -8,7 +8,7 @@ import contextlib
 import sys
 
 from megaframe.config.compose import compose
-from megaframe.paths import recipes_dir
+from megaframe.common.paths import recipes_dir
 from megaframe.plan.cli import plan, planned_world_size
 from megaframe.plan.memory import GIB
 

@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from megaframe.safe_files import create_fresh
+from megaframe.common.safe_files import create_fresh
 
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
           torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}

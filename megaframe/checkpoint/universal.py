@@ -26,9 +26,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megaframe.failures import ExitCode
-from megaframe.atomic_io import atomic_write_text
-from megaframe.safe_files import quote, read_capped
+from megaframe.common.failures import ExitCode
+from megaframe.common.atomic_io import atomic_write_text
+from megaframe.common.safe_files import quote, read_capped
 from megaframe.checkpoint.file_hash import hash_file
 from megaframe.checkpoint.tokenizer_record import tokenizer_files
 
@@ -42,7 +42,7 @@ MASTER_KEY = "master"
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: corrupted, truncated, incompatible. The message is one line."""
 
-    exit_code = ExitCode.BAD_CHECKPOINT  # after launch (megaframe/failures.py)
+    exit_code = ExitCode.BAD_CHECKPOINT  # after launch (megaframe/common/failures.py)
 
 
 def file_entry(path: Path) -> dict:

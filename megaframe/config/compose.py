@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -16,7 +17,7 @@ from megaframe.config.empty_values import empty_override_problem, run_dir_proble
 from megaframe.config.schema import TrainConfig
 from megaframe.config.store import register_configs, unknown_recipe
 from megaframe.config.validate import ConfigError
-from megaframe.paths import conf_dir
+from megaframe.common.paths import conf_dir
 
 
 def _one_line(ex: BaseException) -> str:
@@ -151,7 +152,7 @@ def compose(overrides: Sequence[str]) -> tuple[TrainConfig, str]:
 
 def compose_for_run(overrides: Sequence[str]) -> tuple[TrainConfig, str, DictConfig]:
     """compose(), and also the whole composition with its `hydra` node, as Hydra's own run composes
-    it for the task named "cli" (megaframe-train's): the CLI hands it to the run (cli._run_composed)
+    it for the task named "cli" (megaframe-train's): launch/hydra_run.py's run_composed runs it
     instead of composing a second time."""
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -179,3 +180,13 @@ def compose_for_run(overrides: Sequence[str]) -> tuple[TrainConfig, str, DictCon
         known = _known_keys(extra[0])
         raise ConfigError(f"unknown key '{extra[0]}'" + (f"; known keys there: {', '.join(known)}" if known else ""))
     return typed, run_dir, composed
+
+
+def hydra_quoted(value: str) -> str:
+    """`value` as a quoted string of Hydra's override grammar, so ':', '=', ',' or brackets in a
+    path stay part of it. Hydra reads a backslash as an escape only in a run of them before a quote
+    (or the closing one): those runs are doubled, then each quote escaped."""
+    if re.fullmatch(r"[\w./+~@-]+", value):
+        return value  # nothing Hydra would read as grammar: the job script stays plain
+    doubled = re.sub(r"(\\+)(?='|$)", lambda run: run.group(1) * 2, value)
+    return "'" + doubled.replace("'", "\\'") + "'"

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from megaframe.safe_files import UnsafeFile, read_capped
+from megaframe.common.safe_files import UnsafeFile, read_capped
 
 _REBUILD = "rebuild it with megaframe-preprocess"
 # a sidecar is metadata (its longest part the list of source files: a few MB for 100k of them);

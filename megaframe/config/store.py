@@ -10,7 +10,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from megaframe.config.schema import TrainConfig
-from megaframe.paths import recipes_dir
+from megaframe.common.paths import recipes_dir
 
 SCHEMA_NAME = "megaframe_schema"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megaframe.failures import ExitCode
+from megaframe.common.failures import ExitCode
 
 _HASH_CHUNK_TOKENS = 1 << 24
 
@@ -15,7 +15,7 @@ _HASH_CHUNK_TOKENS = 1 << 24
 class DataError(ValueError):
     """Bad data input; the one-line message names the file or argument and how to fix it."""
 
-    exit_code = ExitCode.BAD_DATA  # after launch (megaframe/failures.py)
+    exit_code = ExitCode.BAD_DATA  # after launch (megaframe/common/failures.py)
 
 
 def read_head(path: Path, size: int) -> bytes:

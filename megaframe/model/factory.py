@@ -6,7 +6,7 @@ import math
 import torch
 import torch.nn as nn
 
-from megaframe.compile_breaks import disable_marked
+from megaframe.common.compile_breaks import disable_marked
 from megaframe.config.schema import ModelConfig
 from megaframe.model.dims import GPTDims, resolve_dims  # noqa: F401  (resolve_dims: re-exported)
 from megaframe.model.gpt import GPT, Block, init_parameters

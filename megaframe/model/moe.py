@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megaframe.compile_breaks import run_eagerly
+from megaframe.common.compile_breaks import run_eagerly
 from megaframe.model.dims import GPTDims
 from megaframe.model.mlp import MLP, Dropout, gelu
 from megaframe.model.recompute import recomputing

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megaframe.atomic_io import atomic_write_text
+from megaframe.common.atomic_io import atomic_write_text
 
 
 # An earlier attempt's deterministic failure, kept in torchrun's agent store: shared by every node
@@ -77,8 +77,8 @@ def _read_stop_file(path: str) -> Optional[tuple[int, str]]:
     nothing: not through a link, a few KiB at most, a documented deterministic exit code, and its
     message is quoted short and sanitised (a planted file must not write the job log or choose the
     exit code)."""
-    from megaframe.failures import ExitCode
-    from megaframe.safe_files import quote, read_capped
+    from megaframe.common.failures import ExitCode
+    from megaframe.common.safe_files import quote, read_capped
 
     try:
         stop = json.loads(read_capped(Path(path), 1 << 16))

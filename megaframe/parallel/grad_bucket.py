@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megaframe.compile_breaks import run_eagerly
+from megaframe.common.compile_breaks import run_eagerly
 
 class _Stash(torch.autograd.Function):
     """Forward: the parameter. Backward: its gradient contribution goes to the bucket; zeros return."""

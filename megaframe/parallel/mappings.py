@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megaframe.compile_breaks import run_eagerly
+from megaframe.common.compile_breaks import run_eagerly
 
 SEQ_DIM = 1
 

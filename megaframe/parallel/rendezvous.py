@@ -22,8 +22,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megaframe.failures import ExitCode, RankHung, RunFailure
-from megaframe.launch_env import launch_env_problem
+from megaframe.common.failures import ExitCode, RankHung, RunFailure
+from megaframe.common.launch_env import launch_env_problem
 
 _POLL_S = 0.25  # between looks for rank 0's store, and the first rank's for `done`: one rank, 4 a second
 _WAIT_MARGIN_S = 5.0  # a quiet rank's wait outlasts its deadline by this: the rank ends first, silently

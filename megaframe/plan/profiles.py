@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from megaframe.config.schema import ClusterConfig, TrainConfig
 from megaframe.config.validate import Layout
-from megaframe.paths import conf_dir
+from megaframe.common.paths import conf_dir
 
 
 def cluster_profiles() -> dict[str, ClusterConfig]:

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megaframe.atomic_io import atomic_write_text
-from megaframe.safe_files import open_regular
+from megaframe.common.atomic_io import atomic_write_text
+from megaframe.common.safe_files import open_regular
 
 
 class MetricsLog:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megaframe.config.schema import WandbConfig
-from megaframe.atomic_io import atomic_write_text
+from megaframe.common.atomic_io import atomic_write_text
 
 
 def online_key_problem(mode: str, environ=os.environ) -> Optional[str]:

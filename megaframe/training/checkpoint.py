@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.universal import CheckpointError
-from megaframe.atomic_io import atomic_write_text
-from megaframe.failures import save_failure
-from megaframe.safe_files import read_capped
+from megaframe.common.atomic_io import atomic_write_text
+from megaframe.common.failures import save_failure
+from megaframe.common.safe_files import read_capped
 from megaframe.parallel.random import get_rng_states, set_rng_states
 from megaframe.training.resume_checks import clear_unsaved
 

@@ -10,7 +10,7 @@ from megaframe.config.schema import DataConfig
 from megaframe.data import DataError, SampleSet, TokenStream, ensure_demo_dataset, open_dataset, split_documents
 from megaframe.data.blend import BlendedSamples, Stage, parse_blend
 from megaframe.data.formats import Dataset
-from megaframe.paths import cache_dir
+from megaframe.common.paths import cache_dir
 
 Samples = Union[SampleSet, BlendedSamples]
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megaframe.failures import PROG, ExitCode, JobStopped, RankHung, RunFailure, classify, is_peer_failure
+from megaframe.common.failures import PROG, ExitCode, JobStopped, RankHung, RunFailure, classify, is_peer_failure
 from megaframe.parallel.elastic import record_job_stop
 from megaframe.parallel.hang import describe_hang, is_collective_timeout
-from megaframe.safe_files import open_regular
+from megaframe.common.safe_files import open_regular
 _REPORTED = "megaframe/failure_reported"
 
 

@@ -39,10 +39,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megaframe.atomic_io import atomic_write_text
+from megaframe.common.atomic_io import atomic_write_text
 from megaframe.checkpoint import universal
 from megaframe.checkpoint.sharded import write_record
-from megaframe.safe_files import read_capped
+from megaframe.common.safe_files import read_capped
 
 _STEP_DIR = re.compile(r"global_step(\d+)")
 _DONE = re.compile(r"rank(\d+)\.done\.json")

@@ -26,10 +26,10 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from megaframe.atomic_io import atomic_write_text
+from megaframe.common.atomic_io import atomic_write_text
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.parallel.dims import LAYOUT_AXES
-from megaframe.safe_files import UnsafeFile, open_regular
+from megaframe.common.safe_files import UnsafeFile, open_regular
 
 UNSAVED_MARKER = ".megaframe-unsaved"  # in the run dir: started from step 0, no checkpoint published since
 _TAIL_BYTES = 1 << 16  # metrics.jsonl is read from its end: its last records say how far a run got

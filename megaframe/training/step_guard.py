@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megaframe.config.schema import SpikeConfig
-from megaframe.failures import Diverged
+from megaframe.common.failures import Diverged
 
 
 @dataclass

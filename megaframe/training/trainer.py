@@ -34,9 +34,9 @@ from megaframe.training.reporting import Reporting
 from megaframe.training.startup_checks import check_token_ids_fit, own_run_dir
 from megaframe.training.step_guard import StepGuard, scale_can_shrink
 from megaframe.training.stop_signal import StopSignal, exit_code as signal_exit_code
-from megaframe import run_lock
-from megaframe.startup import resume_collector
-from megaframe.failures import Diverged, SaveFailed, save_failure
+from megaframe.common import run_lock
+from megaframe.common.startup import resume_collector
+from megaframe.common.failures import Diverged, SaveFailed, save_failure
 from megaframe.model.factory import resolve_dims
 from megaframe.parallel.context import zigzag_positions
 from megaframe.parallel.random import TPDropoutRNG
@@ -73,7 +73,7 @@ class Trainer:
         if cfg.precision.tf32:  # fp32 matmuls on TF32 tensor cores; false leaves torch's own setting
             torch.backends.cuda.matmul.allow_tf32 = True
         self.backend = plug.build(cfg, layout, self.ps, self.dims, lr_scheduler_factory(cfg.optim, cfg.train.max_steps))
-        resume_collector()  # start-up ends with the engine built (megaframe/startup.py)
+        resume_collector()  # start-up ends with the engine built (megaframe/common/startup.py)
         self.num_parameters = self.backend.num_parameters
         check_token_ids_fit(self.data.datasets, self.dims.vocab_size, cfg.model.vocab_size is not None,
                             self.backend.device, self.ps.rank, layout.world_size)

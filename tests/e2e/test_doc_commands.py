@@ -29,12 +29,13 @@ def _train_problem(args: list[str]) -> str | None:
     """What megaframe-train would refuse before launch, in one line, or None: composition,
     validation at the world it would start, the planner's fit and an elastic job's whole range.
     What depends on this host (sbatch, Ray, the dataset's files) is left out."""
-    from megaframe import cli
+    from megaframe.launch.elastic import check_range
+    from megaframe.launch.slurm import job_world_size as slurm_world_size
     from megaframe.backends.registry import validate_for_engine
     from megaframe.config.compose import compose
     from megaframe.config.validate import ConfigError, requested_world_size
     from megaframe.plan.cli import fit_problem
-    from megaframe.sweep import check_sweep
+    from megaframe.launch.sweep import check_sweep
 
     def check_point(point: list[str]) -> None:
         cfg, _ = compose(point)
@@ -42,10 +43,10 @@ def _train_problem(args: list[str]) -> str | None:
             stderr = io.StringIO()
             try:
                 with contextlib.redirect_stderr(stderr):
-                    cli._check_elastic_range(cfg, point)  # exits 2 with one line, as before launch
+                    check_range(cfg, point)  # exits 2 with one line, as before launch
             except SystemExit:
                 raise ConfigError(stderr.getvalue().strip()) from None
-        layout = validate_for_engine(cfg, cli._slurm_world_size(cfg) or requested_world_size(cfg), ask_bf16=False)
+        layout = validate_for_engine(cfg, slurm_world_size(cfg) or requested_world_size(cfg), ask_bf16=False)
         if problem := fit_problem(cfg, layout):
             raise ConfigError(problem)
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
-from megaframe.failures import ExitCode
+from megaframe.common.failures import ExitCode
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from helpers import REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
-from megaframe.failures import ExitCode
+from megaframe.common.failures import ExitCode
 
 pytestmark = pytest.mark.slow
 CURVES = ("loss", "grad_norm", "lr", "eval_loss", "consumed_samples")

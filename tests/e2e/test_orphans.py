@@ -1,6 +1,6 @@
 """No rank outlives megaframe-train: SIGKILL of the launching process (the OOM killer, `kill -9`,
 `timeout -k`) used to leave its ranks training under PID 1, writing checkpoints after the command
-had exited 137. megaframe/launch_guard.py gives each rank the kernel's parent-death signal."""
+had exited 137. megaframe/launch/guard.py gives each rank the kernel's parent-death signal."""
 from __future__ import annotations
 
 import os

@@ -71,7 +71,7 @@ def test_without_latest_the_run_resumes_from_its_newest_checkpoint_and_overwrite
 
 def test_a_resume_into_another_model_shape_is_refused_naming_the_key(tmp_path):
     """A 4-layer checkpoint loaded into model.num_layers=2 would drop two blocks without a word."""
-    from megaframe.failures import ExitCode
+    from megaframe.common.failures import ExitCode
 
     args = [*TINY, "train.max_steps=4", "train.save_interval=2", f"hydra.run.dir={tmp_path}"]
     assert_ok(run_cli([*args, "model.num_layers=4", "train.exit_at_step=2"]))
@@ -87,7 +87,7 @@ def test_a_resume_into_another_model_shape_is_refused_naming_the_key(tmp_path):
 def test_a_changed_global_batch_size_is_refused_unless_the_move_is_accepted(tmp_path):
     """Step k's samples are a function of (seed, k, global batch): another global batch size moved the
     data position without a word (samples skipped when it grew)."""
-    from megaframe.failures import ExitCode
+    from megaframe.common.failures import ExitCode
 
     args = [*TINY, "train.max_steps=4", "train.save_interval=2", "train.eval_interval=0", f"hydra.run.dir={tmp_path}"]
     assert_ok(run_cli([*args, "train.exit_at_step=2"]))
@@ -133,7 +133,7 @@ def test_a_changed_data_order_is_refused_unless_accepted_and_the_resume_says_wha
     Unmounted checkpoints under a run with records: refused before launch (exit 2), records kept."""
     import shutil
 
-    from megaframe.failures import ExitCode
+    from megaframe.common.failures import ExitCode
 
     args = [*TINY, "model.position_embedding=rope", "train.max_steps=4", "train.save_interval=2",
             "train.eval_interval=0", f"hydra.run.dir={tmp_path}"]

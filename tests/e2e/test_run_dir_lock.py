@@ -1,4 +1,4 @@
-"""A run directory has one owner (megaframe/run_lock.py). Two megaframe-train processes on one run
+"""A run directory has one owner (megaframe/common/run_lock.py). Two megaframe-train processes on one run
 dir used to both resume from the same checkpoint, rewrite the same checkpoints and `latest`, and
 append duplicate steps to metrics.jsonl."""
 from __future__ import annotations
@@ -53,7 +53,7 @@ def test_a_second_run_on_a_busy_run_dir_is_refused_and_the_owner_keeps_it(tmp_pa
 
 def test_ranks_under_torchrun_refuse_a_busy_run_dir_in_one_line(tmp_path):
     run_dir = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from megaframe import run_lock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from megaframe.common import run_lock; "
                                "assert run_lock.acquire(sys.argv[1]) is None; print('held', flush=True); "
                                "time.sleep(600)", str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:

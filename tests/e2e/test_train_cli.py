@@ -83,7 +83,7 @@ def test_installed_wheel_finds_conf_and_recipes(tmp_path):
     assert (target / "megaframe" / "_conf" / "config.yaml").is_file()
     assert (target / "megaframe" / "_recipes" / "llama2_7b.yaml").is_file()
     env = cli_env(PYTHONPATH=str(target))
-    probe = subprocess.run([sys.executable, "-c", "import megaframe.paths as p; print(p.conf_dir()); print(p.recipes_dir())"],
+    probe = subprocess.run([sys.executable, "-c", "import megaframe.common.paths as p; print(p.conf_dir()); print(p.recipes_dir())"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert_ok(probe)
     assert probe.stdout.split() == [str(target / "megaframe" / "_conf"), str(target / "megaframe" / "_recipes")]
@@ -199,7 +199,7 @@ def counted(self, *args, **kwargs):
 
 
 ConfigLoaderImpl.load_configuration = counted
-from megaframe.cli import train_main
+from megaframe.launch.main import train_main
 
 try:
     train_main(sys.argv[1:])
@@ -235,7 +235,7 @@ def internal_error(*args, **kwargs):
 
 
 trainer.train = internal_error
-from megaframe.cli import train_main
+from megaframe.launch.main import train_main
 
 train_main(sys.argv[1:])
 """

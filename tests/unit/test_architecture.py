@@ -29,7 +29,7 @@ def _imports(path: Path) -> list[str]:
 
 def _unit(module: str) -> str | None:
     """The part of megaframe a module belongs to: its package (megaframe.X), or the top-level
-    module itself (megaframe.cli); None outside megaframe."""
+    module itself (megaframe.train); None outside megaframe."""
     parts = module.split(".")
     if parts[0] != "megaframe":
         return None
@@ -311,3 +311,61 @@ def test_the_engine_name_check_finds_planted_comparisons():
     }
     for source, flagged in planted.items():
         assert bool(_engine_name_compares(source, "planted.py", names)) is flagged, source
+
+
+def _entry_points() -> set[str]:
+    """megaframe's entry points: the modules [project.scripts] in pyproject.toml names (megaframe-train's
+    is megaframe/train.py, which every rank also runs as `python -m megaframe.train`)."""
+    import tomllib
+
+    scripts = tomllib.loads((MEGAFRAME.parent / "pyproject.toml").read_text())["project"]["scripts"]
+    return {target.split(":")[0] for target in scripts.values()}
+
+
+def _importers_of(package: str, graph: dict[str, set[str]], allowed: set[str]) -> list[str]:
+    """'A imports B' for every module A outside `package` and not in `allowed` that imports B in it."""
+    return [f"{module} imports {target}" for module, targets in sorted(graph.items())
+            if module not in allowed and not (module + ".").startswith(package + ".")
+            for target in sorted(targets) if (target + ".").startswith(package + ".")]
+
+
+def test_only_the_entry_points_import_launch():
+    """launch/ is the top floor (argv, the checks before launch, the launchers, Hydra's run): a
+    module below it that imported it would make the layers a knot, so only the entry points do."""
+    entry = _entry_points()
+    assert "megaframe.train" in entry and "megaframe.plan.cli" in entry, entry
+    graph = _file_graph()
+    assert "megaframe.launch.main" in graph.get("megaframe.train", set()), "megaframe-train starts in launch/"
+    assert _importers_of("megaframe.launch", graph, entry) == []
+
+
+def test_the_launch_check_finds_a_planted_importer():
+    graph = {"megaframe.train": {"megaframe.launch.main"}, "megaframe.launch.main": {"megaframe.launch.base"},
+             "megaframe.training.trainer": {"megaframe.launch.base", "megaframe.launcher_x"}}
+    assert _importers_of("megaframe.launch", graph, {"megaframe.train"}) == [
+        "megaframe.training.trainer imports megaframe.launch.base"]
+    assert _importers_of("megaframe.launch", graph, {"megaframe.train", "megaframe.training.trainer"}) == []
+
+
+def _outside_imports(package: str, graph: dict[str, set[str]]) -> list[str]:
+    """'A imports B' for every module A in `package` that imports a megaframe module B outside it."""
+    def inside(name: str) -> bool:
+        return (name + ".").startswith(package + ".")
+
+    return [f"{module} imports {target}" for module, targets in sorted(graph.items()) if inside(module)
+            for target in sorted(targets) if not inside(target)]
+
+
+def test_common_imports_nothing_of_megaframe():
+    """megaframe/common/ holds the leaves (atomic_io, failures, paths, run_lock, ...) every floor uses:
+    one that imported megaframe above it would tie every floor to that module."""
+    graph = _file_graph()
+    assert "megaframe.common.safe_files" in graph.get("megaframe.common.atomic_io", set()), "no imports found"
+    assert _outside_imports("megaframe.common", graph) == []
+
+
+def test_the_common_check_finds_a_planted_import():
+    graph = {"megaframe.common.atomic_io": {"megaframe.common.safe_files"},
+             "megaframe.common.failures": {"megaframe.config.schema"},
+             "megaframe.training.trainer": {"megaframe.common.paths"}}
+    assert _outside_imports("megaframe.common", graph) == ["megaframe.common.failures imports megaframe.config.schema"]

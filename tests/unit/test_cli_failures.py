@@ -6,7 +6,7 @@ import signal
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from megaframe.cli import _name_a_killed_rank
+from megaframe.launch.local import name_a_killed_rank as _name_a_killed_rank
 
 OOM_LINE = ("megaframe-train: error (rank {rank}): killed by SIGKILL (the kernel's OOM killer sends it when memory "
             "runs out: see `dmesg`) [exit 1]")
@@ -61,13 +61,13 @@ class _Ended(Exception):
 
 
 def test_a_rank_waiting_to_join_under_a_launcher_ends_on_a_signal_with_its_code(monkeypatch):
-    """Under torchrun or srun (run dir not pinned) the join happens in cli._shared_run_dir, before
+    """Under torchrun or srun (run dir not pinned) the join happens in launch/torchrun.shared_run_dir, before
     the Trainer: SIGUSR1/SIGTERM/SIGHUP used to end that waiting rank by the default action, no line."""
     import os
     import time
     from types import SimpleNamespace
 
-    from megaframe import cli
+    from megaframe.launch import torchrun
     from megaframe.training import stop_signal
 
     def ended(signum, why):
@@ -79,7 +79,7 @@ def test_a_rank_waiting_to_join_under_a_launcher_ends_on_a_signal_with_its_code(
             time.sleep(3)
 
     monkeypatch.setattr(stop_signal, "_exit_now", ended)
-    monkeypatch.setattr(cli, "engine", lambda name: Waiting())
+    monkeypatch.setattr(torchrun, "engine", lambda name: Waiting())
     cfg = SimpleNamespace(backend=SimpleNamespace(name="any"),
                           train=SimpleNamespace(collective_timeout_s=60, join_timeout_s=60))
     def missed(*_):  # a signal the join missed must not end pytest
@@ -88,7 +88,7 @@ def test_a_rank_waiting_to_join_under_a_launcher_ends_on_a_signal_with_its_code(
     before = signal.signal(signal.SIGUSR1, missed)
     try:
         with pytest.raises(_Ended) as err:
-            cli._shared_run_dir("runs/x", cfg)
+            torchrun.shared_run_dir("runs/x", cfg)
         assert err.value.args == (signal.SIGUSR1, "while waiting for the ranks to join: stopping now "
                                                   "(nothing to save yet)")
         assert stop_signal.exit_code(signal.SIGUSR1) == 138

@@ -19,7 +19,7 @@ def test_importing_the_trainer_does_not_load_dynamo():
 def test_compiling_blocks_turns_every_marked_function_into_a_graph_break():
     probe = """
 import torch
-from megaframe.compile_breaks import _MARKED
+from megaframe.common.compile_breaks import _MARKED
 from megaframe.model.factory import build_model, compile_blocks, resolve_dims
 from megaframe.config.schema import ModelConfig
 from megaframe.parallel.state import ParallelState

@@ -1,4 +1,4 @@
-"""elastic_launch.py: the world sizes a range allows, the one-line refusals before launch, and the
+"""launch/elastic.py (and its modes in local.py, slurm.py): the world sizes a range allows, the one-line refusals before launch, and the
 lines that start the job (torchrun per node, SLURM's script)."""
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import pytest
 from megaframe.backends.registry import validate_for_engine
 from megaframe.config.compose import compose
 from megaframe.config.schema import LauncherConfig, TrainConfig
-from megaframe.config.validate import ConfigError, check_elastic, timeout_warning
-from megaframe.elastic_launch import (STORE_ENV, elastic_sbatch_script, node_command, range_problem, stop_file,
-                                      world_sizes)
+from megaframe.config.launcher_rules import check_elastic, timeout_warning
+from megaframe.config.validate import ConfigError
+from megaframe.launch.elastic import STORE_ENV, range_problem, stop_file, world_sizes
+from megaframe.launch.local import node_command
+from megaframe.launch.slurm import elastic_sbatch_script
 from megaframe.plan.cli import fit_problem
 
 

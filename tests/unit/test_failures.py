@@ -1,9 +1,9 @@
-"""Exit codes and the classification of errors raised after launch (megaframe/failures.py)."""
+"""Exit codes and the classification of errors raised after launch (megaframe/common/failures.py)."""
 from __future__ import annotations
 
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.data import DataError
-from megaframe.failures import (BadCheckpoint, BadData, ExitCode, RunFailure, classify, exit_code_of_job,
+from megaframe.common.failures import (BadCheckpoint, BadData, ExitCode, RunFailure, classify, exit_code_of_job,
                                 is_peer_failure)
 
 

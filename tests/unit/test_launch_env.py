@@ -1,11 +1,11 @@
-"""The launcher's variables are checked before a rank joins (megaframe/launch_env.py): one line and
+"""The launcher's variables are checked before a rank joins (megaframe/common/launch_env.py): one line and
 exit 2, where torch's env:// join ended in C++ stack dumps (RANK >= WORLD_SIZE) or a traceback."""
 from __future__ import annotations
 
 import pytest
 
-from megaframe.cli import train_main
-from megaframe.launch_env import launch_env_problem
+from megaframe.launch.main import train_main
+from megaframe.common.launch_env import launch_env_problem
 
 OK = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node0",
       "MASTER_PORT": "29500"}

@@ -1,7 +1,7 @@
-"""megaframe/ray_launcher.py without Ray: the job's exit code from what Ray reports."""
+"""megaframe/launch/ray.py without Ray: the job's exit code from what Ray reports."""
 from __future__ import annotations
 
-from megaframe.ray_launcher import _exit_code
+from megaframe.launch.ray import _exit_code
 
 
 class WorkerGroupError(Exception):
@@ -31,7 +31,7 @@ def test_a_failure_no_rank_explained_is_exit_1():
 def test_a_cluster_address_is_host_and_port():
     """launcher.ray_address checked before Ray is asked: a malformed one is one line naming the key
     and the forms it takes; no address or `auto` is left to Ray."""
-    from megaframe.ray_launcher import unreachable_cluster
+    from megaframe.launch.ray import unreachable_cluster
 
     assert unreachable_cluster(None) is None and unreachable_cluster("auto") is None
     for bad in ("headnode", "ray://headnode", "headnode:port"):

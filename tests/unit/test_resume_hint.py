@@ -76,7 +76,7 @@ def test_latest_run_where_megaframe_train_does_not_choose_it_is_refused_not_read
     """A -m sweep point and a rank of torchrun or srun (`python -m megaframe.train`) handed the
     trainer Path("latest-run"); under a launcher each rank would also pick a run on its own, and
     each printed "resuming". One line naming the fix instead, and no rank prints a choice."""
-    from megaframe.cli import _check_sweep_point
+    from megaframe.launch.sweep import check_sweep_point as _check_sweep_point
 
     monkeypatch.chdir(tmp_path)
     _run(tmp_path, "2026-11-28/10-00-00", 1_000)  # a run latest-run would find

@@ -1,4 +1,4 @@
-"""The run-dir lock (megaframe/run_lock.py): one owner at a time, released by the kernel when the
+"""The run-dir lock (megaframe/common/run_lock.py): one owner at a time, released by the kernel when the
 owner dies, however it dies."""
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import subprocess
 import sys
 import textwrap
 
-from megaframe import run_lock
+from megaframe.common import run_lock
 
 _HOLD = textwrap.dedent("""
     import sys, time
-    from megaframe import run_lock
+    from megaframe.common import run_lock
     assert run_lock.acquire(sys.argv[1]) is None
     print("held", flush=True)
     time.sleep(600)

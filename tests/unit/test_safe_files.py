@@ -1,5 +1,5 @@
 """Nothing megaframe writes or reads by name in a run or checkpoint dir follows a link it did not
-make (megaframe/safe_files.py): the lock, `latest`, metrics.jsonl, the logs, the temp files of
+make (megaframe/common/safe_files.py): the lock, `latest`, metrics.jsonl, the logs, the temp files of
 atomic writes; and no error line quotes more than a few sanitised characters of a file."""
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from megaframe import run_lock
-from megaframe.atomic_io import atomic_write_text
+from megaframe.common import run_lock
+from megaframe.common.atomic_io import atomic_write_text
 from megaframe.checkpoint import universal
 from megaframe.checkpoint.universal import CheckpointError
-from megaframe.failures import ExitCode, classify
-from megaframe.safe_files import UnsafeFile, create_fresh, open_regular, quote, read_capped
+from megaframe.common.failures import ExitCode, classify
+from megaframe.common.safe_files import UnsafeFile, create_fresh, open_regular, quote, read_capped
 from megaframe.tracking.metrics import MetricsLog
 from megaframe.training import checkpoint
 from megaframe.training.failure_report import append_to_log

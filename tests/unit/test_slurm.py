@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from megaframe.config.schema import LauncherConfig
-from megaframe.slurm import adopt_slurm_env, first_host, sbatch_script, task_overrides
+from megaframe.launch.slurm import adopt_slurm_env, first_host, sbatch_script, task_overrides
 
 
 @pytest.mark.parametrize("nodelist, host", [("node7", "node7"), ("gpu[003-010,012],cpu1", "gpu003"),
@@ -48,7 +48,7 @@ def test_the_job_asks_for_one_task_per_rank_of_the_layout(world, nodes, tasks_pe
 
 
 def test_a_refused_submission_is_sbatchs_last_line(tmp_path, monkeypatch):
-    from megaframe.slurm import SubmitError, submit
+    from megaframe.launch.slurm import SubmitError, submit
 
     fake = tmp_path / "bin" / "sbatch"
     fake.parent.mkdir()
@@ -102,7 +102,7 @@ def test_well_formed_launcher_values_pass():
 def test_run_dirs_sbatch_cannot_take_are_refused(run_dir):
     from pathlib import Path
 
-    from megaframe.slurm import run_dir_problem
+    from megaframe.launch.slurm import run_dir_problem
 
     problem = run_dir_problem(Path(run_dir))
     assert problem and problem.startswith("hydra.run.dir=") and "launcher=slurm" in problem
@@ -116,7 +116,7 @@ def test_the_job_script_carries_any_printable_run_dir_to_hydra_and_sbatch(run_di
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from megaframe.slurm import run_dir_problem
+    from megaframe.launch.slurm import run_dir_problem
 
     assert run_dir_problem(Path(run_dir)) is None
     script = sbatch_script(LauncherConfig(name="slurm"), 1, 1, [], Path(run_dir))

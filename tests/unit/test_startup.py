@@ -1,4 +1,4 @@
-"""megaframe/startup.py: the collector paused at megaframe-train's entry and resumed (with start-up's
+"""megaframe/common/startup.py: the collector paused at megaframe-train's entry and resumed (with start-up's
 objects frozen) where start-up ends; a no-op where the entry point did not pause it."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from helpers import TINY, cli_env
 
 
 def test_resume_undoes_only_its_own_pause():
-    from megaframe import startup
+    from megaframe.common import startup
 
     assert gc.isenabled()
     frozen = gc.get_freeze_count()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from megaframe.config.validate import ConfigError
-from megaframe.sweep import check_sweep, sweep_points
+from megaframe.launch.sweep import check_sweep, sweep_points
 
 SWEEPS = [
     ["optim.lr=1e-3,3e-3", "parallel.dp=2", "zero=stage1", "train.max_steps=4"],

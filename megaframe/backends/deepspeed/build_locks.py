@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from megaframe.failures import MissingSystemPiece
+from megaframe.common.failures import MissingSystemPiece
 
 OWNER_LOCK = "megaframe-build.lock"
 

@@ -16,7 +16,7 @@ import pytest
 from megaframe.backends.deepspeed import build_locks
 from megaframe.backends.deepspeed.build_locks import (OWNER_LOCK, RELEASE_GRACE_S, building_in,
                                                       clear_stale_build_locks, held_open, load_ops, owner_lock)
-from megaframe.failures import ExitCode, MissingSystemPiece
+from megaframe.common.failures import ExitCode, MissingSystemPiece
 
 
 def _fake_ninja(tmp_path) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megaframe.cli import check
+from megaframe.launch.checks import check
 
 FSDP2 = ["backend=fsdp2"]
 

@@ -139,7 +139,7 @@ def test_a_checkpoint_of_deepspeeds_own_files_only_is_refused_naming_the_key(tmp
     defaults: one line naming backend.plain_one_process=false, the bad-checkpoint exit code."""
     from helpers import run_cli
 
-    from megaframe.failures import ExitCode
+    from megaframe.common.failures import ExitCode
 
     saved_by = [*TINY, "train.max_steps=2", "train.save_interval=2", "train.universal_checkpoint=false"]
     first = run_cli([*saved_by, f"hydra.run.dir={tmp_path / 'first'}"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megaframe.backends.registry import ENGINES, engine, validate_for_engine
-from megaframe.cli import check
+from megaframe.launch.checks import check
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import ConfigError
 

@@ -14,7 +14,7 @@ from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.boxes import Box, even_range, flat_range_boxes
 from megaframe.checkpoint.coverage import coverage_problem
 from megaframe.checkpoint.universal import CheckpointError
-from megaframe.failures import ExitCode, classify
+from megaframe.common.failures import ExitCode, classify
 from megaframe.training import checkpoint
 
 FULL = {"embed.tok.weight": torch.randn(7, 4), "exp_avg.embed.tok.weight": torch.randn(7, 4),

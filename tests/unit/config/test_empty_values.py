@@ -15,7 +15,7 @@ import typing
 import pytest
 
 from megaframe.backends.registry import engine
-from megaframe.cli import train_main
+from megaframe.launch.main import train_main
 from megaframe.config.compose import compose
 from megaframe.config.empty_values import EMPTY_LIST_KEYS, empty_value_problem
 from megaframe.config.schema import TrainConfig

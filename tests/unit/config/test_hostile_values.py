@@ -22,7 +22,7 @@ import typing
 import pytest
 
 from megaframe.backends.registry import engine
-from megaframe.cli import check
+from megaframe.launch.checks import check
 from megaframe.config.compose import compose
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import ConfigError, requested_world_size, validate

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from megaframe.backends.registry import engine
-from megaframe.cli import check
+from megaframe.launch.checks import check
 from megaframe.config.compose import compose
 from megaframe.config.size_limits import INT32_MAX, SIZE_KEYS
 from megaframe.config.validate import ConfigError, _divisors, requested_world_size, validate

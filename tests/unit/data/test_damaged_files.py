@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from megaframe.data import DataError, IndexedDatasetWriter, open_dataset
-from megaframe.failures import ExitCode, classify
+from megaframe.common.failures import ExitCode, classify
 
 
 def _dataset(prefix: Path, layout: str) -> Path:

@@ -9,7 +9,7 @@ import pytest
 
 from megaframe.data import DataError, IndexedDatasetWriter, open_dataset
 from megaframe.data.token_check import check_token_ids, dataset_token_ranges, token_range
-from megaframe.failures import ExitCode, classify
+from megaframe.common.failures import ExitCode, classify
 
 
 def _byte_dataset(prefix: Path, dtype=np.uint16, seed: int = 0) -> Path:

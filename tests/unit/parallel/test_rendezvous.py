@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from megaframe.backends.common import free_port
-from megaframe.failures import ExitCode
+from megaframe.common.failures import ExitCode
 from megaframe.training import stop_signal
 from megaframe.parallel.rendezvous import (JoinTimeout, LaunchEnvError, _connect, _missing, join_world,
                                            wait_for_world)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from megaframe.cli import check
+from megaframe.launch.checks import check
 from megaframe.plan.cli import main as plan_main, preflight
 
 

@@ -12,7 +12,7 @@ from megaframe.backends.registry import engine
 from megaframe.config.compose import compose
 from megaframe.config.validate import validate
 from megaframe.model.factory import resolve_dims
-from megaframe.paths import recipes_dir
+from megaframe.common.paths import recipes_dir
 from megaframe.plan.cli import planned_world_size
 from megaframe.parallel.dims import ParallelDims
 from megaframe.plan.dryrun import dry_run

@@ -75,7 +75,7 @@ def test_plan_engines_lets_parallel_auto_choose_between_the_engines():
 
 
 def test_an_unknown_engine_in_plan_engines_is_one_line(capsys):
-    from megaframe.cli import check
+    from megaframe.launch.checks import check
 
     with pytest.raises(SystemExit):
         check(["plan.engines=[deepspeed,megatron]"])

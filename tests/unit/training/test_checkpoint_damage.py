@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from megaframe.checkpoint.universal import CheckpointError
-from megaframe.failures import ExitCode, classify
+from megaframe.common.failures import ExitCode, classify
 from megaframe.training import checkpoint
 
 TORCH_ADVICE = ("Weights only load failed. Re-running `torch.load` with `weights_only` set to `False` will likely "

@@ -128,7 +128,7 @@ def test_start_up_and_evaluations_are_not_guarded_until_the_step_loop_resumes():
 def test_a_signal_ignored_at_start_stays_ignored_as_nohup_asks():
     """`nohup megaframe-train ... &` then logging out: SIGHUP used to reach our handler (and the agent's
     --signals-to-handle) and stop the run with 129 where nohup had kept it training."""
-    from megaframe import cli
+    from megaframe.launch import local
 
     before = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup leaves to the process it starts
     stop = stop_signal.StopSignal(1).install()
@@ -136,13 +136,13 @@ def test_a_signal_ignored_at_start_stays_ignored_as_nohup_asks():
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
         os.kill(os.getpid(), signal.SIGHUP)
         assert stop.received == 0
-        assert cli._agent_signals() == "SIGTERM,SIGINT,SIGQUIT,SIGUSR1"  # the ranks inherit SIG_IGN
+        assert local.agent_signals() == "SIGTERM,SIGINT,SIGQUIT,SIGUSR1"  # the ranks inherit SIG_IGN
         assert signal.getsignal(signal.SIGTERM) == stop._handle  # the others are still ours
     finally:
         stop.restore()
         signal.signal(signal.SIGHUP, before)
     if before is not signal.SIG_IGN:  # not itself run under nohup: the full list
-        assert cli._agent_signals() == "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+        assert local.agent_signals() == "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
 def test_sigquit_ends_the_rank_at_once_without_a_core_dump(monkeypatch):

@@ -1,4 +1,4 @@
-"""SLURM: the sbatch script `launcher=slurm` submits, and the environment its tasks start in.
+"""launcher=slurm: the sbatch script it submits (start), and the environment its tasks start in.
 
 Why a generated sbatch script with `srun`, one task per GPU, rather than torchrun inside SLURM
 or Hydra's submitit launcher: srun already starts, places and (with --kill-on-bad-exit) stops one
@@ -21,7 +21,11 @@ import sys
 from pathlib import Path
 from typing import Mapping, MutableMapping, Optional
 
-from megaframe.config.schema import LauncherConfig
+from megaframe.config.compose import hydra_quoted
+from megaframe.config.schema import LauncherConfig, TrainConfig
+from megaframe.common.failures import PROG
+from megaframe.launch.base import fail, launcher_world_size
+from megaframe.launch.elastic import STORE_ENV, rdzv_endpoint, torchrun_args
 
 # the variables of an srun task (SLURM_STEP_ID: srun sets it; the batch script itself runs as task 0
 # of the allocation without it, and must not join a process group alone)
@@ -94,14 +98,36 @@ def sbatch_header(launcher: LauncherConfig, nodes: str, task_lines: list[str], c
     return lines + [f"#SBATCH {extra}" for extra in launcher.sbatch_extra]
 
 
-def hydra_quoted(value: str) -> str:
-    """`value` as a quoted string of Hydra's override grammar, so ':', '=', ',' or brackets in a
-    path stay part of it. Hydra reads a backslash as an escape only in a run of them before a quote
-    (or the closing one): those runs are doubled, then each quote escaped."""
-    if re.fullmatch(r"[\w./+~@-]+", value):
-        return value  # nothing Hydra would read as grammar: the job script stays plain
-    doubled = re.sub(r"(\\+)(?='|$)", lambda run: run.group(1) * 2, value)
-    return "'" + doubled.replace("'", "\\'") + "'"
+def elastic_sbatch_script(launcher: LauncherConfig, per_node: int, overrides: list[str], run_dir: Path,
+                          python: str = sys.executable) -> str:
+    """launcher.min_nodes: MIN to MAX nodes (sbatch's --nodes=MIN-MAX), one srun task per node
+    running torchrun's elastic agent for that node's GPUs. --no-kill keeps the allocation when a
+    node fails, and srun does not end the step when one task does: the other agents go on at the
+    smaller size. Nodes of another allocation join by running the same torchrun line with
+    launcher.rdzv_endpoint set to this job's first node and
+    this job's rendezvous id (docs/elastic.md)."""
+    cpus = launcher.cpus_per_task * per_node if launcher.cpus_per_task is not None else None
+    lines = sbatch_header(launcher, f"{launcher.min_nodes}-{launcher.nodes}",
+                           ["#SBATCH --ntasks-per-node=1", f"#SBATCH --gpus-per-node={per_node}", "#SBATCH --no-kill"],
+                           cpus)
+    endpoint = rdzv_endpoint(launcher, "${RDZV_HOST}")  # the shell expands the first node's name
+    agent = [python, *torchrun_args(launcher, per_node, "ENDPOINT", "RUN_ID"), "-m", "megaframe.train", *overrides,
+             f"hydra.run.dir={hydra_quoted(str(run_dir))}"]
+    # the endpoint and id are the shell's to expand: quoted as words, then put back in double quotes
+    line = " ".join(shlex.quote(a) for a in agent)
+    line = line.replace("--rdzv-endpoint=ENDPOINT", f'"--rdzv-endpoint={endpoint}"')
+    line = line.replace("--rdzv-id=RUN_ID", '"--rdzv-id=megaframe-${SLURM_JOB_ID}"')
+    lines += [f"#SBATCH --output={str(run_dir).replace('%', '%%')}/slurm-%j.out",
+              "# written by megaframe-train launcher=slurm launcher.min_nodes: one torchrun elastic agent per node;",
+              "# a lost node leaves the others training at the smaller data-parallel size, from the last checkpoint",
+              f"export {STORE_ENV}=1  # a rendezvous store per round: without it a joining node hangs (torch 2.13)",
+              'RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+              # srun's own --no-kill: a failed node does not end the step; srun does not inherit
+              # --cpus-per-task from the allocation on Slurm 22.05-23.02: one agent runs all of a node's ranks
+              "srun --ntasks-per-node=1 --kill-on-bad-exit=0 --no-kill"
+              + (" --cpus-per-task=${SLURM_CPUS_PER_TASK}" if cpus is not None else "") + " " + line,
+              ""]
+    return "\n".join(lines)
 
 
 def run_dir_problem(run_dir: Path) -> Optional[str]:
@@ -143,3 +169,51 @@ def submit(script_path: Path) -> str:
         said = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
         raise SubmitError(f"launcher=slurm: sbatch refused {script_path}: {said}")
     return done.stdout.strip()
+
+
+def host_problem(cfg: TrainConfig) -> Optional[str]:
+    """No sbatch on this host (unless only the script is written, or this is one of the job's tasks)."""
+    if not cfg.launcher.dry_run and launcher_world_size() is None:
+        return NO_SBATCH if sbatch_missing() else None
+    return None
+
+
+def waits(job) -> bool:
+    return True
+
+
+def start(job) -> int:
+    """Write RUN_DIR/submit.sbatch (atomically) and sbatch it, or print it (dry run); an elastic job
+    (launcher.min_nodes) runs one torchrun agent per node of its node range."""
+    from megaframe.common.atomic_io import atomic_write_text
+
+    cfg = job.cfg
+    run_path = Path(job.run_dir).resolve()
+    if problem := run_dir_problem(run_path):  # the dry run too: the script it writes must be the job's
+        fail(problem)
+    run_path.mkdir(parents=True, exist_ok=True)
+    if cfg.launcher.min_nodes is not None:  # elastic: one torchrun agent per node of a node range
+        script = elastic_sbatch_script(cfg.launcher, cfg.cluster.gpus_per_node, task_overrides(job.args), run_path,
+                                       sys.executable)
+    else:
+        script = sbatch_script(cfg.launcher, cfg.cluster.gpus_per_node, job.layout.world_size,
+                               task_overrides(job.args), run_path)
+    path = run_path / "submit.sbatch"
+    atomic_write_text(path, script)
+    if cfg.launcher.dry_run:
+        print(f"{PROG}: launcher.dry_run=true: not submitted; the job script is {path}:\n{script}", flush=True)
+        return 0
+    try:
+        print(f"{PROG}: {submit(path)} ({path}; output in {run_path})", flush=True)
+    except SubmitError as err:
+        fail(str(err))
+    return 0
+
+
+def job_world_size(cfg: TrainConfig) -> Optional[int]:
+    """launcher=slurm with launcher.nodes, or an elastic job (launcher.min_nodes) at its largest:
+    the job's ranks, one per GPU of cluster.gpus_per_node (validation refuses these jobs without it)."""
+    launcher, per_node = cfg.launcher, cfg.cluster.gpus_per_node
+    if launcher.nodes and per_node and (launcher.name == "slurm" or launcher.min_nodes is not None):
+        return launcher.nodes * per_node
+    return None

@@ -5,7 +5,7 @@ import os
 import socket
 from pathlib import Path
 
-from megaframe.safe_files import create_fresh
+from megaframe.common.safe_files import create_fresh
 
 
 def atomic_write_text(path: Path, text: str) -> None:

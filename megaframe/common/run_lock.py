@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from megaframe.safe_files import UnsafeFile, open_regular, quote
+from megaframe.common.safe_files import UnsafeFile, open_regular, quote
 
 LOCK_NAME = ".megaframe.lock"
 HELD_BY_PARENT = "MEGAFRAME_RUN_DIR_LOCK"  # the resolved run dir our launcher has locked for us

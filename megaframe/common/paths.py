@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]  # megaframe/, above common/
 
 
 def _first_existing(*candidates: Path) -> Path:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from megaframe.config.schema import TrainConfig
-from megaframe.failures import PROG
+from megaframe.common.failures import PROG
 
 STOP_FILE = ".job_stop.json"  # parallel/elastic.py: an earlier attempt's deterministic failure
 MISSING = 'launcher=ray needs Ray Train, which is not installed: pip install "megaframe[ray]"'
@@ -56,7 +56,7 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from megaframe.slurm import task_overrides
+    from megaframe.launch.slurm import task_overrides
 
     launcher = cfg.launcher
     if not ray.is_initialized():
@@ -77,7 +77,7 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
                   f"set RAY_AUTH_MODE=token (and its token) here too [exit 2; Ray's messages in {init_log}]",
                   file=sys.stderr, flush=True)
             return 2
-    from megaframe.elastic_launch import is_elastic, world_sizes
+    from megaframe.launch.elastic import is_elastic, world_sizes
 
     # elastic (launcher.min_nodes): Ray Train picks any worker count in the range that the cluster has
     # room for at each (re)start, and checks every resize_interval_s whether a healthy group can grow
@@ -170,7 +170,7 @@ def _exit_code(error: BaseException) -> int:
     """The job's exit code from Ray's error: each failed worker's SystemExit code (Ray Train keeps
     them in worker_failures; older Ray chains them as causes), the documented cause winning over
     the ranks that only followed it (failures.exit_code_of_job); 1 when none carried a code."""
-    from megaframe.failures import exit_code_of_job
+    from megaframe.common.failures import exit_code_of_job
 
     codes = []
     for failure in [*getattr(error, "worker_failures", {}).values(), error]:
@@ -188,7 +188,28 @@ def _worker(config: dict) -> None:
     failure (divergence, bad data, a bad checkpoint) is recorded in the run dir, so the attempts
     FailureConfig starts after it exit at once with its code instead of replaying it."""
     from megaframe.parallel.elastic import STOP_FILE_ENV
-    from megaframe.slurm import hydra_quoted
+    from megaframe.launch.slurm import hydra_quoted
 
     os.environ[STOP_FILE_ENV] = str(Path(config["run_dir"]) / STOP_FILE)
     config["entry"]([*config["overrides"], f"hydra.run.dir={hydra_quoted(config['run_dir'])}"])
+
+
+def host_problem(cfg: TrainConfig) -> Optional[str]:
+    """Ray's package missing, or nothing answering at launcher.ray_address."""
+    return MISSING if ray_missing() else unreachable_cluster(cfg.launcher.ray_address)
+
+
+def waits(job) -> bool:
+    return True
+
+
+def start(job) -> int:
+    """Lock and pin the run dir, build the demo corpus once (not in every worker), train on Ray's
+    workers; an elastic job (launcher.min_nodes) asks Ray for a worker range (run_on_ray)."""
+    from megaframe.launch.local import own_run_dir
+    from megaframe.launch.main import train_main
+    from megaframe.training.data_setup import dataset_prefix
+
+    job.args, job.run_dir = own_run_dir(job.args, job.run_dir)
+    dataset_prefix(job.cfg.data)
+    return run_on_ray(job.cfg, job.layout.world_size, job.args, Path(job.run_dir).resolve(), train_main)

@@ -49,3 +49,37 @@ def check_sweep(overrides: Sequence[str], check_point: Callable[[list[str]], Non
             raise ConfigError(f"sweep point {index}{f' ({named})' if named else ''}: {err}; nothing was launched") \
                 from err
     return len(points)
+
+
+def check_sweep_point(point: list[str]) -> None:
+    """One point of a -m sweep, as megaframe-train alone would check it before launching its ranks
+    (compose, validate, the planner's fit, the launcher's package, the dataset's files)."""
+    from megaframe.backends.registry import validate_for_engine
+    from megaframe.config.compose import compose
+    from megaframe.config.validate import requested_world_size
+    from megaframe.launch.checks import dataset_problem, launcher_problem
+    from megaframe.launch.slurm import job_world_size as slurm_world_size
+    from megaframe.plan.estimate import estimate_config
+    from megaframe.plan.profiles import profile_hint
+    from megaframe.plan.report import verdict
+
+    cfg, _ = compose(point)
+    layout = validate_for_engine(cfg, slurm_world_size(cfg) or requested_world_size(cfg), ask_bf16=False)
+    if cfg.plan.check and not cfg.parallel.auto and not (est := estimate_config(cfg, layout)).fits:
+        raise ConfigError(f"the planner says this will not fit: {verdict(est)}{profile_hint(cfg, layout) or ''} "
+                          f"(plan.check=false skips this check)")
+    if problem := launcher_problem(cfg) or dataset_problem(cfg):
+        raise ConfigError(problem)
+
+
+def check_args(args: list[str]) -> None:
+    """`-m` (and no other Hydra flag): every point is checked before the first launches; one line, exit 2."""
+    from megaframe.launch.base import fail, hydra_flags
+
+    flags = hydra_flags(args)
+    if not flags or not flags <= {"-m", "--multirun"}:
+        return
+    try:
+        check_sweep([a for a in args if a not in flags], check_sweep_point)
+    except ConfigError as err:
+        fail(str(err))

@@ -28,14 +28,11 @@ import dataclasses
 import math
 import os
 import re
-import shlex
-import socket
-import sys
 from pathlib import Path
 from typing import Callable, Optional
 
+from megaframe.config.launcher_rules import DEFAULT_RDZV_PORT
 from megaframe.config.schema import LauncherConfig, TrainConfig
-from megaframe.config.validate import DEFAULT_RDZV_PORT
 
 STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # =1: a fresh store per rendezvous round (see above)
 NODE_SCRIPT = "elastic_node.sh"  # RUN_DIR/elastic_node.sh: launcher=local writes the per-node command there
@@ -127,55 +124,10 @@ def torchrun_args(launcher: LauncherConfig, per_node: int, endpoint: str, run_id
             f"--rdzv-id={run_id}", f"--max-restarts={launcher.max_restarts}"]
 
 
-def node_command(launcher: LauncherConfig, per_node: int, overrides: list[str], run_dir: Path, run_id: str,
-                 python: str = sys.executable) -> str:
-    """The shell line every node of a launcher=local elastic job runs (joining nodes too)."""
-    from megaframe.slurm import hydra_quoted, task_overrides
-
-    endpoint = rdzv_endpoint(launcher, socket.getfqdn())
-    argv = [python, *torchrun_args(launcher, per_node, endpoint, run_id), "-m", "megaframe.train",
-            *task_overrides(overrides), f"hydra.run.dir={hydra_quoted(str(run_dir))}"]
-    return f"{STORE_ENV}=1 " + " ".join(shlex.quote(a) for a in argv)
-
-
 def node_script(command: str) -> str:
     return ("#!/bin/bash\n# written by megaframe-train launcher.min_nodes: run on every node of the elastic job,\n"
             "# including nodes that join later; each runs torchrun's agent for its ranks\n"
             f"exec env {command}\n")
-
-
-def elastic_sbatch_script(launcher: LauncherConfig, per_node: int, overrides: list[str], run_dir: Path,
-                          python: str = sys.executable) -> str:
-    """launcher.min_nodes: MIN to MAX nodes (sbatch's --nodes=MIN-MAX), one srun task per node
-    running torchrun's elastic agent for that node's GPUs. --no-kill keeps the allocation when a
-    node fails, and srun does not end the step when one task does: the other agents go on at the
-    smaller size. Nodes of another allocation join by running the same torchrun line with
-    launcher.rdzv_endpoint set to this job's first node and
-    this job's rendezvous id (docs/elastic.md)."""
-    from megaframe.slurm import hydra_quoted, sbatch_header
-
-    cpus = launcher.cpus_per_task * per_node if launcher.cpus_per_task is not None else None
-    lines = sbatch_header(launcher, f"{launcher.min_nodes}-{launcher.nodes}",
-                           ["#SBATCH --ntasks-per-node=1", f"#SBATCH --gpus-per-node={per_node}", "#SBATCH --no-kill"],
-                           cpus)
-    endpoint = rdzv_endpoint(launcher, "${RDZV_HOST}")  # the shell expands the first node's name
-    agent = [python, *torchrun_args(launcher, per_node, "ENDPOINT", "RUN_ID"), "-m", "megaframe.train", *overrides,
-             f"hydra.run.dir={hydra_quoted(str(run_dir))}"]
-    # the endpoint and id are the shell's to expand: quoted as words, then put back in double quotes
-    line = " ".join(shlex.quote(a) for a in agent)
-    line = line.replace("--rdzv-endpoint=ENDPOINT", f'"--rdzv-endpoint={endpoint}"')
-    line = line.replace("--rdzv-id=RUN_ID", '"--rdzv-id=megaframe-${SLURM_JOB_ID}"')
-    lines += [f"#SBATCH --output={str(run_dir).replace('%', '%%')}/slurm-%j.out",
-              "# written by megaframe-train launcher=slurm launcher.min_nodes: one torchrun elastic agent per node;",
-              "# a lost node leaves the others training at the smaller data-parallel size, from the last checkpoint",
-              f"export {STORE_ENV}=1  # a rendezvous store per round: without it a joining node hangs (torch 2.13)",
-              'RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-              # srun's own --no-kill: a failed node does not end the step; srun does not inherit
-              # --cpus-per-task from the allocation on Slurm 22.05-23.02: one agent runs all of a node's ranks
-              "srun --ntasks-per-node=1 --kill-on-bad-exit=0 --no-kill"
-              + (" --cpus-per-task=${SLURM_CPUS_PER_TASK}" if cpus is not None else "") + " " + line,
-              ""]
-    return "\n".join(lines)
 
 
 def stop_file(run_dir: Path, run_id: str) -> Path:
@@ -188,3 +140,26 @@ def under_unshared_store() -> bool:
     """A rank of an elastic torchrun job whose rendezvous store is not the workers' (STORE_ENV=1):
     torchrun's agent store, where the job stop lives otherwise, is not there."""
     return "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
+def check_range(cfg: TrainConfig, args) -> None:
+    """launcher.min_nodes, before launch: the elastic keys and a shared run dir, then every world size
+    of the range must resolve a layout and fit; one line naming those that cannot (exit 2)."""
+    from megaframe.backends.registry import validate_for_engine
+    from megaframe.config.validate import ConfigError
+    from megaframe.launch.base import fail, pins_run_dir
+    from megaframe.config.launcher_rules import check_elastic, check_launcher_cluster
+    from megaframe.plan.cli import fit_problem
+
+    if problem := check_launcher_cluster(cfg) or check_elastic(cfg):
+        fail(problem)
+    if not pins_run_dir(args):
+        fail("launcher.min_nodes: every node and attempt of an elastic job writes and resumes from one run "
+             "directory; set hydra.run.dir to a path on storage all nodes share")
+    try:
+        problem = range_problem(cfg, lambda config, world: validate_for_engine(config, world, ask_bf16=False),
+                                fit_problem)
+    except ConfigError as err:  # the planner's own keys (cluster.*)
+        problem = str(err)
+    if problem:
+        fail(problem)

@@ -1,0 +1,117 @@
+"""What megaframe-train checks before any rank starts: composition and validation at the world it
+would launch (an elastic job at every world of its range), the launcher's needs on this host, the
+dataset's files, the run dir's history, the machine (offload, AutoEP). Bad input is one line on
+stderr and exit code 2 (docs/failures.md)."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from omegaconf import DictConfig
+
+from megaframe.backends.registry import engine, validate_for_engine
+from megaframe.config.compose import compose_for_run
+from megaframe.config.schema import TrainConfig
+from megaframe.config.validate import ConfigError, Layout, requested_world_size
+from megaframe.config.validate import warnings as validate_warnings
+from megaframe.common.failures import PROG
+from megaframe.launch.base import fail, launcher_world_size, rank
+from megaframe.launch.registry import launcher
+
+
+def check(overrides: Sequence[str]) -> tuple[TrainConfig, Layout, str]:
+    """Compose and validate; exits with code 2 and a one-line message on bad input."""
+    cfg, layout, run_dir, _ = check_composed(overrides)
+    return cfg, layout, run_dir
+
+
+def check_composed(overrides: Sequence[str]) -> tuple[TrainConfig, Layout, str, DictConfig]:
+    """check(), and also Hydra's whole composition, which a one-process run hands to hydra_run.run_composed."""
+    from megaframe.launch.slurm import job_world_size as slurm_world_size
+
+    try:
+        cfg, run_dir, composed = compose_for_run(overrides)
+        if launcher_world_size() is None and cfg.launcher.min_nodes is not None:
+            from megaframe.launch.elastic import check_range
+
+            check_range(cfg, overrides)
+        world = launcher_world_size() or slurm_world_size(cfg) or requested_world_size(cfg)
+        layout = validate_for_engine(cfg, world)
+    except ConfigError as err:
+        fail(str(err))
+    return cfg, layout, run_dir, composed
+
+
+def dataset_problem(cfg: TrainConfig) -> Optional[str]:
+    """Open data.path's files before launch (headers, sizes, metadata; the token scan runs after
+    launch, shared by the ranks) and split them as the ranks will (memory maps and views: too few
+    tokens for one sample on either side, sources built with different tokenizers): what is wrong,
+    in one line, or None."""
+    from megaframe.data import DataError
+    from megaframe.data.blend import parse_blend
+    from megaframe.training.data_setup import build_data
+
+    try:
+        prefixes = [prefix for prefix in (cfg.data.path, cfg.data.valid_path) if prefix is not None]
+        for blend, key in ((cfg.data.blend, "data.blend"), (cfg.data.valid_blend, "data.valid_blend")):
+            prefixes += parse_blend(list(blend), key)[1] if blend else []
+        if prefixes:  # opened once, as the ranks open them; the built-in corpus is built after launch
+            build_data(cfg.data, cfg.model.seq_length)
+    except DataError as err:
+        return str(err)
+    return None
+
+
+def launcher_problem(cfg: TrainConfig) -> Optional[str]:
+    """What this host lacks for cfg.launcher (Ray's package, SLURM's sbatch), in one line, or None."""
+    return launcher(cfg.launcher.name).host_problem(cfg)
+
+
+def check_resume(cfg: TrainConfig, run_dir: str) -> None:
+    """A run dir that would start over on top of an earlier run's history (its checkpoints not
+    mounted, a file in their place: training/resume_checks.py) is one line and exit code 2, before
+    launch; every rank of a launched job exits, rank 0 says why."""
+    from megaframe.training.resume_checks import prelaunch_problem
+
+    if problem := prelaunch_problem(Path(run_dir), cfg.train.resume):
+        if rank() == 0:
+            print(f"{PROG}: error: {problem}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def check_system(cfg: TrainConfig, layout: Layout) -> None:
+    """What the machine must provide for this layout (DeepSpeed's AutoEP for ZeRO-3 experts) and
+    offload setting (libaio, a compiler, NVMe space), before any rank starts: one line and exit
+    code 2 when something is missing."""
+    if cfg.zero.stage == 3 and cfg.parallel.ep > 1:
+        if problem := engine(cfg.backend.name).expert_parallel_problem(cfg.zero.stage, cfg.parallel.ep):
+            fail(problem)
+    if cfg.offload.optimizer == "none" and cfg.offload.param == "none":
+        return
+    from megaframe.plan.estimate import estimate_config
+
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
+    try:
+        swap_bytes = estimate_config(cfg, layout).host_bytes * ranks_here
+    except ConfigError:  # the planner cannot size this model: check the pieces, not the space
+        swap_bytes = 0.0
+    if problem := engine(cfg.backend.name).system_problem(cfg.offload, swap_bytes):
+        fail(problem)
+
+
+def check_before_launch(cfg: TrainConfig, layout: Layout, run_dir: str) -> None:
+    """The launcher's package or command, an online W&B run's key, the dataset, the run dir's
+    history and the machine, in that order; then rank 0 prints the config's warnings."""
+    from megaframe.tracking.wandb_run import online_key_problem
+
+    if problem := launcher_problem(cfg) or online_key_problem(cfg.logging.wandb.mode):
+        fail(problem)
+    if problem := dataset_problem(cfg):
+        fail(problem)
+    check_resume(cfg, run_dir)
+    check_system(cfg, layout)
+    if rank() == 0:
+        for warning in validate_warnings(cfg, layout, engine(cfg.backend.name).config_warnings):
+            print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)

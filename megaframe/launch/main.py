@@ -1,0 +1,80 @@
+"""`megaframe-train`: argv, the checks before launch, and the launcher that starts the job.
+
+megaframe-train [OVERRIDE ...]
+  1. composes the config and validates it (one-line error, exit code 2, before any process group:
+     launch/checks.py);
+  2. hands the checked job to its launcher (launch/registry.py): on this host in one process or
+     under torch.distributed.run (local), as one rank an external launcher started (torchrun),
+     submitted to SLURM, or on Ray's workers; elastic (launcher.min_nodes) is a mode of each;
+  3. a run in this process goes through Hydra's run (launch/hydra_run.py), which creates the run dir
+     and calls train().
+Exit codes: docs/failures.md (megaframe/common/failures.py). A run stopped by SIGINT, SIGTERM, SIGHUP or
+SIGUSR1 saves at a step boundary and exits 128 + the signal's number: 130, 143, 129, 138; the ranks
+this command launches get the signal passed on, and 300 s to save (local.SIGNAL_GRACE_S).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+from megaframe import resume_hint
+from megaframe.config.compose import config_dirs_as_searchpath, override_problem
+from megaframe.config.validate import ConfigError
+from megaframe.common.failures import PROG
+from megaframe.launch import torchrun
+from megaframe.launch.base import fail, hydra_flags, launcher_world_size, rank
+from megaframe.launch.checks import check_before_launch, check_composed
+from megaframe.launch.hydra_run import run_hydra
+from megaframe.launch.registry import Job, launcher_for
+from megaframe.common.startup import resume_collector
+
+
+def train_main(argv: Optional[Sequence[str]] = None) -> None:
+    """`megaframe-train`: validate, launch as many ranks as the layout needs, train."""
+    try:
+        _train_main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the trainer took over SIGINT (training/stop_signal.py)
+        print(f"{PROG}: interrupted (SIGINT) before the first step: nothing to save", file=sys.stderr, flush=True)
+        sys.exit(130)
+
+
+def _train_main(argv: Optional[Sequence[str]]) -> None:
+    typed = sys.argv[1:] if argv is None else argv
+    try:
+        args = config_dirs_as_searchpath(typed)
+    except ConfigError as err:
+        fail(str(err))
+    torchrun.admit()  # a rank started by a launcher: its variables, its launcher's death, a stopped job
+    if hydra_flags(args):
+        resume_collector()  # a sweep waits on its points' runs, and --cfg/--help only print
+        if problem := override_problem(args):  # --cfg job, --help: Hydra's own error would not say where it went
+            fail(problem)
+        from megaframe.launch.sweep import check_args
+
+        check_args(args)
+        run_hydra(args)
+        return
+    if torchrun.self_launched():  # checked by the parent: no second composition
+        run_hydra(args if rank() == 0 else [*args, "hydra.output_subdir=null"])
+        return
+    if launcher_world_size() is None:  # the user's own command: the closing line's resume hint repeats it
+        resume_hint.remember_command(typed)
+    try:
+        args = resume_hint.latest_run(args)  # train.resume=latest-run: hydra.run.dir names that run
+    except ConfigError as err:
+        fail(str(err))
+    job = Job(*check_composed(args), args=args)
+    torchrun.join_job(job)  # a rank of an elastic torchrun job: its job's stop record
+    if not job.elastic:  # an elastic job's planner check covers every world of its range (elastic.check_range)
+        from megaframe.plan.cli import preflight
+
+        planned = preflight(job.cfg, job.layout, args, PROG)  # exits 2 when it cannot fit
+        if planned is not args:  # parallel=auto chose a layout: the ranks get it as overrides
+            job = Job(*check_composed(planned), args=planned)
+    job.composed_args = list(job.args)
+    check_before_launch(job.cfg, job.layout, job.run_dir)
+    start = launcher_for(job.cfg)
+    if start.waits(job):
+        resume_collector()  # start-up ends here: this process goes on to wait for the ranks or jobs it launches
+    if (exit_code := start.start(job)) is not None:
+        sys.exit(exit_code)
