@@ -9,9 +9,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megaframe import run_lock
+from megaframe.common import run_lock
 from megaframe.data.token_check import check_token_ids, dataset_token_ranges
-from megaframe.failures import RunDirInUse
+from megaframe.common.failures import RunDirInUse
 
 
 def own_run_dir(run_dir: Path, is_logger: bool, world_size: int) -> None:

@@ -2,7 +2,7 @@
 as a hung rank at the step it happened, anything else as itself."""
 from __future__ import annotations
 
-from megaframe.failures import RankHung
+from megaframe.common.failures import RankHung
 from megaframe.training.failure_report import translate
 
 
