@@ -243,13 +243,13 @@ class RouterBiases:
     (each holds its own layers' rows), and a host read: at saves only."""
 
     def __init__(self, module: torch.nn.Module, rows: int, pp_group):
-        self.layers, self.rows, self.pp_group = getattr(module, "moe_layers", []), rows, pp_group
+        self.module, self.rows, self.pp_group = module, rows, pp_group
 
     def state_dict(self) -> Optional[dict[str, list[float]]]:
-        return router_biases(self.layers, self.rows, self.pp_group) or None
+        return router_biases(getattr(self.module, "moe_layers", []), self.rows, self.pp_group) or None
 
     def load_state_dict(self, state: Optional[dict[str, list[float]]], resume: Resume) -> None:
-        load_router_biases(self.layers, state or {})
+        load_router_biases(getattr(self.module, "moe_layers", []), state or {})
 
 
 class DropoutStreams:
@@ -257,16 +257,16 @@ class DropoutStreams:
     the layout it was saved in, and restarts from a seed in another."""
 
     def __init__(self, module: torch.nn.Module, ps: ParallelState):
-        self.rng, self.tp_rank, self.cp_rank = module.rng, ps.tp_rank, ps.cp_rank
+        self.module, self.tp_rank, self.cp_rank = module, ps.tp_rank, ps.cp_rank
 
     def state_dict(self) -> dict:
-        return self.rng.state_dict()
+        return self.module.rng.state_dict()
 
     def load_state_dict(self, state: dict, resume: Resume) -> None:
-        self.rng.load_state_dict(state)
+        self.module.rng.load_state_dict(state)
 
     def reseed(self, seed: int) -> None:
-        self.rng.load_state_dict(TPDropoutRNG(seed, self.tp_rank, self.cp_rank).state_dict())
+        self.module.rng.load_state_dict(TPDropoutRNG(seed, self.tp_rank, self.cp_rank).state_dict())
 
 
 def model_state_parts(module: torch.nn.Module, ps: ParallelState, moe_rows: int) -> dict:

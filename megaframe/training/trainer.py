@@ -1,7 +1,8 @@
 """The training loop: data -> backend steps -> metrics -> evals -> checkpoints -> W&B.
 
-The loop, evaluation, logging and checkpoint policy live here; everything engine-specific goes
-through a Backend (megaframe/backends/), so this module never imports DeepSpeed.
+The loop, evaluation and logging live here; checkpoints are the CheckpointManager's (checkpoint/
+manager.py), handed the run's named parts; everything engine-specific goes through a Backend
+(megaframe/backends/), so this module never imports DeepSpeed.
 """
 from __future__ import annotations
 
