@@ -45,7 +45,7 @@ def measure_peak(rank: int, world: int, overrides: list[str], run_dir: str) -> d
     layout = validate(cfg, world)
     with peak_rss() as peak:
         trainer = Trainer(cfg, layout, Path(run_dir))
-        trainer._save = lambda: None  # the steps only: checkpoint memory is measured elsewhere
+        trainer.checkpoints.save = lambda step: None  # the steps only: checkpoint memory is measured elsewhere
         with trainer:
             trainer.fit()
     dims = resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp)

@@ -44,9 +44,9 @@ def measure(overrides: list[str], saves: int, async_save: bool) -> tuple[list[fl
         for _ in range(saves):
             trainer.train_step()
             start = time.perf_counter()
-            trainer._save()
+            trainer.checkpoints.save(trainer.step)
             stalls.append(time.perf_counter() - start)
-            trainer.background.wait()
+            trainer.checkpoints.wait()
             writes.append(time.perf_counter() - start)
         size = sum(f.stat().st_size for f in trainer.last_checkpoint.rglob("*") if f.is_file())
         params = trainer.num_parameters

@@ -28,7 +28,7 @@ class StepResult:
 class Backend(Protocol):
     """What the trainer needs from an engine, for one rank of one run."""
 
-    module: torch.nn.Module  # this rank's model (a pipeline stage when pipelined); .rng is its TP dropout RNG
+    module: torch.nn.Module  # this rank's model (a pipeline stage when pipelined)
     device: torch.device  # this rank's accelerator: where the step loop's tensors live
     num_parameters: int  # the whole model's, TP shards at full size, pipeline stages summed
     compiled_blocks: int  # blocks compiled by train.compile (0 when off)
@@ -60,6 +60,10 @@ class Backend(Protocol):
     def hook_forward(self, hook: Callable[..., Any]) -> torch.utils.hooks.RemovableHandle:
         """Register hook(module, inputs, output) on this rank's model (a forward hook): the tests'
         fault injection (training/faults.py) reaches the model through it, never through .module."""
+
+    def state_parts(self) -> dict[str, Any]:
+        """The engine's run state beyond weights and optimizer, as checkpoint parts by name
+        (checkpoint/parts.py): MoE router biases, this rank's TP dropout stream."""
 
     def layout_record(self) -> dict[str, Any]:
         """The layout native checkpoints are bound to (they load only into the same one)."""

@@ -1,7 +1,7 @@
 """What every engine's backend does the same way, whichever library runs the step: the process
 group's defaults, the rank's device, the parameter groups, the micro-batches' device copies, the
-data-parallel mean of a loss and the MoE router's metrics. An engine's folder keeps only what its
-library decides."""
+data-parallel mean of a loss, the MoE router's metrics and the model's checkpoint parts (router
+biases, the TP dropout stream). An engine's folder keeps only what its library decides."""
 from __future__ import annotations
 
 import json
@@ -15,6 +15,9 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from megaframe.backends import Batch
+from megaframe.checkpoint.parts import Resume
+from megaframe.model.moe import load_router_biases, router_biases
+from megaframe.parallel.random import TPDropoutRNG
 from megaframe.parallel.rendezvous import join_world
 from megaframe.parallel.state import ParallelState
 
@@ -230,3 +233,42 @@ def held_model_states(parameters: Iterable[torch.nn.Parameter], optimizer: torch
     moments = sum(local_bytes(v) for p in parameters for k, v in optimizer.state.get(p, {}).items() if k in MOMENT_KEYS)
     return {"weights": sum(local_bytes(p) for p in parameters), "gradients": sum(local_bytes(p.grad) for p in parameters),
             "optimizer": moments, "buckets": 0, "other": 0}
+
+
+# ---- the engine's run state beyond weights and optimizer (checkpoint/parts.py) -------------
+
+class RouterBiases:
+    """MoE bias balancing's per-expert biases ("router_biases"): whole per layer, the same on every
+    rank, so they come back in any layout. state_dict() is a collective over the pipeline stages
+    (each holds its own layers' rows), and a host read: at saves only."""
+
+    def __init__(self, module: torch.nn.Module, rows: int, pp_group):
+        self.module, self.rows, self.pp_group = module, rows, pp_group
+
+    def state_dict(self) -> Optional[dict[str, list[float]]]:
+        return router_biases(getattr(self.module, "moe_layers", []), self.rows, self.pp_group) or None
+
+    def load_state_dict(self, state: Optional[dict[str, list[float]]], resume: Resume) -> None:
+        load_router_biases(getattr(self.module, "moe_layers", []), state or {})
+
+
+class DropoutStreams:
+    """This rank's TP (and CP) dropout generator ("tp_dropout", in rng_rank{R}.pt): it comes back in
+    the layout it was saved in, and restarts from a seed in another."""
+
+    def __init__(self, module: torch.nn.Module, ps: ParallelState):
+        self.module, self.tp_rank, self.cp_rank = module, ps.tp_rank, ps.cp_rank
+
+    def state_dict(self) -> dict:
+        return self.module.rng.state_dict()
+
+    def load_state_dict(self, state: dict, resume: Resume) -> None:
+        self.module.rng.load_state_dict(state)
+
+    def reseed(self, seed: int) -> None:
+        self.module.rng.load_state_dict(TPDropoutRNG(seed, self.tp_rank, self.cp_rank).state_dict())
+
+
+def model_state_parts(module: torch.nn.Module, ps: ParallelState, moe_rows: int) -> dict:
+    """What a model built by megaframe carries besides its parameters, as checkpoint parts by name."""
+    return {"router_biases": RouterBiases(module, moe_rows, ps.pp_group), "tp_dropout": DropoutStreams(module, ps)}

@@ -184,7 +184,7 @@ def verify_files(directory: Path, files: dict[str, dict]) -> None:
 
 
 def verify_manifest(directory: Path) -> dict:
-    """Check every file the manifest lists (one process; ranks split the work in training/checkpoint.py)."""
+    """Check every file the manifest lists (one process; ranks split the work in checkpoint/store.py)."""
     manifest = read_manifest(directory)
     verify_files(directory, manifest["files"])
     return manifest

@@ -206,7 +206,7 @@ class LoopConfig:
     # ids) is refused; true accepts it with one warning line (the same tokenizer saved otherwise)
     resume_accept_tokenizer_change: bool = False
     async_save: bool = False  # write checkpoints on a background thread while training goes on (rank 0)
-    # the fast tier (training/fast_checkpoint.py): every this many steps each rank keeps its part of a
+    # the fast tier (checkpoint/fast_tier.py): every this many steps each rank keeps its part of a
     # checkpoint in node-local memory and a buddy rank's copy on the next node; an attempt restores
     # from them when they are newer than the shared checkpoint (0: off)
     fast_save_interval: int = 0

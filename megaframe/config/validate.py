@@ -204,7 +204,7 @@ def check_train(cfg: TrainConfig) -> Optional[str]:
 
 
 def check_fast_tier(t) -> Optional[str]:
-    """train.fast_save_interval (training/fast_checkpoint.py): parts of the layout-free checkpoint."""
+    """train.fast_save_interval (checkpoint/fast_tier.py): parts of the layout-free checkpoint."""
     if t.fast_save_interval < 0:
         return f"train.fast_save_interval={t.fast_save_interval} must be >= 0 (0 disables the fast tier)"
     if not t.fast_save_interval:

@@ -73,7 +73,7 @@ def check_resume(cfg: TrainConfig, run_dir: str) -> None:
     """A run dir that would start over on top of an earlier run's history (its checkpoints not
     mounted, a file in their place: training/resume_checks.py) is one line and exit code 2, before
     launch; every rank of a launched job exits, rank 0 says why."""
-    from megaframe.training.resume_checks import prelaunch_problem
+    from megaframe.checkpoint.resume_checks import prelaunch_problem
 
     if problem := prelaunch_problem(Path(run_dir), cfg.train.resume):
         if rank() == 0:

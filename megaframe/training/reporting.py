@@ -27,7 +27,7 @@ from megaframe.tracking.loss_report import eval_summary
 from megaframe.tracking.metrics import MetricsLog, memory_gb, run_metadata
 from megaframe.tracking.progress import Progress, wants_bar
 from megaframe.tracking.wandb_run import WandbRun
-from megaframe.training import checkpoint
+from megaframe.checkpoint import store as checkpoint
 from megaframe.training.stop_signal import StopSignal
 
 

@@ -16,7 +16,7 @@ long as it takes (a 7B save takes minutes, a step seconds), and start-up before 
 is not guarded either (a resume's load is a save's size). While the rank waits for its peers to join
 the process group (`joining()`), a signal ends it at once: nothing is written yet.
 A second signal ends the rank at once, saving nothing: a save it interrupts is left in a tmp-*
-directory, which is never taken for a checkpoint (training/checkpoint.py).
+directory, which is never taken for a checkpoint (checkpoint/store.py).
 SIGQUIT (Ctrl-\\, and in torchrun's default list of signals its agent passes on to the ranks) means
 "quit now": the rank ends at once, saving nothing, with one line and exit 131, rather than dumping
 core in every rank.

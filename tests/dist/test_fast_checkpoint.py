@@ -19,7 +19,7 @@ def _save_two_steps(rank: int, world: int, root: str) -> dict:
     import torch.distributed
 
     from megaframe.checkpoint import universal
-    from megaframe.training.fast_checkpoint import FastTier
+    from megaframe.checkpoint.fast_tier import FastTier
 
     node = Path(root) / ("node-a" if rank < 2 else "node-b")
     tier = FastTier(node, Path(root) / "run", rank, world)

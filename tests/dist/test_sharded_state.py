@@ -42,7 +42,7 @@ def _save_and_load(rank: int, world: int, overrides: list[str], run_dir: str) ->
     from megaframe.backends.deepspeed import state_io
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
-    from megaframe.training import checkpoint
+    from megaframe.checkpoint import store as checkpoint
     from megaframe.training.trainer import Trainer
     from megaframe.model.spec import ModelSpec
 
@@ -50,13 +50,13 @@ def _save_and_load(rank: int, world: int, overrides: list[str], run_dir: str) ->
     cfg, _ = compose(overrides)
     trainer = Trainer(cfg, validate(cfg, world), Path(run_dir))
     measured = {}
-    save = trainer._save
+    save = trainer.checkpoints.save
 
-    def measured_save():
+    def measured_save(step):
         with peak_rss() as peak, collective_bytes() as calls:
-            save()
+            save(step)
         measured.update(save_extra=peak["extra"], save_calls=calls)
-    trainer._save = measured_save
+    trainer.checkpoints.save = measured_save
     with trainer:
         trainer.fit()
         path = trainer.last_checkpoint

@@ -16,7 +16,7 @@ from megaframe.checkpoint.universal import CheckpointError
 from megaframe.common.failures import ExitCode, classify
 from megaframe.common.safe_files import UnsafeFile, create_fresh, open_regular, quote, read_capped
 from megaframe.tracking.metrics import MetricsLog
-from megaframe.training import checkpoint
+from megaframe.checkpoint import store as checkpoint
 from megaframe.training.failure_report import append_to_log
 
 SECRET = "root:x:0:0:secret-victim-line\n"

@@ -17,7 +17,7 @@ from deepspeed.accelerator import get_accelerator
 
 from megaframe.backends import Batch, StepResult
 from megaframe.backends.common import (decay_param_groups, dp_mean, local_device_index, on_device, process_group_defaults,
-                                       router_metrics)
+                                       model_state_parts, router_metrics)
 from megaframe.backends.deepspeed import state_io
 from megaframe.backends.deepspeed.build_locks import load_ops, ops_for
 from megaframe.backends.deepspeed.ds_config import to_ds_config
@@ -237,6 +237,9 @@ class DeepSpeedBackend:
     def _view(self) -> state_io.EngineView:
         return state_io.EngineView(self.engine, self.ps, self.dims, self.pipelined, self.cfg.zero.stage,
                                    self.cfg.precision.dtype)
+
+    def state_parts(self) -> dict[str, Any]:
+        return model_state_parts(self.module, self.ps, self.dims.num_moe_blocks)
 
     def layout_record(self) -> dict[str, Any]:
         return state_io.layout_record(self._view())

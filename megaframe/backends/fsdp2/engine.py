@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from megaframe.backends import Batch, StepResult
 from megaframe.backends.common import (apply_update, decay_param_groups, dp_mean, eval_mean, join_torch_world, on_device,
-                                       router_metrics)
+                                       model_state_parts, router_metrics)
 from megaframe.backends.fsdp2 import build, pipeline, state_io
 from megaframe.backends.fsdp2.mesh import data_mesh, with_replicas
 from megaframe.config.schema import TrainConfig
@@ -176,6 +176,9 @@ class Fsdp2Backend:
         return self.module.register_forward_hook(hook)
 
     # ---- state -------------------------------------------------------------------------------
+    def state_parts(self) -> dict[str, Any]:
+        return model_state_parts(self.module, self.ps, self.dims.num_moe_blocks)
+
     def layout_record(self) -> dict[str, Any]:
         return state_io.layout_record(self.ps, self.cfg)
 

@@ -21,7 +21,7 @@ import torch
 
 from megaframe.backends import Batch, StepResult
 from megaframe.backends.common import (apply_update, decay_param_groups, dp_mean, eval_mean, held_model_states,
-                                       join_torch_world, on_device, router_metrics)
+                                       join_torch_world, model_state_parts, on_device, router_metrics)
 from megaframe.backends.plain import state_io
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.config.schema import TrainConfig
@@ -110,6 +110,9 @@ class PlainBackend:
         return self.module.register_forward_hook(hook)
 
     # ---- state -------------------------------------------------------------------------------
+    def state_parts(self) -> dict[str, Any]:
+        return model_state_parts(self.module, self.ps, self.dims.num_moe_blocks)
+
     def layout_record(self) -> dict[str, Any]:
         # DeepSpeed's record of the same layout: a checkpoint either engine wrote brings the RNG back
         return {**self.layout.grid.layout_record(), "zero_stage": self.cfg.zero.stage,

@@ -15,7 +15,7 @@ from megaframe.checkpoint.boxes import Box, even_range, flat_range_boxes
 from megaframe.checkpoint.coverage import coverage_problem
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.common.failures import ExitCode, classify
-from megaframe.training import checkpoint
+from megaframe.checkpoint import store as checkpoint
 
 FULL = {"embed.tok.weight": torch.randn(7, 4), "exp_avg.embed.tok.weight": torch.randn(7, 4),
         "blocks.0.w": torch.randn(5, 6)}

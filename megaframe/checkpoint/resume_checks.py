@@ -129,7 +129,7 @@ def prelaunch_problem(run_dir: Path, resume: str) -> Optional[str]:
     checkpoint_dir = run_dir / "checkpoints"
     if resume == "auto" and checkpoint_dir.is_dir() and any(
             re.fullmatch(r"global_step\d+", p.name) and p.is_dir() for p in checkpoint_dir.iterdir()):
-        return None  # a published checkpoint (training/checkpoint.py's names): which one verifies is the ranks' job
+        return None  # a published checkpoint (checkpoint/store.py's names): which one verifies is the ranks' job
     return start_over_problem(run_dir, checkpoint_dir, resume)
 
 

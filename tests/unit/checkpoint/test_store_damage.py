@@ -1,4 +1,4 @@
-"""A damaged engine file under train.trust_pickled_checkpoint (training/checkpoint.py load) is exit 5
+"""A damaged engine file under train.trust_pickled_checkpoint (checkpoint/store.py load) is exit 5
 naming the checkpoint, without torch's advice to retry with weights_only=False; an error that is
 no damage stays what it is."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.common.failures import ExitCode, classify
-from megaframe.training import checkpoint
+from megaframe.checkpoint import store as checkpoint
 
 TORCH_ADVICE = ("Weights only load failed. Re-running `torch.load` with `weights_only` set to `False` will likely "
                 "succeed, but it can result in arbitrary code execution.")

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from megaframe.checkpoint import universal
-from megaframe.training import checkpoint
-from megaframe.training.fast_checkpoint import FastTier, _complete_steps, buddies, run_key
+from megaframe.checkpoint import store as checkpoint
+from megaframe.checkpoint.fast_tier import FastTier, _complete_steps, buddies, run_key
 
 
 def _writer(step: int):

@@ -32,7 +32,7 @@ from megaframe.common.atomic_io import atomic_write_text
 from megaframe.common.failures import save_failure
 from megaframe.common.safe_files import read_capped
 from megaframe.parallel.random import get_rng_states, set_rng_states
-from megaframe.training.resume_checks import clear_unsaved
+from megaframe.checkpoint.resume_checks import clear_unsaved
 
 LATEST = universal.LATEST_FILE
 TMP_PREFIX = "tmp-"
@@ -52,6 +52,7 @@ class ResumePoint:
     step: int
     client_state: dict[str, Any]
     rng_state: dict[str, Any]
+    layout_free: bool = False  # read from the layout-free files (into any layout), else the engine's own
 
 
 def _barrier() -> None:
@@ -309,7 +310,8 @@ def load_any(backend, path: Path, verified: bool = False, trust_pickled: bool = 
     if universal.has_universal(path):
         state = backend.load_full_state(path)
         rng_state = _load_rng(path) if state.get("layout") == layout else {}
-        return ResumePoint(path=path, step=int(state["step"]), client_state=state, rng_state=rng_state)
+        return ResumePoint(path=path, step=int(state["step"]), client_state=state, rng_state=rng_state,
+                           layout_free=True)
     saved = (universal.read_json(path / LAYOUT_FILE, f"train.resume: {path / LAYOUT_FILE}")
              if os.path.lexists(path / LAYOUT_FILE) else None)
     if not backend.has_native(path):

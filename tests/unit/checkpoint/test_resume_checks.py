@@ -1,4 +1,4 @@
-"""What a resume refuses or names (training/resume_checks.py): starting over on top of an earlier
+"""What a resume refuses or names (checkpoint/resume_checks.py): starting over on top of an earlier
 run's history, a changed data order, and the one line of layout, engine and schedule changes."""
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from megaframe.checkpoint.universal import CheckpointError
 from megaframe.config.schema import DataConfig
 from megaframe.data import IndexedDatasetWriter
 from megaframe.tracking.metrics import MetricsLog
-from megaframe.training import checkpoint, resume_checks
+from megaframe.checkpoint import resume_checks, store as checkpoint
 from megaframe.training.data_setup import build_data
-from megaframe.training.resume_checks import (UNSAVED_MARKER, change_line, data_change_problem, data_changes,
+from megaframe.checkpoint.resume_checks import (UNSAVED_MARKER, change_line, data_change_problem, data_changes,
                                               data_record, gone_latest_warning, prelaunch_problem, start_over)
 
 

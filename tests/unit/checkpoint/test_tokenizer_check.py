@@ -11,7 +11,7 @@ from megaframe.checkpoint.universal import CheckpointError
 from megaframe.config.schema import DataConfig
 from megaframe.data.indexed import DataError
 from megaframe.common.failures import ExitCode, classify
-from megaframe.training.tokenizer_check import RECORD_KEY, check_resume, run_record
+from megaframe.checkpoint.tokenizer_check import RECORD_KEY, check_resume, run_record
 from word_tokenizer import save_word_tokenizer, swap_words
 
 

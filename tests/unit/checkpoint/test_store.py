@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from megaframe.training import checkpoint
+from megaframe.checkpoint import store as checkpoint
 
 
 class FakeEngine:
