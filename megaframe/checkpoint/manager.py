@@ -29,7 +29,7 @@ from megaframe.checkpoint import resume_checks, store
 from megaframe.checkpoint.fast_tier import FastTier
 from megaframe.checkpoint.parts import RankStateful, Resume, Stateful
 from megaframe.checkpoint.universal import CheckpointError
-from megaframe.failures import save_failure
+from megaframe.common.failures import save_failure
 
 
 class CheckpointManager:
