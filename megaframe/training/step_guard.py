@@ -131,7 +131,7 @@ class StepGuard:
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
 
 
-def scale_can_shrink(precision_state: dict[str, Any], min_loss_scale: float) -> bool:
+def loss_scale_can_shrink(precision_state: dict[str, Any], min_loss_scale: float) -> bool:
     """fp16 only: whether the loss scale (Backend.precision_state) is still above its floor; a
     skipped step is then the scaler's search, not a failure (after_step's scale_can_shrink)."""
     scale = precision_state.get("loss_scale")

@@ -7,8 +7,6 @@ imports DeepSpeed.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
 import time
 from pathlib import Path
 from typing import Optional
@@ -18,7 +16,6 @@ import torch.distributed as dist
 
 from megaframe.backends import StepResult
 from megaframe.backends.registry import run_engine
-from megaframe.checkpoint.universal import CheckpointError
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
 from megaframe.data import micro_batches, eval_batches
@@ -32,7 +29,7 @@ from megaframe.training.faults import Faults
 from megaframe.training.schedule import lr_scheduler_factory
 from megaframe.training.reporting import Reporting
 from megaframe.training.startup_checks import check_token_ids_fit, own_run_dir
-from megaframe.training.step_guard import StepGuard, scale_can_shrink
+from megaframe.training.step_guard import StepGuard, loss_scale_can_shrink
 from megaframe.training.stop_signal import StopSignal, exit_code as signal_exit_code
 from megaframe.common import run_lock
 from megaframe.common.startup import resume_collector
@@ -149,7 +146,7 @@ class Trainer:
             start = time.perf_counter()
             result, lr = self.train_step()
             self.stop_signal.note_step(seconds := time.perf_counter() - start)
-            can_shrink = scale_can_shrink(self.backend.precision_state(), self.cfg.precision.min_loss_scale)
+            can_shrink = loss_scale_can_shrink(self.backend.precision_state(), self.cfg.precision.min_loss_scale)
             if (event := self.guard.after_step(self.step, result.loss, result.applied, can_shrink)) is not None:
                 self.report.on_event(event)
                 if event.action == "stopped":

@@ -369,3 +369,34 @@ def test_the_common_check_finds_a_planted_import():
              "megaframe.common.failures": {"megaframe.config.schema"},
              "megaframe.training.trainer": {"megaframe.common.paths"}}
     assert _outside_imports("megaframe.common", graph) == ["megaframe.common.failures imports megaframe.config.schema"]
+
+
+# ---- the trainer talks to a Backend, never to the engine's model behind it ----------------------
+
+def _module_reads(path: Path) -> list[str]:
+    """Each `.module` `path` reads: x.module, or getattr(x, "module")."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Attribute) and node.attr == "module":
+            found.append(f"{path.name}:{node.lineno}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value == "module"):
+            found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_the_module_finder_finds_a_planted_read(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("def f(backend):\n    x = 1\n    return backend.module.rng, getattr(backend, 'module')\n")
+    assert _module_reads(planted) == ["planted.py:3", "planted.py:3"]
+    planted.write_text("def f(backend):\n    return backend.hook_forward(print)\n")
+    assert _module_reads(planted) == []
+
+
+def test_training_never_reads_the_backends_module():
+    """The training loop talks to a Backend through its methods, never to the engine's model behind
+    it (Backend.module): the RNG, router biases and fault hooks an engine holds reach the trainer as
+    the backend's own calls (state_parts, hook_forward), so a new engine implements the Protocol and
+    nothing in training/ changes."""
+    reads = [read for path in sorted((MEGAFRAME / "training").rglob("*.py")) for read in _module_reads(path)]
+    assert reads == [], "Backend.module read in megaframe/training/ at " + ", ".join(reads)
