@@ -12,7 +12,8 @@ time (helpers.py decides), and the child applies argv, cwd, environment, sys.pat
 /dev/null and its own stdout/stderr files before running megaframe.train as __main__. It then exits
 as an interpreter does (atexit handlers, non-daemon threads joined), with the code megaframe chose.
 
-Protocol (one JSON object a line): request {"argv", "env", "cwd", "stdout", "stderr"} on stdin;
+Protocol (one JSON object a line): request {"argv", "env", "cwd", "stdout", "stderr"} on stdin (with
+"code": `python -c CODE ARGV` instead, for a test that patches something before megaframe runs);
 replies {"pid"} once forked, then {"pid", "returncode"} (negative: killed by that signal).
 EOF on stdin ends this process.
 """
@@ -69,6 +70,18 @@ def _become_the_command(request: dict, protocol: tuple[io.TextIOWrapper, io.Text
     install_in_launcher(import_what_runs_import)  # a self-launch's ranks fork from a copy of this one
     sys.path[0] = os.getcwd()  # `python -m` puts the working directory first
     random.seed()  # a fresh interpreter's state, not the zygote's copied one
+    if "code" in request:  # `python -c CODE ARGV`: its sys.path[0] is '' and its sys.argv[0] '-c'
+        sys.path[0] = ""
+        sys.argv = ["-c", *request["argv"]]
+        try:
+            exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        except Exception:  # as the interpreter reports it: the traceback from the code's own frames, exit 1
+            import traceback
+
+            kind, err, frames = sys.exc_info()
+            traceback.print_exception(kind, err, frames.tb_next)
+            sys.exit(1)
+        sys.exit(0)
     sys.argv = ["-m", *request["argv"]]
     runpy.run_module("megaframe.train", run_name="__main__", alter_sys=True)
     sys.exit(0)

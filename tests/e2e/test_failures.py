@@ -277,26 +277,6 @@ def test_a_damaged_checkpoint_is_one_line_with_exit_5(case, stopped_at_2, tmp_pa
     assert "weights_only" not in result.stderr
 
 
-def test_resume_auto_falls_back_past_a_corrupt_newest_checkpoint(tmp_path):
-    """The newest checkpoint fails its manifest: resume=auto says so in one line, resumes from the one
-    before it, and ends with the uninterrupted run's metrics."""
-    run, whole = tmp_path / "run", tmp_path / "whole"
-    args = [*TINY, "train.max_steps=6", "train.save_interval=2"]
-    assert_ok(run_cli([*args, f"hydra.run.dir={whole}"]))
-    assert_ok(run_cli([*args, "train.exit_at_step=4", f"hydra.run.dir={run}"]))
-    target = run / "checkpoints" / "global_step4" / "shards/rank00000.safetensors"
-    data = bytearray(target.read_bytes())
-    data[-100] ^= 0x10
-    target.write_bytes(bytes(data))
-    result = run_cli([*args, f"hydra.run.dir={run}"])
-    assert_ok(result)
-    (notice,) = [line for line in result.stderr.splitlines() if "resume skipped" in line]
-    assert "global_step4 (checkpoint" in notice and "does not match its sha256" in notice, notice
-    assert notice.endswith("resuming from global_step2"), notice
-    assert "global_step2 at step 2" in result.stdout
-    assert _curves(whole) == _curves(run)
-
-
 @pytest.mark.parametrize("pointer", ["../../elsewhere", "/etc", "global_step2/../../x"])
 def test_a_latest_pointer_leaving_the_checkpoint_dir_is_one_line(pointer, stopped_at_2, tmp_path):
     run = _copy_of(stopped_at_2, tmp_path)
@@ -345,6 +325,26 @@ def test_async_saves_write_what_sync_saves_write(uninterrupted, tmp_path):
             a = (sync / "checkpoints" / f"global_step{step}" / name).read_bytes()
             assert a == (background / "checkpoints" / f"global_step{step}" / name).read_bytes(), (step, name)
     assert _curves(sync) == _curves(background)
+
+
+def test_resume_auto_falls_back_past_a_corrupt_newest_checkpoint(uninterrupted, tmp_path):
+    """The newest checkpoint fails its manifest: resume=auto says so in one line, resumes from the one
+    before it, and ends with the uninterrupted run's metrics (the module's ASYNC run, saved every 2 steps
+    as this one is: one run fewer than a reference of its own)."""
+    run, whole = tmp_path / "run", uninterrupted
+    args = ASYNC
+    assert_ok(run_cli([*args, "train.exit_at_step=4", f"hydra.run.dir={run}"]))
+    target = run / "checkpoints" / "global_step4" / "shards/rank00000.safetensors"
+    data = bytearray(target.read_bytes())
+    data[-100] ^= 0x10
+    target.write_bytes(bytes(data))
+    result = run_cli([*args, f"hydra.run.dir={run}"])
+    assert_ok(result)
+    (notice,) = [line for line in result.stderr.splitlines() if "resume skipped" in line]
+    assert "global_step4 (checkpoint" in notice and "does not match its sha256" in notice, notice
+    assert notice.endswith("resuming from global_step2"), notice
+    assert "global_step2 at step 2" in result.stdout
+    assert _curves(whole) == _curves(run)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, TINY, assert_ok, cli_env, console_script, curve, read_metrics, run_cli
+from helpers import REPO, TINY, assert_ok, cli_env, console_script, curve, read_metrics, run_cli, run_code
 from megaframe.config.compose import compose
 from tests.unit.training.test_schedule import documented_lr
 
@@ -214,8 +214,7 @@ def test_a_one_process_run_composes_its_config_once(tmp_path):
     import yaml
 
     args = [*TINY, "train.max_steps=2"]
-    result = subprocess.run([sys.executable, "-c", _COUNT_COMPOSITIONS, *args, f"hydra.run.dir={tmp_path}"],
-                            cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    result = run_code(_COUNT_COMPOSITIONS, [*args, f"hydra.run.dir={tmp_path}"], timeout=300)
     assert_ok(result)
     assert "compositions: 1" in result.stderr, result.stderr[-2000:]
     hydra = yaml.safe_load((tmp_path / ".hydra" / "hydra.yaml").read_text())["hydra"]
@@ -245,14 +244,13 @@ def test_an_error_in_the_composed_run_is_reported_as_hydras_run_reports_it(tmp_p
     """The one-composition path runs the task inside Hydra's run_and_report, as hydra.main does:
     an exception the trainer does not classify is Hydra's short report and exit 1, not a raw traceback
     from outside it."""
-    result = subprocess.run([sys.executable, "-c", _TASK_RAISES, *TINY, f"hydra.run.dir={tmp_path}"],
-                            cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    result = run_code(_TASK_RAISES, [*TINY, f"hydra.run.dir={tmp_path}"], timeout=300)
     assert result.returncode == 1, result.stderr[-2000:]
     assert "RuntimeError: an internal error before training" in result.stderr
     assert "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace." in result.stderr
 
 
-def test_an_option_of_ones_own_config_dir_trains_on_two_ranks_and_plans(tmp_path):
+def test_an_option_of_ones_own_config_dir_trains_on_two_ranks_and_plans(tmp_path, capsys, monkeypatch):
     """docs/configuration.md's own option (`--config-dir myconf model=gpt_small`) at dp=2: the run
     launches its two ranks (as a Hydra flag it went through hydra.main, which launches none: "needs 2
     ranks but the process group has 1"), and megaframe-plan reads the same option."""
@@ -265,11 +263,13 @@ def test_an_option_of_ones_own_config_dir_trains_on_two_ranks_and_plans(tmp_path
     assert_ok(result)
     assert "launching 2 ranks" in result.stdout
     assert [s for s, _ in curve(read_metrics(tmp_path / "run"), "loss")] == [1, 2]
-    plan = subprocess.run([sys.executable, "-m", "megaframe.plan", "-cd", str(tmp_path / "myconf"), "model=gpt_small",
-                           "parallel.global_batch_size=16", "--json"], cwd=REPO, env=cli_env(), capture_output=True,
-                          text=True, timeout=300)
-    assert_ok(plan)
-    assert json.loads(plan.stdout)["plan"]["tokens_per_step"] == 16 * 64  # the option's seq_length
+    # megaframe-plan in this process (what `python -m megaframe.plan` runs): a new interpreter's imports cost 6 CPU-s
+    from megaframe.plan.cli import main as plan_main
+
+    monkeypatch.chdir(REPO)
+    capsys.readouterr()
+    plan_main(["-cd", str(tmp_path / "myconf"), "model=gpt_small", "parallel.global_batch_size=16", "--json"])
+    assert json.loads(capsys.readouterr().out)["plan"]["tokens_per_step"] == 16 * 64  # the option's seq_length
     # Hydra's own flags after the overrides, as before the flag became an override
     shown = run_cli(["--config-dir", str(tmp_path / "myconf"), "model=gpt_small", "--cfg", "job"])
     assert_ok(shown)
