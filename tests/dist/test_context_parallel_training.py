@@ -1,5 +1,5 @@
 """Context parallelism through the Trainer on real gloo ranks reproduces the single-rank run: fp32,
-12 steps, every logged loss, gradient norm and eval loss within rtol 1e-5 (tests/parity.py), for
+12 steps, every logged loss, gradient norm and eval loss within rtol 1e-5 (tests/support/parity.py), for
 both model flavours (Llama with grouped-query attention)."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, read_metrics
-from parity import FLAVOURS, assert_parity, train_runs
-from ranks import run_ranks
+from tests.support.helpers import TINY, read_metrics
+from tests.support.parity import FLAVOURS, assert_parity, train_runs
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 STEPS = ["train.max_steps=12", "train.eval_interval=6"]

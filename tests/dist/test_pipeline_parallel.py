@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import TINY, read_metrics
-from ranks import run_ranks
-from parity import FLAVOURS, assert_parity, train_runs as _train
+from tests.support.helpers import TINY, read_metrics
+from tests.support.ranks import run_ranks
+from tests.support.parity import FLAVOURS, assert_parity, train_runs as _train
 
 pytestmark = pytest.mark.slow
 # 16 samples = 8 micro-batches of 2 at dp=1, so every stage of pp=4 has work in flight

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import TINY, read_metrics
-from parity import FLAVOURS, assert_parity, train_runs as _train
-from ranks import run_ranks
+from tests.support.helpers import TINY, read_metrics
+from tests.support.parity import FLAVOURS, assert_parity, train_runs as _train
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 STEPS = ["train.max_steps=12", "train.eval_interval=6"]

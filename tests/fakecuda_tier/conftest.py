@@ -1,4 +1,4 @@
-"""The CPU reference run shared by a file's device runs (tests/fakecuda/runs.py)."""
+"""The CPU reference run shared by a file's device runs (tests/support/fakecuda/runs.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +9,7 @@ import pytest
 @pytest.fixture(scope="module")
 def cpu_reference_run(tmp_path_factory) -> Path:
     """The plain CPU run's folder (its metrics and its final checkpoint)."""
-    from fakecuda.runs import cpu_run
+    from tests.support.fakecuda.runs import cpu_run
 
     root = tmp_path_factory.mktemp("cpu")
     cpu_run(root)
@@ -18,6 +18,6 @@ def cpu_reference_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def cpu_reference(cpu_reference_run) -> list[dict]:
-    from helpers import read_metrics
+    from tests.support.helpers import read_metrics
 
     return read_metrics(cpu_reference_run)

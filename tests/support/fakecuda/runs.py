@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 import time
 
-from fakecuda.env import fake_cuda_env
-from helpers import TINY, assert_ok, read_metrics, run_cli
+from tests.support.fakecuda.env import fake_cuda_env
+from tests.support.helpers import TINY, assert_ok, read_metrics, run_cli
 
 STEPS = ["train.max_steps=6", "train.eval_interval=3"]
 
@@ -15,7 +15,7 @@ def run_on_device(tmp_path, name: str, extra: list[str], world: int = 1, kernels
                   **env: str) -> list[dict]:
     """Train under the tier; return the run's metrics after checking every process's report (and that
     each rank ran the emulated CUDA kernels named in `kernels`)."""
-    from fakecuda.ledger import read_reports
+    from tests.support.fakecuda.ledger import read_reports
 
     run_dir, reports = tmp_path / name, tmp_path / f"{name}-reports-{time.monotonic_ns()}"  # one per run
     result = run_cli([*TINY, *STEPS, *extra, f"hydra.run.dir={run_dir}"], env=fake_cuda_env(reports, **env))
