@@ -41,13 +41,19 @@ _LONGEST_FILES = {
 }
 
 
+@pytest.hookimpl(trylast=True)  # after the tmp_path plugin's: the session's basetemp exists
 def pytest_configure(config):
     """Byte-compile megaframe and the tests' helpers once, in the controller, before any worker starts.
     A host with PYTHONDONTWRITEBYTECODE=1 (CI's is one) never keeps the byte code of an editable
     install, so each of the suite's thousand-odd processes (ranks, CLI runs, tools) recompiled them:
-    about 0.2 CPU-s each. Python still reads byte code that is there; compileall writes it regardless."""
+    about 0.2 CPU-s each. Python still reads byte code that is there; compileall writes it regardless.
+    Also names the session's reference cache (tests/support/reference_cache.py) for every worker: under
+    the session's basetemp (xdist's workers' basetemps are inside it), or MEGAFRAME_TESTS_REFERENCE_CACHE."""
     if hasattr(config, "workerinput"):  # an xdist worker: the controller did it
         return
+    from tests.support.reference_cache import KEEP_ENV, SESSION_ENV
+
+    os.environ[SESSION_ENV] = os.environ.get(KEEP_ENV) or str(config._tmp_path_factory.getbasetemp() / "reference-runs")
     root = Path(__file__).resolve().parents[1]
     for folder in ("megaframe", "tests", "tools"):
         compileall.compile_dir(root / folder, quiet=2, workers=1)

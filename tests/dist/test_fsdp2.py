@@ -20,6 +20,7 @@ from tests.support.hf_logits import assert_same_hf_logits
 from tests.support.parity import (DEEPSPEED_AT_ONE_RANK, RTOL, assert_deepspeed_continues, assert_exact_norm, assert_parity,
                     exact_references, train_runs)
 from tests.support.ranks import run_ranks
+from tests.support.reference_cache import reference_runs
 
 pytestmark = pytest.mark.slow
 STEPS = ["train.max_steps=12", "train.eval_interval=6"]
@@ -103,9 +104,8 @@ def reference_dirs(tmp_path_factory) -> dict[str, Path]:
     same run in float64 (tests/support/parity.py: exact_references); and FSDP2 at one rank beside them."""
     root = tmp_path_factory.mktemp("single")
     references = exact_references(root, {name: [*base, *STEPS] for name, base in FLAVOURS.items()})
-    run_ranks(train_runs, 1, root, runs=[([*FLAVOURS["gpt2"], *STEPS, *FSDP2, "zero=stage3"], str(root / "fsdp2-gpt2"))],
-              engine="fsdp2")
-    return {**references, "fsdp2-gpt2": root / "fsdp2-gpt2"}
+    return {**references, **reference_runs({"fsdp2-gpt2": [*FLAVOURS["gpt2"], *STEPS, *FSDP2, "zero=stage3"]}, root,
+                                           engine="fsdp2")}
 
 
 @pytest.fixture(scope="module")

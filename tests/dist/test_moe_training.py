@@ -16,6 +16,7 @@ import pytest
 from tests.support.helpers import TINY, read_metrics
 from tests.support.parity import assert_parity, train_runs
 from tests.support.ranks import run_ranks
+from tests.support.reference_cache import reference_runs
 
 pytestmark = pytest.mark.slow
 MODEL = ["model=moe_tiny", "train.max_steps=12", "train.eval_interval=6"]
@@ -26,11 +27,10 @@ ROUTER_KEYS = ("moe/aux_loss", "moe/z_loss", "moe/max_load")
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict[str, list[dict]]:
-    root = tmp_path_factory.mktemp("single")
     variants = {"dropless": [], "capacity": CAPACITY, "bias": BIAS}
-    runs = [([*TINY, *MODEL, *extra], str(root / name)) for name, extra in variants.items()]
-    run_ranks(train_runs, 1, root, runs=runs)
-    return {name: read_metrics(root / name) for name in variants}
+    dirs = reference_runs({name: [*TINY, *MODEL, *extra] for name, extra in variants.items()},
+                          tmp_path_factory.mktemp("single"))
+    return {name: read_metrics(dirs[name]) for name in variants}
 
 
 CASES_2 = {"dropless-dp2-ep2": ["parallel.dp=2", "parallel.ep=2"],

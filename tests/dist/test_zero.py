@@ -15,6 +15,7 @@ import pytest
 from tests.support.helpers import TINY, read_metrics
 from tests.support.parity import assert_parity, train_runs
 from tests.support.ranks import run_ranks
+from tests.support.reference_cache import reference_runs
 
 pytestmark = pytest.mark.slow
 STEPS = ["train.max_steps=12", "train.eval_interval=6"]
@@ -34,9 +35,8 @@ def _runs(root: Path, cases: dict[str, list[str]], base: list[str]) -> list[tupl
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[dict]:
-    root = tmp_path_factory.mktemp("single")
-    run_ranks(train_runs, 1, root, runs=[([*TINY, *STEPS], str(root / "ref"))])
-    return read_metrics(root / "ref")
+    """The single-rank run (trained once per session: the same run as other files' gpt2 reference)."""
+    return read_metrics(reference_runs({"ref": [*TINY, *STEPS]}, tmp_path_factory.mktemp("single"))["ref"])
 
 
 @pytest.mark.parametrize("dp", [2, 4])

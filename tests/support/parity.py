@@ -131,17 +131,19 @@ def exact_references(root: Path, flavours: dict[str, list[str]]) -> dict[str, Pa
     """The references of each flavour's run (name -> overrides) at one rank: NAME, DeepSpeed's engine
     in fp32; NAME-order, the same summing in another order (a fresh megaframe-train under
     OTHER_ORDER); NAME-fp64, the plain engine in float64 from the same initial values. Returns their
-    run directories by name."""
-    from tests.support.ranks import run_ranks
+    run directories by name. NAME and NAME-fp64 come from the session's reference cache
+    (reference_cache.py); NAME-order measures this host's rounding and runs every time."""
+    from tests.support.reference_cache import reference_runs
 
-    run_ranks(train_runs, 1, root, runs=[([*overrides, *DEEPSPEED_AT_ONE_RANK], str(root / name))
-                                         for name, overrides in flavours.items()], engine="deepspeed")
-    run_ranks(train_runs, 1, root, runs=[(overrides, str(root / f"{name}-fp64")) for name, overrides in flavours.items()],
-              fp64=True, engine="plain")
+    found = reference_runs({name: [*overrides, *DEEPSPEED_AT_ONE_RANK] for name, overrides in flavours.items()}, root,
+                           engine="deepspeed")
+    found.update(reference_runs({f"{name}-fp64": overrides for name, overrides in flavours.items()}, root,
+                                fp64=True, engine="plain"))
     for name, overrides in flavours.items():  # the import reads the capability: a new interpreter each
-        assert_ok(run_cli([*overrides, f"hydra.run.dir={root / f'{name}-order'}"], env={**cli_env(), **OTHER_ORDER},
+        found[f"{name}-order"] = root / f"{name}-order"
+        assert_ok(run_cli([*overrides, f"hydra.run.dir={found[f'{name}-order']}"], env={**cli_env(), **OTHER_ORDER},
                           fresh=True))
-    return {f"{name}{suffix}": root / f"{name}{suffix}" for name in flavours for suffix in ("", "-order", "-fp64")}
+    return found
 
 
 def assert_exact_norm(run_dir: Path, references: dict[str, Path], flavour: str, what: str) -> None:
