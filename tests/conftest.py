@@ -59,17 +59,26 @@ def pytest_configure(config):
         compileall.compile_dir(root / folder, quiet=2, workers=1)
 
 
+# Folders whose every test starts ranks or processes: `slow` (pytest -m "not slow" is the inner loop)
+_SLOW_FOLDERS = ("dist/", "e2e/", "fakecuda_tier/", "gpu/")
+
+
 def pytest_collection_modifyitems(items):
     """Longest files first, then the other multi-rank and end-to-end files, the many short unit tests
     last (the sort is stable). `--dist loadfile` hands whole files to the workers in this order
     (with --no-loadscope-reorder; by default xdist orders files by their number of tests, which
     left the Ray file, 8 tests and the longest, to start near the end): long files start early and
-    short ones fill the gaps."""
+    short ones fill the gaps. Every test of the multi-rank and end-to-end folders and of the longest
+    files is marked `slow`, whether or not its file says so."""
     def key(item) -> tuple[float, bool]:
         path = str(item.path).replace(os.sep, "/")
         name = path.split("/tests/", 1)[-1]
         return -_LONGEST_FILES.get(name, 0), "tests/unit/" in path
 
+    for item in items:
+        name = str(item.path).replace(os.sep, "/").split("/tests/", 1)[-1]
+        if name.startswith(_SLOW_FOLDERS) or name in _LONGEST_FILES:
+            item.add_marker(pytest.mark.slow)
     items.sort(key=key)
 
 
