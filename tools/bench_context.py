@@ -6,6 +6,9 @@ global batch), and the bytes one rank saves for backward in one micro-batch at c
 """
 from __future__ import annotations
 
+if not __package__:  # started as a file: tests.support is importable from the repository root only
+    raise SystemExit("run it from the repository root as: python -m tools.bench_context")
+
 import argparse
 import json
 import statistics

@@ -5,6 +5,9 @@ print them next to the ZeRO paper's formulas, as the markdown table in BENCHMARK
 """
 from __future__ import annotations
 
+if not __package__:  # started as a file: tests.support is importable from the repository root only
+    raise SystemExit("run it from the repository root as: python -m tools.memory_table")
+
 import tempfile
 from pathlib import Path
 

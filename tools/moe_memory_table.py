@@ -5,6 +5,9 @@ ep 1, 2 and 4 and ZeRO 1-3, next to the planner's figure, as the markdown table 
 """
 from __future__ import annotations
 
+if not __package__:  # started as a file: tests.support is importable from the repository root only
+    raise SystemExit("run it from the repository root as: python -m tools.moe_memory_table")
+
 import tempfile
 from pathlib import Path
 

@@ -15,6 +15,9 @@ that model): what `cluster.reserved_gb` stands for in a plan (the comparison run
 """
 from __future__ import annotations
 
+if not __package__:  # started as a file: tests.support is importable from the repository root only
+    raise SystemExit("run it from the repository root as: python -m tools.peak_table")
+
 import sys
 import tempfile
 from pathlib import Path
