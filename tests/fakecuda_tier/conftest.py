@@ -8,12 +8,10 @@ import pytest
 
 @pytest.fixture(scope="module")
 def cpu_reference_run(tmp_path_factory) -> Path:
-    """The plain CPU run's folder (its metrics and its final checkpoint)."""
-    from tests.support.fakecuda.runs import cpu_run
+    """The plain CPU run's folder (its metrics and its final checkpoint), trained once per session."""
+    from tests.support.fakecuda.runs import cpu_run_dir
 
-    root = tmp_path_factory.mktemp("cpu")
-    cpu_run(root)
-    return root / "cpu-run"
+    return cpu_run_dir(tmp_path_factory.mktemp("cpu"))
 
 
 @pytest.fixture(scope="module")
