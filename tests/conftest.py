@@ -59,8 +59,10 @@ def pytest_configure(config):
         compileall.compile_dir(root / folder, quiet=2, workers=1)
 
 
-# Folders whose every test starts ranks or processes: `slow` (pytest -m "not slow" is the inner loop)
+# Folders whose every test starts ranks or processes, and unit files that train in forked ranks or
+# build DeepSpeed's ops (about 60 s and 25 s here): `slow` (pytest -m "not slow" is the inner loop)
 _SLOW_FOLDERS = ("dist/", "e2e/", "fakecuda_tier/", "gpu/")
+_SLOW_UNIT_FILES = {"unit/backends/test_plain.py", "unit/backends/test_build_locks.py"}
 
 
 def pytest_collection_modifyitems(items):
@@ -77,7 +79,7 @@ def pytest_collection_modifyitems(items):
 
     for item in items:
         name = str(item.path).replace(os.sep, "/").split("/tests/", 1)[-1]
-        if name.startswith(_SLOW_FOLDERS) or name in _LONGEST_FILES:
+        if name.startswith(_SLOW_FOLDERS) or name in _LONGEST_FILES or name in _SLOW_UNIT_FILES:
             item.add_marker(pytest.mark.slow)
     items.sort(key=key)
 
