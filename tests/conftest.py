@@ -41,16 +41,28 @@ _LONGEST_FILES = {
 }
 
 
+@pytest.hookimpl(trylast=True)  # after the tmp_path plugin's: the session's basetemp exists
 def pytest_configure(config):
     """Byte-compile megaframe and the tests' helpers once, in the controller, before any worker starts.
     A host with PYTHONDONTWRITEBYTECODE=1 (CI's is one) never keeps the byte code of an editable
     install, so each of the suite's thousand-odd processes (ranks, CLI runs, tools) recompiled them:
-    about 0.2 CPU-s each. Python still reads byte code that is there; compileall writes it regardless."""
+    about 0.2 CPU-s each. Python still reads byte code that is there; compileall writes it regardless.
+    Also names the session's reference cache (tests/support/reference_cache.py) for every worker: under
+    the session's basetemp (xdist's workers' basetemps are inside it), or MEGAFRAME_TESTS_REFERENCE_CACHE."""
     if hasattr(config, "workerinput"):  # an xdist worker: the controller did it
         return
+    from tests.support.reference_cache import KEEP_ENV, SESSION_ENV
+
+    os.environ[SESSION_ENV] = os.environ.get(KEEP_ENV) or str(config._tmp_path_factory.getbasetemp() / "reference-runs")
     root = Path(__file__).resolve().parents[1]
     for folder in ("megaframe", "tests", "tools"):
         compileall.compile_dir(root / folder, quiet=2, workers=1)
+
+
+# Folders whose every test starts ranks or processes, and unit files that train in forked ranks or
+# build DeepSpeed's ops (about 60 s and 25 s here): `slow` (pytest -m "not slow" is the inner loop)
+_SLOW_FOLDERS = ("dist/", "e2e/", "fakecuda_tier/", "gpu/")
+_SLOW_UNIT_FILES = {"unit/backends/test_plain.py", "unit/backends/test_build_locks.py"}
 
 
 def pytest_collection_modifyitems(items):
@@ -58,12 +70,17 @@ def pytest_collection_modifyitems(items):
     last (the sort is stable). `--dist loadfile` hands whole files to the workers in this order
     (with --no-loadscope-reorder; by default xdist orders files by their number of tests, which
     left the Ray file, 8 tests and the longest, to start near the end): long files start early and
-    short ones fill the gaps."""
+    short ones fill the gaps. Every test of the multi-rank and end-to-end folders and of the longest
+    files is marked `slow`, whether or not its file says so."""
     def key(item) -> tuple[float, bool]:
         path = str(item.path).replace(os.sep, "/")
         name = path.split("/tests/", 1)[-1]
         return -_LONGEST_FILES.get(name, 0), "tests/unit/" in path
 
+    for item in items:
+        name = str(item.path).replace(os.sep, "/").split("/tests/", 1)[-1]
+        if name.startswith(_SLOW_FOLDERS) or name in _LONGEST_FILES or name in _SLOW_UNIT_FILES:
+            item.add_marker(pytest.mark.slow)
     items.sort(key=key)
 
 

@@ -2,9 +2,12 @@
 """Context parallelism on this machine: tokens/s of cp=2 against dp=2 (the same 2 ranks, the same
 global batch), and the bytes one rank saves for backward in one micro-batch at cp=1 and cp=2.
 
-    OMP_NUM_THREADS=1 python tools/bench_context.py [--seq 2048] [--steps 8]
+    OMP_NUM_THREADS=1 python -m tools.bench_context [--seq 2048] [--steps 8]
 """
 from __future__ import annotations
+
+if not __package__:  # started as a file: tests.support is importable from the repository root only
+    raise SystemExit("run it from the repository root as: python -m tools.bench_context")
 
 import argparse
 import json
@@ -15,7 +18,6 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
 MODEL = ["model=llama_tiny", "model.num_layers=2", "model.hidden_size=128", "model.num_attention_heads=4",
          "model.num_kv_heads=2", "model.ffn_hidden_size=352"]
 
@@ -63,7 +65,7 @@ def saved_bytes(rank: int, world: int, seq: int, cp_impl: str) -> int:
 
 
 def main() -> None:
-    from ranks import run_ranks
+    from tests.support.ranks import run_ranks
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq", type=int, default=2048)

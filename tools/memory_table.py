@@ -1,19 +1,20 @@
 """Measure the model-state bytes DeepSpeed holds per rank for ZeRO 0-3 at dp=2 and dp=4 (bf16) and
 print them next to the ZeRO paper's formulas, as the markdown table in BENCHMARKS.md.
 
-    python tools/memory_table.py            # about 4 minutes on a 2-core CPU
+    python -m tools.memory_table            # about 4 minutes on a 2-core CPU
 """
 from __future__ import annotations
 
-import sys
+if not __package__:  # started as a file: tests.support is importable from the repository root only
+    raise SystemExit("run it from the repository root as: python -m tools.memory_table")
+
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from ranks import run_ranks  # noqa: E402  (tests/ranks.py: real gloo ranks)
+from tests.support.ranks import run_ranks  # noqa: E402  (tests/support/ranks.py: real gloo ranks)
 
-from memory_states import measure_zero_stages  # noqa: E402  (tests/memory_states.py)
+from tests.support.memory_states import measure_zero_stages  # noqa: E402  (tests/support/memory_states.py)
 from megaframe.plan.memory import model_state_bytes  # noqa: E402
 
 FORMULA = {0: "16Ψ", 1: "4Ψ+12Ψ/N", 2: "2Ψ+14Ψ/N", 3: "16Ψ/N"}

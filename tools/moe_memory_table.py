@@ -1,18 +1,19 @@
 """Measure the model-state bytes DeepSpeed holds per rank for moe_tiny (hidden 128, bf16) at dp=4, for
 ep 1, 2 and 4 and ZeRO 1-3, next to the planner's figure, as the markdown table in BENCHMARKS.md.
 
-    python tools/moe_memory_table.py        # a few minutes on a 2-core CPU
+    python -m tools.moe_memory_table        # a few minutes on a 2-core CPU
 """
 from __future__ import annotations
 
-import sys
+if not __package__:  # started as a file: tests.support is importable from the repository root only
+    raise SystemExit("run it from the repository root as: python -m tools.moe_memory_table")
+
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from memory_states import measure_moe_states  # noqa: E402  (tests/memory_states.py)
-from ranks import run_ranks  # noqa: E402  (tests/ranks.py: real gloo ranks)
+from tests.support.memory_states import measure_moe_states  # noqa: E402  (tests/support/memory_states.py)
+from tests.support.ranks import run_ranks  # noqa: E402  (tests/support/ranks.py: real gloo ranks)
 
 
 def main() -> None:

@@ -1,12 +1,12 @@
 """Run the numerics-sensitive tests (`pytest -m numerics`) under every CPU capability this host can
 run (ATEN_CPU_CAPABILITY default, avx2, avx512 where the CPU has it, and the host's own) at 1 and 2
 threads in the test process (forked ranks run one thread each, as in the suite), and print the worst ratio of a tested fp32 error to its fp32 reference's own rounding
-(tests/numerics.py). Exit 1 when any combination fails.
+(tests/support/numerics.py). Exit 1 when any combination fails.
 
     python tools/numerics_hosts.py            # the whole matrix
     python tools/numerics_hosts.py -k ring    # extra pytest arguments narrow it
 
-Run it before changing tests/numerics.py's FACTOR; tests/e2e/test_numerics_hosts.py runs it in CI.
+Run it before changing tests/support/numerics.py's FACTOR; tests/e2e/test_numerics_hosts.py runs it in CI.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def main(pytest_args: list[str]) -> int:
                 pass
             env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
             # the threads of the test process (the references, the one-process tests); forked
-            # ranks keep one thread each (tests/ranks.py): libgomp's pool does not survive a fork
+            # ranks keep one thread each (tests/support/ranks.py): libgomp's pool does not survive a fork
             env.update(OMP_NUM_THREADS=str(threads), MEGAFRAME_NUMERICS_REPORT=report.name)
             if capability:
                 env["ATEN_CPU_CAPABILITY"] = capability

@@ -1,13 +1,13 @@
 """Measured peak memory per rank against the planner's, for the layouts of issue 15 (item 8).
 
-    python tools/peak_table.py            # about 10 minutes on a 2-core CPU
-    python tools/peak_table.py --moe      # the Mixture-of-Experts layouts (about 2 minutes)
+    python -m tools.peak_table            # about 10 minutes on a 2-core CPU
+    python -m tools.peak_table --moe      # the Mixture-of-Experts layouts (about 2 minutes)
 
 Each layout trains 3 steps of a 13M-parameter model (4 layers, hidden 512, seq 256, micro-batch 4,
 dropout 0.1, fp32, zero.reduce_bucket_size=5e6) on real gloo ranks, with and without activation
 checkpointing; every rank reports the resident memory the run added at its highest (from just
 before the trainer is built) and the planner's peak for its stage on this device
-(tests/memory_peak.py). Prints a markdown table: one row per (layout, pipeline stage).
+(tests/support/memory_peak.py). Prints a markdown table: one row per (layout, pipeline stage).
 
 The last column adds the runtime's own memory, measured first as the peak of the same run with a
 model of almost nothing (1 layer, hidden 64, micro-batch 1, tp=2, minus what the planner counts for
@@ -15,14 +15,16 @@ that model): what `cluster.reserved_gb` stands for in a plan (the comparison run
 """
 from __future__ import annotations
 
+if not __package__:  # started as a file: tests.support is importable from the repository root only
+    raise SystemExit("run it from the repository root as: python -m tools.peak_table")
+
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from memory_peak import MODEL, MOE, NEAR_EMPTY, measure_peak, runtime_overhead  # noqa: E402  (tests/memory_peak.py)
-from ranks import run_ranks  # noqa: E402  (tests/ranks.py: real gloo ranks)
+from tests.support.memory_peak import MODEL, MOE, NEAR_EMPTY, measure_peak, runtime_overhead  # noqa: E402  (tests/support/memory_peak.py)
+from tests.support.ranks import run_ranks  # noqa: E402  (tests/support/ranks.py: real gloo ranks)
 
 LAYOUTS = {  # name: (world size, overrides)
     "dp2 ZeRO-1": (2, ["zero=stage1"]),
@@ -32,7 +34,7 @@ LAYOUTS = {  # name: (world size, overrides)
     "pp2 (ZeRO-1)": (2, ["parallel.pp=2", "zero=stage1"]),
     "tp2 x pp2 x dp2 (ZeRO-1)": (8, ["parallel.tp=2", "parallel.pp=2", "zero=stage1"]),
 }
-MOE_LAYOUTS = {  # tests/memory_peak.py: MOE (2 micro-batches per step)
+MOE_LAYOUTS = {  # tests/support/memory_peak.py: MOE (2 micro-batches per step)
     "MoE dp2 ep1 (ZeRO-1)": (2, [*MOE, "zero=stage1"]),
     "MoE dp2 ep2 (ZeRO-1)": (2, [*MOE, "zero=stage1", "parallel.ep=2"]),
 }

@@ -2,7 +2,7 @@
 one process: outputs and the gradients of q, k and v, shard by shard; the ring with its blocks
 through the fused CPU kernel and through the einsum fallback. The reference runs in fp64 and fp32;
 the sharded fp32 result must lie within a small multiple of the fp32 reference's own rounding
-(tests/numerics.py), which holds on any host."""
+(tests/support/numerics.py), which holds on any host."""
 from __future__ import annotations
 
 import pytest
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from megaframe.parallel.ring import ring_attention
 from megaframe.parallel.context import (ContextGroup, ulysses_attention, zigzag_positions,
                                         zigzag_shard, zigzag_unshard)
-from numerics import assert_fp32_close
-from ranks import run_ranks
+from tests.support.numerics import assert_fp32_close
+from tests.support.ranks import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.numerics]
 
@@ -262,7 +262,7 @@ def _a_gqa_head_gradient_missing(ring) -> None:
                                               (_a_gqa_head_gradient_missing, False)],
                          ids=["skipped block", "tile offset", "gqa head order", "gqa head missing"])
 def test_the_arithmetic_bound_still_catches_a_broken_ring(tmp_path, monkeypatch, mutation, einsum):
-    """The fp64-derived allowance (tests/numerics.py) is about 1e-6 of O(1) values; each of these
+    """The fp64-derived allowance (tests/support/numerics.py) is about 1e-6 of O(1) values; each of these
     bugs moves some output or gradient by far more, and must fail the comparison."""
     import megaframe.parallel.ring as ring
 

@@ -1,5 +1,5 @@
 """Context parallelism through the Trainer on real gloo ranks reproduces the single-rank run: fp32,
-12 steps, every logged loss, gradient norm and eval loss within rtol 1e-5 (tests/parity.py), for
+12 steps, every logged loss, gradient norm and eval loss within rtol 1e-5 (tests/support/parity.py), for
 both model flavours (Llama with grouped-query attention)."""
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, read_metrics
-from parity import FLAVOURS, assert_parity, train_runs
-from ranks import run_ranks
+from tests.support.helpers import TINY, read_metrics
+from tests.support.parity import FLAVOURS, assert_parity, train_runs
+from tests.support.ranks import run_ranks
+from tests.support.reference_cache import reference_runs
 
 pytestmark = pytest.mark.slow
 STEPS = ["train.max_steps=12", "train.eval_interval=6"]
@@ -17,10 +18,8 @@ STEPS = ["train.max_steps=12", "train.eval_interval=6"]
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict[str, list[dict]]:
-    root = tmp_path_factory.mktemp("single")
-    runs = [([*TINY, *FLAVOURS[f], *STEPS], str(root / f)) for f in FLAVOURS]
-    run_ranks(train_runs, 1, root, runs=runs)
-    return {f: read_metrics(root / f) for f in FLAVOURS}
+    dirs = reference_runs({f: [*TINY, *FLAVOURS[f], *STEPS] for f in FLAVOURS}, tmp_path_factory.mktemp("single"))
+    return {f: read_metrics(dirs[f]) for f in FLAVOURS}
 
 
 CASES_2 = {"cp2-ring": ["parallel.cp=2"], "cp2-ulysses": ["parallel.cp=2", "parallel.cp_impl=ulysses"],

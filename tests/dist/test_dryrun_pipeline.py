@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ranks import run_ranks
+from tests.support.ranks import run_ranks
 
 SHAPES = {"gpt2": dict(num_layers=5), "llama": dict(num_layers=5, arch="llama", norm="rmsnorm", activation="swiglu",
                                                       position_embedding="rope", tie_embeddings=False, bias=False,

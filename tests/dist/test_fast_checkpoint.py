@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ranks import run_ranks
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 

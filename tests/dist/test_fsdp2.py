@@ -1,12 +1,12 @@
 """backend=fsdp2 with real gloo ranks against DeepSpeed's single-rank run of the same seed: fp32, 12
 steps, every logged loss, gradient norm and eval loss within rtol 1e-5, and the gradient norm within
-the fp32 rounding of the exact (float64) one-process norm (tests/parity.py), in every layout FSDP2 composes with megaframe's own parallelism; the gradient norm on every TP rank; the held
+the fp32 rounding of the exact (float64) one-process norm (tests/support/parity.py), in every layout FSDP2 composes with megaframe's own parallelism; the gradient norm on every TP rank; the held
 model states per rank; checkpoints moving between the two engines through the layout-free format.
 
 The reference is DeepSpeed's engine at one rank (torch's fused AdamW, no ZeRO; not the plain engine
 a one-process run gets by default): an independent implementation of the same step, so FSDP2's
 sharding, reduction and norm are checked against code that has none of them. The gradient norm's
-exact reference is the same run in float64, through the plain engine (tests/parity.py)."""
+exact reference is the same run in float64, through the plain engine (tests/support/parity.py)."""
 from __future__ import annotations
 
 import subprocess
@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, assert_ok, cli_env, curve, read_metrics, run_cli, FRESH_RANKS
-from hf_logits import assert_same_hf_logits
-from parity import (DEEPSPEED_AT_ONE_RANK, RTOL, assert_deepspeed_continues, assert_exact_norm, assert_parity,
+from tests.support.helpers import TINY, assert_ok, cli_env, curve, read_metrics, run_cli, FRESH_RANKS
+from tests.support.hf_logits import assert_same_hf_logits
+from tests.support.parity import (DEEPSPEED_AT_ONE_RANK, RTOL, assert_deepspeed_continues, assert_exact_norm, assert_parity,
                     exact_references, train_runs)
-from ranks import run_ranks
+from tests.support.ranks import run_ranks
+from tests.support.reference_cache import reference_runs
 
 pytestmark = pytest.mark.slow
 STEPS = ["train.max_steps=12", "train.eval_interval=6"]
@@ -100,12 +101,11 @@ def _storage_bytes(backend) -> int:
 @pytest.fixture(scope="module")
 def reference_dirs(tmp_path_factory) -> dict[str, Path]:
     """DeepSpeed's engine at one rank, each flavour, in fp32 (also summing in another order) and the
-    same run in float64 (tests/parity.py: exact_references); and FSDP2 at one rank beside them."""
+    same run in float64 (tests/support/parity.py: exact_references); and FSDP2 at one rank beside them."""
     root = tmp_path_factory.mktemp("single")
     references = exact_references(root, {name: [*base, *STEPS] for name, base in FLAVOURS.items()})
-    run_ranks(train_runs, 1, root, runs=[([*FLAVOURS["gpt2"], *STEPS, *FSDP2, "zero=stage3"], str(root / "fsdp2-gpt2"))],
-              engine="fsdp2")
-    return {**references, "fsdp2-gpt2": root / "fsdp2-gpt2"}
+    return {**references, **reference_runs({"fsdp2-gpt2": [*FLAVOURS["gpt2"], *STEPS, *FSDP2, "zero=stage3"]}, root,
+                                           engine="fsdp2")}
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def test_fsdp2_layouts_match_the_single_rank_run(flavour, references, reference_
     last_norm = curve(reference, "grad_norm")[-1][1]
     for i, (name, (_, run_dir)) in enumerate(zip(layouts, runs)):
         assert_parity(read_metrics(run_dir), reference, f"fsdp2 {flavour} {name}")
-        # the norm against the exact one, within the fp32 rounding of each step (tests/parity.py)
+        # the norm against the exact one, within the fp32 rounding of each step (tests/support/parity.py)
         assert_exact_norm(run_dir, reference_dirs, flavour, f"fsdp2 {flavour} {name}")
         # every rank's norm, TP ranks included: each counts the TP shards once and the replicas once
         for rank, rank_reports in enumerate(reports):

@@ -1,6 +1,6 @@
 """backend=fsdp2 with pipeline stages (torch.distributed.pipelining) on real gloo ranks against
 DeepSpeed's single-rank run of the same seed: fp32, 8 steps, every logged loss, gradient norm and
-eval loss within rtol 1e-5, the gradient norm within the fp32 rounding of the exact one (tests/parity.py), for each schedule composed with dp, HSDP, tp/sp, cp
+eval loss within rtol 1e-5, the gradient norm within the fp32 rounding of the exact one (tests/support/parity.py), for each schedule composed with dp, HSDP, tp/sp, cp
 (ring and Ulysses), CPU offload, recomputation and compiled blocks; the gradient norm on every
 rank; a checkpoint written by a pipelined run read back by DeepSpeed at one rank and by the Hugging
 Face converter. The models have 4 blocks, so that two stages per rank still hold a block each."""
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, curve, read_metrics
-from hf_logits import assert_same_hf_logits
-from parity import RTOL, assert_deepspeed_continues, assert_exact_norm, assert_parity, exact_references, train_runs
-from ranks import run_ranks
+from tests.support.helpers import TINY, curve, read_metrics
+from tests.support.hf_logits import assert_same_hf_logits
+from tests.support.parity import RTOL, assert_deepspeed_continues, assert_exact_norm, assert_parity, exact_references, train_runs
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 SHAPE = ["model.num_layers=4", "parallel.global_batch_size=16"]  # 8 micro-batches of 2 at dp1, 4 at dp2
@@ -45,7 +45,7 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def reference_dirs(tmp_path_factory) -> dict[str, Path]:
     """DeepSpeed's engine at one rank, unpipelined, each flavour, in fp32 (also summing in another
-    order) and the same run in float64 (tests/parity.py: exact_references)."""
+    order) and the same run in float64 (tests/support/parity.py: exact_references)."""
     return exact_references(tmp_path_factory.mktemp("single"), {name: [*base, *STEPS] for name, base in FLAVOURS.items()})
 
 

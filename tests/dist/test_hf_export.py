@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, TINY, assert_ok, cli_env, console_script
+from tests.support.helpers import REPO, TINY, assert_ok, cli_env, console_script
 from megaframe.convert.cli import export_hf
-from parity import FLAVOURS
-from ranks import run_ranks
+from tests.support.parity import FLAVOURS
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 BYTE_VOCAB = 257  # the demo corpus is byte-tokenized: padded to 384 rows here (a GPU's padding), which the export drops

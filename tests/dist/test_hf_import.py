@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, assert_ok, cli_env
+from tests.support.helpers import REPO, assert_ok, cli_env
 from megaframe.convert.cli import import_hf
-from ranks import run_ranks
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 VOCAB, SEQ = 300, 24

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY
-from kernel_syncs import KernelSyncs
-from ranks import run_ranks
+from tests.support.helpers import TINY
+from tests.support.kernel_syncs import KernelSyncs
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 # Tensor methods that copy a value to the host: on CUDA each one waits for the stream.

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaframe.parallel.layers import ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding
 from megaframe.parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
-from numerics import assert_fp32_close
-from ranks import run_ranks
+from tests.support.numerics import assert_fp32_close
+from tests.support.ranks import run_ranks
 
 B, T, IN, OUT, VOCAB, PADDED = 2, 4, 6, 8, 13, 16
 
@@ -93,7 +93,7 @@ def _tp_layers(rank: int, world: int, sequence_parallel: bool) -> dict:
 def test_layers_match_full_weight_modules(world, sequence_parallel, tmp_path):
     # one forward/backward: TP splits the inner dimension into per-rank partial sums, which round
     # differently from the full layer by an amount that depends on the host's SIMD width: each
-    # value must lie within a few times the fp32 reference's own rounding of fp64 (tests/numerics.py)
+    # value must lie within a few times the fp32 reference's own rounding of fp64 (tests/support/numerics.py)
     ref64, ref32 = _reference(torch.float64), _reference(torch.float32)
     results = run_ranks(_tp_layers, world, tmp_path, sequence_parallel=sequence_parallel)
     seq = lambda t, r: t.chunk(world, dim=1)[r] if sequence_parallel else t

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from megaframe.parallel import mappings
-from ranks import run_ranks
+from tests.support.ranks import run_ranks
 
 WORLD = 2
 B, T, C = 2, 4, 6

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from memory_states import measure_zero_stages
+from tests.support.memory_states import measure_zero_stages
 from megaframe.plan.memory import model_state_bytes
-from ranks import run_ranks
+from tests.support.ranks import run_ranks
 
 PAPER = {0: lambda n: 16, 1: lambda n: 4 + 12 / n, 2: lambda n: 2 + 14 / n, 3: lambda n: 16 / n}
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from memory_states import measure_moe_states
-from ranks import run_ranks
+from tests.support.memory_states import measure_moe_states
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """Mixture-of-Experts through the Trainer on real gloo ranks reproduces the single-rank run of
 `model=moe_tiny`: fp32, 12 steps, every logged loss, gradient norm and eval loss within rtol 1e-5
-(tests/parity.py), with experts split over ep ranks (all-to-all dispatch, expert gradients reduced
+(tests/support/parity.py), with experts split over ep ranks (all-to-all dispatch, expert gradients reduced
 over the expert-data-parallel ranks) next to DP with ZeRO 0-3, TP (with and without SP), CP, PP,
 activation checkpointing, compile and aux-loss-free bias balancing. The router metrics (aux and z losses, expert load) agree as well.
 
@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, read_metrics
-from parity import assert_parity, train_runs
-from ranks import run_ranks
+from tests.support.helpers import TINY, read_metrics
+from tests.support.parity import assert_parity, train_runs
+from tests.support.ranks import run_ranks
+from tests.support.reference_cache import reference_runs
 
 pytestmark = pytest.mark.slow
 MODEL = ["model=moe_tiny", "train.max_steps=12", "train.eval_interval=6"]
@@ -26,11 +27,10 @@ ROUTER_KEYS = ("moe/aux_loss", "moe/z_loss", "moe/max_load")
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict[str, list[dict]]:
-    root = tmp_path_factory.mktemp("single")
     variants = {"dropless": [], "capacity": CAPACITY, "bias": BIAS}
-    runs = [([*TINY, *MODEL, *extra], str(root / name)) for name, extra in variants.items()]
-    run_ranks(train_runs, 1, root, runs=runs)
-    return {name: read_metrics(root / name) for name in variants}
+    dirs = reference_runs({name: [*TINY, *MODEL, *extra] for name, extra in variants.items()},
+                          tmp_path_factory.mktemp("single"))
+    return {name: read_metrics(dirs[name]) for name in variants}
 
 
 CASES_2 = {"dropless-dp2-ep2": ["parallel.dp=2", "parallel.ep=2"],

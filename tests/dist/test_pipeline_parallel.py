@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import TINY, read_metrics
-from ranks import run_ranks
-from parity import FLAVOURS, assert_parity, train_runs as _train
+from tests.support.helpers import TINY, read_metrics
+from tests.support.ranks import run_ranks
+from tests.support.reference_cache import reference_runs
+from tests.support.parity import FLAVOURS, assert_parity, train_runs as _train
 
 pytestmark = pytest.mark.slow
 # 16 samples = 8 micro-batches of 2 at dp=1, so every stage of pp=4 has work in flight
@@ -21,11 +22,9 @@ def _args(flavour: str, *extra: str, layers: int = 4) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[tuple[str, int], list[dict]]:
     """Single-rank runs per (flavour, number of layers)."""
-    root = tmp_path_factory.mktemp("pp1")
     keys = [(f, layers) for f in FLAVOURS for layers in (2, 4)]
-    runs = [(_args(f, layers=layers), str(root / f"{f}{layers}")) for f, layers in keys]
-    run_ranks(_train, 1, root, runs=runs)
-    return {key: read_metrics(run_dir) for key, (_, run_dir) in zip(keys, runs)}
+    dirs = reference_runs({f"{f}{layers}": _args(f, layers=layers) for f, layers in keys}, tmp_path_factory.mktemp("pp1"))
+    return {(f, layers): read_metrics(dirs[f"{f}{layers}"]) for f, layers in keys}
 
 
 def test_pp2_both_flavours(reference, tmp_path):

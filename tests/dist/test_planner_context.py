@@ -11,7 +11,7 @@ from megaframe.model.factory import resolve_dims
 from megaframe.model.gpt import GPT
 from megaframe.parallel.context import ContextGroup, zigzag_shard
 from megaframe.plan.activations import ActivationShape, block_activation_bytes, stage_activation_bytes
-from ranks import run_ranks
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 LLAMA = dict(arch="llama", num_kv_heads=2, norm="rmsnorm", activation="swiglu", position_embedding="rope",

@@ -2,7 +2,7 @@
 
 Each layout trains 3 steps of a 13M-parameter model (seq 256, micro-batch 4, dropout 0.1, fp32) on
 real gloo ranks; every rank's measured peak (the rise of its resident set from just before the
-trainer is built, tests/memory_peak.py) must be within 10% of the planner's peak for its stage plus
+trainer is built, tests/support/memory_peak.py) must be within 10% of the planner's peak for its stage plus
 the runtime's own memory. That runtime memory is what `cluster.reserved_gb` stands for in a plan;
 it is measured here, once, as a near-empty run's peak less the planner's figure for that run.
 tools/peak_table.py prints the whole table (BENCHMARKS.md); this test runs the layouts where the
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from memory_peak import MODEL, MOE, NEAR_EMPTY, measure_peak
-from memory_peak import runtime_overhead as overhead_of
-from ranks import run_ranks
+from tests.support.memory_peak import MODEL, MOE, NEAR_EMPTY, measure_peak
+from tests.support.memory_peak import runtime_overhead as overhead_of
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ LAYOUTS = {
     "dp2-zero2-recompute": (2, ["zero=stage2", "parallel.activation_checkpointing=true"]),
     "pp2-recompute": (2, ["parallel.pp=2", "zero=stage1", "parallel.activation_checkpointing=true"]),
     "tp2pp2dp2": (8, ["parallel.tp=2", "parallel.pp=2", "zero=stage1"]),
-    # Mixture-of-Experts (tests/memory_peak.py: MOE): the planner's MoE term (router, the k copies of
+    # Mixture-of-Experts (tests/support/memory_peak.py: MOE): the planner's MoE term (router, the k copies of
     # each token, the experts' internals) and experts split over ep. With recomputation each block's
     # forward runs twice; before the second stopped re-recording the MoE layer's aux loss (with its
     # graph), every MoE block stayed whole in memory and this layout measured 11% above the plan.

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, curve, read_metrics
-from parity import pretend_fp16_device, train_runs
-from ranks import run_ranks
+from tests.support.helpers import TINY, curve, read_metrics
+from tests.support.parity import pretend_fp16_device, train_runs
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 STEPS = ["train.max_steps=50", "train.eval_interval=25"]

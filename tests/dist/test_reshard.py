@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import TINY, read_metrics
-from parity import RTOL, assert_parity, train_runs
-from ranks import run_ranks
+from tests.support.helpers import TINY, read_metrics
+from tests.support.parity import RTOL, assert_parity, train_runs
+from tests.support.ranks import run_ranks
 
 from megaframe.checkpoint import sharded, universal
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ranks import run_ranks
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ LAYOUTS = {  # name: (world size, overrides)
 
 
 def _save_and_load(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
-    from memory_probe import collective_bytes, fixed_mmap_threshold, peak_rss
+    from tests.support.memory_probe import collective_bytes, fixed_mmap_threshold, peak_rss
 
     from megaframe.backends.deepspeed import state_io
     from megaframe.config.compose import compose
@@ -109,7 +109,7 @@ def _gather_everything(rank: int, world: int) -> dict:
     """What the old format did: every rank's state pickled to rank 0 (here 64 MB from each)."""
     import torch
     import torch.distributed as dist
-    from memory_probe import collective_bytes, peak_rss
+    from tests.support.memory_probe import collective_bytes, peak_rss
 
     state = {"w": torch.full((16 * 2**20,), float(rank))}
     with peak_rss() as peak, collective_bytes() as calls:

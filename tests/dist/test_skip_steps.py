@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, read_metrics
-from ranks import run_ranks
+from tests.support.helpers import TINY, read_metrics
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 NAN_STEP = 5

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import TINY, read_metrics
-from parity import FLAVOURS, assert_parity, train_runs as _train
-from ranks import run_ranks
+from tests.support.helpers import TINY, read_metrics
+from tests.support.parity import FLAVOURS, assert_parity, train_runs as _train
+from tests.support.ranks import run_ranks
+from tests.support.reference_cache import reference_runs
 
 pytestmark = pytest.mark.slow
 STEPS = ["train.max_steps=12", "train.eval_interval=6"]
@@ -19,10 +20,8 @@ def _args(flavour: str, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[str, list[dict]]:
     """tp=1, one rank, for each flavour."""
-    root = tmp_path_factory.mktemp("tp1")
-    runs = [(_args(f), str(root / f)) for f in FLAVOURS]
-    run_ranks(_train, 1, root, runs=runs)
-    return {f: read_metrics(root / f) for f in FLAVOURS}
+    dirs = reference_runs({f: _args(f) for f in FLAVOURS}, tmp_path_factory.mktemp("tp1"))
+    return {f: read_metrics(dirs[f]) for f in FLAVOURS}
 
 
 @pytest.mark.parametrize("tp", [2, 4])

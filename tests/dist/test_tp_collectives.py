@@ -15,8 +15,8 @@ from megaframe.model.factory import build_model, resolve_dims
 from megaframe.parallel import mappings
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.state import ParallelState
-from numerics import assert_fp32_close
-from ranks import run_ranks
+from tests.support.numerics import assert_fp32_close
+from tests.support.ranks import run_ranks
 
 COUNTED = ("all_reduce", "all_gather", "reduce_scatter")
 

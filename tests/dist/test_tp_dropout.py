@@ -10,7 +10,7 @@ from megaframe.model.factory import build_model, resolve_dims
 from megaframe.model.gpt import Dropout
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.state import ParallelState
-from ranks import run_ranks
+from tests.support.ranks import run_ranks
 
 CFG = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, ffn_hidden_size=128,
                   dropout=0.3)

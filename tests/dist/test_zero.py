@@ -1,5 +1,5 @@
 """ZeRO stages and offload with real gloo ranks reproduce the single-rank run: fp32, 12 steps, every
-logged loss, gradient norm and eval loss within rtol 1e-5 (tests/parity.py).
+logged loss, gradient norm and eval loss within rtol 1e-5 (tests/support/parity.py).
 
 The reference is one rank with torch's AdamW and no ZeRO. Offloaded runs use DeepSpeed's CPU Adam
 (a fused C++ kernel) against that same reference: in fp32 it matches torch's AdamW to 1e-5 over
@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, read_metrics
-from parity import assert_parity, train_runs
-from ranks import run_ranks
+from tests.support.helpers import TINY, read_metrics
+from tests.support.parity import assert_parity, train_runs
+from tests.support.ranks import run_ranks
+from tests.support.reference_cache import reference_runs
 
 pytestmark = pytest.mark.slow
 STEPS = ["train.max_steps=12", "train.eval_interval=6"]
@@ -34,9 +35,8 @@ def _runs(root: Path, cases: dict[str, list[str]], base: list[str]) -> list[tupl
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[dict]:
-    root = tmp_path_factory.mktemp("single")
-    run_ranks(train_runs, 1, root, runs=[([*TINY, *STEPS], str(root / "ref"))])
-    return read_metrics(root / "ref")
+    """The single-rank run (trained once per session: the same run as other files' gpt2 reference)."""
+    return read_metrics(reference_runs({"ref": [*TINY, *STEPS]}, tmp_path_factory.mktemp("single"))["ref"])
 
 
 @pytest.mark.parametrize("dp", [2, 4])

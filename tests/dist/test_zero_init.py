@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ranks import run_ranks
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ MODEL = ["model.num_layers=8", "model.hidden_size=768", "model.num_attention_hea
 
 
 def _measure_build(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
-    from memory_probe import fixed_mmap_threshold, peak_rss
+    from tests.support.memory_probe import fixed_mmap_threshold, peak_rss
 
     import megaframe.backends.deepspeed.engine as engine
     from megaframe.config.compose import compose

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers import TINY, assert_ok, cli_env, read_metrics, run_cli
+from tests.support.helpers import TINY, assert_ok, cli_env, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 ARGS = [*TINY, "train.max_steps=6", "train.eval_interval=3", "model.dropout=0.0"]

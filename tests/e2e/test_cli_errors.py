@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import REPO, cli_env, run_cli
+from tests.support.helpers import REPO, cli_env, run_cli
 from megaframe.backends.deepspeed.accelerator import device_supports_fp16
 
 # what torchrun and srun set beside RANK and WORLD_SIZE (a world without a rendezvous address is refused
@@ -58,7 +58,7 @@ CASES = {
     "collective timeout not positive": (["train.collective_timeout_s=0"], {}, ["train.collective_timeout_s=0", "> 0"]),
     # the machine, checked before any rank starts (backends/deepspeed/system.py)
     "nvme offload without libaio": (["zero=stage3", "offload=nvme", "offload.nvme_path=/tmp/megaframe-nvme"],
-                                    {"PYTHONPATH": str(REPO / "tests" / "simulate" / "no_libaio")},
+                                    {"PYTHONPATH": str(REPO / "tests" / "support" / "simulate" / "no_libaio")},
                                     ["offload=nvme", "async-IO op cannot load", "libaio-dev", "offload=cpu"]),
     "nvme path not writable": (["zero=stage3", "offload=nvme", "offload.nvme_path=/etc/hostname/swap"], {},
                                ["offload.nvme_path=/etc/hostname/swap is not writable"]),

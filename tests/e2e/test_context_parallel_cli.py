@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import TINY, assert_ok, read_metrics, run_cli
-from parity import assert_parity
+from tests.support.helpers import TINY, assert_ok, read_metrics, run_cli
+from tests.support.parity import assert_parity
 
 pytestmark = pytest.mark.slow
 ARGS = [*TINY, "model=llama_tiny", "model.num_kv_heads=2", "train.max_steps=8", "train.eval_interval=4",

@@ -1,7 +1,7 @@
 """Every megaframe-* command in README.md and docs/*.md does what its guide says (issue 34): run
 blocks run (guide by guide, in reverse order, in one directory all the guides share) and exit as
 marked; the other megaframe-train commands pass the pre-launch checks; megaframe-plan commands run.
-A documented command that is refused as written fails here. The markers: tests/doc_commands.py."""
+A documented command that is refused as written fails here. The markers: tests/support/doc_commands.py."""
 from __future__ import annotations
 
 import contextlib
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from doc_commands import GUIDES, REPO, Block, all_blocks, guide_paths
-from helpers import cli_env
+from tests.support.doc_commands import GUIDES, REPO, Block, all_blocks, guide_paths
+from tests.support.helpers import cli_env
 
 BLOCKS = all_blocks()
 FILE_COMMANDS = ("megaframe-eval", "megaframe-convert", "megaframe-preprocess", "megaframe-sample")

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from elastic_nodes import ELASTIC_ARGS, Nodes, kill_node, listening, read_records, steps_trained, wait_for
-from helpers import REPO, assert_ok, cli_env, free_port, read_metrics, run_cli
+from tests.support.elastic_nodes import ELASTIC_ARGS, Nodes, kill_node, listening, read_records, steps_trained, wait_for
+from tests.support.helpers import REPO, assert_ok, cli_env, free_port, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 # long enough that the dp=2 stretch outlasts a joining node's start-up (each step is ~0.1 s here)

@@ -23,8 +23,8 @@ from typing import Iterator
 
 import pytest
 
-from helpers import REPO, TINY, assert_ok, cli_env, free_port, read_metrics, run_cli
-from ray_processes import kill_processes, process_tree, processes_of
+from tests.support.helpers import REPO, TINY, assert_ok, cli_env, free_port, read_metrics, run_cli
+from tests.support.ray_processes import kill_processes, process_tree, processes_of
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray", reason="Ray is the optional extra megaframe[ray]; .ci/run installs it with [test]")

@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from elastic_nodes import ELASTIC_ARGS, Nodes, kill_node, listening, read_records, steps_trained, wait_for
-from helpers import REPO, TINY, assert_ok, cli_env, free_port, read_metrics, run_cli
+from tests.support.elastic_nodes import ELASTIC_ARGS, Nodes, kill_node, listening, read_records, steps_trained, wait_for
+from tests.support.helpers import REPO, TINY, assert_ok, cli_env, free_port, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from helpers import REPO, assert_ok, read_metrics, run_cli
+from tests.support.helpers import REPO, assert_ok, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 DOC = (REPO / "docs" / "engines.md").read_text()

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import REPO, TINY, assert_ok, cli_env, curve, read_metrics, run_cli
+from tests.support.helpers import REPO, TINY, assert_ok, cli_env, curve, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 SAME_SAMPLES = ["parallel.micro_batch_size=2", "parallel.global_batch_size=8", "train.eval_steps=1"]  # TINY's

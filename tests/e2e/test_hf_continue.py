@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, assert_ok, cli_env, run_cli
+from tests.support.helpers import REPO, assert_ok, cli_env, run_cli
 from megaframe.convert.cli import export_hf
 
 pytest.importorskip("megaframe.checkpoint.universal", reason="resuming from layout-free checkpoints is not merged yet")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import TINY, assert_ok, read_metrics, run_cli
+from tests.support.helpers import TINY, assert_ok, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from helpers import REPO, TINY, assert_ok, read_metrics, run_cli
+from tests.support.helpers import REPO, TINY, assert_ok, read_metrics, run_cli
 from hydra_plugins.megaframe_launcher.local_launcher import _last_values, _table
 from megaframe.tracking.wandb_offline import read_offline_run
 

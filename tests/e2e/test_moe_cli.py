@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from helpers import TINY, assert_ok, read_metrics, run_cli
-from parity import assert_parity
+from tests.support.helpers import TINY, assert_ok, read_metrics, run_cli
+from tests.support.parity import assert_parity
 
 pytestmark = pytest.mark.slow
 ARGS = [*TINY, "model=moe_tiny", "train.max_steps=8", "train.eval_interval=4", "train.save_interval=4"]

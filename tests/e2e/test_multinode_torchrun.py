@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from helpers import TINY, assert_ok, cli_env, free_port, read_metrics, run_cli
-from parity import assert_parity
+from tests.support.helpers import TINY, assert_ok, cli_env, free_port, read_metrics, run_cli
+from tests.support.parity import assert_parity
 
 pytestmark = pytest.mark.slow
 ARGS = [*TINY, "train.max_steps=6", "train.eval_interval=3", "zero=stage1"]

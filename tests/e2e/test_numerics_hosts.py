@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from helpers import REPO, cli_env
-from numerics import FACTOR
+from tests.support.helpers import REPO, cli_env
+from tests.support.numerics import FACTOR
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from helpers import FRESH_RANKS, REPO, TINY, cli_env
+from tests.support.helpers import FRESH_RANKS, REPO, TINY, cli_env
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from helpers import REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
+from tests.support.helpers import REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
 
 
 def run_plan(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:

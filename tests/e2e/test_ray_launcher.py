@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, assert_ok, cli_env, free_port, read_metrics, run_cli
-from parity import assert_parity
-from ray_processes import kill_processes, processes_of
+from tests.support.helpers import TINY, assert_ok, cli_env, free_port, read_metrics, run_cli
+from tests.support.parity import assert_parity
+from tests.support.ray_processes import kill_processes, processes_of
 
 pytestmark = pytest.mark.slow
 ARGS = [*TINY, "train.max_steps=6", "train.eval_interval=3", "train.save_interval=2", "zero=stage1", "parallel.dp=2"]

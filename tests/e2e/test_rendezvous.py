@@ -10,7 +10,7 @@ import sys
 import psutil
 import pytest
 
-from helpers import REPO, TINY, cli_env
+from tests.support.helpers import REPO, TINY, cli_env
 from megaframe.backends.common import free_port
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from helpers import TINY, assert_ok, read_metrics, run_cli
+from tests.support.helpers import TINY, assert_ok, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 CURVES = ("loss", "grad_norm", "lr", "eval_loss")
@@ -108,7 +108,7 @@ def test_a_checkpoint_written_with_a_gpus_vocabulary_padding_resumes_on_the_cpus
     """make_vocab_size_divisible_by=null pads the 257-byte vocabulary to 384 rows on a GPU and not at
     all on a CPU: a checkpoint holds the unpadded rows, so a run saved with the GPU's padding resumes
     on the CPU, and its curve is the padded run's (the padded logits never enter the loss)."""
-    from helpers import curve
+    from tests.support.helpers import curve
 
     args = [*TINY, "train.max_steps=8", "train.save_interval=4"]
     padded, resumed = tmp_path / "padded", tmp_path / "resumed"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FRESH_RANKS, TINY, assert_ok, cli_env, read_metrics
+from tests.support.helpers import FRESH_RANKS, TINY, assert_ok, cli_env, read_metrics
 
 pytestmark = pytest.mark.slow
 ARGS = [*TINY, "train.max_steps=60", "train.eval_interval=0"]

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from helpers import REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
+from tests.support.helpers import REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 

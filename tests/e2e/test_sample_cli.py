@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY
-from parity import FLAVOURS, train_runs
-from ranks import run_ranks
+from tests.support.helpers import TINY
+from tests.support.parity import FLAVOURS, train_runs
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 EOD = 256  # the byte tokenizer's end of document, which both sides stop at

@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from helpers import FRESH_RANKS, REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
+from tests.support.helpers import FRESH_RANKS, REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 ARGS = [*TINY, "train.max_steps=400", "train.eval_interval=0"]

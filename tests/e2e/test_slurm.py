@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, TINY, assert_ok, cli_env, free_port, read_metrics, run_cli
-from parity import assert_parity
+from tests.support.helpers import REPO, TINY, assert_ok, cli_env, free_port, read_metrics, run_cli
+from tests.support.parity import assert_parity
 
 pytestmark = pytest.mark.slow
 ARGS = [*TINY, "train.max_steps=6", "train.eval_interval=3", "zero=stage1"]

@@ -8,8 +8,8 @@ import json
 import pytest
 import yaml
 
-from helpers import TINY, assert_ok, cli_env, read_metrics, run_cli
-from parity import assert_parity
+from tests.support.helpers import TINY, assert_ok, cli_env, read_metrics, run_cli
+from tests.support.parity import assert_parity
 
 pytestmark = pytest.mark.slow
 ARGS = [*TINY, "train.max_steps=4", "train.eval_interval=2", "parallel.dp=2", "zero=stage1"]

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY
+from tests.support.helpers import TINY
 from megaframe.checkpoint.tokenizer_record import RECORD_KEY, files_hash
 from megaframe.convert.cli import export_hf
 from megaframe.data.preprocess import preprocess
 from megaframe.data.tokenizer import HFTokenizer
-from ranks import run_ranks
-from word_tokenizer import corpus, save_word_tokenizer, swap_words
+from tests.support.ranks import run_ranks
+from tests.support.word_tokenizer import corpus, save_word_tokenizer, swap_words
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import TINY, assert_ok, curve, read_metrics, run_cli
+from tests.support.helpers import TINY, assert_ok, curve, read_metrics, run_cli
 from megaframe.tracking.wandb_offline import read_offline_run
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ def test_bench_tool_compares_megaframe_with_plain_loops_and_transformers():
     import subprocess
     import sys
 
-    from helpers import REPO, cli_env
+    from tests.support.helpers import REPO, cli_env
 
     result = subprocess.run([sys.executable, "tools/bench.py", "--steps", "2", "--repeats", "2", "--warmup", "1",
                              "--no-compile"], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=600)
@@ -68,7 +68,7 @@ def test_adamw_and_profile_tools_run():
     import subprocess
     import sys
 
-    from helpers import REPO, cli_env
+    from tests.support.helpers import REPO, cli_env
 
     adamw = subprocess.run([sys.executable, "tools/bench_adamw.py", "--rounds", "1", "--steps", "1"], cwd=REPO,
                            env=cli_env(), capture_output=True, text=True, timeout=300)

@@ -1,4 +1,4 @@
-"""The CPU reference run shared by a file's device runs (tests/fakecuda/runs.py)."""
+"""The CPU reference run shared by a file's device runs (tests/support/fakecuda/runs.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,16 +8,14 @@ import pytest
 
 @pytest.fixture(scope="module")
 def cpu_reference_run(tmp_path_factory) -> Path:
-    """The plain CPU run's folder (its metrics and its final checkpoint)."""
-    from fakecuda.runs import cpu_run
+    """The plain CPU run's folder (its metrics and its final checkpoint), trained once per session."""
+    from tests.support.fakecuda.runs import cpu_run_dir
 
-    root = tmp_path_factory.mktemp("cpu")
-    cpu_run(root)
-    return root / "cpu-run"
+    return cpu_run_dir(tmp_path_factory.mktemp("cpu"))
 
 
 @pytest.fixture(scope="module")
 def cpu_reference(cpu_reference_run) -> list[dict]:
-    from helpers import read_metrics
+    from tests.support.helpers import read_metrics
 
     return read_metrics(cpu_reference_run)

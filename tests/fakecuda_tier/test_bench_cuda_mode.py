@@ -1,4 +1,4 @@
-"""tools/bench.py --device cuda on the CUDA-shaped device (tests/fakecuda): the GPU benchmark's own code
+"""tools/bench.py --device cuda on the CUDA-shaped device (tests/support/fakecuda): the GPU benchmark's own code
 path (megaframe, the plain PyTorch loop and transformers one after the other on the device, CUDA's
 synchronize and memory counters, the MFU table) at a tiny shape, with no device violation. The
 figures it prints here mean nothing; that it runs is what a lent GPU's short time must not be spent on."""
@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from fakecuda.env import fake_cuda_env
-from fakecuda.ledger import read_reports
-from helpers import REPO, assert_ok
+from tests.support.fakecuda.env import fake_cuda_env
+from tests.support.fakecuda.ledger import read_reports
+from tests.support.helpers import REPO, assert_ok
 
 pytestmark = pytest.mark.slow
 SHAPE = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=256", "model.seq_length=32",

@@ -1,4 +1,4 @@
-"""Checkpoints and offload on the CUDA-shaped device (tests/fakecuda): what a GPU run saves and
+"""Checkpoints and offload on the CUDA-shaped device (tests/support/fakecuda): what a GPU run saves and
 resumes goes between host and device in both directions (optimizer state back onto the device,
 offloaded state kept on the host), which plain CPU ranks cannot check. Each run: no violation in any
 process, and the resumed curve on the plain CPU run's at rtol 1e-5 (fp32)."""
@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-from fakecuda.runs import run_on_device
-from parity import assert_parity
+from tests.support.fakecuda.runs import run_on_device
+from tests.support.parity import assert_parity
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The CUDA-shaped device itself (tests/fakecuda): it computes what the CPU computes, and it fails
+"""The CUDA-shaped device itself (tests/support/fakecuda): it computes what the CPU computes, and it fails
 where CUDA or NCCL would. Each seeded mutant is a small piece of code with one device-discipline bug;
 the tier must refuse it (or count its host read), and the same code without the bug must pass.
 
@@ -12,14 +12,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ranks import run_ranks
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.slow  # two ranks (about 6 s)
 
 
 def _outcome(fn) -> str:
     """'ok', or the refusal's first line ('refused: ...'), or another error's type and line."""
-    from fakecuda.ledger import CudaError
+    from tests.support.fakecuda.ledger import CudaError
 
     try:
         fn()
@@ -32,7 +32,7 @@ def _outcome(fn) -> str:
 
 def _syncs_of(fn) -> list[tuple[str, str]]:
     """The (kind, call site) of each host read fn makes, once per read."""
-    from fakecuda import ledger
+    from tests.support.fakecuda import ledger
 
     before = dict(ledger.syncs)
     fn()
@@ -68,10 +68,10 @@ def _train(model: torch.nn.Module, device: str, steps: int = 3) -> list[float]:
 
 
 def _checks(rank: int, world: int) -> dict:
-    import fakecuda
+    from tests.support import fakecuda
 
     fakecuda.install(deepspeed=True)
-    from fakecuda import ledger
+    from tests.support.fakecuda import ledger
 
     out: dict = {}
     # a collective before set_device: every rank would use cuda:0

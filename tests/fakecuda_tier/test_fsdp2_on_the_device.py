@@ -1,4 +1,4 @@
-"""backend=fsdp2 on the CUDA-shaped device (tests/fakecuda): its DTensors hold device tensors, its
+"""backend=fsdp2 on the CUDA-shaped device (tests/support/fakecuda): its DTensors hold device tensors, its
 collectives refuse host tensors (as NCCL does), and every run must end with no violation in any
 process and the plain CPU run's curve (rtol 1e-5, fp32). CPU offload is the case that puts host
 tensors next to the device's: the gradient norm's sums must meet on the device."""
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from fakecuda.runs import run_on_device
-from parity import assert_parity
+from tests.support.fakecuda.runs import run_on_device
+from tests.support.parity import assert_parity
 
 pytestmark = pytest.mark.slow
 CASES = {"one-rank-stage3": (1, ["zero=stage3"]),

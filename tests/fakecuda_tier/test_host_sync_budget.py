@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from fakecuda.env import fake_cuda_env
-from helpers import REPO, TINY
+from tests.support.fakecuda.env import fake_cuda_env
+from tests.support.helpers import REPO, TINY
 
 pytestmark = pytest.mark.slow
 CASES = {"zero0-fp32": ["zero=stage0"], "zero1-bf16": ["zero=stage1", "precision=bf16"],
@@ -24,7 +24,7 @@ SHAPES = [(1, 2), (4, 2), (1, 4)]  # (micro-batches per step, layers)
 COUNT = """
 import json, sys
 from pathlib import Path
-from fakecuda import ledger
+from tests.support.fakecuda import ledger
 from megaframe.config.compose import compose
 from megaframe.config.validate import validate
 from megaframe.training.trainer import Trainer
@@ -76,7 +76,7 @@ def test_host_reads_per_step_do_not_grow_with_micro_batches_or_layers(case, coun
 
 
 def test_the_budget_catches_a_read_per_micro_batch(tmp_path):
-    """The seeded bug (tests/fakecuda/mutants.py) reads each micro-batch's loss: 4 micro-batches, 3 more reads."""
+    """The seeded bug (tests/support/fakecuda/mutants.py) reads each micro-batch's loss: 4 micro-batches, 3 more reads."""
     found = count_syncs(tmp_path, {"zero1": ["zero=stage1"]}, [(1, 2), (4, 2)],
                         MEGAFRAME_FAKE_CUDA_MUTANT="item_per_micro_batch")["counts"]
     one, four = found["zero1 micro=1 layers=2"], found["zero1 micro=4 layers=2"]

@@ -1,12 +1,12 @@
-"""The tier catches megaframe bugs that pass on the CPU: each seeded bug (tests/fakecuda/mutants.py) runs
+"""The tier catches megaframe bugs that pass on the CPU: each seeded bug (tests/support/fakecuda/mutants.py) runs
 through megaframe-train twice, on plain CPU ranks (where it passes unnoticed) and on the CUDA-shaped
 device (where it must fail as CUDA or NCCL would, or break the host-sync budget)."""
 from __future__ import annotations
 
 import pytest
 
-from fakecuda.env import fake_cuda_env
-from helpers import TINY, assert_ok, run_cli
+from tests.support.fakecuda.env import fake_cuda_env
+from tests.support.helpers import TINY, assert_ok, run_cli
 
 pytestmark = pytest.mark.slow
 SHORT = ["train.max_steps=2", "train.eval_interval=0"]

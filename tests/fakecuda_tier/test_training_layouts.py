@@ -1,4 +1,4 @@
-"""More layouts on the CUDA-shaped device (tests/fakecuda): context parallelism with the ring's blocks
+"""More layouts on the CUDA-shaped device (tests/support/fakecuda): context parallelism with the ring's blocks
 through FlashAttention-2's contract in bf16, expert parallelism with the grouped GEMM in bf16, the
 pipeline in bf16, and a
 dropout resume, whose masks outside TP regions come from the device's generator (a checkpoint that
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from fakecuda.runs import cpu_run, run_on_device
-from helpers import curve
-from parity import assert_parity
+from tests.support.fakecuda.runs import cpu_run, run_on_device
+from tests.support.helpers import curve
+from tests.support.parity import assert_parity
 
 pytestmark = pytest.mark.slow
 LLAMA = ["model=llama_tiny", "model.num_kv_heads=2"]

@@ -1,16 +1,16 @@
-"""megaframe-train on the CUDA-shaped device (tests/fakecuda): as a user runs it on GPUs (DeepSpeed on a
+"""megaframe-train on the CUDA-shaped device (tests/support/fakecuda): as a user runs it on GPUs (DeepSpeed on a
 `cuda` accelerator, every tensor of the step loop on cuda:N, collectives refusing host tensors), with
 no change to megaframe. Each run must finish with no violation in any process and the plain CPU
 run's curve (loss, gradient norm, eval loss at rtol 1e-5 in fp32). The ranks start as the e2e tests
 start them (python -m megaframe.train, self-launched through torchrun for two ranks), each installing
-the device from tests/fakecuda/sitecustomize.py. This file: one rank."""
+the device from tests/support/fakecuda/sitecustomize.py. This file: one rank."""
 from __future__ import annotations
 
 import pytest
 
-from fakecuda.runs import cpu_run, run_on_device
-from helpers import curve
-from parity import assert_parity
+from tests.support.fakecuda.runs import cpu_run, run_on_device
+from tests.support.helpers import curve
+from tests.support.parity import assert_parity
 
 pytestmark = pytest.mark.slow
 SINGLE = {"zero0-fp32": ["zero=stage0"], "zero1-fp32": ["zero=stage1"], "zero2-fp32": ["zero=stage2"]}
@@ -18,7 +18,7 @@ SINGLE = {"zero0-fp32": ["zero=stage0"], "zero1-fp32": ["zero=stage1"], "zero2-f
 
 @pytest.mark.parametrize("case", list(SINGLE))
 def test_one_rank_trains_on_the_device_with_the_cpu_curve(case, cpu_reference, tmp_path):
-    # fp32 attention: CUDA's memory-efficient kernel (its contract emulated by tests/fakecuda/kernels.py)
+    # fp32 attention: CUDA's memory-efficient kernel (its contract emulated by tests/support/fakecuda/kernels.py)
     metrics = run_on_device(tmp_path, case, SINGLE[case], kernels=("_scaled_dot_product_efficient_attention",
                                                                    "_scaled_dot_product_efficient_attention_backward"))
     assert_parity(metrics, cpu_reference, f"fakecuda {case}")
@@ -31,7 +31,7 @@ def test_deepspeed_synchronized_device_paths_too(cpu_reference, tmp_path):
 
 
 def test_bf16_trains_through_the_flash_attention_kernel_close_to_the_cpu(tmp_path):
-    """bf16 attention goes through FlashAttention-2's contract (tests/fakecuda/kernels.py, computed by the
+    """bf16 attention goes through FlashAttention-2's contract (tests/support/fakecuda/kernels.py, computed by the
     CPU's flash kernel); held to bf16 rounding, not bit for bit, as a real GPU's kernels differ."""
     extra = ["zero=stage1", "precision=bf16"]
     cpu = cpu_run(tmp_path, extra)

@@ -1,15 +1,15 @@
-"""megaframe-train on the CUDA-shaped device (tests/fakecuda): as a user runs it on GPUs (DeepSpeed on a
+"""megaframe-train on the CUDA-shaped device (tests/support/fakecuda): as a user runs it on GPUs (DeepSpeed on a
 `cuda` accelerator, every tensor of the step loop on cuda:N, collectives refusing host tensors), with
 no change to megaframe. Each run must finish with no violation in any process and the plain CPU
 run's curve (loss, gradient norm, eval loss at rtol 1e-5 in fp32). The ranks start as the e2e tests
 start them (python -m megaframe.train, self-launched through torchrun for two ranks), each installing
-the device from tests/fakecuda/sitecustomize.py. This file: two ranks (dp at ZeRO-0 to 3, tp with and without SP, pp, Ulysses)."""
+the device from tests/support/fakecuda/sitecustomize.py. This file: two ranks (dp at ZeRO-0 to 3, tp with and without SP, pp, Ulysses)."""
 from __future__ import annotations
 
 import pytest
 
-from fakecuda.runs import run_on_device
-from parity import assert_parity
+from tests.support.fakecuda.runs import run_on_device
+from tests.support.parity import assert_parity
 
 pytestmark = pytest.mark.slow
 TWO_RANKS = {"dp2-zero0": ["parallel.dp=2", "zero=stage0"], "dp2-zero1": ["parallel.dp=2", "zero=stage1"],

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gpu_measure import cpu_reference_run, gpu_env, loss_gap
-from helpers import REPO, TINY, assert_ok, curve, read_metrics, run_cli
+from tests.support.gpu_measure import cpu_reference_run, gpu_env, loss_gap
+from tests.support.helpers import REPO, TINY, assert_ok, curve, read_metrics, run_cli
 
 STEPS = ["train.max_steps=20", "train.eval_interval=10", "train.save_interval=10"]
 # mean relative gap of the loss curve to the CPU fp32 reference, per precision

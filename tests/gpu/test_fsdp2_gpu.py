@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_measure import (PEAK_MODEL, cpu_reference_run, gpu_env, loss_gap, planned_and_measured_peak,
+from tests.support.gpu_measure import (PEAK_MODEL, cpu_reference_run, gpu_env, loss_gap, planned_and_measured_peak,
                          steady_tokens_per_s)
-from helpers import TINY, assert_ok, read_metrics, run_cli
+from tests.support.helpers import TINY, assert_ok, read_metrics, run_cli
 
 STEPS = ["train.max_steps=20", "train.eval_interval=10", "train.save_interval=10"]
 TOLERANCE = {"fp32": 1e-3, "bf16": 2e-2}  # mean relative loss gap to CPU fp32 (as test_cuda_training)

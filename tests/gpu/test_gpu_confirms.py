@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from gpu_measure import PEAK_MODEL, planned_and_measured_peak
-from helpers import REPO, TINY, assert_ok, cli_env, curve, read_metrics, run_cli
+from tests.support.gpu_measure import PEAK_MODEL, planned_and_measured_peak
+from tests.support.helpers import REPO, TINY, assert_ok, cli_env, curve, read_metrics, run_cli
 
 STEPS = ["train.max_steps=20", "train.eval_interval=10"]
 BF16_GAP = 2e-2  # mean relative loss gap between two bf16 runs that sum in different orders

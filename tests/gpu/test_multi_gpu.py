@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import TINY, assert_ok, cli_env, curve, read_metrics, run_cli
+from tests.support.helpers import TINY, assert_ok, cli_env, curve, read_metrics, run_cli
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 STEPS = ["train.max_steps=20", "train.eval_interval=10"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention_blocks_check import blocks_against_full_attention
+from tests.support.attention_blocks_check import blocks_against_full_attention
 from megaframe.parallel.attention_blocks import CUDA_FLASH, block_kernel
 from megaframe.parallel.context import AttentionDropout, ContextGroup
 from megaframe.parallel.ring import ring_attention

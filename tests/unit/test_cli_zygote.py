@@ -1,4 +1,4 @@
-"""The warm interpreter run_cli forks its commands from (tests/cli_zygote.py) behaves as a fresh
+"""The warm interpreter run_cli forks its commands from (tests/support/cli_zygote.py) behaves as a fresh
 `python -m megaframe.train`: the same exit code, output and curve, argv/cwd/environment applied,
 and a command past its timeout killed as subprocess.run would kill it."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-import helpers
-from helpers import TINY, cli_env, curve, read_metrics, run_cli
+from tests.support import helpers
+from tests.support.helpers import TINY, cli_env, curve, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from helpers import REPO
+from tests.support.helpers import REPO
 
 MAP_LINE = re.compile(r"^(megaframe/\S+\.py)\s")
 

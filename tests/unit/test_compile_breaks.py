@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from helpers import REPO
+from tests.support.helpers import REPO
 
 
 def test_importing_the_trainer_does_not_load_dynamo():

@@ -38,7 +38,7 @@ def test_the_guides_exit_code_table_lists_every_code():
     """docs/failures.md's table is where users look a code up: every ExitCode, and no other number."""
     import re
 
-    from helpers import REPO
+    from tests.support.helpers import REPO
 
     guide = (REPO / "docs" / "failures.md").read_text().split("## Exit codes", 1)[1].split("\n## ", 1)[0]
     listed = {int(m) for m in re.findall(r"^\| (\d+) \|", guide, flags=re.M)}

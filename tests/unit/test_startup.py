@@ -6,7 +6,7 @@ import gc
 import subprocess
 import sys
 
-from helpers import TINY, cli_env
+from tests.support.helpers import TINY, cli_env
 
 
 def test_resume_undoes_only_its_own_pause():

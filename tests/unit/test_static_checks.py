@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import REPO
+from tests.support.helpers import REPO
 
 RULES = "redefined-outer-name,used-before-assignment,possibly-used-before-assignment,undefined-variable"
 # These rules read scopes, not types: pylint need not infer the big libraries' members, which took

@@ -1,4 +1,4 @@
-"""megaframe-train's self-launched ranks forked warm (tests/warm_ranks.py) are the ranks torch's agent
+"""megaframe-train's self-launched ranks forked warm (tests/support/warm_ranks.py) are the ranks torch's agent
 would exec: the same curve, output, and exit code when a rank dies, from a launcher forked by the
 CLI zygote and from one started as a fresh interpreter (the sitecustomize path). The spawn log
 proves the ranks were forked, so a change that silently falls back to fresh ranks fails here."""
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from helpers import FRESH_RANKS, REPO, TINY, cli_env, curve, read_metrics, run_cli
+from tests.support.helpers import FRESH_RANKS, REPO, TINY, cli_env, curve, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 DP2 = [*TINY, "parallel.dp=2", "zero=stage1", "train.max_steps=4"]

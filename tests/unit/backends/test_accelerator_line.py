@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from helpers import REPO
+from tests.support.helpers import REPO
 
 _CHILD = """
 import os

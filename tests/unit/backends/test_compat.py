@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from helpers import REPO
+from tests.support.helpers import REPO
 from megaframe.backends.deepspeed.compat import (Combination, combinations, markdown, refusal, refused_combinations,
                                                  with_table)
 from megaframe.backends.deepspeed.rules import config_problem

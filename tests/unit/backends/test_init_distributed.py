@@ -4,7 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from helpers import REPO, assert_ok, cli_env
+from tests.support.helpers import REPO, assert_ok, cli_env
 
 PROBE = """
 from megaframe.backends.deepspeed.engine import init_distributed

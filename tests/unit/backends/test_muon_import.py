@@ -8,7 +8,7 @@ import textwrap
 
 import torch
 
-from helpers import REPO, cli_env, free_port
+from tests.support.helpers import REPO, cli_env, free_port
 from megaframe.backends.deepspeed.muon_import import compile_on_first_call
 
 

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 
-from helpers import REPO, cli_env
+from tests.support.helpers import REPO, cli_env
 from megaframe.backends.deepspeed.nvme import SWAP_FOLDER, NvmeSwap
 
 # A process that opens its swap folder, writes a 2 MiB "swap file", reports the folder and waits.

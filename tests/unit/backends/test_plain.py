@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, cli_env, read_metrics
-from parity import train_runs
-from ranks import run_ranks
+from tests.support.helpers import TINY, cli_env, read_metrics
+from tests.support.parity import train_runs
+from tests.support.ranks import run_ranks
 
 STEPS = ["train.max_steps=8", "train.eval_interval=4"]
 DEEPSPEED = ["backend.plain_one_process=false"]
@@ -137,7 +137,7 @@ def test_a_one_process_run_never_imports_deepspeed_and_collects_again_after_star
 def test_a_checkpoint_of_deepspeeds_own_files_only_is_refused_naming_the_key(tmp_path):
     """Written by DeepSpeed's engine without layout-free tensors, resumed in one process at the
     defaults: one line naming backend.plain_one_process=false, the bad-checkpoint exit code."""
-    from helpers import run_cli
+    from tests.support.helpers import run_cli
 
     from megaframe.common.failures import ExitCode
 

@@ -3,7 +3,7 @@ records differ in the first field that tells them apart."""
 from __future__ import annotations
 
 from megaframe.checkpoint import tokenizer_record as records
-from word_tokenizer import save_word_tokenizer, swap_words
+from tests.support.word_tokenizer import save_word_tokenizer, swap_words
 
 
 def test_files_hash_follows_content_not_place_nor_other_files(tmp_path):

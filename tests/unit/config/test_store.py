@@ -4,7 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from helpers import REPO, cli_env
+from tests.support.helpers import REPO, cli_env
 
 _PROBE = """
 from hydra.core.config_store import ConfigStore

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import REPO, cli_env
+from tests.support.helpers import REPO, cli_env
 from megaframe.config.schema import ModelConfig, MoEConfig
 from megaframe.convert.cli import export_hf, import_hf, model_config
 from megaframe.convert.files import LazyTensors, read_layout_free, write_layout_free

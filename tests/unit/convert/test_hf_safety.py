@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, cli_env
+from tests.support.helpers import REPO, cli_env
 from megaframe.convert.cli import import_hf
 from megaframe.convert.files import read_layout_free
 from megaframe.convert.hf import ConvertError

@@ -22,7 +22,7 @@ from megaframe.model.factory import build_model, resolve_dims
 from megaframe.model.full_state import full_state_dict
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.state import ParallelState
-from word_tokenizer import TEXTS, save_word_tokenizer, swap_words
+from tests.support.word_tokenizer import TEXTS, save_word_tokenizer, swap_words
 
 CONTEXT = 16
 # GPT-2's learned positions end at the context: generate() past it would index out of range

@@ -8,14 +8,12 @@ transformers are checked by test_hf_roundtrip.py)."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the memory probe
-from memory_probe import fixed_mmap_threshold, peak_rss  # noqa: E402
+from tests.support.memory_probe import fixed_mmap_threshold, peak_rss  # noqa: E402
 
 from megaframe.config.schema import ModelConfig, MoEConfig  # noqa: E402
 from megaframe.convert.cli import export_hf, import_hf  # noqa: E402

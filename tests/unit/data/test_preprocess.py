@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_preprocess_tool as run_tool
+from tests.support.helpers import run_preprocess_tool as run_tool
 from megaframe.data import (
     ByteTokenizer,
     DataError,

@@ -10,7 +10,7 @@ import pytest
 from megaframe.data import ByteTokenizer, DataError, open_dataset, preprocess
 from megaframe.data.sources import find_sources
 
-from helpers import run_preprocess_tool as run_tool
+from tests.support.helpers import run_preprocess_tool as run_tool
 
 # 301 documents: several 64-document chunks per tokenizer worker, several parquet row groups
 TEXTS = [f"document {i}: " + "the cat sat on the mat " * (i % 7) + ("naïve ☕" if i % 5 == 0 else "")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, cli_env
+from tests.support.helpers import REPO, cli_env
 
 CUSTOM_CODE = """
 from pathlib import Path

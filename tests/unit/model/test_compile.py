@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from megaframe.model.factory import build_model, compile_blocks, resolve_dims
-from numerics import assert_fp32_close
+from tests.support.numerics import assert_fp32_close
 from tests.unit.model.test_gpt import LLAMA, ONE_RANK
 
 
@@ -25,7 +25,7 @@ def test_compiled_blocks_give_eager_loss_and_gradients():
             model(ids[:, :-1], ids[:, 1:]).backward()
     losses = [model(ids[:, :-1], ids[:, 1:]).detach() for model in (eager, compiled, eager64)]
     # inductor fuses and reorders reductions (norms, softmax) differently on each host's ISA: the
-    # compiled fp32 values must lie within a few times eager fp32's own rounding (tests/numerics.py)
+    # compiled fp32 values must lie within a few times eager fp32's own rounding (tests/support/numerics.py)
     assert_fp32_close(losses[1], losses[2], losses[0], "compiled loss")
     for (name, p_eager), p_compiled, p64 in zip(eager.named_parameters(), compiled.parameters(), eager64.parameters()):
         assert_fp32_close(p_compiled.grad, p64.grad, p_eager.grad, f"compiled grad {name}")

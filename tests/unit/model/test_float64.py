@@ -1,4 +1,4 @@
-"""A float64 model computes in float64 throughout: the parity tests (tests/parity.py) take the exact
+"""A float64 model computes in float64 throughout: the parity tests (tests/support/parity.py) take the exact
 reference of a run from megaframe's own model in float64, so no step of it may round through fp32
 (the norms, RoPE, the router and the loss compute in fp32 under bf16, and stay fp64 here)."""
 from __future__ import annotations

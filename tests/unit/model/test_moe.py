@@ -14,7 +14,7 @@ from megaframe.config.schema import ModelConfig, MoEConfig
 from megaframe.model.dims import resolve_dims
 from megaframe.model.gpt import GPT, init_parameters
 from megaframe.model.moe import AddAux, MoE, _expert_major_order, update_expert_biases
-from numerics import assert_fp32_close
+from tests.support.numerics import assert_fp32_close
 
 E, K, H, FFN = 6, 2, 32, 48
 
@@ -54,7 +54,7 @@ def _reference(layer: MoE, x: torch.Tensor, dropped: set = frozenset()) -> torch
 
 def _references(layer: MoE, x: torch.Tensor, dropped: set = frozenset()) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-token loop in fp64 (on a copy of the layer) and in fp32: the layer's fp32 result
-    must lie within a few times the fp32 loop's own rounding (tests/numerics.py)."""
+    must lie within a few times the fp32 loop's own rounding (tests/support/numerics.py)."""
     return _reference(copy.deepcopy(layer).double(), x.double(), dropped), _reference(layer, x, dropped)
 
 
@@ -241,8 +241,8 @@ def test_recomputation_leaves_the_forwards_records_alone():
 def test_routing_runs_no_kernel_that_waits_for_the_host():
     """CUDA's bincount reads min and max to the host: counting the experts' assignments with it
     stalled the stream twice per MoE layer and micro-batch. Forward and backward of a layer at
-    ep=1 with a grouped GEMM run none of the kernels that sync inside (tests/kernel_syncs.py)."""
-    from kernel_syncs import KernelSyncs
+    ep=1 with a grouped GEMM run none of the kernels that sync inside (tests/support/kernel_syncs.py)."""
+    from tests.support.kernel_syncs import KernelSyncs
 
     layer = _layer()
     x = torch.randn(2, 10, H, generator=torch.Generator().manual_seed(5), requires_grad=True)
@@ -253,7 +253,7 @@ def test_routing_runs_no_kernel_that_waits_for_the_host():
 
 def test_the_kernel_sync_counter_sees_bincount():
     """The counter above can fail: the kernel it replaced is counted."""
-    from kernel_syncs import KernelSyncs
+    from tests.support.kernel_syncs import KernelSyncs
 
     with KernelSyncs() as syncs:
         torch.bincount(torch.tensor([0, 2, 2]), minlength=4)

@@ -110,7 +110,7 @@ def test_the_accelerator_path_is_as_exact_and_launches_per_tensor_not_per_chunk(
     """On an accelerator the squares come from one fp64-accumulating norm per tensor (launched
     together): as exact as the CPU's fp64 chunks, and its kernel count does not grow with the
     tensors' size, where the CPU path's grows by three per 2^18 elements."""
-    from kernel_syncs import OpCounter
+    from tests.support.kernel_syncs import OpCounter
     from megaframe.parallel.grad_norm import _chunked_squares, _fused_squares
 
     grads = [p.grad for p in _wide_range_model().parameters()]

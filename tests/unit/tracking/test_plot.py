@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from helpers import REPO
+from tests.support.helpers import REPO
 
 
 def _fake_run(path, scale: float) -> None:

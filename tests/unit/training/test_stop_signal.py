@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from helpers import REPO
+from tests.support.helpers import REPO
 from megaframe.training import stop_signal
 
 _NO_BOUNDARY = """

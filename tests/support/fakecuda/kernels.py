@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from fakecuda import ledger
-from fakecuda.tensor import CudaTensor
+from tests.support.fakecuda import ledger
+from tests.support.fakecuda.tensor import CudaTensor
 
 aten = torch.ops.aten
 FLASH_DTYPES = (torch.float16, torch.bfloat16)

@@ -10,7 +10,7 @@ import os
 import torch
 from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
-from fakecuda.tensor import state
+from tests.support.fakecuda.tensor import state
 
 
 def _typed(dtype: torch.dtype):

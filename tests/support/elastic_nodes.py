@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from helpers import TINY, read_metrics
+from tests.support.helpers import TINY, read_metrics
 
 # global batch 12 of micro-batches of 2: 6, 3 and 2 micro-batches per rank at dp 1, 2 and 3.
 # optim.lr=3e-4: at the default 3e-3 this tiny model's training amplifies the last-bit differences

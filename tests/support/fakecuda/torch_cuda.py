@@ -10,8 +10,8 @@ import weakref
 
 import torch
 
-from fakecuda import rng
-from fakecuda.tensor import CudaTensor, resolve_index, state
+from tests.support.fakecuda import rng
+from tests.support.fakecuda.tensor import CudaTensor, resolve_index, state
 
 TOTAL_MEMORY = 80 * 2**30
 NAME = "NVIDIA H100 80GB HBM3"
@@ -228,7 +228,7 @@ def _patch_dtensor() -> None:
     local tensor's C++ side), so, as for CudaTensor, Python must see the local tensor's device."""
     from torch.distributed.tensor import DTensor
 
-    from fakecuda.tensor import CudaTensor
+    from tests.support.fakecuda.tensor import CudaTensor
 
     base_device = torch.Tensor.device
 

@@ -42,7 +42,7 @@ def blocks_against_full_attention(device: str, dtype: torch.dtype) -> dict[str, 
 
 def full_attention_rounding(dtype: torch.dtype) -> dict[str, float]:
     """The same deviations for one full causal SDPA call on the host in `dtype`: the rounding of
-    that precision on this host, which bounds what the blocks may add (tests/numerics.py)."""
+    that precision on this host, which bounds what the blocks may add (tests/support/numerics.py)."""
     g = torch.Generator().manual_seed(0)
     B, H, T, D, split = 2, 4, 24, 16, 8
     q, k, v, dout = (torch.randn(B, H, T, D, generator=g) for _ in range(4))

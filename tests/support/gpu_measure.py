@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import REPO, assert_ok, cli_env, curve, read_metrics, run_cli
+from tests.support.helpers import REPO, assert_ok, cli_env, curve, read_metrics, run_cli
 
 def gpu_env(**extra: str) -> dict[str, str]:
     """A run's environment on the GPU (the CPU suite pins DeepSpeed's accelerator to cpu)."""

@@ -20,7 +20,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GUIDES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 _MARK = re.compile(r"<!--\s*doc-test:\s*run(?:,\s*exit\s+(\d+))?\s*-->")
 _SEPARATORS = {"&&", "||", ";", "|", "&"}

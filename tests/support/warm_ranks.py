@@ -2,7 +2,7 @@
 rank as a fresh `python -u -m megaframe.train ...` (about 5.6 CPU-s of imports each, over a hundred
 ranks per CI run on two cores); here a copy of the launcher forks them instead.
 
-How (install_in_launcher, called in a megaframe-train launcher process by tests/cli_zygote.py or a
+How (install_in_launcher, called in a megaframe-train launcher process by tests/support/cli_zygote.py or a
 test sitecustomize):
 - torch.distributed.run.run is wrapped: before the agent starts (while the launcher has one thread),
   the launcher makes itself a child subreaper and forks a zygote, which imports what every run
@@ -97,7 +97,7 @@ def install_in_launcher(prepare=None) -> None:
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
     if prepare is None:
-        from cli_zygote import import_what_runs_import as prepare
+        from tests.support.cli_zygote import import_what_runs_import as prepare
 
     if getattr(torch_run.run, "_warm_ranks", False):
         return
@@ -207,7 +207,7 @@ class _RankZygote:
                 view = view[os.write(self.requests, view):]
             line = self.replies_file.readline()
         if not line:
-            raise RuntimeError("tests/warm_ranks.py: the rank zygote exited")
+            raise RuntimeError("tests/support/warm_ranks.py: the rank zygote exited")
         pid = int(json.loads(line)["pid"])
         if log := os.environ.get(SPAWN_LOG):
             with open(log, "a", encoding="utf-8") as spawned:

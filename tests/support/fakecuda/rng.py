@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fakecuda.tensor import resolve_index, state
+from tests.support.fakecuda.tensor import resolve_index, state
 
 _generators: list[torch.Generator] = []
 DEFAULT_SEED = 67280421310721  # CUDA's default seed, as c10 uses

@@ -1,5 +1,5 @@
 """A warm `python -m megaframe.train`: one interpreter per pytest worker that has already imported
-what every training run imports, and forks one child per command (tests/helpers.py run_cli).
+what every training run imports, and forks one child per command (tests/support/helpers.py run_cli).
 
 Why: a dp=1 tiny run costs about 8 CPU-s, of which about 6 are imports (torch 2, torch._dynamo 2
 through torch's Optimizer, DeepSpeed's Muon module 2 through torch.compile at ZeRO >= 1). The suite
@@ -29,7 +29,7 @@ import sys
 
 def import_what_runs_import() -> None:
     """What every training run imports, done once before forking: by this zygote, and by the pytest
-    worker before run_ranks forks its ranks (tests/ranks.py). Importing this module does nothing else."""
+    worker before run_ranks forks its ranks (tests/support/ranks.py). Importing this module does nothing else."""
     import torch._dynamo  # noqa: F401  (torch's Optimizer.step imports it)
     import torch.distributed.run  # noqa: F401  (self-launch)
 
@@ -65,7 +65,7 @@ def _become_the_command(request: dict, protocol: tuple[io.TextIOWrapper, io.Text
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    from warm_ranks import install_in_launcher
+    from tests.support.warm_ranks import install_in_launcher
 
     install_in_launcher(import_what_runs_import)  # a self-launch's ranks fork from a copy of this one
     sys.path[0] = os.getcwd()  # `python -m` puts the working directory first

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fakecuda import kernels, ledger
-from fakecuda.tensor import CudaTensor, context, resolve_index, state
+from tests.support.fakecuda import kernels, ledger
+from tests.support.fakecuda.tensor import CudaTensor, context, resolve_index, state
 
 aten = torch.ops.aten
 # CUDA kernels that copy a count or size to the host before they can allocate their output
@@ -143,7 +143,7 @@ def _check_collective(func, flat: list) -> None:
 @contextlib.contextmanager
 def _cuda_generator(index: int):
     """Run a random op with the CPU's default generator holding the device's generator state."""
-    from fakecuda.rng import generators
+    from tests.support.fakecuda.rng import generators
 
     device_gen, host = generators()[index], torch.default_generator
     saved = host.get_state()
@@ -265,7 +265,7 @@ def _copy(args, kwargs):
 
 
 def _check_generator(func, generator: torch.Generator, on_device: bool, index: int | None = None) -> None:
-    from fakecuda.rng import is_device_generator
+    from tests.support.fakecuda.rng import is_device_generator
 
     ours = is_device_generator(generator, index)
     if on_device and not ours:

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
-from fakecuda.env import fake_cuda_env
-from helpers import TINY, assert_ok, read_metrics, run_cli
+from tests.support.fakecuda.env import fake_cuda_env
+from tests.support.helpers import TINY, assert_ok, read_metrics, run_cli
 
 STEPS = ["train.max_steps=6", "train.eval_interval=3"]
+CPU_PADDING = "model.make_vocab_size_divisible_by=128"  # the device's padding, on the CPU too
 
 
 def run_on_device(tmp_path, name: str, extra: list[str], world: int = 1, kernels: tuple[str, ...] = (),
                   **env: str) -> list[dict]:
     """Train under the tier; return the run's metrics after checking every process's report (and that
     each rank ran the emulated CUDA kernels named in `kernels`)."""
-    from fakecuda.ledger import read_reports
+    from tests.support.fakecuda.ledger import read_reports
 
     run_dir, reports = tmp_path / name, tmp_path / f"{name}-reports-{time.monotonic_ns()}"  # one per run
     result = run_cli([*TINY, *STEPS, *extra, f"hydra.run.dir={run_dir}"], env=fake_cuda_env(reports, **env))
@@ -38,5 +40,14 @@ def cpu_run(tmp_path, extra: list[str] = ()) -> list[dict]:
     """The same schedule on plain CPU ranks: the reference curve, of the same model: padded as the
     device pads the vocabulary (a CPU would not pad it at all)."""
     run_dir = tmp_path / "cpu-run"
-    assert_ok(run_cli([*TINY, *STEPS, *extra, "model.make_vocab_size_divisible_by=128", f"hydra.run.dir={run_dir}"]))
+    assert_ok(run_cli([*TINY, *STEPS, *extra, CPU_PADDING, f"hydra.run.dir={run_dir}"]))
     return read_metrics(run_dir)
+
+
+def cpu_run_dir(fallback: Path) -> Path:
+    """The folder of cpu_run() with no extra overrides (its metrics and final checkpoint: read, never
+    write), trained once per test session for every file of the tier (tests/support/reference_cache.py)."""
+    from tests.support.reference_cache import cached, key_of
+
+    key = key_of([*TINY, *STEPS, CPU_PADDING], {"run": "megaframe-train"})
+    return cached({"cpu-run": key}, lambda folders: cpu_run(folders["cpu-run"].parent), fallback)["cpu-run"]

@@ -1,6 +1,6 @@
 """A rank's measured peak memory over a few training steps, next to the planner's prediction for it.
 
-measure_peak runs in a rank (tests/ranks.py): it builds the trainer and trains, and reports the
+measure_peak runs in a rank (tests/support/ranks.py): it builds the trainer and trains, and reports the
 resident memory that added at its highest (the kernel's high-water mark, from just before the
 trainer is built: weights, gradients, optimizer states, activations, buffers and whatever the
 engine allocates) and the planner's peak for this rank's pipeline stage on this device (CPU), with
@@ -32,7 +32,7 @@ def runtime_overhead(near_empty: list[dict]) -> float:
 
 
 def measure_peak(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
-    from memory_probe import fixed_mmap_threshold, peak_rss
+    from tests.support.memory_probe import fixed_mmap_threshold, peak_rss
 
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate

@@ -2,8 +2,8 @@
 would (a host tensor meeting a device tensor or entering a collective, a CPU generator drawing for a
 device tensor); reads back to the host are counted with their call sites.
 
-install() sets it up in this process; tests/fakecuda/sitecustomize.py calls it in every Python
-process started with MEGAFRAME_FAKE_CUDA=1 and tests/fakecuda on PYTHONPATH (megaframe-train's
+install() sets it up in this process; tests/support/fakecuda/sitecustomize.py calls it in every Python
+process started with MEGAFRAME_FAKE_CUDA=1 and tests/support/fakecuda on PYTHONPATH (megaframe-train's
 ranks, torchrun's, forked ones). It lives with the tests: megaframe never imports it.
 
   tensor.py       CudaTensor, the wrapper (meta on the C++ side, cuda:N in Python)
@@ -16,7 +16,7 @@ ranks, torchrun's, forked ones). It lives with the tests: megaframe never import
 """
 from __future__ import annotations
 
-from fakecuda import ledger
+from tests.support.fakecuda import ledger
 
 _installed = {"done": False, "mode": None}
 
@@ -28,9 +28,9 @@ def install(deepspeed: bool = True) -> None:
         return
     import torch
 
-    from fakecuda import torch_cuda
-    from fakecuda.mode import FakeCudaMode
-    from fakecuda.tensor import on_new
+    from tests.support.fakecuda import torch_cuda
+    from tests.support.fakecuda.mode import FakeCudaMode
+    from tests.support.fakecuda.tensor import on_new
 
     torch_cuda.install_torch_cuda()
     torch_cuda.install_torch_functions()
@@ -41,7 +41,7 @@ def install(deepspeed: bool = True) -> None:
     if deepspeed:
         import os
 
-        from fakecuda.accelerator import install as install_accelerator
+        from tests.support.fakecuda.accelerator import install as install_accelerator
 
         # DeepSpeed picks an accelerator while it is imported: its CPU one (under this variable),
         # which install_accelerator then replaces with the fake `cuda` one. The variable goes after,

@@ -78,13 +78,13 @@ class CudaTensor(torch.Tensor):
         self._elem, self._index = new._elem, new._index
 
     def tolist(self):
-        from fakecuda import ledger
+        from tests.support.fakecuda import ledger
 
         ledger.count_sync("tolist")
         return self._elem.tolist()
 
     def numpy(self, *, force: bool = False):
-        from fakecuda import ledger
+        from tests.support.fakecuda import ledger
 
         raise ledger.refuse(f"can't convert cuda:{self._index} device type tensor to numpy. Use Tensor.cpu() to copy "
                             f"the tensor to host memory first.")
@@ -98,7 +98,7 @@ class CudaTensor(torch.Tensor):
 
     def __reduce_ex__(self, protocol):
         # torch.save: the values go through the host (a read back, as on CUDA) and load as host tensors
-        from fakecuda import ledger
+        from tests.support.fakecuda import ledger
 
         ledger.count_sync("torch.save")
         return self._elem.__reduce_ex__(protocol)
@@ -124,7 +124,7 @@ class CudaTensor(torch.Tensor):
         try:
             with torch._C.DisableTorchFunctionSubclass():
                 if func is torch.nn.functional.scaled_dot_product_attention:
-                    from fakecuda.kernels import sdpa
+                    from tests.support.fakecuda.kernels import sdpa
 
                     return sdpa(*args, **(kwargs or {}))
                 return func(*args, **(kwargs or {}))
@@ -134,7 +134,7 @@ class CudaTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         # reached only where FakeCudaMode is not on the stack (it sees every op first)
-        from fakecuda.mode import dispatch
+        from tests.support.fakecuda.mode import dispatch
 
         return dispatch(func, args, kwargs or {})
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the tests (importable because pytest puts tests/ on sys.path)."""
+"""Helpers shared by the tests (tests.support.helpers; pytest puts the repository on sys.path)."""
 from __future__ import annotations
 
 import atexit
@@ -9,10 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-WARM_RANKS_SITE = REPO / "tests" / "warm_ranks_site"
+REPO = Path(__file__).resolve().parents[2]
+WARM_RANKS_SITE = REPO / "tests" / "support" / "warm_ranks_site"
 # for tests of the process tree itself (signals, parent death, finding a rank by its command line or
-# environment): the ranks torch's agent execs, not tests/warm_ranks.py's forked copies
+# environment): the ranks torch's agent execs, not tests/support/warm_ranks.py's forked copies
 FRESH_RANKS = {"MEGAFRAME_TESTS_FRESH_RANKS": "1"}
 
 # A model and schedule small enough for multi-rank runs on two cores; every run logs every step.
@@ -37,7 +37,7 @@ def cli_env(**extra: str) -> dict[str, str]:
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "TORCHELASTIC_RUN_ID", "LOCAL_SIZE")}
     env.setdefault("OMP_NUM_THREADS", "1")
-    # a fresh megaframe-train forks its self-launched ranks from a warm copy (tests/warm_ranks.py)
+    # a fresh megaframe-train forks its self-launched ranks from a warm copy (tests/support/warm_ranks.py)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(WARM_RANKS_SITE), env.get("PYTHONPATH")) if p)
     env.update(extra)
     return env
@@ -49,7 +49,7 @@ def run_cli(args: list[str], *, launcher: list[str] | None = None, cwd: Path | N
     """`python -m megaframe.train ARGS` (optionally under a launcher command), capturing output.
 
     Without a launcher the command runs in a child forked from this worker's warm interpreter
-    (tests/cli_zygote.py) when its environment allows it, saving the imports' 6 CPU-s; `fresh=True`
+    (tests/support/cli_zygote.py) when its environment allows it, saving the imports' 6 CPU-s; `fresh=True`
     (or an environment that differs in what is read at import) starts a new interpreter instead.
     """
     cmd = [sys.executable, *(launcher or []), "-m", "megaframe.train", *args]
@@ -101,12 +101,12 @@ def _stop_zygotes() -> None:
 
 
 class _Zygote:
-    """This worker's warm interpreter (tests/cli_zygote.py) and the runs it forks, one at a time."""
+    """This worker's warm interpreter (tests/support/cli_zygote.py) and the runs it forks, one at a time."""
 
     def __init__(self, base: dict[str, str]):
         self.base = base
         # unbuffered bytes: select() waits on the pipe, so no reply may sit read-ahead in a buffer
-        self.process = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_zygote.py")], cwd=REPO, env=base,
+        self.process = subprocess.Popen([sys.executable, "-m", "tests.support.cli_zygote"], cwd=REPO, env=base,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
 
     def alive(self) -> bool:
@@ -129,7 +129,7 @@ class _Zygote:
             raise TimeoutError
         line = self.process.stdout.readline()  # unbuffered: reads up to this reply's newline only
         if not line:
-            raise RuntimeError(f"the warm interpreter tests/cli_zygote.py exited ({self.process.wait()})")
+            raise RuntimeError(f"the warm interpreter tests/support/cli_zygote.py exited ({self.process.wait()})")
         return json.loads(line)
 
     def run(self, cmd: list[str], args: list[str], env: dict[str, str], cwd: Path,

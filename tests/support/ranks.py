@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cli_zygote import import_what_runs_import
+from tests.support.cli_zygote import import_what_runs_import
 
 
 # deepspeed.initialize imports torch._dynamo (torch's Optimizer) and DeepSpeed's Muon module, which

@@ -1,0 +1,1 @@
+"""megaframe's test suite (tests/support holds what the tests share)."""
