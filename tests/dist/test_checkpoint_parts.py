@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY
-from ranks import run_ranks
+from tests.support.helpers import TINY
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import TINY, assert_ok, read_metrics, run_cli
+from tests.support.helpers import TINY, assert_ok, read_metrics, run_cli
 from megaframe.common.failures import ExitCode
 
 pytestmark = pytest.mark.slow

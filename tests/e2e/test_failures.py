@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
+from tests.support.helpers import REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
 from megaframe.common.failures import ExitCode
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
+from tests.support.helpers import REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
 from megaframe.common.failures import ExitCode
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, TINY, assert_ok, cli_env, console_script, curve, read_metrics, run_cli, run_code
+from tests.support.helpers import REPO, TINY, assert_ok, cli_env, console_script, curve, read_metrics, run_cli, run_code
 from megaframe.config.compose import compose
 from tests.unit.training.test_schedule import documented_lr
 

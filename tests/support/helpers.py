@@ -72,7 +72,7 @@ def run_code(code: str, args: list[str], *, env: dict[str, str] | None = None,
 
 # Keys a run reads only once it runs (megaframe reads no environment at import): a request whose
 # environment differs from the zygote's in any other key gets a fresh interpreter.
-# PYTEST_CURRENT_TEST changes with every test and nothing imports it; tests/warm_ranks.py reads its
+# PYTEST_CURRENT_TEST changes with every test and nothing imports it; tests/support/warm_ranks.py reads its
 # MEGAFRAME_TESTS_* switches when the launcher starts its ranks. Ray reads its RAY_* variables when a
 # run imports it to launch (the zygote never imports Ray): a launcher=ray driver forks warm too.
 _READ_AT_RUN_TIME = ("MEGAFRAME_FAULTS", "PYTEST_CURRENT_TEST", "MEGAFRAME_TESTS_", "RAY_")

@@ -12,7 +12,7 @@ from megaframe.config.schema import DataConfig
 from megaframe.data.indexed import DataError
 from megaframe.common.failures import ExitCode, classify
 from megaframe.checkpoint.tokenizer_check import RECORD_KEY, check_resume, run_record
-from word_tokenizer import save_word_tokenizer, swap_words
+from tests.support.word_tokenizer import save_word_tokenizer, swap_words
 
 
 def saved_checkpoint(path, record=None, tokenizer_dir=None):
