@@ -66,7 +66,11 @@ class CheckpointManager:
         this rank's own (rng_rank{R}.pt); inline: the part's dict goes to the client state's top
         level (the train state's step, consumed_samples, global_batch_size) and comes back whole."""
         taken = {n for n, _, _ in self.whole} | {n for n, _ in self.per_rank}
-        if name in taken or name in ("layout", "model", "tokenizer", "data_seed", "format", "version"):
+        # the keys the manager writes itself, and the inline train state's (a part under one of
+        # them would overwrite it in the client state)
+        reserved = ("layout", "model", "tokenizer", "data_seed", "format", "version", "step", "consumed_samples",
+                    "global_batch_size")
+        if name in taken or name in reserved:
             raise ValueError(f"a checkpoint part named {name!r} exists already")
         if isinstance(part, RankStateful):
             self.per_rank.append((name, part))

@@ -19,8 +19,12 @@ class TrainState:
     moves the data position (the samples of step k are a function of (seed, k, global batch)): it
     is refused unless train.on_batch_size_change=move_position."""
 
-    def __init__(self, step: Callable[[], int], global_batch_size: int, on_batch_size_change: str):
+    def __init__(self, step: Callable[[], int], global_batch_size: int, on_batch_size_change: str,
+                 reached: Callable[[int], None] = lambda step: None):
+        """step(): the trainer's step; reached(step): told the checkpoint's step before any check,
+        so a refused resume ends "failed at step N" with that step's tokens, not at step 0."""
         self.step, self.global_batch_size, self.on_change = step, global_batch_size, on_batch_size_change
+        self.reached = reached
 
     def state_dict(self) -> dict[str, Any]:
         step = self.step()
@@ -28,6 +32,7 @@ class TrainState:
                 "global_batch_size": self.global_batch_size}
 
     def load_state_dict(self, state: dict[str, Any], resume: Resume) -> None:
+        self.reached(resume.step)
         saved = state.get("global_batch_size")
         if saved is None or saved == self.global_batch_size:
             return

@@ -31,6 +31,7 @@ from megaframe.checkpoint.universal import CheckpointError
 from megaframe.common.atomic_io import atomic_write_text
 from megaframe.common.failures import save_failure
 from megaframe.common.safe_files import read_capped
+from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.random import get_rng_states, set_rng_states
 from megaframe.checkpoint.resume_checks import clear_unsaved
 
@@ -309,7 +310,7 @@ def load_any(backend, path: Path, verified: bool = False, trust_pickled: bool = 
     layout = backend.layout_record()
     if universal.has_universal(path):
         state = backend.load_full_state(path)
-        rng_state = _load_rng(path) if state.get("layout") == layout else {}
+        rng_state = _load_rng(path) if ParallelDims.same_layout(state.get("layout") or {}, layout) else {}
         return ResumePoint(path=path, step=int(state["step"]), client_state=state, rng_state=rng_state,
                            layout_free=True)
     saved = (universal.read_json(path / LAYOUT_FILE, f"train.resume: {path / LAYOUT_FILE}")
@@ -317,7 +318,7 @@ def load_any(backend, path: Path, verified: bool = False, trust_pickled: bool = 
     if not backend.has_native(path):
         raise CheckpointError(f"train.resume: {path} holds neither layout-free tensors ({universal.INDEX_FILE}) "
                               f"nor the engine's own files")
-    if saved is not None and saved != layout:
+    if saved is not None and not ParallelDims.same_layout(saved, layout):
         raise CheckpointError(f"train.resume: checkpoint {path} was written in layout {saved} (now {layout}) and "
                               f"holds no layout-free tensors ({universal.INDEX_FILE}); resume in that layout, or save with "
                               f"train.universal_checkpoint=true")

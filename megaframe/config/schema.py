@@ -300,7 +300,7 @@ class LauncherConfig:
     gpus_per_worker: float = 0.0  # ray: GPUs each rank's worker reserves (1 on a GPU cluster)
     max_failures: int = 0  # ray: FailureConfig: restarts of the worker group; each resumes from the last checkpoint
     connect_timeout_s: float = 120.0  # ray: how long joining the cluster may take before the job gives up (exit 2)
-    # elastic (elastic_launch.py): set, the job goes on at any node count from min_nodes to
+    # elastic (launch/elastic.py): set, the job goes on at any node count from min_nodes to
     # launcher.nodes, losing and regaining nodes (torchrun --nnodes=MIN:MAX; Ray: min to max workers)
     min_nodes: Optional[int] = None
     max_restarts: int = 3  # elastic torchrun: failures a node's agent restarts after (node joins and losses are free)

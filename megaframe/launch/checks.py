@@ -71,7 +71,7 @@ def launcher_problem(cfg: TrainConfig) -> Optional[str]:
 
 def check_resume(cfg: TrainConfig, run_dir: str) -> None:
     """A run dir that would start over on top of an earlier run's history (its checkpoints not
-    mounted, a file in their place: training/resume_checks.py) is one line and exit code 2, before
+    mounted, a file in their place: checkpoint/resume_checks.py) is one line and exit code 2, before
     launch; every rank of a launched job exits, rank 0 says why."""
     from megaframe.checkpoint.resume_checks import prelaunch_problem
 

@@ -188,7 +188,7 @@ def _worker(config: dict) -> None:
     failure (divergence, bad data, a bad checkpoint) is recorded in the run dir, so the attempts
     FailureConfig starts after it exit at once with its code instead of replaying it."""
     from megaframe.parallel.elastic import STOP_FILE_ENV
-    from megaframe.launch.slurm import hydra_quoted
+    from megaframe.config.compose import hydra_quoted
 
     os.environ[STOP_FILE_ENV] = str(Path(config["run_dir"]) / STOP_FILE)
     config["entry"]([*config["overrides"], f"hydra.run.dir={hydra_quoted(config['run_dir'])}"])

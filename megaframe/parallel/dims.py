@@ -112,6 +112,15 @@ class ParallelDims:
         return {axis: getattr(self, axis) for axis in (*LAYOUT_AXES, "dp_replicate")
                 if axis in _ALWAYS_RECORDED or getattr(self, axis) > 1}
 
+    @staticmethod
+    def same_layout(saved: dict, now: dict) -> bool:
+        """Whether two layout records (layout_record plus an engine's keys) name one layout: an axis
+        a record leaves out is 1 (records list an axis only above 1, and older ones never listed
+        some, e.g. FSDP2's before ep), every other key must match."""
+        axes = (*LAYOUT_AXES, "dp_replicate")
+        fill = lambda record: {**{axis: 1 for axis in axes}, **record}  # noqa: E731
+        return fill(saved) == fill(now)
+
     def coords(self, rank: int) -> RankCoords:
         """Coordinates of `rank` on every axis."""
         if not 0 <= rank < self.world_size:

@@ -39,7 +39,7 @@ def record_job_stop(exit_code: int, message: str) -> bool:
     record = json.dumps({"exit_code": int(exit_code), "message": message})
     if stop_file := os.environ.get(STOP_FILE_ENV):
         try:  # several ranks, on several hosts, may record the same stop
-            Path(stop_file).parent.mkdir(parents=True, exist_ok=True)  # RUN_DIR/.job_stop/ (elastic_launch.py)
+            Path(stop_file).parent.mkdir(parents=True, exist_ok=True)  # RUN_DIR/.job_stop/ (launch/elastic.py)
             atomic_write_text(Path(stop_file), record)
             return True
         except OSError:

@@ -83,11 +83,14 @@ class Trainer:
                                              self.ps.rank, self.stop_signal.unguarded, self.faults.in_save_hook)
         register = self.checkpoints.register  # the run's state, by name (adding one is a line here, no format change)
         register(tokenizer_check.RECORD_KEY, TokenizerRecord(tokenizer, t.resume_accept_tokenizer_change))
-        register("train", TrainState(lambda: self.step, gbs, t.on_batch_size_change), inline=True)
+        register("train", TrainState(lambda: self.step, gbs, t.on_batch_size_change, self._at_step), inline=True)
         register("data", order := DataOrder(cfg.model.seq_length, t.seed, self.data, t.resume_accept_data_change))
         register("blend_cursor", BlendCursor(self.data, order, lambda: self.step, gbs))
         register("guard", Plain(self.guard))
         register("run", RunRecord(cfg, layout))
+
+    def _at_step(self, step: int) -> None:
+        self.step = step  # the resume's step, set before its checks (a refusal's closing line names it)
 
     @property
     def consumed_samples(self) -> int:

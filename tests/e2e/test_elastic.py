@@ -1,4 +1,4 @@
-"""Elastic training (elastic_launch.py) with real torchrun agents, one rank each, on this host as
+"""Elastic training (launch/elastic.py) with real torchrun agents, one rank each, on this host as
 three "nodes": kill one node (its agent and its worker) mid-run and the job goes on at dp=2; start a
 node and it grows back to dp=3; every step is in metrics.jsonl once, with an uninterrupted one-rank
 run's loss. The per-node command comes from megaframe-train itself (RUN_DIR/elastic_node.sh)."""

@@ -98,6 +98,8 @@ def test_a_changed_global_batch_size_is_refused_unless_the_move_is_accepted(tmp_
     assert "parallel.global_batch_size=8 (16 samples consumed)" in errors[0], errors[0]
     assert "this run's 16 would move the data position to sample 32" in errors[0]
     assert "train.on_batch_size_change=move_position" in errors[0]
+    closing = result.stdout.strip().splitlines()[-1]  # the refused resume's step, not 0 (as before the manager)
+    assert closing.startswith("megaframe: failed at step 2/4"), result.stdout[-2000:]
     moved = run_cli([*args, "parallel.global_batch_size=16", "train.on_batch_size_change=move_position"])
     assert_ok(moved)
     assert "the data position moves from sample 16 to 32" in moved.stderr, moved.stderr[-2000:]

@@ -50,15 +50,31 @@ def cache_dir() -> Optional[Path]:
 @functools.lru_cache(maxsize=1)
 def _source_digest() -> str:
     digest = hashlib.sha256()
-    for folder, pattern in (("megaframe", "*.py"), ("conf", "*.yaml")):
+    # the harness that trains the runs (tests/support: train_runs, run_ranks, the warm ranks) too
+    for folder, pattern in (("megaframe", "*.py"), ("conf", "*.yaml"), ("tests/support", "*.py")):
         for path in sorted((_REPO / folder).rglob(pattern)):
             digest.update(str(path.relative_to(_REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 
+def _library_versions() -> dict[str, str]:
+    """The engines' and converters' versions a reference run went through (a kept cache across an
+    upgrade must miss)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("deepspeed", "transformers", "numpy"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = ""
+    return found
+
+
 def key_of(overrides: list[str], variant: dict[str, Any], environ: Optional[dict[str, str]] = None) -> str:
     """The cache key of one run: its composed config, the variant, torch's version, the CPU capability,
-    the thread count and megaframe's sources."""
+    the thread count, megaframe's sources and the test harness's, and DeepSpeed's and transformers'
+    versions."""
     import torch
 
     from megaframe.config.compose import compose
@@ -68,7 +84,7 @@ def key_of(overrides: list[str], variant: dict[str, Any], environ: Optional[dict
     payload = {
         "format": _FORMAT, "config": dataclasses.asdict(cfg), "variant": variant, "torch": torch.__version__,
         "capability": environ.get("ATEN_CPU_CAPABILITY", ""), "threads": environ.get("OMP_NUM_THREADS", ""),
-        "source": _source_digest(),
+        "source": _source_digest(), "libraries": _library_versions(),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
 

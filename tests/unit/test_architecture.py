@@ -400,3 +400,15 @@ def test_training_never_reads_the_backends_module():
     nothing in training/ changes."""
     reads = [read for path in sorted((MEGAFRAME / "training").rglob("*.py")) for read in _module_reads(path)]
     assert reads == [], "Backend.module read in megaframe/training/ at " + ", ".join(reads)
+
+
+def test_the_wheel_lists_every_package():
+    """setuptools ships only the packages pyproject.toml names: a package folder left out of the
+    list is missing from an installed wheel (backend=fsdp2 and one-process runs failed so, with
+    megaframe.backends.fsdp2 and .plain unlisted, while an editable install hid it)."""
+    import tomllib
+
+    listed = set(tomllib.loads((MEGAFRAME.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(init.parent.relative_to(MEGAFRAME.parent).parts)
+               for folder in ("megaframe", "hydra_plugins") for init in (MEGAFRAME.parent / folder).rglob("__init__.py")}
+    assert on_disk - listed == set(), f"packages missing from pyproject.toml [tool.setuptools] packages: {sorted(on_disk - listed)}"

@@ -1,4 +1,4 @@
-"""megaframe/sweep.py: the points a -m sweep runs, checked before any launches."""
+"""megaframe/launch/sweep.py: the points a -m sweep runs, checked before any launches."""
 from __future__ import annotations
 
 import pytest

@@ -151,3 +151,18 @@ def test_layout_records_hold_tp_pp_dp_and_every_other_axis_only_above_one():
         {"tp": 2, "pp": 2, "dp": 2, "cp": 2, "ep": 4, "dp_replicate": 2}
     assert ParallelDims(dp=2, cp=2, ep=2).degrees() == {"tp": 1, "pp": 1, "dp": 2, "cp": 2, "ep": 2}
     assert list(ParallelDims().degrees()) == ["tp", "pp", "dp", "cp", "ep"]  # the order resume lines list them
+
+
+def test_a_layout_record_without_an_axis_means_that_axis_is_one():
+    """Records list an axis only above 1 (and older records listed fewer axes): a record that leaves
+    out an axis of degree 1 names the same layout as one that writes it, and any real difference in
+    a degree or an engine key still tells the layouts apart (the rank's RNG streams come back only
+    in the same layout, checkpoint/store.py)."""
+    now = ParallelDims(pp=1, dp=4, cp=1, tp=1, ep=2).layout_record()
+    assert ParallelDims.same_layout({"tp": 1, "pp": 1, "dp": 4, "ep": 2, "zero_stage": 3},
+                                    {**now, "zero_stage": 3})
+    one = ParallelDims(pp=1, dp=2, cp=1, tp=2).layout_record()
+    assert ParallelDims.same_layout({"tp": 2, "pp": 1, "dp": 2, "cp": 1, "ep": 1, "dtype": "fp32"},
+                                    {**one, "dtype": "fp32"})
+    assert not ParallelDims.same_layout({"tp": 2, "pp": 1, "dp": 2, "dtype": "fp32"}, {**one, "dtype": "bf16"})
+    assert not ParallelDims.same_layout({"tp": 1, "pp": 1, "dp": 4}, now)  # ep 1 vs 2
