@@ -16,6 +16,7 @@ from torch.distributed import distributed_c10d
 
 from megaframe.backends import Batch
 from megaframe.checkpoint.parts import Resume
+from megaframe.model.dims import GPTDims
 from megaframe.model.moe import load_router_biases, router_biases
 from megaframe.parallel.random import TPDropoutRNG
 from megaframe.parallel.rendezvous import join_world
@@ -151,16 +152,22 @@ def ensure_adam_state(optimizer: torch.optim.Optimizer, step: int) -> None:
             state["step"] = adam_step_tensor(step, p.to_local() if hasattr(p, "to_local") else p, in_kernel)
 
 
-def router_metrics(module: torch.nn.Module, ps: ParallelState) -> dict[str, float]:
+def router_metrics(module: torch.nn.Module, ps: ParallelState, dims: GPTDims, device: torch.device) -> dict[str, float]:
     """MoE router metrics since the last call (every rank calls it: one all-reduce): per MoE layer
     and micro-batch, the aux and z losses added to the loss; the busiest expert's load over the
-    mean (max over layers); the share of assignments dropped over capacity."""
-    stats = getattr(module, "router_stats", None)
-    if stats is None or stats.sums is None:
+    mean (max over layers); the share of assignments dropped over capacity. Whether to join is the
+    model's (a MoE model), not the stage's: a pipeline stage without MoE layers joins with zeros."""
+    if dims.moe is None or dims.num_moe_blocks == 0:
         return {}
-    layers, g = stats.counts.shape[0], ps.grid
-    forwards = stats.sums.new_full((1,), float(stats.layer_forwards), dtype=torch.float64)  # a log step: allowed
-    packed = torch.cat([stats.sums.double(), forwards, stats.counts.double().flatten()])
+    stats = getattr(module, "router_stats", None)
+    layers, g = dims.num_moe_blocks, ps.grid
+    if stats is None or stats.sums is None:  # no MoE layer ran here: zeros, on the device (a log step)
+        sums, counts, forwards = (torch.zeros(4, device=device), torch.zeros(layers, dims.moe.num_experts, device=device),
+                                  0)
+    else:
+        sums, counts, forwards = stats.sums, stats.counts, stats.layer_forwards
+    forwards = sums.new_full((1,), float(forwards), dtype=torch.float64)  # a log step: allowed
+    packed = torch.cat([sums.double(), forwards, counts.double().flatten()])
     if g.world_size > 1:
         dist.all_reduce(packed)  # pipeline stages too: each filled its own layers' rows
     sums, counts = packed[:5], packed[5:].view(layers, -1)
@@ -168,9 +175,12 @@ def router_metrics(module: torch.nn.Module, ps: ParallelState) -> dict[str, floa
     # tp x cp rank of a micro-batch; so the world's sums count each (micro-batch, layer) tp*cp times
     per_layer_forward = sums[4] / g.tp
     load = counts / counts.mean(1, keepdim=True)
-    values = torch.stack([sums[0] / per_layer_forward, sums[1] / per_layer_forward, load.max(),
-                          sums[2] / (sums[3] / (g.tp * g.cp))]).tolist()
-    stats.reset()
+    *values, ran = torch.stack([sums[0] / per_layer_forward, sums[1] / per_layer_forward, load.max(),
+                                sums[2] / (sums[3] / (g.tp * g.cp)), sums[4]]).tolist()
+    if stats is not None:
+        stats.reset()
+    if ran == 0:  # no MoE layer ran anywhere since the last call: nothing to report (as before)
+        return {}
     return dict(zip(("moe/aux_loss", "moe/z_loss", "moe/max_load", "moe/dropped_fraction"), values))
 
 
@@ -242,11 +252,12 @@ class RouterBiases:
     rank, so they come back in any layout. state_dict() is a collective over the pipeline stages
     (each holds its own layers' rows), and a host read: at saves only."""
 
-    def __init__(self, module: torch.nn.Module, rows: int, pp_group):
-        self.module, self.rows, self.pp_group = module, rows, pp_group
+    def __init__(self, module: torch.nn.Module, dims: GPTDims, device: torch.device, pp_group):
+        self.module, self.dims, self.device, self.pp_group = module, dims, device, pp_group
 
     def state_dict(self) -> Optional[dict[str, list[float]]]:
-        return router_biases(getattr(self.module, "moe_layers", []), self.rows, self.pp_group) or None
+        return router_biases(getattr(self.module, "moe_layers", []), self.dims.num_moe_blocks, self.dims.moe,
+                             self.device, self.pp_group) or None
 
     def load_state_dict(self, state: Optional[dict[str, list[float]]], resume: Resume) -> None:
         load_router_biases(getattr(self.module, "moe_layers", []), state or {})
@@ -269,6 +280,6 @@ class DropoutStreams:
         self.module.rng.load_state_dict(TPDropoutRNG(seed, self.tp_rank, self.cp_rank).state_dict())
 
 
-def model_state_parts(module: torch.nn.Module, ps: ParallelState, moe_rows: int) -> dict:
+def model_state_parts(module: torch.nn.Module, ps: ParallelState, dims: GPTDims, device: torch.device) -> dict:
     """What a model built by megaframe carries besides its parameters, as checkpoint parts by name."""
-    return {"router_biases": RouterBiases(module, moe_rows, ps.pp_group), "tp_dropout": DropoutStreams(module, ps)}
+    return {"router_biases": RouterBiases(module, dims, device, ps.pp_group), "tp_dropout": DropoutStreams(module, ps)}

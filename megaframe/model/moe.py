@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megaframe.common.compile_breaks import run_eagerly
-from megaframe.model.dims import GPTDims
+from megaframe.model.dims import GPTDims, MoEDims
 from megaframe.model.mlp import MLP, Dropout, gelu
 from megaframe.model.recompute import recomputing
 from megaframe.parallel.experts import ExpertGroup, mark_expert_shard
@@ -292,15 +292,27 @@ def _by_row(layers: list[MoE], rows: int, value) -> torch.Tensor:
 
 
 @torch.no_grad()
-def update_expert_biases(layers: list[MoE], rows: int, apply: bool = True) -> None:
+def _balancing_table(moe: Optional[MoEDims], rows: int, device) -> Optional[torch.Tensor]:
+    """(rows, E) zeros when the model balances its experts by bias, else None: decided by the config,
+    not by the layers a pipeline stage holds, so a stage with no MoE layer (model.moe.first_dense_layers
+    under pp) still joins the all-reduce its peers enter (else they wait for it until the timeout)."""
+    if moe is None or not moe.bias_update_rate or rows == 0:
+        return None
+    return torch.zeros(rows, moe.num_experts, device=device)
+
+
+def update_expert_biases(layers: list[MoE], rows: int, moe: Optional[MoEDims], device,
+                         apply: bool = True) -> None:
     """Aux-loss-free balancing (DeepSeek-V3): after each step, every routed layer's bias moves
     bias_update_rate towards the experts that took fewer than the mean of the step's assignments,
     counted over all ranks (one all-reduce for all layers), so every rank keeps the same biases."""
-    balanced = [layer for layer in layers if layer.router.expert_bias is not None and layer.step_counts is not None]
-    if not balanced:
+    counts = _balancing_table(moe, rows, device)
+    if counts is None:
         return
+    balanced = [layer for layer in layers if layer.router.expert_bias is not None and layer.step_counts is not None]
     if apply:
-        counts = _by_row(balanced, rows, lambda layer: layer.step_counts.float())
+        for layer in balanced:
+            counts[layer.row] = layer.step_counts.float()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(counts)  # every pipeline stage joins, each with its own rows filled
         for layer in balanced:
@@ -310,13 +322,16 @@ def update_expert_biases(layers: list[MoE], rows: int, apply: bool = True) -> No
         layer.step_counts = None
 
 
-def router_biases(layers: list[MoE], rows: int, pp_group=None) -> dict[str, list[float]]:
+def router_biases(layers: list[MoE], rows: int, moe: Optional[MoEDims], device,
+                  pp_group=None) -> dict[str, list[float]]:
     """The balancing biases by MoE row, whole, for a checkpoint's state (every rank calls it: the
-    pipeline stages pool their rows; a host read, at saves only)."""
-    balanced = [layer for layer in layers if layer.router.expert_bias is not None]
-    if not balanced:
+    pipeline stages pool their rows, a stage without MoE layers with zeros; a host read, at saves only)."""
+    table = _balancing_table(moe, rows, device)
+    if table is None:
         return {}
-    table = _by_row(balanced, rows, lambda layer: layer.router.expert_bias)
+    for layer in layers:
+        if layer.router.expert_bias is not None:
+            table[layer.row] = layer.router.expert_bias.float()
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(table, group=pp_group)
     return {str(row): values for row, values in enumerate(table.tolist())}

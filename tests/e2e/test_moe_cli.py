@@ -76,3 +76,18 @@ def test_what_moe_does_not_take_is_one_line_before_launch(extra, message, tmp_pa
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
     assert "launching" not in result.stdout
+
+
+def test_bias_balancing_with_a_dense_pipeline_stage_trains_and_saves(tmp_path):
+    """model.moe.first_dense_layers=1 at pp=2: stage 0 holds no MoE layer. The biases' all-reduce
+    (every step) and their gather over the stages (every save) are joined by that stage too, with
+    zeros (it waited for none before, and the MoE stage waited for it until the collective timeout);
+    the curve is the one-rank run's."""
+    balanced = ["model.moe.bias_update_rate=0.001", "model.moe.aux_loss_coeff=0", "model.moe.first_dense_layers=1",
+                "train.collective_timeout_s=60", "train.max_steps=4", "train.save_interval=2"]
+    whole, staged = tmp_path / "whole", tmp_path / "staged"
+    assert_ok(run_cli([*ARGS, *balanced, f"hydra.run.dir={whole}"]))
+    assert_ok(run_cli([*ARGS, *balanced, "parallel.pp=2", f"hydra.run.dir={staged}"], timeout=300))
+    state = json.loads((staged / "checkpoints" / "global_step4" / "state.json").read_text())
+    assert any(b != 0 for biases in state["router_biases"].values() for b in biases), state["router_biases"]
+    assert_parity(read_metrics(staged), read_metrics(whole), "bias balancing with a dense pp stage")

@@ -191,7 +191,8 @@ class DeepSpeedBackend:
             loss = gate.mean()
         applied = bool(self.engine.was_step_applied())
         # MoE bias balancing: a skipped step's routing moves no bias
-        update_expert_biases(getattr(self.module, "moe_layers", []), self.dims.num_moe_blocks, apply=applied)
+        update_expert_biases(getattr(self.module, "moe_layers", []), self.dims.num_moe_blocks, self.dims.moe,
+                             self.device, apply=applied)
         if not self._norm_from_grads:
             # kept as DeepSpeed returns it (a device tensor under ZeRO): read on the host at log steps only
             self._last_grad_norm = self.engine.get_global_grad_norm()
@@ -225,7 +226,7 @@ class DeepSpeedBackend:
         return {"loss_scale": None if scale is None else float(scale)}
 
     def router_metrics(self) -> dict[str, float]:
-        return router_metrics(self.module, self.ps)
+        return router_metrics(self.module, self.ps, self.dims, self.device)
 
     def held_model_states(self) -> dict[str, int]:
         return held_model_states(self.engine)
@@ -239,7 +240,7 @@ class DeepSpeedBackend:
                                    self.cfg.precision.dtype)
 
     def state_parts(self) -> dict[str, Any]:
-        return model_state_parts(self.module, self.ps, self.dims.num_moe_blocks)
+        return model_state_parts(self.module, self.ps, self.dims, self.device)
 
     def layout_record(self) -> dict[str, Any]:
         return state_io.layout_record(self._view())

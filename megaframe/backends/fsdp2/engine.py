@@ -142,7 +142,8 @@ class Fsdp2Backend:
         # to a zero one (which, offloaded, would be a blocking copy to the host per group and micro-batch)
         apply_update(self.optimizer, self.lr_scheduler, self.module.parameters(), norm, self.cfg.optim.grad_clip, applied)
         # MoE bias balancing: a skipped step's routing moves no bias
-        update_expert_biases(getattr(self.module, "moe_layers", []), self.dims.num_moe_blocks, apply=applied)
+        update_expert_biases(getattr(self.module, "moe_layers", []), self.dims.num_moe_blocks, self.dims.moe,
+                             self.device, apply=applied)
         return StepResult(loss=loss, applied=applied)
 
     @torch.no_grad()
@@ -167,7 +168,7 @@ class Fsdp2Backend:
         return {}  # no fp16 here: no loss scale
 
     def router_metrics(self) -> dict[str, float]:
-        return router_metrics(self.module, self.ps)
+        return router_metrics(self.module, self.ps, self.dims, self.device)
 
     def held_model_states(self) -> dict[str, int]:
         return state_io.held_model_states(self.module, self.optimizer)
@@ -177,7 +178,7 @@ class Fsdp2Backend:
 
     # ---- state -------------------------------------------------------------------------------
     def state_parts(self) -> dict[str, Any]:
-        return model_state_parts(self.module, self.ps, self.dims.num_moe_blocks)
+        return model_state_parts(self.module, self.ps, self.dims, self.device)
 
     def layout_record(self) -> dict[str, Any]:
         return state_io.layout_record(self.ps, self.cfg)

@@ -85,7 +85,8 @@ class PlainBackend:
         applied = math.isfinite(norm) and not (skip_if is not None and skip_if(mean))
         apply_update(self.optimizer, self.lr_scheduler, self.parameters, norm, self.cfg.optim.grad_clip, applied)
         # MoE bias balancing: a skipped step's routing moves no bias
-        update_expert_biases(getattr(self.module, "moe_layers", []), self.dims.num_moe_blocks, apply=applied)
+        update_expert_biases(getattr(self.module, "moe_layers", []), self.dims.num_moe_blocks, self.dims.moe,
+                             self.device, apply=applied)
         return StepResult(loss=mean, applied=applied)
 
     def eval_step(self, batches: list[Batch]) -> float:
@@ -101,7 +102,7 @@ class PlainBackend:
         return {}  # fp32 only: no loss scale
 
     def router_metrics(self) -> dict[str, float]:
-        return router_metrics(self.module, self.ps)
+        return router_metrics(self.module, self.ps, self.dims, self.device)
 
     def held_model_states(self) -> dict[str, int]:
         return held_model_states(self.parameters, self.optimizer)
@@ -111,7 +112,7 @@ class PlainBackend:
 
     # ---- state -------------------------------------------------------------------------------
     def state_parts(self) -> dict[str, Any]:
-        return model_state_parts(self.module, self.ps, self.dims.num_moe_blocks)
+        return model_state_parts(self.module, self.ps, self.dims, self.device)
 
     def layout_record(self) -> dict[str, Any]:
         # DeepSpeed's record of the same layout: a checkpoint either engine wrote brings the RNG back

@@ -193,10 +193,10 @@ def test_bias_balancing_raises_the_bias_of_underused_experts_only_on_applied_ste
     layer.train()
     layer(torch.randn(2, 10, H, generator=torch.Generator().manual_seed(5)))
     load = layer.step_counts.float()
-    update_expert_biases([layer], 1, apply=False)
+    update_expert_biases([layer], 1, layer.moe, "cpu", apply=False)
     assert torch.all(layer.router.expert_bias == 0) and layer.step_counts is None
     layer(torch.randn(2, 10, H, generator=torch.Generator().manual_seed(5)))
-    update_expert_biases([layer], 1)
+    update_expert_biases([layer], 1, layer.moe, "cpu")
     expected = 0.01 * torch.sign(load.mean() - load)
     torch.testing.assert_close(layer.router.expert_bias, expected)
 
