@@ -58,13 +58,14 @@ def _divisors(n: int) -> list[int]:
 MODEL_AXES = tuple(axis for axis in LAYOUT_AXES if axis in RANK_AXES and axis != "dp")
 
 
-def _model_parallel(p) -> int:
+def model_parallel_size(p) -> int:
+    """Ranks of one data-parallel replica: the product of the degrees parallel.<MODEL_AXES> sets."""
     return math.prod(getattr(p, axis) for axis in MODEL_AXES)
 
 
 def requested_world_size(cfg: TrainConfig) -> int:
     """World size the config asks for when no launcher dictates one (dp=None means 1 replica)."""
-    return _model_parallel(cfg.parallel) * (cfg.parallel.dp or 1)
+    return model_parallel_size(cfg.parallel) * (cfg.parallel.dp or 1)
 
 
 def resolve_layout(cfg: TrainConfig, world_size: int) -> Layout:
@@ -75,7 +76,7 @@ def resolve_layout(cfg: TrainConfig, world_size: int) -> Layout:
             raise ConfigError(f"parallel.{axis}={getattr(p, axis)} must be >= 1")
     if p.dp is not None and p.dp < 1:
         raise ConfigError(f"parallel.dp={p.dp} must be >= 1 (or null to fill the world)")
-    model_parallel = _model_parallel(p)
+    model_parallel = model_parallel_size(p)
     # tp and pp always, the other axes when used
     named_axes = [axis for axis in MODEL_AXES if axis in ("tp", "pp") or getattr(p, axis) > 1]
     named = "*".join(f"parallel.{axis}" for axis in named_axes)
@@ -452,9 +453,6 @@ def check_moe(cfg: TrainConfig) -> Optional[str]:
     if m.num_experts % p.ep:
         return (f"parallel.ep={p.ep} must divide model.moe.num_experts={m.num_experts}; pick ep in "
                 f"{[d for d in _divisors(m.num_experts) if d <= 64]}")
-    if p.ep > 1 and ((p.dp or 1) * p.cp) % p.ep and p.dp is not None:
-        return (f"parallel.ep={p.ep} must divide parallel.dp*parallel.cp={(p.dp or 1) * p.cp}: experts are split over "
-                "the data- and context-parallel ranks")
     if p.pp > 1 and cfg.precision.dtype == "fp16":
         return ("parallel.pp > 1 with model.moe does not take precision=fp16 yet (a stage's router losses would need "
                 "the loss scale); use precision=bf16")
