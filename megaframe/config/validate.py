@@ -99,7 +99,9 @@ def resolve_layout(cfg: TrainConfig, world_size: int) -> Layout:
                           f"context-parallel ranks); launch a multiple of {p.ep * model_parallel} ranks or lower parallel.ep")
     if err := replicas_problem(p.dp_replicate, dp * p.cp):
         raise ConfigError(err)
-    grid = ParallelDims(tp=p.tp, pp=p.pp, dp=dp, cp=p.cp, ep=p.ep, dp_replicate=p.dp_replicate)
+    # parallel.<axis> for every layout axis (dp resolved above) and HSDP's replicas
+    grid = ParallelDims(**{axis: getattr(p, axis) for axis in LAYOUT_AXES if axis != "dp"}, dp=dp,
+                        dp_replicate=p.dp_replicate)
     return Layout(grid, p.micro_batch_size, p.global_batch_size)
 
 
