@@ -30,6 +30,7 @@ from megaframe.checkpoint.fast_tier import FastTier
 from megaframe.checkpoint.parts import RankStateful, Resume, Stateful
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.common.failures import save_failure
+from megaframe.parallel.dims import RANK_AXES
 
 
 class CheckpointManager:
@@ -239,7 +240,7 @@ class CheckpointManager:
         """A resume into another world size (an elastic restart after a node left or joined, or a
         resharded run): one event for metrics.jsonl and W&B, and one console line, at the first step
         the new world runs (a later resume from an earlier step drops it with the steps after it)."""
-        size = lambda record: math.prod(record.get(axis, 1) for axis in ("tp", "pp", "dp", "cp"))  # noqa: E731
+        size = lambda record: math.prod(record.get(axis, 1) for axis in RANK_AXES)  # noqa: E731
         world = self.layout.world_size
         if not saved or size(saved) == world or step >= self.cfg.train.max_steps:
             return None  # no resize, or no step left to run at the new size

@@ -19,7 +19,7 @@ from megaframe.config.gpus import DENSE_PEAK_TFLOPS, known_gpu
 from megaframe.config.launcher_rules import check_launcher, check_slurm_nodes, timeout_warning
 from megaframe.config.size_limits import absurd_size_problem
 from megaframe.config.schema import TrainConfig
-from megaframe.parallel.dims import OnGrid, ParallelDims
+from megaframe.parallel.dims import LAYOUT_AXES, RANK_AXES, OnGrid, ParallelDims
 
 # latest-run is chosen once, by megaframe-train before it starts any rank (the ranks it starts get
 # the run dir it chose: resume_hint.py); where that does not happen, refused rather than read as a directory
@@ -53,22 +53,34 @@ def _divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
+# The grid's axes besides dp that own ranks (tp, pp, cp), in the order messages name them; the
+# ranks of one data-parallel replica are their product.
+MODEL_AXES = tuple(axis for axis in LAYOUT_AXES if axis in RANK_AXES and axis != "dp")
+
+
+def model_parallel_size(p) -> int:
+    """Ranks of one data-parallel replica: the product of the degrees parallel.<MODEL_AXES> sets."""
+    return math.prod(getattr(p, axis) for axis in MODEL_AXES)
+
+
 def requested_world_size(cfg: TrainConfig) -> int:
     """World size the config asks for when no launcher dictates one (dp=None means 1 replica)."""
-    return cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp * (cfg.parallel.dp or 1)
+    return model_parallel_size(cfg.parallel) * (cfg.parallel.dp or 1)
 
 
 def resolve_layout(cfg: TrainConfig, world_size: int) -> Layout:
     """Degrees for this world; raises ConfigError when tp*cp*pp*dp cannot equal world_size."""
     p = cfg.parallel
-    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp), ("parallel.ep", p.ep)):
-        if value < 1:
-            raise ConfigError(f"{key}={value} must be >= 1")
+    for axis in (axis for axis in LAYOUT_AXES if axis != "dp"):
+        if getattr(p, axis) < 1:
+            raise ConfigError(f"parallel.{axis}={getattr(p, axis)} must be >= 1")
     if p.dp is not None and p.dp < 1:
         raise ConfigError(f"parallel.dp={p.dp} must be >= 1 (or null to fill the world)")
-    model_parallel = p.tp * p.pp * p.cp
-    named = "parallel.tp*parallel.pp" + ("*parallel.cp" if p.cp > 1 else "")
-    degrees = f"{p.tp}*{p.pp}" + (f"*{p.cp}" if p.cp > 1 else "")
+    model_parallel = model_parallel_size(p)
+    # tp and pp always, the other axes when used
+    named_axes = [axis for axis in MODEL_AXES if axis in ("tp", "pp") or getattr(p, axis) > 1]
+    named = "*".join(f"parallel.{axis}" for axis in named_axes)
+    degrees = "*".join(str(getattr(p, axis)) for axis in named_axes)
     if p.dp is None:
         if world_size % model_parallel:
             raise ConfigError(
@@ -85,7 +97,21 @@ def resolve_layout(cfg: TrainConfig, world_size: int) -> Layout:
     if (dp * p.cp) % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide dp*cp={dp * p.cp} (experts are split over the data- and "
                           f"context-parallel ranks); launch a multiple of {p.ep * model_parallel} ranks or lower parallel.ep")
-    return Layout(ParallelDims(tp=p.tp, pp=p.pp, dp=dp, cp=p.cp, ep=p.ep), p.micro_batch_size, p.global_batch_size)
+    if err := replicas_problem(p.dp_replicate, dp * p.cp):
+        raise ConfigError(err)
+    # parallel.<axis> for every layout axis (dp resolved above) and HSDP's replicas
+    grid = ParallelDims(**{axis: getattr(p, axis) for axis in LAYOUT_AXES if axis != "dp"}, dp=dp,
+                        dp_replicate=p.dp_replicate)
+    return Layout(grid, p.micro_batch_size, p.global_batch_size)
+
+
+def replicas_problem(replicas: int, ranks: int) -> Optional[str]:
+    """parallel.dp_replicate (HSDP): whole replicas of an equal shard group of the `ranks` dp x cp ranks
+    (the grid's own rule, worded with the values that fit)."""
+    if replicas < 1 or ranks % replicas:
+        return (f"parallel.dp_replicate={replicas} must divide the {ranks} data-parallel ranks (dp x cp) into "
+                f"equal shard groups; pick it in {_divisors(ranks)}")
+    return None
 
 
 # ---- rules on single groups -------------------------------------------------------------------
@@ -429,9 +455,6 @@ def check_moe(cfg: TrainConfig) -> Optional[str]:
     if m.num_experts % p.ep:
         return (f"parallel.ep={p.ep} must divide model.moe.num_experts={m.num_experts}; pick ep in "
                 f"{[d for d in _divisors(m.num_experts) if d <= 64]}")
-    if p.ep > 1 and ((p.dp or 1) * p.cp) % p.ep and p.dp is not None:
-        return (f"parallel.ep={p.ep} must divide parallel.dp*parallel.cp={(p.dp or 1) * p.cp}: experts are split over "
-                "the data- and context-parallel ranks")
     if p.pp > 1 and cfg.precision.dtype == "fp16":
         return ("parallel.pp > 1 with model.moe does not take precision=fp16 yet (a stage's router losses would need "
                 "the loss scale); use precision=bf16")
@@ -511,7 +534,7 @@ def validate(cfg: TrainConfig, world_size: int,
     for rule in (check_tensor_parallel, check_context_parallel, check_moe):
         if err := rule(cfg):
             raise ConfigError(err)
-    for err in (check_batch(cfg, layout), check_slurm_nodes(cfg, layout.world_size), check_replicas(cfg, layout),
+    for err in (check_batch(cfg, layout), check_slurm_nodes(cfg, layout.world_size),
                 check_compile_scope(cfg, layout, per_module_gather_stages),
                 engine_layout_problem(cfg, layout) if engine_layout_problem else None):
         if err:
@@ -533,8 +556,8 @@ def check_compile_scope(cfg: TrainConfig, layout: Layout,
         return None
     if not t.compile:
         return "train.compile_scope=model says what train.compile compiles; set train.compile=true"
-    blockers = [f"{axis}={size}" for axis, size in (("tp", layout.tp), ("cp", layout.cp), ("pp", layout.pp),
-                                                     ("ep", cfg.parallel.ep)) if size > 1]
+    blockers = [f"{axis}={getattr(layout.grid, axis)}" for axis in ("tp", "cp", "pp", "ep")
+                if getattr(layout.grid, axis) > 1]
     if cfg.model.moe.num_experts:
         blockers.append("an MoE model")
     if cfg.zero.stage in per_module_gather_stages:
@@ -542,15 +565,6 @@ def check_compile_scope(cfg: TrainConfig, layout: Layout,
     if blockers:
         return (f"train.compile_scope=model compiles the whole forward as one graph, which {', '.join(blockers)} "
                 f"cannot run in; use train.compile_scope=blocks")
-    return None
-
-
-def check_replicas(cfg: TrainConfig, layout: Layout) -> Optional[str]:
-    """parallel.dp_replicate (HSDP): whole replicas of an equal shard group of the dp x cp ranks."""
-    replicas, ranks = cfg.parallel.dp_replicate, layout.grid.size("dp", "cp")
-    if replicas < 1 or ranks % replicas:
-        return (f"parallel.dp_replicate={replicas} must divide the {ranks} data-parallel ranks (dp x cp) into "
-                f"equal shard groups; pick it in {_divisors(ranks)}")
     return None
 
 

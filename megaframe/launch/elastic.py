@@ -85,6 +85,7 @@ def _failing_worlds(cfg: TrainConfig, layout_at, fit_problem) -> dict[int, str]:
 def _fixes(cfg: TrainConfig, failing: set[int], layout_at, fit_problem) -> str:
     """The widest run of node counts in the range at which the job trains, and the nearest global
     batch that every data-parallel size of the range divides, each only when it works."""
+    from megaframe.config.validate import model_parallel_size
     launcher, p, per_node = cfg.launcher, cfg.parallel, cfg.cluster.gpus_per_node
     worlds = world_sizes(launcher, per_node)
     best: list[int] = []
@@ -99,7 +100,7 @@ def _fixes(cfg: TrainConfig, failing: set[int], layout_at, fit_problem) -> str:
         narrower = dataclasses.replace(launcher, min_nodes=low, nodes=high)
         if low <= high and not set(world_sizes(narrower, per_node)) & failing:
             fixes.append(f"narrow the range to launcher.min_nodes={low} launcher.nodes={high}")
-    model_parallel = p.tp * p.pp * p.cp
+    model_parallel = model_parallel_size(p)
     if p.dp is None and all(world % model_parallel == 0 for world in worlds):
         every = math.lcm(*(p.micro_batch_size * world // model_parallel for world in worlds))
         nearest = every * max(1, round(p.global_batch_size / every))  # the nearest such batch to the user's

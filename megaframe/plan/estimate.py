@@ -136,7 +136,7 @@ def plan_layout(cfg: TrainConfig, layout: Layout) -> PlanLayout:
                       offload_optimizer=cfg.offload.optimizer, offload_param=cfg.offload.param,
                       recompute=cfg.parallel.activation_checkpointing,
                       sequence_parallel=cfg.parallel.sequence_parallel, partition=cfg.parallel.pipeline_partition,
-                      cp_impl=cfg.parallel.cp_impl, engine=cfg.backend.name, dp_replicate=cfg.parallel.dp_replicate,
+                      cp_impl=cfg.parallel.cp_impl, engine=cfg.backend.name,
                       pipeline_schedule=cfg.parallel.pipeline_schedule, virtual_stages=cfg.parallel.virtual_stages)
 
 
@@ -171,7 +171,7 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     in_backward = lay.micro_batches == 1 and lay.pp == 1 and (zero.contiguous_gradients or zero.overlap_comm)
     def states_of(n: int, replicas: int) -> ModelStates:
         return STATE_TERMS[terms.states](n, replicas, lay, dtype, in_backward)
-    states = states_of(params - experts, lay.dp * lay.cp // (lay.dp_replicate if terms.shards_within_replica else 1))
+    states = states_of(params - experts, lay.grid.dp_shard if terms.shards_within_replica else lay.grid.size("dp", "cp"))
     if experts:
         states = states + states_of(experts, lay.grid.edp)
     shape = ActivationShape(lay.micro_batch_size, lay.tp, lay.sequence_parallel, dtype, device, lay.cp, lay.cp_impl)

@@ -29,8 +29,8 @@ ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 @dataclass(frozen=True)
 class PlanLayout(OnGrid):
-    """One candidate layout: the rank grid (its degrees are ParallelDims'), batch shape and the
-    memory-saving switches."""
+    """One candidate layout: the rank grid (its degrees are ParallelDims', HSDP's dp_replicate
+    included), batch shape and the memory-saving switches."""
 
     grid: ParallelDims
     micro_batch_size: int
@@ -43,7 +43,6 @@ class PlanLayout(OnGrid):
     partition: str = "uniform"  # uniform | parameters (PipelineModule's partition method)
     cp_impl: str = "ring"  # ring | ulysses, when grid.cp > 1
     engine: str = DEFAULT  # backend.name: who holds the model states, and how (its facts' memory terms)
-    dp_replicate: int = 1  # HSDP (fsdp2): the dp x cp ranks as this many replicas of one shard group
     pipeline_schedule: str = "1f1b"  # parallel.pipeline_schedule (fsdp2's schedules; DeepSpeed runs 1f1b)
     virtual_stages: int = 1  # parallel.virtual_stages: stages per pipeline rank
 

@@ -52,11 +52,11 @@ def context_parallel_degrees(model: ModelConfig, ranks: int) -> list[int]:
 
 
 def _with_tp_cp(model: ModelConfig, base: PlanLayout, tp: int, cp: int) -> Iterator[PlanLayout]:
-    world = base.world_size
+    world, replicas = base.world_size, base.grid.dp_replicate  # HSDP's replicas stay those configured
     facts = engine_facts(base.engine)
     for pp in _divisors(world // (tp * cp)):
         dp = world // (tp * cp * pp)
-        if pp > model.num_layers or base.global_batch_size % (base.micro_batch_size * dp):
+        if pp > model.num_layers or base.global_batch_size % (base.micro_batch_size * dp) or (dp * cp) % replicas:
             continue
         if not facts.pipelines_moe and pp > 1 and model.moe.num_experts:
             continue  # refused by its rules (FSDP2's: router losses do not cross stages yet)
@@ -70,7 +70,8 @@ def _with_tp_cp(model: ModelConfig, base: PlanLayout, tp: int, cp: int) -> Itera
             for optimizer, param in offloads:
                 for recompute in (False, True):
                     for sp in ((False, True) if tp > 1 and (model.seq_length // cp) % tp == 0 else (False,)):
-                        yield replace(base, grid=ParallelDims(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), zero_stage=stage,
+                        yield replace(base, grid=ParallelDims(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, dp_replicate=replicas),
+                                      zero_stage=stage,
                                       offload_optimizer=optimizer,
                                       offload_param=param, recompute=recompute, sequence_parallel=sp,
                                       pipeline_schedule=schedule, virtual_stages=virtual)
@@ -102,7 +103,7 @@ def fitting_layouts(cfg: TrainConfig, base: PlanLayout, limit: int = 10) -> list
     dims_for_tp: dict = {}
     fitting = []
     # plan.engines: each engine's own layouts (HSDP replicas are FSDP2's, kept only for the configured one)
-    bases = [base if name == base.engine else replace(base, engine=name, dp_replicate=1)
+    bases = [base if name == base.engine else replace(base, engine=name, grid=replace(base.grid, dp_replicate=1))
              for name in (cfg.plan.engines or [base.engine])]
     for lay in (lay for b in bases for lay in candidate_layouts(cfg.model, b, cfg.cluster.gpus_per_node)):
         dims = dims_for_tp.setdefault(lay.tp, resolve_dims(cfg.model, vocab, tp=lay.tp, device_type=device))

@@ -20,7 +20,7 @@ from megaframe.backends import Batch, StepResult
 from megaframe.backends.common import (apply_update, decay_param_groups, dp_mean, eval_mean, join_torch_world, on_device,
                                        model_state_parts, router_metrics)
 from megaframe.backends.fsdp2 import build, pipeline, state_io
-from megaframe.backends.fsdp2.mesh import data_mesh, with_replicas
+from megaframe.backends.fsdp2.mesh import data_mesh
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims
@@ -62,7 +62,6 @@ class Fsdp2Backend:
     def __init__(self, cfg: TrainConfig, layout: Layout, ps: ParallelState, dims: GPTDims,
                  lr_scheduler: Callable[[torch.optim.Optimizer], Any]):
         p = cfg.parallel
-        ps = with_replicas(ps, p.dp_replicate)  # HSDP: its replicas an axis of the grid, with their groups
         self.cfg, self.layout, self.ps, self.dims = cfg, layout, ps, dims
         offload = cfg.offload.optimizer == "cpu"  # CPUOffloadPolicy: parameters, gradients, AdamW
         self.device = torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" \

@@ -9,7 +9,7 @@ instead (build.ExpertSharding).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,14 +23,6 @@ class DataMesh:
     mesh: DeviceMesh
     shard_group: Any  # the ranks whose local shards are disjoint pieces of each parameter
     replica: int  # which replica this rank's shard group is (0 when not HSDP): replica 0 writes checkpoints
-
-
-def with_replicas(ps: ParallelState, replicas: int) -> ParallelState:
-    """This rank's state on its grid with HSDP's `replicas` as the dp_replicate axis: the groups `ps`
-    has are kept, HSDP's shard and replica groups created (every rank must call this)."""
-    if ps.grid.dp_replicate == replicas:
-        return ps
-    return ParallelState.build(replace(ps.grid, dp_replicate=replicas), reuse=ps)
 
 
 def data_mesh(ps: ParallelState, device_type: str) -> DataMesh:

@@ -30,6 +30,22 @@ def test_requested_world_size_counts_every_axis():
     assert requested_world_size(cfg) == 6
 
 
+def test_hsdp_replicas_are_an_axis_of_the_resolved_grid():
+    """parallel.dp_replicate is the grid's dp_replicate (the engine reads it there), refused in one line
+    before the grid exists when it does not divide the dp x cp ranks; with cp=2 the error names the cp factor."""
+    cfg = TrainConfig()
+    cfg.parallel.cp, cfg.parallel.dp_replicate = 2, 4
+    grid = resolve_layout(cfg, 4).grid
+    assert (grid.dp, grid.cp, grid.dp_replicate, grid.dp_shard) == (2, 2, 4, 1)
+    with pytest.raises(ConfigError, match=re.escape("parallel.dp_replicate=4 must divide the 2 data-parallel ranks "
+                                                    "(dp x cp) into equal shard groups; pick it in [1, 2]")):
+        resolve_layout(cfg, 2)
+    cfg.parallel.dp = 3
+    with pytest.raises(ConfigError, match=re.escape("parallel.tp*parallel.pp*parallel.cp*parallel.dp=1*1*2*3=6 but "
+                                                    "the world size is 4; set parallel.dp=2 or launch 6 ranks")):
+        resolve_layout(cfg, 4)
+
+
 def test_explicit_dp_must_match_world():
     cfg = TrainConfig()
     cfg.parallel.dp = 2

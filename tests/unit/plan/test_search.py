@@ -81,3 +81,24 @@ def test_an_unknown_engine_in_plan_engines_is_one_line(capsys):
         check(["plan.engines=[deepspeed,megatron]"])
     line = capsys.readouterr().err.strip()
     assert "plan.engines holds 'megatron'" in line and "deepspeed, fsdp2" in line and "\n" not in line
+
+
+def test_hsdp_candidates_hold_the_configured_replicas_and_each_estimates():
+    """parallel.dp_replicate=2 under fsdp2: the replicas are an axis of every candidate's grid, layouts
+    whose dp x cp ranks cannot hold two replicas are no candidates (the run refuses them; the search
+    divided by zero on them), each candidate estimates, and its dense states shard over dp x cp / 2."""
+    args = ["model=gpt_tiny", "backend=fsdp2", "zero=stage3", "parallel.dp=8", "parallel.dp_replicate=2",
+            "parallel.global_batch_size=64"]
+    cfg, _ = compose(args)
+    plug = engine("fsdp2")
+    base = plan_layout(cfg, validate(cfg, 8, fp16_supported=lambda: False, engine_problem=plug.config_problem,
+                                     engine_layout_problem=plug.layout_problem))
+    assert base.grid.dp_replicate == 2
+    seen = list(candidate_layouts(cfg.model, base, 8))
+    assert {lay.grid.size("dp", "cp") for lay in seen} == {2, 4, 8}
+    assert all(lay.grid.dp_replicate == 2 for lay in seen)
+    assert fitting_layouts(cfg, base, limit=10_000)
+    hsdp = estimate_config(cfg, validate(cfg, 8, fp16_supported=lambda: False, engine_problem=plug.config_problem))
+    plain, _ = compose([*args[:-2], "parallel.global_batch_size=64"])
+    sharded = estimate_config(plain, validate(plain, 8, fp16_supported=lambda: False, engine_problem=plug.config_problem))
+    assert hsdp.stages[0].states.optimizer == 2 * sharded.stages[0].states.optimizer
