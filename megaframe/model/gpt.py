@@ -151,8 +151,6 @@ class Attention(nn.Module):
                  context: Optional[ContextGroup] = None, cp_impl: str = "ring"):
         super().__init__()
         self.dims, self.tp, self.rng = dims, tp, rng
-        # context parallelism: this rank holds a zig-zag shard of each sequence (parallel/context.py)
-        self.context = context
         hs, nkv = dims.head_dim, dims.num_kv_heads
         self.local_heads = dims.num_heads // tp.size
         self.q_proj = ColumnParallelLinear(dims.hidden_size, dims.num_heads * hs, tp, dims.bias, enter=False)
@@ -183,7 +181,8 @@ class Attention(nn.Module):
         # QK-norm (Qwen3): RMSNorm over each query and key head, before RoPE
         self.q_norm = RMSNorm(dims, tp, width=hs) if dims.qk_norm else None
         self.k_norm = RMSNorm(dims, tp, width=hs) if dims.qk_norm else None
-        # the run's one attention core (model/attention.py) and the mask this block attends with
+        # the run's one attention core (model/attention.py) and the mask this block attends with;
+        # under context parallelism (context) the core attends across this rank's zig-zag shard
         self.core = build_attention_core(dims.dropout, rng, self.sdpa_gqa, context, cp_impl)
         self.mask = CAUSAL
         self.resid_dropout = Dropout(dims.dropout, rng, split_across_tp=tp.sequence_parallel)
