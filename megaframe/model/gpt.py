@@ -8,7 +8,6 @@ stream between TP regions is split along the sequence.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -19,19 +18,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megaframe.model.attention import CAUSAL, SDPA_HAS_GQA, build_attention_core, decode_attention
 from megaframe.model.dims import GPTDims
 from megaframe.model.mlp import MLP, Dropout
 from megaframe.model.moe import AddAux, MoE, RouterStats
 from megaframe.model.recompute import checkpointed
 from megaframe.model.layer_list import Layer, layer_list
-from megaframe.parallel.context import AttentionDropout, ContextGroup, ulysses_attention, zigzag_positions
+from megaframe.parallel.context import ContextGroup, zigzag_positions
 from megaframe.parallel.experts import ExpertGroup
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaframe.parallel.layers import (ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding,
                                        at_least_fp32)
 from megaframe.parallel.mappings import gather_from_tp_region, scatter_to_sequence_parallel_region
 from megaframe.parallel.random import TPDropoutRNG
-from megaframe.parallel.ring import ring_attention
 
 
 class LayerNorm(nn.Module):
@@ -145,10 +144,6 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, self.tp.sync_grad(self.weight, on_shards=True), bias)
 
 
-# torch >= 2.5 lets SDPA serve several query heads from one kv head without copying k and v
-_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
-
-
 class Attention(nn.Module):
     """Causal self-attention; query heads split over TP ranks, kv heads split or (if fewer) replicated."""
 
@@ -156,9 +151,6 @@ class Attention(nn.Module):
                  context: Optional[ContextGroup] = None, cp_impl: str = "ring"):
         super().__init__()
         self.dims, self.tp, self.rng = dims, tp, rng
-        # context parallelism: this rank holds a zig-zag shard of each sequence (parallel/context.py)
-        self.context = context
-        self.attend_across_cp = ring_attention if cp_impl == "ring" else ulysses_attention
         hs, nkv = dims.head_dim, dims.num_kv_heads
         self.local_heads = dims.num_heads // tp.size
         self.q_proj = ColumnParallelLinear(dims.hidden_size, dims.num_heads * hs, tp, dims.bias, enter=False)
@@ -180,7 +172,7 @@ class Attention(nn.Module):
         # heads; other mappings index explicitly
         local_kv = len(set(kv_index))
         per_kv = self.local_heads // local_kv
-        self.sdpa_gqa = (_SDPA_HAS_GQA and not one_to_one and held_kv == local_kv
+        self.sdpa_gqa = (SDPA_HAS_GQA and not one_to_one and held_kv == local_kv
                          and self.local_heads % local_kv == 0
                          and kv_index == [i // per_kv for i in range(self.local_heads)])
         explicit = None if one_to_one or self.sdpa_gqa else torch.tensor(kv_index)
@@ -189,6 +181,10 @@ class Attention(nn.Module):
         # QK-norm (Qwen3): RMSNorm over each query and key head, before RoPE
         self.q_norm = RMSNorm(dims, tp, width=hs) if dims.qk_norm else None
         self.k_norm = RMSNorm(dims, tp, width=hs) if dims.qk_norm else None
+        # the run's one attention core (model/attention.py) and the mask this block attends with;
+        # under context parallelism (context) the core attends across this rank's zig-zag shard
+        self.core = build_attention_core(dims.dropout, rng, self.sdpa_gqa, context, cp_impl)
+        self.mask = CAUSAL
         self.resid_dropout = Dropout(dims.dropout, rng, split_across_tp=tp.sequence_parallel)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -205,21 +201,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
         if self.kv_index is not None:
             k, v = k[:, self.kv_index], v[:, self.kv_index]  # (B, nh/tp, T, hs)
-        p = self.dims.dropout if self.training else 0.0
-        gqa = {"enable_gqa": True} if self.sdpa_gqa else {}
-        if self.context is not None and p:
-            # the rank's own stream (it differs by tp and cp rank) draws the ring's mask seed, or
-            # Ulysses' SDPA masks on this rank's heads
-            with self.rng.fork() if self.rng is not None else contextlib.nullcontext():
-                dropout = AttentionDropout(p, seed=int(torch.randint(0, 1 << 62, ())))  # a CPU draw: no device sync
-                y = self.attend_across_cp(q, k, v, self.context, dropout=dropout)
-        elif self.context is not None:
-            y = self.attend_across_cp(q, k, v, self.context)
-        elif p and self.rng is not None:  # attention dropout acts on this rank's heads only
-            with self.rng.fork():
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, **gqa)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, **gqa)
+        y = self.core(q, k, v, self.mask)  # (B, nh/tp, T, hs)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh/tp * hs)
         return self.resid_dropout(self.out_proj(y))
 
@@ -241,20 +223,16 @@ class Attention(nn.Module):
         k, v = cache.store(layer, k, v)  # (B, nkv, past + T, hs)
         if self.kv_index is not None:
             k, v = k[:, self.kv_index], v[:, self.kv_index]  # (B, nh, past + T, hs)
-        gqa = {"enable_gqa": True} if self.sdpa_gqa else {}
-        if past == 0:  # the prompt: causal, as in training
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
-        else:  # causal aligned to the end (SDPA's is_causal aligns to the start); one token sees all
-            mask = None if T == 1 else torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+        y = decode_attention(q, k, v, past, self.sdpa_gqa)  # (B, nh, T, hs)
         return self.out_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 @dataclass(frozen=True)
 class BlockSpec:
-    """The modules a block is built from, each called as (dims, tp[, rng]): a ring-attention
-    module replaces `attention` here, the block around it unchanged; blocks the config makes
-    Mixture-of-Experts (model.moe) take `moe` for their MLP."""
+    """The modules a block is built from, each called as (dims, tp[, rng]): `across` hands the cp
+    group to `attention`, whose core (model/attention.py) then attends across the cp ranks, the
+    block around it unchanged; blocks the config makes Mixture-of-Experts (model.moe) take `moe`
+    for their MLP."""
 
     attention: Callable[..., nn.Module] = Attention
     mlp: Callable[..., nn.Module] = MLP

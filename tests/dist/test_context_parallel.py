@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megaframe.model.attention import CAUSAL, build_attention_core
 from megaframe.parallel.ring import ring_attention
 from megaframe.parallel.context import (ContextGroup, ulysses_attention, zigzag_positions,
                                         zigzag_shard, zigzag_unshard)
@@ -44,8 +45,8 @@ def _sharded(rank: int, world: int, impl: str, heads: int, kv_heads: int, seq: i
     cp = ContextGroup(group=None, ranks=tuple(range(world)), rank=rank)
     q, k, v, grad = (zigzag_shard(t, world, rank, dim=2) for t in _inputs(heads, kv_heads, seq))
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    attend = ring_attention if impl == "ring" else ulysses_attention
-    out = attend(q, k, v, cp)
+    core = build_attention_core(0.0, None, False, cp, impl)  # the model's path: its core (model/attention.py)
+    out = core(q, k, v, CAUSAL)
     out.backward(grad)
     return out.detach(), q.grad, k.grad, v.grad
 

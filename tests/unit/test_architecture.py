@@ -412,3 +412,58 @@ def test_the_wheel_lists_every_package():
     on_disk = {".".join(init.parent.relative_to(MEGAFRAME.parent).parts)
                for folder in ("megaframe", "hydra_plugins") for init in (MEGAFRAME.parent / folder).rglob("__init__.py")}
     assert on_disk - listed == set(), f"packages missing from pyproject.toml [tool.setuptools] packages: {sorted(on_disk - listed)}"
+
+
+# ---- one attention core per run, chosen in one place -------------------------------------------
+
+# what computes attention (SDPA, its aten ops, the cp kernels) or picks how: the cores and their table
+_ATTENTION_NAMES = {"scaled_dot_product_attention", "ring_attention", "ulysses_attention", "AttentionDropout",
+                    "SDPACore", "RingCore", "UlyssesCore", "_CP_CORES"}
+# model/attention.py chooses the core; parallel/ holds the kernels it wraps (and their own SDPA calls)
+_ATTENTION_HOMES = {"megaframe/model/attention.py", "megaframe/parallel/context.py", "megaframe/parallel/ring.py",
+                    "megaframe/parallel/attention_blocks.py"}
+
+
+def _attention_kernel_uses(source: str, filename: str) -> list[str]:
+    """Each place `source` names an attention kernel or core: a call, a reference handed on, an
+    import, or an aten `_scaled_dot_product_*` op."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=filename)):
+        names = []
+        if isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, ast.ImportFrom):
+            names = [alias.name for alias in node.names]
+        if any(n in _ATTENTION_NAMES or n.startswith("_scaled_dot_product") for n in names):
+            found.append(f"{filename}:{node.lineno}")
+    return found
+
+
+def test_the_attention_core_is_chosen_in_one_place():
+    """Attention runs through the core build_attention_core (model/attention.py) picks once per run:
+    nothing else calls SDPA or a cp kernel, or builds a core, so a new attention variant is a core
+    there and not another branch in a block (issue 54)."""
+    offenders = [hit for path in _source_files() if str(path.relative_to(MEGAFRAME.parent)) not in _ATTENTION_HOMES
+                 for hit in _attention_kernel_uses(path.read_text(), str(path.relative_to(MEGAFRAME.parent)))]
+    assert offenders == [], "attention computed or chosen outside model/attention.py at " + ", ".join(offenders)
+    home = MEGAFRAME / "model" / "attention.py"  # the check sees the uses that are allowed there
+    assert len(_attention_kernel_uses(home.read_text(), "attention.py")) >= 4
+
+
+def test_the_attention_check_finds_planted_uses():
+    planted = {
+        "y = F.scaled_dot_product_attention(q, k, v, is_causal=True)": True,
+        "from torch.nn.functional import scaled_dot_product_attention as sdpa": True,
+        "y = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)": True,
+        "attend = ring_attention if impl == 'ring' else ulysses_attention": True,
+        "from megaframe.parallel.ring import ring_attention": True,
+        "core = RingCore(0.0, None, cp)": True,
+        "d = AttentionDropout(p, seed)": True,
+        "core = build_attention_core(p, rng, gqa, context, cp_impl)": False,  # asking the one place
+        "y = self.core(q, k, v, self.mask)": False,
+        "y = decode_attention(q, k, v, past, gqa)": False,
+    }
+    for source, flagged in planted.items():
+        assert bool(_attention_kernel_uses(source, "planted.py")) is flagged, source

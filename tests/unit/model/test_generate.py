@@ -37,7 +37,7 @@ def model_of(cfg: ModelConfig, seed: int = 3):
                                                ("moe-capacity", False)])
 def test_each_steps_logits_are_the_full_forwards_of_the_cropped_context(name, kv_by_index, monkeypatch):
     if kv_by_index:  # torch < 2.5: the kv heads are repeated by index, not by SDPA
-        monkeypatch.setattr("megaframe.model.gpt._SDPA_HAS_GQA", False)
+        monkeypatch.setattr("megaframe.model.gpt.SDPA_HAS_GQA", False)
     model = model_of(MODELS[name])
     seen = []
     pick = gen.pick_next

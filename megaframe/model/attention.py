@@ -1,0 +1,150 @@
+"""The attention core: softmax(q k^T / sqrt(hs) + mask) v, one implementation per run.
+
+A block projects x into q, k and v and calls its core with them and a Mask; which core that is
+(SDPA on one rank's heads, or ring or Ulysses attention across the context-parallel ranks) is
+chosen once, by build_attention_core, from the config (model.dropout) and the layout (cp, cp_impl).
+Each core owns its attention dropout and the random stream it draws from, so the block has no
+branch and a new variant (FlexAttention, a masked ring) is one more core here plus its line in
+build_attention_core.
+
+Shapes, as nanoGPT writes them: q (B, nh, T, hs); k and v (B, nkv, T, hs), where nkv divides nh
+(grouped-query attention; the SDPA core is told whether SDPA may repeat the kv heads itself, the
+cp cores expand them); the output (B, nh, T, hs). Under context parallelism T is this rank's
+zig-zag shard (parallel/context.py).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megaframe.parallel.context import AttentionDropout, ContextGroup, ulysses_attention
+from megaframe.parallel.random import TPDropoutRNG
+from megaframe.parallel.ring import ring_attention
+
+__all__ = ["CAUSAL", "AttentionCore", "Mask", "RingCore", "SDPACore", "SDPA_HAS_GQA", "UlyssesCore",
+           "build_attention_core", "decode_attention"]
+
+# torch >= 2.5 lets SDPA serve several query heads from one kv head without copying k and v
+SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+@dataclass(frozen=True)
+class Mask:
+    """Which keys each query may see. Today only `causal` (every core's mask in training).
+
+    Made to grow by fields whose defaults mean "no restriction", so a Mask() stays plain causal
+    attention and every core keeps its fast path for it:
+      - documents: (B, T) document ids per token (this rank's shard under cp), from the batch: a
+        query sees only keys of its own document (Megatron's reset_attention_mask);
+      - window: Optional[int]: a query sees only the last `window` keys (sliding window);
+      - a per-layer pattern is no field: each block resolves it to its own Mask (window or None).
+    A core that cannot apply a mask says so in `supports`, which validation can ask before launch.
+    """
+
+    causal: bool = True
+
+
+CAUSAL = Mask()
+
+
+class AttentionCore(Protocol):
+    """What a block calls: core(q, k, v, mask) -> y, shapes as in the module docstring. A core is
+    an nn.Module without parameters, so model.train()/eval() switches its dropout."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor: ...
+
+    def supports(self, mask: Mask) -> bool: ...
+
+
+class SDPACore(nn.Module):
+    """torch's scaled_dot_product_attention on this rank's heads (no context parallelism).
+
+    Attention dropout acts on this rank's heads only, so under tensor parallelism it draws from the
+    rank's own stream (parallel/random.py's fork); without that stream, from torch's default one."""
+
+    def __init__(self, p: float, rng: Optional[TPDropoutRNG], gqa: bool):
+        super().__init__()
+        self.p, self.rng = p, rng
+        self.gqa = {"enable_gqa": True} if gqa else {}  # SDPA repeats the kv heads itself
+
+    def supports(self, mask: Mask) -> bool:
+        return True
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
+        p = self.p if self.training else 0.0
+        if p and self.rng is not None:
+            with self.rng.fork():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, dropout_p=p, **self.gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, dropout_p=p, **self.gqa)
+
+
+class _ContextCore(nn.Module):
+    """Causal attention across the cp ranks of `context`, through `kernel` (ring or Ulysses).
+
+    With dropout, the rank's own stream (it differs by tp and cp rank) draws one seed per call: the
+    ring seeds its tile masks from it; Ulysses' SDPA draws its masks from the same forked stream."""
+
+    kernel: Callable[..., torch.Tensor]
+
+    def __init__(self, p: float, rng: Optional[TPDropoutRNG], context: ContextGroup):
+        super().__init__()
+        self.p, self.rng, self.context = p, rng, context
+
+    def supports(self, mask: Mask) -> bool:
+        return mask.causal  # the zig-zag load balance and the kernels assume a causal mask
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
+        if not self.supports(mask):
+            raise ValueError(f"{type(self).__name__} attends causally only; it cannot apply {mask}")
+        kernel = type(self).kernel
+        if not (self.p if self.training else 0.0):
+            return kernel(q, k, v, self.context)
+        with self.rng.fork() if self.rng is not None else contextlib.nullcontext():
+            dropout = AttentionDropout(self.p, seed=int(torch.randint(0, 1 << 62, ())))  # a CPU draw: no device sync
+            return kernel(q, k, v, self.context, dropout=dropout)
+
+
+class RingCore(_ContextCore):
+    """parallel.cp_impl=ring: K/V blocks travel around the cp ranks (parallel/ring.py)."""
+
+    kernel = staticmethod(ring_attention)
+
+
+class UlyssesCore(_ContextCore):
+    """parallel.cp_impl=ulysses: all-to-all to head shards, SDPA on full length (parallel/context.py)."""
+
+    kernel = staticmethod(ulysses_attention)
+
+
+_CP_CORES: dict[str, type[_ContextCore]] = {"ring": RingCore, "ulysses": UlyssesCore}
+
+
+def build_attention_core(dropout: float, rng: Optional[TPDropoutRNG], gqa: bool,
+                         context: Optional[ContextGroup] = None, cp_impl: str = "ring") -> nn.Module:
+    """The run's attention core, the one place it is chosen: SDPA without context parallelism
+    (context None), else the parallel.cp_impl one. dropout: model.dropout (applied in training
+    only); rng: the per-TP-rank dropout stream (None at tp=1); gqa: whether SDPA may repeat kv heads."""
+    if context is None:
+        return SDPACore(dropout, rng, gqa)
+    if cp_impl not in _CP_CORES:
+        raise ValueError(f"parallel.cp_impl={cp_impl!r} is not one of {sorted(_CP_CORES)}")
+    return _CP_CORES[cp_impl](dropout, rng, context)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, gqa: bool) -> torch.Tensor:
+    """Attention of T new queries q (B, nh, T, hs) to the key/value cache plus themselves, k and v
+    (B, nh or nkv, past + T, hs): generation's path (model/generate.py), one rank, no dropout,
+    whichever core trained the model. Not a core call because its causal mask is aligned to the
+    end (the queries sit at positions past..past+T-1), which SDPA's is_causal is not."""
+    extra = {"enable_gqa": True} if gqa else {}
+    if past == 0:  # the prompt: causal, as in training
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **extra)
+    # one new token sees every key; a block of them sees the cache and its own past
+    mask = None if q.shape[2] == 1 else torch.ones(q.shape[2], past + q.shape[2], dtype=torch.bool,
+                                                   device=q.device).tril(past)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **extra)
