@@ -16,17 +16,18 @@ from megaframe.parallel.state import ParallelState
 
 def build_model(dims: GPTDims, ps: ParallelState, seed: int, activation_checkpointing: bool = False,
                 sequence_parallel: bool = False, grad_bucket=None, write_init=None, cp_impl: str = "ring",
-                built_shape=None, expert_marks=None, initialise: bool = True) -> nn.Module:
+                built_shape=None, expert_marks=None, initialise: bool = True, matmul=None) -> nn.Module:
     """An initialised GPT holding this rank's tensor-parallel shard (whole: pipeline stages are the engine's).
     grad_bucket: sum TP-replicated gradients once per step (parallel/grad_bucket.py);
     write_init(param, value): how a parameter takes its initial value (default: a copy; a model
     built partitioned writes its ZeRO-3 piece) and built_shape(param) the shape it was built with;
     cp_impl: how attention crosses the cp ranks when ps has cp > 1 (ring or ulysses); expert_marks:
     what the engine marks on each expert shard (parallel/experts.py); initialise=False: leave the
-    parameters as built (an engine that builds them on the meta device fills its shards later)."""
+    parameters as built (an engine that builds them on the meta device fills its shards later);
+    matmul: the MatmulRecipe every weight matmul computes through (parallel/matmul.py; None: default)."""
     if ps.pp != 1 and initialise:  # an engine may cut a model built whole on the meta device into stages
         raise NotImplementedError("a pipeline-parallel model is built by its engine's pipeline, not whole")
-    model = GPT(dims, tp=ps.tp_region(sequence_parallel, grad_bucket), rng=TPDropoutRNG(seed, ps.tp_rank, ps.cp_rank),
+    model = GPT(dims, tp=ps.tp_region(sequence_parallel, grad_bucket, matmul), rng=TPDropoutRNG(seed, ps.tp_rank, ps.cp_rank),
                 activation_checkpointing=activation_checkpointing, context=ps.context(), cp_impl=cp_impl,
                 ep=ps.experts(expert_marks))
     hooks = {"write": write_init, "built_shape": built_shape}

@@ -136,12 +136,13 @@ class ReplicatedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool):
         super().__init__()
         self.tp = tp
+        self.matmul = tp.site("replicated")
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.tp.sync_grad(self.bias, on_shards=True)
-        return F.linear(x, self.tp.sync_grad(self.weight, on_shards=True), bias)
+        return self.matmul.linear(x, self.tp.sync_grad(self.weight, on_shards=True), bias)
 
 
 class Attention(nn.Module):
@@ -278,6 +279,7 @@ class Embedding(nn.Module):
     def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG]):
         super().__init__()
         self.tp = tp
+        self.head_matmul = tp.site("head")  # GPT-2's tied LM head computes through it
         self.tok = VocabParallelEmbedding(dims.padded_vocab_size, dims.hidden_size, tp)
         self.pos = nn.Embedding(dims.seq_length, dims.hidden_size) if dims.position_embedding == "learned" else None
         self.dropout = Dropout(dims.dropout, rng, split_across_tp=tp.sequence_parallel)
@@ -326,7 +328,7 @@ def build_layer(layer: Layer, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropou
     if layer.kind == "final_norm":
         return build_norm(dims, tp)
     if layer.kind == "head":
-        return ColumnParallelLinear(dims.hidden_size, dims.padded_vocab_size, tp, bias=False)
+        return ColumnParallelLinear(dims.hidden_size, dims.padded_vocab_size, tp, bias=False, kind="head")
     raise ValueError(f"unknown layer kind {layer.kind!r}")
 
 
@@ -351,7 +353,7 @@ def forward_layers(owner: nn.Module, x: torch.Tensor, tokens: int, blocks, embed
 
 def tied_head_logits(embedding: "Embedding", x: torch.Tensor) -> torch.Tensor:
     """GPT-2's LM head: the token embedding's vocabulary shard, used as an output projection."""
-    return F.linear(embedding.tp.enter(x), embedding.tok.weight)
+    return embedding.head_matmul.linear(embedding.tp.enter(x), embedding.tok.weight)
 
 
 class GPT(nn.Module):

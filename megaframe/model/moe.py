@@ -28,6 +28,7 @@ from megaframe.model.mlp import MLP, Dropout, gelu
 from megaframe.model.recompute import recomputing
 from megaframe.parallel.experts import ExpertGroup, mark_expert_shard
 from megaframe.parallel.layers import TPGroup, at_least_fp32
+from megaframe.parallel.matmul import MatmulSite
 from megaframe.parallel.mappings import all_to_all_rows, gather_tokens, split_tokens
 
 
@@ -46,16 +47,16 @@ def _grouped_mm_works(x: torch.Tensor, *widths: int) -> bool:
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
-                   host_counts: Optional[list[int]] = None) -> torch.Tensor:
+                   host_counts: Optional[list[int]] = None, site: MatmulSite = TPGroup().site("experts")) -> torch.Tensor:
     """Rows of x grouped by expert (counts[g] rows for expert g, in order) times each expert's
     (out, in) weight: (M, in) -> (M, out), one grouped GEMM. Where torch has none for this device
     and dtype, a loop over the experts, which needs the row counts on the host (host_counts: read
-    once by the caller for all its projections)."""
+    once by the caller for all its projections). Both compute through `site`, the matmul seam."""
     if _grouped_mm_works(x, *weight.shape[-2:]):
         offsets = torch.cumsum(counts, 0).to(torch.int32)
-        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+        return site.grouped_mm(x, weight, offsets)
     pieces = torch.split(x, counts.tolist() if host_counts is None else host_counts)
-    return torch.cat([piece @ w.t() for piece, w in zip(pieces, weight)])
+    return torch.cat([site.linear(piece, w) for piece, w in zip(pieces, weight)])
 
 
 class Router(nn.Module):
@@ -67,6 +68,7 @@ class Router(nn.Module):
         super().__init__()
         moe = dims.moe
         self.tp, self.moe = tp, moe
+        self.matmul = tp.site("router")
         self.weight = nn.Parameter(torch.empty(moe.num_experts, dims.hidden_size))
         # not persistent: checkpoints keep it in their state (router_biases), whole on every layout
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts) if moe.bias_update_rate else None,
@@ -75,7 +77,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, C) -> logits (N, E) fp32, scores (N, E) fp32, top_idx (N, k), top_weights (N, k) fp32."""
         # the tokens here are this TP rank's share: the weight's gradient is summed over TP
-        logits = F.linear(at_least_fp32(x), at_least_fp32(self.tp.sync_grad(self.weight, on_shards=True)))
+        logits = self.matmul.linear(at_least_fp32(x), at_least_fp32(self.tp.sync_grad(self.weight, on_shards=True)))
         scores = torch.softmax(logits, dim=-1) if self.moe.router_score == "softmax" else torch.sigmoid(logits)
         choose_by = scores if self.expert_bias is None else scores + self.expert_bias
         top_idx = torch.topk(choose_by, self.moe.top_k, dim=-1, sorted=False).indices
@@ -93,6 +95,7 @@ class Experts(nn.Module):
         super().__init__()
         moe = dims.moe
         self.tp = tp
+        self.matmul = tp.site("experts")
         self.activation = dims.activation
         self.swiglu = dims.activation == "swiglu"
         local, h, f = moe.num_experts // ep.size, dims.hidden_size, moe.ffn_hidden_size
@@ -111,12 +114,12 @@ class Experts(nn.Module):
         # without a grouped GEMM (fp32/fp16 on CUDA, bf16 before Ampere or misaligned widths) the loop over experts reads
         # the counts to the host: once per layer and micro-batch, as Megatron's SequentialMLP does
         host = None if _grouped_mm_works(x, self.hidden, self.ffn) else counts.tolist()
-        up = grouped_linear(x, w(self.up_proj), counts, host)
+        up = grouped_linear(x, w(self.up_proj), counts, host, self.matmul)
         if self.swiglu:
-            hidden = F.silu(grouped_linear(x, w(self.gate_proj), counts, host)) * up
+            hidden = F.silu(grouped_linear(x, w(self.gate_proj), counts, host, self.matmul)) * up
         else:
             hidden = gelu(up, self.activation)
-        return grouped_linear(hidden, w(self.down_proj), counts, host)
+        return grouped_linear(hidden, w(self.down_proj), counts, host, self.matmul)
 
     def _summed_over_tp(self, param: nn.Parameter) -> torch.Tensor:
         # each TP rank routes 1/tp of the tokens: an expert's gradient is the sum over TP ranks

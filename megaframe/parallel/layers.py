@@ -12,6 +12,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megaframe.parallel.matmul import DEFAULT as DEFAULT_MATMUL
+from megaframe.parallel.matmul import MatmulRecipe, MatmulSite
 from megaframe.parallel.mappings import (copy_to_tp_region, gather_from_sequence_parallel_region,
                                          reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region)
 
@@ -31,6 +33,11 @@ class TPGroup:
     rank: int = 0
     sequence_parallel: bool = False
     grad_bucket: Any = None  # a ReplicatedGradBucket: sum replicated gradients once per step, not per use
+    matmul: MatmulRecipe = DEFAULT_MATMUL  # how the layers' weight matmuls compute (parallel/matmul.py)
+
+    def site(self, kind: str) -> MatmulSite:
+        """The seam a layer of `kind` (matmul.KINDS) calls for its local GEMM, fixed at build."""
+        return MatmulSite(kind, self)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Into a TP region: replicated input (backward all-reduce), or all-gathered sequence under SP."""
@@ -111,9 +118,10 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = True,
-                 enter: bool = True):
+                 enter: bool = True, kind: str = "column"):
         super().__init__()
         self.tp, self.enter = tp, enter
+        self.matmul = tp.site(kind)  # "head" for the vocabulary-parallel LM head
         local = _divide(out_features, tp, "output features")
         self.weight = mark_shard(nn.Parameter(torch.empty(local, in_features)), (out_features, in_features), 0, tp)
         self.bias = mark_shard(nn.Parameter(torch.empty(local)), (out_features,), 0, tp) if bias else None
@@ -121,7 +129,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter:
             x = self.tp.enter(x)
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -130,12 +138,13 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = True):
         super().__init__()
         self.tp = tp
+        self.matmul = tp.site("row")
         local = _divide(in_features, tp, "input features")
         self.weight = mark_shard(nn.Parameter(torch.empty(out_features, local)), (out_features, in_features), 1, tp)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # replicated, added once after the sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.exit(F.linear(x, self.weight))
+        y = self.tp.exit(self.matmul.linear(x, self.weight))
         if self.bias is not None:
             y = y + self.tp.sync_grad(self.bias)
         return y

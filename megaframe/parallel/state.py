@@ -72,13 +72,15 @@ class ParallelState(OnGrid):
         """Global ranks of this rank's group along `axes`."""
         return self.grid.group_of(self.rank, *axes)
 
-    def tp_region(self, sequence_parallel: bool = False, grad_bucket=None):
-        """The TPGroup that tensor-parallel layers take (grad_bucket: parallel/grad_bucket.py)."""
+    def tp_region(self, sequence_parallel: bool = False, grad_bucket=None, matmul=None):
+        """The TPGroup that tensor-parallel layers take (grad_bucket: parallel/grad_bucket.py;
+        matmul: the MatmulRecipe of the model's weight matmuls, parallel/matmul.py; None: default)."""
         from megaframe.parallel.layers import TPGroup
 
+        recipe = {} if matmul is None else {"matmul": matmul}
         return TPGroup(group=self.tp_group if self.tp > 1 else None, size=self.tp, rank=self.tp_rank,
                        sequence_parallel=sequence_parallel and self.tp > 1,
-                       grad_bucket=grad_bucket if self.tp > 1 else None)
+                       grad_bucket=grad_bucket if self.tp > 1 else None, **recipe)
 
     # ---- coordinates (RankCoords', by name; the degrees come from OnGrid) ----------------------
     @property

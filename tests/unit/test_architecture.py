@@ -467,3 +467,49 @@ def test_the_attention_check_finds_planted_uses():
     }
     for source, flagged in planted.items():
         assert bool(_attention_kernel_uses(source, "planted.py")) is flagged, source
+
+
+# ---- the model's weight matmuls go through one seam -----------------------------------------------
+
+_MATMUL_SEAM = MEGAFRAME / "parallel" / "matmul.py"
+_MATMUL_CALLS = {"F.linear", "functional.linear", "torch.nn.functional.linear", "torch._grouped_mm",
+                 "torch.matmul", "torch.mm", "torch.bmm", "torch.addmm", "torch.baddbmm"}
+
+
+def _direct_matmuls(path: Path) -> list[str]:
+    """Each matmul `path` computes without the seam: a call of torch's linear, grouped GEMM or
+    matmul functions, an import of them by name, or the `@` operator (attention's activation
+    products use einsum, so every `@` here would be a weight matmul)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in _MATMUL_CALLS:
+            found.append(f"{path.name}:{node.lineno} {ast.unparse(node.func)}")
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+            found.append(f"{path.name}:{node.lineno} @")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch") and any(
+                alias.name in ("linear", "_grouped_mm", "matmul", "mm", "bmm") for alias in node.names):
+            found.append(f"{path.name}:{node.lineno} import")
+    return found
+
+
+def test_the_matmul_finder_finds_planted_matmuls(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("import torch\nimport torch.nn.functional as F\nfrom torch.nn.functional import linear\n"
+                       "def f(x, w, o):\n    a = F.linear(x, w)\n    b = torch._grouped_mm(x, w, offs=o)\n"
+                       "    return x @ w.t(), torch.nn.functional.linear(x, w), torch.matmul(x, w)\n")
+    assert _direct_matmuls(planted) == ["planted.py:3 import", "planted.py:5 F.linear", "planted.py:6 torch._grouped_mm",
+                                        "planted.py:7 @", "planted.py:7 torch.nn.functional.linear",
+                                        "planted.py:7 torch.matmul"]
+    planted.write_text("import torch\ndef f(site, x, w):\n    return site.linear(x, w), torch.einsum('ij,jk->ik', x, w)\n")
+    assert _direct_matmuls(planted) == []
+
+
+def test_the_models_weight_matmuls_go_through_the_seam():
+    """Every weight matmul of the model (TP linears, the LM head, the router, the expert GEMM)
+    computes through parallel/matmul.py's recipe, where a precision recipe (fp8) plugs in before the
+    model is built: one that called torch directly would silently stay in the model's dtype."""
+    paths = [path for package in ("model", "parallel") for path in sorted((MEGAFRAME / package).rglob("*.py"))
+             if path != _MATMUL_SEAM]
+    assert len(paths) > 10 and _direct_matmuls(_MATMUL_SEAM), "the walk found no files or the seam no matmul"
+    found = [hit for path in paths for hit in _direct_matmuls(path)]
+    assert found == [], "matmuls outside parallel/matmul.py: " + ", ".join(found)

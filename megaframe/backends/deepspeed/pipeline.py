@@ -90,7 +90,7 @@ class HeadPipe(ColumnParallelLinear):
     """Untied LM head (Llama): column-parallel over the padded vocabulary."""
 
     def __init__(self, dims: GPTDims, tp: TPGroup, seed: int):
-        super().__init__(dims.hidden_size, dims.padded_vocab_size, tp, bias=False)
+        super().__init__(dims.hidden_size, dims.padded_vocab_size, tp, bias=False, kind="head")
         init_parameters(self, "head", dims, seed)
 
 
@@ -113,11 +113,12 @@ PARTITION_METHODS = {"uniform": "type:BlockPipe", "parameters": "parameters"}
 def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition: str = "uniform",
                          activation_checkpointing: bool = False, sequence_parallel: bool = False,
                          spec: Optional[ModelSpec] = None, grad_bucket=None, cp_impl: str = "ring",
-                         accumulation_steps: int = 1) -> PipelineModule:
+                         accumulation_steps: int = 1, matmul=None) -> PipelineModule:
     """This rank's stage of the pipelined GPT: ModelSpec's layer list as DeepSpeed LayerSpecs, on
-    the topology built from ParallelState's grid (whose data axis is dp x cp)."""
+    the topology built from ParallelState's grid (whose data axis is dp x cp); matmul: the
+    MatmulRecipe of the weight matmuls (parallel/matmul.py; None: default)."""
     spec = spec or ModelSpec(dims)
-    tp = ps.tp_region(sequence_parallel, grad_bucket)
+    tp = ps.tp_region(sequence_parallel, grad_bucket, matmul)
     rng = TPDropoutRNG(seed, ps.tp_rank, ps.cp_rank)
     context = ps.context()
     rope = RopeTables(dims)

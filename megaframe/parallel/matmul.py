@@ -1,0 +1,87 @@
+"""The one seam for the model's weight matmuls: every linear of the model (column-, row- and
+replicated-parallel, the vocabulary-parallel LM head, the router) and the experts' grouped GEMM
+call a MatmulRecipe here, never torch's matmuls directly (tests/unit/test_architecture.py).
+
+The recipe is the local GEMM only: the TP layers keep their collectives (mappings.py) around it.
+It is chosen once, before the model is built (and compiled), and travels on the TPGroup every
+layer takes (`TPGroup.matmul`, set by ParallelState.tp_region / build_model(matmul=...)); each
+layer fixes its MatmulSite when built, so a recipe knows at every call what a precision recipe
+such as fp8 must know to compute what tp=1 computes:
+
+- `kind`: which matmul this is (KINDS); `spans_tp(kind)` says which operands are pieces of a
+  tensor split over the TP ranks, whose scale (an amax) must be reduced over `site.tp.group`
+  (Megatron's TP amax reduction): a column-parallel or head weight is split by rows, a
+  row-parallel GEMM by its reduction dimension (input and weight), expert GEMMs and the router
+  see 1/tp of the tokens each;
+- `site.tp`: the layer's TPGroup (group, size, rank, sequence_parallel).
+
+The default recipe makes exactly the calls the model made before the seam (bitwise the same
+curves). A new recipe is a subclass here plus its config key and the planner's peak table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+# column: weight split by output rows over TP, input whole on every TP rank (entered/gathered)
+# row: weight and input split along the reduction dimension; partial outputs summed after
+# replicated: a whole weight on every TP rank on the same input (kv heads when tp exceeds them)
+# head: the vocabulary-parallel LM head (its own or the tied embedding): column-split vocabulary
+# router: the MoE router, in fp32 (recipes that lower precision leave it alone)
+# experts: the grouped expert GEMM (and its per-expert fallback); whole experts, 1/tp of the tokens
+KINDS = ("column", "row", "replicated", "head", "router", "experts")
+
+# which operands of each kind are pieces of a tensor whose other pieces lie on the other TP ranks
+_SPANS_TP = {"column": ("weight",), "head": ("weight",), "row": ("input", "weight"),
+             "replicated": (), "router": ("input",), "experts": ("input",)}
+
+
+def spans_tp(kind: str) -> tuple[str, ...]:
+    """The operands ("input", "weight") of a `kind` matmul that are split over the TP group, so
+    that a tensorwise scale of them is an amax reduced over site.tp.group (at tp > 1)."""
+    return _SPANS_TP[kind]
+
+
+@dataclass(frozen=True)
+class MatmulSite:
+    """One weight matmul of the model, fixed when its layer is built: what it is and its TPGroup."""
+
+    kind: str
+    tp: Any  # parallel.layers.TPGroup (not imported: layers imports this module)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown matmul kind {self.kind!r}; one of {KINDS}")
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x Wᵀ + b through the model's recipe."""
+        return self.tp.matmul.linear(x, weight, bias, self)
+
+    def grouped_mm(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Rows of x grouped by expert times each expert's (out, in) weight, through the recipe."""
+        return self.tp.matmul.grouped_mm(x, weight, offsets, self)
+
+
+@dataclass(frozen=True)
+class MatmulRecipe:
+    """The default recipe: torch's matmuls in the model's dtype, as megaframe always computed them.
+    Stateless and frozen: one instance serves every layer and rank (no mutable global)."""
+
+    name: str = "default"
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+               site: MatmulSite) -> torch.Tensor:
+        """x (..., in) times weight (out, in) plus bias (out,) -> (..., out), at `site`."""
+        return F.linear(x, weight, bias)
+
+    def grouped_mm(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                   site: MatmulSite) -> torch.Tensor:
+        """x (M, in) whose rows [offsets[g-1], offsets[g]) belong to expert g, times weight
+        (E, out, in) -> (M, out): one grouped GEMM (offsets int32, cumulative)."""
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+
+
+DEFAULT = MatmulRecipe()
