@@ -61,6 +61,7 @@ class TiedHead(nn.Module):
     def __init__(self, tok: nn.Module, tp):
         super().__init__()
         self.tok, self.tp = tok, tp
+        self.head_matmul = tp.site("head")  # the tied head computes through the matmul seam, as GPT's does
 
 
 class Stage(nn.Module):
