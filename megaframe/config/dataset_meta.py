@@ -22,6 +22,32 @@ class SidecarError(ValueError):
 
 def recorded_vocab_size(prefix: str) -> Optional[int]:
     """The vocab_size PREFIX.json records; None without a sidecar or without the field."""
+    recorded = _recorded(prefix)
+    vocab = None if recorded is None else recorded.get("vocab_size")
+    if vocab is None:
+        return None
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise SidecarError(f"{prefix}.json: its vocab_size is {vocab!r}, not a whole number >= 1 (damaged or edited); "
+                           f"{_REBUILD}")
+    return vocab
+
+
+def document_ends_problem(prefix: str) -> Optional[str]:
+    """Why PREFIX's tokens carry no end-of-document token to cut documents at (its sidecar records
+    no eod_id, or a build with --no-append-eod), or None; a dataset without a sidecar takes the
+    tokenizer's eod_id."""
+    recorded = _recorded(prefix)
+    if recorded is None:
+        return None
+    if "eod_id" in recorded and recorded["eod_id"] is None:
+        return f"{prefix}.json records no end-of-document id"
+    if recorded.get("append_eod") is False:
+        return f"{prefix} was built with --no-append-eod: its documents carry no end-of-document token"
+    return None
+
+
+def _recorded(prefix: str) -> Optional[dict]:
+    """PREFIX.json's object; None without a sidecar; SidecarError, one line, when it is no sidecar."""
     meta = Path(prefix + ".json")
     if not meta.is_file():
         return None
@@ -38,10 +64,4 @@ def recorded_vocab_size(prefix: str) -> Optional[int]:
         raise SidecarError(f"{meta}: cannot read it ({err.strerror}); {_REBUILD}") from None
     if not isinstance(recorded, dict):
         raise SidecarError(f"{meta} must hold a JSON object; {_REBUILD}")
-    vocab = recorded.get("vocab_size")
-    if vocab is None:
-        return None
-    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
-        raise SidecarError(f"{meta}: its vocab_size is {vocab!r}, not a whole number >= 1 (damaged or edited); "
-                           f"{_REBUILD}")
-    return vocab
+    return recorded

@@ -56,6 +56,11 @@ class ModelConfig:
     init_std: float = 0.02
     head_dim: Optional[int] = None  # None = hidden_size / num_attention_heads (Qwen3 sets 128)
     qk_norm: bool = False  # RMSNorm on each query and key head before RoPE (Qwen3, OLMoE)
+    # sliding-window attention (Mistral): a query sees the last W tokens, itself included; null = full
+    sliding_window: Optional[int] = None
+    # which layers skip the window (Megatron's key): N = every N-th layer global; a list of 1 (window)
+    # and 0 (global), repeated over the layers (Gemma 3: [1,1,1,1,1,0]); null = every layer windowed
+    window_attn_skip_freq: Optional[Any] = None
     moe: MoEConfig = field(default_factory=MoEConfig)
 
 
@@ -161,6 +166,10 @@ class DataConfig:
     tokenizer: str = "byte"  # byte | a local Hugging Face tokenizer directory
     valid_fraction: float = 0.05
     cache_dir: Optional[str] = None  # None = $XDG_CACHE_HOME/megaframe or ~/.cache/megaframe
+    # attention stops at each end-of-document token of a packed sample and positions restart
+    # (Megatron's reset_attention_mask + reset_position_ids); the dataset's eod_id marks the ends
+    document_mask: bool = False
+    eod_mask_loss: bool = False  # leave end-of-document targets out of the loss (Megatron's option)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from megaframe.config.attention_rules import check_attention
 from megaframe.config.dataset_meta import SidecarError, recorded_vocab_size
 from megaframe.config.empty_values import empty_value_problem
 from megaframe.config.choices import choice_problem
@@ -526,7 +527,8 @@ def validate(cfg: TrainConfig, world_size: int,
     # empty values and absurd sizes first: the others would word an empty key's cause as something
     # else, and walk a typo's 10**12 (its divisors, a list of batch sizes) before refusing it
     for rule in (empty_value_problem, absurd_size_problem,
-                 check_model, check_optim, check_train, check_cluster, check_data, engine_rule, check_pipeline,
+                 check_model, check_optim, check_train, check_cluster, check_data, check_attention, engine_rule,
+                 check_pipeline,
                  check_launcher, check_plan, check_finite):
         if err := rule(cfg):
             raise ConfigError(err)

@@ -2,6 +2,7 @@
 
 Both directions work on full, unpadded fp32 tensors keyed by canonical names (model/full_state.py):
   Llama flavour (rmsnorm + swiglu + rope)      <-> LlamaForCausalLM   (a rename: same layouts)
+  Llama flavour + model.sliding_window, no bias <-> MistralForCausalLM (the same names)
   GPT-2 flavour (layernorm + gelu + learned)   <-> GPT2LMHeadModel    (fused, transposed Conv1D)
   Llama flavour + model.moe, every block routed <-> MixtralForCausalLM
   Llama flavour + model.moe + model.qk_norm    <-> Qwen3MoeForCausalLM (dense blocks allowed)
@@ -43,7 +44,8 @@ _QK_NORM = [("attn.q_norm.weight", "self_attn.q_norm.weight"), ("attn.k_norm.wei
 _EXPERT_NAMES = {"mixtral": [("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")],
                  "qwen3_moe": [("gate_proj", "gate_proj"), ("up_proj", "up_proj"), ("down_proj", "down_proj")]}
 _MOE_MODULE = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp"}
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM",
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel",
+                  "mixtral": "MixtralForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
@@ -75,6 +77,8 @@ def hf_architecture(cfg: ModelConfig) -> str:
     'qwen3_moe'; refuses (one line naming our key) what none of them computes."""
     kind, moe = flavour(cfg), cfg.moe
     default_head = cfg.hidden_size // cfg.num_attention_heads
+    if cfg.sliding_window is not None:
+        return _windowed_architecture(cfg, kind)
     if not moe.num_experts:
         if cfg.qk_norm:
             raise ConvertError("model.qk_norm=true has no LlamaForCausalLM / GPT2LMHeadModel equivalent; HF export "
@@ -111,6 +115,19 @@ def hf_architecture(cfg: ModelConfig) -> str:
     if cfg.bias:
         raise ConvertError("model.bias=true: MixtralForCausalLM has no biases")
     return "mixtral"
+
+
+def _windowed_architecture(cfg: ModelConfig, kind: str) -> str:
+    """'mistral' for a dense windowed Llama-flavour model; refuses the windows it cannot export."""
+    if cfg.window_attn_skip_freq is not None:
+        raise ConvertError(f"model.window_attn_skip_freq={cfg.window_attn_skip_freq}: MistralForCausalLM windows "
+                           "every layer; HF export takes model.sliding_window alone")
+    if kind != "llama" or cfg.qk_norm or cfg.moe.num_experts:
+        raise ConvertError(f"model.sliding_window={cfg.sliding_window} exports as MistralForCausalLM only: the dense "
+                           "Llama flavour without model.qk_norm or model.moe")
+    if cfg.bias:
+        raise ConvertError("model.bias=true with model.sliding_window: MistralForCausalLM has no biases")
+    return "mistral"
 
 
 def read_part(state: Mapping[str, torch.Tensor], name: str, index: tuple) -> torch.Tensor:
@@ -163,9 +180,10 @@ def to_hf_plan(cfg: ModelConfig, shapes: Mapping[str, Any]) -> tuple[Any, dict[s
     arch = hf_architecture(cfg)
     if arch == "gpt2":
         return _gpt2_to_hf(cfg, get)
-    config = (_llama_hf_config if arch == "llama" else _moe_hf_config)(cfg, arch)
+    dense = arch in ("llama", "mistral")
+    config = (_llama_hf_config if dense else _moe_hf_config)(cfg, arch)
     plan = {theirs: get(ours) for ours, theirs in _llama_names(cfg).items()}
-    if arch != "llama":
+    if not dense:
         plan.update(_experts_to_hf(cfg, arch, get))
     return config, plan
 
@@ -175,9 +193,21 @@ def _head_dim(cfg: ModelConfig) -> Optional[int]:
     return cfg.head_dim if cfg.head_dim not in (None, cfg.hidden_size // cfg.num_attention_heads) else None
 
 
-def _llama_hf_config(cfg: ModelConfig, arch: str = "llama"):  # arch: the signature of _moe_hf_config
+def _llama_hf_config(cfg: ModelConfig, arch: str = "llama"):
+    """LlamaConfig, or MistralConfig (arch 'mistral': Llama with a sliding window, no biases)."""
     from transformers import LlamaConfig
 
+    if arch == "mistral":
+        from transformers import MistralConfig
+
+        return MistralConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=ffn_hidden_size(cfg),
+            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_kv_heads or cfg.num_attention_heads, head_dim=_head_dim(cfg),
+            hidden_act="silu", max_position_embeddings=cfg.seq_length, rms_norm_eps=cfg.norm_eps,
+            rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings, sliding_window=cfg.sliding_window,
+            attention_dropout=0.0, initializer_range=cfg.init_std, bos_token_id=None, eos_token_id=None,
+            architectures=["MistralForCausalLM"])
     return LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=ffn_hidden_size(cfg),
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
@@ -323,7 +353,8 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor]) -> tuple[ModelCo
 def config_from_hf(hf_config: dict) -> ModelConfig:
     """The megaframe ModelConfig of an HF config.json dict; refuses what megaframe cannot reproduce."""
     model_type = hf_config.get("model_type")
-    readers = {"llama": _llama_config, "gpt2": _gpt2_config, "mixtral": _mixtral_config, "qwen3_moe": _qwen3_moe_config}
+    readers = {"llama": _llama_config, "mistral": _mistral_config, "gpt2": _gpt2_config, "mixtral": _mixtral_config,
+               "qwen3_moe": _qwen3_moe_config}
     if model_type not in readers:
         raise ConvertError(f"config.json model_type={model_type!r} is not supported; from-hf reads "
                            f"{', '.join(repr(t) for t in readers)} models")
@@ -415,6 +446,21 @@ def _llama_config(hf: dict) -> ModelConfig:
                        ffn_hidden_size=hf["intermediate_size"])
 
 
+def _mistral_config(hf: dict) -> ModelConfig:
+    """Mistral: Llama without biases, with a sliding window over every layer (null: none)."""
+    _check(hf, _ROPE_RULES)
+    return _rope_model(hf, default_theta=10000.0, default_eps=1e-6, default_positions=4096 * 32,
+                       ffn_hidden_size=hf["intermediate_size"], bias=False, sliding_window=_window(hf))
+
+
+def _window(hf: dict) -> Optional[int]:
+    """config.json's sliding_window as model.sliding_window (null: full attention)."""
+    window = hf.get("sliding_window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise _refuse("sliding_window", window, "must be a whole number >= 1 or null")
+    return window
+
+
 def _num_experts(hf: dict, key: str) -> int:
     experts = hf.get(key)
     if not isinstance(experts, int) or experts < 1:
@@ -425,7 +471,7 @@ def _num_experts(hf: dict, key: str) -> int:
 def _mixtral_config(hf: dict) -> ModelConfig:
     """Mixtral: every block routed, softmax router, top-k weights renormalised, no shared experts, no biases."""
     _check(hf, _ROPE_RULES + [
-        ("sliding_window", lambda v: v is None, "megaframe's attention has no sliding window"),
+        ("sliding_window", lambda v: v is None, "megaframe imports sliding windows of Mistral models only"),
         ("router_jitter_noise", lambda v: not v, "megaframe's router has no jitter noise"),
     ])
     experts = _num_experts(hf, "num_local_experts" if "num_local_experts" in hf else "num_experts")
@@ -444,7 +490,7 @@ def _qwen3_moe_config(hf: dict) -> ModelConfig:
     decoder_sparse_step and mlp_only_layers route, which must be first_dense_layers then every
     layer_freq-th (what model.moe can say)."""
     _check(hf, _ROPE_RULES + [
-        ("use_sliding_window", lambda v: not v, "megaframe's attention has no sliding window"),
+        ("use_sliding_window", lambda v: not v, "megaframe imports sliding windows of Mistral models only"),
     ])
     experts = _num_experts(hf, "num_experts" if "num_experts" in hf else "num_local_experts")
     layers, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)

@@ -15,7 +15,7 @@ zig-zag shard (parallel/context.py).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
 
 import torch
@@ -33,20 +33,42 @@ __all__ = ["CAUSAL", "AttentionCore", "Mask", "RingCore", "SDPACore", "SDPA_HAS_
 SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Mask:
-    """Which keys each query may see. Today only `causal` (every core's mask in training).
-
-    Made to grow by fields whose defaults mean "no restriction", so a Mask() stays plain causal
-    attention and every core keeps its fast path for it:
-      - documents: (B, T) document ids per token (this rank's shard under cp), from the batch: a
-        query sees only keys of its own document (Megatron's reset_attention_mask);
-      - window: Optional[int]: a query sees only the last `window` keys (sliding window);
-      - a per-layer pattern is no field: each block resolves it to its own Mask (window or None).
-    A core that cannot apply a mask says so in `supports`, which validation can ask before launch.
+    """Which keys each query may see; every field's default means "no restriction", so a Mask()
+    is plain causal attention and every core keeps its fast path for it:
+      - causal: a query sees no later key;
+      - documents: (B, T) document ids per token (model/masking.py computes them on the device from
+        the tokens and the end-of-document id): a query sees only keys of its own document
+        (Megatron's reset_attention_mask);
+      - window: a query sees only the last `window` keys, itself included (Mistral's sliding
+        window, transformers' convention); a per-layer pattern is no field: each block holds its
+        own Mask (model/masking.py's layer_mask).
+    A core that cannot apply a mask says so in `supports`; validation refuses such a run before
+    launch (config/attention_rules.py). Compared by identity (eq=False): a mask may hold a tensor.
     """
 
     causal: bool = True
+    documents: Optional[torch.Tensor] = field(default=None, repr=False)
+    window: Optional[int] = None
+
+    def restricts(self, length: int) -> bool:
+        """Whether over `length` keys this mask restricts more than `causal` does: documents, or a
+        window shorter than the sequence (W >= T is no window, bitwise)."""
+        return self.documents is not None or (self.window is not None and self.window < length)
+
+    def allowed(self, length: int, device) -> torch.Tensor:
+        """The boolean mask SDPA takes, True where a query may see a key: (1 or B, 1, T, T), built on
+        the device from index comparisons (no host tensor, no sync)."""
+        query = torch.arange(length, device=device).unsqueeze(1)  # (T, 1)
+        key = torch.arange(length, device=device).unsqueeze(0)  # (1, T)
+        allowed = key <= query if self.causal else torch.ones(length, length, dtype=torch.bool, device=device)
+        if self.window is not None:
+            allowed = allowed & (query - key < self.window)
+        allowed = allowed.unsqueeze(0)  # (1, T, T)
+        if self.documents is not None:
+            allowed = allowed & (self.documents.unsqueeze(2) == self.documents.unsqueeze(1))  # (B, T, T)
+        return allowed.unsqueeze(1)  # (1 or B, 1, T, T): every head the same
 
 
 CAUSAL = Mask()
@@ -73,14 +95,21 @@ class SDPACore(nn.Module):
         self.gqa = {"enable_gqa": True} if gqa else {}  # SDPA repeats the kv heads itself
 
     def supports(self, mask: Mask) -> bool:
-        return True
+        return True  # any Mask, as a boolean attn_mask
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
         p = self.p if self.training else 0.0
+        T = q.shape[2]
+        # an unrestricted mask keeps SDPA's is_causal path (its curves unchanged bitwise); other
+        # masks go in as a dense boolean mask: exact in fp32 (masked scores are -inf, their weights
+        # exact zeros), on every device and dtype, with no compile step. FlexAttention's block
+        # masks skip the empty tiles on GPUs; that is a core of its own (issue 54, item 1)
+        masked = {"attn_mask": mask.allowed(T, q.device)} if mask.restricts(T) else {}
+        causal = not masked and mask.causal
         if p and self.rng is not None:
             with self.rng.fork():
-                return F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, dropout_p=p, **self.gqa)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, dropout_p=p, **self.gqa)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p, **masked, **self.gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p, **masked, **self.gqa)
 
 
 class _ContextCore(nn.Module):
@@ -96,7 +125,9 @@ class _ContextCore(nn.Module):
         self.p, self.rng, self.context = p, rng, context
 
     def supports(self, mask: Mask) -> bool:
-        return mask.causal  # the zig-zag load balance and the kernels assume a causal mask
+        # the zig-zag load balance and the kernels assume plain causal attention: no document or
+        # window mask yet (issue 54, item 4); validation refuses those runs before launch
+        return mask.causal and mask.documents is None and mask.window is None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
         if not self.supports(mask):

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megaframe.config.schema import ModelConfig, MoEConfig
+from megaframe.config.schema import DataConfig, ModelConfig, MoEConfig
 from megaframe.config.validate import ffn_hidden_size, padded_vocab_size
 
 
@@ -66,6 +66,12 @@ class GPTDims:
     head_dim: int = 0  # 0 = hidden_size / num_heads (dims built by hand in tests leave it out)
     qk_norm: bool = False
     moe: Optional[MoEDims] = None  # None: every block dense
+    sliding_window: Optional[int] = None  # model.sliding_window: keys a query sees, itself included
+    window_pattern: tuple[int, ...] = ()  # 1 windowed, 0 global, repeated over the blocks; () all windowed
+    # data.document_mask / data.eod_mask_loss, with the dataset's end-of-document id they act on
+    eod_id: Optional[int] = None
+    document_mask: bool = False
+    eod_mask_loss: bool = False
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -81,6 +87,31 @@ class GPTDims:
     @property
     def num_moe_blocks(self) -> int:
         return self.moe_blocks_in(0, self.num_layers)
+
+    def window_of(self, index: int) -> Optional[int]:
+        """Block `index`'s sliding window, None where it attends globally."""
+        pattern = self.window_pattern
+        if self.sliding_window is None or (pattern and not pattern[index % len(pattern)]):
+            return None
+        return self.sliding_window
+
+
+def window_pattern(skip_freq: Any) -> tuple[int, ...]:
+    """model.window_attn_skip_freq as GPTDims.window_pattern: N -> N-1 windowed blocks then a global
+    one (Megatron's reading); a list of 1/0 as given; null -> () (every block windowed)."""
+    if skip_freq is None:
+        return ()
+    if isinstance(skip_freq, int):
+        return (1,) * (skip_freq - 1) + (0,)
+    return tuple(int(x) for x in skip_freq)
+
+
+def document_dims(dims: GPTDims, data: DataConfig, eod_id: Optional[int]) -> GPTDims:
+    """dims with data.document_mask and data.eod_mask_loss, acting on the dataset's eod_id."""
+    if not (data.document_mask or data.eod_mask_loss):
+        return dims
+    return dataclasses.replace(dims, eod_id=eod_id, document_mask=data.document_mask,
+                               eod_mask_loss=data.eod_mask_loss)
 
 
 def resolve_dims(cfg: ModelConfig, tokenizer_vocab_size: int, tp: int = 1, device_type: str = "cuda") -> GPTDims:
@@ -108,6 +139,8 @@ def resolve_dims(cfg: ModelConfig, tokenizer_vocab_size: int, tp: int = 1, devic
         head_dim=cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads,
         qk_norm=cfg.qk_norm,
         moe=resolve_moe(cfg),
+        sliding_window=cfg.sliding_window,
+        window_pattern=window_pattern(cfg.window_attn_skip_freq),
     )
 
 

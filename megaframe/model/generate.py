@@ -145,6 +145,9 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
     if generator is None and seed is not None:
         generator = torch.Generator(device=idx.device).manual_seed(seed)
     window = model.dims.seq_length
+    # the cached path attends to every cached key: a sliding-window model recomputes its context
+    # through its cores instead (each block's window applied), slower but exact
+    use_cache = use_cache and model.dims.sliding_window is None
     cache = KVCache(len(model.blocks), window) if use_cache else None
     pending = idx[:, -window:]  # the tokens the cache does not hold yet
     done = torch.zeros(idx.shape[0], 1, dtype=torch.bool, device=idx.device)

@@ -24,6 +24,7 @@ from megaframe.model.mlp import MLP, Dropout
 from megaframe.model.moe import AddAux, MoE, RouterStats
 from megaframe.model.recompute import checkpointed
 from megaframe.model.layer_list import Layer, layer_list
+from megaframe.model.masking import documents_of, layer_mask, loss_targets, with_documents
 from megaframe.parallel.context import ContextGroup, zigzag_positions
 from megaframe.parallel.experts import ExpertGroup
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -188,7 +189,9 @@ class Attention(nn.Module):
         self.mask = CAUSAL
         self.resid_dropout = Dropout(dims.dropout, rng, split_across_tp=tp.sequence_parallel)
 
-    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
+                documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """documents: (B, T) document ids (model/masking.py) when attention stops at their ends."""
         x = self.tp.enter(x)  # (B, T, C) on every TP rank (all-gathered along T under SP)
         B, T, _ = x.shape
         hs = self.dims.head_dim
@@ -198,11 +201,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            cos, sin = rope
-            q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
+            cos, sin = rope if rope[0].dim() > 2 else (rope[0][:T], rope[1][:T])  # per token under documents
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_index is not None:
             k, v = k[:, self.kv_index], v[:, self.kv_index]  # (B, nh/tp, T, hs)
-        y = self.core(q, k, v, self.mask)  # (B, nh/tp, T, hs)
+        y = self.core(q, k, v, with_documents(self.mask, documents))  # (B, nh/tp, T, hs)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh/tp * hs)
         return self.resid_dropout(self.out_proj(y))
 
@@ -262,13 +265,16 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm = spec.norm(dims, tp)
         self.attn = spec.attention(dims, tp, rng)
+        if dims.sliding_window is not None:
+            self.attn.mask = layer_mask(dims, index)  # this block's window (model.window_attn_skip_freq)
         self.mlp_norm = spec.norm(dims, tp)
         self.mlp = spec.moe(dims, tp, rng) if dims.is_moe_block(index) else spec.mlp(dims, tp, rng)
         if dims.is_moe_block(index):
             self.mlp.row = sum(dims.is_moe_block(i) for i in range(index))
 
-    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope=None, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = self.attn_norm(x)
+        x = x + (self.attn(h, rope) if documents is None else self.attn(h, rope, documents))
         x = x + self.mlp(self.mlp_norm(x))
         return x
 
@@ -294,12 +300,16 @@ class Embedding(nn.Module):
         return self.dropout(x)
 
 
-def run_block(block: Block, x: torch.Tensor, rope, rng: Optional[TPDropoutRNG], recompute: bool) -> torch.Tensor:
-    """block(x), optionally with activation checkpointing (recompute in backward)."""
+def run_block(block: Block, x: torch.Tensor, rope, rng: Optional[TPDropoutRNG], recompute: bool,
+              documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """block(x), optionally with activation checkpointing (recompute in backward); documents: the
+    micro-batch's document ids when attention keeps documents apart."""
+    # documents bound here: the paths below pass (x, rope) as they always did
+    call = block if documents is None else functools.partial(block, documents=documents)
     if not recompute:
-        return block(x, rope)
+        return call(x, rope)
     if rng is None or not any(isinstance(m, Dropout) and m.p > 0 for m in block.modules()):
-        return checkpointed(block, x, rope)
+        return checkpointed(call, x, rope)
     # The recomputation must redraw the TP-stream dropout masks of the first pass without
     # disturbing the stream's later position (torch only restores the default generator).
     first_pass_states, calls = rng.state_dict(), [0]
@@ -307,11 +317,11 @@ def run_block(block: Block, x: torch.Tensor, rope, rng: Optional[TPDropoutRNG], 
     def run(x):
         calls[0] += 1
         if calls[0] == 1:
-            return block(x, rope)
+            return call(x, rope)
         now = rng.state_dict()
         rng.load_state_dict(first_pass_states)
         try:
-            return block(x, rope)
+            return call(x, rope)
         finally:
             rng.load_state_dict(now)
     return checkpointed(run, x)
@@ -339,12 +349,19 @@ def forward_layers(owner: nn.Module, x: torch.Tensor, tokens: int, blocks, embed
     the final norm and the head (or the tied embedding `tied`) when given. The whole GPT runs every
     layer; a pipeline stage its own. `owner` holds dims, rng, rope, positions and
     activation_checkpointing; `tokens`: the sequence length the RoPE tables must cover (this rank's
-    tokens, not the SP shard of them a stage passes on)."""
+    tokens, not the SP shard of them a stage passes on). With data.document_mask the token ids
+    give each token's document and its place in it (model/masking.py; validation keeps such runs
+    to stages that see the token ids)."""
+    documents = documents_of(x, owner.dims) if embed is not None else None
     if embed is not None:
-        x = embed(x, owner.positions)
-    rope = owner.rope(tokens, x.device, owner.positions) if owner.dims.position_embedding == "rope" else None
+        x = embed(x, owner.positions if documents is None else documents.positions)
+    rope = None
+    if owner.dims.position_embedding == "rope":  # under documents, each token's row: positions restart
+        rope = owner.rope(tokens, x.device, owner.positions) if documents is None else \
+            documents.rope(owner.rope(tokens, x.device))
+    ids = None if documents is None else documents.ids
     for block in blocks:
-        x = run_block(block, x, rope, owner.rng, owner.activation_checkpointing and owner.training)
+        x = run_block(block, x, rope, owner.rng, owner.activation_checkpointing and owner.training, ids)
     if final_norm is not None:
         x = final_norm(x)
         x = head(x) if head is not None else tied_head_logits(tied, x)
@@ -390,6 +407,7 @@ class GPT(nn.Module):
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean next-token loss from hidden states: one region for train.compile to fuse (the
         norm, the logits' upcast and the softmax of the cross-entropy), as the blocks are."""
+        targets = loss_targets(targets, self.dims)  # data.eod_mask_loss leaves end-of-document targets out
         return vocab_parallel_cross_entropy(self.head_logits(x), targets, self.tp, self.embed.tok.vocab_start,
                                             self.dims.vocab_size)
 

@@ -34,6 +34,7 @@ from megaframe.training.stop_signal import StopSignal, exit_code as signal_exit_
 from megaframe.common import run_lock
 from megaframe.common.startup import resume_collector
 from megaframe.common.failures import Diverged, SaveFailed
+from megaframe.model.dims import document_dims
 from megaframe.model.factory import resolve_dims
 from megaframe.parallel.context import zigzag_positions
 from megaframe.parallel.state import ParallelState
@@ -63,7 +64,8 @@ class Trainer:
         # its zig-zag shard of every sequence (cut by the data path, before tensors are made)
         self.token_positions = (zigzag_positions(cfg.model.seq_length, layout.cp, self.ps.cp_rank).numpy()
                                 if layout.cp > 1 else None)
-        self.dims = resolve_dims(cfg.model, self.data.vocab_size, tp=layout.tp, device_type=plug.device_type())
+        self.dims = document_dims(resolve_dims(cfg.model, self.data.vocab_size, tp=layout.tp,
+                                               device_type=plug.device_type()), cfg.data, self.data.datasets[0].eod_id)
         torch.manual_seed(cfg.train.seed)  # dropout streams; weights come from init_parameters
         if cfg.precision.tf32:  # fp32 matmuls on TF32 tensor cores; false leaves torch's own setting
             torch.backends.cuda.matmul.allow_tf32 = True

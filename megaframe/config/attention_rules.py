@@ -1,0 +1,92 @@
+"""Pre-launch rules of the attention masks (issue 54): model.sliding_window and
+model.window_attn_skip_freq, data.document_mask and data.eod_mask_loss, and the layouts whose
+attention core or stages cannot apply them yet. One line naming the key and the fix, or None.
+
+The core rule mirrors the cores' own `supports(mask)` (model/attention.py, which config may not
+import: torch, and the package order); tests/unit/config/test_attention_rules.py holds the two together.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from megaframe.config.dataset_meta import SidecarError, document_ends_problem
+from megaframe.config.schema import TrainConfig
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def window_problem(cfg: TrainConfig) -> Optional[str]:
+    """model.sliding_window >= 1; model.window_attn_skip_freq an N >= 1 or a 0/1 list no longer than the layers."""
+    m = cfg.model
+    window, freq = m.sliding_window, m.window_attn_skip_freq
+    if window is not None and (not _is_int(window) or window < 1):
+        return (f"model.sliding_window={window} must be a whole number >= 1 (the keys each query sees, itself "
+                f"included) or null for full attention")
+    if freq is None:
+        return None
+    if window is None:
+        return (f"model.window_attn_skip_freq={freq} says which layers skip model.sliding_window, which is null; "
+                f"set model.sliding_window=W or drop the pattern")
+    if _is_int(freq):
+        return None if freq >= 1 else (f"model.window_attn_skip_freq={freq} must be >= 1 (every N-th layer global) "
+                                       f"or a list of 1 (window) and 0 (global) per layer")
+    entries = list(freq) if isinstance(freq, (list, tuple)) else None
+    if not entries or any(not _is_int(x) or x not in (0, 1) for x in entries):
+        return (f"model.window_attn_skip_freq={freq} must be N >= 1 (every N-th layer global) or a non-empty list "
+                f"of 1 (window) and 0 (global), e.g. '[1,1,1,0]'")
+    if len(entries) > m.num_layers:
+        return (f"model.window_attn_skip_freq lists {len(entries)} layers but model.num_layers={m.num_layers}; give "
+                f"at most {m.num_layers} entries (a shorter list repeats over the layers)")
+    return None
+
+
+def _dataset_prefixes(cfg: TrainConfig) -> list[str]:
+    from megaframe.config.blend_spec import parse_blend
+
+    d = cfg.data
+    prefixes = [p for p in (d.path, d.valid_path) if p is not None]
+    for key, blend in (("data.blend", d.blend), ("data.valid_blend", d.valid_blend)):
+        if blend:
+            prefixes += parse_blend(list(blend), key)[1]  # check_blend has refused a malformed one
+    return prefixes
+
+
+def documents_problem(cfg: TrainConfig) -> Optional[str]:
+    """data.document_mask / data.eod_mask_loss need documents that end in an end-of-document token."""
+    d = cfg.data
+    keys = [k for k, on in (("data.document_mask", d.document_mask), ("data.eod_mask_loss", d.eod_mask_loss)) if on]
+    if not keys:
+        return None
+    for prefix in _dataset_prefixes(cfg):  # the demo corpus (data.path=null) ends each document with one
+        try:
+            problem = document_ends_problem(prefix)
+        except SidecarError as err:
+            return str(err)
+        if problem:
+            return (f"{keys[0]}=true needs end-of-document tokens, but {problem}; rebuild it with megaframe-preprocess "
+                    f"(which appends them) or set {keys[0]}=false")
+    return None
+
+
+def layout_problem(cfg: TrainConfig) -> Optional[str]:
+    """The layouts whose attention core or pipeline stages cannot apply the masks yet (issue 54: next
+    session). Tensor and sequence parallelism can: each TP rank holds the whole token ids."""
+    m, d, p = cfg.model, cfg.data, cfg.parallel
+    masks = [k for k, on in (("data.document_mask=true", d.document_mask),
+                             (f"model.sliding_window={m.sliding_window}", m.sliding_window is not None)) if on]
+    if masks and p.cp > 1:  # RingCore / UlyssesCore.supports: plain causal attention only
+        return (f"{masks[0]} with parallel.cp={p.cp}: the {p.cp_impl} attention core cannot apply a document or "
+                f"window mask yet; use parallel.cp=1")
+    uses_tokens = masks[:1] if d.document_mask else []
+    uses_tokens += ["data.eod_mask_loss=true"] if d.eod_mask_loss else []
+    if uses_tokens and p.pp > 1:
+        return (f"{uses_tokens[0]} with parallel.pp={p.pp}: pipeline stages do not carry the documents of the token "
+                f"ids yet; use parallel.pp=1")
+    return None
+
+
+def check_attention(cfg: TrainConfig) -> Optional[str]:
+    """Every rule above, the first problem or None."""
+    return window_problem(cfg) or documents_problem(cfg) or layout_problem(cfg)

@@ -1,0 +1,68 @@
+"""What the attention masks of a forward are made of: documents inside a packed sample (from the
+tokens and the dataset's end-of-document id) and each block's sliding window (model.sliding_window,
+model.window_attn_skip_freq). The cores apply them (model/attention.py's Mask); this module only
+says, per forward and per block, what they are.
+
+Everything here is computed on the device from the token ids: no host tensor and no host read per
+micro-batch (a cumulative sum and a cumulative max, the same on CUDA).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megaframe.model.attention import CAUSAL, Mask
+from megaframe.model.dims import GPTDims
+
+# the target id the loss leaves out (vocab_parallel_cross_entropy's ignore_index)
+IGNORED_TARGET = -100
+
+
+@dataclass(frozen=True, eq=False)
+class Documents:
+    """The documents of a micro-batch of token ids (B, T): `ids` numbers each token's document within
+    its row, an end-of-document token belonging to the document it ends; `positions` is each token's
+    place in its document (0 at each document's first token), what learned and RoPE positions read."""
+
+    ids: torch.Tensor  # (B, T) int64
+    positions: torch.Tensor  # (B, T) int64
+
+    def rope(self, tables: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos/sin rows of every token's own position from tables of positions 0..T'-1 (T' >= T):
+        (B, 1, T, hs) each, broadcast over the heads."""
+        cos, sin = tables
+        return cos[self.positions].unsqueeze(1), sin[self.positions].unsqueeze(1)
+
+
+def split_documents(idx: torch.Tensor, eod_id: int) -> Documents:
+    """Documents of token ids idx (B, T) cut after each eod_id token (Megatron's reset_attention_mask
+    and reset_position_ids: the end-of-document token is the last of its document)."""
+    eod = idx == eod_id  # (B, T)
+    ids = torch.cumsum(eod, dim=1) - eod.long()  # documents closed before each token
+    starts = torch.cat([torch.ones_like(eod[:, :1]), eod[:, :-1]], dim=1)  # a document starts after an eod
+    t = torch.arange(idx.shape[1], device=idx.device).expand_as(idx)  # (B, T)
+    first = torch.where(starts, t, torch.zeros_like(t)).cummax(dim=1).values  # its document's first token
+    return Documents(ids=ids, positions=t - first)
+
+
+def documents_of(idx: torch.Tensor, dims: GPTDims) -> Optional[Documents]:
+    """The documents attention keeps apart in this forward (data.document_mask), else None."""
+    return split_documents(idx, dims.eod_id) if dims.document_mask else None
+
+
+def layer_mask(dims: GPTDims, index: int) -> Mask:
+    """Block `index`'s own mask: causal, with its sliding window if the pattern gives it one."""
+    window = dims.window_of(index)
+    return CAUSAL if window is None else Mask(window=window)
+
+
+def with_documents(mask: Mask, documents: Optional[torch.Tensor]) -> Mask:
+    """A block's mask for this forward: its own, restricted to the documents when there are any."""
+    return mask if documents is None else Mask(causal=mask.causal, documents=documents, window=mask.window)
+
+
+def loss_targets(targets: torch.Tensor, dims: GPTDims) -> torch.Tensor:
+    """The targets the loss counts: with data.eod_mask_loss the end-of-document ones left out."""
+    return targets.masked_fill(targets == dims.eod_id, IGNORED_TARGET) if dims.eod_mask_loss else targets

@@ -1,0 +1,86 @@
+"""Pre-launch refusals of the attention masks' keys (config/attention_rules.py): one line naming the
+key, exit 2 from megaframe-train, nothing written."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megaframe.config.attention_rules import layout_problem
+from megaframe.config.schema import TrainConfig
+from megaframe.config.validate import ConfigError, validate
+from megaframe.launch.main import train_main
+from megaframe.model.attention import Mask, RingCore, UlyssesCore
+from megaframe.parallel.context import ContextGroup
+
+
+def _cfg(**sections) -> TrainConfig:
+    cfg = TrainConfig()
+    for dotted, value in sections.items():
+        section, key = dotted.split("__")
+        setattr(getattr(cfg, section), key, value)
+    return cfg
+
+
+@pytest.mark.parametrize("changes, world, message", [
+    ({"model__sliding_window": 0}, 1, "model.sliding_window=0 must be a whole number >= 1"),
+    ({"model__sliding_window": -4}, 1, "model.sliding_window=-4 must be a whole number >= 1"),
+    ({"model__window_attn_skip_freq": 2}, 1, "model.window_attn_skip_freq=2 says which layers skip"),
+    ({"model__sliding_window": 8, "model__window_attn_skip_freq": 0}, 1, "model.window_attn_skip_freq=0 must be >= 1"),
+    ({"model__sliding_window": 8, "model__window_attn_skip_freq": [1, 2]}, 1, "model.window_attn_skip_freq=[1, 2] must"),
+    ({"model__sliding_window": 8, "model__num_layers": 2, "model__window_attn_skip_freq": [1, 1, 0]}, 1,
+     "model.window_attn_skip_freq lists 3 layers but model.num_layers=2"),
+    ({"data__document_mask": True, "parallel__cp": 2}, 2, "data.document_mask=true with parallel.cp=2: the ring"),
+    ({"model__sliding_window": 8, "parallel__cp": 2, "parallel__cp_impl": "ulysses"}, 2,
+     "model.sliding_window=8 with parallel.cp=2: the ulysses"),
+    ({"data__document_mask": True, "parallel__pp": 2}, 2, "data.document_mask=true with parallel.pp=2"),
+    ({"data__eod_mask_loss": True, "parallel__pp": 2}, 2, "data.eod_mask_loss=true with parallel.pp=2"),
+])
+def test_bad_mask_settings_are_refused_naming_the_key(changes, world, message):
+    with pytest.raises(ConfigError) as refused:
+        validate(_cfg(**changes), world)
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value), str(refused.value)
+
+
+def test_good_mask_settings_pass():
+    validate(_cfg(model__sliding_window=8, model__window_attn_skip_freq=[1, 0]), 1)
+    validate(_cfg(model__sliding_window=8, parallel__pp=2, parallel__tp=2), 4)  # windows need no token ids
+    validate(_cfg(data__document_mask=True, data__eod_mask_loss=True), 2)  # dp=2
+    validate(_cfg(data__document_mask=True, parallel__tp=2, parallel__sequence_parallel=True), 2)
+
+
+def test_the_cp_rule_says_what_the_cores_support():
+    """The rule mirrors RingCore / UlyssesCore.supports (config may not import them): each mask
+    the rule refuses under cp, the core cannot apply, and the plain causal one both take."""
+    one = ContextGroup(group=None, ranks=(0,), rank=0)
+    masks = {"document_mask": Mask(documents=torch.zeros(1, 4, dtype=torch.long)), "sliding_window": Mask(window=4)}
+    for impl, core in (("ring", RingCore(0.0, None, one)), ("ulysses", UlyssesCore(0.0, None, one))):
+        for key, mask in masks.items():
+            cfg = _cfg(parallel__cp=2, parallel__cp_impl=impl,
+                       **({"data__document_mask": True} if key == "document_mask" else {"model__sliding_window": 4}))
+            assert (layout_problem(cfg) is not None) == (not core.supports(mask)), (impl, key)
+        assert layout_problem(_cfg(parallel__cp=2, parallel__cp_impl=impl)) is None and core.supports(Mask())
+
+
+def _dataset_without_eods(tmp_path) -> str:
+    prefix = tmp_path / "noeod"
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"noeod{suffix}").write_bytes(b"")
+    (tmp_path / "noeod.json").write_text(json.dumps({"tokenizer": "byte", "vocab_size": 257, "eod_id": 256,
+                                                     "append_eod": False}))
+    return str(prefix)
+
+
+@pytest.mark.parametrize("override, key", [("model.sliding_window=0", "model.sliding_window=0"),
+                                           ("data.document_mask=true", "data.document_mask=true needs")])
+def test_megaframe_train_refuses_before_launch(override, key, tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as ended:
+        train_main([override, f"data.path={_dataset_without_eods(tmp_path)}", f"hydra.run.dir={run}",
+                     "train.max_steps=1"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert ended.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"megaframe-train: error: {key}"), lines[0]
+    assert not run.exists()
