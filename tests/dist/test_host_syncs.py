@@ -21,7 +21,10 @@ CASES = {"zero0-fp32": ["zero=stage0"], "zero1-bf16": ["zero=stage1", "precision
          "zero0-bf16": ["zero=stage0", "precision=bf16"],  # DeepSpeed's FP16_Optimizer: its overflow check
          "zero2-fp32": ["zero=stage2"],
          # dropless MoE on one rank keeps the expert counts on the device (ep > 1 reads them: documented)
-         "moe-zero1": ["model=moe_tiny", "zero=stage1"]}
+         "moe-zero1": ["model=moe_tiny", "zero=stage1"],
+         # documents found in the token ids and windows on the device (issue 54): no read per micro-batch
+         "documents-window": ["zero=stage1", "data.document_mask=true", "data.eod_mask_loss=true",
+                              "model.sliding_window=8"]}
 
 
 def _count_host_reads(rank: int, world: int, run_root: str) -> dict[str, dict[int, Counter]]:
