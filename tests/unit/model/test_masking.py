@@ -152,3 +152,19 @@ def test_the_context_parallel_cores_refuse_document_and_window_masks():
         assert not core.supports(Mask(window=4))
         assert not core.supports(Mask(documents=torch.zeros(1, 4, dtype=torch.long)))
     assert SDPACore(0.0, None, gqa=False).supports(Mask(documents=torch.zeros(1, 4, dtype=torch.long), window=2))
+
+
+def test_generation_of_a_windowed_model_applies_its_window():
+    """The key/value cache attends to every cached key, so a windowed model generates through its
+    cores: greedy tokens beyond the window are those of the full forward's argmax, step by step."""
+    model = _model(dataclasses.replace(LLAMA, sliding_window=3)).eval()
+    with torch.no_grad():
+        for param in model.parameters():  # a sharper model: the window's effect shows in the argmax
+            param.mul_(8.0)
+    prompt = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
+    got = model.generate(prompt, max_new_tokens=6, temperature=0)
+    want = prompt
+    with torch.no_grad():
+        for _ in range(6):
+            want = torch.cat([want, model.logits(want)[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(got, want)
