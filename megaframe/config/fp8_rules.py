@@ -53,10 +53,16 @@ def _mx_shape_problem(cfg: TrainConfig, ffn_width: int) -> Optional[str]:
     """MXFP8's 32-element blocks along every local GEMM dimension that a GEMM reduces over."""
     m, tp = cfg.model, cfg.parallel.tp
     head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
-    widths = {"model.hidden_size": m.hidden_size, "the MLP width / parallel.tp": ffn_width // tp,
+    widths = {"model.hidden_size": m.hidden_size,
               "model.num_attention_heads x head_dim / parallel.tp": m.num_attention_heads * head_dim // tp}
-    if m.moe.num_experts:
-        widths["the expert MLP width"] = m.moe.ffn_hidden_size or ffn_width
+    moe = m.moe
+    if not moe.num_experts or moe.first_dense_layers or moe.layer_freq > 1:  # some block has a dense MLP
+        widths["the MLP width / parallel.tp"] = ffn_width // tp
+    if moe.num_experts:  # whole experts on their ranks; the shared experts' MLP split over TP
+        expert = moe.ffn_hidden_size or ffn_width
+        widths["the expert MLP width"] = expert
+        if moe.shared_experts:
+            widths["the shared experts' MLP width / parallel.tp"] = moe.shared_experts * expert // tp
     for name, width in widths.items():
         if width % MX_BLOCK:
             return (f"precision.fp8.recipe=mxfp8 scales blocks of {MX_BLOCK} along each matmul's reduction "

@@ -40,6 +40,17 @@ def test_a_bad_fp8_config_is_one_line(overrides, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_mxfp8_checks_the_widths_the_model_has():
+    """moe_tiny's dense MLP width (352 / tp=2 = 176) is never built (every block routes): accepted;
+    its experts' width is checked."""
+    moe = ["model=moe_tiny", "precision.fp8.recipe=mxfp8", "parallel.tp=2"]
+    validate(_cfg(*moe), 2)
+    with pytest.raises(ConfigError, match="the expert MLP width is 48"):
+        validate(_cfg(*moe, "model.moe.ffn_hidden_size=48"), 2)
+    with pytest.raises(ConfigError, match="the MLP width / parallel.tp is 176"):
+        validate(_cfg(*moe, "model.moe.first_dense_layers=1"), 2)
+
+
 def test_fp8_with_bf16_layers_left_over_and_every_recipe_is_accepted():
     for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"):
         validate(_cfg(f"precision.fp8.recipe={recipe}", "model.num_layers=3", "precision.fp8.bf16_layers=1"), 1,
