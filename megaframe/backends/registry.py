@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 from megaframe.backends.facts import EngineFacts
+from megaframe.config.fp8_rules import cuda_capability
 from megaframe.config.schema import OffloadConfig, TrainConfig
 from megaframe.config.validate import ConfigError, Layout, validate
 
@@ -64,7 +65,8 @@ def validate_for_engine(cfg: TrainConfig, world_size: int, ask_bf16: bool = True
             raise ConfigError(f"plan.engines holds {name!r}, which is not an engine megaframe has; list some of "
                               f"{', '.join(sorted(ENGINES))}, e.g. plan.engines=[deepspeed,fsdp2]")
     return validate(cfg, world_size, plug.device_supports_fp16, plug.device_supports_bf16 if ask_bf16 else None,
-                    plug.config_problem, plug.layout_problem, plug.facts.per_module_gather_stages)
+                    plug.config_problem, plug.layout_problem, plug.facts.per_module_gather_stages,
+                    (lambda: cuda_capability(plug.device_type())) if ask_bf16 else None)
 
 
 def runs_plain(cfg: TrainConfig, world_size: int) -> bool:

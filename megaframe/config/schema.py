@@ -123,6 +123,17 @@ class OffloadConfig:
 
 
 @dataclass
+class Fp8Config:
+    """fp8 matmuls (precision=fp8; torchao: pip install 'megaframe[fp8]'), parallel/fp8/."""
+
+    enabled: bool = False
+    recipe: str = "tensorwise"  # tensorwise | rowwise | rowwise_with_gw_hp | mxfp8
+    bf16_layers: int = 0  # the first and the last this many blocks stay in bf16
+    head: bool = False  # the LM head in fp8 too (bf16 unless asked)
+    emulate: str = "auto"  # auto (emulated on the CPU, fp8 kernels on a GPU) | true | false
+
+
+@dataclass
 class PrecisionConfig:
     """Training dtype; fp16 settings apply only to dtype=fp16."""
 
@@ -134,6 +145,7 @@ class PrecisionConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     min_loss_scale: float = 1.0
+    fp8: Fp8Config = field(default_factory=Fp8Config)
 
 
 @dataclass

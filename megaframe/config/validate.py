@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence
 from megaframe.config.attention_rules import check_attention
 from megaframe.config.dataset_meta import SidecarError, recorded_vocab_size
 from megaframe.config.empty_values import empty_value_problem
+from megaframe.config.fp8_rules import fp8_problem
 from megaframe.config.choices import choice_problem
 from megaframe.config.gpus import DENSE_PEAK_TFLOPS, known_gpu
 from megaframe.config.launcher_rules import check_launcher, check_slurm_nodes, timeout_warning
@@ -487,7 +488,8 @@ def warnings(cfg: TrainConfig, layout: Layout,
 
 
 def check_precision(cfg: TrainConfig, fp16_supported: Optional[Callable[[], bool]],
-                    bf16_supported: Optional[Callable[[], bool]] = None) -> Optional[str]:
+                    bf16_supported: Optional[Callable[[], bool]] = None,
+                    fp8_device: Optional[Callable[[], Optional[tuple[int, int]]]] = None) -> Optional[str]:
     dtype = cfg.precision.dtype
     if err := choice_problem("precision.dtype", dtype, ["fp32", "bf16", "fp16"]):
         return err
@@ -505,7 +507,7 @@ def check_precision(cfg: TrainConfig, fp16_supported: Optional[Callable[[], bool
     if dtype == "bf16" and bf16_supported is not None and not bf16_supported():
         return ("precision=bf16: this device has no native bf16 (on NVIDIA GPUs it starts with Ampere, sm80); "
                 "use precision=fp16 or precision=fp32")
-    return None
+    return fp8_problem(cfg, ffn_hidden_size(cfg.model), fp8_device)  # config/fp8_rules.py
 
 
 def validate(cfg: TrainConfig, world_size: int,
@@ -513,7 +515,8 @@ def validate(cfg: TrainConfig, world_size: int,
              bf16_supported: Optional[Callable[[], bool]] = None,
              engine_problem: Optional[Callable[[TrainConfig], Optional[str]]] = None,
              engine_layout_problem: Optional[Callable[[TrainConfig, Layout], Optional[str]]] = None,
-             per_module_gather_stages: Sequence[int] = (3,)) -> Layout:
+             per_module_gather_stages: Sequence[int] = (3,),
+             fp8_device: Optional[Callable[[], Optional[tuple[int, int]]]] = None) -> Layout:
     """Run every rule; raise ConfigError with the first message, else return the resolved layout.
 
     The engine's part comes from its plug (backends/registry.py), which callers hand over:
@@ -521,7 +524,8 @@ def validate(cfg: TrainConfig, world_size: int,
     engine_problem holds the engine's own rules (its ZeRO stages, offload and knobs) and
     engine_layout_problem those that need the resolved layout (a pipeline schedule's micro-batch
     count). None leaves that part to the engine itself, after launch. per_module_gather_stages: the
-    ZeRO stages at which the engine gathers parameters module by module (its facts; ZeRO-3's own)."""
+    ZeRO stages at which the engine gathers parameters module by module (its facts; ZeRO-3's own);
+    fp8_device: this machine's GPU capability (None on the CPU) for precision.fp8's device rules."""
     engine_rule = engine_problem or (lambda _: None)
     # check_finite last: the rules before it say a key's range, which helps more than "finite";
     # empty values and absurd sizes first: the others would word an empty key's cause as something
@@ -541,7 +545,7 @@ def validate(cfg: TrainConfig, world_size: int,
                 engine_layout_problem(cfg, layout) if engine_layout_problem else None):
         if err:
             raise ConfigError(err)
-    if err := check_precision(cfg, fp16_supported, bf16_supported):
+    if err := check_precision(cfg, fp16_supported, bf16_supported, fp8_device):
         raise ConfigError(err)
     return layout
 

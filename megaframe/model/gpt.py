@@ -331,6 +331,7 @@ def build_layer(layer: Layer, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropou
                 spec: BlockSpec = BlockSpec()) -> nn.Module:
     """The module of one entry of ModelSpec's layer list: the one place each kind is built, by the
     GPT, by DeepSpeed's pipeline stages and by the dry run (a tied head is the embedding again)."""
+    tp = tp.for_layer(layer)  # the matmul recipe of this layer (fp8 keeps some in bf16)
     if layer.kind == "embed" or (layer.kind == "head" and dims.tie_embeddings):
         return Embedding(dims, tp, rng)
     if layer.kind == "block":

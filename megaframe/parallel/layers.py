@@ -4,7 +4,7 @@ DeepSpeed and Megatron tooling read: tensor_model_parallel, partition_dim, parti
 partition_count, partition_index."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -38,6 +38,12 @@ class TPGroup:
     def site(self, kind: str) -> MatmulSite:
         """The seam a layer of `kind` (matmul.KINDS) calls for its local GEMM, fixed at build."""
         return MatmulSite(kind, self)
+
+    def for_layer(self, layer) -> "TPGroup":
+        """This group with the recipe of `layer` (MatmulRecipe.for_layer): itself unless a precision
+        recipe keeps that layer in the model's dtype (fp8's bf16_layers)."""
+        recipe = self.matmul.for_layer(layer)
+        return self if recipe is self.matmul else replace(self, matmul=recipe)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Into a TP region: replicated input (backward all-reduce), or all-gathered sequence under SP."""

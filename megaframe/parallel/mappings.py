@@ -271,3 +271,15 @@ def _all_to_all_rows_eagerly(x: torch.Tensor, output_splits, input_splits, group
     if _size(group) == 1:
         return x
     return _AllToAllRows.apply(x, output_splits, input_splits, group)
+
+
+# ---- scales: not differentiated ------------------------------------------------------------------
+
+@run_eagerly
+def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
+    """x, in place, the elementwise maximum over the group's ranks: the amax of an fp8 scale whose
+    tensor spans the TP ranks (parallel/fp8/scaled.py). A collective on the device, no host sync;
+    the identity for a group of one."""
+    if _size(group) > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x

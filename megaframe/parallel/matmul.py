@@ -16,7 +16,8 @@ such as fp8 must know to compute what tp=1 computes:
 - `site.tp`: the layer's TPGroup (group, size, rank, sequence_parallel).
 
 The default recipe makes exactly the calls the model made before the seam (bitwise the same
-curves). A new recipe is a subclass here plus its config key and the planner's peak table.
+curves). A new recipe is a subclass here (fp8's: parallel/fp8/, named in its FP8_RECIPES) plus its
+config key and the planner's peak table.
 """
 from __future__ import annotations
 
@@ -43,6 +44,19 @@ def spans_tp(kind: str) -> tuple[str, ...]:
     """The operands ("input", "weight") of a `kind` matmul that are split over the TP group, so
     that a tensorwise scale of them is an amax reduced over site.tp.group (at tp > 1)."""
     return _SPANS_TP[kind]
+
+
+# which GEMM dimension of a linear of each kind is split over TP: "out" (the output features: the
+# output and its gradient are pieces too, and the grad-input GEMM sums over the split), "in" (the
+# reduction dimension of the forward GEMM), None (nothing of the local GEMM is a piece)
+_TP_SPLIT = {"column": "out", "head": "out", "row": "in", "replicated": None, "router": None, "experts": None}
+
+
+def tp_split(kind: str) -> Optional[str]:
+    """The dimension of a `kind` linear's GEMM split over TP ("in", "out" or None): a scale whose
+    amax runs over it spans the TP ranks (a tensorwise scale of a split tensor, a rowwise scale
+    along a split reduction dimension) and is reduced over site.tp.group to compute what tp=1 does."""
+    return _TP_SPLIT[kind]
 
 
 @dataclass(frozen=True)
@@ -72,6 +86,11 @@ class MatmulRecipe:
 
     name: str = "default"
 
+    def for_layer(self, layer: Any) -> "MatmulRecipe":
+        """The recipe of the matmuls of `layer` (an entry of model/layer_list.py's list), asked once
+        as it is built: a precision recipe keeps some layers in the model's dtype (fp8's bf16_layers)."""
+        return self
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                site: MatmulSite) -> torch.Tensor:
         """x (..., in) times weight (out, in) plus bias (out,) -> (..., out), at `site`."""
@@ -85,3 +104,10 @@ class MatmulRecipe:
 
 
 DEFAULT = MatmulRecipe()
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a (M, K) times b (K, N): the GEMM a recipe's own autograd functions call (parallel/fp8/), so
+    that torch's matmuls stay in this file. On torchao's float8 tensors it dispatches to
+    torch._scaled_mm, or to its emulation in the tensors' original dtype."""
+    return torch.mm(a, b)

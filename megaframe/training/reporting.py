@@ -19,6 +19,7 @@ from megaframe.backends import StepResult
 from megaframe.backends.registry import engine_said
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.data.dataset import eval_wrap_problem
+from megaframe.parallel.fp8 import describe as fp8_said
 from megaframe.plan.startup import (gather_model_states, memory_plan, model_states_line, model_states_record,
                                     plan_summary)
 from megaframe.resume_hint import resume_command
@@ -333,6 +334,7 @@ def startup_summary(t, plan) -> str:
             f"{f' cp_impl={c.parallel.cp_impl}' if lay.cp > 1 else ''} | {engine_said(c, t.engine)} "
             f"zero={c.zero.stage} "
             f"offload={c.offload.optimizer}/{c.offload.param} precision={c.precision.dtype}"
+            f"{fp8_said(c.precision.fp8, t.backend.device.type)}"
             f"{f' compiled {compiled}' if t.backend.compiled_blocks else ''} | "
             f"batch micro={lay.micro_batch_size} global={lay.global_batch_size} "
             f"accum={lay.grad_accum_steps} seq={c.model.seq_length} | "

@@ -40,6 +40,7 @@ from megaframe.model.moe import update_expert_biases
 from megaframe.parallel.rendezvous import join_world
 from megaframe.parallel.grad_bucket import ReplicatedGradBucket
 from megaframe.parallel.grad_norm import grad_norm
+from megaframe.parallel.fp8 import recipe_for
 from megaframe.parallel.state import ParallelState
 
 
@@ -82,18 +83,20 @@ class DeepSpeedBackend:
         import_muon_lazily()  # ZeRO and bf16 import it; eagerly it costs each rank ~1.9 CPU-s (muon_import.py)
         ds_config = to_ds_config(cfg, layout, swap_dir=str(self.nvme_swap.path) if self.nvme_swap else None)
         self.built_partitioned = builds_partitioned(cfg.zero.stage, cfg.offload.param, self.pipelined)
+        matmul = recipe_for(cfg.precision, dims.num_layers, self.device.type)  # fp8's, or the default
         if self.pipelined:
             module = build_pipeline_model(dims, ps, cfg.train.seed, p.pipeline_partition,
                                           p.activation_checkpointing, p.sequence_parallel, grad_bucket=self.grad_bucket,
-                                          cp_impl=p.cp_impl, accumulation_steps=layout.grad_accum_steps)
+                                          cp_impl=p.cp_impl, accumulation_steps=layout.grad_accum_steps, matmul=matmul)
         elif self.built_partitioned:  # ZeRO-3: no rank builds the whole model (zero_init.py)
             with partitioned_construction(ds_config, ps):
                 module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel,
                                      grad_bucket=self.grad_bucket, write_init=write_partition, cp_impl=p.cp_impl,
-                                     built_shape=built_shape, expert_marks=deepspeed_expert_marks)
+                                     built_shape=built_shape, expert_marks=deepspeed_expert_marks, matmul=matmul)
         else:
             module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel,
-                                 grad_bucket=self.grad_bucket, cp_impl=p.cp_impl, expert_marks=deepspeed_expert_marks)
+                                 grad_bucket=self.grad_bucket, cp_impl=p.cp_impl, expert_marks=deepspeed_expert_marks,
+                                 matmul=matmul)
         mark_expert_parallel(module, ps, cfg.zero.stage)
         self.compiled_blocks = compile_model(module, cfg.train.compile_scope) if cfg.train.compile else 0
         self.module = module

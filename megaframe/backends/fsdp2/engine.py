@@ -27,6 +27,7 @@ from megaframe.model.dims import GPTDims
 from megaframe.model.factory import build_model, compile_blocks, count_parameters
 from megaframe.model.moe import update_expert_biases
 from megaframe.parallel.grad_norm import grad_norm
+from megaframe.parallel.fp8 import recipe_for
 from megaframe.parallel.state import ParallelState
 
 
@@ -76,7 +77,8 @@ class Fsdp2Backend:
         pipelined = layout.grid.pp > 1
         with build.parameters_on_meta():
             module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel,
-                                 grad_bucket=None, cp_impl=p.cp_impl, initialise=False)
+                                 grad_bucket=None, cp_impl=p.cp_impl, initialise=False,
+                                 matmul=recipe_for(cfg.precision, dims.num_layers, device_type()))
             # pipelined: this rank's stages of the model built whole on meta (the rest is dropped)
             stages = pipeline.cut_stages(module, ps, p.pipeline_schedule, p.virtual_stages) if pipelined else {}
         self.num_parameters = count_parameters(module, full=True)

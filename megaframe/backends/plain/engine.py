@@ -30,6 +30,7 @@ from megaframe.model.dims import GPTDims
 from megaframe.model.factory import build_model, compile_model, count_parameters
 from megaframe.model.moe import update_expert_biases
 from megaframe.parallel.grad_norm import grad_norm
+from megaframe.parallel.fp8 import recipe_for
 from megaframe.parallel.state import ParallelState
 
 
@@ -59,7 +60,7 @@ class PlainBackend:
             else torch.device("cpu")
         p = cfg.parallel
         module = build_model(dims, ps, cfg.train.seed, p.activation_checkpointing, p.sequence_parallel,
-                             cp_impl=p.cp_impl)
+                             cp_impl=p.cp_impl, matmul=recipe_for(cfg.precision, dims.num_layers, device_type()))
         self.compiled_blocks = compile_model(module, cfg.train.compile_scope) if cfg.train.compile else 0
         self.module = module.to(self.device)
         self.num_parameters = count_parameters(module, full=True)
