@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from megaframe.optim.rules import ADJUST_LR
+from megaframe.config.optim_rules import ADJUST_LR
 from megaframe.optim.sharded import RowShardedMatrices, row_shard
 from megaframe.optim.table import group_optimizer
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from megaframe.config.optim_rules import OPTIMIZERS
 from megaframe.launch.checks import check
+from megaframe.optim.table import TENSOR_STATE
 
 MUON = ["optim=muon"]
 
@@ -49,3 +51,8 @@ FLAT = "optim=muon with backend=deepspeed: its ZeRO and mixed-precision optimize
 def test_what_muon_cannot_do_is_one_line_before_launch(overrides, says, capsys):
     line = _refusal(overrides, capsys)
     assert line.startswith(says), line
+
+
+def test_every_optimizer_the_config_accepts_names_its_state():
+    """optim.name's choices are the optimizers whose state the checkpoint can store by name."""
+    assert set(OPTIMIZERS) == set(TENSOR_STATE)
