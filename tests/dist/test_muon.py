@@ -61,11 +61,15 @@ def test_row_sharded_muon_is_torch_muon_on_the_whole_matrix(tmp_path):
     assert owners[0].isdisjoint(owners[1]) and owners[0] | owners[1] == set(range(len(SHAPES)))
 
 
-def test_fsdp2_at_two_ranks_trains_the_single_rank_muon_curve(tmp_path):
+def test_fsdp2_at_two_ranks_trains_and_resumes_the_single_rank_muon_curve(tmp_path):
+    """dp=2 from the start, and dp=2 resumed from the one-rank run's step-3 checkpoint (its momentum
+    buffers read by name into each rank's rows): both follow the one-rank curve."""
     base = [*TINY, "optim=muon", "backend=fsdp2", "train.max_steps=6"]
-    run_ranks(train_runs, 1, tmp_path, runs=[(base, str(tmp_path / "one"))])
-    run_ranks(train_runs, 2, tmp_path, runs=[([*base, "parallel.dp=2"], str(tmp_path / "two"))])
-    one, two = (curve(read_metrics(tmp_path / name), "loss") for name in ("one", "two"))
-    assert [s for s, _ in two] == [s for s, _ in one] == list(range(1, 7))
-    for (step, a), (_, b) in zip(two, one):
+    saved = tmp_path / "one" / "checkpoints" / "global_step3"
+    run_ranks(train_runs, 1, tmp_path, runs=[([*base, "train.save_interval=3"], str(tmp_path / "one"))])
+    run_ranks(train_runs, 2, tmp_path, runs=[([*base, "parallel.dp=2"], str(tmp_path / "two")),
+                                             ([*base, "parallel.dp=2", f"train.resume={saved}"], str(tmp_path / "resumed"))])
+    one, two, resumed = (curve(read_metrics(tmp_path / name), "loss") for name in ("one", "two", "resumed"))
+    assert [s for s, _ in two] == [s for s, _ in one] == list(range(1, 7)) and [s for s, _ in resumed] == [4, 5, 6]
+    for (step, a), (_, b) in [*zip(two, one), *zip(resumed, one[3:])]:
         assert a == pytest.approx(b, rel=1e-4), f"dp=2 at step {step}: {a} vs one rank's {b}"

@@ -13,7 +13,9 @@ from megaframe.backends.common import held_model_states
 from megaframe.config.schema import ModelConfig, MoEConfig, MuonConfig, OptimConfig
 from megaframe.model.factory import build_model, resolve_dims
 from megaframe.optim.build import build_optimizer
+from megaframe.optim.groups import is_hidden_matrix
 from megaframe.optim.muon import Muon
+from megaframe.optim.sharded import assign_owners, ns_cost
 from megaframe.optim.state import ensure_state
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.state import ParallelState
@@ -122,3 +124,15 @@ def test_muon_state_is_counted_by_name():
     want = sum(4 * p.numel() * (1 if id(p) in muon else 2) for p in params)
     assert held_model_states(params, optimizer)["optimizer"] == want
     assert set(optimizer.state[optimizer.param_groups[0]["params"][0]]) == {"momentum_buffer"}
+
+
+def test_at_four_ranks_each_owns_about_a_quarter_of_the_newton_schulz_work():
+    """The owners of a 4-layer model's matrices over dp=4: each rank's Newton-Schulz cost within 25%
+    of a quarter (a function of the shapes only: every rank computes the same)."""
+    cfg = ModelConfig(arch="llama", num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+                      ffn_hidden_size=176, seq_length=SEQ, vocab_size=VOCAB, norm="rmsnorm", activation="swiglu",
+                      position_embedding="rope", bias=False)
+    shapes = [tuple(p.shape) for n, p in _model(cfg).named_parameters() if is_hidden_matrix(n, tuple(p.shape))]
+    owners = assign_owners(shapes, 4)
+    load = [sum(ns_cost(s) for s, o in zip(shapes, owners) if o == rank) for rank in range(4)]
+    assert len(shapes) == 4 * 7 and max(load) <= 1.25 * sum(load) / 4, load
