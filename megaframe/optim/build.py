@@ -9,9 +9,14 @@ from megaframe.optim.groups import Shape, decay_param_groups, full_shape, muon_p
 from megaframe.optim.muon import Muon
 
 
-def param_groups(model: torch.nn.Module, optim: OptimConfig, shape: Shape = full_shape) -> list[dict]:
-    """The parameter groups of optim.name's optimizer. shape: a parameter's full shape, where the
-    engine has already partitioned it away."""
+def param_groups(model: torch.nn.Module, optim: OptimConfig, shape: Shape = full_shape,
+                 stepped_by: str = "adamw") -> list[dict]:
+    """The parameter groups of optim.name's optimizer, for an engine whose own optimizer is
+    `stepped_by` (DeepSpeed's AdamW): another optim.name is refused (optim/rules.py refuses it before
+    launch; this keeps a caller that skipped that rule from stepping Muon's groups with AdamW).
+    shape: a parameter's full shape, where the engine has already partitioned it away."""
+    if optim.name != stepped_by:
+        raise ValueError(f"optim.name={optim.name}: this engine steps {stepped_by} only; use backend=fsdp2")
     if optim.name == "muon":
         return muon_param_groups(model, optim, shape)
     return decay_param_groups(model, optim.weight_decay, shape)

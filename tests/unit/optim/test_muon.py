@@ -12,7 +12,7 @@ import torch
 from megaframe.backends.common import held_model_states
 from megaframe.config.schema import ModelConfig, MoEConfig, MuonConfig, OptimConfig
 from megaframe.model.factory import build_model, resolve_dims
-from megaframe.optim.build import build_optimizer
+from megaframe.optim.build import build_optimizer, param_groups
 from megaframe.optim.groups import is_hidden_matrix
 from megaframe.optim.muon import Muon
 from megaframe.optim.sharded import assign_owners, ns_cost
@@ -124,6 +124,8 @@ def test_muon_state_is_counted_by_name():
     want = sum(4 * p.numel() * (1 if id(p) in muon else 2) for p in params)
     assert held_model_states(params, optimizer)["optimizer"] == want
     assert set(optimizer.state[optimizer.param_groups[0]["params"][0]]) == {"momentum_buffer"}
+    with pytest.raises(ValueError, match="this engine steps adamw only"):  # DeepSpeed's groups: never Muon's
+        param_groups(model, _optim("spectral", True))
 
 
 def test_at_four_ranks_each_owns_about_a_quarter_of_the_newton_schulz_work():
