@@ -8,7 +8,7 @@ import json
 import os
 import socket
 from datetime import timedelta
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,9 @@ from megaframe.backends import Batch
 from megaframe.checkpoint.parts import Resume
 from megaframe.model.dims import GPTDims
 from megaframe.model.moe import load_router_biases, router_biases
+from megaframe.optim.groups import decay_param_groups  # noqa: F401  (the seam's; engines and tools import it here)
+from megaframe.optim.state import ensure_state, step_tensor
+from megaframe.optim.table import ALL_TENSOR_STATE
 from megaframe.parallel.random import TPDropoutRNG
 from megaframe.parallel.rendezvous import join_world
 from megaframe.parallel.state import ParallelState
@@ -75,19 +78,6 @@ def local_device_index(local_rank: int, visible_devices: int) -> int:
     return local_rank % visible_devices if visible_devices > 0 else local_rank
 
 
-def decay_param_groups(model: torch.nn.Module, weight_decay: float,
-                       shape: Callable[[torch.nn.Parameter], torch.Size] = lambda p: p.shape) -> list[dict]:
-    """Weight decay on matrices only; biases and norm gains are not decayed (as Megatron does).
-    shape: a parameter's full shape, where the engine has already partitioned it away."""
-    def matrix(p) -> bool:
-        return len(shape(p)) >= 2
-    decay = [p for p in model.parameters() if p.requires_grad and matrix(p)]
-    no_decay = [p for p in model.parameters() if p.requires_grad and not matrix(p)]
-    # named: DeepSpeed splits each group's experts into a group of their own by this name (MoE)
-    return [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
-            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
-
-
 def dp_mean(value: torch.Tensor, ps: ParallelState) -> float:
     """Mean of a 0-d device tensor over the dp x cp ranks (each holds a like share of the step's
     tokens: its samples, or under cp its zig-zag shard of them): one host read."""
@@ -139,17 +129,9 @@ def eval_mean(module: torch.nn.Module, batches: list[Batch], device: torch.devic
 
 
 def ensure_adam_state(optimizer: torch.optim.Optimizer, step: int) -> None:
-    """Adam's moments exist only after its first applied step: made here (zeros at `step`, what that
-    step would start from) so a checkpoint saved before it, or a resume into it, has moments to
-    write and read. A sharded parameter (a DTensor) keeps its step where its local shard lives."""
-    for group in optimizer.param_groups:
-        in_kernel = bool(group.get("fused") or group.get("capturable"))
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] = adam_step_tensor(step, p.to_local() if hasattr(p, "to_local") else p, in_kernel)
+    """Every parameter's optimizer state, zeros at `step` before its first step (optim/state.py:
+    named by the optimizer, Adam's moments or Muon's momentum)."""
+    ensure_state(optimizer, step)
 
 
 def router_metrics(module: torch.nn.Module, ps: ParallelState, dims: GPTDims, device: torch.device) -> dict[str, float]:
@@ -195,12 +177,8 @@ def adam_step(optimizer: torch.optim.Optimizer) -> int:
 
 
 def adam_step_tensor(step: int, param: torch.Tensor, in_kernel: bool) -> torch.Tensor:
-    """Adam's step count as torch keeps it: fused and capturable AdamW read it from the parameter's
-    device inside their kernel (a host tensor there is an illegal access on CUDA), the others from
-    the host (torch's Optimizer.load_state_dict places it the same way). in_kernel: fused or capturable."""
-    if in_kernel:
-        return torch.tensor(float(step), dtype=torch.float32, device=param.device)
-    return torch.tensor(float(step))
+    """Adam's step count as torch keeps it (optim/state.py)."""
+    return step_tensor(step, param, in_kernel)
 
 
 def jsonable(obj: dict) -> dict:
@@ -227,12 +205,11 @@ def restore_schedule(scheduler, last_epoch: int) -> None:
 
 
 def held_model_states(parameters: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes of this rank's parameters, their gradients and Adam's two moments, by role in DeepSpeed's
+    """Bytes of this rank's parameters, their gradients and optimizer state (each optimizer's tensors by
+    name: optim/table.py), by role in DeepSpeed's
     categories (backends/deepspeed/memory.py); a sharded tensor counts its local shard. The engines
     that step with torch's optimizer (FSDP2, plain) keep no reduce buckets, and between steps no
     gradients (each step frees them)."""
-    from megaframe.checkpoint.universal import MOMENT_KEYS
-
     def local_bytes(t: Optional[torch.Tensor]) -> int:
         if t is None:
             return 0
@@ -240,7 +217,8 @@ def held_model_states(parameters: Iterable[torch.nn.Parameter], optimizer: torch
         return t.numel() * t.element_size()
 
     parameters = list(parameters)
-    moments = sum(local_bytes(v) for p in parameters for k, v in optimizer.state.get(p, {}).items() if k in MOMENT_KEYS)
+    moments = sum(local_bytes(v) for p in parameters for k, v in optimizer.state.get(p, {}).items()
+                  if k in ALL_TENSOR_STATE)
     return {"weights": sum(local_bytes(p) for p in parameters), "gradients": sum(local_bytes(p.grad) for p in parameters),
             "optimizer": moments, "buckets": 0, "other": 0}
 

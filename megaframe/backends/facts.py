@@ -48,3 +48,6 @@ class EngineFacts:
     pipelines_moe: bool  # whether it runs MoE blocks in a pipeline
     dry_run_pipeline: bool  # megaframe-plan --dry-run builds its pipeline stages (DeepSpeed's partition)
     memory: MemoryTerms
+    # its optimizer steps each parameter's own tensor (whole, or a DTensor's row shard), not flat
+    # partitions of many: an optimizer that needs a parameter's shape (Muon: optim/rules.py) runs on it
+    optimizer_on_tensors: bool = False

@@ -12,6 +12,7 @@ from megaframe.backends.facts import EngineFacts
 from megaframe.config.fp8_rules import cuda_capability
 from megaframe.config.schema import OffloadConfig, TrainConfig
 from megaframe.config.validate import ConfigError, Layout, validate
+from megaframe.optim.rules import optim_layout_problem
 
 DEFAULT = "deepspeed"
 ENGINES = {"deepspeed": "megaframe.backends.deepspeed.plug",  # name -> module holding its PLUG
@@ -64,8 +65,12 @@ def validate_for_engine(cfg: TrainConfig, world_size: int, ask_bf16: bool = True
         if name not in ENGINES:
             raise ConfigError(f"plan.engines holds {name!r}, which is not an engine megaframe has; list some of "
                               f"{', '.join(sorted(ENGINES))}, e.g. plan.engines=[deepspeed,fsdp2]")
+    # the optimizer's layout rule (optim/rules.py) before the engine's: which layouts it steps correctly
     return validate(cfg, world_size, plug.device_supports_fp16, plug.device_supports_bf16 if ask_bf16 else None,
-                    plug.config_problem, plug.layout_problem, plug.facts.per_module_gather_stages,
+                    plug.config_problem,
+                    lambda c, lay: optim_layout_problem(c, lay, plug.facts.optimizer_on_tensors
+                                                        or runs_plain(c, lay.world_size)) or plug.layout_problem(c, lay),
+                    plug.facts.per_module_gather_stages,
                     (lambda: cuda_capability(plug.device_type())) if ask_bf16 else None)
 
 

@@ -1,7 +1,9 @@
 """The layout-free ("universal") checkpoint format: named fp32 tensors in safetensors.
 
 Tensors are the canonical parameters (the tp=1 GPT's names, vocabulary unpadded) and, with the
-optimizer, exp_avg.<name>, exp_avg_sq.<name>, master.<name> (master omitted in fp32). Two versions:
+optimizer, each state tensor its optimizer names (megaframe/optim/table.py: AdamW's exp_avg.<name>,
+exp_avg_sq.<name>; Muon's momentum_buffer.<name>) and master.<name> (omitted in fp32); state.json's
+"optimizer" says whose (none: AdamW's). Two versions:
   2 (training saves)   every rank writes the chunks it owns: shards/, index.json, index/ (checkpoint/sharded.py)
   1 (the HF converter) whole tensors: model.safetensors, optional optimizer.safetensors
 Both hold
@@ -31,11 +33,12 @@ from megaframe.common.atomic_io import atomic_write_text
 from megaframe.common.safe_files import quote, read_capped
 from megaframe.checkpoint.file_hash import hash_file
 from megaframe.checkpoint.tokenizer_record import tokenizer_files
+from megaframe.optim.table import ALL_TENSOR_STATE
 
 FORMAT, VERSION, SHARDED_VERSION = "megaframe-universal", 1, 2
 READABLE_VERSIONS = (VERSION, SHARDED_VERSION)
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, MANIFEST_FILE = "model.safetensors", "optimizer.safetensors", "state.json", "manifest.json"
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's (optim/table.py), which DeepSpeed's engine steps
 MASTER_KEY = "master"
 
 
@@ -276,8 +279,8 @@ def has_universal(directory: Path) -> bool:
 
 
 def is_optimizer_key(key: str) -> bool:
-    """Whether a stored tensor is optimizer state (exp_avg.*, exp_avg_sq.*, master.*) rather than a weight."""
-    return key.split(".", 1)[0] in (*MOMENT_KEYS, MASTER_KEY)
+    """Whether a stored tensor is optimizer state (any optimizer's state by name, master.*) rather than a weight."""
+    return key.split(".", 1)[0] in (*ALL_TENSOR_STATE, MASTER_KEY)
 
 
 def open_tensors(directory: Path, filename: str):

@@ -149,9 +149,28 @@ class PrecisionConfig:
 
 
 @dataclass
-class OptimConfig:
-    """AdamW and the learning-rate schedule (linear warmup from 0, then decay to min_lr)."""
+class MuonConfig:
+    """optim=muon (megaframe/optim/muon.py): torch.optim.Muon's keys for the hidden matrices; the
+    embeddings, LM head, router, norms and biases step by AdamW (optim.betas, optim.eps, adamw_*)."""
 
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5  # Newton-Schulz iterations
+    ns_coefficients: List[float] = field(default_factory=lambda: [3.4445, -4.775, 2.0315])
+    eps: float = 1e-7  # floor of the norm the update is divided by before Newton-Schulz
+    # lr scale by a matrix's (rows, cols): spectral sqrt(max(1, rows/cols)) (torch's "original"),
+    # match_rms_adamw 0.2*sqrt(max(rows, cols)) (Moonlight/MuonClip: AdamW's lr and decay carry over)
+    adjust_lr: str = "spectral"
+    adamw_lr: Optional[float] = None  # the AdamW part's peak lr (the schedule scales it alike); null = optim.lr
+    adamw_weight_decay: Optional[float] = None  # null = optim.weight_decay
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer (optim.name) and the learning-rate schedule (linear warmup from 0, then decay
+    to min_lr). lr and weight_decay are AdamW's, or under optim=muon Muon's (optim.muon.adamw_*)."""
+
+    name: str = "adamw"  # adamw | muon (conf/optim/*.yaml)
     lr: float = 1e-3
     min_lr: float = 1e-4
     weight_decay: float = 0.1
@@ -160,6 +179,7 @@ class OptimConfig:
     warmup_steps: int = 10
     lr_decay: str = "cosine"  # cosine | linear | constant
     grad_clip: float = 1.0  # 0 disables clipping
+    muon: MuonConfig = field(default_factory=MuonConfig)  # read only under optim.name=muon
 
 
 @dataclass
@@ -226,6 +246,9 @@ class LoopConfig:
     # a resume with another tokenizer than the checkpoint records (its vocabulary files' hash or its
     # ids) is refused; true accepts it with one warning line (the same tokenizer saved otherwise)
     resume_accept_tokenizer_change: bool = False
+    # a resume under another optim.name than the checkpoint's is refused; true starts the new
+    # optimizer's state fresh from the checkpoint's weights, with one warning line
+    resume_accept_optimizer_change: bool = False
     async_save: bool = False  # write checkpoints on a background thread while training goes on (rank 0)
     # the fast tier (checkpoint/fast_tier.py): every this many steps each rank keeps its part of a
     # checkpoint in node-local memory and a buddy rank's copy on the next node; an attempt restores

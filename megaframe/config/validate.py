@@ -18,6 +18,7 @@ from megaframe.config.empty_values import empty_value_problem
 from megaframe.config.fp8_rules import fp8_problem
 from megaframe.config.choices import choice_problem
 from megaframe.config.gpus import DENSE_PEAK_TFLOPS, known_gpu
+from megaframe.config.optim_rules import optim_problem
 from megaframe.config.launcher_rules import check_launcher, check_slurm_nodes, timeout_warning
 from megaframe.config.size_limits import absurd_size_problem
 from megaframe.config.schema import TrainConfig
@@ -191,7 +192,7 @@ def check_optim(cfg: TrainConfig) -> Optional[str]:
                        ("optim.weight_decay", o.weight_decay)):
         if not (math.isfinite(value) and value >= 0):
             return f"{key}={value} must be a finite number >= 0"
-    return None
+    return optim_problem(cfg)  # optim.name and its optimizer's own keys (optim.muon.*)
 
 
 def check_train(cfg: TrainConfig) -> Optional[str]:

@@ -23,6 +23,7 @@ from megaframe.checkpoint import tokenizer_check
 from megaframe.checkpoint.manager import CheckpointManager
 from megaframe.checkpoint.parts import Plain
 from megaframe.checkpoint.run_parts import BlendCursor, DataOrder, RunRecord, TokenizerRecord, TrainState
+from megaframe.checkpoint.optimizer_check import RECORD_KEY as OPTIMIZER_RECORD, OptimizerRecord
 from megaframe.training.data_setup import DataSplits, build_data
 from megaframe.training.failure_report import report_failure, translate
 from megaframe.training.faults import Faults
@@ -90,6 +91,7 @@ class Trainer:
         register("blend_cursor", BlendCursor(self.data, order, lambda: self.step, gbs))
         register("guard", Plain(self.guard))
         register("run", RunRecord(cfg, layout))
+        register(OPTIMIZER_RECORD, OptimizerRecord(cfg.optim.name, t.resume_accept_optimizer_change))
 
     def _at_step(self, step: int) -> None:
         self.step = step  # the resume's step, set before its checks (a refusal's closing line names it)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from megaframe.backends import Batch, StepResult
-from megaframe.backends.common import (decay_param_groups, dp_mean, local_device_index, on_device, process_group_defaults,
+from megaframe.backends.common import (dp_mean, local_device_index, on_device, process_group_defaults,
                                        model_state_parts, router_metrics)
 from megaframe.backends.deepspeed import state_io
 from megaframe.backends.deepspeed.build_locks import load_ops, ops_for
@@ -37,6 +37,7 @@ from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims
 from megaframe.model.factory import build_model, compile_model, count_parameters
 from megaframe.model.moe import update_expert_biases
+from megaframe.optim.build import param_groups
 from megaframe.parallel.rendezvous import join_world
 from megaframe.parallel.grad_bucket import ReplicatedGradBucket
 from megaframe.parallel.grad_norm import grad_norm
@@ -103,7 +104,7 @@ class DeepSpeedBackend:
         self.num_parameters = self._count_parameters(module)
         self.writes_layout_free = not layout_free_unsupported(cfg, layout)
         self.engine, _, _, self.lr_scheduler = deepspeed.initialize(
-            model=module, model_parameters=decay_param_groups(module, cfg.optim.weight_decay, built_shape),
+            model=module, model_parameters=param_groups(module, cfg.optim, built_shape),
             config=ds_config, lr_scheduler=lr_scheduler,
             mpu=None if self.pipelined else MegatronMpu(ps))  # a PipelineModule brings its own grid
         if self.grad_bucket is not None:

@@ -33,6 +33,7 @@ from megaframe.checkpoint.universal import MASTER_KEY, MOMENT_KEYS, CheckpointEr
 from megaframe.model.dims import GPTDims
 from megaframe.model.spec import VOCAB_PARAMS, ModelSpec
 from megaframe.parallel.state import ParallelState
+from megaframe.optim.state import same_optimizer
 
 WEIGHT = ""  # the key of the module weights among a parameter's stored tensors
 
@@ -383,7 +384,9 @@ def resume_universal(view: EngineView, directory: Path, lr_scheduler) -> dict[st
     The schedule comes from this run's config, its position from the checkpoint. A model-only
     checkpoint (no optimizer tensors) starts Adam fresh from its weights."""
     state = universal.read_state(directory)
-    load_shards(view, directory, int(state.get("optim_step", state["step"])))
+    # another optimizer's state (a switch train.resume_accept_optimizer_change accepted): weights only
+    own = same_optimizer(state, "adamw")  # DeepSpeed's engine steps AdamW (optim=muon: optim/rules.py)
+    load_shards(view, directory, int(state.get("optim_step", state["step"])) if own else None)
     step = int(state["step"])
     restore_schedule(lr_scheduler, int(state.get("lr_scheduler", {}).get("last_epoch", step)))
     restore_loss_scaler(view.engine.optimizer, state.get("loss_scaler", {}))

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from megaframe.backends import Batch, StepResult
-from megaframe.backends.common import (apply_update, decay_param_groups, dp_mean, eval_mean, join_torch_world, on_device,
+from megaframe.backends.common import (apply_update, dp_mean, eval_mean, join_torch_world, on_device,
                                        model_state_parts, router_metrics)
 from megaframe.backends.fsdp2 import build, pipeline, state_io
 from megaframe.backends.fsdp2.mesh import data_mesh
@@ -26,6 +26,7 @@ from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims
 from megaframe.model.factory import build_model, compile_blocks, count_parameters
 from megaframe.model.moe import update_expert_biases
+from megaframe.optim.build import build_optimizer
 from megaframe.parallel.grad_norm import grad_norm
 from megaframe.parallel.fp8 import recipe_for
 from megaframe.parallel.state import ParallelState
@@ -109,12 +110,9 @@ class Fsdp2Backend:
                 pipeline.embedding_groups(ps, p.pipeline_schedule, dims.tie_embeddings))
         else:
             self.module = module
-        self.optimizer = torch.optim.AdamW(decay_param_groups(self.module, cfg.optim.weight_decay), lr=cfg.optim.lr,
-                                           betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-                                           weight_decay=cfg.optim.weight_decay,
-                                           # fused where the shards live on the GPU; on the host torch's
-                                           # fused CPU kernel, which DeepSpeed's ZeRO-0 uses too
-                                           fused=True)
+        # fused where the shards live on the GPU; on the host torch's fused CPU kernel, which DeepSpeed's
+        # ZeRO-0 uses too
+        self.optimizer = build_optimizer(self.module, cfg.optim, fused=True)
         self.lr_scheduler = lr_scheduler(self.optimizer)
         self._last_grad_norm = float("nan")
 

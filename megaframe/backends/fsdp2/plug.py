@@ -12,7 +12,8 @@ FACTS = EngineFacts(
     split_backward_zero_stages=(2,), pipelines_moe=False, dry_run_pipeline=False,
     # fp32 shards are the masters; HSDP shards within a replica; a pipeline's last stage ties the token table alone
     memory=MemoryTerms(states=SHARDED_FP32, unsharded=SHARD_GROUPS, shards_within_replica=True,
-                       tied_copy_holds_positions=False))
+                       tied_copy_holds_positions=False),
+    optimizer_on_tensors=True)  # torch's optimizer on the DTensor shards
 
 PLUG = lazy_plug("fsdp2", FACTS, build="engine:Fsdp2Backend", init_distributed="engine:init_distributed", device_type="engine:device_type",
                  device_supports_fp16="engine:device_supports_fp16", device_supports_bf16="engine:device_supports_bf16",

@@ -1,5 +1,6 @@
 """Between an FSDP2 model in any layout and the layout-free checkpoint (checkpoint/), the format
-DeepSpeed's backend writes too: one format for both engines, so a run moves between them.
+DeepSpeed's backend writes too: one format for both engines, so a run moves between them. The
+optimizer's state is stored by the names its optimizer gives it (optim/table.py).
 
 A rank's part of a parameter is a rectangle of the full tensor: its TP shard (placed by the
 parameter's ShardSpec marks) cut along dim 0 by FSDP into this rank's local shard (placed by the
@@ -23,10 +24,11 @@ from megaframe.backends.common import adam_step, ensure_adam_state, jsonable, re
 from megaframe.backends.fsdp2.build import compute_dtype, local_box
 from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.boxes import Box, clip_rows
-from megaframe.checkpoint.universal import MASTER_KEY, MOMENT_KEYS
+from megaframe.checkpoint.universal import MASTER_KEY
 from megaframe.config.schema import TrainConfig
 from megaframe.model.dims import GPTDims
 from megaframe.model.spec import VOCAB_PARAMS
+from megaframe.optim.state import optimizer_name, same_optimizer, state_keys_by_param
 from megaframe.parallel.state import ParallelState
 
 
@@ -84,13 +86,13 @@ def local_parts(view: ShardView) -> list[LocalPart]:
             for name, p in view.module.named_parameters()]
 
 
-def _stored(view: ShardView, part: LocalPart) -> dict[str, Callable[[], torch.Tensor]]:
+def _stored(view: ShardView, part: LocalPart, keys: tuple[str, ...]) -> dict[str, Callable[[], torch.Tensor]]:
     """The stored tensors of one part, by checkpoint key: how to read each from the live state."""
     state = view.optimizer.state.get(part.param, {})
     out = {part.name: lambda: part.local(part.param).detach().to(compute_dtype(view.cfg.precision.dtype)).float()}
     if view.cfg.precision.dtype != "fp32":  # the sharded fp32 parameter is the master
         out[f"{MASTER_KEY}.{part.name}"] = lambda: part.local(part.param).detach().float()
-    for key in MOMENT_KEYS:
+    for key in keys:
         out[f"{key}.{part.name}"] = lambda key=key: part.local(state[key]).detach().float()
     return out
 
@@ -106,11 +108,11 @@ def save(view: ShardView, directory: Path, state: dict[str, Any], tokenizer_dir:
     copy the chunks to host memory now and return the function that writes them later."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     ensure_adam_state(view.optimizer, adam_step(view.optimizer))
-    pieces = []
+    pieces, keys = [], state_keys_by_param(view.optimizer)
     for part in local_parts(view):
         if not part.writes or part.box is None:
             continue
-        for key, read in _stored(view, part).items():
+        for key, read in _stored(view, part, keys[id(part.param)]).items():
             values = read().to("cpu", copy=True) if defer else None
             pieces.append(sharded.Piece(key, part.full_shape, part.box,
                                         (lambda v=values: v) if defer else read))
@@ -131,11 +133,12 @@ def _read_box(reader: sharded.ShardReader, part: LocalPart, key: str) -> torch.T
 
 @torch.no_grad()
 def load_shards(view: ShardView, directory: Path, optim_step: Optional[int]) -> None:
-    """Every local shard's weight (the fp32 master where stored) and Adam moments from a layout-free
+    """Every local shard's weight (the fp32 master where stored) and optimizer state from a layout-free
     checkpoint written by either engine in any layout. optim_step None, or a checkpoint without
-    optimizer tensors: weights only, Adam starts fresh."""
+    optimizer tensors: weights only, the optimizer starts fresh."""
     with sharded.ShardReader(directory) as reader:
         with_optimizer = optim_step is not None and any(universal.is_optimizer_key(k) for k in reader.keys())
+        keys = state_keys_by_param(view.optimizer)
         if with_optimizer:
             ensure_adam_state(view.optimizer, optim_step)
         for part in local_parts(view):
@@ -146,7 +149,7 @@ def load_shards(view: ShardView, directory: Path, optim_step: Optional[int]) -> 
             part.local(part.param).copy_(_read_box(reader, part, source))
             if with_optimizer:
                 state = view.optimizer.state[part.param]
-                for key in MOMENT_KEYS:
+                for key in keys[id(part.param)]:
                     part.local(state[key]).copy_(_read_box(reader, part, f"{key}.{part.name}"))
             reader.release()
 
@@ -154,7 +157,9 @@ def load_shards(view: ShardView, directory: Path, optim_step: Optional[int]) -> 
 def resume(view: ShardView, directory: Path) -> dict[str, Any]:
     """Load a layout-free checkpoint into the running model; return its state.json."""
     state = universal.read_state(directory)
-    load_shards(view, directory, int(state.get("optim_step", state["step"])))
+    # another optimizer's state (a switch train.resume_accept_optimizer_change accepted): weights only
+    own = same_optimizer(state, optimizer_name(view.optimizer))
+    load_shards(view, directory, int(state.get("optim_step", state["step"])) if own else None)
     step = int(state["step"])
     restore_schedule(view.lr_scheduler, int(state.get("lr_scheduler", {}).get("last_epoch", step)))
     return state

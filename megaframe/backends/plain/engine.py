@@ -20,8 +20,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from megaframe.backends import Batch, StepResult
-from megaframe.backends.common import (apply_update, decay_param_groups, dp_mean, eval_mean, held_model_states,
-                                       join_torch_world, model_state_parts, on_device, router_metrics)
+from megaframe.backends.common import (apply_update, dp_mean, eval_mean, held_model_states, join_torch_world,
+                                       model_state_parts, on_device, router_metrics)
 from megaframe.backends.plain import state_io
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.config.schema import TrainConfig
@@ -29,6 +29,7 @@ from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims
 from megaframe.model.factory import build_model, compile_model, count_parameters
 from megaframe.model.moe import update_expert_biases
+from megaframe.optim.build import build_optimizer
 from megaframe.parallel.grad_norm import grad_norm
 from megaframe.parallel.fp8 import recipe_for
 from megaframe.parallel.state import ParallelState
@@ -64,10 +65,8 @@ class PlainBackend:
         self.compiled_blocks = compile_model(module, cfg.train.compile_scope) if cfg.train.compile else 0
         self.module = module.to(self.device)
         self.num_parameters = count_parameters(module, full=True)
-        o = cfg.optim
-        # DeepSpeed's ZeRO-0 optimizer as ds_config.py asks for it: torch's fused AdamW
-        self.optimizer = torch.optim.AdamW(decay_param_groups(self.module, o.weight_decay), lr=o.lr,
-                                           betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, fused=True)
+        # DeepSpeed's ZeRO-0 optimizer as ds_config.py asks for it (torch's fused AdamW), or optim=muon
+        self.optimizer = build_optimizer(self.module, cfg.optim, fused=True)
         self.lr_scheduler = lr_scheduler(self.optimizer)
         self.parameters = list(self.module.parameters())
         self._last_grad_norm = float("nan")

@@ -1,5 +1,5 @@
 """Between the one-process model and the layout-free checkpoint (checkpoint/), the format both
-engines write: each parameter whole (the vocabulary's padding rows left out), with Adam's moments,
+engines write: each parameter whole (the vocabulary's padding rows left out), with its optimizer state by name,
 so a one-process run resumes any engine's checkpoint of any layout and any layout resumes its."""
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 from megaframe.backends.common import adam_step, ensure_adam_state, jsonable, restore_schedule
 from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.boxes import Box, clip_rows
-from megaframe.checkpoint.universal import MOMENT_KEYS
 from megaframe.model.dims import GPTDims
 from megaframe.model.spec import VOCAB_PARAMS
+from megaframe.optim.state import optimizer_name, same_optimizer, state_keys_by_param
 
 
 @dataclass
@@ -40,11 +40,11 @@ def save(view: PlainView, directory: Path, state: dict[str, Any], tokenizer_dir:
     """Write the one shard and state.json. defer: copy the tensors to host memory now and return the
     function that writes them later (a background save)."""
     ensure_adam_state(view.optimizer, adam_step(view.optimizer))
-    pieces = []
+    pieces, keys = [], state_keys_by_param(view.optimizer)
     for name, param in view.module.named_parameters():
         full_shape, box = _stored_box(name, param, view.dims)
         moments = view.optimizer.state[param]
-        for key, tensor in ((name, param), *((f"{k}.{name}", moments[k]) for k in MOMENT_KEYS)):
+        for key, tensor in ((name, param), *((f"{k}.{name}", moments[k]) for k in keys[id(param)])):
             def read(t=tensor, rows=box.shape[0]) -> torch.Tensor:
                 return t.detach()[:rows].float()
             copy = read().to("cpu", copy=True) if defer else None
@@ -58,13 +58,16 @@ def save(view: PlainView, directory: Path, state: dict[str, Any], tokenizer_dir:
 @torch.no_grad()
 def resume(view: PlainView, directory: Path) -> dict[str, Any]:
     """Load a layout-free checkpoint written by either engine in any layout; return its state.json.
-    A checkpoint without optimizer tensors (the HF converter's) starts Adam fresh from its weights;
+    A checkpoint without optimizer tensors (the HF converter's), or another optimizer's (a switch
+    train.resume_accept_optimizer_change accepted), starts the optimizer fresh from its weights;
     fp32 masters (a bf16 run's) are read in place of the rounded weights."""
     state = universal.read_state(directory)
     optim_step = int(state.get("optim_step", state["step"]))
     with sharded.ShardReader(directory) as reader:
         with_optimizer = any(universal.is_optimizer_key(k) for k in reader.keys())
-        if with_optimizer:
+        own_state = with_optimizer and same_optimizer(state, optimizer_name(view.optimizer))
+        keys = state_keys_by_param(view.optimizer)
+        if own_state:
             ensure_adam_state(view.optimizer, optim_step)
         for name, param in view.module.named_parameters():
             full_shape, box = _stored_box(name, param, view.dims)
@@ -72,9 +75,9 @@ def resume(view: PlainView, directory: Path) -> dict[str, Any]:
             source = master if with_optimizer and master in reader else name
             sharded.check_stored(reader, source, full_shape)
             param[: box.shape[0]].copy_(reader.read(source, box))
-            if with_optimizer:
+            if own_state:
                 moments = view.optimizer.state[param]
-                for key in MOMENT_KEYS:
+                for key in keys[id(param)]:
                     sharded.check_stored(reader, f"{key}.{name}", full_shape)
                     moments[key][: box.shape[0]].copy_(reader.read(f"{key}.{name}", box))
             reader.release()

@@ -1,0 +1,47 @@
+"""optim's keys before launch (validate.check_optim runs them): optim.name among the optimizers
+megaframe has (megaframe/optim/table.py names their state; tests hold the two lists equal), and
+optim.muon's ranges; a Muon key set under another optimizer, which would read nothing of it, too.
+Which layouts each optimizer steps correctly is the seam's rule (megaframe/optim/rules.py)."""
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from typing import Optional
+
+from megaframe.config.choices import choice_problem
+from megaframe.config.schema import MuonConfig, TrainConfig
+
+OPTIMIZERS = ("adamw", "muon")  # optim.name (conf/optim/NAME.yaml)
+ADJUST_LR = ("spectral", "match_rms_adamw")  # optim.muon.adjust_lr (optim/muon.py's adjusted_lr)
+
+
+def _finite(value, low: float, strict: bool) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and (value > low if strict else value >= low)
+
+
+def optim_problem(cfg: TrainConfig) -> Optional[str]:
+    """optim.name and, under optim=muon, optim.muon's keys; a Muon key set under another optimizer."""
+    o, m = cfg.optim, cfg.optim.muon
+    if err := choice_problem("optim.name", o.name, OPTIMIZERS):
+        return f"{err} (optim=adamw or optim=muon)"
+    if o.name != "muon":
+        default = MuonConfig()
+        changed = [f.name for f in fields(MuonConfig) if getattr(m, f.name) != getattr(default, f.name)]
+        if changed:
+            return (f"optim.muon.{changed[0]} is read only under optim=muon, and this run's optimizer is "
+                    f"optim.name={o.name}: select optim=muon, or drop the key")
+        return None
+    if err := choice_problem("optim.muon.adjust_lr", m.adjust_lr, ADJUST_LR):
+        return err
+    if not (_finite(m.momentum, 0, False) and m.momentum < 1):
+        return f"optim.muon.momentum={m.momentum} must be in [0, 1), e.g. 0.95"
+    if not 1 <= m.ns_steps < 100:
+        return f"optim.muon.ns_steps={m.ns_steps} must be in [1, 99], e.g. 5"
+    if len(m.ns_coefficients) != 3 or not all(_finite(c, -math.inf, False) for c in m.ns_coefficients):
+        return (f"optim.muon.ns_coefficients={list(m.ns_coefficients)} must be three finite numbers (a, b, c), "
+                f"e.g. [3.4445,-4.775,2.0315]")
+    for key, value, strict in (("eps", m.eps, True), ("adamw_lr", m.adamw_lr, True),
+                               ("adamw_weight_decay", m.adamw_weight_decay, False)):
+        if value is not None and not _finite(value, 0, strict):
+            return f"optim.muon.{key}={value} must be a finite number {'>' if strict else '>='} 0"
+    return None

@@ -1,0 +1,34 @@
+"""The optimizer every engine steps with, built from `optim` (OptimConfig) in one place: the plain
+and FSDP2 engines take the optimizer, DeepSpeed (which builds its own AdamW from ds_config) the groups."""
+from __future__ import annotations
+
+import torch
+
+from megaframe.config.schema import OptimConfig
+from megaframe.optim.groups import Shape, decay_param_groups, full_shape, muon_param_groups
+from megaframe.optim.muon import Muon
+
+
+def param_groups(model: torch.nn.Module, optim: OptimConfig, shape: Shape = full_shape,
+                 stepped_by: str = "adamw") -> list[dict]:
+    """The parameter groups of optim.name's optimizer, for an engine whose own optimizer is
+    `stepped_by` (DeepSpeed's AdamW): another optim.name is refused (optim/rules.py refuses it before
+    launch; this keeps a caller that skipped that rule from stepping Muon's groups with AdamW).
+    shape: a parameter's full shape, where the engine has already partitioned it away."""
+    if optim.name != stepped_by:
+        raise ValueError(f"optim.name={optim.name}: this engine steps {stepped_by} only; use backend=fsdp2")
+    if optim.name == "muon":
+        return muon_param_groups(model, optim, shape)
+    return decay_param_groups(model, optim.weight_decay, shape)
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimConfig, fused: bool = True) -> torch.optim.Optimizer:
+    """optim.name's optimizer over the model's parameters. AdamW: torch's, fused (one kernel per step
+    on a GPU; torch's fused CPU kernel on the host, which DeepSpeed's ZeRO-0 uses too)."""
+    if optim.name == "muon":
+        m = optim.muon
+        return Muon(muon_param_groups(model, optim), momentum=m.momentum, nesterov=m.nesterov,
+                    ns_coefficients=tuple(m.ns_coefficients), ns_steps=m.ns_steps, eps=m.eps, adjust_lr=m.adjust_lr,
+                    betas=tuple(optim.betas), adamw_eps=optim.eps, fused=fused)
+    return torch.optim.AdamW(decay_param_groups(model, optim.weight_decay), lr=optim.lr, betas=tuple(optim.betas),
+                             eps=optim.eps, weight_decay=optim.weight_decay, fused=fused)

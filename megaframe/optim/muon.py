@@ -1,0 +1,151 @@
+"""Muon (Newton-Schulz-orthogonalised momentum) for the hidden matrices, torch's AdamW for the rest,
+as one torch optimizer: one set of param groups for the LR schedule, one state table by parameter.
+
+The matrices' step is torch.optim.Muon's (torch 2.13), operation for operation: the momentum buffer
+as a lerp towards the gradient, Nesterov's look-ahead, five quintic Newton-Schulz iterations in bf16
+on the matrix transposed to be wide, decoupled weight decay, then the update at the learning rate
+scaled by the matrix's shape (adjust_lr). Unlike torch's, a 3D parameter is a stack of matrices
+(a MoE layer's experts, E x rows x cols), each orthogonalised on its own in one batched iteration.
+The AdamW groups are stepped by a torch.optim.AdamW that shares these groups and this state.
+
+Newton-Schulz needs the whole matrix: a matrix is whole on this rank (one rank, a mesh of one, an
+expert stack split by experts), or split by rows over data-parallel ranks and assembled on its owner
+(sharded.py). The config rules (optim/rules.py) refuse every other layout before launch; the
+constructor refuses it again (never a silently wrong update)."""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from megaframe.config.optim_rules import ADJUST_LR
+from megaframe.optim.sharded import RowShardedMatrices, row_shard
+from megaframe.optim.table import group_optimizer
+
+
+def orthogonalise(update: torch.Tensor, coefficients: Sequence[float], steps: int, eps: float) -> torch.Tensor:
+    """torch.optim.Muon's Newton-Schulz iteration in bf16 (an approximate U V^T of update = U S V^T),
+    of a matrix (rows, cols) or of each matrix of a stack (E, rows, cols)."""
+    a, b, c = coefficients
+    x = update.bfloat16()
+    tall = update.size(-2) > update.size(-1)
+    if tall:  # iterate on the wide orientation: the Gram matrix is the smaller one
+        x = x.mT
+    if x.ndim == 2:
+        x = x / x.norm().clamp(min=eps)  # spectral norm <= 1 (out of place: x may be the caller's bf16 buffer)
+        for _ in range(steps):
+            gram = x @ x.T
+            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.addmm(x, poly, x, beta=a)
+    else:
+        x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
+        for _ in range(steps):
+            gram = x @ x.mT
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.baddbmm(x, poly, x, beta=a)
+    return x.mT if tall else x
+
+
+def adjusted_lr(lr: float, adjust_lr: str, shape: Sequence[int]) -> float:
+    """The matrix's learning rate: spectral sqrt(max(1, rows/cols)) (torch's "original"), or
+    match_rms_adamw 0.2 sqrt(max(rows, cols)) (an update of AdamW's RMS). A stack's matrices are its
+    last two dims."""
+    rows, cols = shape[-2:]
+    ratio = 0.2 * math.sqrt(max(rows, cols)) if adjust_lr == "match_rms_adamw" else math.sqrt(max(1, rows / cols))
+    return lr * ratio
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor of a parameter (or its gradient or state): itself, or a DTensor's local
+    tensor (the whole matrix on a mesh of one, its rows or whole experts of a stack where sharded)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def sharded_problem(p: torch.nn.Parameter) -> str | None:
+    """Why Muon cannot step `p` from what this rank holds of it, or None: whole, an expert stack split
+    by experts, or a matrix split by rows over data-parallel ranks (sharded.py assembles it)."""
+    if getattr(p, "partition_count", 1) > 1:
+        return f"split {p.partition_count} ways by tensor/expert parallelism"
+    if isinstance(p, DTensor) and p.device_mesh.size() > 1 and row_shard(p) is None:
+        return f"sharded as {p.placements} over a mesh of {p.device_mesh.size()} ranks"
+    return None
+
+
+def needs_assembly(p: torch.nn.Parameter) -> bool:
+    """A matrix split by rows over ranks (a stack split by its experts holds whole matrices)."""
+    return p.ndim == 2 and row_shard(p) is not None
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon on the param groups marked "optimizer": "muon", torch's AdamW on those marked "adamw"."""
+
+    megaframe_name = "muon"  # optim/state.py: the name the checkpoint records
+
+    def __init__(self, groups: list[dict], *, momentum: float, nesterov: bool, ns_coefficients: Sequence[float],
+                 ns_steps: int, eps: float, adjust_lr: str, betas: tuple[float, float], adamw_eps: float,
+                 fused: bool = True):
+        if adjust_lr not in ADJUST_LR:
+            raise ValueError(f"adjust_lr={adjust_lr!r}: one of {', '.join(ADJUST_LR)}")
+        for group in groups:
+            for p in group["params"] if group_optimizer(group) == "muon" else ():
+                if p.ndim not in (2, 3):
+                    raise ValueError(f"Muon steps matrices and stacks of them, not a tensor of shape {tuple(p.shape)}")
+                if problem := sharded_problem(p):
+                    raise ValueError(f"Muon needs whole matrices; a {tuple(p.shape)} parameter is {problem}")
+        # the same group dicts: the schedule's lr reaches both; AdamW fills in its own defaults first
+        self.adamw = torch.optim.AdamW([g for g in groups if group_optimizer(g) == "adamw"], lr=0.0, betas=betas,
+                                       eps=adamw_eps, fused=fused)
+        super().__init__(groups, dict(lr=0.0, weight_decay=0.0, momentum=momentum, nesterov=nesterov,
+                                      ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, eps=eps,
+                                      adjust_lr=adjust_lr))
+        self.adamw.state = self.state  # one state table: the checkpoint and the memory accounting read it
+        split = [p for g in self.param_groups if group_optimizer(g) == "muon" for p in g["params"] if needs_assembly(p)]
+        self.row_sharded = RowShardedMatrices(split) if split else None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        assembled = []  # (group, param, this rank's rows of its update) of the row-sharded matrices
+        for group in self.param_groups:
+            if group_optimizer(group) != "muon":
+                continue
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                update = self._momentum(group, p)
+                if self.row_sharded is not None and self.row_sharded.holds(p):
+                    assembled.append((group, p, update))
+                else:
+                    self._apply(group, p, _orthogonaliser(group)(update))
+        if assembled:  # every rank the same matrices in the same order: they all have gradients
+            results = self.row_sharded.orthogonalise([(p, u, _orthogonaliser(g)) for g, p, u in assembled])
+            for (group, p, _), update in zip(assembled, results):
+                self._apply(group, p, update)
+        self.adamw.step()
+        return loss
+
+    def _momentum(self, group: dict, p: torch.nn.Parameter) -> torch.Tensor:
+        """The momentum buffer moved towards the gradient, and the update (Nesterov's look-ahead or the
+        buffer), on this rank's part of the parameter."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        grad, buf, momentum = whole(p.grad), whole(state["momentum_buffer"]), group["momentum"]
+        buf.lerp_(grad, 1 - momentum)
+        return grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+    @staticmethod
+    def _apply(group: dict, p: torch.nn.Parameter, update: torch.Tensor) -> None:
+        """Decoupled weight decay, then the orthogonalised update at the rate its full shape adjusts."""
+        lr, param = group["lr"], whole(p)
+        param.mul_(1 - lr * group["weight_decay"])
+        param.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape))
+
+
+def _orthogonaliser(group: dict) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda update: orthogonalise(update, group["ns_coefficients"], group["ns_steps"], group["eps"])

@@ -1,0 +1,58 @@
+"""optim's rules before launch (optim/rules.py, through megaframe-train's pre-launch check): where
+Muon runs, and every layout where it would see a piece of a matrix refused in one line naming the
+key (exit 2), never trained with a wrong update; its keys' ranges; a Muon key under AdamW."""
+from __future__ import annotations
+
+import pytest
+
+from megaframe.config.optim_rules import OPTIMIZERS
+from megaframe.launch.checks import check
+from megaframe.optim.table import TENSOR_STATE
+
+MUON = ["optim=muon"]
+
+
+def _refusal(overrides: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as ended:
+        check(overrides)
+    assert ended.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    return line.removeprefix("megaframe-train: error: ")
+
+
+@pytest.mark.parametrize("overrides", [MUON, [*MUON, "backend=fsdp2"],
+                                       [*MUON, "backend=fsdp2", "parallel.dp=2"]])
+def test_muon_runs_where_it_sees_whole_matrices_or_row_shards(overrides):
+    cfg, layout, _ = check(overrides)
+    assert cfg.optim.name == "muon" and cfg.optim.muon.adamw_lr == 3e-3 and layout.tp == layout.pp == 1
+
+
+FLAT = "optim=muon with backend=deepspeed: its ZeRO and mixed-precision optimizers step flattened partitions"
+
+
+@pytest.mark.parametrize("overrides, says", [
+    ([*MUON, "parallel.dp=2"], FLAT),
+    ([*MUON, "zero=stage1"], FLAT),
+    ([*MUON, "precision=bf16"], FLAT),
+    ([*MUON, "backend=fsdp2", "parallel.tp=2"], "optim=muon with parallel.tp=2: Newton-Schulz needs whole matrices"),
+    ([*MUON, "backend=fsdp2", "parallel.pp=2"], "optim=muon with parallel.pp=2: "),
+    ([*MUON, "backend=fsdp2", "parallel.cp=2"], "optim=muon with parallel.cp=2: "),
+    ([*MUON, "model=moe_tiny", "backend=fsdp2", "parallel.ep=2", "parallel.dp=2"], "optim=muon with parallel.ep=2: "),
+    ([*MUON, "backend=fsdp2", "parallel.dp=4", "parallel.dp_replicate=2", "parallel.micro_batch_size=2",
+      "parallel.global_batch_size=32"], "optim=muon with parallel.dp_replicate=2: "),
+    ([*MUON, "backend=fsdp2", "offload=cpu"], "optim=muon with offload.optimizer=cpu: "),
+    ([*MUON, "optim.muon.ns_steps=0"], "optim.muon.ns_steps=0 must be in [1, 99]"),
+    ([*MUON, "optim.muon.momentum=1.0"], "optim.muon.momentum=1.0 must be in [0, 1)"),
+    ([*MUON, "optim.muon.adjust_lr=rms"], "optim.muon.adjust_lr='rms' is not one of ['spectral', 'match_rms_adamw']"),
+    ([*MUON, "optim.muon.ns_coefficients=[1,2]"], "optim.muon.ns_coefficients=[1.0, 2.0] must be three finite numbers"),
+    (["optim.muon.momentum=0.9"], "optim.muon.momentum is read only under optim=muon"),
+    (["optim.name=sgd"], "optim.name='sgd' is not one of ['adamw', 'muon']"),
+])
+def test_what_muon_cannot_do_is_one_line_before_launch(overrides, says, capsys):
+    line = _refusal(overrides, capsys)
+    assert line.startswith(says), line
+
+
+def test_every_optimizer_the_config_accepts_names_its_state():
+    """optim.name's choices are the optimizers whose state the checkpoint can store by name."""
+    assert set(OPTIMIZERS) == set(TENSOR_STATE)
