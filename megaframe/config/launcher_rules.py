@@ -66,6 +66,9 @@ def check_elastic(cfg: TrainConfig) -> Optional[str]:
     if launcher.max_restarts < 0 or launcher.resize_interval_s <= 0:
         return (f"launcher.max_restarts={launcher.max_restarts} must be >= 0 and launcher.resize_interval_s="
                 f"{launcher.resize_interval_s} > 0")
+    if launcher.rdzv_last_call_s < 0 or launcher.rdzv_keep_alive_s < 1:
+        return (f"launcher.rdzv_last_call_s={launcher.rdzv_last_call_s} must be >= 0 and launcher.rdzv_keep_alive_s="
+                f"{launcher.rdzv_keep_alive_s} >= 1 (whole seconds)")
     if launcher.rdzv_endpoint is not None and not re.fullmatch(r"[A-Za-z0-9._-]+(:\d{1,5})?", launcher.rdzv_endpoint):
         return (f"launcher.rdzv_endpoint={launcher.rdzv_endpoint!r} must be HOST or HOST:PORT "
                 f"(e.g. node001:{DEFAULT_RDZV_PORT})")

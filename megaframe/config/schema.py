@@ -349,6 +349,12 @@ class LauncherConfig:
     min_nodes: Optional[int] = None
     max_restarts: int = 3  # elastic torchrun: failures a node's agent restarts after (node joins and losses are free)
     rdzv_endpoint: Optional[str] = None  # elastic torchrun: HOST[:PORT] of the c10d rendezvous (None: this host / the job's first node)
+    # elastic torchrun, the waits of a rendezvous round (torchrun's own defaults): once launcher.min_nodes
+    # have joined, how long it waits for more before starting with those present (its last_call_timeout)
+    rdzv_last_call_s: int = 30
+    # how often each node's agent tells the rendezvous it is alive; a node silent for 3 of these is
+    # dropped, and the survivors' next round starts only then (its keep_alive_interval)
+    rdzv_keep_alive_s: int = 5
     resize_interval_s: float = 60.0  # elastic ray: how often a healthy worker group looks for room to grow
 
 

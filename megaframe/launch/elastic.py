@@ -122,7 +122,14 @@ def torchrun_args(launcher: LauncherConfig, per_node: int, endpoint: str, run_id
     """torchrun's flags for one node of the elastic job (the endpoint and id may be shell words)."""
     return ["-m", "torch.distributed.run", f"--nnodes={launcher.min_nodes}:{launcher.nodes}",
             f"--nproc-per-node={per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={run_id}", f"--max-restarts={launcher.max_restarts}"]
+            f"--rdzv-id={run_id}", f"--max-restarts={launcher.max_restarts}", f"--rdzv-conf={rdzv_conf(launcher)}"]
+
+
+def rdzv_conf(launcher: LauncherConfig) -> str:
+    """torchrun's --rdzv-conf: the rendezvous waits (launcher.rdzv_*), written out even at torchrun's
+    defaults so the node script shows what a lost node costs: about 3 heartbeats until the
+    survivors regroup, then the last call."""
+    return f"last_call_timeout={launcher.rdzv_last_call_s},keep_alive_interval={launcher.rdzv_keep_alive_s}"
 
 
 def node_script(command: str) -> str:

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from tests.support.helpers import REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
+from tests.support.warm_ranks import ZYGOTE_NAME
 from megaframe.common.failures import ExitCode
 
 pytestmark = pytest.mark.slow
@@ -49,7 +50,10 @@ class RankKiller(threading.Thread):
         workers = []
         for child in self.agent.children():
             try:
-                if child.status() != psutil.STATUS_ZOMBIE and "megaframe.train" in " ".join(child.cmdline()):
+                # a rank: torchrun's agent execs it, or (tests/support/warm_ranks.py) forks it from its
+                # rank zygote, which shares the agent's command line but not its name
+                if (child.status() != psutil.STATUS_ZOMBIE and "megaframe.train" in " ".join(child.cmdline())
+                        and child.name() != ZYGOTE_NAME):
                     workers.append(child)
             except psutil.Error:  # exited (or became a zombie) while we looked
                 continue

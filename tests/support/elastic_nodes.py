@@ -18,8 +18,15 @@ from tests.support.helpers import TINY, read_metrics
 # step 30 and 1e-3 by step 200 with or without a resize (measured: one rank against dp=2, both
 # uninterrupted); at 3e-4 the two stay within 1.6e-7 over 200 steps, so a 1e-5 gap means a resize
 # lost or repeated something
+# The rendezvous waits (launcher.rdzv_*, docs/elastic.md), which no test measures: a killed node is
+# dropped after 3 missed heartbeats, 2 s apart (torchrun's 5 s: 15 s), and a round the survivors hold
+# starts 15 s after the first of them joined (torchrun's 30 s). That last call also bounds how long the
+# second and third nodes may take to start and join node 0's first round (all three make it complete at
+# once): it stays well above their start-up on a loaded two-core host.
+REGROUP_ARGS = ["launcher.rdzv_keep_alive_s=2", "launcher.rdzv_last_call_s=15"]
 ELASTIC_ARGS = [*TINY, "parallel.global_batch_size=12", "zero=stage1", "train.save_interval=1",
-                "train.keep_checkpoints=2", "train.eval_interval=0", "train.collective_timeout_s=60", "optim.lr=3e-4"]
+                "train.keep_checkpoints=2", "train.eval_interval=0", "train.collective_timeout_s=60", "optim.lr=3e-4",
+                *REGROUP_ARGS]
 
 
 def read_records(run_dir: Path) -> list[dict]:

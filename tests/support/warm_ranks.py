@@ -18,6 +18,12 @@ test sitecustomize):
   handlers, streams flushed) with the code the run chose.
 - Anything else (redirected streams, another entry point, a launcher that already runs threads)
   goes through torch's own Popen, as does everything with MEGAFRAME_TESTS_FRESH_RANKS=1.
+- torchrun itself (`python -m torch.distributed.run ... -m megaframe.train`: the elastic tests' nodes,
+  --max-restarts jobs) runs its own copy of torch.distributed.run as __main__, whose `run` no wrap
+  reaches: install_in_agent wraps the agent's entry below it instead (launcher.api.launch_agent), so
+  every restart of that agent's workers forks its ranks warm as well. The rank zygote is named
+  ZYGOTE_NAME (its /proc comm), so a test that picks ranks among the agent's children can tell it
+  from them; each rank takes back the name a fresh exec would have.
 """
 from __future__ import annotations
 
@@ -44,6 +50,10 @@ _MODULE = "megaframe.train"
 _PYTHON_DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN,
                     signal.SIGXFSZ: signal.SIG_IGN}
 _ZYGOTE: dict[str, "_RankZygote | None"] = {"current": None}
+ZYGOTE_NAME = "mf-rank-zygote"  # the rank zygote's process name (psutil's name(), /proc/PID/comm)
+_PR_SET_NAME = 15
+_TORCHRUN = "torch.distributed.run"
+_LAUNCHER_API = "torch.distributed.launcher.api"  # where torchrun's __main__ finds launch_agent
 
 
 def _wanted() -> bool:
@@ -58,15 +68,22 @@ def is_megaframe_launcher() -> bool:
         a.endswith("/megaframe-train") for a in argv[:2])
 
 
-def install_when_torch_run_is_imported() -> None:
-    """For a sitecustomize: install_in_launcher once megaframe imports torch.distributed.run (its
-    self-launch), so that runs which never launch ranks do not import torch for it."""
+def is_torchrun_of_megaframe() -> bool:
+    """This process is torchrun's agent for megaframe ranks: `python -m torch.distributed.run ...
+    -m megaframe.train ...` (or the `torchrun` script)."""
+    argv = list(getattr(sys, "orig_argv", []))
+    return is_megaframe_launcher() and (argv[1:3] == ["-m", _TORCHRUN] or
+                                        (len(argv) > 1 and os.path.basename(argv[1]) == "torchrun"))
+
+
+def _after_import(module_name: str, then) -> None:
+    """then() once `module_name` is imported (executed as a module, not run as __main__)."""
     import importlib.abc
     import importlib.util
 
     class AfterImport(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name != "torch.distributed.run":
+            if name != module_name:
                 return None
             sys.meta_path.remove(self)
             spec = importlib.util.find_spec(name)
@@ -74,17 +91,29 @@ def install_when_torch_run_is_imported() -> None:
 
             def exec_module(module):
                 run_module(module)
-                install_in_launcher()
+                then()
 
             spec.loader.exec_module = exec_module
             return spec
 
+    sys.meta_path.insert(0, AfterImport())
+
+
+def install_when_torch_run_is_imported() -> None:
+    """For a sitecustomize: install_in_launcher once megaframe imports torch.distributed.run (its
+    self-launch), so that runs which never launch ranks do not import torch for it; in torchrun's
+    own process, install_in_agent once torchrun imports its launcher API."""
     if not _wanted() or not is_megaframe_launcher():
         return
-    if "torch.distributed.run" in sys.modules:  # imported already (the CUDA-shaped device's set-up)
+    if is_torchrun_of_megaframe():
+        if _LAUNCHER_API in sys.modules:  # imported already (the CUDA-shaped device's set-up)
+            install_in_agent()
+        else:
+            _after_import(_LAUNCHER_API, install_in_agent)
+    elif _TORCHRUN in sys.modules:  # imported already (the CUDA-shaped device's set-up)
         install_in_launcher()
     else:
-        sys.meta_path.insert(0, AfterImport())
+        _after_import(_TORCHRUN, install_in_launcher)
 
 
 def install_in_launcher(prepare=None) -> None:
@@ -94,7 +123,6 @@ def install_in_launcher(prepare=None) -> None:
     if not _wanted():
         return
     import torch.distributed.run as torch_run
-    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
     if prepare is None:
         from tests.support.cli_zygote import import_what_runs_import as prepare
@@ -102,17 +130,59 @@ def install_in_launcher(prepare=None) -> None:
     if getattr(torch_run.run, "_warm_ranks", False):
         return
     original_run = torch_run.run
-    original_popen = subprocess_handler.SubprocessHandler._popen
 
     def run(args):
-        zygote = _RankZygote.start(prepare) if _runs_megaframe(args) else None
-        _ZYGOTE["current"] = zygote
-        try:
-            return original_run(args)
-        finally:
-            _ZYGOTE["current"] = None
-            if zygote is not None:
-                zygote.stop()
+        return _with_zygote(prepare if _runs_megaframe(args) else None, lambda: original_run(args))
+
+    run._warm_ranks = True
+    torch_run.run = run
+    _wrap_rank_popen()
+
+
+def install_in_agent(prepare=None) -> None:
+    """In torchrun's own process (is_torchrun_of_megaframe): wrap launch_agent, which its __main__
+    reaches through elastic_launch (looked up by name at each call), and the rank Popen (idempotent).
+    The zygote lives as long as the agent, over every restart of its workers."""
+    if not _wanted():
+        return
+    import torch.distributed.launcher.api as api
+
+    if prepare is None:
+        from tests.support.cli_zygote import import_what_runs_import as prepare
+
+    if getattr(api.launch_agent, "_warm_ranks", False):
+        return
+    original_launch = api.launch_agent
+
+    def launch_agent(config, entrypoint, args, *more, **options):
+        runs = isinstance(entrypoint, str) and _megaframe_args((entrypoint, *map(str, args))) is not None
+        return _with_zygote(prepare if runs else None,
+                            lambda: original_launch(config, entrypoint, args, *more, **options))
+
+    launch_agent._warm_ranks = True
+    api.launch_agent = launch_agent
+    _wrap_rank_popen()
+
+
+def _with_zygote(prepare, launch):
+    """launch() with a rank zygote serving the agent's Popen of megaframe ranks (prepare None: none)."""
+    zygote = _RankZygote.start(prepare) if prepare is not None else None
+    _ZYGOTE["current"] = zygote
+    try:
+        return launch()
+    finally:
+        _ZYGOTE["current"] = None
+        if zygote is not None:
+            zygote.stop()
+
+
+def _wrap_rank_popen() -> None:
+    """The agent's Popen of a `python -u -m megaframe.train` rank asks the current zygote instead."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    if getattr(subprocess_handler.SubprocessHandler._popen, "_warm_ranks", False):
+        return
+    original_popen = subprocess_handler.SubprocessHandler._popen
 
     def _popen(self, args, env):
         zygote = _ZYGOTE["current"]
@@ -121,8 +191,7 @@ def install_in_launcher(prepare=None) -> None:
             return original_popen(self, args, env)
         return zygote.spawn(list(args), module_args, env)
 
-    run._warm_ranks = True
-    torch_run.run = run
+    _popen._warm_ranks = True
     subprocess_handler.SubprocessHandler._popen = _popen
 
 
@@ -141,9 +210,14 @@ def _megaframe_args(args: tuple) -> list[str] | None:
     return args[len(flags) + 3:]
 
 
-def _prctl(option: int, value: int) -> None:
+def _prctl(option: int, value) -> None:
     if ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl")
+
+
+def _set_name(name: str) -> None:
+    """This process's name (/proc/self/comm, 15 bytes at most)."""
+    _prctl(_PR_SET_NAME, ctypes.create_string_buffer(name.encode()[:15]))
 
 
 class _ForkedRank:
@@ -225,6 +299,8 @@ def _serve(requests_fd: int, replies_fd: int, launcher: int, prepare) -> None:
     _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != launcher:
         return
+    fresh_name = os.path.basename(sys.executable)  # an exec'd rank's name, which each rank takes back
+    _set_name(ZYGOTE_NAME)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)  # the terminal's Ctrl-C reaches the launcher's group
     prepare()  # what every rank imports, once
@@ -240,6 +316,7 @@ def _serve(requests_fd: int, replies_fd: int, launcher: int, prepare) -> None:
             rank = os.fork()
             if rank == 0:
                 os.close(pid_w)
+                _set_name(fresh_name)
                 _become_the_rank(request, launcher)
             os.write(pid_w, str(rank).encode())
             os._exit(0)  # the rank is re-parented to the launcher, the subreaper

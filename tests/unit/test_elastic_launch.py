@@ -43,6 +43,8 @@ def test_torchrun_adds_whole_nodes_and_ray_single_workers():
     ({"name": "ray"}, {}, "set launcher.max_failures >= 1"),
     ({"max_restarts": -1}, {}, "launcher.max_restarts=-1 must be >= 0"),
     ({"rdzv_endpoint": "head node:29400"}, {}, "must be HOST or HOST:PORT"),
+    ({"rdzv_keep_alive_s": 0}, {}, "launcher.rdzv_keep_alive_s=0 >= 1"),
+    ({"rdzv_last_call_s": -1}, {}, "launcher.rdzv_last_call_s=-1 must be >= 0"),
 ])
 def test_elastic_keys_are_refused_in_one_line(launcher, train, said):
     cfg = _elastic(**launcher)
@@ -99,6 +101,22 @@ def test_each_node_runs_torchrun_with_the_range_c10d_and_its_own_rendezvous_stor
                  "--rdzv-id=megaframe-abc", "--max-restarts=5"):
         assert flag in words
     assert words[-3:] == ["megaframe.train", "model.num_layers=2", f"hydra.run.dir={tmp_path / 'run'}"]
+
+
+def test_the_rendezvous_waits_are_keys_with_torchruns_defaults_in_every_nodes_line(tmp_path):
+    """How long a lost node costs (heartbeats until it is dropped, then the last call) is the user's
+    to set, and shown in the line at torchrun's own defaults (30 s, 5 s)."""
+    def conf(line: str) -> list[str]:
+        return [word for word in shlex.split(line) if word.startswith("--rdzv-conf=")]
+
+    assert conf(node_command(LauncherConfig(min_nodes=1, nodes=2), 1, [], tmp_path, "megaframe-a")) == \
+        ["--rdzv-conf=last_call_timeout=30,keep_alive_interval=5"]
+    quick = LauncherConfig(min_nodes=1, nodes=2, rdzv_last_call_s=15, rdzv_keep_alive_s=2)
+    assert conf(node_command(quick, 1, [], tmp_path, "megaframe-a")) == ["--rdzv-conf=last_call_timeout=15,keep_alive_interval=2"]
+    srun = elastic_sbatch_script(LauncherConfig(name="slurm", min_nodes=1, nodes=2, rdzv_keep_alive_s=2), 8, [], tmp_path)
+    assert "--rdzv-conf=last_call_timeout=30,keep_alive_interval=2" in srun
+    cfg, _ = compose(["launcher.min_nodes=1", "launcher.nodes=2", "launcher.rdzv_last_call_s=15"])
+    assert (cfg.launcher.rdzv_last_call_s, cfg.launcher.rdzv_keep_alive_s) == (15, 5)
 
 
 def test_the_elastic_slurm_job_is_one_agent_per_node_over_a_node_range(tmp_path):

@@ -60,3 +60,19 @@ def test_a_killed_warm_rank_ends_the_job_as_a_killed_fresh_one(tmp_path):
     errors = {name: [line for line in r.stderr.splitlines() if line.startswith("megaframe-train: error")]
               for name, r in results.items()}
     assert errors["warm"] == errors["fresh"] and "SIGKILL" in errors["warm"][0], errors
+
+
+def test_torchruns_own_agent_forks_its_ranks_warm(tmp_path):
+    """`python -m torch.distributed.run ... -m megaframe.train` (the elastic tests' nodes, --max-restarts
+    jobs) runs torchrun's __main__, not the module install_in_launcher wraps: the agent's ranks are
+    forked warm all the same, and train the curve the self-launched ranks train."""
+    log = tmp_path / "spawned.log"
+    torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                               "-m", "megaframe.train", *DP2, f"hydra.run.dir={tmp_path / 'torchrun'}"],
+                              cwd=REPO, env=cli_env(MEGAFRAME_TESTS_WARM_RANKS_LOG=str(log)), capture_output=True,
+                              text=True, timeout=600)
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    assert _forked(log) == ["0", "1"]
+    self_launched = run_cli([*DP2, f"hydra.run.dir={tmp_path / 'self'}"])
+    assert self_launched.returncode == 0, self_launched.stderr[-3000:]
+    assert curve(read_metrics(tmp_path / "torchrun"), "loss") == curve(read_metrics(tmp_path / "self"), "loss")
