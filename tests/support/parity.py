@@ -9,7 +9,7 @@ from typing import Optional
 import pytest
 import torch
 
-from tests.support.helpers import assert_ok, cli_env, curve, read_metrics, run_cli
+from tests.support.helpers import assert_ok, cli_env, curve, read_metrics, run_code
 from tests.support.numerics import FACTOR, FP32_EPS
 
 FLAVOURS = {"gpt2": ["model=gpt_tiny"], "llama": ["model=llama_tiny"]}  # llama_tiny: 2 kv heads (GQA)
@@ -129,8 +129,8 @@ def assert_norm_parity(got: list[dict], fp32_runs: list[list[dict]], want64: lis
 
 def exact_references(root: Path, flavours: dict[str, list[str]]) -> dict[str, Path]:
     """The references of each flavour's run (name -> overrides) at one rank: NAME, DeepSpeed's engine
-    in fp32; NAME-order, the same summing in another order (a fresh megaframe-train under
-    OTHER_ORDER); NAME-fp64, the plain engine in float64 from the same initial values. Returns their
+    in fp32; NAME-order, the same summing in another order (the one-process run, in a new interpreter
+    under OTHER_ORDER: train_other_order); NAME-fp64, the plain engine in float64 from the same initial values. Returns their
     run directories by name. NAME and NAME-fp64 come from the session's reference cache
     (reference_cache.py); NAME-order measures this host's rounding and runs every time."""
     from tests.support.reference_cache import reference_runs
@@ -139,11 +139,28 @@ def exact_references(root: Path, flavours: dict[str, list[str]]) -> dict[str, Pa
                            engine="deepspeed")
     found.update(reference_runs({f"{name}-fp64": overrides for name, overrides in flavours.items()}, root,
                                 fp64=True, engine="plain"))
-    for name, overrides in flavours.items():  # the import reads the capability: a new interpreter each
-        found[f"{name}-order"] = root / f"{name}-order"
-        assert_ok(run_cli([*overrides, f"hydra.run.dir={found[f'{name}-order']}"], env={**cli_env(), **OTHER_ORDER},
-                          fresh=True))
-    return found
+    order = {f"{name}-order": root / f"{name}-order" for name in flavours}
+    train_other_order([(overrides, order[f"{name}-order"]) for name, overrides in flavours.items()], root)
+    return {**found, **order}
+
+
+# Trains (overrides, run_dir) pairs as reference_runs does (train_runs in one rank), in this new
+# interpreter: torch reads ATEN_CPU_CAPABILITY once, at its first kernel
+_OTHER_ORDER_RUNS = """
+import json, sys
+from tests.support.parity import train_runs
+from tests.support.ranks import run_ranks
+run_ranks(train_runs, 1, sys.argv[2], runs=[tuple(run) for run in json.loads(sys.argv[1])])
+"""
+
+
+def train_other_order(runs: list[tuple[list[str], Path]], root: Path) -> None:
+    """Each one-process run (overrides, run_dir) under OTHER_ORDER: one new interpreter for them all
+    (the capability is read at import; one interpreter per run paid its imports each time)."""
+    work = root / "other-order-ranks"
+    work.mkdir(parents=True, exist_ok=True)
+    assert_ok(run_code(_OTHER_ORDER_RUNS, [json.dumps([(list(o), str(d)) for o, d in runs]), str(work)],
+                       env={**cli_env(), **OTHER_ORDER}))
 
 
 def assert_exact_norm(run_dir: Path, references: dict[str, Path], flavour: str, what: str) -> None:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.support.cli_zygote import import_what_runs_import
+from tests.support.compile_turns import take_turns_at_compiles
 
 
 # deepspeed.initialize imports torch._dynamo (torch's Optimizer) and DeepSpeed's Muon module, which
@@ -33,6 +34,7 @@ def _entry(rank: int, fn: Callable, world_size: int, workdir: str, kwargs: dict)
     os.environ.pop("LOCAL_SIZE", None)  # DeepSpeed would leave 66 MiB shm buffers behind
     torch.set_num_threads(1)
     out = Path(workdir) / f"rank{rank}.pt"
+    take_turns_at_compiles(f"{workdir}/inductor.lock")  # one rank compiles a graph, the others load it (a speed-up)
     try:
         dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size)
         result = fn(rank, world_size, **kwargs)
