@@ -180,6 +180,7 @@ def test_ops_are_built_with_deepspeeds_flags_less_debug_information(tmp_path, mo
     from deepspeed.ops.op_builder.builder import OpBuilder
 
     built = {}
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))  # where the ops' one-unit sources go
     monkeypatch.setattr(OpBuilder, "load", lambda self, verbose=True: built.update({
         self.name: (type(self).cxx_args(self), self.cxx_args())}))
     load_ops(["CPUAdamBuilder", "AsyncIOBuilder"], tmp_path)
