@@ -2,16 +2,17 @@
 
 DeepSpeed compiles each source of an op on its own, and each of those that include
 <torch/extension.h> parses torch's headers (hundreds of thousands of lines) and instantiates the
-same templates again: a cold async_io build compiled them 9 times for about 1,000 lines of its
-own code, pin_memory twice, cpu_adam twice. A generated unit that #includes those sources (by
-absolute path, in DeepSpeed's order) compiles them once; the op's other sources (libaio's thin
-wrappers, a second each, which define internal names that clash with the others') keep their own
-units. The same sources with the same flags, linked into the same library: the op is the same,
-built in a fraction of the CPU time, once per host as before.
+same templates again: cpu_adam and pin_memory compiled them twice each. A generated unit that
+#includes those sources (by absolute path, in DeepSpeed's order) compiles them once; the op's
+other sources (which include no torch, a second each) keep their own units. The same sources with
+the same flags, linked into the same library: the op is the same, built for less CPU, once per host
+as before.
 
-A DeepSpeed whose torch-including sources cannot share a unit (two defining the same internal
-name) builds the op its own way: load_ops retries without the unit and leaves a marker beside it,
-so later runs on the host go straight to DeepSpeed's way for those sources.
+Only an op whose own headers all have include guards can share a unit (two sources including an
+unguarded header would define its types twice): async_io's lack them (DeepSpeed 0.19), so it is
+built DeepSpeed's way, with no failed attempt first. A DeepSpeed whose sources clash otherwise (two
+defining the same internal name) builds the op its own way: load_ops retries without the unit and
+leaves a marker beside it, so later runs on the host go straight to DeepSpeed's way.
 """
 from __future__ import annotations
 
@@ -24,23 +25,32 @@ from megaframe.common.atomic_io import atomic_write_text
 
 UNIT_PREFIX = "megaframe_unit_"
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]([^>"]+)[>"]', re.MULTILINE)
+_GUARD = re.compile(r'^[ \t]*#[ \t]*(pragma[ \t]+once|ifndef[ \t]+\w+)', re.MULTILINE)
 
 
-def includes_torch(source: Path, include_dirs: list[Path], seen: Optional[set[Path]] = None) -> bool:
-    """Whether `source`, or a header it includes from its own folder or include_dirs, includes a torch header."""
-    seen = set() if seen is None else seen
-    seen.add(source)
+def _local_headers(source: Path, include_dirs: list[Path], seen: set[Path]) -> set[Path]:
+    """The headers `source` includes, directly or not, from its own folder or include_dirs."""
     for name in _INCLUDE.findall(source.read_text(errors="replace")):
-        if name.startswith("torch/"):
-            return True
         for folder in (source.parent, *include_dirs):
             header = folder / name
             if header.is_file():
                 header = header.resolve()
-                if header not in seen and includes_torch(header, include_dirs, seen):
-                    return True
+                if header not in seen:
+                    seen.add(header)
+                    _local_headers(header, include_dirs, seen)
                 break
-    return False
+    return seen
+
+
+def includes_torch(source: Path, include_dirs: list[Path]) -> bool:
+    """Whether `source`, or a header it includes from its own folder or include_dirs, includes a torch header."""
+    return any(name.startswith("torch/") for path in (source, *_local_headers(source, include_dirs, set()))
+               for name in _INCLUDE.findall(path.read_text(errors="replace")))
+
+
+def _guarded(header: Path) -> bool:
+    """Whether the header can be included twice in one unit (#pragma once, or an #ifndef guard)."""
+    return _GUARD.search(header.read_text(errors="replace")) is not None
 
 
 def _unit_text(name: str, sources: list[Path]) -> str:
@@ -66,6 +76,9 @@ def compile_as_one_unit(builder, extensions_root: Path) -> Optional[Path]:
     include_dirs = [Path(builder.deepspeed_src_path(p)).resolve() for p in builder.include_paths()]
     heavy = [s for s in sources if includes_torch(s, include_dirs)]
     if len(heavy) < 2:
+        return None
+    headers = set().union(*(_local_headers(s, include_dirs, set()) for s in heavy))
+    if not all(_guarded(h) for h in headers):  # two sources including it would define its types twice
         return None
     unit = Path(extensions_root) / builder.name / f"{UNIT_PREFIX}{builder.name}.cpp"
     text = _unit_text(builder.name, heavy)
