@@ -8,7 +8,7 @@ topology.py    ParallelDims as DeepSpeed's topology and Megatron's mpu
 state_io.py    full (layout-free) state out of and into a running engine
 memory.py      the model states an engine holds, by role
 nvme.py        per-process NVMe swap folders
-build_locks.py stale JIT build locks
+build_locks.py stale JIT build locks; one_unit.py each op's torch-including sources in one unit
 accelerator.py what the device supports (asked before launch)
 rules.py       DeepSpeed's config rules, handed to validation; compat.py the table they make
 experts.py     expert parallelism as DeepSpeed's engine sees it, and its marks on expert shards

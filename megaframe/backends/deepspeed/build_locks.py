@@ -17,13 +17,16 @@ build has taken 28 minutes here), so the owner's liveness decides:
   a builder's shell runs `rm lock` only after ninja has exited: judging in that instant removed a
   live baton (CI saw it under load), and the owner's own removal then fails.
 Ops are built without debug information (DeepSpeed passes -g): nobody steps through these ops, and
--g made a cold async_io build half as long again.
+-g made a cold async_io build half as long again. An op's sources that include torch are compiled
+as one unit (one_unit.py), which parses torch's headers once rather than once per source.
 Loading the ops here, before deepspeed.initialize, also means initialize finds them loaded
 (DeepSpeed keeps loaded ops per process) and takes no baton inside its collectives.
 """
 from __future__ import annotations
 
 import fcntl
+import functools
+import json
 import os
 import sys
 import time
@@ -31,6 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from megaframe.backends.deepspeed.one_unit import back_to_deepspeeds_sources, compile_as_one_unit, mark_failed
 from megaframe.common.failures import MissingSystemPiece
 
 OWNER_LOCK = "megaframe-build.lock"
@@ -194,24 +198,76 @@ def _without_debug_info(builder) -> None:
     builder.cxx_args = lambda: [flag for flag in flags() if flag != "-g"]
 
 
-def load_ops(builder_names: list[str], root: Optional[Path] = None) -> None:
+def answer_cpu_info_once() -> None:
+    """py-cpuinfo's get_cpu_info starts a Python interpreter on each call (1.2 CPU-s on the 2-core host),
+    and DeepSpeed asks it twice for each CPU op's compiler flags and once more for each CPU Adam: a rank
+    with an offloaded optimizer paid 3.6 CPU-s for one answer. This process (and the ranks it forks)
+    keeps the first answer; each caller gets its own copy."""
+    import cpuinfo
+
+    if getattr(cpuinfo.get_cpu_info, "megaframe_once", False):
+        return
+    ask = cpuinfo.get_cpu_info
+    answer = functools.cache(lambda: json.dumps(ask()))
+
+    def get_cpu_info() -> dict:
+        return json.loads(answer())
+
+    get_cpu_info.megaframe_once = True
+    cpuinfo.get_cpu_info = get_cpu_info
+
+
+def _with_prerequisites(builder_names: list[str]) -> list[str]:
+    """DeepSpeed's async_io loads pin_memory itself, with a builder of its own: loaded here first (DeepSpeed
+    keeps it per process), it is built as load_ops builds ops (one_unit.py) and under the owner lock."""
+    names = []
+    for name in builder_names:
+        if name == "AsyncIOBuilder" and "PinMemoryBuilder" not in names:
+            names.append("PinMemoryBuilder")
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def _load(builder) -> None:
+    try:
+        builder.load(verbose=False)
+    except Exception as err:  # a compiler error, a missing library: the cause is in the build log
+        detail = (str(err).strip().splitlines() or [type(err).__name__])[-1]
+        raise MissingSystemPiece(
+            f"DeepSpeed's {builder.name} op did not build or load ({detail}); its build files are in "
+            f"{extensions_dir() / builder.name}; fix the toolchain or choose an offload that does not "
+            f"need it") from err
+
+
+def _build_or_load(builder, warn: Callable[[str], None]) -> None:
+    """Load the op, its torch-including sources compiled as one unit (one_unit.py); if that unit does not
+    build, DeepSpeed's own way (and a marker, so later runs do not try the unit again)."""
+    unit = compile_as_one_unit(builder, extensions_dir())
+    if unit is None:
+        return _load(builder)
+    try:
+        builder.load(verbose=False)
+        return
+    except Exception as err:
+        back_to_deepspeeds_sources(builder)
+        _load(builder)  # DeepSpeed's way: if this fails too, the cause was not the unit
+        mark_failed(unit)
+        warn(f"DeepSpeed's {builder.name} op did not compile as one unit ({type(err).__name__}); built its way instead")
+
+
+def load_ops(builder_names: list[str], root: Optional[Path] = None, warn: Callable[[str], None] = _warn) -> None:
     """Build or load the named DeepSpeed op builders' ops under owner_lock, stale batons cleared first."""
     if not builder_names:
         return  # no op to load, no lock to take: a stale baton of an op this run does not use is no reason to wait
     from deepspeed.accelerator import get_accelerator
 
+    answer_cpu_info_once()
     with owner_lock(root):
         clear_stale_build_locks(root)
-        for name in builder_names:
+        for name in _with_prerequisites(builder_names):
             builder = get_accelerator().create_op_builder(name)
             if builder is None:
                 continue
             _without_debug_info(builder)
-            try:
-                builder.load(verbose=False)
-            except Exception as err:  # a compiler error, a missing library: the cause is in the build log
-                detail = (str(err).strip().splitlines() or [type(err).__name__])[-1]
-                raise MissingSystemPiece(
-                    f"DeepSpeed's {builder.name} op did not build or load ({detail}); its build files are in "
-                    f"{extensions_dir() / builder.name}; fix the toolchain or choose an offload that does not "
-                    f"need it") from err
+            _build_or_load(builder, warn)

@@ -180,9 +180,23 @@ def test_ops_are_built_with_deepspeeds_flags_less_debug_information(tmp_path, mo
     from deepspeed.ops.op_builder.builder import OpBuilder
 
     built = {}
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))  # where the ops' one-unit sources go
     monkeypatch.setattr(OpBuilder, "load", lambda self, verbose=True: built.update({
         self.name: (type(self).cxx_args(self), self.cxx_args())}))
     load_ops(["CPUAdamBuilder", "AsyncIOBuilder"], tmp_path)
     for theirs, ours in (built["cpu_adam"], built["async_io"]):  # (async_io loads pin_memory, built without -g)
         assert "-g" in theirs and "-O3" in theirs
         assert ours == [flag for flag in theirs if flag != "-g"]
+
+
+def test_py_cpuinfo_is_asked_once_per_process(monkeypatch):
+    """Each get_cpu_info starts an interpreter (1.2 CPU-s); DeepSpeed asks 3-5 times per offload rank."""
+    import cpuinfo
+
+    asked = []
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: asked.append(1) or {"arch": "X86_64", "flags": ["avx2"]})
+    build_locks.answer_cpu_info_once()
+    build_locks.answer_cpu_info_once()  # a second load_ops in the process keeps the one answer
+    first = cpuinfo.get_cpu_info()
+    first["flags"].append("mutated by a caller")
+    assert cpuinfo.get_cpu_info() == {"arch": "X86_64", "flags": ["avx2"]} and len(asked) == 1
