@@ -24,7 +24,7 @@ from typing import Iterator
 import pytest
 
 from tests.support.helpers import REPO, TINY, assert_ok, cli_env, free_port, read_metrics, run_cli
-from tests.support.ray_processes import kill_processes, process_tree, processes_of
+from tests.support.ray_processes import LEAN_RAY, kill_processes, process_tree, processes_of
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray", reason="Ray is the optional extra megaframe[ray]; .ci/run installs it with [test]")
@@ -52,8 +52,9 @@ START_TIMEOUT = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "5"}
 
 def _ray_env(**extra: str) -> dict[str, str]:
     """A Ray cluster's or job's environment here (test_ray_launcher.py: the workers' niceness 0, and
-    the token authentication of Ray 2.5x's clusters)."""
-    return {**cli_env(), "OMP_NUM_THREADS": "1", "RAY_worker_niceness": "0", "RAY_AUTH_MODE": "token", **extra}
+    the token authentication of Ray 2.5x's clusters, Ray's side services off)."""
+    return {**cli_env(), "OMP_NUM_THREADS": "1", "RAY_worker_niceness": "0", "RAY_AUTH_MODE": "token", **LEAN_RAY,
+            **extra}
 
 
 @contextmanager

@@ -16,7 +16,7 @@ import pytest
 
 from tests.support.helpers import TINY, assert_ok, cli_env, free_port, read_metrics, run_cli
 from tests.support.parity import assert_parity
-from tests.support.ray_processes import kill_processes, processes_of
+from tests.support.ray_processes import LEAN_RAY, kill_processes, processes_of
 
 pytestmark = pytest.mark.slow
 ARGS = [*TINY, "train.max_steps=6", "train.eval_interval=3", "train.save_interval=2", "zero=stage1", "parallel.dp=2"]
@@ -26,8 +26,9 @@ def _ray_env(**extra: str) -> dict[str, str]:
     """The environment of a Ray cluster or job here. Ray starts its workers (which run the ranks) at
     niceness 15: beside CI's other test processes at niceness 0 they got a few percent of the two
     cores, and a 70 s job ran past its 600 s timeout. The cluster's raylet reads this variable when
-    it starts (ray start, or the local cluster ray.init makes)."""
-    return {**cli_env(), "OMP_NUM_THREADS": "1", "RAY_worker_niceness": "0", **extra}
+    it starts (ray start, or the local cluster ray.init makes). Ray's side services no test reads are
+    off (ray_processes.LEAN_RAY)."""
+    return {**cli_env(), "OMP_NUM_THREADS": "1", "RAY_worker_niceness": "0", **LEAN_RAY, **extra}
 
 
 @pytest.fixture(scope="module")
