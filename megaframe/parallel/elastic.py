@@ -6,11 +6,12 @@ import json
 import os
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Optional
 
 from megaframe.common.atomic_io import atomic_write_text
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 
 # An earlier attempt's deterministic failure, kept in torchrun's agent store: shared by every node
@@ -22,6 +23,8 @@ def _agent_store() -> Optional[dist.Store]:
     """A client of torchrun's agent store (MASTER_ADDR:MASTER_PORT), None outside torchrun."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
         return None
+    import torch.distributed as dist
+
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                          timeout=timedelta(seconds=30))
 
@@ -57,6 +60,9 @@ def record_job_stop(exit_code: int, message: str) -> bool:
 def job_stop() -> Optional[tuple[int, str]]:
     """(exit code, message) when an earlier attempt of this torchrun or Ray job stopped it, else None."""
     if stop_file := os.environ.get(STOP_FILE_ENV):
+        # torch only here: a rank's first attempt, refused before launch, need not import it (2 CPU-s)
+        import torch.distributed as dist
+
         # rank 0 reads and every rank takes its answer: a node whose file system has not yet shown it
         # the file must not train on while the others stop (it would hang them until the timeout)
         answer = [_read_stop_file(stop_file) if not dist.is_initialized() or dist.get_rank() == 0 else None]

@@ -104,6 +104,23 @@ def test_bad_config_is_refused_with_one_line(case, tmp_path):
     assert not (tmp_path / "run").exists(), "a refused config must not create a run dir"
 
 
+def test_a_mistyped_key_is_refused_at_once_by_a_fresh_interpreter(tmp_path):
+    """What a user's terminal shows, from a new interpreter (not the tests' warm one): one line and exit
+    2, without importing torch, DeepSpeed or the trainer first (a refusal costs about 0.3 CPU-s, not
+    the 6 of a run's imports)."""
+    import subprocess
+    import sys
+
+    # megaframe-train's entry point as `python -m megaframe.train` runs it; then what it had imported
+    probe = ("import runpy, sys\ntry:\n    runpy.run_module('megaframe.train', run_name='__main__', alter_sys=True)\n"
+             "finally:\n    print(sorted(m for m in ('torch', 'deepspeed', 'megaframe.training.trainer') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe, "model.hidden_sise=64", f"hydra.run.dir={tmp_path / 'run'}"],
+                            cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120)
+    _assert_refused(result, CASES["unknown key"][2])
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
+    assert not (tmp_path / "run").exists()
+
+
 def test_fp16_refused_where_the_device_lacks_it(tmp_path):
     result = run_cli(["precision=fp16", f"hydra.run.dir={tmp_path / 'run'}", "train.max_steps=1"], timeout=300)
     if device_supports_fp16():  # a GPU or an AVX512-FP16 CPU: the run must go through

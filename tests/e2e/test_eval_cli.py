@@ -6,20 +6,19 @@ import json
 import math
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.support.helpers import REPO, TINY, assert_ok, cli_env, curve, read_metrics, run_cli
+from tests.support.helpers import TINY, assert_ok, curve, read_metrics, run_cli, run_module
 
 pytestmark = pytest.mark.slow
 SAME_SAMPLES = ["parallel.micro_batch_size=2", "parallel.global_batch_size=8", "train.eval_steps=1"]  # TINY's
 
 
 def run_eval(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megaframe.eval_cli", *args], cwd=REPO, env=cli_env(),
-                          capture_output=True, text=True, timeout=300)
+    """`python -m megaframe.eval_cli ARGS`, forked warm (helpers.run_module)."""
+    return run_module("megaframe.eval_cli", list(args), timeout=300)
 
 
 @pytest.mark.parametrize("layout", [[], ["parallel.dp=2", "zero=stage2"]], ids=["dp1", "dp2-zero2"])

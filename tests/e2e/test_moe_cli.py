@@ -14,9 +14,16 @@ pytestmark = pytest.mark.slow
 ARGS = [*TINY, "model=moe_tiny", "train.max_steps=8", "train.eval_interval=4", "train.save_interval=4"]
 
 
-def test_an_ep2_checkpoint_resumes_at_ep1_and_continues_the_curve(tmp_path):
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
-    assert_ok(run_cli([*ARGS, f"hydra.run.dir={whole}"]))
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The uninterrupted one-rank run of ARGS that both resume directions continue (trained once; read only)."""
+    run_dir = tmp_path_factory.mktemp("moe") / "whole"
+    assert_ok(run_cli([*ARGS, f"hydra.run.dir={run_dir}"]))
+    return run_dir
+
+
+def test_an_ep2_checkpoint_resumes_at_ep1_and_continues_the_curve(tmp_path, whole):
+    parts = tmp_path / "parts"
     result = run_cli([*ARGS, "parallel.dp=2", "parallel.ep=2", "zero=stage1", "train.exit_at_step=4",
                       f"hydra.run.dir={parts}"])
     assert_ok(result)
@@ -33,11 +40,10 @@ def test_an_ep2_checkpoint_resumes_at_ep1_and_continues_the_curve(tmp_path):
     assert all(0.005 < r["moe/aux_loss"] < 0.1 for r in router), router[0]
 
 
-def test_an_ep1_checkpoint_resumes_at_ep2_under_zero3(tmp_path):
+def test_an_ep1_checkpoint_resumes_at_ep2_under_zero3(tmp_path, whole):
     """The other direction, into ZeRO-3: each rank loads its 4 of the 8 experts into the partition
     it holds of them (over its expert-data-parallel ranks), and the curve continues."""
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
-    assert_ok(run_cli([*ARGS, f"hydra.run.dir={whole}"]))
+    parts = tmp_path / "parts"
     assert_ok(run_cli([*ARGS, "zero=stage1", "train.exit_at_step=4", f"hydra.run.dir={parts}"]))
     result = run_cli([*ARGS, "parallel.dp=2", "parallel.ep=2", "zero=stage3", f"hydra.run.dir={parts}"])
     assert_ok(result)

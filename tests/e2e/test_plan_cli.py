@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from tests.support.helpers import REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
+from tests.support.helpers import REPO, TINY, assert_ok, cli_env, read_metrics, run_cli, run_module
 
 
 def run_plan(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megaframe.plan", *args], cwd=REPO, env=cli_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    """`python -m megaframe.plan ARGS`, forked warm (helpers.run_module)."""
+    return run_module("megaframe.plan", args, timeout=timeout)
 
 
 def test_gpt_1t_fits_with_its_authors_layout_on_h100():

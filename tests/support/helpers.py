@@ -70,6 +70,20 @@ def run_code(code: str, args: list[str], *, env: dict[str, str] | None = None,
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def run_module(module: str, args: list[str], *, env: dict[str, str] | None = None,
+               timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` in the repository (megaframe.plan, megaframe.eval_cli, ...: the other
+    commands), forked from the warm interpreter as run_cli's runs are (their torch and DeepSpeed
+    imports saved) when its environment allows it, else a new interpreter."""
+    cmd = [sys.executable, "-m", module, *args]
+    env = env or cli_env()
+    if (zygote := _zygote_for(env)) is not None:
+        # what `python -m` does: the module as __main__, sys.argv[0] its file, the directory first on sys.path
+        code = f"import runpy, sys; sys.path[0] = {str(REPO)!r}; runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+        return zygote.run(cmd, args, env, REPO, timeout, code=code)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 # Keys a run reads only once it runs (megaframe reads no environment at import): a request whose
 # environment differs from the zygote's in any other key gets a fresh interpreter.
 # PYTEST_CURRENT_TEST changes with every test and nothing imports it; tests/support/warm_ranks.py reads its
