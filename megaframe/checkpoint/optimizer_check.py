@@ -1,4 +1,4 @@
-"""The optimizer a checkpoint was trained with ("optimizer" in its client state: {"name": ...}).
+"""The optimizer a checkpoint was trained with ("optimizer_record" in its client state: {"name": ...}).
 A resume under another optim.name would read tensors the new optimizer does not keep (Adam's two
 moments are not Muon's momentum) or none at all: refused in one line before any tensor is read,
 unless train.resume_accept_optimizer_change=true, which says in one line that the new optimizer's
@@ -14,9 +14,7 @@ from typing import Any
 from megaframe.checkpoint import universal
 from megaframe.checkpoint.parts import Resume
 from megaframe.checkpoint.universal import CheckpointError
-from megaframe.optim.state import saved_optimizer
-
-RECORD_KEY = "optimizer"
+from megaframe.optim.state import RECORD_KEY, saved_optimizer
 
 
 class OptimizerRecord:

@@ -3,7 +3,7 @@
 Tensors are the canonical parameters (the tp=1 GPT's names, vocabulary unpadded) and, with the
 optimizer, each state tensor its optimizer names (megaframe/optim/table.py: AdamW's exp_avg.<name>,
 exp_avg_sq.<name>; Muon's momentum_buffer.<name>) and master.<name> (omitted in fp32); state.json's
-"optimizer" says whose (none: AdamW's). Two versions:
+"optimizer_record" says whose (none: AdamW's). Two versions:
   2 (training saves)   every rank writes the chunks it owns: shards/, index.json, index/ (checkpoint/sharded.py)
   1 (the HF converter) whole tensors: model.safetensors, optional optimizer.safetensors
 Both hold

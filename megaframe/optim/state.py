@@ -9,6 +9,11 @@ import torch
 
 from megaframe.optim.table import COUNTS_STEPS, DEFAULT, group_optimizer, state_keys
 
+# Not "optimizer": DeepSpeed's own checkpoint merges the client state into its state dict, whose
+# "optimizer" is the engine's optimizer state_dict; a record under that key replaced it, and a
+# DeepSpeed-native resume failed with KeyError: 'param_groups'.
+RECORD_KEY = "optimizer_record"
+
 
 def optimizer_name(optimizer: torch.optim.Optimizer) -> str:
     """The name a checkpoint records for this optimizer (torch's AdamW: "adamw")."""
@@ -17,7 +22,7 @@ def optimizer_name(optimizer: torch.optim.Optimizer) -> str:
 
 def saved_optimizer(state: Mapping[str, Any]) -> str:
     """The optimizer a checkpoint's state records; one written before the record: AdamW's."""
-    record = state.get("optimizer")
+    record = state.get(RECORD_KEY)
     name = record.get("name") if isinstance(record, dict) else None
     return name if isinstance(name, str) else DEFAULT
 

@@ -26,11 +26,11 @@ from megaframe.parallel.state import ParallelState
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel import mappings, grad_bucket
 from megaframe.model import moe
-marked = [mappings._run_collective, mappings._all_to_all_rows_eagerly, grad_bucket.ReplicatedGradBucket.collect, moe.MoE._routed]
-assert len(_MARKED) == 4 and not any(getattr(f, "_torchdynamo_disable", False) for f in marked)
+marked = [mappings._run_collective, mappings._all_to_all_rows_eagerly, mappings.all_reduce_max, grad_bucket.ReplicatedGradBucket.collect, moe.MoE._routed]
+assert len(_MARKED) == 5 and not any(getattr(f, "_torchdynamo_disable", False) for f in marked)
 cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=8)
 compile_blocks(build_model(resolve_dims(cfg, 257), ParallelState(ParallelDims(), rank=0), seed=0))
-marked = [mappings._run_collective, mappings._all_to_all_rows_eagerly, grad_bucket.ReplicatedGradBucket.collect, moe.MoE._routed]
+marked = [mappings._run_collective, mappings._all_to_all_rows_eagerly, mappings.all_reduce_max, grad_bucket.ReplicatedGradBucket.collect, moe.MoE._routed]
 print(all(getattr(f, "_torchdynamo_disable", False) for f in marked))
 """
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -34,7 +34,7 @@ def test_a_muon_checkpoint_resumes_and_refuses_another_optimizer(tmp_path, capsy
     for (step, a), (_, b) in zip(fsdp2, first):
         assert a == pytest.approx(b, rel=1e-4), f"fsdp2 at step {step}: {a} vs the plain engine's {b}"
 
-    assert universal.read_state(saved)["optimizer"] == {"name": "muon"}
+    assert universal.read_state(saved)["optimizer_record"] == {"name": "muon"}
     with sharded.ShardReader(saved) as reader:
         keys = set(reader.keys())
     assert {"momentum_buffer.blocks.0.attn.q_proj.weight", "momentum_buffer.blocks.1.mlp.down_proj.weight",
