@@ -111,28 +111,11 @@ def _run(request: dict) -> int:
 
 
 def _exit_like_an_interpreter(code: int) -> None:
-    """Py_FinalizeEx's order for what a run can observe: non-daemon threads joined, atexit handlers,
-    the run's own garbage collected (a __del__ that prints still prints: the zygote's objects are
-    frozen), the standard streams flushed; then the exit, without tearing down the zygote's modules."""
-    import atexit
-    import gc
-    import signal
-    import threading
+    """Py_FinalizeEx's order for what a run can observe (warm_ranks' exit, with the run's own garbage
+    collected: the zygote's objects are frozen), without tearing down the zygote's modules."""
+    from tests.support.warm_ranks import _exit_like_an_interpreter as exit_warm
 
-    try:
-        threading._shutdown()
-        atexit._run_exitfuncs()
-        gc.collect()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-    finally:
-        if code < 0:  # killed by a signal it did not handle (Ctrl-C): end the same way
-            signal.signal(-code, signal.SIG_DFL)
-            os.kill(os.getpid(), -code)
-        os._exit(code & 0xFF)
+    exit_warm(code, collect=True)
 
 
 def main() -> None:

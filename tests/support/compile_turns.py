@@ -16,8 +16,6 @@ compiles, never while holding it for a collective. Installed when inductor's mod
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.util
 import sys
 
 _MODULE = "torch._inductor.compile_fx"
@@ -29,22 +27,9 @@ def take_turns_at_compiles(lock_path: str) -> None:
         _wrap(sys.modules[_MODULE], lock_path)
         return
 
-    class AfterImport(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name != _MODULE:
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
-            run_module = spec.loader.exec_module
+    from tests.support.warm_ranks import _after_import
 
-            def exec_module(module):
-                run_module(module)
-                _wrap(module, lock_path)
-
-            spec.loader.exec_module = exec_module
-            return spec
-
-    sys.meta_path.insert(0, AfterImport())
+    _after_import(_MODULE, lambda: _wrap(sys.modules[_MODULE], lock_path))
 
 
 def _wrap(module, lock_path: str) -> None:
