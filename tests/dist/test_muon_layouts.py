@@ -8,8 +8,8 @@ dim) take torch.optim.Muon's step on the whole matrix within 1e-6 (the learning 
 whole matrix's shape); each matrix is assembled on exactly one rank of its group, and no rank
 receives more than the matrices it owns. Then FSDP2 trains the single-rank Muon curve at tp=2 with
 sequence parallelism (alone and with dp=2), pp=2, cp=2, ep=2 (experts sharded over two
-expert-data-parallel ranks) and HSDP (two replicas of a two-rank shard group): every loss within
-test_muon.py's bound of the one-rank run's."""
+expert-data-parallel ranks) and HSDP (two replicas of a two-rank shard group), and a tp=2 checkpoint
+resumed at dp=2 continues it: every loss within test_muon.py's bound of the one-rank run's."""
 from __future__ import annotations
 
 import pytest
@@ -102,8 +102,10 @@ def test_tp_and_dp_split_matrices_are_assembled_on_one_owner_each(tmp_path):
 
 BASE = [*TINY, "optim=muon", "backend=fsdp2", "train.max_steps=6"]
 MOE = ["model=moe_tiny"]
-TWO = {"tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"], "pp2": ["parallel.pp=2"],
-       "cp2": ["parallel.cp=2"]}
+TWO = {"tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true", "train.save_interval=3"],
+       "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"],
+       # tp2-sp's step-3 checkpoint (each TP piece's momentum buffer by name) resumed at dp=2
+       "dp2-resumed-from-tp2": ["parallel.dp=2", "train.resume={tmp}/tp2-sp/checkpoints/global_step3"]}
 FOUR = {"tp2-sp-dp2": ["parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true"],
         "hsdp-2x2": ["parallel.dp=4", "parallel.dp_replicate=2"],
         "moe-ep2-dp4": [*MOE, "parallel.dp=4", "parallel.ep=2"]}
@@ -111,11 +113,14 @@ FOUR = {"tp2-sp-dp2": ["parallel.tp=2", "parallel.dp=2", "parallel.sequence_para
 
 def test_every_layout_trains_the_single_rank_muon_curve(tmp_path):
     refs = reference_runs({"dense": BASE, "moe": [*BASE, *MOE]}, tmp_path / "one")
-    run_ranks(train_runs, 2, tmp_path, runs=[([*BASE, *extra], str(tmp_path / name)) for name, extra in TWO.items()])
+    run_ranks(train_runs, 2, tmp_path, runs=[([*BASE, *(o.format(tmp=tmp_path) for o in extra)], str(tmp_path / name))
+                                             for name, extra in TWO.items()])
     run_ranks(train_runs, 4, tmp_path, runs=[([*BASE, *extra], str(tmp_path / name)) for name, extra in FOUR.items()])
     for name in [*TWO, *FOUR]:
         one = curve(read_metrics(refs["moe" if name.startswith("moe") else "dense"]), "loss")
         got = curve(read_metrics(tmp_path / name), "loss")
-        assert [s for s, _ in got] == [s for s, _ in one] == list(range(1, 7)), name
+        first = 4 if "resumed" in name else 1
+        assert [s for s, _ in one] == list(range(1, 7)) and [s for s, _ in got] == list(range(first, 7)), name
+        one = one[first - 1:]
         for (step, a), (_, b) in zip(got, one):
             assert a == pytest.approx(b, rel=1e-4), f"{name} at step {step}: {a} vs one rank's {b}"
