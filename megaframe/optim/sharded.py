@@ -38,18 +38,20 @@ def assign_owners(shapes: Sequence[Sequence[int]], ranks: int) -> list[int]:
     return owners
 
 
-def _gather_boxes(pieces: Sequence[Piece], group: Any, device: torch.device) -> list[list[tuple]]:
-    """Every rank's box of each matrix ([rank][matrix] -> (offset, shape)), from one all_gather."""
+def _gather_boxes(pieces: Sequence[Piece], group: Any, device: torch.device) -> torch.Tensor:
+    """Every rank's box of each matrix, (ranks, matrices, 2 x ndim): offsets, then shapes (each
+    padded to the group's largest ndim), from one all_gather when the optimizer is built."""
     ndim = max(len(p.full) for p in pieces)
-    mine = torch.tensor([[*p.offset, *(0,) * (ndim - len(p.full)), *p.shape, *(0,) * (ndim - len(p.full))]
-                         for p in pieces], dtype=torch.int64, device=device)
+    pad = lambda values: [*values, *(0,) * (ndim - len(values))]  # noqa: E731
+    mine = torch.tensor([[*pad(p.offset), *pad(p.shape)] for p in pieces], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
-    boxes = []
-    for rows in every:
-        values = rows.tolist()  # once, when the optimizer is built: never in the step
-        boxes.append([(tuple(v[:len(p.full)]), tuple(v[ndim:ndim + len(p.full)])) for v, p in zip(values, pieces)])
-    return boxes
+    return torch.stack(every).cpu()
+
+
+def _unpack(row: list[int], full: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    ndim = len(row) // 2
+    return tuple(row[:len(full)]), tuple(row[ndim:ndim + len(full)])
 
 
 def check_tiling(full: tuple[int, ...], boxes: Sequence[tuple]) -> None:
@@ -76,11 +78,28 @@ class ShardedMatrices:
         self.ranks, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.index = {id(p): i for i, p in enumerate(params)}
         self.shapes = [p.full for p in pieces]
-        self.boxes = _gather_boxes(pieces, self.group, device)  # [rank][matrix]
-        for i, full in enumerate(self.shapes):
-            check_tiling(full, [self.boxes[r][i] for r in range(self.ranks)])
         self.owners = assign_owners(self.shapes, self.ranks)
+        # kept: this rank's box of every matrix, and every rank's box of the matrices it owns (not
+        # ranks x matrices boxes on every rank); read to lists once, here, never in the step
+        every = _gather_boxes(pieces, self.group, device)
+        self.mine = [_unpack(row, self.shapes[i]) for i, row in enumerate(every[self.rank].tolist())]
+        self.theirs = {i: [_unpack(row, self.shapes[i]) for row in every[:, i].tolist()] for i in self.owned()}
+        self._check(device)
         self.received_numel = 0  # elements of whole matrices this rank assembled at the last step
+
+    def _check(self, device: torch.device) -> None:
+        """Each owner checks that its matrices' pieces tile them; every rank of the group refuses
+        together if one does not (a refusal on one rank alone would leave the others waiting)."""
+        problem = None
+        for i, boxes in self.theirs.items():
+            try:
+                check_tiling(self.shapes[i], boxes)
+            except PieceError as e:
+                problem = problem or str(e)
+        flag = torch.tensor([problem is not None], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item():
+            raise PieceError(problem or "another rank's matrix is not tiled by the ranks' pieces")
 
     def holds(self, p: torch.Tensor) -> bool:
         return id(p) in self.index
@@ -88,15 +107,21 @@ class ShardedMatrices:
     def owned(self) -> list[int]:
         return [i for i, owner in enumerate(self.owners) if owner == self.rank]
 
+    def _box(self, rank: int, i: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Rank `rank`'s box of matrix i: this rank's own, or any rank's of a matrix this rank owns."""
+        return self.mine[i] if rank == self.rank else self.theirs[i][rank]
+
     def _numel(self, rank: int, i: int) -> int:
-        return math.prod(self.boxes[rank][i][1])
+        return math.prod(self._box(rank, i)[1])
 
     def orthogonalise(self, items: Sequence[tuple[torch.Tensor, torch.Tensor, Callable]]) -> list[torch.Tensor]:
         """items: (param, this rank's piece of its update, the matrix's orthogonalisation), the same
         params in the same order on every rank of the group. Returns this rank's piece of each result
         (fp32 holding the bf16 values Newton-Schulz made: adding them is adding the bf16 result)."""
         ids = [self.index[id(p)] for p, _, _ in items]
-        by_owner = [[k for k, i in enumerate(ids) if self.owners[i] == r] for r in range(self.ranks)]
+        by_owner: list[list[int]] = [[] for _ in range(self.ranks)]  # one pass: ranks x matrices would not scale
+        for k, i in enumerate(ids):
+            by_owner[self.owners[i]].append(k)
         mine = by_owner[self.rank]
         # to each owner, my piece of every matrix it owns; from each rank, its pieces of the ones I own
         send_counts = [sum(self._numel(self.rank, ids[k]) for k in by_owner[r]) for r in range(self.ranks)]
@@ -114,12 +139,12 @@ class ShardedMatrices:
             i = ids[k]
             matrix = received.new_empty(self.shapes[i])
             for s in range(self.ranks):
-                offset, shape = self.boxes[s][i]
+                offset, shape = self._box(s, i)
                 if math.prod(shape):
                     matrix[box(offset, shape)] = pieces[s][n].view(shape)
             result = items[k][2](matrix).float()
             for s in range(self.ranks):
-                offset, shape = self.boxes[s][i]
+                offset, shape = self._box(s, i)
                 back[s].append(result[box(offset, shape)].reshape(-1))
         flat = [piece for s in range(self.ranks) for piece in back[s]]
         out = self._exchange(torch.cat(flat) if flat else torch.empty(0, device=device), send_counts, recv_counts)

@@ -6,7 +6,8 @@ columns), each also split by rows over dp as FSDP2 splits it (uneven and empty s
 expert stack split by each expert's rows, and a matrix HSDP shards (replicated over a second mesh
 dim) take torch.optim.Muon's step on the whole matrix within 1e-6 (the learning rate adjusted by the
 whole matrix's shape); each matrix is assembled on exactly one rank of its group, and no rank
-receives more than the matrices it owns. Then FSDP2 trains the single-rank Muon curve at tp=2 with
+receives more than the matrices it owns; pieces that do not tile their matrix are refused on every
+rank. Then FSDP2 trains the single-rank Muon curve at tp=2 with
 sequence parallelism (alone and with dp=2), pp=2, cp=2, ep=2 (experts sharded over two
 expert-data-parallel ranks) and HSDP (two replicas of a two-rank shard group), and a tp=2 checkpoint
 resumed at dp=2 continues it: every loss within test_muon.py's bound of the one-rank run's."""
@@ -77,10 +78,22 @@ def _steps_against_torch(rank: int, world: int) -> dict:
             p.grad = grads[-2][e].clone()
         optimizer.step()
         torch_muon.step()
+    # pieces that do not tile their matrix (every rank marked as TP rank 0: one half twice, the
+    # other never) are refused on every rank of the group, not stepped and not left waiting
+    overlapping = torch.nn.Parameter(distribute_tensor(full[0].chunk(2, 0)[0].clone(), dp_mesh, [Shard(0)]))
+    overlapping.shard, overlapping.partition_dim, overlapping.partition_shape = ShardSpec("tp", 0), 0, COLUMN[0]
+    overlapping.partition_count, overlapping.partition_index = 2, 0
+    try:
+        Muon([{"params": [overlapping], "optimizer": "muon"}, {"params": [torch.nn.Parameter(torch.zeros(1))],
+                                                                 "optimizer": "adamw"}], momentum=0.9, nesterov=True, ns_coefficients=(1, 1, 1),
+             ns_steps=1, eps=1e-7, adjust_lr="spectral", betas=(0.9, 0.9), adamw_eps=1e-8, ps=ps)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
     want = [tp_piece(r.detach(), dim) for r, (_, dim) in zip(reference, split)]
     want += [reference[len(split)].detach(), torch.stack([p.detach() for p in experts]), reference[-1].detach()]
     gaps = [(p.full_tensor() - w).abs().max().item() for p, w in zip(ours, want)]
-    return {"gaps": gaps, "groups": [{"owned": [tuple(s.shapes[i]) for i in s.owned()], "shapes": s.shapes,
+    return {"gaps": gaps, "refused": refused, "groups": [{"owned": [tuple(s.shapes[i]) for i in s.owned()], "shapes": s.shapes,
                                       "received": s.received_numel,
                                       "owned_numel": sum(torch.Size(s.shapes[i]).numel() for i in s.owned())}
                                      for s in optimizer.split]}
@@ -90,6 +103,7 @@ def test_tp_and_dp_split_matrices_are_assembled_on_one_owner_each(tmp_path):
     results = run_ranks(_steps_against_torch, 4, tmp_path)
     for rank, result in enumerate(results):
         assert max(result["gaps"]) <= 1e-6, (rank, result["gaps"])
+        assert "tile" in result["refused"], (rank, result["refused"])
         # no rank assembles a matrix it does not own: it receives exactly its own matrices' elements
         for group in result["groups"]:
             assert group["received"] == group["owned_numel"], (rank, group)
