@@ -251,6 +251,12 @@ def _all_to_all_rows(x: torch.Tensor, output_splits, input_splits, group) -> tor
     return out
 
 
+def gather_values(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """All-gather x along dim over group, outside autograd: values no gradient flows to (token ids),
+    one single-tensor collective on x's device."""
+    return _gather(x, dim, group)
+
+
 def split_tokens(x, group):
     """Keep this rank's contiguous 1/size of the rows forward; all-gather the gradient backward."""
     return _apply(_SplitTokens, x, group)
