@@ -24,7 +24,7 @@ from megaframe.model.mlp import MLP, Dropout
 from megaframe.model.moe import AddAux, MoE, RouterStats
 from megaframe.model.recompute import checkpointed
 from megaframe.model.layer_list import Layer, layer_list
-from megaframe.model.masking import documents_of, layer_mask, loss_targets, with_documents
+from megaframe.model.masking import counted_share, documents_of, layer_mask, loss_targets, with_documents
 from megaframe.parallel.context import ContextGroup, zigzag_positions
 from megaframe.parallel.experts import ExpertGroup
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -423,6 +423,9 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = self.head_loss(self.hidden_states(idx), targets)
+        share = counted_share(targets, self.dims, self.context)  # cp with eod_mask_loss: unequal counts
+        if share is not None:
+            loss = loss * share
         if not self.moe_layers:
             return loss
         if self.training:

@@ -257,6 +257,13 @@ def gather_values(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return _gather(x, dim, group)
 
 
+def sum_values(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum of x over group's ranks, outside autograd (a count), on x's device; x is left as it was."""
+    total = x.clone()
+    dist.all_reduce(total, group=group)
+    return total
+
+
 def split_tokens(x, group):
     """Keep this rank's contiguous 1/size of the rows forward; all-gather the gradient backward."""
     return _apply(_SplitTokens, x, group)
