@@ -2,44 +2,30 @@
 ranks follow the single-rank run with the same keys: every logged loss, gradient norm and eval loss
 within rtol 1e-5 (tests/support/parity.py). TINY's 32 tokens make zig-zag chunks of 8 at cp=2: a
 window of 5 lies inside one chunk pair (the ring skips pieces), one of 12 spans chunks. The document
-runs read a corpus of short documents (3 to 20 tokens, each ending in the end-of-document id), so every
-sample holds several and they cross chunk and rank boundaries (the demo corpus's are longer than a
-sample: its first steps hold no end-of-document token at all)."""
+runs read a corpus of short documents (tests/support/short_documents.py), so every sample holds
+several and they cross chunk and rank boundaries."""
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-
-from megaframe.data import IndexedDatasetWriter
 
 from tests.support.helpers import TINY, read_metrics
 from tests.support.parity import FLAVOURS, assert_parity, train_runs
 from tests.support.ranks import run_ranks
 from tests.support.reference_cache import reference_runs
+from tests.support.short_documents import write_short_documents
 
 pytestmark = pytest.mark.slow
 STEPS = ["train.max_steps=4", "train.eval_interval=2"]
 DOCUMENTS = ["data.document_mask=true", "data.eod_mask_loss=true"]
-EOD = 256
 # name: (flavour, the masks' keys); each runs at cp=2 ring and Ulysses
 MASKS = {"window5": ("llama", ["model.sliding_window=5"]),
          "window12": ("gpt2", ["model.sliding_window=12", "model.window_attn_skip_freq=2"]),
          "documents": ("gpt2", DOCUMENTS),
          "documents-window5": ("llama", [*DOCUMENTS, "model.sliding_window=5"])}
 IMPLS = {"ring": ["parallel.cp=2"], "ulysses": ["parallel.cp=2", "parallel.cp_impl=ulysses"]}
-
-
-def _short_documents(prefix: Path) -> str:
-    """2,000 documents of 3 to 20 byte tokens, each ending in EOD."""
-    rng = np.random.default_rng(0)
-    with IndexedDatasetWriter(prefix) as writer:
-        for length in rng.integers(3, 21, size=2000):
-            writer.add_document([*rng.integers(0, EOD, size=length - 1), EOD])
-        writer.finalize({"tokenizer": "byte", "vocab_size": 257, "eod_id": EOD})
-    return str(prefix)
 
 
 def _config(name: str, corpus: str) -> list[str]:
@@ -50,7 +36,7 @@ def _config(name: str, corpus: str) -> list[str]:
 
 def test_masked_attention_at_cp2_follows_the_single_rank_run(tmp_path_factory, tmp_path):
     started = time.monotonic()
-    corpus = _short_documents(tmp_path / "short")
+    corpus = write_short_documents(tmp_path / "short")
     references = reference_runs({name: _config(name, corpus) for name in MASKS}, tmp_path_factory.mktemp("single"))
     runs = [([*_config(name, corpus), *extra], str(tmp_path / f"{name}-{impl}")) for name in MASKS for impl, extra in IMPLS.items()]
     run_ranks(train_runs, 2, tmp_path, timeout=900, runs=runs)
