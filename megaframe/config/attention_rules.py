@@ -2,8 +2,9 @@
 model.window_attn_skip_freq, data.document_mask and data.eod_mask_loss, and the layouts whose
 attention core or stages cannot apply them yet. One line naming the key and the fix, or None.
 
-The core rule mirrors the cores' own `supports(mask)` (model/attention.py, which config may not
-import: torch, and the package order); tests/unit/config/test_attention_rules.py holds the two together.
+The layout rule mirrors the cores' own `supports(mask)` (model/attention.py, which config may not
+import: torch, and the package order): every core applies every mask a key makes, so context
+parallelism is no longer refused; tests/unit/config/test_attention_rules.py holds the two together.
 """
 from __future__ import annotations
 
@@ -71,15 +72,12 @@ def documents_problem(cfg: TrainConfig) -> Optional[str]:
 
 
 def layout_problem(cfg: TrainConfig) -> Optional[str]:
-    """The layouts whose attention core or pipeline stages cannot apply the masks yet (issue 54: next
-    session). Tensor and sequence parallelism can: each TP rank holds the whole token ids."""
-    m, d, p = cfg.model, cfg.data, cfg.parallel
-    masks = [k for k, on in (("data.document_mask=true", d.document_mask),
-                             (f"model.sliding_window={m.sliding_window}", m.sliding_window is not None)) if on]
-    if masks and p.cp > 1:  # RingCore / UlyssesCore.supports: plain causal attention only
-        return (f"{masks[0]} with parallel.cp={p.cp}: the {p.cp_impl} attention core cannot apply a document or "
-                f"window mask yet; use parallel.cp=1")
-    uses_tokens = masks[:1] if d.document_mask else []
+    """The layouts whose attention core or pipeline stages cannot apply the masks yet (issue 54).
+    Tensor and sequence parallelism can: each TP rank holds the whole token ids; so can context
+    parallelism: the ring and Ulysses cores take documents and windows (RingCore / UlyssesCore.supports
+    refuse only a non-causal mask, which no key makes), the cp ranks gathering the whole rows' ids."""
+    d, p = cfg.data, cfg.parallel
+    uses_tokens = ["data.document_mask=true"] if d.document_mask else []
     uses_tokens += ["data.eod_mask_loss=true"] if d.eod_mask_loss else []
     if uses_tokens and p.pp > 1:
         return (f"{uses_tokens[0]} with parallel.pp={p.pp}: pipeline stages do not carry the documents of the token "
