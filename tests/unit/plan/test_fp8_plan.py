@@ -51,3 +51,26 @@ def test_fp8_casts_are_working_memory_of_the_largest_linear():
     tokens, h, f = 4096, 4096, 11008  # llama2_7b: micro-batch 1 of 4096 tokens; the MLP is its widest linear
     assert fp8.activations_per_micro_batch == bf16.activations_per_micro_batch
     assert fp8.working - bf16.working == h * f + tokens * (h + f)
+
+
+def test_fp8_recipes_save_what_bf16_saves():
+    """Why the plan's activations do not change under fp8: every recipe saves its linears' inputs and
+    weights in bf16 and casts in the backward again (saved-tensor hooks on a small model)."""
+    import torch
+
+    from megaframe.model.factory import build_model, resolve_dims
+    from megaframe.parallel.dims import ParallelDims
+    from megaframe.parallel.fp8 import recipe_for
+    from megaframe.parallel.state import ParallelState
+    from tests.support.saved_tensors import saved_bytes
+
+    saved = {}
+    for recipe in ("bf16", "tensorwise", "rowwise", "mxfp8"):
+        keys = ["precision=bf16"] if recipe == "bf16" else ["precision=fp8", f"precision.fp8.recipe={recipe}"]
+        cfg = compose(["model=llama_tiny", "model.num_layers=2", *keys])[0]
+        dims = resolve_dims(cfg.model, 96)
+        model = build_model(dims, ParallelState(ParallelDims(), rank=0), seed=1,
+                            matmul=recipe_for(cfg.precision, dims.num_layers, "cpu")).to(torch.bfloat16)
+        saved[recipe] = saved_bytes(model, torch.randint(0, 96, (2, dims.seq_length),
+                                                          generator=torch.Generator().manual_seed(0)))
+    assert len(set(saved.values())) == 1, saved

@@ -17,6 +17,7 @@ from megaframe.model.factory import resolve_dims
 from megaframe.model.gpt import GPT
 from megaframe.plan.activations import ActivationShape, stage_activation_bytes
 from megaframe.tracking.flops import flops_per_token, matmul_parameters
+from tests.support.saved_tensors import saved_bytes
 
 B, H, T, D = 2, 4, 64, 16
 
@@ -77,20 +78,6 @@ def test_windowed_blocks_are_counted_by_the_patterns_period(pattern):
     assert dataclasses.replace(dims, sliding_window=T).windowed_blocks_in(0, 23) == 0  # W >= s: no window
 
 
-def _saved_bytes(model: torch.nn.Module, idx: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd saves for backward, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(idx, idx)
-    return sum(saved.values())
-
-
 FLAVOURS = {"gpt2": {}, "llama": dict(arch="llama", norm="rmsnorm", activation="swiglu", position_embedding="rope",
                                        tie_embeddings=False, bias=False, num_kv_heads=2)}
 MASKS = {"window": dict(sliding_window=32), "pattern": dict(sliding_window=32, window_pattern=(1, 0)),
@@ -113,7 +100,7 @@ def test_kept_masks_are_activations(flavour, dtype, mask):
     for dims in (plain, masked):
         torch.manual_seed(0)
         model = GPT(dims).train()
-        measured.append(_saved_bytes(model.to(torch.bfloat16) if dtype == "bf16" else model, idx))
+        measured.append(saved_bytes(model.to(torch.bfloat16) if dtype == "bf16" else model, idx))
     shape = ActivationShape(4, dtype=dtype, device="cpu")
     planned = [stage_activation_bytes(d, shape, 2, True, True, False) for d in (plain, masked)]
     # documents under learned positions: the causal model's (s,) position ids, 1 KiB, are not planned
