@@ -65,7 +65,7 @@ def full_shape(p: torch.Tensor) -> tuple[int, ...]:
     return tuple(p.partition_shape) if tp_split(p) else tuple(p.shape)
 
 
-def piece(p: torch.Tensor, tp_groups: Optional["TPGroups"] = None) -> Piece:
+def piece(p: torch.Tensor, around_tp: Optional["TPGroups"] = None) -> Piece:
     """Where this rank's part of `p` lies in its full matrix, and the group of the other parts."""
     dim = split_mesh_dim(p)
     if isinstance(p, DTensor):
@@ -78,12 +78,12 @@ def piece(p: torch.Tensor, tp_groups: Optional["TPGroups"] = None) -> Piece:
     shard_group = None if dim is None else p.device_mesh.get_group(dim)
     if not tp_split(p):
         return Piece(tuple(p.shape), tuple(offset), tuple(shape), shard_group)
-    if tp_groups is None:
+    if around_tp is None:
         raise PieceError(f"split {p.partition_count} ways by tensor parallelism, and Muon was built without "
                          f"the parallel state to assemble it")
     full, along = tuple(p.partition_shape), p.partition_dim
     offset[along] += p.partition_index * (full[along] // p.partition_count)
-    return Piece(full, tuple(offset), tuple(shape), tp_groups.around(shard_group))
+    return Piece(full, tuple(offset), tuple(shape), around_tp.around(shard_group))
 
 
 class TPGroups:
