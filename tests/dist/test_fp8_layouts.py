@@ -5,9 +5,10 @@ the fp8 single-rank curve within issue 36's rule taken whole-curve (tests/suppor
 assert_within_order): ORDER_FACTOR x the distance between two single-rank fp8 runs that sum in
 different orders.
 
-The single-rank run is DeepSpeed's engine at ZeRO-1: like every layout here it accumulates the
-micro-batches' gradients in fp32. At ZeRO-0 (and in the one-process plain engine) they accumulate in
-the bf16 weights' own dtype, a curve 1.7% away after six steps in bf16 as in fp8.
+The single-rank run is DeepSpeed's engine at ZeRO-1, whose fp32 master weights every layout here
+shares. bf16 (and so fp8) at ZeRO-0, and the one-process plain engine, land on another curve: 1.2%
+from fp32's after four steps where ZeRO-1's stays within 1.3e-4 of it, with or without gradient
+accumulation (measured 2026-11-28; left to its own issue).
 
 The bound alone cannot tell fp8 from bf16 on a model this small (fp8's own distance from the bf16
 run is ~2x the reordering's over six steps), so each run also counts the matmuls its fp8 recipe took
