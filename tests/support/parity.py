@@ -165,6 +165,7 @@ def assert_within_order(got: list[dict], reference: list[dict], other_order: lis
         assert off <= factor * own, (f"{what}: {name} {off:.3g} (relative) from the single-rank run, over "
                                      f"{factor:g}x the distance of the same run summing in another order ({own:.3g})")
 
+
 def exact_references(root: Path, flavours: dict[str, list[str]]) -> dict[str, Path]:
     """The references of each flavour's run (name -> overrides) at one rank: NAME, DeepSpeed's engine
     in fp32; NAME-order, the same summing in another order (the one-process run, in a new interpreter
