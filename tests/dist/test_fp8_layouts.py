@@ -6,8 +6,8 @@ assert_within_order): ORDER_FACTOR x the distance between two single-rank fp8 ru
 different orders.
 
 The single-rank run is DeepSpeed's engine at ZeRO-1, whose fp32 master weights every layout here
-shares. bf16 (and so fp8) at ZeRO-0, and the one-process plain engine, land on another curve: 1.2%
-from fp32's after four steps where ZeRO-1's stays within 1.3e-4 of it, with or without gradient
+shares. bf16 (and so fp8) at ZeRO-0 (DeepSpeed's FP16_Optimizer, a one-process run's default) land
+on another curve: 1.2% from fp32's after four steps where ZeRO-1's stays within 1.3e-4 of it, with or without gradient
 accumulation (measured 2026-11-28; left to its own issue).
 
 The bound alone cannot tell fp8 from bf16 on a model this small (fp8's own distance from the bf16
