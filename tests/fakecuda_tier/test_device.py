@@ -166,6 +166,15 @@ def _checks(rank: int, world: int) -> dict:
     out["flash_fp32_refused"] = _outcome(lambda: flash(q.float(), q.float(), q.float(), 0.0, True))
     q12 = torch.randn(1, 2, 16, 12, device=dev, dtype=torch.bfloat16)
     out["flash_head_dim_refused"] = _outcome(lambda: flash(q12, q12, q12, 0.0, True))
+    a, b = (torch.randn(16, 32, device=dev).to(torch.float8_e4m3fn) for _ in range(2))
+    one, scaled_mm = torch.ones((), device=dev), torch._scaled_mm
+    out["scaled_mm_ok"] = _outcome(lambda: scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16))  # b.t(): column-major
+    out["scaled_mm_row_major_refused"] = _outcome(
+        lambda: scaled_mm(a, b.t().contiguous(), one, one, out_dtype=torch.bfloat16))
+    out["scaled_mm_shape_refused"] = _outcome(
+        lambda: scaled_mm(a[:, :24], b[:, :24].t(), one, one, out_dtype=torch.bfloat16))
+    out["scaled_mm_host_scale_refused"] = _outcome(
+        lambda: scaled_mm(a, b.t(), torch.ones(()), one, out_dtype=torch.bfloat16))
     qa = torch.randn(2, 2, 16, 8, requires_grad=True)
     ref = torch.nn.functional.scaled_dot_product_attention(qa, qa, qa, is_causal=True)
     ref.sum().backward()
@@ -223,6 +232,9 @@ def test_device_random_draws_come_from_their_own_generator(results):
     ("host_scalar_written", "cpu (written)"),
     ("flash_fp32_refused", "fp16 and bf16"),
     ("flash_head_dim_refused", "multiple of 8"),
+    ("scaled_mm_row_major_refused", "column-major"),
+    ("scaled_mm_shape_refused", "divisible by 16"),
+    ("scaled_mm_host_scale_refused", "Expected all tensors to be on the same device"),
 ])
 def test_seeded_mutants_are_refused(results, mutant, message):
     got = results[0][mutant]
@@ -231,7 +243,7 @@ def test_seeded_mutants_are_refused(results, mutant, message):
 
 def test_what_cuda_allows_passes(results):
     for r in results:
-        for check in ("host_scalar_ok", "device_tensor_in_collective", "object_collective"):
+        for check in ("host_scalar_ok", "device_tensor_in_collective", "object_collective", "scaled_mm_ok"):
             assert r[check] == "ok", (check, r[check])
 
 

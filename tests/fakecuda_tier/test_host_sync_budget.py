@@ -18,7 +18,9 @@ CASES = {"zero0-fp32": ["zero=stage0"], "zero1-bf16": ["zero=stage1", "precision
          "zero2-fp32": ["zero=stage2"],
          # bf16: the experts' grouped GEMM (sm90). In fp32 CUDA has none, and the loop over experts reads the
          # counts once per layer and micro-batch (documented in model/moe.py): not held to this budget
-         "moe-zero1-bf16": ["model=moe_tiny", "zero=stage1", "precision=bf16"]}
+         "moe-zero1-bf16": ["model=moe_tiny", "zero=stage1", "precision=bf16"],
+         # fp8 kernels (torch._scaled_mm, precision.fp8.emulate=auto on the device): its scales stay on the device
+         "zero1-fp8": ["zero=stage1", "precision=fp8"]}
 SHAPES = [(1, 2), (4, 2), (1, 4)]  # (micro-batches per step, layers)
 
 COUNT = """
@@ -73,6 +75,13 @@ def test_host_reads_per_step_do_not_grow_with_micro_batches_or_layers(case, coun
     assert one, f"{case}: no host read counted at all: the counting is broken"
     assert by_shape[(4, 2)] == one, f"{case}: host reads per step grow with micro-batches: {one} -> {by_shape[(4, 2)]}"
     assert by_shape[(1, 4)] == one, f"{case}: host reads per step grow with layers: {one} -> {by_shape[(1, 4)]}"
+
+
+def test_an_fp8_step_reads_the_host_exactly_where_a_bf16_step_does(counts):
+    """fp8's scales (amaxes, their TP reduction) are computed and applied on the device: no new read."""
+    for micro, layers in SHAPES:
+        fp8, bf16 = (counts["counts"][f"{case} micro={micro} layers={layers}"] for case in ("zero1-fp8", "zero1-bf16"))
+        assert fp8 == bf16, f"micro={micro} layers={layers}: fp8 reads {fp8}, bf16 {bf16}"
 
 
 def test_the_budget_catches_a_read_per_micro_batch(tmp_path):

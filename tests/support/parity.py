@@ -39,6 +39,22 @@ RTOL = 1e-5
 OTHER_ORDER = {"ATEN_CPU_CAPABILITY": "default"}
 
 
+# fp8 (and bf16 beside it) cannot be held to RTOL: a reordered fp32 sum moves a value across an fp8 or
+# bf16 rounding boundary now and then (a step of 2^-4 or 2^-8 relative in that element), and training
+# carries such flips forward. So issue 36's rule is taken whole-curve for fp8 (issue 53): a layout
+# is within ORDER_FACTOR x the distance between two single-rank runs of the same config that sum in
+# different orders (the second under OTHER_ORDER), per quantity (the losses with the eval losses; the
+# gradient norm), as the worst relative distance over the logged steps. Whole-curve, not per step:
+# at the first steps a reordering flips a handful of roundings or none (the two runs can agree to
+# 1e-7 at step 1 by chance), and the divergence then grows with each step; the curve's worst is the
+# scale the arithmetic allows. Measured on the 2-core AVX2 host (tests/dist/test_fp8_layouts.py:
+# four recipes, eight layouts, four steps): the worst layout was 3.5x the two runs' distance (cp=2's
+# gradient norm, tensorwise); with hidden 64 and six steps 5.8x (cp=2, rowwise_with_gw_hp). 16 leaves
+# room for a host that orders its sums worse. It is no bound on fp8 against bf16: on the tiny models
+# those curves are ~2x the reordering's distance apart, so test_fp8_layouts.py counts fp8 matmuls too.
+ORDER_FACTOR = 16.0
+ORDER_GROUPS = {"loss": ("loss", "eval_loss"), "grad_norm": ("grad_norm",)}
+
 # A one-process run steps through the plain engine unless told not to (docs/engines.md)
 DEEPSPEED_AT_ONE_RANK = ["backend.plain_one_process=false"]
 
@@ -125,6 +141,29 @@ def assert_norm_parity(got: list[dict], fp32_runs: list[list[dict]], want64: lis
     _report(what, "grad_norm/fp64", off, own)
     assert worst_ratio <= FACTOR, (f"{what}: gradient norm at step {step} {off:.3g} (relative) from the fp64 "
                                    f"reference's, over {FACTOR:g}x the fp32 references' own {own:.3g}")
+
+
+def curve_distance(got: list[dict], want: list[dict], keys: tuple[str, ...], what: str) -> float:
+    """The worst relative distance of `got`'s logged values of `keys` from `want`'s, over the steps."""
+    worst = 0.0
+    for key in keys:
+        g, w = curve(got, key), curve(want, key)
+        assert [s for s, _ in g] == [s for s, _ in w] and len(w) >= 1, f"{what}: {key} steps differ"
+        worst = max([worst, *(abs(a - b) / abs(b) if b else abs(a) for (_, a), (_, b) in zip(g, w))])
+    return worst
+
+
+def assert_within_order(got: list[dict], reference: list[dict], other_order: list[dict], what: str,
+                        factor: float = ORDER_FACTOR) -> None:
+    """`got` follows the single-rank `reference` curve within factor x the distance between it and
+    `other_order` (the same run summing in another order: train_other_order), per ORDER_GROUPS
+    quantity, over the whole curve (at least one fp32 ulp: two runs that happen to agree give no scale)."""
+    for name, keys in ORDER_GROUPS.items():
+        own = max(FP32_EPS, curve_distance(other_order, reference, keys, f"{what} (other order)"))
+        off = curve_distance(got, reference, keys, what)
+        _report(what, f"{name}/order", off, own)
+        assert off <= factor * own, (f"{what}: {name} {off:.3g} (relative) from the single-rank run, over "
+                                     f"{factor:g}x the distance of the same run summing in another order ({own:.3g})")
 
 
 def exact_references(root: Path, flavours: dict[str, list[str]]) -> dict[str, Path]:

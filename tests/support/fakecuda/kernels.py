@@ -1,5 +1,6 @@
 """CUDA-only kernels, emulated with their contracts checked: SDPA's backend choice, FlashAttention-2
-and memory-efficient attention (forward and backward, through the CPU flash kernel), grouped GEMM.
+and memory-efficient attention (forward and backward, through the CPU flash kernel), grouped GEMM,
+cuBLASLt's fp8 GEMM (torch._scaled_mm).
 Each handler takes the op's wrapped arguments and returns wrapped results."""
 from __future__ import annotations
 
@@ -176,6 +177,35 @@ def grouped_mm(func, args, kwargs, index):
     return CudaTensor(out, index)
 
 
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def scaled_mm(func, args, kwargs, index):
+    """torch._scaled_mm on sm90 (cuBLASLt's fp8 GEMM, which the CPU kernel does not hold to): fp8
+    operands (not both e5m2), the first row-major and the second column-major, every dimension of
+    the second and the first's reduction dimension multiples of 16, fp32 scales on the device
+    (tensorwise: one each; rowwise: one per row of the first and per column of the second)."""
+    a, b = args[0], args[1]
+    scale_a, scale_b = _arg(args, kwargs, 2, "scale_a"), _arg(args, kwargs, 3, "scale_b")
+    index = _on_device(func, (a, b, scale_a, scale_b, _arg(args, kwargs, 4, "bias"),
+                              _arg(args, kwargs, 5, "scale_result")))
+    if a.dtype not in FP8 or b.dtype not in FP8 or a.dtype == b.dtype == torch.float8_e5m2:
+        raise ledger.refuse(f"{func}: fp8 operands, not both e5m2 (got {a.dtype}, {b.dtype})")
+    (m, k), n = a.shape, b.shape[1]
+    if a._elem.stride(1) != 1 or (n > 1 and b._elem.stride(0) != 1):
+        raise ledger.refuse(f"{func}: mat1 must be row-major and mat2 column-major (strides "
+                            f"{a._elem.stride()}, {b._elem.stride()})")
+    if k % 16 or n % 16:
+        raise ledger.refuse(f"{func}: mat2 shape ({k}x{n}) must be divisible by 16")
+    if scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32:
+        raise ledger.refuse(f"{func}: scales must be float32 (got {scale_a.dtype}, {scale_b.dtype})")
+    if (scale_a.numel(), scale_b.numel()) not in ((1, 1), (m, n)):
+        raise ledger.refuse(f"{func}: scales tensorwise (1, 1) or rowwise ({m}, {n}), got "
+                            f"({scale_a.numel()}, {scale_b.numel()})")
+    plain = [x._elem if isinstance(x, CudaTensor) else x for x in args]
+    out = func(*plain, **{k: (v._elem if isinstance(v, CudaTensor) else v) for k, v in kwargs.items()})
+    return CudaTensor(out, index)
+
 HANDLERS = {
     aten._fused_sdp_choice.default: sdp_choice,
     aten._scaled_dot_product_flash_attention.default: flash_forward,
@@ -183,4 +213,5 @@ HANDLERS = {
     aten._scaled_dot_product_efficient_attention.default: efficient_forward,
     aten._scaled_dot_product_efficient_attention_backward.default: efficient_backward,
     aten._grouped_mm.default: grouped_mm,
+    aten._scaled_mm.default: scaled_mm,
 }
