@@ -71,19 +71,19 @@ def documents_problem(cfg: TrainConfig) -> Optional[str]:
 
 
 def layout_problem(cfg: TrainConfig) -> Optional[str]:
-    """The layouts whose attention core or pipeline stages cannot apply the masks yet (issue 54: next
-    session). Tensor and sequence parallelism can: each TP rank holds the whole token ids."""
+    """The layouts whose attention core or pipeline stages cannot apply the masks yet. Tensor and
+    sequence parallelism can (each TP rank holds the whole token ids), and pipeline stages of either
+    engine (each stage finds the documents in the micro-batch's token ids: docs/attention.md); not
+    pipeline stages over context-parallel shards, whose documents span the cp ranks."""
     m, d, p = cfg.model, cfg.data, cfg.parallel
     masks = [k for k, on in (("data.document_mask=true", d.document_mask),
                              (f"model.sliding_window={m.sliding_window}", m.sliding_window is not None)) if on]
+    if masks and p.pp > 1 and p.cp > 1:
+        return (f"{masks[0]} with parallel.pp={p.pp} and parallel.cp={p.cp}: pipeline stages do not carry masks "
+                f"across context-parallel shards yet; use parallel.pp=1 or parallel.cp=1")
     if masks and p.cp > 1:  # RingCore / UlyssesCore.supports: plain causal attention only
         return (f"{masks[0]} with parallel.cp={p.cp}: the {p.cp_impl} attention core cannot apply a document or "
                 f"window mask yet; use parallel.cp=1")
-    uses_tokens = masks[:1] if d.document_mask else []
-    uses_tokens += ["data.eod_mask_loss=true"] if d.eod_mask_loss else []
-    if uses_tokens and p.pp > 1:
-        return (f"{uses_tokens[0]} with parallel.pp={p.pp}: pipeline stages do not carry the documents of the token "
-                f"ids yet; use parallel.pp=1")
     return None
 
 
