@@ -184,3 +184,16 @@ def test_each_distinct_mask_is_built_once_per_forward(document_mask, windows, mo
     monkeypatch.setattr(Mask, "allowed", lambda self, *a: built.append(self.window) or allowed(self, *a))
     model(idx, targets).backward()
     assert sorted(built, key=str) == sorted(windows, key=str), built
+
+
+def test_a_stage_without_the_token_ids_refuses_to_attend_across_documents():
+    """A pipeline stage after the first that was not handed the token ids under data.document_mask
+    stops with a ValueError rather than attend across the documents it cannot see."""
+    from megaframe.model.gpt import forward_layers
+
+    model = _model(GPT2, document_mask=True)
+    hidden = torch.zeros(1, 16, GPT2.hidden_size)
+    with pytest.raises(ValueError, match="token ids"):
+        forward_layers(model, hidden, 16, model.blocks)
+    ids = torch.full((1, 16), EOD)
+    assert forward_layers(model, hidden, 16, model.blocks, token_ids=ids).shape == hidden.shape
