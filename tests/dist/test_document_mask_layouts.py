@@ -6,8 +6,9 @@ The oracle shares no code with the implementation: documents of L tokens packed 
 documents one per sample of L tokens with global batch 2B (the same tokens per step and per
 micro-batch). Every block alternates a sliding window W < L with global attention, so the masks of
 both kinds cross the stages; the packed run also matches the one-rank run (layout invariance of
-documents and windows); so does a run with windows and no documents at DeepSpeed's pp=2 (whose
-stages then hand the token ids along for the masks alone). The model is built by the engine as a run builds it (Trainer); the test
+documents and windows); so do the llama's at FSDP2's V-shaped zero-bubble schedule (two stages on
+a rank) and a run with windows and no documents at DeepSpeed's pp=2 (whose stages then hand the
+token ids along for the masks alone). The model is built by the engine as a run builds it (Trainer); the test
 feeds the step's micro-batches itself, cut from its own documents as data/dataset.py cuts samples."""
 from __future__ import annotations
 
@@ -80,10 +81,13 @@ def test_packed_documents_and_windows_at_pp2_and_dp2_train_as_one_document_per_s
     runs = [([*base[name], *extra], shape, str(tmp_path / f"{name}-{layout}-{kind}"))
             for name in FLAVOURS for layout, extra in LAYOUTS.items()
             for kind, shape in (("packed", PACKED), ("single", SINGLE))]
-    runs.append(([*windows_only, *LAYOUTS["deepspeed-pp2"]], PACKED, str(tmp_path / "windows-deepspeed-pp2")))
+    zbv = ["backend=fsdp2", "parallel.pp=2", "zero=stage2", "parallel.pipeline_schedule=zbv"]
+    runs += [([*base["llama"], *zbv], PACKED, str(tmp_path / "llama-fsdp2-zbv")),
+             ([*windows_only, *LAYOUTS["deepspeed-pp2"]], PACKED, str(tmp_path / "windows-deepspeed-pp2"))]
     got = run_ranks(_train, 2, tmp_path, runs=runs)
     for rank_losses in got:  # every rank of the layout reports the step's global loss
         assert rank_losses == got[0]
+    assert got[0][-2] == pytest.approx(one_rank[1], rel=1e-5), "llama fsdp2 pp2 zbv"
     assert got[0][-1] == pytest.approx(one_rank[-1], rel=1e-5), "windows alone at deepspeed pp2"
     at = iter(got[0])
     for name, reference in zip(FLAVOURS, one_rank):
