@@ -4,8 +4,8 @@ FSDP2's pipelines at pp=2, DeepSpeed's ZeRO-3 and FSDP2 at dp=2, on two real glo
 The oracle shares no code with the implementation: documents of L tokens packed two to a sample of
 2L tokens with data.document_mask and global batch B train to the per-step losses of the same
 documents one per sample of L tokens with global batch 2B (the same tokens per step and per
-micro-batch). Every block alternates a sliding window W < L with global attention, so the masks of
-both kinds cross the stages; the packed run also matches the one-rank run (layout invariance of
+micro-batch). Two blocks of three have a sliding window W < L, the third attends globally, so each
+stage holds masks of both kinds, and builds each once per micro-batch (counted); the packed run also matches the one-rank run (layout invariance of
 documents and windows); so do the llama's at FSDP2's V-shaped zero-bubble schedule (two stages on
 a rank) and a run with windows and no documents at DeepSpeed's pp=2 (whose stages then hand the
 token ids along for the masks alone). The model is built by the engine as a run builds it (Trainer); the test
@@ -22,8 +22,8 @@ from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 L, W, B, STEPS = 8, 3, 4, 3  # document length, window, packed global batch, steps
-MODEL = ["model.num_layers=4", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_attention_heads=4",
-         f"model.sliding_window={W}", "model.window_attn_skip_freq=2", f"train.max_steps={STEPS}"]
+MODEL = ["model.num_layers=6", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_attention_heads=4",
+         f"model.sliding_window={W}", "model.window_attn_skip_freq=3", f"train.max_steps={STEPS}"]
 FLAVOURS = {"gpt2": ["model=gpt_tiny", "data.document_mask=true"],
             "llama": ["model=llama_tiny", "data.document_mask=true", "data.eod_mask_loss=true"]}
 LAYOUTS = {"deepspeed-pp2": ["parallel.pp=2", "zero=stage1"],
@@ -51,12 +51,20 @@ def _micro_batches(stream: torch.Tensor, shape: tuple[int, int, int], step: int,
     return [(rows[i: i + micro, :-1].clone(), rows[i: i + micro, 1:].clone()) for i in range(0, per_rank, micro)]
 
 
-def _train(rank: int, world: int, runs: list[tuple[list[str], tuple[int, int, int], str]]) -> list[list[float]]:
-    """Each run's per-step losses, then its evaluation loss of the first step's micro-batches."""
+def _train(rank: int, world: int, runs: list[tuple[list[str], tuple[int, int, int], str]]) -> list[tuple]:
+    """Each run's per-step losses, then its evaluation loss of the first step's micro-batches; and
+    how many dense masks this rank built per micro-batch forward."""
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
+    from megaframe.model.attention import Mask
     from megaframe.training.trainer import Trainer
 
+    built, allowed = [0], Mask.allowed
+
+    def counted(self, *args):
+        built[0] += 1
+        return allowed(self, *args)
+    Mask.allowed = counted  # this forked rank's own class
     out = []
     for overrides, shape, run_dir in runs:
         seq, micro, batch = shape
@@ -65,10 +73,11 @@ def _train(rank: int, world: int, runs: list[tuple[list[str], tuple[int, int, in
         with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:
             stream = _stream(trainer.data.datasets[0].eod_id)
             dp_rank, dp = trainer.ps.dp_rank, trainer.layout.dp
+            built[0] = 0
             losses = [trainer.backend.train_step(_micro_batches(stream, shape, step, dp_rank, dp)).loss
                       for step in range(STEPS)]
             losses.append(trainer.backend.eval_step(_micro_batches(stream, shape, 0, dp_rank, dp)))
-        out.append(losses)
+        out.append((losses, built[0] / ((batch // dp // micro) * (STEPS + 1))))
     return out
 
 
@@ -85,11 +94,18 @@ def test_packed_documents_and_windows_at_pp2_and_dp2_train_as_one_document_per_s
     runs += [([*base["llama"], *zbv], PACKED, str(tmp_path / "llama-fsdp2-zbv")),
              ([*windows_only, *LAYOUTS["deepspeed-pp2"]], PACKED, str(tmp_path / "windows-deepspeed-pp2"))]
     got = run_ranks(_train, 2, tmp_path, runs=runs)
-    for rank_losses in got:  # every rank of the layout reports the step's global loss
-        assert rank_losses == got[0]
-    assert got[0][-2] == pytest.approx(one_rank[1], rel=1e-5), "llama fsdp2 pp2 zbv"
-    assert got[0][-1] == pytest.approx(one_rank[-1], rel=1e-5), "windows alone at deepspeed pp2"
-    at = iter(got[0])
+    one_rank = [losses for losses, _ in one_rank]
+    # every rank of the layout reports the step's global loss, and builds a stage's mask of each kind
+    # once per micro-batch (a mask per block: 3 a stage, 6 a model): the window's and the documents'
+    # global one; zbv's rank 0 holds stages of blocks 0-1 (windowed) and 4-5 (both), rank 1 of
+    # blocks 2 (global) and 3 (windowed); without documents only the windowed blocks mask
+    assert [losses for losses, _ in got[1]] == [losses for losses, _ in got[0]]
+    for rank, zbv in ((0, 3.0), (1, 2.0)):
+        assert [builds for _, builds in got[rank]] == [*[2.0] * (len(runs) - 2), zbv, 1.0], rank
+    got = [losses for losses, _ in got[0]]
+    assert got[-2] == pytest.approx(one_rank[1], rel=1e-5), "llama fsdp2 pp2 zbv"
+    assert got[-1] == pytest.approx(one_rank[-1], rel=1e-5), "windows alone at deepspeed pp2"
+    at = iter(got)
     for name, reference in zip(FLAVOURS, one_rank):
         for layout in LAYOUTS:
             packed, single = next(at), next(at)
