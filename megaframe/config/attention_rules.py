@@ -78,8 +78,11 @@ def layout_problem(cfg: TrainConfig) -> Optional[str]:
     m, d, p = cfg.model, cfg.data, cfg.parallel
     masks = [k for k, on in (("data.document_mask=true", d.document_mask),
                              (f"model.sliding_window={m.sliding_window}", m.sliding_window is not None)) if on]
-    if masks and p.pp > 1 and p.cp > 1:
-        return (f"{masks[0]} with parallel.pp={p.pp} and parallel.cp={p.cp}: pipeline stages do not carry masks "
+    # the stages' documents would be their shard's, and their losses' means do not weigh the cp shards'
+    # unequal counts of kept targets (data.eod_mask_loss)
+    staged = masks + (["data.eod_mask_loss=true"] if d.eod_mask_loss else [])
+    if staged and p.pp > 1 and p.cp > 1:
+        return (f"{staged[0]} with parallel.pp={p.pp} and parallel.cp={p.cp}: pipeline stages do not carry masks "
                 f"across context-parallel shards yet; use parallel.pp=1 or parallel.cp=1")
     if masks and p.cp > 1:  # RingCore / UlyssesCore.supports: plain causal attention only
         return (f"{masks[0]} with parallel.cp={p.cp}: the {p.cp_impl} attention core cannot apply a document or "

@@ -38,6 +38,8 @@ def _cfg(**sections) -> TrainConfig:
      "data.document_mask=true with parallel.pp=2 and parallel.cp=2: pipeline stages"),
     ({"model__sliding_window": 8, "parallel__pp": 2, "parallel__cp": 2, "parallel__cp_impl": "ulysses"}, 4,
      "model.sliding_window=8 with parallel.pp=2 and parallel.cp=2: pipeline stages"),
+    ({"data__eod_mask_loss": True, "parallel__pp": 2, "parallel__cp": 2}, 4,
+     "data.eod_mask_loss=true with parallel.pp=2 and parallel.cp=2: pipeline stages"),
 ])
 def test_bad_mask_settings_are_refused_naming_the_key(changes, world, message):
     with pytest.raises(ConfigError) as refused:
@@ -54,7 +56,6 @@ def test_good_mask_settings_pass():
     validate(_cfg(data__document_mask=True, data__eod_mask_loss=True, parallel__pp=2), 2)
     validate(_cfg(data__document_mask=True, model__sliding_window=4, parallel__pp=2, parallel__tp=2,
                   parallel__sequence_parallel=True), 4)
-    validate(_cfg(data__eod_mask_loss=True, parallel__pp=2, parallel__cp=2), 4)  # the loss's targets only
 
 
 def test_the_cp_rule_says_what_the_cores_support():
