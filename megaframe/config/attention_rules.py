@@ -2,8 +2,9 @@
 model.window_attn_skip_freq, data.document_mask and data.eod_mask_loss, and the layouts whose
 attention core or stages cannot apply them yet. One line naming the key and the fix, or None.
 
-The core rule mirrors the cores' own `supports(mask)` (model/attention.py, which config may not
-import: torch, and the package order); tests/unit/config/test_attention_rules.py holds the two together.
+The layout rule mirrors the cores' own `supports(mask)` (model/attention.py, which config may not
+import: torch, and the package order): every core applies every mask a key makes, so context
+parallelism is no longer refused; tests/unit/config/test_attention_rules.py holds the two together.
 """
 from __future__ import annotations
 
@@ -72,21 +73,19 @@ def documents_problem(cfg: TrainConfig) -> Optional[str]:
 
 def layout_problem(cfg: TrainConfig) -> Optional[str]:
     """The layouts whose attention core or pipeline stages cannot apply the masks yet. Tensor and
-    sequence parallelism can (each TP rank holds the whole token ids), and pipeline stages of either
-    engine (each stage finds the documents in the micro-batch's token ids: docs/attention.md); not
-    pipeline stages over context-parallel shards, whose documents span the cp ranks."""
+    sequence parallelism can (each TP rank holds the whole token ids); so can context parallelism (the
+    ring and Ulysses cores take documents and windows, the cp ranks gathering the whole rows' ids) and
+    pipeline stages of either engine (each finds the documents in the micro-batch's token ids:
+    docs/attention.md); not pipeline stages over context-parallel shards, whose documents span the cp ranks."""
     m, d, p = cfg.model, cfg.data, cfg.parallel
     masks = [k for k, on in (("data.document_mask=true", d.document_mask),
-                             (f"model.sliding_window={m.sliding_window}", m.sliding_window is not None)) if on]
+                             (f"model.sliding_window={m.sliding_window}", m.sliding_window is not None),
+                             ("data.eod_mask_loss=true", d.eod_mask_loss)) if on]
     # the stages' documents would be their shard's, and their losses' means do not weigh the cp shards'
     # unequal counts of kept targets (data.eod_mask_loss)
-    staged = masks + (["data.eod_mask_loss=true"] if d.eod_mask_loss else [])
-    if staged and p.pp > 1 and p.cp > 1:
-        return (f"{staged[0]} with parallel.pp={p.pp} and parallel.cp={p.cp}: pipeline stages do not carry masks "
+    if masks and p.pp > 1 and p.cp > 1:
+        return (f"{masks[0]} with parallel.pp={p.pp} and parallel.cp={p.cp}: pipeline stages do not carry masks "
                 f"across context-parallel shards yet; use parallel.pp=1 or parallel.cp=1")
-    if masks and p.cp > 1:  # RingCore / UlyssesCore.supports: plain causal attention only
-        return (f"{masks[0]} with parallel.cp={p.cp}: the {p.cp_impl} attention core cannot apply a document or "
-                f"window mask yet; use parallel.cp=1")
     return None
 
 

@@ -300,7 +300,7 @@ class ClusterConfig:
     name: str = "local"
     gpus_per_node: Optional[int] = None  # None (local) = the ranks launched on this host
     memory_gb: Optional[float] = None  # per device, GiB; None (local) = this host's GPU, else its RAM / ranks
-    # the GPU model (H100, H100 PCIe, H200, A100): MFU and the planner's step time divide by its dense
+    # the GPU model (H100, H100 PCIe, H200, B200, A100): MFU and the planner's step time divide by its dense
     # peak in the run's matmul precision (bf16 989 on an H100, fp32 66.9: tracking/flops.py)
     gpu: Optional[str] = None
     # dense peak per device, used as given in every precision (replaces gpu's); None = gpu's, else

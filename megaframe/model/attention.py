@@ -40,7 +40,8 @@ class Mask:
       - causal: a query sees no later key;
       - documents: (B, T) document ids per token (model/masking.py computes them on the device from
         the tokens and the end-of-document id): a query sees only keys of its own document
-        (Megatron's reset_attention_mask);
+        (Megatron's reset_attention_mask). T is the whole sequence attention runs over: this rank's
+        tokens for SDPA, the whole row (every cp rank's tokens, in natural order) for the cp cores;
       - window: a query sees only the last `window` keys, itself included (Mistral's sliding
         window, transformers' convention); a per-layer pattern is no field: each block holds its
         own Mask (model/masking.py's layer_mask).
@@ -126,7 +127,8 @@ class SDPACore(nn.Module):
 
 
 class _ContextCore(nn.Module):
-    """Causal attention across the cp ranks of `context`, through `kernel` (ring or Ulysses).
+    """Causal attention across the cp ranks of `context`, through `kernel` (ring or Ulysses), with
+    the mask's documents (ids of the whole row) and window.
 
     With dropout, the rank's own stream (it differs by tp and cp rank) draws one seed per call: the
     ring seeds its tile masks from it; Ulysses' SDPA draws its masks from the same forked stream."""
@@ -138,9 +140,9 @@ class _ContextCore(nn.Module):
         self.p, self.rng, self.context = p, rng, context
 
     def supports(self, mask: Mask) -> bool:
-        # the zig-zag load balance and the kernels assume plain causal attention: no document or
-        # window mask yet (issue 54, item 4); validation refuses those runs before launch
-        return mask.causal and mask.documents is None and mask.window is None
+        # documents and windows restrict a causal mask; the zig-zag layout and the ring's skipped
+        # pieces assume causal attention underneath
+        return mask.causal
 
     def prepare(self, mask: Mask, length: int, device) -> Mask:
         return mask  # the kernels take the mask's fields, no dense form
@@ -149,11 +151,14 @@ class _ContextCore(nn.Module):
         if not self.supports(mask):
             raise ValueError(f"{type(self).__name__} attends causally only; it cannot apply {mask}")
         kernel = type(self).kernel
+        # W >= T is no window: the plain causal kernels, bitwise
+        masked = {"documents": mask.documents, "window": mask.window} if mask.restricts(q.shape[2] * self.context.size) \
+            else {}
         if not (self.p if self.training else 0.0):
-            return kernel(q, k, v, self.context)
+            return kernel(q, k, v, self.context, **masked)
         with self.rng.fork() if self.rng is not None else contextlib.nullcontext():
             dropout = AttentionDropout(self.p, seed=int(torch.randint(0, 1 << 62, ())))  # a CPU draw: no device sync
-            return kernel(q, k, v, self.context, dropout=dropout)
+            return kernel(q, k, v, self.context, dropout=dropout, **masked)
 
 
 class RingCore(_ContextCore):

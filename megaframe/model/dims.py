@@ -95,6 +95,19 @@ class GPTDims:
             return None
         return self.sliding_window
 
+    def windowed_blocks_in(self, start: int, stop: int) -> int:
+        """How many of blocks [start, stop) attend through a window shorter than the sequence (a
+        window W >= seq_length restricts nothing), in O(len(window_pattern)): whole periods of the
+        pattern, then the remainders, never a loop over the blocks (the planner's and MFU's count)."""
+        if self.sliding_window is None or self.sliding_window >= self.seq_length or stop <= start:
+            return 0
+        pattern = self.window_pattern or (1,)
+
+        def below(index: int) -> int:  # windowed blocks among [0, index)
+            periods, rest = divmod(index, len(pattern))
+            return periods * sum(pattern) + sum(pattern[:rest])
+        return below(stop) - below(start)
+
 
 def window_pattern(skip_freq: Any) -> tuple[int, ...]:
     """model.window_attn_skip_freq as GPTDims.window_pattern: N -> N-1 windowed blocks then a global

@@ -24,7 +24,7 @@ from megaframe.model.mlp import MLP, Dropout
 from megaframe.model.moe import AddAux, MoE, RouterStats
 from megaframe.model.recompute import checkpointed
 from megaframe.model.layer_list import Layer, layer_list
-from megaframe.model.masking import documents_of, forward_masks, layer_mask, loss_targets
+from megaframe.model.masking import counted_share, documents_of, forward_masks, layer_mask, loss_targets
 from megaframe.parallel.context import ContextGroup, zigzag_positions
 from megaframe.parallel.experts import ExpertGroup
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -106,7 +106,8 @@ class RopeTables:
 
 def register_positions(module: nn.Module, dims: GPTDims, context: Optional[ContextGroup]) -> None:
     """module.positions: where this rank's tokens sit in their sequences under context parallelism
-    (a buffer built once, moved with the module), None otherwise."""
+    (a buffer built once, moved with the module), None otherwise; module.context: the cp group."""
+    module.context = context  # the cp group: documents are found in the whole rows (model/masking.py)
     if context is None:
         module.positions = None
     else:
@@ -357,13 +358,13 @@ def forward_layers(owner: nn.Module, x: torch.Tensor, tokens: int, blocks, embed
     ids_in = x if embed is not None else token_ids
     if ids_in is None and owner.dims.document_mask:  # a pipeline's bug, not the user's: no silent cross-document attention
         raise ValueError("data.document_mask: a stage after the first was not handed the micro-batch's token ids")
-    documents = None if ids_in is None else documents_of(ids_in, owner.dims)
+    documents = None if ids_in is None else documents_of(ids_in, owner.dims, owner.context)
     if embed is not None:
         x = embed(x, owner.positions if documents is None else documents.positions)
     rope = None
     if owner.dims.position_embedding == "rope":  # under documents, each token's row: positions restart
         rope = owner.rope(tokens, x.device, owner.positions) if documents is None else \
-            documents.rope(owner.rope(tokens, x.device))
+            documents.rope(owner.rope(documents.length, x.device))
     masks = forward_masks(owner.dims, documents, tokens, x.device)
     for block in blocks:
         mask = None if masks is None else masks.resolve(block.attn)
@@ -427,6 +428,9 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = self.head_loss(self.hidden_states(idx), targets)
+        share = counted_share(targets, self.dims, self.context)  # cp with eod_mask_loss: unequal counts
+        if share is not None:
+            loss = loss * share
         if not self.moe_layers:
             return loss
         if self.training:

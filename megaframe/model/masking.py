@@ -15,6 +15,8 @@ import torch
 
 from megaframe.model.attention import CAUSAL, Mask
 from megaframe.model.dims import GPTDims
+from megaframe.parallel.context import ContextGroup, gather_sequence, zigzag_shard
+from megaframe.parallel.mappings import sum_values
 
 # the target id the loss leaves out (vocab_parallel_cross_entropy's ignore_index)
 IGNORED_TARGET = -100
@@ -24,10 +26,17 @@ IGNORED_TARGET = -100
 class Documents:
     """The documents of a micro-batch of token ids (B, T): `ids` numbers each token's document within
     its row, an end-of-document token belonging to the document it ends; `positions` is each token's
-    place in its document (0 at each document's first token), what learned and RoPE positions read."""
+    place in its document (0 at each document's first token), what learned and RoPE positions read.
+    Under context parallelism `ids` covers the whole row (what the cp cores mask with) and
+    `positions` this rank's zig-zag shard of it (what its tokens read)."""
 
     ids: torch.Tensor  # (B, T) int64
     positions: torch.Tensor  # (B, T) int64
+
+    @property
+    def length(self) -> int:
+        """The tokens of a whole row: the positions the RoPE tables must cover."""
+        return self.ids.shape[1]
 
     def rope(self, tables: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The cos/sin rows of every token's own position from tables of positions 0..T'-1 (T' >= T):
@@ -47,9 +56,17 @@ def split_documents(idx: torch.Tensor, eod_id: int) -> Documents:
     return Documents(ids=ids, positions=t - first)
 
 
-def documents_of(idx: torch.Tensor, dims: GPTDims) -> Optional[Documents]:
-    """The documents attention keeps apart in this forward (data.document_mask), else None."""
-    return split_documents(idx, dims.eod_id) if dims.document_mask else None
+def documents_of(idx: torch.Tensor, dims: GPTDims, context: Optional[ContextGroup] = None) -> Optional[Documents]:
+    """The documents attention keeps apart in this forward (data.document_mask), else None. Under
+    context parallelism (context) idx is this rank's zig-zag shard: a document may begin on another
+    cp rank, so the whole rows are gathered once per forward (one all-gather of the token ids on the
+    device) and cut there."""
+    if not dims.document_mask:
+        return None
+    if context is None or context.size == 1:
+        return split_documents(idx, dims.eod_id)
+    whole = split_documents(gather_sequence(idx, context), dims.eod_id)  # (B, T) on every cp rank
+    return Documents(ids=whole.ids, positions=zigzag_shard(whole.positions, context.size, context.rank))
 
 
 def layer_mask(dims: GPTDims, index: int) -> Mask:
@@ -94,3 +111,14 @@ def forward_masks(dims: GPTDims, documents: Optional[Documents], length: int, de
 def loss_targets(targets: torch.Tensor, dims: GPTDims) -> torch.Tensor:
     """The targets the loss counts: with data.eod_mask_loss the end-of-document ones left out."""
     return targets.masked_fill(targets == dims.eod_id, IGNORED_TARGET) if dims.eod_mask_loss else targets
+
+
+def counted_share(targets: torch.Tensor, dims: GPTDims, context: Optional[ContextGroup]) -> Optional[torch.Tensor]:
+    """Under context parallelism with data.eod_mask_loss, what this rank's mean loss is multiplied by so
+    that the cp ranks' mean of it is the mean over the whole rows' counted targets: its count of them
+    times cp over theirs (the zig-zag shards hold unequal numbers of end-of-document targets); None
+    elsewhere (every rank counts all its targets, an equal share). One all-reduce of a device scalar."""
+    if not dims.eod_mask_loss or context is None or context.size == 1:
+        return None
+    counted = (targets != dims.eod_id).sum().to(torch.float32)  # loss_targets' rule, before the fill
+    return counted * context.size / sum_values(counted, context.group).clamp(min=1.0)

@@ -9,19 +9,22 @@ scaled by the matrix's shape (adjust_lr). Unlike torch's, a 3D parameter is a st
 The AdamW groups are stepped by a torch.optim.AdamW that shares these groups and this state.
 
 Newton-Schulz needs the whole matrix: a matrix is whole on this rank (one rank, a mesh of one, an
-expert stack split by experts), or split by rows over data-parallel ranks and assembled on its owner
-(sharded.py). The config rules (optim/rules.py) refuse every other layout before launch; the
-constructor refuses it again (never a silently wrong update)."""
+expert stack split by experts), or split over ranks (FSDP2's shards, tensor parallelism's pieces,
+both: pieces.py) and assembled on one owner among them (sharded.py). The config rules
+(optim/rules.py) refuse the layouts nothing here assembles before launch; the constructor refuses a
+parameter it cannot assemble again (never a silently wrong update)."""
 from __future__ import annotations
 
 import math
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from megaframe.config.optim_rules import ADJUST_LR
-from megaframe.optim.sharded import RowShardedMatrices, row_shard
+from megaframe.optim.pieces import Piece, PieceError, piece, tp_groups
+from megaframe.optim.sharded import ShardedMatrices
 from megaframe.optim.table import group_optimizer
 
 
@@ -63,19 +66,17 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def sharded_problem(p: torch.nn.Parameter) -> str | None:
-    """Why Muon cannot step `p` from what this rank holds of it, or None: whole, an expert stack split
-    by experts, or a matrix split by rows over data-parallel ranks (sharded.py assembles it)."""
-    if getattr(p, "partition_count", 1) > 1:
-        return f"split {p.partition_count} ways by tensor/expert parallelism"
-    if isinstance(p, DTensor) and p.device_mesh.size() > 1 and row_shard(p) is None:
-        return f"sharded as {p.placements} over a mesh of {p.device_mesh.size()} ranks"
-    return None
-
-
-def needs_assembly(p: torch.nn.Parameter) -> bool:
-    """A matrix split by rows over ranks (a stack split by its experts holds whole matrices)."""
-    return p.ndim == 2 and row_shard(p) is not None
+def split_groups(params: Sequence[torch.nn.Parameter], pieces: Sequence[Piece], device: torch.device
+                 ) -> list[ShardedMatrices]:
+    """One ShardedMatrices per group of ranks holding pieces, in the order the parameters first name
+    each group (the same order on every rank: its collectives never cross). A group is known by its
+    ranks, not by the object naming it (two meshes may each hold one of the same ranks)."""
+    by_group: dict[tuple[int, ...], list[int]] = {}
+    for i, part in enumerate(pieces):
+        if part.group is not None:
+            by_group.setdefault(tuple(dist.get_process_group_ranks(part.group)), []).append(i)
+    return [ShardedMatrices([params[i] for i in members], [pieces[i] for i in members], device)
+            for members in by_group.values()]
 
 
 class Muon(torch.optim.Optimizer):
@@ -85,15 +86,21 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, groups: list[dict], *, momentum: float, nesterov: bool, ns_coefficients: Sequence[float],
                  ns_steps: int, eps: float, adjust_lr: str, betas: tuple[float, float], adamw_eps: float,
-                 fused: bool = True):
+                 fused: bool = True, ps=None):
+        """ps: the ParallelState, where tensor parallelism splits matrices (its groups assemble them)."""
         if adjust_lr not in ADJUST_LR:
             raise ValueError(f"adjust_lr={adjust_lr!r}: one of {', '.join(ADJUST_LR)}")
+        around_tp = tp_groups(ps)  # collective when made: every rank builds its optimizer at once
+        matrices, pieces = [], []
         for group in groups:
             for p in group["params"] if group_optimizer(group) == "muon" else ():
                 if p.ndim not in (2, 3):
                     raise ValueError(f"Muon steps matrices and stacks of them, not a tensor of shape {tuple(p.shape)}")
-                if problem := sharded_problem(p):
-                    raise ValueError(f"Muon needs whole matrices; a {tuple(p.shape)} parameter is {problem}")
+                try:
+                    pieces.append(piece(p, around_tp))
+                except PieceError as e:
+                    raise ValueError(f"Muon needs whole matrices; a {tuple(p.shape)} parameter is {e}") from None
+                matrices.append(p)
         # the same group dicts: the schedule's lr reaches both; AdamW fills in its own defaults first
         self.adamw = torch.optim.AdamW([g for g in groups if group_optimizer(g) == "adamw"], lr=0.0, betas=betas,
                                        eps=adamw_eps, fused=fused)
@@ -101,8 +108,10 @@ class Muon(torch.optim.Optimizer):
                                       ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, eps=eps,
                                       adjust_lr=adjust_lr))
         self.adamw.state = self.state  # one state table: the checkpoint and the memory accounting read it
-        split = [p for g in self.param_groups if group_optimizer(g) == "muon" for p in g["params"] if needs_assembly(p)]
-        self.row_sharded = RowShardedMatrices(split) if split else None
+        # the learning rate adjusts by the whole matrix's shape, not by this rank's piece of it
+        self.full_shapes = {id(p): part.full for p, part in zip(matrices, pieces)}
+        device = whole(matrices[0]).device if matrices else torch.device("cpu")
+        self.split = split_groups(matrices, pieces, device)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -110,7 +119,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        assembled = []  # (group, param, this rank's rows of its update) of the row-sharded matrices
+        assembled = [[] for _ in self.split]  # per group of ranks: (group, param, this rank's piece of its update)
         for group in self.param_groups:
             if group_optimizer(group) != "muon":
                 continue
@@ -118,14 +127,16 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 update = self._momentum(group, p)
-                if self.row_sharded is not None and self.row_sharded.holds(p):
-                    assembled.append((group, p, update))
+                where = next((n for n, split in enumerate(self.split) if split.holds(p)), None)
+                if where is not None:
+                    assembled[where].append((group, p, update))
                 else:
                     self._apply(group, p, _orthogonaliser(group)(update))
-        if assembled:  # every rank the same matrices in the same order: they all have gradients
-            results = self.row_sharded.orthogonalise([(p, u, _orthogonaliser(g)) for g, p, u in assembled])
-            for (group, p, _), update in zip(assembled, results):
-                self._apply(group, p, update)
+        for split, items in zip(self.split, assembled):
+            if items:  # every rank of the group the same matrices in the same order: they all have gradients
+                results = split.orthogonalise([(p, u, _orthogonaliser(g)) for g, p, u in items])
+                for (group, p, _), update in zip(items, results):
+                    self._apply(group, p, update)
         self.adamw.step()
         return loss
 
@@ -139,12 +150,11 @@ class Muon(torch.optim.Optimizer):
         buf.lerp_(grad, 1 - momentum)
         return grad.lerp(buf, momentum) if group["nesterov"] else buf
 
-    @staticmethod
-    def _apply(group: dict, p: torch.nn.Parameter, update: torch.Tensor) -> None:
+    def _apply(self, group: dict, p: torch.nn.Parameter, update: torch.Tensor) -> None:
         """Decoupled weight decay, then the orthogonalised update at the rate its full shape adjusts."""
         lr, param = group["lr"], whole(p)
         param.mul_(1 - lr * group["weight_decay"])
-        param.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape))
+        param.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr"], self.full_shapes.get(id(p), p.shape)))
 
 
 def _orthogonaliser(group: dict) -> Callable[[torch.Tensor], torch.Tensor]:

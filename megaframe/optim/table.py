@@ -15,6 +15,12 @@ TENSOR_STATE: dict[str, tuple[str, ...]] = {
     "muon": ("momentum_buffer",),  # torch.optim.Muon's one buffer (its matrices: muon.py)
 }
 COUNTS_STEPS = {"adamw": True, "muon": False}  # keeps "step" (a scalar) per parameter
+# optimizer name -> (the optimizer that steps the hidden matrices, the one that steps the rest:
+# embeddings, LM head, router, norms, biases), as optim/groups.py splits them; the planner's state bytes
+PARTS: dict[str, tuple[str, str]] = {"adamw": ("adamw", "adamw"), "muon": ("muon", "adamw")}
+# the optimizers that orthogonalise each whole matrix (Newton-Schulz: optim/muon.py), which the planner
+# counts as FLOPs and, where the engine splits a matrix, as assembly traffic (optim/sharded.py)
+ORTHOGONALISES: frozenset[str] = frozenset({"muon"})
 DEFAULT = "adamw"  # a group without "optimizer" (torch's AdamW, and every checkpoint before optim.name)
 
 # every state name any optimizer writes: what tells a checkpoint's optimizer tensors from its weights

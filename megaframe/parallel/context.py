@@ -21,8 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["AttentionDropout", "ContextGroup", "ulysses_attention", "zigzag_positions", "zigzag_shard",
-           "zigzag_unshard"]
+from megaframe.parallel.mappings import gather_values
+
+__all__ = ["AttentionDropout", "ContextGroup", "attention_allowed", "gather_sequence", "ulysses_attention",
+           "zigzag_positions", "zigzag_shard", "zigzag_unshard"]
 
 
 @dataclass(frozen=True)
@@ -58,16 +60,18 @@ class AttentionDropout:
     seed: int
 
     def keep(self, cp_rank: int, step: int, tile_start: int, shape: tuple[int, ...],
-             device: torch.device) -> torch.Tensor:
-        """The keep mask (True: kept) of one block tile."""
+             device: torch.device, col_start: int = 0) -> torch.Tensor:
+        """The keep mask (True: kept) of one block tile (col_start: where a masked ring's piece
+        starts among the block's keys)."""
         generator = torch.Generator(device=device)
-        generator.manual_seed(self.tile_seed(cp_rank, step, tile_start))
+        generator.manual_seed(self.tile_seed(cp_rank, step, tile_start, col_start))
         return torch.rand(shape, generator=generator, device=device) >= self.p
 
-    def tile_seed(self, cp_rank: int, step: int, tile_start: int) -> int:
+    def tile_seed(self, cp_rank: int, step: int, tile_start: int, col_start: int = 0) -> int:
         """A hash of (seed, cp rank, step, tile): no two tiles of a call share a generator seed,
         however long the shard (an arithmetic mix would wrap at some tile offset)."""
-        key = f"{self.seed}:{cp_rank}:{step}:{tile_start}".encode()
+        key = f"{self.seed}:{cp_rank}:{step}:{tile_start}" + (f":{col_start}" if col_start else "")
+        key = key.encode()
         return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
@@ -101,6 +105,31 @@ def zigzag_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     for rank, shard in enumerate(shards):
         chunks[rank], chunks[2 * cp - 1 - rank] = shard.narrow(dim, 0, c), shard.narrow(dim, c, c)
     return torch.cat(chunks, dim=dim)
+
+
+def gather_sequence(x: torch.Tensor, cp: ContextGroup) -> torch.Tensor:
+    """The whole sequence (B, T) of every cp rank's zig-zag shard x (B, 2c), in natural order, on
+    every cp rank: one all-gather of a value no gradient flows to (the token ids, so each rank finds
+    the documents of the whole row once per forward; model/masking.py)."""
+    gathered = gather_values(x, 0, cp.group)  # (cp * B, 2c): rank r's shard in rows [r*B, (r+1)*B)
+    return zigzag_unshard(list(gathered.chunk(cp.size, dim=0)), dim=1)
+
+
+# ---- masks -------------------------------------------------------------------------------------
+def attention_allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int] = None,
+                      q_ids: Optional[torch.Tensor] = None, k_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """True where a query may see a key: causal over the global positions q_pos (Tq,) and k_pos
+    (Tk,), within `window` keys (itself included) when given, and within its document when the
+    document ids q_ids (B, Tq) and k_ids (B, Tk) are given. (1 or B, Tq, Tk), made on the device
+    from index comparisons (no host tensor, no sync)."""
+    distance = q_pos.unsqueeze(1) - k_pos.unsqueeze(0)  # (Tq, Tk)
+    allowed = distance >= 0
+    if window is not None:
+        allowed = allowed & (distance < window)
+    allowed = allowed.unsqueeze(0)  # (1, Tq, Tk)
+    if q_ids is not None:
+        allowed = allowed & (q_ids.unsqueeze(2) == k_ids.unsqueeze(1))  # (B, Tq, Tk)
+    return allowed
 
 
 # ---- Ulysses --------------------------------------------------------------------------------------
@@ -149,16 +178,23 @@ def _zigzag_order(seq_length: int, cp: int, device: torch.device) -> tuple[torch
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextGroup,
-                      scale: Optional[float] = None, dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
+                      scale: Optional[float] = None, dropout: Optional[AttentionDropout] = None,
+                      documents: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
     """Causal attention of this rank's zig-zag shard by all-to-all over heads: q (B, H, 2c, D), k
     and v (B, Hkv, 2c, D); cp must divide Hkv. Returns (B, H, 2c, D). dropout: SDPA's own, on this
-    rank's heads, from the generator the caller has made current (its seed is not used)."""
+    rank's heads, from the generator the caller has made current (its seed is not used). documents:
+    the (B, T) document ids of the whole sequence, window: keys per query; either restricts the
+    causal mask, applied to the full sequence of this rank's head group as one boolean mask."""
     if k.shape[1] % cp.size:
         raise ValueError(f"parallel.cp={cp.size} must divide the {k.shape[1]} kv heads for parallel.cp_impl=ulysses; "
                          f"use parallel.cp_impl=ring")
     qh, kh, vh = (_AllToAll.apply(t, cp, True) for t in (q, k, v))  # full length, in zig-zag order
     order, natural = _zigzag_order(qh.shape[2], cp.size, q.device)
-    y = F.scaled_dot_product_attention(qh[:, :, natural], kh[:, :, natural], vh[:, :, natural], is_causal=True,
+    mask = {}
+    if documents is not None or window is not None:  # natural order: positions 0..T-1
+        positions = torch.arange(qh.shape[2], device=q.device)
+        mask = {"attn_mask": attention_allowed(positions, positions, window, documents, documents).unsqueeze(1)}
+    y = F.scaled_dot_product_attention(qh[:, :, natural], kh[:, :, natural], vh[:, :, natural], is_causal=not mask,
                                        scale=scale, enable_gqa=qh.shape[1] != kh.shape[1],
-                                       dropout_p=0.0 if dropout is None else dropout.p)
+                                       dropout_p=0.0 if dropout is None else dropout.p, **mask)
     return _AllToAll.apply(y[:, :, order], cp, False)

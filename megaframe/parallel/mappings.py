@@ -251,6 +251,19 @@ def _all_to_all_rows(x: torch.Tensor, output_splits, input_splits, group) -> tor
     return out
 
 
+def gather_values(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """All-gather x along dim over group, outside autograd: values no gradient flows to (token ids),
+    one single-tensor collective on x's device."""
+    return _gather(x, dim, group)
+
+
+def sum_values(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum of x over group's ranks, outside autograd (a count), on x's device; x is left as it was."""
+    total = x.clone()
+    dist.all_reduce(total, group=group)
+    return total
+
+
 def split_tokens(x, group):
     """Keep this rank's contiguous 1/size of the rows forward; all-gather the gradient backward."""
     return _apply(_SplitTokens, x, group)

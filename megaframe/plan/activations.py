@@ -28,11 +28,19 @@ This code base's block differs, and the formula below follows it tensor by tenso
   second copy otherwise); Ulysses keeps SDPA's tensors on the all-to-all'd copies plus the
   out-projection input, which is no longer SDPA's output. With dropout, ring attention keeps no
   masks (it redraws them in the backward), and Ulysses' SDPA takes the math path on CPU over the
-  whole sequence on heads/cp heads (the same bytes as heads over s/cp).
+  whole sequence on heads/cp heads (the same bytes as heads over s/cp);
+- masked attention (model/attention.py's SDPACore): a block whose mask restricts more than causal
+  (a sliding window W < s, or data.document_mask) hands SDPA a boolean mask, which SDPA turns into an
+  additive one in the activation dtype and keeps for backward: s² elements per block for a window
+  (one mask for the micro-batch), b·s² with documents (one per sample). The planner cannot know the
+  documents' lengths and needs none: the mask is s² whatever they are. With documents, positions are
+  per token: learned ones keep the (b, s) int64 position ids, RoPE the (b, 1, s, head_dim) fp32
+  cos and sin rows of every token instead of the cached tables.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from megaframe.model.dims import GPTDims
 from megaframe.plan.memory import ACTIVATION_BYTES
@@ -65,8 +73,21 @@ def _norm_bytes(dims: GPTDims, n_tokens: float, e: int) -> float:
     return n_tokens * (e * h + 2 * e)  # input + mean and rstd (in the activation dtype on CPU)
 
 
-def block_activation_bytes(dims: GPTDims, shape: ActivationShape) -> float:
-    """Bytes one transformer block saves for backward on one TP rank for one micro-batch."""
+def attention_mask_bytes(dims: GPTDims, shape: ActivationShape, windowed: bool = True) -> float:
+    """What SDPA keeps of a block's restricting mask (module docstring), windowed: whether the block
+    attends through model.sliding_window (the pattern's local layers). Plain causal attention keeps
+    none (SDPA's is_causal); the context-parallel cores take no masks (validation refuses them)."""
+    if shape.cp > 1:
+        return 0.0
+    s, e = dims.seq_length, ACTIVATION_BYTES[shape.dtype]
+    if dims.document_mask:
+        return shape.micro_batch_size * s * s * e
+    return s * s * e if windowed and dims.sliding_window is not None and dims.sliding_window < s else 0.0
+
+
+def block_activation_bytes(dims: GPTDims, shape: ActivationShape, windowed: bool = True) -> float:
+    """Bytes one transformer block saves for backward on one TP rank for one micro-batch (windowed:
+    a block of the window pattern's local layers, whose mask SDPA keeps)."""
     e = ACTIVATION_BYTES[shape.dtype]
     t = shape.tp
     sb = tokens(dims, shape)
@@ -102,6 +123,7 @@ def block_activation_bytes(dims: GPTDims, shape: ActivationShape) -> float:
     mlp = sb * e * h  # MLP input (the norm output, shared by up/gate)
     mlp += sb * e * (f // t) * (4 if dims.activation == "swiglu" else 2)
     mlp += sb_norm * mask * h
+    attention += attention_mask_bytes(dims, shape, windowed)
     return 2 * _norm_bytes(dims, sb_norm, e) + attention + mlp
 
 
@@ -125,7 +147,9 @@ def embedding_activation_bytes(dims: GPTDims, shape: ActivationShape) -> float:
     dropout's mask (a sequence shard under SP)."""
     sb = tokens(dims, shape)
     sb_shard = sb / shape.tp if shape.sequence_parallel and shape.tp > 1 else sb
-    return sb * (8 + 1) + sb_shard * dims.hidden_size * dropout_mask_bytes(dims, shape)
+    # data.document_mask: learned positions restart per document, looked up from (b, s) int64 ids
+    positions = sb * 8 if dims.document_mask and dims.position_embedding == "learned" else 0
+    return sb * (8 + 1) + positions + sb_shard * dims.hidden_size * dropout_mask_bytes(dims, shape)
 
 
 def head_activation_bytes(dims: GPTDims, shape: ActivationShape) -> float:
@@ -177,19 +201,46 @@ def moe_mlp_extra_bytes(dims: GPTDims, shape: ActivationShape) -> float:
 
 
 def stage_activation_bytes(dims: GPTDims, shape: ActivationShape, blocks: int, first: bool, last: bool,
-                           recompute: bool, moe_blocks: int = 0) -> float:
+                           recompute: bool, moe_blocks: int = 0, windowed_blocks: Optional[int] = None) -> float:
     """Bytes one micro-batch leaves saved on a stage of `blocks` blocks, `moe_blocks` of them
-    Mixture-of-Experts (without the recompute working set)."""
-    per_block = block_input_bytes(dims, shape) if recompute else block_activation_bytes(dims, shape)
+    Mixture-of-Experts, `windowed_blocks` of them attending through the sliding window (None: as
+    many as among the model's first `blocks`) (without the recompute working set)."""
+    per_block = block_input_bytes(dims, shape) if recompute else block_activation_bytes(dims, shape, windowed=False)
     total = blocks * per_block
+    if not recompute:
+        windowed = dims.windowed_blocks_in(0, blocks) if windowed_blocks is None else windowed_blocks
+        total += windowed * (attention_mask_bytes(dims, shape, True) - attention_mask_bytes(dims, shape, False))
     if moe_blocks and not recompute:
         total += moe_blocks * moe_mlp_extra_bytes(dims, shape)
     if blocks and dims.position_embedding == "rope" and not recompute:
         # RoPE's fp32 cos/sin: cached, one copy per process (recomputation saves only block inputs);
-        # under cp also the rows of this rank's positions, cached too
-        total += 2 * dims.head_dim * 4 * (dims.seq_length + (dims.seq_length // shape.cp if shape.cp > 1 else 0))
+        # under cp also the rows of this rank's positions, cached too; with documents, each token's
+        # own rows (b, 1, s, head_dim) in place of the tables (measured: the tables are not saved then)
+        rows = tokens(dims, shape) if dims.document_mask else dims.seq_length
+        total += 2 * dims.head_dim * 4 * (rows + (dims.seq_length // shape.cp if shape.cp > 1 else 0))
     if first:
         total += embedding_activation_bytes(dims, shape)
     if last:
         total += head_activation_bytes(dims, shape)
     return total
+
+
+def fp8_cast_bytes(dims: GPTDims, shape: ActivationShape, fp8) -> float:
+    """Transient on a stage with fp8 linears (precision.fp8), not kept for backward: torchao casts
+    each fp8 linear's operands per matmul (parallel/fp8/: activations are saved in bf16, no fp8
+    weight copy persists), so one linear's copies live at a time, the most in its backward: the
+    weight's, the output gradient's and the input's, a byte per element (M tokens, K in, N out:
+    K·N + M·K + M·N), with MXFP8's one-byte scale per 32 elements; tensorwise and rowwise scales
+    are a few fp32 numbers per tensor or row, left out. Of the largest fp8 linear on this TP rank:
+    the LM head with fp8.head, else the widest block projection."""
+    if not fp8.enabled:
+        return 0.0
+    t, h = shape.tp, dims.hidden_size
+    f = max(dims.ffn_hidden_size, dims.moe.shared_experts * dims.moe.ffn_hidden_size if dims.moe else 0)
+    q = dims.num_heads * dims.head_dim
+    linears = [(h, q // t), (q // t, h), (h, f // t), (f // t, h)]  # (in, out) on this TP rank
+    if fp8.head:
+        linears.append((h, dims.padded_vocab_size // t))
+    m = tokens(dims, shape)
+    copies = max(k * n + m * (k + n) for k, n in linears)
+    return copies * (1 + 1 / 32 if fp8.recipe == "mxfp8" else 1)

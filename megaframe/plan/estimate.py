@@ -16,17 +16,20 @@ from typing import Optional
 
 from megaframe.backends.facts import SHARD_GROUPS, ZERO_BUFFERS
 from megaframe.backends.registry import engine_facts
-from megaframe.config.schema import ClusterConfig, TrainConfig, ZeroConfig
+from megaframe.config.schema import ClusterConfig, Fp8Config, OptimConfig, TrainConfig, ZeroConfig
 from megaframe.config.dataset_meta import SidecarError, recorded_vocab_size
 from megaframe.config.validate import ConfigError, Layout
-from megaframe.model.dims import GPTDims, resolve_dims
-from megaframe.plan.activations import (ActivationShape, block_activation_bytes,
+from megaframe.model.dims import GPTDims, document_dims, resolve_dims
+from megaframe.plan.activations import (ActivationShape, block_activation_bytes, fp8_cast_bytes,
                                         logits_working_bytes, moe_mlp_extra_bytes, stage_activation_bytes, tokens)
-from megaframe.plan.memory import (ACTIVATION_BYTES, GIB, STATE_BYTES, STATE_TERMS, ModelStates, PlanLayout,
-                                   active_parameters, embedding_parameters, largest_block_parameters, stage_blocks,
-                                   stage_expert_parameters, stage_parameters, total_parameters)
+from megaframe.plan.memory import (ACTIVATION_BYTES, GIB, STATE_BYTES, STATE_TERMS, WEIGHTS_SHARDED, ModelStates,
+                                   PlanLayout, active_parameters, embedding_parameters, largest_block_parameters,
+                                   stage_blocks, stage_expert_parameters, stage_parameters, stage_windowed_blocks,
+                                   total_parameters)
+from megaframe.plan.optimizer import (ADAMW, OptimizerTerms, assembly_bytes, matrix_parameters, optimizer_terms,
+                                      stage_matrices, stage_newton_schulz_flops, step_working_bytes)
 from megaframe.parallel.pipeline_schedules import bubble_fraction, in_flight_micro_batches, stage_indices
-from megaframe.tracking.flops import flops_per_token, peak_tflops
+from megaframe.tracking.flops import flops_per_token, fp8_aware_peak, fp8_flops_per_token, peak_tflops
 
 
 @dataclass
@@ -40,8 +43,14 @@ class StageEstimate:
     activations_per_micro_batch: float
     in_flight: float  # micro-batches' activations held at the peak (fractions: interleaved stages)
     activations: float  # saved for backward at the 1F1B peak (in_flight micro-batches)
-    working: float  # transient: recomputed block, logits, pipeline buffers, ZeRO's reduce bucket
+    working: float  # transient: recomputed block, logits, pipeline buffers, ZeRO's reduce bucket, fp8 casts
     peak: float
+    # the optimizer step, after the backward (activations freed): its transient bytes (Muon's
+    # exchange buffers and Newton-Schulz working set), its FLOPs on this rank and the bytes this rank
+    # sends assembling split matrices (plan/optimizer.py)
+    step_working: float = 0.0
+    optimizer_flops: float = 0.0
+    optimizer_bytes: float = 0.0
 
 
 @dataclass
@@ -58,11 +67,15 @@ class Estimate:
     peak_stage: int
     flops_per_step: float
     tokens_per_step: int
-    step_time_s: Optional[float]  # model FLOPs at the assumed MFU (None without a peak TFLOP/s)
+    # model FLOPs at the assumed MFU (None without a peak TFLOP/s), the fp8 share at the fp8 peak
+    # (precision=fp8), plus the optimizer's own FLOPs on the busiest rank (Muon's Newton-Schulz)
+    step_time_s: Optional[float]
     ranked_step_time_s: float  # with bubble, recomputation and exposed communication (see module doc)
     comm_bytes: dict = field(default_factory=dict)  # per rank per step: tp, pp, dp, cp, ep
     host_bytes: float = 0.0  # per rank, offloaded states
     active_parameters: int = 0  # per token: MoE leaves the unchosen experts out (= total for a dense model)
+    optimizer_flops_per_rank: float = 0.0  # Muon's Newton-Schulz on the busiest stage's rank, per step
+    fp8_flops_per_step: float = 0.0  # of flops_per_step, those on fp8 tensor cores (precision=fp8)
 
     @property
     def fits(self) -> bool:
@@ -147,11 +160,13 @@ def _ring(n: int) -> float:
 
 def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reserved: float,
                    host_counts_as_device: bool, zero: Optional[ZeroConfig] = None,
-                   device: str = "cuda") -> StageEstimate:
+                   device: str = "cuda", optim: OptimizerTerms = ADAMW, fp8: Optional[Fp8Config] = None) -> StageEstimate:
     """Memory of one rank of pipeline stage `stage` (device: cuda or cpu, whose dropout kernels keep
     different tensors); zero: the DeepSpeed buffer sizes (reduce bucket, ZeRO-3's live parameters
-    and prefetch bucket; None: DeepSpeed's defaults)."""
+    and prefetch bucket; None: DeepSpeed's defaults); optim: the optimizer's state and step terms
+    (plan/optimizer.py); fp8: precision.fp8 (its per-matmul casts)."""
     zero = zero or ZeroConfig()
+    fp8 = fp8 or Fp8Config()
     ep = lay.grid.ep
     terms = engine_facts(lay.engine).memory  # how this engine holds what (backends/facts.py)
     # the pipeline stages this rank runs: one, or under FSDP2's multi-stage schedules several (the
@@ -169,16 +184,24 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     blocks = sum(chunk_blocks.values())
     # ZeRO partitions over DeepSpeed's data axis, dp x cp; a rank's experts over their replicas, dp x cp / ep
     in_backward = lay.micro_batches == 1 and lay.pp == 1 and (zero.contiguous_gradients or zero.overlap_comm)
-    def states_of(n: int, replicas: int) -> ModelStates:
-        return STATE_TERMS[terms.states](n, replicas, lay, dtype, in_backward)
-    states = states_of(params - experts, lay.grid.dp_shard if terms.shards_within_replica else lay.grid.size("dp", "cp"))
+    def states_of(n: int, replicas: int, tensors: int = 2) -> ModelStates:
+        return STATE_TERMS[terms.states](n, replicas, lay, dtype, in_backward, tensors)
+    replicas = lay.grid.dp_shard if terms.shards_within_replica else lay.grid.size("dp", "cp")
+    moe_blocks = sum(chunk_moe_blocks.values())
+    matrices = stage_matrices(dims, blocks - moe_blocks, moe_blocks, lay.tp, ep)
+    row_split = matrix_parameters(matrices) - experts  # the 2D hidden matrices (experts: stacks)
+    if optim.splits:  # e.g. Muon: one momentum buffer on the hidden matrices, AdamW's two on the rest
+        states = (states_of(params - experts - row_split, replicas, optim.other_states)
+                  + states_of(row_split, replicas, optim.matrix_states))
+    else:
+        states = states_of(params - experts, replicas, optim.other_states)
     if experts:
-        states = states + states_of(experts, lay.grid.edp)
+        states = states + states_of(experts, lay.grid.edp, optim.matrix_states)
     shape = ActivationShape(lay.micro_batch_size, lay.tp, lay.sequence_parallel, dtype, device, lay.cp, lay.cp_impl)
     last = cuts - 1 in chunks
-    moe_blocks = sum(chunk_moe_blocks.values())
     per_micro = sum(stage_activation_bytes(dims, shape, chunk_blocks[c], c == 0, c == cuts - 1, lay.recompute,
-                                           chunk_moe_blocks[c]) for c in chunks)
+                                           chunk_moe_blocks[c], stage_windowed_blocks(dims, lay, cuts, c))
+                    for c in chunks)
     in_flight = in_flight_micro_batches(lay.pp, stage, lay.micro_batches, lay.pipeline_schedule, lay.virtual_stages)
     # recomputation rebuilds one block at a time: the larger of a dense and an MoE block's, of the
     # kinds this stage holds
@@ -193,10 +216,19 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
         working += in_flight * tokens(dims, shape) * dims.hidden_size * ACTIVATION_BYTES[dtype]
     for held in UNSHARDED_TERMS[terms.unsharded](dims, lay, dtype, params, zero, blocks):
         working += held
+    if blocks or (last and fp8.head):  # torchao's per-matmul fp8 copies of one linear
+        working += fp8_cast_bytes(dims, shape, fp8)
     activations = in_flight * per_micro
-    # on this host "offloaded" states stay in the same RAM the ranks share
-    peak = states.device + activations + working + reserved + (states.host if host_counts_as_device else 0.0)
-    return StageEstimate(stage, blocks, params, states, per_micro, in_flight, activations, working, peak)
+    # an orthogonalising optimizer (Muon) shares its matrices out over the ranks that split them
+    owners = replicas if WEIGHTS_SHARDED[terms.states](lay) else 1
+    step_working = step_working_bytes(dims, row_split, owners, optim, lay.tp, ep) if optim.ns_steps and blocks else 0.0
+    # on this host "offloaded" states stay in the same RAM the ranks share; the optimizer step runs
+    # after the backward has freed the activations
+    peak = (states.device + max(activations + working, step_working) + reserved
+            + (states.host if host_counts_as_device else 0.0))
+    return StageEstimate(stage, blocks, params, states, per_micro, in_flight, activations, working, peak,
+                         step_working, stage_newton_schulz_flops(matrices, optim, owners),
+                         assembly_bytes(row_split, owners) if optim.ns_steps else 0.0)
 
 
 def zero_buffer_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, params: int, zero: ZeroConfig,
@@ -252,9 +284,13 @@ def _stages_to_report(pp: int) -> list[int]:
 
 
 def estimate(dims: GPTDims, lay: PlanLayout, dtype: str, cluster: ClusterConfig, mfu: float,
-             all_stages: bool = False, zero: Optional[ZeroConfig] = None, tf32: bool = False) -> Estimate:
+             all_stages: bool = False, zero: Optional[ZeroConfig] = None, tf32: bool = False,
+             fp8: Optional[Fp8Config] = None, optim: Optional[OptimConfig] = None) -> Estimate:
     """Memory, FLOPs, time and communication of `lay` for the model `dims` on `cluster` (tf32:
-    precision.tf32, fp32 matmuls on TF32 tensor cores)."""
+    precision.tf32, fp32 matmuls on TF32 tensor cores; fp8: precision.fp8, whose share of the FLOPs
+    runs at the GPU's fp8 peak; optim: the optimizer, whose state and step the plan counts; None:
+    AdamW's)."""
+    fp8, terms = fp8 or Fp8Config(), optimizer_terms(optim)
     local = cluster.gpus_per_node is None
     ranks_on_host = lay.world_size if local else min(lay.world_size, cluster.gpus_per_node)
     capacity = device_capacity(cluster, ranks_on_host)
@@ -265,20 +301,29 @@ def estimate(dims: GPTDims, lay: PlanLayout, dtype: str, cluster: ClusterConfig,
     # CPU ranks: offloaded states live in the same RAM
     host_is_device = local and cluster.memory_gb is None and local_gpu_memory() is None
     device = "cpu" if local and local_gpu_memory() is None else "cuda"  # the ranks of a local plan run here
-    stages = [estimate_stage(dims, lay, dtype, s, reserved, host_is_device, zero, device)
+    stages = [estimate_stage(dims, lay, dtype, s, reserved, host_is_device, zero, device, terms, fp8)
               for s in stage_ids]
     worst = max(stages, key=lambda st: st.peak)
     step_tokens = lay.global_batch_size * dims.seq_length
     flops = flops_per_token(dims) * step_tokens
     peak = peak_tflops(cluster.peak_tflops, dtype, cluster.gpu, this_gpu=local, tf32=tf32)
-    step_time = flops / (lay.world_size * peak * 1e12 * mfu) if peak else None
+    # precision=fp8: the fp8 share of the FLOPs at the fp8 peak, the rest at `peak` (tracking/flops.py)
+    model_peak = fp8_aware_peak(peak, cluster, fp8, dims, device, this_gpu=local) or peak
+    # the optimizer's own FLOPs (Muon's Newton-Schulz, bf16 matmuls) on the busiest rank, at the same MFU
+    optimizer_flops = max(s.optimizer_flops for s in stages)
+    def model_seconds(at: float) -> float:
+        return flops / (lay.world_size * at * 1e12 * mfu)
+    # after the backward, on its own: not stretched by the pipeline bubble nor by recomputation
+    optimizer_seconds = optimizer_flops / ((peak or 1.0) * 1e12 * mfu)
+    step_time = model_seconds(model_peak) + optimizer_seconds if peak else None
     comm = communication_bytes(dims, lay, dtype, worst)
-    ranked = _ranked_step_time(lay, cluster, flops / (lay.world_size * (peak or 1.0) * 1e12 * mfu), comm, worst)
+    ranked = _ranked_step_time(lay, cluster, model_seconds(model_peak or 1.0), comm, worst) + optimizer_seconds
     return Estimate(layout=lay, cluster=cluster.name, total_parameters=total_parameters(dims), stages=stages,
                     capacity=capacity, reserved=reserved, peak=worst.peak, peak_stage=worst.stage,
                     flops_per_step=flops, tokens_per_step=step_tokens, step_time_s=step_time,
                     ranked_step_time_s=ranked, comm_bytes=comm, host_bytes=max(s.states.host for s in stages),
-                    active_parameters=active_parameters(dims))
+                    active_parameters=active_parameters(dims), optimizer_flops_per_rank=optimizer_flops,
+                    fp8_flops_per_step=fp8_flops_per_token(dims, fp8) * step_tokens)
 
 
 def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: StageEstimate) -> dict:
@@ -299,6 +344,9 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
     counts both).
 
     EP: the MoE all-to-alls (dispatch and combine, forward and backward) of each MoE block.
+
+    optimizer (only where non-zero): an orthogonalising optimizer's assembly of the matrices the
+    engine splits by rows, to their owners and back (plan/optimizer.py: assembly_bytes).
     """
     e = ACTIVATION_BYTES[dtype]
     local = dims.seq_length // lay.cp * lay.micro_batch_size
@@ -334,7 +382,10 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
         moe_blocks = stage_blocks(dims, lay.tp, lay.pp, stage.stage, lay.partition, moe_only=True)
         sent = local / lay.tp * dims.moe.top_k * dims.hidden_size * e * (lay.grid.ep - 1) / lay.grid.ep
         ep = moe_blocks * m * sent * (6 if lay.recompute else 4)
-    return {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}
+    sent = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}
+    if stage.optimizer_bytes:  # Muon: matrices to their owners and back (plan/optimizer.py)
+        sent["optimizer"] = stage.optimizer_bytes
+    return sent
 
 
 def _ranked_step_time(lay: PlanLayout, cluster: ClusterConfig, compute: float, comm: dict,
@@ -356,6 +407,8 @@ def _ranked_step_time(lay: PlanLayout, cluster: ClusterConfig, compute: float, c
     # an ep group spans tp*ep neighbouring ranks; all-to-alls sit between the expert GEMMs: exposed
     ep_bw = cluster.intra_node_gbps if lay.tp * lay.grid.ep <= gpn else cluster.inter_node_gbps
     exposed += comm.get("ep", 0.0) / (ep_bw * gbps)
+    # the optimizer's exchanges (Muon's assembly) run in the optimizer step, after the backward: exposed
+    exposed += comm.get("optimizer", 0.0) / (dp_bw * gbps)
     if lay.offload_optimizer != "none" or lay.offload_param != "none":
         # gradients to the host and updated weights back, every step
         exposed += stage.parameters * 4 / (cluster.host_gbps * gbps)
@@ -374,5 +427,6 @@ def estimate_config(cfg: TrainConfig, layout: Layout, all_stages: bool = False) 
         raise ConfigError(f"the model has {count:.3g} parameters (model.num_layers={dims.num_layers}, "
                           f"model.hidden_size={dims.hidden_size}): beyond 1e15, whose model states (16 bytes each) "
                           f"outgrow the memory of 10**5 GPUs together; check the model's sizes for a typo")
+    dims = document_dims(dims, cfg.data, None)  # data.document_mask: its masks (plan/activations.py)
     return estimate(dims, plan_layout(cfg, layout), cfg.precision.dtype, cfg.cluster, cfg.plan.mfu, all_stages,
-                    cfg.zero, cfg.precision.tf32)
+                    cfg.zero, cfg.precision.tf32, cfg.precision.fp8, cfg.optim)

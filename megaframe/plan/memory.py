@@ -266,6 +266,14 @@ def stage_blocks(dims: GPTDims, tp: int, pp: int, stage: int, partition: str = "
     return dims.moe_blocks_in(first_block, last_block) if moe_only else last_block - first_block
 
 
+def stage_windowed_blocks(dims: GPTDims, lay: PlanLayout, cuts: int, stage: int) -> int:
+    """Of a stage's blocks (stage of `cuts` pipeline stages), those attending through a sliding window
+    shorter than the sequence (their masks are activations: plan/activations.py), counted by the
+    window pattern's period, never per layer."""
+    start, stop = _stage_range(dims, lay.tp, cuts, stage, lay.partition)  # as stage_blocks cuts them
+    return dims.windowed_blocks_in(max(start - 1, 0), min(stop - 1, dims.num_layers))
+
+
 def total_parameters(dims: GPTDims) -> int:
     """The whole model (tp=1, pp=1), every expert counted."""
     return stage_parameters(dims, 1, 1, 0)
@@ -300,17 +308,19 @@ class ModelStates:
                            self.optimizer + other.optimizer, self.host + other.host)
 
 
-def fsdp2_state_bytes(params: int, dp: int, offload: bool) -> ModelStates:
+def fsdp2_state_bytes(params: int, dp: int, offload: bool, state_tensors: int = 2) -> ModelStates:
     """FSDP2 holds every model state sharded over the N data-parallel ranks, in fp32 whatever the
     compute dtype (its sharded parameter is the master; bf16 is the gathered copy and gradients are
     reduced in fp32): 4Ψ/N weights + 4Ψ/N gradients + 8Ψ/N Adam moments = 16Ψ/N, with no flat
-    master besides (measured at dp=4, tests/dist/test_fsdp2.py). CPU offload moves all three to the host."""
-    states = ModelStates(4 * params / dp, 4 * params / dp, 8 * params / dp, 0.0)
+    master besides (measured at dp=4, tests/dist/test_fsdp2.py). CPU offload moves all three to the host.
+    state_tensors: the optimizer's fp32 tensors per parameter (plan/optimizer.py: Muon's matrices 1)."""
+    states = ModelStates(4 * params / dp, 4 * params / dp, 4 * state_tensors * params / dp, 0.0)
     return ModelStates(0.0, 0.0, 0.0, states.device) if offload else states
 
 
 def model_state_bytes(params: int, dp: int, zero_stage: int, dtype: str, offload_optimizer: str = "none",
-                      offload_param: str = "none", reduces_in_backward: bool = False) -> ModelStates:
+                      offload_param: str = "none", reduces_in_backward: bool = False,
+                      state_tensors: int = 2) -> ModelStates:
     """ZeRO paper: mixed-precision Adam holds 2Ψ weights + 2Ψ gradients + 12Ψ optimizer states;
     stage 1 partitions the optimizer states over the N data-parallel ranks, stage 2 also the
     gradients, stage 3 also the weights (16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N). Offload moves optimizer
@@ -324,8 +334,12 @@ def model_state_bytes(params: int, dp: int, zero_stage: int, dtype: str, offload
     micro-batch per step, no pipeline, and DeepSpeed's gradient hooks on: contiguous_gradients or
     overlap_comm): ZeRO-1 reduces them into its partition bucket by bucket during the backward, so
     it holds Ψ/N, as ZeRO-2 does (measured: BENCHMARKS.md, planner against measured peak); with
-    gradient accumulation it keeps the whole gradient between micro-batches."""
+    gradient accumulation it keeps the whole gradient between micro-batches.
+
+    state_tensors: the optimizer's fp32 tensors per parameter, Adam's 2 (m, v) in the figures above;
+    Muon's momentum alone on its matrices is 1 (plan/optimizer.py), 4 bytes less each."""
     w_bytes, g_bytes, o_bytes = STATE_BYTES[dtype]
+    o_bytes += 4 * (state_tensors - 2)
     if dtype == "fp32" and zero_stage >= 1:
         o_bytes += 4  # DeepSpeed's flat fp32 partition of the weights
     weights = params * w_bytes / (dp if zero_stage >= 3 else 1)
@@ -340,10 +354,17 @@ def model_state_bytes(params: int, dp: int, zero_stage: int, dtype: str, offload
 
 
 # each engine's MemoryTerms.states (backends/facts.py): the model states of n parameters sharded
-# over `replicas` ranks of layout `lay` (in_backward: ZeRO-1 reduces into its partition in the backward)
+# over `replicas` ranks of layout `lay` (in_backward: ZeRO-1 reduces into its partition in the
+# backward), with `tensors` fp32 optimizer tensors per parameter
 STATE_TERMS = {
-    ZERO_PAPER: lambda n, replicas, lay, dtype, in_backward: model_state_bytes(
-        n, replicas, lay.zero_stage, dtype, lay.offload_optimizer, lay.offload_param, reduces_in_backward=in_backward),
-    SHARDED_FP32: lambda n, replicas, lay, dtype, in_backward: fsdp2_state_bytes(
-        n, replicas, lay.offload_optimizer == "cpu"),
+    ZERO_PAPER: lambda n, replicas, lay, dtype, in_backward, tensors=2: model_state_bytes(
+        n, replicas, lay.zero_stage, dtype, lay.offload_optimizer, lay.offload_param, reduces_in_backward=in_backward,
+        state_tensors=tensors),
+    SHARDED_FP32: lambda n, replicas, lay, dtype, in_backward, tensors=2: fsdp2_state_bytes(
+        n, replicas, lay.offload_optimizer == "cpu", tensors),
 }
+
+# whether each engine's MemoryTerms.states splits the weights themselves over its replicas at layout
+# `lay` (ZeRO from stage 3, FSDP2 always): an optimizer that needs whole matrices then assembles them
+# on owner ranks (plan/optimizer.py), and its Newton-Schulz work is shared out over those ranks
+WEIGHTS_SHARDED = {ZERO_PAPER: lambda lay: lay.zero_stage >= 3, SHARDED_FP32: lambda lay: True}

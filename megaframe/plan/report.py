@@ -23,6 +23,14 @@ def _seconds(value: Optional[float]) -> str:
     return "n/a (set cluster.peak_tflops)" if value is None else f"{value:,.2f} s"
 
 
+def _extra_flops(est: Estimate) -> str:
+    """What the step time counts beyond bf16 model FLOPs, where a run has it: the fp8 share (at the
+    fp8 peak), the optimizer's Newton-Schulz FLOPs per rank."""
+    extra = f" ({est.fp8_flops_per_step:.3e} in fp8)" if est.fp8_flops_per_step else ""
+    return extra + (f" + {est.optimizer_flops_per_rank:.3e} Newton-Schulz FLOPs per rank"
+                    if est.optimizer_flops_per_rank else "")
+
+
 def verdict(est: Estimate) -> str:
     """'fits' or 'does not fit', with the numbers."""
     word = "fits" if est.fits else "does NOT fit"
@@ -51,9 +59,12 @@ def table(est: Estimate, mfu: float, alternatives: list[Estimate] | None = None,
     lines += ["",
               f"peak {gib(est.peak)} (stage {est.peak_stage}, incl. {gib(est.reserved)} reserved) vs {gib(est.capacity)} "
               f"per device: {'FITS' if est.fits else 'DOES NOT FIT'}, margin {gib(est.margin)}",
-              f"per step: {est.flops_per_step:.3e} model FLOPs, {est.tokens_per_step:,} tokens; "
+              f"per step: {est.flops_per_step:.3e} model FLOPs{_extra_flops(est)}, {est.tokens_per_step:,} tokens; "
               f"step time at {mfu:.0%} MFU {_seconds(est.step_time_s)}",
               "communication per rank per step: " + ", ".join(f"{k.upper()} {gib(v)}" for k, v in est.comm_bytes.items())]
+    if step := max(s.step_working for s in est.stages):  # Muon: its exchange buffers, once activations are freed
+        lines.append(f"optimizer step: {gib(step)} transient after the backward (the peak counts the larger of "
+                     f"this and activations + working)")
     if alternatives is not None:
         lines += ["", "layouts that fit, fastest first (estimated step time with bubble, recompute and exposed comm):"]
         if not alternatives:

@@ -10,7 +10,7 @@ from megaframe.backends.facts import EngineFacts
 from megaframe.backends.registry import engine_facts
 from megaframe.config.schema import ModelConfig, TrainConfig
 from megaframe.config.validate import _divisors, ffn_hidden_size  # O(sqrt(n)): worlds of 10**6 ranks
-from megaframe.model.dims import resolve_dims
+from megaframe.model.dims import document_dims, resolve_dims
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.pipeline_schedules import SPLIT_BACKWARD, runs_micro_batches, stages_per_rank
 from megaframe.plan.estimate import Estimate, estimate, planning_device_type, planning_vocab_size
@@ -106,8 +106,10 @@ def fitting_layouts(cfg: TrainConfig, base: PlanLayout, limit: int = 10) -> list
     bases = [base if name == base.engine else replace(base, engine=name, grid=replace(base.grid, dp_replicate=1))
              for name in (cfg.plan.engines or [base.engine])]
     for lay in (lay for b in bases for lay in candidate_layouts(cfg.model, b, cfg.cluster.gpus_per_node)):
-        dims = dims_for_tp.setdefault(lay.tp, resolve_dims(cfg.model, vocab, tp=lay.tp, device_type=device))
-        est = estimate(dims, lay, cfg.precision.dtype, cfg.cluster, cfg.plan.mfu, zero=cfg.zero, tf32=cfg.precision.tf32)
+        dims = dims_for_tp.setdefault(lay.tp, document_dims(resolve_dims(cfg.model, vocab, tp=lay.tp,
+                                                                           device_type=device), cfg.data, None))
+        est = estimate(dims, lay, cfg.precision.dtype, cfg.cluster, cfg.plan.mfu, zero=cfg.zero, tf32=cfg.precision.tf32,
+                       fp8=cfg.precision.fp8, optim=cfg.optim)
         if est.fits:
             fitting.append(est)
     fitting.sort(key=lambda e: (round(e.ranked_step_time_s, 9), e.peak))

@@ -23,7 +23,7 @@ from megaframe.parallel.fp8 import describe as fp8_said
 from megaframe.plan.startup import (gather_model_states, memory_plan, model_states_line, model_states_record,
                                     plan_summary)
 from megaframe.resume_hint import resume_command
-from megaframe.tracking.flops import flops_per_token, peak_tflops
+from megaframe.tracking.flops import flops_per_token, fp8_aware_peak, peak_tflops
 from megaframe.tracking.loss_report import eval_summary
 from megaframe.tracking.metrics import MetricsLog, memory_gb, run_metadata
 from megaframe.tracking.progress import Progress, wants_bar
@@ -257,6 +257,10 @@ class StepRecord(Callback):
         cfg = trainer.cfg
         self.flops_per_token = flops_per_token(trainer.dims)
         self.peak_tflops = peak_tflops(cfg.cluster.peak_tflops, cfg.precision.dtype, cfg.cluster.gpu)
+        # precision=fp8: mfu stays against the bf16 peak (as Megatron and torchtitan report it);
+        # mfu_fp8 beside it against the run's fp8/bf16 mix (docs/metrics.md)
+        self.fp8_peak = fp8_aware_peak(self.peak_tflops, cfg.cluster, cfg.precision.fp8, trainer.dims,
+                                       trainer.backend.device.type)
         self.tokens_per_step = trainer.layout.global_batch_size * cfg.model.seq_length
         self.losses: list[float] = []
         self.steps, self.seconds = 0, 0.0
@@ -290,6 +294,8 @@ class StepRecord(Callback):
                   "time": time.time()}  # wall clock (Unix seconds), as W&B's _timestamp: curves against time
         if self.peak_tflops:
             record["mfu"] = tflops / self.peak_tflops
+        if self.fp8_peak:
+            record["mfu_fp8"] = tflops / self.fp8_peak
         record.update(t.backend.precision_state())  # fp16: loss_scale
         record.update(t.backend.router_metrics())  # MoE: aux/z losses, expert load, dropped tokens (a collective)
         record["skipped_steps"] = t.guard.skipped_steps

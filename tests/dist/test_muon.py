@@ -45,7 +45,7 @@ def _steps_against_torch(rank: int, world: int) -> dict:
         torch_muon.step()
     gaps = [(ours[i].full_tensor() - reference[i]).abs().max().item() for i in range(len(SHAPES))]
     gaps.append((ours[-1].full_tensor() - torch.stack([p.detach() for p in experts])).abs().max().item())
-    rows = optimizer.row_sharded
+    rows, = optimizer.split
     owned = rows.owned()
     return {"gaps": gaps, "owned": owned, "received": rows.received_numel,
             "owned_numel": sum(torch.Size(rows.shapes[i]).numel() for i in owned)}

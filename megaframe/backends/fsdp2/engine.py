@@ -112,7 +112,7 @@ class Fsdp2Backend:
             self.module = module
         # fused where the shards live on the GPU; on the host torch's fused CPU kernel, which DeepSpeed's
         # ZeRO-0 uses too
-        self.optimizer = build_optimizer(self.module, cfg.optim, fused=True)
+        self.optimizer = build_optimizer(self.module, cfg.optim, fused=True, ps=ps)
         self.lr_scheduler = lr_scheduler(self.optimizer)
         self._last_grad_norm = float("nan")
 

@@ -79,6 +79,7 @@ class Stage(nn.Module):
         self.activation_checkpointing = model.activation_checkpointing
         self.num_stages = num_stages
         self.first, self.last = index == 0, index == num_stages - 1
+        self.context = model.context  # context parallelism: documents are cut in the whole rows
         if model.positions is not None:  # context parallelism: this rank's zig-zag positions
             self.register_buffer("positions", model.positions.clone(), persistent=False)
         else:

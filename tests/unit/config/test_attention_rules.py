@@ -31,9 +31,6 @@ def _cfg(**sections) -> TrainConfig:
     ({"model__sliding_window": 8, "model__window_attn_skip_freq": [1, 2]}, 1, "model.window_attn_skip_freq=[1, 2] must"),
     ({"model__sliding_window": 8, "model__num_layers": 2, "model__window_attn_skip_freq": [1, 1, 0]}, 1,
      "model.window_attn_skip_freq lists 3 layers but model.num_layers=2"),
-    ({"data__document_mask": True, "parallel__cp": 2}, 2, "data.document_mask=true with parallel.cp=2: the ring"),
-    ({"model__sliding_window": 8, "parallel__cp": 2, "parallel__cp_impl": "ulysses"}, 2,
-     "model.sliding_window=8 with parallel.cp=2: the ulysses"),
     ({"data__document_mask": True, "parallel__pp": 2, "parallel__cp": 2}, 4,
      "data.document_mask=true with parallel.pp=2 and parallel.cp=2: pipeline stages"),
     ({"model__sliding_window": 8, "parallel__pp": 2, "parallel__cp": 2, "parallel__cp_impl": "ulysses"}, 4,
@@ -56,11 +53,14 @@ def test_good_mask_settings_pass():
     validate(_cfg(data__document_mask=True, data__eod_mask_loss=True, parallel__pp=2), 2)
     validate(_cfg(data__document_mask=True, model__sliding_window=4, parallel__pp=2, parallel__tp=2,
                   parallel__sequence_parallel=True), 4)
+    validate(_cfg(data__document_mask=True, parallel__cp=2), 2)  # the cp cores apply both masks
+    validate(_cfg(model__sliding_window=8, data__document_mask=True, parallel__cp=2, parallel__cp_impl="ulysses"), 2)
 
 
 def test_the_cp_rule_says_what_the_cores_support():
     """The rule mirrors RingCore / UlyssesCore.supports (config may not import them): each mask
-    the rule refuses under cp, the core cannot apply, and the plain causal one both take."""
+    the rule refuses under cp, the core cannot apply, and the plain causal one both take (today the
+    rule refuses none and the cores take every causal mask; a non-causal one no key makes)."""
     one = ContextGroup(group=None, ranks=(0,), rank=0)
     masks = {"document_mask": Mask(documents=torch.zeros(1, 4, dtype=torch.long)), "sliding_window": Mask(window=4)}
     for impl, core in (("ring", RingCore(0.0, None, one)), ("ulysses", UlyssesCore(0.0, None, one))):
@@ -69,6 +69,7 @@ def test_the_cp_rule_says_what_the_cores_support():
                        **({"data__document_mask": True} if key == "document_mask" else {"model__sliding_window": 4}))
             assert (layout_problem(cfg) is not None) == (not core.supports(mask)), (impl, key)
         assert layout_problem(_cfg(parallel__cp=2, parallel__cp_impl=impl)) is None and core.supports(Mask())
+        assert not core.supports(Mask(causal=False))
 
 
 def _dataset_without_eods(tmp_path) -> str:

@@ -202,7 +202,7 @@ NAN, INF = float("nan"), float("inf")
     ("cluster", "reserved_gb", -1.0, "cluster.reserved_gb=-1.0 must be a finite number >= 0"),
     ("cluster", "inter_node_gbps", 0.0, "cluster.inter_node_gbps=0.0 must be a finite number > 0"),
     ("cluster", "peak_tflops", NAN, "cluster.peak_tflops=nan must be a finite number > 0"),
-    ("cluster", "gpu", "H100-SXM", "cluster.gpu=H100-SXM: no dense peaks known for it (known: H100 PCIe, H100, H200, "
+    ("cluster", "gpu", "H100-SXM", "cluster.gpu=H100-SXM: no dense peaks known for it (known: H100 PCIe, H100, H200, B200, "
                                    "A100); set cluster.peak_tflops instead"),
 ])
 def test_values_that_failed_only_after_launch_are_refused_naming_the_key(group, key, value, fragment):

@@ -145,12 +145,13 @@ def test_eod_mask_loss_leaves_end_of_document_targets_out():
     assert not torch.allclose(_model(GPT2)(idx, targets), expected)
 
 
-def test_the_context_parallel_cores_refuse_document_and_window_masks():
+def test_the_context_parallel_cores_take_document_and_window_masks_but_not_a_non_causal_one():
     one = ContextGroup(group=None, ranks=(0,), rank=0)
     for core in (RingCore(0.0, None, one), UlyssesCore(0.0, None, one)):
         assert core.supports(CAUSAL)
-        assert not core.supports(Mask(window=4))
-        assert not core.supports(Mask(documents=torch.zeros(1, 4, dtype=torch.long)))
+        assert core.supports(Mask(window=4))
+        assert core.supports(Mask(documents=torch.zeros(1, 4, dtype=torch.long), window=2))
+        assert not core.supports(Mask(causal=False))
     assert SDPACore(0.0, None, gqa=False).supports(Mask(documents=torch.zeros(1, 4, dtype=torch.long), window=2))
 
 

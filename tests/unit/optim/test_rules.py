@@ -1,6 +1,7 @@
 """optim's rules before launch (optim/rules.py, through megaframe-train's pre-launch check): where
-Muon runs, and every layout where it would see a piece of a matrix refused in one line naming the
-key (exit 2), never trained with a wrong update; its keys' ranges; a Muon key under AdamW."""
+Muon runs (FSDP2 in every layout, the plain engine at one process), and every engine or setting
+where it would step a flattened partition or offloaded state refused in one line naming the key
+(exit 2), never trained with a wrong update; its keys' ranges; a Muon key under AdamW."""
 from __future__ import annotations
 
 import pytest
@@ -28,18 +29,29 @@ def test_muon_runs_where_it_sees_whole_matrices_or_row_shards(overrides):
 
 
 FLAT = "optim=muon with backend=deepspeed: its ZeRO and mixed-precision optimizers step flattened partitions"
+FSDP2 = [*MUON, "backend=fsdp2"]
+
+
+@pytest.mark.parametrize("overrides, axis", [
+    ([*FSDP2, "parallel.tp=2", "parallel.sequence_parallel=true"], "tp"),
+    ([*FSDP2, "parallel.pp=2"], "pp"),
+    ([*FSDP2, "parallel.cp=2"], "cp"),
+    ([*FSDP2, "model=moe_tiny", "parallel.ep=2", "parallel.dp=2"], "ep"),
+    ([*FSDP2, "parallel.dp=4", "parallel.dp_replicate=2", "parallel.micro_batch_size=2",
+      "parallel.global_batch_size=32"], "dp_replicate"),
+])
+def test_muon_runs_on_fsdp2_in_every_layout(overrides, axis):
+    """FSDP2 hands Muon tensors it can assemble whole matrices from in every layout (TP pieces over tp
+    x the shard group, expert rows over edp, each stage's and replica's own): nothing refused."""
+    cfg, layout, _ = check(overrides)
+    assert cfg.optim.name == "muon" and getattr(layout.grid, axis) == 2
 
 
 @pytest.mark.parametrize("overrides, says", [
     ([*MUON, "parallel.dp=2"], FLAT),
     ([*MUON, "zero=stage1"], FLAT),
     ([*MUON, "precision=bf16"], FLAT),
-    ([*MUON, "backend=fsdp2", "parallel.tp=2"], "optim=muon with parallel.tp=2: Newton-Schulz needs whole matrices"),
-    ([*MUON, "backend=fsdp2", "parallel.pp=2"], "optim=muon with parallel.pp=2: "),
-    ([*MUON, "backend=fsdp2", "parallel.cp=2"], "optim=muon with parallel.cp=2: "),
-    ([*MUON, "model=moe_tiny", "backend=fsdp2", "parallel.ep=2", "parallel.dp=2"], "optim=muon with parallel.ep=2: "),
-    ([*MUON, "backend=fsdp2", "parallel.dp=4", "parallel.dp_replicate=2", "parallel.micro_batch_size=2",
-      "parallel.global_batch_size=32"], "optim=muon with parallel.dp_replicate=2: "),
+    ([*MUON, "parallel.tp=2"], FLAT),  # DeepSpeed's engine at more than one process
     ([*MUON, "backend=fsdp2", "offload=cpu"], "optim=muon with offload.optimizer=cpu: "),
     ([*MUON, "optim.muon.ns_steps=0"], "optim.muon.ns_steps=0 must be in [1, 99]"),
     ([*MUON, "optim.muon.momentum=1.0"], "optim.muon.momentum=1.0 must be in [0, 1)"),

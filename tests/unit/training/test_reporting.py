@@ -1,12 +1,19 @@
 """The run's reports as callbacks (training/reporting.py): the hooks reach every callback in order,
-the close in reverse, and W&B's default run name spells the layout as the start-up line does."""
+the close in reverse, W&B's default run name spells the layout as the start-up line does, and an
+fp8 run's step record has MFU against the bf16 peak with mfu_fp8 beside it."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+import torch
+
 from megaframe.backends import StepResult
+from megaframe.config.compose import compose
+from megaframe.model.factory import resolve_dims
 from megaframe.parallel.dims import ParallelDims
-from megaframe.training.reporting import Callback, Reporting, wandb_names
+from megaframe.tracking.flops import flops_per_token, fp8_flops_per_token
+from megaframe.training.reporting import Callback, Reporting, StepRecord, wandb_names
 
 
 def _trainer(tmp_path):
@@ -57,3 +64,26 @@ def test_the_wandb_name_holds_every_axis_in_use(tmp_path):
     assert wandb_names(t.cfg, t.layout, 12_400_000) == ("gpt2-12M-tp1pp1dp2ep2-zero1-bf16", "gpt2-12M")
     t.cfg.logging.wandb.group = "recipe"
     assert wandb_names(t.cfg, t.layout, 12_400_000)[0] == "recipe-tp1pp1dp2ep2-zero1-bf16"
+
+
+def _step_record(*keys: str):
+    """A step record of one step of a second on one H100 (a stand-in trainer: the record reads its
+    config, model shape, layout and a few backend figures)."""
+    cfg = compose(["cluster=h100_80g", *keys])[0]
+    dims = resolve_dims(cfg.model, 96)
+    trainer = SimpleNamespace(cfg=cfg, dims=dims, layout=SimpleNamespace(global_batch_size=8, world_size=1, dp=1),
+                              backend=SimpleNamespace(device=torch.device("cuda"), grad_norm=lambda: 1.0,
+                                                      precision_state=dict, router_metrics=dict),
+                              step=1, consumed_samples=8, guard=SimpleNamespace(skipped_steps=0),
+                              data=SimpleNamespace(blended=False))
+    record = StepRecord(trainer, SimpleNamespace())
+    record.steps, record.seconds = 1, 1.0
+    return record.record(1.0, 1.0, 1e-3), flops_per_token(dims) * 8 * cfg.model.seq_length / 1e12, dims, cfg
+
+
+def test_mfu_is_against_the_bf16_peak_with_the_fp8_figure_beside_it():
+    row, tflops, dims, cfg = _step_record("precision=fp8")
+    assert row["mfu"] == pytest.approx(tflops / 989)
+    share = fp8_flops_per_token(dims, cfg.precision.fp8) / flops_per_token(dims)
+    assert row["mfu_fp8"] == pytest.approx(tflops / (1 / ((1 - share) / 989 + share / 1979)))
+    assert "mfu_fp8" not in _step_record("precision=bf16")[0]

@@ -1,0 +1,128 @@
+"""Where this rank's piece of a Muon matrix lies in the whole matrix, and which ranks hold the other
+pieces (the group sharded.py assembles it over).
+
+A parameter reaches the optimizer in one of these forms (DESIGN: no rank gathers what it does not own):
+- whole: a plain tensor, or a DTensor whose only splits are over mesh dims of one rank (a mesh of
+  one, HSDP's replicas over a shard group of one);
+- split by FSDP2 over one mesh dim (Shard(0) of a dense matrix over dp x cp or HSDP's dp_shard
+  ranks, Shard(1) of an expert stack over its expert-data-parallel ranks): the group is that dim's;
+- split by tensor parallelism (parallel/layers.py's marks: column-parallel by output rows,
+  row-parallel by input columns), and within that piece by FSDP2 over the dense shard group: the
+  group is tp x that shard group, a group ParallelState does not create, made here (tp_groups).
+An expert stack split by experts over ep ranks is whole per expert: its local experts are what is
+assembled, never the other ranks' experts."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+
+@dataclass(frozen=True)
+class Piece:
+    """This rank's box of the matrix `full` (offset and shape per dim), and the group holding the
+    other boxes (None: the box is the whole matrix)."""
+
+    full: tuple[int, ...]
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    group: Any = None
+
+
+class PieceError(ValueError):
+    """A parameter split in a way Muon cannot assemble (never stepped with a wrong update)."""
+
+
+def split_mesh_dim(p: torch.Tensor) -> Optional[int]:
+    """The one mesh dim of more than one rank a DTensor is split over (None: whole on this rank)."""
+    if not isinstance(p, DTensor):
+        return None
+    split = [d for d, placement in enumerate(p.placements)
+             if not placement.is_replicate() and p.device_mesh.size(d) > 1]
+    if len(split) > 1 or (split and not isinstance(p.placements[split[0]], Shard)):
+        raise PieceError(f"sharded as {p.placements} over a mesh of {p.device_mesh.size()} ranks")
+    return split[0] if split else None
+
+
+def tp_split(p: torch.Tensor) -> bool:
+    """Split by tensor parallelism (an expert stack split by experts is not: its experts are whole)."""
+    shard = getattr(p, "shard", None)
+    if getattr(p, "partition_count", 1) <= 1:
+        return False
+    if shard is None or shard.axis not in ("tp", "ep"):
+        raise PieceError(f"split {p.partition_count} ways along an axis Muon does not assemble")
+    return shard.axis == "tp"
+
+
+def full_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the matrix (or expert stack) Newton-Schulz acts on: a TP piece's whole matrix,
+    else the parameter's own (global) shape. Its last two dims set the learning-rate adjustment."""
+    return tuple(p.partition_shape) if tp_split(p) else tuple(p.shape)
+
+
+def piece(p: torch.Tensor, tp_groups: Optional["TPGroups"] = None) -> Piece:
+    """Where this rank's part of `p` lies in its full matrix, and the group of the other parts."""
+    dim = split_mesh_dim(p)
+    if isinstance(p, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    else:
+        shape, offset = tuple(p.shape), (0,) * p.ndim
+    offset = list(offset)
+    if dim is not None and p.ndim == 3 and p.placements[dim].dim == 0:
+        dim = None  # a stack split by its experts: each rank holds whole matrices, nothing to assemble
+    shard_group = None if dim is None else p.device_mesh.get_group(dim)
+    if not tp_split(p):
+        return Piece(tuple(p.shape), tuple(offset), tuple(shape), shard_group)
+    if tp_groups is None:
+        raise PieceError(f"split {p.partition_count} ways by tensor parallelism, and Muon was built without "
+                         f"the parallel state to assemble it")
+    full, along = tuple(p.partition_shape), p.partition_dim
+    offset[along] += p.partition_index * (full[along] // p.partition_count)
+    return Piece(full, tuple(offset), tuple(shape), tp_groups.around(shard_group))
+
+
+class TPGroups:
+    """The groups a TP-split matrix is assembled over: the tp ranks, times the dense shard group
+    where FSDP2 shards the TP piece too (dp x cp, or HSDP's dp_shard). Made on every rank at once
+    (dist.new_group is collective over the world): build the optimizer on every rank."""
+
+    def __init__(self, ps):
+        self.tp = ps.group("tp")
+        dense = ("dp_shard",) if ps.grid.dp_replicate > 1 else ("dp", "cp")
+        self.dense_ranks = tuple(ps.group_ranks(*dense))
+        self.both = self.tp
+        if ps.grid.size(*dense) > 1:
+            axes = (*dense, "tp")
+            for ranks in ps.grid.groups(*axes):  # every rank creates every group, in the same order
+                group = dist.new_group(ranks=ranks)
+                if ps.rank in ranks:
+                    self.both = group
+
+    def around(self, shard_group) -> Any:
+        """The group of a TP piece FSDP2 shards over shard_group (None: not sharded)."""
+        if shard_group is None:
+            return self.tp
+        if tuple(dist.get_process_group_ranks(shard_group)) != self.dense_ranks:
+            raise PieceError("a TP-split matrix is sharded over ranks other than its dense shard group")
+        return self.both
+
+
+def tp_groups(ps) -> Optional[TPGroups]:
+    """TPGroups of this rank under tensor parallelism (None without, or without process groups)."""
+    if ps is None or ps.grid.tp == 1 or not dist.is_initialized():
+        return None
+    return TPGroups(ps)
+
+
+def box(offset: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """The slices of a box (offset, shape)."""
+    return tuple(slice(o, o + s) for o, s in zip(offset, shape))
+
+
+def box_numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)

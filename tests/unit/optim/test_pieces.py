@@ -1,0 +1,55 @@
+"""Where a rank's piece of a Muon matrix lies (optim/pieces.py) and the check that the ranks' pieces
+tile each matrix exactly (optim/sharded.py), without ranks: a tensor-parallel piece's full shape
+sets the learning rate; a split Muon cannot assemble, or pieces that overlap, leave a gap or stick
+out, are refused when the optimizer is built (never a wrong update)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megaframe.optim.muon import Muon
+from megaframe.optim.pieces import PieceError, full_shape, piece
+from megaframe.optim.sharded import check_tiling
+from megaframe.parallel.layers import ShardSpec
+
+# (5, 8) as tp=2 by columns x 2 uneven dp shards by rows; (2, 6) with an empty dp shard
+TILINGS = [((5, 8), [((0, 0), (3, 4)), ((3, 0), (2, 4)), ((0, 4), (3, 4)), ((3, 4), (2, 4))]),
+           ((2, 6), [((0, 0), (1, 6)), ((1, 0), (0, 6)), ((1, 0), (1, 6)), ((2, 0), (0, 6))]),
+           ((3, 4, 5), [((0, 0, 0), (3, 2, 5)), ((0, 2, 0), (3, 2, 5))])]
+NOT_TILINGS = [((5, 8), [((0, 0), (3, 4)), ((3, 0), (2, 4)), ((0, 0), (3, 4)), ((3, 0), (2, 4))]),  # twice one half
+               ((5, 8), [((0, 0), (3, 8)), ((2, 0), (3, 8))]),  # rows 2 twice, as many elements
+               ((5, 8), [((0, 0), (5, 4)), ((0, 3), (5, 4))]),  # columns overlapping
+               ((5, 8), [((0, 0), (3, 8))]),  # a gap
+               ((5, 8), [((0, 0), (3, 8)), ((3, 0), (3, 8))])]  # past the last row
+
+
+@pytest.mark.parametrize("full, boxes", TILINGS)
+def test_pieces_that_tile_the_matrix_pass(full, boxes):
+    check_tiling(full, boxes)
+
+
+@pytest.mark.parametrize("full, boxes", NOT_TILINGS)
+def test_pieces_that_do_not_tile_it_are_refused(full, boxes):
+    with pytest.raises(PieceError, match="do not tile"):
+        check_tiling(full, boxes)
+
+
+def _marked(shape, axis: str, dim: int, full) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(torch.zeros(shape))
+    p.shard, p.partition_dim, p.partition_shape = ShardSpec(axis, dim), dim, full
+    p.partition_count, p.partition_index = 2, 1
+    return p
+
+
+def test_a_tp_piece_names_its_whole_matrix_and_needs_the_parallel_state():
+    row_parallel = _marked((6, 4), "tp", 1, (6, 8))
+    assert full_shape(row_parallel) == (6, 8)  # the learning rate adjusts by (6, 8), not (6, 4)
+    with pytest.raises(PieceError, match="without the parallel state"):
+        piece(row_parallel)
+    experts = _marked((2, 6, 4), "ep", 0, (4, 6, 4))  # this rank's experts: whole matrices, nothing to assemble
+    assert full_shape(experts) == (2, 6, 4) and piece(experts).group is None
+    with pytest.raises(PieceError, match="axis Muon does not assemble"):
+        piece(_marked((6, 4), "cp", 1, (6, 8)))
+    with pytest.raises(ValueError, match=r"a \(6, 4\) parameter is split 2 ways by tensor parallelism"):
+        Muon([{"params": [row_parallel], "optimizer": "muon"}], momentum=0.9, nesterov=True, ns_coefficients=(1, 1, 1),
+             ns_steps=1, eps=1e-7, adjust_lr="spectral", betas=(0.9, 0.9), adamw_eps=1e-8)

@@ -1,0 +1,126 @@
+"""The planner's Muon terms against what megaframe's Muon does: the matrices its parameter groups
+give Muon, the state tensors the optimizer really allocates, the Newton-Schulz FLOPs torch counts in
+orthogonalise itself, and the rows optim/sharded.py sends to each matrix's owner and back."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from megaframe.config.compose import compose
+from megaframe.config.schema import ModelConfig, MoEConfig, OptimConfig
+from megaframe.model.factory import resolve_dims
+from megaframe.model.gpt import GPT
+from megaframe.optim.build import build_optimizer
+from megaframe.optim.groups import muon_param_groups
+from megaframe.optim.muon import orthogonalise
+from megaframe.optim.sharded import assign_owners, row_counts
+from megaframe.parallel.dims import ParallelDims
+from megaframe.plan.cli import plan, planned_world_size
+from megaframe.plan.estimate import estimate_stage
+from megaframe.plan.memory import PlanLayout
+from megaframe.plan.optimizer import (assembly_bytes, matrix_parameters, newton_schulz_flops, optimizer_terms,
+                                      stage_matrices)
+
+LLAMA_MOE = dict(arch="llama", norm="rmsnorm", activation="swiglu", position_embedding="rope", tie_embeddings=False,
+                 bias=False, num_kv_heads=2, moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=48, shared_experts=1,
+                                                           first_dense_layers=1))
+SHAPES = {"gpt2": {}, "llama_moe": LLAMA_MOE}
+
+
+def _dims(flavour: str):
+    cfg = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=96,
+                      **SHAPES[flavour])
+    return resolve_dims(cfg, 96)
+
+
+def _muon() -> OptimConfig:
+    return compose(["optim=muon"])[0].optim
+
+
+@pytest.mark.parametrize("flavour", sorted(SHAPES))
+def test_the_plans_matrices_are_the_ones_muons_groups_hold(flavour):
+    """optim/groups.py decides by name and shape what Muon steps (projections, shared and routed
+    experts; not embeddings, head, router, norms or biases): the planner counts the same tensors."""
+    dims = _dims(flavour)
+    groups = muon_param_groups(GPT(dims), _muon())
+    held = sorted(tuple(p.shape[-2:]) for p in groups[0]["params"] for _ in range(p.shape[0] if p.ndim == 3 else 1))
+    moe_blocks = dims.num_moe_blocks
+    planned = sorted((r, c) for n, r, c in stage_matrices(dims, dims.num_layers - moe_blocks, moe_blocks)
+                     for _ in range(n))
+    assert planned == held
+    assert matrix_parameters(stage_matrices(dims, dims.num_layers - moe_blocks, moe_blocks)) == \
+        sum(p.numel() for p in groups[0]["params"])
+
+
+@pytest.mark.parametrize("shape", [(48, 64), (64, 48), (32, 32), (3, 24, 40)])
+def test_newton_schulz_flops_are_what_torch_counts_in_orthogonalise(shape):
+    """orthogonalise's matmuls (X Xᵀ, the Gram polynomial, its product with X; batched for a stack),
+    counted by torch's FlopCounterMode: 2·(2·m²·n + m³) per iteration, m <= n."""
+    steps = 5
+    with FlopCounterMode(display=False) as counter:
+        orthogonalise(torch.randn(shape), (3.4445, -4.775, 2.0315), steps, 1e-7)
+    stack = shape[0] if len(shape) == 3 else 1
+    assert counter.get_total_flops() == stack * newton_schulz_flops(*shape[-2:], steps)
+
+
+def test_planned_optimizer_state_is_what_muon_allocates():
+    """One process in fp32 (Muon's plain-engine layout): the bytes of every state tensor the real
+    optimizer holds after a step (Muon's momentum buffer on its matrices, AdamW's two moments on
+    the rest; scalar step counts aside) are the planner's optimizer bytes; AdamW's would be more."""
+    dims = _dims("llama_moe")
+    model = GPT(dims)
+    optimizer = build_optimizer(model, _muon(), fused=False)
+    model(torch.randint(0, 96, (2, 32)), torch.randint(0, 96, (2, 32))).backward()
+    optimizer.step()
+    held = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+               if torch.is_tensor(t) and t.ndim > 0)
+    lay = PlanLayout(grid=ParallelDims(), micro_batch_size=2, global_batch_size=2)
+    muon = estimate_stage(dims, lay, "fp32", 0, 0.0, False, optim=optimizer_terms(_muon()))
+    adamw = estimate_stage(dims, lay, "fp32", 0, 0.0, False)
+    assert muon.states.optimizer == held
+    assert adamw.states.optimizer - muon.states.optimizer == 4 * sum(p.numel() for p in muon_param_groups(model, _muon())[0]["params"])
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_assembly_traffic_is_the_rows_sent_to_owners_and_back(ranks):
+    """optim/sharded.py's exchanges, rebuilt from its own owner assignment and row split: every rank
+    sends its rows of each matrix it does not own, in fp32, and gets them back orthogonalised. The
+    planner's per-rank figure is their mean over the ranks."""
+    dims = _dims("gpt2")
+    shapes = [(r, c) for n, r, c in stage_matrices(dims, dims.num_layers, 0) for _ in range(n)]
+    owners = assign_owners(shapes, ranks)
+    sent = [0] * ranks
+    for (rows, cols), owner in zip(shapes, owners):
+        for rank, count in enumerate(row_counts(rows, ranks)):
+            sent[rank] += 0 if rank == owner else 2 * 4 * count * cols  # there, and its result back
+    total = sum(r * c for r, c in shapes)
+    assert assembly_bytes(total, ranks) == pytest.approx(sum(sent) / ranks, rel=0.02)
+
+
+def test_a_muon_plan_counts_state_newton_schulz_and_assembly():
+    """llama2_7b on 8 H100s under FSDP2: against AdamW, Muon's plan holds 4 bytes less per matrix
+    parameter (over the 8 shards), adds its Newton-Schulz FLOPs (1/8 of the model's matrices' on
+    each rank: torch's count of orthogonalise on one block's matrices, times the blocks) at the bf16
+    peak and the plan's MFU, and sends the assembly traffic."""
+    keys = ["recipe=llama2_7b", "cluster=h100_80g", "backend=fsdp2", "zero=stage3", "parallel.dp=8", "launcher.nodes=1"]
+    results = {}
+    for name in ("adamw", "muon"):
+        cfg, _ = compose([*keys, f"optim={name}"])
+        results[name] = plan(cfg, planned_world_size(cfg))[1]
+    adamw, muon = results["adamw"], results["muon"]
+    dims = resolve_dims(cfg.model, 32000)
+    block = stage_matrices(dims, 1, 0)
+    with FlopCounterMode(display=False) as counter:  # the small ones of a block, counted by torch
+        for n, r, c in block:
+            for _ in range(n):
+                orthogonalise(torch.randn(min(r, c) // 16, max(r, c) // 16), (3.4445, -4.775, 2.0315), 5, 1e-7)
+    # Newton-Schulz is cubic: 1/16 of each side is 1/4096 of the FLOPs
+    assert muon.optimizer_flops_per_rank == pytest.approx(counter.get_total_flops() * 16 ** 3 * dims.num_layers / 8)
+    assert muon.step_time_s - adamw.step_time_s == pytest.approx(muon.optimizer_flops_per_rank / (989e12 * cfg.plan.mfu))
+    matrices = matrix_parameters(block) * dims.num_layers
+    assert adamw.stages[0].states.optimizer - muon.stages[0].states.optimizer == pytest.approx(4 * matrices / 8)
+    assert muon.comm_bytes["optimizer"] == pytest.approx(assembly_bytes(matrices, 8)) and "optimizer" not in adamw.comm_bytes
+    assert muon.stages[0].step_working > 6 * 4 * matrices / 8  # Nesterov's updates and five exchange buffers
