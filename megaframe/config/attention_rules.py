@@ -72,16 +72,20 @@ def documents_problem(cfg: TrainConfig) -> Optional[str]:
 
 
 def layout_problem(cfg: TrainConfig) -> Optional[str]:
-    """The layouts whose attention core or pipeline stages cannot apply the masks yet (issue 54).
-    Tensor and sequence parallelism can: each TP rank holds the whole token ids; so can context
-    parallelism: the ring and Ulysses cores take documents and windows (RingCore / UlyssesCore.supports
-    refuse only a non-causal mask, which no key makes), the cp ranks gathering the whole rows' ids."""
-    d, p = cfg.data, cfg.parallel
-    uses_tokens = ["data.document_mask=true"] if d.document_mask else []
-    uses_tokens += ["data.eod_mask_loss=true"] if d.eod_mask_loss else []
-    if uses_tokens and p.pp > 1:
-        return (f"{uses_tokens[0]} with parallel.pp={p.pp}: pipeline stages do not carry the documents of the token "
-                f"ids yet; use parallel.pp=1")
+    """The layouts whose attention core or pipeline stages cannot apply the masks yet. Tensor and
+    sequence parallelism can (each TP rank holds the whole token ids); so can context parallelism (the
+    ring and Ulysses cores take documents and windows, the cp ranks gathering the whole rows' ids) and
+    pipeline stages of either engine (each finds the documents in the micro-batch's token ids:
+    docs/attention.md); not pipeline stages over context-parallel shards, whose documents span the cp ranks."""
+    m, d, p = cfg.model, cfg.data, cfg.parallel
+    masks = [k for k, on in (("data.document_mask=true", d.document_mask),
+                             (f"model.sliding_window={m.sliding_window}", m.sliding_window is not None),
+                             ("data.eod_mask_loss=true", d.eod_mask_loss)) if on]
+    # the stages' documents would be their shard's, and their losses' means do not weigh the cp shards'
+    # unequal counts of kept targets (data.eod_mask_loss)
+    if masks and p.pp > 1 and p.cp > 1:
+        return (f"{masks[0]} with parallel.pp={p.pp} and parallel.cp={p.cp}: pipeline stages do not carry masks "
+                f"across context-parallel shards yet; use parallel.pp=1 or parallel.cp=1")
     return None
 
 

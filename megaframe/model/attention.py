@@ -47,11 +47,14 @@ class Mask:
         own Mask (model/masking.py's layer_mask).
     A core that cannot apply a mask says so in `supports`; validation refuses such a run before
     launch (config/attention_rules.py). Compared by identity (eq=False): a mask may hold a tensor.
+    `dense`: allowed()'s tensor when a core's `prepare` built it once for every block of a forward
+    that shares this mask (model/masking.py's ForwardMasks), else None.
     """
 
     causal: bool = True
     documents: Optional[torch.Tensor] = field(default=None, repr=False)
     window: Optional[int] = None
+    dense: Optional[torch.Tensor] = field(default=None, repr=False)
 
     def restricts(self, length: int) -> bool:
         """Whether over `length` keys this mask restricts more than `causal` does: documents, or a
@@ -83,6 +86,9 @@ class AttentionCore(Protocol):
 
     def supports(self, mask: Mask) -> bool: ...
 
+    def prepare(self, mask: Mask, length: int, device) -> Mask:
+        """The mask as this core takes it, built once per forward for all blocks that share it."""
+
 
 class SDPACore(nn.Module):
     """torch's scaled_dot_product_attention on this rank's heads (no context parallelism).
@@ -98,6 +104,12 @@ class SDPACore(nn.Module):
     def supports(self, mask: Mask) -> bool:
         return True  # any Mask, as a boolean attn_mask
 
+    def prepare(self, mask: Mask, length: int, device) -> Mask:
+        """The mask with its dense form built (on the device) when it restricts more than causal."""
+        if not mask.restricts(length) or mask.dense is not None:
+            return mask
+        return Mask(mask.causal, mask.documents, mask.window, dense=mask.allowed(length, device))
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
         p = self.p if self.training else 0.0
         T = q.shape[2]
@@ -105,7 +117,8 @@ class SDPACore(nn.Module):
         # masks go in as a dense boolean mask: exact in fp32 (masked scores are -inf, their weights
         # exact zeros), on every device and dtype, with no compile step. FlexAttention's block
         # masks skip the empty tiles on GPUs; that is a core of its own (issue 54, item 1)
-        masked = {"attn_mask": mask.allowed(T, q.device)} if mask.restricts(T) else {}
+        dense = mask.dense if mask.dense is not None else mask.allowed(T, q.device) if mask.restricts(T) else None
+        masked = {} if dense is None else {"attn_mask": dense}
         causal = not masked and mask.causal
         if p and self.rng is not None:
             with self.rng.fork():
@@ -130,6 +143,9 @@ class _ContextCore(nn.Module):
         # documents and windows restrict a causal mask; the zig-zag layout and the ring's skipped
         # pieces assume causal attention underneath
         return mask.causal
+
+    def prepare(self, mask: Mask, length: int, device) -> Mask:
+        return mask  # the kernels take the mask's fields, no dense form
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
         if not self.supports(mask):

@@ -18,13 +18,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megaframe.model.attention import CAUSAL, SDPA_HAS_GQA, build_attention_core, decode_attention
+from megaframe.model.attention import CAUSAL, SDPA_HAS_GQA, Mask, build_attention_core, decode_attention
 from megaframe.model.dims import GPTDims
 from megaframe.model.mlp import MLP, Dropout
 from megaframe.model.moe import AddAux, MoE, RouterStats
 from megaframe.model.recompute import checkpointed
 from megaframe.model.layer_list import Layer, layer_list
-from megaframe.model.masking import counted_share, documents_of, layer_mask, loss_targets, with_documents
+from megaframe.model.masking import counted_share, documents_of, forward_masks, layer_mask, loss_targets
 from megaframe.parallel.context import ContextGroup, zigzag_positions
 from megaframe.parallel.experts import ExpertGroup
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -191,8 +191,8 @@ class Attention(nn.Module):
         self.resid_dropout = Dropout(dims.dropout, rng, split_across_tp=tp.sequence_parallel)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
-                documents: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """documents: (B, T) document ids (model/masking.py) when attention stops at their ends."""
+                mask: Optional[Mask] = None) -> torch.Tensor:
+        """mask: this forward's mask for the block (model/masking.py's ForwardMasks), else its own."""
         x = self.tp.enter(x)  # (B, T, C) on every TP rank (all-gathered along T under SP)
         B, T, _ = x.shape
         hs = self.dims.head_dim
@@ -206,7 +206,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_index is not None:
             k, v = k[:, self.kv_index], v[:, self.kv_index]  # (B, nh/tp, T, hs)
-        y = self.core(q, k, v, with_documents(self.mask, documents))  # (B, nh/tp, T, hs)
+        y = self.core(q, k, v, self.mask if mask is None else mask)  # (B, nh/tp, T, hs)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh/tp * hs)
         return self.resid_dropout(self.out_proj(y))
 
@@ -273,9 +273,9 @@ class Block(nn.Module):
         if dims.is_moe_block(index):
             self.mlp.row = sum(dims.is_moe_block(i) for i in range(index))
 
-    def forward(self, x: torch.Tensor, rope=None, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope=None, mask: Optional[Mask] = None) -> torch.Tensor:
         h = self.attn_norm(x)
-        x = x + (self.attn(h, rope) if documents is None else self.attn(h, rope, documents))
+        x = x + (self.attn(h, rope) if mask is None else self.attn(h, rope, mask))
         x = x + self.mlp(self.mlp_norm(x))
         return x
 
@@ -302,11 +302,11 @@ class Embedding(nn.Module):
 
 
 def run_block(block: Block, x: torch.Tensor, rope, rng: Optional[TPDropoutRNG], recompute: bool,
-              documents: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """block(x), optionally with activation checkpointing (recompute in backward); documents: the
-    micro-batch's document ids when attention keeps documents apart."""
-    # documents bound here: the paths below pass (x, rope) as they always did
-    call = block if documents is None else functools.partial(block, documents=documents)
+              mask: Optional[Mask] = None) -> torch.Tensor:
+    """block(x), optionally with activation checkpointing (recompute in backward); mask: the
+    block's mask for this forward (documents, its window) when it is not plain causal."""
+    # the mask bound here: the paths below pass (x, rope) as they always did
+    call = block if mask is None else functools.partial(block, mask=mask)
     if not recompute:
         return call(x, rope)
     if rng is None or not any(isinstance(m, Dropout) and m.p > 0 for m in block.modules()):
@@ -346,24 +346,29 @@ def build_layer(layer: Layer, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropou
 
 def forward_layers(owner: nn.Module, x: torch.Tensor, tokens: int, blocks, embed: Optional[nn.Module] = None,
                    final_norm: Optional[nn.Module] = None, head: Optional[nn.Module] = None,
-                   tied: Optional[nn.Module] = None) -> torch.Tensor:
+                   tied: Optional[nn.Module] = None, token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The forward over a span of the layer list: embed (token ids in) when given, the blocks, then
     the final norm and the head (or the tied embedding `tied`) when given. The whole GPT runs every
     layer; a pipeline stage its own. `owner` holds dims, rng, rope, positions and
     activation_checkpointing; `tokens`: the sequence length the RoPE tables must cover (this rank's
     tokens, not the SP shard of them a stage passes on). With data.document_mask the token ids
-    give each token's document and its place in it (model/masking.py; validation keeps such runs
-    to stages that see the token ids)."""
-    documents = documents_of(x, owner.dims, owner.context) if embed is not None else None
+    give each token's document and its place in it (model/masking.py): the first stage's input, or
+    `token_ids`, the micro-batch's, handed to a later stage. Each distinct mask of the blocks is
+    built once per forward (ForwardMasks)."""
+    ids_in = x if embed is not None else token_ids
+    if ids_in is None and owner.dims.document_mask:  # a pipeline's bug, not the user's: no silent cross-document attention
+        raise ValueError("data.document_mask: a stage after the first was not handed the micro-batch's token ids")
+    documents = None if ids_in is None else documents_of(ids_in, owner.dims, owner.context)
     if embed is not None:
         x = embed(x, owner.positions if documents is None else documents.positions)
     rope = None
     if owner.dims.position_embedding == "rope":  # under documents, each token's row: positions restart
         rope = owner.rope(tokens, x.device, owner.positions) if documents is None else \
             documents.rope(owner.rope(documents.length, x.device))
-    ids = None if documents is None else documents.ids
+    masks = forward_masks(owner.dims, documents, tokens, x.device)
     for block in blocks:
-        x = run_block(block, x, rope, owner.rng, owner.activation_checkpointing and owner.training, ids)
+        mask = None if masks is None else masks.resolve(block.attn)
+        x = run_block(block, x, rope, owner.rng, owner.activation_checkpointing and owner.training, mask)
     if final_norm is not None:
         x = final_norm(x)
         x = head(x) if head is not None else tied_head_logits(tied, x)

@@ -80,6 +80,34 @@ def with_documents(mask: Mask, documents: Optional[torch.Tensor]) -> Mask:
     return mask if documents is None else Mask(causal=mask.causal, documents=documents, window=mask.window)
 
 
+class ForwardMasks:
+    """The masks one forward's blocks attend with: each block's own (its window) restricted to the
+    forward's documents, prepared by the run's core once per distinct mask, so that blocks sharing a
+    window share one dense mask (not one per block). Resolved outside the blocks (a compiled block
+    takes the prepared mask as an input); `length`: the keys a query attends over."""
+
+    def __init__(self, documents: Optional[Documents], length: int, device):
+        self.documents, self.length, self.device = documents, length, device
+        self._prepared: dict[tuple[bool, Optional[int]], Mask] = {}
+
+    def resolve(self, attention) -> Mask:
+        """The mask of a block's attention (its `mask` and `core`) for this forward."""
+        own = attention.mask
+        key = (own.causal, own.window)
+        if key not in self._prepared:
+            ids = None if self.documents is None else self.documents.ids
+            self._prepared[key] = attention.core.prepare(with_documents(own, ids), self.length, self.device)
+        return self._prepared[key]
+
+
+def forward_masks(dims: GPTDims, documents: Optional[Documents], length: int, device) -> Optional[ForwardMasks]:
+    """This forward's ForwardMasks, or None where every block attends plainly causally (the model
+    without documents or windows keeps its path, bitwise)."""
+    if documents is None and dims.sliding_window is None:
+        return None
+    return ForwardMasks(documents, length, device)
+
+
 def loss_targets(targets: torch.Tensor, dims: GPTDims) -> torch.Tensor:
     """The targets the loss counts: with data.eod_mask_loss the end-of-document ones left out."""
     return targets.masked_fill(targets == dims.eod_id, IGNORED_TARGET) if dims.eod_mask_loss else targets

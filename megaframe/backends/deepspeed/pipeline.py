@@ -4,6 +4,11 @@ Layer list: ModelSpec.layers(), Embedding | Block x num_layers | FinalNorm | LM 
 is the token embedding again, a TiedLayerSpec shared by the first and last stage). Every layer initialises its
 parameters from their canonical names (embed.*, blocks.{i}.*, final_norm.*, head.*), so a
 pipelined model starts from exactly the weights of the plain one.
+
+Layers pass hidden states; with attention masks (data.document_mask, model.sliding_window) they
+pass (hidden states, token ids), so that every stage finds the micro-batch's documents in the
+token ids on its own device (DeepSpeed sends an integer tensor of a tuple along and sends no
+gradient back for it); a stage derives its documents and masks once per micro-batch (StageMasks).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from megaframe.backends.deepspeed.experts import deepspeed_expert_marks
 from megaframe.backends.deepspeed.topology import build_topology
 from megaframe.model.gpt import (BlockSpec, Embedding, GPTDims, RopeTables, build_layer, init_parameters,
                                  register_positions, run_block, tied_head_logits)
+from megaframe.model.masking import Documents, ForwardMasks, documents_of, forward_masks, loss_targets
 from megaframe.model.moe import AttachAux, MoE, RouterStats
 from megaframe.model.spec import Layer, ModelSpec
 from megaframe.parallel.context import ContextGroup
@@ -32,17 +38,52 @@ from megaframe.parallel.random import TPDropoutRNG
 from megaframe.parallel.state import ParallelState
 
 
+class StageMasks:
+    """What a stage's layers derive from a micro-batch's token ids, once per micro-batch and stage:
+    its documents, their RoPE rows and the blocks' masks (ForwardMasks). DeepSpeed calls each layer
+    on the one before's output; the token-id tensor handed along is one object through a stage's
+    layers and a new one for each micro-batch (loaded or received, then cloned), so it is the key.
+    Holds the last micro-batch's until the next one's."""
+
+    def __init__(self, dims: GPTDims, rope: RopeTables):
+        self.dims, self.rope = dims, rope
+        self._ids: Optional[torch.Tensor] = None  # a reference, not an id(): identity is the key
+        self.documents: Optional[Documents] = None
+        self.rope_rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.masks: Optional[ForwardMasks] = None
+
+    def of(self, ids: torch.Tensor) -> "StageMasks":
+        """This cache, holding what the micro-batch of token ids `ids` (B, T) gives."""
+        if ids is not self._ids:
+            length = ids.shape[1]
+            self.documents = documents_of(ids, self.dims)
+            self.rope_rows = None if self.documents is None or self.dims.position_embedding != "rope" else \
+                self.documents.rope(self.rope(length, ids.device))
+            self.masks = forward_masks(self.dims, self.documents, length, ids.device)
+            self._ids = ids
+        return self
+
+
+def carries_token_ids(dims: GPTDims) -> bool:
+    """Whether the pipeline's layers pass (hidden states, token ids): where attention is masked."""
+    return dims.document_mask or dims.sliding_window is not None
+
+
 class EmbeddingPipe(Embedding):
-    """Stage-0 layer: token ids (B, T) -> hidden states."""
+    """Stage-0 layer: token ids (B, T) -> hidden states (and the token ids, under masks)."""
 
     def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG], seed: int,
-                 context: Optional[ContextGroup] = None):
+                 context: Optional[ContextGroup] = None, stage_masks: Optional[StageMasks] = None):
         super().__init__(dims, tp, rng)
         register_positions(self, dims, context)  # stages pass only hidden states: each layer keeps its own
+        self.stage_masks = stage_masks
         init_parameters(self, "embed", dims, seed)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return super().forward(idx, self.positions)
+    def forward(self, idx: torch.Tensor):
+        if self.stage_masks is None:
+            return super().forward(idx, self.positions)
+        documents = self.stage_masks.of(idx).documents  # positions restart at each document
+        return super().forward(idx, self.positions if documents is None else documents.positions), idx
 
 
 class BlockPipe(nn.Module):
@@ -55,23 +96,30 @@ class BlockPipe(nn.Module):
     def __init__(self, dims: GPTDims, tp: TPGroup, rng: Optional[TPDropoutRNG], seed: int, prefix: str,
                  recompute: bool, spec: BlockSpec, context: Optional[ContextGroup] = None, cp_impl: str = "ring",
                  rope: Optional[RopeTables] = None, index: int = 0, ep: ExpertGroup = ExpertGroup(),
-                 router_stats: Optional[RouterStats] = None, accumulation_steps: int = 1):
+                 router_stats: Optional[RouterStats] = None, accumulation_steps: int = 1,
+                 stage_masks: Optional[StageMasks] = None):
         super().__init__()
-        self.dims, self.rng, self.recompute = dims, rng, recompute
+        self.dims, self.rng, self.recompute, self.stage_masks = dims, rng, recompute, stage_masks
         register_positions(self, dims, context)
         self.rope = rope or RopeTables(dims)  # one per stage: its blocks share the tables
         self.block = build_layer(Layer("block", prefix, index), dims, tp, rng, spec.across(context, cp_impl).with_experts(ep))
         self.router_stats, self.aux_scale = router_stats, 1.0 / accumulation_steps
         init_parameters(self.block, prefix, dims, seed)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs):
+        """hidden states, or (hidden states, token ids) under masks: the same out as in."""
+        x, ids = inputs if isinstance(inputs, tuple) else (inputs, None)
+        held = None if ids is None else self.stage_masks.of(ids)
         rope = self.rope(self.dims.seq_length, x.device, self.positions) if self.dims.position_embedding == "rope" \
             else None
-        x = run_block(self.block, x, rope, self.rng, self.recompute and self.training)
+        if held is not None and held.rope_rows is not None:  # under documents: each token's own position
+            rope = held.rope_rows
+        mask = None if held is None or held.masks is None else held.masks.resolve(self.block.attn)
+        x = run_block(self.block, x, rope, self.rng, self.recompute and self.training, mask)
         if isinstance(self.block.mlp, MoE) and self.training:
             self.router_stats.add([self.block.mlp])
             x = AttachAux.apply(x, self.block.mlp.aux_loss, self.aux_scale)
-        return x
+        return x if ids is None else (x, ids)
 
 
 class FinalNormPipe(nn.Module):
@@ -82,8 +130,8 @@ class FinalNormPipe(nn.Module):
         self.norm = build_layer(Layer("final_norm", "final_norm"), dims, tp)
         init_parameters(self.norm, "final_norm", dims, seed)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x)
+    def forward(self, inputs) -> torch.Tensor:
+        return self.norm(inputs[0] if isinstance(inputs, tuple) else inputs)  # the token ids end here
 
 
 class HeadPipe(ColumnParallelLinear):
@@ -98,11 +146,12 @@ class VocabParallelLoss:
     """PipelineModule's loss_fn: cross-entropy over this TP rank's vocabulary shard of the logits."""
 
     def __init__(self, dims: GPTDims, tp: TPGroup):
-        self.tp, self.vocab_size = tp, dims.vocab_size
+        self.dims, self.tp, self.vocab_size = dims, tp, dims.vocab_size
         self.vocab_start = tp.rank * (dims.padded_vocab_size // tp.size)
         self.gate: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # set for one train step (skip_gate.py)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        targets = loss_targets(targets, self.dims)  # data.eod_mask_loss leaves end-of-document targets out
         loss = vocab_parallel_cross_entropy(logits, targets, self.tp, self.vocab_start, self.vocab_size)
         return self.gate(loss) if self.gate is not None else loss
 
@@ -123,7 +172,8 @@ def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition:
     context = ps.context()
     rope = RopeTables(dims)
     router_stats = RouterStats(dims.num_moe_blocks)  # the stage's MoE blocks share it
-    embed_args = (EmbeddingPipe, dims, tp, rng, seed, context)
+    stage_masks = StageMasks(dims, rope) if carries_token_ids(dims) else None  # the stage's layers share it
+    embed_args = (EmbeddingPipe, dims, tp, rng, seed, context, stage_masks)
     layers: list = []
     for layer in spec.layers():
         if layer.kind == "embed":
@@ -132,7 +182,7 @@ def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition:
         elif layer.kind == "block":
             layers.append(LayerSpec(BlockPipe, dims, tp, rng, seed, layer.prefix, activation_checkpointing,
                                     spec.block or BlockSpec(), context, cp_impl, rope, layer.block, ps.experts(deepspeed_expert_marks),
-                                    router_stats, accumulation_steps))
+                                    router_stats, accumulation_steps, stage_masks))
         elif layer.kind == "final_norm":
             layers.append(LayerSpec(FinalNormPipe, dims, tp, seed))
         elif dims.tie_embeddings:  # the head is the embedding again

@@ -16,7 +16,10 @@ pipelining (one group per block, the stage itself the root) and run by one of to
                     and DualPipe's overlapped forward/backward pairs
 
 Stages pass only hidden states (B, T/cp[/tp under SP], C), declared to torch up front: no shape
-inference runs a real forward (which would draw dropout masks twice). A tied embedding (GPT-2) is
+inference runs a real forward (which would draw dropout masks twice). Under data.document_mask each
+stage also takes the micro-batch's token ids, which every rank loads: torch hands a step's keyword
+arguments, cut into micro-batches, to every stage, so each finds the documents on its own device,
+with nothing sent between stages. A tied embedding (GPT-2) is
 held by the first stage and, as a copy starting from the same value, by the last, which uses it as
 the LM head; after each backward the two gradients are summed, so both copies take the same
 update and stay equal (DeepSpeed's pipeline does the same with its TiedLayerSpec). The copy on
@@ -35,6 +38,7 @@ from torch.distributed.pipelining import schedules
 
 from megaframe.model.dims import GPTDims
 from megaframe.model.gpt import GPT, forward_layers
+from megaframe.model.masking import loss_targets
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaframe.parallel.layers import VocabParallelEmbedding
 from megaframe.parallel.pipeline_schedules import (ONE_STAGE_PER_RANK, V_SHAPED, stage_indices, stages_per_rank,
@@ -91,10 +95,11 @@ class Stage(nn.Module):
         self.final_norm = model.final_norm if self.last else None
         self.head = model.head if self.last else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """token_ids: the micro-batch's (B, T), where a later stage needs them (data.document_mask)."""
         tokens = len(self.positions) if self.positions is not None else self.dims.seq_length
         return forward_layers(self, x, tokens, self.blocks.values(), embed=self.embed if self.first else None,
-                              final_norm=self.final_norm, head=self.head, tied=self.embed)
+                              final_norm=self.final_norm, head=self.head, tied=self.embed, token_ids=token_ids)
 
 
 class RankStages:
@@ -183,6 +188,7 @@ class Pipeline:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # the schedule's too
     device: torch.device
     embedding_group: Optional[object] = None
+    needs_token_ids: bool = False  # every stage takes the micro-batch's token ids (data.document_mask)
     has_first: bool = field(init=False)
     has_last: bool = field(init=False)
 
@@ -197,6 +203,8 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+        if self.needs_token_ids:  # cut into micro-batches, to every stage of this rank
+            kwargs["token_ids"] = inputs
         self.schedule.step(*args, return_outputs=False, **kwargs)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for loss in losses:
@@ -221,7 +229,7 @@ class Pipeline:
                 if index > 0 and self.stage_ranks[index - 1] != owner:
                     x = torch.empty(self.hidden.shape, dtype=self.hidden.dtype, device=self.device)
                     dist.recv(x, src=self.pp_group_ranks[self.stage_ranks[index - 1]], group=self.pp_group)
-                x = self.stages[index](x)
+                x = self.stages[index](x, token_ids=inputs) if self.needs_token_ids else self.stages[index](x)
                 if index == last:
                     total += self.loss_fn(x, targets).detach()
                 elif self.stage_ranks[index + 1] != owner:
@@ -255,9 +263,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def loss_function(model: GPT) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Cross-entropy over this TP rank's vocabulary shard of the last stage's logits."""
     tp, vocab_start, vocab_size = model.embed.tp, model.embed.tok.vocab_start, model.dims.vocab_size
+    dims = model.dims
 
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, tp, vocab_start, vocab_size)
+        # data.eod_mask_loss leaves end-of-document targets out
+        return vocab_parallel_cross_entropy(logits, loss_targets(targets, dims), tp, vocab_start, vocab_size)
     return loss
 
 
@@ -294,4 +304,4 @@ def build_pipeline(stages: dict[int, Stage], model: GPT, ps: ParallelState, sche
     stage_ranks = [next(r for r in range(ps.pp) if i in stage_indices(schedule, ps.pp, len(stages), r))
                    for i in range(num_stages)]
     return Pipeline(stages, runner, ps.pp_group, ps.group_ranks("pp"), ps.pp_rank, stage_ranks, hidden, loss_fn,
-                    device, embedding_group)
+                    device, embedding_group, needs_token_ids=model.dims.document_mask)

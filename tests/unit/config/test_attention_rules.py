@@ -31,8 +31,12 @@ def _cfg(**sections) -> TrainConfig:
     ({"model__sliding_window": 8, "model__window_attn_skip_freq": [1, 2]}, 1, "model.window_attn_skip_freq=[1, 2] must"),
     ({"model__sliding_window": 8, "model__num_layers": 2, "model__window_attn_skip_freq": [1, 1, 0]}, 1,
      "model.window_attn_skip_freq lists 3 layers but model.num_layers=2"),
-    ({"data__document_mask": True, "parallel__pp": 2}, 2, "data.document_mask=true with parallel.pp=2"),
-    ({"data__eod_mask_loss": True, "parallel__pp": 2}, 2, "data.eod_mask_loss=true with parallel.pp=2"),
+    ({"data__document_mask": True, "parallel__pp": 2, "parallel__cp": 2}, 4,
+     "data.document_mask=true with parallel.pp=2 and parallel.cp=2: pipeline stages"),
+    ({"model__sliding_window": 8, "parallel__pp": 2, "parallel__cp": 2, "parallel__cp_impl": "ulysses"}, 4,
+     "model.sliding_window=8 with parallel.pp=2 and parallel.cp=2: pipeline stages"),
+    ({"data__eod_mask_loss": True, "parallel__pp": 2, "parallel__cp": 2}, 4,
+     "data.eod_mask_loss=true with parallel.pp=2 and parallel.cp=2: pipeline stages"),
 ])
 def test_bad_mask_settings_are_refused_naming_the_key(changes, world, message):
     with pytest.raises(ConfigError) as refused:
@@ -45,6 +49,10 @@ def test_good_mask_settings_pass():
     validate(_cfg(model__sliding_window=8, parallel__pp=2, parallel__tp=2), 4)  # windows need no token ids
     validate(_cfg(data__document_mask=True, data__eod_mask_loss=True), 2)  # dp=2
     validate(_cfg(data__document_mask=True, parallel__tp=2, parallel__sequence_parallel=True), 2)
+    # pipeline stages of either engine find the documents in the token ids (docs/attention.md)
+    validate(_cfg(data__document_mask=True, data__eod_mask_loss=True, parallel__pp=2), 2)
+    validate(_cfg(data__document_mask=True, model__sliding_window=4, parallel__pp=2, parallel__tp=2,
+                  parallel__sequence_parallel=True), 4)
     validate(_cfg(data__document_mask=True, parallel__cp=2), 2)  # the cp cores apply both masks
     validate(_cfg(model__sliding_window=8, data__document_mask=True, parallel__cp=2, parallel__cp_impl="ulysses"), 2)
 

@@ -169,3 +169,32 @@ def test_generation_of_a_windowed_model_applies_its_window():
         for _ in range(6):
             want = torch.cat([want, model.logits(want)[:, -1:].argmax(-1)], dim=1)
     assert torch.equal(got, want)
+
+
+
+@pytest.mark.parametrize("document_mask, windows", [(True, [3, None]), (False, [3])], ids=["documents", "windows"])
+def test_each_distinct_mask_is_built_once_per_forward(document_mask, windows, monkeypatch):
+    """Four blocks alternating window and global attention build two dense masks per forward with
+    documents (the windowed one and the documents' own) and one without (the global blocks attend
+    plainly causally), not one per block."""
+    cfg = dataclasses.replace(LLAMA, num_layers=4, sliding_window=3, window_attn_skip_freq=2)
+    model = _model(cfg, document_mask=document_mask)
+    idx, targets = _windows(_documents(8, 4, seed=6), 16, 0, 2)
+    built = []
+    allowed = Mask.allowed
+    monkeypatch.setattr(Mask, "allowed", lambda self, *a: built.append(self.window) or allowed(self, *a))
+    model(idx, targets).backward()
+    assert sorted(built, key=str) == sorted(windows, key=str), built
+
+
+def test_a_stage_without_the_token_ids_refuses_to_attend_across_documents():
+    """A pipeline stage after the first that was not handed the token ids under data.document_mask
+    stops with a ValueError rather than attend across the documents it cannot see."""
+    from megaframe.model.gpt import forward_layers
+
+    model = _model(GPT2, document_mask=True)
+    hidden = torch.zeros(1, 16, GPT2.hidden_size)
+    with pytest.raises(ValueError, match="token ids"):
+        forward_layers(model, hidden, 16, model.blocks)
+    ids = torch.full((1, 16), EOD)
+    assert forward_layers(model, hidden, 16, model.blocks, token_ids=ids).shape == hidden.shape
