@@ -9,9 +9,11 @@ scaled by the matrix's shape (adjust_lr). Unlike torch's, a 3D parameter is a st
 The AdamW groups are stepped by a torch.optim.AdamW that shares these groups and this state.
 
 Newton-Schulz needs the whole matrix: a matrix is whole on this rank (one rank, a mesh of one, an
-expert stack split by experts), or split by rows over data-parallel ranks and assembled on its owner
-(sharded.py). The config rules (optim/rules.py) refuse every other layout before launch; the
-constructor refuses it again (never a silently wrong update)."""
+expert stack split by experts), or split over data-parallel ranks and assembled on its owner
+(sharded.py): by rows (FSDP2's DTensor shards), or by flat ranges of a partition an engine steps as
+one tensor (DeepSpeed ZeRO's, which the engine describes through partition_flat()). The config rules
+(optim/rules.py) refuse every other layout before launch; the constructor refuses it again (never a
+silently wrong update)."""
 from __future__ import annotations
 
 import math
@@ -21,7 +23,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from megaframe.config.optim_rules import ADJUST_LR
-from megaframe.optim.sharded import RowShardedMatrices, row_shard
+from megaframe.optim.groups import Shape, full_shape
+from megaframe.optim.sharded import FlatPartition, RowShardedMatrices, row_shard
 from megaframe.optim.table import group_optimizer
 
 
@@ -85,13 +88,14 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, groups: list[dict], *, momentum: float, nesterov: bool, ns_coefficients: Sequence[float],
                  ns_steps: int, eps: float, adjust_lr: str, betas: tuple[float, float], adamw_eps: float,
-                 fused: bool = True):
+                 fused: bool = True, shape: Shape = full_shape):
+        """shape: a parameter's full shape, where the engine has already partitioned it away (ZeRO-3)."""
         if adjust_lr not in ADJUST_LR:
             raise ValueError(f"adjust_lr={adjust_lr!r}: one of {', '.join(ADJUST_LR)}")
         for group in groups:
             for p in group["params"] if group_optimizer(group) == "muon" else ():
-                if p.ndim not in (2, 3):
-                    raise ValueError(f"Muon steps matrices and stacks of them, not a tensor of shape {tuple(p.shape)}")
+                if len(shape(p)) not in (2, 3):
+                    raise ValueError(f"Muon steps matrices and stacks of them, not a tensor of shape {tuple(shape(p))}")
                 if problem := sharded_problem(p):
                     raise ValueError(f"Muon needs whole matrices; a {tuple(p.shape)} parameter is {problem}")
         # the same group dicts: the schedule's lr reaches both; AdamW fills in its own defaults first
@@ -103,6 +107,13 @@ class Muon(torch.optim.Optimizer):
         self.adamw.state = self.state  # one state table: the checkpoint and the memory accounting read it
         split = [p for g in self.param_groups if group_optimizer(g) == "muon" for p in g["params"] if needs_assembly(p)]
         self.row_sharded = RowShardedMatrices(split) if split else None
+        self.flat_partitions: dict[int, FlatPartition] = {}  # id(flat tensor) -> its matrices' parts
+
+    def partition_flat(self, flat: torch.Tensor, partition: FlatPartition) -> None:
+        """Step `flat` (a tensor an engine puts in a Muon group in place of its parameters: DeepSpeed
+        ZeRO's fp32 partition) as the parts of whole matrices `partition` describes. The momentum is
+        one buffer shaped like `flat`; Newton-Schulz runs on the matrices this rank owns."""
+        self.flat_partitions[id(flat)] = partition
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -118,7 +129,9 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 update = self._momentum(group, p)
-                if self.row_sharded is not None and self.row_sharded.holds(p):
+                if id(p) in self.flat_partitions:
+                    self._step_flat(group, p, update)
+                elif self.row_sharded is not None and self.row_sharded.holds(p):
                     assembled.append((group, p, update))
                 else:
                     self._apply(group, p, _orthogonaliser(group)(update))
@@ -126,8 +139,28 @@ class Muon(torch.optim.Optimizer):
             results = self.row_sharded.orthogonalise([(p, u, _orthogonaliser(g)) for g, p, u in assembled])
             for (group, p, _), update in zip(assembled, results):
                 self._apply(group, p, update)
-        self.adamw.step()
+        # only the AdamW groups the engine shows now: DeepSpeed's ZeRO-1/2 steps one group at a time
+        # by narrowing param_groups (each other group's flat partition would be stepped again)
+        every = self.adamw.param_groups
+        self.adamw.param_groups = [g for g in self.param_groups if group_optimizer(g) == "adamw"]
+        try:
+            self.adamw.step()
+        finally:
+            self.adamw.param_groups = every
         return loss
+
+    def _step_flat(self, group: dict, flat: torch.Tensor, update: torch.Tensor) -> None:
+        """A flat partition's step: each matrix's part of the update goes to the matrix's owner, comes
+        back orthogonalised, and is applied to this rank's part at the rate its full shape adjusts
+        (the partition's padding is never stepped)."""
+        partition = self.flat_partitions[id(flat)]
+        orthogonaliser = _orthogonaliser(group)
+        parts = partition.parts(update)
+        results = partition.matrices.exchange([(i, part, orthogonaliser) for i, part in enumerate(parts)])
+        lr = group["lr"]
+        for shape, param, result in zip(partition.matrices.shapes, partition.parts(flat.data), results):
+            param.mul_(1 - lr * group["weight_decay"])
+            param.add_(result, alpha=-adjusted_lr(lr, group["adjust_lr"], shape))
 
     def _momentum(self, group: dict, p: torch.nn.Parameter) -> torch.Tensor:
         """The momentum buffer moved towards the gradient, and the update (Nesterov's look-ahead or the

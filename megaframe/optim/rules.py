@@ -1,8 +1,8 @@
 """The optimizer seam's rule before launch (backends/registry.py hands it to validate() with the
 engine's): the layouts an optimizer steps correctly (its keys: config/optim_rules.py). Muon's
 Newton-Schulz needs each matrix whole; megaframe assembles a matrix FSDP2 shards over data-parallel
-ranks on one owner (optim/sharded.py); every other layout that splits one is refused here, in one
-line naming the key (docs/optimizers.md)."""
+ranks, or DeepSpeed ZeRO-1/2/3 partitions, on one owner (optim/sharded.py); every other layout that
+splits one is refused here, in one line naming the key (docs/optimizers.md)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -10,17 +10,25 @@ from typing import Optional
 from megaframe.config.schema import TrainConfig
 
 
-def optim_layout_problem(cfg: TrainConfig, layout, on_tensors: bool) -> Optional[str]:
-    """Muon only where it sees each matrix whole or as a DTensor's row shard it can assemble
-    (optim/sharded.py): an engine whose optimizer steps parameter tensors (on_tensors: FSDP2, or the
-    plain engine standing in for DeepSpeed's at one process), over data-parallel ranks only,
-    nothing offloaded. The rest is refused, naming the key."""
+def optim_layout_problem(cfg: TrainConfig, layout, on_tensors: bool,
+                         described_stages: tuple[int, ...] = ()) -> Optional[str]:
+    """Muon only where it sees each matrix whole or in parts it can assemble (optim/sharded.py): an
+    engine whose optimizer steps parameter tensors (on_tensors: FSDP2, or the plain engine standing in
+    for DeepSpeed's at one process), or a ZeRO stage whose flat partitions the engine describes
+    (described_stages: DeepSpeed's 1-3, dense models), over data-parallel ranks only, nothing
+    offloaded. The rest is refused, naming the key."""
     if cfg.optim.name != "muon":
         return None
-    if not on_tensors:
+    described = not on_tensors and cfg.zero.stage in described_stages
+    if not on_tensors and not described:
         return (f"optim=muon with backend={cfg.backend.name}: its ZeRO and mixed-precision optimizers step flattened "
-                f"partitions, not whole matrices; use backend=fsdp2, or one process at zero=stage0 precision=fp32 "
-                f"without offload")
+                f"partitions, not whole matrices, which megaframe locates matrices in at zero=stage1, stage2 and "
+                f"stage3 only (zero.stage={cfg.zero.stage}); use zero=stage1, backend=fsdp2, or one process at "
+                f"zero=stage0 precision=fp32 without offload")
+    if described and cfg.model.moe.num_experts > 0:
+        return (f"optim=muon with backend={cfg.backend.name} and model.moe.num_experts={cfg.model.moe.num_experts}: "
+                f"DeepSpeed's ZeRO puts experts in param groups of its own, which megaframe's Muon does not locate "
+                f"yet; use backend=fsdp2, or optim=adamw")
     for axis in ("tp", "pp", "cp", "ep", "dp_replicate"):
         degree = getattr(layout.grid, axis)
         if degree > 1:
