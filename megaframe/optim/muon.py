@@ -140,9 +140,11 @@ class Muon(torch.optim.Optimizer):
             for (group, p, _), update in zip(assembled, results):
                 self._apply(group, p, update)
         # only the AdamW groups the engine shows now: DeepSpeed's ZeRO-1/2 steps one group at a time
-        # by narrowing param_groups (each other group's flat partition would be stepped again)
+        # by narrowing param_groups (each other group's flat partition would be stepped again); and
+        # this state table, which torch's load_state_dict (DeepSpeed's native resume) replaces
         every = self.adamw.param_groups
         self.adamw.param_groups = [g for g in self.param_groups if group_optimizer(g) == "adamw"]
+        self.adamw.state = self.state
         try:
             self.adamw.step()
         finally:

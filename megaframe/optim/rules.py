@@ -15,20 +15,16 @@ def optim_layout_problem(cfg: TrainConfig, layout, on_tensors: bool,
     """Muon only where it sees each matrix whole or in parts it can assemble (optim/sharded.py): an
     engine whose optimizer steps parameter tensors (on_tensors: FSDP2, or the plain engine standing in
     for DeepSpeed's at one process), or a ZeRO stage whose flat partitions the engine describes
-    (described_stages: DeepSpeed's 1-3, dense models), over data-parallel ranks only, nothing
+    (described_stages: DeepSpeed's 1-3), over data-parallel ranks only, nothing
     offloaded. The rest is refused, naming the key."""
     if cfg.optim.name != "muon":
         return None
     described = not on_tensors and cfg.zero.stage in described_stages
     if not on_tensors and not described:
         return (f"optim=muon with backend={cfg.backend.name}: its ZeRO and mixed-precision optimizers step flattened "
-                f"partitions, not whole matrices, which megaframe locates matrices in at zero=stage1, stage2 and "
+                f"partitions, not whole matrices; megaframe locates matrices in them at zero=stage1, stage2 and "
                 f"stage3 only (zero.stage={cfg.zero.stage}); use zero=stage1, backend=fsdp2, or one process at "
                 f"zero=stage0 precision=fp32 without offload")
-    if described and cfg.model.moe.num_experts > 0:
-        return (f"optim=muon with backend={cfg.backend.name} and model.moe.num_experts={cfg.model.moe.num_experts}: "
-                f"DeepSpeed's ZeRO puts experts in param groups of its own, which megaframe's Muon does not locate "
-                f"yet; use backend=fsdp2, or optim=adamw")
     for axis in ("tp", "pp", "cp", "ep", "dp_replicate"):
         degree = getattr(layout.grid, axis)
         if degree > 1:

@@ -200,11 +200,13 @@ def _owned(view: EngineView, h: Holding, key: str) -> Optional[torch.Tensor]:
     return state[key].flatten()[start:stop] if key in state else None
 
 
-def _stored_keys(view: EngineView, h: Holding, with_optimizer: bool) -> tuple[str, ...]:
-    """The tensors of a parameter a checkpoint stores (fp32 runs have no separate master)."""
+def _stored_keys(view: EngineView, with_optimizer: bool, param: Optional[torch.nn.Parameter] = None
+                 ) -> tuple[str, ...]:
+    """The tensors of a parameter a checkpoint stores (fp32 runs have no separate master); its
+    optimizer's state names (param None: AdamW's)."""
     if not with_optimizer:
         return (WEIGHT,)
-    return (WEIGHT, *(() if view.dtype == "fp32" else (MASTER_KEY,)), *view.moment_keys(h.param))
+    return (WEIGHT, *(() if view.dtype == "fp32" else (MASTER_KEY,)), *view.moment_keys(param))
 
 
 def _tensor_key(key: str, name: str) -> str:
@@ -238,7 +240,7 @@ def shard_pieces(view: EngineView, with_optimizer: bool, snapshot: bool) -> list
     for h in holdings(view):
         if not h.writes or h.own[0] == h.own[1]:
             continue
-        for key in _stored_keys(view, h, with_optimizer):
+        for key in _stored_keys(view, with_optimizer, h.param):
             copy = owned(h, key).detach().to("cpu", torch.float32, copy=True) if snapshot else None
             for position, box in h.boxes(*h.own):
                 def values(h=h, key=key, copy=copy, at=position, n=box.numel) -> torch.Tensor:
