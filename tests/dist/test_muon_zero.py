@@ -119,10 +119,11 @@ def _train_counting(rank: int, world: int, runs: list[tuple[list[str], str]]) ->
 
 
 def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at_fsdp2(tmp_path):
-    """ZeRO-1, ZeRO-2 and ZeRO-3 at dp=2 follow the one-rank Muon curve (fp32; and bf16 at ZeRO-3,
-    whose flat fp32 masters DeepSpeed rounds to bf16 weights, against one bf16 rank), each rank
-    assembling only the matrices it owns (about half the Newton-Schulz work); the ZeRO-1 run's step-3
-    checkpoint (Muon's momentum by name) resumes at FSDP2 dp=2 and continues the curve."""
+    """ZeRO-1, ZeRO-2 and ZeRO-3 at dp=2 follow the one-rank Muon curve (fp32; bf16 at ZeRO-3, whose
+    flat fp32 masters DeepSpeed rounds to bf16 weights, against one bf16 rank; a MoE model's expert
+    stacks), each rank assembling only the matrices it owns (about half the Newton-Schulz work). The
+    ZeRO-1 run's step-3 layout-free checkpoint (Muon's momentum by name) resumes at FSDP2 dp=2 and at
+    ZeRO-3 and continues the curve; so does ZeRO-2's native one (DeepSpeed's files) at ZeRO-2."""
     base = [*TINY, "optim=muon", "train.max_steps=6"]
     bf16 = [*base, "precision=bf16"]
     moe = [*base, "model=moe_tiny", "train.max_steps=4"]
@@ -131,18 +132,25 @@ def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at
                                              (moe, str(tmp_path / "one_moe"))])
     stages = ("stage1", "stage2", "stage3")
     saved = tmp_path / "stage1" / "checkpoints" / "global_step3"
-    runs = [([*base, "parallel.dp=2", f"zero={s}", *(["train.save_interval=3"] if s == "stage1" else [])],
-             str(tmp_path / s)) for s in stages]
+    saves = {"stage1": ["train.save_interval=3"],  # layout-free
+             "stage2": ["train.save_interval=3", "train.universal_checkpoint=false", "train.native_checkpoint=true"]}
+    runs = [([*base, "parallel.dp=2", f"zero={s}", *saves.get(s, [])], str(tmp_path / s)) for s in stages]
     runs.append(([*bf16, "parallel.dp=2", "zero=stage3"], str(tmp_path / "stage3_bf16")))
     runs.append(([*moe, "parallel.dp=2", "zero=stage3"], str(tmp_path / "stage3_moe")))  # expert stacks too
     runs.append(([*base, "parallel.dp=2", "backend=fsdp2", f"train.resume={saved}"], str(tmp_path / "resumed")))
+    runs.append(([*base, "parallel.dp=2", "zero=stage3", f"train.resume={saved}"], str(tmp_path / "resumed_zero3")))
+    native = tmp_path / "stage2" / "checkpoints" / "global_step3"  # DeepSpeed's own files: Muon's state_dict
+    runs.append(([*base, "parallel.dp=2", "zero=stage2", "train.universal_checkpoint=false",
+                  "train.native_checkpoint=true", "train.trust_pickled_checkpoint=true", f"train.resume={native}"],
+                 str(tmp_path / "resumed_native")))
     ranks = run_ranks(_train_counting, 2, tmp_path, runs=runs)
     reference = {name: curve(read_metrics(tmp_path / name), "loss") for name in ("one", "one_bf16", "one_moe")}
     assert [s for s, _ in reference["one"]] == [s for s, _ in reference["one_bf16"]] == list(range(1, 7))
     # (run, its reference, first step, relative tolerance: bf16 rounds each rank's weights alike, its
     # reductions not)
     for name, against, start, rel in [*((s, "one", 0, 1e-4) for s in stages), ("stage3_bf16", "one_bf16", 0, 1e-3),
-                                      ("stage3_moe", "one_moe", 0, 1e-4), ("resumed", "one", 3, 1e-4)]:
+                                      ("stage3_moe", "one_moe", 0, 1e-4), ("resumed", "one", 3, 1e-4),
+                                      ("resumed_zero3", "one", 3, 1e-4), ("resumed_native", "one", 3, 1e-4)]:
         got = curve(read_metrics(tmp_path / name), "loss")
         assert [s for s, _ in got] == list(range(start + 1, len(reference[against]) + 1)) != [], name
         for (step, a), (_, b) in zip(got, reference[against][start:]):
