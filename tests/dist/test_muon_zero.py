@@ -106,9 +106,14 @@ def _train_counting(rank: int, world: int, runs: list[tuple[list[str], str]]) ->
             engine = getattr(trainer.backend, "engine", None)  # DeepSpeed's (FSDP2's: none)
             muon = getattr(engine.optimizer, "optimizer", None) if engine is not None else None
             partitions = list(getattr(muon, "flat_partitions", {}).values())
+            # Muon's momentum and AdamW's moments, each storage once: what the memory report must count
+            state = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for st in (muon.state.values()
+                     if muon is not None else ()) for v in st.values() if torch.is_tensor(v) and v.dim() > 0}
             hidden = sum(is_hidden_matrix(name, tuple(getattr(p, "ds_shape", p.shape)))
                          for name, p in trainer.backend.module.named_parameters())
             out.append({"engine": trainer.engine, "partitions": len(partitions), "hidden": hidden,
+                        "state_bytes": sum(state.values()),
+                        "held_optimizer": trainer.backend.held_model_states()["optimizer"] if muon else 0,
                         "matrices": sum(len(p.matrices.shapes) for p in partitions),
                         "owned": sum(len(p.matrices.owned()) for p in partitions),
                         "received": sum(p.matrices.received_numel for p in partitions),
@@ -166,3 +171,6 @@ def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at
         for c in counts:
             assert c["received"] == c["owned_numel"] > 0, (stage, c)
             assert 0.3 <= c["owned_cost"] / c["cost"] <= 0.7, (stage, c)
+            # the memory report counts Muon's state as optimizer state (bf16: with the fp32 masters)
+            assert c["state_bytes"] > 0 and (c["held_optimizer"] == c["state_bytes"] if "bf16" not in stage
+                                             else c["held_optimizer"] > c["state_bytes"]), (stage, c)
