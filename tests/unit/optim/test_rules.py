@@ -58,6 +58,8 @@ def test_muon_runs_on_fsdp2_in_every_layout(overrides, axis):
     ([*MUON, "zero=stage2", "offload=cpu"], "optim=muon with offload.optimizer=cpu: "),
     ([*MUON, "zero=stage3", "offload.param=cpu"], "optim=muon with offload.param=cpu: "),
     ([*MUON, "zero=stage1", "parallel.pp=2", "parallel.dp=1"], "optim=muon with parallel.pp=2: "),
+    ([*MUON, "zero=stage2", "parallel.tp=2", "parallel.dp=1"],
+     "optim=muon with parallel.tp=2: Newton-Schulz needs whole matrices, which megaframe assembles from DeepSpeed's"),
     ([*MUON, "precision=bf16"], FLAT),
     ([*MUON, "parallel.tp=2"], FLAT),  # DeepSpeed's engine at more than one process
     ([*MUON, "backend=fsdp2", "offload=cpu"], "optim=muon with offload.optimizer=cpu: "),
