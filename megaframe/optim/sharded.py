@@ -162,6 +162,8 @@ class ShardedMatrices:
         Memory beyond the pieces: the send buffer until the first exchange returns; the received
         buffer, into which each owned matrix's result is cut back in place (its layout is the return
         send's), with one matrix and its result at a time; then the buffer the results come back in."""
+        if not items:  # the same on every rank of the group: none of them exchanges
+            return []
         ids = [i for i, _, _ in items]
         by_owner: list[list[int]] = [[] for _ in range(self.ranks)]  # one pass: ranks x matrices would not scale
         for k, i in enumerate(ids):
@@ -170,7 +172,7 @@ class ShardedMatrices:
         # to each owner, my piece of every matrix it owns; from each rank, its pieces of the ones I own
         send_counts = [sum(self._numel(self.rank, ids[k]) for k in by_owner[r]) for r in range(self.ranks)]
         recv_counts = [sum(self._numel(s, ids[k]) for k in mine) for s in range(self.ranks)]
-        device = items[0][1].device if items else torch.device("cpu")
+        device = items[0][1].device
         send = torch.empty(sum(send_counts), dtype=torch.float32, device=device)
         at = 0
         for k in (k for r in range(self.ranks) for k in by_owner[r]):
