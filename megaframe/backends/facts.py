@@ -51,3 +51,6 @@ class EngineFacts:
     # its optimizer steps each parameter's own tensor (whole, or a DTensor's row shard), not flat
     # partitions of many: an optimizer that needs a parameter's shape (Muon: optim/rules.py) runs on it
     optimizer_on_tensors: bool = False
+    # the ZeRO stages whose flat partitions it describes to the optimizer (where each matrix lies in
+    # each rank's partition: optim/sharded.py's FlatPartition), so Muon assembles matrices from them
+    described_partition_stages: tuple[int, ...] = ()

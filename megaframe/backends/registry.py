@@ -69,7 +69,9 @@ def validate_for_engine(cfg: TrainConfig, world_size: int, ask_bf16: bool = True
     return validate(cfg, world_size, plug.device_supports_fp16, plug.device_supports_bf16 if ask_bf16 else None,
                     plug.config_problem,
                     lambda c, lay: optim_layout_problem(c, lay, plug.facts.optimizer_on_tensors
-                                                        or runs_plain(c, lay.world_size)) or plug.layout_problem(c, lay),
+                                                        or runs_plain(c, lay.world_size),
+                                                        plug.facts.described_partition_stages)
+                    or plug.layout_problem(c, lay),
                     plug.facts.per_module_gather_stages,
                     (lambda: cuda_capability(plug.device_type())) if ask_bf16 else None)
 

@@ -1,5 +1,6 @@
 """The optimizer every engine steps with, built from `optim` (OptimConfig) in one place: the plain
-and FSDP2 engines take the optimizer, DeepSpeed (which builds its own AdamW from ds_config) the groups."""
+and FSDP2 engines take the optimizer; DeepSpeed takes the groups for its own AdamW (from ds_config),
+or Muon as its client optimizer (backends/deepspeed/muon_zero.py)."""
 from __future__ import annotations
 
 import torch
@@ -22,14 +23,16 @@ def param_groups(model: torch.nn.Module, optim: OptimConfig, shape: Shape = full
     return decay_param_groups(model, optim.weight_decay, shape)
 
 
-def build_optimizer(model: torch.nn.Module, optim: OptimConfig, fused: bool = True, ps=None) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, optim: OptimConfig, fused: bool = True, ps=None,
+                    shape: Shape = full_shape) -> torch.optim.Optimizer:
     """optim.name's optimizer over the model's parameters. AdamW: torch's, fused (one kernel per step
     on a GPU; torch's fused CPU kernel on the host, which DeepSpeed's ZeRO-0 uses too). ps: the
-    ParallelState, which Muon assembles tensor-parallel matrices with (build it on every rank at once)."""
+    ParallelState, which Muon assembles tensor-parallel matrices with (build it on every rank at once).
+    shape: a parameter's full shape, where the engine has already partitioned it away (ZeRO-3)."""
     if optim.name == "muon":
         m = optim.muon
-        return Muon(muon_param_groups(model, optim), momentum=m.momentum, nesterov=m.nesterov,
+        return Muon(muon_param_groups(model, optim, shape), momentum=m.momentum, nesterov=m.nesterov,
                     ns_coefficients=tuple(m.ns_coefficients), ns_steps=m.ns_steps, eps=m.eps, adjust_lr=m.adjust_lr,
-                    betas=tuple(optim.betas), adamw_eps=optim.eps, fused=fused, ps=ps)
+                    betas=tuple(optim.betas), adamw_eps=optim.eps, fused=fused, ps=ps, shape=shape)
     return torch.optim.AdamW(decay_param_groups(model, optim.weight_decay), lr=optim.lr, betas=tuple(optim.betas),
                              eps=optim.eps, weight_decay=optim.weight_decay, fused=fused)

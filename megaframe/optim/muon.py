@@ -10,9 +10,10 @@ The AdamW groups are stepped by a torch.optim.AdamW that shares these groups and
 
 Newton-Schulz needs the whole matrix: a matrix is whole on this rank (one rank, a mesh of one, an
 expert stack split by experts), or split over ranks (FSDP2's shards, tensor parallelism's pieces,
-both: pieces.py) and assembled on one owner among them (sharded.py). The config rules
-(optim/rules.py) refuse the layouts nothing here assembles before launch; the constructor refuses a
-parameter it cannot assemble again (never a silently wrong update)."""
+both: pieces.py), or cut into flat ranges of a partition an engine steps as one tensor (DeepSpeed
+ZeRO's, which the engine describes through partition_flat()), and assembled on one owner among them
+(sharded.py). The config rules (optim/rules.py) refuse the layouts nothing here assembles before
+launch; the constructor refuses a parameter it cannot assemble again (never a silently wrong update)."""
 from __future__ import annotations
 
 import math
@@ -23,8 +24,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from megaframe.config.optim_rules import ADJUST_LR
+from megaframe.optim.groups import Shape, full_shape
 from megaframe.optim.pieces import Piece, PieceError, piece, tp_groups
-from megaframe.optim.sharded import ShardedMatrices
+from megaframe.optim.sharded import FlatPartition, ShardedMatrices
 from megaframe.optim.table import group_optimizer
 
 
@@ -75,7 +77,7 @@ def split_groups(params: Sequence[torch.nn.Parameter], pieces: Sequence[Piece], 
     for i, part in enumerate(pieces):
         if part.group is not None:
             by_group.setdefault(tuple(dist.get_process_group_ranks(part.group)), []).append(i)
-    return [ShardedMatrices([params[i] for i in members], [pieces[i] for i in members], device)
+    return [ShardedMatrices([pieces[i] for i in members], device, params=[params[i] for i in members])
             for members in by_group.values()]
 
 
@@ -86,16 +88,18 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, groups: list[dict], *, momentum: float, nesterov: bool, ns_coefficients: Sequence[float],
                  ns_steps: int, eps: float, adjust_lr: str, betas: tuple[float, float], adamw_eps: float,
-                 fused: bool = True, ps=None):
-        """ps: the ParallelState, where tensor parallelism splits matrices (its groups assemble them)."""
+                 fused: bool = True, ps=None, shape: Shape = full_shape):
+        """ps: the ParallelState, where tensor parallelism splits matrices (its groups assemble them).
+        shape: a parameter's full shape, where the engine has already partitioned it away (ZeRO-3,
+        whose flat partitions the engine describes later: partition_flat)."""
         if adjust_lr not in ADJUST_LR:
             raise ValueError(f"adjust_lr={adjust_lr!r}: one of {', '.join(ADJUST_LR)}")
         around_tp = tp_groups(ps)  # collective when made: every rank builds its optimizer at once
         matrices, pieces = [], []
         for group in groups:
             for p in group["params"] if group_optimizer(group) == "muon" else ():
-                if p.ndim not in (2, 3):
-                    raise ValueError(f"Muon steps matrices and stacks of them, not a tensor of shape {tuple(p.shape)}")
+                if len(shape(p)) not in (2, 3):
+                    raise ValueError(f"Muon steps matrices and stacks of them, not a tensor of shape {tuple(shape(p))}")
                 try:
                     pieces.append(piece(p, around_tp))
                 except PieceError as e:
@@ -112,6 +116,13 @@ class Muon(torch.optim.Optimizer):
         self.full_shapes = {id(p): part.full for p, part in zip(matrices, pieces)}
         device = whole(matrices[0]).device if matrices else torch.device("cpu")
         self.split = split_groups(matrices, pieces, device)
+        self.flat_partitions: dict[int, FlatPartition] = {}  # id(flat tensor) -> its matrices' parts
+
+    def partition_flat(self, flat: torch.Tensor, partition: FlatPartition) -> None:
+        """Step `flat` (a tensor an engine puts in a Muon group in place of its parameters: DeepSpeed
+        ZeRO's fp32 partition) as the flat pieces of whole matrices `partition` describes. The momentum
+        is one buffer shaped like `flat`; Newton-Schulz runs on the matrices this rank owns."""
+        self.flat_partitions[id(flat)] = partition
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -127,6 +138,9 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 update = self._momentum(group, p)
+                if id(p) in self.flat_partitions:
+                    self._step_flat(group, p, update)
+                    continue
                 where = next((n for n, split in enumerate(self.split) if split.holds(p)), None)
                 if where is not None:
                     assembled[where].append((group, p, update))
@@ -137,8 +151,30 @@ class Muon(torch.optim.Optimizer):
                 results = split.orthogonalise([(p, u, _orthogonaliser(g)) for g, p, u in items])
                 for (group, p, _), update in zip(items, results):
                     self._apply(group, p, update)
-        self.adamw.step()
+        # only the AdamW groups the engine shows now: DeepSpeed's ZeRO-1/2 steps one group at a time
+        # by narrowing param_groups (each other group's flat partition would be stepped again); and
+        # this state table, which torch's load_state_dict (DeepSpeed's native resume) replaces
+        every = self.adamw.param_groups
+        self.adamw.param_groups = [g for g in self.param_groups if group_optimizer(g) == "adamw"]
+        self.adamw.state = self.state
+        try:
+            self.adamw.step()
+        finally:
+            self.adamw.param_groups = every
         return loss
+
+    def _step_flat(self, group: dict, flat: torch.Tensor, update: torch.Tensor) -> None:
+        """A flat partition's step: each matrix's part of the update goes to the matrix's owner, comes
+        back orthogonalised, and is applied to this rank's part at the rate its full shape adjusts
+        (the partition's padding is never stepped)."""
+        partition = self.flat_partitions[id(flat)]
+        orthogonaliser = _orthogonaliser(group)
+        results = partition.matrices.exchange([(i, part, orthogonaliser)
+                                               for i, part in enumerate(partition.parts(update))])
+        lr = group["lr"]
+        for shape, param, result in zip(partition.matrices.shapes, partition.parts(flat.data), results):
+            param.mul_(1 - lr * group["weight_decay"])
+            param.add_(result, alpha=-adjusted_lr(lr, group["adjust_lr"], shape))
 
     def _momentum(self, group: dict, p: torch.nn.Parameter) -> torch.Tensor:
         """The momentum buffer moved towards the gradient, and the update (Nesterov's look-ahead or the

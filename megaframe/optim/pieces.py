@@ -26,12 +26,15 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 @dataclass(frozen=True)
 class Piece:
     """This rank's box of the matrix `full` (offset and shape per dim), and the group holding the
-    other boxes (None: the box is the whole matrix)."""
+    other boxes (None: the box is the whole matrix). flat: the box is a range [offset, offset + shape)
+    of the matrix's flattened elements instead, 1-D (DeepSpeed ZeRO's partitions cut anywhere, even
+    mid-row: backends/deepspeed/muon_zero.py)."""
 
     full: tuple[int, ...]
     offset: tuple[int, ...]
     shape: tuple[int, ...]
     group: Any = None
+    flat: bool = False
 
 
 class PieceError(ValueError):

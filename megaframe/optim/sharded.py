@@ -9,16 +9,29 @@ piece of every matrix to that matrix's owner, then each owner returns every rank
 results. So Newton-Schulz work per rank is about 1/n of the group's (owners balanced by its cost,
 the same choice on every rank: a function of the full shapes), and no rank holds more than its
 pieces plus the matrices it owns. Momentum, weight decay and the update stay elementwise on each
-rank's piece. Where each rank's piece lies is exchanged once, when the optimizer is built."""
+rank's piece. Where each rank's piece lies is exchanged once, when the optimizer is built.
+
+A piece is a box of the matrix (FSDP2, TP) or a flat range [a, b) of its flattened elements, cut
+anywhere (a flat Piece: DeepSpeed ZeRO's partitions, backends/deepspeed/muon_zero.py, which steps
+them through FlatPartition). exchange() works on matrix indices and flat parts for both;
+orthogonalise() keys it by parameter for the engines that step parameter tensors."""
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megaframe.optim.pieces import Piece, PieceError, box
+
+
+def row_counts(rows: int, ranks: int) -> list[int]:
+    """Each rank's rows of a Shard(0) split (torch.chunk's: ceil(rows/ranks) each, the last ones
+    shorter or empty): FSDP2's row shards, which the planner's assembly traffic counts."""
+    size = -(-rows // ranks)
+    return [max(0, min(rows, (r + 1) * size) - r * size) for r in range(ranks)]
 
 
 def ns_cost(shape: Sequence[int]) -> int:
@@ -49,9 +62,10 @@ def _gather_boxes(pieces: Sequence[Piece], group: Any, device: torch.device) -> 
     return torch.stack(every).cpu()
 
 
-def _unpack(row: list[int], full: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _unpack(row: list[int], space: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A gathered row's box (offset, shape) in `space`: the matrix's dims, or (numel,) for a flat piece."""
     ndim = len(row) // 2
-    return tuple(row[:len(full)]), tuple(row[ndim:ndim + len(full)])
+    return tuple(row[:len(space)]), tuple(row[ndim:ndim + len(space)])
 
 
 def check_tiling(full: tuple[int, ...], boxes: Sequence[tuple]) -> None:
@@ -68,22 +82,29 @@ def check_tiling(full: tuple[int, ...], boxes: Sequence[tuple]) -> None:
 
 
 class ShardedMatrices:
-    """The split matrices of one group of ranks, their owners, and the two exchanges of a step."""
+    """The split matrices of one group of ranks, their owners, and the two exchanges of a step.
+    pieces: this rank's Piece of each matrix (the same matrices in the same order on every rank of
+    the group, which all build it at once: one all_gather and one all_reduce); params: the parameter
+    each one is, where the caller steps parameters (orthogonalise), else indices (exchange)."""
 
-    def __init__(self, params: Sequence[torch.Tensor], pieces: Sequence[Piece], device: torch.device):
+    def __init__(self, pieces: Sequence[Piece], device: torch.device,
+                 params: Optional[Sequence[torch.Tensor]] = None):
         groups = {tuple(dist.get_process_group_ranks(p.group)) for p in pieces}
         if len(groups) != 1:
             raise PieceError(f"Muon assembles each set of matrices within one group; these span {len(groups)}")
         self.group = pieces[0].group
         self.ranks, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        self.index = {id(p): i for i, p in enumerate(params)}
+        self.index = {id(p): i for i, p in enumerate(params or ())}
         self.shapes = [p.full for p in pieces]
+        self.flat = [p.flat for p in pieces]
+        # the coordinates each matrix's boxes are in: its own dims, or its flattened elements
+        self.spaces = [(math.prod(p.full),) if p.flat else p.full for p in pieces]
         self.owners = assign_owners(self.shapes, self.ranks)
         # kept: this rank's box of every matrix, and every rank's box of the matrices it owns (not
         # ranks x matrices boxes on every rank); read to lists once, here, never in the step
         every = _gather_boxes(pieces, self.group, device)
-        self.mine = [_unpack(row, self.shapes[i]) for i, row in enumerate(every[self.rank].tolist())]
-        self.theirs = {i: [_unpack(row, self.shapes[i]) for row in every[:, i].tolist()] for i in self.owned()}
+        self.mine = [_unpack(row, self.spaces[i]) for i, row in enumerate(every[self.rank].tolist())]
+        self.theirs = {i: [_unpack(row, self.spaces[i]) for row in every[:, i].tolist()] for i in self.owned()}
         self._check(device)
         self.received_numel = 0  # elements of whole matrices this rank assembled at the last step
 
@@ -93,7 +114,7 @@ class ShardedMatrices:
         problem = None
         for i, boxes in self.theirs.items():
             try:
-                check_tiling(self.shapes[i], boxes)
+                check_tiling(self.spaces[i], boxes)
             except PieceError as e:
                 problem = problem or str(e)
         flag = torch.tensor([problem is not None], dtype=torch.int32, device=device)
@@ -114,11 +135,36 @@ class ShardedMatrices:
     def _numel(self, rank: int, i: int) -> int:
         return math.prod(self._box(rank, i)[1])
 
+    def local_numel(self, i: int) -> int:
+        """The elements of matrix i this rank holds."""
+        return self._numel(self.rank, i)
+
+    def _region(self, matrix: torch.Tensor, rank: int, i: int) -> torch.Tensor:
+        """Rank `rank`'s piece of matrix i within `matrix` (a view): its box, or its flat range."""
+        offset, shape = self._box(rank, i)
+        if self.flat[i]:
+            return matrix.view(-1).narrow(0, offset[0], shape[0])
+        return matrix[box(offset, shape)]
+
     def orthogonalise(self, items: Sequence[tuple[torch.Tensor, torch.Tensor, Callable]]) -> list[torch.Tensor]:
         """items: (param, this rank's piece of its update, the matrix's orthogonalisation), the same
-        params in the same order on every rank of the group. Returns this rank's piece of each result
-        (fp32 holding the bf16 values Newton-Schulz made: adding them is adding the bf16 result)."""
-        ids = [self.index[id(p)] for p, _, _ in items]
+        params in the same order on every rank of the group. Returns this rank's piece of each result,
+        shaped like its update (exchange's)."""
+        results = self.exchange([(self.index[id(p)], update, fn) for p, update, fn in items])
+        return [result.view(update.shape) for (_, update, _), result in zip(items, results)]
+
+    def exchange(self, items: Sequence[tuple[int, torch.Tensor, Callable]]) -> list[torch.Tensor]:
+        """items: (matrix index, this rank's piece of its update (any shape, its piece's elements),
+        the matrix's orthogonalisation), the same matrices in the same order on every rank of the
+        group. Returns this rank's piece of each result, flat fp32 (holding the bf16 values
+        Newton-Schulz made: adding them is adding the bf16 result), views of one received buffer.
+
+        Memory beyond the pieces: the send buffer until the first exchange returns; the received
+        buffer, into which each owned matrix's result is cut back in place (its layout is the return
+        send's), with one matrix and its result at a time; then the buffer the results come back in."""
+        if not items:  # the same on every rank of the group: none of them exchanges
+            return []
+        ids = [i for i, _, _ in items]
         by_owner: list[list[int]] = [[] for _ in range(self.ranks)]  # one pass: ranks x matrices would not scale
         for k, i in enumerate(ids):
             by_owner[self.owners[i]].append(k)
@@ -127,34 +173,59 @@ class ShardedMatrices:
         send_counts = [sum(self._numel(self.rank, ids[k]) for k in by_owner[r]) for r in range(self.ranks)]
         recv_counts = [sum(self._numel(s, ids[k]) for k in mine) for s in range(self.ranks)]
         device = items[0][1].device
-        send = torch.cat([items[k][1].float().reshape(-1) for r in range(self.ranks) for k in by_owner[r]]) \
-            if sum(send_counts) else torch.empty(0, device=device)
+        send = torch.empty(sum(send_counts), dtype=torch.float32, device=device)
+        at = 0
+        for k in (k for r in range(self.ranks) for k in by_owner[r]):
+            n = self._numel(self.rank, ids[k])
+            send.narrow(0, at, n).view(items[k][1].shape).copy_(items[k][1])
+            at += n
         received = self._exchange(send, recv_counts, send_counts)
+        del send
         self.received_numel = received.numel()
-        # assemble each owned matrix from every rank's piece, orthogonalise it, cut it into pieces again
+        # assemble each owned matrix from every rank's piece, orthogonalise it, and cut the result into
+        # the same places of `received` (rank s's pieces of the matrices I own, in order: the return's)
         pieces = [list(chunk.split([self._numel(s, ids[k]) for k in mine]))
                   for s, chunk in enumerate(received.split(recv_counts))]
-        back: list[list[torch.Tensor]] = [[] for _ in range(self.ranks)]
         for n, k in enumerate(mine):
             i = ids[k]
             matrix = received.new_empty(self.shapes[i])
             for s in range(self.ranks):
-                offset, shape = self._box(s, i)
-                if math.prod(shape):
-                    matrix[box(offset, shape)] = pieces[s][n].view(shape)
-            result = items[k][2](matrix).float()
+                if pieces[s][n].numel():
+                    target = self._region(matrix, s, i)
+                    target.copy_(pieces[s][n].view(target.shape))
+            result = items[k][2](matrix)
+            del matrix
+            if self.flat[i]:
+                result = result.contiguous()
             for s in range(self.ranks):
-                offset, shape = self._box(s, i)
-                back[s].append(result[box(offset, shape)].reshape(-1))
-        flat = [piece for s in range(self.ranks) for piece in back[s]]
-        out = self._exchange(torch.cat(flat) if flat else torch.empty(0, device=device), send_counts, recv_counts)
+                if pieces[s][n].numel():
+                    source = self._region(result, s, i)
+                    pieces[s][n].view(source.shape).copy_(source)
+            del result
+        del pieces
+        out = self._exchange(received, send_counts, recv_counts)
+        del received
         mine_back = {}
         for r, chunk in enumerate(out.split(send_counts)):
             for k, piece in zip(by_owner[r], chunk.split([self._numel(self.rank, ids[k]) for k in by_owner[r]])):
-                mine_back[k] = piece.view(items[k][1].shape)
+                mine_back[k] = piece
         return [mine_back[k] for k in range(len(items))]
 
     def _exchange(self, send: torch.Tensor, recv_counts: list[int], send_counts: list[int]) -> torch.Tensor:
         received = send.new_empty(sum(recv_counts))
         dist.all_to_all_single(received, send, recv_counts, send_counts, group=self.group)
         return received
+
+
+@dataclass
+class FlatPartition:
+    """A rank's flat partition of many parameters (DeepSpeed ZeRO's fp32 partition of one group): the
+    matrices with a flat piece in it (matrices), and where each one's piece lies in the partition
+    (offsets[i]: its first element; its length is matrices.local_numel(i))."""
+
+    matrices: ShardedMatrices
+    offsets: list[int]
+
+    def parts(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's piece of each matrix in `flat` (a tensor laid out as the partition), views."""
+        return [flat.narrow(0, at, self.matrices.local_numel(i)) for i, at in enumerate(self.offsets)]

@@ -97,6 +97,8 @@ def to_ds_config(cfg: TrainConfig, layout: Layout, swap_dir: Optional[str] = Non
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
     }
+    if o.name != "adamw":  # another optimizer is megaframe's, handed to deepspeed.initialize (engine.py)
+        del ds["optimizer"]
     ds.update(precision_block(cfg))
     if layout.pp > 1 and cfg.parallel.sequence_parallel:
         # The pipeline engine assumes activations are replicated across TP ranks and sends each rank

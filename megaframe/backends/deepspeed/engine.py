@@ -24,6 +24,7 @@ from megaframe.backends.deepspeed.ds_config import to_ds_config
 from megaframe.backends.deepspeed.experts import deepspeed_expert_marks, mark_expert_parallel
 from megaframe.backends.deepspeed.memory import held_model_states
 from megaframe.backends.deepspeed.muon_import import import_muon_lazily
+from megaframe.backends.deepspeed.muon_zero import describe_partitions
 from megaframe.backends.deepspeed.nvme import open_nvme_swap
 from megaframe.backends.deepspeed.pipeline import build_pipeline_model, counted_on_another_stage
 from megaframe.backends.deepspeed.overflow import batch_overflow_check
@@ -37,7 +38,8 @@ from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims
 from megaframe.model.factory import build_model, compile_model, count_parameters
 from megaframe.model.moe import update_expert_biases
-from megaframe.optim.build import param_groups
+from megaframe.optim.build import build_optimizer, param_groups
+from megaframe.optim.state import state_keys_by_param
 from megaframe.parallel.rendezvous import join_world
 from megaframe.parallel.grad_bucket import ReplicatedGradBucket
 from megaframe.parallel.grad_norm import grad_norm
@@ -103,10 +105,17 @@ class DeepSpeedBackend:
         self.module = module
         self.num_parameters = self._count_parameters(module)
         self.writes_layout_free = not layout_free_unsupported(cfg, layout)
+        # Muon: megaframe's, as ZeRO's client optimizer (muon_zero.py); AdamW: DeepSpeed's, from ds_config
+        client = build_optimizer(module, cfg.optim, shape=built_shape) if cfg.optim.name == "muon" else None
+        # each parameter's state names, read before ZeRO puts its flat partitions in the groups
+        self._state_keys = state_keys_by_param(client) if client is not None else None
         self.engine, _, _, self.lr_scheduler = deepspeed.initialize(
-            model=module, model_parameters=param_groups(module, cfg.optim, built_shape),
+            model=module, optimizer=client,
+            model_parameters=None if client else param_groups(module, cfg.optim, built_shape),
             config=ds_config, lr_scheduler=lr_scheduler,
             mpu=None if self.pipelined else MegatronMpu(ps))  # a PipelineModule brings its own grid
+        if client is not None:
+            describe_partitions(self.engine.optimizer, client)
         if self.grad_bucket is not None:
             self._flush_bucket_at_boundary()
         batch_overflow_check(self.engine.optimizer)  # bf16/fp16 at ZeRO-0: one host read, not one per tensor
@@ -241,7 +250,7 @@ class DeepSpeedBackend:
     # ---- state -------------------------------------------------------------------------------
     def _view(self) -> state_io.EngineView:
         return state_io.EngineView(self.engine, self.ps, self.dims, self.pipelined, self.cfg.zero.stage,
-                                   self.cfg.precision.dtype)
+                                   self.cfg.precision.dtype, self.cfg.optim.name, self._state_keys)
 
     def state_parts(self) -> dict[str, Any]:
         return model_state_parts(self.module, self.ps, self.dims, self.device)

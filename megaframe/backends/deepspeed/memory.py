@@ -42,7 +42,7 @@ def _walk(obj: Any, path: str, found: dict, visited: set, depth: int = 0) -> Non
         for i, value in enumerate(obj):
             _walk(value, f"{path}[{i}]", found, visited, depth + 1)
     elif (hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type))
-          and type(obj).__module__.startswith(("deepspeed", "torch.optim"))):
+          and type(obj).__module__.startswith(("deepspeed", "torch.optim", "megaframe.optim"))):  # Muon: a client optimizer
         for key, value in vars(obj).items():
             _walk(value, f"{path}.{key}", found, visited, depth + 1)
 

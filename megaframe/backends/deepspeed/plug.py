@@ -13,7 +13,8 @@ FACTS = EngineFacts(
     # its fp32 masters (and under ZeRO at fp32 a flat partition) by stage; a pipeline's tied embedding
     # is the TiedLayerSpec's whole module on both ends
     memory=MemoryTerms(states=ZERO_PAPER, unsharded=ZERO_BUFFERS, shards_within_replica=False,
-                       tied_copy_holds_positions=True))
+                       tied_copy_holds_positions=True),
+    described_partition_stages=(1, 2, 3))  # ZeRO-1/2/3's flat partitions, for Muon (muon_zero.py)
 
 PLUG = lazy_plug("deepspeed", FACTS, build="engine:DeepSpeedBackend", init_distributed="engine:init_distributed",
                  device_type="accelerator:device_type",

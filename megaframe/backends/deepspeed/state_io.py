@@ -7,7 +7,8 @@ Every rank writes only what it owns and reads only what it needs; no collective 
   ZeRO-0 fp32, where every DP rank holds everything, an even 1/dp split so the writing is shared.
   Replicas write nothing: TP ranks other than 0 for unsharded parameters, the last pipeline
   stage's copy of a tied embedding.
-- Save: the owned range of the weights, fp32 master and Adam moments, cut into boxes of the full
+- Save: the owned range of the weights, fp32 master and optimizer state (each parameter's by the
+  names its optimizer gives it: Adam's moments, Muon's momentum; optim/table.py), cut into boxes of the full
   tensor (vocabulary padding dropped), goes to the rank's file one chunk at a time
   (checkpoint/sharded.py); an async save first copies those chunks to host memory, its own shard.
 - Load: the same boxes for this layout, read from whichever chunks overlap them (memory-mapped
@@ -30,6 +31,7 @@ from megaframe.backends.common import adam_step, adam_step_tensor, jsonable, res
 from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.boxes import Box, clip_rows, even_range, flat_range_boxes
 from megaframe.checkpoint.universal import MASTER_KEY, MOMENT_KEYS, CheckpointError
+from megaframe.optim.table import COUNTS_STEPS, group_optimizer, state_keys
 from megaframe.model.dims import GPTDims
 from megaframe.model.spec import VOCAB_PARAMS, ModelSpec
 from megaframe.parallel.state import ParallelState
@@ -48,6 +50,14 @@ class EngineView:
     pipelined: bool
     zero_stage: int
     dtype: str  # fp32 | bf16 | fp16
+    optimizer: str = "adamw"  # the optimizer's name a checkpoint records (optim/state.py)
+    # id(module parameter) -> its state tensors' names, where not Adam's moments (optim/state.py's
+    # state_keys_by_param of megaframe's optimizer, taken before DeepSpeed put flat partitions in its groups)
+    keys_by_param: Optional[dict] = None
+
+    def moment_keys(self, param) -> tuple[str, ...]:
+        """The optimizer state tensors stored for `param` (AdamW's moments unless said otherwise)."""
+        return (self.keys_by_param or {}).get(id(param), MOMENT_KEYS)
 
     @property
     def base_optimizer(self) -> torch.optim.Optimizer:
@@ -190,11 +200,13 @@ def _owned(view: EngineView, h: Holding, key: str) -> Optional[torch.Tensor]:
     return state[key].flatten()[start:stop] if key in state else None
 
 
-def _stored_keys(view: EngineView, with_optimizer: bool) -> tuple[str, ...]:
-    """The tensors of each parameter a checkpoint stores (fp32 runs have no separate master)."""
+def _stored_keys(view: EngineView, with_optimizer: bool, param: Optional[torch.nn.Parameter] = None
+                 ) -> tuple[str, ...]:
+    """The tensors of a parameter a checkpoint stores (fp32 runs have no separate master); its
+    optimizer's state names (param None: AdamW's)."""
     if not with_optimizer:
         return (WEIGHT,)
-    return (WEIGHT, *(() if view.dtype == "fp32" else (MASTER_KEY,)), *MOMENT_KEYS)
+    return (WEIGHT, *(() if view.dtype == "fp32" else (MASTER_KEY,)), *view.moment_keys(param))
 
 
 def _tensor_key(key: str, name: str) -> str:
@@ -228,7 +240,7 @@ def shard_pieces(view: EngineView, with_optimizer: bool, snapshot: bool) -> list
     for h in holdings(view):
         if not h.writes or h.own[0] == h.own[1]:
             continue
-        for key in _stored_keys(view, with_optimizer):
+        for key in _stored_keys(view, with_optimizer, h.param):
             copy = owned(h, key).detach().to("cpu", torch.float32, copy=True) if snapshot else None
             for position, box in h.boxes(*h.own):
                 def values(h=h, key=key, copy=copy, at=position, n=box.numel) -> torch.Tensor:
@@ -237,21 +249,33 @@ def shard_pieces(view: EngineView, with_optimizer: bool, snapshot: bool) -> list
     return pieces
 
 
-def _create_adam_state(view: EngineView, step: int) -> None:
-    """Adam state exists only after the first step (torch and DeepSpeed create it lazily): make it
-    now, at the checkpoint's step count, so the moments have somewhere to go."""
+def _stepped_tensors(view: EngineView) -> list[tuple[torch.Tensor, dict]]:
+    """(tensor, its param group) for every tensor the optimizer steps: ZeRO's flat fp32 partitions
+    (ZeRO-3 swaps them into param_groups only during its step, one sub-group at a time), else the
+    module parameters."""
     base, opt = view.base_optimizer, view.engine.optimizer
-    # the tensors Adam steps: ZeRO's flat fp32 partitions (ZeRO-3 swaps them into param_groups
-    # only during its step), else the module parameters
-    flats = getattr(opt, "fp32_partitioned_groups_flat", None) or getattr(opt, "single_partition_of_fp32_groups", None)
-    on_device = {id(p): bool(group.get("fused") or group.get("capturable"))
-                 for group in base.param_groups for p in group["params"]}
-    for p in flats or [p for group in base.param_groups for p in group["params"]]:
+    if getattr(opt, "fp32_partitioned_groups_flat", None):
+        return [(flat, base.param_groups[opt.sub_group_to_group_id[sub]])
+                for sub, flat in enumerate(opt.fp32_partitioned_groups_flat)]
+    if getattr(opt, "single_partition_of_fp32_groups", None):
+        return list(zip(opt.single_partition_of_fp32_groups, base.param_groups))
+    return [(p, group) for group in base.param_groups for p in group["params"]]
+
+
+def _create_adam_state(view: EngineView, step: int) -> None:
+    """Optimizer state exists only after the first step (torch and DeepSpeed create it lazily): make
+    it now (each group's tensors by its optimizer's names: Adam's moments at the checkpoint's step
+    count, Muon's momentum), so the stored tensors have somewhere to go."""
+    base = view.base_optimizer
+    for p, group in _stepped_tensors(view):
         state = base.state[p]
-        if not state:
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] = adam_step_tensor(step, p, on_device.get(id(p), _fused(base)))
+        for key in state_keys(group):
+            if key not in state:
+                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if COUNTS_STEPS[group_optimizer(group)]:
+            in_group = any(q is p for q in group["params"])  # ZeRO-3's flats are not, outside its step
+            in_kernel = bool(group.get("fused") or group.get("capturable")) if in_group else _fused(base)
+            state["step"] = adam_step_tensor(step, p, in_kernel)
     _link_optimizer_state(view)
 
 
@@ -295,14 +319,14 @@ def _load_holding(view: EngineView, reader: sharded.ShardReader, h: Holding, wit
         h.param.data.copy_(weight.view(h.local_shape))
         weight = weight[start:stop]
     if h.kind == "plain":  # ZeRO-0 fp32: the weight is the master; moments are whole on every DP rank
-        for key in MOMENT_KEYS if with_optimizer else ():
+        for key in view.moment_keys(h.param) if with_optimizer else ():
             view.base_optimizer.state[h.param][key].copy_(_read_range(reader, h, f"{key}.{name}", 0, h.numel)
                                                           .view(h.local_shape))
         return
     master_key = f"{MASTER_KEY}.{name}"
     master = _read_range(reader, h, master_key, start, stop) if with_optimizer and master_key in reader else weight
     targets = {None: master}
-    for key in MOMENT_KEYS if with_optimizer else ():
+    for key in view.moment_keys(h.param) if with_optimizer else ():
         targets[key] = _read_range(reader, h, f"{key}.{name}", start, stop)
     for key, values in targets.items():
         if h.kind == "zero3":
@@ -385,7 +409,7 @@ def resume_universal(view: EngineView, directory: Path, lr_scheduler) -> dict[st
     checkpoint (no optimizer tensors) starts Adam fresh from its weights."""
     state = universal.read_state(directory)
     # another optimizer's state (a switch train.resume_accept_optimizer_change accepted): weights only
-    own = same_optimizer(state, "adamw")  # DeepSpeed's engine steps AdamW (optim=muon: optim/rules.py)
+    own = same_optimizer(state, view.optimizer)
     load_shards(view, directory, int(state.get("optim_step", state["step"])) if own else None)
     step = int(state["step"])
     restore_schedule(lr_scheduler, int(state.get("lr_scheduler", {}).get("last_epoch", step)))

@@ -89,3 +89,13 @@ def test_optimizer_without_offload_is_torchs_fused_adamw():
     optimizer_class, extra = DeepSpeedEngine.get_optimizer_configuration(None, params, True)  # pops torch_adam
     optimizer = optimizer_class([torch.nn.Parameter(torch.ones(3))], **params, **extra)
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"] is True
+
+
+def test_muon_is_handed_to_deepspeed_not_named_in_its_config():
+    """optim=muon: megaframe's Muon is the client optimizer (backends/deepspeed/muon_zero.py); an
+    "optimizer" section would name DeepSpeed's AdamW (or its own Muon) beside it."""
+    cfg = TrainConfig()
+    assert _ds(cfg)["optimizer"]["type"] == "AdamW"
+    cfg.optim.name, cfg.zero.stage = "muon", 1
+    ds = _ds(cfg)
+    assert "optimizer" not in ds and ds["zero_optimization"]["stage"] == 1 and ds["zero_allow_untested_optimizer"]

@@ -15,12 +15,15 @@ from megaframe.parallel.layers import ShardSpec
 # (5, 8) as tp=2 by columns x 2 uneven dp shards by rows; (2, 6) with an empty dp shard
 TILINGS = [((5, 8), [((0, 0), (3, 4)), ((3, 0), (2, 4)), ((0, 4), (3, 4)), ((3, 4), (2, 4))]),
            ((2, 6), [((0, 0), (1, 6)), ((1, 0), (0, 6)), ((1, 0), (1, 6)), ((2, 0), (0, 6))]),
-           ((3, 4, 5), [((0, 0, 0), (3, 2, 5)), ((0, 2, 0), (3, 2, 5))])]
+           ((3, 4, 5), [((0, 0, 0), (3, 2, 5)), ((0, 2, 0), (3, 2, 5))]),
+           ((40,), [((0,), (13,)), ((13,), (27,)), ((40,), (0,))])]  # a flat (5, 8): cut mid-row, one empty
 NOT_TILINGS = [((5, 8), [((0, 0), (3, 4)), ((3, 0), (2, 4)), ((0, 0), (3, 4)), ((3, 0), (2, 4))]),  # twice one half
                ((5, 8), [((0, 0), (3, 8)), ((2, 0), (3, 8))]),  # rows 2 twice, as many elements
                ((5, 8), [((0, 0), (5, 4)), ((0, 3), (5, 4))]),  # columns overlapping
                ((5, 8), [((0, 0), (3, 8))]),  # a gap
-               ((5, 8), [((0, 0), (3, 8)), ((3, 0), (3, 8))])]  # past the last row
+               ((5, 8), [((0, 0), (3, 8)), ((3, 0), (3, 8))]),  # past the last row
+               ((40,), [((0,), (13,)), ((12,), (28,))]),  # flat ranges overlapping by one element
+               ((40,), [((0,), (13,)), ((14,), (26,))])]  # flat ranges leaving element 13 out
 
 
 @pytest.mark.parametrize("full, boxes", TILINGS)

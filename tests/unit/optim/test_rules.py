@@ -22,10 +22,14 @@ def _refusal(overrides: list[str], capsys) -> str:
 
 
 @pytest.mark.parametrize("overrides", [MUON, [*MUON, "backend=fsdp2"],
-                                       [*MUON, "backend=fsdp2", "parallel.dp=2"]])
-def test_muon_runs_where_it_sees_whole_matrices_or_row_shards(overrides):
+                                       [*MUON, "backend=fsdp2", "parallel.dp=2"],
+                                       [*MUON, "zero=stage1"], [*MUON, "zero=stage1", "parallel.dp=2"],
+                                       [*MUON, "zero=stage2", "parallel.dp=2", "precision=bf16"],
+                                       [*MUON, "zero=stage3", "parallel.dp=2"],
+                                       [*MUON, "model=moe_tiny", "zero=stage1", "parallel.dp=2"]])
+def test_muon_runs_where_it_sees_whole_matrices_row_shards_or_described_partitions(overrides):
     cfg, layout, _ = check(overrides)
-    assert cfg.optim.name == "muon" and cfg.optim.muon.adamw_lr == 3e-3 and layout.tp == layout.pp == 1
+    assert cfg.optim.name == "muon" and cfg.optim.muon.adamw_lr == 3e-3 and layout.tp == layout.pp == layout.grid.ep == 1
 
 
 FLAT = "optim=muon with backend=deepspeed: its ZeRO and mixed-precision optimizers step flattened partitions"
@@ -49,7 +53,13 @@ def test_muon_runs_on_fsdp2_in_every_layout(overrides, axis):
 
 @pytest.mark.parametrize("overrides, says", [
     ([*MUON, "parallel.dp=2"], FLAT),
-    ([*MUON, "zero=stage1"], FLAT),
+    ([*MUON, "parallel.dp=2", "zero=stage0"], FLAT + ", not whole matrices; megaframe locates matrices in them at "
+                                                      "zero=stage1, stage2 and stage3 only (zero.stage=0)"),
+    ([*MUON, "zero=stage2", "offload=cpu"], "optim=muon with offload.optimizer=cpu: "),
+    ([*MUON, "zero=stage3", "offload.param=cpu"], "optim=muon with offload.param=cpu: "),
+    ([*MUON, "zero=stage1", "parallel.pp=2", "parallel.dp=1"], "optim=muon with parallel.pp=2: "),
+    ([*MUON, "zero=stage2", "parallel.tp=2", "parallel.dp=1"],
+     "optim=muon with parallel.tp=2: Newton-Schulz needs whole matrices, which megaframe assembles from DeepSpeed's"),
     ([*MUON, "precision=bf16"], FLAT),
     ([*MUON, "parallel.tp=2"], FLAT),  # DeepSpeed's engine at more than one process
     ([*MUON, "backend=fsdp2", "offload=cpu"], "optim=muon with offload.optimizer=cpu: "),

@@ -1,0 +1,176 @@
+"""Muon under DeepSpeed ZeRO-1, ZeRO-2 and ZeRO-3 (backends/deepspeed/muon_zero.py), two gloo ranks:
+matrices cut anywhere by flat partitions (mid-row, whole on one rank, empty on one) take
+torch.optim.Muon's step on the whole matrix within 1e-6, each rank assembling only the matrices it
+owns; then the real engine at each stage trains the single-rank Muon curve, each rank running
+Newton-Schulz on about half the matrices, and a ZeRO-1 checkpoint resumes at FSDP2 dp=2 on the curve."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.helpers import TINY, curve, read_metrics
+from tests.support.parity import train_runs
+from tests.support.ranks import run_ranks
+
+SHAPES = [(5, 3), (4, 6), (1, 8), (6, 6), (7, 2), (2, 3, 4)]  # tall, wide, one row, square, an expert stack
+
+
+def _flat_against_torch(rank: int, world: int) -> dict:
+    """One flat buffer of SHAPES (one element of padding between parameters, as DeepSpeed's
+    alignment leaves, and at the end), cut into two equal partitions as ZeRO-1/2 cut it."""
+    import torch.distributed as dist
+
+    from megaframe.backends.deepspeed.muon_zero import flat_part, flat_partition
+    from megaframe.optim.muon import Muon
+
+    generator = torch.Generator().manual_seed(0)
+    full = [torch.randn(*shape, generator=generator) for shape in SHAPES]
+    offsets, at = [], 0
+    for t in full:
+        offsets.append(at)
+        at += t.numel() + 1
+    size = -(-at // world)  # each rank's partition
+    flat_all = torch.zeros(size * world)
+
+    def scatter(tensors):  # the whole flat buffer of these tensors, and this rank's partition of it
+        buffer = flat_all.clone()
+        for o, t in zip(offsets, tensors):
+            buffer[o: o + t.numel()] = t.reshape(-1)
+        return buffer[rank * size: (rank + 1) * size].clone()
+
+    ranges = [[flat_part(o, t.numel(), r, size) for r in range(world)] for o, t in zip(offsets, full)]
+    local = [o + parts[rank][0] - rank * size for o, parts in zip(offsets, ranges)]
+    partition = flat_partition(SHAPES, ranges, local, dist.group.WORLD, rank)
+    flat = torch.nn.Parameter(scatter(full))
+    holder = torch.nn.Parameter(torch.zeros(2, 2))  # the group holds a matrix until the engine swaps in its flat
+    groups = [{"params": [holder], "optimizer": "muon", "lr": 0.02, "weight_decay": 0.1},
+              {"params": [], "optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.0}]
+    optimizer = Muon(groups, momentum=0.95, nesterov=True, ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5,
+                     eps=1e-7, adjust_lr="spectral", betas=(0.9, 0.95), adamw_eps=1e-8)
+    optimizer.param_groups[0]["params"] = [flat]  # as DeepSpeed does
+    optimizer.partition_flat(flat, partition)
+    reference = [torch.nn.Parameter(t.clone()) for t in full[:-1]]
+    experts = [torch.nn.Parameter(full[-1][e].clone()) for e in range(SHAPES[-1][0])]
+    torch_muon = torch.optim.Muon([*reference, *experts], lr=0.02, weight_decay=0.1)
+    for _ in range(3):
+        grads = [torch.randn(t.shape, generator=generator) for t in full]  # the same on both ranks
+        flat.grad = scatter(grads)
+        for p, g in zip(reference, grads):
+            p.grad = g.clone()
+        for e, p in enumerate(experts):
+            p.grad = grads[-1][e].clone()
+        optimizer.step()
+        torch_muon.step()
+    whole = [t.clone() for t in full]
+    gathered = [torch.zeros(size) for _ in range(world)]
+    dist.all_gather(gathered, flat.detach())
+    buffer = torch.cat(gathered)
+    gaps = [(buffer[o: o + t.numel()].view(t.shape) - ref).abs().max().item()
+            for o, t, ref in zip(offsets, whole, [*[p.detach() for p in reference],
+                                                  torch.stack([p.detach() for p in experts])])]
+    padding = [buffer[o + t.numel()].item() for o, t in zip(offsets, whole)]
+    matrices = partition.matrices
+    owned = matrices.owned()
+    return {"gaps": gaps, "padding": padding, "owned": owned, "received": matrices.received_numel,
+            "owned_numel": sum(math.prod(SHAPES[i]) for i in owned)}
+
+
+def test_flat_partitioned_muon_is_torch_muon_on_the_whole_matrix(tmp_path):
+    results = run_ranks(_flat_against_torch, 2, tmp_path)
+    for rank, result in enumerate(results):
+        assert max(result["gaps"]) <= 1e-6, (rank, result["gaps"])
+        assert result["padding"] == [0.0] * len(SHAPES), (rank, result["padding"])  # never stepped
+        # no rank assembles a matrix it does not own: what it received is exactly its own matrices
+        assert result["received"] == result["owned_numel"] > 0, (rank, result)
+    owners = [set(r["owned"]) for r in results]
+    assert owners[0].isdisjoint(owners[1]) and owners[0] | owners[1] == set(range(len(SHAPES)))
+
+
+def _train_counting(rank: int, world: int, runs: list[tuple[list[str], str]]) -> list[dict]:
+    """Train each run in these ranks (as tests/support/parity.train_runs does) and return, per run,
+    what this rank's Muon assembled: its matrices' ownership and the elements it received."""
+    from megaframe.config.compose import compose
+    from megaframe.config.validate import validate
+    from megaframe.optim.groups import is_hidden_matrix
+    from megaframe.optim.sharded import ns_cost
+    from megaframe.training.trainer import Trainer
+
+    out = []
+    for overrides, run_dir in runs:
+        cfg, _ = compose(overrides)
+        with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:
+            trainer.fit()
+            engine = getattr(trainer.backend, "engine", None)  # DeepSpeed's (FSDP2's: none)
+            muon = getattr(engine.optimizer, "optimizer", None) if engine is not None else None
+            partitions = list(getattr(muon, "flat_partitions", {}).values())
+            # Muon's momentum and AdamW's moments, each storage once: what the memory report must count
+            state = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for st in (muon.state.values()
+                     if muon is not None else ()) for v in st.values() if torch.is_tensor(v) and v.dim() > 0}
+            hidden = sum(is_hidden_matrix(name, tuple(getattr(p, "ds_shape", p.shape)))
+                         for name, p in trainer.backend.module.named_parameters())
+            out.append({"engine": trainer.engine, "partitions": len(partitions), "hidden": hidden,
+                        "state_bytes": sum(state.values()),
+                        "held_optimizer": trainer.backend.held_model_states()["optimizer"] if muon else 0,
+                        "matrices": sum(len(p.matrices.shapes) for p in partitions),
+                        "owned": sum(len(p.matrices.owned()) for p in partitions),
+                        "received": sum(p.matrices.received_numel for p in partitions),
+                        "owned_numel": sum(math.prod(p.matrices.shapes[i]) for p in partitions for i in p.matrices.owned()),
+                        "owned_cost": sum(ns_cost(p.matrices.shapes[i]) for p in partitions for i in p.matrices.owned()),
+                        "cost": sum(ns_cost(s) for p in partitions for s in p.matrices.shapes)})
+    return out
+
+
+def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at_fsdp2(tmp_path):
+    """ZeRO-1, ZeRO-2 and ZeRO-3 at dp=2 follow the one-rank Muon curve (fp32; bf16 at ZeRO-3, whose
+    flat fp32 masters DeepSpeed rounds to bf16 weights, against one bf16 rank; a MoE model's expert
+    stacks), each rank assembling only the matrices it owns (about half the Newton-Schulz work). The
+    ZeRO-1 run's step-3 layout-free checkpoint (Muon's momentum by name) resumes at FSDP2 dp=2 and at
+    ZeRO-3 and continues the curve; so does ZeRO-2's native one (DeepSpeed's files) at ZeRO-2."""
+    base = [*TINY, "optim=muon", "train.max_steps=6"]
+    bf16 = [*base, "precision=bf16"]
+    moe = [*base, "model=moe_tiny", "train.max_steps=4"]
+    run_ranks(train_runs, 1, tmp_path, runs=[(base, str(tmp_path / "one")),
+                                             ([*bf16, "zero=stage1"], str(tmp_path / "one_bf16")),
+                                             (moe, str(tmp_path / "one_moe"))])
+    stages = ("stage1", "stage2", "stage3")
+    saved = tmp_path / "stage1" / "checkpoints" / "global_step3"
+    saves = {"stage1": ["train.save_interval=3"],  # layout-free
+             "stage2": ["train.save_interval=3", "train.universal_checkpoint=false", "train.native_checkpoint=true"]}
+    runs = [([*base, "parallel.dp=2", f"zero={s}", *saves.get(s, [])], str(tmp_path / s)) for s in stages]
+    runs.append(([*bf16, "parallel.dp=2", "zero=stage3"], str(tmp_path / "stage3_bf16")))
+    runs.append(([*moe, "parallel.dp=2", "zero=stage3"], str(tmp_path / "stage3_moe")))  # expert stacks too
+    runs.append(([*base, "parallel.dp=2", "backend=fsdp2", f"train.resume={saved}"], str(tmp_path / "resumed")))
+    runs.append(([*base, "parallel.dp=2", "zero=stage3", f"train.resume={saved}"], str(tmp_path / "resumed_zero3")))
+    native = tmp_path / "stage2" / "checkpoints" / "global_step3"  # DeepSpeed's own files: Muon's state_dict
+    runs.append(([*base, "parallel.dp=2", "zero=stage2", "train.universal_checkpoint=false",
+                  "train.native_checkpoint=true", "train.trust_pickled_checkpoint=true", f"train.resume={native}"],
+                 str(tmp_path / "resumed_native")))
+    ranks = run_ranks(_train_counting, 2, tmp_path, runs=runs)
+    reference = {name: curve(read_metrics(tmp_path / name), "loss") for name in ("one", "one_bf16", "one_moe")}
+    assert [s for s, _ in reference["one"]] == [s for s, _ in reference["one_bf16"]] == list(range(1, 7))
+    # (run, its reference, first step, relative tolerance: bf16 rounds each rank's weights alike, its
+    # reductions not)
+    for name, against, start, rel in [*((s, "one", 0, 1e-4) for s in stages), ("stage3_bf16", "one_bf16", 0, 1e-3),
+                                      ("stage3_moe", "one_moe", 0, 1e-4), ("resumed", "one", 3, 1e-4),
+                                      ("resumed_zero3", "one", 3, 1e-4), ("resumed_native", "one", 3, 1e-4)]:
+        got = curve(read_metrics(tmp_path / name), "loss")
+        assert [s for s, _ in got] == list(range(start + 1, len(reference[against]) + 1)) != [], name
+        for (step, a), (_, b) in zip(got, reference[against][start:]):
+            assert a == pytest.approx(b, rel=rel), f"{name} at step {step}: {a} vs one rank's {b}"
+    for k, stage in enumerate((*stages, "stage3_bf16", "stage3_moe")):
+        counts = [r[k] for r in ranks]
+        assert all(c["engine"] == "deepspeed" and c["partitions"] >= 1 for c in counts), (stage, counts)
+        # every hidden matrix located in the partitions, each assembled on exactly one rank, only
+        # there, and the Newton-Schulz work about halved
+        hidden = counts[0]["hidden"]
+        assert hidden >= 6 and counts[0]["matrices"] == counts[1]["matrices"] == hidden, (stage, counts)
+        assert counts[0]["owned"] + counts[1]["owned"] == hidden, (stage, counts)
+        for c in counts:
+            assert c["received"] == c["owned_numel"] > 0, (stage, c)
+            assert 0.3 <= c["owned_cost"] / c["cost"] <= 0.7, (stage, c)
+            # the memory report counts Muon's state as optimizer state (bf16: with the fp32 masters)
+            assert c["state_bytes"] > 0 and (c["held_optimizer"] == c["state_bytes"] if "bf16" not in stage
+                                             else c["held_optimizer"] > c["state_bytes"]), (stage, c)
