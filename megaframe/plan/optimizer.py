@@ -115,13 +115,13 @@ def step_working_bytes(dims: GPTDims, row_split: int, owners: int, terms: Optimi
                        ep: int = 1) -> float:
     """Transient bytes of the optimizer step of an orthogonalising optimizer, when activations are
     gone. With matrices split over `owners`, optim/sharded.py holds at once, in fp32, about
-    row_split/owners elements in each of: the updates of every split matrix (with Nesterov a copy;
-    else the momentum buffers themselves), the rows it sends, the owned matrices it receives, their
-    results, the rows it sends back and those it gets back: 5 (6 with Nesterov) x 4 bytes x
-    row_split/owners, more than Adam's two moments on them. Then the Newton-Schulz working set of the
+    row_split/owners elements in each of two exchange buffers (the pieces it sends and those it
+    receives; then the received buffer, into which the owned matrices' results are cut back in place,
+    and the pieces that come back), plus with Nesterov the updates of every split matrix (a copy;
+    else the momentum buffers themselves): 2 (3 with Nesterov) x 4 bytes x row_split/owners. Then the Newton-Schulz working set of the
     largest matrix, or of an expert stack (iterated as one batch): its fp32 update, and in bf16 the
     iterate, the next one and the m x m Gram matrix and polynomial."""
-    exchange = (5 + terms.nesterov) * FP32 * row_split / owners if owners > 1 else 0.0
+    exchange = (2 + terms.nesterov) * FP32 * row_split / owners if owners > 1 else 0.0
 
     def iteration(rows: int, cols: int) -> float:
         m = min(rows, cols)
