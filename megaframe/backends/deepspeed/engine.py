@@ -108,9 +108,9 @@ class DeepSpeedBackend:
             model=module, model_parameters=param_groups(module, cfg.optim, built_shape),
             config=ds_config, lr_scheduler=lr_scheduler,
             mpu=None if self.pipelined else MegatronMpu(ps))  # a PipelineModule brings its own grid
-        undo_build_step(self.engine.optimizer)  # its fp16/bf16 ZeRO-0 optimizer steps once at build (build_step.py)
         if self.grad_bucket is not None:
             self._flush_bucket_at_boundary()
+        undo_build_step(self.engine.optimizer)  # its fp16/bf16 ZeRO-0 optimizer steps once at build (build_step.py)
         batch_overflow_check(self.engine.optimizer)  # bf16/fp16 at ZeRO-0: one host read, not one per tensor
         self._last_grad_norm = float("nan")
         self._norm_from_grads = cfg.zero.stage == 0 and cfg.precision.dtype == "fp32"
