@@ -6,11 +6,10 @@ assert_within_order): ORDER_FACTOR x the distance between two single-rank fp8 ru
 different orders.
 
 The single-rank run is DeepSpeed's engine at ZeRO-1, as the layouts here step. bf16 (and so fp8) at
-ZeRO-0, a one-process run's default, land on another curve: 1.2% from fp32's after four steps, where
-ZeRO-1's stays within 1.3e-4 of it. The cause: DeepSpeed's FP16_UnfusedOptimizer
-(initialize_optimizer_states) runs one AdamW step on zero gradients when it is built, so Adam's bias
-correction counts from 2 and the first update is 0.73x the learning rate (measured 2026-11-28; left
-to its own issue).
+ZeRO-0, a one-process run's default, used to land on another curve (1.2% from fp32's after four
+steps): DeepSpeed's FP16_UnfusedOptimizer steps AdamW once on zero gradients when it is built.
+megaframe undoes that step (megaframe/backends/deepspeed/build_step.py), and ZeRO-0 now follows
+ZeRO-1's curve (tests/dist/test_zero0_build_step.py).
 
 The bound alone cannot tell fp8 from bf16 on a model this small (fp8's own distance from the bf16
 run is ~2x the reordering's over six steps), so each run also counts the matmuls its fp8 recipe took

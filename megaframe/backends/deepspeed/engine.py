@@ -20,6 +20,7 @@ from megaframe.backends.common import (dp_mean, local_device_index, on_device, p
                                        model_state_parts, router_metrics)
 from megaframe.backends.deepspeed import state_io
 from megaframe.backends.deepspeed.build_locks import load_ops, ops_for
+from megaframe.backends.deepspeed.build_step import undo_build_step
 from megaframe.backends.deepspeed.ds_config import to_ds_config
 from megaframe.backends.deepspeed.experts import deepspeed_expert_marks, mark_expert_parallel
 from megaframe.backends.deepspeed.memory import held_model_states
@@ -118,6 +119,7 @@ class DeepSpeedBackend:
             describe_partitions(self.engine.optimizer, client)
         if self.grad_bucket is not None:
             self._flush_bucket_at_boundary()
+        undo_build_step(self.engine.optimizer)  # its fp16/bf16 ZeRO-0 optimizer steps once at build (build_step.py)
         batch_overflow_check(self.engine.optimizer)  # bf16/fp16 at ZeRO-0: one host read, not one per tensor
         self._last_grad_norm = float("nan")
         self._norm_from_grads = cfg.zero.stage == 0 and cfg.precision.dtype == "fp32"
