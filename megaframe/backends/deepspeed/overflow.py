@@ -1,6 +1,6 @@
 """One host read per step for the mixed-precision ZeRO-0 optimizer's overflow check.
 
-precision=bf16|fp16 at zero=stage0 runs DeepSpeed's FP16_Optimizer. Its CheckOverflow tests the
+precision=bf16|fp16 at zero=stage0 runs DeepSpeed's FP16_UnfusedOptimizer. Its CheckOverflow tests the
 gradients one parameter at a time with `if has_inf_or_nan(grad)`: each test turns a device scalar
 into a Python bool, so a step waits for the GPU once per parameter tensor (hundreds per step at
 the recipes' depths). Here the per-tensor flags stay on the device, are combined with one
@@ -14,7 +14,7 @@ import torch
 
 
 def batch_overflow_check(optimizer: Any) -> bool:
-    """Give a FP16_Optimizer's overflow checker a per-step (not per-parameter) host read.
+    """Give an FP16_UnfusedOptimizer's overflow checker a per-step (not per-parameter) host read.
     Returns whether there was one to change."""
     checker = getattr(optimizer, "overflow_checker", None)
     if checker is None or not hasattr(checker, "has_overflow_serial"):

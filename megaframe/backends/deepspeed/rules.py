@@ -113,8 +113,8 @@ def _knobs_problem(cfg: TrainConfig) -> Optional[str]:
 
 
 def layout_free_unsupported(cfg: TrainConfig, layout: Layout) -> bool:
-    """Mixed precision at ZeRO-0 without a pipeline runs DeepSpeed's FP16_Optimizer (also for bf16),
-    whose flat fp32 master buffers the layout-free checkpoint does not read or write."""
+    """Mixed precision at ZeRO-0 without a pipeline runs DeepSpeed's FP16_UnfusedOptimizer (also for bf16),
+    whose own fp32 master copies (its fp32_groups) the layout-free checkpoint does not read or write."""
     return cfg.zero.stage == 0 and cfg.precision.dtype != "fp32" and layout.pp == 1
 
 
@@ -123,7 +123,7 @@ def config_warnings(cfg: TrainConfig, layout: Layout) -> list[str]:
     found = []
     if layout_free_unsupported(cfg, layout):
         found.append(f"precision={cfg.precision.dtype} with zero=stage0: checkpoints hold DeepSpeed's files only (its "
-                     "FP16_Optimizer keeps fp32 masters in flat buffers the layout-free writer does not map yet), so "
+                     "FP16_UnfusedOptimizer keeps fp32 masters of its own the layout-free writer does not map yet), so "
                      "resume works in this layout only, with train.trust_pickled_checkpoint=true (they load by "
                      "unpickling); use zero=stage1 to resume into any layout")
     elif not cfg.train.universal_checkpoint and not cfg.train.trust_pickled_checkpoint:
