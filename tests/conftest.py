@@ -38,6 +38,10 @@ _LONGEST_FILES = {
     "e2e/test_fault_tolerance.py": 70, "e2e/test_sweep_cli.py": 70, "e2e/test_tracking.py": 70,
     "fakecuda_tier/test_training_one_rank.py": 60, "e2e/test_moe_cli.py": 60, "dist/test_reshard.py": 60,
     "dist/test_sharded_state.py": 60, "unit/test_static_checks.py": 30,
+    # files added since, timed by their authors on a loaded machine (estimates until a CI run times them)
+    "fakecuda_tier/test_document_masks_on_the_device.py": 150, "fakecuda_tier/test_fp8_on_the_device.py": 140,
+    "dist/test_fp8_layouts.py": 130, "dist/test_muon_layouts.py": 70, "dist/test_muon_zero.py": 60,
+    "dist/test_document_mask_layouts.py": 50, "dist/test_context_parallel_masks_training.py": 50,
 }
 
 
