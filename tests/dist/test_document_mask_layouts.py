@@ -1,5 +1,6 @@
 """Document masks and sliding windows through the engines' layouts (issue 54): DeepSpeed's and
-FSDP2's pipelines at pp=2, DeepSpeed's ZeRO-3 and FSDP2 at dp=2, on two real gloo ranks.
+FSDP2's pipelines at pp=2, DeepSpeed's ZeRO-3 and FSDP2 at dp=2, DeepSpeed at tp=2 with sequence
+parallelism, on two real gloo ranks.
 
 The oracle shares no code with the implementation: documents of L tokens packed two to a sample of
 2L tokens with data.document_mask and global batch B train to the per-step losses of the same
@@ -7,8 +8,9 @@ documents one per sample of L tokens with global batch 2B (the same tokens per s
 micro-batch). Two blocks of three have a sliding window W < L, the third attends globally, so each
 stage holds masks of both kinds, and builds each once per micro-batch (counted); the packed run also matches the one-rank run (layout invariance of
 documents and windows); so do the llama's at FSDP2's V-shaped zero-bubble schedule (two stages on
-a rank) and a run with windows and no documents at DeepSpeed's pp=2 (whose stages then hand the
-token ids along for the masks alone). The model is built by the engine as a run builds it (Trainer); the test
+a rank) and runs with windows and no documents at DeepSpeed's pp=2 (whose stages then hand the
+token ids along for the masks alone) and at tp=2 with SP (each rank's masks cover the whole
+sequence its SP shards gather for attention). The model is built by the engine as a run builds it (Trainer); the test
 feeds the step's micro-batches itself, cut from its own documents as data/dataset.py cuts samples."""
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ LAYOUTS = {"deepspeed-pp2": ["parallel.pp=2", "zero=stage1"],
            "fsdp2-pp2-recompute": ["backend=fsdp2", "parallel.pp=2", "zero=stage3",
                                    "parallel.activation_checkpointing=true"],
            "deepspeed-zero3-dp2": ["zero=stage3"],
-           "fsdp2-dp2": ["backend=fsdp2", "zero=stage3"]}
+           "fsdp2-dp2": ["backend=fsdp2", "zero=stage3"],
+           "deepspeed-tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true", "zero=stage1"]}
 # (sequence length, micro-batch size, global batch size): two documents per micro-batch either way
 PACKED, SINGLE = (2 * L, 1, B), (L, 2, 2 * B)
 
@@ -81,7 +84,7 @@ def _train(rank: int, world: int, runs: list[tuple[list[str], tuple[int, int, in
     return out
 
 
-def test_packed_documents_and_windows_at_pp2_and_dp2_train_as_one_document_per_sample(tmp_path):
+def test_packed_documents_and_windows_at_pp2_dp2_and_tp2_sp_train_as_one_document_per_sample(tmp_path):
     base = {name: [*TINY, *flavour, *MODEL] for name, flavour in FLAVOURS.items()}
     windows_only = [*TINY, "model=llama_tiny", *MODEL]
     one_rank = run_ranks(_train, 1, tmp_path, runs=[(base[name], PACKED, str(tmp_path / f"{name}-one"))
@@ -92,7 +95,8 @@ def test_packed_documents_and_windows_at_pp2_and_dp2_train_as_one_document_per_s
             for kind, shape in (("packed", PACKED), ("single", SINGLE))]
     zbv = ["backend=fsdp2", "parallel.pp=2", "zero=stage2", "parallel.pipeline_schedule=zbv"]
     runs += [([*base["llama"], *zbv], PACKED, str(tmp_path / "llama-fsdp2-zbv")),
-             ([*windows_only, *LAYOUTS["deepspeed-pp2"]], PACKED, str(tmp_path / "windows-deepspeed-pp2"))]
+             ([*windows_only, *LAYOUTS["deepspeed-pp2"]], PACKED, str(tmp_path / "windows-deepspeed-pp2")),
+             ([*windows_only, *LAYOUTS["deepspeed-tp2-sp"]], PACKED, str(tmp_path / "windows-deepspeed-tp2-sp"))]
     got = run_ranks(_train, 2, tmp_path, runs=runs)
     one_rank = [losses for losses, _ in one_rank]
     # every rank of the layout reports the step's global loss, and builds a stage's mask of each kind
@@ -101,10 +105,11 @@ def test_packed_documents_and_windows_at_pp2_and_dp2_train_as_one_document_per_s
     # blocks 2 (global) and 3 (windowed); without documents only the windowed blocks mask
     assert [losses for losses, _ in got[1]] == [losses for losses, _ in got[0]]
     for rank, zbv in ((0, 3.0), (1, 2.0)):
-        assert [builds for _, builds in got[rank]] == [*[2.0] * (len(runs) - 2), zbv, 1.0], rank
+        assert [builds for _, builds in got[rank]] == [*[2.0] * (len(runs) - 3), zbv, 1.0, 1.0], rank
     got = [losses for losses, _ in got[0]]
-    assert got[-2] == pytest.approx(one_rank[1], rel=1e-5), "llama fsdp2 pp2 zbv"
-    assert got[-1] == pytest.approx(one_rank[-1], rel=1e-5), "windows alone at deepspeed pp2"
+    assert got[-3] == pytest.approx(one_rank[1], rel=1e-5), "llama fsdp2 pp2 zbv"
+    assert got[-2] == pytest.approx(one_rank[-1], rel=1e-5), "windows alone at deepspeed pp2"
+    assert got[-1] == pytest.approx(one_rank[-1], rel=1e-5), "windows alone at deepspeed tp2 sp"
     at = iter(got)
     for name, reference in zip(FLAVOURS, one_rank):
         for layout in LAYOUTS:
