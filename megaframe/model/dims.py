@@ -72,6 +72,7 @@ class GPTDims:
     eod_id: Optional[int] = None
     document_mask: bool = False
     eod_mask_loss: bool = False
+    attention_core: str = "sdpa"  # model.attention_core resolved (attention_core_of): sdpa | flex
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -154,7 +155,17 @@ def resolve_dims(cfg: ModelConfig, tokenizer_vocab_size: int, tp: int = 1, devic
         moe=resolve_moe(cfg),
         sliding_window=cfg.sliding_window,
         window_pattern=window_pattern(cfg.window_attn_skip_freq),
+        attention_core=attention_core_of(cfg, device_type),
     )
+
+
+def attention_core_of(cfg: ModelConfig, device_type: str) -> str:
+    """model.attention_core resolved: auto is flex where the model trains on CUDA without attention
+    dropout (FlexAttention has none), else sdpa. FlexCore keeps SDPA's causal path for a forward
+    without documents or windows, so auto changes only masked runs on GPUs; CPU runs keep sdpa."""
+    if cfg.attention_core != "auto":
+        return cfg.attention_core
+    return "flex" if device_type == "cuda" and not cfg.dropout else "sdpa"
 
 
 def resolve_moe(cfg: ModelConfig) -> Optional[MoEDims]:
