@@ -130,17 +130,25 @@ class SDPACore(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p, **masked, **self.gqa)
 
 
-@functools.lru_cache(maxsize=None)
 def _flex_functions(device_type: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """flex_attention and create_block_mask for a device: compiled on CUDA (eager flex_attention is
     torch's slow reference there, and an uncompiled create_block_mask materialises the (B, T, T)
-    mask), eager elsewhere (the CPU, for tests; torch has no CPU backward for flex: the config
-    refuses training with it there, config/attention_rules.py). Compiled once per process."""
+    mask), eager on the CPU (tests; torch has no CPU backward for flex: the config refuses training
+    with it there, config/attention_rules.py). Inside a compiled region (train.compile) the plain
+    functions: dynamo compiles flex itself, and a torch.compile call is not traced."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    if device_type != "cuda":
+    if device_type != "cuda" or torch.compiler.is_compiling():
         return flex_attention, create_block_mask
-    return torch.compile(flex_attention), functools.partial(create_block_mask, _compile=True)
+    return _compiled_flex(), functools.partial(create_block_mask, _compile=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex() -> Callable[..., Any]:
+    """torch.compile(flex_attention), compiled once per process (per shape, by torch's own cache)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
 
 
 def _mask_mod(mask: Mask) -> Callable[..., torch.Tensor]:

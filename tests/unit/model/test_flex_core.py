@@ -89,3 +89,16 @@ def test_the_core_is_chosen_from_the_key_device_and_layout():
     assert isinstance(build_attention_core(0.0, None, False, one, "ring", kind="flex"), RingCore)
     with pytest.raises(ValueError, match="model.attention_core=sdpa"):
         FlexCore(0.1)
+
+
+def test_compiled_blocks_take_the_block_mask_without_a_graph_break():
+    """train.compile compiles each block with the prepared mask as an input: FlexCore's forward
+    traces whole (fullgraph) and gives the eager logits (dynamo only: the CPU needs no inductor)."""
+    cfg = dataclasses.replace(LLAMA, sliding_window=5, window_attn_skip_freq=2, attention_core="flex")
+    model = _model(cfg, document_mask=True)
+    idx = _documents(4, 8, seed=1)[:32].view(2, 16)
+    with torch.no_grad():
+        eager = model.logits(idx)
+        for block in model.blocks:
+            block.compile(backend="eager", fullgraph=True)
+        assert torch.equal(model.logits(idx), eager)
