@@ -1,6 +1,7 @@
 """Pre-launch rules of the attention masks (issue 54): model.sliding_window and
-model.window_attn_skip_freq, data.document_mask and data.eod_mask_loss, and the layouts whose
-attention core or stages cannot apply them yet. One line naming the key and the fix, or None.
+model.window_attn_skip_freq, data.document_mask and data.eod_mask_loss, the layouts whose
+attention core or stages cannot apply them yet, and model.attention_core. One line naming the key
+and the fix, or None.
 
 The layout rule mirrors the cores' own `supports(mask)` (model/attention.py, which config may not
 import: torch, and the package order): every core applies every mask a key makes, so context
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from megaframe.config.choices import choice_problem
 from megaframe.config.dataset_meta import SidecarError, document_ends_problem
 from megaframe.config.schema import TrainConfig
 
@@ -89,6 +91,36 @@ def layout_problem(cfg: TrainConfig) -> Optional[str]:
     return None
 
 
+ATTENTION_CORES = ("auto", "sdpa", "flex")
+
+
+def core_problem(cfg: TrainConfig) -> Optional[str]:
+    """model.attention_core: one of ATTENTION_CORES; flex (model/attention.py's FlexCore) applies every
+    mask the keys make (its supports() takes any Mask) but has no attention dropout and attends on one
+    rank's tokens (under context parallelism the ring and Ulysses cores attend)."""
+    m, p = cfg.model, cfg.parallel
+    if err := choice_problem("model.attention_core", m.attention_core, list(ATTENTION_CORES)):
+        return err
+    if m.attention_core != "flex":
+        return None
+    if m.dropout:
+        return (f"model.attention_core=flex with model.dropout={m.dropout}: FlexAttention has no attention dropout; "
+                f"set model.dropout=0 or model.attention_core=sdpa")
+    if p.cp > 1:
+        return (f"model.attention_core=flex with parallel.cp={p.cp}: context parallelism attends through "
+                f"parallel.cp_impl={p.cp_impl}; set model.attention_core=auto or parallel.cp=1")
+    return None
+
+
+def core_device_problem(cfg: TrainConfig, on_cuda: bool) -> Optional[str]:
+    """model.attention_core=flex where the run trains on the CPU: torch's FlexAttention computes no
+    gradients there (it raises in the first backward); on_cuda: the launching host's device."""
+    if cfg.model.attention_core == "flex" and not on_cuda:
+        return ("model.attention_core=flex on the CPU: torch's FlexAttention has no backward there; "
+                "use model.attention_core=auto (sdpa on the CPU) or train on a GPU")
+    return None
+
+
 def check_attention(cfg: TrainConfig) -> Optional[str]:
-    """Every rule above, the first problem or None."""
-    return window_problem(cfg) or documents_problem(cfg) or layout_problem(cfg)
+    """Every rule above but the device's, the first problem or None."""
+    return window_problem(cfg) or documents_problem(cfg) or layout_problem(cfg) or core_problem(cfg)

@@ -61,6 +61,9 @@ class ModelConfig:
     # which layers skip the window (Megatron's key): N = every N-th layer global; a list of 1 (window)
     # and 0 (global), repeated over the layers (Gemma 3: [1,1,1,1,1,0]); null = every layer windowed
     window_attn_skip_freq: Optional[Any] = None
+    # auto | sdpa | flex (docs/attention.md): flex = FlexAttention's block masks, which skip the tiles a
+    # document or window mask leaves empty; auto = flex on CUDA without attention dropout, else sdpa
+    attention_core: str = "auto"
     moe: MoEConfig = field(default_factory=MoEConfig)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from megaframe.config.attention_rules import check_attention
+from megaframe.config.attention_rules import check_attention, core_device_problem
 from megaframe.config.dataset_meta import SidecarError, recorded_vocab_size
 from megaframe.config.empty_values import empty_value_problem
 from megaframe.config.fp8_rules import fp8_problem
@@ -547,6 +547,9 @@ def validate(cfg: TrainConfig, world_size: int,
         if err:
             raise ConfigError(err)
     if err := check_precision(cfg, fp16_supported, bf16_supported, fp8_device):
+        raise ConfigError(err)
+    # fp8_device answers (its GPU's capability, None on the CPU) only where this host's device decides
+    if fp8_device is not None and (err := core_device_problem(cfg, fp8_device() is not None)):
         raise ConfigError(err)
     return layout
 

@@ -4,8 +4,9 @@ A block projects x into q, k and v and calls its core with them and a Mask; whic
 (SDPA on one rank's heads, or ring or Ulysses attention across the context-parallel ranks) is
 chosen once, by build_attention_core, from the config (model.dropout) and the layout (cp, cp_impl).
 Each core owns its attention dropout and the random stream it draws from, so the block has no
-branch and a new variant (FlexAttention, a masked ring) is one more core here plus its line in
-build_attention_core.
+branch and a new variant (a masked ring, a varlen kernel) is one more core here plus its line in
+build_attention_core. model.attention_core picks SDPA or FlexAttention (FlexCore) without context
+parallelism (model/dims.py resolves auto: flex on CUDA).
 
 Shapes, as nanoGPT writes them: q (B, nh, T, hs); k and v (B, nkv, T, hs), where nkv divides nh
 (grouped-query attention; the SDPA core is told whether SDPA may repeat the kv heads itself, the
@@ -15,8 +16,9 @@ zig-zag shard (parallel/context.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.nn as nn
@@ -26,7 +28,7 @@ from megaframe.parallel.context import AttentionDropout, ContextGroup, ulysses_a
 from megaframe.parallel.random import TPDropoutRNG
 from megaframe.parallel.ring import ring_attention
 
-__all__ = ["CAUSAL", "AttentionCore", "Mask", "RingCore", "SDPACore", "SDPA_HAS_GQA", "UlyssesCore",
+__all__ = ["CAUSAL", "AttentionCore", "FlexCore", "Mask", "RingCore", "SDPACore", "SDPA_HAS_GQA", "UlyssesCore",
            "build_attention_core", "decode_attention"]
 
 # torch >= 2.5 lets SDPA serve several query heads from one kv head without copying k and v
@@ -48,13 +50,15 @@ class Mask:
     A core that cannot apply a mask says so in `supports`; validation refuses such a run before
     launch (config/attention_rules.py). Compared by identity (eq=False): a mask may hold a tensor.
     `dense`: allowed()'s tensor when a core's `prepare` built it once for every block of a forward
-    that shares this mask (model/masking.py's ForwardMasks), else None.
+    that shares this mask (model/masking.py's ForwardMasks), else None; `blocks`: FlexCore's BlockMask,
+    built the same way.
     """
 
     causal: bool = True
     documents: Optional[torch.Tensor] = field(default=None, repr=False)
     window: Optional[int] = None
     dense: Optional[torch.Tensor] = field(default=None, repr=False)
+    blocks: Optional[Any] = field(default=None, repr=False)
 
     def restricts(self, length: int) -> bool:
         """Whether over `length` keys this mask restricts more than `causal` does: documents, or a
@@ -126,6 +130,78 @@ class SDPACore(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p, **masked, **self.gqa)
 
 
+def _flex_functions(device_type: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """flex_attention and create_block_mask for a device: compiled on CUDA (eager flex_attention is
+    torch's slow reference there, and an uncompiled create_block_mask materialises the (B, T, T)
+    mask), eager on the CPU (tests; torch has no CPU backward for flex: the config refuses training
+    with it there, config/attention_rules.py). Inside a compiled region (train.compile) the plain
+    functions: dynamo compiles flex itself, and a torch.compile call is not traced."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if device_type != "cuda" or torch.compiler.is_compiling():
+        return flex_attention, create_block_mask
+    return _compiled_flex(), functools.partial(create_block_mask, _compile=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex() -> Callable[..., Any]:
+    """torch.compile(flex_attention), compiled once per process (per shape, by torch's own cache)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def _mask_mod(mask: Mask) -> Callable[..., torch.Tensor]:
+    """The mask as FlexAttention's mask_mod(b, h, q, kv) -> bool: Mask.allowed's rule, per index."""
+    documents, window, causal = mask.documents, mask.window, mask.causal
+
+    def allowed(b, h, q, kv):
+        ok = kv <= q if causal else q >= 0  # q >= 0: an all-true tensor of the index's kind
+        if window is not None:
+            ok = ok & (q - kv < window)
+        if documents is not None:
+            ok = ok & (documents[b, q] == documents[b, kv])
+        return ok
+
+    return allowed
+
+
+class FlexCore(nn.Module):
+    """model.attention_core=flex: torch's FlexAttention with a block mask, which skips the tiles a
+    document or window mask leaves empty, where SDPA with a dense mask loses its flash kernel and
+    computes every tile. A mask that restricts nothing beyond causal keeps SDPA's is_causal path (the
+    flash kernel is as fast as flex there, and the curves stay SDPACore's, bitwise). No attention
+    dropout (FlexAttention has none): the config refuses model.dropout > 0 with it."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        if p:
+            raise ValueError(f"FlexCore has no attention dropout (model.dropout={p}); use model.attention_core=sdpa")
+
+    def supports(self, mask: Mask) -> bool:
+        return True  # any Mask, as a mask_mod
+
+    def prepare(self, mask: Mask, length: int, device) -> Mask:
+        """The mask with its BlockMask built, once per forward for every block that shares it. On CUDA
+        create_block_mask runs on the device (a compiled kernel over the index grid, then sorts and
+        sums to list each query tile's non-empty key tiles): no host tensor and no host read."""
+        if not mask.restricts(length) or mask.blocks is not None:
+            return mask
+        device = torch.device(device)
+        batch = None if mask.documents is None else mask.documents.shape[0]
+        blocks = _flex_functions(device.type)[1](_mask_mod(mask), batch, None, length, length, device=device)
+        return Mask(mask.causal, mask.documents, mask.window, blocks=blocks)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
+        T = q.shape[2]
+        if not mask.restricts(T):  # SDPACore's own call, bitwise
+            return F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal,
+                                                  **({"enable_gqa": True} if k.shape[1] != q.shape[1] else {}))
+        blocks = mask.blocks if mask.blocks is not None else self.prepare(mask, T, q.device).blocks
+        flex = _flex_functions(q.device.type)[0]
+        return flex(q, k, v, block_mask=blocks, enable_gqa=k.shape[1] != q.shape[1])
+
+
 class _ContextCore(nn.Module):
     """Causal attention across the cp ranks of `context`, through `kernel` (ring or Ulysses), with
     the mask's documents (ids of the whole row) and window.
@@ -177,12 +253,14 @@ _CP_CORES: dict[str, type[_ContextCore]] = {"ring": RingCore, "ulysses": Ulysses
 
 
 def build_attention_core(dropout: float, rng: Optional[TPDropoutRNG], gqa: bool,
-                         context: Optional[ContextGroup] = None, cp_impl: str = "ring") -> nn.Module:
-    """The run's attention core, the one place it is chosen: SDPA without context parallelism
-    (context None), else the parallel.cp_impl one. dropout: model.dropout (applied in training
-    only); rng: the per-TP-rank dropout stream (None at tp=1); gqa: whether SDPA may repeat kv heads."""
+                         context: Optional[ContextGroup] = None, cp_impl: str = "ring",
+                         kind: str = "sdpa") -> nn.Module:
+    """The run's attention core, the one place it is chosen: without context parallelism (context
+    None) SDPA or FlexAttention (kind: GPTDims.attention_core, model.attention_core resolved), else
+    the parallel.cp_impl one. dropout: model.dropout (applied in training only); rng: the per-TP-rank
+    dropout stream (None at tp=1); gqa: whether SDPA may repeat kv heads."""
     if context is None:
-        return SDPACore(dropout, rng, gqa)
+        return FlexCore(dropout) if kind == "flex" else SDPACore(dropout, rng, gqa)
     if cp_impl not in _CP_CORES:
         raise ValueError(f"parallel.cp_impl={cp_impl!r} is not one of {sorted(_CP_CORES)}")
     return _CP_CORES[cp_impl](dropout, rng, context)

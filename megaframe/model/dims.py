@@ -72,6 +72,7 @@ class GPTDims:
     eod_id: Optional[int] = None
     document_mask: bool = False
     eod_mask_loss: bool = False
+    attention_core: str = "sdpa"  # model.attention_core resolved (attention_core_of): sdpa | flex
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -127,9 +128,12 @@ def document_dims(dims: GPTDims, data: DataConfig, eod_id: Optional[int]) -> GPT
                                eod_mask_loss=data.eod_mask_loss)
 
 
-def resolve_dims(cfg: ModelConfig, tokenizer_vocab_size: int, tp: int = 1, device_type: str = "cuda") -> GPTDims:
+def resolve_dims(cfg: ModelConfig, tokenizer_vocab_size: int, tp: int = 1, device_type: str = "cuda",
+                 core_device: Optional[str] = None) -> GPTDims:
     """Fill derived values: kv heads, MLP width, real and padded vocabulary (the padding depends on
-    tp and, with model.make_vocab_size_divisible_by=null, on device_type: where the model trains)."""
+    tp and, with model.make_vocab_size_divisible_by=null, on device_type: where the model trains).
+    core_device: the device the model attends on, which resolves model.attention_core=auto (the
+    trainer's; None, as for the planner, the converters and tests, resolves auto to sdpa)."""
     vocab = cfg.vocab_size if cfg.vocab_size is not None else tokenizer_vocab_size
     return GPTDims(
         num_layers=cfg.num_layers,
@@ -154,7 +158,17 @@ def resolve_dims(cfg: ModelConfig, tokenizer_vocab_size: int, tp: int = 1, devic
         moe=resolve_moe(cfg),
         sliding_window=cfg.sliding_window,
         window_pattern=window_pattern(cfg.window_attn_skip_freq),
+        attention_core=attention_core_of(cfg, core_device),
     )
+
+
+def attention_core_of(cfg: ModelConfig, device_type: Optional[str]) -> str:
+    """model.attention_core resolved: auto is flex where the model trains on CUDA without attention
+    dropout (FlexAttention has none), else sdpa. FlexCore keeps SDPA's causal path for a forward
+    without documents or windows, so auto changes only masked runs on GPUs; CPU runs keep sdpa."""
+    if cfg.attention_core != "auto":
+        return cfg.attention_core
+    return "flex" if device_type == "cuda" and not cfg.dropout else "sdpa"
 
 
 def resolve_moe(cfg: ModelConfig) -> Optional[MoEDims]:

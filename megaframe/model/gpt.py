@@ -186,7 +186,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(dims, tp, width=hs) if dims.qk_norm else None
         # the run's one attention core (model/attention.py) and the mask this block attends with;
         # under context parallelism (context) the core attends across this rank's zig-zag shard
-        self.core = build_attention_core(dims.dropout, rng, self.sdpa_gqa, context, cp_impl)
+        self.core = build_attention_core(dims.dropout, rng, self.sdpa_gqa, context, cp_impl, dims.attention_core)
         self.mask = CAUSAL
         self.resid_dropout = Dropout(dims.dropout, rng, split_across_tp=tp.sequence_parallel)
 

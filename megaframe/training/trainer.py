@@ -66,7 +66,8 @@ class Trainer:
         self.token_positions = (zigzag_positions(cfg.model.seq_length, layout.cp, self.ps.cp_rank).numpy()
                                 if layout.cp > 1 else None)
         self.dims = document_dims(resolve_dims(cfg.model, self.data.vocab_size, tp=layout.tp,
-                                               device_type=plug.device_type()), cfg.data, self.data.datasets[0].eod_id)
+                                               device_type=plug.device_type(), core_device=plug.device_type()),
+                                  cfg.data, self.data.datasets[0].eod_id)
         torch.manual_seed(cfg.train.seed)  # dropout streams; weights come from init_parameters
         if cfg.precision.tf32:  # fp32 matmuls on TF32 tensor cores; false leaves torch's own setting
             torch.backends.cuda.matmul.allow_tf32 = True

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from megaframe.config.attention_rules import layout_problem
+from megaframe.config.attention_rules import core_problem, layout_problem
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import ConfigError, validate
 from megaframe.launch.main import train_main
-from megaframe.model.attention import Mask, RingCore, UlyssesCore
+from megaframe.model.attention import FlexCore, Mask, RingCore, UlyssesCore
 from megaframe.parallel.context import ContextGroup
 
 
@@ -37,6 +37,11 @@ def _cfg(**sections) -> TrainConfig:
      "model.sliding_window=8 with parallel.pp=2 and parallel.cp=2: pipeline stages"),
     ({"data__eod_mask_loss": True, "parallel__pp": 2, "parallel__cp": 2}, 4,
      "data.eod_mask_loss=true with parallel.pp=2 and parallel.cp=2: pipeline stages"),
+    ({"model__attention_core": "fast"}, 1, "model.attention_core='fast' is not one of ['auto', 'sdpa', 'flex']"),
+    ({"model__attention_core": "flex", "model__dropout": 0.1}, 1,
+     "model.attention_core=flex with model.dropout=0.1: FlexAttention has no attention dropout"),
+    ({"model__attention_core": "flex", "parallel__cp": 2}, 2,
+     "model.attention_core=flex with parallel.cp=2: context parallelism attends through parallel.cp_impl=ring"),
 ])
 def test_bad_mask_settings_are_refused_naming_the_key(changes, world, message):
     with pytest.raises(ConfigError) as refused:
@@ -72,6 +77,31 @@ def test_the_cp_rule_says_what_the_cores_support():
         assert not core.supports(Mask(causal=False))
 
 
+def test_the_core_rule_says_what_flex_supports():
+    """model.attention_core=flex is refused with a mask key exactly when FlexCore cannot apply that
+    mask (today it applies every Mask, non-causal too); sdpa and auto pass with every mask key."""
+    masks = {"data__document_mask": Mask(documents=torch.zeros(1, 4, dtype=torch.long)),
+             "model__sliding_window": Mask(window=4)}
+    values = {"data__document_mask": True, "model__sliding_window": 4}
+    for key, mask in masks.items():
+        for core in ("auto", "sdpa"):
+            assert core_problem(_cfg(model__attention_core=core, **{key: values[key]})) is None
+        refused = core_problem(_cfg(model__attention_core="flex", **{key: values[key]})) is not None
+        assert refused == (not FlexCore(0.0).supports(mask)), key
+    assert FlexCore(0.0).supports(Mask(causal=False))
+
+
+def test_flex_is_refused_where_this_host_trains_on_the_cpu():
+    """validate's device answer (fp8_device: the GPU's capability, None on the CPU): flex has no CPU
+    backward in torch; where the device is not asked (the planner) the rule waits."""
+    cfg = _cfg(model__attention_core="flex")
+    with pytest.raises(ConfigError, match=r"^model.attention_core=flex on the CPU: torch's FlexAttention has no back"):
+        validate(cfg, 1, fp8_device=lambda: None)
+    validate(cfg, 1, fp8_device=lambda: (9, 0))
+    validate(cfg, 1)
+    validate(_cfg(), 1, fp8_device=lambda: None)  # auto: sdpa on the CPU
+
+
 def _dataset_without_eods(tmp_path) -> str:
     prefix = tmp_path / "noeod"
     for suffix in (".bin", ".idx"):
@@ -82,7 +112,8 @@ def _dataset_without_eods(tmp_path) -> str:
 
 
 @pytest.mark.parametrize("override, key", [("model.sliding_window=0", "model.sliding_window=0"),
-                                           ("data.document_mask=true", "data.document_mask=true needs")])
+                                           ("data.document_mask=true", "data.document_mask=true needs"),
+                                           ("model.attention_core=flex", "model.attention_core=flex on the CPU")])
 def test_megaframe_train_refuses_before_launch(override, key, tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     monkeypatch.chdir(tmp_path)
