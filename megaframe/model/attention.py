@@ -6,7 +6,7 @@ chosen once, by build_attention_core, from the config (model.dropout) and the la
 Each core owns its attention dropout and the random stream it draws from, so the block has no
 branch and a new variant (a masked ring, a varlen kernel) is one more core here plus its line in
 build_attention_core. model.attention_core picks SDPA or FlexAttention (FlexCore) without context
-parallelism (model/dims.py resolves auto: flex on CUDA).
+parallelism (model/dims.py resolves auto: sdpa until flex has run on a GPU).
 
 Shapes, as nanoGPT writes them: q (B, nh, T, hs); k and v (B, nkv, T, hs), where nkv divides nh
 (grouped-query attention; the SDPA core is told whether SDPA may repeat the kv heads itself, the

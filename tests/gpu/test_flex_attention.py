@@ -1,6 +1,6 @@
 """One CUDA GPU: FlexCore's compiled flex_attention and create_block_mask (model/attention.py) against
 SDPACore's dense mask, with gradients, and megaframe-train with data.document_mask=true on
-model.attention_core=flex (auto's choice on CUDA) against sdpa. The CPU suite's
+model.attention_core=flex (opt-in; auto stays sdpa until this runs) against sdpa. The CPU suite's
 tests/unit/model/test_flex_core.py checks the same through torch's eager math reference.
 
 Written on a CPU-only machine and not yet run on a GPU: the tolerances allow for the compiled
