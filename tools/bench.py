@@ -1,7 +1,8 @@
 """Tokens/s of one model and batch through megaframe, a hand-written PyTorch loop and HF transformers.
 
 usage: python tools/bench.py [--arch gpt2|llama] [--steps 10] [--repeats 5] [--warmup 3] [--no-compile]
-                             [--device cpu|cuda] [--shape tiny|nanogpt|xl] [OVERRIDE ...]
+                             [--compile-only] [--device cpu|cuda] [--shape tiny|nanogpt|xl|llama8b] [--precision P]
+                             [--fp8-recipe R] [--optim adamw|muon] [--document-mask] [OVERRIDE ...]
        python tools/bench.py --startup [--repeats 5]
 
 --shape nanogpt is nanoGPT's CPU recipe (Tiny Shakespeare's shape: 4 layers, hidden 128, seq 64,
@@ -30,6 +31,18 @@ clipping, in this one process:
   transformers GPT2LMHeadModel / LlamaForCausalLM of the same shape (SDPA attention)
   nanogpt loop nanoGPT's train.py loop over megaframe's GPT module, vocabulary unpadded
   nanogpt model  the same loop over tools/plain_gpt.py's module (nanoGPT's: q, k, v in one matmul)
+
+--shape llama8b is four layers of Llama-3-8B's shape (hidden 4096, 32 heads, 8 kv heads, ffn 14336,
+seq 8192) in bf16 at ZeRO-1, --arch llama only: the GPU shape where fp8's larger matmuls show.
+
+A variant of megaframe's run, timed against its baseline in the same rounds (megaframe's rows only:
+the plain loops and transformers run neither fp8 nor Muon nor document masks):
+  --precision fp8 [--fp8-recipe tensorwise|rowwise|rowwise_with_gw_hp|mxfp8]  against precision=bf16
+  --optim muon                                                                 against optim=adamw
+  --document-mask (data.document_mask=true)                                    against no mask
+The baseline rows are named by what they change back, e.g. "megaframe (bf16)"; the line under the
+table gives the variant's step time over the baseline's. --precision fp32|bf16|fp16 alone only sets
+the precision of every path (the shape's own by default).
 """
 from __future__ import annotations
 
@@ -40,6 +53,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 try:
@@ -61,7 +75,37 @@ SHAPES = {
                 "optim.betas=[0.9,0.99]", "model.activation=gelu_exact"],
     "xl": ["model.num_layers=24", "model.hidden_size=2048", "model.num_attention_heads=16", "model.seq_length=2048",
            "parallel.micro_batch_size=4", "parallel.global_batch_size=8", "precision=bf16", "zero=stage1"],
+    # Llama-3-8B's layer (Grattafiori et al. 2024, table 3) at its 8,192 context, four of them: what
+    # fp8 speeds up in an 8B model, on one GPU with AdamW's states
+    "llama8b": ["model.num_layers=4", "model.hidden_size=4096", "model.num_attention_heads=32", "model.num_kv_heads=8",
+                "model.ffn_hidden_size=14336", "model.seq_length=8192", "model.rope_theta=500000.0",
+                "parallel.micro_batch_size=1", "parallel.global_batch_size=2", "precision=bf16", "zero=stage1"],
 }
+LLAMA_ONLY = {"llama8b"}  # shapes with grouped-query attention and SwiGLU widths
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")  # precision.fp8.recipe
+
+
+def variant_overrides(precision, fp8_recipe, optim, document_mask) -> tuple[list[str], list[str], str]:
+    """(overrides of the run asked for, overrides of its baseline, the baseline's label) from bench's
+    options; the label is empty when no variant is asked (no baseline rows then). A bench option's
+    mistake raises ValueError with the message."""
+    if fp8_recipe and precision != "fp8":
+        raise ValueError(f"--fp8-recipe {fp8_recipe} is read only with --precision fp8")
+    asked = [f"precision={precision}"] if precision else []
+    asked += [f"precision.fp8.recipe={fp8_recipe}"] if fp8_recipe else []
+    asked += [f"optim={optim}"] if optim else []
+    asked += ["data.document_mask=true"] if document_mask else []
+    if precision == "fp8":
+        baseline, labels = ["precision=bf16"], ["bf16"]  # fp8's matmuls against the bf16 run they replace
+    else:
+        baseline, labels = asked[:1] if precision else [], []
+    if optim == "muon":
+        labels.append("adamw")  # optim=adamw is the default group
+    elif optim:
+        baseline.append(f"optim={optim}")
+    if document_mask:
+        labels.append("no document mask")
+    return asked, baseline, ", ".join(labels)
 
 
 def _synchronize() -> None:
@@ -84,14 +128,15 @@ def timed(step_fn, steps: int) -> float:
 def setup(arch: str, overrides: list[str], max_steps: int, shape: str = "tiny", device: str = "cpu"):
     """(cfg, layout, data, dims) of the bench shape in flavour `arch`; raises ConfigError."""
     from megaframe.config.compose import compose
-    from megaframe.backends.registry import engine
-    from megaframe.config.validate import validate
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.training.data_setup import build_data
     from megaframe.model.factory import resolve_dims
 
     cfg, _ = compose([f"model={'llama' if arch == 'llama' else 'gpt'}_tiny", *SHAPES[shape], *COMMON, *overrides,
                       f"train.max_steps={max_steps}"])
-    layout = validate(cfg, 1, engine_problem=engine(cfg.backend.name).config_problem)  # what DeepSpeed cannot run
+    # megaframe-train's checks: the engine's and the optimizer's layout rules and the device's
+    # (Muon on DeepSpeed's ZeRO, fp8 below SM 8.9) refused here in one line, not in the Trainer
+    layout = validate_for_engine(cfg, 1)
     data = build_data(cfg.data, cfg.model.seq_length)
     return cfg, layout, data, resolve_dims(cfg.model, data.vocab_size, device_type=device)
 
@@ -247,7 +292,7 @@ def transformers_path(cfg, layout, data, dims, device: str = "cpu"):
     return _plain_loop(model, cfg, data, layout, forward, device)
 
 
-def cuda_report(args, cfg, layout, dims, builders) -> None:
+def cuda_report(args, cfg, layout, dims, builders, base_label: str = "") -> None:
     """The GPU benchmark: each path built, warmed, timed and freed in turn; tokens/s, TFLOP/s per
     device, MFU against the peak of the run's precision, peak memory, and the planner's estimate."""
     import gc
@@ -260,7 +305,7 @@ def cuda_report(args, cfg, layout, dims, builders) -> None:
     tokens = args.steps * layout.global_batch_size * cfg.model.seq_length
     peak = peak_tflops(cfg.cluster.peak_tflops, cfg.precision.dtype, cfg.cluster.gpu)
     planned = estimate_config(cfg, layout)
-    rows = []
+    rows, all_rates = [], {}
     for name, build in builders.items():
         gc.collect()
         torch.cuda.empty_cache()
@@ -269,7 +314,7 @@ def cuda_report(args, cfg, layout, dims, builders) -> None:
         torch.manual_seed(cfg.train.seed)
         step, close = build()
         timed(step, args.warmup)
-        rates = [tokens / timed(step, args.steps) for _ in range(args.repeats)]
+        rates = all_rates[name] = [tokens / timed(step, args.steps) for _ in range(args.repeats)]
         peak_bytes = torch.cuda.max_memory_allocated() - before
         close()
         del step, close
@@ -287,6 +332,46 @@ def cuda_report(args, cfg, layout, dims, builders) -> None:
     for name, rate, low, high, tflops, mfu, peak_bytes in rows:
         print(f"| {name} | {rate:,.0f} | {low:,.0f}-{high:,.0f} | {tflops:.1f} | "
               f"{'-' if mfu is None else f'{mfu:.1%}'} | {peak_bytes / 2**30:.2f} |")
+    for line in variant_ratio_lines(all_rates, base_label, interleaved=False):
+        print(f"{line} (medians: on CUDA the paths run one after the other)")
+
+
+def megaframe_builders(cfg, layout, compile_scope: str, no_compile: bool, compile_only: bool = False) -> dict:
+    """{row: build} of megaframe's rows for cfg: eager unless compile_only, then compiled unless no_compile."""
+    compiled_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=True,
+                                                                      compile_scope=compile_scope))
+    builders = {} if compile_only else {"megaframe": lambda: megaframe_path(cfg, layout)}
+    if not no_compile:
+        builders["megaframe+compile"] = lambda: megaframe_path(compiled_cfg, layout)
+    return builders
+
+
+def plain_builders(args, cfg, layout, data, dims) -> dict:
+    """{row: build} of the paths megaframe is compared with: the plain PyTorch loop, transformers, nanoGPT."""
+    builders = {"pytorch": lambda: pytorch_path(cfg, layout, data, dims, args.device),
+                "pytorch+compile": lambda: pytorch_path(cfg, layout, data, dims, args.device, compiled=True),
+                "transformers": lambda: transformers_path(cfg, layout, data, dims, args.device),
+                "nanogpt loop": lambda: nanogpt_path(cfg, layout, data, dims, args.device),
+                "nanogpt model": lambda: nanogpt_path(cfg, layout, data, dims, args.device, module="plain")}
+    if args.arch != "gpt2":  # tools/plain_gpt.py is nanoGPT's GPT-2 model, not a Llama
+        del builders["nanogpt model"]
+    if args.no_compile or args.device == "cuda":  # on CUDA the pytorch row is the compiled loop already
+        del builders["pytorch+compile"]
+    return builders
+
+
+def variant_ratio_lines(rates: dict[str, list[float]], label: str, interleaved: bool) -> list[str]:
+    """Each variant row's step time over its baseline row's ("megaframe" against "megaframe (LABEL)"):
+    the median of the rounds' ratios and their range when the rows were interleaved, else the ratio
+    of the medians; none without a baseline (label empty)."""
+    lines = []
+    for name in [n for n in rates if label and f"{n} ({label})" in rates]:
+        base = rates[f"{name} ({label})"]
+        ratios = [b / v for v, b in zip(rates[name], base)] if interleaved \
+            else [statistics.median(base) / statistics.median(rates[name])]
+        spread = f" (rounds {min(ratios):.3f}-{max(ratios):.3f})" if len(ratios) > 1 else ""
+        lines.append(f"step time {name} / {name} ({label}): {statistics.median(ratios):.3f}{spread}")
+    return lines
 
 
 def startup_report(rounds: int) -> None:
@@ -337,13 +422,15 @@ def startup_report(rounds: int) -> None:
     print(f"| megaframe-train - plain_gpt.py | {statistics.median(gaps):+.2f} | {min(gaps):+.2f}-{max(gaps):+.2f} |")
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per path and round")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true", help="leave out the megaframe+compile path")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="leave out megaframe's eager path (a GPU's fp8 is fast compiled only)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--shape", choices=list(SHAPES), default="tiny", help="xl: GPT-3 XL (1.3B) in bf16, ZeRO-1")
     parser.add_argument("--compile-scope", choices=["model", "blocks"], default="model",
@@ -351,8 +438,29 @@ def main() -> None:
                              "compiled plain loop)")
     parser.add_argument("--startup", action="store_true",
                         help="time launch to first step instead: megaframe-train against tools/plain_gpt.py")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16", "fp8"],
+                        help="precision of every path (default: the shape's); fp8: megaframe against its bf16 run")
+    parser.add_argument("--fp8-recipe", choices=FP8_RECIPES, help="precision.fp8.recipe (with --precision fp8)")
+    parser.add_argument("--optim", choices=["adamw", "muon"], help="muon: megaframe with optim=muon against AdamW")
+    parser.add_argument("--document-mask", action="store_true",
+                        help="megaframe with data.document_mask=true against the same run without it")
     parser.add_argument("overrides", nargs="*", help="extra megaframe config overrides")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.no_compile and args.compile_only:
+        print("bench: error: --no-compile and --compile-only leave no megaframe path; give one of them", file=sys.stderr)
+        sys.exit(2)
+    try:
+        asked, base, base_label = variant_overrides(args.precision, args.fp8_recipe, args.optim, args.document_mask)
+    except ValueError as err:
+        print(f"bench: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    if args.shape == "nanogpt" and args.arch != "gpt2":
+        print("bench: error: --shape nanogpt is nanoGPT's GPT-2 model; use --arch gpt2", file=sys.stderr)
+        sys.exit(2)
+    if args.shape in LLAMA_ONLY and args.arch != "llama":
+        print(f"bench: error: --shape {args.shape} is a Llama shape (grouped-query attention); use --arch llama",
+              file=sys.stderr)
+        sys.exit(2)
     os.environ["DS_ACCELERATOR"] = args.device  # before anything imports DeepSpeed
     if args.startup:
         startup_report(args.repeats)
@@ -361,36 +469,29 @@ def main() -> None:
 
     from megaframe.config.validate import ConfigError
 
-    if args.shape == "nanogpt" and args.arch != "gpt2":
-        print("bench: error: --shape nanogpt is nanoGPT's GPT-2 model; use --arch gpt2", file=sys.stderr)
-        sys.exit(2)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench: error: --device cuda: torch sees no CUDA device here", file=sys.stderr)
         sys.exit(2)
+    max_steps = args.repeats * args.steps + args.warmup
     try:
-        cfg, layout, data, dims = setup(args.arch, args.overrides, args.repeats * args.steps + args.warmup, args.shape,
-                                     args.device)
+        cfg, layout, data, dims = setup(args.arch, [*asked, *args.overrides], max_steps, args.shape, args.device)
+        # the baseline is refused as the variant is: a mistake in either stops the bench before any timing
+        base_cfg, base_layout = setup(args.arch, [*base, *args.overrides], max_steps, args.shape, args.device)[:2] \
+            if base_label else (None, None)
     except ConfigError as err:
         print(f"bench: error: {err}", file=sys.stderr)
         sys.exit(2)
     tokens = args.steps * layout.global_batch_size * cfg.model.seq_length
-    compiled_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=True,
-                                                                      compile_scope=args.compile_scope))
-    builders = {"megaframe": lambda: megaframe_path(cfg, layout),
-                "megaframe+compile": lambda: megaframe_path(compiled_cfg, layout),
-                "pytorch": lambda: pytorch_path(cfg, layout, data, dims, args.device),
-                "pytorch+compile": lambda: pytorch_path(cfg, layout, data, dims, args.device, compiled=True),
-                "transformers": lambda: transformers_path(cfg, layout, data, dims, args.device),
-                "nanogpt loop": lambda: nanogpt_path(cfg, layout, data, dims, args.device),
-                "nanogpt model": lambda: nanogpt_path(cfg, layout, data, dims, args.device, module="plain")}
-    if args.arch != "gpt2":  # tools/plain_gpt.py is nanoGPT's GPT-2 model, not a Llama
-        del builders["nanogpt model"]
-    if args.no_compile or args.device == "cuda":  # on CUDA the pytorch row is the compiled loop already
-        del builders["pytorch+compile"]
-    if args.no_compile:
-        del builders["megaframe+compile"]
+    builders = megaframe_builders(cfg, layout, args.compile_scope, args.no_compile, args.compile_only)
+    if base_label:  # megaframe against megaframe: the other paths run neither fp8, Muon nor document masks
+        baseline = megaframe_builders(base_cfg, base_layout, args.compile_scope, args.no_compile, args.compile_only)
+        builders = {f"{name}{suffix}": build for name in builders
+                    for suffix, build in (("", builders[name]), (f" ({base_label})", baseline[name]))}
+        print(f"megaframe with {' '.join(asked)} against its run with {base_label} ({' '.join(base) or 'defaults'})")
+    else:
+        builders.update(plain_builders(args, cfg, layout, data, dims))
     if args.device == "cuda":
-        cuda_report(args, cfg, layout, dims, builders)
+        cuda_report(args, cfg, layout, dims, builders, base_label)
         return
     paths = {}
     for name, build in builders.items():
@@ -420,6 +521,8 @@ def main() -> None:
             cells.append(f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
         print(f"| {name} | {statistics.median(values):,.0f} | {min(values):,.0f}-{max(values):,.0f} | "
               + " | ".join(cells) + " |")
+    for line in variant_ratio_lines(rates, base_label, interleaved=True):
+        print(line)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,28 @@ def test_bench_tool_compares_megaframe_with_plain_loops_and_transformers():
     assert all(float(row.split("|")[2].replace(",", "")) > 0 for row in rows)
 
 
+def test_bench_tool_times_muon_and_document_masks_against_megaframes_baseline():
+    """--optim muon --document-mask: megaframe's rows only, each beside its baseline run (AdamW, no
+    mask) in the same interleaved rounds, and the step-time ratio the Muon target (1.1x) is read from."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.support.helpers import REPO, cli_env
+
+    result = subprocess.run([sys.executable, "tools/bench.py", "--steps", "1", "--repeats", "2", "--warmup", "1",
+                             "--no-compile", "--optim", "muon", "--document-mask", "model.num_layers=2",
+                             "model.hidden_size=64", "model.ffn_hidden_size=256", "model.seq_length=32"],
+                            cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert_ok(result)
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "tokens/s" not in line]
+    label = "adamw, no document mask"
+    assert [row.split("|")[1].strip() for row in rows] == ["megaframe", f"megaframe ({label})"], rows
+    assert all(float(row.split("|")[2].replace(",", "")) > 0 for row in rows)
+    ratio = re.search(rf"^step time megaframe / megaframe \({label}\): ([\d.]+) \(rounds ", result.stdout, re.M)
+    assert ratio and float(ratio.group(1)) > 0, result.stdout[-2000:]
+
+
 def test_adamw_and_profile_tools_run():
     """The two tools BENCHMARKS.md cites for the optimizer and the per-operator profile."""
     import re
