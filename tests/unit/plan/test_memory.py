@@ -10,6 +10,7 @@ from megaframe.model.factory import resolve_dims
 from megaframe.model.gpt import GPT
 from megaframe.plan.activations import ActivationShape, stage_activation_bytes
 from megaframe.plan.memory import model_state_bytes, partition_balanced
+from tests.support.saved_tensors import saved_bytes
 
 
 @pytest.mark.parametrize("n,parts", [(7, 2), (12, 5), (35, 8), (27, 27), (4, 6), (40, 13)])
@@ -33,37 +34,13 @@ def test_offload_moves_optimizer_states_to_the_host():
     assert states.optimizer == 0 and states.host == 1000 * 12 / 2 and states.device == 1000 * (2 + 2 / 2)
 
 
-def _saved_bytes(model: torch.nn.Module, idx: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd saves for backward, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(idx, idx)
-    return sum(saved.values())
-
-
 def _block_saved_bytes(dims, dtype: str) -> int:
     """Bytes the first block of a model of `dims` saves for backward on a (4, 128, 256) input."""
     model = GPT(dims).train()
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
     x = torch.randn(4, 128, 256, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.blocks[0](x)
-    return sum(saved.values())
+    return saved_bytes(model, forward=lambda: model.blocks[0](x))
 
 
 FLAVOURS = {
@@ -86,7 +63,7 @@ def test_activation_estimate_matches_saved_tensors(flavour, dtype, recompute, dr
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
     micro = 4
-    measured = _saved_bytes(model, torch.randint(0, 256, (micro, 128)))
+    measured = saved_bytes(model, torch.randint(0, 256, (micro, 128)))
     estimate = stage_activation_bytes(dims, ActivationShape(micro, dtype=dtype, device="cpu"), 2, True, True, recompute)
     assert estimate == pytest.approx(measured, rel=0.15)
 
