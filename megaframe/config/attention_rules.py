@@ -9,7 +9,7 @@ parallelism is no longer refused; tests/unit/config/test_attention_rules.py hold
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from megaframe.config.choices import choice_problem
 from megaframe.config.dataset_meta import SidecarError, document_ends_problem
@@ -112,10 +112,11 @@ def core_problem(cfg: TrainConfig) -> Optional[str]:
     return None
 
 
-def core_device_problem(cfg: TrainConfig, on_cuda: bool) -> Optional[str]:
+def core_device_problem(cfg: TrainConfig, on_cuda: Callable[[], bool]) -> Optional[str]:
     """model.attention_core=flex where the run trains on the CPU: torch's FlexAttention computes no
-    gradients there (it raises in the first backward); on_cuda: the launching host's device."""
-    if cfg.model.attention_core == "flex" and not on_cuda:
+    gradients there (it raises in the first backward); on_cuda: asks the launching host's device, only
+    for flex (asking imports the engine's accelerator, which a one-process run never imports)."""
+    if cfg.model.attention_core == "flex" and not on_cuda():
         return ("model.attention_core=flex on the CPU: torch's FlexAttention has no backward there; "
                 "use model.attention_core=auto (sdpa on the CPU) or train on a GPU")
     return None

@@ -549,7 +549,7 @@ def validate(cfg: TrainConfig, world_size: int,
     if err := check_precision(cfg, fp16_supported, bf16_supported, fp8_device):
         raise ConfigError(err)
     # fp8_device answers (its GPU's capability, None on the CPU) only where this host's device decides
-    if fp8_device is not None and (err := core_device_problem(cfg, fp8_device() is not None)):
+    if fp8_device is not None and (err := core_device_problem(cfg, lambda: fp8_device() is not None)):
         raise ConfigError(err)
     return layout
 
