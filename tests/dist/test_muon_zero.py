@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.support.helpers import TINY, curve, read_metrics
+from tests.support.muon_oracle import TorchMuon
 from tests.support.parity import train_runs
 from tests.support.ranks import run_ranks
 
@@ -52,25 +53,18 @@ def _flat_against_torch(rank: int, world: int) -> dict:
                      eps=1e-7, adjust_lr="spectral", betas=(0.9, 0.95), adamw_eps=1e-8)
     optimizer.param_groups[0]["params"] = [flat]  # as DeepSpeed does
     optimizer.partition_flat(flat, partition)
-    reference = [torch.nn.Parameter(t.clone()) for t in full[:-1]]
-    experts = [torch.nn.Parameter(full[-1][e].clone()) for e in range(SHAPES[-1][0])]
-    torch_muon = torch.optim.Muon([*reference, *experts], lr=0.02, weight_decay=0.1)
+    torch_muon = TorchMuon(full)
     for _ in range(3):
         grads = [torch.randn(t.shape, generator=generator) for t in full]  # the same on both ranks
         flat.grad = scatter(grads)
-        for p, g in zip(reference, grads):
-            p.grad = g.clone()
-        for e, p in enumerate(experts):
-            p.grad = grads[-1][e].clone()
         optimizer.step()
-        torch_muon.step()
+        torch_muon.step(grads)
     whole = [t.clone() for t in full]
     gathered = [torch.zeros(size) for _ in range(world)]
     dist.all_gather(gathered, flat.detach())
     buffer = torch.cat(gathered)
     gaps = [(buffer[o: o + t.numel()].view(t.shape) - ref).abs().max().item()
-            for o, t, ref in zip(offsets, whole, [*[p.detach() for p in reference],
-                                                  torch.stack([p.detach() for p in experts])])]
+            for o, t, ref in zip(offsets, whole, torch_muon.tensors())]
     padding = [buffer[o + t.numel()].item() for o, t in zip(offsets, whole)]
     matrices = partition.matrices
     owned = matrices.owned()
