@@ -27,13 +27,6 @@ import torch.distributed as dist
 from megaframe.optim.pieces import Piece, PieceError, box
 
 
-def row_counts(rows: int, ranks: int) -> list[int]:
-    """Each rank's rows of a Shard(0) split (torch.chunk's: ceil(rows/ranks) each, the last ones
-    shorter or empty): FSDP2's row shards, which the planner's assembly traffic counts."""
-    size = -(-rows // ranks)
-    return [max(0, min(rows, (r + 1) * size) - r * size) for r in range(ranks)]
-
-
 def ns_cost(shape: Sequence[int]) -> int:
     """Newton-Schulz's work on a matrix, up to a constant: rows * cols * min(rows, cols) per
     iteration; a stack of matrices (experts x rows x cols) costs that per matrix."""
