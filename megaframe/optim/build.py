@@ -24,15 +24,17 @@ def param_groups(model: torch.nn.Module, optim: OptimConfig, shape: Shape = full
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimConfig, fused: bool = True, ps=None,
-                    shape: Shape = full_shape) -> torch.optim.Optimizer:
+                    shape: Shape = full_shape, described: bool = False) -> torch.optim.Optimizer:
     """optim.name's optimizer over the model's parameters. AdamW: torch's, fused (one kernel per step
     on a GPU; torch's fused CPU kernel on the host, which DeepSpeed's ZeRO-0 uses too). ps: the
     ParallelState, which Muon assembles tensor-parallel matrices with (build it on every rank at once).
-    shape: a parameter's full shape, where the engine has already partitioned it away (ZeRO-3)."""
+    shape: a parameter's full shape, where the engine has already partitioned it away (ZeRO-3).
+    described: Muon's matrices lie in flat partitions the engine describes after (DeepSpeed ZeRO's)."""
     if optim.name == "muon":
         m = optim.muon
         return Muon(muon_param_groups(model, optim, shape), momentum=m.momentum, nesterov=m.nesterov,
                     ns_coefficients=tuple(m.ns_coefficients), ns_steps=m.ns_steps, eps=m.eps, adjust_lr=m.adjust_lr,
-                    betas=tuple(optim.betas), adamw_eps=optim.eps, fused=fused, ps=ps, shape=shape)
+                    betas=tuple(optim.betas), adamw_eps=optim.eps, fused=fused, ps=ps, shape=shape,
+                    described=described)
     return torch.optim.AdamW(decay_param_groups(model, optim.weight_decay), lr=optim.lr, betas=tuple(optim.betas),
                              eps=optim.eps, weight_decay=optim.weight_decay, fused=fused)

@@ -88,20 +88,23 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, groups: list[dict], *, momentum: float, nesterov: bool, ns_coefficients: Sequence[float],
                  ns_steps: int, eps: float, adjust_lr: str, betas: tuple[float, float], adamw_eps: float,
-                 fused: bool = True, ps=None, shape: Shape = full_shape):
+                 fused: bool = True, ps=None, shape: Shape = full_shape, described: bool = False):
         """ps: the ParallelState, where tensor parallelism splits matrices (its groups assemble them).
-        shape: a parameter's full shape, where the engine has already partitioned it away (ZeRO-3,
-        whose flat partitions the engine describes later: partition_flat)."""
+        shape: a parameter's full shape, where the engine has already partitioned it away (ZeRO-3).
+        described: the engine steps flat partitions in place of these parameters and describes where
+        the matrices lie in them later (partition_flat, with around_tp's groups): no pieces now."""
         if adjust_lr not in ADJUST_LR:
             raise ValueError(f"adjust_lr={adjust_lr!r}: one of {', '.join(ADJUST_LR)}")
         around_tp = tp_groups(ps)  # collective when made: every rank builds its optimizer at once
+        self.around_tp = around_tp
         matrices, pieces = [], []
         for group in groups:
             for p in group["params"] if group_optimizer(group) == "muon" else ():
                 if len(shape(p)) not in (2, 3):
                     raise ValueError(f"Muon steps matrices and stacks of them, not a tensor of shape {tuple(shape(p))}")
                 try:
-                    pieces.append(piece(p, around_tp))
+                    if not described:
+                        pieces.append(piece(p, around_tp))
                 except PieceError as e:
                     raise ValueError(f"Muon needs whole matrices; a {tuple(p.shape)} parameter is {e}") from None
                 matrices.append(p)
@@ -116,13 +119,15 @@ class Muon(torch.optim.Optimizer):
         self.full_shapes = {id(p): part.full for p, part in zip(matrices, pieces)}
         device = whole(matrices[0]).device if matrices else torch.device("cpu")
         self.split = split_groups(matrices, pieces, device)
-        self.flat_partitions: dict[int, FlatPartition] = {}  # id(flat tensor) -> its matrices' parts
+        # id(flat tensor) -> its matrices' parts, one FlatPartition per group of ranks assembling them
+        self.flat_partitions: dict[int, list[FlatPartition]] = {}
 
-    def partition_flat(self, flat: torch.Tensor, partition: FlatPartition) -> None:
+    def partition_flat(self, flat: torch.Tensor, partitions: Sequence[FlatPartition]) -> None:
         """Step `flat` (a tensor an engine puts in a Muon group in place of its parameters: DeepSpeed
-        ZeRO's fp32 partition) as the flat pieces of whole matrices `partition` describes. The momentum
-        is one buffer shaped like `flat`; Newton-Schulz runs on the matrices this rank owns."""
-        self.flat_partitions[id(flat)] = partition
+        ZeRO's fp32 partition) as the parts of whole matrices `partitions` describe (every rank the
+        same groups of ranks in the same order: their exchanges never cross). The momentum is one
+        buffer shaped like `flat`; Newton-Schulz runs on the matrices this rank owns."""
+        self.flat_partitions[id(flat)] = list(partitions)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -167,14 +172,13 @@ class Muon(torch.optim.Optimizer):
         """A flat partition's step: each matrix's part of the update goes to the matrix's owner, comes
         back orthogonalised, and is applied to this rank's part at the rate its full shape adjusts
         (the partition's padding is never stepped)."""
-        partition = self.flat_partitions[id(flat)]
-        orthogonaliser = _orthogonaliser(group)
-        results = partition.matrices.exchange([(i, part, orthogonaliser)
-                                               for i, part in enumerate(partition.parts(update))])
-        lr = group["lr"]
-        for shape, param, result in zip(partition.matrices.shapes, partition.parts(flat.data), results):
-            param.mul_(1 - lr * group["weight_decay"])
-            param.add_(result, alpha=-adjusted_lr(lr, group["adjust_lr"], shape))
+        orthogonaliser, lr = _orthogonaliser(group), group["lr"]
+        for partition in self.flat_partitions[id(flat)]:
+            results = partition.matrices.exchange([(i, part, orthogonaliser)
+                                                   for i, part in enumerate(partition.parts(update))])
+            for shape, param, result in zip(partition.matrices.shapes, partition.parts(flat.data), results):
+                param.mul_(1 - lr * group["weight_decay"])
+                param.add_(result, alpha=-adjusted_lr(lr, group["adjust_lr"], shape))
 
     def _momentum(self, group: dict, p: torch.nn.Parameter) -> torch.Tensor:
         """The momentum buffer moved towards the gradient, and the update (Nesterov's look-ahead or the

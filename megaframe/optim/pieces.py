@@ -25,16 +25,21 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 @dataclass(frozen=True)
 class Piece:
-    """This rank's box of the matrix `full` (offset and shape per dim), and the group holding the
-    other boxes (None: the box is the whole matrix). flat: the box is a range [offset, offset + shape)
-    of the matrix's flattened elements instead, 1-D (DeepSpeed ZeRO's partitions cut anywhere, even
-    mid-row: backends/deepspeed/muon_zero.py)."""
+    """This rank's part of the matrix `full`: the range `span` [start, stop) of the row-major elements
+    of a box of it (offset and shape per dim; span None: the whole box), and the group holding the
+    other parts (None: the part is the whole matrix). A box alone is FSDP2's or TP's piece; a span of
+    the whole matrix is a DeepSpeed ZeRO partition's (cut anywhere, even mid-row); a span of a TP
+    piece's box is ZeRO's partition of a TP piece (backends/deepspeed/muon_zero.py)."""
 
     full: tuple[int, ...]
     offset: tuple[int, ...]
     shape: tuple[int, ...]
     group: Any = None
-    flat: bool = False
+    span: Optional[tuple[int, int]] = None
+
+    def range(self) -> tuple[int, int]:
+        """The span, [0, the box's elements) where it is the whole box."""
+        return self.span if self.span is not None else (0, math.prod(self.shape))
 
 
 class PieceError(ValueError):
@@ -68,6 +73,13 @@ def full_shape(p: torch.Tensor) -> tuple[int, ...]:
     return tuple(p.partition_shape) if tp_split(p) else tuple(p.shape)
 
 
+def tp_offset(p: torch.Tensor, offset: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The full matrix of a TP-split `p` and where in it lies the box at `offset` of p's TP piece."""
+    full, along, offset = tuple(p.partition_shape), p.partition_dim, list(offset)
+    offset[along] += p.partition_index * (full[along] // p.partition_count)
+    return full, tuple(offset)
+
+
 def piece(p: torch.Tensor, around_tp: Optional["TPGroups"] = None) -> Piece:
     """Where this rank's part of `p` lies in its full matrix, and the group of the other parts."""
     dim = split_mesh_dim(p)
@@ -84,9 +96,8 @@ def piece(p: torch.Tensor, around_tp: Optional["TPGroups"] = None) -> Piece:
     if around_tp is None:
         raise PieceError(f"split {p.partition_count} ways by tensor parallelism, and Muon was built without "
                          f"the parallel state to assemble it")
-    full, along = tuple(p.partition_shape), p.partition_dim
-    offset[along] += p.partition_index * (full[along] // p.partition_count)
-    return Piece(full, tuple(offset), tuple(shape), around_tp.around(shard_group))
+    full, at = tp_offset(p, tuple(offset))
+    return Piece(full, at, tuple(shape), around_tp.around(shard_group))
 
 
 class TPGroups:
@@ -129,3 +140,30 @@ def box(offset: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
 
 def box_numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape)
+
+
+def span_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
+    """The range [start, stop) of a `shape` box's row-major elements as boxes within it, in order (their
+    elements one after another are the range's): at most 2 * ndim - 1 (a partial first row, whole
+    rows, a partial last row, each partial row the same again one dim down). Empty: none."""
+    if start >= stop:
+        return []
+    if len(shape) == 1:
+        return [((start,), (stop - start,))]
+    row, rest = math.prod(shape[1:]), shape[1:]
+    first_whole, end_whole = -(-start // row), stop // row  # the whole rows: [first_whole, end_whole)
+
+    def within(r: int, a: int, b: int) -> list[Box]:  # [a, b) of row r's elements
+        return [((r, *o), (1, *s)) for o, s in span_boxes(rest, a, b)]
+    if first_whole > end_whole:  # inside one row
+        r = start // row
+        return within(r, start - r * row, stop - r * row)
+    boxes = within(start // row, start % row, row) if start % row else []
+    if end_whole > first_whole:
+        boxes.append(((first_whole, *(0,) * len(rest)), (end_whole - first_whole, *rest)))
+    if stop % row:
+        boxes += within(end_whole, 0, stop % row)
+    return boxes

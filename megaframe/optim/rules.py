@@ -3,7 +3,7 @@ engine's): the layouts an optimizer steps correctly (its keys: config/optim_rule
 Newton-Schulz needs each matrix whole; megaframe assembles on one owner (optim/pieces.py,
 sharded.py) a matrix FSDP2 shards (dp, cp, HSDP's shard group, an expert's edp ranks) or tensor
 parallelism splits, at any tp, pp, cp, ep, and a matrix DeepSpeed ZeRO-1/2/3 cuts into flat
-partitions over data-parallel ranks; what it cannot step is refused here, in one line naming the key
+partitions over data-parallel ranks (and tensor-parallel pieces ZeRO cuts so, over tp x dp); what it cannot step is refused here, in one line naming the key
 (docs/optimizers.md)."""
 from __future__ import annotations
 
@@ -28,13 +28,13 @@ def optim_layout_problem(cfg: TrainConfig, layout, on_tensors: bool,
                 f"stage3 only (zero.stage={cfg.zero.stage}); use zero=stage1, backend=fsdp2, or one process at "
                 f"zero=stage0 precision=fp32 without offload")
     if described:
-        # ZeRO's flat ranges of a row-parallel TP piece are neither a box nor a flat range of the whole
-        # matrix, and DeepSpeed's pipeline and expert engines partition other groups: FSDP2 runs these
-        for axis in ("tp", "pp", "cp", "ep", "dp_replicate"):
+        # ZeRO's ranges of TP pieces are assembled over tp x dp (muon_zero.py); DeepSpeed's pipeline
+        # and expert engines partition other groups, untested with Muon: FSDP2 runs these
+        for axis in ("cp", "ep", "dp_replicate"):
             degree = getattr(layout.grid, axis)
             if degree > 1:
                 return (f"optim=muon with parallel.{axis}={degree}: Newton-Schulz needs whole matrices, which megaframe "
-                        f"assembles from DeepSpeed's ZeRO partitions only across data-parallel ranks; use "
+                        f"assembles from DeepSpeed's ZeRO partitions only across data- and tensor-parallel ranks; use "
                         f"backend=fsdp2, parallel.{axis}=1, or optim=adamw")
     for key in ("optimizer", "param"):
         if getattr(cfg.offload, key) != "none":

@@ -11,9 +11,12 @@ the same choice on every rank: a function of the full shapes), and no rank holds
 pieces plus the matrices it owns. Momentum, weight decay and the update stay elementwise on each
 rank's piece. Where each rank's piece lies is exchanged once, when the optimizer is built.
 
-A piece is a box of the matrix (FSDP2, TP) or a flat range [a, b) of its flattened elements, cut
-anywhere (a flat Piece: DeepSpeed ZeRO's partitions, backends/deepspeed/muon_zero.py, which steps
-them through FlatPartition). exchange() works on matrix indices and flat parts for both;
+A piece is a range of the row-major elements of a box of the matrix (pieces.Piece): the whole box
+(FSDP2, TP), a range of the whole matrix cut anywhere (DeepSpeed ZeRO's partitions), or a range of a
+TP piece's box (ZeRO's partitions under tensor parallelism); the engine describes the last two
+(backends/deepspeed/muon_zero.py), stepped through FlatPartition. Each owner cuts every rank's
+range into at most 2 x ndim - 1 boxes (pieces.span_boxes) once, when it is built. exchange() works
+on matrix indices and flat parts for all of them;
 orthogonalise() keys it by parameter for the engines that step parameter tensors."""
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megaframe.optim.pieces import Piece, PieceError, box
+from megaframe.optim.pieces import Piece, PieceError, box, span_boxes
 
 
 def ns_cost(shape: Sequence[int]) -> int:
@@ -44,21 +47,26 @@ def assign_owners(shapes: Sequence[Sequence[int]], ranks: int) -> list[int]:
     return owners
 
 
-def _gather_boxes(pieces: Sequence[Piece], group: Any, device: torch.device) -> torch.Tensor:
-    """Every rank's box of each matrix, (ranks, matrices, 2 x ndim): offsets, then shapes (each
-    padded to the group's largest ndim), from one all_gather when the optimizer is built."""
+Part = tuple[tuple[int, ...], tuple[int, ...], tuple[int, int]]  # a piece: box offset, box shape, span
+
+
+def _gather_parts(pieces: Sequence[Piece], group: Any, device: torch.device) -> torch.Tensor:
+    """Every rank's part of each matrix, (ranks, matrices, 2 x ndim + 2): its box's offsets, then
+    shapes (each padded to the group's largest ndim), then its span, from one all_gather when the
+    optimizer is built."""
     ndim = max(len(p.full) for p in pieces)
     pad = lambda values: [*values, *(0,) * (ndim - len(values))]  # noqa: E731
-    mine = torch.tensor([[*pad(p.offset), *pad(p.shape)] for p in pieces], dtype=torch.int64, device=device)
+    mine = torch.tensor([[*pad(p.offset), *pad(p.shape), *p.range()] for p in pieces], dtype=torch.int64,
+                        device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
     return torch.stack(every).cpu()
 
 
-def _unpack(row: list[int], space: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """A gathered row's box (offset, shape) in `space`: the matrix's dims, or (numel,) for a flat piece."""
-    ndim = len(row) // 2
-    return tuple(row[:len(space)]), tuple(row[ndim:ndim + len(space)])
+def _unpack(row: list[int], full: tuple[int, ...]) -> Part:
+    """A gathered row's part (offset, shape, span) of a `full` matrix."""
+    ndim = (len(row) - 2) // 2
+    return tuple(row[:len(full)]), tuple(row[ndim:ndim + len(full)]), (row[-2], row[-1])
 
 
 def check_tiling(full: tuple[int, ...], boxes: Sequence[tuple]) -> None:
@@ -72,6 +80,22 @@ def check_tiling(full: tuple[int, ...], boxes: Sequence[tuple]) -> None:
         all(dim and dim[0][0] == 0 and dim[-1][0] + dim[-1][1] == size for dim, size in zip(cuts, full))
     if not tiles or held != len(cells) or len(cells) != math.prod(len(dim) for dim in cuts):
         raise PieceError(f"the ranks' pieces {list(boxes)} do not tile a {full} matrix")
+
+
+def check_parts(full: tuple[int, ...], parts: Sequence[Part]) -> None:
+    """The ranks' parts tile the matrix exactly: the distinct boxes of the non-empty parts tile it
+    (check_tiling), and within each box the parts' spans cover [0, its elements) end to end, none
+    twice (ZeRO's partitions of one TP piece over its data-parallel ranks)."""
+    spans: dict[tuple, list[tuple[int, int]]] = {}
+    for offset, shape, (start, stop) in parts:
+        if stop > start:
+            spans.setdefault((offset, shape), []).append((start, stop))
+    check_tiling(full, list(spans))
+    for (offset, shape), ranges in spans.items():
+        ends = [0, *(e for pair in sorted(ranges) for e in pair), math.prod(shape)]
+        if any(a != b for a, b in zip(ends[::2], ends[1::2])):
+            raise PieceError(f"the ranks' spans {sorted(ranges)} of the box at {offset} of shape {shape} do not tile "
+                             f"a {full} matrix")
 
 
 class ShardedMatrices:
@@ -89,16 +113,15 @@ class ShardedMatrices:
         self.ranks, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.index = {id(p): i for i, p in enumerate(params or ())}
         self.shapes = [p.full for p in pieces]
-        self.flat = [p.flat for p in pieces]
-        # the coordinates each matrix's boxes are in: its own dims, or its flattened elements
-        self.spaces = [(math.prod(p.full),) if p.flat else p.full for p in pieces]
         self.owners = assign_owners(self.shapes, self.ranks)
-        # kept: this rank's box of every matrix, and every rank's box of the matrices it owns (not
-        # ranks x matrices boxes on every rank); read to lists once, here, never in the step
-        every = _gather_boxes(pieces, self.group, device)
-        self.mine = [_unpack(row, self.spaces[i]) for i, row in enumerate(every[self.rank].tolist())]
-        self.theirs = {i: [_unpack(row, self.spaces[i]) for row in every[:, i].tolist()] for i in self.owned()}
+        # kept: this rank's part of every matrix, and every rank's part of the matrices it owns (not
+        # ranks x matrices parts on every rank); read to lists once, here, never in the step
+        every = _gather_parts(pieces, self.group, device)
+        self.mine = [_unpack(row, self.shapes[i]) for i, row in enumerate(every[self.rank].tolist())]
+        self.theirs = {i: [_unpack(row, self.shapes[i]) for row in every[:, i].tolist()] for i in self.owned()}
         self._check(device)
+        # each owned matrix's parts as boxes of it (pieces.span_boxes), computed once, not in the step
+        self.regions = {i: [_regions(part) for part in parts] for i, parts in self.theirs.items()}
         self.received_numel = 0  # elements of whole matrices this rank assembled at the last step
 
     def _check(self, device: torch.device) -> None:
@@ -107,7 +130,7 @@ class ShardedMatrices:
         problem = None
         for i, boxes in self.theirs.items():
             try:
-                check_tiling(self.spaces[i], boxes)
+                check_parts(self.shapes[i], boxes)
             except PieceError as e:
                 problem = problem or str(e)
         flag = torch.tensor([problem is not None], dtype=torch.int32, device=device)
@@ -121,23 +144,22 @@ class ShardedMatrices:
     def owned(self) -> list[int]:
         return [i for i, owner in enumerate(self.owners) if owner == self.rank]
 
-    def _box(self, rank: int, i: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Rank `rank`'s box of matrix i: this rank's own, or any rank's of a matrix this rank owns."""
+    def _part(self, rank: int, i: int) -> Part:
+        """Rank `rank`'s part of matrix i: this rank's own, or any rank's of a matrix this rank owns."""
         return self.mine[i] if rank == self.rank else self.theirs[i][rank]
 
     def _numel(self, rank: int, i: int) -> int:
-        return math.prod(self._box(rank, i)[1])
+        start, stop = self._part(rank, i)[2]
+        return stop - start
 
     def local_numel(self, i: int) -> int:
         """The elements of matrix i this rank holds."""
         return self._numel(self.rank, i)
 
-    def _region(self, matrix: torch.Tensor, rank: int, i: int) -> torch.Tensor:
-        """Rank `rank`'s piece of matrix i within `matrix` (a view): its box, or its flat range."""
-        offset, shape = self._box(rank, i)
-        if self.flat[i]:
-            return matrix.view(-1).narrow(0, offset[0], shape[0])
-        return matrix[box(offset, shape)]
+    def _cut(self, piece: torch.Tensor, i: int, rank: int) -> list[tuple[tuple[slice, ...], torch.Tensor]]:
+        """Rank `rank`'s piece of owned matrix i (its span's elements, flat) cut into its boxes' parts."""
+        regions, sizes = self.regions[i][rank]
+        return list(zip(regions, piece.split(sizes))) if sizes else []
 
     def orthogonalise(self, items: Sequence[tuple[torch.Tensor, torch.Tensor, Callable]]) -> list[torch.Tensor]:
         """items: (param, this rank's piece of its update, the matrix's orthogonalisation), the same
@@ -183,17 +205,13 @@ class ShardedMatrices:
             i = ids[k]
             matrix = received.new_empty(self.shapes[i])
             for s in range(self.ranks):
-                if pieces[s][n].numel():
-                    target = self._region(matrix, s, i)
-                    target.copy_(pieces[s][n].view(target.shape))
+                for where, part in self._cut(pieces[s][n], i, s):
+                    matrix[where].copy_(part.view(matrix[where].shape))
             result = items[k][2](matrix)
             del matrix
-            if self.flat[i]:
-                result = result.contiguous()
             for s in range(self.ranks):
-                if pieces[s][n].numel():
-                    source = self._region(result, s, i)
-                    pieces[s][n].view(source.shape).copy_(source)
+                for where, part in self._cut(pieces[s][n], i, s):
+                    part.view(result[where].shape).copy_(result[where])
             del result
         del pieces
         out = self._exchange(received, send_counts, recv_counts)
@@ -210,11 +228,21 @@ class ShardedMatrices:
         return received
 
 
+def _regions(part: Part) -> tuple[list[tuple[slice, ...]], list[int]]:
+    """A part as the slices of the boxes of the matrix its span covers, in its elements' order, and
+    each box's elements."""
+    offset, shape, (start, stop) = part
+    boxes = span_boxes(shape, start, stop)
+    return ([box(tuple(o + a for o, a in zip(offset, at)), size) for at, size in boxes],
+            [math.prod(size) for _, size in boxes])
+
+
 @dataclass
 class FlatPartition:
-    """A rank's flat partition of many parameters (DeepSpeed ZeRO's fp32 partition of one group): the
-    matrices with a flat piece in it (matrices), and where each one's piece lies in the partition
-    (offsets[i]: its first element; its length is matrices.local_numel(i))."""
+    """The matrices of one group of ranks with a part in a rank's flat partition of many parameters
+    (DeepSpeed ZeRO's fp32 partition of one parameter group; a partition may hold matrices of several
+    groups of ranks under tensor parallelism: one FlatPartition each), and where each one's part lies
+    in the partition (offsets[i]: its first element; its length is matrices.local_numel(i))."""
 
     matrices: ShardedMatrices
     offsets: list[int]

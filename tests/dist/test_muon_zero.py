@@ -2,7 +2,9 @@
 matrices cut anywhere by flat partitions (mid-row, whole on one rank, empty on one) take
 torch.optim.Muon's step on the whole matrix within 1e-6, each rank assembling only the matrices it
 owns; then the real engine at each stage trains the single-rank Muon curve, each rank running
-Newton-Schulz on about half the matrices, and a ZeRO-1 checkpoint resumes at FSDP2 dp=2 on the curve."""
+Newton-Schulz on about half the matrices, as do ZeRO-1 and ZeRO-3 at tp=2 dp=2 (each matrix assembled
+once over tp x dp from ZeRO's ranges of its TP pieces) and ZeRO-1 at pp=2 dp=2, and ZeRO-1
+checkpoints at dp=2 and at tp=2 dp=2 resume at FSDP2 dp=2 on the curve."""
 from __future__ import annotations
 
 import math
@@ -16,6 +18,7 @@ from tests.support.muon_oracle import TorchMuon
 from tests.support.parity import train_runs
 from tests.support.ranks import run_ranks
 
+TP2DP2 = ["parallel.tp=2", "parallel.dp=2"]
 SHAPES = [(5, 3), (4, 6), (1, 8), (6, 6), (7, 2), (2, 3, 4)]  # tall, wide, one row, square, an expert stack
 
 
@@ -52,7 +55,7 @@ def _flat_against_torch(rank: int, world: int) -> dict:
     optimizer = Muon(groups, momentum=0.95, nesterov=True, ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5,
                      eps=1e-7, adjust_lr="spectral", betas=(0.9, 0.95), adamw_eps=1e-8)
     optimizer.param_groups[0]["params"] = [flat]  # as DeepSpeed does
-    optimizer.partition_flat(flat, partition)
+    optimizer.partition_flat(flat, [partition])
     torch_muon = TorchMuon(full)
     for _ in range(3):
         grads = [torch.randn(t.shape, generator=generator) for t in full]  # the same on both ranks
@@ -99,7 +102,7 @@ def _train_counting(rank: int, world: int, runs: list[tuple[list[str], str]]) ->
             trainer.fit()
             engine = getattr(trainer.backend, "engine", None)  # DeepSpeed's (FSDP2's: none)
             muon = getattr(engine.optimizer, "optimizer", None) if engine is not None else None
-            partitions = list(getattr(muon, "flat_partitions", {}).values())
+            partitions = [part for parts in getattr(muon, "flat_partitions", {}).values() for part in parts]
             # Muon's momentum and AdamW's moments, each storage once: what the memory report must count
             state = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for st in (muon.state.values()
                      if muon is not None else ()) for v in st.values() if torch.is_tensor(v) and v.dim() > 0}
@@ -118,11 +121,13 @@ def _train_counting(rank: int, world: int, runs: list[tuple[list[str], str]]) ->
 
 
 def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at_fsdp2(tmp_path):
-    """ZeRO-1, ZeRO-2 and ZeRO-3 at dp=2 follow the one-rank Muon curve (fp32; bf16 at ZeRO-3, whose
+    """ZeRO-1, ZeRO-2 and ZeRO-3 at dp=2, ZeRO-1 (with sequence parallelism) and ZeRO-3 at tp=2 dp=2,
+    and ZeRO-1 at pp=2 dp=2 follow the one-rank Muon curve (fp32; bf16 at ZeRO-3, whose
     flat fp32 masters DeepSpeed rounds to bf16 weights, against one bf16 rank; a MoE model's expert
     stacks), each rank assembling only the matrices it owns (about half the Newton-Schulz work). The
     ZeRO-1 run's step-3 layout-free checkpoint (Muon's momentum by name) resumes at FSDP2 dp=2 and at
-    ZeRO-3 and continues the curve; so does ZeRO-2's native one (DeepSpeed's files) at ZeRO-2."""
+    ZeRO-3 and continues the curve, and so does the tp=2 dp=2 ZeRO-1 run's at FSDP2 dp=2 (each TP
+    piece's momentum, cut by ZeRO, by name); so does ZeRO-2's native one (DeepSpeed's files) at ZeRO-2."""
     base = [*TINY, "optim=muon", "train.max_steps=6"]
     bf16 = [*base, "precision=bf16"]
     moe = [*base, "model=moe_tiny", "train.max_steps=4"]
@@ -136,6 +141,13 @@ def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at
     runs = [([*base, "parallel.dp=2", f"zero={s}", *saves.get(s, [])], str(tmp_path / s)) for s in stages]
     runs.append(([*bf16, "parallel.dp=2", "zero=stage3"], str(tmp_path / "stage3_bf16")))
     runs.append(([*moe, "parallel.dp=2", "zero=stage3"], str(tmp_path / "stage3_moe")))  # expert stacks too
+    # four ranks: tensor parallelism (ZeRO's ranges of TP pieces, assembled over tp x dp) and the pipeline
+    tp_saved = tmp_path / "tp2dp2_stage1" / "checkpoints" / "global_step3"
+    four = {"tp2dp2_stage1": [*TP2DP2, "parallel.sequence_parallel=true", "zero=stage1", "train.save_interval=3"],
+            "tp2dp2_stage3": [*TP2DP2, "zero=stage3"], "pp2dp2_stage1": ["parallel.pp=2", "parallel.dp=2", "zero=stage1"]}
+    on_four = run_ranks(_train_counting, 4, tmp_path, runs=[([*base, *extra], str(tmp_path / name))
+                                                             for name, extra in four.items()])
+    runs.append(([*base, "parallel.dp=2", "backend=fsdp2", f"train.resume={tp_saved}"], str(tmp_path / "tp_resumed")))
     runs.append(([*base, "parallel.dp=2", "backend=fsdp2", f"train.resume={saved}"], str(tmp_path / "resumed")))
     runs.append(([*base, "parallel.dp=2", "zero=stage3", f"train.resume={saved}"], str(tmp_path / "resumed_zero3")))
     native = tmp_path / "stage2" / "checkpoints" / "global_step3"  # DeepSpeed's own files: Muon's state_dict
@@ -147,7 +159,8 @@ def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at
     assert [s for s, _ in reference["one"]] == [s for s, _ in reference["one_bf16"]] == list(range(1, 7))
     # (run, its reference, first step, relative tolerance: bf16 rounds each rank's weights alike, its
     # reductions not)
-    for name, against, start, rel in [*((s, "one", 0, 1e-4) for s in stages), ("stage3_bf16", "one_bf16", 0, 1e-3),
+    for name, against, start, rel in [*((s, "one", 0, 1e-4) for s in (*stages, *four)), ("tp_resumed", "one", 3, 1e-4),
+                                      ("stage3_bf16", "one_bf16", 0, 1e-3),
                                       ("stage3_moe", "one_moe", 0, 1e-4), ("resumed", "one", 3, 1e-4),
                                       ("resumed_zero3", "one", 3, 1e-4), ("resumed_native", "one", 3, 1e-4)]:
         got = curve(read_metrics(tmp_path / name), "loss")
@@ -165,6 +178,15 @@ def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at
         for c in counts:
             assert c["received"] == c["owned_numel"] > 0, (stage, c)
             assert 0.3 <= c["owned_cost"] / c["cost"] <= 0.7, (stage, c)
+    for k, name in enumerate(four):
+        counts = [r[k] for r in on_four]
+        assert all(c["engine"] == "deepspeed" and c["matrices"] == c["hidden"] >= 3 for c in counts), (name, counts)
+        # under tp each TP-split matrix is assembled once over the four ranks of tp x dp (not once per
+        # TP piece over dp: twice as many); pp's stages each assemble their own over their dp pair
+        once = counts[0]["hidden"] if name.startswith("tp") else sum(c["hidden"] for c in counts) // 2
+        assert sum(c["owned"] for c in counts) == once, (name, counts)
+        for c in counts:
+            assert c["received"] == c["owned_numel"] > 0, (name, c)
             # the memory report counts Muon's state as optimizer state (bf16: with the fp32 masters)
             assert c["state_bytes"] > 0 and (c["held_optimizer"] == c["state_bytes"] if "bf16" not in stage
                                              else c["held_optimizer"] > c["state_bytes"]), (stage, c)

@@ -107,7 +107,8 @@ class DeepSpeedBackend:
         self.num_parameters = self._count_parameters(module)
         self.writes_layout_free = not layout_free_unsupported(cfg, layout)
         # Muon: megaframe's, as ZeRO's client optimizer (muon_zero.py); AdamW: DeepSpeed's, from ds_config
-        client = build_optimizer(module, cfg.optim, shape=built_shape) if cfg.optim.name == "muon" else None
+        client = (build_optimizer(module, cfg.optim, ps=ps, shape=built_shape, described=True)
+                  if cfg.optim.name == "muon" else None)
         # each parameter's state names, read before ZeRO puts its flat partitions in the groups
         self._state_keys = state_keys_by_param(client) if client is not None else None
         self.engine, _, _, self.lr_scheduler = deepspeed.initialize(

@@ -1,15 +1,18 @@
 """Where a rank's piece of a Muon matrix lies (optim/pieces.py) and the check that the ranks' pieces
 tile each matrix exactly (optim/sharded.py), without ranks: a tensor-parallel piece's full shape
 sets the learning rate; a split Muon cannot assemble, or pieces that overlap, leave a gap or stick
-out, are refused when the optimizer is built (never a wrong update)."""
+out, are refused when the optimizer is built (never a wrong update); a range of a box's elements
+(ZeRO's partition of a TP piece) as boxes, and ranges that do not tile their box refused alike."""
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from megaframe.optim.muon import Muon
-from megaframe.optim.pieces import PieceError, full_shape, piece
-from megaframe.optim.sharded import check_tiling
+from megaframe.optim.pieces import PieceError, box, full_shape, piece, span_boxes
+from megaframe.optim.sharded import check_parts, check_tiling
 from megaframe.parallel.layers import ShardSpec
 
 # (5, 8) as tp=2 by columns x 2 uneven dp shards by rows; (2, 6) with an empty dp shard
@@ -56,3 +59,43 @@ def test_a_tp_piece_names_its_whole_matrix_and_needs_the_parallel_state():
     with pytest.raises(ValueError, match=r"a \(6, 4\) parameter is split 2 ways by tensor parallelism"):
         Muon([{"params": [row_parallel], "optimizer": "muon"}], momentum=0.9, nesterov=True, ns_coefficients=(1, 1, 1),
              ns_steps=1, eps=1e-7, adjust_lr="spectral", betas=(0.9, 0.9), adamw_eps=1e-8)
+
+
+@pytest.mark.parametrize("shape", [(5,), (4, 6), (1, 8), (6, 1), (3, 4, 5), (2, 3, 1, 4)])
+def test_a_span_of_a_box_is_its_boxes_in_order(shape):
+    """span_boxes against brute force: for every [start, stop), the boxes' elements one after another
+    are exactly the row-major elements start..stop-1 of the box, in at most 2 x ndim - 1 boxes."""
+    numbered = torch.arange(math.prod(shape)).view(shape)
+    for start in range(numbered.numel() + 1):
+        for stop in range(start, numbered.numel() + 1):
+            boxes = span_boxes(shape, start, stop)
+            got = [numbered[box(offset, size)].reshape(-1) for offset, size in boxes]
+            assert torch.equal(torch.cat([torch.zeros(0, dtype=torch.int64), *got]), torch.arange(start, stop)), \
+                (shape, start, stop, boxes)
+            assert len(boxes) <= 2 * len(shape) - 1 and all(math.prod(size) for _, size in boxes)
+
+
+# (full, parts: (offset, shape, span)): ZeRO's ranges of two row-parallel TP pieces (column blocks)
+# over two dp ranks each, cut mid-row; the whole matrix in ranges; a rank holding nothing
+ROW_PARALLEL = [((0, 0), (5, 4), (0, 7)), ((0, 0), (5, 4), (7, 20)),
+                ((0, 4), (5, 4), (0, 13)), ((0, 4), (5, 4), (13, 20))]
+PART_TILINGS = [((5, 8), ROW_PARALLEL),
+                ((5, 8), [((0, 0), (5, 8), (0, 40)), ((0, 0), (5, 8), (40, 40))]),
+                ((2, 3, 4), [((0, 0, 0), (2, 3, 4), (0, 5)), ((0, 0, 0), (2, 3, 4), (5, 24))]),
+                ((5, 8), [((0, 0), (3, 8), (0, 24)), ((3, 0), (2, 8), (0, 16))])]  # boxes alone
+PART_NOT_TILINGS = [((5, 8), ROW_PARALLEL[:3]),  # the last 7 elements of the second column block missing
+                    ((5, 8), [*ROW_PARALLEL[:3], ((0, 4), (5, 4), (12, 20))]),  # element 12 twice
+                    ((5, 8), [ROW_PARALLEL[0], ((0, 0), (5, 4), (8, 20)), *ROW_PARALLEL[2:]]),  # element 7 never
+                    ((5, 8), [*ROW_PARALLEL[:2], ((0, 3), (5, 4), (0, 13)), ((0, 3), (5, 4), (13, 20))]),  # boxes overlap
+                    ((5, 8), [((0, 0), (5, 8), (0, 40)), ((0, 0), (5, 8), (0, 40))])]  # the whole matrix twice
+
+
+@pytest.mark.parametrize("full, parts", PART_TILINGS)
+def test_parts_whose_spans_tile_their_boxes_pass(full, parts):
+    check_parts(full, parts)
+
+
+@pytest.mark.parametrize("full, parts", PART_NOT_TILINGS)
+def test_parts_that_leave_out_or_repeat_elements_are_refused(full, parts):
+    with pytest.raises(PieceError, match="do not tile"):
+        check_parts(full, parts)

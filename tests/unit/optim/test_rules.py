@@ -32,6 +32,15 @@ def test_muon_runs_where_it_sees_whole_matrices_row_shards_or_described_partitio
     assert cfg.optim.name == "muon" and cfg.optim.muon.adamw_lr == 3e-3 and layout.tp == layout.pp == layout.grid.ep == 1
 
 
+@pytest.mark.parametrize("overrides", [[*MUON, "zero=stage1", "parallel.tp=2", "parallel.dp=2",
+                                        "parallel.sequence_parallel=true"],
+                                       [*MUON, "zero=stage3", "parallel.tp=2", "parallel.dp=2"]])
+def test_muon_runs_under_zero_with_tensor_parallelism(overrides):
+    """ZeRO's partitions of TP pieces are described as ranges of each piece's box (muon_zero.py)."""
+    cfg, layout, _ = check(overrides)
+    assert cfg.optim.name == "muon" and layout.tp == 2 and cfg.zero.stage in (1, 3)
+
+
 FLAT = "optim=muon with backend=deepspeed: its ZeRO and mixed-precision optimizers step flattened partitions"
 FSDP2 = [*MUON, "backend=fsdp2"]
 
@@ -58,8 +67,8 @@ def test_muon_runs_on_fsdp2_in_every_layout(overrides, axis):
     ([*MUON, "zero=stage2", "offload=cpu"], "optim=muon with offload.optimizer=cpu: "),
     ([*MUON, "zero=stage3", "offload.param=cpu"], "optim=muon with offload.param=cpu: "),
     ([*MUON, "zero=stage1", "parallel.pp=2", "parallel.dp=1"], "optim=muon with parallel.pp=2: "),
-    ([*MUON, "zero=stage2", "parallel.tp=2", "parallel.dp=1"],
-     "optim=muon with parallel.tp=2: Newton-Schulz needs whole matrices, which megaframe assembles from DeepSpeed's"),
+    ([*MUON, "zero=stage2", "parallel.cp=2", "parallel.dp=1"],
+     "optim=muon with parallel.cp=2: Newton-Schulz needs whole matrices, which megaframe assembles from DeepSpeed's"),
     ([*MUON, "precision=bf16"], FLAT),
     ([*MUON, "parallel.tp=2"], FLAT),  # DeepSpeed's engine at more than one process
     ([*MUON, "backend=fsdp2", "offload=cpu"], "optim=muon with offload.optimizer=cpu: "),
