@@ -3,8 +3,8 @@ engine's): the layouts an optimizer steps correctly (its keys: config/optim_rule
 Newton-Schulz needs each matrix whole; megaframe assembles on one owner (optim/pieces.py,
 sharded.py) a matrix FSDP2 shards (dp, cp, HSDP's shard group, an expert's edp ranks) or tensor
 parallelism splits, at any tp, pp, cp, ep, and a matrix DeepSpeed ZeRO-1/2/3 cuts into flat
-partitions over data-parallel ranks (and tensor-parallel pieces ZeRO cuts so, over tp x dp); what it cannot step is refused here, in one line naming the key
-(docs/optimizers.md)."""
+partitions over data-parallel ranks, at any tp (ranges of TP pieces, over tp x dp) and pp (each
+stage's own); what it cannot step is refused here, in one line naming the key (docs/optimizers.md)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -17,7 +17,7 @@ def optim_layout_problem(cfg: TrainConfig, layout, on_tensors: bool,
     """Muon only where it sees each matrix whole or in pieces it can assemble (optim/pieces.py): an
     engine whose optimizer steps parameter tensors (on_tensors: FSDP2 in any layout, or the plain
     engine standing in for DeepSpeed's at one process), or a ZeRO stage whose flat partitions the
-    engine describes (described_stages: DeepSpeed's 1-3) over data-parallel ranks only; nothing
+    engine describes (described_stages: DeepSpeed's 1-3) over data- and tensor-parallel ranks; nothing
     offloaded. The rest is refused, naming the key."""
     if cfg.optim.name != "muon":
         return None
@@ -28,8 +28,9 @@ def optim_layout_problem(cfg: TrainConfig, layout, on_tensors: bool,
                 f"stage3 only (zero.stage={cfg.zero.stage}); use zero=stage1, backend=fsdp2, or one process at "
                 f"zero=stage0 precision=fp32 without offload")
     if described:
-        # ZeRO's ranges of TP pieces are assembled over tp x dp (muon_zero.py); DeepSpeed's pipeline
-        # and expert engines partition other groups, untested with Muon: FSDP2 runs these
+        # ZeRO's ranges of TP pieces are assembled over tp x dp, a pipeline stage's over its dp ranks
+        # (muon_zero.py); cp's, the expert engine's and HSDP's groups are untested with Muon under
+        # DeepSpeed: FSDP2 runs these
         for axis in ("cp", "ep", "dp_replicate"):
             degree = getattr(layout.grid, axis)
             if degree > 1:

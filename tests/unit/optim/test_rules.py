@@ -34,11 +34,13 @@ def test_muon_runs_where_it_sees_whole_matrices_row_shards_or_described_partitio
 
 @pytest.mark.parametrize("overrides", [[*MUON, "zero=stage1", "parallel.tp=2", "parallel.dp=2",
                                         "parallel.sequence_parallel=true"],
-                                       [*MUON, "zero=stage3", "parallel.tp=2", "parallel.dp=2"]])
-def test_muon_runs_under_zero_with_tensor_parallelism(overrides):
-    """ZeRO's partitions of TP pieces are described as ranges of each piece's box (muon_zero.py)."""
+                                       [*MUON, "zero=stage3", "parallel.tp=2", "parallel.dp=2"],
+                                       [*MUON, "zero=stage1", "parallel.pp=2", "parallel.dp=2"]])
+def test_muon_runs_under_zero_with_tensor_parallelism_and_the_pipeline(overrides):
+    """ZeRO's partitions of TP pieces are described as ranges of each piece's box, and each pipeline
+    stage's as its own (muon_zero.py; trained in tests/dist/test_muon_zero.py)."""
     cfg, layout, _ = check(overrides)
-    assert cfg.optim.name == "muon" and layout.tp == 2 and cfg.zero.stage in (1, 3)
+    assert cfg.optim.name == "muon" and layout.tp * layout.pp == 2 and cfg.zero.stage in (1, 3)
 
 
 FLAT = "optim=muon with backend=deepspeed: its ZeRO and mixed-precision optimizers step flattened partitions"
@@ -66,7 +68,7 @@ def test_muon_runs_on_fsdp2_in_every_layout(overrides, axis):
                                                       "zero=stage1, stage2 and stage3 only (zero.stage=0)"),
     ([*MUON, "zero=stage2", "offload=cpu"], "optim=muon with offload.optimizer=cpu: "),
     ([*MUON, "zero=stage3", "offload.param=cpu"], "optim=muon with offload.param=cpu: "),
-    ([*MUON, "zero=stage1", "parallel.pp=2", "parallel.dp=1"], "optim=muon with parallel.pp=2: "),
+    ([*MUON, "zero=stage1", "model=moe_tiny", "parallel.ep=2", "parallel.dp=2"], "optim=muon with parallel.ep=2: "),
     ([*MUON, "zero=stage2", "parallel.cp=2", "parallel.dp=1"],
      "optim=muon with parallel.cp=2: Newton-Schulz needs whole matrices, which megaframe assembles from DeepSpeed's"),
     ([*MUON, "precision=bf16"], FLAT),
