@@ -17,8 +17,10 @@ from tests.support.helpers import TINY, curve, read_metrics
 from tests.support.muon_oracle import TorchMuon
 from tests.support.parity import train_runs
 from tests.support.ranks import run_ranks
+from tests.support.reference_cache import reference_runs
 
 TP2DP2 = ["parallel.tp=2", "parallel.dp=2"]
+ONE_KV = ["model.num_kv_heads=1"]  # fewer kv heads than tp: k and v whole on each TP rank
 SHAPES = [(5, 3), (4, 6), (1, 8), (6, 6), (7, 2), (2, 3, 4)]  # tall, wide, one row, square, an expert stack
 
 
@@ -89,6 +91,8 @@ def test_flat_partitioned_muon_is_torch_muon_on_the_whole_matrix(tmp_path):
 def _train_counting(rank: int, world: int, runs: list[tuple[list[str], str]]) -> list[dict]:
     """Train each run in these ranks (as tests/support/parity.train_runs does) and return, per run,
     what this rank's Muon assembled: its matrices' ownership and the elements it received."""
+    import torch.distributed as dist
+
     from megaframe.config.compose import compose
     from megaframe.config.validate import validate
     from megaframe.optim.groups import is_hidden_matrix
@@ -106,9 +110,13 @@ def _train_counting(rank: int, world: int, runs: list[tuple[list[str], str]]) ->
             # Muon's momentum and AdamW's moments, each storage once: what the memory report must count
             state = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for st in (muon.state.values()
                      if muon is not None else ()) for v in st.values() if torch.is_tensor(v) and v.dim() > 0}
-            hidden = sum(is_hidden_matrix(name, tuple(getattr(p, "ds_shape", p.shape)))
-                         for name, p in trainer.backend.module.named_parameters())
-            out.append({"engine": trainer.engine, "partitions": len(partitions), "hidden": hidden,
+            hidden = [p for name, p in trainer.backend.module.named_parameters()
+                      if is_hidden_matrix(name, tuple(getattr(p, "ds_shape", p.shape)))]
+            # the groups of ranks assembling them (tp x dp, and dp for a matrix whole on every TP rank)
+            groups = {tuple(dist.get_process_group_ranks(p.matrices.group)) for p in partitions}
+            out.append({"engine": trainer.engine, "partitions": len(partitions), "hidden": len(hidden),
+                        "groups": len(groups),
+                        "not_tp_split": sum(getattr(p, "partition_count", 1) == 1 for p in hidden),
                         "state_bytes": sum(state.values()),
                         "held_optimizer": trainer.backend.held_model_states()["optimizer"] if muon else 0,
                         "matrices": sum(len(p.matrices.shapes) for p in partitions),
@@ -121,8 +129,9 @@ def _train_counting(rank: int, world: int, runs: list[tuple[list[str], str]]) ->
 
 
 def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at_fsdp2(tmp_path):
-    """ZeRO-1, ZeRO-2 and ZeRO-3 at dp=2, ZeRO-1 (with sequence parallelism) and ZeRO-3 at tp=2 dp=2,
-    and ZeRO-1 at pp=2 dp=2 follow the one-rank Muon curve (fp32; bf16 at ZeRO-3, whose
+    """ZeRO-1, ZeRO-2 and ZeRO-3 at dp=2, ZeRO-1 (with sequence parallelism) and ZeRO-3 (with one kv
+    head: k and v whole on both TP ranks, assembled over dp in a group of their own beside tp x dp's)
+    at tp=2 dp=2, and ZeRO-1 at pp=2 dp=2 follow the one-rank Muon curve (fp32; bf16 at ZeRO-3, whose
     flat fp32 masters DeepSpeed rounds to bf16 weights, against one bf16 rank; a MoE model's expert
     stacks), each rank assembling only the matrices it owns (about half the Newton-Schulz work). The
     ZeRO-1 run's step-3 layout-free checkpoint (Muon's momentum by name) resumes at FSDP2 dp=2 and at
@@ -131,8 +140,10 @@ def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at
     base = [*TINY, "optim=muon", "train.max_steps=6"]
     bf16 = [*base, "precision=bf16"]
     moe = [*base, "model=moe_tiny", "train.max_steps=4"]
-    run_ranks(train_runs, 1, tmp_path, runs=[(base, str(tmp_path / "one")),
-                                             ([*bf16, "zero=stage1"], str(tmp_path / "one_bf16")),
+    # the fp32 reference: FSDP2's one-rank run, which test_muon_layouts.py's cached reference shares
+    one = reference_runs({"dense": [*base, "backend=fsdp2"]}, tmp_path / "one")["dense"]
+    run_ranks(train_runs, 1, tmp_path, runs=[([*bf16, "zero=stage1"], str(tmp_path / "one_bf16")),
+                                             ([*base, *ONE_KV], str(tmp_path / "one_kv")),
                                              (moe, str(tmp_path / "one_moe"))])
     stages = ("stage1", "stage2", "stage3")
     saved = tmp_path / "stage1" / "checkpoints" / "global_step3"
@@ -144,7 +155,8 @@ def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at
     # four ranks: tensor parallelism (ZeRO's ranges of TP pieces, assembled over tp x dp) and the pipeline
     tp_saved = tmp_path / "tp2dp2_stage1" / "checkpoints" / "global_step3"
     four = {"tp2dp2_stage1": [*TP2DP2, "parallel.sequence_parallel=true", "zero=stage1", "train.save_interval=3"],
-            "tp2dp2_stage3": [*TP2DP2, "zero=stage3"], "pp2dp2_stage1": ["parallel.pp=2", "parallel.dp=2", "zero=stage1"]}
+            "tp2dp2_stage3": [*TP2DP2, *ONE_KV, "zero=stage3"],
+            "pp2dp2_stage1": ["parallel.pp=2", "parallel.dp=2", "zero=stage1"]}
     on_four = run_ranks(_train_counting, 4, tmp_path, runs=[([*base, *extra], str(tmp_path / name))
                                                              for name, extra in four.items()])
     runs.append(([*base, "parallel.dp=2", "backend=fsdp2", f"train.resume={tp_saved}"], str(tmp_path / "tp_resumed")))
@@ -155,11 +167,13 @@ def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at
                   "train.native_checkpoint=true", "train.trust_pickled_checkpoint=true", f"train.resume={native}"],
                  str(tmp_path / "resumed_native")))
     ranks = run_ranks(_train_counting, 2, tmp_path, runs=runs)
-    reference = {name: curve(read_metrics(tmp_path / name), "loss") for name in ("one", "one_bf16", "one_moe")}
+    reference = {name: curve(read_metrics(tmp_path / name), "loss") for name in ("one_bf16", "one_moe", "one_kv")}
+    reference["one"] = curve(read_metrics(one), "loss")
     assert [s for s, _ in reference["one"]] == [s for s, _ in reference["one_bf16"]] == list(range(1, 7))
     # (run, its reference, first step, relative tolerance: bf16 rounds each rank's weights alike, its
     # reductions not)
-    for name, against, start, rel in [*((s, "one", 0, 1e-4) for s in (*stages, *four)), ("tp_resumed", "one", 3, 1e-4),
+    for name, against, start, rel in [*((s, "one_kv" if ONE_KV[0] in four.get(s, ()) else "one", 0, 1e-4)
+                                        for s in (*stages, *four)), ("tp_resumed", "one", 3, 1e-4),
                                       ("stage3_bf16", "one_bf16", 0, 1e-3),
                                       ("stage3_moe", "one_moe", 0, 1e-4), ("resumed", "one", 3, 1e-4),
                                       ("resumed_zero3", "one", 3, 1e-4), ("resumed_native", "one", 3, 1e-4)]:
@@ -182,9 +196,14 @@ def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at
         counts = [r[k] for r in on_four]
         assert all(c["engine"] == "deepspeed" and c["matrices"] == c["hidden"] >= 3 for c in counts), (name, counts)
         # under tp each TP-split matrix is assembled once over the four ranks of tp x dp (not once per
-        # TP piece over dp: twice as many); pp's stages each assemble their own over their dp pair
-        once = counts[0]["hidden"] if name.startswith("tp") else sum(c["hidden"] for c in counts) // 2
+        # TP piece over dp: twice as many), a matrix whole on both TP ranks (k and v at one kv head)
+        # once per dp pair, in its own group; pp's stages each assemble their own over their dp pair
+        tp = name.startswith("tp")
+        once = counts[0]["hidden"] + counts[0]["not_tp_split"] if tp else sum(c["hidden"] for c in counts) // 2
         assert sum(c["owned"] for c in counts) == once, (name, counts)
+        whole_on_tp = ONE_KV[0] in four[name]
+        for c in counts if tp else ():
+            assert c["groups"] == 1 + whole_on_tp and (c["not_tp_split"] > 0) == whole_on_tp, (name, c)
         for c in counts:
             assert c["received"] == c["owned_numel"] > 0, (name, c)
             # the memory report counts Muon's state as optimizer state (bf16: with the fp32 masters)

@@ -86,7 +86,8 @@ PART_TILINGS = [((5, 8), ROW_PARALLEL),
 PART_NOT_TILINGS = [((5, 8), ROW_PARALLEL[:3]),  # the last 7 elements of the second column block missing
                     ((5, 8), [*ROW_PARALLEL[:3], ((0, 4), (5, 4), (12, 20))]),  # element 12 twice
                     ((5, 8), [ROW_PARALLEL[0], ((0, 0), (5, 4), (8, 20)), *ROW_PARALLEL[2:]]),  # element 7 never
-                    ((5, 8), [*ROW_PARALLEL[:2], ((0, 3), (5, 4), (0, 13)), ((0, 3), (5, 4), (13, 20))]),  # boxes overlap
+                    # the column blocks overlapping
+                    ((5, 8), [*ROW_PARALLEL[:2], ((0, 3), (5, 4), (0, 13)), ((0, 3), (5, 4), (13, 20))]),
                     ((5, 8), [((0, 0), (5, 8), (0, 40)), ((0, 0), (5, 8), (0, 40))])]  # the whole matrix twice
 
 
