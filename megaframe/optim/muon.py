@@ -11,7 +11,8 @@ The AdamW groups are stepped by a torch.optim.AdamW that shares these groups and
 Newton-Schulz needs the whole matrix: a matrix is whole on this rank (one rank, a mesh of one, an
 expert stack split by experts), or split over ranks (FSDP2's shards, tensor parallelism's pieces,
 both: pieces.py), or cut into flat ranges of a partition an engine steps as one tensor (DeepSpeed
-ZeRO's, which the engine describes through partition_flat()), and assembled on one owner among them
+ZeRO's ranges of whole matrices or of TP pieces, which the engine describes through
+partition_flat()), and assembled on one owner among them
 (sharded.py). The config rules (optim/rules.py) refuse the layouts nothing here assembles before
 launch; the constructor refuses a parameter it cannot assemble again (never a silently wrong update)."""
 from __future__ import annotations

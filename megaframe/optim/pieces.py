@@ -10,7 +10,9 @@ A parameter reaches the optimizer in one of these forms (DESIGN: no rank gathers
   row-parallel by input columns), and within that piece by FSDP2 over the dense shard group: the
   group is tp x that shard group, a group ParallelState does not create, made here (tp_groups).
 An expert stack split by experts over ep ranks is whole per expert: its local experts are what is
-assembled, never the other ranks' experts."""
+assembled, never the other ranks' experts. DeepSpeed ZeRO's flat partitions cut any of these into
+ranges of their row-major elements (a Piece's span; backends/deepspeed/muon_zero.py describes them),
+which span_boxes turns back into boxes."""
 from __future__ import annotations
 
 import math
