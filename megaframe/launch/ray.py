@@ -86,7 +86,7 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
     workers = (sizes[0], sizes[-1]) if elastic else world_size
     resize = {"elastic_resize_monitor_interval_s": launcher.resize_interval_s} if elastic else {}
     resources = {"CPU": launcher.cpus_per_worker, **({"GPU": launcher.gpus_per_worker} if launcher.gpus_per_worker else {})}
-    trainer = TorchTrainer(
+    trainer = _without_idle_dataset_actor(TorchTrainer)(
         _worker, train_loop_config={"overrides": task_overrides(overrides), "run_dir": str(run_dir), "entry": entry},
         # Ray creates the process group: its timeout must be megaframe's, or a hung rank holds the
         # others for Ray's default 30 minutes instead of ending the job with exit code 7
@@ -110,6 +110,25 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
         print(f"{PROG}: error: Ray Train failed: {_first_line(error)} [exit 1; Ray's own logs: "
               f"/tmp/ray/session_latest/logs on the head node]", file=sys.stderr, flush=True)
     return code
+
+
+def _without_idle_dataset_actor(trainer_class: type) -> type:
+    """TorchTrainer without Ray Data's DatasetManager actor: Ray Train 2.5x starts one, a fresh Python
+    process (~2 CPU-s), at every worker-group start even when no `datasets=` are passed, and megaframe's
+    ranks read their own data. With `datasets=`, or a Ray without that callback (Ray Train v1), Ray's own
+    behaviour."""
+    try:
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    except ImportError:
+        return trainer_class
+    if not hasattr(trainer_class, "_create_default_callbacks"):
+        return trainer_class
+
+    class Trainer(trainer_class):
+        def _create_default_callbacks(self) -> list:
+            callbacks = super()._create_default_callbacks()
+            return callbacks if self.datasets else [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+    return Trainer
 
 
 @contextlib.contextmanager

@@ -66,7 +66,9 @@ def _two_node_cluster() -> Iterator[tuple[str, Path, Path]]:
     root = Path(tempfile.mkdtemp(prefix="mfray-"))
     head, node = root / "head", root / "node2"
     port = free_port()
-    env = _ray_env(**FAST_NODE_DEATH)
+    # RAY_ADDRESS: the processes that look their cluster up on their own (Ray Train's placement-group
+    # cleaner) find this one, not "multiple active Ray instances" while another test file's runs
+    env = _ray_env(**FAST_NODE_DEATH, RAY_ADDRESS=f"127.0.0.1:{port}")
     common = ["--disable-usage-stats", "--object-store-memory=200000000"]
     try:
         for args in (["--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false", f"--temp-dir={head}"],

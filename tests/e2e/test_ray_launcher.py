@@ -16,7 +16,7 @@ import pytest
 
 from tests.support.helpers import TINY, assert_ok, cli_env, free_port, read_metrics, run_cli
 from tests.support.parity import assert_parity
-from tests.support.ray_processes import LEAN_RAY, kill_processes, processes_of
+from tests.support.ray_processes import LEAN_RAY, actors_started, kill_processes, processes_of
 
 pytestmark = pytest.mark.slow
 ARGS = [*TINY, "train.max_steps=6", "train.eval_interval=3", "train.save_interval=2", "zero=stage1", "parallel.dp=2"]
@@ -36,10 +36,14 @@ def ray_cluster():
     """One Ray cluster started beforehand (`ray start --head`, as on a real cluster) that the tests
     join with launcher.ray_address: starting a local cluster per job cost 20-40 s of CI's two cores
     each time. The first test still starts its own, through megaframe's ray.init. Ray 2.5x's
-    clusters use token authentication, which a driver joins with RAY_AUTH_MODE=token."""
+    clusters use token authentication, which a driver joins with RAY_AUTH_MODE=token. RAY_ADDRESS
+    names this cluster to the processes that look one up on their own (Ray Train's placement-group
+    cleaner): with another Ray cluster on the host (CI's other Ray test file) they fail with "Found
+    multiple active Ray instances" and print a traceback into the job's output. Yields (address,
+    environment, the cluster's temp dir)."""
     pytest.importorskip("ray", reason="Ray is the optional extra megaframe[ray]; .ci/run installs it with [test]")
     port = free_port()
-    env = _ray_env(RAY_AUTH_MODE="token")
+    env = _ray_env(RAY_AUTH_MODE="token", RAY_ADDRESS=f"127.0.0.1:{port}")
     ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable))
     # its own temp dir (short: Ray's socket paths under it stay within 107 bytes), by which its
     # processes are found and killed afterwards: `ray stop` would also stop other files' clusters
@@ -49,7 +53,7 @@ def ray_cluster():
                              timeout=300)
     assert started.returncode == 0, started.stderr[-2000:]
     try:
-        yield f"127.0.0.1:{port}", env
+        yield f"127.0.0.1:{port}", env, root
     finally:
         kill_processes(processes_of(root))
         shutil.rmtree(root, ignore_errors=True)
@@ -101,8 +105,9 @@ def test_a_ray_sweep_runs_each_point_on_ray_with_its_own_curve(tmp_path, ray_clu
     """-m with launcher=ray on a cluster started beforehand and joined by launcher.ray_address, as on
     a real Ray cluster: each point is a whole megaframe-train that starts its own Ray workers, in its
     own run directory, and trains what the same point self-launched trains (point 1 is ARGS itself,
-    optim.lr's default)."""
-    address, env = ray_cluster
+    optim.lr's default). No job started Ray Data's DatasetManager actor (megaframe passes no datasets:
+    launch/ray.py leaves it out, one Python process less per worker-group start)."""
+    address, env, root = ray_cluster
     sweep = tmp_path / "sweep"
     result = run_cli(["-m", *ARGS, "optim.lr=1e-3,3e-3", "launcher=ray", f"launcher.ray_address={address}",
                       f"hydra.sweep.dir={sweep}"], env=env)
@@ -111,12 +116,14 @@ def test_a_ray_sweep_runs_each_point_on_ray_with_its_own_curve(tmp_path, ray_clu
     assert "launching 2 ranks" not in result.stdout  # no point fell back to the self-launcher
     assert_parity(read_metrics(sweep / "1"), dp2_reference, "Ray sweep point 1 against ARGS self-launched")
     assert read_metrics(sweep / "0")[-1]["eval_loss"] != read_metrics(sweep / "1")[-1]["eval_loss"]
+    actors = actors_started(root)
+    assert actors["RayTrainWorker"] >= 4 and "DatasetManager" not in actors, actors
 
 
 def test_a_hung_ray_worker_ends_the_job_after_megaframes_collective_timeout(tmp_path, ray_cluster):
     """Ray makes the process group: it gets train.collective_timeout_s (not Ray's 30 minutes), so the
     rank left waiting raises, and the job ends with the hung rank's exit code 7."""
-    address, cluster_env = ray_cluster
+    address, cluster_env, _ = ray_cluster
     timeout_s = 20
     stamps = tmp_path / "stamps"
     stamps.mkdir()
@@ -134,7 +141,7 @@ def test_a_hung_ray_worker_ends_the_job_after_megaframes_collective_timeout(tmp_
 def test_a_worker_killed_without_restarts_left_is_one_line_and_exit_1(tmp_path, ray_cluster):
     """A rank killed by a signal (the OOM killer, a node lost) says nothing itself: the driver says
     what Ray reported, in one line, with the generic exit code 1, and no traceback."""
-    address, cluster_env = ray_cluster
+    address, cluster_env, _ = ray_cluster
     env = {**cluster_env, "MEGAFRAME_FAULTS": "kill@3:1"}
     result = run_cli([*ARGS, "launcher=ray", f"launcher.ray_address={address}", "launcher.max_failures=0",
                       f"hydra.run.dir={tmp_path / 'run'}"], env=env, timeout=400)
@@ -149,7 +156,7 @@ def test_ray_restarts_do_not_replay_a_divergence(tmp_path, ray_cluster):
     divergence, exit 3) is recorded in the run dir, so each restart stops at once (noting it in the
     rank's log) instead of training into it again, and the job ends with the cause's one line and
     exit 3."""
-    address, env = ray_cluster
+    address, env, _ = ray_cluster
     run = tmp_path / "run"
     result = run_cli([*ARGS, "train.max_steps=30", "optim.lr=1e6", "launcher=ray", f"launcher.ray_address={address}",
                       "launcher.max_failures=1", f"hydra.run.dir={run}"], env=env, timeout=500)

@@ -3,6 +3,8 @@ directory and killed by pid: `ray stop` kills every Ray process on the host, als
 other test files running beside it (CI runs three files at once)."""
 from __future__ import annotations
 
+import os
+from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -25,6 +27,19 @@ import psutil
 LEAN_RAY = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_enable_metrics_collection": "0", "RAY_TRAIN_METRICS_ENABLED": "0",
             "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_prestart_worker_first_driver": "0",
             "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}
+
+
+def actors_started(folder: Path) -> Counter:
+    """How many actors of each class the cluster of `ray start --temp-dir=FOLDER` has started so far:
+    each actor's worker writes `:actor_name:CLASS` into its session log worker-*.out as it starts."""
+    names = Counter()
+    logs = [Path(where, name) for where, _, files in os.walk(folder)  # not through the session_latest links
+            for name in files if name.startswith("worker-") and name.endswith(".out")]
+    for log in logs:
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith(":actor_name:"):
+                names[line.removeprefix(":actor_name:").strip()] += 1
+    return names
 
 
 def processes_of(folder: Path) -> list[psutil.Process]:
