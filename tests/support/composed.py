@@ -8,7 +8,8 @@ forks, and the rank functions take the config from here: the same compose() of t
 (nothing in conf/ outside the `hydra` node reads the environment or the clock, so where it runs
 does not change the config), each caller getting its own deep copy to change as it likes.
 A composition that fails in the test process is not kept: the rank composes it again and reports
-the error as before.
+the error as before. Kept by the overrides alone, for the test process's life: conf/ does not change
+in a session, and a config directory a test writes (hydra.searchpath) sits under its own tmp_path.
 """
 from __future__ import annotations
 
