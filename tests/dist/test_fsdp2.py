@@ -53,13 +53,13 @@ def train_and_report(rank: int, world: int, runs: list[tuple[list[str], str]]) -
     import torch
 
     from megaframe.backends.registry import validate_for_engine
-    from megaframe.config.compose import compose
     from megaframe.plan.estimate import estimate_config
     from megaframe.training.trainer import Trainer
+    from tests.support.composed import composed
 
     reports = []
     for overrides, run_dir in runs:
-        cfg, _ = compose(overrides)
+        cfg = composed(overrides)  # composed once before the ranks were forked
         layout = validate_for_engine(cfg, world)
         with Trainer(cfg, layout, Path(run_dir)) as trainer:
             trainer.fit()

@@ -12,17 +12,32 @@ ranks. Nothing inside it talks to the other ranks (inductor's compile-time colle
 with one switched on, compiles do not take turns), so a rank waits for the lock only while another
 compiles, never while holding it for a collective. Installed when inductor's module is imported
 (or at once if this process already has it): runs that do not compile never import inductor for it.
+
+Two more costs of a rank's compiles that change nothing it computes (lighter_compiles):
+- dynamo times every new guard set once to log its latency (torch._dynamo.guards: profile_guard_manager,
+  which first flushes the CPU caches). The guards themselves are built and checked as before; only
+  the logged `guard_latency_us` metric reads 0.
+- inductor compiles kernels in a pool of worker processes (compile_threads = the core count), each
+  a new interpreter importing torch, in every rank; on CI's two shared cores the pool buys no
+  parallelism, and a forked rank exits without reaping it. With one thread the same kernels are
+  generated and built in the rank itself.
+Together about 3% of a cold compiled test (tests/dist/test_tensor_parallel.py's compiled blocks: 100.4
+CPU-s of the whole process tree before, 97.3 after). Most of what remains is g++ building each kernel
+(that test builds 57; about 2.8 CPU-s one, 1.9 of them for cpp_prefix.h alone, by hand on this host).
 """
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 _MODULE = "torch._inductor.compile_fx"
 
 
 def take_turns_at_compiles(lock_path: str) -> None:
-    """Every inductor graph compile of this process from now on holds the file lock at lock_path."""
+    """Every inductor graph compile of this process from now on holds the file lock at lock_path
+    (and is lighter: lighter_compiles)."""
+    lighter_compiles()
     if _MODULE in sys.modules:
         _wrap(sys.modules[_MODULE], lock_path)
         return
@@ -30,6 +45,35 @@ def take_turns_at_compiles(lock_path: str) -> None:
     from tests.support.warm_ranks import _after_import
 
     _after_import(_MODULE, lambda: _wrap(sys.modules[_MODULE], lock_path))
+
+
+_GUARDS = "torch._dynamo.guards"
+
+
+def lighter_compiles() -> None:
+    """This process's dynamo logs no guard latency, and inductor compiles its kernels in-process
+    (the module docstring says why; neither changes a graph, a guard or a generated kernel)."""
+    # read when inductor first compiles (async_compile.get_compile_threads), unless its config set it
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None:
+        config.compile_threads = 1
+    if _GUARDS in sys.modules:
+        _no_guard_latency(sys.modules[_GUARDS])
+        return
+
+    from tests.support.warm_ranks import _after_import
+
+    _after_import(_GUARDS, lambda: _no_guard_latency(sys.modules[_GUARDS]))
+
+
+def _no_guard_latency(guards) -> None:
+    """guards.profile_guard_manager(root, scope, n_iters) -> latency in us: only logged."""
+    guards.profile_guard_manager = _unmeasured
+
+
+def _unmeasured(*args, **kwargs) -> float:
+    return 0.0
 
 
 def _wrap(module, lock_path: str) -> None:

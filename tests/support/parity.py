@@ -74,9 +74,9 @@ def train_runs(rank: int, world: int, runs: list[tuple[list[str], str]], fp16: b
     float64 from the same initial values (one process only: the exact reference of the gradient
     norm, assert_norm_parity). engine: the engine that must step (deepspeed, fsdp2 or plain). Returns
     this rank's last gradient norm of each run (every rank computes the global one)."""
-    from megaframe.config.compose import compose
     from megaframe.config.validate import validate
     from megaframe.training.trainer import Trainer
+    from tests.support.composed import composed
 
     if fp16:
         pretend_fp16_device()
@@ -84,7 +84,7 @@ def train_runs(rank: int, world: int, runs: list[tuple[list[str], str]], fp16: b
         _build_in_float64()
     norms = []
     for overrides, run_dir in runs:
-        cfg, _ = compose(overrides)
+        cfg = composed(overrides)  # composed once before the ranks were forked
         with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:  # validation asks the same check
             if fp64:  # the engine that steps built its model through the patched builder
                 assert {p.dtype for p in trainer.backend.module.parameters()} == {torch.float64}, trainer.engine

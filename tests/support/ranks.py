@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from tests.support.cli_zygote import import_what_runs_import
 from tests.support.compile_turns import take_turns_at_compiles
+from tests.support.composed import compose_before_fork
 
 
 # deepspeed.initialize imports torch._dynamo (torch's Optimizer) and DeepSpeed's Muon module, which
@@ -57,6 +58,7 @@ def run_ranks(fn: Callable, world_size: int, tmp_path: Path, timeout: float = 60
     """
     workdir = Path(tmp_path) / f"ranks-{time.monotonic_ns()}"
     workdir.mkdir(parents=True)
+    compose_before_fork(kwargs)  # once here, not once per rank (tests/support/composed.py)
     context = mp.start_processes(_entry, args=(fn, world_size, str(workdir), kwargs), nprocs=world_size,
                                  join=False, start_method="fork")
     deadline = time.monotonic() + timeout
