@@ -18,7 +18,10 @@ What still starts a fresh interpreter (the shim execs the real script): an envir
 from the server's in a key read at import (only the shell's own PWD/OLDPWD/SHLVL/_/PS1/PS2 and the keys
 megaframe reads at run time may differ: helpers._READ_AT_RUN_TIME), a server that is gone, and every
 command with MEGAFRAME_TESTS_FRESH_CLI=1. A self-launched megaframe-train forks its ranks warm as under
-tests/support/warm_ranks_site (tests/support/warm_ranks.py).
+tests/support/warm_ranks_site (tests/support/warm_ranks.py), and a sweep's (`megaframe-train -m`) points,
+each a `python -m megaframe.train POINT` of the sweep launcher (hydra_plugins/megaframe_launcher), are
+forked here too, with the sweep's descriptors, environment and directory (warm_sweep_points): about 6
+CPU-s of imports saved per point.
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ SCRIPTS = ("megaframe-train", "megaframe-eval", "megaframe-convert", "megaframe-
 # set (or unset) by a shell, never read by megaframe at import
 _SHELL_KEYS = ("PWD", "OLDPWD", "SHLVL", "_", "PS1", "PS2")  # bash unsets PS1 and PS2 when not interactive
 _RUN_TIME_PREFIXES = ("MEGAFRAME_FAULTS", "PYTEST_CURRENT_TEST", "MEGAFRAME_TESTS_", "RAY_")
+SWEEP_POINT = "python -m megaframe.train"  # a request's name for a sweep point (warm_sweep_points)
+_SERVER: dict[str, str] = {}  # this server's address, for the sweep points its children ask for
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 # the shim: `python -S -E` (no site, no environment: about 15 ms) and the standard library only
@@ -129,16 +134,77 @@ def _request_is_warm(request_env: dict[str, str]) -> bool:
     reads at import."""
     keys = set(request_env) | set(_STARTED_WITH)
     return all(request_env.get(k) == _STARTED_WITH.get(k) for k in keys
-               if k not in _SHELL_KEYS and not k.startswith(_RUN_TIME_PREFIXES))
+               if k not in _SHELL_KEYS and not k.startswith(_RUN_TIME_PREFIXES)
+               and not (k in _IMPORTS_SET and request_env.get(k) == _IMPORTS_SET[k]))  # a forked sweep's own
 
 
 def _entry_point(name: str):
     """The function the installed console script NAME calls (the package's metadata, as pip wrote the
     script), or None where the installed package has none of that name."""
+    if name == SWEEP_POINT:
+        return _run_module_as_main
     from importlib.metadata import entry_points
 
     found = [e for e in entry_points(group="console_scripts") if e.name == name]
     return found[0].load() if found else None
+
+
+def _run_module_as_main() -> None:
+    """What `python -m megaframe.train` runs (sys.argv set as that command has it)."""
+    import runpy
+
+    runpy.run_module("megaframe.train", run_name="__main__", alter_sys=True)
+
+
+def warm_sweep_points() -> None:
+    """In a sweep forked here: the sweep launcher's `python -m megaframe.train POINT` (its
+    subprocess.call with that command line and no other argument) is asked of this server instead, with
+    this process's descriptors, environment and directory, as the shims ask; it answers with the
+    point's exit code (negative: the signal that ended it). A signal this process receives while a
+    point runs is passed on to the point, as a terminal's Ctrl-C reaches both. Where the server would
+    start it fresh (another environment) or is gone, subprocess.call runs it as before."""
+    real_call = subprocess.call
+
+    def call(cmd, *args, **kwargs):
+        if not args and not kwargs and list(cmd[:3]) == [sys.executable, "-m", "megaframe.train"]:
+            code = _ask_for_point(list(cmd[3:]))
+            if code is not None:
+                return code
+        return real_call(cmd, *args, **kwargs)
+
+    # this process's subprocess.call: Hydra's plugin scan re-executes the launcher's module, which
+    # takes `subprocess` afresh; only the sweep's own command line is served here
+    subprocess.call = call
+
+
+def _ask_for_point(argv: list[str]) -> int | None:
+    """The exit code of SWEEP_POINT ARGV forked by the server, or None where it must start fresh."""
+    try:
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.connect(_SERVER["address"])
+    except (KeyError, OSError):
+        return None
+    with server:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        request = json.dumps({"name": SWEEP_POINT, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+        socket.send_fds(server, [request[:1]], [0, 1, 2])
+        server.sendall(request[1:] + b"\n")
+        reply, interrupted = b"", False
+        while not reply.endswith(b"\n"):
+            try:
+                chunk = server.recv(4096)
+            except KeyboardInterrupt:  # Ctrl-C: the point gets it too; the sweep ends once the point has
+                server.sendall(b'{"signal": %d}\n' % int(signal.SIGINT))
+                interrupted = True
+                continue
+            if not chunk:
+                return None
+            reply += chunk
+    answer = json.loads(reply)
+    if interrupted and not answer.get("fresh"):
+        raise KeyboardInterrupt
+    return None if answer.get("fresh") else answer["returncode"]
 
 
 def _prepare() -> None:
@@ -189,18 +255,23 @@ def _become_the_script(request: dict, fds: list[int]) -> None:
         os.environ.update(request["env"])
         os.environ.update(_IMPORTS_SET)  # as the fresh interpreter's own imports would set them
         os.chdir(request["cwd"])
-        real = str(Path(sys.executable).with_name(request["name"]))
-        sys.argv = [real, *request["argv"]]
-        sys.path[0] = os.path.dirname(real)  # a script's directory comes first
+        if request["name"] == SWEEP_POINT:  # `python -m`: the working directory first (argv[0]: runpy's)
+            sys.argv, sys.path[0] = ["-m", *request["argv"]], os.getcwd()
+        else:
+            real = str(Path(sys.executable).with_name(request["name"]))
+            sys.argv = [real, *request["argv"]]
+            sys.path[0] = os.path.dirname(real)  # a script's directory comes first
         repo = str(Path(__file__).resolve().parents[2])
         import random
 
         random.seed()  # a fresh interpreter's state, not the server's copied one
         warm_site = str(Path(__file__).resolve().parent / "warm_ranks_site")
-        if request["name"] == "megaframe-train" and warm_site in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        if request["name"] in ("megaframe-train", SWEEP_POINT) and warm_site in os.environ.get("PYTHONPATH", "").split(os.pathsep):
             from tests.support.cli_zygote import import_what_runs_import
 
             install_in_launcher(import_what_runs_import)  # as the sitecustomize there does for a launcher
+            if {"-m", "--multirun"} & set(request["argv"]):
+                warm_sweep_points()
         if warm_site in os.environ.get("PYTHONPATH", "").split(os.pathsep) and repo not in sys.path:
             sys.path.append(repo)  # that sitecustomize's own addition
         main = _entry_point(request["name"])
@@ -230,6 +301,7 @@ def main(address: str) -> None:
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 1)  # nothing an import prints may reach the test's pipe
     os.close(devnull)
+    _SERVER["address"] = address
     _STARTED_WITH.update(os.environ)
     _prepare()
     _IMPORTS_SET.update({k: v for k, v in os.environ.items() if _STARTED_WITH.get(k) != v})
