@@ -130,7 +130,7 @@ def _train_counting(rank: int, world: int, runs: list[tuple[list[str], str]]) ->
 
 def _planned_cost(overrides: list[str]) -> int:
     """The Newton-Schulz work the planner's assembled matrices (plan/optimizer.py) put on all the ranks
-    of a dense layout together, in optim/sharded.py's ns_cost units: each TP-split matrix once, each
+    of a layout together, in optim/sharded.py's ns_cost units: each TP-split matrix once, each
     matrix whole on every TP rank once per TP rank."""
     from megaframe.config.compose import compose
     from megaframe.model.factory import resolve_dims
@@ -138,8 +138,9 @@ def _planned_cost(overrides: list[str]) -> int:
 
     cfg, _ = compose(overrides)
     dims, tp = resolve_dims(cfg.model, 256), cfg.parallel.tp
+    moe_blocks = dims.num_moe_blocks
     return sum(a.count * a.stack * a.rows * a.cols * min(a.rows, a.cols) * (tp if a.axis == "whole" else 1)
-               for a in assembled_matrices(dims, dims.num_layers, 0, tp))
+               for a in assembled_matrices(dims, dims.num_layers - moe_blocks, moe_blocks, tp))
 
 
 def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at_fsdp2(tmp_path):
@@ -204,6 +205,7 @@ def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at
         hidden = counts[0]["hidden"]
         assert hidden >= 6 and counts[0]["matrices"] == counts[1]["matrices"] == hidden, (stage, counts)
         assert counts[0]["owned"] + counts[1]["owned"] == hidden, (stage, counts)
+        assert sum(c["owned_cost"] for c in counts) == _planned_cost(moe if stage == "stage3_moe" else base), stage
         for c in counts:
             assert c["received"] == c["owned_numel"] > 0, (stage, c)
             assert 0.3 <= c["owned_cost"] / c["cost"] <= 0.7, (stage, c)
