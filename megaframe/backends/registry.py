@@ -76,6 +76,17 @@ def validate_for_engine(cfg: TrainConfig, world_size: int, ask_bf16: bool = True
                     (lambda: cuda_capability(plug.device_type())) if ask_bf16 else None)
 
 
+def optim_refuses(cfg: TrainConfig, lay) -> Optional[str]:
+    """The optimizer's layout rule (optim/rules.py) on a candidate of the planner's search (a
+    PlanLayout: its engine, ZeRO stage and offload in place of cfg's), so parallel=auto never
+    proposes a layout validation would then refuse."""
+    cand = replace(cfg, backend=replace(cfg.backend, name=lay.engine), zero=replace(cfg.zero, stage=lay.zero_stage),
+                   offload=replace(cfg.offload, optimizer=lay.offload_optimizer, param=lay.offload_param))
+    facts = engine_facts(lay.engine)
+    return optim_layout_problem(cand, lay, facts.optimizer_on_tensors or runs_plain(cand, lay.world_size),
+                                facts.described_partition_stages)
+
+
 def runs_plain(cfg: TrainConfig, world_size: int) -> bool:
     """Whether DeepSpeed's engine would add nothing to this run but its import and bookkeeping: one
     process, ZeRO-0, fp32, nothing offloaded, layout-free checkpoints only, on the CPU or CUDA (an

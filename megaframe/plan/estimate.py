@@ -22,12 +22,13 @@ from megaframe.config.validate import ConfigError, Layout
 from megaframe.model.dims import GPTDims, document_dims, resolve_dims
 from megaframe.plan.activations import (ActivationShape, block_activation_bytes, fp8_cast_bytes,
                                         logits_working_bytes, moe_mlp_extra_bytes, stage_activation_bytes, tokens)
-from megaframe.plan.memory import (ACTIVATION_BYTES, GIB, STATE_BYTES, STATE_TERMS, WEIGHTS_SHARDED, ModelStates,
+from megaframe.plan.memory import (ACTIVATION_BYTES, GIB, OPTIMIZER_SHARDED, STATE_BYTES, STATE_TERMS, ModelStates,
                                    PlanLayout, active_parameters, embedding_parameters, largest_block_parameters,
                                    stage_blocks, stage_expert_parameters, stage_parameters, stage_windowed_blocks,
                                    total_parameters)
-from megaframe.plan.optimizer import (ADAMW, OptimizerTerms, assembly_bytes, matrix_parameters, optimizer_terms,
-                                      stage_matrices, stage_newton_schulz_flops, step_working_bytes)
+from megaframe.plan.optimizer import (ADAMW, OptimizerTerms, assembled_matrices, matrix_parameters, optimizer_terms,
+                                      owner_ranks, stage_assembly_bytes, stage_matrices, stage_newton_schulz_flops,
+                                      step_working_bytes)
 from megaframe.parallel.pipeline_schedules import bubble_fraction, in_flight_micro_batches, stage_indices
 from megaframe.tracking.flops import flops_per_token, fp8_aware_peak, fp8_flops_per_token, peak_tflops
 
@@ -219,16 +220,19 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     if blocks or (last and fp8.head):  # torchao's per-matmul fp8 copies of one linear
         working += fp8_cast_bytes(dims, shape, fp8)
     activations = in_flight * per_micro
-    # an orthogonalising optimizer (Muon) shares its matrices out over the ranks that split them
-    owners = replicas if WEIGHTS_SHARDED[terms.states](lay) else 1
-    step_working = step_working_bytes(dims, row_split, owners, optim, lay.tp, ep) if optim.ns_steps and blocks else 0.0
+    # an orthogonalising optimizer (Muon) assembles each matrix whole on one owner among the ranks
+    # holding its parts (plan/optimizer.py): tp x the ranks partitioning the optimizer's matrices
+    sharded = OPTIMIZER_SHARDED[terms.states](lay)
+    owners = owner_ranks(lay.tp, replicas if sharded else 1, lay.grid.edp if sharded else 1)
+    assembled = assembled_matrices(dims, blocks - moe_blocks, moe_blocks, lay.tp, ep) if optim.ns_steps else []
+    step_working = step_working_bytes(assembled, owners, optim) if assembled and blocks else 0.0
     # on this host "offloaded" states stay in the same RAM the ranks share; the optimizer step runs
     # after the backward has freed the activations
     peak = (states.device + max(activations + working, step_working) + reserved
             + (states.host if host_counts_as_device else 0.0))
     return StageEstimate(stage, blocks, params, states, per_micro, in_flight, activations, working, peak,
-                         step_working, stage_newton_schulz_flops(matrices, optim, owners),
-                         assembly_bytes(row_split, owners) if optim.ns_steps else 0.0)
+                         step_working, stage_newton_schulz_flops(assembled, optim, owners),
+                         stage_assembly_bytes(assembled, owners))
 
 
 def zero_buffer_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, params: int, zero: ZeroConfig,
@@ -346,7 +350,7 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
     EP: the MoE all-to-alls (dispatch and combine, forward and backward) of each MoE block.
 
     optimizer (only where non-zero): an orthogonalising optimizer's assembly of the matrices the
-    engine splits by rows, to their owners and back (plan/optimizer.py: assembly_bytes).
+    engine and tensor parallelism split, to their owners and back (plan/optimizer.py: stage_assembly_bytes).
     """
     e = ACTIVATION_BYTES[dtype]
     local = dims.seq_length // lay.cp * lay.micro_batch_size

@@ -364,7 +364,8 @@ STATE_TERMS = {
         n, replicas, lay.offload_optimizer == "cpu", tensors),
 }
 
-# whether each engine's MemoryTerms.states splits the weights themselves over its replicas at layout
-# `lay` (ZeRO from stage 3, FSDP2 always): an optimizer that needs whole matrices then assembles them
-# on owner ranks (plan/optimizer.py), and its Newton-Schulz work is shared out over those ranks
-WEIGHTS_SHARDED = {ZERO_PAPER: lambda lay: lay.zero_stage >= 3, SHARDED_FP32: lambda lay: True}
+# whether each engine's MemoryTerms.states partitions the optimizer's state over its replicas at
+# layout `lay` (ZeRO from stage 1, FSDP2 always): an optimizer that needs whole matrices assembles
+# them on owner ranks among those holding their parts, and its Newton-Schulz work is shared out
+# over those ranks (plan/optimizer.py)
+OPTIMIZER_SHARDED = {ZERO_PAPER: lambda lay: lay.zero_stage >= 1, SHARDED_FP32: lambda lay: True}

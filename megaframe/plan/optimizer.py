@@ -2,7 +2,14 @@
 on it): the fp32 state tensors each parameter carries (Adam's two moments; Muon's one momentum
 buffer for the hidden matrices, AdamW's two for the rest), and for an optimizer that orthogonalises
 whole matrices (Muon) its Newton-Schulz FLOPs, the traffic of assembling the matrices an engine
-splits by rows (optim/sharded.py) and the transient memory of that step.
+splits (optim/pieces.py, sharded.py) and the transient memory of that step.
+
+Where the work goes, as optim/pieces.py assembles: each matrix whole on one owner among the ranks
+holding its parts. Where the engine partitions the optimizer's matrices (ZeRO >= 1 over dp x cp,
+FSDP2 over dp x cp or HSDP's shard group: the shard group), a TP-split matrix is shared out over tp
+x the shard group and one every TP rank holds whole (k and v where tp does not divide the kv heads)
+over the shard group alone, so every TP rank runs it; expert stacks over their expert-data-parallel
+shard group. Without partitions (ZeRO-0) only TP-split matrices are shared, over tp.
 
 Newton-Schulz FLOPs, from optim/muon.py's orthogonalise: a matrix is iterated in its wide
 orientation X (m x n, m <= n); each of ns_steps iterations computes gram = X Xᵀ (2·m·m·n), poly =
@@ -92,43 +99,103 @@ def stage_matrices(dims: GPTDims, dense_blocks: int, moe_blocks: int, tp: int = 
     return held
 
 
-def stage_newton_schulz_flops(matrices: list[tuple[int, int, int]], terms: OptimizerTerms, owners: int) -> float:
-    """Newton-Schulz FLOPs one rank runs per step: its stage's matrices shared out over the `owners`
-    ranks that split them (optim/sharded.py balances whole matrices by this cost), 1 where each rank
-    holds its matrices whole."""
+@dataclass(frozen=True)
+class Assembled:
+    """`count` hidden matrices (or expert stacks of `stack` matrices each, iterated as one batch) of
+    rows x cols as Newton-Schulz sees them (a TP-split matrix whole), assembled over the ranks of
+    `axis` (owner_ranks): "tp" for TP-split ones (tp x the shard group), "whole" for those every
+    TP rank holds whole (the shard group alone, so every TP rank runs them), "experts" for routed
+    expert stacks (their expert-data-parallel shard group)."""
+
+    count: int
+    rows: int
+    cols: int
+    axis: str
+    stack: int = 1
+
+    def flops(self, steps: int) -> float:
+        """Newton-Schulz FLOPs of one of them (a whole stack)."""
+        return self.stack * newton_schulz_flops(self.rows, self.cols, steps)
+
+    @property
+    def numel(self) -> int:
+        return self.count * self.stack * self.rows * self.cols
+
+
+def assembled_matrices(dims: GPTDims, dense_blocks: int, moe_blocks: int, tp: int = 1,
+                       ep: int = 1) -> list[Assembled]:
+    """The hidden matrices of a stage as optim/pieces.py assembles them: column- and row-parallel
+    ones whole over tp x the shard group; k and v whole on every TP rank where tp does not divide
+    the kv heads; routed expert stacks (never TP-split) of num_experts/ep experts each."""
+    h, hs, per_width = dims.hidden_size, dims.head_dim, (2 if dims.activation == "swiglu" else 1)
+    q, kv = dims.num_heads * hs, dims.num_kv_heads * hs
+    kv_axis = "tp" if dims.num_kv_heads % tp == 0 else "whole"
+
+    def block(ffn: int, n: int) -> list[Assembled]:
+        held = [Assembled(n, q, h, "tp"), Assembled(2 * n, kv, h, kv_axis), Assembled(n, h, q, "tp")]
+        return held + ([Assembled(per_width * n, ffn, h, "tp"), Assembled(n, h, ffn, "tp")] if ffn else [])
+    held = block(dims.ffn_hidden_size, dense_blocks) if dense_blocks else []
+    if moe_blocks:
+        moe = dims.moe
+        held += block(moe.shared_experts * moe.ffn_hidden_size, moe_blocks)
+        stack = moe.num_experts // ep
+        held += [Assembled(per_width * moe_blocks, moe.ffn_hidden_size, h, "experts", stack),
+                 Assembled(moe_blocks, h, moe.ffn_hidden_size, "experts", stack)]
+    return held
+
+
+def owner_ranks(tp: int, shard: int, expert_shard: int) -> dict[str, int]:
+    """The ranks each axis's matrices are shared out over (Assembled): shard, the ranks the engine
+    partitions the optimizer's matrices over (ZeRO >= 1's dp x cp, FSDP2's dp x cp or HSDP's
+    dp_shard; 1 where it holds them whole), and expert_shard, those of the expert stacks."""
+    return {"tp": tp * shard, "whole": shard, "experts": expert_shard}
+
+
+def stage_newton_schulz_flops(assembled: list[Assembled], terms: OptimizerTerms, owners: dict[str, int]) -> float:
+    """Newton-Schulz FLOPs the busiest rank runs per step: each axis's matrices shared out over its
+    owner ranks (optim/sharded.py balances whole matrices by their cost, so a rank runs at least the
+    largest one it owns: max(total / ranks, the largest))."""
     if not terms.ns_steps:
         return 0.0
-    return sum(count * newton_schulz_flops(r, c, terms.ns_steps) for count, r, c in matrices) / owners
+    flops = 0.0
+    for axis, ranks in owners.items():
+        mine = [a for a in assembled if a.axis == axis and a.count]
+        if mine:
+            total = sum(a.count * a.flops(terms.ns_steps) for a in mine)
+            flops += max(total / ranks, max(a.flops(terms.ns_steps) for a in mine))
+    return flops
 
 
-def assembly_bytes(row_split: int, owners: int) -> float:
-    """Bytes one rank sends per step assembling the row-split matrices (row_split parameters, the 2D
-    ones; a stack splits by whole experts) on their owners: its rows of each matrix to the matrix's
-    owner, and the owner's result rows back, in fp32 (optim/sharded.py's two all_to_all_single);
-    its rows of the matrices it owns stay local: 2 x 4 bytes x row_split/owners x (owners-1)/owners."""
-    if owners <= 1 or not row_split:
+def assembly_bytes(elements: int, owners: int) -> float:
+    """Bytes one rank sends per step assembling `elements` (of whole matrices) split over `owners`
+    ranks on their owners: its part of each matrix to the matrix's owner, and the owner's result
+    parts back, in fp32 (optim/sharded.py's two all_to_all_single); its parts of the matrices it owns
+    stay local: 2 x 4 bytes x elements/owners x (owners-1)/owners."""
+    if owners <= 1 or not elements:
         return 0.0
-    return 2 * FP32 * row_split / owners * (owners - 1) / owners
+    return 2 * FP32 * elements / owners * (owners - 1) / owners
 
 
-def step_working_bytes(dims: GPTDims, row_split: int, owners: int, terms: OptimizerTerms, tp: int = 1,
-                       ep: int = 1) -> float:
+def stage_assembly_bytes(assembled: list[Assembled], owners: dict[str, int]) -> float:
+    """assembly_bytes of every axis's matrices over their owner ranks."""
+    return sum(assembly_bytes(sum(a.numel for a in assembled if a.axis == axis), ranks)
+               for axis, ranks in owners.items())
+
+
+def step_working_bytes(assembled: list[Assembled], owners: dict[str, int], terms: OptimizerTerms) -> float:
     """Transient bytes of the optimizer step of an orthogonalising optimizer, when activations are
-    gone. With matrices split over `owners`, optim/sharded.py holds at once, in fp32, about
-    row_split/owners elements in each of two exchange buffers (the pieces it sends and those it
-    receives; then the received buffer, into which the owned matrices' results are cut back in place,
-    and the pieces that come back), plus with Nesterov the updates of every split matrix (a copy;
-    else the momentum buffers themselves): 2 (3 with Nesterov) x 4 bytes x row_split/owners. Then the Newton-Schulz working set of the
-    largest matrix, or of an expert stack (iterated as one batch): its fp32 update, and in bf16 the
-    iterate, the next one and the m x m Gram matrix and polynomial."""
-    exchange = (2 + terms.nesterov) * FP32 * row_split / owners if owners > 1 else 0.0
+    gone. For each axis split over more than one rank, optim/sharded.py holds at once, in fp32, this
+    rank's part of the matrices (numel/ranks) in each of two exchange buffers (the pieces it sends
+    and those it receives of the matrices it owns, about as many; then the received buffer, into
+    which the owned matrices' results are cut back in place, and the pieces that come back), plus
+    with Nesterov the update of each part (a copy; else the momentum buffer itself): 2 (3 with
+    Nesterov) x 4 bytes x numel/ranks. Then the Newton-Schulz working set of the largest matrix as
+    assembled (a TP-split one whole), or of an expert stack (iterated as one batch): its fp32 update,
+    and in bf16 the iterate, the next one and the m x m Gram matrix and polynomial."""
+    exchange = sum((2 + terms.nesterov) * FP32 * sum(a.numel for a in assembled if a.axis == axis) / ranks
+                   for axis, ranks in owners.items() if ranks > 1)
 
-    def iteration(rows: int, cols: int) -> float:
-        m = min(rows, cols)
-        return FP32 * rows * cols + 2 * (2 * rows * cols + 2 * m * m)
-    # the matrices iterated one at a time: a dense block's, and an MoE block's but its last two
-    # entries (the expert stacks, block_matrices)
-    blocks = [block_matrices(dims, False, tp, ep)] + ([block_matrices(dims, True, tp, ep)[:-2]] if dims.moe else [])
-    plain = max(iteration(r, c) for matrices in blocks for _, r, c in matrices)
-    stack = (dims.moe.num_experts // ep) * iteration(dims.moe.ffn_hidden_size, dims.hidden_size) if dims.moe else 0.0
-    return exchange + max(plain, stack)
+    def iteration(a: Assembled) -> float:
+        m = min(a.rows, a.cols)
+        return a.stack * (FP32 * a.rows * a.cols + 2 * (2 * a.rows * a.cols + 2 * m * m))
+    return exchange + max((iteration(a) for a in assembled if a.count), default=0.0)

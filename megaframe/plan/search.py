@@ -7,7 +7,7 @@ from itertools import product
 from typing import Iterator
 
 from megaframe.backends.facts import EngineFacts
-from megaframe.backends.registry import engine_facts
+from megaframe.backends.registry import engine_facts, optim_refuses
 from megaframe.config.schema import ModelConfig, TrainConfig
 from megaframe.config.validate import _divisors, ffn_hidden_size  # O(sqrt(n)): worlds of 10**6 ranks
 from megaframe.model.dims import document_dims, resolve_dims
@@ -106,6 +106,8 @@ def fitting_layouts(cfg: TrainConfig, base: PlanLayout, limit: int = 10) -> list
     bases = [base if name == base.engine else replace(base, engine=name, grid=replace(base.grid, dp_replicate=1))
              for name in (cfg.plan.engines or [base.engine])]
     for lay in (lay for b in bases for lay in candidate_layouts(cfg.model, b, cfg.cluster.gpus_per_node)):
+        if optim_refuses(cfg, lay):  # the optimizer's rule on the layout (Muon's: no offload, ...)
+            continue
         dims = dims_for_tp.setdefault(lay.tp, document_dims(resolve_dims(cfg.model, vocab, tp=lay.tp,
                                                                            device_type=device), cfg.data, None))
         est = estimate(dims, lay, cfg.precision.dtype, cfg.cluster, cfg.plan.mfu, zero=cfg.zero, tf32=cfg.precision.tf32,

@@ -128,12 +128,28 @@ def _train_counting(rank: int, world: int, runs: list[tuple[list[str], str]]) ->
     return out
 
 
+def _planned_cost(overrides: list[str]) -> int:
+    """The Newton-Schulz work the planner's assembled matrices (plan/optimizer.py) put on all the ranks
+    of a layout together, in optim/sharded.py's ns_cost units: each TP-split matrix once, each
+    matrix whole on every TP rank once per TP rank."""
+    from megaframe.config.compose import compose
+    from megaframe.model.factory import resolve_dims
+    from megaframe.plan.optimizer import assembled_matrices
+
+    cfg, _ = compose(overrides)
+    dims, tp = resolve_dims(cfg.model, 256), cfg.parallel.tp
+    moe_blocks = dims.num_moe_blocks
+    return sum(a.count * a.stack * a.rows * a.cols * min(a.rows, a.cols) * (tp if a.axis == "whole" else 1)
+               for a in assembled_matrices(dims, dims.num_layers - moe_blocks, moe_blocks, tp))
+
+
 def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at_fsdp2(tmp_path):
     """ZeRO-1, ZeRO-2 and ZeRO-3 at dp=2, ZeRO-1 (with sequence parallelism) and ZeRO-3 (with one kv
     head: k and v whole on both TP ranks, assembled over dp in a group of their own beside tp x dp's)
     at tp=2 dp=2, and ZeRO-1 at pp=2 dp=2 follow the one-rank Muon curve (fp32; bf16 at ZeRO-3, whose
     flat fp32 masters DeepSpeed rounds to bf16 weights, against one bf16 rank; a MoE model's expert
-    stacks), each rank assembling only the matrices it owns (about half the Newton-Schulz work). The
+    stacks), each rank assembling only the matrices it owns (about half the Newton-Schulz work; under tp
+    and pp all ranks together the work the planner puts on them). The
     ZeRO-1 run's step-3 layout-free checkpoint (Muon's momentum by name) resumes at FSDP2 dp=2 and at
     ZeRO-3 and continues the curve, and so does the tp=2 dp=2 ZeRO-1 run's at FSDP2 dp=2 (each TP
     piece's momentum, cut by ZeRO, by name); so does ZeRO-2's native one (DeepSpeed's files) at ZeRO-2."""
@@ -189,6 +205,7 @@ def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at
         hidden = counts[0]["hidden"]
         assert hidden >= 6 and counts[0]["matrices"] == counts[1]["matrices"] == hidden, (stage, counts)
         assert counts[0]["owned"] + counts[1]["owned"] == hidden, (stage, counts)
+        assert sum(c["owned_cost"] for c in counts) == _planned_cost(moe if stage == "stage3_moe" else base), stage
         for c in counts:
             assert c["received"] == c["owned_numel"] > 0, (stage, c)
             assert 0.3 <= c["owned_cost"] / c["cost"] <= 0.7, (stage, c)
@@ -204,6 +221,9 @@ def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at
         whole_on_tp = ONE_KV[0] in four[name]
         for c in counts if tp else ():
             assert c["groups"] == 1 + whole_on_tp and (c["not_tp_split"] > 0) == whole_on_tp, (name, c)
+        # the planner's matrices as assembled (full shapes; whole on every TP rank where tp does not
+        # divide the kv heads) are the Newton-Schulz work these ranks ran, in ns_cost's units
+        assert sum(c["owned_cost"] for c in counts) == _planned_cost([*base, *four[name]]), (name, counts)
         for c in counts:
             assert c["received"] == c["owned_numel"] > 0, (name, c)
             # the memory report counts Muon's state as optimizer state (bf16: with the fp32 masters)

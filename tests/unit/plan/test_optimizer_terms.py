@@ -125,3 +125,61 @@ def test_a_muon_plan_counts_state_newton_schulz_and_assembly():
     assert adamw.stages[0].states.optimizer - muon.stages[0].states.optimizer == pytest.approx(4 * matrices / 8)
     assert muon.comm_bytes["optimizer"] == pytest.approx(assembly_bytes(matrices, 8)) and "optimizer" not in adamw.comm_bytes
     assert muon.stages[0].step_working > 3 * 4 * matrices / 8  # Nesterov's updates and two exchange buffers
+
+
+def _full_matrices(overrides: list[str]):
+    """(name, rows, cols, stack) of every matrix Muon steps, at their full (TP-unsplit) shapes, from the
+    model built on the meta device, and the composed config."""
+    cfg, _ = compose(overrides)
+    dims = resolve_dims(cfg.model, cfg.model.vocab_size or 256)
+    with torch.device("meta"):
+        model = GPT(dims)
+    names = {id(p): n for n, p in model.named_parameters()}
+    held = [(names[id(p)], *p.shape[-2:], p.shape[0] if p.ndim == 3 else 1)
+            for p in muon_param_groups(model, cfg.optim)[0]["params"]]
+    return cfg, held
+
+
+def _ns(rows: int, cols: int, stack: int, steps: int) -> float:
+    m, n = min(rows, cols), max(rows, cols)
+    return stack * steps * 2.0 * (2 * m * m * n + m ** 3)
+
+
+def _per_rank(matrices, steps: int, ranks: int) -> float:
+    """The busiest rank's share of whole matrices balanced over `ranks`: at least the largest one."""
+    costs = [_ns(r, c, s, steps) for _, r, c, s in matrices]
+    return max(sum(costs) / ranks, max(costs)) if costs else 0.0
+
+
+@pytest.mark.parametrize("layout", [["parallel.dp=4"], ["parallel.dp=2", "parallel.tp=2"],
+                                    ["parallel.dp=2", "parallel.tp=2", "model.num_kv_heads=1"]])
+@pytest.mark.parametrize("engine", [["backend=deepspeed", "zero=stage1"], ["backend=fsdp2", "zero=stage3"]])
+def test_newton_schulz_is_shared_where_the_optimizer_is_partitioned(engine, layout):
+    """Under ZeRO-1/2 (not only ZeRO-3) and FSDP2, each matrix has one owner among the ranks holding its
+    parts: a TP-split matrix is orthogonalised whole once over tp x dp, one every TP rank holds whole
+    (k and v where tp does not divide the kv heads) once per TP rank over dp; so the busiest rank runs
+    the model's full-matrix Newton-Schulz FLOPs over those ranks (not TP-local shapes over dp, nor all
+    of them at ZeRO-1/2), and sends its parts to their owners and back."""
+    cfg, held = _full_matrices(["model=llama_tiny", "optim=muon", "parallel.micro_batch_size=1", *engine, *layout])
+    est = plan(cfg, planned_world_size(cfg))[1]
+    tp, dp, steps = cfg.parallel.tp, cfg.parallel.dp, cfg.optim.muon.ns_steps
+    whole = [m for m in held if tp > 1 and cfg.model.num_kv_heads % tp and m[0].endswith(("k_proj.weight", "v_proj.weight"))]
+    split = [m for m in held if m not in whole]
+    assert est.optimizer_flops_per_rank == pytest.approx(_per_rank(split, steps, tp * dp) + _per_rank(whole, steps, dp))
+    if layout == ["parallel.dp=4"]:  # a quarter of the one-rank plan's work
+        one, _ = compose(["model=llama_tiny", "optim=muon", "parallel.micro_batch_size=1", *engine, "parallel.dp=1"])
+        assert est.optimizer_flops_per_rank == pytest.approx(plan(one, 1)[1].optimizer_flops_per_rank / 4, rel=0.05)
+    # each rank's part of each matrix (numel / ranks) there and its result back, but for the ones it owns
+    sent = sum(2 * 4 * r * c * s / n * (n - 1) / n for group, n in ((split, tp * dp), (whole, dp)) for _, r, c, s in group)
+    assert est.comm_bytes["optimizer"] == pytest.approx(sent)
+    # an owner holds its largest matrix whole (fp32 update, bf16 iterates and Gram matrices) at the step
+    largest = max(4 * r * c + 2 * (2 * r * c + 2 * min(r, c) ** 2) for _, r, c, _ in held)
+    assert est.stages[0].step_working > largest
+
+
+def test_zero_0_at_one_rank_shares_nothing():
+    """One rank: every matrix is whole there, nothing is assembled, all Newton-Schulz work is its own."""
+    cfg, held = _full_matrices(["model=llama_tiny", "optim=muon", "backend=deepspeed", "zero=stage0", "precision=fp32"])
+    est = plan(cfg, 1)[1]
+    assert est.optimizer_flops_per_rank == pytest.approx(sum(_ns(r, c, s, cfg.optim.muon.ns_steps) for _, r, c, s in held))
+    assert "optimizer" not in est.comm_bytes

@@ -102,3 +102,22 @@ def test_hsdp_candidates_hold_the_configured_replicas_and_each_estimates():
     plain, _ = compose([*args[:-2], "parallel.global_batch_size=64"])
     sharded = estimate_config(plain, validate(plain, 8, fp16_supported=lambda: False, engine_problem=plug.config_problem))
     assert hsdp.stages[0].states.optimizer == 2 * sharded.stages[0].states.optimizer
+
+
+def test_parallel_auto_proposes_only_layouts_the_optimizer_steps():
+    """optim=muon under DeepSpeed: the search keeps to layouts Muon's rule accepts (no ZeRO-0 over more
+    than one rank, nothing offloaded: the rule refuses those, which plain AdamW's search proposes),
+    and each proposed layout's overrides validate with the engine's and the optimizer's rules."""
+    from megaframe.backends.registry import validate_for_engine
+    args = ["model=llama_tiny", "cluster=h100_80g", "parallel.micro_batch_size=1", "parallel.dp=4",
+            "zero=stage1", "launcher.nodes=1", "cluster.gpus_per_node=4"]
+    cfg, _ = compose([*args, "optim=muon"])
+    base = plan_layout(cfg, validate_for_engine(cfg, 4, ask_bf16=False))
+    refused = lambda lay: (lay.zero_stage == 0 and lay.world_size > 1) or "cpu" in (lay.offload_optimizer, lay.offload_param)  # noqa: E731
+    adamw = fitting_layouts(compose([*args, "optim=adamw"])[0], base, limit=10_000)
+    assert any(refused(e.layout) for e in adamw)  # the search would propose them
+    muon = fitting_layouts(cfg, base, limit=10_000)
+    assert muon and not any(refused(e.layout) for e in muon)
+    for e in muon[::10]:
+        again, _ = compose([*args, "optim=muon", *layout_overrides(e.layout)])
+        validate_for_engine(again, 4, ask_bf16=False)
