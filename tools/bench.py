@@ -2,7 +2,7 @@
 
 usage: python tools/bench.py [--arch gpt2|llama] [--steps 10] [--repeats 5] [--warmup 3] [--no-compile]
                              [--compile-only] [--device cpu|cuda] [--shape tiny|nanogpt|xl|llama8b] [--precision P]
-                             [--fp8-recipe R] [--optim adamw|muon] [--document-mask] [OVERRIDE ...]
+                             [--fp8-recipe R] [--optim adamw|muon] [--document-mask] [--cpu-time] [OVERRIDE ...]
        python tools/bench.py --startup [--repeats 5]
 
 --shape nanogpt is nanoGPT's CPU recipe (Tiny Shakespeare's shape: 4 layers, hidden 128, seq 64,
@@ -43,6 +43,10 @@ the plain loops and transformers run neither fp8 nor Muon nor document masks):
 The baseline rows are named by what they change back, e.g. "megaframe (bf16)"; the line under the
 table gives the variant's step time over the baseline's. --precision fp32|bf16|fp16 alone only sets
 the precision of every path (the shape's own by default).
+
+--cpu-time (CPU only) times each path by this process's CPU seconds instead of the wall clock: on a
+machine others share, the work each step takes rather than the share of the cores it was given
+(with OMP_NUM_THREADS=1 one core's seconds; with more threads their seconds add up).
 """
 from __future__ import annotations
 
@@ -115,14 +119,14 @@ def _synchronize() -> None:
         torch.cuda.synchronize()  # a GPU step is only done when its kernels are
 
 
-def timed(step_fn, steps: int) -> float:
-    """Seconds for `steps` calls of step_fn."""
+def timed(step_fn, steps: int, clock=time.perf_counter) -> float:
+    """Seconds for `steps` calls of step_fn, by `clock` (the wall clock; time.process_time: --cpu-time)."""
     _synchronize()
-    start = time.perf_counter()
+    start = clock()
     for _ in range(steps):
         step_fn()
     _synchronize()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def setup(arch: str, overrides: list[str], max_steps: int, shape: str = "tiny", device: str = "cpu"):
@@ -444,8 +448,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--optim", choices=["adamw", "muon"], help="muon: megaframe with optim=muon against AdamW")
     parser.add_argument("--document-mask", action="store_true",
                         help="megaframe with data.document_mask=true against the same run without it")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time by this process's CPU seconds, not the wall clock (CPU only): the work, on a "
+                             "machine others share")
     parser.add_argument("overrides", nargs="*", help="extra megaframe config overrides")
     args = parser.parse_args(argv)
+    if args.cpu_time and (args.device == "cuda" or args.startup):
+        print("bench: error: --cpu-time times the host's work in this process; --device cuda and --startup are "
+              "timed by the wall clock: leave --cpu-time out", file=sys.stderr)
+        sys.exit(2)
     if args.no_compile and args.compile_only:
         print("bench: error: --no-compile and --compile-only leave no megaframe path; give one of them", file=sys.stderr)
         sys.exit(2)
@@ -493,6 +504,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.device == "cuda":
         cuda_report(args, cfg, layout, dims, builders, base_label)
         return
+    clock = time.process_time if args.cpu_time else time.perf_counter
     paths = {}
     for name, build in builders.items():
         torch.manual_seed(cfg.train.seed)
@@ -503,15 +515,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     rates: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(args.repeats):
         for name, (step, _close) in paths.items():
-            rates[name].append(tokens / timed(step, args.steps))
+            rates[name].append(tokens / timed(step, args.steps, clock))
     for _step, close in paths.values():
         close()
     print(f"\n{args.arch}: {dims.num_layers} layers, hidden {dims.hidden_size}, ffn {dims.ffn_hidden_size}, "
           f"seq {dims.seq_length}, global batch {layout.global_batch_size} (micro {layout.micro_batch_size}), "
           f"{args.repeats} interleaved rounds of {args.steps} timed steps after {args.warmup} warm-up steps, "
-          f"torch threads {torch.get_num_threads()}")
+          f"torch threads {torch.get_num_threads()}{', timed by CPU seconds (--cpu-time)' if args.cpu_time else ''}")
     references = [name for name in ("megaframe", "megaframe+compile") if name in rates]
-    print("| framework | tokens/s (median) | rounds min-max | "
+    print(f"| framework | tokens/s{' of CPU time' if args.cpu_time else ''} (median) | rounds min-max | "
           + " | ".join(f"{ref} / this (median of rounds, range)" for ref in references) + " |")
     print("|---" * (3 + len(references)) + "|")
     for name, values in rates.items():

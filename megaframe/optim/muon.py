@@ -17,6 +17,7 @@ partition_flat()), and assembled on one owner among them
 launch; the constructor refuses a parameter it cannot assemble again (never a silently wrong update)."""
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Callable, Sequence
 
@@ -52,6 +53,31 @@ def orthogonalise(update: torch.Tensor, coefficients: Sequence[float], steps: in
             poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
             x = torch.baddbmm(x, poly, x, beta=a)
     return x.mT if tall else x
+
+
+# The matrices stepped whole on this rank iterate in batches of one shape, at most this many elements
+# each (1 MiB of bf16), as one (batch, rows, cols) stack: on the CPU a stack of small matrices iterates
+# up to twice as fast as the same matrices one by one (fewer, larger GEMM calls; measured at hidden
+# 128 and 256: the bench shapes), and each matrix's result is the one-by-one result to the bit (checked
+# against torch.optim.Muon: tests/unit/optim/test_muon.py). A matrix of this size or more iterates
+# alone, as it always did: a batch's memory stays bounded whatever the model.
+NS_BATCH_ELEMENTS = 1 << 19
+
+
+def same_shape_batches(items: Sequence, key: Callable, numel: Callable[..., int], budget: int) -> list[list]:
+    """`items` in batches of equal key(item), each of at most `budget` elements (numel(item)) or of
+    one item, in the order each batch's first item comes."""
+    batches: list[list] = []
+    filling: dict = {}  # key -> (the batch being filled, its elements)
+    for item in items:
+        k, n = key(item), numel(item)
+        batch, total = filling.get(k, (None, 0))
+        if batch is None or total + n > budget:
+            batch, total = [], 0
+            batches.append(batch)
+        batch.append(item)
+        filling[k] = (batch, total + n)
+    return batches
 
 
 def adjusted_lr(lr: float, adjust_lr: str, shape: Sequence[int]) -> float:
@@ -137,21 +163,23 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         assembled = [[] for _ in self.split]  # per group of ranks: (group, param, this rank's piece of its update)
+        local = []  # (group, param) of the matrices whole on this rank: stepped in batches (_step_local)
         for group in self.param_groups:
             if group_optimizer(group) != "muon":
                 continue
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                where = next((n for n, split in enumerate(self.split) if split.holds(p)), None)
+                if where is None and id(p) not in self.flat_partitions:
+                    local.append((group, p))
+                    continue
                 update = self._momentum(group, p)
                 if id(p) in self.flat_partitions:
                     self._step_flat(group, p, update)
-                    continue
-                where = next((n for n, split in enumerate(self.split) if split.holds(p)), None)
-                if where is not None:
-                    assembled[where].append((group, p, update))
                 else:
-                    self._apply(group, p, _orthogonaliser(group)(update))
+                    assembled[where].append((group, p, update))
+        self._step_local(local)
         for split, items in zip(self.split, assembled):
             if items:  # every rank of the group the same matrices in the same order: they all have gradients
                 results = split.orthogonalise([(p, u, _orthogonaliser(g)) for g, p, u in items])
@@ -168,6 +196,32 @@ class Muon(torch.optim.Optimizer):
         finally:
             self.adamw.param_groups = every
         return loss
+
+    def _step_local(self, items: list[tuple[dict, torch.nn.Parameter]]) -> None:
+        """The matrices whole on this rank, in batches of one group and shape (same_shape_batches): each
+        matrix's momentum moved and its update cast into its place in one bf16 stack (the cast
+        orthogonalise makes first), the stack orthogonalised at once, each result applied. Memory
+        beyond the parameters: one batch's stack and its iteration, one matrix's update at a time."""
+        def rows_cols(item) -> tuple:
+            return tuple(whole(item[1]).shape[-2:])
+
+        for batch in same_shape_batches(items, key=lambda item: (id(item[0]), rows_cols(item), whole(item[1]).device),
+                                        numel=lambda item: whole(item[1]).numel(), budget=NS_BATCH_ELEMENTS):
+            group, first = batch[0]
+            if len(batch) == 1:
+                self._apply(group, first, _orthogonaliser(group)(self._momentum(group, first)))
+                continue
+            shapes = [whole(p).shape for _, p in batch]
+            counts = [math.prod(shape[:-2]) for shape in shapes]  # a stack of experts takes that many places
+            stack = torch.empty((sum(counts), *rows_cols(batch[0])), dtype=torch.bfloat16,
+                                device=whole(first).device)
+            places = [stack[at:at + n].view(shape) for at, n, shape in zip(itertools.accumulate(counts, initial=0),
+                                                                             counts, shapes)]
+            for (_, p), place in zip(batch, places):
+                place.copy_(self._momentum(group, p))
+            result = _orthogonaliser(group)(stack)
+            for (_, p), at, n, shape in zip(batch, itertools.accumulate(counts, initial=0), counts, shapes):
+                self._apply(group, p, result[at:at + n].view(shape))
 
     def _step_flat(self, group: dict, flat: torch.Tensor, update: torch.Tensor) -> None:
         """A flat partition's step: each matrix's part of the update goes to the matrix's owner, comes

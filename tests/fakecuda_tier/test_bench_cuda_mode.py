@@ -63,6 +63,7 @@ def test_fp8_against_bf16_on_the_device(tmp_path):
     (["--fp8-recipe", "rowwise"], "--fp8-recipe rowwise is read only with --precision fp8"),
     (["--shape", "llama8b"], "--shape llama8b is a Llama shape (grouped-query attention); use --arch llama"),
     (["--compile-only"], "--no-compile and --compile-only leave no megaframe path"),
+    (["--cpu-time", "--device", "cuda"], "--cpu-time times the host's work in this process; --device cuda"),
     # the options reach megaframe's own rules: Muon with an offloaded optimizer, MXFP8 on widths not of 32
     (["--optim", "muon", "zero=stage2", "offload=cpu"], "optim=muon with offload.optimizer=cpu"),
     (["--precision", "fp8", "--fp8-recipe", "mxfp8", "--", "model.ffn_hidden_size=1000"], "precision.fp8.recipe=mxfp8"),

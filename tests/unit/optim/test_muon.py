@@ -1,19 +1,22 @@
 """optim=muon at one rank against torch's own optimizers (the oracle: torch.optim.Muon and
 torch.optim.AdamW, which share no code with megaframe/optim/muon.py): megaframe's GPT trained side
 by side for 10 steps, every parameter within 1e-6 at every step; a MoE layer's expert stack stepped
-as torch steps each expert's matrix on its own; the optimizer state counted by name."""
+as torch steps each expert's matrix on its own; the optimizer state counted by name; the matrices of
+one shape orthogonalised as one stack of bounded size."""
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megaframe.backends.common import held_model_states
 from megaframe.config.schema import ModelConfig, MoEConfig, MuonConfig, OptimConfig
 from megaframe.model.factory import build_model, resolve_dims
 from megaframe.optim.build import build_optimizer, param_groups
 from megaframe.optim.groups import is_hidden_matrix
+from megaframe.optim import muon
 from megaframe.optim.muon import Muon
 from megaframe.optim.sharded import assign_owners, ns_cost
 from megaframe.optim.state import ensure_state
@@ -138,3 +141,44 @@ def test_at_four_ranks_each_owns_about_a_quarter_of_the_newton_schulz_work():
     owners = assign_owners(shapes, 4)
     load = [sum(ns_cost(s) for s, o in zip(shapes, owners) if o == rank) for rank in range(4)]
     assert len(shapes) == 4 * 7 and max(load) <= 1.25 * sum(load) / 4, load
+
+
+class Matmuls(TorchDispatchMode):
+    """`with Matmuls() as ran:` ... then ran.calls: the matrix products run (a GEMM call each on the
+    CPU, a kernel launch on a GPU), and ran.largest: the most elements of an operand any of them read."""
+
+    KERNELS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.largest = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.KERNELS:
+            self.calls += 1
+            self.largest = max([self.largest, *(a.numel() for a in args if isinstance(a, torch.Tensor))])
+        return func(*args, **(kwargs or {}))
+
+
+def test_matrices_of_one_shape_are_orthogonalised_as_one_stack_of_bounded_size(monkeypatch):
+    """The matrices a rank steps whole iterate Newton-Schulz per batch of one shape, three products
+    per iteration for the whole batch (one by one: for each matrix; at the bench's widths on the CPU
+    the batches iterate up to twice as fast, to the same bits: the side-by-side test above), and no
+    batch holds more than NS_BATCH_ELEMENTS elements: its stack's memory is bounded whatever the model."""
+    o = _optim("spectral", True)
+    model = _model(MODELS["gpt2"])  # 2 blocks: 8 projections of 32x32, 2 up_proj 48x32, 2 down_proj 32x48
+    optimizer = build_optimizer(model, o)
+    shapes = [tuple(p.shape) for p in optimizer.param_groups[0]["params"]]
+    assert len(shapes) == 12 and len(set(shapes)) == 3
+    ids = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    per_batch = 3 * o.muon.ns_steps  # X Xᵀ, the Gram polynomial, its product with X
+    # the default bound takes each shape's matrices at once; one of three 32x32 matrices splits the
+    # eight of them into batches of 3, 3 and 2 (and holds two 48x32 ones: one batch of each)
+    for budget, batches in ((muon.NS_BATCH_ELEMENTS, 3), (3 * 32 * 32, 3 + 1 + 1)):
+        monkeypatch.setattr(muon, "NS_BATCH_ELEMENTS", budget)
+        model(ids[:, :-1], ids[:, 1:]).backward()
+        with Matmuls() as ran:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        assert ran.calls == per_batch * batches, (budget, ran.calls)
+        assert ran.largest <= budget
