@@ -123,6 +123,10 @@ def precompile(header: Path) -> Optional[str]:
     cxx, cflags, post = (_ninja_value(build_file, name) for name in ("cxx", "cflags", "post_cflags"))
     if not cxx or cflags is None:
         return f"no compiler flags readable in {build_file}"
+    from torch.utils.cpp_extension import check_compiler_is_gcc
+
+    if not check_compiler_is_gcc(cxx[0]):  # clang reads a .gch only when told to (-include-pch): it would be waste
+        return None
     partial = header.with_name(f"{header.name}.gch.{os.getpid()}.tmp")
     command = [*cxx, *cflags, "-x", "c++-header", header.name, "-o", partial.name, *(post or [])]
     done = subprocess.run(command, cwd=folder, capture_output=True, text=True)
