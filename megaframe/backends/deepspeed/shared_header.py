@@ -7,14 +7,16 @@ so its sources cannot share a unit. Instead each of them is compiled from a wrap
 EXT/<op>/megaframe_pch_<source>.cpp, that includes a header of the torch headers all of them include
 (EXT/<op>/megaframe_pch_<op>.h) and then the source itself, by absolute path. GCC precompiles that
 header once (a .gch beside it, built with exactly the op's compiler flags, read from the build.ninja
-torch writes for the op) and each wrapper loads it instead of parsing torch again: a cold async_io
-build took 283 instead of 167 CPU-s (the .gch costs 54 CPU-s once; each source 12 instead of 31).
+torch writes for the op: megaframe wraps torch's ninja runner, cpp_extension._run_ninja_build, while
+the op loads; a torch without it builds the wrappers with no .gch) and each wrapper loads it instead of parsing torch again: a cold async_io
+build took 160 instead of 286 CPU-s on the 2-core host (the .gch costs 54 CPU-s once; each source
+12 instead of 31).
 
 The op is the one DeepSpeed builds: the same sources with the same flags; only torch's headers come
 before the source's own includes (torch asks extensions to include it first; checked on async_io:
 every object's symbols, their sizes and instructions are the same, in another order). A .gch GCC
 cannot use (another compiler, flags it rejects) is ignored by GCC, which then parses the header: the
-same op, no faster. The .gch (about 800 MB) is only of use while the wrappers compile: it is built
+same op, no faster. The .gch (about 800 MB; GCC peaks at 2.1 GB building it) is only of use while the wrappers compile: it is built
 just before ninja runs, when ninja has a wrapper to compile, and removed after (ninja does not track
 it: a wrapper compiled with it lists neither it nor torch's headers as dependencies).
 """
