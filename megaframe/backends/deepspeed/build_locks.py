@@ -18,7 +18,9 @@ build has taken 28 minutes here), so the owner's liveness decides:
   live baton (CI saw it under load), and the owner's own removal then fails.
 Ops are built without debug information (DeepSpeed passes -g): nobody steps through these ops, and
 -g made a cold async_io build half as long again. An op's sources that include torch are compiled
-as one unit (one_unit.py), which parses torch's headers once rather than once per source.
+as one unit (one_unit.py), which parses torch's headers once rather than once per source; an op whose
+headers forbid that (async_io) compiles each such source against one precompiled torch header
+(shared_header.py), which GCC parses once per op.
 Loading the ops here, before deepspeed.initialize, also means initialize finds them loaded
 (DeepSpeed keeps loaded ops per process) and takes no baton inside its collectives.
 """
@@ -34,7 +36,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from megaframe.backends.deepspeed.one_unit import back_to_deepspeeds_sources, compile_as_one_unit, mark_failed
+from megaframe.backends.deepspeed.one_unit import (back_to_deepspeeds_sources, compile_as_one_unit, mark_failed,
+                                                   unit_failed)
+from megaframe.backends.deepspeed.shared_header import compile_with_shared_header, precompiled
 from megaframe.common.failures import MissingSystemPiece
 
 OWNER_LOCK = "megaframe-build.lock"
@@ -241,19 +245,26 @@ def _load(builder) -> None:
 
 
 def _build_or_load(builder, warn: Callable[[str], None]) -> None:
-    """Load the op, its torch-including sources compiled as one unit (one_unit.py); if that unit does not
-    build, DeepSpeed's own way (and a marker, so later runs do not try the unit again)."""
+    """Load the op, its torch-including sources compiled as one unit (one_unit.py), or, where its headers
+    forbid one unit (async_io), each against one precompiled torch header (shared_header.py); if that does
+    not build, DeepSpeed's own way (and a marker, so later runs do not try it again)."""
     unit = compile_as_one_unit(builder, extensions_dir())
-    if unit is None:
+    # an op whose unit failed here goes DeepSpeed's way, as before; the shared header is for ops that never had one
+    shared = unit is None and not unit_failed(builder, extensions_dir())
+    header = compile_with_shared_header(builder, extensions_dir()) if shared else None
+    generated = unit or header
+    if generated is None:
         return _load(builder)
     try:
-        builder.load(verbose=False)
+        with precompiled(header, warn):
+            builder.load(verbose=False)
         return
     except Exception as err:
         back_to_deepspeeds_sources(builder)
-        _load(builder)  # DeepSpeed's way: if this fails too, the cause was not the unit
-        mark_failed(unit)
-        warn(f"DeepSpeed's {builder.name} op did not compile as one unit ({type(err).__name__}); built its way instead")
+        _load(builder)  # DeepSpeed's way: if this fails too, the cause was not the unit or the wrappers
+        mark_failed(generated)
+        how = "as one unit" if unit is not None else "against a precompiled torch header"
+        warn(f"DeepSpeed's {builder.name} op did not compile {how} ({type(err).__name__}); built its way instead")
 
 
 def load_ops(builder_names: list[str], root: Optional[Path] = None, warn: Callable[[str], None] = _warn) -> None:

@@ -102,3 +102,8 @@ def back_to_deepspeeds_sources(builder) -> None:
 def mark_failed(unit: Path) -> None:
     """The unit did not build and DeepSpeed's own way did: no later run on this host tries the unit again."""
     failed_marker(unit, unit.read_text()).touch()
+
+
+def unit_failed(builder, extensions_root: Path) -> bool:
+    """Whether a unit of this op failed to compile here (some text of it): such an op is built DeepSpeed's way."""
+    return any((Path(extensions_root) / builder.name).glob(f"{UNIT_PREFIX}{builder.name}.cpp.failed-*"))
