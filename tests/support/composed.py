@@ -35,7 +35,10 @@ def compose_before_fork(kwargs: dict[str, Any]) -> None:
     from megaframe.config.compose import compose
     from megaframe.config.validate import ConfigError
 
-    wanted = [list(overrides) for overrides, _ in kwargs.get("runs") or ()]
+    # `runs` is each test's own shape: (overrides, run_dir) pairs here; other shapes (a rank function's
+    # triples, a dict of run dirs) are left to their ranks, which compose as they always did
+    runs = kwargs.get("runs")
+    wanted = [list(run[0]) for run in runs if _is_overrides_pair(run)] if isinstance(runs, (list, tuple)) else []
     if isinstance(kwargs.get("overrides"), (list, tuple)):
         wanted.append(list(kwargs["overrides"]))
     for overrides in wanted:
@@ -45,3 +48,9 @@ def compose_before_fork(kwargs: dict[str, Any]) -> None:
                 _COMPOSED[key] = compose(overrides)[0]
             except ConfigError:
                 pass  # the rank composes it and fails there, as it did
+
+
+def _is_overrides_pair(run: Any) -> bool:
+    """(overrides, run_dir): a list of override strings and one other item."""
+    return (isinstance(run, (list, tuple)) and len(run) == 2 and isinstance(run[0], (list, tuple))
+            and all(isinstance(o, str) for o in run[0]))

@@ -52,3 +52,12 @@ def test_a_failing_composition_is_left_to_the_rank(memo):
     assert memo == {}
     with pytest.raises(ConfigError, match="no_such_key"):
         composed(bad)
+
+
+def test_runs_of_other_shapes_are_left_to_their_ranks(memo):
+    """run_ranks hands `runs` on as each test shaped it: triples (test_document_mask_layouts) and a
+    dict of run dirs (test_hf_export) are not (overrides, run_dir) pairs, and nothing is composed."""
+    compose_before_fork({"runs": [(RUN, ["packed"], "dir")]})
+    compose_before_fork({"runs": {"llama": "dir", "gpt2": "dir"}})
+    compose_before_fork({"runs": [(RUN, "dir"), ("not", "overrides")]})
+    assert set(memo) == {tuple(RUN)}
