@@ -129,9 +129,11 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"] if group_optimizer(group) == "muon" else ():
                 if len(shape(p)) not in (2, 3):
                     raise ValueError(f"Muon steps matrices and stacks of them, not a tensor of shape {tuple(shape(p))}")
+                if described:  # the engine's partition_flat says where its parts lie
+                    matrices.append(p)
+                    continue
                 try:
-                    if not described:
-                        pieces.append(piece(p, around_tp))
+                    pieces.append(piece(p, around_tp))
                 except PieceError as e:
                     raise ValueError(f"Muon needs whole matrices; a {tuple(p.shape)} parameter is {e}") from None
                 matrices.append(p)
