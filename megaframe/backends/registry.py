@@ -68,10 +68,7 @@ def validate_for_engine(cfg: TrainConfig, world_size: int, ask_bf16: bool = True
     # the optimizer's layout rule (optim/rules.py) before the engine's: which layouts it steps correctly
     return validate(cfg, world_size, plug.device_supports_fp16, plug.device_supports_bf16 if ask_bf16 else None,
                     plug.config_problem,
-                    lambda c, lay: optim_layout_problem(c, lay, plug.facts.optimizer_on_tensors
-                                                        or runs_plain(c, lay.world_size),
-                                                        plug.facts.described_partition_stages)
-                    or plug.layout_problem(c, lay),
+                    lambda c, lay: _optim_problem(c, lay, plug.facts) or plug.layout_problem(c, lay),
                     plug.facts.per_module_gather_stages,
                     (lambda: cuda_capability(plug.device_type())) if ask_bf16 else None)
 
@@ -82,8 +79,13 @@ def optim_refuses(cfg: TrainConfig, lay) -> Optional[str]:
     proposes a layout validation would then refuse."""
     cand = replace(cfg, backend=replace(cfg.backend, name=lay.engine), zero=replace(cfg.zero, stage=lay.zero_stage),
                    offload=replace(cfg.offload, optimizer=lay.offload_optimizer, param=lay.offload_param))
-    facts = engine_facts(lay.engine)
-    return optim_layout_problem(cand, lay, facts.optimizer_on_tensors or runs_plain(cand, lay.world_size),
+    return _optim_problem(cand, lay, engine_facts(lay.engine))
+
+
+def _optim_problem(cfg: TrainConfig, lay, facts: EngineFacts) -> Optional[str]:
+    """optim/rules.py's rule for a run of this engine: the optimizer steps whole tensors where the
+    engine hands them (or the plain engine stands in), described partitions at the stages it names."""
+    return optim_layout_problem(cfg, lay, facts.optimizer_on_tensors or runs_plain(cfg, lay.world_size),
                                 facts.described_partition_stages)
 
 

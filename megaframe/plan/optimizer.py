@@ -77,13 +77,6 @@ def matrix_parameters(matrices: list[tuple[int, int, int]]) -> int:
     return sum(count * rows * cols for count, rows, cols in matrices)
 
 
-def expert_matrix_parameters(dims: GPTDims, ep: int = 1) -> int:
-    """The routed experts' part of an MoE block's hidden matrices (3D stacks: never split by rows)."""
-    moe = dims.moe
-    per_width = 2 if dims.activation == "swiglu" else 1
-    return (moe.num_experts // ep) * (per_width + 1) * moe.ffn_hidden_size * dims.hidden_size
-
-
 def newton_schulz_flops(rows: int, cols: int, steps: int) -> float:
     """FLOPs of orthogonalising one rows x cols matrix (module docstring)."""
     m, n = min(rows, cols), max(rows, cols)
