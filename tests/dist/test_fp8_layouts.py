@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.composed import composes_runs
 from tests.support.helpers import TINY, read_metrics
 from tests.support.parity import DEEPSPEED_AT_ONE_RANK, assert_within_order, train_other_order, train_runs
 from tests.support.ranks import run_ranks
@@ -55,6 +56,7 @@ def _fp8(model: str, recipe: str) -> list[str]:
     return [*MODELS[model], *STEPS, "precision=fp8", f"precision.fp8.recipe={recipe}"]
 
 
+@composes_runs
 def train_counting(rank: int, world: int, runs: list[tuple[list[str], str]], **kwargs) -> list[float]:
     """parity.train_runs, counting the matmuls the fp8 recipe took on this rank (linears, forward;
     MXFP8's grouped expert GEMMs) into CALLS in each run's folder."""

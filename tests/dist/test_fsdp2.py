@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.composed import composes_runs
 from tests.support.helpers import TINY, assert_ok, cli_env, curve, read_metrics, run_cli, FRESH_RANKS
 from tests.support.hf_logits import assert_same_hf_logits
 from tests.support.parity import (DEEPSPEED_AT_ONE_RANK, RTOL, assert_deepspeed_continues, assert_exact_norm, assert_parity,
@@ -45,6 +46,7 @@ MOE_LAYOUTS = {
 }
 
 
+@composes_runs
 def train_and_report(rank: int, world: int, runs: list[tuple[list[str], str]]) -> list[dict]:
     """train_runs, then what each rank's backend says of itself: its last gradient norm, and after
     one more backward its held model states and the bytes of the storages behind its parameters,

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.composed import composed, composes_runs
 from tests.support.helpers import TINY, curve, read_metrics
 from tests.support.muon_oracle import TorchMuon
 from tests.support.parity import train_runs
@@ -88,12 +89,12 @@ def test_flat_partitioned_muon_is_torch_muon_on_the_whole_matrix(tmp_path):
     assert owners[0].isdisjoint(owners[1]) and owners[0] | owners[1] == set(range(len(SHAPES)))
 
 
+@composes_runs
 def _train_counting(rank: int, world: int, runs: list[tuple[list[str], str]]) -> list[dict]:
     """Train each run in these ranks (as tests/support/parity.train_runs does) and return, per run,
     what this rank's Muon assembled: its matrices' ownership and the elements it received."""
     import torch.distributed as dist
 
-    from megaframe.config.compose import compose
     from megaframe.config.validate import validate
     from megaframe.optim.groups import is_hidden_matrix
     from megaframe.optim.sharded import ns_cost
@@ -101,7 +102,7 @@ def _train_counting(rank: int, world: int, runs: list[tuple[list[str], str]]) ->
 
     out = []
     for overrides, run_dir in runs:
-        cfg, _ = compose(overrides)
+        cfg = composed(overrides)  # composed once before the ranks were forked
         with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:
             trainer.fit()
             engine = getattr(trainer.backend, "engine", None)  # DeepSpeed's (FSDP2's: none)

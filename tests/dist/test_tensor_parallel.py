@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.composed import composes_runs
 from tests.support.helpers import TINY, read_metrics
 from tests.support.parity import FLAVOURS, assert_parity, train_runs as _train
 from tests.support.ranks import run_ranks
@@ -49,6 +50,7 @@ def test_tp2_dp2_zero_stages_match_single_rank(reference, tmp_path):
         assert_parity(read_metrics(run_dir), reference[f], f"{f} tp=2 dp=2 zero={stage} sp={sp}")
 
 
+@composes_runs
 def _train_compiled(rank: int, world: int, runs: list) -> None:
     from torch._dynamo.utils import counters
 

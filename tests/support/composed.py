@@ -3,8 +3,9 @@
 Why: a forked rank used to compose its run's overrides itself (Hydra reads and merges conf/), so a
 run at N ranks composed the same config N times: tests/dist/test_moe_training.py's twelve runs at
 four ranks took 66.4 CPU-s before and 59.7 after (about 0.2 CPU-s per composition saved, on the
-loaded 2-core host). run_ranks (tests/support/ranks.py) composes the runs it is handed (`runs=[(overrides, run_dir), ...]`, `overrides=[...]`) before it
-forks, and the rank functions take the config from here: the same compose() of the same overrides
+loaded 2-core host). A rank function that takes its configs from composed() says so (@composes_runs:
+its `runs` are (overrides, run_dir) pairs); run_ranks (tests/support/ranks.py) composes those runs
+before it forks, and the ranks take the config from here: the same compose() of the same overrides
 (nothing in conf/ outside the `hydra` node reads the environment or the clock, so where it runs
 does not change the config), each caller getting its own deep copy to change as it likes.
 A composition that fails in the test process is not kept: the rank composes it again and reports
@@ -14,7 +15,7 @@ in a session, and a config directory a test writes (hydra.searchpath) sits under
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 _COMPOSED: dict[tuple[str, ...], Any] = {}  # overrides -> TrainConfig, never handed out itself
 
@@ -29,28 +30,26 @@ def composed(overrides: Sequence[str]):
     return copy.deepcopy(_COMPOSED[key])
 
 
-def compose_before_fork(kwargs: dict[str, Any]) -> None:
-    """Compose the runs in run_ranks' keyword arguments (`runs`, `overrides`) that this process has
-    not composed yet, so that the forked ranks inherit them."""
+def composes_runs(fn: Callable) -> Callable:
+    """Mark a rank function whose `runs=` are (overrides, run_dir) pairs whose configs it takes from
+    composed(): run_ranks composes them before it forks. A rank function without the mark composes
+    for itself, whatever shape its arguments have."""
+    fn.composes_runs = True
+    return fn
+
+
+def compose_before_fork(fn: Callable, kwargs: dict[str, Any]) -> None:
+    """Compose the runs of a rank function marked @composes_runs that this process has not composed
+    yet, so that the forked ranks inherit them."""
+    if not getattr(fn, "composes_runs", False):
+        return
     from megaframe.config.compose import compose
     from megaframe.config.validate import ConfigError
 
-    # `runs` is each test's own shape: (overrides, run_dir) pairs here; other shapes (a rank function's
-    # triples, a dict of run dirs) are left to their ranks, which compose as they always did
-    runs = kwargs.get("runs")
-    wanted = [list(run[0]) for run in runs if _is_overrides_pair(run)] if isinstance(runs, (list, tuple)) else []
-    if isinstance(kwargs.get("overrides"), (list, tuple)):
-        wanted.append(list(kwargs["overrides"]))
-    for overrides in wanted:
+    for overrides, _ in kwargs["runs"]:
         key = tuple(overrides)
         if key not in _COMPOSED:
             try:
-                _COMPOSED[key] = compose(overrides)[0]
+                _COMPOSED[key] = compose(list(overrides))[0]
             except ConfigError:
                 pass  # the rank composes it and fails there, as it did
-
-
-def _is_overrides_pair(run: Any) -> bool:
-    """(overrides, run_dir): a list of override strings and one other item."""
-    return (isinstance(run, (list, tuple)) and len(run) == 2 and isinstance(run[0], (list, tuple))
-            and all(isinstance(o, str) for o in run[0]))

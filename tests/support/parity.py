@@ -9,6 +9,7 @@ from typing import Optional
 import pytest
 import torch
 
+from tests.support.composed import composes_runs
 from tests.support.helpers import assert_ok, cli_env, curve, read_metrics, run_code
 from tests.support.numerics import FACTOR, FP32_EPS
 
@@ -67,6 +68,7 @@ def pretend_fp16_device() -> None:
     get_accelerator().is_fp16_supported = lambda: True
 
 
+@composes_runs
 def train_runs(rank: int, world: int, runs: list[tuple[list[str], str]], fp16: bool = False,
                fp64: bool = False, engine: Optional[str] = None) -> list[float]:
     """Train each (overrides, run_dir) in turn inside these ranks (saves a process start per config);

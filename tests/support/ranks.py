@@ -58,7 +58,7 @@ def run_ranks(fn: Callable, world_size: int, tmp_path: Path, timeout: float = 60
     """
     workdir = Path(tmp_path) / f"ranks-{time.monotonic_ns()}"
     workdir.mkdir(parents=True)
-    compose_before_fork(kwargs)  # once here, not once per rank (tests/support/composed.py)
+    compose_before_fork(fn, kwargs)  # once here, not once per rank (tests/support/composed.py)
     context = mp.start_processes(_entry, args=(fn, world_size, str(workdir), kwargs), nprocs=world_size,
                                  join=False, start_method="fork")
     deadline = time.monotonic() + timeout

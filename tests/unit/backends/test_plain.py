@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.composed import composes_runs
 from tests.support.helpers import TINY, cli_env, read_metrics
 from tests.support.parity import train_runs
 from tests.support.ranks import run_ranks
@@ -37,6 +38,7 @@ def _both(tmp_path: Path, overrides: list[str], env: dict[str, str] | None = Non
     return _curves(tmp_path / "plain"), _curves(tmp_path / "deepspeed")
 
 
+@composes_runs
 def _train_with_env(rank: int, world: int, runs, env: dict[str, str]) -> list[float]:
     import os
 
