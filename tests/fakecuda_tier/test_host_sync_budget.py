@@ -20,7 +20,10 @@ CASES = {"zero0-fp32": ["zero=stage0"], "zero1-bf16": ["zero=stage1", "precision
          # counts once per layer and micro-batch (documented in model/moe.py): not held to this budget
          "moe-zero1-bf16": ["model=moe_tiny", "zero=stage1", "precision=bf16"],
          # fp8 kernels (torch._scaled_mm, precision.fp8.emulate=auto on the device): its scales stay on the device
-         "zero1-fp8": ["zero=stage1", "precision=fp8"]}
+         "zero1-fp8": ["zero=stage1", "precision=fp8"],
+         # Muon on DeepSpeed's flat partition (described to Muon): momentum, Newton-Schulz and its
+         # owners' exchange per step, none of them read back per matrix
+         "zero1-muon": ["zero=stage1", "optim=muon"]}
 SHAPES = [(1, 2), (4, 2), (1, 4)]  # (micro-batches per step, layers)
 
 COUNT = """
