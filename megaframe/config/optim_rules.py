@@ -40,6 +40,10 @@ def optim_problem(cfg: TrainConfig) -> Optional[str]:
     if len(m.ns_coefficients) != 3 or not all(_finite(c, -math.inf, False) for c in m.ns_coefficients):
         return (f"optim.muon.ns_coefficients={list(m.ns_coefficients)} must be three finite numbers (a, b, c), "
                 f"e.g. [3.4445,-4.775,2.0315]")
+    if isinstance(m.exchange_bucket_size, bool) or not isinstance(m.exchange_bucket_size, int) \
+            or m.exchange_bucket_size < 0:
+        return (f"optim.muon.exchange_bucket_size={m.exchange_bucket_size} must be a whole number of matrix elements "
+                f">= 0 (0: one exchange per group of ranks), e.g. 1000000000")
     for key, value, strict in (("eps", m.eps, True), ("adamw_lr", m.adamw_lr, True),
                                ("adamw_weight_decay", m.adamw_weight_decay, False)):
         if value is not None and not _finite(value, 0, strict):

@@ -35,6 +35,6 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig, fused: bool = Tr
         return Muon(muon_param_groups(model, optim, shape), momentum=m.momentum, nesterov=m.nesterov,
                     ns_coefficients=tuple(m.ns_coefficients), ns_steps=m.ns_steps, eps=m.eps, adjust_lr=m.adjust_lr,
                     betas=tuple(optim.betas), adamw_eps=optim.eps, fused=fused, ps=ps, shape=shape,
-                    described=described)
+                    described=described, exchange_bucket_size=m.exchange_bucket_size)
     return torch.optim.AdamW(decay_param_groups(model, optim.weight_decay), lr=optim.lr, betas=tuple(optim.betas),
                              eps=optim.eps, weight_decay=optim.weight_decay, fused=fused)

@@ -95,8 +95,8 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def split_groups(params: Sequence[torch.nn.Parameter], pieces: Sequence[Piece], device: torch.device
-                 ) -> list[ShardedMatrices]:
+def split_groups(params: Sequence[torch.nn.Parameter], pieces: Sequence[Piece], device: torch.device,
+                 bucket_elements: int = 0) -> list[ShardedMatrices]:
     """One ShardedMatrices per group of ranks holding pieces, in the order the parameters first name
     each group (the same order on every rank: its collectives never cross). A group is known by its
     ranks, not by the object naming it (two meshes may each hold one of the same ranks)."""
@@ -104,7 +104,8 @@ def split_groups(params: Sequence[torch.nn.Parameter], pieces: Sequence[Piece], 
     for i, part in enumerate(pieces):
         if part.group is not None:
             by_group.setdefault(tuple(dist.get_process_group_ranks(part.group)), []).append(i)
-    return [ShardedMatrices([pieces[i] for i in members], device, params=[params[i] for i in members])
+    return [ShardedMatrices([pieces[i] for i in members], device, params=[params[i] for i in members],
+                            bucket_elements=bucket_elements)
             for members in by_group.values()]
 
 
@@ -115,11 +116,14 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, groups: list[dict], *, momentum: float, nesterov: bool, ns_coefficients: Sequence[float],
                  ns_steps: int, eps: float, adjust_lr: str, betas: tuple[float, float], adamw_eps: float,
-                 fused: bool = True, ps=None, shape: Shape = full_shape, described: bool = False):
+                 fused: bool = True, ps=None, shape: Shape = full_shape, described: bool = False,
+                 exchange_bucket_size: int = 0):
         """ps: the ParallelState, where tensor parallelism splits matrices (its groups assemble them).
         shape: a parameter's full shape, where the engine has already partitioned it away (ZeRO-3).
         described: the engine steps flat partitions in place of these parameters and describes where
-        the matrices lie in them later (partition_flat, with around_tp's groups): no pieces now."""
+        the matrices lie in them later (partition_flat, with around_tp's groups): no pieces now.
+        exchange_bucket_size: elements of whole matrices assembled per exchange (sharded.buckets; 0: one
+        exchange per group of ranks), which bounds the step's transient memory."""
         if adjust_lr not in ADJUST_LR:
             raise ValueError(f"adjust_lr={adjust_lr!r}: one of {', '.join(ADJUST_LR)}")
         around_tp = tp_groups(ps)  # collective when made: every rank builds its optimizer at once
@@ -147,7 +151,8 @@ class Muon(torch.optim.Optimizer):
         # the learning rate adjusts by the whole matrix's shape, not by this rank's piece of it
         self.full_shapes = {id(p): part.full for p, part in zip(matrices, pieces)}
         device = whole(matrices[0]).device if matrices else torch.device("cpu")
-        self.split = split_groups(matrices, pieces, device)
+        self.exchange_bucket_size = exchange_bucket_size  # the engine's described partitions use it too
+        self.split = split_groups(matrices, pieces, device, exchange_bucket_size)
         # id(flat tensor) -> its matrices' parts, one FlatPartition per group of ranks assembling them
         self.flat_partitions: dict[int, list[FlatPartition]] = {}
 
@@ -164,7 +169,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        assembled = [[] for _ in self.split]  # per group of ranks: (group, param, this rank's piece of its update)
+        assembled = [[] for _ in self.split]  # per group of ranks: (group, param) of the matrices it assembles
         local = []  # (group, param) of the matrices whole on this rank: stepped in batches (_step_local)
         for group in self.param_groups:
             if group_optimizer(group) != "muon":
@@ -176,16 +181,21 @@ class Muon(torch.optim.Optimizer):
                 if where is None and id(p) not in self.flat_partitions:
                     local.append((group, p))
                     continue
-                update = self._momentum(group, p)
                 if id(p) in self.flat_partitions:
-                    self._step_flat(group, p, update)
+                    self._step_flat(group, p)
                 else:
-                    assembled[where].append((group, p, update))
+                    assembled[where].append((group, p))
         self._step_local(local)
         for split, items in zip(self.split, assembled):
-            if items:  # every rank of the group the same matrices in the same order: they all have gradients
-                results = split.orthogonalise([(p, u, _orthogonaliser(g)) for g, p, u in items])
-                for (group, p, _), update in zip(items, results):
+            split.new_step()
+            # every rank of the group the same matrices in the same order (they all have gradients), a
+            # bucket at a time: its updates made, exchanged and applied before the next one's are made
+            for bucket in split.in_buckets([split.index[id(p)] for _, p in items]):
+                chosen = [items[k] for k in bucket]
+                updates = [self._momentum(group, p) for group, p in chosen]
+                results = split.orthogonalise([(p, u, _orthogonaliser(g)) for (g, p), u in zip(chosen, updates)])
+                del updates
+                for (group, p), update in zip(chosen, results):
                     self._apply(group, p, update)
         # only the AdamW groups the engine shows now: DeepSpeed's ZeRO-1/2 steps one group at a time
         # by narrowing param_groups (each other group's flat partition would be stepped again); and
@@ -225,27 +235,39 @@ class Muon(torch.optim.Optimizer):
             for (_, p), at, n, shape in zip(batch, itertools.accumulate(counts, initial=0), counts, shapes):
                 self._apply(group, p, result[at:at + n].view(shape))
 
-    def _step_flat(self, group: dict, flat: torch.Tensor, update: torch.Tensor) -> None:
-        """A flat partition's step: each matrix's part of the update goes to the matrix's owner, comes
-        back orthogonalised, and is applied to this rank's part at the rate its full shape adjusts
-        (the partition's padding is never stepped)."""
-        orthogonaliser, lr = _orthogonaliser(group), group["lr"]
+    def _step_flat(self, group: dict, flat: torch.Tensor) -> None:
+        """A flat partition's step: the momentum moved on the whole partition, then a bucket at a time
+        (its matrices' updates made, exchanged, applied) each matrix's part of the update goes to the
+        matrix's owner, comes back orthogonalised, and is applied to this rank's part at the rate its
+        full shape adjusts (the partition's padding is never stepped)."""
+        orthogonaliser, lr, momentum = _orthogonaliser(group), group["lr"], group["momentum"]
+        grad, buf = self._moved(group, flat)
         for partition in self.flat_partitions[id(flat)]:
-            results = partition.matrices.exchange([(i, part, orthogonaliser)
-                                                   for i, part in enumerate(partition.parts(update))])
-            for shape, param, result in zip(partition.matrices.shapes, partition.parts(flat.data), results):
-                param.mul_(1 - lr * group["weight_decay"])
-                param.add_(result, alpha=-adjusted_lr(lr, group["adjust_lr"], shape))
+            matrices = partition.matrices
+            matrices.new_step()
+            grads, bufs, params = partition.parts(grad), partition.parts(buf), partition.parts(flat.data)
+            for bucket in matrices.in_buckets(range(len(partition.offsets))):
+                updates = [grads[i].lerp(bufs[i], momentum) if group["nesterov"] else bufs[i] for i in bucket]
+                results = matrices.exchange([(i, update, orthogonaliser) for i, update in zip(bucket, updates)])
+                del updates
+                for i, result in zip(bucket, results):
+                    params[i].mul_(1 - lr * group["weight_decay"])
+                    params[i].add_(result, alpha=-adjusted_lr(lr, group["adjust_lr"], matrices.shapes[i]))
 
     def _momentum(self, group: dict, p: torch.nn.Parameter) -> torch.Tensor:
         """The momentum buffer moved towards the gradient, and the update (Nesterov's look-ahead or the
         buffer), on this rank's part of the parameter."""
+        grad, buf = self._moved(group, p)
+        return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+
+    def _moved(self, group: dict, p: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of the gradient and of the momentum buffer, moved towards the gradient."""
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        grad, buf, momentum = whole(p.grad), whole(state["momentum_buffer"]), group["momentum"]
-        buf.lerp_(grad, 1 - momentum)
-        return grad.lerp(buf, momentum) if group["nesterov"] else buf
+        grad, buf = whole(p.grad), whole(state["momentum_buffer"])
+        buf.lerp_(grad, 1 - group["momentum"])
+        return grad, buf
 
     def _apply(self, group: dict, p: torch.nn.Parameter, update: torch.Tensor) -> None:
         """Decoupled weight decay, then the orthogonalised update at the rate its full shape adjusts."""

@@ -4,11 +4,13 @@ column- and row-parallel pieces over tp, or tp x the shard group): each matrix h
 among the ranks holding its pieces, which alone assembles it, orthogonalises it and sends every rank
 its piece of the result back, as Megatron's layer-wise distributed optimizer does.
 
-Per step and per group, two all_to_all_single for all its matrices together: each rank sends its
-piece of every matrix to that matrix's owner, then each owner returns every rank its piece of the
-results. So Newton-Schulz work per rank is about 1/n of the group's (owners balanced by its cost,
-the same choice on every rank: a function of the full shapes), and no rank holds more than its
-pieces plus the matrices it owns. Momentum, weight decay and the update stay elementwise on each
+Per step, per group and per bucket of its matrices (optim.muon.exchange_bucket_size elements of whole
+matrices, consecutive), two all_to_all_single: each rank sends its piece of every matrix to that
+matrix's owner, then each owner returns every rank its piece of the results. So Newton-Schulz work
+per rank is about 1/n of the group's (owners balanced by its cost within each bucket, the same
+choice on every rank: a function of the full shapes), no rank holds more than its pieces plus the
+matrices it owns, and the exchange's buffers hold one bucket's share at a time (a 7B model's whole
+share at dp=8 is about 3 GiB per buffer). Momentum, weight decay and the update stay elementwise on each
 rank's piece. Where each rank's piece lies is exchanged once, when the optimizer is built.
 
 A piece is a range of the row-major elements of a box of the matrix (pieces.Piece): the whole box
@@ -35,6 +37,24 @@ def ns_cost(shape: Sequence[int]) -> int:
     iteration; a stack of matrices (experts x rows x cols) costs that per matrix."""
     rows, cols = shape[-2:]
     return math.prod(shape[:-2]) * rows * cols * min(rows, cols)
+
+
+def buckets(shapes: Sequence[Sequence[int]], bucket_elements: int) -> list[list[int]]:
+    """The matrices' indices in consecutive runs of at most bucket_elements elements of whole
+    matrices (a larger matrix alone), each run exchanged on its own; 0: every matrix in one run."""
+    if not bucket_elements:
+        return [list(range(len(shapes)))] if shapes else []
+    runs: list[list[int]] = []
+    size = 0
+    for i, shape in enumerate(shapes):
+        n = math.prod(shape)
+        if runs and size + n <= bucket_elements:
+            runs[-1].append(i)
+            size += n
+        else:
+            runs.append([i])
+            size = n
+    return runs
 
 
 def assign_owners(shapes: Sequence[Sequence[int]], ranks: int) -> list[int]:
@@ -105,7 +125,7 @@ class ShardedMatrices:
     each one is, where the caller steps parameters (orthogonalise), else indices (exchange)."""
 
     def __init__(self, pieces: Sequence[Piece], device: torch.device,
-                 params: Optional[Sequence[torch.Tensor]] = None):
+                 params: Optional[Sequence[torch.Tensor]] = None, bucket_elements: int = 0):
         groups = {tuple(dist.get_process_group_ranks(p.group)) for p in pieces}
         if len(groups) != 1:
             raise PieceError(f"Muon assembles each set of matrices within one group; these span {len(groups)}")
@@ -113,7 +133,13 @@ class ShardedMatrices:
         self.ranks, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.index = {id(p): i for i, p in enumerate(params or ())}
         self.shapes = [p.full for p in pieces]
-        self.owners = assign_owners(self.shapes, self.ranks)
+        # exchanged a bucket at a time (optim.muon.exchange_bucket_size), its owners balanced within it:
+        # each exchange's buffers hold about bucket / ranks elements, and every rank works in each
+        self.buckets = buckets(self.shapes, bucket_elements)
+        self.owners, self.bucket_of = [0] * len(self.shapes), [0] * len(self.shapes)
+        for b, members in enumerate(self.buckets):
+            for i, owner in zip(members, assign_owners([self.shapes[i] for i in members], self.ranks)):
+                self.owners[i], self.bucket_of[i] = owner, b
         # kept: this rank's part of every matrix, and every rank's part of the matrices it owns (not
         # ranks x matrices parts on every rank); read to lists once, here, never in the step
         every = _gather_parts(pieces, self.group, device)
@@ -122,7 +148,8 @@ class ShardedMatrices:
         self._check(device)
         # each owned matrix's parts as boxes of it (pieces.span_boxes), computed once, not in the step
         self.regions = {i: [_regions(part) for part in parts] for i, parts in self.theirs.items()}
-        self.received_numel = 0  # elements of whole matrices this rank assembled at the last step
+        self.received_numel = 0  # elements of whole matrices this rank assembled since new_step()
+        self.largest_received = 0  # the most it received in one exchange since it was built
 
     def _check(self, device: torch.device) -> None:
         """Each owner checks that its matrices' pieces tile them; every rank of the group refuses
@@ -137,6 +164,17 @@ class ShardedMatrices:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         if flag.item():
             raise PieceError(problem or "another rank's matrix is not tiled by the ranks' pieces")
+
+    def new_step(self) -> None:
+        self.received_numel = 0
+
+    def in_buckets(self, ids: Sequence[int]) -> list[list[int]]:
+        """The positions in `ids` (matrix indices) grouped by the bucket each matrix is exchanged in,
+        in bucket order: one exchange() per group, the same on every rank."""
+        by_bucket: dict[int, list[int]] = {}
+        for k, i in enumerate(ids):
+            by_bucket.setdefault(self.bucket_of[i], []).append(k)
+        return [by_bucket[b] for b in sorted(by_bucket)]
 
     def holds(self, p: torch.Tensor) -> bool:
         return id(p) in self.index
@@ -176,7 +214,8 @@ class ShardedMatrices:
 
         Memory beyond the pieces: the send buffer until the first exchange returns; the received
         buffer, into which each owned matrix's result is cut back in place (its layout is the return
-        send's), with one matrix and its result at a time; then the buffer the results come back in."""
+        send's), with one matrix and its result at a time; then the buffer the results come back in.
+        A caller bounds them by exchanging one bucket at a time (in_buckets)."""
         if not items:  # the same on every rank of the group: none of them exchanges
             return []
         ids = [i for i, _, _ in items]
@@ -196,7 +235,8 @@ class ShardedMatrices:
             at += n
         received = self._exchange(send, recv_counts, send_counts)
         del send
-        self.received_numel = received.numel()
+        self.received_numel += received.numel()
+        self.largest_received = max(self.largest_received, received.numel())
         # assemble each owned matrix from every rank's piece, orthogonalise it, and cut the result into
         # the same places of `received` (rank s's pieces of the matrices I own, in order: the return's)
         pieces = [list(chunk.split([self._numel(s, ids[k]) for k in mine]))

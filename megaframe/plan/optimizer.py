@@ -35,6 +35,7 @@ class OptimizerTerms:
     other_states: int = 2
     ns_steps: int = 0
     nesterov: bool = False  # the update is a copy (Nesterov's look-ahead), not the momentum buffer itself
+    bucket: int = 0  # elements of whole matrices assembled per exchange (0: all of a group's at once)
 
     @property
     def splits(self) -> bool:
@@ -52,7 +53,8 @@ def optimizer_terms(optim) -> OptimizerTerms:
     matrices, rest = PARTS[optim.name]
     orthogonalises = optim.name in ORTHOGONALISES
     return OptimizerTerms(state_tensors_per_param(matrices), state_tensors_per_param(rest),
-                          optim.muon.ns_steps if orthogonalises else 0, orthogonalises and optim.muon.nesterov)
+                          optim.muon.ns_steps if orthogonalises else 0, orthogonalises and optim.muon.nesterov,
+                          optim.muon.exchange_bucket_size if orthogonalises else 0)
 
 
 def block_matrices(dims: GPTDims, moe_block: bool, tp: int = 1, ep: int = 1) -> list[tuple[int, int, int]]:
@@ -182,10 +184,16 @@ def step_working_bytes(assembled: list[Assembled], owners: dict[str, int], terms
     and those it receives of the matrices it owns, about as many; then the received buffer, into
     which the owned matrices' results are cut back in place, and the pieces that come back), plus
     with Nesterov the update of each part (a copy; else the momentum buffer itself): 2 (3 with
-    Nesterov) x 4 bytes x numel/ranks. Then the Newton-Schulz working set of the largest matrix as
-    assembled (a TP-split one whole), or of an expert stack (iterated as one batch): its fp32 update,
-    and in bf16 the iterate, the next one and the m x m Gram matrix and polynomial."""
-    exchange = sum((2 + terms.nesterov) * FP32 * sum(a.numel for a in assembled if a.axis == axis) / ranks
+    Nesterov) x 4 bytes x numel/ranks, where numel is one exchange's: the axis's matrices, or at most
+    a bucket of them (terms.bucket, optim.muon.exchange_bucket_size). Then the Newton-Schulz working
+    set of the largest matrix as assembled (a TP-split one whole), or of an expert stack (iterated as
+    one batch): its fp32 update, and in bf16 the iterate, the next one and the m x m Gram matrix and
+    polynomial. Not modelled: a bucket's owners are balanced within it, so a rank owning one matrix
+    larger than bucket/ranks holds that matrix (its working set is counted, its exchange share not)."""
+    def one_exchange(axis: str) -> int:
+        total = sum(a.numel for a in assembled if a.axis == axis)
+        return min(total, terms.bucket) if terms.bucket else total
+    exchange = sum((2 + terms.nesterov) * FP32 * one_exchange(axis) / ranks
                    for axis, ranks in owners.items() if ranks > 1)
 
     def iteration(a: Assembled) -> float:

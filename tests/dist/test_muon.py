@@ -17,20 +17,29 @@ SHAPES = [(5, 3), (4, 6), (1, 8), (6, 6), (7, 2)]  # tall, wide, fewer rows than
 STACK = (4, 5, 3)  # experts x rows x cols: split by experts, each rank steps its own
 
 
+BUCKET = 40  # elements of whole matrices per exchange: SHAPES' 97 in four buckets, none over 40
+
+
 def _steps_against_torch(rank: int, world: int) -> dict:
+    """For one exchange of all matrices (bucket 0) and for BUCKET: this rank's gaps to torch's Muon,
+    what it owns and what it received."""
+    return {bucket: _steps_in_buckets(bucket) for bucket in (0, BUCKET)}
+
+
+def _steps_in_buckets(bucket: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from megaframe.optim.muon import Muon
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
     generator = torch.Generator().manual_seed(0)
     full = [torch.randn(*shape, generator=generator) for shape in (*SHAPES, STACK)]
     ours = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in full]
     optimizer = Muon([{"params": ours, "optimizer": "muon", "lr": 0.02, "weight_decay": 0.1},
                       {"params": [], "optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.0}],
                      momentum=0.95, nesterov=True, ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5, eps=1e-7,
-                     adjust_lr="spectral", betas=(0.9, 0.95), adamw_eps=1e-8)
+                     adjust_lr="spectral", betas=(0.9, 0.95), adamw_eps=1e-8, exchange_bucket_size=bucket)
     torch_muon = TorchMuon(full)
     for _ in range(3):
         grads = [torch.randn(t.shape, generator=generator) for t in full]  # the same on both ranks
@@ -41,18 +50,23 @@ def _steps_against_torch(rank: int, world: int) -> dict:
     gaps = [(p.full_tensor() - want).abs().max().item() for p, want in zip(ours, torch_muon.tensors())]
     rows, = optimizer.split
     owned = rows.owned()
-    return {"gaps": gaps, "owned": owned, "received": rows.received_numel,
+    return {"gaps": gaps, "owned": owned, "received": rows.received_numel, "largest": rows.largest_received,
             "owned_numel": sum(torch.Size(rows.shapes[i]).numel() for i in owned)}
 
 
 def test_row_sharded_muon_is_torch_muon_on_the_whole_matrix(tmp_path):
-    results = run_ranks(_steps_against_torch, 2, tmp_path)
-    for rank, result in enumerate(results):
-        assert max(result["gaps"]) <= 1e-6, (rank, result["gaps"])
-        # no rank assembles a matrix it does not own: what it received is exactly its own matrices
-        assert result["received"] == result["owned_numel"] > 0, (rank, result)
-    owners = [set(r["owned"]) for r in results]
-    assert owners[0].isdisjoint(owners[1]) and owners[0] | owners[1] == set(range(len(SHAPES)))
+    """In one exchange and in buckets of at most BUCKET elements: torch's step, each matrix assembled on
+    its owner alone; in buckets, no exchange receives more than a bucket (in one, a rank receives more)."""
+    by_rank = run_ranks(_steps_against_torch, 2, tmp_path)
+    for bucket in (0, BUCKET):
+        results = [r[bucket] for r in by_rank]
+        for rank, result in enumerate(results):
+            assert max(result["gaps"]) <= 1e-6, (bucket, rank, result["gaps"])
+            # no rank assembles a matrix it does not own: what it received is exactly its own matrices
+            assert result["received"] == result["owned_numel"] > 0, (bucket, rank, result)
+        owners = [set(r["owned"]) for r in results]
+        assert owners[0].isdisjoint(owners[1]) and owners[0] | owners[1] == set(range(len(SHAPES)))
+    assert max(r[BUCKET]["largest"] for r in by_rank) <= BUCKET < max(r[0]["largest"] for r in by_rank), by_rank
 
 
 def test_fsdp2_at_two_ranks_trains_and_resumes_the_single_rank_muon_curve(tmp_path):

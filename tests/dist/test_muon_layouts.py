@@ -120,7 +120,8 @@ TWO = {"tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true", "train.sav
        "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"],
        # tp2-sp's step-3 checkpoint (each TP piece's momentum buffer by name) resumed at dp=2
        "dp2-resumed-from-tp2": ["parallel.dp=2", "train.resume={tmp}/tp2-sp/checkpoints/global_step3"]}
-FOUR = {"tp2-sp-dp2": ["parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true"],
+FOUR = {"tp2-sp-dp2": ["parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true",
+                       "optim.muon.exchange_bucket_size=20000"],  # several exchanges per group and step
         "hsdp-2x2": ["parallel.dp=4", "parallel.dp_replicate=2"],
         "moe-ep2-dp4": [*MOE, "parallel.dp=4", "parallel.ep=2"]}
 

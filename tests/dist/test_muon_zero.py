@@ -22,10 +22,19 @@ from tests.support.reference_cache import reference_runs
 
 TP2DP2 = ["parallel.tp=2", "parallel.dp=2"]
 ONE_KV = ["model.num_kv_heads=1"]  # fewer kv heads than tp: k and v whole on each TP rank
+SMALL_BUCKET_KEY, SMALL_BUCKET = "optim.muon.exchange_bucket_size", 20_000  # TINY's matrices: 4,096 and 16,384
 SHAPES = [(5, 3), (4, 6), (1, 8), (6, 6), (7, 2), (2, 3, 4)]  # tall, wide, one row, square, an expert stack
 
 
+BUCKET = 40  # elements of whole matrices per exchange: SHAPES' 121 in four buckets, none over 40
+
+
 def _flat_against_torch(rank: int, world: int) -> dict:
+    """For one exchange (bucket 0) and for buckets of BUCKET: _flat_in_buckets."""
+    return {bucket: _flat_in_buckets(rank, world, bucket) for bucket in (0, BUCKET)}
+
+
+def _flat_in_buckets(rank: int, world: int, bucket: int) -> dict:
     """One flat buffer of SHAPES (one element of padding between parameters, as DeepSpeed's
     alignment leaves, and at the end), cut into two equal partitions as ZeRO-1/2 cut it."""
     import torch.distributed as dist
@@ -50,7 +59,7 @@ def _flat_against_torch(rank: int, world: int) -> dict:
 
     ranges = [[flat_part(o, t.numel(), r, size) for r in range(world)] for o, t in zip(offsets, full)]
     local = [o + parts[rank][0] - rank * size for o, parts in zip(offsets, ranges)]
-    partition = flat_partition(SHAPES, ranges, local, dist.group.WORLD, rank)
+    partition = flat_partition(SHAPES, ranges, local, dist.group.WORLD, rank, bucket_elements=bucket)
     flat = torch.nn.Parameter(scatter(full))
     holder = torch.nn.Parameter(torch.zeros(2, 2))  # the group holds a matrix until the engine swaps in its flat
     groups = [{"params": [holder], "optimizer": "muon", "lr": 0.02, "weight_decay": 0.1},
@@ -75,18 +84,23 @@ def _flat_against_torch(rank: int, world: int) -> dict:
     matrices = partition.matrices
     owned = matrices.owned()
     return {"gaps": gaps, "padding": padding, "owned": owned, "received": matrices.received_numel,
-            "owned_numel": sum(math.prod(SHAPES[i]) for i in owned)}
+            "largest": matrices.largest_received, "owned_numel": sum(math.prod(SHAPES[i]) for i in owned)}
 
 
 def test_flat_partitioned_muon_is_torch_muon_on_the_whole_matrix(tmp_path):
-    results = run_ranks(_flat_against_torch, 2, tmp_path)
-    for rank, result in enumerate(results):
-        assert max(result["gaps"]) <= 1e-6, (rank, result["gaps"])
-        assert result["padding"] == [0.0] * len(SHAPES), (rank, result["padding"])  # never stepped
-        # no rank assembles a matrix it does not own: what it received is exactly its own matrices
-        assert result["received"] == result["owned_numel"] > 0, (rank, result)
-    owners = [set(r["owned"]) for r in results]
-    assert owners[0].isdisjoint(owners[1]) and owners[0] | owners[1] == set(range(len(SHAPES)))
+    """In one exchange and in buckets of at most BUCKET elements (each bucket's Nesterov updates made
+    from the partition's moved momentum): torch's step; in buckets no exchange receives more than one."""
+    by_rank = run_ranks(_flat_against_torch, 2, tmp_path)
+    for bucket in (0, BUCKET):
+        results = [r[bucket] for r in by_rank]
+        for rank, result in enumerate(results):
+            assert max(result["gaps"]) <= 1e-6, (bucket, rank, result["gaps"])
+            assert result["padding"] == [0.0] * len(SHAPES), (bucket, rank, result["padding"])  # never stepped
+            # no rank assembles a matrix it does not own: what it received is exactly its own matrices
+            assert result["received"] == result["owned_numel"] > 0, (bucket, rank, result)
+        owners = [set(r["owned"]) for r in results]
+        assert owners[0].isdisjoint(owners[1]) and owners[0] | owners[1] == set(range(len(SHAPES)))
+    assert max(r[BUCKET]["largest"] for r in by_rank) <= BUCKET < max(r[0]["largest"] for r in by_rank), by_rank
 
 
 @composes_runs
@@ -123,6 +137,8 @@ def _train_counting(rank: int, world: int, runs: list[tuple[list[str], str]]) ->
                         "matrices": sum(len(p.matrices.shapes) for p in partitions),
                         "owned": sum(len(p.matrices.owned()) for p in partitions),
                         "received": sum(p.matrices.received_numel for p in partitions),
+                        "largest": max((p.matrices.largest_received for p in partitions), default=0),
+                        "buckets": sum(len(p.matrices.buckets) for p in partitions),
                         "owned_numel": sum(math.prod(p.matrices.shapes[i]) for p in partitions for i in p.matrices.owned()),
                         "owned_cost": sum(ns_cost(p.matrices.shapes[i]) for p in partitions for i in p.matrices.owned()),
                         "cost": sum(ns_cost(s) for p in partitions for s in p.matrices.shapes)})
@@ -147,7 +163,7 @@ def _planned_cost(overrides: list[str]) -> int:
 def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at_fsdp2(tmp_path):
     """ZeRO-1, ZeRO-2 and ZeRO-3 at dp=2, ZeRO-1 (with sequence parallelism) and ZeRO-3 (with one kv
     head: k and v whole on both TP ranks, assembled over dp in a group of their own beside tp x dp's)
-    at tp=2 dp=2, and ZeRO-1 at pp=2 dp=2 follow the one-rank Muon curve (fp32; bf16 at ZeRO-3, whose
+    at tp=2 dp=2 (exchanged in buckets of 20,000 elements), and ZeRO-1 at pp=2 dp=2 follow the one-rank Muon curve (fp32; bf16 at ZeRO-3, whose
     flat fp32 masters DeepSpeed rounds to bf16 weights, against one bf16 rank; a MoE model's expert
     stacks), each rank assembling only the matrices it owns (about half the Newton-Schulz work; under tp
     and pp all ranks together the work the planner puts on them). The
@@ -172,7 +188,8 @@ def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at
     # four ranks: tensor parallelism (ZeRO's ranges of TP pieces, assembled over tp x dp) and the pipeline
     tp_saved = tmp_path / "tp2dp2_stage1" / "checkpoints" / "global_step3"
     four = {"tp2dp2_stage1": [*TP2DP2, "parallel.sequence_parallel=true", "zero=stage1", "train.save_interval=3"],
-            "tp2dp2_stage3": [*TP2DP2, *ONE_KV, "zero=stage3"],
+            # and in buckets of at most 20,000 elements of whole matrices (several per group)
+            "tp2dp2_stage3": [*TP2DP2, *ONE_KV, "zero=stage3", f"{SMALL_BUCKET_KEY}={SMALL_BUCKET}"],
             "pp2dp2_stage1": ["parallel.pp=2", "parallel.dp=2", "zero=stage1"]}
     on_four = run_ranks(_train_counting, 4, tmp_path, runs=[([*base, *extra], str(tmp_path / name))
                                                              for name, extra in four.items()])
@@ -227,6 +244,8 @@ def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at
         assert sum(c["owned_cost"] for c in counts) == _planned_cost([*base, *four[name]]), (name, counts)
         for c in counts:
             assert c["received"] == c["owned_numel"] > 0, (name, c)
+            if SMALL_BUCKET_KEY in " ".join(four[name]):  # no exchange received more than a bucket
+                assert c["buckets"] > c["groups"] and 0 < c["largest"] <= SMALL_BUCKET, (name, c)
             # the memory report counts Muon's state as optimizer state (bf16: with the fp32 masters)
             assert c["state_bytes"] > 0 and (c["held_optimizer"] == c["state_bytes"] if "bf16" not in stage
                                              else c["held_optimizer"] > c["state_bytes"]), (stage, c)

@@ -38,13 +38,13 @@ def flat_part(offset: int, numel: int, rank: int, partition: int) -> Range:
 
 
 def flat_partition(shapes: list[tuple[int, ...]], ranges: list[list[Range]], local: list[int], group, rank: int,
-                   device: torch.device = torch.device("cpu")) -> FlatPartition:
+                   device: torch.device = torch.device("cpu"), bucket_elements: int = 0) -> FlatPartition:
     """The FlatPartition of whole matrices `shapes` split as `ranges` (per matrix, per rank: this rank's
     becomes its Piece's span; the others' are gathered and checked to tile each matrix when the
     ShardedMatrices is built, collectively over `group`, on `device`), whose parts on this rank start
-    at `local` in its flat tensor (an empty part: 0)."""
+    at `local` in its flat tensor (an empty part: 0), exchanged in buckets of bucket_elements (0: one)."""
     boxes = [Box(tuple(shape), (0,) * len(shape), tuple(shape), group) for shape in shapes]
-    return flat_partitions(boxes, ranges, local, rank, device)[0]
+    return flat_partitions(boxes, ranges, local, rank, device, bucket_elements)[0]
 
 
 class Box(NamedTuple):
@@ -58,7 +58,7 @@ class Box(NamedTuple):
 
 
 def flat_partitions(boxes: list[Box], ranges: list[list[Range]], local: list[int], rank: int,
-                    device: torch.device) -> list[FlatPartition]:
+                    device: torch.device, bucket_elements: int) -> list[FlatPartition]:
     """One FlatPartition per group of ranks of the matrices whose boxes a flat buffer holds, each box
     split over that buffer's partitions as `ranges` (per box, per rank of the buffer's group: a range
     of the box's row-major elements), this rank's parts starting at `local` in its flat tensor. The
@@ -72,7 +72,7 @@ def flat_partitions(boxes: list[Box], ranges: list[list[Range]], local: list[int
         pieces = [Piece(boxes[i].full, boxes[i].offset, boxes[i].shape, boxes[i].group, span=ranges[i][rank])
                   for i in members]
         offsets = [local[i] if ranges[i][rank][1] > ranges[i][rank][0] else 0 for i in members]
-        out.append(FlatPartition(ShardedMatrices(pieces, device), offsets))
+        out.append(FlatPartition(ShardedMatrices(pieces, device, bucket_elements=bucket_elements), offsets))
     return out
 
 
@@ -99,7 +99,7 @@ def _stage_1_2(zero, muon: Muon, muon_groups: set[int]) -> Iterator[tuple[torch.
         boxes = [_box(p, tuple(p.shape), group, muon) for p in params]
         ranges = [[flat_part(o, p.numel(), r, size) for r in range(ranks)] for o, p in zip(offsets, params)]
         local = [o + parts[rank][0] - rank * size for o, parts in zip(offsets, ranges)]
-        yield flat, flat_partitions(boxes, ranges, local, rank, flat.device)
+        yield flat, flat_partitions(boxes, ranges, local, rank, flat.device, muon.exchange_bucket_size)
 
 
 def _stage_3(zero, muon: Muon, muon_groups: set[int]) -> Iterator[tuple[torch.Tensor, list[FlatPartition]]]:
@@ -117,7 +117,7 @@ def _stage_3(zero, muon: Muon, muon_groups: set[int]) -> Iterator[tuple[torch.Te
             local.append(at)
             at += n
         flat = zero.fp32_partitioned_groups_flat[sub]
-        yield flat, flat_partitions(boxes, ranges, local, rank, flat.device)
+        yield flat, flat_partitions(boxes, ranges, local, rank, flat.device, muon.exchange_bucket_size)
 
 
 def describe_partitions(zero, muon: Muon) -> None:

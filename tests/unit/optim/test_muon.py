@@ -18,7 +18,7 @@ from megaframe.optim.build import build_optimizer, param_groups
 from megaframe.optim.groups import is_hidden_matrix
 from megaframe.optim import muon
 from megaframe.optim.muon import Muon
-from megaframe.optim.sharded import assign_owners, ns_cost
+from megaframe.optim.sharded import assign_owners, buckets, ns_cost
 from megaframe.optim.state import ensure_state
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.state import ParallelState
@@ -141,6 +141,13 @@ def test_at_four_ranks_each_owns_about_a_quarter_of_the_newton_schulz_work():
     owners = assign_owners(shapes, 4)
     load = [sum(ns_cost(s) for s, o in zip(shapes, owners) if o == rank) for rank in range(4)]
     assert len(shapes) == 4 * 7 and max(load) <= 1.25 * sum(load) / 4, load
+
+
+def test_buckets_are_consecutive_runs_of_at_most_the_bucket_a_larger_matrix_alone():
+    shapes = [(4, 5), (2, 5), (3, 3), (10, 10), (1, 1), (2, 2)]  # 20, 10, 9, 100, 1, 4 elements
+    assert buckets(shapes, 30) == [[0, 1], [2], [3], [4, 5]]
+    assert buckets(shapes, 39) == [[0, 1, 2], [3], [4, 5]]
+    assert buckets(shapes, 0) == buckets(shapes, 1000) == [list(range(6))] and buckets([], 30) == []
 
 
 class Matmuls(TorchDispatchMode):

@@ -124,7 +124,12 @@ def test_a_muon_plan_counts_state_newton_schulz_and_assembly():
     matrices = matrix_parameters(block) * dims.num_layers
     assert adamw.stages[0].states.optimizer - muon.stages[0].states.optimizer == pytest.approx(4 * matrices / 8)
     assert muon.comm_bytes["optimizer"] == pytest.approx(assembly_bytes(matrices, 8)) and "optimizer" not in adamw.comm_bytes
-    assert muon.stages[0].step_working > 3 * 4 * matrices / 8  # Nesterov's updates and two exchange buffers
+    # Nesterov's updates and two exchange buffers: of a 10^9-element bucket (the default) at a time, or of
+    # every matrix at once (exchange_bucket_size=0)
+    bucket = cfg.optim.muon.exchange_bucket_size
+    assert matrices > bucket and 3 * 4 * bucket / 8 < muon.stages[0].step_working < 3 * 4 * matrices / 8
+    cfg, _ = compose([*keys, "optim=muon", "optim.muon.exchange_bucket_size=0"])
+    assert plan(cfg, planned_world_size(cfg))[1].stages[0].step_working > 3 * 4 * matrices / 8
 
 
 def _full_matrices(overrides: list[str]):
