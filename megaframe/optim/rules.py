@@ -3,8 +3,9 @@ engine's): the layouts an optimizer steps correctly (its keys: config/optim_rule
 Newton-Schulz needs each matrix whole; megaframe assembles on one owner (optim/pieces.py,
 sharded.py) a matrix FSDP2 shards (dp, cp, HSDP's shard group, an expert's edp ranks) or tensor
 parallelism splits, at any tp, pp, cp, ep, and a matrix DeepSpeed ZeRO-1/2/3 cuts into flat
-partitions over data-parallel ranks, at any tp (ranges of TP pieces, over tp x dp) and pp (each
-stage's own); what it cannot step is refused here, in one line naming the key (docs/optimizers.md)."""
+partitions over its data-parallel group (dp x cp; an expert's edp ranks), at any tp (ranges of TP
+pieces, over tp x that group), pp (each stage's own), cp and ep; what it cannot step is refused
+here, in one line naming the key (docs/optimizers.md)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -17,8 +18,8 @@ def optim_layout_problem(cfg: TrainConfig, layout, on_tensors: bool,
     """Muon only where it sees each matrix whole or in pieces it can assemble (optim/pieces.py): an
     engine whose optimizer steps parameter tensors (on_tensors: FSDP2 in any layout, or the plain
     engine standing in for DeepSpeed's at one process), or a ZeRO stage whose flat partitions the
-    engine describes (described_stages: DeepSpeed's 1-3) over data- and tensor-parallel ranks; nothing
-    offloaded. The rest is refused, naming the key."""
+    engine describes (described_stages: DeepSpeed's 1-3); nothing offloaded. The rest is refused,
+    naming the key. layout: the resolved one (no rule of this optimizer reads it now)."""
     if cfg.optim.name != "muon":
         return None
     described = not on_tensors and cfg.zero.stage in described_stages
@@ -27,16 +28,6 @@ def optim_layout_problem(cfg: TrainConfig, layout, on_tensors: bool,
                 f"partitions, not whole matrices; megaframe locates matrices in them at zero=stage1, stage2 and "
                 f"stage3 only (zero.stage={cfg.zero.stage}); use zero=stage1, backend=fsdp2, or one process at "
                 f"zero=stage0 precision=fp32 without offload")
-    if described:
-        # ZeRO's ranges of TP pieces are assembled over tp x dp, a pipeline stage's over its dp ranks
-        # (muon_zero.py); cp's, the expert engine's and HSDP's groups are untested with Muon under
-        # DeepSpeed: FSDP2 runs these
-        for axis in ("cp", "ep", "dp_replicate"):
-            degree = getattr(layout.grid, axis)
-            if degree > 1:
-                return (f"optim=muon with parallel.{axis}={degree}: Newton-Schulz needs whole matrices, which megaframe "
-                        f"assembles from DeepSpeed's ZeRO partitions only across data- and tensor-parallel ranks; use "
-                        f"backend=fsdp2, parallel.{axis}=1, or optim=adamw")
     for key in ("optimizer", "param"):
         if getattr(cfg.offload, key) != "none":
             return (f"optim=muon with offload.{key}={getattr(cfg.offload, key)}: Muon does not step offloaded "

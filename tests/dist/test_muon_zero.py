@@ -163,8 +163,9 @@ def _planned_cost(overrides: list[str]) -> int:
 def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at_fsdp2(tmp_path):
     """ZeRO-1, ZeRO-2 and ZeRO-3 at dp=2, ZeRO-1 (with sequence parallelism) and ZeRO-3 (with one kv
     head: k and v whole on both TP ranks, assembled over dp in a group of their own beside tp x dp's)
-    at tp=2 dp=2 (exchanged in buckets of 20,000 elements), and ZeRO-1 at pp=2 dp=2 follow the one-rank Muon curve (fp32; bf16 at ZeRO-3, whose
-    flat fp32 masters DeepSpeed rounds to bf16 weights, against one bf16 rank; a MoE model's expert
+    at tp=2 dp=2 (exchanged in buckets of 20,000 elements), ZeRO-1 at pp=2 dp=2, at cp=2, and ZeRO-1
+    and ZeRO-3 at ep=2 dp=2 (MoE) follow the one-rank Muon curve (fp32; bf16 at ZeRO-3, whose flat
+    fp32 masters DeepSpeed rounds to bf16 weights, against one bf16 rank; a MoE model's expert
     stacks), each rank assembling only the matrices it owns (about half the Newton-Schulz work; under tp
     and pp all ranks together the work the planner puts on them). The
     ZeRO-1 run's step-3 layout-free checkpoint (Muon's momentum by name) resumes at FSDP2 dp=2 and at
@@ -200,6 +201,12 @@ def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at
     runs.append(([*base, "parallel.dp=2", "zero=stage2", "train.universal_checkpoint=false",
                   "train.native_checkpoint=true", "train.trust_pickled_checkpoint=true", f"train.resume={native}"],
                  str(tmp_path / "resumed_native")))
+    # context parallelism (ZeRO over dp x cp: the same group assembles) and expert parallelism (each
+    # rank's experts whole, ZeRO over their expert-data-parallel ranks)
+    other_axes = {"cp2_stage1": [*base, "parallel.cp=2", "zero=stage1"],
+                  "ep2_stage1_moe": [*moe, "parallel.dp=2", "parallel.ep=2", "zero=stage1"],
+                  "ep2_stage3_moe": [*moe, "parallel.dp=2", "parallel.ep=2", "zero=stage3"]}
+    runs += [(overrides, str(tmp_path / name)) for name, overrides in other_axes.items()]
     ranks = run_ranks(_train_counting, 2, tmp_path, runs=runs)
     reference = {name: curve(read_metrics(tmp_path / name), "loss") for name in ("one_bf16", "one_moe", "one_kv")}
     reference["one"] = curve(read_metrics(one), "loss")
@@ -210,7 +217,9 @@ def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at
                                         for s in (*stages, *four)), ("tp_resumed", "one", 3, 1e-4),
                                       ("stage3_bf16", "one_bf16", 0, 1e-3),
                                       ("stage3_moe", "one_moe", 0, 1e-4), ("resumed", "one", 3, 1e-4),
-                                      ("resumed_zero3", "one", 3, 1e-4), ("resumed_native", "one", 3, 1e-4)]:
+                                      ("resumed_zero3", "one", 3, 1e-4), ("resumed_native", "one", 3, 1e-4),
+                                      ("cp2_stage1", "one", 0, 1e-4), ("ep2_stage1_moe", "one_moe", 0, 1e-4),
+                                      ("ep2_stage3_moe", "one_moe", 0, 1e-4)]:
         got = curve(read_metrics(tmp_path / name), "loss")
         assert [s for s, _ in got] == list(range(start + 1, len(reference[against]) + 1)) != [], name
         for (step, a), (_, b) in zip(got, reference[against][start:]):
@@ -227,6 +236,15 @@ def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at
         for c in counts:
             assert c["received"] == c["owned_numel"] > 0, (stage, c)
             assert 0.3 <= c["owned_cost"] / c["cost"] <= 0.7, (stage, c)
+    names = [Path(run_dir).name for _, run_dir in runs]
+    for name, overrides in other_axes.items():
+        counts = [r[names.index(name)] for r in ranks]
+        assert all(c["engine"] == "deepspeed" and c["partitions"] >= 1 for c in counts), (name, counts)
+        # each matrix assembled once: over the pair at cp (ZeRO's dp x cp group), each rank's own
+        # experts by itself at ep (their expert-data-parallel group is that rank), the rest over dp
+        assert sum(c["owned_cost"] for c in counts) == _planned_cost(overrides), (name, counts)
+        for c in counts:
+            assert c["received"] == c["owned_numel"] > 0, (name, c)
     for k, name in enumerate(four):
         counts = [r[k] for r in on_four]
         assert all(c["engine"] == "deepspeed" and c["matrices"] == c["hidden"] >= 3 for c in counts), (name, counts)

@@ -3,7 +3,8 @@ Newton-Schulz in bf16 and the owners' exchange (optim/sharded.py: two all_to_all
 ranks, on device tensors) as a GPU job runs them: at one rank, under DeepSpeed ZeRO-1 and ZeRO-3
 (the engine's flat partitions, described to Muon: backends/deepspeed/muon_zero.py), at tp=2 with
 sequence parallelism under ZeRO-1 (TP pieces cut by ZeRO's partitions), and under FSDP2 (DTensor
-shards). Each run: no violation in any process, and the plain CPU one-rank Muon curve within
+shards), at cp=2 under ZeRO-1, and a MoE model's experts at ep=2 dp=2 under ZeRO-1 (DeepSpeed's expert
+groups). Each run: no violation in any process, and the plain CPU one-rank Muon curve within
 tests/dist/test_muon_layouts.py's bound (rel 1e-4: the layouts assemble the same matrices, the
 gradients differ by reduction order)."""
 from __future__ import annotations
@@ -18,7 +19,9 @@ MUON = ["optim=muon"]
 LAYOUTS = {"one-rank": ([], 1), "dp2-zero1": (["parallel.dp=2", "zero=stage1"], 2),
            "dp2-zero3": (["parallel.dp=2", "zero=stage3"], 2),
            "tp2-sp-zero1": (["parallel.tp=2", "parallel.sequence_parallel=true", "zero=stage1"], 2),
-           "fsdp2-dp2": (["backend=fsdp2", "parallel.dp=2"], 2)}
+           "fsdp2-dp2": (["backend=fsdp2", "parallel.dp=2"], 2),
+           "cp2-zero1": (["parallel.cp=2", "zero=stage1"], 2)}
+MOE = ["model=moe_tiny"]
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +32,18 @@ def muon_on_the_cpu(tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("case", list(LAYOUTS))
 def test_muon_trains_on_the_device_with_the_cpu_curve(case, muon_on_the_cpu, tmp_path):
     extra, world = LAYOUTS[case]
-    metrics = run_on_device(tmp_path, case, [*MUON, *extra], world=world)
+    _within_bound(run_on_device(tmp_path, case, [*MUON, *extra], world=world), muon_on_the_cpu, case)
+
+
+def test_muon_steps_experts_at_ep2_under_zero1_on_the_device(tmp_path):
+    cpu = cpu_run(tmp_path, [*MUON, *MOE])
+    extra = [*MUON, *MOE, "parallel.dp=2", "parallel.ep=2", "zero=stage1"]
+    _within_bound(run_on_device(tmp_path, "moe-ep2-zero1", extra, world=2), cpu, "moe ep2 zero1")
+
+
+def _within_bound(metrics: list[dict], cpu: list[dict], case: str) -> None:
     for key in ("loss", "eval_loss"):
-        got, want = curve(metrics, key), curve(muon_on_the_cpu, key)
+        got, want = curve(metrics, key), curve(cpu, key)
         assert [s for s, _ in got] == [s for s, _ in want] and len(want) >= 2, f"{case}: {key} steps differ"
         for (step, a), (_, b) in zip(got, want):
             assert a == pytest.approx(b, rel=1e-4), f"{case}: {key} at step {step}: {a} vs the CPU's {b}"

@@ -107,8 +107,8 @@ class DeepSpeedBackend:
         self.num_parameters = self._count_parameters(module)
         self.writes_layout_free = not layout_free_unsupported(cfg, layout)
         # Muon: megaframe's, as ZeRO's client optimizer (muon_zero.py); AdamW: DeepSpeed's, from ds_config
-        client = (build_optimizer(module, cfg.optim, ps=ps, shape=built_shape, described=True)
-                  if cfg.optim.name == "muon" else None)
+        client = (build_optimizer(module, cfg.optim, ps=ps, shape=built_shape, described=True,
+                                  split_groups=_expert_groups_split(module)) if cfg.optim.name == "muon" else None)
         # each parameter's state names, read before ZeRO puts its flat partitions in the groups
         self._state_keys = state_keys_by_param(client) if client is not None else None
         self.engine, _, _, self.lr_scheduler = deepspeed.initialize(
@@ -287,3 +287,13 @@ class DeepSpeedBackend:
     def close(self) -> None:
         if self.nvme_swap:
             self.nvme_swap.remove()
+
+
+def _expert_groups_split(module):
+    """What DeepSpeed does to its own optimizer's groups of a model with experts (ZeRO-1/2 assert a
+    client optimizer's groups were cut so): each group's experts in a group of their own ("moe",
+    named by their expert-data-parallel group), which ZeRO partitions over those ranks. None
+    without experts."""
+    from deepspeed.moe.utils import has_moe_layers, split_params_into_different_moe_groups_for_optimizer
+
+    return split_params_into_different_moe_groups_for_optimizer if has_moe_layers(module)[0] else None
