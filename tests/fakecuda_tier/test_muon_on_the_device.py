@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.fakecuda.runs import cpu_run, run_on_device
-from tests.support.helpers import curve
+from tests.support.fakecuda.runs import assert_curves_within, cpu_run, run_on_device
 
 pytestmark = pytest.mark.slow
 MUON = ["optim=muon"]
@@ -42,8 +41,4 @@ def test_muon_steps_experts_at_ep2_under_zero1_on_the_device(tmp_path):
 
 
 def _within_bound(metrics: list[dict], cpu: list[dict], case: str) -> None:
-    for key in ("loss", "eval_loss"):
-        got, want = curve(metrics, key), curve(cpu, key)
-        assert [s for s, _ in got] == [s for s, _ in want] and len(want) >= 2, f"{case}: {key} steps differ"
-        for (step, a), (_, b) in zip(got, want):
-            assert a == pytest.approx(b, rel=1e-4), f"{case}: {key} at step {step}: {a} vs the CPU's {b}"
+    assert_curves_within(metrics, cpu, 1e-4, case)

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.fakecuda.runs import cpu_run, run_on_device
-from tests.support.helpers import curve
+from tests.support.fakecuda.runs import assert_curves_within, cpu_run, run_on_device
 from tests.support.parity import assert_parity
 
 pytestmark = pytest.mark.slow
@@ -22,11 +21,7 @@ FLASH = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_atten
 
 
 def _within_bf16(got: list[dict], want: list[dict], what: str) -> None:
-    for key in ("loss", "eval_loss"):
-        g, w = curve(got, key), curve(want, key)
-        assert [s for s, _ in g] == [s for s, _ in w] and len(w) >= 2, f"{what}: {key} steps differ"
-        for (step, a), (_, b) in zip(g, w):
-            assert a == pytest.approx(b, rel=2e-3), f"{what}: bf16 {key} at step {step}: {a} vs CPU {b}"
+    assert_curves_within(got, want, 2e-3, f"{what} (bf16)")
 
 
 def test_the_ring_in_bf16_runs_its_blocks_through_flash_attention(tmp_path):

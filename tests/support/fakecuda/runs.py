@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from tests.support.fakecuda.env import fake_cuda_env
-from tests.support.helpers import TINY, assert_ok, read_metrics, run_cli
+from tests.support.helpers import TINY, assert_ok, curve, read_metrics, run_cli
 
 STEPS = ["train.max_steps=6", "train.eval_interval=3"]
 CPU_PADDING = "model.make_vocab_size_divisible_by=128"  # the device's padding, on the CPU too
@@ -51,3 +51,14 @@ def cpu_run_dir(fallback: Path) -> Path:
 
     key = key_of([*TINY, *STEPS, CPU_PADDING], {"run": "megaframe-train"})
     return cached({"cpu-run": key}, lambda folders: cpu_run(folders["cpu-run"].parent), fallback)["cpu-run"]
+
+
+def assert_curves_within(got: list[dict], want: list[dict], rel: float, what: str) -> None:
+    """Every logged loss and eval loss of `got` at the steps of `want`'s (two at least), within rel."""
+    import pytest
+
+    for key in ("loss", "eval_loss"):
+        g, w = curve(got, key), curve(want, key)
+        assert [s for s, _ in g] == [s for s, _ in w] and len(w) >= 2, f"{what}: {key} steps differ"
+        for (step, a), (_, b) in zip(g, w):
+            assert a == pytest.approx(b, rel=rel), f"{what}: {key} at step {step}: {a} vs the CPU's {b}"
