@@ -85,7 +85,7 @@ def optim_refuses(cfg: TrainConfig, lay) -> Optional[str]:
 def _optim_problem(cfg: TrainConfig, lay, facts: EngineFacts) -> Optional[str]:
     """optim/rules.py's rule for a run of this engine: the optimizer steps whole tensors where the
     engine hands them (or the plain engine stands in), described partitions at the stages it names."""
-    return optim_layout_problem(cfg, lay, facts.optimizer_on_tensors or runs_plain(cfg, lay.world_size),
+    return optim_layout_problem(cfg, facts.optimizer_on_tensors or runs_plain(cfg, lay.world_size),
                                 facts.described_partition_stages)
 
 

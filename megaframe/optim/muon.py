@@ -240,25 +240,23 @@ class Muon(torch.optim.Optimizer):
         (its matrices' updates made, exchanged, applied) each matrix's part of the update goes to the
         matrix's owner, comes back orthogonalised, and is applied to this rank's part at the rate its
         full shape adjusts (the partition's padding is never stepped)."""
-        orthogonaliser, lr, momentum = _orthogonaliser(group), group["lr"], group["momentum"]
+        orthogonaliser = _orthogonaliser(group)
         grad, buf = self._moved(group, flat)
         for partition in self.flat_partitions[id(flat)]:
             matrices = partition.matrices
             matrices.new_step()
             grads, bufs, params = partition.parts(grad), partition.parts(buf), partition.parts(flat.data)
             for bucket in matrices.in_buckets(range(len(partition.offsets))):
-                updates = [grads[i].lerp(bufs[i], momentum) if group["nesterov"] else bufs[i] for i in bucket]
+                updates = [_update(group, grads[i], bufs[i]) for i in bucket]
                 results = matrices.exchange([(i, update, orthogonaliser) for i, update in zip(bucket, updates)])
                 del updates
                 for i, result in zip(bucket, results):
-                    params[i].mul_(1 - lr * group["weight_decay"])
-                    params[i].add_(result, alpha=-adjusted_lr(lr, group["adjust_lr"], matrices.shapes[i]))
+                    _decay_and_step(group, params[i], result, matrices.shapes[i])
 
     def _momentum(self, group: dict, p: torch.nn.Parameter) -> torch.Tensor:
         """The momentum buffer moved towards the gradient, and the update (Nesterov's look-ahead or the
         buffer), on this rank's part of the parameter."""
-        grad, buf = self._moved(group, p)
-        return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+        return _update(group, *self._moved(group, p))
 
     def _moved(self, group: dict, p: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of the gradient and of the momentum buffer, moved towards the gradient."""
@@ -270,10 +268,19 @@ class Muon(torch.optim.Optimizer):
         return grad, buf
 
     def _apply(self, group: dict, p: torch.nn.Parameter, update: torch.Tensor) -> None:
-        """Decoupled weight decay, then the orthogonalised update at the rate its full shape adjusts."""
-        lr, param = group["lr"], whole(p)
-        param.mul_(1 - lr * group["weight_decay"])
-        param.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr"], self.full_shapes.get(id(p), p.shape)))
+        _decay_and_step(group, whole(p), update, self.full_shapes.get(id(p), p.shape))
+
+
+def _update(group: dict, grad: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """The update from the moved momentum buffer: Nesterov's look-ahead (a new tensor), or the buffer."""
+    return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+
+
+def _decay_and_step(group: dict, param: torch.Tensor, update: torch.Tensor, shape: Sequence[int]) -> None:
+    """Decoupled weight decay, then the orthogonalised update at the rate the matrix's full shape adjusts."""
+    lr = group["lr"]
+    param.mul_(1 - lr * group["weight_decay"])
+    param.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr"], shape))
 
 
 def _orthogonaliser(group: dict) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -13,13 +13,13 @@ from typing import Optional
 from megaframe.config.schema import TrainConfig
 
 
-def optim_layout_problem(cfg: TrainConfig, layout, on_tensors: bool,
+def optim_layout_problem(cfg: TrainConfig, on_tensors: bool,
                          described_stages: tuple[int, ...] = ()) -> Optional[str]:
     """Muon only where it sees each matrix whole or in pieces it can assemble (optim/pieces.py): an
     engine whose optimizer steps parameter tensors (on_tensors: FSDP2 in any layout, or the plain
     engine standing in for DeepSpeed's at one process), or a ZeRO stage whose flat partitions the
     engine describes (described_stages: DeepSpeed's 1-3); nothing offloaded. The rest is refused,
-    naming the key. layout: the resolved one (no rule of this optimizer reads it now)."""
+    naming the key."""
     if cfg.optim.name != "muon":
         return None
     described = not on_tensors and cfg.zero.stage in described_stages
