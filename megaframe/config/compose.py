@@ -40,8 +40,31 @@ def _one_line(ex: BaseException) -> str:
     if isinstance(cause, ValidationError):
         full_key = getattr(cause, "full_key", "?")
         msg = str(getattr(cause, "msg", cause)).splitlines()[0]
-        return f"{full_key}: {msg}"
+        return f"{full_key}: {msg}{_conversion_fix(full_key, msg)}"
     return " ".join(part.strip() for part in str(ex).splitlines() if part.strip())
+
+
+_NOT_CONVERTED = re.compile(r"Value '(.*)' (?:of type '\w+' could not be converted to (Integer|Float)|is not a valid (bool))\b.*")
+
+
+def _conversion_fix(full_key: str, msg: str) -> str:
+    """The fix for OmegaConf's "could not be converted" line, which names the key but not what to write:
+    `optim.muon.exchange_bucket_size=1e9` reaches an int key as the float 1e9 (Hydra's grammar)."""
+    found = _NOT_CONVERTED.fullmatch(msg)
+    if not found:
+        return ""
+    value, kind, boolean = found.groups()
+    if boolean:
+        return f"; {full_key} takes true or false"
+    if kind == "Integer":
+        try:
+            whole = float(value)
+        except ValueError:
+            whole = None
+        if whole is not None and whole.is_integer():
+            return f"; write it as a whole number: {full_key}={int(whole)}"
+        return f"; {full_key} takes a whole number"
+    return f"; {full_key} takes a number"
 
 
 def _known_keys(full_key: str) -> list[str]:

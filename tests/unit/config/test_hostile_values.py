@@ -91,3 +91,14 @@ def test_a_value_of_the_wrong_type_ends_the_command_with_exit_2(override, capsys
     assert ended.value.code == 2
     assert len(lines) == 1 and lines[0].startswith("megaframe-train: error: "), lines
     assert override.split("=")[0] in lines[0], lines[0]
+    key = override.split("=")[0]
+    assert f"; {key} takes " in lines[0], lines[0]  # the fix: what the key takes
+
+
+def test_a_whole_number_in_exponent_notation_gets_the_value_to_write(capsys):
+    """Hydra reads 1e9 as a float, which an int key refuses: the line gives the integer to write."""
+    with pytest.raises(SystemExit) as ended:
+        check(["optim=muon", "optim.muon.exchange_bucket_size=1e9"])
+    line = capsys.readouterr().err.strip()
+    assert ended.value.code == 2
+    assert line.endswith("; write it as a whole number: optim.muon.exchange_bucket_size=1000000000"), line
