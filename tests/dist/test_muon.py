@@ -69,6 +69,33 @@ def test_row_sharded_muon_is_torch_muon_on_the_whole_matrix(tmp_path):
     assert max(r[BUCKET]["largest"] for r in by_rank) <= BUCKET < max(r[0]["largest"] for r in by_rank), by_rank
 
 
+def _alone_without_an_exchange(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from megaframe.optim.pieces import Piece
+    from megaframe.optim.sharded import ShardedMatrices
+
+    def refused(*args, **kwargs):
+        raise AssertionError("an all_to_all over a group of one rank")
+
+    dist.all_to_all_single = refused  # in this forked rank only
+    matrices = ShardedMatrices([Piece(shape, (0, 0), shape, dist.group.WORLD) for shape in SHAPES], torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    updates = [torch.randn(*shape, generator=generator) for shape in SHAPES]
+    results = matrices.exchange([(i, u, lambda m: 2 * m + 1) for i, u in enumerate(updates)])
+    return {"gaps": [(r.view(u.shape) - (2 * u + 1)).abs().max().item() for r, u in zip(results, updates)],
+            "received": matrices.received_numel, "owned": matrices.owned()}
+
+
+def test_a_group_of_one_rank_exchanges_without_a_collective(tmp_path):
+    """A group of one (each expert group at ep = dp under DeepSpeed) calls no collective for its
+    exchange, and its owner still applies each matrix's function to the whole matrix."""
+    result, = run_ranks(_alone_without_an_exchange, 1, tmp_path)
+    assert result["gaps"] == [0.0] * len(SHAPES), result
+    assert result["owned"] == list(range(len(SHAPES))), result
+    assert result["received"] == sum(torch.Size(s).numel() for s in SHAPES), result
+
+
 def test_fsdp2_at_two_ranks_trains_and_resumes_the_single_rank_muon_curve(tmp_path):
     """dp=2 from the start, and dp=2 resumed from the one-rank run's step-3 checkpoint (its momentum
     buffers read by name into each rank's rows): both follow the one-rank curve."""
