@@ -29,42 +29,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megaframe.optim.owners import bucket_owners
 from megaframe.optim.pieces import Piece, PieceError, box, span_boxes
-
-
-def ns_cost(shape: Sequence[int]) -> int:
-    """Newton-Schulz's work on a matrix, up to a constant: rows * cols * min(rows, cols) per
-    iteration; a stack of matrices (experts x rows x cols) costs that per matrix."""
-    rows, cols = shape[-2:]
-    return math.prod(shape[:-2]) * rows * cols * min(rows, cols)
-
-
-def buckets(shapes: Sequence[Sequence[int]], bucket_elements: int) -> list[list[int]]:
-    """The matrices' indices in consecutive runs of at most bucket_elements elements of whole
-    matrices (a larger matrix alone), each run exchanged on its own; 0: every matrix in one run."""
-    if not bucket_elements:
-        return [list(range(len(shapes)))] if shapes else []
-    runs: list[list[int]] = []
-    size = 0
-    for i, shape in enumerate(shapes):
-        n = math.prod(shape)
-        if runs and size + n <= bucket_elements:
-            runs[-1].append(i)
-            size += n
-        else:
-            runs.append([i])
-            size = n
-    return runs
-
-
-def assign_owners(shapes: Sequence[Sequence[int]], ranks: int) -> list[int]:
-    """The owner of each matrix: the costliest first, each onto the least-loaded rank (ties: the lower
-    index), so every rank computes the same assignment."""
-    load, owners = [0] * ranks, [0] * len(shapes)
-    for i in sorted(range(len(shapes)), key=lambda i: (-ns_cost(shapes[i]), i)):
-        owners[i] = min(range(ranks), key=lambda r: (load[r], r))
-        load[owners[i]] += ns_cost(shapes[i])
-    return owners
 
 
 Part = tuple[tuple[int, ...], tuple[int, ...], tuple[int, int]]  # a piece: box offset, box shape, span
@@ -135,11 +101,11 @@ class ShardedMatrices:
         self.shapes = [p.full for p in pieces]
         # exchanged a bucket at a time (optim.muon.exchange_bucket_size), its owners balanced within it:
         # each exchange's buffers hold about bucket / ranks elements, and every rank works in each
-        self.buckets = buckets(self.shapes, bucket_elements)
-        self.owners, self.bucket_of = [0] * len(self.shapes), [0] * len(self.shapes)
+        self.buckets, self.owners = bucket_owners(self.shapes, self.ranks, bucket_elements)
+        self.bucket_of = [0] * len(self.shapes)
         for b, members in enumerate(self.buckets):
-            for i, owner in zip(members, assign_owners([self.shapes[i] for i in members], self.ranks)):
-                self.owners[i], self.bucket_of[i] = owner, b
+            for i in members:
+                self.bucket_of[i] = b
         # kept: this rank's part of every matrix, and every rank's part of the matrices it owns (not
         # ranks x matrices parts on every rank); read to lists once, here, never in the step
         every = _gather_parts(pieces, self.group, device)

@@ -18,9 +18,11 @@ the norm are O(m·n), left out). A stack of E experts is E such matrices. tests/
 against torch's FlopCounterMode over orthogonalise itself."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megaframe.model.dims import GPTDims
+from megaframe.optim.owners import bucket_owners
 from megaframe.optim.table import ORTHOGONALISES, PARTS, state_tensors_per_param
 
 FP32 = 4  # bytes: states, and the rows optim/sharded.py exchanges (.float())
@@ -107,6 +109,12 @@ class Assembled:
     cols: int
     axis: str
     stack: int = 1
+    blocks: int = 1  # the blocks `count` spans (count / blocks in each), all of one kind:
+    kind: str = "dense"  # "dense" or "moe" blocks (exchange_order lists the dense ones first)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.stack, self.rows, self.cols) if self.stack > 1 else (self.rows, self.cols)
 
     def flops(self, steps: int) -> float:
         """Newton-Schulz FLOPs of one of them (a whole stack)."""
@@ -126,16 +134,18 @@ def assembled_matrices(dims: GPTDims, dense_blocks: int, moe_blocks: int, tp: in
     q, kv = dims.num_heads * hs, dims.num_kv_heads * hs
     kv_axis = "tp" if dims.num_kv_heads % tp == 0 else "whole"
 
-    def block(ffn: int, n: int) -> list[Assembled]:
-        held = [Assembled(n, q, h, "tp"), Assembled(2 * n, kv, h, kv_axis), Assembled(n, h, q, "tp")]
-        return held + ([Assembled(per_width * n, ffn, h, "tp"), Assembled(n, h, ffn, "tp")] if ffn else [])
-    held = block(dims.ffn_hidden_size, dense_blocks) if dense_blocks else []
+    def block(ffn: int, n: int, kind: str) -> list[Assembled]:  # in a block's order: q, k, v, out, up, gate, down
+        held = [Assembled(n, q, h, "tp", 1, n, kind), Assembled(2 * n, kv, h, kv_axis, 1, n, kind),
+                Assembled(n, h, q, "tp", 1, n, kind)]
+        return held + ([Assembled(per_width * n, ffn, h, "tp", 1, n, kind), Assembled(n, h, ffn, "tp", 1, n, kind)]
+                       if ffn else [])
+    held = block(dims.ffn_hidden_size, dense_blocks, "dense") if dense_blocks else []
     if moe_blocks:
         moe = dims.moe
-        held += block(moe.shared_experts * moe.ffn_hidden_size, moe_blocks)
+        held += block(moe.shared_experts * moe.ffn_hidden_size, moe_blocks, "moe")
         stack = moe.num_experts // ep
-        held += [Assembled(per_width * moe_blocks, moe.ffn_hidden_size, h, "experts", stack),
-                 Assembled(moe_blocks, h, moe.ffn_hidden_size, "experts", stack)]
+        held += [Assembled(per_width * moe_blocks, moe.ffn_hidden_size, h, "experts", stack, moe_blocks, "moe"),
+                 Assembled(moe_blocks, h, moe.ffn_hidden_size, "experts", stack, moe_blocks, "moe")]
     return held
 
 
@@ -146,19 +156,43 @@ def owner_ranks(tp: int, shard: int, expert_shard: int) -> dict[str, int]:
     return {"tp": tp * shard, "whole": shard, "experts": expert_shard}
 
 
+def exchange_order(assembled: list[Assembled], axis: str) -> list[tuple[int, ...]]:
+    """The shapes of an axis's matrices in the order the optimizer exchanges them: the model's
+    parameter order, block by block (the dense blocks, then the MoE ones, as first_dense_layers puts
+    them), so that they fall into the optimizer's buckets."""
+    kinds = [[a for a in assembled if a.kind == kind] for kind in ("dense", "moe")]
+    shapes: list[tuple[int, ...]] = []
+    for run in (run for run in kinds if run):
+        for _ in range(run[0].blocks):
+            for a in run:
+                if a.axis == axis and a.count:
+                    shapes += [a.shape] * (a.count // a.blocks)
+    return shapes
+
+
+def busiest_rank_flops(shapes: list[tuple[int, ...]], ranks: int, steps: int, bucket: int) -> float:
+    """Newton-Schulz FLOPs of a step on the busiest rank: per bucket (optim/owners.py) the most any owner
+    runs, summed over the buckets (each exchange waits for its slowest owner)."""
+    runs, owners = bucket_owners(shapes, ranks, bucket)
+    busiest = 0.0
+    for members in runs:
+        load = [0.0] * ranks
+        for i in members:
+            *stack, rows, cols = shapes[i]
+            load[owners[i]] += math.prod(stack) * newton_schulz_flops(rows, cols, steps)
+        busiest += max(load)
+    return busiest
+
+
 def stage_newton_schulz_flops(assembled: list[Assembled], terms: OptimizerTerms, owners: dict[str, int]) -> float:
     """Newton-Schulz FLOPs the busiest rank runs per step: each axis's matrices shared out over its
-    owner ranks (optim/sharded.py balances whole matrices by their cost, so a rank runs at least the
-    largest one it owns: max(total / ranks, the largest))."""
+    owner ranks as optim/owners.py shares them, bucket by bucket (terms.bucket). One bucket: about
+    total / ranks, at least the largest matrix; buckets of few matrices each: up to the total (one
+    owner works while the others wait)."""
     if not terms.ns_steps:
         return 0.0
-    flops = 0.0
-    for axis, ranks in owners.items():
-        mine = [a for a in assembled if a.axis == axis and a.count]
-        if mine:
-            total = sum(a.count * a.flops(terms.ns_steps) for a in mine)
-            flops += max(total / ranks, max(a.flops(terms.ns_steps) for a in mine))
-    return flops
+    return sum(busiest_rank_flops(shapes, ranks, terms.ns_steps, terms.bucket)
+               for axis, ranks in owners.items() if (shapes := exchange_order(assembled, axis)))
 
 
 def assembly_bytes(elements: int, owners: int) -> float:

@@ -111,7 +111,7 @@ def _train_counting(rank: int, world: int, runs: list[tuple[list[str], str]]) ->
 
     from megaframe.config.validate import validate
     from megaframe.optim.groups import is_hidden_matrix
-    from megaframe.optim.sharded import ns_cost
+    from megaframe.optim.owners import ns_cost
     from megaframe.training.trainer import Trainer
 
     out = []

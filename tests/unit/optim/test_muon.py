@@ -18,7 +18,7 @@ from megaframe.optim.build import build_optimizer, param_groups
 from megaframe.optim.groups import is_hidden_matrix
 from megaframe.optim import muon
 from megaframe.optim.muon import Muon
-from megaframe.optim.sharded import assign_owners, buckets, ns_cost
+from megaframe.optim.owners import assign_owners, buckets, ns_cost
 from megaframe.optim.state import ensure_state
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.state import ParallelState

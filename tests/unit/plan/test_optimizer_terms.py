@@ -16,13 +16,13 @@ from megaframe.model.gpt import GPT
 from megaframe.optim.build import build_optimizer
 from megaframe.optim.groups import muon_param_groups
 from megaframe.optim.muon import orthogonalise
-from megaframe.optim.sharded import assign_owners
+from megaframe.optim.owners import assign_owners
 from megaframe.parallel.dims import ParallelDims
 from megaframe.plan.cli import plan, planned_world_size
 from megaframe.plan.estimate import estimate_stage
 from megaframe.plan.memory import PlanLayout
-from megaframe.plan.optimizer import (assembly_bytes, matrix_parameters, newton_schulz_flops, optimizer_terms,
-                                      stage_matrices)
+from megaframe.plan.optimizer import (assembled_matrices, assembly_bytes, busiest_rank_flops, exchange_order,
+                                      matrix_parameters, newton_schulz_flops, optimizer_terms, stage_matrices)
 
 LLAMA_MOE = dict(arch="llama", norm="rmsnorm", activation="swiglu", position_embedding="rope", tie_embeddings=False,
                  bias=False, num_kv_heads=2, moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=48, shared_experts=1,
@@ -118,8 +118,13 @@ def test_a_muon_plan_counts_state_newton_schulz_and_assembly():
         for n, r, c in block:
             for _ in range(n):
                 orthogonalise(torch.randn(min(r, c) // 16, max(r, c) // 16), (3.4445, -4.775, 2.0315), 5, 1e-7)
-    # Newton-Schulz is cubic: 1/16 of each side is 1/4096 of the FLOPs
-    assert muon.optimizer_flops_per_rank == pytest.approx(counter.get_total_flops() * 16 ** 3 * dims.num_layers / 8)
+    # Newton-Schulz is cubic: 1/16 of each side is 1/4096 of the FLOPs. In one exchange the 32 blocks'
+    # matrices share out evenly over the 8 ranks; in the default buckets of 10^9 elements (about five
+    # blocks each) each exchange waits for its busiest owner, a few percent more
+    balanced = counter.get_total_flops() * 16 ** 3 * dims.num_layers / 8
+    cfg_one, _ = compose([*keys, "optim=muon", "optim.muon.exchange_bucket_size=0"])
+    assert plan(cfg_one, planned_world_size(cfg_one))[1].optimizer_flops_per_rank == pytest.approx(balanced)
+    assert balanced < muon.optimizer_flops_per_rank < 1.15 * balanced
     assert muon.step_time_s - adamw.step_time_s == pytest.approx(muon.optimizer_flops_per_rank / (989e12 * cfg.plan.mfu))
     matrices = matrix_parameters(block) * dims.num_layers
     assert adamw.stages[0].states.optimizer - muon.stages[0].states.optimizer == pytest.approx(4 * matrices / 8)
@@ -151,9 +156,13 @@ def _ns(rows: int, cols: int, stack: int, steps: int) -> float:
 
 
 def _per_rank(matrices, steps: int, ranks: int) -> float:
-    """The busiest rank's share of whole matrices balanced over `ranks`: at least the largest one."""
-    costs = [_ns(r, c, s, steps) for _, r, c, s in matrices]
-    return max(sum(costs) / ranks, max(costs)) if costs else 0.0
+    """The busiest rank's Newton-Schulz FLOPs when the optimizer's own assignment (optim/owners.py, one
+    bucket: a tiny model's matrices are far under the default) shares these whole matrices over `ranks`."""
+    owners = assign_owners([(s, r, c) if s > 1 else (r, c) for _, r, c, s in matrices], ranks)
+    load = [0.0] * ranks
+    for (_, r, c, s), owner in zip(matrices, owners):
+        load[owner] += _ns(r, c, s, steps)
+    return max(load)
 
 
 @pytest.mark.parametrize("layout", [["parallel.dp=4"], ["parallel.dp=2", "parallel.tp=2"],
@@ -188,3 +197,34 @@ def test_zero_0_at_one_rank_shares_nothing():
     est = plan(cfg, 1)[1]
     assert est.optimizer_flops_per_rank == pytest.approx(sum(_ns(r, c, s, cfg.optim.muon.ns_steps) for _, r, c, s in held))
     assert "optimizer" not in est.comm_bytes
+
+
+@pytest.mark.parametrize("flavour", sorted(SHAPES))
+def test_the_plans_exchange_order_is_the_models_parameter_order(flavour):
+    """The optimizer exchanges a group's matrices in the model's parameter order, a bucket of consecutive
+    ones at a time: the planner lists each axis's matrices (full shapes, expert stacks whole) in that order."""
+    dims = _dims(flavour)
+    moe_blocks = dims.num_moe_blocks
+    with torch.device("meta"):
+        model = GPT(dims)
+    held = [tuple(p.shape) for p in muon_param_groups(model, _muon())[0]["params"]]
+    assembled = assembled_matrices(dims, dims.num_layers - moe_blocks, moe_blocks)
+    assert exchange_order(assembled, "tp") == [s for s in held if len(s) == 2]
+    assert exchange_order(assembled, "experts") == [s for s in held if len(s) == 3]
+
+
+def test_each_exchange_waits_for_its_busiest_owner():
+    """Per bucket, the busiest owner's Newton-Schulz work, summed over buckets: eight equal matrices over
+    eight ranks in one exchange run one each; in buckets of one matrix, one rank works at a time, the
+    whole of it; llama2_7b's blocks at dp=8 in buckets of 5·10^7 elements (one to three matrices
+    each) run far from an eighth (owners balance within a bucket, not across)."""
+    one = newton_schulz_flops(64, 64, 5)
+    assert busiest_rank_flops([(64, 64)] * 8, 8, 5, 0) == one
+    assert busiest_rank_flops([(64, 64)] * 8, 8, 5, 64 * 64) == 8 * one
+    assert busiest_rank_flops([(64, 64)] * 8, 8, 5, 2 * 64 * 64) == 4 * one  # two per exchange, on two ranks
+    h, f = 4096, 11008
+    blocks = [(h, h)] * 4 + [(f, h), (f, h), (h, f)]
+    shapes = blocks * 32
+    total = sum(newton_schulz_flops(*s, 5) for s in shapes)
+    assert busiest_rank_flops(shapes, 8, 5, 0) == pytest.approx(total / 8)  # 32 of each shape: even
+    assert busiest_rank_flops(shapes, 8, 5, 5 * 10 ** 7) > 4 * total / 8
