@@ -42,8 +42,9 @@ def buckets(shapes: Sequence[Sequence[int]], bucket_elements: int) -> list[list[
 def assign_owners(shapes: Sequence[Sequence[int]], ranks: int) -> list[int]:
     """The owner of each matrix: the costliest first, each onto the least-loaded rank (ties: the lower
     rank), so every rank computes the same assignment. A heap of (load, rank): the planner assigns
-    thousands of matrices over thousands of ranks per layout it tries."""
-    load = [(0, rank) for rank in range(ranks)]  # sorted: already a heap
+    thousands of matrices over thousands of ranks per layout it tries. Only the lowest len(shapes) ranks
+    can be chosen (each idle one, lowest first, before any loaded one), so the heap holds only those."""
+    load = [(0, rank) for rank in range(min(ranks, len(shapes)))]  # sorted: already a heap
     owners = [0] * len(shapes)
     for i in sorted(range(len(shapes)), key=lambda i: (-ns_cost(shapes[i]), i)):
         held, rank = heapq.heappop(load)

@@ -18,8 +18,10 @@ the norm are O(m·n), left out). A stack of E experts is E such matrices. tests/
 against torch's FlopCounterMode over orthogonalise itself."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 from megaframe.model.dims import GPTDims
 from megaframe.optim.owners import bucket_owners
@@ -118,7 +120,7 @@ class Assembled:
 
     def flops(self, steps: int) -> float:
         """Newton-Schulz FLOPs of one of them (a whole stack)."""
-        return self.stack * newton_schulz_flops(self.rows, self.cols, steps)
+        return shape_flops(self.shape, steps)
 
     @property
     def numel(self) -> int:
@@ -170,17 +172,27 @@ def exchange_order(assembled: list[Assembled], axis: str) -> list[tuple[int, ...
     return shapes
 
 
-def busiest_rank_flops(shapes: list[tuple[int, ...]], ranks: int, steps: int, bucket: int) -> float:
+def shape_flops(shape: tuple[int, ...], steps: int) -> float:
+    """Newton-Schulz FLOPs of one matrix, or of a stack of them (experts x rows x cols)."""
+    *stack, rows, cols = shape
+    return math.prod(stack) * newton_schulz_flops(rows, cols, steps)
+
+
+def busiest_rank_flops(shapes: Sequence[tuple[int, ...]], ranks: int, steps: int, bucket: int) -> float:
     """Newton-Schulz FLOPs of a step on the busiest rank: per bucket (optim/owners.py) the most any owner
     runs, summed over the buckets (each exchange waits for its slowest owner)."""
+    return _busiest_rank_flops(tuple(shapes), ranks, steps, bucket)
+
+
+@functools.lru_cache(maxsize=256)  # the search plans many layouts whose stages hold the same matrices
+def _busiest_rank_flops(shapes: tuple[tuple[int, ...], ...], ranks: int, steps: int, bucket: int) -> float:
     runs, owners = bucket_owners(shapes, ranks, bucket)
     busiest = 0.0
     for members in runs:
-        load = [0.0] * ranks
+        load: dict[int, float] = {}  # only the owners of this bucket (not every rank of thousands)
         for i in members:
-            *stack, rows, cols = shapes[i]
-            load[owners[i]] += math.prod(stack) * newton_schulz_flops(rows, cols, steps)
-        busiest += max(load)
+            load[owners[i]] = load.get(owners[i], 0.0) + shape_flops(shapes[i], steps)
+        busiest += max(load.values())
     return busiest
 
 
