@@ -24,8 +24,8 @@ from megaframe.plan.activations import (ActivationShape, block_activation_bytes,
                                         logits_working_bytes, moe_mlp_extra_bytes, stage_activation_bytes, tokens)
 from megaframe.plan.memory import (ACTIVATION_BYTES, GIB, OPTIMIZER_SHARDED, STATE_BYTES, STATE_TERMS, ModelStates,
                                    PlanLayout, active_parameters, embedding_parameters, largest_block_parameters,
-                                   stage_blocks, stage_expert_parameters, stage_parameters, stage_windowed_blocks,
-                                   total_parameters)
+                                   stage_block_kinds, stage_blocks, stage_expert_parameters, stage_parameters,
+                                   stage_windowed_blocks, total_parameters)
 from megaframe.plan.optimizer import (ADAMW, OptimizerTerms, assembled_matrices, matrix_parameters, optimizer_terms,
                                       owner_ranks, stage_assembly_bytes, stage_matrices, stage_newton_schulz_flops,
                                       step_working_bytes)
@@ -226,12 +226,14 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     owners = owner_ranks(lay.tp, replicas if sharded else 1, lay.grid.edp if sharded else 1)
     assembled = assembled_matrices(dims, blocks - moe_blocks, moe_blocks, lay.tp, ep) if optim.ns_steps else []
     step_working = step_working_bytes(assembled, owners, optim) if assembled and blocks else 0.0
+    block_kinds = [kind for c in chunks for kind in stage_block_kinds(dims, lay.tp, cuts, c, lay.partition)] \
+        if assembled else []
     # on this host "offloaded" states stay in the same RAM the ranks share; the optimizer step runs
     # after the backward has freed the activations
     peak = (states.device + max(activations + working, step_working) + reserved
             + (states.host if host_counts_as_device else 0.0))
     return StageEstimate(stage, blocks, params, states, per_micro, in_flight, activations, working, peak,
-                         step_working, stage_newton_schulz_flops(assembled, optim, owners),
+                         step_working, stage_newton_schulz_flops(assembled, optim, owners, block_kinds),
                          stage_assembly_bytes(assembled, owners))
 
 

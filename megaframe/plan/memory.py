@@ -266,6 +266,14 @@ def stage_blocks(dims: GPTDims, tp: int, pp: int, stage: int, partition: str = "
     return dims.moe_blocks_in(first_block, last_block) if moe_only else last_block - first_block
 
 
+def stage_block_kinds(dims: GPTDims, tp: int, pp: int, stage: int, partition: str = "uniform") -> tuple[str, ...]:
+    """A stage's blocks in the model's order, "moe" or "dense" each (model.moe.layer_freq interleaves
+    them), as stage_blocks cuts them: the order the optimizer meets their matrices in."""
+    start, stop = _stage_range(dims, tp, pp, stage, partition)
+    routed = dims.moe.is_moe_block if dims.moe else (lambda index: False)
+    return tuple("moe" if routed(i) else "dense" for i in range(max(start - 1, 0), min(stop - 1, dims.num_layers)))
+
+
 def stage_windowed_blocks(dims: GPTDims, lay: PlanLayout, cuts: int, stage: int) -> int:
     """Of a stage's blocks (stage of `cuts` pipeline stages), those attending through a sliding window
     shorter than the sequence (their masks are activations: plan/activations.py), counted by the

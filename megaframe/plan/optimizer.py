@@ -112,7 +112,7 @@ class Assembled:
     axis: str
     stack: int = 1
     blocks: int = 1  # the blocks `count` spans (count / blocks in each), all of one kind:
-    kind: str = "dense"  # "dense" or "moe" blocks (exchange_order lists the dense ones first)
+    kind: str = "dense"  # "dense" or "moe" blocks (exchange_order puts them in the model's order)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -158,18 +158,12 @@ def owner_ranks(tp: int, shard: int, expert_shard: int) -> dict[str, int]:
     return {"tp": tp * shard, "whole": shard, "experts": expert_shard}
 
 
-def exchange_order(assembled: list[Assembled], axis: str) -> list[tuple[int, ...]]:
+def exchange_order(assembled: list[Assembled], axis: str, block_kinds: Sequence[str]) -> list[tuple[int, ...]]:
     """The shapes of an axis's matrices in the order the optimizer exchanges them: the model's
-    parameter order, block by block (the dense blocks, then the MoE ones, as first_dense_layers puts
-    them), so that they fall into the optimizer's buckets."""
-    kinds = [[a for a in assembled if a.kind == kind] for kind in ("dense", "moe")]
-    shapes: list[tuple[int, ...]] = []
-    for run in (run for run in kinds if run):
-        for _ in range(run[0].blocks):
-            for a in run:
-                if a.axis == axis and a.count:
-                    shapes += [a.shape] * (a.count // a.blocks)
-    return shapes
+    parameter order, block by block in the stage's order of dense and MoE blocks (block_kinds:
+    plan/memory.py stage_block_kinds), so that they fall into the optimizer's buckets as they do."""
+    per_block = {kind: [a for a in assembled if a.kind == kind and a.axis == axis and a.count] for kind in ("dense", "moe")}
+    return [a.shape for kind in block_kinds for a in per_block[kind] for _ in range(a.count // a.blocks)]
 
 
 def shape_flops(shape: tuple[int, ...], steps: int) -> float:
@@ -196,15 +190,17 @@ def _busiest_rank_flops(shapes: tuple[tuple[int, ...], ...], ranks: int, steps: 
     return busiest
 
 
-def stage_newton_schulz_flops(assembled: list[Assembled], terms: OptimizerTerms, owners: dict[str, int]) -> float:
-    """Newton-Schulz FLOPs the busiest rank runs per step: each axis's matrices shared out over its
-    owner ranks as optim/owners.py shares them, bucket by bucket (terms.bucket). One bucket: about
+def stage_newton_schulz_flops(assembled: list[Assembled], terms: OptimizerTerms, owners: dict[str, int],
+                              block_kinds: Sequence[str]) -> float:
+    """Newton-Schulz FLOPs the busiest rank runs per step: each axis's matrices (of the stage's blocks,
+    block_kinds in order) shared out over its owner ranks as optim/owners.py shares them, bucket by
+    bucket (terms.bucket). One bucket: about
     total / ranks, at least the largest matrix; buckets of few matrices each: up to the total (one
     owner works while the others wait)."""
     if not terms.ns_steps:
         return 0.0
     return sum(busiest_rank_flops(shapes, ranks, terms.ns_steps, terms.bucket)
-               for axis, ranks in owners.items() if (shapes := exchange_order(assembled, axis)))
+               for axis, ranks in owners.items() if (shapes := exchange_order(assembled, axis, block_kinds)))
 
 
 def assembly_bytes(elements: int, owners: int) -> float:

@@ -20,14 +20,16 @@ from megaframe.optim.owners import assign_owners
 from megaframe.parallel.dims import ParallelDims
 from megaframe.plan.cli import plan, planned_world_size
 from megaframe.plan.estimate import estimate_stage
-from megaframe.plan.memory import PlanLayout
+from megaframe.plan.memory import PlanLayout, stage_block_kinds
 from megaframe.plan.optimizer import (assembled_matrices, assembly_bytes, busiest_rank_flops, exchange_order,
                                       matrix_parameters, newton_schulz_flops, optimizer_terms, stage_matrices)
 
 LLAMA_MOE = dict(arch="llama", norm="rmsnorm", activation="swiglu", position_embedding="rope", tie_embeddings=False,
                  bias=False, num_kv_heads=2, moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=48, shared_experts=1,
                                                            first_dense_layers=1))
-SHAPES = {"gpt2": {}, "llama_moe": LLAMA_MOE}
+# model.moe.layer_freq=2 from block 0: routed, dense, routed (the dense blocks are not all first)
+INTERLEAVED = {**LLAMA_MOE, "moe": MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=48, shared_experts=1, layer_freq=2)}
+SHAPES = {"gpt2": {}, "llama_moe": LLAMA_MOE, "llama_moe_interleaved": INTERLEAVED}
 
 
 def _dims(flavour: str):
@@ -209,8 +211,42 @@ def test_the_plans_exchange_order_is_the_models_parameter_order(flavour):
         model = GPT(dims)
     held = [tuple(p.shape) for p in muon_param_groups(model, _muon())[0]["params"]]
     assembled = assembled_matrices(dims, dims.num_layers - moe_blocks, moe_blocks)
-    assert exchange_order(assembled, "tp") == [s for s in held if len(s) == 2]
-    assert exchange_order(assembled, "experts") == [s for s in held if len(s) == 3]
+    kinds = stage_block_kinds(dims, 1, 1, 0)
+    assert exchange_order(assembled, "tp", kinds) == [s for s in held if len(s) == 2]
+    assert exchange_order(assembled, "experts", kinds) == [s for s in held if len(s) == 3]
+
+
+def test_a_pipeline_stages_exchange_order_is_its_blocks_parameter_order():
+    """Each pipeline stage holds a run of blocks, MoE and dense as model.moe.layer_freq interleaves them:
+    the plan's order for a stage is the model's order over exactly those blocks."""
+    dims = _dims("llama_moe_interleaved")  # routed, dense, routed
+    with torch.device("meta"):
+        blocks = GPT(dims).blocks
+    groups = [muon_param_groups(blocks[i], _muon()) for i in range(dims.num_layers)]
+    for pp, cuts in ((2, [[0, 1], [2]]), (3, [[0], [1], [2]])):  # uniform: the first num_layers % pp stages one more
+        for stage, held_blocks in enumerate(cuts):
+            kinds = stage_block_kinds(dims, 1, pp, stage)
+            moe = sum(kind == "moe" for kind in kinds)
+            assembled = assembled_matrices(dims, len(kinds) - moe, moe)
+            held = [tuple(p.shape) for i in held_blocks for g in groups[i][:1] for p in g["params"]]
+            assert len(kinds) == len(held_blocks)
+            assert exchange_order(assembled, "tp", kinds) == [s for s in held if len(s) == 2]
+            assert exchange_order(assembled, "experts", kinds) == [s for s in held if len(s) == 3]
+
+
+@pytest.mark.parametrize("bucket", [0, 40_000, 200_000])
+def test_interleaved_moe_blocks_are_bucketed_in_the_models_order(bucket):
+    """moe_tiny with model.moe.layer_freq=2 (routed, dense, routed, dense) at dp=2: the plan's busiest-rank
+    Newton-Schulz work is that of the real model's matrices, bucketed in their parameter order (listing
+    the dense blocks first, as the plan once did, puts other matrices together at 40,000 and 200,000)."""
+    cfg, _ = compose(["model=moe_tiny", "optim=muon", "model.moe.layer_freq=2", "parallel.dp=2", "zero=stage1",
+                      "backend=deepspeed", f"optim.muon.exchange_bucket_size={bucket}"])
+    with torch.device("meta"):
+        model = GPT(resolve_dims(cfg.model, cfg.model.vocab_size or 256))
+    held = [tuple(p.shape) for p in muon_param_groups(model, cfg.optim)[0]["params"]]
+    steps = cfg.optim.muon.ns_steps
+    real = sum(busiest_rank_flops([s for s in held if len(s) == dims], 2, steps, bucket) for dims in (2, 3))
+    assert plan(cfg, 2)[1].optimizer_flops_per_rank == pytest.approx(real, rel=1e-12)
 
 
 def test_each_exchange_waits_for_its_busiest_owner():
