@@ -119,9 +119,8 @@ def rdzv_endpoint(launcher: LauncherConfig, default_host: str) -> str:
 
 
 def torchrun_args(launcher: LauncherConfig, per_node: int, endpoint: str, run_id: str) -> list[str]:
-    """torchrun's flags for one node of the elastic job (the endpoint and id may be shell words), run by
-    launch/node_agent.py: torchrun's agent, ending with the job's exit code and no traceback."""
-    return ["-m", "megaframe.launch.node_agent", f"--nnodes={launcher.min_nodes}:{launcher.nodes}",
+    """torchrun's flags for one node of the elastic job (the endpoint and id may be shell words)."""
+    return ["-m", "torch.distributed.run", f"--nnodes={launcher.min_nodes}:{launcher.nodes}",
             f"--nproc-per-node={per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={run_id}", f"--max-restarts={launcher.max_restarts}", f"--rdzv-conf={rdzv_conf(launcher)}"]
 

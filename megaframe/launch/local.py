@@ -108,6 +108,12 @@ def self_launch(overrides: list[str], world: int, run_dir: str) -> int:
     printed its one line, and its traceback is in RUN_DIR/logs."""
     import logging
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    from megaframe.common.failures import exit_code_of_job
+
     os.environ[SELF_LAUNCHED] = "1"
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the agent runs in this process: the ranks' parent
     # one BLAS thread per rank unless the user chose: ranks would otherwise oversubscribe the cores
@@ -123,21 +129,8 @@ def self_launch(overrides: list[str], world: int, run_dir: str) -> int:
     # SIGUSR1 too (SLURM's --signal=USR1@90 before the time limit): the agent passes it on and the ranks
     # stop and save as for SIGTERM (torch's agent, left to its default list, dies of it unsaved)
     grace = ["--shutdown-timeout", str(SIGNAL_GRACE_S), f"--signals-to-handle={agent_signals()}"]
-    return run_agent(["--standalone", f"--nproc-per-node={world}", *grace, "-m", "megaframe.train", *overrides])
-
-
-def run_agent(torchrun_argv: list[str]) -> int:
-    """torch's elastic agent in this process, with torchrun's command line; returns the job's exit code
-    (failures.py: the documented cause of the first failing rank) where torchrun would exit 1 after
-    printing its failure report, a traceback."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    from megaframe.common.failures import exit_code_of_job
-
     try:
-        run(parse_args(torchrun_argv))
+        run(parse_args(["--standalone", f"--nproc-per-node={world}", *grace, "-m", "megaframe.train", *overrides]))
     except ChildFailedError as err:
         name_a_killed_rank(err)
         return exit_code_of_job([failure.exitcode for failure in err.failures.values()])
