@@ -220,7 +220,7 @@ def range_parameters(dims: GPTDims, tp: int, start: int, stop: int, ep: int = 1,
     n = dims.num_layers
     embed = embedding_parameters(dims, tp)
     head = embed if dims.tie_embeddings else dims.padded_vocab_size // tp * dims.hidden_size
-    first_block, last_block = max(start - 1, 0), min(stop - 1, n)  # blocks [first_block, last_block)
+    first_block, last_block = _blocks_of(dims, start, stop)
     blocks = max(0, last_block - first_block)
     moe_blocks = dims.moe_blocks_in(first_block, last_block) if blocks else 0
     held = ((blocks - moe_blocks) * block_kind_parameters(dims, tp, False, ep)
@@ -230,6 +230,12 @@ def range_parameters(dims: GPTDims, tp: int, start: int, stop: int, ep: int = 1,
     if start <= n + 2 < stop:  # the head
         held += 0 if share_tied and dims.tie_embeddings and start == 0 else head
     return held
+
+
+def _blocks_of(dims: GPTDims, start: int, stop: int) -> tuple[int, int]:
+    """The blocks [first, last) among layers [start, stop) of ModelSpec's list (embed | blocks | final
+    norm | head): layer i + 1 is block i."""
+    return max(start - 1, 0), min(stop - 1, dims.num_layers)
 
 
 def _stage_range(dims: GPTDims, tp: int, pp: int, stage: int, partition: str, ep: int = 1) -> tuple[int, int]:
@@ -259,8 +265,7 @@ def stage_expert_parameters(dims: GPTDims, tp: int, pp: int, stage: int, partiti
 def stage_blocks(dims: GPTDims, tp: int, pp: int, stage: int, partition: str = "uniform", moe_only: bool = False,
                  ep: int = 1) -> int:
     """Transformer blocks on a pipeline stage (moe_only: those with routed experts)."""
-    start, stop = _stage_range(dims, tp, pp, stage, partition, ep)
-    first_block, last_block = max(start - 1, 0), min(stop - 1, dims.num_layers)
+    first_block, last_block = _blocks_of(dims, *_stage_range(dims, tp, pp, stage, partition, ep))
     if last_block <= first_block:
         return 0
     return dims.moe_blocks_in(first_block, last_block) if moe_only else last_block - first_block
@@ -269,17 +274,16 @@ def stage_blocks(dims: GPTDims, tp: int, pp: int, stage: int, partition: str = "
 def stage_block_kinds(dims: GPTDims, tp: int, pp: int, stage: int, partition: str = "uniform") -> tuple[str, ...]:
     """A stage's blocks in the model's order, "moe" or "dense" each (model.moe.layer_freq interleaves
     them), as stage_blocks cuts them: the order the optimizer meets their matrices in."""
-    start, stop = _stage_range(dims, tp, pp, stage, partition)
     routed = dims.moe.is_moe_block if dims.moe else (lambda index: False)
-    return tuple("moe" if routed(i) else "dense" for i in range(max(start - 1, 0), min(stop - 1, dims.num_layers)))
+    blocks = range(*_blocks_of(dims, *_stage_range(dims, tp, pp, stage, partition)))
+    return tuple("moe" if routed(i) else "dense" for i in blocks)
 
 
 def stage_windowed_blocks(dims: GPTDims, lay: PlanLayout, cuts: int, stage: int) -> int:
     """Of a stage's blocks (stage of `cuts` pipeline stages), those attending through a sliding window
     shorter than the sequence (their masks are activations: plan/activations.py), counted by the
     window pattern's period, never per layer."""
-    start, stop = _stage_range(dims, lay.tp, cuts, stage, lay.partition)  # as stage_blocks cuts them
-    return dims.windowed_blocks_in(max(start - 1, 0), min(stop - 1, dims.num_layers))
+    return dims.windowed_blocks_in(*_blocks_of(dims, *_stage_range(dims, lay.tp, cuts, stage, lay.partition)))
 
 
 def total_parameters(dims: GPTDims) -> int:

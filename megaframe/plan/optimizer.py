@@ -194,9 +194,8 @@ def stage_newton_schulz_flops(assembled: list[Assembled], terms: OptimizerTerms,
                               block_kinds: Sequence[str]) -> float:
     """Newton-Schulz FLOPs the busiest rank runs per step: each axis's matrices (of the stage's blocks,
     block_kinds in order) shared out over its owner ranks as optim/owners.py shares them, bucket by
-    bucket (terms.bucket). One bucket: about
-    total / ranks, at least the largest matrix; buckets of few matrices each: up to the total (one
-    owner works while the others wait)."""
+    bucket (terms.bucket). One bucket: about total / ranks, at least the largest matrix; buckets of
+    few matrices each: up to the total (one owner works while the others wait)."""
     if not terms.ns_steps:
         return 0.0
     return sum(busiest_rank_flops(shapes, ranks, terms.ns_steps, terms.bucket)
