@@ -79,7 +79,7 @@ def node_command(launcher: LauncherConfig, per_node: int, overrides: list[str], 
                  python: str = sys.executable) -> str:
     """The shell line every node of a launcher=local elastic job runs (joining nodes too)."""
     endpoint = rdzv_endpoint(launcher, socket.getfqdn())
-    argv = [python, *torchrun_args(launcher, per_node, endpoint, run_id), "-m", "megaframe.train",
+    argv = [python, *torchrun_args(launcher, per_node, endpoint, run_id, run_dir), "-m", "megaframe.train",
             *task_overrides(overrides), f"hydra.run.dir={hydra_quoted(str(run_dir))}"]
     return f"{STORE_ENV}=1 " + " ".join(shlex.quote(a) for a in argv)
 
@@ -102,24 +102,19 @@ def own_run_dir(args: list[str], run_dir: str) -> tuple[list[str], str]:
 
 
 def self_launch(overrides: list[str], world: int, run_dir: str) -> int:
-    """Run this command as `world` ranks under torchrun's elastic agent, in this process, so that a
-    failed rank ends the command with that rank's exit code (failures.py) rather than torchrun's 1,
-    and the agent's own failure report (a traceback) stays off the terminal: the failing rank has
-    printed its one line, and its traceback is in RUN_DIR/logs."""
+    """Run this command as `world` ranks under torchrun's elastic agent, in this process (run_agent), so
+    that a failed rank ends the command with that rank's exit code and no traceback; the agent's log
+    lines are quieted too: a Ctrl-C the ranks handle is theirs to report."""
     import logging
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    from megaframe.common.failures import exit_code_of_job
+    from torch.distributed.run import parse_args  # its elastic modules' loggers exist from here on
 
     os.environ[SELF_LAUNCHED] = "1"
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the agent runs in this process: the ranks' parent
     # one BLAS thread per rank unless the user chose: ranks would otherwise oversubscribe the cores
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
-    # torch's elastic modules each set their own logger's level (WARNING): quiet every one, so a
-    # Ctrl-C or SIGTERM the ranks handle (training/stop_signal.py) prints no agent warning
+    # torch's elastic modules each set their own logger's level (WARNING) when imported: quiet every
+    # one, so a Ctrl-C or SIGTERM the ranks handle (training/stop_signal.py) prints no agent warning
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
@@ -129,8 +124,23 @@ def self_launch(overrides: list[str], world: int, run_dir: str) -> int:
     # SIGUSR1 too (SLURM's --signal=USR1@90 before the time limit): the agent passes it on and the ranks
     # stop and save as for SIGTERM (torch's agent, left to its default list, dies of it unsaved)
     grace = ["--shutdown-timeout", str(SIGNAL_GRACE_S), f"--signals-to-handle={agent_signals()}"]
+    return run_agent(parse_args(["--standalone", f"--nproc-per-node={world}", *grace, "-m", "megaframe.train",
+                                 *overrides]))
+
+
+def run_agent(agent_args) -> int:
+    """torch's elastic agent in this process, given torchrun's parsed command line; returns the job's
+    exit code (failures.py: the documented cause of the first failing rank) where torchrun would exit 1
+    after its failure report, a traceback. The failing rank has printed its one line, and its
+    traceback is in RUN_DIR/logs. Used by self_launch and by every elastic node (node_agent.py)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
+    from megaframe.common.failures import exit_code_of_job
+
     try:
-        run(parse_args(["--standalone", f"--nproc-per-node={world}", *grace, "-m", "megaframe.train", *overrides]))
+        run(agent_args)
     except ChildFailedError as err:
         name_a_killed_rank(err)
         return exit_code_of_job([failure.exitcode for failure in err.failures.values()])

@@ -65,7 +65,7 @@ def job_stop() -> Optional[tuple[int, str]]:
 
         # rank 0 reads and every rank takes its answer: a node whose file system has not yet shown it
         # the file must not train on while the others stop (it would hang them until the timeout)
-        answer = [_read_stop_file(stop_file) if not dist.is_initialized() or dist.get_rank() == 0 else None]
+        answer = [read_stop_file(stop_file) if not dist.is_initialized() or dist.get_rank() == 0 else None]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(answer, src=0)
         return answer[0]
@@ -78,7 +78,7 @@ def job_stop() -> Optional[tuple[int, str]]:
     return int(stop["exit_code"]), str(stop["message"])
 
 
-def _read_stop_file(path: str) -> Optional[tuple[int, str]]:
+def read_stop_file(path: str) -> Optional[tuple[int, str]]:
     """The stop an earlier attempt recorded in the run dir, or None. The file is megaframe's own or
     nothing: not through a link, a few KiB at most, a documented deterministic exit code, and its
     message is quoted short and sanitised (a planted file must not write the job log or choose the

@@ -96,7 +96,8 @@ def test_each_node_runs_torchrun_with_the_range_c10d_and_its_own_rendezvous_stor
     line = node_command(launcher, 8, ["launcher.min_nodes=2", "model.num_layers=2"], tmp_path / "run", "megaframe-abc")
     words = shlex.split(line)
     assert words[0] == f"{STORE_ENV}=1"
-    assert words[2:5] == ["-m", "torch.distributed.run", "--nnodes=2:4"]
+    # torchrun's agent and flags, run by megaframe's node agent, which reads the job's stop record in the run dir
+    assert words[2:6] == ["-m", "megaframe.launch.node_agent", f"--run-dir={tmp_path / 'run'}", "--nnodes=2:4"]
     for flag in ("--nproc-per-node=8", "--rdzv-backend=c10d", "--rdzv-endpoint=head01:29400",
                  "--rdzv-id=megaframe-abc", "--max-restarts=5"):
         assert flag in words

@@ -1,0 +1,104 @@
+"""`python -m megaframe.launch.node_agent --run-dir=DIR TORCHRUN_FLAGS -m megaframe.train OVERRIDES`: what
+every node of an elastic job runs (launch/elastic.py torchrun_args: RUN_DIR/elastic_node.sh and the
+SLURM script).
+
+It is torchrun's elastic agent with torchrun's own flags, run in this process as megaframe-train's
+self-launch runs it (local.py run_agent), because torchrun ends a failed job with a Python traceback
+(its failure report) on every node and exit code 1 whatever the cause. Here each node ends with one
+line and a documented code (docs/elastic.md):
+- the ranks failed: the job's exit code (3 for a divergence; docs/failures.md), after the failing
+  rank's own line;
+- the rendezvous closed under this node (another node ended the job, and the c10d host shut the
+  rendezvous): the cause the job recorded in RUN_DIR/.job_stop (launch/elastic.py stop_file), else 1;
+- this node could not join (no host at the endpoint, too few nodes in time): 7, as a rank that does
+  not join;
+- anything else: 1, with the traceback in RUN_DIR/logs.
+The agent's log lines (a failed attempt, a restart, a node that left) stay: on an elastic job they say
+what happened.
+"""
+from __future__ import annotations
+
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+from megaframe.common.failures import PROG, ExitCode
+from megaframe.launch.elastic import NODE_SCRIPT, stop_file
+
+RUN_DIR_FLAG = "--run-dir="
+
+
+def main(argv: list[str]) -> int:
+    if not argv or not argv[0].startswith(RUN_DIR_FLAG):
+        print(f"{PROG}: error: usage: python -m megaframe.launch.node_agent {RUN_DIR_FLAG}DIR TORCHRUN_FLAGS "
+              "-m megaframe.train OVERRIDES (megaframe-train launcher.min_nodes writes this line) [exit 2]",
+              file=sys.stderr)
+        return ExitCode.REFUSED
+    run_dir = Path(argv[0][len(RUN_DIR_FLAG):]).resolve()  # as the ranks resolve it (torchrun.py)
+    from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError, RendezvousError,
+                                                          RendezvousTimeoutError)
+    from torch.distributed.run import parse_args
+
+    from megaframe.launch.local import run_agent
+
+    args = parse_args(argv[1:])
+    try:
+        return run_agent(args)
+    except RendezvousClosedError:
+        return _ended_on_another_node(run_dir, args.rdzv_id)
+    except RendezvousTimeoutError:
+        min_nodes = str(args.nnodes).split(":")[0]
+        return _say(f"error: fewer than {min_nodes} nodes joined the elastic job's rendezvous at {args.rdzv_endpoint} "
+                    f"within torchrun's join timeout ({_join_timeout_s(args.rdzv_conf)} s); start the job's node line "
+                    f"(RUN_DIR/{NODE_SCRIPT}, or the SLURM script's srun) on at least launcher.min_nodes={min_nodes} nodes", ExitCode.RANK_HUNG)
+    except RendezvousError as err:  # the host is not there (yet), or its store broke
+        return _say(f"error: this node could not join the elastic job's rendezvous at {args.rdzv_endpoint} "
+                    f"({type(err).__name__}: {_one_line(err)}); start the node that hosts it "
+                    "(launcher.rdzv_endpoint) first, and check that this node reaches it", ExitCode.RANK_HUNG)
+    except Exception as err:  # noqa: BLE001  a bug of ours or torch's: one line, the traceback in a file
+        return _say(f"error: the elastic node agent failed: {type(err).__name__}: {_one_line(err)}",
+                    ExitCode.INTERNAL, _write_traceback(run_dir))
+
+
+def _ended_on_another_node(run_dir: Path, rdzv_id: str) -> int:
+    from megaframe.parallel.elastic import read_stop_file
+
+    stop = read_stop_file(str(stop_file(run_dir, rdzv_id)))
+    if stop is None:
+        return _say("the elastic job's rendezvous is closed: the job ended on another node, with no "
+                    "deterministic failure recorded; that node's output and RUN_DIR/logs say why", ExitCode.INTERNAL)
+    code, message = stop
+    return _say(f"error: the elastic job ended on another node: {message}", code)
+
+
+def _say(line: str, code: int, traceback_file: Path | None = None) -> int:
+    where = f"; traceback in {traceback_file}" if traceback_file else ""
+    print(f"{PROG}: {line} [exit {int(code)}{where}]", file=sys.stderr, flush=True)
+    return int(code)
+
+
+def _join_timeout_s(rdzv_conf: str) -> str:
+    """torchrun's --rdzv-conf join_timeout (its default 600 s; launch/elastic.py rdzv_conf leaves it)."""
+    conf = dict(item.split("=", 1) for item in rdzv_conf.split(",") if "=" in item)
+    return conf.get("join_timeout", "600")
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())[:500]
+
+
+def _write_traceback(run_dir: Path) -> Path | None:
+    from megaframe.common.atomic_io import atomic_write_text
+
+    path = run_dir / "logs" / f"node-agent-{socket.gethostname()}.log"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, traceback.format_exc())
+    except OSError:
+        return None
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
