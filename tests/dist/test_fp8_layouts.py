@@ -19,6 +19,11 @@ piece), so a stage, a wrapped module or a recompute that fell back to bf16 shows
 amax reduction is shown to break tp=2 in tests/dist/test_fp8_tp.py, where the arithmetic is exact
 (end to end its effect is of the reordering's size on this model: 2x it).
 
+Muon with fp8 (tensorwise: optim=muon orthogonalises the fp32 masters of the fp8 linears' weights)
+follows the single-rank fp8 Muon curve by the same rule at dp=2 under ZeRO-1 (each rank assembling the
+matrices it owns from DeepSpeed's flat partitions) and under FSDP2 at tp=2 (each TP piece assembled on
+one rank), in the same set of ranks as the AdamW layouts.
+
 Dense runs use hidden 128, the smallest MXFP8 allows at tp=4 (each rank's reduction dimension a
 multiple of 32). One set of ranks per world size; the references once per module."""
 from __future__ import annotations
@@ -49,6 +54,11 @@ LAYOUTS_2 = {"tp2-sp": ("dense", ["zero=stage1", "parallel.tp=2", "parallel.sequ
              "cp2": ("dense", ["zero=stage1", "parallel.cp=2"], 2),
              "ep2": ("moe", ["zero=stage1", "parallel.dp=2", "parallel.ep=2"], 1)}
 LAYOUTS_4 = {"tp4": ("dense", ["zero=stage1", "parallel.tp=4"], 4)}
+# fp8 under Muon: (layout overrides, tp x cp), tensorwise, against the single-rank fp8 Muon run
+MUON = ["optim=muon"]
+MUON_RECIPE = "tensorwise"
+MUON_LAYOUTS_2 = {"muon-dp2-zero1": (["zero=stage1", "parallel.dp=2"], 1),
+                  "muon-fsdp2-tp2": (["backend=fsdp2", "zero=stage3", "parallel.tp=2"], 2)}
 CALLS = "fp8_calls-rank{rank}.json"
 
 
@@ -93,30 +103,38 @@ def references(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     run summing in another order (parity.OTHER_ORDER, one fresh interpreter for all)."""
     root = tmp_path_factory.mktemp("fp8-single")
     runs = {f"{model}-{recipe}": [*_fp8(model, recipe), *SINGLE] for model in MODELS for recipe in RECIPES}
+    runs["dense-muon"] = [*_fp8("dense", MUON_RECIPE), *MUON, *SINGLE]
     found = reference_runs(runs, root, train=train_counting, engine="deepspeed")
     order = {name: root / f"{name}-order" for name in runs}
     train_other_order([(runs[name], order[name]) for name in runs], root)
     return {name: (found[name], order[name]) for name in runs}
 
 
-def _check(layouts: dict, world: int, references: dict, tmp_path: Path) -> None:
+def _check(layouts: dict, world: int, references: dict, tmp_path: Path, muon: dict | None = None) -> None:
     runs = [([*_fp8(model, recipe), *extra], str(tmp_path / f"{name}-{recipe}"))
             for name, (model, extra, _) in layouts.items() for recipe in RECIPES]
+    runs += [([*_fp8("dense", MUON_RECIPE), *MUON, *extra], str(tmp_path / name)) for name, (extra, _) in (muon or {}).items()]
     run_ranks(train_counting, world, tmp_path, runs=runs)
     for name, (model, _, pieces) in layouts.items():
         for recipe in RECIPES:
-            what, (single, other) = f"fp8 {recipe} {name}", references[f"{model}-{recipe}"]
-            assert_within_order(read_metrics(tmp_path / f"{name}-{recipe}"), read_metrics(single),
-                                read_metrics(other), what)
-            ranks, (alone,) = _calls(tmp_path / f"{name}-{recipe}"), _calls(single)
-            assert len(ranks) == world and all(r["linear"] for r in ranks), f"{what}: a rank took no fp8 linear: {ranks}"
-            assert sum(ranks, Counter()) == Counter({k: pieces * n for k, n in alone.items()}), \
-                f"{what}: fp8 matmuls per rank {ranks}, the single-rank run's {dict(alone)} x {pieces}"
-            assert bool(alone["grouped"]) == (model == "moe" and recipe == "mxfp8"), f"{what}: {dict(alone)}"
+            _check_run(f"fp8 {recipe} {name}", tmp_path / f"{name}-{recipe}", references[f"{model}-{recipe}"],
+                       world, pieces, model == "moe" and recipe == "mxfp8")
+    for name, (_, pieces) in (muon or {}).items():
+        _check_run(f"fp8 {MUON_RECIPE} {name}", tmp_path / name, references["dense-muon"], world, pieces, False)
+
+
+def _check_run(what: str, run: Path, reference: tuple[Path, Path], world: int, pieces: int, grouped: bool) -> None:
+    single, other = reference
+    assert_within_order(read_metrics(run), read_metrics(single), read_metrics(other), what)
+    ranks, (alone,) = _calls(run), _calls(single)
+    assert len(ranks) == world and all(r["linear"] for r in ranks), f"{what}: a rank took no fp8 linear: {ranks}"
+    assert sum(ranks, Counter()) == Counter({k: pieces * n for k, n in alone.items()}), \
+        f"{what}: fp8 matmuls per rank {ranks}, the single-rank run's {dict(alone)} x {pieces}"
+    assert bool(alone["grouped"]) == grouped, f"{what}: {dict(alone)}"
 
 
 def test_fp8_at_two_ranks_follows_the_single_rank_curve(references, tmp_path):
-    _check(LAYOUTS_2, 2, references, tmp_path)
+    _check(LAYOUTS_2, 2, references, tmp_path, muon=MUON_LAYOUTS_2)
 
 
 def test_fp8_at_tp4_follows_the_single_rank_curve(references, tmp_path):
