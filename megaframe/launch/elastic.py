@@ -122,8 +122,9 @@ def torchrun_args(launcher: LauncherConfig, per_node: int, endpoint: str, run_id
     """The agent command and torchrun's flags for one node of the elastic job (the endpoint and id may
     be shell words): node_agent.py runs torchrun's agent, ending with one line and the job's exit code
     where torchrun prints a traceback and exits 1; it reads the job's stop record in run_dir."""
-    return ["-m", "megaframe.launch.node_agent", f"--run-dir={run_dir}", f"--nnodes={launcher.min_nodes}:{launcher.nodes}",
-            f"--nproc-per-node={per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+    return ["-m", "megaframe.launch.node_agent", f"--run-dir={run_dir}",
+            f"--nnodes={launcher.min_nodes}:{launcher.nodes}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={run_id}", f"--max-restarts={launcher.max_restarts}", f"--rdzv-conf={rdzv_conf(launcher)}"]
 
 

@@ -49,9 +49,10 @@ def main(argv: list[str]) -> int:
         return _ended_on_another_node(run_dir, args.rdzv_id)
     except RendezvousTimeoutError:
         min_nodes = str(args.nnodes).split(":")[0]
-        return _say(f"error: fewer than {min_nodes} nodes joined the elastic job's rendezvous at {args.rdzv_endpoint} "
-                    f"within torchrun's join timeout ({_join_timeout_s(args.rdzv_conf)} s); start the job's node line "
-                    f"(RUN_DIR/{NODE_SCRIPT}, or the SLURM script's srun) on at least launcher.min_nodes={min_nodes} nodes", ExitCode.RANK_HUNG)
+        return _say(f"error: fewer than {min_nodes} nodes joined the elastic job's rendezvous at "
+                    f"{args.rdzv_endpoint} within torchrun's join timeout ({_join_timeout_s(args.rdzv_conf)} s); "
+                    f"start the job's node line (RUN_DIR/{NODE_SCRIPT}, or the SLURM script's srun) on at least "
+                    f"launcher.min_nodes={min_nodes} nodes", ExitCode.RANK_HUNG)
     except RendezvousError as err:  # the host is not there (yet), or its store broke
         return _say(f"error: this node could not join the elastic job's rendezvous at {args.rdzv_endpoint} "
                     f"({type(err).__name__}: {_one_line(err)}); start the node that hosts it "

@@ -111,8 +111,8 @@ def elastic_sbatch_script(launcher: LauncherConfig, per_node: int, overrides: li
                            ["#SBATCH --ntasks-per-node=1", f"#SBATCH --gpus-per-node={per_node}", "#SBATCH --no-kill"],
                            cpus)
     endpoint = rdzv_endpoint(launcher, "${RDZV_HOST}")  # the shell expands the first node's name
-    agent = [python, *torchrun_args(launcher, per_node, "ENDPOINT", "RUN_ID", run_dir), "-m", "megaframe.train", *overrides,
-             f"hydra.run.dir={hydra_quoted(str(run_dir))}"]
+    agent = [python, *torchrun_args(launcher, per_node, "ENDPOINT", "RUN_ID", run_dir), "-m", "megaframe.train",
+             *overrides, f"hydra.run.dir={hydra_quoted(str(run_dir))}"]
     # the endpoint and id are the shell's to expand: quoted as words, then put back in double quotes
     line = " ".join(shlex.quote(a) for a in agent)
     line = line.replace("--rdzv-endpoint=ENDPOINT", f'"--rdzv-endpoint={endpoint}"')

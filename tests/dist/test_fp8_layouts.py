@@ -113,7 +113,8 @@ def references(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
 def _check(layouts: dict, world: int, references: dict, tmp_path: Path, muon: dict | None = None) -> None:
     runs = [([*_fp8(model, recipe), *extra], str(tmp_path / f"{name}-{recipe}"))
             for name, (model, extra, _) in layouts.items() for recipe in RECIPES]
-    runs += [([*_fp8("dense", MUON_RECIPE), *MUON, *extra], str(tmp_path / name)) for name, (extra, _) in (muon or {}).items()]
+    runs += [([*_fp8("dense", MUON_RECIPE), *MUON, *extra], str(tmp_path / name))
+             for name, (extra, _) in (muon or {}).items()]
     run_ranks(train_counting, world, tmp_path, runs=runs)
     for name, (model, _, pieces) in layouts.items():
         for recipe in RECIPES:

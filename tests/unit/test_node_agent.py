@@ -82,5 +82,6 @@ def test_a_node_left_alone_times_out_with_one_line(tmp_path):
     said = node.stdout + node.stderr
     assert node.returncode == 7 and "Traceback" not in said, said
     assert node.stderr.strip().splitlines()[-1] == (
-        f"megaframe-train: error: fewer than 2 nodes joined the elastic job's rendezvous at 127.0.0.1:{port} within torchrun's join timeout (2 s); start the job's node line "
-        "(RUN_DIR/elastic_node.sh, or the SLURM script's srun) on at least launcher.min_nodes=2 nodes [exit 7]"), said
+        f"megaframe-train: error: fewer than 2 nodes joined the elastic job's rendezvous at 127.0.0.1:{port} "
+        "within torchrun's join timeout (2 s); start the job's node line (RUN_DIR/elastic_node.sh, or the SLURM "
+        "script's srun) on at least launcher.min_nodes=2 nodes [exit 7]"), said
