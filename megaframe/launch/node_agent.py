@@ -90,12 +90,13 @@ def _one_line(err: BaseException) -> str:
 
 
 def _write_traceback(run_dir: Path) -> Path | None:
-    from megaframe.common.atomic_io import atomic_write_text
+    """The traceback appended to this node's agent log, beside the ranks' (failure_report.py's
+    append_to_log: dated, every attempt kept, never through a planted link)."""
+    from megaframe.training.failure_report import append_to_log
 
     path = run_dir / "logs" / f"node-agent-{socket.gethostname()}.log"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, traceback.format_exc())
+        append_to_log(path, traceback.format_exc())
     except OSError:
         return None
     return path
