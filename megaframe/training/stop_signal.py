@@ -16,7 +16,10 @@ long as it takes (a 7B save takes minutes, a step seconds), and start-up before 
 is not guarded either (a resume's load is a save's size). While the rank waits for its peers to join
 the process group (`joining()`), a signal ends it at once: nothing is written yet.
 A second signal ends the rank at once, saving nothing: a save it interrupts is left in a tmp-*
-directory, which is never taken for a checkpoint (checkpoint/store.py).
+directory, which is never taken for a checkpoint (checkpoint/store.py). The same signal again within
+SAME_REQUEST_S is not a second one: SLURM's scancel and preemption signal every process of the job step,
+the ranks too, and torchrun's agent passes its own copy on to them a moment later (that copy used to
+stop every rank of an elastic or self-launched SLURM job without saving).
 SIGQUIT (Ctrl-\\, and in torchrun's default list of signals its agent passes on to the ranks) means
 "quit now": the rank ends at once, saving nothing, with one line and exit 131, rather than dumping
 core in every rank.
@@ -29,6 +32,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from typing import Iterator, Optional
 
 import torch
@@ -37,6 +41,7 @@ import torch.distributed as dist
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 QUIT = signal.SIGQUIT  # ends the rank at once: what Ctrl-\ asks for (no save)
 GRACE_FLOOR_S = 2.0  # the least time a signalled rank is given to reach the next step boundary
+SAME_REQUEST_S = 2.0  # the same signal again within this long is the same request (a copy passed on)
 PROG = "megaframe-train"
 
 
@@ -79,6 +84,7 @@ class StopSignal:
 
     def __init__(self, world_size: int):
         self.received = 0  # the first signal's number, 0 while none came
+        self._received_at = 0.0  # when it came (time.monotonic())
         self.world_size = world_size
         self._flag: Optional[torch.Tensor] = None  # made once, then filled in place at each check
         self._previous: dict[int, object] = {}
@@ -112,9 +118,11 @@ class StopSignal:
     def _handle(self, signum: int, _frame) -> None:
         if self._joining:
             _exit_now(signum, "while waiting for the ranks to join: stopping now (nothing to save yet)")
-        if self.received:  # the second one: the user means now
-            _exit_now(signum, "again: stopping now, without saving")
-        self.received = signum
+        if self.received:
+            if signum == self.received and time.monotonic() - self._received_at < SAME_REQUEST_S:
+                return  # the agent's copy of what reached this rank too: the same request
+            _exit_now(signum, "again: stopping now, without saving")  # a second one: the user means now
+        self.received, self._received_at = signum, time.monotonic()
         self._arm()
 
     @contextlib.contextmanager

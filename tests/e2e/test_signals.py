@@ -54,11 +54,13 @@ def test_ctrl_c_saves_the_last_step_and_the_run_resumes_from_it(tmp_path):
     assert f"resumed from {run_dir / 'checkpoints' / f'global_step{stopped_at}'}" in resumed.stdout
 
 
-@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "Ctrl-C"])
+@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "Ctrl-C", "SIGTERM to every process"])
 def test_a_signal_at_dp2_stops_every_rank_at_one_step_and_saves_it(how, tmp_path):
-    """SIGTERM to megaframe-train is what SLURM's preemption and `kill` send (the agent passes it to
-    both ranks); Ctrl-C in a terminal sends SIGINT to the whole process group, the launcher and every
-    rank at once, so each rank also gets the agent's copy: still one stop, one save, no traceback."""
+    """SIGTERM to megaframe-train is what `kill` sends (the agent passes it to both ranks); Ctrl-C in a
+    terminal sends SIGINT to the launcher's process group (torch starts the ranks in sessions of their
+    own: the agent passes it on). SLURM's scancel and preemption signal every process of the job step,
+    the ranks too, so each rank gets SIGTERM twice, its own and the agent's copy a moment later: that
+    second copy used to stop the ranks at once, saving nothing. Each way: one stop, one save, no traceback."""
     run_dir = tmp_path / "run"
     process = _start([*ARGS, "parallel.dp=2", "zero=stage1", f"hydra.run.dir={run_dir}"])
     _wait_for_steps(process, run_dir, 2)
@@ -66,6 +68,10 @@ def test_a_signal_at_dp2_stops_every_rank_at_one_step_and_saves_it(how, tmp_path
     name, code = ("SIGINT", 130) if how == "Ctrl-C" else ("SIGTERM", 143)
     if how == "Ctrl-C":
         os.killpg(process.pid, signal.SIGINT)  # _start made the launcher a process group leader
+    elif how == "SIGTERM to every process":
+        for rank in ranks:
+            rank.send_signal(signal.SIGTERM)
+        process.send_signal(signal.SIGTERM)
     else:
         process.send_signal(signal.SIGTERM)
     out, err = process.communicate(timeout=300)

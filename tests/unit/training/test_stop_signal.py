@@ -87,13 +87,34 @@ def test_a_signal_during_a_save_waits_for_it_however_long(monkeypatch):
 def test_a_second_signal_during_a_save_ends_the_rank_at_once(monkeypatch):
     exits = _Exits()
     monkeypatch.setattr(stop_signal, "_exit_now", exits)
+    monkeypatch.setattr(stop_signal, "SAME_REQUEST_S", 0.1)
     stop = stop_signal.StopSignal(1).install()
     try:
         stop.note_step(0.01)
         with stop.unguarded():
             os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
             os.kill(os.getpid(), signal.SIGTERM)  # the user means now
         assert exits.calls == [(signal.SIGTERM, "again: stopping now, without saving")]
+    finally:
+        stop.restore()
+
+
+@pytest.mark.parametrize("second, ends", [(signal.SIGTERM, False), (signal.SIGINT, True)])
+def test_the_same_signal_at_once_is_one_request_another_is_a_second(second, ends, monkeypatch):
+    """SLURM signals every process of the step and torchrun's agent passes its copy on: a rank gets
+    SIGTERM twice within moments, one request (tests/e2e/test_signals.py has the real one). Another
+    signal at once is still a second one."""
+    exits = _Exits()
+    monkeypatch.setattr(stop_signal, "_exit_now", exits)
+    stop = stop_signal.StopSignal(1).install()
+    try:
+        stop.note_step(0.01)
+        with stop.unguarded():
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), second)
+        assert exits.calls == ([(second, "again: stopping now, without saving")] if ends else [])
+        assert ends or stop.received == signal.SIGTERM  # (a real _exit_now would have ended the rank)
     finally:
         stop.restore()
 
