@@ -139,14 +139,36 @@ def run_agent(agent_args) -> int:
 
     from megaframe.common.failures import exit_code_of_job
 
+    previous = _signals_end_the_agent(agent_args.signals_to_handle, SignalException)
     try:
         run(agent_args)
     except ChildFailedError as err:
         name_a_killed_rank(err)
         return exit_code_of_job([failure.exitcode for failure in err.failures.values()])
-    except SignalException as err:  # the ranks have stopped (or were killed after the grace)
+    except SignalException as err:  # the ranks have stopped (or were killed after the grace), or never started
         return 128 + int(err.sigval)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return 0
+
+
+def _signals_end_the_agent(names: str, signal_exception: type) -> dict:
+    """The signals the agent passes on end it as torch's own handler does once the ranks run (a
+    SignalException: the ranks stopped, the rendezvous left open for the other nodes), from now on:
+    torch installs it only when it starts the ranks, and before that (an elastic node waits minutes to
+    join) Ctrl-C was a KeyboardInterrupt, a traceback, and torch's launcher closed the rendezvous for every
+    node. Returns the handlers it replaced."""
+    def stop(signum: int, _frame) -> None:
+        raise signal_exception(f"Process {os.getpid()} got signal: {signal.Signals(signum).name}",
+                               sigval=signal.Signals(signum))
+
+    previous = {}
+    for name in names.split(","):
+        signum = getattr(signal, name.strip(), None)
+        if isinstance(signum, signal.Signals):
+            previous[signum] = signal.signal(signum, stop)
+    return previous
 
 
 def agent_signals() -> str:

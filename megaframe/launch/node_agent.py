@@ -10,8 +10,13 @@ line and a documented code (docs/elastic.md):
   rank's own line;
 - the rendezvous closed under this node (another node ended the job, and the c10d host shut the
   rendezvous): the cause the job recorded in RUN_DIR/.job_stop (launch/elastic.py stop_file), else 1;
+- the job ended while this node waited as a spare (the rendezvous already had launcher.nodes nodes):
+  the job's recorded cause, else 0;
 - this node could not join (no host at the endpoint, too few nodes in time): 7, as a rank that does
   not join;
+- a signal (SLURM's scancel or preemption, Ctrl-C): 128 + its number, the ranks stopped and saved as
+  self-launch's do (the same signals passed on, the same grace), the rendezvous left open for the others;
+- torchrun's flags it cannot use (--nnodes=3:2): 2, before it joins;
 - anything else: 1, with the traceback in RUN_DIR/logs.
 The agent's log lines (a failed attempt, a restart, a node that left) stay: on an elastic job they say
 what happened.
@@ -27,6 +32,9 @@ from megaframe.common.failures import PROG, ExitCode
 from megaframe.launch.elastic import NODE_SCRIPT, stop_file
 
 RUN_DIR_FLAG = "--run-dir="
+# torchrun's flags (and the PET_ variables that set their defaults) for what the agent does with a
+# signal: the node line leaves them out, and each node uses self-launch's (local.py) unless it sets them
+OWN_SIGNAL_FLAGS = {"--signals-to-handle": "PET_SIGNALS_TO_HANDLE", "--shutdown-timeout": "PET_SHUTDOWN_TIMEOUT"}
 
 
 def main(argv: list[str]) -> int:
@@ -42,24 +50,58 @@ def main(argv: list[str]) -> int:
 
     from megaframe.launch.local import run_agent
 
-    args = parse_args(argv[1:])
+    args = parse_args([*_signal_flags(), *argv[1:]])  # argparse keeps a flag's last value: the line's own
+    if problem := _flags_problem(args):
+        return _say(f"error: torchrun's flags on this node's line: {problem}; correct the line (RUN_DIR/{NODE_SCRIPT} "
+                    "or the SLURM script's srun)", ExitCode.REFUSED)
     try:
         return run_agent(args)
     except RendezvousClosedError:
         return _ended_on_another_node(run_dir, args.rdzv_id)
+    except AttributeError as err:
+        if err.name == "is_failed" and err.obj is None:  # see _ended_while_spare
+            return _ended_while_spare(run_dir, args.rdzv_id)
+        return _internal_error(err, run_dir)
     except RendezvousTimeoutError:
         min_nodes = str(args.nnodes).split(":")[0]
         return _say(f"error: fewer than {min_nodes} nodes joined the elastic job's rendezvous at "
                     f"{args.rdzv_endpoint} within torchrun's join timeout ({_join_timeout_s(args.rdzv_conf)} s); "
                     f"start the job's node line (RUN_DIR/{NODE_SCRIPT}, or the SLURM script's srun) on at least "
                     f"launcher.min_nodes={min_nodes} nodes", ExitCode.RANK_HUNG)
-    except RendezvousError as err:  # the host is not there (yet), or its store broke
-        return _say(f"error: this node could not join the elastic job's rendezvous at {args.rdzv_endpoint} "
+    except RendezvousError as err:  # the host is not there (yet), has gone, or its store broke
+        return _say(f"error: this node could not reach the elastic job's rendezvous at {args.rdzv_endpoint} "
                     f"({type(err).__name__}: {_one_line(err)}); start the node that hosts it "
-                    "(launcher.rdzv_endpoint) first, and check that this node reaches it", ExitCode.RANK_HUNG)
+                    "(launcher.rdzv_endpoint) first, and check that this node reaches it (on a job that was "
+                    "training: that node has ended or is unreachable)", ExitCode.RANK_HUNG)
     except Exception as err:  # noqa: BLE001  a bug of ours or torch's: one line, the traceback in a file
-        return _say(f"error: the elastic node agent failed: {type(err).__name__}: {_one_line(err)}",
-                    ExitCode.INTERNAL, _write_traceback(run_dir))
+        return _internal_error(err, run_dir)
+
+
+def _signal_flags() -> list[str]:
+    """Self-launch's signal handling (local.py) as torchrun flags, for those the node sets nowhere: the
+    signals the ranks stop and save on (SIGUSR1 too: SLURM's --signal=USR1@90, of which torchrun's
+    default list would let the agent die, its ranks left running), less those ignored on this node
+    (SIGHUP under nohup), and the grace they have to save in (torchrun's default 30 s)."""
+    import os
+
+    from megaframe.launch.local import SIGNAL_GRACE_S, agent_signals
+
+    chosen = {"--signals-to-handle": agent_signals(), "--shutdown-timeout": str(SIGNAL_GRACE_S)}
+    return [f"{flag}={value}" for flag, value in chosen.items() if OWN_SIGNAL_FLAGS[flag] not in os.environ]
+
+
+def _flags_problem(args) -> str | None:
+    """What torchrun's agent would refuse of its flags once started (--nnodes=3:2, a port that is not a
+    number), read now, before this node joins, as its own error rather than a traceback."""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    from torch.distributed.run import config_from_args
+
+    try:
+        config_from_args(args)
+        parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)  # what the c10d handler reads
+    except (AssertionError, RuntimeError, ValueError) as err:
+        return f"{type(err).__name__}: {_one_line(err).rstrip('.')}"
+    return None
 
 
 def _ended_on_another_node(run_dir: Path, rdzv_id: str) -> int:
@@ -71,6 +113,26 @@ def _ended_on_another_node(run_dir: Path, rdzv_id: str) -> int:
                     "deterministic failure recorded; that node's output and RUN_DIR/logs say why", ExitCode.INTERNAL)
     code, message = stop
     return _say(f"error: the elastic job ended on another node: {message}", code)
+
+
+def _ended_while_spare(run_dir: Path, rdzv_id: str) -> int:
+    """A node that came when the rendezvous had launcher.nodes nodes waits as a spare; when the job ends,
+    torch's agent returns no result for it (RendezvousGracefulExitError, swallowed) and torch's launcher
+    fails on that (AttributeError: 'NoneType' object has no attribute 'is_failed', torch 2.13). The
+    node did nothing wrong: the job's recorded failure, else 0."""
+    from megaframe.parallel.elastic import read_stop_file
+
+    stop = read_stop_file(str(stop_file(run_dir, rdzv_id)))
+    if stop is None:
+        return _say("the elastic job ended while this node waited as a spare (the job had launcher.nodes nodes); "
+                    "its other nodes' output says how", ExitCode.OK)
+    code, message = stop
+    return _say(f"error: the elastic job ended on another node while this one waited as a spare: {message}", code)
+
+
+def _internal_error(err: BaseException, run_dir: Path) -> int:
+    return _say(f"error: the elastic node agent failed: {type(err).__name__}: {_one_line(err)}",
+                ExitCode.INTERNAL, _write_traceback(run_dir))
 
 
 def _say(line: str, code: int, traceback_file: Path | None = None) -> int:

@@ -4,11 +4,19 @@ job); here the agent's own ways to end, in-process, and one real rendezvous that
 from __future__ import annotations
 
 import json
+import pickle
+import signal
 import subprocess
 import sys
+import time
+from datetime import timedelta
 
 import pytest
-from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousConnectionError
+import torch.distributed as dist
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError, RendezvousConnectionError,
+                                                      RendezvousGracefulExitError)
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
 import megaframe.launch.local as local
 from megaframe.launch.elastic import STORE_ENV, stop_file
@@ -85,3 +93,82 @@ def test_a_node_left_alone_times_out_with_one_line(tmp_path):
         f"megaframe-train: error: fewer than 2 nodes joined the elastic job's rendezvous at 127.0.0.1:{port} "
         "within torchrun's join timeout (2 s); start the job's node line (RUN_DIR/elastic_node.sh, or the SLURM "
         "script's srun) on at least launcher.min_nodes=2 nodes [exit 7]"), said
+
+
+def test_each_node_passes_self_launchs_signals_on_with_its_grace_unless_its_line_says(tmp_path, monkeypatch):
+    """torchrun's defaults (no SIGUSR1, 30 s) let SLURM's --signal=USR1@90 kill the agent and leave its
+    ranks running (they are in sessions of their own), or cut a save short."""
+    seen = []
+    monkeypatch.setattr(local, "run_agent", lambda args: seen.append(args) or 0)
+    monkeypatch.delenv("PET_SIGNALS_TO_HANDLE", raising=False)
+    monkeypatch.delenv("PET_SHUTDOWN_TIMEOUT", raising=False)
+    assert main([f"--run-dir={tmp_path}", *FLAGS]) == 0
+    assert seen[-1].signals_to_handle == local.agent_signals() and "SIGUSR1" in seen[-1].signals_to_handle
+    assert seen[-1].shutdown_timeout == local.SIGNAL_GRACE_S
+    assert main([f"--run-dir={tmp_path}", "--shutdown-timeout=60", "--signals-to-handle=SIGTERM", *FLAGS]) == 0
+    assert (seen[-1].signals_to_handle, seen[-1].shutdown_timeout) == ("SIGTERM", 60)
+    monkeypatch.setenv("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT")
+    assert main([f"--run-dir={tmp_path}", *FLAGS]) == 0
+    assert (seen[-1].signals_to_handle, seen[-1].shutdown_timeout) == ("SIGTERM,SIGINT", local.SIGNAL_GRACE_S)
+
+
+@pytest.mark.parametrize("flag, says", [("--nnodes=3:2", "min_nodes must be > 0 and <= max_nodes"),
+                                        ("--rdzv-endpoint=head01:port", "must be an integer")])
+def test_flags_torchrun_would_fail_on_are_refused_before_joining(flag, says, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(local, "run_agent", lambda args: pytest.fail("joined with flags it cannot use"))
+    assert main([f"--run-dir={tmp_path}", *FLAGS[:4], flag, *FLAGS[4:]]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err and err.endswith("[exit 2]\n"), err
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("recorded", [None, 3])
+def test_a_spare_node_whose_job_ended_says_so(recorded, tmp_path, monkeypatch, capsys):
+    """A node that came when the job had launcher.nodes nodes waits as a spare; when the job ends, torch's
+    agent swallows the RendezvousGracefulExitError and torch's launcher fails on the missing result
+    (AttributeError). Torch's real agent and launcher here, only the wait replaced by its end."""
+    if recorded:
+        record = stop_file(tmp_path, RUN_ID)
+        record.parent.mkdir()
+        record.write_text(json.dumps({"exit_code": recorded, "message": "diverged: 5 steps in a row skipped"}))
+
+    def ended(self, role):
+        raise RendezvousGracefulExitError(f"The rendezvous '{RUN_ID}' is closed, terminating pending rendezvous.")
+
+    monkeypatch.setattr(LocalElasticAgent, "_invoke_run", ended)
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "")  # torch's launcher sets it: restored after
+    port = free_port()
+    code = main([f"--run-dir={tmp_path}", "--nnodes=1", "--node-rank=0", "--nproc-per-node=1", "--rdzv-backend=static",
+                 "--master-addr=127.0.0.1", f"--master-port={port}", f"--rdzv-id={RUN_ID}", "-m", "megaframe.train"])
+    err = capsys.readouterr().err
+    assert code == (recorded or 0) and err.count("\n") == 1, err
+    assert "while this one waited as a spare: diverged" in err if recorded else "waited as a spare" in err, err
+    assert not (tmp_path / "logs").exists()
+
+
+def _rendezvous_state(store: dist.Store):
+    state = C10dRendezvousBackend(store, RUN_ID).get_state()
+    return None if state is None else pickle.loads(state[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGUSR1])
+def test_a_signal_while_a_node_waits_to_join_ends_it_with_its_code_and_leaves_the_rendezvous_open(signum, tmp_path):
+    """Before its ranks start (a node may wait minutes to join), torch's agent has no signal handler:
+    Ctrl-C was a traceback, and torch's launcher then closed the rendezvous for every node; SIGUSR1
+    killed the agent outright. The rendezvous host here is the test's store, which outlives the node."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    node = subprocess.Popen([sys.executable, "-m", "megaframe.launch.node_agent", f"--run-dir={tmp_path}",
+                             "--nnodes=2:3", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                             f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={RUN_ID}", "-m", "megaframe.train",
+                             "model=gpt2_tiny"], cwd=REPO, env=cli_env(**{STORE_ENV: "1"}),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not ((state := _rendezvous_state(store)) and state.participants):  # the node waits for a second
+        assert node.poll() is None and time.monotonic() < deadline, node.communicate()
+        time.sleep(0.2)
+    node.send_signal(signum)
+    out, err = node.communicate(timeout=60)
+    assert node.returncode == 128 + signum and "Traceback" not in out + err, (node.returncode, out + err)
+    assert not _rendezvous_state(store).closed
