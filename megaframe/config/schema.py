@@ -166,9 +166,9 @@ class MuonConfig:
     adjust_lr: str = "spectral"
     adamw_lr: Optional[float] = None  # the AdamW part's peak lr (the schedule scales it alike); null = optim.lr
     adamw_weight_decay: Optional[float] = None  # null = optim.weight_decay
-    # elements of whole matrices assembled per exchange where matrices are split over ranks
-    # (optim/sharded.py): each rank's exchange buffers hold about 3 x 4 bytes x this / the group's
-    # ranks at once; 0: all of a group's matrices in one exchange (fewest collectives, most memory)
+    # the most elements of whole matrices one rank assembles per exchange where matrices are split over
+    # ranks (optim/owners.py, sharded.py): each rank's exchange buffers then hold at most about 8 bytes x
+    # max(this, the largest matrix) at once; 0: all of a group's matrices in one exchange (most memory)
     exchange_bucket_size: int = 1_000_000_000
 
 

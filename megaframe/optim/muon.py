@@ -32,6 +32,12 @@ from megaframe.optim.sharded import FlatPartition, ShardedMatrices
 from megaframe.optim.table import group_optimizer
 
 
+# The dtype Muon's exchanges carry pieces and assemble matrices in (optim/sharded.py): orthogonalise's
+# first cast, so a piece cast before it travels is the bits the assembled matrix's cast would be, at half
+# fp32's bytes; an fp32 parameter adds the bf16 result exactly as it added its fp32 copy.
+EXCHANGE_DTYPE = torch.bfloat16
+
+
 def orthogonalise(update: torch.Tensor, coefficients: Sequence[float], steps: int, eps: float) -> torch.Tensor:
     """torch.optim.Muon's Newton-Schulz iteration in bf16 (an approximate U V^T of update = U S V^T),
     of a matrix (rows, cols) or of each matrix of a stack (E, rows, cols)."""
@@ -105,7 +111,7 @@ def split_groups(params: Sequence[torch.nn.Parameter], pieces: Sequence[Piece], 
         if part.group is not None:
             by_group.setdefault(tuple(dist.get_process_group_ranks(part.group)), []).append(i)
     return [ShardedMatrices([pieces[i] for i in members], device, params=[params[i] for i in members],
-                            bucket_elements=bucket_elements)
+                            bucket_elements=bucket_elements, wire_dtype=EXCHANGE_DTYPE)
             for members in by_group.values()]
 
 
@@ -122,8 +128,9 @@ class Muon(torch.optim.Optimizer):
         shape: a parameter's full shape, where the engine has already partitioned it away (ZeRO-3).
         described: the engine steps flat partitions in place of these parameters and describes where
         the matrices lie in them later (partition_flat, with around_tp's groups): no pieces now.
-        exchange_bucket_size: elements of whole matrices assembled per exchange (sharded.buckets; 0: one
-        exchange per group of ranks), which bounds the step's transient memory."""
+        exchange_bucket_size: the most elements of whole matrices one rank assembles per exchange
+        (owners.bucket_owners; 0: one exchange per group of ranks), which bounds the step's transient
+        memory."""
         if adjust_lr not in ADJUST_LR:
             raise ValueError(f"adjust_lr={adjust_lr!r}: one of {', '.join(ADJUST_LR)}")
         around_tp = tp_groups(ps)  # collective when made: every rank builds its optimizer at once

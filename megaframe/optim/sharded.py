@@ -4,14 +4,17 @@ column- and row-parallel pieces over tp, or tp x the shard group): each matrix h
 among the ranks holding its pieces, which alone assembles it, orthogonalises it and sends every rank
 its piece of the result back, as Megatron's layer-wise distributed optimizer does.
 
-Per step, per group and per bucket of its matrices (optim.muon.exchange_bucket_size elements of whole
-matrices, consecutive), two all_to_all_single: each rank sends its piece of every matrix to that
-matrix's owner, then each owner returns every rank its piece of the results. So Newton-Schulz work
-per rank is about 1/n of the group's (owners balanced by its cost within each bucket, the same
-choice on every rank: a function of the full shapes), no rank holds more than its pieces plus the
-matrices it owns, and the exchange's buffers hold one bucket's share at a time (a 7B model's whole
-share at dp=8 is about 3 GiB per buffer). Momentum, weight decay and the update stay elementwise on each
-rank's piece. Where each rank's piece lies is exchanged once, when the optimizer is built.
+Per step, per group and per bucket of its consecutive matrices, two all_to_all_single: each rank sends
+its piece of every matrix to that matrix's owner, then each owner returns every rank its piece of the
+results. The buckets and owners are a function of the full shapes, the same on every rank
+(owners.bucket_owners): in each bucket no owner assembles more than optim.muon.exchange_bucket_size
+elements of whole matrices (a larger matrix alone) and every rank of the group can own, so Newton-Schulz
+work per rank is about 1/n of the group's, at least the largest matrix's. No rank holds more than its
+pieces plus the matrices it owns, and the exchange's buffers hold one bucket's share at a time. Muon
+exchanges in bf16 (wire_dtype): Newton-Schulz casts to bf16 first, and a result is bf16, so an fp32
+wire would carry twice the bytes for the same values. Momentum, weight decay and the update stay
+elementwise on each rank's piece. Where each rank's piece lies is exchanged once, when the optimizer is
+built.
 
 A piece is a range of the row-major elements of a box of the matrix (pieces.Piece): the whole box
 (FSDP2, TP), a range of the whole matrix cut anywhere (DeepSpeed ZeRO's partitions), or a range of a
@@ -88,10 +91,14 @@ class ShardedMatrices:
     """The split matrices of one group of ranks, their owners, and the two exchanges of a step.
     pieces: this rank's Piece of each matrix (the same matrices in the same order on every rank of
     the group, which all build it at once: one all_gather and one all_reduce); params: the parameter
-    each one is, where the caller steps parameters (orthogonalise), else indices (exchange)."""
+    each one is, where the caller steps parameters (orthogonalise), else indices (exchange);
+    bucket_elements: the most elements of whole matrices one owner assembles per exchange (0: one
+    exchange); wire_dtype: the dtype pieces travel and matrices are assembled in (Muon: bf16, the
+    dtype Newton-Schulz casts to first, so the results are the same bits)."""
 
     def __init__(self, pieces: Sequence[Piece], device: torch.device,
-                 params: Optional[Sequence[torch.Tensor]] = None, bucket_elements: int = 0):
+                 params: Optional[Sequence[torch.Tensor]] = None, bucket_elements: int = 0,
+                 wire_dtype: torch.dtype = torch.float32):
         groups = {tuple(dist.get_process_group_ranks(p.group)) for p in pieces}
         if len(groups) != 1:
             raise PieceError(f"Muon assembles each set of matrices within one group; these span {len(groups)}")
@@ -99,8 +106,9 @@ class ShardedMatrices:
         self.ranks, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.index = {id(p): i for i, p in enumerate(params or ())}
         self.shapes = [p.full for p in pieces]
-        # exchanged a bucket at a time (optim.muon.exchange_bucket_size), its owners balanced within it:
-        # each exchange's buffers hold about bucket / ranks elements, and every rank works in each
+        self.wire_dtype = wire_dtype
+        # exchanged a bucket at a time, each owner assembling at most bucket_elements in it (a larger
+        # matrix alone): an exchange's buffers hold this rank's share of the bucket plus what it owns
         self.buckets, self.owners = bucket_owners(self.shapes, self.ranks, bucket_elements)
         self.bucket_of = [0] * len(self.shapes)
         for b, members in enumerate(self.buckets):
@@ -175,8 +183,10 @@ class ShardedMatrices:
     def exchange(self, items: Sequence[tuple[int, torch.Tensor, Callable]]) -> list[torch.Tensor]:
         """items: (matrix index, this rank's piece of its update (any shape, its piece's elements),
         the matrix's orthogonalisation), the same matrices in the same order on every rank of the
-        group. Returns this rank's piece of each result, flat fp32 (holding the bf16 values
-        Newton-Schulz made: adding them is adding the bf16 result), views of one received buffer.
+        group. Returns this rank's piece of each result, flat, in wire_dtype (fp32: holding the bf16
+        values Newton-Schulz made; bf16: those values; an fp32 parameter adds either exactly alike),
+        views of one received buffer. Each piece is cast to wire_dtype as it is sent, and the owner
+        assembles and orthogonalises the matrix in it.
 
         Memory beyond the pieces: the send buffer until the first exchange returns; the received
         buffer, into which each owned matrix's result is cut back in place (its layout is the return
@@ -193,7 +203,7 @@ class ShardedMatrices:
         send_counts = [sum(self._numel(self.rank, ids[k]) for k in by_owner[r]) for r in range(self.ranks)]
         recv_counts = [sum(self._numel(s, ids[k]) for k in mine) for s in range(self.ranks)]
         device = items[0][1].device
-        send = torch.empty(sum(send_counts), dtype=torch.float32, device=device)
+        send = torch.empty(sum(send_counts), dtype=self.wire_dtype, device=device)
         at = 0
         for k in (k for r in range(self.ranks) for k in by_owner[r]):
             n = self._numel(self.rank, ids[k])

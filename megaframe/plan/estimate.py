@@ -225,9 +225,9 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     sharded = OPTIMIZER_SHARDED[terms.states](lay)
     owners = owner_ranks(lay.tp, replicas if sharded else 1, lay.grid.edp if sharded else 1)
     assembled = assembled_matrices(dims, blocks - moe_blocks, moe_blocks, lay.tp, ep) if optim.ns_steps else []
-    step_working = step_working_bytes(assembled, owners, optim) if assembled and blocks else 0.0
     block_kinds = [kind for c in chunks for kind in stage_block_kinds(dims, lay.tp, cuts, c, lay.partition)] \
         if assembled else []
+    step_working = step_working_bytes(assembled, owners, optim, block_kinds) if assembled and blocks else 0.0
     # on this host "offloaded" states stay in the same RAM the ranks share; the optimizer step runs
     # after the backward has freed the activations
     peak = (states.device + max(activations + working, step_working) + reserved

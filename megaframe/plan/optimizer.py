@@ -27,7 +27,8 @@ from megaframe.model.dims import GPTDims
 from megaframe.optim.owners import bucket_owners
 from megaframe.optim.table import ORTHOGONALISES, PARTS, state_tensors_per_param
 
-FP32 = 4  # bytes: states, and the rows optim/sharded.py exchanges (.float())
+FP32 = 4  # bytes: states, and Nesterov's updates
+BF16 = 2  # bytes: what optim/sharded.py exchanges and assembles (optim/muon.py's EXCHANGE_DTYPE)
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class OptimizerTerms:
     other_states: int = 2
     ns_steps: int = 0
     nesterov: bool = False  # the update is a copy (Nesterov's look-ahead), not the momentum buffer itself
-    bucket: int = 0  # elements of whole matrices assembled per exchange (0: all of a group's at once)
+    bucket: int = 0  # the most elements of whole matrices one rank assembles per exchange (0: one exchange)
 
     @property
     def splits(self) -> bool:
@@ -175,27 +176,33 @@ def shape_flops(shape: tuple[int, ...], steps: int) -> float:
 def busiest_rank_flops(shapes: Sequence[tuple[int, ...]], ranks: int, steps: int, bucket: int) -> float:
     """Newton-Schulz FLOPs of a step on the busiest rank: per bucket (optim/owners.py) the most any owner
     runs, summed over the buckets (each exchange waits for its slowest owner)."""
-    return _busiest_rank_flops(tuple(shapes), ranks, steps, bucket)
+    return sum(busiest for _, busiest, _ in bucket_loads(tuple(shapes), ranks, steps, bucket))
 
 
 @functools.lru_cache(maxsize=256)  # the search plans many layouts whose stages hold the same matrices
-def _busiest_rank_flops(shapes: tuple[tuple[int, ...], ...], ranks: int, steps: int, bucket: int) -> float:
+def bucket_loads(shapes: tuple[tuple[int, ...], ...], ranks: int, steps: int,
+                 bucket: int) -> tuple[tuple[int, float, int], ...]:
+    """Per bucket of optim/owners.py's (in exchange order): its elements of whole matrices, the most
+    Newton-Schulz FLOPs any of its owners runs, and the most elements any of them assembles."""
     runs, owners = bucket_owners(shapes, ranks, bucket)
-    busiest = 0.0
+    loads = []
     for members in runs:
-        load: dict[int, float] = {}  # only the owners of this bucket (not every rank of thousands)
+        flops: dict[int, float] = {}  # only the owners of this bucket (not every rank of thousands)
+        held: dict[int, int] = {}
         for i in members:
-            load[owners[i]] = load.get(owners[i], 0.0) + shape_flops(shapes[i], steps)
-        busiest += max(load.values())
-    return busiest
+            flops[owners[i]] = flops.get(owners[i], 0.0) + shape_flops(shapes[i], steps)
+            held[owners[i]] = held.get(owners[i], 0) + math.prod(shapes[i])
+        loads.append((sum(math.prod(shapes[i]) for i in members), max(flops.values()), max(held.values())))
+    return tuple(loads)
 
 
 def stage_newton_schulz_flops(assembled: list[Assembled], terms: OptimizerTerms, owners: dict[str, int],
                               block_kinds: Sequence[str]) -> float:
     """Newton-Schulz FLOPs the busiest rank runs per step: each axis's matrices (of the stage's blocks,
     block_kinds in order) shared out over its owner ranks as optim/owners.py shares them, bucket by
-    bucket (terms.bucket). One bucket: about total / ranks, at least the largest matrix; buckets of
-    few matrices each: up to the total (one owner works while the others wait)."""
+    bucket (terms.bucket). About total / ranks, at least the largest matrix, where each bucket holds
+    several matrices per rank; up to the costliest matrix of each bucket, summed, where owners hold one
+    each (every exchange waits for its busiest owner)."""
     if not terms.ns_steps:
         return 0.0
     return sum(busiest_rank_flops(shapes, ranks, terms.ns_steps, terms.bucket)
@@ -205,11 +212,11 @@ def stage_newton_schulz_flops(assembled: list[Assembled], terms: OptimizerTerms,
 def assembly_bytes(elements: int, owners: int) -> float:
     """Bytes one rank sends per step assembling `elements` (of whole matrices) split over `owners`
     ranks on their owners: its part of each matrix to the matrix's owner, and the owner's result
-    parts back, in fp32 (optim/sharded.py's two all_to_all_single); its parts of the matrices it owns
-    stay local: 2 x 4 bytes x elements/owners x (owners-1)/owners."""
+    parts back, in bf16 (optim/sharded.py's two all_to_all_single); its parts of the matrices it owns
+    stay local: 2 x 2 bytes x elements/owners x (owners-1)/owners."""
     if owners <= 1 or not elements:
         return 0.0
-    return 2 * FP32 * elements / owners * (owners - 1) / owners
+    return 2 * BF16 * elements / owners * (owners - 1) / owners
 
 
 def stage_assembly_bytes(assembled: list[Assembled], owners: dict[str, int]) -> float:
@@ -218,26 +225,35 @@ def stage_assembly_bytes(assembled: list[Assembled], owners: dict[str, int]) -> 
                for axis, ranks in owners.items())
 
 
-def step_working_bytes(assembled: list[Assembled], owners: dict[str, int], terms: OptimizerTerms) -> float:
+def step_working_bytes(assembled: list[Assembled], owners: dict[str, int], terms: OptimizerTerms,
+                       block_kinds: Sequence[str]) -> float:
     """Transient bytes of the optimizer step of an orthogonalising optimizer, when activations are
-    gone. For each axis split over more than one rank, optim/sharded.py holds at once, in fp32, this
-    rank's part of the matrices (numel/ranks) in each of two exchange buffers (the pieces it sends
-    and those it receives of the matrices it owns, about as many; then the received buffer, into
-    which the owned matrices' results are cut back in place, and the pieces that come back), plus
-    with Nesterov the update of each part (a copy; else the momentum buffer itself): 2 (3 with
-    Nesterov) x 4 bytes x numel/ranks, where numel is one exchange's: the axis's matrices, or at most
-    a bucket of them (terms.bucket, optim.muon.exchange_bucket_size). Then the Newton-Schulz working
-    set of the largest matrix as assembled (a TP-split one whole), or of an expert stack (iterated as
-    one batch): its fp32 update, and in bf16 the iterate, the next one and the m x m Gram matrix and
-    polynomial. Not modelled: a bucket's owners are balanced within it, so a rank owning one matrix
-    larger than bucket/ranks holds that matrix (its working set is counted, its exchange share not)."""
-    def one_exchange(axis: str) -> int:
-        total = sum(a.numel for a in assembled if a.axis == axis)
-        return min(total, terms.bucket) if terms.bucket else total
-    exchange = sum((2 + terms.nesterov) * FP32 * one_exchange(axis) / ranks
-                   for axis, ranks in owners.items() if ranks > 1)
+    gone: the largest exchange, then the Newton-Schulz working set of the largest matrix.
+
+    optim/muon.py steps the groups of ranks one after another and each group a bucket at a time
+    (optim/owners.py's buckets, over each axis's matrices in exchange order: terms.bucket bounds what
+    one owner assembles in a bucket), freeing each bucket's buffers before the next. During a bucket's
+    exchange a rank holds its share of the bucket's matrices (numel / ranks: the pieces it sends, in
+    bf16, and with Nesterov their fp32 updates, a copy; else the momentum buffer itself) and the
+    pieces of the matrices it owns there (in bf16: the received buffer, into which their results are
+    cut back in place), and then the pieces that come back (its share again, the send buffer freed
+    by then). So: the largest over the axes split over more than one rank and their buckets of
+    (2 + 4 with Nesterov) x numel / ranks + 2 x the most any owner assembles there. Then the
+    Newton-Schulz working set of the largest matrix as assembled (a TP-split one whole) or of an
+    expert stack (iterated as one batch), added as if it came at the exchange's peak (an upper bound:
+    it comes between the two all_to_all, the send buffer freed): the matrix in bf16 (assembled so,
+    or orthogonalise's cast of an update whole on this rank, which with Nesterov is also an fp32
+    copy), the iterate, the next one and the m x m Gram matrix and polynomial, in bf16. Not modelled:
+    uneven pieces (a rank's share is taken as numel / ranks), and the exchange of a group of one rank
+    (DeepSpeed's expert groups at ep = dp: its pieces copied to bf16, an axis of one rank here)."""
+    share = BF16 + terms.nesterov * FP32  # bytes per element of this rank's share of a bucket
+    exchange = max((share * numel / ranks + BF16 * held
+                    for axis, ranks in owners.items() if ranks > 1
+                    for numel, _, held in bucket_loads(tuple(exchange_order(assembled, axis, block_kinds)), ranks,
+                                                       terms.ns_steps, terms.bucket)), default=0.0)
 
     def iteration(a: Assembled) -> float:
         m = min(a.rows, a.cols)
-        return a.stack * (FP32 * a.rows * a.cols + 2 * (2 * a.rows * a.cols + 2 * m * m))
+        update = terms.nesterov * FP32 if owners[a.axis] <= 1 else 0  # not exchanged: its fp32 update, cast
+        return a.stack * ((update + BF16) * a.rows * a.cols + BF16 * (2 * a.rows * a.cols + 2 * m * m))
     return exchange + max((iteration(a) for a in assembled if a.count), default=0.0)

@@ -17,13 +17,13 @@ SHAPES = [(5, 3), (4, 6), (1, 8), (6, 6), (7, 2)]  # tall, wide, fewer rows than
 STACK = (4, 5, 3)  # experts x rows x cols: split by experts, each rank steps its own
 
 
-BUCKET = 40  # elements of whole matrices per exchange: SHAPES' 97 in four buckets, none over 40
+BUCKET = 40  # the most elements of whole matrices one rank assembles per exchange: SHAPES' 97 in two buckets
 
 
 def _steps_against_torch(rank: int, world: int) -> dict:
     """For one exchange of all matrices (bucket 0) and for BUCKET: this rank's gaps to torch's Muon,
-    what it owns and what it received."""
-    return {bucket: _steps_in_buckets(bucket) for bucket in (0, BUCKET)}
+    what it owns and what it received; and under "wire", the bf16 exchange against the fp32 one."""
+    return {**{bucket: _steps_in_buckets(bucket) for bucket in (0, BUCKET)}, "wire": _wire_dtypes()}
 
 
 def _steps_in_buckets(bucket: int) -> dict:
@@ -51,13 +51,69 @@ def _steps_in_buckets(bucket: int) -> dict:
     rows, = optimizer.split
     owned = rows.owned()
     return {"gaps": gaps, "owned": owned, "received": rows.received_numel, "largest": rows.largest_received,
-            "owned_numel": sum(torch.Size(rows.shapes[i]).numel() for i in owned)}
+            "owned_numel": sum(torch.Size(rows.shapes[i]).numel() for i in owned), "wire": rows.wire_dtype}
 
 
-def test_row_sharded_muon_is_torch_muon_on_the_whole_matrix(tmp_path):
-    """In one exchange and in buckets of at most BUCKET elements: torch's step, each matrix assembled on
-    its owner alone; in buckets, no exchange receives more than a bucket (in one, a rank receives more)."""
-    by_rank = run_ranks(_steps_against_torch, 2, tmp_path)
+def _wire_dtypes() -> dict:
+    """The same row-sharded updates exchanged with Muon's orthogonalisation over an fp32 wire and over
+    Muon's bf16 one, in one exchange and in buckets: whether each result and each parameter stepped
+    with it are the same bits, and the dtypes the results come back in."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from megaframe.optim.muon import EXCHANGE_DTYPE, _decay_and_step, orthogonalise, whole
+    from megaframe.optim.pieces import piece
+    from megaframe.optim.sharded import ShardedMatrices
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
+    generator = torch.Generator().manual_seed(1)
+    params = [torch.nn.Parameter(distribute_tensor(torch.randn(*shape, generator=generator), mesh, [Shard(0)]))
+              for shape in SHAPES]
+    updates = [whole(distribute_tensor(torch.randn(*shape, generator=generator), mesh, [Shard(0)])) for shape in SHAPES]
+    group = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr": "spectral"}
+
+    def newton_schulz(matrix: torch.Tensor) -> torch.Tensor:
+        return orthogonalise(matrix, (3.4445, -4.775, 2.0315), 5, 1e-7)
+    same, dtypes = [], set()
+    for bucket in (0, BUCKET):
+        stepped = {}
+        for dtype in (torch.float32, EXCHANGE_DTYPE):
+            matrices = ShardedMatrices([piece(p) for p in params], torch.device("cpu"), params=params,
+                                       bucket_elements=bucket, wire_dtype=dtype)
+            results = []
+            for ids in matrices.in_buckets(range(len(params))):  # as Muon's step: a bucket at a time
+                results += matrices.orthogonalise([(params[k], updates[k].clone(), newton_schulz) for k in ids])
+            dtypes |= {(str(dtype), str(r.dtype)) for r in results}
+            local = [whole(p).detach().clone() for p in params]
+            for param, result, shape in zip(local, results, SHAPES):
+                _decay_and_step(group, param, result, shape)
+            stepped[dtype] = (results, local)
+        (r32, p32), (r16, p16) = stepped[torch.float32], stepped[EXCHANGE_DTYPE]
+        same += [torch.equal(a, b.float()) for a, b in zip(r32, r16)] + [torch.equal(a, b) for a, b in zip(p32, p16)]
+    return {"same": same, "dtypes": sorted(dtypes)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """_steps_against_torch on two gloo ranks, once for this module's tests."""
+    return run_ranks(_steps_against_torch, 2, tmp_path_factory.mktemp("muon_rows"))
+
+
+def test_the_bf16_exchange_is_the_fp32_exchange_to_the_bit(two_ranks):
+    """Muon's exchange carries the pieces and assembles the matrices in bf16 (half the bytes): as
+    Newton-Schulz casts to bf16 first, each result, and each fp32 parameter stepped with it, is the
+    fp32 exchange's to the bit, on both ranks (one holds an empty piece), in one exchange and in buckets."""
+    for rank, result in enumerate(r["wire"] for r in two_ranks):
+        assert result["same"] and all(result["same"]), (rank, result)
+        assert result["dtypes"] == [("torch.bfloat16", "torch.bfloat16"), ("torch.float32", "torch.float32")], result
+
+
+def test_row_sharded_muon_is_torch_muon_on_the_whole_matrix(two_ranks):
+    """In one exchange and in buckets of at most BUCKET elements per owner: torch's step (Muon's exchange
+    in bf16), each matrix assembled on its owner alone; in buckets, no exchange receives more than a
+    bucket (in one, a rank receives more)."""
+    by_rank = two_ranks
+    assert {r[b]["wire"] for r in by_rank for b in (0, BUCKET)} == {torch.bfloat16}, by_rank
     for bucket in (0, BUCKET):
         results = [r[bucket] for r in by_rank]
         for rank, result in enumerate(results):

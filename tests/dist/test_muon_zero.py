@@ -26,7 +26,7 @@ SMALL_BUCKET_KEY, SMALL_BUCKET = "optim.muon.exchange_bucket_size", 20_000  # TI
 SHAPES = [(5, 3), (4, 6), (1, 8), (6, 6), (7, 2), (2, 3, 4)]  # tall, wide, one row, square, an expert stack
 
 
-BUCKET = 40  # elements of whole matrices per exchange: SHAPES' 121 in four buckets, none over 40
+BUCKET = 40  # the most elements of whole matrices one rank assembles per exchange: SHAPES' 121 in two buckets
 
 
 def _flat_against_torch(rank: int, world: int) -> dict:
@@ -84,13 +84,16 @@ def _flat_in_buckets(rank: int, world: int, bucket: int) -> dict:
     matrices = partition.matrices
     owned = matrices.owned()
     return {"gaps": gaps, "padding": padding, "owned": owned, "received": matrices.received_numel,
-            "largest": matrices.largest_received, "owned_numel": sum(math.prod(SHAPES[i]) for i in owned)}
+            "largest": matrices.largest_received, "owned_numel": sum(math.prod(SHAPES[i]) for i in owned),
+            "wire": matrices.wire_dtype}
 
 
 def test_flat_partitioned_muon_is_torch_muon_on_the_whole_matrix(tmp_path):
-    """In one exchange and in buckets of at most BUCKET elements (each bucket's Nesterov updates made
-    from the partition's moved momentum): torch's step; in buckets no exchange receives more than one."""
+    """In one exchange and in buckets of at most BUCKET elements per owner (each bucket's Nesterov updates
+    made from the partition's moved momentum), exchanged in bf16: torch's step; in buckets no exchange
+    receives more than one."""
     by_rank = run_ranks(_flat_against_torch, 2, tmp_path)
+    assert {r[b]["wire"] for r in by_rank for b in (0, BUCKET)} == {torch.bfloat16}, by_rank
     for bucket in (0, BUCKET):
         results = [r[bucket] for r in by_rank]
         for rank, result in enumerate(results):
@@ -189,7 +192,7 @@ def test_zero_stages_at_two_ranks_train_the_single_rank_muon_curve_and_resume_at
     # four ranks: tensor parallelism (ZeRO's ranges of TP pieces, assembled over tp x dp) and the pipeline
     tp_saved = tmp_path / "tp2dp2_stage1" / "checkpoints" / "global_step3"
     four = {"tp2dp2_stage1": [*TP2DP2, "parallel.sequence_parallel=true", "zero=stage1", "train.save_interval=3"],
-            # and in buckets of at most 20,000 elements of whole matrices (several per group)
+            # and in buckets of at most 20,000 elements of whole matrices per owner (several per group)
             "tp2dp2_stage3": [*TP2DP2, *ONE_KV, "zero=stage3", f"{SMALL_BUCKET_KEY}={SMALL_BUCKET}"],
             "pp2dp2_stage1": ["parallel.pp=2", "parallel.dp=2", "zero=stage1"]}
     on_four = run_ranks(_train_counting, 4, tmp_path, runs=[([*base, *extra], str(tmp_path / name))

@@ -21,7 +21,7 @@ from typing import Any, Iterator, NamedTuple
 import torch
 import torch.distributed as dist
 
-from megaframe.optim.muon import Muon
+from megaframe.optim.muon import EXCHANGE_DTYPE, Muon
 from megaframe.optim.pieces import Piece, tp_offset, tp_split
 from megaframe.optim.sharded import FlatPartition, ShardedMatrices
 from megaframe.optim.table import group_optimizer
@@ -42,7 +42,8 @@ def flat_partition(shapes: list[tuple[int, ...]], ranges: list[list[Range]], loc
     """The FlatPartition of whole matrices `shapes` split as `ranges` (per matrix, per rank: this rank's
     becomes its Piece's span; the others' are gathered and checked to tile each matrix when the
     ShardedMatrices is built, collectively over `group`, on `device`), whose parts on this rank start
-    at `local` in its flat tensor (an empty part: 0), exchanged in buckets of bucket_elements (0: one)."""
+    at `local` in its flat tensor (an empty part: 0), exchanged in buckets of at most bucket_elements
+    per owner (0: one), in Muon's EXCHANGE_DTYPE."""
     boxes = [Box(tuple(shape), (0,) * len(shape), tuple(shape), group) for shape in shapes]
     return flat_partitions(boxes, ranges, local, rank, device, bucket_elements)[0]
 
@@ -72,7 +73,8 @@ def flat_partitions(boxes: list[Box], ranges: list[list[Range]], local: list[int
         pieces = [Piece(boxes[i].full, boxes[i].offset, boxes[i].shape, boxes[i].group, span=ranges[i][rank])
                   for i in members]
         offsets = [local[i] if ranges[i][rank][1] > ranges[i][rank][0] else 0 for i in members]
-        out.append(FlatPartition(ShardedMatrices(pieces, device, bucket_elements=bucket_elements), offsets))
+        matrices = ShardedMatrices(pieces, device, bucket_elements=bucket_elements, wire_dtype=EXCHANGE_DTYPE)
+        out.append(FlatPartition(matrices, offsets))
     return out
 
 

@@ -18,7 +18,7 @@ from megaframe.optim.build import build_optimizer, param_groups
 from megaframe.optim.groups import is_hidden_matrix
 from megaframe.optim import muon
 from megaframe.optim.muon import Muon
-from megaframe.optim.owners import assign_owners, buckets, ns_cost
+from megaframe.optim.owners import assign_owners, bucket_owners, buckets, ns_cost
 from megaframe.optim.state import ensure_state
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.state import ParallelState
@@ -132,15 +132,16 @@ def test_muon_state_is_counted_by_name():
 
 
 def test_at_four_ranks_each_owns_about_a_quarter_of_the_newton_schulz_work():
-    """The owners of a 4-layer model's matrices over dp=4: each rank's Newton-Schulz cost within 25%
-    of a quarter (a function of the shapes only: every rank computes the same)."""
+    """The owners of a 4-layer model's matrices over dp=4, in one exchange and in the default buckets:
+    each rank's Newton-Schulz cost within 25% of a quarter (a function of the shapes only: every rank
+    computes the same)."""
     cfg = ModelConfig(arch="llama", num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
                       ffn_hidden_size=176, seq_length=SEQ, vocab_size=VOCAB, norm="rmsnorm", activation="swiglu",
                       position_embedding="rope", bias=False)
     shapes = [tuple(p.shape) for n, p in _model(cfg).named_parameters() if is_hidden_matrix(n, tuple(p.shape))]
-    owners = assign_owners(shapes, 4)
-    load = [sum(ns_cost(s) for s, o in zip(shapes, owners) if o == rank) for rank in range(4)]
-    assert len(shapes) == 4 * 7 and max(load) <= 1.25 * sum(load) / 4, load
+    for owners in (assign_owners(shapes, 4), bucket_owners(shapes, 4, MuonConfig().exchange_bucket_size)[1]):
+        load = [sum(ns_cost(s) for s, o in zip(shapes, owners) if o == rank) for rank in range(4)]
+        assert len(shapes) == 4 * 7 and max(load) <= 1.25 * sum(load) / 4, load
 
 
 def test_buckets_are_consecutive_runs_of_at_most_the_bucket_a_larger_matrix_alone():
