@@ -181,9 +181,9 @@ class BlendedSamples:
             self._eval_picks = np.concatenate([self._eval_picks, self._sample_indices(more, None)])
         return self._eval_picks[positions]
 
-    def batch(self, picks: np.ndarray, positions: Optional[np.ndarray] = None):
+    def batch(self, picks: np.ndarray, positions: Optional[np.ndarray] = None, unlearned_after: Optional[int] = None):
         """(inputs, targets) of (source, sample index) rows, as SampleSet.batch."""
-        return windows_batch([self.sources[int(s)][int(i)] for s, i in picks], positions)
+        return windows_batch([self.sources[int(s)][int(i)] for s, i in picks], positions, unlearned_after)
 
     def consumed_tokens(self, step: int, global_batch_size: int) -> dict[str, int]:
         """Tokens trained on from each source over steps [0, step) (seq_length per sample)."""

@@ -133,16 +133,27 @@ class SampleSet:
         """The evaluation set's samples at `positions`: the samples in order."""
         return positions
 
-    def batch(self, indices: Sequence[int] | np.ndarray, positions: Optional[np.ndarray] = None) -> Batch:
+    def batch(self, indices: Sequence[int] | np.ndarray, positions: Optional[np.ndarray] = None,
+              unlearned_after: Optional[int] = None) -> Batch:
         """(inputs, targets), each an int64 tensor of shape (len(indices), seq_length), targets shifted by
         one; only the tokens at `positions` of each sequence when given (windows_batch)."""
-        return windows_batch([self[index] for index in indices], positions)
+        return windows_batch([self[index] for index in indices], positions, unlearned_after)
 
 
-def windows_batch(windows: Sequence[np.ndarray], positions: Optional[np.ndarray] = None) -> Batch:
+# torch's cross-entropy ignore_index: a target the loss leaves out
+IGNORED_TARGET = -100
+
+
+def windows_batch(windows: Sequence[np.ndarray], positions: Optional[np.ndarray] = None,
+                  unlearned_after: Optional[int] = None) -> Batch:
     """(inputs, targets) of sample windows of seq_length + 1 tokens: int64 tensors of shape
     (len(windows), seq_length), the targets shifted by one. `positions`: only the tokens at these
-    places of each sequence (a context-parallel rank's zig-zag shard), cut before any tensor is made."""
+    places of each sequence (a context-parallel rank's zig-zag shard), cut before any tensor is made.
+    `unlearned_after` (data.eod_mask_loss: the end-of-document id): where the input is that token, the
+    target (the next document's first token, which nothing before it predicts) is IGNORED_TARGET, as
+    Megatron's --eod-mask-loss zeroes the loss mask where the input is EOD; the model still learns to
+    end a document. Done here, once per batch on the host, so every engine, pipeline stage and
+    context-parallel shard gets the targets it counts."""
     # Imported lazily so tools that only build datasets do not pay for importing torch.
     import torch
 
@@ -151,6 +162,8 @@ def windows_batch(windows: Sequence[np.ndarray], positions: Optional[np.ndarray]
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
     else:
         inputs, targets = tokens[:, positions], tokens[:, positions + 1]
+    if unlearned_after is not None:
+        targets = np.where(inputs == unlearned_after, IGNORED_TARGET, targets)
     return torch.from_numpy(np.ascontiguousarray(inputs)), torch.from_numpy(np.ascontiguousarray(targets))
 
 
@@ -206,9 +219,11 @@ def micro_batches(
     dp: int,
     seed: int,
     positions: Optional[np.ndarray] = None,
+    unlearned_after: Optional[int] = None,
 ) -> list[Batch]:
     """This rank's micro-batches for global step `step`: its contiguous 1/dp slice of the step, in
-    order; of each sequence only the tokens at `positions` when given (context parallelism)."""
+    order; of each sequence only the tokens at `positions` when given (context parallelism);
+    unlearned_after: windows_batch's."""
     _check_rank(dp_rank, dp)
     if micro_batch_size < 1 or global_batch_size % (micro_batch_size * dp) != 0:
         raise DataError(
@@ -219,7 +234,7 @@ def micro_batches(
     per_rank = global_batch_size // dp
     rank_indices = step_indices[dp_rank * per_rank : (dp_rank + 1) * per_rank]
     return [
-        samples.batch(rank_indices[start : start + micro_batch_size], positions)
+        samples.batch(rank_indices[start : start + micro_batch_size], positions, unlearned_after)
         for start in range(0, per_rank, micro_batch_size)
     ]
 
@@ -238,7 +253,7 @@ def eval_wrap_problem(eval_steps: int, global_batch_size: int, valid_samples: in
 
 
 def eval_batches(samples: SampleSet, num_batches: int, batch_size: int, dp_rank: int, dp: int,
-                 positions: Optional[np.ndarray] = None) -> list[Batch]:
+                 positions: Optional[np.ndarray] = None, unlearned_after: Optional[int] = None) -> list[Batch]:
     """This rank's evaluation micro-batches: global eval batch b is samples [b*B*dp, (b+1)*B*dp) (wrapping).
 
     `batch_size` is per rank, so the evaluated set is the first num_batches * batch_size * dp
@@ -254,5 +269,5 @@ def eval_batches(samples: SampleSet, num_batches: int, batch_size: int, dp_rank:
     for batch_number in range(num_batches):
         rank_start = (batch_number * dp + dp_rank) * batch_size
         sample_positions = np.arange(rank_start, rank_start + batch_size, dtype=np.int64) % len(samples)
-        batches.append(samples.batch(samples.ordered(sample_positions), positions))
+        batches.append(samples.batch(samples.ordered(sample_positions), positions, unlearned_after))
     return batches

@@ -74,6 +74,12 @@ class GPTDims:
     eod_mask_loss: bool = False
     attention_core: str = "sdpa"  # model.attention_core resolved (attention_core_of): sdpa | flex
 
+    @property
+    def unlearned_after(self) -> Optional[int]:
+        """The token whose next target the loss leaves out (data.eod_mask_loss: the end-of-document id;
+        data/dataset.py windows_batch marks those targets), or None."""
+        return self.eod_id if self.eod_mask_loss else None
+
     def __post_init__(self) -> None:
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)

@@ -24,7 +24,7 @@ from megaframe.model.mlp import MLP, Dropout
 from megaframe.model.moe import AddAux, MoE, RouterStats
 from megaframe.model.recompute import checkpointed
 from megaframe.model.layer_list import Layer, layer_list
-from megaframe.model.masking import counted_share, documents_of, forward_masks, layer_mask, loss_targets
+from megaframe.model.masking import counted_share, documents_of, forward_masks, layer_mask
 from megaframe.parallel.context import ContextGroup, zigzag_positions
 from megaframe.parallel.experts import ExpertGroup
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -414,7 +414,7 @@ class GPT(nn.Module):
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean next-token loss from hidden states: one region for train.compile to fuse (the
         norm, the logits' upcast and the softmax of the cross-entropy), as the blocks are."""
-        targets = loss_targets(targets, self.dims)  # data.eod_mask_loss leaves end-of-document targets out
+        # targets data.eod_mask_loss leaves out come as IGNORED_TARGET (data/dataset.py windows_batch)
         return vocab_parallel_cross_entropy(self.head_logits(x), targets, self.tp, self.embed.tok.vocab_start,
                                             self.dims.vocab_size)
 

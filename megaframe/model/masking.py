@@ -13,13 +13,12 @@ from typing import Optional
 
 import torch
 
+from megaframe.data.dataset import IGNORED_TARGET  # the loss's ignore_index (vocab_parallel_cross_entropy's)
 from megaframe.model.attention import CAUSAL, Mask
 from megaframe.model.dims import GPTDims
 from megaframe.parallel.context import ContextGroup, gather_sequence, zigzag_shard
 from megaframe.parallel.mappings import sum_values
 
-# the target id the loss leaves out (vocab_parallel_cross_entropy's ignore_index)
-IGNORED_TARGET = -100
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,17 +107,13 @@ def forward_masks(dims: GPTDims, documents: Optional[Documents], length: int, de
     return ForwardMasks(documents, length, device)
 
 
-def loss_targets(targets: torch.Tensor, dims: GPTDims) -> torch.Tensor:
-    """The targets the loss counts: with data.eod_mask_loss the end-of-document ones left out."""
-    return targets.masked_fill(targets == dims.eod_id, IGNORED_TARGET) if dims.eod_mask_loss else targets
-
-
 def counted_share(targets: torch.Tensor, dims: GPTDims, context: Optional[ContextGroup]) -> Optional[torch.Tensor]:
     """Under context parallelism with data.eod_mask_loss, what this rank's mean loss is multiplied by so
     that the cp ranks' mean of it is the mean over the whole rows' counted targets: its count of them
-    times cp over theirs (the zig-zag shards hold unequal numbers of end-of-document targets); None
-    elsewhere (every rank counts all its targets, an equal share). One all-reduce of a device scalar."""
+    times cp over theirs (the zig-zag shards hold unequal numbers of the targets data/dataset.py left
+    out); None elsewhere (every rank counts all its targets, an equal share). One all-reduce of a
+    device scalar."""
     if not dims.eod_mask_loss or context is None or context.size == 1:
         return None
-    counted = (targets != dims.eod_id).sum().to(torch.float32)  # loss_targets' rule, before the fill
+    counted = (targets != IGNORED_TARGET).sum().to(torch.float32)
     return counted * context.size / sum_values(counted, context.group).clamp(min=1.0)

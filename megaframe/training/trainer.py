@@ -108,7 +108,7 @@ class Trainer:
         it used. The guard is asked before the update whether a spiking loss skips it."""
         batches = micro_batches(self.data.train, self.step, self.layout.global_batch_size,
                                 self.layout.micro_batch_size, self.ps.dp_rank, self.layout.dp,
-                                self.cfg.train.seed, self.token_positions)
+                                self.cfg.train.seed, self.token_positions, self.dims.unlearned_after)
         batches = self.faults.batches(self.step + 1, batches)
         lr = self.backend.lr()
         injected = self.faults.before_step(self.step + 1, self.backend)
@@ -125,7 +125,8 @@ class Trainer:
         """Mean loss over train.eval_steps global batches of held-out samples (same in every layout)."""
         # eval_steps global batches, fed as micro-batches: the same samples in every layout
         batches = eval_batches(self.data.valid, self.cfg.train.eval_steps * self.layout.grad_accum_steps,
-                               self.layout.micro_batch_size, self.ps.dp_rank, self.layout.dp, self.token_positions)
+                               self.layout.micro_batch_size, self.ps.dp_rank, self.layout.dp, self.token_positions,
+                               self.dims.unlearned_after)
         with self.stop_signal.unguarded():  # a stop signal waits for the evaluation, however long
             return self.backend.eval_step(batches)
 

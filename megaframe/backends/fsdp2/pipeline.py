@@ -38,7 +38,6 @@ from torch.distributed.pipelining import schedules
 
 from megaframe.model.dims import GPTDims
 from megaframe.model.gpt import GPT, forward_layers
-from megaframe.model.masking import loss_targets
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaframe.parallel.layers import VocabParallelEmbedding
 from megaframe.parallel.pipeline_schedules import (ONE_STAGE_PER_RANK, V_SHAPED, stage_indices, stages_per_rank,
@@ -263,11 +262,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def loss_function(model: GPT) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Cross-entropy over this TP rank's vocabulary shard of the last stage's logits."""
     tp, vocab_start, vocab_size = model.embed.tp, model.embed.tok.vocab_start, model.dims.vocab_size
-    dims = model.dims
 
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # data.eod_mask_loss leaves end-of-document targets out
-        return vocab_parallel_cross_entropy(logits, loss_targets(targets, dims), tp, vocab_start, vocab_size)
+        # targets data.eod_mask_loss leaves out come as IGNORED_TARGET (data/dataset.py windows_batch)
+        return vocab_parallel_cross_entropy(logits, targets, tp, vocab_start, vocab_size)
     return loss
 
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megaframe.config.schema import DataConfig, ModelConfig
+from megaframe.data.dataset import windows_batch
 from megaframe.model.attention import CAUSAL, Mask, RingCore, SDPACore, UlyssesCore
 from megaframe.model.dims import document_dims, resolve_dims
 from megaframe.model.gpt import GPT, init_parameters
@@ -101,10 +103,11 @@ def _documents(count: int, length: int, seed: int) -> torch.Tensor:
     return torch.cat([docs.flatten(), docs[0, :1]])
 
 
-def _windows(stream: torch.Tensor, seq: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) of samples first..first+count-1 of seq tokens, as data/dataset.py cuts them."""
-    rows = torch.stack([stream[i * seq: i * seq + seq + 1] for i in range(first, first + count)])
-    return rows[:, :-1], rows[:, 1:]
+def _windows(stream: torch.Tensor, seq: int, first: int, count: int,
+             unlearned_after: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of samples first..first+count-1 of seq tokens, cut by data/dataset.py."""
+    return windows_batch([stream[i * seq: i * seq + seq + 1].numpy() for i in range(first, first + count)],
+                         unlearned_after=unlearned_after)
 
 
 def _losses(model: GPT, stream: torch.Tensor, seq: int, batch: int, steps: int) -> list[float]:
@@ -112,7 +115,7 @@ def _losses(model: GPT, stream: torch.Tensor, seq: int, batch: int, steps: int) 
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
     losses = []
     for step in range(steps):
-        loss = model(*_windows(stream, seq, step * batch, batch))
+        loss = model(*_windows(stream, seq, step * batch, batch, model.dims.unlearned_after))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -135,14 +138,24 @@ def test_packed_documents_train_as_one_document_per_sample(cfg, eod_mask_loss):
     assert max(abs(a - b) for a, b in zip(unmasked, single)) > 1e-3
 
 
-def test_eod_mask_loss_leaves_end_of_document_targets_out():
+def test_eod_mask_loss_leaves_out_the_target_after_each_end_of_document_as_megatron_does():
+    """Megatron's --eod-mask-loss, written out: loss_mask[tokens == eod] = 0 over the inputs (its
+    _get_ltor_masks_and_position_ids gets tokens = text[:-1]), the loss the mean over the mask. The
+    target after each end-of-document token is left out; the end-of-document targets are learned.
+    megaframe left those out instead (targets == eod) until 2026-11-29."""
     model = _model(GPT2, eod_mask_loss=True)
-    idx, targets = _windows(_documents(4, 5, seed=4), 16, 0, 1)
-    logits = model.logits(idx)[0]
-    kept = targets[0] != EOD
-    expected = F.cross_entropy(logits[kept], targets[0][kept])
+    text = _documents(4, 5, seed=4)[:17].unsqueeze(0)
+    tokens, labels = text[:, :-1], text[:, 1:]
+    loss_mask = torch.ones(tokens.shape)
+    loss_mask[tokens == EOD] = 0.0
+    per_token = F.cross_entropy(model.logits(tokens).flatten(0, 1), labels.flatten(), reduction="none")
+    expected = (per_token * loss_mask.flatten()).sum() / loss_mask.sum()
+    idx, targets = _windows(text[0], 16, 0, 1, model.dims.unlearned_after)
+    ends = labels == EOD  # end-of-document targets: learned
+    assert torch.equal(idx, tokens) and ends.sum() == 3 and torch.equal(targets[ends], labels[ends])
     torch.testing.assert_close(model(idx, targets), expected, rtol=1e-6, atol=1e-6)
-    assert not torch.allclose(_model(GPT2)(idx, targets), expected)
+    assert not torch.allclose(model(tokens, labels), expected)  # every target counted
+    assert _model(GPT2).dims.unlearned_after is None
 
 
 def test_the_context_parallel_cores_take_document_and_window_masks_but_not_a_non_causal_one():
