@@ -5,7 +5,8 @@ and the fix, or None.
 
 The layout rule mirrors the cores' own `supports(mask)` (model/attention.py, which config may not
 import: torch, and the package order): every core applies every mask a key makes, so context
-parallelism is no longer refused; tests/unit/config/test_attention_rules.py holds the two together.
+parallelism is refused for correctness nowhere; tests/unit/config/test_attention_rules.py holds the
+two together. Ulysses with a restricting mask is refused for memory alone (ulysses_mask_problem).
 """
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ def layout_problem(cfg: TrainConfig) -> Optional[str]:
     sequence parallelism can (each TP rank holds the whole token ids); so can context parallelism (the
     ring and Ulysses cores take documents and windows, the cp ranks gathering the whole rows' ids) and
     pipeline stages of either engine (each finds the documents in the micro-batch's token ids:
-    docs/attention.md); not pipeline stages over context-parallel shards, whose documents span the cp ranks."""
+    docs/attention.md); not pipeline stages over context-parallel shards, whose documents span the cp ranks,
+    nor Ulysses with a restricting mask, for its memory (ulysses_mask_problem)."""
     m, d, p = cfg.model, cfg.data, cfg.parallel
     masks = [k for k, on in (("data.document_mask=true", d.document_mask),
                              (f"model.sliding_window={m.sliding_window}", m.sliding_window is not None),
@@ -88,7 +90,26 @@ def layout_problem(cfg: TrainConfig) -> Optional[str]:
     if masks and p.pp > 1 and p.cp > 1:
         return (f"{masks[0]} with parallel.pp={p.pp} and parallel.cp={p.cp}: pipeline stages do not carry masks "
                 f"across context-parallel shards yet; use parallel.pp=1 or parallel.cp=1")
-    return None
+    return ulysses_mask_problem(cfg)
+
+
+def ulysses_mask_problem(cfg: TrainConfig) -> Optional[str]:
+    """parallel.cp_impl=ulysses with a mask that restricts more than causal (documents, or a window
+    shorter than the sequence: W >= T is no window). Ulysses applies it as one dense mask over the
+    whole sequence, built in every block (parallel/context.py's attention_allowed: an int64 (T, T)
+    distance, then a (B, 1, T, T) boolean), which no GPU holds at the recipes' lengths; the ring
+    masks bounded score tiles and skips the pieces the mask empties (parallel/ring.py)."""
+    m, d, p = cfg.model, cfg.data, cfg.parallel
+    if p.cp <= 1 or p.cp_impl != "ulysses":
+        return None
+    windowed = m.sliding_window is not None and m.sliding_window < m.seq_length
+    masks = [k for k, on in (("data.document_mask=true", d.document_mask),
+                             (f"model.sliding_window={m.sliding_window}", windowed)) if on]
+    if not masks:
+        return None
+    return (f"{masks[0]} with parallel.cp_impl=ulysses and parallel.cp={p.cp}: Ulysses builds the mask dense over the "
+            f"whole sequence in every block (8*T^2 bytes, 128 GiB at T=131072); use parallel.cp_impl=ring, whose "
+            f"blocks skip what the mask rules out")
 
 
 ATTENTION_CORES = ("auto", "sdpa", "flex")

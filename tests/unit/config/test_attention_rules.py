@@ -11,6 +11,7 @@ from megaframe.config.attention_rules import core_problem, layout_problem
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import ConfigError, validate
 from megaframe.launch.main import train_main
+from megaframe.plan.cli import main as plan_main
 from megaframe.model.attention import FlexCore, Mask, RingCore, UlyssesCore
 from megaframe.parallel.context import ContextGroup
 
@@ -37,6 +38,12 @@ def _cfg(**sections) -> TrainConfig:
      "model.sliding_window=8 with parallel.pp=2 and parallel.cp=2: pipeline stages"),
     ({"data__eod_mask_loss": True, "parallel__pp": 2, "parallel__cp": 2}, 4,
      "data.eod_mask_loss=true with parallel.pp=2 and parallel.cp=2: pipeline stages"),
+    ({"data__document_mask": True, "parallel__cp": 2, "parallel__cp_impl": "ulysses"}, 2,
+     "data.document_mask=true with parallel.cp_impl=ulysses and parallel.cp=2: Ulysses builds the mask dense"),
+    ({"model__sliding_window": 8, "parallel__cp": 2, "parallel__cp_impl": "ulysses"}, 2,
+     "model.sliding_window=8 with parallel.cp_impl=ulysses and parallel.cp=2: Ulysses builds the mask dense"),
+    ({"model__sliding_window": 8, "data__document_mask": True, "parallel__cp": 2, "parallel__cp_impl": "ulysses"}, 2,
+     "data.document_mask=true with parallel.cp_impl=ulysses"),
     ({"model__attention_core": "fast"}, 1, "model.attention_core='fast' is not one of ['auto', 'sdpa', 'flex']"),
     ({"model__attention_core": "flex", "model__dropout": 0.1}, 1,
      "model.attention_core=flex with model.dropout=0.1: FlexAttention has no attention dropout"),
@@ -59,20 +66,26 @@ def test_good_mask_settings_pass():
     validate(_cfg(data__document_mask=True, model__sliding_window=4, parallel__pp=2, parallel__tp=2,
                   parallel__sequence_parallel=True), 4)
     validate(_cfg(data__document_mask=True, parallel__cp=2), 2)  # the cp cores apply both masks
-    validate(_cfg(model__sliding_window=8, data__document_mask=True, parallel__cp=2, parallel__cp_impl="ulysses"), 2)
+    validate(_cfg(model__sliding_window=8, data__document_mask=True, parallel__cp=2, parallel__cp_impl="ring"), 2)
+    # Ulysses takes plain causal attention, a window no shorter than the sequence (no window), and
+    # data.eod_mask_loss (the loss's mask, not attention's)
+    for ok in ({}, {"model__sliding_window": 128, "model__seq_length": 128}, {"data__eod_mask_loss": True}):
+        validate(_cfg(parallel__cp=2, parallel__cp_impl="ulysses", **ok), 2)
 
 
 def test_the_cp_rule_says_what_the_cores_support():
-    """The rule mirrors RingCore / UlyssesCore.supports (config may not import them): each mask
-    the rule refuses under cp, the core cannot apply, and the plain causal one both take (today the
-    rule refuses none and the cores take every causal mask; a non-causal one no key makes)."""
+    """The rule mirrors RingCore.supports (config may not import it): each mask the rule refuses
+    under the ring, the core cannot apply, and the plain causal one both cores take (today the ring
+    rule refuses none and the cores take every causal mask; a non-causal one no key makes). Ulysses
+    applies both masks too, but is refused them for memory: its mask is dense over the sequence."""
     one = ContextGroup(group=None, ranks=(0,), rank=0)
     masks = {"document_mask": Mask(documents=torch.zeros(1, 4, dtype=torch.long)), "sliding_window": Mask(window=4)}
     for impl, core in (("ring", RingCore(0.0, None, one)), ("ulysses", UlyssesCore(0.0, None, one))):
         for key, mask in masks.items():
             cfg = _cfg(parallel__cp=2, parallel__cp_impl=impl,
                        **({"data__document_mask": True} if key == "document_mask" else {"model__sliding_window": 4}))
-            assert (layout_problem(cfg) is not None) == (not core.supports(mask)), (impl, key)
+            assert core.supports(mask), (impl, key)
+            assert (layout_problem(cfg) is not None) == (impl == "ulysses"), (impl, key)
         assert layout_problem(_cfg(parallel__cp=2, parallel__cp_impl=impl)) is None and core.supports(Mask())
         assert not core.supports(Mask(causal=False))
 
@@ -124,3 +137,28 @@ def test_megaframe_train_refuses_before_launch(override, key, tmp_path, capsys, 
     assert ended.value.code == 2 and len(lines) == 1, lines
     assert lines[0].startswith(f"megaframe-train: error: {key}"), lines[0]
     assert not run.exists()
+
+
+@pytest.mark.parametrize("override, key", [("data.document_mask=true", "data.document_mask=true"),
+                                           ("model.sliding_window=8", "model.sliding_window=8")])
+def test_ulysses_with_a_mask_is_refused_before_launch_and_by_the_planner(override, key, tmp_path, capsys,
+                                                                         monkeypatch):
+    """Ulysses would build the mask dense over the whole sequence in every block (parallel/context.py's
+    attention_allowed: 128 GiB of int64 at T=131072): one line from megaframe-train and megaframe-plan,
+    exit 2, naming the key and the ring; the ring takes the same mask."""
+    run = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)
+    line = f"{key} with parallel.cp_impl=ulysses and parallel.cp=2: "
+    ulysses = [override, "parallel.cp=2", "parallel.cp_impl=ulysses"]
+    with pytest.raises(SystemExit) as ended:
+        train_main([*ulysses, f"hydra.run.dir={run}", "train.max_steps=1"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert ended.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"megaframe-train: error: {line}") and "use parallel.cp_impl=ring" in lines[0], lines[0]
+    assert not run.exists()
+    with pytest.raises(SystemExit) as ended:
+        plan_main(ulysses)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert ended.value.code == 2 and len(lines) == 1 and lines[0].startswith(f"megaframe-plan: error: {line}"), lines
+    plan_main([override, "parallel.cp=2", "parallel.cp_impl=ring"])  # the ring's plan
+    assert "error" not in capsys.readouterr().err
