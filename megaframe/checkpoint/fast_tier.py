@@ -39,7 +39,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megaframe.common.atomic_io import atomic_write_text
+from megaframe.common.atomic_io import atomic_write_text, fsync_file
 from megaframe.checkpoint import universal
 from megaframe.checkpoint.sharded import write_record
 from megaframe.common.safe_files import read_capped
@@ -82,6 +82,7 @@ class FastTier:
         shutil.rmtree(part, ignore_errors=True)  # debris of a save that crashed at this step
         part.mkdir(parents=True, exist_ok=True)
         record = write_part(part)
+        universal.sync_dirs(part, record["files"])  # its files are fsync'd by their writers
         write_record(part, record)
         files = _hash_part(part, record["files"])
         marker = {"step": step, "world": self.world, "rank": self.rank, "files": files}
@@ -227,7 +228,8 @@ def _complete_steps(everyone: list[dict[int, dict[int, dict]]], shared_step: int
 
 
 def _copy_part(step_dir: Path, old_rank: int, marker: dict, tmp: Path) -> Optional[str]:
-    """Verify rank old_rank's part (every file's size and sha256) and copy it into tmp; why not, or None."""
+    """Verify rank old_rank's part (every file's size and sha256) and copy it into tmp; why not, or None.
+    The copies and their directories are fsync'd: the node's parts are deleted once it is published."""
     part = step_dir / f"rank{old_rank}"
     for rel, entry in marker["files"].items():
         source = part / rel
@@ -235,7 +237,8 @@ def _copy_part(step_dir: Path, old_rank: int, marker: dict, tmp: Path) -> Option
             return f"the part of rank {old_rank} ({source}) does not verify"
         target = tmp / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, target)
+        fsync_file(shutil.copyfile(source, target))
+    universal.sync_dirs(tmp, marker["files"])
     return None
 
 
@@ -267,7 +270,9 @@ def _unpack(payload: torch.Tensor, step_dir: Path) -> dict:
         target = part / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data[offset:offset + length])
+        fsync_file(target)  # a no-op on /dev/shm; train.fast_save_dir may be a disk
         offset += length
+    universal.sync_dirs(part, marker["files"])
     return marker
 
 

@@ -7,8 +7,12 @@ Layout under RUN_DIR/checkpoints/:
 A save goes to tmp-global_step{N}/ first. Each rank writes its shard and then its record (the
 sha256 of what it wrote, computed by that rank); rank 0 merges the records into index.json, writes
 manifest.json and renames the directory into place once every record is there, so a crash mid-save
-leaves `latest` pointing at the previous, complete checkpoint. Loading verifies the manifest with
-the files split over the ranks, then reshards into the running layout.
+leaves `latest` pointing at the previous, complete checkpoint. Durable as well as atomic: each rank
+fsyncs every file it wrote and the directories holding them before its record says it is done, and
+the rename and `latest` are fsync'd in save_dir before older checkpoints are pruned (on Lustre/NFS
+a node lost right after a save would otherwise leave `latest` naming data that never reached disk).
+Loading verifies the manifest with the files split over the ranks, then reshards into the running
+layout.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import torch.distributed as dist
 
 from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.universal import CheckpointError
-from megaframe.common.atomic_io import atomic_write_text
+from megaframe.common.atomic_io import atomic_write_text, fsync_dir, fsync_file, sync_filesystem
 from megaframe.common.failures import save_failure
 from megaframe.common.safe_files import read_capped
 from megaframe.parallel.dims import ParallelDims
@@ -88,6 +92,14 @@ class BackgroundWriter:
         self._thread = threading.Thread(target=run, name=f"megaframe-save-{what}", daemon=False)
         self._thread.start()
 
+    def published(self) -> bool:
+        """Block until the save in flight (if any) ends; whether every save so far was published. A
+        failure stays for wait() to raise."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        return self._error is None
+
     def wait(self) -> None:
         """Block until the save in flight (if any) is published; raise its error."""
         if self._thread is not None:
@@ -120,18 +132,23 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
     if background is not None:
         background.wait()  # one save in flight at a time
     if rank == 0:
-        save_dir.mkdir(parents=True, exist_ok=True)
+        if not save_dir.is_dir():
+            save_dir.mkdir(parents=True, exist_ok=True)
+            fsync_dir(save_dir.parent)  # the run's first checkpoint: save_dir's own entry
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that crashed
     _barrier()
     if native:
         backend.save_native(save_dir, tmp.name, client_state)
+        sync_filesystem(tmp)  # the engine writes without fsync and names no paths: this node's writes
     finish_part = write_rank_part(tmp, rank, client_state, rng_state, write_extra)
 
     def finish_rank() -> None:
         """This rank's shard (when deferred) and its record, which tells rank 0 it is done."""
         if before_publish is not None:
             before_publish("write")
-        sharded.write_record(tmp, finish_part())
+        record = finish_part()
+        universal.sync_dirs(tmp, record["files"])  # its files' entries, before the record reports them
+        sharded.write_record(tmp, record)
 
     final = save_dir / tag
 
@@ -167,6 +184,7 @@ def write_rank_part(directory: Path, rank: int, client_state: dict[str, Any], rn
 
     def finish() -> dict:
         record = written() if callable(written) else (written or {"rank": rank, "files": {}, "tensors": {}})
+        fsync_file(rng_file)  # here: on an async save's thread, not the step loop's
         record["files"][rng_file.relative_to(directory).as_posix()] = universal.file_entry(rng_file)
         return record
     return finish
@@ -174,7 +192,9 @@ def write_rank_part(directory: Path, rank: int, client_state: dict[str, Any], rn
 
 def publish_dir(tmp: Path, save_dir: Path, step: int, world: int, keep: int = 0) -> Path:
     """Rank 0, once every rank's record of `world` is in tmp: index, manifest, the rename into
-    place and `latest` (then pruning to the newest `keep`)."""
+    place and `latest` (then pruning to the newest `keep`). replace_dir fsyncs tmp before the
+    rename and save_dir after it, atomic_write_text `latest` and save_dir again: both are on disk
+    before an older checkpoint is deleted."""
     tag = tag_for(step)
     hashed = sharded.merge_records(tmp, world)
     universal.write_manifest(tmp, hashed)  # rank 0 hashes only its own small files

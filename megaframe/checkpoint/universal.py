@@ -11,6 +11,8 @@ Both hold
   manifest.json          written last: bytes + sha256 of every other file (a shard's hash is computed by
                          the rank that wrote it)
   tokenizer/             optional copy of a Hugging Face tokenizer directory
+Every file is fsync'd by the process that wrote it, and each directory before it is renamed into
+place (replace_dir): an atomic rename alone may reach the disk before the data it names.
 Nothing here is unpickled: tensors come from safetensors, the rest is JSON. No torch.distributed in
 this module: engine and rank code lives in backends/deepspeed/state_io.py.
 """
@@ -29,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megaframe.common.failures import ExitCode
-from megaframe.common.atomic_io import atomic_write_text
+from megaframe.common.atomic_io import atomic_write_text, fsync_dir, fsync_file
 from megaframe.common.safe_files import quote, read_capped
 from megaframe.checkpoint.file_hash import hash_file
 from megaframe.checkpoint.tokenizer_record import tokenizer_files
@@ -201,10 +203,20 @@ def write_state(directory: Path, state: dict[str, Any], tokenizer_dir: Optional[
         if key not in state:
             raise ValueError(f"state.json needs '{key}'")
     if tokenizer_dir is not None:  # its tokenizer files only: data.tokenizer may name a model directory
-        (Path(directory) / "tokenizer").mkdir(exist_ok=True)
+        copy_dir = Path(directory) / "tokenizer"
+        copy_dir.mkdir(exist_ok=True)
         for path in tokenizer_files(tokenizer_dir):
-            shutil.copy2(path, Path(directory) / "tokenizer" / path.name)
+            fsync_file(shutil.copy2(path, copy_dir / path.name))
+        fsync_dir(copy_dir)
     _atomic_json(Path(directory) / STATE_FILE, state)
+
+
+def sync_dirs(directory: Path, rels) -> None:
+    """fsync `directory` and every directory holding one of the files `rels` (relative to it): the
+    entries of files a rank wrote (each file fsync'd by its writer) are durable before it reports them."""
+    directory = Path(directory)
+    for folder in sorted({(directory / rel).parent for rel in rels} | {directory}):
+        fsync_dir(folder)
 
 
 def write_files(directory: Path, model: dict[str, torch.Tensor], state: dict[str, Any],
@@ -215,8 +227,10 @@ def write_files(directory: Path, model: dict[str, torch.Tensor], state: dict[str
     DeepSpeed's files too); others use write_universal."""
     directory = Path(directory)
     save_file({k: v.detach().float().contiguous() for k, v in model.items()}, str(directory / MODEL_FILE))
+    fsync_file(directory / MODEL_FILE)
     if optimizer is not None:
         save_file({k: v.detach().float().contiguous() for k, v in optimizer.items()}, str(directory / OPTIMIZER_FILE))
+        fsync_file(directory / OPTIMIZER_FILE)
     write_state(directory, state, tokenizer_dir)
 
 
@@ -241,16 +255,20 @@ def write_universal(out_dir: Path, model: dict[str, torch.Tensor], state: dict[s
 
 def replace_dir(tmp: Path, final: Path) -> Path:
     """Rename the complete directory `tmp` to `final`; an existing `final` is moved aside to
-    tmp-old-NAME first and deleted only after the swap, so a crash never leaves neither."""
+    tmp-old-NAME first and deleted only after the swap, so a crash never leaves neither. Durable:
+    tmp's entries are fsync'd before the rename (its files by their writers), the parent after it."""
     tmp, final = Path(tmp), Path(final)
+    fsync_dir(tmp)
     if final.exists():
         old = final.with_name(f"tmp-old-{final.name}")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
         os.replace(tmp, final)
+        fsync_dir(final.parent)  # before the old copy goes
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+        fsync_dir(final.parent)
     return final
 
 

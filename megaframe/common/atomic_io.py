@@ -1,15 +1,62 @@
-"""Writing state so that no reader, and no crash, ever sees half a file."""
+"""Writing state so that no reader, and no crash, ever sees half a file.
+
+Atomic is not durable: a rename or a new file lives in the page cache (on Lustre/NFS in the
+client's write-back cache) until it is fsync'd, so a node that dies seconds later can lose it.
+fsync_file and fsync_dir make a write and a directory's entries (a rename, a new file) durable.
+"""
 from __future__ import annotations
 
+import errno
 import os
 import socket
 from pathlib import Path
 
 from megaframe.common.safe_files import create_fresh
 
+# a directory fsync some filesystems refuse (they order metadata themselves): nothing to do there
+_DIR_FSYNC_UNSUPPORTED = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF)
+
+
+def fsync_file(path: Path) -> None:
+    """Flush a file written by this process (closed already) to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (files created or renamed in it) to stable storage."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in _DIR_FSYNC_UNSUPPORTED:
+            raise
+    finally:
+        os.close(fd)
+
+
+def sync_filesystem(path: Path) -> None:
+    """Flush this node's writes to the file system holding `path` (Linux syncfs; os.sync where libc
+    has none): for a writer that neither fsyncs nor names its files (DeepSpeed's engine). One call
+    per rank, where listing a shared directory and fsyncing every rank's new files from every rank
+    would cost each of thousands of ranks as many fsyncs as there are ranks."""
+    import ctypes
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        syncfs = getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None)
+        if syncfs is None or syncfs(fd) != 0:
+            os.sync()
+    finally:
+        os.close(fd)
+
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temp file in the same directory and rename, so readers never see half a file.
+    """Write via a temp file in the same directory and rename, so readers never see half a file;
+    durable on return (the file and the rename are fsync'd).
     The temp file is named by host and process: ranks on several hosts may write the same path on
     shared storage (the last rename wins, whole)."""
     tmp = path.with_name(f".{path.name}.tmp.{socket.gethostname()}.{os.getpid()}")
@@ -18,3 +65,4 @@ def atomic_write_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(Path(path).parent)
