@@ -128,8 +128,10 @@ class CheckpointManager:
         self.background.wait()
 
     def finished(self, step: int) -> None:
-        """The run reached train.max_steps: the fast tier's parts leave the nodes' memory."""
-        if self.fast is not None and step >= self.cfg.train.max_steps:
+        """The run reached train.max_steps: the fast tier's parts leave the nodes' memory, once the save
+        in flight (train.async_save) is published. A final save that failed leaves them: they may be
+        newer than the last good checkpoint, and close() reports the failure (exit 8)."""
+        if self.fast is not None and step >= self.cfg.train.max_steps and self.background.published():
             self.fast.clear()
 
     def _state(self, defer: bool) -> tuple[dict[str, Any], Optional[Callable[[Path], Any]], bool]:

@@ -4,7 +4,10 @@ a part that does not verify is not published, and a restore publishes a normal c
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
+
+import pytest
 
 from megaframe.checkpoint import universal
 from megaframe.checkpoint import store as checkpoint
@@ -125,3 +128,41 @@ def test_a_planted_or_foreign_done_marker_is_not_a_part(tmp_path):
     (step_dir / "rank2.done.json").write_text(json.dumps({"step": "five", "rank": []}))
     (step_dir / "rank3.done.json").write_text(json.dumps(["not", "a", "marker"]))
     assert sorted(tier.inventory()[5]) == [0]
+
+
+class _Fast:
+    def __init__(self):
+        self.cleared = False
+
+    def clear(self):
+        self.cleared = True
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_run_end_clears_the_fast_tier_only_once_the_last_save_is_published(fails):
+    """The node-local parts may be newer than the last good shared checkpoint: a final async save that
+    fails (a full disk) must leave them, and its error still reaches close() (exit 8). They were
+    cleared before the save in flight was waited for."""
+    from types import SimpleNamespace
+
+    from megaframe.checkpoint.manager import CheckpointManager
+    from megaframe.checkpoint.store import BackgroundWriter
+
+    manager = CheckpointManager.__new__(CheckpointManager)  # only what finished() reads
+    manager.fast, manager.background = _Fast(), BackgroundWriter()
+    manager.cfg = SimpleNamespace(train=SimpleNamespace(max_steps=10))
+    released = threading.Event()
+
+    def final_save():
+        released.wait(5)
+        if fails:
+            raise OSError(28, "No space left on device")
+    manager.background.submit(final_save, "global_step10")
+    threading.Timer(0.2, released.set).start()
+    manager.finished(10)
+    assert manager.fast.cleared is not fails
+    if fails:
+        with pytest.raises(Exception, match="global_step10"):
+            manager.wait()
+    else:
+        manager.wait()
