@@ -57,10 +57,10 @@ def main(argv: list[str]) -> int:
     try:
         return run_agent(args)
     except RendezvousClosedError:
-        return _ended_on_another_node(run_dir, args.rdzv_id)
+        return _job_ended(run_dir, args.rdzv_id)
     except AttributeError as err:
-        if err.name == "is_failed" and err.obj is None:  # see _ended_while_spare
-            return _ended_while_spare(run_dir, args.rdzv_id)
+        if err.name == "is_failed" and err.obj is None:  # a spare node's end (_job_ended)
+            return _job_ended(run_dir, args.rdzv_id, spare=True)
         return _internal_error(err, run_dir)
     except RendezvousTimeoutError:
         min_nodes = str(args.nnodes).split(":")[0]
@@ -104,30 +104,24 @@ def _flags_problem(args) -> str | None:
     return None
 
 
-def _ended_on_another_node(run_dir: Path, rdzv_id: str) -> int:
+def _job_ended(run_dir: Path, rdzv_id: str, spare: bool = False) -> int:
+    """The job ended on another node: the rendezvous closed under this one, or this one waited as a
+    spare (it came when the rendezvous had launcher.nodes nodes; when the job ends torch's agent returns
+    no result for it, RendezvousGracefulExitError swallowed, and torch's launcher fails on that:
+    AttributeError: 'NoneType' object has no attribute 'is_failed', torch 2.13). The job's recorded
+    deterministic failure, else 1 for a node that was in the job and 0 for a spare, which did nothing."""
     from megaframe.parallel.elastic import read_stop_file
 
     stop = read_stop_file(str(stop_file(run_dir, rdzv_id)))
-    if stop is None:
-        return _say("the elastic job's rendezvous is closed: the job ended on another node, with no "
-                    "deterministic failure recorded; that node's output and RUN_DIR/logs say why", ExitCode.INTERNAL)
-    code, message = stop
-    return _say(f"error: the elastic job ended on another node: {message}", code)
-
-
-def _ended_while_spare(run_dir: Path, rdzv_id: str) -> int:
-    """A node that came when the rendezvous had launcher.nodes nodes waits as a spare; when the job ends,
-    torch's agent returns no result for it (RendezvousGracefulExitError, swallowed) and torch's launcher
-    fails on that (AttributeError: 'NoneType' object has no attribute 'is_failed', torch 2.13). The
-    node did nothing wrong: the job's recorded failure, else 0."""
-    from megaframe.parallel.elastic import read_stop_file
-
-    stop = read_stop_file(str(stop_file(run_dir, rdzv_id)))
-    if stop is None:
+    if stop is not None:
+        code, message = stop
+        waited = " while this one waited as a spare" if spare else ""
+        return _say(f"error: the elastic job ended on another node{waited}: {message}", code)
+    if spare:
         return _say("the elastic job ended while this node waited as a spare (the job had launcher.nodes nodes); "
                     "its other nodes' output says how", ExitCode.OK)
-    code, message = stop
-    return _say(f"error: the elastic job ended on another node while this one waited as a spare: {message}", code)
+    return _say("the elastic job's rendezvous is closed: the job ended on another node, with no "
+                "deterministic failure recorded; that node's output and RUN_DIR/logs say why", ExitCode.INTERNAL)
 
 
 def _internal_error(err: BaseException, run_dir: Path) -> int:
