@@ -283,7 +283,34 @@ def read_state(directory: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {directory}: {STATE_FILE} is format {quote(state.get('format'))!r} "
                               f"version {quote(state.get('version'))!r}; this megaframe reads {FORMAT!r} versions "
                               f"{', '.join(map(str, READABLE_VERSIONS))}")
+    if problem := _field_problem(state):
+        raise CheckpointError(f"checkpoint {directory}: {STATE_FILE}'s {problem}; resume from an earlier checkpoint")
     return state
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _field_problem(state: dict[str, Any]) -> Optional[str]:
+    """Which field a resume reads is not of its kind, or None: a hand-edited or planted state.json
+    (the manifest can be recomputed) ends the resume with this line and exit 5, not a traceback from
+    int() or .get() in the engine's loader."""
+    for key, required in (("step", True), ("consumed_samples", True), ("optim_step", False),
+                          ("global_batch_size", False)):
+        value = state.get(key)
+        if (required or value is not None) and not (_whole(value) and value >= 0):
+            return f"'{key}' is {quote(repr(value))}, not a whole number"
+    for key in ("lr_scheduler", "loss_scaler", "layout", "run", "data", "guard"):
+        if key in state and not isinstance(state[key], dict):
+            return f"'{key}' is {quote(repr(state[key]))[:80]}, not a JSON object"
+    last_epoch = state.get("lr_scheduler", {}).get("last_epoch")
+    if last_epoch is not None and not _whole(last_epoch):
+        return f"'lr_scheduler.last_epoch' is {quote(repr(last_epoch))}, not a whole number"
+    for field, value in state.get("loss_scaler", {}).items():  # the fp16 scaler's numbers
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"'loss_scaler.{quote(str(field))[:40]}' is {quote(repr(value))[:80]}, not a number"
+    return None
 
 
 INDEX_FILE = "index.json"  # version 2's chunk index (checkpoint/sharded.py)

@@ -3,6 +3,7 @@ file), atomic replacement, and the pipeline-name mapping."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -79,6 +80,24 @@ def test_wrong_format_is_refused(tmp_path):
     (path / "state.json").write_text(json.dumps({**STATE, "format": "other", "version": 1}))
     with pytest.raises(CheckpointError, match="format 'other'"):
         universal.read_state(path)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("step", "x", "'step' is 'x', not a whole number"), ("step", True, "'step' is True"),
+    ("consumed_samples", -4, "'consumed_samples' is -4"), ("optim_step", 2.5, "'optim_step' is 2.5"),
+    ("lr_scheduler", [1, 2], "'lr_scheduler' is [1, 2], not a JSON object"),
+    ("lr_scheduler", {"last_epoch": "7"}, "'lr_scheduler.last_epoch' is '7'"),
+    ("loss_scaler", {"cur_scale": "big"}, "'loss_scaler.cur_scale' is 'big', not a number")])
+def test_a_crafted_state_json_is_one_line_not_a_traceback(tmp_path, field, value, says):
+    """The manifest can be recomputed, so a planted or hand-edited state.json reaches the loaders,
+    whose int() and .get() raised ValueError or AttributeError (exit 1, a traceback): now exit 5's line."""
+    path, _, _ = _write(tmp_path / "ckpt")
+    state = json.loads((path / "state.json").read_text())
+    (path / "state.json").write_text(json.dumps({**state, field: value}))
+    with pytest.raises(CheckpointError, match="state.json's " + re.escape(says)) as err:
+        universal.read_state(path)
+    assert "\n" not in str(err.value) and "resume from an earlier checkpoint" in str(err.value)
+    assert universal.read_state(_write(tmp_path / "good")[0])["step"] == 7
 
 
 @pytest.mark.parametrize("module_name, canonical", [
