@@ -184,6 +184,10 @@ class CheckpointManager:
             dropped = self.metrics.truncate_after(point.step)
             print(f"resumed from {path} at step {point.step}"
                   + (f" (dropped {dropped} metrics records logged after it)" if dropped else ""), flush=True)
+            if moved := store.set_aside_newer(self.dir, point.step, path):
+                print(f"megaframe: the run goes on from step {point.step}: its newer checkpoints are set aside, out of "
+                      f"pruning and train.resume=auto: {', '.join(p.name for p in moved)} (delete them when done)",
+                      flush=True)
             for line in resume.notes:  # what changed: layout, engine, schedule
                 print(line, flush=True)
             self.resized = self._resize_event(point.client_state.get("layout") or {}, point.step)

@@ -228,6 +228,32 @@ def prune(save_dir: Path, keep: int) -> list[Path]:
     return doomed
 
 
+ROLLED_BACK_PREFIX = "rolled-back-"  # checkpoints of a timeline a resume left (set_aside_newer)
+
+
+def set_aside_newer(save_dir: Path, step: int, resumed: Path) -> list[Path]:
+    """The checkpoints of save_dir newer than `step`, the step a run resumed from (a rollback after a
+    loss spike, or auto-resume past checkpoints that did not verify), renamed out of the run's lineage
+    to rolled-back-<time>-global_stepN: kept for the user, never pruned nor resumed from. Counted by
+    step, they made pruning keep the abandoned 4000 and 5000 while deleting each new save but the
+    newest, and a damaged `latest` fall back to them. `latest` names the resumed checkpoint when it
+    is one of save_dir's. Rank 0 only, before the run's first save. Returns the new names."""
+    import time
+
+    newer = [path for found, path in _complete_checkpoints(save_dir) if found > step] if Path(save_dir).is_dir() else []
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    moved = []
+    for path in newer:
+        target = path.with_name(f"{ROLLED_BACK_PREFIX}{stamp}-{path.name}")
+        os.replace(path, target)
+        moved.append(target)
+    if moved:
+        fsync_dir(save_dir)
+        if Path(resumed).parent.resolve() == Path(save_dir).resolve():
+            atomic_write_text(Path(save_dir) / LATEST, Path(resumed).name + "\n")
+    return moved
+
+
 def find_latest(save_dir: Path) -> Optional[Path]:
     """The newest complete checkpoint under save_dir, or None. The name in `latest` must be a
     checkpoint directory of save_dir itself: anything else is a CheckpointError. Without `latest`

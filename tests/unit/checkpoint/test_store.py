@@ -76,6 +76,24 @@ def test_keep_prunes_older_checkpoints_after_latest_moves(tmp_path):
     assert checkpoint.find_latest(tmp_path) == tmp_path / "global_step8"
 
 
+def test_a_rollback_sets_the_abandoned_steps_aside_and_pruning_keeps_the_resumed_lineage(tmp_path):
+    """A loss spike: the run resumes from global_step4 while 6 and 8 (diverged) remain. Set aside, they
+    are kept under other names and out of the lineage: the saves at 5 and 7 with keep=2 keep 5 and 7.
+    Counted by step, pruning kept 6 and 8 and deleted 4, then 5: only the newest good one survived."""
+    for step in (4, 6, 8):
+        checkpoint.save(FakeEngine(), tmp_path, step, {"step": step}, keep=3)
+    moved = checkpoint.set_aside_newer(tmp_path, 4, tmp_path / "global_step4")
+    assert [p.name.split("-")[-1] for p in moved] == ["global_step6", "global_step8"]
+    assert all(p.name.startswith(checkpoint.ROLLED_BACK_PREFIX) and p.is_dir() for p in moved)
+    assert checkpoint.find_latest(tmp_path) == tmp_path / "global_step4"  # `latest` named 8
+    for step in (5, 7):
+        checkpoint.save(FakeEngine(), tmp_path, step, {"step": step}, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("rolled")) == [
+        "global_step5", "global_step7", "latest"]
+    assert all(p.is_dir() for p in moved) and checkpoint.find_latest(tmp_path) == tmp_path / "global_step7"
+    assert checkpoint.set_aside_newer(tmp_path, 7, tmp_path / "global_step7") == []  # the usual resume
+
+
 def test_latest_pointing_at_a_vanished_dir_falls_back_to_newest_complete(tmp_path):
     for step in (2, 4):
         checkpoint.save(FakeEngine(), tmp_path, step, {"step": step})
