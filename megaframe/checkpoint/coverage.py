@@ -18,7 +18,7 @@ Extent = tuple[int, ...]
 Rect = tuple[Extent, Extent]  # (offset, shape)
 
 
-def _whole(value: Any) -> bool:
+def whole_number(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -29,7 +29,7 @@ def chunk_entry_problem(chunk: Any, shape: Extent) -> Optional[str]:
         return "a chunk entry is not {file, key, offset, shape}"
     offset, size = chunk.get("offset"), chunk.get("shape")
     if not (isinstance(offset, list) and isinstance(size, list) and len(offset) == len(size) == len(shape)
-            and all(_whole(v) and v >= 0 for v in offset + size)):
+            and all(whole_number(v) and v >= 0 for v in offset + size)):
         return f"chunk {chunk['key'][:80]!r} has offset/shape that are not {len(shape)} whole numbers >= 0"
     if any(o + s > n for o, s, n in zip(offset, size, shape)):
         return (f"chunk {chunk['key'][:80]!r} (offset {offset}, shape {size}) reaches beyond the tensor's "

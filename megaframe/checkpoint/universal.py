@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from megaframe.common.failures import ExitCode
 from megaframe.common.atomic_io import atomic_write_text, fsync_dir, fsync_file
 from megaframe.common.safe_files import quote, read_capped
+from megaframe.checkpoint.coverage import whole_number
 from megaframe.checkpoint.file_hash import hash_file
 from megaframe.checkpoint.tokenizer_record import tokenizer_files
 from megaframe.optim.table import ALL_TENSOR_STATE
@@ -288,10 +289,6 @@ def read_state(directory: Path) -> dict[str, Any]:
     return state
 
 
-def _whole(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _field_problem(state: dict[str, Any]) -> Optional[str]:
     """Which field a resume reads is not of its kind, or None: a hand-edited or planted state.json
     (the manifest can be recomputed) ends the resume with this line and exit 5, not a traceback from
@@ -299,13 +296,13 @@ def _field_problem(state: dict[str, Any]) -> Optional[str]:
     for key, required in (("step", True), ("consumed_samples", True), ("optim_step", False),
                           ("global_batch_size", False)):
         value = state.get(key)
-        if (required or value is not None) and not (_whole(value) and value >= 0):
+        if (required or value is not None) and not (whole_number(value) and value >= 0):
             return f"'{key}' is {quote(repr(value))}, not a whole number"
     for key in ("lr_scheduler", "loss_scaler", "layout", "run", "data", "guard"):
         if key in state and not isinstance(state[key], dict):
             return f"'{key}' is {quote(repr(state[key]))[:80]}, not a JSON object"
     last_epoch = state.get("lr_scheduler", {}).get("last_epoch")
-    if last_epoch is not None and not _whole(last_epoch):
+    if last_epoch is not None and not whole_number(last_epoch):
         return f"'lr_scheduler.last_epoch' is {quote(repr(last_epoch))}, not a whole number"
     for field, value in state.get("loss_scaler", {}).items():  # the fp16 scaler's numbers
         if isinstance(value, bool) or not isinstance(value, (int, float)):
