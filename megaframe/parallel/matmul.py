@@ -106,8 +106,23 @@ class MatmulRecipe:
 DEFAULT = MatmulRecipe()
 
 
-def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def gemm(a: torch.Tensor, b: torch.Tensor, fp8_kernel: bool = False) -> torch.Tensor:
     """a (M, K) times b (K, N): the GEMM a recipe's own autograd functions call (parallel/fp8/), so
     that torch's matmuls stay in this file. On torchao's float8 tensors it dispatches to
-    torch._scaled_mm, or to its emulation in the tensors' original dtype."""
+    torch._scaled_mm (fp8_kernel: the recipe is not emulated), or to its emulation in the tensors'
+    original dtype.
+
+    On a CPU host with AMX, torch's CPU _scaled_mm takes oneDNN's fp8 path, a reference loop (BENCHMARKS.md,
+    "fp8 kernels on the CPU": hundreds of times slower than an fp32 GEMM); with oneDNN off torch takes its
+    own CPU kernel, as on other hosts: the fp8 operands upcast to fp32, scaled, one fp32 GEMM, the same
+    products summed in another order. So fp8 kernels on the CPU run with oneDNN off for that one call;
+    a GPU, the emulated recipes and compiled graphs are untouched.
+    """
+    if fp8_kernel and a.device.type == "cpu" and not torch.compiler.is_compiling():
+        onednn = torch.backends.mkldnn.enabled
+        torch.backends.mkldnn.enabled = False
+        try:
+            return torch.mm(a, b)
+        finally:
+            torch.backends.mkldnn.enabled = onednn
     return torch.mm(a, b)

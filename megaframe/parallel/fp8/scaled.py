@@ -67,7 +67,7 @@ class _Float8Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         x_q = _cast(x2, c.cast_config_input, GemmInputRole.INPUT, -1, _X, recipe, site)
         w_q = _cast(weight.t(), c.cast_config_weight, GemmInputRole.WEIGHT, 0, _W_T, recipe, site)
-        return gemm(x_q, w_q).reshape(*x.shape[:-1], weight.shape[0])  # (..., N)
+        return gemm(x_q, w_q, not recipe.emulate).reshape(*x.shape[:-1], weight.shape[0])  # (..., N)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -77,11 +77,11 @@ class _Float8Linear(torch.autograd.Function):
         go = grad_out.reshape(-1, grad_out.shape[-1])  # (M, N)
         go_q = _cast(go, c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, -1, _GO, recipe, site)
         w_q = _cast(weight.t(), c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, -1, _W_T, recipe, site)
-        grad_x = gemm(go_q, w_q.t()).reshape(*grad_out.shape[:-1], x.shape[-1])  # (..., K)
+        grad_x = gemm(go_q, w_q.t(), not recipe.emulate).reshape(*grad_out.shape[:-1], x.shape[-1])  # (..., K)
         go_q = _cast(go, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, 0, _GO, recipe, site)
         x_q = _cast(x.reshape(-1, x.shape[-1]), c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0, _X,
                     recipe, site)
-        grad_w = gemm(go_q.t(), x_q)  # (N, K), the weight's own layout
+        grad_w = gemm(go_q.t(), x_q, not recipe.emulate)  # (N, K), the weight's own layout
         return grad_x, grad_w, None, None
 
 

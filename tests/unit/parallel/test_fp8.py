@@ -63,6 +63,41 @@ def test_each_recipe_tracks_the_bf16_linear(recipe, emulate):
     assert all(torch.equal(a, b) for a, b in zip(_linear(DEFAULT, "router"), _linear(matmul, "router")))
 
 
+class _OneDnnAtScaledMm(torch.utils._python_dispatch.TorchDispatchMode):
+    """Whether oneDNN was switched on at each GEMM of torchao's float8 tensors (their dispatch turns it
+    into torch._scaled_mm, below this mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[bool] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default and any(type(a).__name__ == "Float8TrainingTensor" for a in args):
+            self.seen.append(torch.backends.mkldnn.enabled)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_kernels_on_the_cpu_run_torchs_kernel_and_give_onednns_bits(recipe, monkeypatch):
+    """fp8 kernels on the CPU (emulate=false): each of the three GEMMs runs torch._scaled_mm with oneDNN
+    off (on an AMX host its fp8 path is a reference loop: parallel/matmul.py gemm), and oneDNN is back
+    on after; the output and gradients are torch._scaled_mm's, left to pick its own path, to bf16's
+    rounding (the same fp8 products, summed in another order)."""
+    import megaframe.parallel.fp8.scaled as scaled
+
+    _, matmul = _fp8(recipe, "false")
+    assert torch.backends.mkldnn.enabled
+    with _OneDnnAtScaledMm() as calls:
+        ours = _linear(matmul)
+    assert calls.seen == [False, False, False] and torch.backends.mkldnn.enabled
+    monkeypatch.setattr(scaled, "gemm", lambda a, b, fp8_kernel=False: torch.mm(a, b))
+    with _OneDnnAtScaledMm() as calls:
+        theirs = _linear(matmul)
+    assert calls.seen == [True, True, True]
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b)  # bf16: rtol 1.6e-2, atol 1e-5
+
+
 def test_mxfp8_computes_the_experts_grouped_gemm():
     _, matmul = _fp8("mxfp8")
     g = torch.Generator().manual_seed(1)
