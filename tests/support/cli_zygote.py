@@ -45,6 +45,22 @@ def import_what_runs_import() -> None:
     import_muon_lazily()  # as every ZeRO rank does before deepspeed.initialize
 
 
+# What this interpreter's start did to the environment it was given (main fills it in): a fresh interpreter
+# started with a request's environment does the same to that, so each child does too. The device tier's
+# sitecustomize removes DS_ACCELERATOR once DeepSpeed has its device accelerator (fakecuda/__init__.py).
+_START_UP_CHANGES: tuple[dict[str, str], set[str]] = ({}, set())
+
+
+def _environment_changes_since_start() -> tuple[dict[str, str], set[str]]:
+    """(keys set or changed, keys removed) between the environment this process was started with (Linux
+    keeps it in /proc/self/environ, whatever os.environ did since) and os.environ now."""
+    with open("/proc/self/environ", "rb") as f:
+        entries = [entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry]
+    started = {os.fsdecode(key): os.fsdecode(value) for key, value in entries}
+    now = dict(os.environ)
+    return {k: v for k, v in now.items() if started.get(k) != v}, set(started) - set(now)
+
+
 def _text_stream(fd: int, line_buffering: bool) -> io.TextIOWrapper:
     """What a fresh interpreter makes of a non-tty fd: stdout block-buffered, stderr by line."""
     raw = io.FileIO(fd, "w", closefd=False)
@@ -68,6 +84,10 @@ def _become_the_command(request: dict, protocol: tuple[io.TextIOWrapper, io.Text
     sys.stderr = sys.__stderr__ = _text_stream(2, line_buffering=True)
     os.environ.clear()
     os.environ.update(request["env"])
+    set_at_start, removed_at_start = _START_UP_CHANGES
+    os.environ.update(set_at_start)
+    for key in removed_at_start:
+        os.environ.pop(key, None)
     os.chdir(request["cwd"])
     from tests.support.warm_ranks import install_in_launcher
 
@@ -94,7 +114,11 @@ def _run(request: dict) -> int:
                 traceback.print_exception(kind, err, frames.tb_next)
                 return 1
             return 0
-        sys.argv = ["-m", *request["argv"]]
+        # `python -m` leaves the module's path in sys.argv[0] for the life of the process (what an exit
+        # handler reads: the device tier's report); run_module would restore whatever was there before
+        import importlib.util
+
+        sys.argv = [importlib.util.find_spec("megaframe.train").origin, *request["argv"]]
         runpy.run_module("megaframe.train", run_name="__main__", alter_sys=True)
         return 0
     except SystemExit as stop:
@@ -126,6 +150,8 @@ def main() -> None:
     os.dup2(devnull, 1)  # nothing an import prints (DeepSpeed's accelerator warning) may reach the protocol pipe
     os.close(devnull)
     import_what_runs_import()
+    global _START_UP_CHANGES
+    _START_UP_CHANGES = _environment_changes_since_start()
     import gc
 
     gc.collect()

@@ -85,33 +85,49 @@ def run_module(module: str, args: list[str], *, env: dict[str, str] | None = Non
 
 
 # Keys a run reads only once it runs (megaframe reads no environment at import): a request whose
-# environment differs from the zygote's in any other key gets a fresh interpreter.
+# environment differs from a zygote's in any other key gets a fresh interpreter.
 # PYTEST_CURRENT_TEST changes with every test and nothing imports it; tests/support/warm_ranks.py reads its
 # MEGAFRAME_TESTS_* switches when the launcher starts its ranks. Ray reads its RAY_* variables when a
-# run imports it to launch (the zygote never imports Ray): a launcher=ray driver forks warm too.
-_READ_AT_RUN_TIME = ("MEGAFRAME_FAULTS", "PYTEST_CURRENT_TEST", "MEGAFRAME_TESTS_", "RAY_")
-_ZYGOTES: dict[int, "_Zygote"] = {}
+# run imports it to launch (the zygote never imports Ray): a launcher=ray driver forks warm too. The
+# device tier's report folder is read when a process exits (tests/support/fakecuda/ledger.py).
+_READ_AT_RUN_TIME = ("MEGAFRAME_FAULTS", "PYTEST_CURRENT_TEST", "MEGAFRAME_TESTS_", "RAY_",
+                     "MEGAFRAME_FAKE_CUDA_REPORT")
+_ZYGOTES: dict[tuple[int, str], "_Zygote"] = {}  # (worker pid, kind) -> its warm interpreter
+
+
+def _start_up_environment(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if not k.startswith(_READ_AT_RUN_TIME)}
+
+
+def _warm_kinds() -> dict[str, dict[str, str]]:
+    """The environments a warm interpreter serves, by kind: a plain run's, and the CUDA-shaped device's
+    (tests/support/fakecuda/env.py: its sitecustomize puts an interpreter on the device as it starts, so
+    that zygote is on the device before it forks; each of the tier's runs would import for ~6 CPU-s)."""
+    from tests.support.fakecuda.env import fake_cuda_env
+
+    return {"cpu": _start_up_environment(cli_env()), "device": _start_up_environment(fake_cuda_env(""))}
 
 
 def _zygote_for(env: dict[str, str]) -> "_Zygote | None":
     if os.environ.get("MEGAFRAME_TESTS_FRESH_CLI") == "1":
         return None
-    base = {k: v for k, v in cli_env().items() if not k.startswith(_READ_AT_RUN_TIME)}
-    differing = {k for k in set(env) | set(base) if env.get(k) != base.get(k)}
-    if any(not k.startswith(_READ_AT_RUN_TIME) for k in differing):
+    wanted = _start_up_environment(env)
+    kind = next((kind for kind, base in _warm_kinds().items() if base == wanted), None)
+    if kind is None:  # any other start-up environment (a seeded mutant, another device count): a fresh one
         return None
-    zygote = _ZYGOTES.get(os.getpid())
-    if zygote is None or zygote.base != base or not zygote.alive():
+    zygote = _ZYGOTES.get((os.getpid(), kind))
+    if zygote is None or zygote.base != wanted or not zygote.alive():
         if zygote is not None:
             zygote.stop()
-        zygote = _ZYGOTES[os.getpid()] = _Zygote(base)
+        zygote = _ZYGOTES[(os.getpid(), kind)] = _Zygote(wanted)
     return zygote
 
 
 @atexit.register
 def _stop_zygotes() -> None:
-    if (zygote := _ZYGOTES.get(os.getpid())) is not None:  # not a forked rank's copy of the parent's
-        zygote.stop()
+    for (pid, _), zygote in list(_ZYGOTES.items()):
+        if pid == os.getpid():  # not a forked rank's copy of the parent's
+            zygote.stop()
 
 
 class _Zygote:

@@ -47,3 +47,26 @@ def test_a_warm_command_past_its_timeout_is_killed(tmp_path):
         run_cli([*TINY, "train.max_steps=200", f"hydra.run.dir={tmp_path}"], timeout=2)
     # the zygote reaped it and serves the next command
     assert run_cli([*TINY, "optim.lrr=1"]).returncode == 2
+
+
+def test_a_device_run_is_served_warm_and_is_the_fresh_run(tmp_path):
+    """The CUDA-shaped device's runs fork from a zygote of their own, started on the device: the same
+    curve, output and per-process report (host reads with their call sites, emulated kernels, no
+    violations) as a fresh interpreter on the device, whose start-up removed DS_ACCELERATOR (a child
+    given it back would train on the host)."""
+    from tests.support.fakecuda.env import fake_cuda_env
+    from tests.support.fakecuda.ledger import read_reports
+
+    args = [*TINY, "train.max_steps=3", "train.eval_interval=3"]
+    warm_env = fake_cuda_env(tmp_path / "warm-reports")
+    assert helpers._zygote_for(warm_env) not in (None, helpers._zygote_for(cli_env())), "served by its own kind"
+    seen = {}
+    for name, env in (("warm", warm_env), ("fresh", fake_cuda_env(tmp_path / "fresh-reports"))):
+        result = run_cli([*args, f"hydra.run.dir={tmp_path / name}"], env=env, fresh=name == "fresh")
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "| device cuda:0 (NVIDIA H100" in result.stdout, result.stdout[-2000:]
+        reports = [{key: r[key] for key in ("rank", "argv", "violations", "kernels")} | {"syncs": sorted(map(tuple, r["syncs"]))}
+                   for r in read_reports(tmp_path / f"{name}-reports")]
+        seen[name] = (curve(read_metrics(tmp_path / name), "loss"), _last_line(result.stdout).split("|")[0], reports)
+    assert seen["warm"] == seen["fresh"]
+    assert seen["warm"][2] and seen["warm"][2][0]["argv"][0].endswith("megaframe/train.py")
