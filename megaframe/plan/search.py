@@ -8,6 +8,7 @@ from typing import Iterator
 
 from megaframe.backends.facts import EngineFacts
 from megaframe.backends.registry import engine_facts, optim_refuses
+from megaframe.config.attention_rules import layout_problem as mask_layout_problem
 from megaframe.config.schema import ModelConfig, TrainConfig
 from megaframe.config.validate import _divisors, ffn_hidden_size  # O(sqrt(n)): worlds of 10**6 ranks
 from megaframe.model.dims import document_dims, resolve_dims
@@ -106,7 +107,7 @@ def fitting_layouts(cfg: TrainConfig, base: PlanLayout, limit: int = 10) -> list
     bases = [base if name == base.engine else replace(base, engine=name, grid=replace(base.grid, dp_replicate=1))
              for name in (cfg.plan.engines or [base.engine])]
     for lay in (lay for b in bases for lay in candidate_layouts(cfg.model, b, cfg.cluster.gpus_per_node)):
-        if optim_refuses(cfg, lay):  # the optimizer's rule on the layout (Muon's: no offload, ...)
+        if optim_refuses(cfg, lay) or masks_refuse(cfg, lay):  # rules validation applies to the layout
             continue
         dims = dims_for_tp.setdefault(lay.tp, document_dims(resolve_dims(cfg.model, vocab, tp=lay.tp,
                                                                            device_type=device), cfg.data, None))
@@ -116,6 +117,13 @@ def fitting_layouts(cfg: TrainConfig, base: PlanLayout, limit: int = 10) -> list
             fitting.append(est)
     fitting.sort(key=lambda e: (round(e.ranked_step_time_s, 9), e.peak))
     return fitting[:limit]
+
+
+def masks_refuse(cfg: TrainConfig, lay: PlanLayout) -> bool:
+    """The attention masks' layout rule (config/attention_rules.py) on a candidate's pp and cp: no
+    documents or windows across context-parallel pipeline stages, none under Ulysses (its dense mask),
+    so parallel=auto never proposes a cp layout the launch then refuses."""
+    return mask_layout_problem(replace(cfg, parallel=replace(cfg.parallel, pp=lay.pp, cp=lay.cp))) is not None
 
 
 def layout_overrides(lay: PlanLayout) -> list[str]:

@@ -121,3 +121,26 @@ def test_parallel_auto_proposes_only_layouts_the_optimizer_steps():
     for e in muon[::10]:
         again, _ = compose([*args, "optim=muon", *layout_overrides(e.layout)])
         validate_for_engine(again, 4, ask_bf16=False)
+
+
+@pytest.mark.parametrize("mask", ["data.document_mask=true", "model.sliding_window=4096"])
+def test_parallel_auto_proposes_no_cp_layout_the_masks_refuse(mask):
+    """Llama 3 8B at 128k tokens with documents or a window: under Ulysses the search proposes no
+    cp > 1 layout (the launch refuses Ulysses with a restricting mask, for its dense mask); under the
+    ring it does, but never pipeline stages over cp shards; every proposal passes the masks' rule."""
+    from megaframe.config.attention_rules import layout_problem
+
+    args = ["recipe=llama3_8b_128k", mask, "parallel.cp=1", "parallel.dp=64",
+            "parallel.global_batch_size=64"]  # 64 ranks, a base both cores run
+    proposals = {}
+    for core in ("ring", "ulysses"):
+        cfg, _ = compose([*args, f"parallel.cp_impl={core}"])
+        base = plan_layout(cfg, validate(cfg, planned_world_size(cfg), fp16_supported=lambda: False,
+                                         engine_problem=DEEPSPEED_RULES))
+        proposals[core] = [e.layout for e in fitting_layouts(cfg, base, limit=10_000)]
+        for lay in proposals[core][::25]:
+            again, _ = compose([*args, f"parallel.cp_impl={core}", *layout_overrides(lay)])
+            assert layout_problem(again) is None, layout_overrides(lay)
+    assert any(lay.cp > 1 for lay in proposals["ring"])
+    assert not any(lay.cp > 1 and lay.pp > 1 for lay in proposals["ring"])
+    assert proposals["ulysses"] and all(lay.cp == 1 for lay in proposals["ulysses"])
