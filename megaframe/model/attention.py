@@ -140,7 +140,7 @@ def _flex_functions(device_type: str) -> tuple[Callable[..., Any], Callable[...,
 
     if device_type != "cuda" or torch.compiler.is_compiling():
         return flex_attention, create_block_mask
-    return _compiled_flex(), functools.partial(create_block_mask, _compile=True)
+    return _compiled_flex(), _compiled_block_mask()
 
 
 @functools.lru_cache(maxsize=None)
@@ -149,6 +149,15 @@ def _compiled_flex() -> Callable[..., Any]:
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_block_mask() -> Callable[..., Any]:
+    """torch.compile(create_block_mask), as torch asks: its _compile=True flag, which did the same per
+    call, is deprecated (a DeprecationWarning at every mask built) and to be removed."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
 
 
 def _mask_mod(mask: Mask) -> Callable[..., torch.Tensor]:

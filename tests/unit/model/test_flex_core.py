@@ -102,3 +102,17 @@ def test_compiled_blocks_take_the_block_mask_without_a_graph_break():
         for block in model.blocks:
             block.compile(backend="eager", fullgraph=True)
         assert torch.equal(model.logits(idx), eager)
+
+
+def test_on_cuda_the_block_mask_builder_is_torch_compiled_without_the_deprecated_flag(recwarn):
+    """On a GPU the mask's blocks are built by torch.compile(create_block_mask), once per process, as
+    torch asks instead of its deprecated _compile=True (a DeprecationWarning at every mask built):
+    picked here without a GPU, nothing is built or compiled."""
+    from megaframe.model.attention import _flex_functions
+
+    flex, build = _flex_functions("cuda")
+    assert getattr(build, "_torchdynamo_orig_callable", None) is torch_flex.create_block_mask
+    assert getattr(flex, "_torchdynamo_orig_callable", None) is torch_flex.flex_attention
+    assert _flex_functions("cuda")[1] is build
+    assert _flex_functions("cpu") == (torch_flex.flex_attention, torch_flex.create_block_mask)
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning) and "_compile" in str(w.message)]
