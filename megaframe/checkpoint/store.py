@@ -216,14 +216,24 @@ def _complete_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+TRASH_PREFIX = TMP_PREFIX + "del-"  # a pruned checkpoint, renamed before its delete
+
+
 def prune(save_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints, never the one `latest` names; return the deleted."""
+    """Delete all but the newest `keep` checkpoints, never the one `latest` names; return the deleted.
+    Each is renamed to tmp-del-* first (a crash mid-delete leaves debris, never a half-deleted
+    global_step dir); then every tmp-del-* is deleted, those an earlier prune could not finish too:
+    a crash, or a file still open elsewhere (NFS keeps a deleted open file as .nfs*, so its folder
+    cannot go) left one holding a whole checkpoint's bytes that nothing else would ever delete, and a
+    second tmp-del-global_stepN for a step saved again (after a rollback) made the rename fail."""
     current = find_latest(save_dir)
     doomed = [path for _, path in _complete_checkpoints(save_dir)[:-keep] if path != current]
     for path in doomed:
-        # rename first: a crash mid-delete leaves tmp-* debris, never a half-deleted global_step dir
-        trash = path.with_name(TMP_PREFIX + "del-" + path.name)
+        trash, n = path.with_name(TRASH_PREFIX + path.name), 1
+        while trash.exists():
+            trash, n = path.with_name(f"{TRASH_PREFIX}{path.name}-{n}"), n + 1
         os.replace(path, trash)
+    for trash in Path(save_dir).glob(TRASH_PREFIX + "*"):
         shutil.rmtree(trash, ignore_errors=True)
     return doomed
 

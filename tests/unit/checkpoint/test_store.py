@@ -76,6 +76,20 @@ def test_keep_prunes_older_checkpoints_after_latest_moves(tmp_path):
     assert checkpoint.find_latest(tmp_path) == tmp_path / "global_step8"
 
 
+def test_pruning_deletes_what_an_earlier_prune_could_not_and_renames_past_it(tmp_path):
+    """A prune whose delete failed (here: a crash between rename and delete, as a file held open on NFS
+    also leaves it) left tmp-del-global_step2 with a checkpoint's bytes: the next prune deletes it, and a
+    step saved again whose trash name is taken is renamed past it instead of failing the save."""
+    checkpoint.save(FakeEngine(), tmp_path, 2, {"step": 2})
+    checkpoint.save(FakeEngine(), tmp_path, 4, {"step": 4})
+    (tmp_path / "global_step2").rename(tmp_path / "tmp-del-global_step2")  # the crashed prune's rename
+    (tmp_path / "tmp-del-global_step6").mkdir()  # an unfinished delete of an earlier global_step6
+    (tmp_path / "tmp-del-global_step6" / "big.pt").write_bytes(b"x" * 1024)
+    for step in (6, 8, 10):  # 6 is pruned at 10's save: its trash name is taken
+        checkpoint.save(FakeEngine(), tmp_path, step, {"step": step}, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step10", "global_step8", "latest"]
+
+
 def test_a_rollback_sets_the_abandoned_steps_aside_and_pruning_keeps_the_resumed_lineage(tmp_path):
     """A loss spike: the run resumes from global_step4 while 6 and 8 (diverged) remain. Set aside, they
     are kept under other names and out of the lineage: the saves at 5 and 7 with keep=2 keep 5 and 7.
