@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import socket
+import stat
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Optional
@@ -40,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megaframe.common.atomic_io import atomic_write_text, fsync_file
+from megaframe.common.failures import SaveFailed
 from megaframe.checkpoint import universal
 from megaframe.checkpoint.sharded import write_record
 from megaframe.common.safe_files import read_capped
@@ -57,7 +60,7 @@ class FastTier:
     """One rank's side of the fast tier: save(step) at a step boundary, restore() before resuming."""
 
     def __init__(self, root: Path, run_dir: Path, rank: int, world: int, timeout: Optional[timedelta] = None):
-        self.dir = Path(root) / run_key(run_dir)
+        self.dir = private_directory(Path(root) / run_key(run_dir))
         self.rank, self.world = rank, world
         # a "node" is the ranks that share one node-local directory: its host and the directory
         # (on one host, several such directories act as several nodes, as the tests' do)
@@ -193,6 +196,32 @@ class FastTier:
         return None
 
 
+def private_directory(path: Path) -> Path:
+    """path as this user's own directory (0700): made so, or checked. Node-local memory (/dev/shm) is
+    every user's, and a run's directory name is known to anyone who knows the run dir (run_key), so
+    another user could make it first, or a link in its place, and so read the parts (the model's
+    weights) or plant a newer step that a restore would publish and resume from. Such a directory
+    ends the run with exit 8's one line; one of this user's that others may only read (an older
+    megaframe's 0755) is made private. Raises SaveFailed."""
+    fix = "remove it, or set train.fast_save_dir to a directory of your own"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)
+        found = os.lstat(path)
+        if stat.S_ISDIR(found.st_mode) and found.st_uid == os.getuid() and not found.st_mode & 0o022:
+            if found.st_mode & 0o077:
+                os.chmod(path, 0o700)
+            return path
+    except OSError as err:
+        raise SaveFailed(f"train.fast_save_dir: cannot make {path} ({err.strerror or type(err).__name__}); "
+                         f"free space or fix permissions, or set train.fast_save_dir elsewhere") from err
+    what = ("a link" if stat.S_ISLNK(found.st_mode) else "not a directory" if not stat.S_ISDIR(found.st_mode)
+            else f"owned by uid {found.st_uid}" if found.st_uid != os.getuid()
+            else f"writable by others (mode {stat.S_IMODE(found.st_mode):o})")
+    raise SaveFailed(f"train.fast_save_dir: {path} is {what}, not this user's private directory; its parts are "
+                     f"neither written nor restored: {fix}")
+
+
 def buddies(nodes: list[str]) -> list[Optional[int]]:
     """Each rank's buddy: the rank at its position (cyclically) among the next node's ranks, the
     nodes in the order of their first rank; None for every rank when there is one node. Uneven
@@ -232,7 +261,10 @@ def _copy_part(step_dir: Path, old_rank: int, marker: dict, tmp: Path) -> Option
     The copies and their directories are fsync'd: the node's parts are deleted once it is published."""
     part = step_dir / f"rank{old_rank}"
     for rel, entry in marker["files"].items():
-        source = part / rel
+        try:  # a marker naming ../x would copy another file of the node into the checkpoint
+            source = universal.inside(part, rel, f"rank{old_rank}.done.json")
+        except universal.CheckpointError:
+            return f"the part of rank {old_rank} names a file outside it ({rel!r})"
         if not source.is_file() or universal.file_entry(source) != entry:
             return f"the part of rank {old_rank} ({source}) does not verify"
         target = tmp / rel

@@ -166,3 +166,50 @@ def test_the_run_end_clears_the_fast_tier_only_once_the_last_save_is_published(f
             manager.wait()
     else:
         manager.wait()
+
+
+def test_the_run_directory_on_the_node_is_private_and_a_foreign_one_is_refused(tmp_path, monkeypatch):
+    """Node-local memory is every user's and a run's directory name is predictable: the tier makes its
+    directory 0700, tightens one of this user's that others could only read, and refuses (exit 8, one
+    line) one that is a link, writable by others, or another user's, writing and restoring nothing."""
+    import os
+    import stat
+
+    from megaframe.common.failures import ExitCode, SaveFailed
+
+    tier = _tier(tmp_path)
+    assert stat.S_IMODE(os.lstat(tier.dir).st_mode) == 0o700
+    os.chmod(tier.dir, 0o755)  # an older megaframe's: readable by others, writable by nobody else
+    assert stat.S_IMODE(os.lstat(_tier(tmp_path).dir).st_mode) == 0o700
+
+    def refusal() -> str:
+        with pytest.raises(SaveFailed) as caught:
+            _tier(tmp_path)
+        assert caught.value.exit_code == ExitCode.SAVE_FAILED and "\n" not in str(caught.value)
+        return str(caught.value)
+
+    os.chmod(tier.dir, 0o777)
+    assert "writable by others (mode 777)" in refusal()
+    os.chmod(tier.dir, 0o700)
+    monkeypatch.setattr(os, "getuid", lambda: os.lstat(tier.dir).st_uid + 1)
+    assert "owned by uid" in refusal()
+    monkeypatch.undo()
+    tier.dir.rmdir()
+    (tmp_path / "elsewhere").mkdir()
+    tier.dir.symlink_to(tmp_path / "elsewhere")
+    assert "is a link" in refusal() and "train.fast_save_dir" in refusal()
+
+
+def test_a_marker_naming_a_file_outside_its_part_is_not_published(tmp_path):
+    """A done marker whose files include ../ (a node's other file, which its own sha256 verifies) is
+    not restored: the copy would put that file into the checkpoint."""
+    tier, save_dir = _tier(tmp_path), tmp_path / "checkpoints"
+    tier.save(7, _writer(7))
+    (tmp_path / "secret").write_text("not the run's")
+    done = tier.dir / "global_step7" / "rank0.done.json"
+    marker = json.loads(done.read_text())
+    marker["files"]["../../../../secret"] = universal.file_entry(tmp_path / "secret")  # part -> tmp_path
+    done.write_text(json.dumps(marker))
+    published = []
+    assert tier.restore(save_dir, 5, lambda *a: published.append(a)) is None
+    assert published == [] and not list(save_dir.rglob("secret"))
