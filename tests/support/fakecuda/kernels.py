@@ -173,15 +173,7 @@ def grouped_mm(func, args, kwargs, index):
     meta = [x._elem.to("meta") if isinstance(x, CudaTensor) else x for x in args]
     func(*meta, **{k: (v._elem.to("meta") if isinstance(v, CudaTensor) else v) for k, v in kwargs.items()})
     plain = [x._elem if isinstance(x, CudaTensor) else x for x in args]
-    # torch's CPU kernel without oneDNN, as megaframe runs fp8 kernels on a CPU host (parallel/matmul.py
-    # gemm: oneDNN's fp8 path is a reference loop where the host has AMX), so that the device and the
-    # plain CPU run of the same layout do the same arithmetic
-    onednn = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
-    try:
-        out = func(*plain, **{k: (v._elem if isinstance(v, CudaTensor) else v) for k, v in kwargs.items()})
-    finally:
-        torch.backends.mkldnn.enabled = onednn
+    out = func(*plain, **{k: (v._elem if isinstance(v, CudaTensor) else v) for k, v in kwargs.items()})
     return CudaTensor(out, index)
 
 
