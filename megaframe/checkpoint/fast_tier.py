@@ -60,14 +60,18 @@ class FastTier:
     """One rank's side of the fast tier: save(step) at a step boundary, restore() before resuming."""
 
     def __init__(self, root: Path, run_dir: Path, rank: int, world: int, timeout: Optional[timedelta] = None):
-        self.dir = private_directory(Path(root) / run_key(run_dir))
+        self.dir = Path(root) / run_key(run_dir)
         self.rank, self.world = rank, world
         # a "node" is the ranks that share one node-local directory: its host and the directory
         # (on one host, several such directories act as several nodes, as the tests' do)
-        node = f"{socket.gethostname()}:{Path(root).resolve()}"
+        node = (f"{socket.gethostname()}:{Path(root).resolve()}", private_problem(self.dir))
         nodes = [node] if not dist.is_initialized() else [None] * dist.get_world_size()
         if dist.is_initialized():
             dist.all_gather_object(nodes, node)
+        # every rank ends with the same line: a refusal on one node must not leave the others waiting
+        if problem := next((problem for _, problem in nodes if problem), None):
+            raise SaveFailed(problem)
+        nodes = [name for name, _ in nodes]
         self.buddy: Optional[int] = buddies(nodes)[rank]
         self.senders = [r for r, b in enumerate(buddies(nodes)) if b == rank]  # ranks whose copy this rank keeps
         # parts travel as host bytes: a gloo group works under NCCL's default group too; its timeout
@@ -79,6 +83,8 @@ class FastTier:
     def save(self, step: int, write_part: Callable[[Path], dict]) -> None:
         """Write this rank's part of step `step` (write_part(directory) writes the files and returns
         the rank's record), mark it done, swap parts with the buddies, then drop older parts."""
+        if problem := private_problem(self.dir):  # made again after a restore or a clear() removed it
+            raise SaveFailed(problem)
         step_dir = self.dir / f"global_step{step}"
         part = step_dir / f"rank{self.rank}"
         (step_dir / f"rank{self.rank}.done.json").unlink(missing_ok=True)  # first: then the files are not used
@@ -196,30 +202,36 @@ class FastTier:
         return None
 
 
-def private_directory(path: Path) -> Path:
-    """path as this user's own directory (0700): made so, or checked. Node-local memory (/dev/shm) is
-    every user's, and a run's directory name is known to anyone who knows the run dir (run_key), so
-    another user could make it first, or a link in its place, and so read the parts (the model's
-    weights) or plant a newer step that a restore would publish and resume from. Such a directory
-    ends the run with exit 8's one line; one of this user's that others may only read (an older
-    megaframe's 0755) is made private. Raises SaveFailed."""
-    fix = "remove it, or set train.fast_save_dir to a directory of your own"
+def private_problem(path: Path) -> Optional[str]:
+    """Make path this user's own directory (0700), or say why it is not one. Node-local memory
+    (/dev/shm) is every user's, and a run's directory name is known to anyone who knows the run dir
+    (run_key), so another user could make it first, or a link in its place, and so read the parts (the
+    model's weights) or plant a newer step that a restore would publish and resume from; and whoever
+    owns the folder it is made in can swap it. So the folder must be this user's or root's, the
+    directory this user's and writable by nobody else; one that others may only read (an older
+    megaframe's 0755) is made private. Checked when the tier starts and before every save (a restore
+    or a finished run removes the directory)."""
+    fix = "remove it, or set train.fast_save_dir to a directory of your own (e.g. /dev/shm/megaframe-$USER)"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        holder = os.stat(path.parent)  # train.fast_save_dir itself may be a link (/dev/shm -> /run/shm)
+        if holder.st_uid not in (os.getuid(), 0):
+            return (f"train.fast_save_dir: {path.parent} is owned by uid {holder.st_uid}, who could swap this run's "
+                    f"directory in it; the fast tier neither writes nor restores there: {fix}")
         path.mkdir(mode=0o700, exist_ok=True)
         found = os.lstat(path)
         if stat.S_ISDIR(found.st_mode) and found.st_uid == os.getuid() and not found.st_mode & 0o022:
             if found.st_mode & 0o077:
                 os.chmod(path, 0o700)
-            return path
+            return None
     except OSError as err:
-        raise SaveFailed(f"train.fast_save_dir: cannot make {path} ({err.strerror or type(err).__name__}); "
-                         f"free space or fix permissions, or set train.fast_save_dir elsewhere") from err
+        return (f"train.fast_save_dir: cannot make {path} ({err.strerror or type(err).__name__}); "
+                f"free space or fix permissions, or set train.fast_save_dir elsewhere")
     what = ("a link" if stat.S_ISLNK(found.st_mode) else "not a directory" if not stat.S_ISDIR(found.st_mode)
             else f"owned by uid {found.st_uid}" if found.st_uid != os.getuid()
             else f"writable by others (mode {stat.S_IMODE(found.st_mode):o})")
-    raise SaveFailed(f"train.fast_save_dir: {path} is {what}, not this user's private directory; its parts are "
-                     f"neither written nor restored: {fix}")
+    return (f"train.fast_save_dir: {path} is {what}, not this user's private directory; the fast tier neither "
+            f"writes nor restores there: {fix}")
 
 
 def buddies(nodes: list[str]) -> list[Optional[int]]:

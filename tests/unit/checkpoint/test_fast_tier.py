@@ -191,13 +191,40 @@ def test_the_run_directory_on_the_node_is_private_and_a_foreign_one_is_refused(t
     os.chmod(tier.dir, 0o777)
     assert "writable by others (mode 777)" in refusal()
     os.chmod(tier.dir, 0o700)
-    monkeypatch.setattr(os, "getuid", lambda: os.lstat(tier.dir).st_uid + 1)
+    owner = os.lstat(tier.dir).st_uid
+    monkeypatch.setattr(os, "getuid", lambda: owner + 1)
     assert "owned by uid" in refusal()
+    monkeypatch.undo()
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: os.stat_result((*real_stat(p)[:4], 4242, *real_stat(p)[5:]))
+                        if Path(p) == tier.dir.parent else real_stat(p, *a, **k))
+    assert "owned by uid 4242, who could swap" in refusal()  # the folder it is made in
     monkeypatch.undo()
     tier.dir.rmdir()
     (tmp_path / "elsewhere").mkdir()
     tier.dir.symlink_to(tmp_path / "elsewhere")
     assert "is a link" in refusal() and "train.fast_save_dir" in refusal()
+
+
+def test_a_save_after_a_restore_makes_the_directory_private_again(tmp_path):
+    """A restore (and a finished run) removes the run's directory; the next save makes it again,
+    private, and refuses one another user made in the meantime."""
+    import os
+    import stat
+
+    from megaframe.common.failures import SaveFailed
+
+    tier, save_dir = _tier(tmp_path), tmp_path / "run" / "checkpoints"
+    tier.save(7, _writer(7))
+    assert tier.restore(save_dir, 5, lambda tmp, step, world: checkpoint.publish_dir(tmp, save_dir, step, world))
+    assert not tier.dir.exists()
+    tier.save(8, _writer(8))
+    assert stat.S_IMODE(os.lstat(tier.dir).st_mode) == 0o700
+    tier.clear()
+    tier.dir.mkdir(mode=0o777)
+    os.chmod(tier.dir, 0o777)  # made by someone else while the run went on: writable by all
+    with pytest.raises(SaveFailed):
+        tier.save(9, _writer(9))
 
 
 def test_a_marker_naming_a_file_outside_its_part_is_not_published(tmp_path):
