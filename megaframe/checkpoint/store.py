@@ -230,7 +230,7 @@ def prune(save_dir: Path, keep: int) -> list[Path]:
     doomed = [path for _, path in _complete_checkpoints(save_dir)[:-keep] if path != current]
     for path in doomed:
         trash, n = path.with_name(TRASH_PREFIX + path.name), 1
-        while trash.exists():
+        while os.path.lexists(trash):
             trash, n = path.with_name(f"{TRASH_PREFIX}{path.name}-{n}"), n + 1
         os.replace(path, trash)
     for trash in Path(save_dir).glob(TRASH_PREFIX + "*"):

@@ -76,18 +76,27 @@ def test_keep_prunes_older_checkpoints_after_latest_moves(tmp_path):
     assert checkpoint.find_latest(tmp_path) == tmp_path / "global_step8"
 
 
-def test_pruning_deletes_what_an_earlier_prune_could_not_and_renames_past_it(tmp_path):
-    """A prune whose delete failed (here: a crash between rename and delete, as a file held open on NFS
-    also leaves it) left tmp-del-global_step2 with a checkpoint's bytes: the next prune deletes it, and a
-    step saved again whose trash name is taken is renamed past it instead of failing the save."""
+def test_pruning_deletes_what_an_earlier_prune_could_not_and_renames_past_it(tmp_path, monkeypatch):
+    """A prune whose delete did not finish (a crash between rename and delete; a file held open on NFS,
+    here a delete that fails) left tmp-del-global_stepN with a checkpoint's bytes: a later prune deletes
+    it, and a step saved again whose trash name is still taken is renamed past it instead of failing
+    the save ('Directory not empty')."""
     checkpoint.save(FakeEngine(), tmp_path, 2, {"step": 2})
     checkpoint.save(FakeEngine(), tmp_path, 4, {"step": 4})
     (tmp_path / "global_step2").rename(tmp_path / "tmp-del-global_step2")  # the crashed prune's rename
-    (tmp_path / "tmp-del-global_step6").mkdir()  # an unfinished delete of an earlier global_step6
+    (tmp_path / "tmp-del-global_step6").mkdir()  # an earlier global_step6's delete that cannot finish yet
     (tmp_path / "tmp-del-global_step6" / "big.pt").write_bytes(b"x" * 1024)
-    for step in (6, 8, 10):  # 6 is pruned at 10's save: its trash name is taken
+    rmtree = checkpoint.shutil.rmtree
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda path, **kw: None if Path(path).name == "tmp-del-global_step6"
+                        else rmtree(path, **kw))
+    for step in (6, 8, 10):  # 6 is pruned at 10's save, its trash name still taken
         checkpoint.save(FakeEngine(), tmp_path, step, {"step": step}, keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step10", "global_step8", "latest"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step10", "global_step8", "latest",
+                                                          "tmp-del-global_step6"]
+    assert (tmp_path / "tmp-del-global_step6" / "big.pt").is_file()  # the old one, not the pruned 6
+    monkeypatch.undo()  # the file is closed now: the next prune deletes it
+    checkpoint.save(FakeEngine(), tmp_path, 12, {"step": 12}, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step10", "global_step12", "latest"]
 
 
 def test_a_rollback_sets_the_abandoned_steps_aside_and_pruning_keeps_the_resumed_lineage(tmp_path):
