@@ -8,9 +8,9 @@ from typing import Iterator
 
 from megaframe.backends.facts import EngineFacts
 from megaframe.backends.registry import engine_facts, optim_refuses
-from megaframe.config.attention_rules import layout_problem as mask_layout_problem
+from megaframe.config.attention_rules import core_problem, layout_problem as mask_layout_problem
 from megaframe.config.schema import ModelConfig, TrainConfig
-from megaframe.config.validate import _divisors, ffn_hidden_size  # O(sqrt(n)): worlds of 10**6 ranks
+from megaframe.config.validate import _divisors, check_context_parallel, ffn_hidden_size  # O(sqrt(n)): 10**6 ranks
 from megaframe.model.dims import document_dims, resolve_dims
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.pipeline_schedules import SPLIT_BACKWARD, runs_micro_batches, stages_per_rank
@@ -107,7 +107,7 @@ def fitting_layouts(cfg: TrainConfig, base: PlanLayout, limit: int = 10) -> list
     bases = [base if name == base.engine else replace(base, engine=name, grid=replace(base.grid, dp_replicate=1))
              for name in (cfg.plan.engines or [base.engine])]
     for lay in (lay for b in bases for lay in candidate_layouts(cfg.model, b, cfg.cluster.gpus_per_node)):
-        if optim_refuses(cfg, lay) or masks_refuse(cfg, lay):  # rules validation applies to the layout
+        if optim_refuses(cfg, lay) or attention_refuses(cfg, lay):  # rules validation applies to the layout
             continue
         dims = dims_for_tp.setdefault(lay.tp, document_dims(resolve_dims(cfg.model, vocab, tp=lay.tp,
                                                                            device_type=device), cfg.data, None))
@@ -119,11 +119,15 @@ def fitting_layouts(cfg: TrainConfig, base: PlanLayout, limit: int = 10) -> list
     return fitting[:limit]
 
 
-def masks_refuse(cfg: TrainConfig, lay: PlanLayout) -> bool:
-    """The attention masks' layout rule (config/attention_rules.py) on a candidate's pp and cp: no
-    documents or windows across context-parallel pipeline stages, none under Ulysses (its dense mask),
-    so parallel=auto never proposes a cp layout the launch then refuses."""
-    return mask_layout_problem(replace(cfg, parallel=replace(cfg.parallel, pp=lay.pp, cp=lay.cp))) is not None
+def attention_refuses(cfg: TrainConfig, lay: PlanLayout) -> bool:
+    """The attention rules validation applies, on a candidate's tp, pp, cp and core: Ulysses splits
+    the heads cp ways (config/validate.py), the masks' layouts (no documents or windows across
+    context-parallel pipeline stages, none under Ulysses: its dense mask) and the cores' (FlexAttention
+    attends on one rank's tokens; config/attention_rules.py). So parallel=auto never proposes a cp
+    layout the launch then refuses."""
+    c = replace(cfg, parallel=replace(cfg.parallel, tp=lay.tp, pp=lay.pp, cp=lay.cp, cp_impl=lay.cp_impl,
+                                      sequence_parallel=lay.sequence_parallel))
+    return any(rule(c) is not None for rule in (check_context_parallel, mask_layout_problem, core_problem))
 
 
 def layout_overrides(lay: PlanLayout) -> list[str]:

@@ -144,3 +144,22 @@ def test_parallel_auto_proposes_no_cp_layout_the_masks_refuse(mask):
     assert any(lay.cp > 1 for lay in proposals["ring"])
     assert not any(lay.cp > 1 and lay.pp > 1 for lay in proposals["ring"])
     assert proposals["ulysses"] and all(lay.cp == 1 for lay in proposals["ulysses"])
+
+
+@pytest.mark.parametrize("core", ["ulysses", "flex"])
+def test_parallel_auto_proposes_no_cp_layout_the_attention_cores_refuse(core):
+    """Llama 3 8B at 128k tokens (32 query heads, 8 kv heads) on 64 ranks: Ulysses is proposed only at a
+    cp dividing the heads (cp=16 was offered and refused), FlexAttention at none (it attends on one
+    rank's tokens); each proposal validates."""
+    from megaframe.backends.registry import validate_for_engine
+
+    args = ["recipe=llama3_8b_128k", "parallel.cp=1", "parallel.dp=64", "parallel.global_batch_size=64",
+            "parallel.cp_impl=ulysses" if core == "ulysses" else "model.attention_core=flex"]
+    cfg, _ = compose(args)
+    base = plan_layout(cfg, validate(cfg, planned_world_size(cfg), fp16_supported=lambda: False,
+                                     engine_problem=DEEPSPEED_RULES))
+    proposals = [e.layout for e in fitting_layouts(cfg, base, limit=10_000)]
+    cps = {lay.cp for lay in proposals}
+    assert proposals and (cps == {1} if core == "flex" else 1 < max(cps) and all(8 % cp == 0 for cp in cps))
+    for lay in proposals[::25]:
+        validate_for_engine(compose([*args, *layout_overrides(lay)])[0], 64, ask_bf16=False)
