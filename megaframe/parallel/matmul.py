@@ -116,7 +116,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, fp8_kernel: bool = False) -> torch.Te
     "fp8 kernels on the CPU": hundreds of times slower than an fp32 GEMM); with oneDNN off torch takes its
     own CPU kernel, as on other hosts: the fp8 operands upcast to fp32, scaled, one fp32 GEMM, the same
     products summed in another order. So fp8 kernels on the CPU run with oneDNN off for that one call;
-    a GPU, the emulated recipes and compiled graphs are untouched.
+    a GPU, the emulated recipes and compiled graphs are untouched. The switch is the process's: the
+    step's GEMMs run on one thread (forward and backward alike), which nothing else toggles meanwhile.
     """
     if fp8_kernel and a.device.type == "cpu" and not torch.compiler.is_compiling():
         onednn = torch.backends.mkldnn.enabled
