@@ -21,8 +21,9 @@ config key and the planner's peak table.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -120,10 +121,18 @@ def gemm(a: torch.Tensor, b: torch.Tensor, fp8_kernel: bool = False) -> torch.Te
     step's GEMMs run on one thread (forward and backward alike), which nothing else toggles meanwhile.
     """
     if fp8_kernel and a.device.type == "cpu" and not torch.compiler.is_compiling():
-        onednn = torch.backends.mkldnn.enabled
-        torch.backends.mkldnn.enabled = False
-        try:
+        with onednn_off():
             return torch.mm(a, b)
-        finally:
-            torch.backends.mkldnn.enabled = onednn
     return torch.mm(a, b)
+
+
+@contextmanager
+def onednn_off() -> Iterator[None]:
+    """torch's CPU kernels without oneDNN inside, the switch as it was after (gemm's fp8 kernels on
+    the CPU; the CUDA-shaped test device's _scaled_mm emulation, so that both do one arithmetic)."""
+    onednn = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = onednn

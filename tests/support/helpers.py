@@ -131,7 +131,8 @@ def _stop_zygotes() -> None:
 
 
 class _Zygote:
-    """This worker's warm interpreter (tests/support/cli_zygote.py) and the runs it forks, one at a time."""
+    """One of this worker's warm interpreters (tests/support/cli_zygote.py; one per kind, _warm_kinds) and
+    the runs it forks, one at a time."""
 
     def __init__(self, base: dict[str, str]):
         self.base = base

@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from megaframe.parallel.matmul import onednn_off
 from tests.support.fakecuda import ledger
 from tests.support.fakecuda.tensor import CudaTensor
 
@@ -206,12 +207,8 @@ def scaled_mm(func, args, kwargs, index):
     # torch's CPU kernel without oneDNN, as megaframe runs fp8 kernels on a CPU host (parallel/matmul.py
     # gemm: oneDNN's fp8 path is a reference loop where the host has AMX), so that the device and the
     # plain CPU run of the same layout do the same arithmetic
-    onednn = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
-    try:
+    with onednn_off():
         out = func(*plain, **{k: (v._elem if isinstance(v, CudaTensor) else v) for k, v in kwargs.items()})
-    finally:
-        torch.backends.mkldnn.enabled = onednn
     return CudaTensor(out, index)
 
 HANDLERS = {
