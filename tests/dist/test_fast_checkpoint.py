@@ -51,3 +51,30 @@ def test_uneven_nodes_swap_parts_and_one_node_holds_a_complete_set(tmp_path):
     marker = json.loads(next(copy.rglob("rank1.done.json")).read_text())
     shard = next(copy.rglob("rank1/shards/rank00001.safetensors"))
     assert marker["copy"] == "buddy" and shard.read_bytes() == b"rank 1 step 2" * 1000
+
+
+def _start_tier(rank: int, world: int, root: str) -> str:
+    """FastTier's start on this rank: the refusal's line, or 'started'."""
+    from megaframe.checkpoint.fast_tier import FastTier
+    from megaframe.common.failures import SaveFailed
+
+    try:
+        FastTier(Path(root) / ("node-a" if rank < 2 else "node-b"), Path(root) / "run", rank, world)
+    except SaveFailed as err:
+        return str(err)
+    return "started"
+
+
+def test_one_nodes_untrusted_directory_ends_every_rank_with_its_line(tmp_path):
+    """Node B's run directory is writable by anyone (made by another user, say): every rank, node A's
+    too, ends with node B's one line at the tier's start, none left waiting for a peer; the same
+    three ranks start when it is private (the single-node check is tests/unit/checkpoint)."""
+    import os
+
+    from megaframe.checkpoint.fast_tier import run_key
+
+    assert run_ranks(_start_tier, 3, tmp_path, timeout=120, root=str(tmp_path)) == ["started"] * 3
+    foreign = tmp_path / "node-b" / run_key(tmp_path / "run")
+    os.chmod(foreign, 0o777)
+    lines = run_ranks(_start_tier, 3, tmp_path, timeout=120, root=str(tmp_path))
+    assert len(set(lines)) == 1 and f"{foreign} is writable by others (mode 777)" in lines[0], lines
