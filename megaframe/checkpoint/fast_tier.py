@@ -120,7 +120,7 @@ class FastTier:
             dist.recv(size, sender, group=self.group)
             incoming = torch.empty(int(size.item()), dtype=torch.uint8)
             dist.recv(incoming, sender, group=self.group)
-            received = _unpack(incoming, step_dir)
+            received = _unpack(incoming, step_dir, sender)
             atomic_write_text(step_dir / f"rank{received['rank']}.done.json",
                               json.dumps({**received, "copy": "buddy"}) + "\n")
         for work in sent:
@@ -300,18 +300,31 @@ def _pack(part: Path, marker: dict) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
 
 
-def _unpack(payload: torch.Tensor, step_dir: Path) -> dict:
-    """Write a buddy's part from its payload into step_dir/rank{R}/; returns its marker."""
+def _unpack(payload: torch.Tensor, step_dir: Path, sender: int) -> dict:
+    """Write sender's part from its payload into step_dir/rank{sender}/; returns its marker. The
+    payload is checked before anything is written: it is the sender's part (a mixed-up buddy map
+    would otherwise overwrite another rank's copy), its names stay inside the part, and its files
+    fill the payload exactly (a torn or mis-sized message is refused rather than half-written)."""
     data = payload.numpy().tobytes()
     size = int.from_bytes(data[:8], "little")
     marker = json.loads(data[8:8 + size])
-    part = step_dir / f"rank{marker['rank']}"
-    (step_dir / f"rank{marker['rank']}.done.json").unlink(missing_ok=True)  # the old copy is not used from here on
+    order = marker.pop("order")
+    part = step_dir / f"rank{sender}"
+    if marker.get("rank") != sender or sorted(order) != sorted(marker["files"]):
+        raise SaveFailed(f"fast tier: the part received from rank {sender} says rank {marker.get('rank')}; "
+                         f"the buddies' exchange is mixed up, report this as a megaframe bug")
+    try:
+        targets = [universal.inside(part, rel, f"rank {sender}'s fast-tier part") for rel in order]
+    except universal.CheckpointError as err:
+        raise SaveFailed(f"fast tier: {err}") from None
+    lengths = [marker["files"][rel]["bytes"] for rel in order]
+    if 8 + size + sum(lengths) != len(data):
+        raise SaveFailed(f"fast tier: the part received from rank {sender} is {len(data)} bytes where its "
+                         f"files say {8 + size + sum(lengths)}; the exchange was torn, report this as a megaframe bug")
+    (step_dir / f"rank{sender}.done.json").unlink(missing_ok=True)  # the old copy is not used from here on
     shutil.rmtree(part, ignore_errors=True)
     offset = 8 + size
-    for rel in marker.pop("order"):
-        length = marker["files"][rel]["bytes"]
-        target = part / rel
+    for target, length in zip(targets, lengths):
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data[offset:offset + length])
         fsync_file(target)  # a no-op on /dev/shm; train.fast_save_dir may be a disk

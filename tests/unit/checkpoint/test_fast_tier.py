@@ -11,7 +11,7 @@ import pytest
 
 from megaframe.checkpoint import universal
 from megaframe.checkpoint import store as checkpoint
-from megaframe.checkpoint.fast_tier import FastTier, _complete_steps, buddies, run_key
+from megaframe.checkpoint.fast_tier import FastTier, _complete_steps, _pack, _unpack, buddies, run_key
 
 
 def _writer(step: int):
@@ -240,3 +240,42 @@ def test_a_marker_naming_a_file_outside_its_part_is_not_published(tmp_path):
     published = []
     assert tier.restore(save_dir, 5, lambda *a: published.append(a)) is None
     assert published == [] and not list(save_dir.rglob("secret"))
+
+
+def test_a_buddys_payload_is_written_only_when_it_is_the_senders_whole_part_inside_its_folder(tmp_path):
+    """What a rank receives from its sender is checked before a byte is written: the sender's rank,
+    names inside rank{sender}/, and files that fill the payload exactly. A refusal leaves the copy
+    it already held (and its done marker) as they were."""
+    from megaframe.common.failures import SaveFailed
+
+    tier = _tier(tmp_path)
+    tier.save(3, _writer(3))
+    step_dir = tier.dir / "global_step3"
+    part = step_dir / "rank0"
+    marker = json.loads((step_dir / "rank0.done.json").read_text())
+    marker.pop("copy")
+    into = tmp_path / "buddy" / "global_step3"
+    into.mkdir(parents=True)
+
+    received = _unpack(_pack(part, marker), into, sender=0)  # the sender's own part: copied byte for byte
+    assert received["files"] == marker["files"]
+    assert all((into / "rank0" / rel).read_bytes() == (part / rel).read_bytes() for rel in marker["files"])
+    (into / "rank0.done.json").write_text("{}")  # the copy a later bad payload must not touch
+    held = {rel: (into / "rank0" / rel).read_bytes() for rel in marker["files"]}
+
+    def refused(payload, sender: int = 0) -> str:
+        with pytest.raises(SaveFailed) as err:
+            _unpack(payload, into, sender=sender)
+        assert (into / "rank0.done.json").exists(), "a refused payload removed the copy already held"
+        assert {rel: (into / "rank0" / rel).read_bytes() for rel in marker["files"]} == held
+        return str(err.value)
+
+    assert "says rank 0" in refused(_pack(part, marker), sender=1)  # another rank's part
+    (tmp_path / "buddy" / "secret").write_text("not the run's")
+    secret = universal.file_entry(tmp_path / "buddy" / "secret")
+    outside = {**marker, "files": {**marker["files"], "../../secret": secret}}
+    (tier.dir / "secret").write_text("not the run's")  # what _pack reads at part/../../secret
+    assert "outside" in refused(_pack(part, outside))
+    assert (tmp_path / "buddy" / "secret").read_text() == "not the run's"
+    whole = _pack(part, marker)
+    assert "torn" in refused(whole[:-5])
