@@ -6,8 +6,18 @@ Cross-field rules live in validate.py.
 """
 from __future__ import annotations
 
+import getpass
+import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
+
+
+def _user_name() -> str:
+    """This user's login name (the uid where a container has no passwd entry or USER for it)."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
 
 
 @dataclass
@@ -261,7 +271,9 @@ class LoopConfig:
     # checkpoint in node-local memory and a buddy rank's copy on the next node; an attempt restores
     # from them when they are newer than the shared checkpoint (0: off)
     fast_save_interval: int = 0
-    fast_save_dir: str = "/dev/shm/megaframe"  # node-local; a directory per run under it
+    # node-local; a directory per run under it. One folder per user by default: the tier refuses a folder
+    # another user owns (they could swap a run's parts), so a shared default failed every second user
+    fast_save_dir: str = field(default_factory=lambda: f"/dev/shm/megaframe-{_user_name()}")
     compile: bool = False  # torch.compile each transformer block (inductor); the first step pays the compile
     # blocks: each block, and the final norm, head and loss, as graphs that every block shares (compile
     # time flat in depth; any layout) | model: the whole forward as one graph, which fuses across blocks

@@ -245,7 +245,7 @@ def check_fast_tier(t) -> Optional[str]:
         return ("train.fast_save_interval with train.async_save=true is not supported yet; set train.async_save=false "
                 "(the fast tier writes to node-local memory, which takes milliseconds)")
     if not str(t.fast_save_dir).strip():
-        return "train.fast_save_dir is empty; give a node-local directory, e.g. /dev/shm/megaframe"
+        return "train.fast_save_dir is empty; give a node-local directory of your own, e.g. /dev/shm/megaframe-$USER"
     return None
 
 
