@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from megaframe.config import blend_spec
-from megaframe.data.dataset import SampleSet, epoch_permutation, windows_batch
+from megaframe.data.dataset import SampleSet, build_epoch_permutation, windows_batch
 from megaframe.data.indexed import DataError
 
 __all__ = ["BlendCursor", "BlendedSamples", "Stage", "normalized", "parse_blend"]
@@ -107,6 +107,11 @@ class BlendedSamples:
         # the evaluation order (ordered()): walked once, extended as later positions are asked for
         self._eval_cursor = BlendCursor.start(len(sources))
         self._eval_picks = np.empty((0, 2), dtype=np.int64)
+        # each source's epoch orders in use: {source: {(seed, epoch): permutation}}, at most two.
+        # dataset.epoch_permutation's process-wide cache holds 16, and a step walks every source in
+        # turn: with more sources than that (a blend that lists each shard) every source's order
+        # was rebuilt on every step, on every rank
+        self._orders: dict[int, dict[tuple[int, int], np.ndarray]] = {}
 
     def __len__(self) -> int:
         """Samples in one pass over every source (what an epoch of the blend would hold)."""
@@ -163,12 +168,26 @@ class BlendedSamples:
         """(source, ordinal) rows -> (source, sample index): ordinal n of a source is sample n mod N,
         in the order of its epoch n // N (seeded by (seed, source, epoch); in order when seed is None)."""
         for source in np.unique(picks[:, 0]):
-            rows = picks[:, 0] == source
+            rows = np.flatnonzero(picks[:, 0] == source)
             count = len(self.sources[source])
             epochs, offsets = np.divmod(picks[rows, 1], count)
-            picks[rows, 1] = offsets if seed is None else [
-                epoch_permutation(seed, int(e), count, stream=1 + int(source))[o] for e, o in zip(epochs, offsets)]
+            if seed is None:
+                picks[rows, 1] = offsets
+                continue
+            for epoch in np.unique(epochs):
+                these = epochs == epoch
+                picks[rows[these], 1] = self._order(seed, int(source), int(epoch), count)[offsets[these]]
         return picks
+
+    def _order(self, seed: int, source: int, epoch: int, count: int) -> np.ndarray:
+        """Source `source`'s sample order in its epoch `epoch`, kept while it is one of the source's two
+        newest (a step reaches into at most the next epoch of a source)."""
+        kept = self._orders.setdefault(source, {})
+        if (seed, epoch) not in kept:
+            for old in sorted(kept, key=lambda key: key[1])[:-1]:
+                del kept[old]
+            kept[seed, epoch] = build_epoch_permutation(seed, epoch, count, stream=1 + source)
+        return kept[seed, epoch]
 
     def ordered(self, positions: np.ndarray) -> np.ndarray:
         """(source, sample index) of blend positions in order, unshuffled, with the first stage's

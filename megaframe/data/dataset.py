@@ -167,15 +167,18 @@ def windows_batch(windows: Sequence[np.ndarray], positions: Optional[np.ndarray]
     return torch.from_numpy(np.ascontiguousarray(inputs)), torch.from_numpy(np.ascontiguousarray(targets))
 
 
-@lru_cache(maxsize=16)
-def epoch_permutation(seed: int, epoch: int, num_samples: int, stream: int = 0) -> np.ndarray:
+def build_epoch_permutation(seed: int, epoch: int, num_samples: int, stream: int = 0) -> np.ndarray:
     """The order of a sample set's epoch: seeded by (seed, epoch), and by `stream` (a blend's source
-    number + 1) too when it is not 0. Cached: a step touches the current epoch and perhaps the next
-    of each source."""
+    number + 1) too when it is not 0. Read-only."""
     key = [seed, epoch] if stream == 0 else [seed, stream, epoch]
     permutation = np.random.default_rng(key).permutation(num_samples)
     permutation.setflags(write=False)
     return permutation
+
+
+# one sample set's orders, cached: a step touches its current epoch and perhaps the next (a blend
+# keeps its sources' orders itself, BlendedSamples._order)
+epoch_permutation = lru_cache(maxsize=16)(build_epoch_permutation)
 
 
 def global_batch_indices(step: int, global_batch_size: int, num_samples: int, seed: int) -> np.ndarray:

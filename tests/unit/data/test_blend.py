@@ -132,3 +132,32 @@ def test_malformed_blends_name_the_key_and_the_form(bad, message):
 def test_a_lone_prefix_is_weight_one():
     assert parse_blend(["/data/a"]) == ([1.0], ["/data/a"])
     assert parse_blend([1, "/a", 3, "/b"]) == ([1.0, 3.0], ["/a", "/b"])
+
+
+def test_a_blend_of_many_sources_builds_each_sources_epoch_order_once(tmp_path, monkeypatch):
+    """A step walks every source in turn; the orders were kept in one process-wide cache of 16, so
+    with 17 or more sources each source's epoch order was rebuilt on every step (a permutation of
+    every sample of the source: seconds at millions of samples, on every rank). Now each order is
+    built once while the walk is in its epoch, and the picks are those of a fresh blend per step (a
+    resumed run's), under any seed."""
+    import megaframe.data.blend as blend_module
+
+    many = [sample_set(tmp_path / f"s{i}", i, 3 + i % 4) for i in range(20)]
+    built = []
+
+    def counted(seed, epoch, count, stream=0):
+        built.append((stream, epoch))
+        return build(seed, epoch, count, stream)
+
+    build = blend_module.build_epoch_permutation
+    monkeypatch.setattr(blend_module, "build_epoch_permutation", counted)
+    weights = [1.0] * len(many)
+    samples = blend(many, weights)
+    steps = walk(samples, steps=12, batch=40)
+    assert len(built) == len(set(built)), "an epoch order was built twice"
+    assert {s - 1 for s, _ in built} == set(range(len(many)))
+    resumed = np.concatenate([blend(many, weights).step_indices(step, 40, 7) for step in range(12)])
+    assert np.array_equal(steps, resumed)
+    other_seed = samples.step_indices(5, 40, 8)  # the same blend asked under another seed
+    assert np.array_equal(other_seed, blend(many, weights).step_indices(5, 40, 8))
+    assert not np.array_equal(other_seed, steps[200:240])
