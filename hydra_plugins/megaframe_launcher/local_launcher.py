@@ -6,11 +6,18 @@ own: validated and planned before launch, started with as many ranks as its layo
 own run directory (hydra.sweep.dir/hydra.sweep.subdir). Points run one after another; at the end a
 table of the points (exit code, last loss and eval loss) is printed and written, atomically, to
 SWEEP_DIR/sweep_summary.json. The sweep exits with the first failed point's exit code.
+
+A stop signal to the sweep (Ctrl-C, SIGTERM, SIGHUP, SIGUSR1) goes to the running point once, which
+saves and exits 128 + the signal's number as a run does; the sweep then writes the table and exits
+with that code, starting no further point. Each point runs in a session of its own (a terminal's
+Ctrl-C reaches the sweep, which passes it on, rather than both) and dies with the sweep when the
+sweep is killed outright (its ranks die with it in turn).
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,7 +31,7 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 
-from megaframe.config.compose import searchpath_override
+from megaframe.config.compose import hydra_quoted, searchpath_override
 
 
 @dataclass
@@ -65,12 +72,18 @@ class MegaframeLocalLauncher(Launcher):
             run_dir = sweep_dir / str(sweep_config.hydra.sweep.subdir)
             point = list(filter_overrides(overrides))
             print(f"megaframe-train: sweep point {idx}: {' '.join(point)} -> {run_dir}", flush=True)
-            code = subprocess.call([sys.executable, "-m", "megaframe.train", *point, *search, f"hydra.run.dir={run_dir}"])
+            code, stopped_by = run_point([sys.executable, "-m", "megaframe.train", *point, *search,
+                                          f"hydra.run.dir={hydra_quoted(str(run_dir))}"])
             rows.append({"point": idx, "overrides": point, "run_dir": str(run_dir), "exit_code": code,
                          **_last_values(run_dir / "metrics.jsonl")})
             returns.append(JobReturn(overrides=list(overrides), cfg=sweep_config, working_dir=str(run_dir),
                                      task_name=str(sweep_config.hydra.job.name), status=JobStatus.COMPLETED,
                                      _return_value=code))
+            if stopped_by is not None:
+                left = len(job_overrides) - offset - 1
+                print(f"megaframe-train: sweep stopped by {signal.Signals(stopped_by).name} during point {idx}"
+                      + (f"; {left} point(s) did not start" if left else ""), file=sys.stderr, flush=True)
+                break
         _write_summary(sweep_dir / "sweep_summary.json", rows)
         print(_table(rows), flush=True)
         failed = [row["exit_code"] for row in rows if row["exit_code"]]
@@ -79,13 +92,55 @@ class MegaframeLocalLauncher(Launcher):
         return returns
 
 
+def run_point(argv: list[str]) -> tuple[int, Optional[int]]:
+    """Run one point to its end: (its exit code, the stop signal the sweep got meanwhile or None).
+    subprocess.call would SIGKILL the point 0.25 s after a Ctrl-C (its ranks mid-save) and leave
+    it training on after a SIGTERM; here the signal is passed on and the point's own stop awaited. A
+    point a signal killed outright (the OOM killer) counts as exit 1, as a killed rank does."""
+    from megaframe.launch.guard import die_with_parent
+    from megaframe.launch.local import AGENT_SIGNALS
+    from megaframe.training.stop_signal import exit_code, not_ignored
+
+    sweep = os.getpid()
+    child = subprocess.Popen(argv, start_new_session=True, preexec_fn=lambda: die_with_parent(sweep))
+    received: list[int] = []
+
+    def pass_on(signum: int, _frame) -> None:
+        received.append(signum)
+        try:
+            child.send_signal(signum)  # a second one too: the point's "again: stopping now"
+        except ProcessLookupError:
+            pass
+
+    handled = not_ignored(signal.Signals[name] for name in AGENT_SIGNALS)
+    previous = {signum: signal.signal(signum, pass_on) for signum in handled}
+    try:
+        code = child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if code < 0:
+        print(f"megaframe-train: sweep point killed by {signal.Signals(-code).name} [exit 1]", file=sys.stderr,
+              flush=True)
+        code = 1
+    stopped_by = received[0] if received else None
+    if stopped_by is not None and code == 0:  # it ended before it saw the signal
+        code = exit_code(stopped_by)
+    return code, stopped_by
+
+
 def _last_values(metrics: Path) -> dict:
     """The last logged loss and eval loss of a point (None where it logged none)."""
     values = {"loss": None, "eval_loss": None, "step": None}
     if not metrics.exists():
         return values
     for line in metrics.read_text().splitlines():
-        record = json.loads(line)
+        try:
+            record = json.loads(line)
+        except ValueError:  # the line a point killed mid-write left torn
+            continue
+        if not isinstance(record, dict):
+            continue
         for key in ("loss", "eval_loss", "step"):
             if key in record:
                 values[key] = record[key]

@@ -28,11 +28,20 @@ def die_with_launcher() -> None:
     other systems torchrun's own signal forwarding is all there is."""
     if not sys.platform.startswith("linux") or not launched_by_an_agent():
         return
+    expected = os.environ.get(LAUNCHER_PID)
+    die_with_parent(int(expected) if expected is not None else None)
+
+
+def die_with_parent(parent: int | None) -> None:
+    """SIGKILL this process when its parent exits (Linux; nothing elsewhere); exit at once if the
+    parent is not `parent` any more (it died before this line ran). Also the sweep launcher's
+    preexec_fn for its points."""
+    if not sys.platform.startswith("linux"):
+        return
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     except (OSError, AttributeError):
         return
-    expected = os.environ.get(LAUNCHER_PID)
-    if expected is not None and os.getppid() != int(expected):
+    if parent is not None and os.getppid() != parent:
         os._exit(128 + int(signal.SIGKILL))  # orphaned already: the launcher is not our parent any more

@@ -4,11 +4,18 @@ point does not stop the others, and the sweep ends with its exit code and a summ
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
+import psutil
 import pytest
 import yaml
 
-from tests.support.helpers import TINY, assert_ok, cli_env, read_metrics, run_cli
+from megaframe.config.compose import hydra_quoted
+from tests.support.helpers import FRESH_RANKS, REPO, TINY, assert_ok, cli_env, read_metrics, run_cli
 from tests.support.parity import assert_parity
 
 pytestmark = pytest.mark.slow
@@ -87,3 +94,47 @@ def test_a_sweep_over_the_options_of_ones_own_config_dir(tmp_path):
     summary = json.loads((sweep / "sweep_summary.json").read_text())
     assert [(row["exit_code"], row["step"]) for row in summary] == [(0, 2), (0, 2)]
     assert [yaml.safe_load((sweep / p / "config.yaml").read_text())["model"]["num_layers"] for p in "01"] == [1, 2]
+
+
+@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM to the sweep", "SIGKILL to the sweep"])
+def test_a_signal_to_a_sweep_stops_the_running_point_as_it_stops_a_run(how, tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) or SIGTERM to the sweep: the running dp=2 point
+    saves its step and exits 130 / 143 as a run does, the sweep writes its summary with that code,
+    starts no further point and exits with it. SIGKILL to the sweep: the point and its ranks die with
+    it. Before, the sweep SIGKILLed the point 0.25 s after a Ctrl-C (its ranks mid-save) and left it
+    training on after a SIGTERM or SIGKILL, holding its run directory. The sweep directory's name
+    needs Hydra's quoting (a space, a comma, parentheses), which the points' hydra.run.dir lacked."""
+    sweep = tmp_path / "sweep, (v2)"
+    process = subprocess.Popen([sys.executable, "-m", "megaframe.train", "-m", *ARGS, "train.max_steps=100000",
+                                "train.eval_interval=0", "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={hydra_quoted(str(sweep))}"],
+                               cwd=REPO, env=cli_env(**FRESH_RANKS), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not ((sweep / "0" / "metrics.jsonl").is_file() and len(read_metrics(sweep / "0")) >= 2):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "point 0 logged no steps"
+        time.sleep(0.2)
+    below = psutil.Process(process.pid).children(recursive=True)  # the point and its agent's ranks
+    assert sum("megaframe.train" in " ".join(p.cmdline()) for p in below) == 3, [p.cmdline() for p in below]
+    name, code = {"Ctrl-C": ("SIGINT", 130), "SIGTERM to the sweep": ("SIGTERM", 143),
+                  "SIGKILL to the sweep": ("SIGKILL", None)}[how]
+    if how == "Ctrl-C":
+        os.killpg(process.pid, signal.SIGINT)
+    else:
+        process.send_signal(getattr(signal, name))
+    if how == "SIGKILL to the sweep":  # (communicate() would wait for an orphaned point's end of the pipes)
+        process.wait(timeout=30)
+        _, alive = psutil.wait_procs(below, timeout=20)
+        assert not alive, f"left running after the sweep was killed: {[p.cmdline()[-1] for p in alive]}"
+        process.communicate(timeout=60)
+        return
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == code, err[-3000:]
+    _, alive = psutil.wait_procs(below, timeout=20)
+    assert not alive, f"left running after the sweep ended: {[p.pid for p in alive]}"
+    assert not (sweep / "1").exists(), "a point started after the stop"
+    assert "Traceback" not in out + err, err[-3000:]
+    assert f"sweep stopped by {name} during point 0; 1 point(s) did not start" in err, err[-3000:]
+    (row,) = json.loads((sweep / "sweep_summary.json").read_text())
+    saved = sorted(p.name for p in (sweep / "0" / "checkpoints").glob("global_step*"))
+    assert row["exit_code"] == code and saved == [f"global_step{row['step']}"], (row, saved)

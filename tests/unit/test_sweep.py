@@ -53,3 +53,25 @@ def test_sweeps_megaframe_cannot_run_are_one_line(override, message):
     with pytest.raises(ConfigError) as err:
         check_sweep([override], lambda point: None)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_points_torn_last_metrics_line_does_not_lose_the_sweeps_summary(tmp_path):
+    """A point killed mid-write (SIGKILL, a full disk) leaves half a line: the summary takes the
+    whole lines before it instead of ending the sweep with json's traceback."""
+    from hydra_plugins.megaframe_launcher.local_launcher import _last_values
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "eval_loss": 2.25}\n[3]\n{"step": 3, "lo')
+    assert _last_values(metrics) == {"loss": 2.5, "eval_loss": 2.25, "step": 2}
+
+
+def test_a_point_a_signal_killed_outright_counts_as_exit_1(tmp_path):
+    """subprocess gives -9 for a point the OOM killer ended, and sys.exit(-9) is exit 247: the sweep
+    reports 1, as a run reports a rank killed by a signal."""
+    import sys
+
+    from hydra_plugins.megaframe_launcher.local_launcher import run_point
+
+    code, stopped_by = run_point([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    assert (code, stopped_by) == (1, None)
+    assert run_point([sys.executable, "-c", "raise SystemExit(8)"]) == (8, None)
