@@ -105,8 +105,9 @@ def test_a_signal_to_a_sweep_stops_the_running_point_as_it_stops_a_run(how, tmp_
     training on after a SIGTERM or SIGKILL, holding its run directory. The sweep directory's name
     needs Hydra's quoting (a space, a comma, parentheses), which the points' hydra.run.dir lacked."""
     sweep = tmp_path / "sweep, (v2)"
-    process = subprocess.Popen([sys.executable, "-m", "megaframe.train", "-m", *ARGS, "train.max_steps=100000",
-                                "train.eval_interval=0", "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={hydra_quoted(str(sweep))}"],
+    args = [*ARGS, "train.max_steps=100000", "train.eval_interval=0", "optim.lr=1e-3,3e-3",
+            f"hydra.sweep.dir={hydra_quoted(str(sweep))}"]
+    process = subprocess.Popen([sys.executable, "-m", "megaframe.train", "-m", *args],
                                cwd=REPO, env=cli_env(**FRESH_RANKS), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
     deadline = time.monotonic() + 240
