@@ -12,10 +12,12 @@ torchrun or srun, rank 0 takes it and every rank learns the answer from one broa
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -66,11 +68,14 @@ def acquire(run_dir: Path) -> Optional[str]:
                 f"choose another run dir (hydra.run.dir=...)")
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = _holder_text(fd)
-        os.close(fd)
-        return (f"run dir {run_dir} is in use{holder}: another megaframe-train is training there; "
-                f"wait for it to end, or choose another run dir (hydra.run.dir=...)")
+    except OSError as err:
+        if err.errno not in _HELD_ELSEWHERE:  # the file system keeps no locks: waiting would never help
+            print(_no_locks_warning(run_dir, err), file=sys.stderr, flush=True)
+        else:
+            holder = _holder_text(fd)
+            os.close(fd)
+            return (f"run dir {run_dir} is in use{holder}: another megaframe-train is training there; "
+                    f"wait for it to end, or choose another run dir (hydra.run.dir=...)")
     if planted := planted_link(run_dir):
         os.close(fd)
         return planted
@@ -101,6 +106,18 @@ def planted_link(run_dir: Path) -> Optional[str]:
                     f"there; megaframe-train will not write through it: remove it (rm {path}) and check who put it "
                     f"there, or choose another run dir (hydra.run.dir=...)")
     return None
+
+
+# what lockf's F_SETLK answers when another process holds the lock; anything else (ENOLCK on NFS
+# mounted nolock, EOPNOTSUPP or ENOSYS on Lustre without flock) says the file system keeps none
+_HELD_ELSEWHERE = (errno.EAGAIN, errno.EACCES)
+
+
+def _no_locks_warning(run_dir: Path, err: OSError) -> str:
+    return (f"megaframe-train: warning: run dir {run_dir}: its file system takes no POSIX locks "
+            f"({errno.errorcode.get(err.errno, err.errno)}: {err.strerror}), so nothing stops a second "
+            f"megaframe-train from training in it at the same time; mount it with locks (NFS: without nolock; "
+            f"Lustre: -o flock or localflock) or keep to one run per run dir")
 
 
 def lock_for_children(run_dir: Path) -> Optional[str]:

@@ -66,3 +66,27 @@ def test_ranks_started_by_the_owner_know_it_holds_the_lock_for_them(tmp_path, mo
     finally:
         run_lock.release(tmp_path / "run")
         os.environ.pop(run_lock.HELD_BY_PARENT, None)
+
+
+def test_a_file_system_without_locks_trains_with_one_warning_not_a_refusal_forever(tmp_path, monkeypatch, capsys):
+    """NFS mounted nolock answers ENOLCK, Lustre without flock EOPNOTSUPP or ENOSYS: every run was
+    refused as "in use" (naming a dead pid after the first), and waiting never helps. Now the run
+    goes on, with one line saying what is not protected and how to mount for it; a lock held
+    elsewhere (EAGAIN, EACCES) is still a refusal."""
+    import errno
+    import fcntl
+
+    for code in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+        def refuse(fd, how, code=code):
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(fcntl, "lockf", refuse)
+        run_dir = tmp_path / f"run{code}"
+        try:
+            assert run_lock.acquire(run_dir) is None
+        finally:
+            run_lock.release(run_dir)
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert "warning" in line and errno.errorcode[code] in line and "nolock" in line, line
+    monkeypatch.setattr(fcntl, "lockf", lambda fd, how: (_ for _ in ()).throw(OSError(errno.EAGAIN, "busy")))
+    assert "is in use" in run_lock.acquire(tmp_path / "run-busy")
