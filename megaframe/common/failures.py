@@ -135,11 +135,13 @@ def classify(err: BaseException) -> RunFailure:
 
 
 def exit_code_of_job(codes: list[Optional[int]]) -> int:
-    """The exit code of a job whose ranks exited with `codes`: the documented cause (3-7) wins over
-    the ranks that only followed it (1, or killed by a signal: negative)."""
+    """The exit code of a job whose ranks exited with `codes`: the documented cause (3-8, else a
+    refusal's 2) wins over the ranks that only followed it (1, or killed by a signal: negative)."""
     documented = sorted(c for c in codes if c is not None and ExitCode.DIVERGED <= c <= ExitCode.SAVE_FAILED)
     if documented:
         return documented[0]
+    if ExitCode.REFUSED in codes:  # a rank refused to start (a run dir in use under torchrun): its line says why
+        return ExitCode.REFUSED
     stopped = {c for c in codes if c}
     # a stop signal: every rank stopped at one boundary; one that was still closing when the first
     # exited was sent the signal again by torchrun's agent (-2, -15, -1, -10), which changes nothing

@@ -26,6 +26,10 @@ def test_the_job_exit_code_is_the_cause_not_the_ranks_that_followed_it():
     assert exit_code_of_job([-15, -15]) == 1  # killed, not stopped: no rank said it stopped
     assert exit_code_of_job([143, 1]) == 1
     assert exit_code_of_job([131, -3]) == 131  # SIGQUIT: every rank quit at once, as asked (not INTERNAL)
+    # ranks refused to start (under torchrun each composes and checks for itself: a run dir in use)
+    assert exit_code_of_job([2, 2]) == 2
+    assert exit_code_of_job([2, -15]) == 2  # the agent ended the other rank once the first exited
+    assert exit_code_of_job([2, 5]) == 5
 
 
 def test_peer_failures_are_consequences():
