@@ -120,7 +120,7 @@ def evaluate(checkpoint: Path, overrides: Sequence[str]) -> dict:
     if data.vocab_size > model.dims.vocab_size:
         raise DataError(f"the dataset's vocabulary ({data.vocab_size}) is larger than the checkpoint's model's "
                         f"({model.dims.vocab_size}): it was tokenized for another model; check data.tokenizer")
-    if problem := eval_wrap_problem(cfg.train.eval_steps, batch, len(data.valid)):
+    if problem := eval_wrap_problem(cfg.train.eval_steps, batch, data.valid.samples_before_a_repeat()):
         print(f"{PROG}: warning: {problem}", file=sys.stderr, flush=True)
     batches = eval_batches(data.valid, cfg.train.eval_steps * (batch // micro), micro, 0, 1)
     total = torch.zeros((), dtype=torch.float64, device=device)

@@ -117,6 +117,13 @@ class BlendedSamples:
         """Samples in one pass over every source (what an epoch of the blend would hold)."""
         return sum(len(source) for source in self.sources)
 
+    def samples_before_a_repeat(self) -> int:
+        """About how many positions the evaluation order (the first stage's weights) takes before a
+        source repeats a sample: the smallest len / weight (the walk keeps each source within one
+        sample of its share). Fewer than len(self) unless the weights follow the sizes."""
+        weights = self.stages[0].weights
+        return min(int(len(source) / weight) for source, weight in zip(self.sources, weights) if weight > 0)
+
     # ---- the greedy walk ----------------------------------------------------------------------
     def _stage_at(self, step: int) -> int:
         return max(index for index, stage in enumerate(self.stages) if stage.start_step <= step)

@@ -117,6 +117,10 @@ class SampleSet:
         """Number of samples."""
         return self.num_samples
 
+    def samples_before_a_repeat(self) -> int:
+        """How many samples an evaluation (ordered()) takes before it repeats one: all of them."""
+        return self.num_samples
+
     def __getitem__(self, index: int) -> np.ndarray:
         """Tokens [index * seq_length, index * seq_length + seq_length + 1) of the stream."""
         position = int(index)

@@ -355,7 +355,7 @@ def eval_wrap_warning(t) -> Optional[str]:
     train, valid = t.cfg.train, t.data.valid
     if not train.eval_interval or valid is None:
         return None
-    return eval_wrap_problem(train.eval_steps, t.layout.global_batch_size, len(valid))
+    return eval_wrap_problem(train.eval_steps, t.layout.global_batch_size, valid.samples_before_a_repeat())
 
 
 def _padding(dims) -> str:

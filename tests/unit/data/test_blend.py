@@ -161,3 +161,26 @@ def test_a_blend_of_many_sources_builds_each_sources_epoch_order_once(tmp_path, 
     other_seed = samples.step_indices(5, 40, 8)  # the same blend asked under another seed
     assert np.array_equal(other_seed, blend(many, weights).step_indices(5, 40, 8))
     assert not np.array_equal(other_seed, steps[200:240])
+
+
+@pytest.mark.parametrize("weights", [[0.9, 0.1], [0.5, 0.5], [0.2, 0.5, 0.3]])
+def test_the_evaluation_wrap_check_counts_the_samples_before_a_source_repeats(sources, weights):
+    """A blended validation set repeats a source's samples once its weight has drawn more than the
+    source holds, long before len(blend) positions when the weights do not follow the sizes: with
+    weights 0.9/0.1 over sources of 40 and 68 samples, 80 positions draw 72 from the first. The
+    check (eval_wrap_problem) is given the positions an evaluation takes before one repeats, which
+    the evaluation order itself confirms to within one sample of a source."""
+    from megaframe.data.dataset import eval_wrap_problem
+
+    samples = blend(sources, weights)
+    before = samples.samples_before_a_repeat()
+    picks = samples.ordered(np.arange(len(samples)))
+
+    def repeats(n: int) -> bool:
+        return len({tuple(row) for row in picks[:n]}) < n
+
+    slack = int(1 / min(normalized(weights))) + 1  # one sample of the lightest source, in positions
+    assert not repeats(before - 1) and repeats(before + slack), (before, len(samples))
+    if weights == [0.9, 0.1]:
+        assert before < len(samples) // 2
+        assert eval_wrap_problem(1, before + 2, before) is not None
