@@ -85,6 +85,11 @@ class MegatronDataset:
         if len(lengths) and (ends.max() > bin_bytes or pointers.min() < 0):
             raise self._error(f"{self.idx_path} points past the end of {self.bin_path} ({bin_bytes} bytes; "
                               f"truncated, or the two files are from different builds); {_FIX}")
+        # Megatron's builder writes exactly the indexed sequences: a longer .bin is another build's
+        # (a newer .bin beside the old .idx, as a crash in the middle of replacing both leaves them)
+        if bin_bytes != (int(ends[-1]) if len(lengths) else 0):
+            raise self._error(f"{self.bin_path} holds {bin_bytes} bytes where {self.idx_path} accounts for "
+                              f"{int(ends[-1]) if len(lengths) else 0}: the two files are from different builds; {_FIX}")
         # megaframe reads the tokens as one stream: the sequences must lie back to back, in order
         if len(lengths) and (pointers[0] != 0 or np.any(pointers[1:] != ends[:-1])):
             raise self._error(f"{self.idx_path}: the sequences are not stored back to back in {self.bin_path}; "

@@ -86,6 +86,8 @@ def _damage(prefix, how: str) -> None:
     idx.write_bytes(bytes(data))
     if how == "short bin":
         bin_.write_bytes(bin_.read_bytes()[:-10])
+    if how == "longer bin":  # another build's .bin beside this .idx (a crash mid-replace leaves that)
+        bin_.write_bytes(bin_.read_bytes() * 2)
 
 
 @pytest.mark.parametrize("how,fragment", [
@@ -93,6 +95,7 @@ def _damage(prefix, how: str) -> None:
     ("truncated index", "expected for 5 sequences and 3 documents (truncated or corrupt)"),
     ("dtype", "unknown dtype code 42"),
     ("short bin", "points past the end of"),
+    ("longer bin", "the two files are from different builds"),
 ])
 def test_malformed_files_are_one_line(tmp_path, how, fragment):
     prefix = tmp_path / "bad"
