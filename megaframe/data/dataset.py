@@ -173,9 +173,12 @@ def windows_batch(windows: Sequence[np.ndarray], positions: Optional[np.ndarray]
 
 def build_epoch_permutation(seed: int, epoch: int, num_samples: int, stream: int = 0) -> np.ndarray:
     """The order of a sample set's epoch: seeded by (seed, epoch), and by `stream` (a blend's source
-    number + 1) too when it is not 0. Read-only."""
+    number + 1) too when it is not 0. Read-only. int32 below 2^31 samples: every rank holds the
+    epochs it is in, and at 500M samples (2T tokens of 4k) int64 took 4 GB a rank; the shuffle draws
+    the same swaps whatever the dtype, so the order is Generator.permutation(num_samples)'s."""
     key = [seed, epoch] if stream == 0 else [seed, stream, epoch]
-    permutation = np.random.default_rng(key).permutation(num_samples)
+    permutation = np.arange(num_samples, dtype=np.int32 if num_samples < 2**31 else np.int64)
+    np.random.default_rng(key).shuffle(permutation)
     permutation.setflags(write=False)
     return permutation
 

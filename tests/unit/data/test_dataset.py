@@ -209,3 +209,13 @@ def test_eval_batches_wrap_around(tmp_path: Path) -> None:
     inputs = torch.cat([batch[0] for batch in batches])
     expected, _ = samples.batch([0, 1, 2, 3, 0, 1])
     assert torch.equal(inputs, expected)
+
+
+def test_an_epochs_order_takes_four_bytes_a_sample_and_is_numpys_permutation() -> None:
+    """Every rank holds the orders of the epochs it is in: int64 cost 4 GB a rank at 500M samples."""
+    from megaframe.data.dataset import build_epoch_permutation
+
+    for num_samples in (1, 999, 65_537):
+        order = build_epoch_permutation(3, 2, num_samples, stream=4)
+        assert order.dtype == np.int32
+        assert np.array_equal(order, np.random.default_rng([3, 4, 2]).permutation(num_samples))
