@@ -62,6 +62,12 @@ class FastTier:
     def __init__(self, root: Path, run_dir: Path, rank: int, world: int, timeout: Optional[timedelta] = None):
         self.dir = Path(root) / run_key(run_dir)
         self.rank, self.world = rank, world
+        # which run the parts belong to: the run dir's own token (rank 0 reads or makes it), so the
+        # parts a deleted and remade run dir of the same path left on the nodes are not this run's
+        lineage = [lineage_token(run_dir) if rank == 0 else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(lineage, src=0)
+        self.lineage: str = lineage[0]
         # a "node" is the ranks that share one node-local directory: its host and the directory
         # (on one host, several such directories act as several nodes, as the tests' do)
         node = (f"{socket.gethostname()}:{Path(root).resolve()}", private_problem(self.dir))
@@ -94,7 +100,7 @@ class FastTier:
         universal.sync_dirs(part, record["files"])  # its files are fsync'd by their writers
         write_record(part, record)
         files = _hash_part(part, record["files"])
-        marker = {"step": step, "world": self.world, "rank": self.rank, "files": files}
+        marker = {"step": step, "world": self.world, "rank": self.rank, "lineage": self.lineage, "files": files}
         atomic_write_text(step_dir / f"rank{self.rank}.done.json", json.dumps({**marker, "copy": "own"}) + "\n")
         if self.buddy is not None or self.senders:
             self._swap_with_buddies(step_dir, part, marker)
@@ -127,10 +133,11 @@ class FastTier:
             work.wait()
 
     def _drop_older(self, step: int) -> None:
-        """Delete this rank's and its sender's parts of steps before `step` (the new ones are done)."""
+        """Delete this rank's and its sender's parts of every step but `step` (the new ones are done):
+        older ones, and newer ones a run that went back to an earlier checkpoint left behind."""
         mine = {self.rank, *self.senders}
         for step_dir in _step_dirs(self.dir):
-            if int(_STEP_DIR.fullmatch(step_dir.name).group(1)) >= step:
+            if int(_STEP_DIR.fullmatch(step_dir.name).group(1)) == step:
                 continue
             for rank in mine:
                 (step_dir / f"rank{rank}.done.json").unlink(missing_ok=True)  # first: a part without it is not used
@@ -159,6 +166,8 @@ class FastTier:
                     marker = json.loads(read_capped(done, universal.JSON_CAP))
                     step, rank = int(marker["step"]), int(marker["rank"])
                 except (OSError, ValueError, KeyError, TypeError):
+                    continue
+                if marker.get("lineage") != self.lineage:  # another run's, in a run dir of the same path
                     continue
                 found.setdefault(step, {})[rank] = marker
         return found
@@ -200,6 +209,27 @@ class FastTier:
         _barrier()
         self.clear()  # nothing usable: older than the shared checkpoint, incomplete, or not verifying
         return None
+
+
+LINEAGE_FILE = ".fast_tier_lineage"  # in the run dir: the token the fast tier's parts carry
+
+
+def lineage_token(run_dir: Path) -> str:
+    """The run dir's fast-tier token, made on first use and kept for every later attempt of the run
+    (it lives and dies with the run dir). A missing, unreadable or malformed one is made anew: parts
+    that no longer match are then not restored, which costs at most the steps since the shared
+    checkpoint."""
+    path = Path(run_dir) / LINEAGE_FILE
+    try:
+        token = read_capped(path, 256).decode().strip()
+        if re.fullmatch(r"[0-9a-f]{32}", token):
+            return token
+    except (OSError, UnicodeDecodeError):
+        pass
+    token = os.urandom(16).hex()
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, token + "\n")
+    return token
 
 
 def private_problem(path: Path) -> Optional[str]:

@@ -166,6 +166,8 @@ class CheckpointManager:
         verified = t.resume == "auto"
         if verified and self.fast is not None:
             self._restore_fast_tier()
+        elif self.fast is not None:  # resume=PATH or none: parts of the run's other steps are no longer its own
+            self.fast.clear()
         path = self._newest_verified() if verified else store.resolve_resume(t.resume, self.dir)
         if path is None:
             resume_checks.start_over(self.run_dir, self.dir, t.resume, self.metrics, self.is_logger,

@@ -279,3 +279,34 @@ def test_a_buddys_payload_is_written_only_when_it_is_the_senders_whole_part_insi
     assert (tmp_path / "buddy" / "secret").read_text() == "not the run's"
     whole = _pack(part, marker)
     assert "torn" in refused(whole[:-5])
+
+
+def test_parts_left_by_a_deleted_run_dir_of_the_same_path_are_not_restored(tmp_path):
+    """The node's folder is named by the run dir's path: a run killed at step 7, its run dir deleted
+    and a new run started at the same path with train.resume=auto, restored and resumed the old
+    run's step 7 (found by a review). Parts carry the run dir's lineage token now; another
+    lineage's are not restored, and are cleared."""
+    import shutil
+
+    old = _tier(tmp_path)
+    old.save(7, _writer(7))
+    assert (tmp_path / "run" / ".fast_tier_lineage").is_file()
+    again = _tier(tmp_path)  # a later attempt of the same run: the same lineage, its parts restore
+    assert again.lineage == old.lineage and sorted(again.inventory()) == [7]
+    shutil.rmtree(tmp_path / "run")
+    fresh = _tier(tmp_path)
+    assert fresh.lineage != old.lineage and fresh.dir == old.dir
+    published = []
+    assert fresh.restore(tmp_path / "run" / "checkpoints", 0, lambda *a: published.append(a)) is None
+    assert published == [] and not fresh.dir.exists()
+
+
+def test_a_save_drops_the_newer_steps_a_rolled_back_run_left(tmp_path):
+    """After train.resume=PATH went back to an earlier checkpoint, the abandoned timeline's newer
+    parts stayed on the node (only older steps were dropped) and a later restore could publish
+    them over the new timeline. A save keeps its own step alone."""
+    tier = _tier(tmp_path)
+    tier.save(10, _writer(10))
+    tier.save(6, _writer(6))  # the run went back and trained on from step 5
+    assert sorted(tier.inventory()) == [6]
+    assert [p.name for p in tier.dir.iterdir()] == ["global_step6"]
