@@ -137,9 +137,11 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
             fsync_dir(save_dir.parent)  # the run's first checkpoint: save_dir's own entry
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that crashed
     _barrier()
+    native_hashed: dict[str, dict] = {}
     if native:
         backend.save_native(save_dir, tmp.name, client_state)
         sync_filesystem(tmp)  # the engine writes without fsync and names no paths: this node's writes
+        native_hashed = _hash_share(tmp, rank, world)
     finish_part = write_rank_part(tmp, rank, client_state, rng_state, write_extra)
 
     def finish_rank() -> None:
@@ -147,6 +149,7 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
         if before_publish is not None:
             before_publish("write")
         record = finish_part()
+        record["files"].update(native_hashed)
         universal.sync_dirs(tmp, record["files"])  # its files' entries, before the record reports them
         sharded.write_record(tmp, record)
 
@@ -167,6 +170,19 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
         publish()
     _barrier()
     return final
+
+
+def _hash_share(tmp: Path, rank: int, world: int) -> dict[str, dict]:
+    """{file: {bytes, sha256}} of this rank's share of the engine's files in tmp: every world-th of
+    them, sorted. The engine names no paths, so rank 0 used to hash them all for the manifest (16
+    bytes a parameter with DeepSpeed's optimizer states: about 1.1 TB at 70B, while every other rank
+    waited on it past the collective timeout). Between two barriers: the engine's files are all
+    written before any rank lists them, and no rank writes its own files into tmp while another lists."""
+    _barrier()
+    files = sorted(p for p in tmp.rglob("*") if p.is_file() and not p.name.startswith("."))
+    share = {p.relative_to(tmp).as_posix(): universal.file_entry(p) for p in files[rank::world]}
+    _barrier()
+    return share
 
 
 def write_rank_part(directory: Path, rank: int, client_state: dict[str, Any], rng_state: Optional[dict[str, Any]],
