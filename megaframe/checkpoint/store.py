@@ -335,6 +335,10 @@ def manifest_problem(path: Path) -> Optional[str]:
         universal.verify_files(path, dict(files[_rank()::world]))
     except CheckpointError as err:
         problem = str(err)
+    except OSError as err:  # EIO, ESTALE, EACCES on shared storage: this rank's line, not a traceback
+        # while the other ranks wait in the gather below until the collective timeout
+        problem = (f"checkpoint {path}: cannot read {err.filename or 'a file'} ({err.strerror or type(err).__name__}); "
+                   f"check the storage, or resume from another checkpoint (train.resume=PATH)")
     if world == 1:
         return problem
     problems: list = [None] * world

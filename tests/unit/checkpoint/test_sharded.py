@@ -109,3 +109,24 @@ def test_version_1_files_read_through_the_same_reader(tmp_path):
         assert torch.equal(reader.read("w", Box((2, 1), (3, 4))), FULL["w"][2:5, 1:5])
     state, got_model, got_optim = sharded.read_universal(path)
     assert state["version"] == universal.VERSION and set(got_model) == {"w", "b"} and set(got_optim) == {"exp_avg.w"}
+
+
+def test_waiting_for_records_looks_again_only_for_the_missing_ones(tmp_path, monkeypatch):
+    """At thousands of ranks, a stat of every record every 50 ms flooded the metadata server: a rank
+    seen once is not looked for again, and the pauses grow to a second."""
+    from pathlib import Path
+
+    for rank in range(3):
+        sharded.write_record(tmp_path, {"rank": rank, "files": {}, "tensors": {}})
+    looked, pauses, real = [], [], Path.is_file
+
+    def is_file(path):
+        looked.append(path.name)
+        return real(path) and (path.name != sharded.record_file(1).split("/")[-1] or len(pauses) >= 10)
+
+    monkeypatch.setattr(Path, "is_file", is_file)
+    monkeypatch.setattr(sharded.time, "sleep", pauses.append)
+    sharded.wait_for_records(tmp_path, 3, timeout_s=60)
+    record_1 = sharded.record_file(1).split("/")[-1]
+    assert looked.count(record_1) == 11 and len(looked) == 2 + 11, looked
+    assert pauses[0] == 0.05 and pauses[-1] == 1.0 and pauses == sorted(pauses)

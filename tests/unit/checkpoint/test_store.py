@@ -142,3 +142,19 @@ def test_the_accelerators_generator_is_saved_and_restored(tmp_path, monkeypatch)
     checkpoint._load_rng(tmp_path / "global_step4")
     assert torch.equal(device_generator["state"], torch.tensor([1, 2, 3], dtype=torch.uint8))
     assert torch.equal(torch.get_rng_state(), cpu_at_save)
+
+
+def test_a_read_error_while_verifying_is_the_ranks_one_line_not_a_traceback(tmp_path, monkeypatch):
+    """EIO or ESTALE from shared storage during the resume's verification escaped on that rank as a
+    traceback while the others waited in the gather until the collective timeout."""
+    from megaframe.checkpoint import universal
+
+    path = checkpoint.save(FakeEngine(), tmp_path, 4, {"step": 4})
+
+    def broken(file):
+        raise OSError(5, "Input/output error", str(file))
+
+    monkeypatch.setattr(universal, "hash_file", broken)
+    problem = checkpoint.manifest_problem(path)
+    assert problem is not None and "Input/output error" in problem and "train.resume=PATH" in problem
+    assert "\n" not in problem
