@@ -310,11 +310,27 @@ def resolve_resume(resume: str, run_checkpoints: Path) -> Optional[Path]:
 
 def newest_verified(save_dir: Path) -> tuple[Optional[Path], list[str]]:
     """For train.resume=auto: the newest checkpoint under save_dir whose manifest verifies (the one
-    `latest` names first, then the others newest first), and why each newer one was skipped."""
-    latest = find_latest(save_dir)
-    if latest is None:
+    `latest` names first, then the others newest first), and why each newer one was skipped.
+    Collective: rank 0 lists the candidates and every rank takes its list. Ranks that listed shared
+    storage themselves could see different directories (NFS and Lustre clients cache them), and the
+    verification's gathers would then pair verdicts on different checkpoints."""
+    listed: list = [None]
+    if _rank() == 0:
+        try:
+            latest = find_latest(save_dir)
+            ordered = [] if latest is None else [latest] + [
+                path for _, path in reversed(_complete_checkpoints(save_dir)) if path != latest]
+            listed[0] = ("ok", [str(path) for path in ordered])
+        except CheckpointError as err:
+            listed[0] = ("error", str(err))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(listed, src=0)
+    kind, found = listed[0]
+    if kind == "error":
+        raise CheckpointError(found)
+    if not found:
         return None, []
-    ordered = [latest] + [path for _, path in reversed(_complete_checkpoints(save_dir)) if path != latest]
+    ordered = [Path(path) for path in found]
     skipped = []
     for path in ordered:
         problem = manifest_problem(path)
