@@ -117,6 +117,11 @@ class BlendedSamples:
         """Samples in one pass over every source (what an epoch of the blend would hold)."""
         return sum(len(source) for source in self.sources)
 
+    def data_changes(self) -> tuple[int, ...]:
+        """The steps after which the weights change: a stage starting at data step S (0-based, the
+        batch of logged step S + 1) follows logged step S."""
+        return tuple(stage.start_step for stage in self.stages[1:])
+
     def samples_before_a_repeat(self) -> int:
         """About how many positions the evaluation order (the first stage's weights) takes before a
         source repeats a sample: the smallest len / weight (the walk keeps each source within one

@@ -121,6 +121,10 @@ class SampleSet:
         """How many samples an evaluation (ordered()) takes before it repeats one: all of them."""
         return self.num_samples
 
+    def data_changes(self) -> tuple[int, ...]:
+        """The steps after which what the training draws from changes: none for one sample set."""
+        return ()
+
     def __getitem__(self, index: int) -> np.ndarray:
         """Tokens [index * seq_length, index * seq_length + seq_length + 1) of the stream."""
         position = int(index)

@@ -9,6 +9,8 @@ The rule, in every layout:
 - A skipped step consumes its batch (the data position is the step number) but does not advance the
   learning-rate schedule, as DeepSpeed and Megatron do for an fp16 overflow: after k skips the run
   is k steps behind on the schedule.
+- A data.blend_schedule stage starts a new baseline: the window empties after the last step of
+  the old weights and is judged again once full.
 - train.max_consecutive_skips skipped steps in a row stop the run (Diverged, exit 3). In fp16, a
   skip while the loss scale can still shrink is the scaler searching for its scale, not divergence,
   and does not count towards that limit.
@@ -51,8 +53,13 @@ class SkipEvent:
 class StepGuard:
     """Spike detection over a window of applied losses, and the skipped-step counters."""
 
-    def __init__(self, spike: SpikeConfig, max_consecutive_skips: int):
+    def __init__(self, spike: SpikeConfig, max_consecutive_skips: int, data_changes_after: tuple[int, ...] = ()):
+        """data_changes_after: the steps after which the training data changes (a data.blend_schedule
+        stage starts): the baseline starts over there. A level the new data sets is not a spike, and
+        spikes never enter the window: judged against the old data's window, a lasting rise (harder
+        data) was skipped max_consecutive_skips times and stopped the run as diverged."""
         self.spike, self.max_consecutive_skips = spike, max_consecutive_skips
+        self.data_changes_after = frozenset(data_changes_after)
         self.window: deque[float] = deque(maxlen=spike.window)
         self.skipped_steps = 0
         self.consecutive_skips = 0
@@ -84,6 +91,12 @@ class StepGuard:
     def after_step(self, step: int, loss: float, applied: bool, scale_can_shrink: bool = False) -> Optional[SkipEvent]:
         """Account for the step just taken; return the event to log (None for a normal step). An
         event with action "stopped" ends the run: log it, then raise Diverged(event.message)."""
+        event = self._after_step(step, loss, applied, scale_can_shrink)
+        if step in self.data_changes_after:
+            self.window.clear()  # the next step trains on other data: a new baseline, armed once full
+        return event
+
+    def _after_step(self, step: int, loss: float, applied: bool, scale_can_shrink: bool) -> Optional[SkipEvent]:
         metric = self.metric(loss)
         spiked = metric is not None and metric > self.spike.threshold
         if applied:

@@ -79,7 +79,7 @@ class Trainer:
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.step = 0
-        self.guard = StepGuard(cfg.train.spike, cfg.train.max_consecutive_skips)
+        self.guard = StepGuard(cfg.train.spike, cfg.train.max_consecutive_skips, self.data.train.data_changes())
         self.report = Reporting(self, self.metrics)  # training/reporting.py: every line, record and W&B call
         self.faults = Faults(self.ps.rank)
         t, gbs = cfg.train, layout.global_batch_size

@@ -84,3 +84,33 @@ def test_state_round_trip_gives_the_same_decisions():
     restored.load_state_dict(guard.state_dict())
     assert restored.state_dict() == guard.state_dict()
     assert restored.metric(3.4) == guard.metric(3.4) and restored.is_spike(9.0)
+
+
+def test_a_blend_schedules_new_data_starts_a_new_baseline_instead_of_a_divergence():
+    """Spikes never enter the window, so a lasting rise that harder data brings (a data.blend_schedule
+    stage) was judged against the old data's window forever: skipped max_consecutive_skips times,
+    then the run stopped as diverged. The window now starts over after the last old-data step."""
+    def run(changes):
+        guard = StepGuard(SpikeConfig(window=5, threshold=4.0), 3, data_changes_after=changes)
+        for step, loss in enumerate(CALM, 1):
+            guard.after_step(step, loss, applied=True)
+        events = []
+        for step in range(6, 16):  # the new stage's data: a level 0.5 higher, as steady
+            loss = 3.5 + 0.01 * (step % 3)
+            skip = guard.skip_before_update(loss)
+            events.append(guard.after_step(step, loss, applied=not skip))
+            if events[-1] is not None and events[-1].action == "stopped":
+                break
+        return events
+
+    assert run(changes=(5,)) == [None] * 10
+    assert run(changes=())[-1].action == "stopped"  # the same losses against the old window
+    assert run(changes=(9,))[-1].action == "stopped"  # a change elsewhere does not hide it
+
+
+def test_a_blend_says_after_which_steps_its_data_changes(tmp_path):
+    from tests.unit.data.test_blend import blend, sample_set
+
+    sources = [sample_set(tmp_path / "a", 0, 10), sample_set(tmp_path / "b", 100, 17)]
+    assert blend(sources, [0.5, 0.5], schedule=[(6, [0.1, 0.9]), (20, [0.9, 0.1])]).data_changes() == (6, 20)
+    assert sources[0].data_changes() == ()
