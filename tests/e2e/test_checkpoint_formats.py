@@ -89,3 +89,23 @@ def test_a_crafted_engine_checkpoint_runs_nothing_without_the_users_word(tmp_pat
     assert result.returncode == ExitCode.BAD_CHECKPOINT, result.stderr[-3000:]
     assert "train.trust_pickled_checkpoint=true" in result.stderr and "Traceback" not in result.stderr
     assert not marker.exists(), "the crafted checkpoint's code ran"
+
+
+def test_an_engine_only_resume_follows_the_new_schedule_as_its_change_line_says(tmp_path):
+    """A resume from DeepSpeed's own files with a longer train.max_steps (and another optim.lr): its
+    loader put the saved schedule back whole (LambdaLR.load_state_dict), so the run went on along the
+    old cosine while the resume's line said the new values were followed. The lr of each resumed
+    step is docs/configuration.md's formula at the new values (tests/unit/training/test_schedule.py)."""
+    import pytest
+
+    from megaframe.config.compose import compose
+    from tests.unit.training.test_schedule import documented_lr
+
+    args = [*TINY, "train.universal_checkpoint=false", f"hydra.run.dir={tmp_path}"]
+    assert_ok(run_cli([*args, "train.max_steps=4", "train.exit_at_step=2"]))
+    resumed = run_cli([*args, "train.max_steps=8", "optim.lr=2e-3", "train.trust_pickled_checkpoint=true"])
+    assert_ok(resumed)
+    o = compose(TINY)[0].optim  # its warmup and min_lr
+    lrs = [r["lr"] for r in read_metrics(tmp_path) if "loss" in r and r["step"] > 2]
+    assert lrs == pytest.approx([documented_lr(2e-3, o.min_lr, o.warmup_steps, 8, o.lr_decay, applied)
+                                 for applied in range(2, 8)]), resumed.stdout[-2000:]

@@ -17,7 +17,7 @@ from deepspeed.accelerator import get_accelerator
 
 from megaframe.backends import Batch, StepResult
 from megaframe.backends.common import (dp_mean, local_device_index, on_device, process_group_defaults,
-                                       model_state_parts, router_metrics)
+                                       model_state_parts, restore_schedule, router_metrics)
 from megaframe.backends.deepspeed import state_io
 from megaframe.backends.deepspeed.build_locks import load_ops, ops_for
 from megaframe.backends.deepspeed.build_step import undo_build_step
@@ -265,10 +265,19 @@ class DeepSpeedBackend:
         self.engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
 
     def load_native(self, directory: Path, tag: str) -> dict[str, Any]:
+        # DeepSpeed's load puts the saved schedule back whole (LambdaLR.load_state_dict: its factors'
+        # max_steps, warmup and decay, and the base lrs), where this run's config decides the schedule
+        # from the saved step on, as a layout-free resume does and the resume's change line says
+        sched = self.lr_scheduler
+        configured = list(sched.base_lrs), [dict(vars(factor)) for factor in sched.lr_lambdas]
         with torch.no_grad():  # a pipeline's load broadcasts its tied weights again (pipeline.py says why no grad)
             loaded, client_state = self.engine.load_checkpoint(str(directory), tag=tag)
         if loaded is None:
             raise RuntimeError(f"train.resume: DeepSpeed could not load a checkpoint from {Path(directory) / tag}")
+        sched.base_lrs = configured[0]
+        for factor, fields in zip(sched.lr_lambdas, configured[1]):
+            vars(factor).update(fields)
+        restore_schedule(sched, sched.last_epoch)
         return client_state
 
     def has_native(self, path: Path) -> bool:
