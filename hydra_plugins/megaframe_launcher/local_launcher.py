@@ -32,6 +32,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 
 from megaframe.config.compose import hydra_quoted, searchpath_override
+from megaframe.training.stop_signal import exit_code
 
 
 @dataclass
@@ -64,69 +65,108 @@ class MegaframeLocalLauncher(Launcher):
         # an option of that directory failed with "no such option"
         searchpath = [str(entry) for entry in self.config.hydra.searchpath or []]
         search = [searchpath_override(searchpath)] if searchpath else []
-        for offset, overrides in enumerate(job_overrides):
-            idx = initial_job_idx + offset
-            sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-            with open_dict(sweep_config):
-                sweep_config.hydra.job.id = sweep_config.hydra.job.num = idx
-            run_dir = sweep_dir / str(sweep_config.hydra.sweep.subdir)
-            point = list(filter_overrides(overrides))
-            print(f"megaframe-train: sweep point {idx}: {' '.join(point)} -> {run_dir}", flush=True)
-            code, stopped_by = run_point([sys.executable, "-m", "megaframe.train", *point, *search,
-                                          f"hydra.run.dir={hydra_quoted(str(run_dir))}"])
-            rows.append({"point": idx, "overrides": point, "run_dir": str(run_dir), "exit_code": code,
-                         **_last_values(run_dir / "metrics.jsonl")})
-            returns.append(JobReturn(overrides=list(overrides), cfg=sweep_config, working_dir=str(run_dir),
-                                     task_name=str(sweep_config.hydra.job.name), status=JobStatus.COMPLETED,
-                                     _return_value=code))
-            if stopped_by is not None:
-                left = len(job_overrides) - offset - 1
-                print(f"megaframe-train: sweep stopped by {signal.Signals(stopped_by).name} during point {idx}"
-                      + (f"; {left} point(s) did not start" if left else ""), file=sys.stderr, flush=True)
-                break
-        _write_summary(sweep_dir / "sweep_summary.json", rows)
-        print(_table(rows), flush=True)
+        with _Stops() as stops:
+            for offset, overrides in enumerate(job_overrides):
+                idx = initial_job_idx + offset
+                if stops.stopped_by is not None:  # came between two points
+                    self._say_stopped(stops.stopped_by, f"before point {idx}", len(job_overrides) - offset)
+                    break
+                sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+                with open_dict(sweep_config):
+                    sweep_config.hydra.job.id = sweep_config.hydra.job.num = idx
+                run_dir = sweep_dir / str(sweep_config.hydra.sweep.subdir)
+                point = list(filter_overrides(overrides))
+                print(f"megaframe-train: sweep point {idx}: {' '.join(point)} -> {run_dir}", flush=True)
+                code = stops.run([sys.executable, "-m", "megaframe.train", *point, *search,
+                                  f"hydra.run.dir={hydra_quoted(str(run_dir))}"])
+                rows.append({"point": idx, "overrides": point, "run_dir": str(run_dir), "exit_code": code,
+                             **_last_values(run_dir / "metrics.jsonl")})
+                returns.append(JobReturn(overrides=list(overrides), cfg=sweep_config, working_dir=str(run_dir),
+                                         task_name=str(sweep_config.hydra.job.name), status=JobStatus.COMPLETED,
+                                         _return_value=code))
+                if stops.stopped_by is not None:
+                    self._say_stopped(stops.stopped_by, f"during point {idx}", len(job_overrides) - offset - 1)
+                    break
+            _write_summary(sweep_dir / "sweep_summary.json", rows)
+            print(_table(rows), flush=True)
+        if stops.stopped_by is not None:  # the stopped point's code (128 + the signal), not an earlier failure's
+            sys.exit(rows[-1]["exit_code"] if rows and rows[-1]["exit_code"] else exit_code(stops.stopped_by))
         failed = [row["exit_code"] for row in rows if row["exit_code"]]
         if failed:
             sys.exit(failed[0])
         return returns
 
+    @staticmethod
+    def _say_stopped(signum: int, when: str, left: int) -> None:
+        print(f"megaframe-train: sweep stopped by {signal.Signals(signum).name} {when}"
+              + (f"; {left} point(s) did not start" if left else ""), file=sys.stderr, flush=True)
 
-def run_point(argv: list[str]) -> tuple[int, Optional[int]]:
-    """Run one point to its end: (its exit code, the stop signal the sweep got meanwhile or None).
-    subprocess.call would SIGKILL the point 0.25 s after a Ctrl-C (its ranks mid-save) and leave
-    it training on after a SIGTERM; here the signal is passed on and the point's own stop awaited. A
-    point a signal killed outright (the OOM killer) counts as exit 1, as a killed rank does."""
-    from megaframe.launch.guard import die_with_parent
-    from megaframe.launch.local import AGENT_SIGNALS
-    from megaframe.training.stop_signal import exit_code, not_ignored
 
-    sweep = os.getpid()
-    child = subprocess.Popen(argv, start_new_session=True, preexec_fn=lambda: die_with_parent(sweep))
-    received: list[int] = []
+class _Stops:
+    """The sweep's stop signals (Ctrl-C, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, less those ignored) for as
+    long as its points run, between points too: each is passed on once to the running point, and
+    once one came no further point starts. subprocess.call would SIGKILL the point 0.25 s after a
+    Ctrl-C (its ranks mid-save) and leave it training on after a SIGTERM."""
 
-    def pass_on(signum: int, _frame) -> None:
-        received.append(signum)
+    def __init__(self) -> None:
+        self.child: Optional[subprocess.Popen] = None
+        self.received: list[int] = []
+        self.pending = False  # a signal that came while no point was running (or one was starting)
+
+    def __enter__(self) -> "_Stops":
+        from megaframe.launch.local import AGENT_SIGNALS
+        from megaframe.training.stop_signal import not_ignored
+
+        handled = not_ignored(signal.Signals[name] for name in AGENT_SIGNALS)
+        self.previous = {signum: signal.signal(signum, self._pass_on) for signum in handled}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    @property
+    def stopped_by(self) -> Optional[int]:
+        return self.received[0] if self.received else None
+
+    def _pass_on(self, signum: int, _frame) -> None:
+        self.received.append(signum)
+        if self.child is None:
+            self.pending = True
+            return
         try:
-            child.send_signal(signum)  # a second one too: the point's "again: stopping now"
+            self.child.send_signal(signum)  # a second one too: the point's "again: stopping now"
         except ProcessLookupError:
             pass
 
-    handled = not_ignored(signal.Signals[name] for name in AGENT_SIGNALS)
-    previous = {signum: signal.signal(signum, pass_on) for signum in handled}
-    try:
-        code = child.wait()
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    if code < 0:
-        print(f"megaframe-train: sweep point killed by {signal.Signals(-code).name} [exit 1]", file=sys.stderr,
-              flush=True)
-        code = 1
-    stopped_by = received[0] if received else None
-    if stopped_by is not None and code == 0:  # it ended before it saw the signal
-        code = exit_code(stopped_by)
-    return code, stopped_by
+    def run(self, argv: list[str]) -> int:
+        """Run one point to its end and return its exit code. A point a signal killed outright (the OOM
+        killer) counts as exit 1, as a killed rank does."""
+        from megaframe.launch.guard import die_with_parent
+
+        sweep = os.getpid()
+        child = subprocess.Popen(argv, start_new_session=True, preexec_fn=lambda: die_with_parent(sweep))
+        self.child = child  # (signal handlers run between bytecodes: one came before this line is pending)
+        if self.pending:
+            self.pending = False
+            child.send_signal(self.received[0])
+        try:
+            code = child.wait()
+        finally:
+            self.child = None
+        if code < 0:
+            print(f"megaframe-train: sweep point killed by {signal.Signals(-code).name} [exit 1]", file=sys.stderr,
+                  flush=True)
+            code = 1
+        if self.stopped_by is not None and code == 0:  # it ended before it saw the signal
+            code = exit_code(self.stopped_by)
+        return code
+
+
+def run_point(argv: list[str]) -> tuple[int, Optional[int]]:
+    """One point run on its own (the tests'): (its exit code, the stop signal that came meanwhile or None)."""
+    with _Stops() as stops:
+        return stops.run(argv), stops.stopped_by
 
 
 def _last_values(metrics: Path) -> dict:

@@ -64,10 +64,18 @@ class FastTier:
         self.rank, self.world = rank, world
         # which run the parts belong to: the run dir's own token (rank 0 reads or makes it), so the
         # parts a deleted and remade run dir of the same path left on the nodes are not this run's
-        lineage = [lineage_token(run_dir) if rank == 0 else None]
+        lineage: list = [None]
+        if rank == 0:
+            try:
+                lineage[0] = ("ok", lineage_token(run_dir))
+            except OSError as err:  # every rank refuses alike: none is left waiting in the broadcast
+                lineage[0] = ("error", f"train.fast_save_dir: cannot keep the fast tier's token in the run dir "
+                                       f"({Path(run_dir) / LINEAGE_FILE}: {err.strerror or err}); fix its permissions")
         if dist.is_initialized():
             dist.broadcast_object_list(lineage, src=0)
-        self.lineage: str = lineage[0]
+        kind, self.lineage = lineage[0]
+        if kind == "error":
+            raise SaveFailed(self.lineage)
         # a "node" is the ranks that share one node-local directory: its host and the directory
         # (on one host, several such directories act as several nodes, as the tests' do)
         node = (f"{socket.gethostname()}:{Path(root).resolve()}", private_problem(self.dir))

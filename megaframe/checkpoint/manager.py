@@ -166,9 +166,11 @@ class CheckpointManager:
         verified = t.resume == "auto"
         if verified and self.fast is not None:
             self._restore_fast_tier()
-        elif self.fast is not None:  # resume=PATH or none: parts of the run's other steps are no longer its own
-            self.fast.clear()
         path = self._newest_verified() if verified else store.resolve_resume(t.resume, self.dir)
+        if not verified and self.fast is not None and (path is None or path.is_dir()):
+            # resume=none, or a PATH that is there: the parts of the run's other steps are no longer its
+            # own (a mistyped PATH fails on without losing them)
+            self.fast.clear()
         if path is None:
             resume_checks.start_over(self.run_dir, self.dir, t.resume, self.metrics, self.is_logger,
                                      self.layout.world_size > 1)

@@ -323,11 +323,16 @@ def newest_verified(save_dir: Path) -> tuple[Optional[Path], list[str]]:
             listed[0] = ("ok", [str(path) for path in ordered])
         except CheckpointError as err:
             listed[0] = ("error", str(err))
+        except OSError as err:  # the storage: every rank raises it, none is left waiting in the broadcast
+            listed[0] = ("unreadable", f"train.resume=auto: cannot list {save_dir} ({err.strerror or err}); "
+                                       f"check the storage and start the run again")
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(listed, src=0)
     kind, found = listed[0]
     if kind == "error":
         raise CheckpointError(found)
+    if kind == "unreadable":
+        raise OSError(found)
     if not found:
         return None, []
     ordered = [Path(path) for path in found]
@@ -345,21 +350,25 @@ def manifest_problem(path: Path) -> Optional[str]:
     """Check the manifest (every file's size and sha256), the files split evenly over the ranks;
     every rank gets the same answer: None when it verifies, else the one-line reason."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    problem = None
+    problem, unreadable = None, None
     try:
         files = sorted(universal.read_manifest(path)["files"].items())
         universal.verify_files(path, dict(files[_rank()::world]))
     except CheckpointError as err:
         problem = str(err)
-    except OSError as err:  # EIO, ESTALE, EACCES on shared storage: this rank's line, not a traceback
-        # while the other ranks wait in the gather below until the collective timeout
-        problem = (f"checkpoint {path}: cannot read {err.filename or 'a file'} ({err.strerror or type(err).__name__}); "
-                   f"check the storage, or resume from another checkpoint (train.resume=PATH)")
-    if world == 1:
-        return problem
-    problems: list = [None] * world
-    dist.all_gather_object(problems, problem)  # one short string or None per rank
-    return next((p for p in problems if p is not None), None)
+    except OSError as err:  # EIO, ESTALE, EACCES on shared storage: said on every rank, not a traceback on
+        # one while the others wait in the gather below until the collective timeout
+        unreadable = (f"checkpoint {path}: cannot read {err.filename or 'a file'} "
+                      f"({err.strerror or type(err).__name__}); check the storage and start the run again")
+    answers = [(problem, unreadable)]
+    if world > 1:
+        answers = [None] * world
+        dist.all_gather_object(answers, (problem, unreadable))  # short strings or None per rank
+    if unread := next((u for _, u in answers if u is not None), None):
+        # not "does not verify": resume=auto would go back to an older checkpoint and set this one aside
+        # over what may be a passing storage error; the attempt fails (exit 1) and a restart reads again
+        raise OSError(unread)
+    return next((p for p, _ in answers if p is not None), None)
 
 
 def check_model_shape(path: Path, dims) -> None:

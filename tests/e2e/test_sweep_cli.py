@@ -96,28 +96,34 @@ def test_a_sweep_over_the_options_of_ones_own_config_dir(tmp_path):
     assert [yaml.safe_load((sweep / p / "config.yaml").read_text())["model"]["num_layers"] for p in "01"] == [1, 2]
 
 
-@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM to the sweep", "SIGKILL to the sweep"])
+@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM to the sweep after a failed point", "SIGKILL to the sweep"])
 def test_a_signal_to_a_sweep_stops_the_running_point_as_it_stops_a_run(how, tmp_path):
-    """Ctrl-C (SIGINT to the terminal's process group) or SIGTERM to the sweep: the running dp=2 point
-    saves its step and exits 130 / 143 as a run does, the sweep writes its summary with that code,
-    starts no further point and exits with it. SIGKILL to the sweep: the point and its ranks die with
-    it. Before, the sweep SIGKILLed the point 0.25 s after a Ctrl-C (its ranks mid-save) and left it
-    training on after a SIGTERM or SIGKILL, holding its run directory. The sweep directory's name
-    needs Hydra's quoting (a space, a comma, parentheses), which the points' hydra.run.dir lacked."""
+    """Three points: a short one (killed by a one-shot fault in the SIGTERM case: exit 1), then a
+    long one the signal reaches. Ctrl-C (SIGINT to the terminal's process group) or SIGTERM to the
+    sweep: the running dp=2 point saves its step and exits 130 / 143 as a run does, the sweep writes
+    its summary, starts no further point and exits with that code (not the earlier failure's 1).
+    SIGKILL to the sweep: the point and its ranks die with it. Before, the sweep SIGKILLed the point
+    0.25 s after a Ctrl-C (its ranks mid-save) and left it training on after a SIGTERM or SIGKILL,
+    holding its run directory. The sweep directory's name needs Hydra's quoting (a space, a comma,
+    parentheses), which the points' hydra.run.dir lacked."""
     sweep = tmp_path / "sweep, (v2)"
-    args = [*ARGS, "train.max_steps=100000", "train.eval_interval=0", "optim.lr=1e-3,3e-3",
+    args = [*ARGS, "train.max_steps=3,100000,100000", "train.eval_interval=0",
             f"hydra.sweep.dir={hydra_quoted(str(sweep))}"]
+    faults = {}
+    if how.startswith("SIGTERM"):
+        (tmp_path / "stamps").mkdir()
+        faults = {"MEGAFRAME_FAULTS": "kill@2:1", "MEGAFRAME_FAULTS_STAMPS": str(tmp_path / "stamps")}
     process = subprocess.Popen([sys.executable, "-m", "megaframe.train", "-m", *args],
-                               cwd=REPO, env=cli_env(**FRESH_RANKS), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while not ((sweep / "0" / "metrics.jsonl").is_file() and len(read_metrics(sweep / "0")) >= 2):
+                               cwd=REPO, env=cli_env(**FRESH_RANKS, **faults), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not ((sweep / "1" / "metrics.jsonl").is_file() and len(read_metrics(sweep / "1")) >= 2):
         assert process.poll() is None, process.communicate()
-        assert time.monotonic() < deadline, "point 0 logged no steps"
+        assert time.monotonic() < deadline, "point 1 logged no steps"
         time.sleep(0.2)
     below = psutil.Process(process.pid).children(recursive=True)  # the point and its agent's ranks
     assert sum("megaframe.train" in " ".join(p.cmdline()) for p in below) == 3, [p.cmdline() for p in below]
-    name, code = {"Ctrl-C": ("SIGINT", 130), "SIGTERM to the sweep": ("SIGTERM", 143),
+    name, code = {"Ctrl-C": ("SIGINT", 130), "SIGTERM to the sweep after a failed point": ("SIGTERM", 143),
                   "SIGKILL to the sweep": ("SIGKILL", None)}[how]
     if how == "Ctrl-C":
         os.killpg(process.pid, signal.SIGINT)
@@ -133,9 +139,10 @@ def test_a_signal_to_a_sweep_stops_the_running_point_as_it_stops_a_run(how, tmp_
     assert process.returncode == code, err[-3000:]
     _, alive = psutil.wait_procs(below, timeout=20)
     assert not alive, f"left running after the sweep ended: {[p.pid for p in alive]}"
-    assert not (sweep / "1").exists(), "a point started after the stop"
+    assert not (sweep / "2").exists(), "a point started after the stop"
     assert "Traceback" not in out + err, err[-3000:]
-    assert f"sweep stopped by {name} during point 0; 1 point(s) did not start" in err, err[-3000:]
-    (row,) = json.loads((sweep / "sweep_summary.json").read_text())
-    saved = sorted(p.name for p in (sweep / "0" / "checkpoints").glob("global_step*"))
-    assert row["exit_code"] == code and saved == [f"global_step{row['step']}"], (row, saved)
+    assert f"sweep stopped by {name} during point 1; 1 point(s) did not start" in err, err[-3000:]
+    first, stopped = json.loads((sweep / "sweep_summary.json").read_text())
+    assert first["exit_code"] == (1 if faults else 0), first
+    saved = sorted(p.name for p in (sweep / "1" / "checkpoints").glob("global_step*"))
+    assert stopped["exit_code"] == code and saved == [f"global_step{stopped['step']}"], (stopped, saved)

@@ -310,3 +310,14 @@ def test_a_save_drops_the_newer_steps_a_rolled_back_run_left(tmp_path):
     tier.save(6, _writer(6))  # the run went back and trained on from step 5
     assert sorted(tier.inventory()) == [6]
     assert [p.name for p in tier.dir.iterdir()] == ["global_step6"]
+
+
+def test_a_run_dir_that_cannot_keep_the_token_is_a_refusal_not_a_traceback(tmp_path):
+    """Rank 0 reads or makes the lineage token while the other ranks wait for it in a broadcast: an
+    OSError there (a read-only run dir) is the same SaveFailed line on every rank."""
+    from megaframe.common.failures import SaveFailed
+
+    (tmp_path / "run").write_text("a file where the run dir should be")
+    with pytest.raises(SaveFailed) as err:
+        FastTier(tmp_path / "shm", tmp_path / "run", rank=0, world=1)
+    assert ".fast_tier_lineage" in str(err.value) and "\n" not in str(err.value)

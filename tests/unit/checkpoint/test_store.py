@@ -144,10 +144,13 @@ def test_the_accelerators_generator_is_saved_and_restored(tmp_path, monkeypatch)
     assert torch.equal(torch.get_rng_state(), cpu_at_save)
 
 
-def test_a_read_error_while_verifying_is_the_ranks_one_line_not_a_traceback(tmp_path, monkeypatch):
+def test_a_read_error_while_verifying_fails_the_attempt_in_one_line_without_going_back(tmp_path, monkeypatch):
     """EIO or ESTALE from shared storage during the resume's verification escaped on that rank as a
-    traceback while the others waited in the gather until the collective timeout."""
+    traceback while the others waited in the gather until the collective timeout. Every rank now
+    raises the same one-line OSError (exit 1: a restart reads again); taking it for "does not
+    verify" would resume an older checkpoint and set the newest aside over a passing error."""
     from megaframe.checkpoint import universal
+    from megaframe.common.failures import classify
 
     path = checkpoint.save(FakeEngine(), tmp_path, 4, {"step": 4})
 
@@ -155,6 +158,8 @@ def test_a_read_error_while_verifying_is_the_ranks_one_line_not_a_traceback(tmp_
         raise OSError(5, "Input/output error", str(file))
 
     monkeypatch.setattr(universal, "hash_file", broken)
-    problem = checkpoint.manifest_problem(path)
-    assert problem is not None and "Input/output error" in problem and "train.resume=PATH" in problem
-    assert "\n" not in problem
+    with pytest.raises(OSError) as err:
+        checkpoint.newest_verified(tmp_path)
+    failure = classify(err.value)
+    assert failure.exit_code == 1 and "Input/output error" in str(failure) and "\n" not in str(failure)
+    assert (tmp_path / "global_step4").is_dir()
