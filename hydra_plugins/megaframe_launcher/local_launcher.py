@@ -89,7 +89,9 @@ class MegaframeLocalLauncher(Launcher):
             _write_summary(sweep_dir / "sweep_summary.json", rows)
             print(_table(rows), flush=True)
         if stops.stopped_by is not None:  # the stopped point's code (128 + the signal), not an earlier failure's
-            sys.exit(rows[-1]["exit_code"] if rows and rows[-1]["exit_code"] else 128 + int(stops.stopped_by))
+            from megaframe.training.stop_signal import exit_code
+
+            sys.exit(rows[-1]["exit_code"] if rows and rows[-1]["exit_code"] else exit_code(stops.stopped_by))
         failed = [row["exit_code"] for row in rows if row["exit_code"]]
         if failed:
             sys.exit(failed[0])
@@ -142,6 +144,7 @@ class _Stops:
         """Run one point to its end and return its exit code. A point a signal killed outright (the OOM
         killer) counts as exit 1, as a killed rank does."""
         from megaframe.launch.guard import die_with_parent
+        from megaframe.training.stop_signal import exit_code
 
         sweep = os.getpid()
         child = subprocess.Popen(argv, start_new_session=True, preexec_fn=lambda: die_with_parent(sweep))
@@ -157,8 +160,8 @@ class _Stops:
             print(f"megaframe-train: sweep point killed by {signal.Signals(-code).name} [exit 1]", file=sys.stderr,
                   flush=True)
             code = 1
-        if self.stopped_by is not None and code == 0:  # it ended before it saw the signal: 128 + its number
-            code = 128 + int(self.stopped_by)
+        if self.stopped_by is not None and code == 0:  # it ended before it saw the signal
+            code = exit_code(self.stopped_by)
         return code
 
 
