@@ -349,7 +349,9 @@ def _unpack(payload: torch.Tensor, step_dir: Path, sender: int) -> dict:
     order = marker.pop("order")
     part = step_dir / f"rank{sender}"
     if marker.get("rank") != sender or sorted(order) != sorted(marker["files"]):
-        raise SaveFailed(f"fast tier: the part received from rank {sender} says rank {marker.get('rank')}; "
+        said = (f"says rank {marker.get('rank')}" if marker.get("rank") != sender
+                else "lists other files than it carries")
+        raise SaveFailed(f"fast tier: the part received from rank {sender} {said}; "
                          f"the buddies' exchange is mixed up, report this as a megaframe bug")
     try:
         targets = [universal.inside(part, rel, f"rank {sender}'s fast-tier part") for rel in order]
