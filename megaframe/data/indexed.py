@@ -18,6 +18,7 @@ from typing import Any, BinaryIO, Sequence
 
 import numpy as np
 
+from megaframe.data.index_scan import nondecreasing
 from megaframe.data.megatron import write_index
 from megaframe.data.sidecar import field_problem
 from megaframe.data.temp_files import open_temp
@@ -276,7 +277,7 @@ class IndexedDataset:
         self.doc_offsets: np.ndarray = np.memmap(
             self.idx_path, dtype="<i8", mode="r", offset=_HEADER.size, shape=(num_documents + 1,)
         )
-        if self.doc_offsets[0] != 0 or np.any(np.diff(self.doc_offsets) < 0):
+        if self.doc_offsets[0] != 0 or not nondecreasing(self.doc_offsets):  # a chunk at a time
             raise self._error(f"{self.idx_path} holds non-monotonic document offsets (corrupt); {_REBUILD_HINT}")
         expected_bytes = int(self.doc_offsets[-1]) * self.dtype.itemsize
         actual_bytes = self.bin_path.stat().st_size

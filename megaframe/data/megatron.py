@@ -24,6 +24,7 @@ from typing import Any, BinaryIO, Optional
 
 import numpy as np
 
+from megaframe.data.index_scan import DocumentOffsets, nondecreasing, scan_sequences
 from megaframe.data.token_files import DataError, content_checksum, read_head
 from megaframe.data.sidecar import field_problem
 
@@ -81,26 +82,26 @@ class MegatronDataset:
             raise self._error(f"{self.idx_path} holds {self.dtype} values, not token ids; {_FIX}")
         bin_bytes = self.bin_path.stat().st_size
         item = self.dtype.itemsize
-        ends = pointers + lengths.astype(np.int64) * item
-        if len(lengths) and (ends.max() > bin_bytes or pointers.min() < 0):
+        scan = scan_sequences(lengths, pointers, item)  # a chunk at a time: see index_scan.py
+        if scan.negative_length:
+            raise self._error(f"{self.idx_path} holds negative sequence lengths (corrupt); {_FIX}")
+        if scan.max_end > bin_bytes or scan.min_pointer < 0:
             raise self._error(f"{self.idx_path} points past the end of {self.bin_path} ({bin_bytes} bytes; "
                               f"truncated, or the two files are from different builds); {_FIX}")
         # Megatron's builder writes exactly the indexed sequences: a longer .bin is another build's
         # (a newer .bin beside the old .idx, as a crash in the middle of replacing both leaves them)
-        if bin_bytes != (int(ends[-1]) if len(lengths) else 0):
+        if bin_bytes != scan.last_end:
             raise self._error(f"{self.bin_path} holds {bin_bytes} bytes where {self.idx_path} accounts for "
-                              f"{int(ends[-1]) if len(lengths) else 0}: the two files are from different builds; {_FIX}")
+                              f"{scan.last_end}: the two files are from different builds; {_FIX}")
         # megaframe reads the tokens as one stream: the sequences must lie back to back, in order
-        if len(lengths) and (pointers[0] != 0 or np.any(pointers[1:] != ends[:-1])):
+        if not scan.back_to_back:
             raise self._error(f"{self.idx_path}: the sequences are not stored back to back in {self.bin_path}; "
                               f"megaframe reads datasets as IndexedDatasetBuilder writes them")
-        if len(doc_index) == 0 or doc_index[0] != 0 or doc_index[-1] != len(lengths) or np.any(np.diff(doc_index) < 0):
+        if len(doc_index) == 0 or doc_index[0] != 0 or doc_index[-1] != len(lengths) or not nondecreasing(doc_index):
             raise self._error(f"{self.idx_path}: its document index does not run from 0 to the {len(lengths)} "
                               f"sequences in order (corrupt); {_FIX}")
-        # token offset of every document boundary
-        sequence_starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-        self.doc_offsets = sequence_starts[doc_index]
-        total = int(self.doc_offsets[-1])
+        total = scan.last_end // item
+        self.doc_offsets = DocumentOffsets(pointers, doc_index, item, total)  # token offset of every boundary
         self.tokens = np.memmap(self.bin_path, dtype=self.dtype, mode="r", shape=(total,)) if total \
             else np.zeros(0, dtype=self.dtype)
         self.sidecar = read_sidecar(self.prefix)
@@ -159,9 +160,7 @@ class MegatronDataset:
                              shape=(sequences,)) if sequences else np.zeros(0, dtype="<i8")
         doc_index = np.memmap(self.idx_path, dtype="<i8", mode="r", offset=_HEADER.size + 12 * sequences,
                               shape=(documents,)) if documents else np.zeros(0, dtype="<i8")
-        if np.any(lengths < 0):
-            raise self._error(f"{self.idx_path} holds negative sequence lengths (corrupt); {_FIX}")
-        return DTYPES[code], np.asarray(lengths), np.asarray(pointers), np.asarray(doc_index)
+        return DTYPES[code], lengths, pointers, doc_index
 
     @property
     def num_tokens(self) -> int:

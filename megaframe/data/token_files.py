@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from megaframe.common.failures import ExitCode
+from megaframe.data.index_scan import CHUNK
 
 _HASH_CHUNK_TOKENS = 1 << 24
 
@@ -34,5 +35,6 @@ def content_checksum(tokens: np.ndarray, doc_offsets: np.ndarray) -> bytes:
     hasher = hashlib.blake2b(digest_size=16)
     for start in range(0, len(tokens), _HASH_CHUNK_TOKENS):
         hasher.update(np.ascontiguousarray(tokens[start : start + _HASH_CHUNK_TOKENS]).tobytes())
-    hasher.update(np.asarray(doc_offsets, dtype="<i8").tobytes())
+    for start in range(0, len(doc_offsets), CHUNK):  # a Megatron index's offsets are computed, a chunk at a time
+        hasher.update(np.asarray(doc_offsets[start : start + CHUNK], dtype="<i8").tobytes())
     return hasher.digest()

@@ -105,3 +105,100 @@ def test_malformed_files_are_one_line(tmp_path, how, fragment):
         open_dataset(prefix, "byte")
     message = str(err.value)
     assert fragment in message and "\n" not in message and message.startswith(f"data.path={prefix}"), message
+
+
+def _raw_index(prefix, lengths, pointers, doc_index, dtype=np.uint16, bin_tokens=None) -> None:
+    """An index written field by field (Megatron's layout, version 1), for files its builder would
+    not write: corrupt ones, and ones too large to build sequence by sequence in a test."""
+    import struct
+
+    from megaframe.data.megatron import MAGIC
+    lengths, pointers, doc_index = (np.asarray(a, dtype=t) for a, t in ((lengths, "<i4"), (pointers, "<i8"),
+                                                                       (doc_index, "<i8")))
+    code = {np.dtype(np.uint16): 8, np.dtype(np.int32): 4}[np.dtype(dtype)]
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(struct.pack("<9sQBQQ", MAGIC, 1, code, len(lengths), len(doc_index)))
+        f.write(lengths.tobytes() + pointers.tobytes() + doc_index.tobytes())
+    tokens = int(lengths.sum()) if bin_tokens is None else bin_tokens
+    np.arange(tokens, dtype=dtype).tofile(f"{prefix}.bin")
+
+
+def test_a_large_index_is_checked_and_read_without_being_held_in_memory(tmp_path, monkeypatch):
+    """Opening a Megatron dataset held ~40 bytes a document while checking it and kept 8 (its token
+    offsets) for the run: 8 GB on every rank for a billion documents. Now the checks read the
+    memory-mapped index a chunk at a time and the offsets are looked up on demand; the documents
+    read are unchanged (two sequences in some documents, so the document index is not the identity)."""
+    import tracemalloc
+
+    from megaframe.data import index_scan
+
+    rng = np.random.default_rng(0)
+    documents = 300_000
+    sequences_per_document = rng.integers(1, 3, documents)
+    doc_index = np.concatenate([[0], np.cumsum(sequences_per_document)])
+    lengths = rng.integers(1, 4, int(doc_index[-1])).astype("<i4")
+    pointers = np.concatenate([[0], np.cumsum(lengths.astype(np.int64) * 2)[:-1]])
+    prefix = tmp_path / "large"
+    _raw_index(prefix, lengths, pointers, doc_index)
+    expected_offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])[doc_index]  # tokens, not bytes
+
+    monkeypatch.setattr(index_scan, "CHUNK", 4096)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        dataset = MegatronDataset(prefix, vocab_size=1 << 16, eod_id=0)
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    index_bytes = 8 * documents  # what the offsets alone took before
+    assert held - before < index_bytes / 20, (held - before, index_bytes)
+    assert peak - before < index_bytes / 4, (peak - before, index_bytes)
+
+    assert len(dataset) == documents and dataset.num_tokens == int(lengths.sum())
+    assert np.array_equal(dataset.doc_offsets[:], expected_offsets)
+    assert np.array_equal(dataset.doc_offsets[1000:1010], expected_offsets[1000:1010])
+    assert dataset.doc_offsets[-1] == expected_offsets[-1] and dataset.doc_offsets[7] == expected_offsets[7]
+    tokens = np.arange(int(lengths.sum()), dtype=np.uint16)
+    for d in (0, 1, 4095, 4096, documents - 1):
+        assert np.array_equal(dataset[d], tokens[expected_offsets[d]:expected_offsets[d + 1]]), d
+
+
+@pytest.mark.parametrize("how,fragment", [
+    ("negative length", "holds negative sequence lengths"),
+    ("gap between sequences", "the sequences are not stored back to back"),
+    ("first sequence not at 0", "the sequences are not stored back to back"),
+    ("document index goes back", "its document index does not run from 0"),
+    ("document index ends early", "its document index does not run from 0"),
+])
+@pytest.mark.parametrize("chunk", [3, 1 << 20])
+def test_damage_anywhere_in_the_index_is_found_whichever_chunk_it_falls_in(tmp_path, monkeypatch, how, fragment,
+                                                                          chunk):
+    """The chunked checks find what the whole-array ones found, at a chunk's edge too (chunk 3: the
+    damage at entry 6 sits on a boundary; the sequences and document index are 10 and 8 long)."""
+    from megaframe.data import index_scan
+
+    monkeypatch.setattr(index_scan, "CHUNK", chunk)
+    lengths = np.full(10, 2)
+    pointers = np.arange(10) * 4
+    doc_index = np.array([0, 1, 2, 3, 5, 6, 8, 10])
+    tokens = None
+    if how == "negative length":
+        lengths[6], tokens = -1, 18
+    elif how == "gap between sequences":
+        pointers[6:] += 2
+        tokens = 21
+    elif how == "first sequence not at 0":
+        pointers += 2
+        tokens = 21
+    elif how == "document index goes back":
+        doc_index[6] = 4
+    elif how == "document index ends early":
+        doc_index[-1] = 9
+    prefix = tmp_path / "bad"
+    _raw_index(prefix, lengths, pointers, doc_index, bin_tokens=tokens)
+    with pytest.raises(DataError) as err:
+        MegatronDataset(prefix, vocab_size=1 << 16, eod_id=0)
+    assert fragment in str(err.value) and "\n" not in str(err.value), str(err.value)
+    lengths[:] = 2
+    _raw_index(prefix, lengths, np.arange(10) * 4, [0, 1, 2, 3, 5, 6, 8, 10])  # the undamaged files open
+    assert len(MegatronDataset(prefix, vocab_size=1 << 16, eod_id=0)) == 7
