@@ -25,7 +25,7 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 import torch.distributed as dist
 
-from megaframe.checkpoint import resume_checks, store
+from megaframe.checkpoint import resume_checks, store, universal
 from megaframe.checkpoint.fast_tier import FastTier
 from megaframe.checkpoint.parts import RankStateful, Resume, Stateful
 from megaframe.checkpoint.universal import CheckpointError
@@ -164,6 +164,8 @@ class CheckpointManager:
         (refused on every rank when the run dir says a checkpoint should be there)."""
         t = self.cfg.train
         verified = t.resume == "auto"
+        if verified and self.is_logger:
+            self._finish_interrupted_swap()  # before anything lists the checkpoints (rank 0 lists them)
         if verified and self.fast is not None:
             self._restore_fast_tier()
         path = self._newest_verified() if verified else store.resolve_resume(t.resume, self.dir)
@@ -210,6 +212,19 @@ class CheckpointManager:
                 part.reseed(seed)
         if point.layout_free and "cpu" not in point.rng_state:
             torch.manual_seed(seed)
+
+    def _finish_interrupted_swap(self) -> None:
+        """Rank 0: a checkpoint a crash left aside in the middle of being saved again comes back, in
+        one line. Other ranks see the run's checkpoints through rank 0's listing, broadcast after this."""
+        try:
+            restored = universal.finish_interrupted_swaps(self.dir) if self.dir.is_dir() else []
+        except OSError as err:  # the listing that follows says what the storage does; no rank waits on this one
+            print(f"megaframe: warning: cannot put back checkpoints left aside in {self.dir} ({err})",
+                  file=sys.stderr, flush=True)
+            return
+        for path in restored:
+            print(f"megaframe: {path.name} was left aside by a crash while it was being saved again: put back",
+                  file=sys.stderr, flush=True)
 
     def _newest_verified(self) -> Optional[Path]:
         """train.resume=auto: the newest checkpoint that verifies, each fallback said in one line.

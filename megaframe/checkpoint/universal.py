@@ -254,23 +254,46 @@ def write_universal(out_dir: Path, model: dict[str, torch.Tensor], state: dict[s
     return replace_dir(tmp, out_dir)
 
 
+OLD_PREFIX = "tmp-old-"  # a replaced directory, until the swap that replaced it is durable
+
+
 def replace_dir(tmp: Path, final: Path) -> Path:
     """Rename the complete directory `tmp` to `final`; an existing `final` is moved aside to
-    tmp-old-NAME first and deleted only after the swap, so a crash never leaves neither. Durable:
-    tmp's entries are fsync'd before the rename (its files by their writers), the parent after it."""
+    tmp-old-NAME first and deleted only after the swap, so a crash never leaves neither (a crash
+    between the two renames is put right by finish_interrupted_swaps). Durable: tmp's entries are
+    fsync'd before the rename (its files by their writers), the parent after it."""
     tmp, final = Path(tmp), Path(final)
     fsync_dir(tmp)
+    old = final.with_name(f"{OLD_PREFIX}{final.name}")
     if final.exists():
-        old = final.with_name(f"tmp-old-{final.name}")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
         os.replace(tmp, final)
         fsync_dir(final.parent)  # before the old copy goes
-        shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
         fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)  # also an interrupted swap's copy, superseded now
     return final
+
+
+def finish_interrupted_swaps(parent: Path) -> list[Path]:
+    """Put right what a crash between replace_dir's two renames left in `parent`: a tmp-old-NAME
+    whose NAME is gone is NAME's last complete copy and is renamed back; one beside its NAME is an
+    old copy the swap had not deleted yet, and goes. Returns the directories put back. Before this,
+    a resume fell back past NAME (a step saved twice, as a stop right after a resume does) and the
+    aside copy, a whole checkpoint, stayed on the storage for good."""
+    restored = []
+    for old in sorted(Path(parent).glob(f"{OLD_PREFIX}*")):
+        final = old.with_name(old.name.removeprefix(OLD_PREFIX))
+        if os.path.lexists(final):
+            shutil.rmtree(old, ignore_errors=True)
+        elif old.is_dir():
+            os.replace(old, final)
+            restored.append(final)
+    if restored:
+        fsync_dir(parent)
+    return restored
 
 
 def read_state(directory: Path) -> dict[str, Any]:

@@ -34,3 +34,46 @@ def _resume_with_a_lagging_listing(rank: int, world: int, save_dir: str) -> str:
 def test_every_rank_resumes_from_the_checkpoint_rank_0_lists(tmp_path):
     results = run_ranks(_resume_with_a_lagging_listing, 2, tmp_path, timeout=120, save_dir=str(tmp_path / "ckpt"))
     assert results == ["global_step4 []", "global_step4 []"], results
+
+
+def _train_and_report_the_first_step(rank: int, world: int, overrides: list[str], run_dir: str) -> int:
+    from megaframe.config.compose import compose
+    from megaframe.config.validate import validate
+    from megaframe.training.trainer import Trainer
+
+    cfg, _ = compose(overrides)
+    trainer = Trainer(cfg, validate(cfg, world), Path(run_dir))
+    first, take_step = [], trainer.train_step
+
+    def recording_step():
+        first.append(trainer.step)
+        return take_step()
+    trainer.train_step = recording_step
+    with trainer:
+        trainer.fit()
+    return first[0]
+
+
+def test_a_checkpoint_a_crash_left_aside_mid_swap_is_put_back_and_resumed_from(tmp_path, capfd):
+    """Saving a step that already has a checkpoint (a stop right after a resume saves it again) moves
+    the old copy to tmp-old-global_stepN, renames the new one in, then deletes the old. A crash
+    between the two renames left neither under the name: the resume fell back to an older step and
+    the aside copy stayed on the storage for good. Now it is renamed back and resumed from."""
+    import shutil
+
+    from tests.support.helpers import TINY
+
+    base = [*TINY, "train.max_steps=6", "train.eval_interval=0", "train.save_interval=2"]
+    run_dir = tmp_path / "run"
+    run_ranks(_train_and_report_the_first_step, 1, tmp_path, overrides=[*base, "train.exit_at_step=4"],
+              run_dir=str(run_dir))
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "global_step4"
+    # the crash: step 4 saved again, its old copy moved aside, the new one complete but not renamed in
+    shutil.copytree(checkpoints / "global_step4", checkpoints / "tmp-global_step4")
+    (checkpoints / "global_step4").rename(checkpoints / "tmp-old-global_step4")
+    (first,) = run_ranks(_train_and_report_the_first_step, 1, tmp_path, overrides=base, run_dir=str(run_dir))
+    assert first == 4, first  # the first step taken goes from 4 to 5: resumed at 4, not at 2
+    assert "global_step4 was left aside by a crash while it was being saved again: put back" in capfd.readouterr().err
+    assert not (checkpoints / "tmp-old-global_step4").exists()
+    assert sorted(p.name for p in checkpoints.glob("global_step*")) == ["global_step2", "global_step4", "global_step6"]

@@ -112,3 +112,30 @@ def test_a_crafted_state_json_is_one_line_not_a_traceback(tmp_path, field, value
 def test_pipeline_names_map_to_canonical(module_name, canonical):
     dims = resolve_dims(ModelConfig(num_layers=4, tie_embeddings=False), 100)
     assert canonical_name(module_name, ModelSpec(dims).layers()) == canonical
+
+
+def test_an_interrupted_swap_is_put_right_and_a_finished_one_cleared(tmp_path):
+    """What a crash between replace_dir's renames leaves: the aside copy without its name comes back,
+    the aside copy beside its name goes, anything else is left alone."""
+    def directory(name: str, content: str):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "file").write_text(content)
+
+    directory("tmp-old-global_step4", "old 4")  # the crash came between the renames
+    directory("tmp-global_step4", "new 4")
+    directory("tmp-old-global_step2", "old 2")  # the crash came before the aside copy was deleted
+    directory("global_step2", "new 2")
+    directory("tmp-del-global_step1", "pruned")
+    assert universal.finish_interrupted_swaps(tmp_path) == [tmp_path / "global_step4"]
+    assert (tmp_path / "global_step4" / "file").read_text() == "old 4"
+    assert (tmp_path / "global_step2" / "file").read_text() == "new 2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step2", "global_step4", "tmp-del-global_step1",
+                                                         "tmp-global_step4"]
+    assert universal.finish_interrupted_swaps(tmp_path) == []
+
+    # and a save of the step whose swap was interrupted removes the aside copy the crash left
+    directory("tmp-old-global_step6", "old 6")
+    directory("tmp-global_step6", "new 6")
+    universal.replace_dir(tmp_path / "tmp-global_step6", tmp_path / "global_step6")
+    assert (tmp_path / "global_step6" / "file").read_text() == "new 6"
+    assert not (tmp_path / "tmp-old-global_step6").exists()
