@@ -168,6 +168,41 @@ def test_the_run_end_clears_the_fast_tier_only_once_the_last_save_is_published(f
         manager.wait()
 
 
+class _Stop(Exception):
+    """Where the stub resume stops: past the fast-tier decision, before a checkpoint would be read."""
+
+
+@pytest.mark.parametrize("resume,cleared", [("none", True), ("a checkpoint that is there", True),
+                                            ("a mistyped path", False)])
+def test_a_resume_that_leaves_the_runs_own_steps_clears_the_fast_tier_a_mistyped_path_does_not(
+        tmp_path, monkeypatch, resume, cleared):
+    """train.resume=none, or a PATH that is there: the node's parts of the run's other steps are no
+    longer its own, and a later resume=auto must not publish them over the new timeline. A PATH that
+    is not there fails the run, which must leave them for the next try."""
+    from types import SimpleNamespace
+
+    from megaframe.checkpoint import manager as manager_module
+    from megaframe.checkpoint.manager import CheckpointManager
+
+    there = tmp_path / "elsewhere" / "global_step4"
+    there.mkdir(parents=True)
+    value = {"none": "none", "a checkpoint that is there": str(there),
+             "a mistyped path": str(tmp_path / "elsewhere" / "global_step44")}[resume]
+    manager = CheckpointManager.__new__(CheckpointManager)  # only what resume() reads before a load
+    manager.fast, manager.is_logger, manager.whole, manager._engine_parts = _Fast(), True, [], (0, 0)
+    manager.run_dir, manager.dir = tmp_path, tmp_path / "checkpoints"
+    manager.metrics, manager.dims, manager.layout = None, None, SimpleNamespace(world_size=1)
+    manager.cfg = SimpleNamespace(train=SimpleNamespace(resume=value))
+
+    def stop(*args, **kwargs):
+        raise _Stop
+    monkeypatch.setattr(manager_module.resume_checks, "start_over", stop)
+    monkeypatch.setattr(manager_module.store, "check_model_shape", stop)
+    with pytest.raises(_Stop):
+        manager.resume()
+    assert manager.fast.cleared is cleared
+
+
 def test_the_run_directory_on_the_node_is_private_and_a_foreign_one_is_refused(tmp_path, monkeypatch):
     """Node-local memory is every user's and a run's directory name is predictable: the tier makes its
     directory 0700, tightens one of this user's that others could only read, and refuses (exit 8, one
