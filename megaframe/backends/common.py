@@ -4,11 +4,12 @@ data-parallel mean of a loss, the MoE router's metrics and the model's checkpoin
 biases, the TP dropout stream). An engine's folder keeps only what its library decides."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 from datetime import timedelta
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,9 @@ from torch.distributed import distributed_c10d
 
 from megaframe.backends import Batch
 from megaframe.checkpoint.parts import Resume
+from megaframe.data.dataset import IGNORED_TARGET
 from megaframe.model.dims import GPTDims
+from megaframe.model.masking import StepTargets
 from megaframe.model.moe import load_router_biases, router_biases
 from megaframe.optim.groups import decay_param_groups  # noqa: F401  (the seam's; engines and tools import it here)
 from megaframe.optim.state import ensure_state, step_tensor
@@ -102,6 +105,32 @@ def on_device(batches: list[Batch], device: torch.device) -> list[Batch]:
     return [(moved(inputs), moved(targets)) for inputs, targets in batches]
 
 
+def step_targets_of(holder: StepTargets, dims: GPTDims) -> Optional[StepTargets]:
+    """The engine's StepTargets (its model's, or its pipeline's loss function's) where the step must
+    count targets (data.eod_mask_loss), else None: every target counts and nothing is done."""
+    return holder if dims.eod_mask_loss else None
+
+
+@contextlib.contextmanager
+def counting_targets(holder: Optional[StepTargets], batches: list[Batch], ps: ParallelState) -> Iterator[None]:
+    """For a step's or an evaluation's micro-batches (on the device), with data.eod_mask_loss: the
+    holder weighs each micro-batch loss into the loss per counted target of the global batch
+    (model/masking.py's StepTargets). One all-reduce of an int64 device scalar over dp x cp, no
+    host read."""
+    if holder is None:
+        yield
+        return
+    counted = torch.stack([(batch_targets != IGNORED_TARGET).sum() for _, batch_targets in batches]).sum()
+    replicas = ps.grid.size("dp", "cp")
+    if replicas > 1:
+        dist.all_reduce(counted, group=ps.grad_reduce_group)
+    holder.total, holder.shares = counted.clamp(min=1).to(torch.float64), len(batches) * replicas
+    try:
+        yield
+    finally:
+        holder.total = None
+
+
 def apply_update(optimizer: torch.optim.Optimizer, lr_scheduler, parameters: Iterable[torch.nn.Parameter], norm: float,
                  clip: float, applied: bool) -> None:
     """The end of a step torch runs itself (the plain and FSDP2 engines, as DeepSpeed's ZeRO-0 does):
@@ -117,13 +146,16 @@ def apply_update(optimizer: torch.optim.Optimizer, lr_scheduler, parameters: Ite
 
 
 @torch.no_grad()
-def eval_mean(module: torch.nn.Module, batches: list[Batch], device: torch.device, ps: ParallelState) -> float:
+def eval_mean(module: torch.nn.Module, batches: list[Batch], device: torch.device, ps: ParallelState,
+              step_targets: Optional[StepTargets] = None) -> float:
     """Mean loss of this rank's micro-batches in eval mode, averaged over the data-parallel
-    replicas: summed on the device, one host read."""
+    replicas: summed on the device, one host read. step_targets: the engine's (step_targets_of)."""
     module.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for inputs, targets in on_device(batches, device):
-        total += module(inputs, targets).detach()
+    on_it = on_device(batches, device)
+    with counting_targets(step_targets, on_it, ps):
+        for inputs, targets in on_it:
+            total += module(inputs, targets).detach()
     module.train()
     return dp_mean(total / len(batches), ps)
 

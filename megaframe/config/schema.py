@@ -218,7 +218,7 @@ class DataConfig:
     # attention stops at each end-of-document token of a packed sample and positions restart
     # (Megatron's reset_attention_mask + reset_position_ids); the dataset's eod_id marks the ends
     document_mask: bool = False
-    eod_mask_loss: bool = False  # leave the target after each end-of-document token out (Megatron's option)
+    eod_mask_loss: bool = False  # leave the target after each end-of-document token out; loss per target
 
 
 @dataclass

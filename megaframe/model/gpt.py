@@ -24,7 +24,7 @@ from megaframe.model.mlp import MLP, Dropout
 from megaframe.model.moe import AddAux, MoE, RouterStats
 from megaframe.model.recompute import checkpointed
 from megaframe.model.layer_list import Layer, layer_list
-from megaframe.model.masking import counted_share, documents_of, forward_masks, layer_mask
+from megaframe.model.masking import StepTargets, counted_share, documents_of, forward_masks, layer_mask
 from megaframe.parallel.context import ContextGroup, zigzag_positions
 from megaframe.parallel.experts import ExpertGroup
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -397,6 +397,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList([build_layer(layer, dims, tp, rng, spec) for layer in layers if layer.kind == "block"])
         self.moe_layers = [b.mlp for b in self.blocks if isinstance(b.mlp, MoE)]  # not a ModuleList: no new names
         self.router_stats = RouterStats(dims.num_moe_blocks)
+        self.step_targets = StepTargets()  # data.eod_mask_loss: the loss per target of the global batch
         self.final_norm = build_layer(layers[-2], dims, tp)
         self.head = None if dims.tie_embeddings else build_layer(layers[-1], dims, tp)
 
@@ -428,8 +429,10 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = self.head_loss(self.hidden_states(idx), targets)
-        share = counted_share(targets, self.dims, self.context)  # cp with eod_mask_loss: unequal counts
-        if share is not None:
+        weighed = self.step_targets.weigh(loss, targets)  # a step's or evaluation's, with data.eod_mask_loss
+        if weighed is not None:
+            loss = weighed
+        elif (share := counted_share(targets, self.dims, self.context)) is not None:  # a lone forward at cp
             loss = loss * share
         if not self.moe_layers:
             return loss

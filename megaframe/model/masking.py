@@ -107,6 +107,29 @@ def forward_masks(dims: GPTDims, documents: Optional[Documents], length: int, de
     return ForwardMasks(documents, length, device)
 
 
+class StepTargets:
+    """data.eod_mask_loss: a micro-batch's loss weighed so that the engine's mean over the step's
+    micro-batches and its dp x cp ranks is the loss per counted target of the whole global batch, as
+    Megatron-LM's --calculate-per-token-loss makes it. Each micro-batch's mean is multiplied by its
+    count of targets times the step's micro-batch shares (micro-batches x dp x cp) over the global
+    batch's count. Without it, each micro-batch's own mean weighed alike, and micro-batches hold
+    unequal counts (the targets after an end of document are left out): the curve depended on
+    parallel.micro_batch_size and parallel.dp. Set by the engine for a step or an evaluation
+    (backends/common.py's counting_targets), unset (None) otherwise: a lone forward keeps its mean."""
+
+    def __init__(self) -> None:
+        self.total: Optional[torch.Tensor] = None  # the global batch's counted targets, int64 on the device
+        self.shares = 1
+
+    def weigh(self, loss: torch.Tensor, targets: torch.Tensor) -> Optional[torch.Tensor]:
+        """The weighed micro-batch loss, or None outside a step that counts. In float64, the counts are
+        exact: a micro-batch holding its equal share keeps its mean bitwise (the factor is 1.0)."""
+        if self.total is None:
+            return None
+        counted = (targets != IGNORED_TARGET).sum()
+        return loss * ((counted * self.shares).to(torch.float64) / self.total).to(loss.dtype)
+
+
 def counted_share(targets: torch.Tensor, dims: GPTDims, context: Optional[ContextGroup]) -> Optional[torch.Tensor]:
     """Under context parallelism with data.eod_mask_loss, what this rank's mean loss is multiplied by so
     that the cp ranks' mean of it is the mean over the whole rows' counted targets: its count of them

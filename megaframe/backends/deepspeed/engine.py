@@ -16,8 +16,9 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from megaframe.backends import Batch, StepResult
-from megaframe.backends.common import (dp_mean, local_device_index, on_device, process_group_defaults,
-                                       model_state_parts, restore_schedule, router_metrics)
+from megaframe.backends.common import (counting_targets, dp_mean, local_device_index, on_device,
+                                       process_group_defaults, model_state_parts, restore_schedule, router_metrics,
+                                       step_targets_of)
 from megaframe.backends.deepspeed import state_io
 from megaframe.backends.deepspeed.build_locks import load_ops, ops_for
 from megaframe.backends.deepspeed.build_step import undo_build_step
@@ -104,6 +105,9 @@ class DeepSpeedBackend:
         mark_expert_parallel(module, ps, cfg.zero.stage)
         self.compiled_blocks = compile_model(module, cfg.train.compile_scope) if cfg.train.compile else 0
         self.module = module
+        # the pipeline's loss function weighs the last stage's losses; the model itself elsewhere
+        self.step_targets = step_targets_of(module.loss_fn.step_targets if self.pipelined else module.step_targets,
+                                            dims)
         self.num_parameters = self._count_parameters(module)
         self.writes_layout_free = not layout_free_unsupported(cfg, layout)
         # Muon: megaframe's, as ZeRO's client optimizer (muon_zero.py); AdamW: DeepSpeed's, from ds_config
@@ -194,16 +198,20 @@ class DeepSpeedBackend:
     def train_step(self, batches: list[Batch], skip_if: Optional[Callable[[float], bool]] = None) -> StepResult:
         # losses add up on the device: the host reads the step's mean once, not per micro-batch
         gate = LastMicroBatchGate(len(batches), self._dp_mean, skip_if)
+        # DeepSpeed's stages load what they need themselves; counting targets needs them on the device first
+        on_it = on_device(batches, self.device) if self.step_targets is not None or not self.pipelined else batches
         if self.pipelined:  # the engine runs the micro-batches through its 1F1B schedule
             self.module.loss_fn.gate = gate if skip_if else None  # the last stage's loss_fn sees every loss
             try:
-                loss = float(self.engine.train_batch(data_iter=iter(batches)))  # already averaged over DP
+                with counting_targets(self.step_targets, on_it, self.ps):
+                    loss = float(self.engine.train_batch(data_iter=iter(on_it)))  # already averaged over DP
             finally:
                 self.module.loss_fn.gate = None
         else:
-            for inputs, targets in on_device(batches, self.device):
-                self.engine.backward(gate(self.engine(inputs, targets)))
-                self.engine.step()
+            with counting_targets(self.step_targets, on_it, self.ps):
+                for inputs, targets in on_it:
+                    self.engine.backward(gate(self.engine(inputs, targets)))
+                    self.engine.step()
             loss = gate.mean()
         applied = bool(self.engine.was_step_applied())
         # MoE bias balancing: a skipped step's routing moves no bias
@@ -217,13 +225,16 @@ class DeepSpeedBackend:
     @torch.no_grad()
     def eval_step(self, batches: list[Batch]) -> float:
         self.engine.eval()
+        on_it = on_device(batches, self.device) if self.step_targets is not None or not self.pipelined else batches
         if self.pipelined:
-            mean = float(self.engine.eval_batch(iter(batches), num_micro_batches=len(batches)))
+            with counting_targets(self.step_targets, on_it, self.ps):
+                mean = float(self.engine.eval_batch(iter(on_it), num_micro_batches=len(batches)))
             self.engine.train()
             return mean
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for inputs, targets in on_device(batches, self.device):
-            total += self.engine(inputs, targets).detach()
+        with counting_targets(self.step_targets, on_it, self.ps):
+            for inputs, targets in on_it:
+                total += self.engine(inputs, targets).detach()
         self.engine.train()
         return self._dp_mean(total / len(batches))
 

@@ -27,7 +27,7 @@ from megaframe.backends.deepspeed.experts import deepspeed_expert_marks
 from megaframe.backends.deepspeed.topology import build_topology
 from megaframe.model.gpt import (BlockSpec, Embedding, GPTDims, RopeTables, build_layer, init_parameters,
                                  register_positions, run_block, tied_head_logits)
-from megaframe.model.masking import Documents, ForwardMasks, documents_of, forward_masks
+from megaframe.model.masking import Documents, ForwardMasks, StepTargets, documents_of, forward_masks
 from megaframe.model.moe import AttachAux, MoE, RouterStats
 from megaframe.model.spec import Layer, ModelSpec
 from megaframe.parallel.context import ContextGroup
@@ -149,10 +149,13 @@ class VocabParallelLoss:
         self.dims, self.tp, self.vocab_size = dims, tp, dims.vocab_size
         self.vocab_start = tp.rank * (dims.padded_vocab_size // tp.size)
         self.gate: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # set for one train step (skip_gate.py)
+        self.step_targets = StepTargets()  # data.eod_mask_loss: set by the engine for a step or an evaluation
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # targets data.eod_mask_loss leaves out come as IGNORED_TARGET (data/dataset.py windows_batch)
         loss = vocab_parallel_cross_entropy(logits, targets, self.tp, self.vocab_start, self.vocab_size)
+        weighed = self.step_targets.weigh(loss, targets)
+        loss = loss if weighed is None else weighed
         return self.gate(loss) if self.gate is not None else loss
 
 

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from megaframe.backends import Batch, StepResult
-from megaframe.backends.common import (apply_update, dp_mean, eval_mean, join_torch_world, on_device,
-                                       model_state_parts, router_metrics)
+from megaframe.backends.common import (apply_update, counting_targets, dp_mean, eval_mean, join_torch_world,
+                                       on_device, model_state_parts, router_metrics, step_targets_of)
 from megaframe.backends.fsdp2 import build, pipeline, state_io
 from megaframe.backends.fsdp2.mesh import data_mesh
 from megaframe.config.schema import TrainConfig
@@ -110,6 +110,8 @@ class Fsdp2Backend:
                 pipeline.embedding_groups(ps, p.pipeline_schedule, dims.tie_embeddings))
         else:
             self.module = module
+        # the whole model's, which the pipeline's loss function reads too (pipeline.loss_function)
+        self.step_targets = step_targets_of(module.step_targets, dims)
         # fused where the shards live on the GPU; on the host torch's fused CPU kernel, which DeepSpeed's
         # ZeRO-0 uses too
         self.optimizer = build_optimizer(self.module, cfg.optim, fused=True, ps=ps)
@@ -118,19 +120,22 @@ class Fsdp2Backend:
 
     # ---- steps -------------------------------------------------------------------------------
     def train_step(self, batches: list[Batch], skip_if: Optional[Callable[[float], bool]] = None) -> StepResult:
+        on_it = on_device(batches, self.device)
         if self.pipeline is not None:
-            on_it = on_device(batches, self.device)  # the schedule cuts the concatenated batch into them again
-            total = self.pipeline.train(torch.cat([b[0] for b in on_it]), torch.cat([b[1] for b in on_it]))
+            with counting_targets(self.step_targets, on_it, self.ps):  # the schedule cuts the batch into them again
+                total = self.pipeline.train(torch.cat([b[0] for b in on_it]), torch.cat([b[1] for b in on_it]))
             loss = dp_mean(total / len(batches), self.ps)  # one host read per step
             self.pipeline.sum_tied_gradients()
         else:
             total = torch.zeros((), dtype=torch.float64, device=self.device)
-            for i, (inputs, targets) in enumerate(on_device(batches, self.device)):
-                if self.replicated:  # HSDP: across the replicas once per step, after the last micro-batch
-                    self.module.set_requires_all_reduce(i == len(batches) - 1)
-                loss = self.module(inputs, targets)
-                (loss / len(batches)).backward()  # FSDP2 reduce-scatters each block's gradient as its backward ends
-                total += loss.detach()
+            with counting_targets(self.step_targets, on_it, self.ps):
+                for i, (inputs, targets) in enumerate(on_it):
+                    if self.replicated:  # HSDP: across the replicas once per step, after the last micro-batch
+                        self.module.set_requires_all_reduce(i == len(batches) - 1)
+                    loss = self.module(inputs, targets)
+                    # FSDP2 reduce-scatters each block's gradient as its backward ends
+                    (loss / len(batches)).backward()
+                    total += loss.detach()
             loss = dp_mean(total / len(batches), self.ps)  # one host read per step
         norm = grad_norm(self.module, self.ps, counted_elsewhere=lambda param: id(param) in self.tied_copies,
                          shard_group=self.shard_group, expert_shard_group=self.expert_shard_group,
@@ -148,10 +153,12 @@ class Fsdp2Backend:
     @torch.no_grad()
     def eval_step(self, batches: list[Batch]) -> float:
         if self.pipeline is None:
-            mean = eval_mean(self.module, batches, self.device, self.ps)
+            mean = eval_mean(self.module, batches, self.device, self.ps, self.step_targets)
         else:
             self.module.eval()
-            total = self.pipeline.evaluate(on_device(batches, self.device))
+            on_it = on_device(batches, self.device)
+            with counting_targets(self.step_targets, on_it, self.ps):
+                total = self.pipeline.evaluate(on_it)
             self.module.train()
             mean = dp_mean(total / len(batches), self.ps)
         build.reshard(self.module)  # a forward without backward leaves the root gathered

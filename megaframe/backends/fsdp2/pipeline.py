@@ -260,12 +260,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def loss_function(model: GPT) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Cross-entropy over this TP rank's vocabulary shard of the last stage's logits."""
+    """Cross-entropy over this TP rank's vocabulary shard of the last stage's logits, weighed as the
+    model's StepTargets says in a step with data.eod_mask_loss (the engine sets it)."""
     tp, vocab_start, vocab_size = model.embed.tp, model.embed.tok.vocab_start, model.dims.vocab_size
+    step_targets = model.step_targets
 
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # targets data.eod_mask_loss leaves out come as IGNORED_TARGET (data/dataset.py windows_batch)
-        return vocab_parallel_cross_entropy(logits, targets, tp, vocab_start, vocab_size)
+        mean = vocab_parallel_cross_entropy(logits, targets, tp, vocab_start, vocab_size)
+        weighed = step_targets.weigh(mean, targets)
+        return mean if weighed is None else weighed
     return loss
 
 

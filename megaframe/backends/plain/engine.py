@@ -20,8 +20,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from megaframe.backends import Batch, StepResult
-from megaframe.backends.common import (apply_update, dp_mean, eval_mean, held_model_states, join_torch_world,
-                                       model_state_parts, on_device, router_metrics)
+from megaframe.backends.common import (apply_update, counting_targets, dp_mean, eval_mean, held_model_states,
+                                       join_torch_world, model_state_parts, on_device, router_metrics,
+                                       step_targets_of)
 from megaframe.backends.plain import state_io
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.config.schema import TrainConfig
@@ -64,6 +65,7 @@ class PlainBackend:
                              cp_impl=p.cp_impl, matmul=recipe_for(cfg.precision, dims.num_layers, device_type()))
         self.compiled_blocks = compile_model(module, cfg.train.compile_scope) if cfg.train.compile else 0
         self.module = module.to(self.device)
+        self.step_targets = step_targets_of(module.step_targets, dims)
         self.num_parameters = count_parameters(module, full=True)
         # DeepSpeed's ZeRO-0 optimizer as ds_config.py asks for it (torch's fused AdamW), or optim=muon
         self.optimizer = build_optimizer(self.module, cfg.optim, fused=True)
@@ -74,11 +76,13 @@ class PlainBackend:
     # ---- steps -------------------------------------------------------------------------------
     def train_step(self, batches: list[Batch], skip_if: Optional[Callable[[float], bool]] = None) -> StepResult:
         total: Optional[torch.Tensor] = None  # the losses add up on the device: one host read per step
-        for inputs, targets in on_device(batches, self.device):
-            loss = self.module(inputs, targets)
-            (loss / len(batches)).backward()
-            detached = loss.detach().to(torch.float64)
-            total = detached if total is None else total + detached
+        on_it = on_device(batches, self.device)
+        with counting_targets(self.step_targets, on_it, self.ps):
+            for inputs, targets in on_it:
+                loss = self.module(inputs, targets)
+                (loss / len(batches)).backward()
+                detached = loss.detach().to(torch.float64)
+                total = detached if total is None else total + detached
         mean = dp_mean(total / len(batches), self.ps)
         norm = grad_norm(self.module, self.ps, parameters=self.parameters)
         self._last_grad_norm = norm
@@ -90,7 +94,7 @@ class PlainBackend:
         return StepResult(loss=mean, applied=applied)
 
     def eval_step(self, batches: list[Batch]) -> float:
-        return eval_mean(self.module, batches, self.device, self.ps)
+        return eval_mean(self.module, batches, self.device, self.ps, self.step_targets)
 
     def grad_norm(self) -> float:
         return float(self._last_grad_norm)
