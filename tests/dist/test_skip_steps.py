@@ -137,3 +137,43 @@ def test_loss_spike_is_skipped_before_the_update_on_every_rank(layout, tmp_path)
         assert [s for s, same in result["unchanged"].items() if same] == [SPIKE_STEP], (rank, result["unchanged"])
     (event,) = [r for r in read_metrics(run_dir) if "event" in r]
     assert (event["step"], event["event"]) == (SPIKE_STEP, "spike_skipped") and event["spike_metric"] > 3, event
+
+
+def _scaler_around_a_spike(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
+    """The fp16 loss scaler's state after every step, on a pretended fp16 device."""
+    from megaframe.backends.deepspeed.state_io import loss_scaler_state
+    from megaframe.config.compose import compose
+    from megaframe.config.validate import validate
+    from megaframe.training.trainer import Trainer
+    from tests.support.parity import pretend_fp16_device
+
+    pretend_fp16_device()
+    os.environ["MEGAFRAME_FAULTS"] = f"spike@{SPIKE_STEP}"
+    cfg, _ = compose(overrides)
+    trainer = Trainer(cfg, validate(cfg, world), Path(run_dir))
+    scaler, applied, take_step = {}, {}, trainer.train_step
+
+    def recording_step():
+        result, lr = take_step()
+        scaler[trainer.step] = loss_scaler_state(trainer.backend.engine.optimizer)
+        applied[trainer.step] = result.applied
+        return result, lr
+    trainer.train_step = recording_step
+    with trainer:
+        trainer.fit()
+    return {"scaler": scaler, "applied": applied}
+
+
+@pytest.mark.parametrize("layout", ["dp2-zero2", "pp2-zero1"])
+def test_a_spike_skip_at_fp16_leaves_the_loss_scale_as_it_was(layout, tmp_path):
+    """The guard's skip poisons the gradients with NaN, which DeepSpeed's dynamic scaler took for an
+    overflow: every spike skipped used up the scaler's hysteresis and then halved the scale, as a
+    real overflow does. Now the scaler is as it was before the skipped step. A scale of 2^8 so that
+    no step overflows for real; hysteresis 1 so that a counted overflow halves the scale at once."""
+    fp16 = ["precision=fp16", "precision.initial_scale_power=8", "precision.hysteresis=1"]
+    results = run_ranks(_scaler_around_a_spike, 2, tmp_path, overrides=[*BASE, *LAYOUTS[layout], *SPIKE, *fp16],
+                        run_dir=str(tmp_path / "run"))
+    for rank, result in enumerate(results):
+        assert [s for s, ok in result["applied"].items() if not ok] == [SPIKE_STEP], (rank, result["applied"])
+        before, after = result["scaler"][SPIKE_STEP - 1], result["scaler"][SPIKE_STEP]
+        assert before["cur_scale"] == 256.0 and after == before, (rank, before, after)

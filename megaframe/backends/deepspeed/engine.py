@@ -6,6 +6,7 @@ and answers the trainer's Backend calls (megaframe/backends/__init__.py).
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -198,6 +199,9 @@ class DeepSpeedBackend:
     def train_step(self, batches: list[Batch], skip_if: Optional[Callable[[float], bool]] = None) -> StepResult:
         # losses add up on the device: the host reads the step's mean once, not per micro-batch
         gate = LastMicroBatchGate(len(batches), self._dp_mean, skip_if)
+        # fp16: a skip the guard asks for must not count as an overflow (a few Python numbers, no device read)
+        scaler = state_io.loss_scaler_state(self.engine.optimizer) \
+            if skip_if is not None and self.cfg.precision.dtype == "fp16" else {}
         # DeepSpeed's stages load what they need themselves; counting targets needs them on the device first
         on_it = on_device(batches, self.device) if self.step_targets is not None or not self.pipelined else batches
         if self.pipelined:  # the engine runs the micro-batches through its 1F1B schedule
@@ -214,6 +218,10 @@ class DeepSpeedBackend:
                     self.engine.step()
             loss = gate.mean()
         applied = bool(self.engine.was_step_applied())
+        if scaler and not applied and math.isfinite(loss) and skip_if(loss):
+            # the guard's skip poisoned the gradients, and DeepSpeed's scaler took the NaN for an overflow
+            # (halving the scale, or using up hysteresis): every rank decides alike, from the global loss
+            state_io.restore_loss_scaler(self.engine.optimizer, scaler)
         # MoE bias balancing: a skipped step's routing moves no bias
         update_expert_biases(getattr(self.module, "moe_layers", []), self.dims.num_moe_blocks, self.dims.moe,
                              self.device, apply=applied)
