@@ -184,3 +184,28 @@ def test_the_evaluation_wrap_check_counts_the_samples_before_a_source_repeats(so
     if weights == [0.9, 0.1]:
         assert before < len(samples) // 2
         assert eval_wrap_problem(1, before + 2, before) is not None
+
+
+@pytest.mark.parametrize("count", [16, 40])
+def test_a_blend_of_many_sources_picks_what_megatron_picks(tmp_path, monkeypatch, count):
+    """From 16 sources on a pick is one array expression (data/blend.py's _walk_arrays): against
+    Megatron-LM's C++ build_blending_indices at every one of 5,000 positions, with weights drawn at
+    random and with equal weights (ties go to the first source), across a schedule stage."""
+    from megatron.core.datasets import helpers_cpp
+
+    many = [sample_set(tmp_path / f"s{i}", i, 2) for i in range(count)]
+    for weights in (list(np.random.default_rng(count).dirichlet(np.ones(count))), [1.0] * count):
+        size = 5_000
+        theirs = np.zeros(size, dtype=np.int16)
+        ordinals = np.zeros(size, dtype=np.int64)
+        helpers_cpp.build_blending_indices(theirs, ordinals, np.array(normalized(weights)), count, size, False)
+        ours = walk(blend(many, weights, shuffle=False), steps=size // 50, batch=50)
+        assert np.array_equal(ours[:, 0], theirs)
+        assert np.array_equal(ours[:, 1], ordinals % [len(many[s]) for s in ours[:, 0]])
+    # a stage boundary: the second stage's shares start afresh, as the loop over the sources has them
+    import megaframe.data.blend as blend_module
+
+    schedule = [(7, list(np.random.default_rng(1).dirichlet(np.ones(count))))]
+    walked = walk(blend(many, weights, schedule=schedule), steps=20, batch=30)
+    monkeypatch.setattr(blend_module, "_ARRAY_PICK_SOURCES", 1 << 30)  # the loop, for any count
+    assert np.array_equal(walked, walk(blend(many, weights, schedule=schedule), steps=20, batch=30))
