@@ -46,6 +46,7 @@ from megaframe.common.failures import SaveFailed
 from megaframe.checkpoint import universal
 from megaframe.checkpoint.sharded import write_record
 from megaframe.common.safe_files import read_capped
+from megaframe.parallel.rank_zero import decided_by_rank_zero
 
 _STEP_DIR = re.compile(r"global_step(\d+)")
 _DONE = re.compile(r"rank(\d+)\.done\.json")
@@ -64,18 +65,14 @@ class FastTier:
         self.rank, self.world = rank, world
         # which run the parts belong to: the run dir's own token (rank 0 reads or makes it), so the
         # parts a deleted and remade run dir of the same path left on the nodes are not this run's
-        lineage: list = [None]
-        if rank == 0:
+        def token() -> str:
             try:
-                lineage[0] = ("ok", lineage_token(run_dir))
-            except OSError as err:  # every rank refuses alike: none is left waiting in the broadcast
-                lineage[0] = ("error", f"train.fast_save_dir: cannot keep the fast tier's token in the run dir "
-                                       f"({Path(run_dir) / LINEAGE_FILE}: {err.strerror or err}); fix its permissions")
-        if dist.is_initialized():
-            dist.broadcast_object_list(lineage, src=0)
-        kind, self.lineage = lineage[0]
-        if kind == "error":
-            raise SaveFailed(self.lineage)
+                return lineage_token(run_dir)
+            except OSError as err:  # every rank refuses alike
+                raise SaveFailed(f"train.fast_save_dir: cannot keep the fast tier's token in the run dir "
+                                 f"({Path(run_dir) / LINEAGE_FILE}: {err.strerror or err}); "
+                                 f"fix its permissions") from None
+        self.lineage = decided_by_rank_zero(token)
         # a "node" is the ranks that share one node-local directory: its host and the directory
         # (on one host, several such directories act as several nodes, as the tests' do)
         node = (f"{socket.gethostname()}:{Path(root).resolve()}", private_problem(self.dir))

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
-import torch.distributed as dist
 
 from megaframe.checkpoint import resume_checks, store, universal
 from megaframe.checkpoint.fast_tier import FastTier
@@ -31,6 +30,7 @@ from megaframe.checkpoint.parts import RankStateful, Resume, Stateful
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.common.failures import save_failure
 from megaframe.parallel.dims import RANK_AXES
+from megaframe.parallel.rank_zero import decided_by_rank_zero
 
 
 class CheckpointManager:
@@ -246,17 +246,15 @@ class CheckpointManager:
     def _restore_fast_tier(self) -> None:
         """Parts in node-local memory newer than the shared checkpoint become a shared checkpoint
         first (checkpoint/fast_tier.py), which the resume then loads like any other."""
-        shared = [0]
-        if self.is_logger:
+        def shared_step() -> int:  # rank 0's view of shared storage decides, on every rank alike
             try:
                 latest = store.find_latest(self.dir) if self.dir.is_dir() else None
             except CheckpointError:
                 latest = None  # the resume says why
-            shared[0] = int(latest.name.removeprefix("global_step")) if latest is not None else 0
-        if dist.is_initialized():  # rank 0's view of shared storage decides, on every rank alike
-            dist.broadcast_object_list(shared, src=0)
+            return int(latest.name.removeprefix("global_step")) if latest is not None else 0
+        shared = decided_by_rank_zero(shared_step)
         keep = self.cfg.train.keep_checkpoints
-        line = self.fast.restore(self.dir, shared[0], lambda tmp, step, world: store.publish_dir(
+        line = self.fast.restore(self.dir, shared, lambda tmp, step, world: store.publish_dir(
             tmp, self.dir, step, world, keep))
         if line and self.is_logger:
             print(line, flush=True)

@@ -139,13 +139,13 @@ def start_over(run_dir: Path, checkpoint_dir: Path, resume: str, metrics, is_log
     ends every rank with a CheckpointError (exit 5); else, under train.resume=auto, the records of
     an attempt that crashed before its first checkpoint are dropped (they would repeat), and the run
     is marked unsaved until its first checkpoint. metrics: the trainer's MetricsLog."""
-    problem = [start_over_problem(run_dir, checkpoint_dir, resume) if is_logger else None]
-    if distributed:
-        import torch.distributed as dist
+    from megaframe.parallel.rank_zero import decided_by_rank_zero
 
-        dist.broadcast_object_list(problem, src=0)
-    if problem[0] is not None:
-        raise CheckpointError(problem[0])
+    # a collective when distributed (rank 0 reads the run dir): a storage error there is raised everywhere
+    problem = decided_by_rank_zero(lambda: start_over_problem(run_dir, checkpoint_dir, resume)) if distributed \
+        else start_over_problem(run_dir, checkpoint_dir, resume) if is_logger else None
+    if problem is not None:
+        raise CheckpointError(problem)
     if not is_logger:
         return
     if resume == "auto" and (dropped := metrics.truncate_after(-1)):

@@ -37,6 +37,7 @@ from megaframe.common.failures import save_failure
 from megaframe.common.safe_files import read_capped
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.random import get_rng_states, set_rng_states
+from megaframe.parallel.rank_zero import decided_by_rank_zero
 from megaframe.checkpoint.resume_checks import clear_unsaved
 
 LATEST = universal.LATEST_FILE
@@ -314,25 +315,16 @@ def newest_verified(save_dir: Path) -> tuple[Optional[Path], list[str]]:
     Collective: rank 0 lists the candidates and every rank takes its list. Ranks that listed shared
     storage themselves could see different directories (NFS and Lustre clients cache them), and the
     verification's gathers would then pair verdicts on different checkpoints."""
-    listed: list = [None]
-    if _rank() == 0:
+    def listing() -> list[str]:
         try:
             latest = find_latest(save_dir)
             ordered = [] if latest is None else [latest] + [
                 path for _, path in reversed(_complete_checkpoints(save_dir)) if path != latest]
-            listed[0] = ("ok", [str(path) for path in ordered])
-        except CheckpointError as err:
-            listed[0] = ("error", str(err))
-        except OSError as err:  # the storage: every rank raises it, none is left waiting in the broadcast
-            listed[0] = ("unreadable", f"train.resume=auto: cannot list {save_dir} ({err.strerror or err}); "
-                                       f"check the storage and start the run again")
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(listed, src=0)
-    kind, found = listed[0]
-    if kind == "error":
-        raise CheckpointError(found)
-    if kind == "unreadable":
-        raise OSError(found)
+        except OSError as err:  # the storage: every rank raises it
+            raise OSError(f"train.resume=auto: cannot list {save_dir} ({err.strerror or err}); "
+                          f"check the storage and start the run again") from None
+        return [str(path) for path in ordered]
+    found = decided_by_rank_zero(listing)
     if not found:
         return None, []
     ordered = [Path(path) for path in found]

@@ -75,8 +75,7 @@ def start(job: Job) -> Optional[int]:
 
 def shared_run_dir(run_dir: str, cfg: TrainConfig) -> str:
     """Under a launcher every rank must write to rank 0's run dir (timestamps differ per rank)."""
-    import torch.distributed as dist
-
+    from megaframe.parallel.rank_zero import decided_by_rank_zero
     from megaframe.training.stop_signal import joining_before_the_run
 
     try:
@@ -86,9 +85,7 @@ def shared_run_dir(run_dir: str, cfg: TrainConfig) -> str:
         if not getattr(err, "quiet", False):
             print(f"{PROG}: error: {err} [exit {int(err.exit_code)}]", file=sys.stderr, flush=True)
         sys.exit(int(err.exit_code))
-    holder = [str(Path(run_dir).resolve())]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
+    return decided_by_rank_zero(lambda: str(Path(run_dir).resolve()))
 
 
 def stop_if_job_stopped() -> None:

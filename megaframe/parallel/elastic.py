@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from megaframe.common.atomic_io import atomic_write_text
+from megaframe.parallel.rank_zero import decided_by_rank_zero  # torch only when called (2 CPU-s)
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -60,15 +61,9 @@ def record_job_stop(exit_code: int, message: str) -> bool:
 def job_stop() -> Optional[tuple[int, str]]:
     """(exit code, message) when an earlier attempt of this torchrun or Ray job stopped it, else None."""
     if stop_file := os.environ.get(STOP_FILE_ENV):
-        # torch only here: a rank's first attempt, refused before launch, need not import it (2 CPU-s)
-        import torch.distributed as dist
-
         # rank 0 reads and every rank takes its answer: a node whose file system has not yet shown it
         # the file must not train on while the others stop (it would hang them until the timeout)
-        answer = [read_stop_file(stop_file) if not dist.is_initialized() or dist.get_rank() == 0 else None]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(answer, src=0)
-        return answer[0]
+        return decided_by_rank_zero(lambda: read_stop_file(stop_file))
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0:
         return None
     store = _agent_store()

@@ -12,18 +12,13 @@ import torch.distributed as dist
 from megaframe.common import run_lock
 from megaframe.data.token_check import check_token_ids, dataset_token_ranges
 from megaframe.common.failures import RunDirInUse
+from megaframe.parallel.rank_zero import decided_by_rank_zero
 
 
-def own_run_dir(run_dir: Path, is_logger: bool, world_size: int) -> None:
+def own_run_dir(run_dir: Path) -> None:
     """Rank 0 locks the run dir unless our launcher holds it for us; every rank learns the answer,
-    so a second run on a busy run dir ends on all ranks with one line (RunDirInUse)."""
-    problem: Optional[str] = None
-    if is_logger and not run_lock.held_by_parent(run_dir):
-        problem = run_lock.acquire(run_dir)
-    if world_size > 1:
-        answer = [problem]
-        dist.broadcast_object_list(answer, src=0)
-        problem = answer[0]
+    so a second run on a busy run dir ends on all ranks with one line (RunDirInUse). A collective."""
+    problem = decided_by_rank_zero(lambda: None if run_lock.held_by_parent(run_dir) else run_lock.acquire(run_dir))
     if problem is not None:
         raise RunDirInUse(problem)
 

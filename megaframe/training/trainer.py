@@ -56,7 +56,7 @@ class Trainer:
             plug.init_distributed(cfg.train.collective_timeout_s, cfg.train.join_timeout_s)
         self.ps = ParallelState.build(layout.grid)
         self.is_logger = self.ps.rank == 0
-        own_run_dir(self.run_dir, self.is_logger, layout.world_size)  # before anything is written to it
+        own_run_dir(self.run_dir)  # before anything is written to it
         if self.is_logger:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.data: DataSplits = build_data(cfg.data, cfg.model.seq_length)

@@ -298,3 +298,27 @@ def test_run_record_reads_the_config_and_layout():
     record = resume_checks.run_record(cfg, validate(cfg, 4))
     assert {k: record[k] for k in ("backend", "tp", "pp", "dp", "zero", "max_steps")} == \
         {"backend": "deepspeed", "tp": 2, "pp": 1, "dp": 2, "zero": 1, "max_steps": 40}
+
+
+def test_an_unreadable_run_dir_before_a_fresh_start_ends_every_rank(tmp_path):
+    """start_over's check reads the run dir on rank 0; an OSError there was raised on rank 0 alone and
+    the other ranks waited in their broadcast until the collective timeout. Now every rank raises it."""
+    from tests.support.ranks import run_ranks
+
+    results = run_ranks(_start_over_on_unreadable_storage, 2, tmp_path, timeout=120, run=str(tmp_path / "run"))
+    assert results == [("OSError", "EIO")] * 2, results
+
+
+def _start_over_on_unreadable_storage(rank: int, world: int, run: str):
+    from pathlib import Path
+
+    from megaframe.checkpoint import resume_checks
+
+    def unreadable(*args):
+        raise OSError(5, "EIO")
+    resume_checks.start_over_problem = unreadable
+    try:
+        resume_checks.start_over(Path(run), Path(run) / "checkpoints", "auto", None, rank == 0, True)
+    except OSError as err:
+        return type(err).__name__, err.strerror
+    return None
