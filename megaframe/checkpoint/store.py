@@ -138,11 +138,11 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
             fsync_dir(save_dir.parent)  # the run's first checkpoint: save_dir's own entry
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that crashed
     _barrier()
-    native_hashed: dict[str, dict] = {}
+    native_share: list[Path] = []
     if native:
         backend.save_native(save_dir, tmp.name, client_state)
         sync_filesystem(tmp)  # the engine writes without fsync and names no paths: this node's writes
-        native_hashed = _hash_share(tmp, rank, world)
+        native_share = _native_share(tmp, rank, world)
     finish_part = write_rank_part(tmp, rank, client_state, rng_state, write_extra)
 
     def finish_rank() -> None:
@@ -150,7 +150,9 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
         if before_publish is not None:
             before_publish("write")
         record = finish_part()
-        record["files"].update(native_hashed)
+        # read and hashed here: on an async save's thread, while training goes on (the engine's files are
+        # complete once save_native returned; it saves synchronously)
+        record["files"].update({path.relative_to(tmp).as_posix(): universal.file_entry(path) for path in native_share})
         universal.sync_dirs(tmp, record["files"])  # its files' entries, before the record reports them
         sharded.write_record(tmp, record)
 
@@ -173,17 +175,17 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
     return final
 
 
-def _hash_share(tmp: Path, rank: int, world: int) -> dict[str, dict]:
-    """{file: {bytes, sha256}} of this rank's share of the engine's files in tmp: every world-th of
-    them, sorted. The engine names no paths, so rank 0 used to hash them all for the manifest (16
-    bytes a parameter with DeepSpeed's optimizer states: about 1.1 TB at 70B, while every other rank
-    waited on it past the collective timeout). Between two barriers: the engine's files are all
-    written before any rank lists them, and no rank writes its own files into tmp while another lists."""
+def _native_share(tmp: Path, rank: int, world: int) -> list[Path]:
+    """This rank's share of the engine's files in tmp, to hash for the manifest: every world-th of
+    them, sorted. The engine names no paths, so rank 0 used to hash them all (16 bytes a parameter
+    with DeepSpeed's optimizer states: about 1.1 TB at 70B, while every other rank waited on it past
+    the collective timeout). Listed between two barriers: the engine's files are all written before
+    any rank lists them, and no rank writes its own files into tmp while another lists. Hashed later,
+    by finish_rank (an async save's thread), not in the step loop."""
     _barrier()
     files = sorted(p for p in tmp.rglob("*") if p.is_file() and not p.name.startswith("."))
-    share = {p.relative_to(tmp).as_posix(): universal.file_entry(p) for p in files[rank::world]}
     _barrier()
-    return share
+    return files[rank::world]
 
 
 def write_rank_part(directory: Path, rank: int, client_state: dict[str, Any], rng_state: Optional[dict[str, Any]],

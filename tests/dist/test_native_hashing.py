@@ -14,14 +14,21 @@ from tests.support.ranks import run_ranks
 pytestmark = pytest.mark.slow
 
 
+class _Engine:
+    """Writes what DeepSpeed's save_checkpoint writes per rank: its optimizer states."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def save_native(self, directory, tag, client_state) -> None:
+        folder = Path(directory) / tag
+        folder.mkdir(parents=True, exist_ok=True)
+        states = folder / f"zero_pp_rank_{self.rank}_mp_rank_00_optim_states.pt"
+        states.write_bytes(bytes([self.rank + 1]) * (1 << 20))
+
+
 def _save_with_native_files(rank: int, world: int, save_dir: str) -> list[str]:
     from megaframe.checkpoint import store, universal
-
-    class Engine:  # writes what DeepSpeed's save_checkpoint writes per rank: its optimizer states
-        def save_native(self, directory, tag, client_state) -> None:
-            folder = Path(directory) / tag
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(bytes([rank + 1]) * (1 << 20))
 
     hashed: list[str] = []
     real = universal.file_entry
@@ -31,7 +38,7 @@ def _save_with_native_files(rank: int, world: int, save_dir: str) -> list[str]:
         return real(path)
 
     universal.file_entry = counted
-    store.save(Engine(), Path(save_dir), 3, {"step": 3}, native=True)
+    store.save(_Engine(rank), Path(save_dir), 3, {"step": 3}, native=True)
     return hashed
 
 
@@ -44,3 +51,35 @@ def test_each_rank_hashes_its_share_of_the_engines_files(tmp_path):
     manifest = json.loads((final / "manifest.json").read_text())["files"]
     for name in native:  # the manifest holds what is on disk, as an independent hash says
         assert manifest[name]["sha256"] == hashlib.sha256((final / name).read_bytes()).hexdigest()
+
+
+def _save_in_the_background(rank: int, world: int, save_dir: str) -> list[str]:
+    import threading
+
+    from megaframe.checkpoint import store, universal
+
+    threads: list[str] = []
+    real = universal.file_entry
+
+    def counted(path):
+        if "optim_states" in Path(path).name:
+            threads.append("main" if threading.current_thread() is threading.main_thread() else "writer")
+        return real(path)
+
+    universal.file_entry = counted
+    writer = store.BackgroundWriter()
+    store.save(_Engine(rank), Path(save_dir), 3, {"step": 3}, native=True, background=writer)
+    writer.wait()
+    return threads
+
+
+def test_under_async_save_the_engines_files_are_hashed_on_the_writer_thread(tmp_path):
+    """train.async_save: the step loop goes on while a save is written and hashed. The engine's own
+    files were hashed in the step loop (seconds a save at scale: gigabytes per rank); now on each
+    rank's writer thread, each rank its share, and the manifest still verifies."""
+    results = run_ranks(_save_in_the_background, 2, tmp_path, save_dir=str(tmp_path / "checkpoints"))
+    assert results == [["writer"], ["writer"]], results
+    from megaframe.checkpoint import universal
+
+    final = tmp_path / "checkpoints" / "global_step3"
+    universal.verify_files(final, universal.read_manifest(final)["files"])
