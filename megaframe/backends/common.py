@@ -124,11 +124,11 @@ def counting_targets(holder: Optional[StepTargets], batches: list[Batch], ps: Pa
     replicas = ps.grid.size("dp", "cp")
     if replicas > 1:
         dist.all_reduce(counted, group=ps.grad_reduce_group)
-    holder.total, holder.shares = counted.clamp(min=1).to(torch.float64), len(batches) * replicas
+    holder.factor = (len(batches) * replicas) / counted.clamp(min=1).to(torch.float64)
     try:
         yield
     finally:
-        holder.total = None
+        holder.factor = None
 
 
 def apply_update(optimizer: torch.optim.Optimizer, lr_scheduler, parameters: Iterable[torch.nn.Parameter], norm: float,

@@ -222,6 +222,7 @@ def publish_dir(tmp: Path, save_dir: Path, step: int, world: int, keep: int = 0)
     clear_unsaved(save_dir)  # the run has a checkpoint now: records without one mean lost storage
     if keep > 0:
         prune(save_dir, keep)
+    empty_trash(save_dir)
     return final
 
 
@@ -235,7 +236,7 @@ def _complete_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-TRASH_PREFIX = TMP_PREFIX + "del-"  # a pruned checkpoint, renamed before its delete
+TRASH_PREFIX = universal.TRASH_PREFIX  # a pruned or superseded checkpoint, renamed before its delete
 
 
 def prune(save_dir: Path, keep: int) -> list[Path]:
@@ -248,13 +249,16 @@ def prune(save_dir: Path, keep: int) -> list[Path]:
     current = find_latest(save_dir)
     doomed = [path for _, path in _complete_checkpoints(save_dir)[:-keep] if path != current]
     for path in doomed:
-        trash, n = path.with_name(TRASH_PREFIX + path.name), 1
-        while os.path.lexists(trash):
-            trash, n = path.with_name(f"{TRASH_PREFIX}{path.name}-{n}"), n + 1
-        os.replace(path, trash)
+        os.replace(path, universal.trash_name(path))
+    empty_trash(save_dir)
+    return doomed
+
+
+def empty_trash(save_dir: Path) -> None:
+    """Delete every tmp-del-* of save_dir: pruned checkpoints, copies an interrupted swap left
+    (universal.finish_interrupted_swaps), and those an earlier delete could not finish."""
     for trash in Path(save_dir).glob(TRASH_PREFIX + "*"):
         shutil.rmtree(trash, ignore_errors=True)
-    return doomed
 
 
 ROLLED_BACK_PREFIX = "rolled-back-"  # checkpoints of a timeline a resume left (set_aside_newer)

@@ -277,23 +277,36 @@ def replace_dir(tmp: Path, final: Path) -> Path:
     return final
 
 
+TRASH_PREFIX = "tmp-del-"  # a directory on its way out: the next publish deletes it (store.py empty_trash)
+
+
 def finish_interrupted_swaps(parent: Path) -> list[Path]:
-    """Put right what a crash between replace_dir's two renames left in `parent`: a tmp-old-NAME
-    whose NAME is gone is NAME's last complete copy and is renamed back; one beside its NAME is an
-    old copy the swap had not deleted yet, and goes. Returns the directories put back. Before this,
-    a resume fell back past NAME (a step saved twice, as a stop right after a resume does) and the
-    aside copy, a whole checkpoint, stayed on the storage for good."""
+    """Put right what a crash between replace_dir's two renames left in `parent`: NAME gone, its old
+    copy at tmp-old-NAME and the new one at tmp-NAME. The old copy, which `latest` named, is renamed
+    back and the new one goes to the trash. Any other tmp-old-NAME (the swap done, or an empty husk a
+    delete left on NFS) goes to the trash too. Renames only, nothing deleted here: the next publish
+    empties the trash. Before this, a resume fell back past NAME (a step saved twice, as a stop right
+    after a resume does) and the aside copy stayed on the storage for good. Returns what came back."""
     restored = []
     for old in sorted(Path(parent).glob(f"{OLD_PREFIX}*")):
-        final = old.with_name(old.name.removeprefix(OLD_PREFIX))
-        if os.path.lexists(final):
-            shutil.rmtree(old, ignore_errors=True)
-        elif old.is_dir():
+        name = old.name.removeprefix(OLD_PREFIX)
+        final, new = old.with_name(name), old.with_name(f"tmp-{name}")
+        if not os.path.lexists(final) and old.is_dir() and new.is_dir():
+            os.replace(new, trash_name(new.with_name(name)))
             os.replace(old, final)
             restored.append(final)
-    if restored:
-        fsync_dir(parent)
+        else:
+            os.replace(old, trash_name(final))
+    fsync_dir(parent)
     return restored
+
+
+def trash_name(path: Path) -> Path:
+    """A free tmp-del- name for `path` in its folder."""
+    trash, n = path.with_name(TRASH_PREFIX + path.name), 1
+    while os.path.lexists(trash):
+        trash, n = path.with_name(f"{TRASH_PREFIX}{path.name}-{n}"), n + 1
+    return trash
 
 
 def read_state(directory: Path) -> dict[str, Any]:

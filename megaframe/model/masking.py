@@ -118,16 +118,17 @@ class StepTargets:
     (backends/common.py's counting_targets), unset (None) otherwise: a lone forward keeps its mean."""
 
     def __init__(self) -> None:
-        self.total: Optional[torch.Tensor] = None  # the global batch's counted targets, int64 on the device
-        self.shares = 1
+        # micro-batch shares over the global batch's counted targets, float64 on the device: one tensor
+        # (not an int beside it), so a whole-model compile sees the same attributes in every step
+        self.factor: Optional[torch.Tensor] = None
 
     def weigh(self, loss: torch.Tensor, targets: torch.Tensor) -> Optional[torch.Tensor]:
-        """The weighed micro-batch loss, or None outside a step that counts. In float64, the counts are
-        exact: a micro-batch holding its equal share keeps its mean bitwise (the factor is 1.0)."""
-        if self.total is None:
+        """The weighed micro-batch loss, or None outside a step that counts. In float64 from exact
+        counts: a micro-batch holding its equal share keeps its mean bitwise (the weight rounds to 1.0)."""
+        if self.factor is None:
             return None
         counted = (targets != IGNORED_TARGET).sum()
-        return loss * ((counted * self.shares).to(torch.float64) / self.total).to(loss.dtype)
+        return loss * (counted.to(torch.float64) * self.factor).to(loss.dtype)
 
 
 def counted_share(targets: torch.Tensor, dims: GPTDims, context: Optional[ContextGroup]) -> Optional[torch.Tensor]:

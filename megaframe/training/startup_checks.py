@@ -4,7 +4,6 @@ the run on every rank with one line, before anything is written to the run dir o
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist

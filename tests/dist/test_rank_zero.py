@@ -38,3 +38,29 @@ def test_every_rank_gets_rank_0s_answer_or_its_error(tmp_path, fails):
                                                                        "check the storage") and int(answer[2]) == 5
     else:
         assert kind == "value" and answer == {"steps": [2, 4], "from": 0}
+
+
+class _TwoArguments(Exception):
+    """An exception pickle cannot rebuild: its __init__ takes more than the message."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _decide_unrebuildable(rank: int, world: int) -> tuple:
+    from megaframe.parallel.rank_zero import decided_by_rank_zero
+
+    def decide():
+        raise _TwoArguments("the job stopped: token id 300 is outside the vocabulary", 4)
+    try:
+        decided_by_rank_zero(decide)
+    except Exception as err:  # noqa: BLE001
+        return type(err).__name__, str(err), int(err.exit_code)
+    return None
+
+
+def test_an_exception_pickle_cannot_rebuild_still_ends_every_rank_with_its_message_and_code(tmp_path):
+    results = run_ranks(_decide_unrebuildable, 2, tmp_path, timeout=60)
+    message = "the job stopped: token id 300 is outside the vocabulary"
+    assert results == [("_TwoArguments", message, 4), ("RunFailure", message, 4)], results

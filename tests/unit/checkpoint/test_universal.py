@@ -115,8 +115,9 @@ def test_pipeline_names_map_to_canonical(module_name, canonical):
 
 
 def test_an_interrupted_swap_is_put_right_and_a_finished_one_cleared(tmp_path):
-    """What a crash between replace_dir's renames leaves: the aside copy without its name comes back,
-    the aside copy beside its name goes, anything else is left alone."""
+    """What a crash between replace_dir's renames leaves: the old copy comes back under its name and
+    the new one goes to the trash; an aside copy beside its name, or one without the new copy (a
+    husk a delete left), goes to the trash; nothing is deleted here, and other entries stay."""
     def directory(name: str, content: str):
         (tmp_path / name).mkdir()
         (tmp_path / name / "file").write_text(content)
@@ -125,12 +126,16 @@ def test_an_interrupted_swap_is_put_right_and_a_finished_one_cleared(tmp_path):
     directory("tmp-global_step4", "new 4")
     directory("tmp-old-global_step2", "old 2")  # the crash came before the aside copy was deleted
     directory("global_step2", "new 2")
-    directory("tmp-del-global_step1", "pruned")
+    directory("tmp-old-global_step1", "husk")  # no new copy beside it: not a swap cut in two
+    directory("tmp-del-global_step4", "pruned long ago")
     assert universal.finish_interrupted_swaps(tmp_path) == [tmp_path / "global_step4"]
     assert (tmp_path / "global_step4" / "file").read_text() == "old 4"
     assert (tmp_path / "global_step2" / "file").read_text() == "new 2"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step2", "global_step4", "tmp-del-global_step1",
-                                                         "tmp-global_step4"]
+    trash = {p.name: (p / "file").read_text() for p in tmp_path.glob("tmp-del-*")}
+    assert trash == {"tmp-del-global_step4": "pruned long ago", "tmp-del-global_step4-1": "new 4",
+                     "tmp-del-global_step2": "old 2", "tmp-del-global_step1": "husk"}, trash
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("tmp-del-")) == [
+        "global_step2", "global_step4"]
     assert universal.finish_interrupted_swaps(tmp_path) == []
 
     # and a save of the step whose swap was interrupted removes the aside copy the crash left
