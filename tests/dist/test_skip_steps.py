@@ -164,6 +164,18 @@ def _scaler_around_a_spike(rank: int, world: int, overrides: list[str], run_dir:
     return {"scaler": scaler, "applied": applied}
 
 
+def test_a_spike_skip_at_the_minimum_fp16_scale_is_a_skip_not_the_end_of_the_run(tmp_path):
+    """At the minimum scale, with no hysteresis left, DeepSpeed raised "Current loss scale already at
+    minimum ... Exiting run." on the guard's own NaN: the spike ended the run. Now it is skipped."""
+    fp16 = ["precision=fp16", "precision.initial_scale_power=0", "precision.min_loss_scale=1", "precision.hysteresis=1"]
+    results = run_ranks(_scaler_around_a_spike, 2, tmp_path, overrides=[*BASE, *LAYOUTS["dp2-zero2"], *SPIKE, *fp16],
+                        run_dir=str(tmp_path / "run"))
+    for rank, result in enumerate(results):
+        assert [s for s, ok in result["applied"].items() if not ok] == [SPIKE_STEP], (rank, result["applied"])
+        assert sorted(result["applied"]) == list(range(1, 10)), rank  # the run went on to its last step
+        assert result["scaler"][SPIKE_STEP]["cur_scale"] == 1.0, rank
+
+
 @pytest.mark.parametrize("layout", ["dp2-zero2", "pp2-zero1"])
 def test_a_spike_skip_at_fp16_leaves_the_loss_scale_as_it_was(layout, tmp_path):
     """The guard's skip poisons the gradients with NaN, which DeepSpeed's dynamic scaler took for an
@@ -177,3 +189,33 @@ def test_a_spike_skip_at_fp16_leaves_the_loss_scale_as_it_was(layout, tmp_path):
         assert [s for s, ok in result["applied"].items() if not ok] == [SPIKE_STEP], (rank, result["applied"])
         before, after = result["scaler"][SPIKE_STEP - 1], result["scaler"][SPIKE_STEP]
         assert before["cur_scale"] == 256.0 and after == before, (rank, before, after)
+
+
+def _overflowing_at_the_minimum_scale(rank: int, world: int, overrides: list[str], run_dir: str) -> tuple:
+    from megaframe.common.failures import Diverged
+    from megaframe.config.compose import compose
+    from megaframe.config.validate import validate
+    from megaframe.training.trainer import Trainer
+    from tests.support.parity import pretend_fp16_device
+
+    pretend_fp16_device()
+    os.environ["MEGAFRAME_FAULTS"] = ",".join(f"nan_grad@{step}:0" for step in range(3, 9))
+    cfg, _ = compose(overrides)
+    try:
+        with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:
+            trainer.fit()
+    except Diverged as err:
+        return "diverged", trainer.step, str(err)
+    return "finished", trainer.step, ""
+
+
+def test_a_run_that_keeps_overflowing_at_the_minimum_fp16_scale_stops_after_the_allowed_skips(tmp_path):
+    """DeepSpeed no longer ends the run at the minimum scale itself (raise_error_at_min_scale off):
+    the guard does, after train.max_consecutive_skips overflowing steps, each counted because the
+    scale cannot shrink any more (docs/failures.md)."""
+    fp16 = ["precision=fp16", "precision.initial_scale_power=0", "precision.min_loss_scale=1", "precision.hysteresis=1",
+            "train.max_consecutive_skips=3"]
+    results = run_ranks(_overflowing_at_the_minimum_scale, 2, tmp_path, overrides=[*BASE, *LAYOUTS["dp2-zero2"], *fp16],
+                        run_dir=str(tmp_path / "run"))
+    for kind, step, message in results:
+        assert (kind, step) == ("diverged", 5) and "3 steps in a row skipped" in message, (kind, step, message)

@@ -127,6 +127,12 @@ class DeepSpeedBackend:
             self._flush_bucket_at_boundary()
         undo_build_step(self.engine.optimizer)  # its fp16/bf16 ZeRO-0 optimizer steps once at build (build_step.py)
         batch_overflow_check(self.engine.optimizer)  # bf16/fp16 at ZeRO-0: one host read, not one per tensor
+        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
+        if hasattr(scaler, "raise_error_at_min_scale"):
+            # at the minimum fp16 scale DeepSpeed ended the run with a bare Exception on an overflow, and
+            # on the guard's own skip of a spike; training/step_guard.py ends a run that keeps
+            # overflowing there after train.max_consecutive_skips, in one line with exit 3
+            scaler.raise_error_at_min_scale = False
         self._last_grad_norm = float("nan")
         self._norm_from_grads = cfg.zero.stage == 0 and cfg.precision.dtype == "fp32"
         if self._norm_from_grads:
