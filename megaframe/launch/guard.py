@@ -15,6 +15,17 @@ import sys
 
 LAUNCHER_PID = "MEGAFRAME_LAUNCHER_PID"  # set by the self-launching megaframe-train for its ranks
 _PR_SET_PDEATHSIG = 1
+_parent_at_start: int | None = None  # this process's parent as its entry point began (remember_parent)
+
+
+def remember_parent() -> None:
+    """The first line of the entry point, before its imports: note the parent. Under an external
+    torchrun nothing names the launcher, and a torchrun killed during the rank's imports (seconds:
+    torch, DeepSpeed) left the rank orphaned before die_with_launcher could tell; now only a kill
+    during the interpreter's own start (tens of ms) does. A parent that is PID 1 (torchrun as a
+    container's init) is remembered as such, so it is no sign of an orphan."""
+    global _parent_at_start
+    _parent_at_start = os.getppid()
 
 
 def launched_by_an_agent() -> bool:
@@ -24,12 +35,13 @@ def launched_by_an_agent() -> bool:
 
 def die_with_launcher() -> None:
     """Ask the kernel to SIGKILL this process when its parent exits; exit at once if the launcher
-    that megaframe-train recorded is already gone (it died before this line ran). Linux only: on
-    other systems torchrun's own signal forwarding is all there is."""
+    that megaframe-train recorded, or the parent remember_parent noted, is already gone (it died
+    before this line ran). Linux only: on other systems torchrun's own signal forwarding is all
+    there is."""
     if not sys.platform.startswith("linux") or not launched_by_an_agent():
         return
     expected = os.environ.get(LAUNCHER_PID)
-    die_with_parent(int(expected) if expected is not None else None)
+    die_with_parent(int(expected) if expected is not None else _parent_at_start)
 
 
 def die_with_parent(parent: int | None) -> None:
