@@ -174,8 +174,7 @@ class CheckpointManager:
             # own (a mistyped PATH fails on without losing them)
             self.fast.clear()
         if path is None:
-            resume_checks.start_over(self.run_dir, self.dir, t.resume, self.metrics, self.is_logger,
-                                     self.layout.world_size > 1)
+            resume_checks.start_over(self.run_dir, self.dir, t.resume, self.metrics, self.is_logger)
             return 0
         for _, part, _ in self._whole():  # before any tensor is read (the cause of a vocabulary change)
             if hasattr(part, "precheck"):

@@ -133,17 +133,15 @@ def prelaunch_problem(run_dir: Path, resume: str) -> Optional[str]:
     return start_over_problem(run_dir, checkpoint_dir, resume)
 
 
-def start_over(run_dir: Path, checkpoint_dir: Path, resume: str, metrics, is_logger: bool,
-               distributed: bool) -> None:
+def start_over(run_dir: Path, checkpoint_dir: Path, resume: str, metrics, is_logger: bool) -> None:
     """The trainer's start from step 0 (no checkpoint to resume from): rank 0's start_over_problem
     ends every rank with a CheckpointError (exit 5); else, under train.resume=auto, the records of
     an attempt that crashed before its first checkpoint are dropped (they would repeat), and the run
     is marked unsaved until its first checkpoint. metrics: the trainer's MetricsLog."""
     from megaframe.parallel.rank_zero import decided_by_rank_zero
 
-    # a collective when distributed (rank 0 reads the run dir): a storage error there is raised everywhere
-    problem = decided_by_rank_zero(lambda: start_over_problem(run_dir, checkpoint_dir, resume)) if distributed \
-        else start_over_problem(run_dir, checkpoint_dir, resume) if is_logger else None
+    # a collective (rank 0 reads the run dir): a storage error there is raised on every rank
+    problem = decided_by_rank_zero(lambda: start_over_problem(run_dir, checkpoint_dir, resume))
     if problem is not None:
         raise CheckpointError(problem)
     if not is_logger:

@@ -74,7 +74,7 @@ def test_trained_steps_without_a_readable_checkpoint_are_refused(tmp_path, stora
     # the trainer's own check (after launch): exit 5, and the records are left alone
     before = (run / "metrics.jsonl").read_bytes()
     with pytest.raises(CheckpointError, match="holds records up to step 7"):
-        start_over(run, checkpoints, "auto", MetricsLog(run / "metrics.jsonl"), True, False)
+        start_over(run, checkpoints, "auto", MetricsLog(run / "metrics.jsonl"), True)
     assert (run / "metrics.jsonl").read_bytes() == before
 
 
@@ -84,12 +84,12 @@ def test_a_crash_before_the_first_checkpoint_starts_over_and_drops_its_records(t
     records without a checkpoint mean lost storage."""
     run = tmp_path / "run"
     run.mkdir()
-    start_over(run, run / "checkpoints", "auto", MetricsLog(run / "metrics.jsonl"), True, False)
+    start_over(run, run / "checkpoints", "auto", MetricsLog(run / "metrics.jsonl"), True)
     assert (run / UNSAVED_MARKER).is_file()
     _trained(run, steps=4)
     (run / "checkpoints" / "tmp-global_step4").mkdir(parents=True)  # killed during its first save
     assert prelaunch_problem(run, "auto") is None
-    start_over(run, run / "checkpoints", "auto", MetricsLog(run / "metrics.jsonl"), True, False)
+    start_over(run, run / "checkpoints", "auto", MetricsLog(run / "metrics.jsonl"), True)
     assert "dropped 5 metrics records of an earlier attempt that saved none" in capsys.readouterr().out
     assert (run / "metrics.jsonl").read_text() == ""
     _publish(run / "checkpoints", 2)
@@ -318,7 +318,7 @@ def _start_over_on_unreadable_storage(rank: int, world: int, run: str):
         raise OSError(5, "EIO")
     resume_checks.start_over_problem = unreadable
     try:
-        resume_checks.start_over(Path(run), Path(run) / "checkpoints", "auto", None, rank == 0, True)
+        resume_checks.start_over(Path(run), Path(run) / "checkpoints", "auto", None, rank == 0)
     except OSError as err:
         return type(err).__name__, err.strerror
     return None
