@@ -198,6 +198,11 @@ class DeepSpeedBackend:
             return int(total.item())
         return local
 
+    def _fed(self, batches: list[Batch]) -> list[Batch]:
+        """The micro-batches as the engine takes them: on the device, except for DeepSpeed's pipeline,
+        whose stages load what they need themselves, unless counting targets needs them there first."""
+        return on_device(batches, self.device) if self.step_targets is not None or not self.pipelined else batches
+
     def _dp_mean(self, value: torch.Tensor) -> float:
         return dp_mean(value, self.ps)
 
@@ -208,8 +213,7 @@ class DeepSpeedBackend:
         # fp16: a skip the guard asks for must not count as an overflow (a few Python numbers, no device read)
         scaler = state_io.loss_scaler_state(self.engine.optimizer) \
             if skip_if is not None and self.cfg.precision.dtype == "fp16" else {}
-        # DeepSpeed's stages load what they need themselves; counting targets needs them on the device first
-        on_it = on_device(batches, self.device) if self.step_targets is not None or not self.pipelined else batches
+        on_it = self._fed(batches)
         if self.pipelined:  # the engine runs the micro-batches through its 1F1B schedule
             self.module.loss_fn.gate = gate if skip_if else None  # the last stage's loss_fn sees every loss
             try:
@@ -239,7 +243,7 @@ class DeepSpeedBackend:
     @torch.no_grad()
     def eval_step(self, batches: list[Batch]) -> float:
         self.engine.eval()
-        on_it = on_device(batches, self.device) if self.step_targets is not None or not self.pipelined else batches
+        on_it = self._fed(batches)
         if self.pipelined:
             with counting_targets(self.step_targets, on_it, self.ps):
                 mean = float(self.engine.eval_batch(iter(on_it), num_micro_batches=len(batches)))
