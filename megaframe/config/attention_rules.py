@@ -85,8 +85,8 @@ def layout_problem(cfg: TrainConfig) -> Optional[str]:
     masks = [k for k, on in (("data.document_mask=true", d.document_mask),
                              (f"model.sliding_window={m.sliding_window}", m.sliding_window is not None),
                              ("data.eod_mask_loss=true", d.eod_mask_loss)) if on]
-    # the stages' documents would be their shard's, and their losses' means do not weigh the cp shards'
-    # unequal counts of kept targets (data.eod_mask_loss)
+    # the stages' documents would be their shard's; data.eod_mask_loss's per-target weighing reaches the
+    # pipelines' loss functions (model/masking.py StepTargets) but has not been run at pp x cp
     if masks and p.pp > 1 and p.cp > 1:
         return (f"{masks[0]} with parallel.pp={p.pp} and parallel.cp={p.cp}: pipeline stages do not carry masks "
                 f"across context-parallel shards yet; use parallel.pp=1 or parallel.cp=1")

@@ -24,7 +24,7 @@ from megaframe.model.mlp import MLP, Dropout
 from megaframe.model.moe import AddAux, MoE, RouterStats
 from megaframe.model.recompute import checkpointed
 from megaframe.model.layer_list import Layer, layer_list
-from megaframe.model.masking import StepTargets, counted_share, documents_of, forward_masks, layer_mask
+from megaframe.model.masking import StepTargets, documents_of, forward_masks, layer_mask
 from megaframe.parallel.context import ContextGroup, zigzag_positions
 from megaframe.parallel.experts import ExpertGroup
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -432,8 +432,6 @@ class GPT(nn.Module):
         weighed = self.step_targets.weigh(loss, targets)  # a step's or evaluation's, with data.eod_mask_loss
         if weighed is not None:
             loss = weighed
-        elif (share := counted_share(targets, self.dims, self.context)) is not None:  # a lone forward at cp
-            loss = loss * share
         if not self.moe_layers:
             return loss
         if self.training:

@@ -17,7 +17,6 @@ from megaframe.data.dataset import IGNORED_TARGET  # the loss's ignore_index (vo
 from megaframe.model.attention import CAUSAL, Mask
 from megaframe.model.dims import GPTDims
 from megaframe.parallel.context import ContextGroup, gather_sequence, zigzag_shard
-from megaframe.parallel.mappings import sum_values
 
 
 
@@ -129,15 +128,3 @@ class StepTargets:
             return None
         counted = (targets != IGNORED_TARGET).sum()
         return loss * (counted.to(torch.float64) * self.factor).to(loss.dtype)
-
-
-def counted_share(targets: torch.Tensor, dims: GPTDims, context: Optional[ContextGroup]) -> Optional[torch.Tensor]:
-    """Under context parallelism with data.eod_mask_loss, what this rank's mean loss is multiplied by so
-    that the cp ranks' mean of it is the mean over the whole rows' counted targets: its count of them
-    times cp over theirs (the zig-zag shards hold unequal numbers of the targets data/dataset.py left
-    out); None elsewhere (every rank counts all its targets, an equal share). One all-reduce of a
-    device scalar."""
-    if not dims.eod_mask_loss or context is None or context.size == 1:
-        return None
-    counted = (targets != IGNORED_TARGET).sum().to(torch.float32)
-    return counted * context.size / sum_values(counted, context.group).clamp(min=1.0)
