@@ -97,21 +97,20 @@ def _pick(weights: Sequence[float], stage_taken: Sequence[int], i: int) -> int:
 _ARRAY_PICK_SOURCES = 16
 
 
-def _walk_arrays(cursor: BlendCursor, weights: Sequence[float], stop: int, stage_start: int,
-                 record: Optional[np.ndarray], end: int) -> None:
-    """_pick's rule over positions [cursor.position, stop) of one stage, with the counts in float64
-    arrays (exact below 2^53): weight * max(i, 1) - taken is the same double arithmetic, and argmax
-    takes the first of equal values as _pick does. Leaves the cursor's counts updated."""
-    weight = np.asarray(weights, dtype=np.float64)
-    stage_taken = np.asarray(cursor.stage_taken, dtype=np.float64)
-    taken = list(cursor.taken)
-    for position in range(cursor.position, stop):
-        source = int((weight * float(max(position - stage_start, 1)) - stage_taken).argmax())
-        if record is not None:
-            record[position - (end - len(record))] = (source, taken[source])
-        taken[source] += 1
-        stage_taken[source] += 1
-    cursor.taken, cursor.stage_taken = taken, [int(v) for v in stage_taken]
+class _ArrayPick:
+    """_pick's rule as one numpy expression, for one stage: the stage's counts kept as a float64 array
+    (exact below 2^53) beside the cursor's list, so weight * max(i, 1) - taken is the same double
+    arithmetic, and argmax takes the first of equals as _pick does. Called as _pick is; it counts
+    the pick it returns."""
+
+    def __init__(self, weights: Sequence[float], stage_taken: Sequence[int]) -> None:
+        self.weight = np.asarray(weights, dtype=np.float64)
+        self.taken = np.asarray(stage_taken, dtype=np.float64)
+
+    def __call__(self, weights: Sequence[float], stage_taken: Sequence[int], i: int) -> int:
+        source = int((self.weight * float(max(i, 1)) - self.taken).argmax())
+        self.taken[source] += 1
+        return source
 
 
 class BlendedSamples:
@@ -168,15 +167,13 @@ class BlendedSamples:
             stage_start = self.stages[stage].start_step * global_batch_size
             stop = end if stage + 1 == len(self.stages) else min(end, self.stages[stage + 1].start_step * global_batch_size)
             weights = self.stages[stage].weights
-            if len(weights) >= _ARRAY_PICK_SOURCES:
-                _walk_arrays(cursor, weights, stop, stage_start, record, end)
-            else:
-                for position in range(cursor.position, stop):
-                    source = _pick(weights, cursor.stage_taken, position - stage_start)
-                    if record is not None:
-                        record[position - (end - len(record))] = (source, cursor.taken[source])
-                    cursor.taken[source] += 1
-                    cursor.stage_taken[source] += 1
+            pick = _ArrayPick(weights, cursor.stage_taken) if len(weights) >= _ARRAY_PICK_SOURCES else _pick
+            for position in range(cursor.position, stop):
+                source = pick(weights, cursor.stage_taken, position - stage_start)
+                if record is not None:
+                    record[position - (end - len(record))] = (source, cursor.taken[source])
+                cursor.taken[source] += 1
+                cursor.stage_taken[source] += 1
             cursor.position = stop
         return cursor
 
