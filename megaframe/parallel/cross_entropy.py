@@ -11,14 +11,18 @@ from megaframe.parallel.mappings import reduce_from_tp_region
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TPGroup, vocab_start: int,
                                  vocab_size: int, ignore_index: int = -100) -> torch.Tensor:
-    """Mean next-token loss over non-ignored targets.
+    """Mean next-token loss over non-ignored targets; 0 (with zero gradients) where every target is.
 
     logits: (..., n) this rank's columns [vocab_start, vocab_start + n) of the padded vocabulary.
     Columns at or beyond vocab_size (Megatron's padding) get no probability mass.
     """
     if tp.size == 1:  # one rank holds every column: torch's fused kernel, padded columns sliced off
         logits = at_least_fp32(logits[..., :vocab_size])
-        return F.cross_entropy(logits.reshape(-1, vocab_size), targets.reshape(-1), ignore_index=ignore_index)
+        summed = F.cross_entropy(logits.reshape(-1, vocab_size), targets.reshape(-1), ignore_index=ignore_index,
+                                 reduction="sum")
+        # torch's mean bitwise (it divides the same sum by the same count), but 0 where no target counts
+        # (data.eod_mask_loss over a run of empty documents): torch's 0/0 would be a NaN loss and gradient
+        return summed / (targets != ignore_index).sum().clamp(min=1)
     logits = at_least_fp32(logits)
     n = logits.shape[-1]
     column_ids = torch.arange(vocab_start, vocab_start + n, device=logits.device)
