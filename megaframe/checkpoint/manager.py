@@ -52,6 +52,7 @@ class CheckpointManager:
         self.last: Optional[Path] = None  # the last checkpoint this process wrote
         self.resized: Optional[dict] = None  # rank 0: the metrics event of a resume into another world size
         self.background = store.BackgroundWriter()  # train.async_save: each rank writes its shard on a thread
+        self.trash = store.TrashCollector()  # rank 0 deletes pruned checkpoints off the step loop
         self.fast: Optional[FastTier] = None  # train.fast_save_interval: parts in node-local memory and a buddy's
         t = cfg.train
         if t.fast_save_interval:
@@ -108,7 +109,8 @@ class CheckpointManager:
                 self.last = store.save(self.backend, self.dir, step, state, rng_state=self._rank_states(),
                                        write_extra=write_universal, keep=t.keep_checkpoints, native=native,
                                        background=self.background if t.async_save else None,
-                                       before_publish=self.save_hook(step), record_timeout_s=t.collective_timeout_s)
+                                       before_publish=self.save_hook(step), record_timeout_s=t.collective_timeout_s,
+                                       trash=self.trash)
             except OSError as err:  # a full disk or a quota: which checkpoint, why, and that the last one stands
                 raise save_failure(err, f"global_step{step}", str(self.dir)) from err
         return self.last
@@ -126,6 +128,11 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until the save in flight (train.async_save) is published; raise its error."""
         self.background.wait()
+
+    def trash_deleted(self) -> None:
+        """Block until rank 0's thread has deleted the pruned checkpoints: a clean run's end, after its
+        last barrier (no rank waits on it; a failed run leaves them to the next publish)."""
+        self.trash.wait()
 
     def finished(self, step: int) -> None:
         """The run reached train.max_steps: the fast tier's parts leave the nodes' memory, once the save
@@ -254,7 +261,7 @@ class CheckpointManager:
         shared = decided_by_rank_zero(shared_step)
         keep = self.cfg.train.keep_checkpoints
         line = self.fast.restore(self.dir, shared, lambda tmp, step, world: store.publish_dir(
-            tmp, self.dir, step, world, keep))
+            tmp, self.dir, step, world, keep, self.trash))
         if line and self.is_logger:
             print(line, flush=True)
 

@@ -111,10 +111,51 @@ class BackgroundWriter:
             raise error
 
 
+class TrashCollector:
+    """Rank 0's deleting of a checkpoints directory's trash (tmp-del-*: pruned checkpoints, replaced
+    copies, a crashed save's debris) on a thread of its own, while every rank trains on. A pruned
+    checkpoint with its optimizer states is about 16 bytes a parameter (1.1 TB at 70B) in thousands
+    of files, minutes of deleting on a parallel file system; rank 0 deleted it before the save's last
+    barrier, so every other rank waited there, or in the next step's first collective, as long as
+    the delete took (past the collective timeout, a hang reported as rank 0's). One thread at a
+    time: a collect while it runs is done by the same thread after the pass in hand. A daemon, so a
+    failed run's exit does not wait for it; what is left keeps its tmp-del- name for the next one."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pending: Optional[Path] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def collect(self, save_dir: Path) -> None:
+        """Empty save_dir's trash on the thread (started if none runs)."""
+        with self._lock:
+            self._pending = Path(save_dir)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="megaframe-trash", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                directory, self._pending = self._pending, None
+                if directory is None:
+                    self._thread = None
+                    return
+            empty_trash(directory)
+
+    def wait(self) -> None:
+        """Block until the trash collected so far is deleted (a clean run's end, after its last barrier)."""
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+
 def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
          rng_state: Optional[dict[str, Any]] = None, write_extra: Optional[Callable[[Path], Any]] = None,
          keep: int = 0, native: bool = True, background: Optional[BackgroundWriter] = None,
-         before_publish: Optional[Callable[[str], None]] = None, record_timeout_s: float = 1800.0) -> Path:
+         before_publish: Optional[Callable[[str], None]] = None, record_timeout_s: float = 1800.0,
+         trash: Optional[TrashCollector] = None) -> Path:
     """Every rank saves its shard and its record; rank 0 then publishes: index, manifest, rename into
     place, `latest`.
 
@@ -124,7 +165,8 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
     rank writes on its writer thread and rank 0's thread publishes once every rank's record is
     there, while training goes on; before_publish: a test hook called on each rank with "write"
     before it writes its shard and on rank 0 with "publish" once every shard is written; keep > 0
-    deletes all but the newest `keep` checkpoints once `latest` names the new one."""
+    sets aside all but the newest `keep` checkpoints once `latest` names the new one; trash: rank
+    0's TrashCollector, which deletes them off the step loop (without one, publish deletes them)."""
     save_dir = Path(save_dir)
     tag = tag_for(step)
     tmp = save_dir / (TMP_PREFIX + tag)
@@ -136,7 +178,8 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
         if not save_dir.is_dir():
             save_dir.mkdir(parents=True, exist_ok=True)
             fsync_dir(save_dir.parent)  # the run's first checkpoint: save_dir's own entry
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that crashed
+        if os.path.lexists(tmp):  # debris of a save that crashed: to the trash, not deleted while the ranks wait
+            os.replace(tmp, universal.trash_name(tmp))
     _barrier()
     native_share: list[Path] = []
     if native:
@@ -162,7 +205,7 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
         sharded.wait_for_records(tmp, world, record_timeout_s)
         if before_publish is not None:
             before_publish("publish")
-        publish_dir(tmp, save_dir, step, world, keep)
+        publish_dir(tmp, save_dir, step, world, keep, trash)
 
     if background is not None:
         background.submit((lambda: (finish_rank(), publish())) if rank == 0 else finish_rank, tag)
@@ -209,20 +252,26 @@ def write_rank_part(directory: Path, rank: int, client_state: dict[str, Any], rn
     return finish
 
 
-def publish_dir(tmp: Path, save_dir: Path, step: int, world: int, keep: int = 0) -> Path:
+def publish_dir(tmp: Path, save_dir: Path, step: int, world: int, keep: int = 0,
+                trash: Optional[TrashCollector] = None) -> Path:
     """Rank 0, once every rank's record of `world` is in tmp: index, manifest, the rename into
     place and `latest` (then pruning to the newest `keep`). replace_dir fsyncs tmp before the
     rename and save_dir after it, atomic_write_text `latest` and save_dir again: both are on disk
-    before an older checkpoint is deleted."""
+    before an older checkpoint goes. What goes is renamed to the trash here and deleted by `trash`
+    on its thread (here without one)."""
     tag = tag_for(step)
     hashed = sharded.merge_records(tmp, world)
     universal.write_manifest(tmp, hashed)  # rank 0 hashes only its own small files
-    final = universal.replace_dir(tmp, save_dir / tag)  # re-saving a step keeps the old one until the swap
+    # re-saving a step keeps the old one until the swap
+    final = universal.replace_dir(tmp, save_dir / tag, discard=lambda old: os.replace(old, universal.trash_name(old)))
     atomic_write_text(save_dir / LATEST, tag + "\n")
     clear_unsaved(save_dir)  # the run has a checkpoint now: records without one mean lost storage
     if keep > 0:
         prune(save_dir, keep)
-    empty_trash(save_dir)
+    if trash is None:
+        empty_trash(save_dir)
+    else:
+        trash.collect(save_dir)
     return final
 
 
@@ -240,23 +289,22 @@ TRASH_PREFIX = universal.TRASH_PREFIX  # a pruned or superseded checkpoint, rena
 
 
 def prune(save_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints, never the one `latest` names; return the deleted.
-    Each is renamed to tmp-del-* first (a crash mid-delete leaves debris, never a half-deleted
-    global_step dir); then every tmp-del-* is deleted, those an earlier prune could not finish too:
-    a crash, or a file still open elsewhere (NFS keeps a deleted open file as .nfs*, so its folder
-    cannot go) left one holding a whole checkpoint's bytes that nothing else would ever delete, and a
-    second tmp-del-global_stepN for a step saved again (after a rollback) made the rename fail."""
+    """Set aside all but the newest `keep` checkpoints, never the one `latest` names; return them.
+    Each is renamed to tmp-del-* (a crash mid-delete leaves debris, never a half-deleted global_step
+    dir), which empty_trash deletes (publish_dir's caller, on a thread)."""
     current = find_latest(save_dir)
     doomed = [path for _, path in _complete_checkpoints(save_dir)[:-keep] if path != current]
     for path in doomed:
         os.replace(path, universal.trash_name(path))
-    empty_trash(save_dir)
     return doomed
 
 
 def empty_trash(save_dir: Path) -> None:
-    """Delete every tmp-del-* of save_dir: pruned checkpoints, copies an interrupted swap left
-    (universal.finish_interrupted_swaps), and those an earlier delete could not finish."""
+    """Delete every tmp-del-* of save_dir: pruned checkpoints, replaced copies, copies an interrupted
+    swap left (universal.finish_interrupted_swaps), a crashed save's debris, and those an earlier
+    delete could not finish: a crash, or a file still open elsewhere (NFS keeps a deleted open file as
+    .nfs*, so its folder cannot go) left one holding a whole checkpoint's bytes that nothing else
+    would ever delete."""
     for trash in Path(save_dir).glob(TRASH_PREFIX + "*"):
         shutil.rmtree(trash, ignore_errors=True)
 

@@ -24,7 +24,7 @@ import re
 import shutil
 import struct
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from safetensors import safe_open
@@ -257,23 +257,31 @@ def write_universal(out_dir: Path, model: dict[str, torch.Tensor], state: dict[s
 OLD_PREFIX = "tmp-old-"  # a replaced directory, until the swap that replaced it is durable
 
 
-def replace_dir(tmp: Path, final: Path) -> Path:
+def _delete(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def replace_dir(tmp: Path, final: Path, discard: Callable[[Path], None] = _delete) -> Path:
     """Rename the complete directory `tmp` to `final`; an existing `final` is moved aside to
-    tmp-old-NAME first and deleted only after the swap, so a crash never leaves neither (a crash
+    tmp-old-NAME first and discarded only after the swap, so a crash never leaves neither (a crash
     between the two renames is put right by finish_interrupted_swaps). Durable: tmp's entries are
-    fsync'd before the rename (its files by their writers), the parent after it."""
+    fsync'd before the rename (its files by their writers), the parent after it. discard(old): what
+    becomes of the old copy, deleted here unless the caller defers it (a checkpoint's goes to the
+    trash, checkpoint/store.py)."""
     tmp, final = Path(tmp), Path(final)
     fsync_dir(tmp)
     old = final.with_name(f"{OLD_PREFIX}{final.name}")
     if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
+        if os.path.lexists(old):
+            discard(old)
         os.replace(final, old)
         os.replace(tmp, final)
         fsync_dir(final.parent)  # before the old copy goes
     else:
         os.replace(tmp, final)
         fsync_dir(final.parent)
-    shutil.rmtree(old, ignore_errors=True)  # also an interrupted swap's copy, superseded now
+    if os.path.lexists(old):
+        discard(old)  # also an interrupted swap's copy, superseded now
     return final
 
 

@@ -194,6 +194,8 @@ class Trainer:
             raise save_error
         if dist.is_initialized() and not failed:
             dist.barrier()
+        if not failed:
+            self.checkpoints.trash_deleted()  # rank 0 alone, after the barrier: no rank waits on a delete
 
     def __enter__(self) -> "Trainer":
         return self
