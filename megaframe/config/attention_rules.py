@@ -75,21 +75,12 @@ def documents_problem(cfg: TrainConfig) -> Optional[str]:
 
 
 def layout_problem(cfg: TrainConfig) -> Optional[str]:
-    """The layouts whose attention core or pipeline stages cannot apply the masks yet. Tensor and
-    sequence parallelism can (each TP rank holds the whole token ids); so can context parallelism (the
-    ring and Ulysses cores take documents and windows, the cp ranks gathering the whole rows' ids) and
-    pipeline stages of either engine (each finds the documents in the micro-batch's token ids:
-    docs/attention.md); not pipeline stages over context-parallel shards, whose documents span the cp ranks,
-    nor Ulysses with a restricting mask, for its memory (ulysses_mask_problem)."""
-    m, d, p = cfg.model, cfg.data, cfg.parallel
-    masks = [k for k, on in (("data.document_mask=true", d.document_mask),
-                             (f"model.sliding_window={m.sliding_window}", m.sliding_window is not None),
-                             ("data.eod_mask_loss=true", d.eod_mask_loss)) if on]
-    # the stages' documents would be their shard's; data.eod_mask_loss's per-target weighing reaches the
-    # pipelines' loss functions (model/masking.py StepTargets) but has not been run at pp x cp
-    if masks and p.pp > 1 and p.cp > 1:
-        return (f"{masks[0]} with parallel.pp={p.pp} and parallel.cp={p.cp}: pipeline stages do not carry masks "
-                f"across context-parallel shards yet; use parallel.pp=1 or parallel.cp=1")
+    """The layouts whose attention core cannot apply the masks. Tensor and sequence parallelism can
+    (each TP rank holds the whole token ids); so can context parallelism (the ring and Ulysses cores
+    take documents and windows, the cp ranks gathering the whole rows' ids) and pipeline stages of
+    either engine, over context-parallel shards too (each stage finds the documents in the
+    micro-batch's token ids, gathered over cp: docs/attention.md); not Ulysses with a restricting
+    mask, for its memory (ulysses_mask_problem)."""
     return ulysses_mask_problem(cfg)
 
 

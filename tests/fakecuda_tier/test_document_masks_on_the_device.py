@@ -1,4 +1,4 @@
-"""Document masking on the CUDA-shaped device (tests/support/fakecuda) at cp=2 ring and tp=2 (issue 54):
+"""Document masking on the CUDA-shaped device (tests/support/fakecuda) at cp=2 ring, tp=2 and pp=2 x cp=2 (issue 54):
 each run has no violation, trains the plain CPU run's curve with the same keys (loss, gradient norm,
 eval loss at rtol 1e-5), and makes exactly the host reads, at the same call sites, of the same layout
 without document masking: the documents found on the device (and, under cp, the all-gather of the
@@ -18,7 +18,14 @@ from tests.support.short_documents import write_short_documents
 
 pytestmark = pytest.mark.slow
 DOCUMENTS = ["data.document_mask=true", "data.eod_mask_loss=true"]
-LAYOUTS = {"cp2-ring": ["parallel.cp=2"], "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"]}
+# name: (keys, world, the run without documents' own keys). DeepSpeed's pipeline stages over cp shards
+# gather the rows' ids per stage. Its layers hand the token ids along wherever attention is masked, and
+# DeepSpeed reads the shapes of what a stage receives once per buffer (_recv_tensor_meta): the run
+# without documents carries them too, with a window as long as the sequence (no window at all,
+# model/dims.py window_of), so that the comparison isolates what the documents add.
+LAYOUTS = {"cp2-ring": (["parallel.cp=2"], 2, []),
+           "tp2-sp": (["parallel.tp=2", "parallel.sequence_parallel=true"], 2, []),
+           "pp2-cp2": (["parallel.pp=2", "parallel.cp=2"], 4, ["model.sliding_window=32"])}
 
 
 def _host_reads(tmp_path, name: str) -> Counter:
@@ -35,10 +42,10 @@ def test_document_masking_on_the_device_follows_the_cpu_run_without_new_host_rea
     started = time.monotonic()
     corpus = [f"data.path={write_short_documents(tmp_path / 'short')}"]
     reference = cpu_run(tmp_path, [*corpus, *DOCUMENTS])
-    for layout, extra in LAYOUTS.items():
-        masked = run_on_device(tmp_path, f"{layout}-documents", [*corpus, *DOCUMENTS, *extra], world=2)
+    for layout, (extra, world, plain) in LAYOUTS.items():
+        masked = run_on_device(tmp_path, f"{layout}-documents", [*corpus, *DOCUMENTS, *extra], world=world)
         assert_parity(masked, reference, f"fakecuda {layout} documents")
-        run_on_device(tmp_path, f"{layout}-plain", [*corpus, *extra], world=2)
+        run_on_device(tmp_path, f"{layout}-plain", [*corpus, *extra, *plain], world=world)
         with_documents, without = _host_reads(tmp_path, f"{layout}-documents"), _host_reads(tmp_path, f"{layout}-plain")
         assert with_documents, f"{layout}: no host read counted at all: the counting is broken"
         assert with_documents == without, (layout, with_documents - without, without - with_documents)

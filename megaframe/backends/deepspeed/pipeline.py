@@ -43,10 +43,12 @@ class StageMasks:
     its documents, their RoPE rows and the blocks' masks (ForwardMasks). DeepSpeed calls each layer
     on the one before's output; the token-id tensor handed along is one object through a stage's
     layers and a new one for each micro-batch (loaded or received, then cloned), so it is the key.
-    Holds the last micro-batch's until the next one's."""
+    Holds the last micro-batch's until the next one's. Under context parallelism (context) the ids
+    are this rank's zig-zag shard: the documents are cut in the whole rows (one all-gather of the ids
+    per micro-batch and stage, documents_of), whose positions the RoPE rows cover."""
 
-    def __init__(self, dims: GPTDims, rope: RopeTables):
-        self.dims, self.rope = dims, rope
+    def __init__(self, dims: GPTDims, rope: RopeTables, context: Optional[ContextGroup] = None):
+        self.dims, self.rope, self.context = dims, rope, context
         self._ids: Optional[torch.Tensor] = None  # a reference, not an id(): identity is the key
         self.documents: Optional[Documents] = None
         self.rope_rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None
@@ -56,9 +58,9 @@ class StageMasks:
         """This cache, holding what the micro-batch of token ids `ids` (B, T) gives."""
         if ids is not self._ids:
             length = ids.shape[1]
-            self.documents = documents_of(ids, self.dims)
+            self.documents = documents_of(ids, self.dims, self.context)
             self.rope_rows = None if self.documents is None or self.dims.position_embedding != "rope" else \
-                self.documents.rope(self.rope(length, ids.device))
+                self.documents.rope(self.rope(self.documents.length, ids.device))
             self.masks = forward_masks(self.dims, self.documents, length, ids.device)
             self._ids = ids
         return self
@@ -175,7 +177,7 @@ def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition:
     context = ps.context()
     rope = RopeTables(dims)
     router_stats = RouterStats(dims.num_moe_blocks)  # the stage's MoE blocks share it
-    stage_masks = StageMasks(dims, rope) if carries_token_ids(dims) else None  # the stage's layers share it
+    stage_masks = StageMasks(dims, rope, context) if carries_token_ids(dims) else None  # the stage's layers share it
     embed_args = (EmbeddingPipe, dims, tp, rng, seed, context, stage_masks)
     layers: list = []
     for layer in spec.layers():
