@@ -47,15 +47,21 @@ def test_masked_attention_at_cp2_follows_the_single_rank_run(tmp_path_factory, t
     print(f"cp masked training: {time.monotonic() - started:.1f}s")
 
 
-# pipeline stages over cp shards: each stage cuts the documents in the rows' token ids gathered over cp
+# pipeline stages over cp shards: each stage cuts the documents in the rows' token ids gathered over cp;
+# and over tp with sequence parallelism (Megatron's usual large layout), where each stage's SP shards
+# gather the sequence its masks cover
 PIPELINES = {"deepspeed-pp2-cp2": ["parallel.pp=2", "parallel.cp=2"],
-             "fsdp2-pp2-cp2": ["backend=fsdp2", "zero=stage3", "parallel.pp=2", "parallel.cp=2"]}
+             "fsdp2-pp2-cp2": ["backend=fsdp2", "zero=stage3", "parallel.pp=2", "parallel.cp=2"],
+             "deepspeed-pp2-tp2-sp": ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+             "fsdp2-pp2-tp2-sp": ["backend=fsdp2", "zero=stage3", "parallel.pp=2", "parallel.tp=2",
+                                  "parallel.sequence_parallel=true"]}
 
 
-def test_masked_attention_at_pp2_cp2_follows_the_single_rank_run(tmp_path_factory, tmp_path):
+def test_masked_attention_in_pipeline_stages_over_cp_and_tp_follows_the_single_rank_run(tmp_path_factory, tmp_path):
     """Documents with data.eod_mask_loss and a window of 5 (llama), and documents alone with GPT-2's
-    tied head, through both engines' pipelines at cp=2 (world 4). Refused before launch until
-    2026-11-30: DeepSpeed's stages cut the documents in their own shard of the ids."""
+    tied head, through both engines' pipelines at cp=2 and at tp=2 with SP (world 4). pp x cp was
+    refused before launch until 2026-11-30 (DeepSpeed's stages cut the documents in their own shard
+    of the ids); pp x tp had not been run under masks."""
     corpus = write_short_documents(tmp_path / "short")
     names = ["documents-window5", "documents"]
     references = reference_runs({name: _config(name, corpus) for name in names}, tmp_path_factory.mktemp("single"))
