@@ -69,10 +69,19 @@ def test_masked_attention_in_pipeline_stages_over_cp_and_tp_follows_the_single_r
     # MoE before launch: backends/fsdp2/rules.py)
     configs["moe-documents-window5"] = [*TINY, "model=moe_tiny", *STEPS, *DOCUMENTS, "model.sliding_window=5",
                                         f"data.path={corpus}"]
+    # torch's schedules with two stages per rank (looped, and the V), over cp: four blocks for four stages
+    configs["documents-window5-4layers"] = [*configs["documents-window5"], "model.num_layers=4"]
+    schedules = {"fsdp2-interleaved-pp2-cp2": [*PIPELINES["fsdp2-pp2-cp2"], "parallel.virtual_stages=2",
+                                               "parallel.pipeline_schedule=interleaved_1f1b"],
+                 # a split backward needs zero=stage2 (backends/fsdp2/rules.py)
+                 "fsdp2-dualpipev-pp2-cp2": ["backend=fsdp2", "zero=stage2", "parallel.pp=2", "parallel.cp=2",
+                                             "parallel.pipeline_schedule=dualpipev"]}
     references = reference_runs(configs, tmp_path_factory.mktemp("single"))
     runs = [([*configs[name], *extra], str(tmp_path / f"{name}@{layout}"))
-            for name in configs for layout, extra in PIPELINES.items()
+            for name in configs if not name.endswith("4layers") for layout, extra in PIPELINES.items()
             if not (name.startswith("moe") and layout.startswith("fsdp2"))]
+    runs += [([*configs["documents-window5-4layers"], *extra], str(tmp_path / f"documents-window5-4layers@{layout}"))
+             for layout, extra in schedules.items()]
     run_ranks(train_runs, 4, tmp_path, timeout=900, runs=runs)
     for _, run_dir in runs:
         name = Path(run_dir).name.split("@")[0]
