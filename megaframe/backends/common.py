@@ -124,7 +124,9 @@ def counting_targets(holder: Optional[StepTargets], batches: list[Batch], ps: Pa
     replicas = ps.grid.size("dp", "cp")
     if replicas > 1:
         dist.all_reduce(counted, group=ps.grad_reduce_group)
-    holder.factor = (len(batches) * replicas) / counted.clamp(min=1).to(torch.float64)
+    # a global batch without a counted target has no loss: 0/0, whose NaN the step guard skips like any
+    # non-finite step (a zero loss would step AdamW's momentum and weight decay on nothing learned)
+    holder.factor = (len(batches) * replicas) / counted.to(torch.float64)
     try:
         yield
     finally:

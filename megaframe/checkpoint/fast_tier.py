@@ -307,7 +307,7 @@ def _set_aside(tmp: Path) -> None:
     """A half-published step on shared storage goes to the checkpoints' trash (renamed; the next
     publish's thread deletes it), not deleted while every other rank waits at the barrier."""
     if os.path.lexists(tmp):
-        os.replace(tmp, universal.trash_name(tmp))
+        universal.to_trash(tmp)
 
 
 def _copy_part(step_dir: Path, old_rank: int, marker: dict, tmp: Path) -> Optional[str]:

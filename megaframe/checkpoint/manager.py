@@ -173,6 +173,8 @@ class CheckpointManager:
         verified = t.resume == "auto"
         if verified and self.is_logger:
             self._finish_interrupted_swap()  # before anything lists the checkpoints (rank 0 lists them)
+        if self.is_logger and self.dir.is_dir():  # what a crash or a stop left in the trash: space for this run's saves
+            self.trash.collect(self.dir)
         if verified and self.fast is not None:
             self._restore_fast_tier()
         path = self._newest_verified() if verified else store.resolve_resume(t.resume, self.dir)

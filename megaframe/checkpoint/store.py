@@ -22,6 +22,7 @@ import os
 import pickle
 import re
 import shutil
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,8 +119,11 @@ class TrashCollector:
     of files, minutes of deleting on a parallel file system; rank 0 deleted it before the save's last
     barrier, so every other rank waited there, or in the next step's first collective, as long as
     the delete took (past the collective timeout, a hang reported as rank 0's). One thread at a
-    time: a collect while it runs is done by the same thread after the pass in hand. A daemon, so a
-    failed run's exit does not wait for it; what is left keeps its tmp-del- name for the next one."""
+    time: a collect while it runs is done by the same thread after the pass in hand; an error is
+    one warning line, and the next collect tries again. A daemon, so a failed or stopped run's exit
+    does not wait for it; what is left keeps its tmp-del- name and the next resume or save deletes
+    it. The next save waits for a delete still running (save()), so the storage never holds more
+    than train.keep_checkpoints + 1 checkpoints, as when rank 0 deleted in the save."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -141,10 +145,15 @@ class TrashCollector:
                 if directory is None:
                     self._thread = None
                     return
-            empty_trash(directory)
+            try:
+                empty_trash(directory)
+            except Exception as err:  # a stale handle on NFS: the thread lives on, the next collect retries
+                print(f"megaframe: warning: could not empty the checkpoints' trash in {directory} ({err}); "
+                      f"the next checkpoint tries again", file=sys.stderr, flush=True)
 
     def wait(self) -> None:
-        """Block until the trash collected so far is deleted (a clean run's end, after its last barrier)."""
+        """Block until the trash collected so far is deleted (a clean run's end, after its last barrier;
+        rank 0 before a save, where a delete still runs)."""
         with self._lock:
             thread = self._thread
         if thread is not None:
@@ -175,11 +184,13 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
     if background is not None:
         background.wait()  # one save in flight at a time
     if rank == 0:
+        if trash is not None:
+            trash.wait()  # a delete slower than the save interval: never more than keep + 1 checkpoints stored
         if not save_dir.is_dir():
             save_dir.mkdir(parents=True, exist_ok=True)
             fsync_dir(save_dir.parent)  # the run's first checkpoint: save_dir's own entry
         if os.path.lexists(tmp):  # debris of a save that crashed: to the trash, not deleted while the ranks wait
-            os.replace(tmp, universal.trash_name(tmp))
+            universal.to_trash(tmp)
     _barrier()
     native_share: list[Path] = []
     if native:
@@ -263,7 +274,7 @@ def publish_dir(tmp: Path, save_dir: Path, step: int, world: int, keep: int = 0,
     hashed = sharded.merge_records(tmp, world)
     universal.write_manifest(tmp, hashed)  # rank 0 hashes only its own small files
     # re-saving a step keeps the old one until the swap
-    final = universal.replace_dir(tmp, save_dir / tag, discard=lambda old: os.replace(old, universal.trash_name(old)))
+    final = universal.replace_dir(tmp, save_dir / tag, discard=universal.to_trash)
     atomic_write_text(save_dir / LATEST, tag + "\n")
     clear_unsaved(save_dir)  # the run has a checkpoint now: records without one mean lost storage
     if keep > 0:
@@ -295,7 +306,7 @@ def prune(save_dir: Path, keep: int) -> list[Path]:
     current = find_latest(save_dir)
     doomed = [path for _, path in _complete_checkpoints(save_dir)[:-keep] if path != current]
     for path in doomed:
-        os.replace(path, universal.trash_name(path))
+        universal.to_trash(path)
     return doomed
 
 

@@ -309,6 +309,16 @@ def finish_interrupted_swaps(parent: Path) -> list[Path]:
     return restored
 
 
+def to_trash(path: Path) -> None:
+    """Rename `path` to a free tmp-del- name beside it, which the checkpoints' trash deletes later
+    (checkpoint/store.py); deleted here where the rename fails (a file system refusing it), since
+    a rank that raises here leaves the others at the next barrier until the collective timeout."""
+    try:
+        os.replace(path, trash_name(path))
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def trash_name(path: Path) -> Path:
     """A free tmp-del- name for `path` in its folder."""
     trash, n = path.with_name(TRASH_PREFIX + path.name), 1

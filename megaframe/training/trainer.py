@@ -194,7 +194,7 @@ class Trainer:
             raise save_error
         if dist.is_initialized() and not failed:
             dist.barrier()
-        if not failed:
+        if not failed and not self.stopped_by:  # a stopped run's time is the scheduler's: the next one deletes
             self.checkpoints.trash_deleted()  # rank 0 alone, after the barrier: no rank waits on a delete
 
     def __enter__(self) -> "Trainer":

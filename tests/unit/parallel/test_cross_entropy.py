@@ -65,3 +65,21 @@ def test_a_micro_batch_of_empty_documents_leaves_the_step_finite():
     assert loss.item() == 0.0
     for name, parameter in model.named_parameters():
         assert torch.isfinite(parameter.grad).all(), name
+
+
+def test_a_global_batch_without_a_counted_target_is_a_nan_the_guard_skips():
+    """Not a zero loss: a zero loss with zero gradients would still be an applied step (AdamW's
+    momentum and weight decay move the weights, the schedule advances) on nothing learned. With a
+    counted target anywhere in the step, the empty micro-batch adds 0 (above)."""
+    from megaframe.backends.common import counting_targets
+    from megaframe.model.masking import StepTargets
+
+    holder = StepTargets()
+    empty = [(torch.full((2, 16), 5), torch.full((2, 16), IGNORED_TARGET))] * 2
+    with counting_targets(holder, empty, ParallelState(ParallelDims(), rank=0)):
+        weighed = holder.weigh(torch.tensor(0.0), empty[0][1])
+    assert torch.isnan(weighed)
+    counted = [empty[0], (torch.full((2, 16), 3), torch.full((2, 16), 3))]
+    with counting_targets(holder, counted, ParallelState(ParallelDims(), rank=0)):
+        assert holder.weigh(torch.tensor(0.0), counted[0][1]).item() == 0.0
+        assert holder.weigh(torch.tensor(2.0), counted[1][1]).item() == 4.0  # 32 of 32 targets, 2 micro-batches

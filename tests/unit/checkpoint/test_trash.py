@@ -1,0 +1,107 @@
+"""The checkpoints' trash (checkpoint/store.py TrashCollector): rank 0 deletes pruned checkpoints on
+a thread of its own (tests/dist/test_checkpoint_trash.py: no rank waits on it). What must still
+hold: an error does not end the deleting for the rest of the run, the storage never holds more than
+keep + 1 checkpoints however slow the delete, a resume deletes what a crash left, and a rename the
+file system refuses deletes in place rather than raising on rank 0 alone."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from megaframe.checkpoint import store, universal
+
+
+def _trash(save_dir: Path, name: str = "global_step1") -> Path:
+    junk = save_dir / f"{store.TRASH_PREFIX}{name}"
+    junk.mkdir(parents=True)
+    (junk / "model.safetensors").write_bytes(b"\0" * 64)
+    return junk
+
+
+def test_an_error_in_the_delete_is_one_line_and_the_next_collect_deletes(tmp_path, monkeypatch, capsys):
+    """A stale NFS handle in one pass: the thread used to die with it, and every later collect only
+    noted its directory for a thread that was gone, so no pruned checkpoint was deleted again."""
+    junk = _trash(tmp_path)
+    real, calls = store.empty_trash, []
+
+    def failing_once(directory):
+        calls.append(directory)
+        if len(calls) == 1:
+            raise OSError(116, "Stale file handle")
+        real(directory)
+    monkeypatch.setattr(store, "empty_trash", failing_once)
+    trash = store.TrashCollector()
+    trash.collect(tmp_path)
+    trash.wait()
+    assert junk.exists()
+    warning = capsys.readouterr().err
+    assert "could not empty the checkpoints' trash" in warning and "Stale file handle" in warning
+    assert warning.count("\n") == 1
+    trash.collect(tmp_path)
+    trash.wait()
+    assert not junk.exists() and len(calls) == 2
+
+
+def test_a_save_waits_for_a_delete_still_running_so_at_most_keep_plus_one_are_stored(tmp_path, monkeypatch):
+    save_dir = tmp_path / "checkpoints"
+    let_go, deleting = threading.Event(), threading.Event()
+    real = store.empty_trash
+
+    def slow(directory):
+        if list(Path(directory).glob(store.TRASH_PREFIX + "*")):
+            deleting.set()
+            assert let_go.wait(30)
+        real(directory)
+    monkeypatch.setattr(store, "empty_trash", slow)
+    trash = store.TrashCollector()
+    store.save(None, save_dir, 1, {"step": 1}, native=False, keep=1, trash=trash)
+    store.save(None, save_dir, 2, {"step": 2}, native=False, keep=1, trash=trash)  # step 1 to the trash
+    assert deleting.wait(30)
+    third = threading.Thread(target=store.save, args=(None, save_dir, 3, {"step": 3}),
+                             kwargs=dict(native=False, keep=1, trash=trash))
+    third.start()
+    time.sleep(0.5)
+    stored = sorted(p.name for p in save_dir.iterdir() if p.name.startswith(("global_step", "tmp-")))
+    assert stored == ["global_step2", f"{store.TRASH_PREFIX}global_step1"], stored  # step 3 not begun
+    let_go.set()
+    third.join(30)
+    trash.wait()
+    assert sorted(p.name for p in save_dir.iterdir()) == ["global_step3", "latest"]
+
+
+def test_a_resume_deletes_what_a_crash_left_in_the_trash(tmp_path, monkeypatch):
+    from megaframe.checkpoint import manager as manager_module
+    from megaframe.checkpoint.manager import CheckpointManager
+
+    class _Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise _Stop
+    junk = _trash(tmp_path / "checkpoints")
+    manager = CheckpointManager.__new__(CheckpointManager)  # only what resume() reads before the start-over
+    manager.fast, manager.is_logger, manager.trash = None, True, store.TrashCollector()
+    manager.run_dir, manager.dir = tmp_path, tmp_path / "checkpoints"
+    manager.metrics, manager.cfg = None, SimpleNamespace(train=SimpleNamespace(resume="none"))
+    monkeypatch.setattr(manager_module.resume_checks, "start_over", stop)
+    with pytest.raises(_Stop):
+        manager.resume()
+    manager.trash.wait()
+    assert not junk.exists()
+
+
+def test_a_rename_the_file_system_refuses_deletes_in_place(tmp_path, monkeypatch):
+    """to_trash runs on rank 0 before a barrier: an OSError there left the other ranks waiting."""
+    doomed = tmp_path / "tmp-global_step5"
+    doomed.mkdir()
+    (doomed / "part").write_text("x")
+
+    def refused(*args):
+        raise OSError(18, "Invalid cross-device link")
+    monkeypatch.setattr(universal.os, "replace", refused)
+    universal.to_trash(doomed)
+    assert list(tmp_path.iterdir()) == []
