@@ -13,9 +13,11 @@ import importlib.util
 import logging
 import math
 import os
+import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -23,6 +25,7 @@ from megaframe.config.schema import TrainConfig
 from megaframe.common.failures import PROG
 
 STOP_FILE = ".job_stop.json"  # parallel/elastic.py: an earlier attempt's deterministic failure
+STOP_REQUEST_FILE = ".stop_request"  # a signal the driver got, for rank 0 to take as its own (stop_signal.py)
 MISSING = 'launcher=ray needs Ray Train, which is not installed: pip install "megaframe[ray]"'
 
 
@@ -97,14 +100,20 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
         run_config=RunConfig(name=run_dir.name, storage_path=str(run_dir / "ray"),
                              failure_config=FailureConfig(max_failures=launcher.max_failures),
                              **_quiet_train_logs()))
-    # a stop recorded by an earlier launch in this run dir is not this job's
+    # a stop recorded or asked for by an earlier launch in this run dir is not this job's
     (run_dir / STOP_FILE).unlink(missing_ok=True)
-    try:
-        error = trainer.fit().error  # Ray before 2.5x returned the error
-    except Exception as err:  # Ray Train 2.5x raises it (WorkerGroupError, ControllerError)
-        error = err
+    (run_dir / STOP_REQUEST_FILE).unlink(missing_ok=True)
+    with _signals_to_the_workers(run_dir / STOP_REQUEST_FILE) as asked:
+        try:
+            error = trainer.fit().error  # Ray before 2.5x returned the error
+        except KeyboardInterrupt:  # a second signal: Ray ends the workers as the driver exits
+            print(f"{PROG}: {signal.Signals(asked[-1]).name}, a second signal: stopping the Ray workers now, "
+                  f"without saving", file=sys.stderr, flush=True)
+            return 128 + asked[-1]
+        except Exception as err:  # Ray Train 2.5x raises it (WorkerGroupError, ControllerError)
+            error = err
     if error is None:
-        return 0
+        return 128 + asked[0] if asked else 0
     code = _exit_code(error)
     if code == 1:  # no rank said why (killed, out of memory, Ray itself): say it here, in one line
         print(f"{PROG}: error: Ray Train failed: {_first_line(error)} [exit 1; Ray's own logs: "
@@ -112,22 +121,64 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
     return code
 
 
+@contextlib.contextmanager
+def _signals_to_the_workers(request: Path) -> Iterator[list[int]]:
+    """SIGINT, SIGTERM, SIGHUP or SIGUSR1 at the driver (Ctrl-C, `kill`, `ray job stop`): its number
+    is written to `request` in the run dir, which rank 0 takes as its own signal (StopSignal.
+    watch_requests), so every rank stops after the same step and saves, as a self-launched run does;
+    the workers then end as asked (_worker) and the driver exits 128 + the signal's number. Before,
+    Ray killed the workers unsaved and the driver exited 1 saying nothing. A second signal raises
+    KeyboardInterrupt (Ray ends the workers at once). Yields the signals taken, in order."""
+    from megaframe.common.atomic_io import atomic_write_text
+    from megaframe.training.stop_signal import SAME_REQUEST_S, SIGNALS, not_ignored
+
+    asked: list[int] = []
+    first_at = [0.0]
+
+    def handle(signum: int, _frame) -> None:
+        if asked:
+            if signum == asked[0] and time.monotonic() - first_at[0] < SAME_REQUEST_S:
+                return  # the same request passed on by a process group's other members
+            asked.append(signum)
+            raise KeyboardInterrupt
+        asked.append(signum)
+        first_at[0] = time.monotonic()
+        atomic_write_text(request, f"{int(signum)}\n")
+        print(f"{PROG}: {signal.Signals(signum).name}: the Ray workers stop after their step, saving first "
+              f"(again to stop them now, without saving)", file=sys.stderr, flush=True)
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = {signum: signal.signal(signum, handle) for signum in (not_ignored(SIGNALS) if main else ())}
+    try:
+        yield asked
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        request.unlink(missing_ok=True)
+
+
 def _without_idle_dataset_actor(trainer_class: type) -> type:
     """TorchTrainer without Ray Data's DatasetManager actor: Ray Train 2.5x starts one, a fresh Python
     process (~2 CPU-s), at every worker-group start even when no `datasets=` are passed, and megaframe's
     ranks read their own data. With `datasets=`, or a Ray without that callback (Ray Train v1), Ray's own
-    behaviour."""
+    behaviour. And without Ray Train 2.5x's SIGINT handler, which fit() installs over the driver's own
+    (_signals_to_the_workers) and which aborts the run, the workers killed unsaved."""
     try:
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     except ImportError:
-        return trainer_class
-    if not hasattr(trainer_class, "_create_default_callbacks"):
-        return trainer_class
+        DatasetsCallback = None
 
     class Trainer(trainer_class):
         def _create_default_callbacks(self) -> list:
             callbacks = super()._create_default_callbacks()
-            return callbacks if self.datasets else [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+            if DatasetsCallback is None or self.datasets:
+                return callbacks
+            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+        def _register_sigint_handler(self, controller) -> None:
+            pass  # Ctrl-C is the driver's: the ranks stop at a step boundary and save
+    if not hasattr(trainer_class, "_create_default_callbacks"):
+        del Trainer._create_default_callbacks
     return Trainer
 
 
@@ -208,9 +259,18 @@ def _worker(config: dict) -> None:
     FailureConfig starts after it exit at once with its code instead of replaying it."""
     from megaframe.parallel.elastic import STOP_FILE_ENV
     from megaframe.config.compose import hydra_quoted
+    from megaframe.training.stop_signal import REQUEST_FILE_ENV, SIGNALS
 
     os.environ[STOP_FILE_ENV] = str(Path(config["run_dir"]) / STOP_FILE)
-    config["entry"]([*config["overrides"], f"hydra.run.dir={hydra_quoted(config['run_dir'])}"])
+    os.environ[REQUEST_FILE_ENV] = str(request := Path(config["run_dir"]) / STOP_REQUEST_FILE)
+    try:
+        config["entry"]([*config["overrides"], f"hydra.run.dir={hydra_quoted(config['run_dir'])}"])
+    except SystemExit as ended:
+        # stopped at a step boundary as the driver asked: a success to Ray, which would restart a
+        # failed worker group (FailureConfig) into training on; the driver returns the signal's code
+        if isinstance(ended.code, int) and ended.code - 128 in SIGNALS and request.exists():
+            return
+        raise
 
 
 def host_problem(cfg: TrainConfig) -> Optional[str]:

@@ -43,6 +43,10 @@ QUIT = signal.SIGQUIT  # ends the rank at once: what Ctrl-\ asks for (no save)
 GRACE_FLOOR_S = 2.0  # the least time a signalled rank is given to reach the next step boundary
 SAME_REQUEST_S = 2.0  # the same signal again within this long is the same request (a copy passed on)
 PROG = "megaframe-train"
+# launcher=ray: the file the driver writes a signal's number into (launch/ray.py), which rank 0 takes as
+# its own signal (StopSignal.watch_requests); set in the workers' environment
+REQUEST_FILE_ENV = "MEGAFRAME_STOP_REQUEST_FILE"
+REQUEST_POLL_S = 1.0  # how often rank 0 looks for it: one stat a second on one rank
 
 
 def not_ignored(signals) -> tuple[int, ...]:
@@ -101,7 +105,7 @@ class StopSignal:
 
     def install(self) -> "StopSignal":
         """Catch the stop signals (main thread only: Ray Train runs the loop on a thread of its own,
-        and Ray stops its workers itself)."""
+        and the driver's signal reaches rank 0 as a file, watch_requests)."""
         if threading.current_thread() is threading.main_thread():
             for signum in not_ignored(SIGNALS):
                 self._previous[signum] = signal.signal(signum, self._handle)
@@ -114,6 +118,27 @@ class StopSignal:
             signal.signal(signum, handler)
         self._previous.clear()
         self._disarm()
+
+    def watch_requests(self) -> None:
+        """launcher=ray: the driver's signal (Ctrl-C, `ray job stop`'s SIGTERM) in the file named by
+        REQUEST_FILE_ENV, taken as this rank's own. Ray runs the loop on a thread of its own, where
+        no handler can be installed, and its workers may be on other hosts; Ray killed them unsaved.
+        Polled on a daemon thread (rank 0 alone: the ranks agree on the flag at the boundary)."""
+        if not (named := os.environ.get(REQUEST_FILE_ENV)):
+            return
+
+        def poll() -> None:
+            while not self.received:
+                try:
+                    signum = int(open(named).read().strip())
+                except (OSError, ValueError):  # not there (yet), or half written: look again
+                    time.sleep(REQUEST_POLL_S)
+                    continue
+                if signum in SIGNALS:
+                    self.received, self._received_at = signum, time.monotonic()
+                    self._arm()
+                return
+        threading.Thread(target=poll, name="megaframe-stop-request", daemon=True).start()
 
     def _handle(self, signum: int, _frame) -> None:
         if self._joining:

@@ -56,6 +56,8 @@ class Trainer:
             plug.init_distributed(cfg.train.collective_timeout_s, cfg.train.join_timeout_s)
         self.ps = ParallelState.build(layout.grid)
         self.is_logger = self.ps.rank == 0
+        if self.is_logger:
+            self.stop_signal.watch_requests()  # launcher=ray: the driver's signal, written to a file
         own_run_dir(self.run_dir)  # before anything is written to it
         if self.is_logger:
             self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -204,3 +205,36 @@ def test_joining_a_listener_that_is_not_ray_gives_up_after_connect_timeout_s(tmp
     assert len(lines) == 1 and "no Ray cluster joined within launcher.connect_timeout_s=5 s" in lines[0], lines
     assert 5 <= waited < 120, waited
     assert (tmp_path / "logs" / "ray_init.log").exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["Ctrl-C", "SIGTERM"])
+def test_a_signal_to_the_ray_driver_stops_every_worker_at_one_step_and_saves_it(tmp_path, ray_cluster, signum):
+    """Ctrl-C (or `ray job stop`'s SIGTERM) at the driver: its number goes to the run dir, rank 0
+    takes it as its own signal, every rank stops after the same step and saves it, and the driver
+    exits 128 + the signal's number, as a self-launched run does. Before, Ray Train's own SIGINT
+    handler aborted the run (the workers killed unsaved) and the driver exited 1 saying nothing; a
+    SIGTERM killed the driver and its job. The resume line continues from the saved step."""
+    address, env, _ = ray_cluster
+    run = tmp_path / "run"
+    args = [*ARGS, "train.max_steps=2000", "train.eval_interval=0", "train.save_interval=0", "launcher=ray",
+            f"launcher.ray_address={address}", "launcher.max_failures=1", f"hydra.run.dir={run}"]
+    driver = subprocess.Popen([sys.executable, "-m", "megaframe.train", *args], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not ((run / "metrics.jsonl").is_file() and len(read_metrics(run)) >= 3):
+        assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()
+        time.sleep(0.2)
+    driver.send_signal(signum)
+    out, err = driver.communicate(timeout=300)
+    name = signal.Signals(signum).name
+    assert driver.returncode == 128 + signum, (out + err)[-3000:]
+    assert "Traceback" not in out + err, (out + err)[-3000:]
+    assert f"megaframe-train: {name}: the Ray workers stop after their step, saving first" in err, err[-3000:]
+    closing = [line for line in out.splitlines() if line.startswith(f"megaframe: stopped by {name} at step ")]
+    assert len(closing) == 1, out[-3000:]
+    stopped_at = int(closing[0].split("at step ")[1].split("/")[0])
+    assert stopped_at < 2000
+    saved = sorted(p.name for p in (run / "checkpoints").glob("global_step*"))
+    assert saved == [f"global_step{stopped_at}"], saved
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, stopped_at + 1))
+    assert not (run / ".stop_request").exists()
