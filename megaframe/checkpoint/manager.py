@@ -33,6 +33,11 @@ from megaframe.parallel.dims import RANK_AXES
 from megaframe.parallel.rank_zero import decided_by_rank_zero
 
 
+# how long rank 0 waits before a save for pruned checkpoints still being deleted (the others wait at
+# the save's barrier meanwhile: far inside any collective timeout)
+TRASH_WAIT_S = 60.0
+
+
 class CheckpointManager:
     """Saves and resumes one run's checkpoints under RUN_DIR/checkpoints (every rank builds one)."""
 
@@ -98,9 +103,10 @@ class CheckpointManager:
         elif self.fast is not None and step % t.fast_save_interval == 0:
             self.fast_save(step)
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, stopping: bool = False) -> Path:
         """A checkpoint of step `step` (collective), published atomically; in the background under
-        train.async_save. Returns its directory."""
+        train.async_save. stopping: a stop signal's save, which waits for no delete of older ones (its
+        time is the scheduler's). Returns its directory."""
         t = self.cfg.train
         with self.shield():  # a stop signal waits for the save, minutes on a 7B (not 3 steps)
             state, write_universal, native = self._state(defer=t.async_save)
@@ -110,7 +116,7 @@ class CheckpointManager:
                                        write_extra=write_universal, keep=t.keep_checkpoints, native=native,
                                        background=self.background if t.async_save else None,
                                        before_publish=self.save_hook(step), record_timeout_s=t.collective_timeout_s,
-                                       trash=self.trash)
+                                       trash=self.trash, trash_wait_s=0.0 if stopping else TRASH_WAIT_S)
             except OSError as err:  # a full disk or a quota: which checkpoint, why, and that the last one stands
                 raise save_failure(err, f"global_step{step}", str(self.dir)) from err
         return self.last

@@ -122,8 +122,11 @@ class TrashCollector:
     time: a collect while it runs is done by the same thread after the pass in hand; an error is
     one warning line, and the next collect tries again. A daemon, so a failed or stopped run's exit
     does not wait for it; what is left keeps its tmp-del- name and the next resume or save deletes
-    it. The next save waits for a delete still running (save()), so the storage never holds more
-    than train.keep_checkpoints + 1 checkpoints, as when rank 0 deleted in the save."""
+    it. The next save waits a while for a delete still running (save()'s trash_wait_s), so the
+    storage holds train.keep_checkpoints + 1 checkpoints, as when rank 0 deleted in the save, unless
+    the delete takes longer: then one line, and the save goes on (the other ranks wait at its first
+    barrier meanwhile, so the wait stays far inside the collective timeout). A stop's save does not
+    wait: its time is the scheduler's."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -151,20 +154,22 @@ class TrashCollector:
                 print(f"megaframe: warning: could not empty the checkpoints' trash in {directory} ({err}); "
                       f"the next checkpoint tries again", file=sys.stderr, flush=True)
 
-    def wait(self) -> None:
-        """Block until the trash collected so far is deleted (a clean run's end, after its last barrier;
-        rank 0 before a save, where a delete still runs)."""
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until the trash collected so far is deleted (a clean run's end, after its last barrier),
+        or for at most `timeout` seconds (rank 0 before a save); whether it is."""
         with self._lock:
             thread = self._thread
         if thread is not None:
-            thread.join()
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
 
 
 def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
          rng_state: Optional[dict[str, Any]] = None, write_extra: Optional[Callable[[Path], Any]] = None,
          keep: int = 0, native: bool = True, background: Optional[BackgroundWriter] = None,
          before_publish: Optional[Callable[[str], None]] = None, record_timeout_s: float = 1800.0,
-         trash: Optional[TrashCollector] = None) -> Path:
+         trash: Optional[TrashCollector] = None, trash_wait_s: float = 60.0) -> Path:
     """Every rank saves its shard and its record; rank 0 then publishes: index, manifest, rename into
     place, `latest`.
 
@@ -175,7 +180,8 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
     there, while training goes on; before_publish: a test hook called on each rank with "write"
     before it writes its shard and on rank 0 with "publish" once every shard is written; keep > 0
     sets aside all but the newest `keep` checkpoints once `latest` names the new one; trash: rank
-    0's TrashCollector, which deletes them off the step loop (without one, publish deletes them)."""
+    0's TrashCollector, which deletes them off the step loop (without one, publish deletes them);
+    trash_wait_s: how long rank 0 waits, before anything, for a delete still running."""
     save_dir = Path(save_dir)
     tag = tag_for(step)
     tmp = save_dir / (TMP_PREFIX + tag)
@@ -184,8 +190,11 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
     if background is not None:
         background.wait()  # one save in flight at a time
     if rank == 0:
-        if trash is not None:
-            trash.wait()  # a delete slower than the save interval: never more than keep + 1 checkpoints stored
+        # a delete slower than the save interval: keep + 1 checkpoints stored, unless it is far slower
+        if trash is not None and not trash.wait(trash_wait_s) and trash_wait_s > 0:
+            print(f"megaframe: warning: deleting pruned checkpoints in {save_dir} has taken over {trash_wait_s:g} s; "
+                  f"saving step {step} beside them (train.keep_checkpoints + 2 for a while)", file=sys.stderr,
+                  flush=True)
         if not save_dir.is_dir():
             save_dir.mkdir(parents=True, exist_ok=True)
             fsync_dir(save_dir.parent)  # the run's first checkpoint: save_dir's own entry

@@ -103,15 +103,20 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
     # a stop recorded or asked for by an earlier launch in this run dir is not this job's
     (run_dir / STOP_FILE).unlink(missing_ok=True)
     (run_dir / STOP_REQUEST_FILE).unlink(missing_ok=True)
-    with _signals_to_the_workers(run_dir / STOP_REQUEST_FILE) as asked:
-        try:
-            error = trainer.fit().error  # Ray before 2.5x returned the error
-        except KeyboardInterrupt:  # a second signal: Ray ends the workers as the driver exits
-            print(f"{PROG}: {signal.Signals(asked[-1]).name}, a second signal: stopping the Ray workers now, "
-                  f"without saving", file=sys.stderr, flush=True)
-            return 128 + asked[-1]
-        except Exception as err:  # Ray Train 2.5x raises it (WorkerGroupError, ControllerError)
-            error = err
+    # Ray Train v1 runs fit() through Tune, whose own SIGINT handler would end the trials unsaved
+    os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")
+    asked: list[int] = []
+    try:
+        with _signals_to_the_workers(run_dir / STOP_REQUEST_FILE, asked, cfg.train.save_on_signal):
+            try:
+                error = trainer.fit().error  # Ray before 2.5x returned the error
+            except Exception as err:  # Ray Train 2.5x raises it (WorkerGroupError, ControllerError)
+                error = err
+    except KeyboardInterrupt:  # a second signal, or no request could be written: Ray ends the workers now
+        signum = asked[-1] if asked else signal.SIGINT
+        print(f"{PROG}: {signal.Signals(signum).name}: stopping the Ray workers now, without saving",
+              file=sys.stderr, flush=True)
+        return 128 + signum
     if error is None:
         return 128 + asked[0] if asked else 0
     code = _exit_code(error)
@@ -122,17 +127,17 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
 
 
 @contextlib.contextmanager
-def _signals_to_the_workers(request: Path) -> Iterator[list[int]]:
+def _signals_to_the_workers(request: Path, asked: list[int], saves: bool) -> Iterator[None]:
     """SIGINT, SIGTERM, SIGHUP or SIGUSR1 at the driver (Ctrl-C, `kill`, `ray job stop`): its number
     is written to `request` in the run dir, which rank 0 takes as its own signal (StopSignal.
     watch_requests), so every rank stops after the same step and saves, as a self-launched run does;
     the workers then end as asked (_worker) and the driver exits 128 + the signal's number. Before,
-    Ray killed the workers unsaved and the driver exited 1 saying nothing. A second signal raises
-    KeyboardInterrupt (Ray ends the workers at once). Yields the signals taken, in order."""
+    Ray killed the workers unsaved and the driver exited 1 saying nothing. A second signal, or a
+    request that cannot be written (a full disk), raises KeyboardInterrupt: Ray ends the workers at
+    once. `asked`: the signals taken, in order; saves: train.save_on_signal, for the line."""
     from megaframe.common.atomic_io import atomic_write_text
     from megaframe.training.stop_signal import SAME_REQUEST_S, SIGNALS, not_ignored
 
-    asked: list[int] = []
     first_at = [0.0]
 
     def handle(signum: int, _frame) -> None:
@@ -143,14 +148,20 @@ def _signals_to_the_workers(request: Path) -> Iterator[list[int]]:
             raise KeyboardInterrupt
         asked.append(signum)
         first_at[0] = time.monotonic()
-        atomic_write_text(request, f"{int(signum)}\n")
-        print(f"{PROG}: {signal.Signals(signum).name}: the Ray workers stop after their step, saving first "
-              f"(again to stop them now, without saving)", file=sys.stderr, flush=True)
+        try:
+            atomic_write_text(request, f"{int(signum)}\n")
+        except OSError as err:
+            print(f"{PROG}: cannot ask the Ray workers to stop: writing {request} failed ({err})", file=sys.stderr,
+                  flush=True)
+            raise KeyboardInterrupt from err
+        print(f"{PROG}: {signal.Signals(signum).name}: the Ray workers stop after their step"
+              f"{', saving first' if saves else ''} (again to stop them now, without saving)", file=sys.stderr,
+              flush=True)
 
     main = threading.current_thread() is threading.main_thread()
     previous = {signum: signal.signal(signum, handle) for signum in (not_ignored(SIGNALS) if main else ())}
     try:
-        yield asked
+        yield
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -97,6 +97,7 @@ class StopSignal:
         self._joining = False  # inside joining(): a signal ends the rank at once
         self._stopping = False  # the ranks agreed to stop: the watchdog is done
         self._watchdog: Optional[threading.Timer] = None
+        self._watching = threading.Event()  # set: watch_requests' thread ends (restore, the loop's end)
 
     def note_step(self, seconds: float) -> None:
         """How long a step took: a signalled rank waits three of the slowest for the next boundary."""
@@ -114,6 +115,7 @@ class StopSignal:
         return self
 
     def restore(self) -> None:
+        self._watching.set()
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
@@ -123,22 +125,32 @@ class StopSignal:
         """launcher=ray: the driver's signal (Ctrl-C, `ray job stop`'s SIGTERM) in the file named by
         REQUEST_FILE_ENV, taken as this rank's own. Ray runs the loop on a thread of its own, where
         no handler can be installed, and its workers may be on other hosts; Ray killed them unsaved.
-        Polled on a daemon thread (rank 0 alone: the ranks agree on the flag at the boundary)."""
+        Polled on a daemon thread (rank 0 alone: the ranks agree on the flag at the boundary) until
+        the loop ends (finished) or the handlers go (restore). The thread only raises the flag: the
+        watchdog is the step loop's to arm (note_step), never armed from here during a save."""
         if not (named := os.environ.get(REQUEST_FILE_ENV)):
             return
 
         def poll() -> None:
-            while not self.received:
+            while not self.received and not self._watching.is_set():
                 try:
                     signum = int(open(named).read().strip())
                 except (OSError, ValueError):  # not there (yet), or half written: look again
-                    time.sleep(REQUEST_POLL_S)
+                    self._watching.wait(REQUEST_POLL_S)
                     continue
-                if signum in SIGNALS:
+                if signum in SIGNALS and not self._watching.is_set():
                     self.received, self._received_at = signum, time.monotonic()
-                    self._arm()
                 return
         threading.Thread(target=poll, name="megaframe-stop-request", daemon=True).start()
+
+    def finished(self) -> None:
+        """The step loop ended (train.max_steps reached, or the stop agreed): no signal is waited for at
+        a boundary any more, so none arms the watchdog (it used to end rank 0 in the run's last save or
+        its closing barrier, two seconds after a signal that came in the last step), and the request
+        watch ends."""
+        self._stopping = True
+        self._disarm()
+        self._watching.set()
 
     def _handle(self, signum: int, _frame) -> None:
         if self._joining:

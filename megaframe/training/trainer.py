@@ -166,6 +166,7 @@ class Trainer:
             if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.max_steps):
                 self.report.on_eval(self.evaluate())
             self.checkpoints.save_if_due(self.step, stop_at)
+        self.stop_signal.finished()  # a signal after the last step waits for nothing: no watchdog in the last save
         self.checkpoints.finished(self.step)  # the run is done: the fast tier's parts leave the nodes' memory
 
     def _stop_on_signal(self, signum: int) -> None:
@@ -178,7 +179,7 @@ class Trainer:
             print(f"megaframe: {StopSignal.name(signum)}: stopping after step {self.step}"
                   + (", saving first" if saves else ""), flush=True)
         if saves:
-            self.checkpoints.save(self.step)
+            self.checkpoints.save(self.step, stopping=True)
 
     def close(self, failed: bool = False) -> None:
         """Flush W&B and remove swap files; after a clean run, wait for every rank (avoids aborts at

@@ -105,3 +105,33 @@ def test_a_rename_the_file_system_refuses_deletes_in_place(tmp_path, monkeypatch
     monkeypatch.setattr(universal.os, "replace", refused)
     universal.to_trash(doomed)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_delete_slower_than_the_bound_is_one_line_and_the_save_goes_on(tmp_path, monkeypatch, capsys):
+    """The other ranks wait at the save's barrier while rank 0 waits for the delete: the wait is
+    bounded (a checkpoint a crash left, deleted as the next run resumes, may take longer than the
+    collective timeout), and a stop's save does not wait at all (trash_wait_s=0)."""
+    save_dir = tmp_path / "checkpoints"
+    let_go = threading.Event()
+    real = store.empty_trash
+
+    def stuck(directory):
+        if list(Path(directory).glob(store.TRASH_PREFIX + "*")):
+            assert let_go.wait(30)
+        real(directory)
+    monkeypatch.setattr(store, "empty_trash", stuck)
+    trash = store.TrashCollector()
+    try:
+        for step in (1, 2):
+            store.save(None, save_dir, step, {"step": step}, native=False, keep=1, trash=trash)
+        capsys.readouterr()
+        store.save(None, save_dir, 3, {"step": 3}, native=False, keep=1, trash=trash, trash_wait_s=0.3)
+        warning = capsys.readouterr().err
+        assert "has taken over 0.3 s; saving step 3 beside them" in warning and warning.count("\n") == 1
+        store.save(None, save_dir, 4, {"step": 4}, native=False, keep=1, trash=trash, trash_wait_s=0.0)
+        assert capsys.readouterr().err == ""
+        assert (save_dir / "global_step4").is_dir() and (save_dir / f"{store.TRASH_PREFIX}global_step1").is_dir()
+    finally:
+        let_go.set()
+    trash.wait()
+    assert sorted(p.name for p in save_dir.iterdir()) == ["global_step4", "latest"]

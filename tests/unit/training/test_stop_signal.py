@@ -179,3 +179,56 @@ def test_sigquit_ends_the_rank_at_once_without_a_core_dump(monkeypatch):
     finally:
         stop.restore()
         signal.signal(signal.SIGQUIT, before)
+
+
+def test_a_signal_after_the_last_step_waits_for_no_boundary(monkeypatch):
+    """The loop ended at train.max_steps: the run's last save, W&B and the closing barrier follow,
+    minutes at scale, with no boundary to come. The watchdog armed by a signal then ended the rank
+    two seconds in, as a hang, in the middle of them."""
+    exits = _Exits()
+    monkeypatch.setattr(stop_signal, "_exit_now", exits)
+    monkeypatch.setattr(stop_signal, "GRACE_FLOOR_S", 0.2)
+    stop = stop_signal.StopSignal(1).install()
+    try:
+        stop.note_step(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)  # during the last step
+        stop.note_step(0.01)  # its end: the loop is over
+        stop.finished()
+        with stop.unguarded():  # the last save
+            time.sleep(0.5)
+        time.sleep(0.5)  # W&B, the closing barrier
+        assert exits.calls == []
+    finally:
+        stop.restore()
+
+
+def test_the_ray_drivers_request_is_this_ranks_signal_and_arms_nothing_in_a_save(tmp_path, monkeypatch):
+    """launcher=ray: the driver writes the signal's number; rank 0's thread takes it as its own
+    signal. Taken during a save, it arms no watchdog there (the loop's next step end does); after
+    the loop ended it is not taken at all."""
+    exits = _Exits()
+    monkeypatch.setattr(stop_signal, "_exit_now", exits)
+    monkeypatch.setattr(stop_signal, "GRACE_FLOOR_S", 0.2)
+    monkeypatch.setattr(stop_signal, "REQUEST_POLL_S", 0.05)
+    request = tmp_path / ".stop_request"
+    monkeypatch.setenv(stop_signal.REQUEST_FILE_ENV, str(request))
+    stop = stop_signal.StopSignal(1)
+    stop.watch_requests()
+    stop.note_step(0.01)
+    with stop.unguarded():  # a save
+        request.write_text("15\n")
+        deadline = time.monotonic() + 10
+        while not stop.received and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert stop.received == signal.SIGTERM
+        time.sleep(0.6)  # three graces
+    assert exits.calls == []
+    assert stop.agreed(torch.device("cpu")) == signal.SIGTERM
+
+    request.unlink()
+    late = stop_signal.StopSignal(1)
+    late.watch_requests()
+    late.finished()
+    request.write_text("15\n")  # after the loop ended
+    time.sleep(0.3)  # six polls
+    assert late.received == 0
