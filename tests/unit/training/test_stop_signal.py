@@ -65,11 +65,17 @@ class _Exits:
         self.calls.append((signum, why))
 
 
-def test_a_signal_during_a_save_waits_for_it_however_long(monkeypatch):
-    """SLURM's preemption mid-save used to meet the watchdog (three step times) before the save ended."""
-    exits = _Exits()
-    monkeypatch.setattr(stop_signal, "_exit_now", exits)
+@pytest.fixture
+def exits(monkeypatch) -> _Exits:
+    """What would have ended the rank, recorded instead; a grace of 0.2 s."""
+    recorded = _Exits()
+    monkeypatch.setattr(stop_signal, "_exit_now", recorded)
     monkeypatch.setattr(stop_signal, "GRACE_FLOOR_S", 0.2)
+    return recorded
+
+
+def test_a_signal_during_a_save_waits_for_it_however_long(exits):
+    """SLURM's preemption mid-save used to meet the watchdog (three step times) before the save ended."""
     stop = stop_signal.StopSignal(1).install()
     try:
         stop.note_step(0.01)
@@ -181,13 +187,10 @@ def test_sigquit_ends_the_rank_at_once_without_a_core_dump(monkeypatch):
         signal.signal(signal.SIGQUIT, before)
 
 
-def test_a_signal_after_the_last_step_waits_for_no_boundary(monkeypatch):
+def test_a_signal_after_the_last_step_waits_for_no_boundary(exits):
     """The loop ended at train.max_steps: the run's last save, W&B and the closing barrier follow,
     minutes at scale, with no boundary to come. The watchdog armed by a signal then ended the rank
     two seconds in, as a hang, in the middle of them."""
-    exits = _Exits()
-    monkeypatch.setattr(stop_signal, "_exit_now", exits)
-    monkeypatch.setattr(stop_signal, "GRACE_FLOOR_S", 0.2)
     stop = stop_signal.StopSignal(1).install()
     try:
         stop.note_step(0.01)
@@ -202,13 +205,10 @@ def test_a_signal_after_the_last_step_waits_for_no_boundary(monkeypatch):
         stop.restore()
 
 
-def test_the_ray_drivers_request_is_this_ranks_signal_and_arms_nothing_in_a_save(tmp_path, monkeypatch):
+def test_the_ray_drivers_request_is_this_ranks_signal_and_arms_nothing_in_a_save(tmp_path, monkeypatch, exits):
     """launcher=ray: the driver writes the signal's number; rank 0's thread takes it as its own
     signal. Taken during a save, it arms no watchdog there (the loop's next step end does); after
     the loop ended it is not taken at all."""
-    exits = _Exits()
-    monkeypatch.setattr(stop_signal, "_exit_now", exits)
-    monkeypatch.setattr(stop_signal, "GRACE_FLOOR_S", 0.2)
     monkeypatch.setattr(stop_signal, "REQUEST_POLL_S", 0.05)
     request = tmp_path / ".stop_request"
     monkeypatch.setenv(stop_signal.REQUEST_FILE_ENV, str(request))
