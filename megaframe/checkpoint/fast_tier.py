@@ -189,7 +189,7 @@ class FastTier:
             tmp = Path(save_dir) / f"tmp-global_step{step}"
             problem = None
             if self.rank == 0:
-                _set_aside(tmp)
+                universal.to_trash(tmp)  # a half-published step: not deleted while every rank waits
                 tmp.mkdir(parents=True, exist_ok=True)
             _barrier()
             for old_rank, (holder, marker) in sorted(holders.items()):
@@ -200,7 +200,7 @@ class FastTier:
                 dist.all_gather_object(problems, problem)
             if any(problems):  # a part that does not verify: the next older complete step, if any
                 if self.rank == 0:
-                    _set_aside(tmp)
+                    universal.to_trash(tmp)
                 continue
             if self.rank == 0:
                 publish(tmp, step, world)
@@ -301,13 +301,6 @@ def _complete_steps(everyone: list[dict[int, dict[int, dict]]], shared_step: int
                     holders[old_rank] = (holder, marker)
         if len(worlds) == 1 and set(holders) == set(range(worlds.pop())):
             yield step, holders, len(holders)
-
-
-def _set_aside(tmp: Path) -> None:
-    """A half-published step on shared storage goes to the checkpoints' trash (renamed; the next
-    publish's thread deletes it), not deleted while every other rank waits at the barrier."""
-    if os.path.lexists(tmp):
-        universal.to_trash(tmp)
 
 
 def _copy_part(step_dir: Path, old_rank: int, marker: dict, tmp: Path) -> Optional[str]:

@@ -33,11 +33,6 @@ from megaframe.parallel.dims import RANK_AXES
 from megaframe.parallel.rank_zero import decided_by_rank_zero
 
 
-# how long rank 0 waits before a save for pruned checkpoints still being deleted (the others wait at
-# the save's barrier meanwhile: far inside any collective timeout)
-TRASH_WAIT_S = 60.0
-
-
 class CheckpointManager:
     """Saves and resumes one run's checkpoints under RUN_DIR/checkpoints (every rank builds one)."""
 
@@ -116,7 +111,7 @@ class CheckpointManager:
                                        write_extra=write_universal, keep=t.keep_checkpoints, native=native,
                                        background=self.background if t.async_save else None,
                                        before_publish=self.save_hook(step), record_timeout_s=t.collective_timeout_s,
-                                       trash=self.trash, trash_wait_s=0.0 if stopping else TRASH_WAIT_S)
+                                       trash=self.trash, trash_wait_s=0.0 if stopping else store.TRASH_WAIT_S)
             except OSError as err:  # a full disk or a quota: which checkpoint, why, and that the last one stands
                 raise save_failure(err, f"global_step{step}", str(self.dir)) from err
         return self.last

@@ -112,6 +112,11 @@ class BackgroundWriter:
             raise error
 
 
+# how long rank 0 waits before a save for pruned checkpoints still being deleted (the others wait at
+# the save's barrier meanwhile: far inside any collective timeout)
+TRASH_WAIT_S = 60.0
+
+
 class TrashCollector:
     """Rank 0's deleting of a checkpoints directory's trash (tmp-del-*: pruned checkpoints, replaced
     copies, a crashed save's debris) on a thread of its own, while every rank trains on. A pruned
@@ -169,7 +174,7 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
          rng_state: Optional[dict[str, Any]] = None, write_extra: Optional[Callable[[Path], Any]] = None,
          keep: int = 0, native: bool = True, background: Optional[BackgroundWriter] = None,
          before_publish: Optional[Callable[[str], None]] = None, record_timeout_s: float = 1800.0,
-         trash: Optional[TrashCollector] = None, trash_wait_s: float = 60.0) -> Path:
+         trash: Optional[TrashCollector] = None, trash_wait_s: float = TRASH_WAIT_S) -> Path:
     """Every rank saves its shard and its record; rank 0 then publishes: index, manifest, rename into
     place, `latest`.
 
@@ -198,8 +203,7 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
         if not save_dir.is_dir():
             save_dir.mkdir(parents=True, exist_ok=True)
             fsync_dir(save_dir.parent)  # the run's first checkpoint: save_dir's own entry
-        if os.path.lexists(tmp):  # debris of a save that crashed: to the trash, not deleted while the ranks wait
-            universal.to_trash(tmp)
+        universal.to_trash(tmp)  # debris of a save that crashed: not deleted while the ranks wait
     _barrier()
     native_share: list[Path] = []
     if native:

@@ -266,22 +266,20 @@ def replace_dir(tmp: Path, final: Path, discard: Callable[[Path], None] = _delet
     tmp-old-NAME first and discarded only after the swap, so a crash never leaves neither (a crash
     between the two renames is put right by finish_interrupted_swaps). Durable: tmp's entries are
     fsync'd before the rename (its files by their writers), the parent after it. discard(old): what
-    becomes of the old copy, deleted here unless the caller defers it (a checkpoint's goes to the
-    trash, checkpoint/store.py)."""
+    becomes of the old copy (or of nothing, where there is none), deleted here unless the caller
+    defers it (a checkpoint's goes to the trash, checkpoint/store.py)."""
     tmp, final = Path(tmp), Path(final)
     fsync_dir(tmp)
     old = final.with_name(f"{OLD_PREFIX}{final.name}")
     if final.exists():
-        if os.path.lexists(old):
-            discard(old)
+        discard(old)
         os.replace(final, old)
         os.replace(tmp, final)
         fsync_dir(final.parent)  # before the old copy goes
     else:
         os.replace(tmp, final)
         fsync_dir(final.parent)
-    if os.path.lexists(old):
-        discard(old)  # also an interrupted swap's copy, superseded now
+    discard(old)  # also an interrupted swap's copy, superseded now
     return final
 
 
@@ -310,9 +308,12 @@ def finish_interrupted_swaps(parent: Path) -> list[Path]:
 
 
 def to_trash(path: Path) -> None:
-    """Rename `path` to a free tmp-del- name beside it, which the checkpoints' trash deletes later
-    (checkpoint/store.py); deleted here where the rename fails (a file system refusing it), since
-    a rank that raises here leaves the others at the next barrier until the collective timeout."""
+    """Rename `path`, where it exists, to a free tmp-del- name beside it, which the checkpoints' trash
+    deletes later (checkpoint/store.py); deleted here where the rename fails (a file system refusing
+    it), since a rank that raises here leaves the others at the next barrier until the collective
+    timeout."""
+    if not os.path.lexists(path):
+        return
     try:
         os.replace(path, trash_name(path))
     except OSError:

@@ -89,7 +89,7 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
     workers = (sizes[0], sizes[-1]) if elastic else world_size
     resize = {"elastic_resize_monitor_interval_s": launcher.resize_interval_s} if elastic else {}
     resources = {"CPU": launcher.cpus_per_worker, **({"GPU": launcher.gpus_per_worker} if launcher.gpus_per_worker else {})}
-    trainer = _without_idle_dataset_actor(TorchTrainer)(
+    trainer = _ray_trainer_class(TorchTrainer)(
         _worker, train_loop_config={"overrides": task_overrides(overrides), "run_dir": str(run_dir), "entry": entry},
         # Ray creates the process group: its timeout must be megaframe's, or a hung rank holds the
         # others for Ray's default 30 minutes instead of ending the job with exit code 7
@@ -168,12 +168,13 @@ def _signals_to_the_workers(request: Path, asked: list[int], saves: bool) -> Ite
         request.unlink(missing_ok=True)
 
 
-def _without_idle_dataset_actor(trainer_class: type) -> type:
-    """TorchTrainer without Ray Data's DatasetManager actor: Ray Train 2.5x starts one, a fresh Python
-    process (~2 CPU-s), at every worker-group start even when no `datasets=` are passed, and megaframe's
-    ranks read their own data. With `datasets=`, or a Ray without that callback (Ray Train v1), Ray's own
-    behaviour. And without Ray Train 2.5x's SIGINT handler, which fit() installs over the driver's own
-    (_signals_to_the_workers) and which aborts the run, the workers killed unsaved."""
+def _ray_trainer_class(trainer_class: type) -> type:
+    """TorchTrainer as megaframe runs it, two Ray Train 2.5x defaults off (a Ray without them, such as
+    Ray Train v1, never calls the overrides):
+    - Ray Data's DatasetManager actor, which it starts at every worker-group start even without
+      `datasets=` (a fresh Python process, ~2 CPU-s); megaframe's ranks read their own data;
+    - its SIGINT handler, which fit() installs over the driver's own (_signals_to_the_workers) and
+      which aborts the run, the workers killed unsaved."""
     try:
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     except ImportError:
@@ -188,8 +189,6 @@ def _without_idle_dataset_actor(trainer_class: type) -> type:
 
         def _register_sigint_handler(self, controller) -> None:
             pass  # Ctrl-C is the driver's: the ranks stop at a step boundary and save
-    if not hasattr(trainer_class, "_create_default_callbacks"):
-        del Trainer._create_default_callbacks
     return Trainer
 
 
