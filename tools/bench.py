@@ -147,12 +147,21 @@ def setup(arch: str, overrides: list[str], max_steps: int, shape: str = "tiny", 
 
 def megaframe_path(cfg, layout):
     """(step, close) of megaframe's real path: the Trainer on the engine a run of this config gets."""
+    import shutil
     import tempfile
 
     from megaframe.training.trainer import Trainer
 
-    trainer = Trainer(cfg, layout, Path(tempfile.mkdtemp(prefix="megaframe-bench-")))
-    return trainer.train_step, trainer.close
+    run_dir = Path(tempfile.mkdtemp(prefix="megaframe-bench-"))
+    trainer = Trainer(cfg, layout, run_dir)
+
+    def close() -> None:  # the run folder goes too: every bench run used to leave one in the temp folder
+        try:
+            trainer.close()
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    return trainer.train_step, close
 
 
 def adamw(model, cfg, **extra):

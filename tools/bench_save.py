@@ -31,15 +31,15 @@ SHAPE = ["model.num_layers=12", "model.hidden_size=576", "model.num_attention_he
 
 def measure(overrides: list[str], saves: int, async_save: bool) -> tuple[list[float], list[float], int]:
     """(stall per save, write time per save, bytes per checkpoint)."""
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.config.compose import compose
-    from megaframe.backends.registry import engine
-    from megaframe.config.validate import validate
     from megaframe.training.trainer import Trainer
 
     cfg, _ = compose([*SHAPE, *overrides, f"train.async_save={str(async_save).lower()}", "train.max_steps=100"])
-    run_dir = Path(tempfile.mkdtemp(prefix="megaframe-bench-save-"))
     stalls, writes = [], []
-    with Trainer(cfg, validate(cfg, 1, engine_problem=engine(cfg.backend.name).config_problem), run_dir) as trainer:
+    # the launch's checks (the engine's and optimizer's rules); the checkpoints go with the folder
+    with tempfile.TemporaryDirectory(prefix="megaframe-bench-save-") as run_dir, \
+            Trainer(cfg, validate_for_engine(cfg, 1), Path(run_dir)) as trainer:
         trainer.train_step()
         for _ in range(saves):
             trainer.train_step()

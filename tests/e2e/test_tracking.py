@@ -62,9 +62,10 @@ def test_bench_tool_compares_megaframe_with_plain_loops_and_transformers():
     assert all(float(row.split("|")[2].replace(",", "")) > 0 for row in rows)
 
 
-def test_bench_tool_times_muon_and_document_masks_against_megaframes_baseline():
+def test_bench_tool_times_muon_and_document_masks_against_megaframes_baseline(tmp_path):
     """--optim muon --document-mask: megaframe's rows only, each beside its baseline run (AdamW, no
-    mask) in the same interleaved rounds, and the step-time ratio the Muon target (1.1x) is read from."""
+    mask) in the same interleaved rounds, and the step-time ratio the Muon target (1.1x) is read from.
+    Its two trainers' run folders are gone after it (each run used to leave one in the temp folder)."""
     import re
     import subprocess
     import sys
@@ -74,8 +75,9 @@ def test_bench_tool_times_muon_and_document_masks_against_megaframes_baseline():
     result = subprocess.run([sys.executable, "tools/bench.py", "--steps", "1", "--repeats", "2", "--warmup", "1",
                              "--no-compile", "--optim", "muon", "--document-mask", "model.num_layers=2",
                              "model.hidden_size=64", "model.ffn_hidden_size=256", "model.seq_length=32"],
-                            cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=600)
+                            cwd=REPO, env=cli_env(TMPDIR=str(tmp_path)), capture_output=True, text=True, timeout=600)
     assert_ok(result)
+    assert not list(tmp_path.glob("megaframe-bench-*")), sorted(p.name for p in tmp_path.iterdir())
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "tokens/s" not in line]
     label = "adamw, no document mask"
     assert [row.split("|")[1].strip() for row in rows] == ["megaframe", f"megaframe ({label})"], rows
