@@ -72,11 +72,11 @@ def _train(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
     import torch.distributed as dist
 
     from megaframe.config.compose import compose
-    from megaframe.config.validate import validate
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.training.trainer import Trainer
 
     cfg, _ = compose(overrides)
-    trainer = Trainer(cfg, validate(cfg, world), Path(run_dir))
+    trainer = Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(run_dir))
     history, stream = History(), RankStream(dist.get_rank())
     trainer.checkpoints.register("history", history)
     trainer.checkpoints.register("stream", stream)

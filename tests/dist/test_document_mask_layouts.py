@@ -58,7 +58,7 @@ def _train(rank: int, world: int, runs: list[tuple[list[str], tuple[int, int, in
     """Each run's per-step losses, then its evaluation loss of the first step's micro-batches; and
     how many dense masks this rank built per micro-batch forward."""
     from megaframe.config.compose import compose
-    from megaframe.config.validate import validate
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.model.attention import Mask
     from megaframe.training.trainer import Trainer
 
@@ -73,7 +73,7 @@ def _train(rank: int, world: int, runs: list[tuple[list[str], tuple[int, int, in
         seq, micro, batch = shape
         cfg, _ = compose([*overrides, f"model.seq_length={seq}", f"parallel.micro_batch_size={micro}",
                           f"parallel.global_batch_size={batch}"])
-        with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:
+        with Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(run_dir)) as trainer:
             stream = _stream(trainer.data.datasets[0].eod_id)
             dp_rank, dp = trainer.ps.dp_rank, trainer.layout.dp
             built[0] = 0

@@ -13,11 +13,11 @@ pytestmark = pytest.mark.slow
 
 def _fail_on_rank_1(rank: int, world: int, run_dir: str) -> None:
     from megaframe.config.compose import compose
-    from megaframe.config.validate import validate
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.training.trainer import Trainer
 
     cfg, _ = compose([*TINY, "parallel.dp=2", "train.max_steps=4"])
-    with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:
+    with Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(run_dir)) as trainer:
         if rank == 1:
             train_step = trainer.train_step
 

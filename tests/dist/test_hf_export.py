@@ -21,7 +21,7 @@ BYTE_VOCAB = 257  # the demo corpus is byte-tokenized: padded to 384 rows here (
 def train_and_snapshot(rank: int, world: int, runs: dict, ids: torch.Tensor) -> dict:
     """Train each flavour (the trainer saves a layout-free checkpoint at the end); return its logits."""
     from megaframe.config.compose import compose
-    from megaframe.config.validate import validate
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.training.trainer import Trainer
     from megaframe.model.factory import build_model
     from megaframe.model.full_state import full_state_dict
@@ -30,7 +30,7 @@ def train_and_snapshot(rank: int, world: int, runs: dict, ids: torch.Tensor) -> 
     for flavour, run_dir in runs.items():
         cfg, _ = compose([*TINY, *FLAVOURS[flavour], "train.max_steps=4", "optim.lr=3e-3",
                            "model.make_vocab_size_divisible_by=128"])
-        with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:
+        with Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(run_dir)) as trainer:
             trainer.fit()
         module = trainer.backend.module.eval()
         full = full_state_dict(module)

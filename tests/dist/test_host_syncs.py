@@ -29,7 +29,7 @@ CASES = {"zero0-fp32": ["zero=stage0"], "zero1-bf16": ["zero=stage1", "precision
 
 def _count_host_reads(rank: int, world: int, run_root: str) -> dict[str, dict[int, Counter]]:
     from megaframe.config.compose import compose
-    from megaframe.config.validate import validate
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.training.trainer import Trainer
 
     originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
@@ -40,7 +40,8 @@ def _count_host_reads(rank: int, world: int, run_root: str) -> dict[str, dict[in
             overrides = [*TINY, *extra, f"parallel.global_batch_size={2 * micro_batches}", "train.eval_interval=0",
                          f"model.num_layers={layers}"]
             cfg, _ = compose(overrides)
-            with Trainer(cfg, validate(cfg, world), Path(run_root) / f"{case}-{micro_batches}") as trainer:
+            layout = validate_for_engine(cfg, world, ask_bf16=False)
+            with Trainer(cfg, layout, Path(run_root) / f"{case}-{micro_batches}") as trainer:
                 trainer.train_step()  # first step: lazy optimizer state, one-off reads
                 seen: Counter = Counter()
                 for name, original in originals.items():

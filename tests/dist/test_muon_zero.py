@@ -112,7 +112,7 @@ def _train_counting(rank: int, world: int, runs: list[tuple[list[str], str]]) ->
     what this rank's Muon assembled: its matrices' ownership and the elements it received."""
     import torch.distributed as dist
 
-    from megaframe.config.validate import validate
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.optim.groups import is_hidden_matrix
     from megaframe.optim.owners import ns_cost
     from megaframe.training.trainer import Trainer
@@ -120,7 +120,7 @@ def _train_counting(rank: int, world: int, runs: list[tuple[list[str], str]]) ->
     out = []
     for overrides, run_dir in runs:
         cfg = composed(overrides)  # composed once before the ranks were forked
-        with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:
+        with Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(run_dir)) as trainer:
             trainer.fit()
             engine = getattr(trainer.backend, "engine", None)  # DeepSpeed's (FSDP2's: none)
             muon = getattr(engine.optimizer, "optimizer", None) if engine is not None else None

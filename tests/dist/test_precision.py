@@ -40,11 +40,11 @@ def _dtypes(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
     from deepspeed.utils import safe_get_full_fp32_param
 
     from megaframe.config.compose import compose
-    from megaframe.config.validate import validate
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.training.trainer import Trainer
 
     cfg, _ = compose(overrides)
-    with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:
+    with Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(run_dir)) as trainer:
         trainer.fit()
         weight = next(p for p in trainer.backend.module.parameters() if p.dim() == 2)
         return {"module": str(weight.dtype), "master": str(safe_get_full_fp32_param(weight).dtype)}
@@ -80,12 +80,12 @@ def _overflow_at_one_step(rank: int, world: int, overrides: list[str], run_dir: 
     import torch
 
     from megaframe.config.compose import compose
-    from megaframe.config.validate import validate
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.training.trainer import Trainer
 
     pretend_fp16_device()
     cfg, _ = compose(overrides)
-    trainer = Trainer(cfg, validate(cfg, world), Path(run_dir))
+    trainer = Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(run_dir))
     weights = [p for p in trainer.backend.module.parameters() if p.requires_grad]
     weights[0].register_hook(lambda g: g * float("inf") if trainer.step == OVERFLOW_STEP else g)
     snapshots, train_step = {}, trainer.train_step

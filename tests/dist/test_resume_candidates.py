@@ -38,11 +38,11 @@ def test_every_rank_resumes_from_the_checkpoint_rank_0_lists(tmp_path):
 
 def _train_and_report_the_first_step(rank: int, world: int, overrides: list[str], run_dir: str) -> int:
     from megaframe.config.compose import compose
-    from megaframe.config.validate import validate
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.training.trainer import Trainer
 
     cfg, _ = compose(overrides)
-    trainer = Trainer(cfg, validate(cfg, world), Path(run_dir))
+    trainer = Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(run_dir))
     first, take_step = [], trainer.train_step
 
     def recording_step():

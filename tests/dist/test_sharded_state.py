@@ -41,14 +41,14 @@ def _save_and_load(rank: int, world: int, overrides: list[str], run_dir: str) ->
 
     from megaframe.backends.deepspeed import state_io
     from megaframe.config.compose import compose
-    from megaframe.config.validate import validate
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.checkpoint import store as checkpoint
     from megaframe.training.trainer import Trainer
     from megaframe.model.spec import ModelSpec
 
     fixed_mmap_threshold()
     cfg, _ = compose(overrides)
-    trainer = Trainer(cfg, validate(cfg, world), Path(run_dir))
+    trainer = Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(run_dir))
     measured = {}
     save = trainer.checkpoints.save
 

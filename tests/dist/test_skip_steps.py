@@ -79,12 +79,12 @@ def _same(a: list, b: list) -> bool:
 
 def _train_with_faults(rank: int, world: int, overrides: list[str], run_dir: str, faults: str) -> dict:
     from megaframe.config.compose import compose
-    from megaframe.config.validate import validate
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.training.trainer import Trainer
 
     os.environ["MEGAFRAME_FAULTS"] = faults
     cfg, _ = compose(overrides)
-    trainer = Trainer(cfg, validate(cfg, world), Path(run_dir))
+    trainer = Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(run_dir))
     snapshots, applied, lrs = {}, {}, {}
     take_step = trainer.train_step
 
@@ -143,14 +143,14 @@ def _scaler_around_a_spike(rank: int, world: int, overrides: list[str], run_dir:
     """The fp16 loss scaler's state after every step, on a pretended fp16 device."""
     from megaframe.backends.deepspeed.state_io import loss_scaler_state
     from megaframe.config.compose import compose
-    from megaframe.config.validate import validate
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.training.trainer import Trainer
     from tests.support.parity import pretend_fp16_device
 
     pretend_fp16_device()
     os.environ["MEGAFRAME_FAULTS"] = f"spike@{SPIKE_STEP}"
     cfg, _ = compose(overrides)
-    trainer = Trainer(cfg, validate(cfg, world), Path(run_dir))
+    trainer = Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(run_dir))
     scaler, applied, take_step = {}, {}, trainer.train_step
 
     def recording_step():
@@ -194,7 +194,7 @@ def test_a_spike_skip_at_fp16_leaves_the_loss_scale_as_it_was(layout, tmp_path):
 def _overflowing_at_the_minimum_scale(rank: int, world: int, overrides: list[str], run_dir: str) -> tuple:
     from megaframe.common.failures import Diverged
     from megaframe.config.compose import compose
-    from megaframe.config.validate import validate
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.training.trainer import Trainer
     from tests.support.parity import pretend_fp16_device
 
@@ -202,7 +202,7 @@ def _overflowing_at_the_minimum_scale(rank: int, world: int, overrides: list[str
     os.environ["MEGAFRAME_FAULTS"] = ",".join(f"nan_grad@{step}:0" for step in range(3, 9))
     cfg, _ = compose(overrides)
     try:
-        with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:
+        with Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(run_dir)) as trainer:
             trainer.fit()
     except Diverged as err:
         return "diverged", trainer.step, str(err)

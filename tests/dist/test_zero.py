@@ -64,11 +64,11 @@ def test_offload_under_tensor_parallelism_matches_single_rank(reference, tmp_pat
 def _train_recording_swap(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
     """Train; report the swap files this rank wrote (read before shutdown) and whether they were removed."""
     from megaframe.config.compose import compose
-    from megaframe.config.validate import validate
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.training.trainer import Trainer
 
     cfg, _ = compose(overrides)
-    with Trainer(cfg, validate(cfg, world), Path(run_dir)) as trainer:
+    with Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(run_dir)) as trainer:
         trainer.fit()
         files = trainer.backend.nvme_swap.files()
     return {"folder": str(trainer.backend.nvme_swap.path), "files": files, "left": trainer.backend.nvme_swap.path.exists()}

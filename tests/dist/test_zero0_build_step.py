@@ -51,14 +51,14 @@ def _train(rank: int, world: int, root: str) -> dict:
     """Both stages' first updates and checks (the curves land in their run directories), then a
     ZeRO-0 run resumed from its step-2 native checkpoint."""
     from megaframe.config.compose import compose
-    from megaframe.config.validate import validate
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.training.trainer import Trainer
 
     out: dict = {}
     for stage in (0, 1):
         save = ["train.save_interval=2", "train.universal_checkpoint=false"] if stage == 0 else []
         cfg, _ = compose([*BASE, f"zero=stage{stage}", *save])
-        with Trainer(cfg, validate(cfg, world), Path(root) / f"stage{stage}") as trainer:
+        with Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(root) / f"stage{stage}") as trainer:
             backend = trainer.backend
             before = _masters(backend)
             weights = {n: p.detach().float() for n, p in backend.module.named_parameters()}
@@ -76,7 +76,7 @@ def _train(rank: int, world: int, root: str) -> dict:
             out[f"stage{stage}"] = first
     cfg, _ = compose([*BASE, "zero=stage0", "train.trust_pickled_checkpoint=true",
                       f"train.resume={Path(root) / 'stage0' / 'checkpoints' / 'global_step2'}"])
-    with Trainer(cfg, validate(cfg, world), Path(root) / "resumed") as trainer:
+    with Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(root) / "resumed") as trainer:
         trainer.fit()
         out["resumed_steps"] = _adam_steps(trainer.backend)
     return out

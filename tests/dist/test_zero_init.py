@@ -26,7 +26,7 @@ def _measure_build(rank: int, world: int, overrides: list[str], run_dir: str) ->
 
     import megaframe.backends.deepspeed.engine as engine
     from megaframe.config.compose import compose
-    from megaframe.config.validate import validate
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.training.trainer import Trainer
 
     fixed_mmap_threshold()
@@ -40,7 +40,7 @@ def _measure_build(rank: int, world: int, overrides: list[str], run_dir: str) ->
         return model
     engine.build_model = measured_build
     cfg, _ = compose(overrides)
-    trainer = Trainer(cfg, validate(cfg, world), Path(run_dir))
+    trainer = Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(run_dir))
     return {**measured, "params": trainer.backend.num_parameters, "partitioned": trainer.backend.built_partitioned}
 
 

@@ -26,14 +26,14 @@ pytestmark = pytest.mark.slow
 def train_resume_and_switch(rank: int, world: int, run_dir: str, data: str, tok: str, edited: str) -> dict:
     """Two steps, a resume with the same tokenizer to step 3, then one with the edited copy."""
     from megaframe.config.compose import compose
-    from megaframe.config.validate import validate
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.training.failure_report import report_failure
     from megaframe.training.trainer import Trainer
 
     def config(tokenizer: str, steps: int):
         cfg, _ = compose([*TINY, f"data.path={data}", f"data.tokenizer={tokenizer}", f"train.max_steps={steps}",
                           "train.eval_interval=0"])
-        return cfg, validate(cfg, world)
+        return cfg, validate_for_engine(cfg, world, ask_bf16=False)
 
     with Trainer(*config(tok, 2), Path(run_dir)) as trainer:
         trainer.fit()

@@ -31,7 +31,7 @@ import json, sys
 from pathlib import Path
 from tests.support.fakecuda import ledger
 from megaframe.config.compose import compose
-from megaframe.config.validate import validate
+from megaframe.backends.registry import validate_for_engine
 from megaframe.training.trainer import Trainer
 
 root, cases, shapes, tiny = Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
@@ -41,7 +41,7 @@ for case, extra in cases.items():
         overrides = [*tiny, *extra, f"parallel.global_batch_size={2 * micro}", f"model.num_layers={layers}",
                      "train.eval_interval=0"]
         cfg, _ = compose(overrides)
-        with Trainer(cfg, validate(cfg, 1), root / f"{case}-{micro}-{layers}") as trainer:
+        with Trainer(cfg, validate_for_engine(cfg, 1, ask_bf16=False), root / f"{case}-{micro}-{layers}") as trainer:
             trainer.train_step()  # the first step: lazy optimizer state, one-off reads
             before = dict(ledger.syncs)
             trainer.train_step()

@@ -35,14 +35,14 @@ def measure_peak(rank: int, world: int, overrides: list[str], run_dir: str) -> d
     from tests.support.memory_probe import fixed_mmap_threshold, peak_rss
 
     from megaframe.config.compose import compose
-    from megaframe.config.validate import validate
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.training.trainer import Trainer
     from megaframe.model.dims import resolve_dims
     from megaframe.plan.estimate import estimate_stage, plan_layout, planning_vocab_size
 
     fixed_mmap_threshold()  # freed tensors leave the resident set: measure what is held
     cfg, _ = compose(overrides)
-    layout = validate(cfg, world)
+    layout = validate_for_engine(cfg, world, ask_bf16=False)
     with peak_rss() as peak:
         trainer = Trainer(cfg, layout, Path(run_dir))
         trainer.checkpoints.save = lambda step: None  # the steps only: checkpoint memory is measured elsewhere

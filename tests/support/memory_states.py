@@ -17,7 +17,7 @@ def measure_zero_stages(rank: int, world: int, run_root: str, stages=(0, 1, 2, 3
     from pathlib import Path
 
     from megaframe.config.compose import compose
-    from megaframe.config.validate import validate
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.backends.deepspeed.memory import held_model_states
     from megaframe.data import micro_batches
     from megaframe.training.trainer import Trainer
@@ -27,7 +27,7 @@ def measure_zero_stages(rank: int, world: int, run_root: str, stages=(0, 1, 2, 3
         overrides = [*MEASURE_OVERRIDES, f"zero=stage{stage}", f"precision={dtype}",
                      f"parallel.global_batch_size={2 * 2 * world}"]  # 2 micro-batches per step
         cfg, _ = compose(overrides)
-        with Trainer(cfg, validate(cfg, world), Path(run_root) / f"stage{stage}") as trainer:
+        with Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(run_root) / f"stage{stage}") as trainer:
             trainer.train_step()
             (inputs, targets), _ = micro_batches(trainer.data.train, 1, cfg.parallel.global_batch_size,
                                                  cfg.parallel.micro_batch_size, trainer.ps.dp_rank, world,
@@ -55,7 +55,7 @@ def measure_moe_states(rank: int, world: int, run_root: str, cases: tuple[tuple[
 
     from megaframe.backends.deepspeed.memory import held_model_states
     from megaframe.config.compose import compose
-    from megaframe.config.validate import validate
+    from megaframe.backends.registry import validate_for_engine
     from megaframe.data import micro_batches
     from megaframe.training.trainer import Trainer
     from megaframe.plan.estimate import estimate_config
@@ -65,7 +65,7 @@ def measure_moe_states(rank: int, world: int, run_root: str, cases: tuple[tuple[
         cfg, _ = compose([*MOE_OVERRIDES, f"parallel.dp={world}", f"parallel.global_batch_size={4 * world}",
                           f"parallel.ep={ep}", f"zero=stage{stage}",
                           "zero.stage3_param_persistence_threshold=0"])  # else ZeRO-3 keeps small weights whole
-        layout = validate(cfg, world)
+        layout = validate_for_engine(cfg, world, ask_bf16=False)
         with Trainer(cfg, layout, Path(run_root) / f"ep{ep}-zero{stage}") as trainer:
             trainer.train_step()
             (inputs, targets), _ = micro_batches(trainer.data.train, 1, cfg.parallel.global_batch_size,
