@@ -45,7 +45,6 @@ class EngineFacts:
     pipeline_schedules: tuple[tuple[str, int], ...]  # (parallel.pipeline_schedule, virtual_stages) the search tries
     schedules_need_micro_batches: bool  # its pipeline refuses a micro-batch count its schedule cannot run
     split_backward_zero_stages: tuple[int, ...]  # stages a split-backward schedule (zbv, ...) runs at
-    pipelines_moe: bool  # whether it runs MoE blocks in a pipeline
     dry_run_pipeline: bool  # megaframe-plan --dry-run builds its pipeline stages (DeepSpeed's partition)
     memory: MemoryTerms
     # its optimizer steps each parameter's own tensor (whole, or a DTensor's row shard), not flat

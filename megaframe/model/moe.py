@@ -381,7 +381,9 @@ class AttachAux(torch.autograd.Function):
     def forward(ctx, x, aux, scale: float):
         ctx.scale = scale
         ctx.save_for_backward(aux)
-        return x.view_as(x)
+        # x's storage, not a view of x: FSDP2 warns of a stage that returns a view (an in-place op on
+        # it would skip the stage's pre-backward hook); the shared version counter still guards x
+        return x.detach()
 
     @staticmethod
     def backward(ctx, grad):

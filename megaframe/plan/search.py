@@ -59,8 +59,6 @@ def _with_tp_cp(model: ModelConfig, base: PlanLayout, tp: int, cp: int) -> Itera
         dp = world // (tp * cp * pp)
         if pp > model.num_layers or base.global_batch_size % (base.micro_batch_size * dp) or (dp * cp) % replicas:
             continue
-        if not facts.pipelines_moe and pp > 1 and model.moe.num_experts:
-            continue  # refused by its rules (FSDP2's: router losses do not cross stages yet)
         stages = facts.pipeline_zero_stages if pp > 1 else facts.zero_stages
         for ep, stage, (schedule, virtual) in product(expert_parallel_degrees(model, dp * cp), stages,
                                                        _schedules(model, base, pp, dp, facts)):

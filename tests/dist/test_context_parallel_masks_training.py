@@ -58,15 +58,14 @@ PIPELINES = {"deepspeed-pp2-cp2": ["parallel.pp=2", "parallel.cp=2"],
 
 
 def test_masked_attention_in_pipeline_stages_over_cp_and_tp_follows_the_single_rank_run(tmp_path_factory, tmp_path):
-    """Documents with data.eod_mask_loss and a window of 5 (llama, and MoE blocks in DeepSpeed's), and
+    """Documents with data.eod_mask_loss and a window of 5 (llama, and MoE blocks), and
     documents alone with GPT-2's tied head, through both engines' pipelines at cp=2 and at tp=2 with SP
     (world 4). pp x cp was
     refused before launch until 2026-11-30 (DeepSpeed's stages cut the documents in their own shard
     of the ids); pp x tp had not been run under masks."""
     corpus = write_short_documents(tmp_path / "short")
     configs = {name: _config(name, corpus) for name in ("documents-window5", "documents")}
-    # Mixture-of-Experts blocks under the same masks, in DeepSpeed's stages (FSDP2's pipeline refuses
-    # MoE before launch: backends/fsdp2/rules.py)
+    # Mixture-of-Experts blocks under the same masks: router losses attached in each stage
     configs["moe-documents-window5"] = [*TINY, "model=moe_tiny", *STEPS, *DOCUMENTS, "model.sliding_window=5",
                                         f"data.path={corpus}"]
     # torch's schedules with two stages per rank (looped, and the V), over cp: four blocks for four stages
@@ -78,8 +77,7 @@ def test_masked_attention_in_pipeline_stages_over_cp_and_tp_follows_the_single_r
                                              "parallel.pipeline_schedule=dualpipev"]}
     references = reference_runs(configs, tmp_path_factory.mktemp("single"))
     runs = [([*configs[name], *extra], str(tmp_path / f"{name}@{layout}"))
-            for name in configs if not name.endswith("4layers") for layout, extra in PIPELINES.items()
-            if not (name.startswith("moe") and layout.startswith("fsdp2"))]
+            for name in configs if not name.endswith("4layers") for layout, extra in PIPELINES.items()]
     runs += [([*configs["documents-window5-4layers"], *extra], str(tmp_path / f"documents-window5-4layers@{layout}"))
              for layout, extra in schedules.items()]
     run_ranks(train_runs, 4, tmp_path, timeout=900, runs=runs)

@@ -3,7 +3,12 @@ DeepSpeed's single-rank run of the same seed: fp32, 8 steps, every logged loss, 
 eval loss within rtol 1e-5, the gradient norm within the fp32 rounding of the exact one (tests/support/parity.py), for each schedule composed with dp, HSDP, tp/sp, cp
 (ring and Ulysses), CPU offload, recomputation and compiled blocks; the gradient norm on every
 rank; a checkpoint written by a pipelined run read back by DeepSpeed at one rank and by the Hugging
-Face converter. The models have 4 blocks, so that two stages per rank still hold a block each."""
+Face converter. The models have 4 blocks, so that two stages per rank still hold a block each.
+
+Mixture-of-Experts stages (the router losses attached to each stage's output, aux-loss-free bias
+balancing beside them) with experts split over ep ranks, 1F1B at ZeRO-3 and zbv's split backward
+at ZeRO-2, follow the single-rank run too, router metrics included; a zbv checkpoint (experts,
+router biases) is read back by DeepSpeed at one rank and the curve goes on."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,7 +23,9 @@ from tests.support.ranks import run_ranks
 pytestmark = pytest.mark.slow
 SHAPE = ["model.num_layers=4", "parallel.global_batch_size=16"]  # 8 micro-batches of 2 at dp1, 4 at dp2
 STEPS = ["train.max_steps=8", "train.eval_interval=4"]
-FLAVOURS = {"gpt2": ["model=gpt_tiny", *TINY, *SHAPE], "llama": ["model=llama_tiny", *TINY, *SHAPE]}
+FLAVOURS = {"gpt2": ["model=gpt_tiny", *TINY, *SHAPE], "llama": ["model=llama_tiny", *TINY, *SHAPE],
+            "moe": ["model=moe_tiny", *TINY, *SHAPE, "model.moe.bias_update_rate=0.001"]}
+ROUTER_KEYS = ("moe/aux_loss", "moe/z_loss", "moe/max_load")
 PIPE = ["backend=fsdp2", "parallel.pp=2"]
 # four ranks each; gpt2's tied embedding crosses from the last stage to the first (zbv: both on rank 0)
 LAYOUTS = {
@@ -38,6 +45,10 @@ LAYOUTS = {
                                      "parallel.cp_impl=ulysses"],
         "interleaved-dp2-compile": ["zero=stage3", "parallel.pipeline_schedule=interleaved_1f1b",
                                     "parallel.virtual_stages=2", "train.compile=true"],
+    },
+    "moe": {
+        "1f1b-dp2-ep2-stage3": ["zero=stage3", "parallel.ep=2"],
+        "zbv-dp2-ep2": ["zero=stage2", "parallel.pipeline_schedule=zbv", "parallel.ep=2", "train.save_interval=4"],
     },
 }
 
@@ -61,6 +72,12 @@ def test_pipeline_schedules_match_the_single_rank_run(flavour, reference_dirs, t
         assert_exact_norm(tmp_path / name, reference_dirs, flavour, f"fsdp2 {flavour} pp2 {name}")
         for rank, rank_norms in enumerate(norms):  # each stage's rank, each TP rank: the global norm
             assert rank_norms[i] == pytest.approx(last_norm, rel=RTOL), (name, rank, rank_norms[i], last_norm)
+        if flavour == "moe":  # each stage's routers, pooled over the stages
+            assert_parity(read_metrics(tmp_path / name), reference, f"fsdp2 moe pp2 {name}", keys=ROUTER_KEYS)
+    if flavour == "moe":  # experts and router biases from a V-shaped pipeline, read by DeepSpeed at one rank
+        saved = tmp_path / "zbv-dp2-ep2" / "checkpoints" / "global_step4"
+        assert_deepspeed_continues(saved, [*FLAVOURS[flavour], *STEPS], reference, tmp_path,
+                                   "fsdp2 moe pp2 zbv -> deepspeed dp1")
     if flavour == "gpt2":
         # written by a V-shaped pipeline (the tied embedding's two copies on rank 0, written once),
         # read by DeepSpeed at one rank, unpipelined: the curve goes on

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.fakecuda.runs import run_on_device
+from tests.support.fakecuda.runs import cpu_run, run_on_device
 from tests.support.parity import assert_parity
 
 pytestmark = pytest.mark.slow
@@ -22,3 +22,10 @@ def test_fsdp2_trains_on_the_device_with_the_cpu_curve(case, cpu_reference, tmp_
     world, extra = CASES[case]
     metrics = run_on_device(tmp_path, case, ["backend=fsdp2", *extra], world=world)
     assert_parity(metrics, cpu_reference, f"fakecuda fsdp2 {case}")
+
+
+def test_moe_stages_train_on_the_device_with_the_cpu_curve(tmp_path):
+    """Mixture-of-Experts blocks in torch's pipeline: each stage's router losses attached to its output
+    and its router metrics summed on the device; the same layout's CPU run is the curve."""
+    extra = ["backend=fsdp2", "model=moe_tiny", "parallel.pp=2", "zero=stage3"]
+    assert_parity(run_on_device(tmp_path, "pp2-moe", extra, world=2), cpu_run(tmp_path, extra), "fakecuda fsdp2 pp2 moe")

@@ -9,7 +9,7 @@ FACTS = EngineFacts(
     zero_stages=(0, 1, 2, 3), pipeline_zero_stages=(0, 1),  # its pipeline engine: ZeRO 0-1 (rules.py)
     per_module_gather_stages=(3,), param_offload_stages=(3,),
     pipeline_schedules=(("1f1b", 1),), schedules_need_micro_batches=False,  # its 1F1B takes any count
-    split_backward_zero_stages=(), pipelines_moe=True, dry_run_pipeline=True,
+    split_backward_zero_stages=(), dry_run_pipeline=True,
     # its fp32 masters (and under ZeRO at fp32 a flat partition) by stage; a pipeline's tied embedding
     # is the TiedLayerSpec's whole module on both ends
     memory=MemoryTerms(states=ZERO_PAPER, unsharded=ZERO_BUFFERS, shards_within_replica=False,

@@ -23,7 +23,10 @@ with nothing sent between stages. A tied embedding (GPT-2) is
 held by the first stage and, as a copy starting from the same value, by the last, which uses it as
 the LM head; after each backward the two gradients are summed, so both copies take the same
 update and stay equal (DeepSpeed's pipeline does the same with its TiedLayerSpec). The copy on
-the last stage is counted once in the gradient norm and written once in checkpoints.
+the last stage is counted once in the gradient norm and written once in checkpoints. A
+Mixture-of-Experts block's router losses cannot join the loss, which only the last stage has: each
+stage attaches its blocks' losses to its output (AttachAux), so they train through the gradient
+torch's schedule gives each micro-batch's loss, as DeepSpeed's pipeline does (backends/deepspeed/pipeline.py).
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from torch.distributed.pipelining import schedules
 
 from megaframe.model.dims import GPTDims
 from megaframe.model.gpt import GPT, forward_layers
+from megaframe.model.moe import AttachAux, MoE
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaframe.parallel.layers import VocabParallelEmbedding
 from megaframe.parallel.pipeline_schedules import (ONE_STAGE_PER_RANK, V_SHAPED, stage_indices, stages_per_rank,
@@ -93,12 +97,21 @@ class Stage(nn.Module):
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
         self.final_norm = model.final_norm if self.last else None
         self.head = model.head if self.last else None
+        # not a ModuleList: no new names. The model's RouterStats: each stage fills its own blocks' rows
+        self.moe_layers = [block.mlp for block in self.blocks.values() if isinstance(block.mlp, MoE)]
+        self.router_stats = model.router_stats
 
     def forward(self, x: torch.Tensor, token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """token_ids: the micro-batch's (B, T), where a later stage needs them (data.document_mask)."""
         tokens = len(self.positions) if self.positions is not None else self.dims.seq_length
-        return forward_layers(self, x, tokens, self.blocks.values(), embed=self.embed if self.first else None,
-                              final_norm=self.final_norm, head=self.head, tied=self.embed, token_ids=token_ids)
+        x = forward_layers(self, x, tokens, self.blocks.values(), embed=self.embed if self.first else None,
+                           final_norm=self.final_norm, head=self.head, tied=self.embed, token_ids=token_ids)
+        if self.moe_layers and self.training:
+            self.router_stats.add(self.moe_layers)
+            # gradient 1, as the schedule gives each micro-batch's loss (it divides every gradient by
+            # the micro-batches after the backward: scale_grads, build_pipeline)
+            x = AttachAux.apply(x, sum(layer.aux_loss for layer in self.moe_layers), 1.0)
+        return x
 
 
 class RankStages:
@@ -109,6 +122,9 @@ class RankStages:
     def __init__(self, stages: list[Stage]):
         self.stages = stages
         self.rng = stages[0].rng  # the stages share the model's TP dropout stream (checkpointed with the run)
+        # as GPT's: what the router metrics, bias balancing and checkpoints read (backends/common.py)
+        self.moe_layers = [layer for stage in stages for layer in stage.moe_layers]
+        self.router_stats = stages[0].router_stats
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         for stage in self.stages:

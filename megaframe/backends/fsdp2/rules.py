@@ -13,7 +13,8 @@ them to config/validate.py through the plug, before anything launches.
   parallel.ep            experts sharded over their expert-data-parallel ranks (their own group)
   parallel.pp            stages through torch.distributed.pipelining, parallel.pipeline_schedule
                          (1f1b, gpipe, interleaved_1f1b, zero_bubble, zbv, dualpipev) with
-                         parallel.virtual_stages stages per rank; not with MoE blocks yet
+                         parallel.virtual_stages stages per rank; MoE blocks' router losses
+                         attached to each stage's output
 """
 from __future__ import annotations
 
@@ -75,9 +76,6 @@ def _pipeline_problem(cfg: TrainConfig) -> Optional[str]:
         return (f"parallel.pipeline_schedule={p.pipeline_schedule} with zero=stage3: its split backward computes "
                 f"weight gradients after FSDP2 has resharded the block, and they are lost; use zero=stage2, or "
                 f"parallel.pipeline_schedule=1f1b or interleaved_1f1b with zero=stage3")
-    if cfg.model.moe.num_experts > 0:
-        return (f"parallel.pp={p.pp} with model.moe under backend=fsdp2: its pipeline does not carry the router "
-                f"losses between stages yet; use parallel.pp=1, {ALTERNATIVE}")
     if p.pipeline_partition != "uniform":
         return (f"parallel.pipeline_partition={p.pipeline_partition} with backend=fsdp2: its stages hold equal numbers "
                 f"of blocks; use parallel.pipeline_partition=uniform, {ALTERNATIVE}")

@@ -36,10 +36,9 @@ def test_the_facts_say_what_the_engines_rules_run(name):
         alone = _cfg(name, stage)
         alone.offload.param = "cpu"
         assert runs(alone) == (stage in facts.param_offload_stages), (name, stage)
-    stage = facts.pipeline_zero_stages[0]
-    moe = _cfg(name, stage, 2)
+    moe = _cfg(name, facts.pipeline_zero_stages[0], 2)
     moe.model.moe.num_experts = 4
-    assert runs(moe) == facts.pipelines_moe, name
+    assert runs(moe), name  # every engine pipelines MoE blocks
     for schedule, virtual in facts.pipeline_schedules:
         for s in facts.pipeline_zero_stages:
             cfg = _cfg(name, s, 2, pipeline_schedule=schedule, virtual_stages=virtual)

@@ -54,7 +54,6 @@ def test_what_fsdp2_runs_passes(overrides):
      "parallel.pipeline_schedule=zbv runs two stages per rank in a V; use parallel.virtual_stages=2"),
     (["zero=stage2", "parallel.pp=2", "parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_stages=4"],
      "parallel.pp=2 x 4 stages per rank (interleaved_1f1b) makes 8 stages for model.num_layers=4"),
-    (["zero=stage2", "parallel.pp=2", "model=moe_tiny"], "parallel.pp=2 with model.moe under backend=fsdp2"),
     (["zero=stage2", "parallel.pp=2", "parallel.pipeline_partition=parameters"],
      "parallel.pipeline_partition=parameters with backend=fsdp2"),
     (["zero=stage2", "parallel.pp=2", "parallel.micro_batch_size=4", "parallel.global_batch_size=4"],
