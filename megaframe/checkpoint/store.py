@@ -16,12 +16,14 @@ layout.
 """
 from __future__ import annotations
 
+import atexit
 import io
 import json
 import os
 import pickle
 import re
 import shutil
+import subprocess
 import sys
 import threading
 from dataclasses import dataclass
@@ -328,9 +330,38 @@ def empty_trash(save_dir: Path) -> None:
     swap left (universal.finish_interrupted_swaps), a crashed save's debris, and those an earlier
     delete could not finish: a crash, or a file still open elsewhere (NFS keeps a deleted open file as
     .nfs*, so its folder cannot go) left one holding a whole checkpoint's bytes that nothing else
-    would ever delete."""
-    for trash in Path(save_dir).glob(TRASH_PREFIX + "*"):
-        shutil.rmtree(trash, ignore_errors=True)
+    would ever delete. What cannot go now stays for the next call.
+
+    Deleted by `rm -rf` in a child process, which TrashCollector's thread waits on without the GIL:
+    a Python rmtree holds the GIL between its unlink calls, and a thread running one slowed a
+    step loop of small operations 2-3x for as long as it ran (BENCHMARKS.md), the pace at which a
+    GPU's kernels are launched."""
+    trash = sorted(str(path) for path in Path(save_dir).glob(TRASH_PREFIX + "*"))
+    if not trash:
+        return
+    try:
+        child = subprocess.Popen(["rm", "-rf", "--", *trash], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
+    except OSError:  # no rm here: deleted in this process
+        for path in trash:
+            shutil.rmtree(path, ignore_errors=True)
+        return
+    _DELETING.add(child)
+    try:
+        child.wait()
+    finally:
+        _DELETING.discard(child)
+
+
+# rm children still deleting: killed when this process exits (a failed or stopped run leaves no
+# process behind; what they left keeps its tmp-del- name for the next resume)
+_DELETING: set[subprocess.Popen] = set()
+
+
+@atexit.register
+def _stop_deleting() -> None:
+    for child in list(_DELETING):
+        child.kill()
 
 
 ROLLED_BACK_PREFIX = "rolled-back-"  # checkpoints of a timeline a resume left (set_aside_newer)

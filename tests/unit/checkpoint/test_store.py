@@ -1,6 +1,7 @@
 """Checkpoint publication is atomic: a save that dies half-way leaves the previous one in charge."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,7 @@ def test_keep_prunes_older_checkpoints_after_latest_moves(tmp_path):
     assert checkpoint.find_latest(tmp_path) == tmp_path / "global_step8"
 
 
-def test_pruning_deletes_what_an_earlier_prune_could_not_and_renames_past_it(tmp_path, monkeypatch):
+def test_pruning_deletes_what_an_earlier_prune_could_not_and_renames_past_it(tmp_path, tmp_path_factory, monkeypatch):
     """A prune whose delete did not finish (a crash between rename and delete; a file held open on NFS,
     here a delete that fails) left tmp-del-global_stepN with a checkpoint's bytes: a later prune deletes
     it, and a step saved again whose trash name is still taken is renamed past it instead of failing
@@ -86,9 +87,12 @@ def test_pruning_deletes_what_an_earlier_prune_could_not_and_renames_past_it(tmp
     (tmp_path / "global_step2").rename(tmp_path / "tmp-del-global_step2")  # the crashed prune's rename
     (tmp_path / "tmp-del-global_step6").mkdir()  # an earlier global_step6's delete that cannot finish yet
     (tmp_path / "tmp-del-global_step6" / "big.pt").write_bytes(b"x" * 1024)
-    rmtree = checkpoint.shutil.rmtree
-    monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda path, **kw: None if Path(path).name == "tmp-del-global_step6"
-                        else rmtree(path, **kw))
+    # the delete is an rm child (store.empty_trash): one that cannot delete tmp-del-global_step6
+    held = tmp_path_factory.mktemp("bin") / "rm"
+    held.write_text('#!/bin/sh\nfor p in "$@"; do case "$p" in -*|*/tmp-del-global_step6) ;; '
+                    '*) /bin/rm -rf -- "$p";; esac; done\nexit 1\n')
+    held.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{held.parent}{os.pathsep}{os.environ['PATH']}")
     for step in (6, 8, 10):  # 6 is pruned at 10's save, its trash name still taken
         checkpoint.save(FakeEngine(), tmp_path, step, {"step": step}, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step10", "global_step8", "latest",

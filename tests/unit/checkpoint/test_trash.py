@@ -1,10 +1,14 @@
 """The checkpoints' trash (checkpoint/store.py TrashCollector): rank 0 deletes pruned checkpoints on
-a thread of its own (tests/dist/test_checkpoint_trash.py: no rank waits on it). What must still
+a thread of its own (tests/dist/test_checkpoint_trash.py: no rank waits on it), by an rm child
+process (no per-file work on the interpreter, none left running when the rank exits). What must still
 hold: an error does not end the deleting for the rest of the run, the storage never holds more than
 keep + 1 checkpoints however slow the delete, a resume deletes what a crash left, and a rename the
 file system refuses deletes in place rather than raising on rank 0 alone."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -135,3 +139,60 @@ def test_a_delete_slower_than_the_bound_is_one_line_and_the_save_goes_on(tmp_pat
         let_go.set()
     trash.wait()
     assert sorted(p.name for p in save_dir.iterdir()) == ["global_step4", "latest"]
+
+
+def test_the_delete_does_no_per_file_work_in_this_interpreter(tmp_path, monkeypatch):
+    """A thread's shutil.rmtree holds the GIL between its unlink calls: a step loop of small
+    operations ran 2-3x slower while one deleted 100,000 files (BENCHMARKS.md)."""
+    junk = _trash(tmp_path)
+    for i in range(50):
+        (junk / f"shard{i}").write_bytes(b"x")
+    calls = []
+    for name in ("unlink", "rmdir"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    store.empty_trash(tmp_path)
+    assert not junk.exists() and calls == []
+
+
+_EXIT_WHILE_DELETING = """
+import os, sys, time
+from pathlib import Path
+from megaframe.checkpoint import store
+save_dir = Path(sys.argv[1])
+(save_dir / (store.TRASH_PREFIX + "global_step1")).mkdir(parents=True)
+store.TrashCollector().collect(save_dir)
+deadline = time.monotonic() + 20
+while not (save_dir / "rm.pid").exists():
+    if time.monotonic() > deadline:
+        sys.exit("no rm child started")
+    time.sleep(0.05)
+sys.exit(1)  # a failed run's exit: the trash thread is a daemon
+"""
+
+
+def test_a_run_that_exits_while_deleting_leaves_no_rm_behind(tmp_path):
+    """The rm child of a failed or stopped rank is killed at its exit (what it left keeps its
+    tmp-del- name for the next resume), not left running as an orphan."""
+    slow_rm = tmp_path / "bin" / "rm"
+    slow_rm.parent.mkdir()
+    slow_rm.write_text(f"#!/bin/sh\necho $$ > {tmp_path}/rm.pid\nexec sleep 60\n")
+    slow_rm.chmod(0o755)
+    env = {**os.environ, "PATH": f"{slow_rm.parent}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_DELETING, str(tmp_path)], env=env, timeout=60,
+                          capture_output=True, text=True)
+    assert done.returncode == 1, done.stderr
+    pid = int((tmp_path / "rm.pid").read_text())
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid), f"rm (pid {pid}) outlived the rank that started it"
+    assert (tmp_path / f"{store.TRASH_PREFIX}global_step1").exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
