@@ -19,6 +19,7 @@ from tests.support.helpers import TINY, curve, read_metrics
 from tests.support.hf_logits import assert_same_hf_logits
 from tests.support.parity import RTOL, assert_deepspeed_continues, assert_exact_norm, assert_parity, exact_references, train_runs
 from tests.support.ranks import run_ranks
+from tests.support.reference_cache import reference_runs
 
 pytestmark = pytest.mark.slow
 SHAPE = ["model.num_layers=4", "parallel.global_batch_size=16"]  # 8 micro-batches of 2 at dp1, 4 at dp2
@@ -109,3 +110,26 @@ def test_pp2_tp2_dp2_on_eight_ranks_and_its_checkpoint_in_hugging_face(reference
     last_norm = curve(reference, "grad_norm")[-1][1]
     assert all(rank_norms[0] == pytest.approx(last_norm, rel=RTOL) for rank_norms in norms), (norms, last_norm)
     assert_same_hf_logits(tmp_path / "pp2tp2dp2", reference_dirs["gpt2"], tmp_path)
+
+
+def test_stages_cut_by_parameters_follow_the_single_rank_run(tmp_path_factory, tmp_path):
+    """parallel.pipeline_partition=parameters: six llama blocks in four stages (interleaved on two
+    ranks) are cut 1, 2, 2, 1, the ends holding the embedding and the head (uniform: 2, 2, 1, 1)."""
+    from megaframe.backends.fsdp2.build import parameters_on_meta
+    from megaframe.backends.fsdp2.pipeline import block_ranges
+    from megaframe.config.compose import compose
+    from megaframe.model.dims import resolve_dims
+    from megaframe.model.factory import build_model
+    from megaframe.parallel.dims import ParallelDims
+    from megaframe.parallel.state import ParallelState
+
+    config = [*FLAVOURS["llama"], *STEPS, "model.num_layers=6"]
+    with parameters_on_meta():
+        model = build_model(resolve_dims(compose(config)[0].model, 257, tp=1), ParallelState(ParallelDims(), 0), 0,
+                            initialise=False)
+    assert [len(blocks) for blocks in block_ranges(model, 4, "parameters")] == [1, 2, 2, 1]
+    reference = reference_runs({"six-blocks": config}, tmp_path_factory.mktemp("six"))["six-blocks"]
+    run = [*config, *PIPE, "zero=stage2", "parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_stages=2",
+           "parallel.pipeline_partition=parameters"]
+    run_ranks(train_runs, 2, tmp_path, runs=[(run, str(tmp_path / "parameters"))])
+    assert_parity(read_metrics(tmp_path / "parameters"), read_metrics(reference), "fsdp2 llama pp2 v2 by parameters")

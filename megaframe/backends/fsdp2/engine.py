@@ -81,7 +81,8 @@ class Fsdp2Backend:
                                  grad_bucket=None, cp_impl=p.cp_impl, initialise=False,
                                  matmul=recipe_for(cfg.precision, dims.num_layers, device_type()))
             # pipelined: this rank's stages of the model built whole on meta (the rest is dropped)
-            stages = pipeline.cut_stages(module, ps, p.pipeline_schedule, p.virtual_stages) if pipelined else {}
+            stages = pipeline.cut_stages(module, ps, p.pipeline_schedule, p.virtual_stages, p.pipeline_partition) \
+                if pipelined else {}
         self.num_parameters = count_parameters(module, full=True)
         marks = build.parameter_marks(module)
         parts = list(stages.values()) if pipelined else [module]

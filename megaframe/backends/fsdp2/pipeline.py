@@ -44,8 +44,8 @@ from megaframe.model.gpt import GPT, forward_layers
 from megaframe.model.moe import AttachAux, MoE
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaframe.parallel.layers import VocabParallelEmbedding
-from megaframe.parallel.pipeline_schedules import (ONE_STAGE_PER_RANK, V_SHAPED, stage_indices, stages_per_rank,
-                                                   uniform_cuts)
+from megaframe.parallel.pipeline_schedules import (ONE_STAGE_PER_RANK, V_SHAPED, partition_balanced, stage_indices,
+                                                   stages_per_rank, uniform_cuts)
 from megaframe.parallel.state import ParallelState
 
 # parallel.pipeline_schedule -> torch's schedule (which stages sit on which rank: parallel/pipeline_schedules.py)
@@ -54,11 +54,35 @@ TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleave
                    "dualpipev": "ScheduleDualPipeV"}
 
 
-def block_ranges(num_layers: int, num_stages: int) -> list[range]:
-    """Blocks of each stage: as even as whole blocks allow (Megatron's uniform split); the
-    embedding rides on the first stage and the final norm and head on the last."""
-    cuts = uniform_cuts(num_layers, num_stages)
-    return [range(cuts[i], cuts[i + 1]) for i in range(num_stages)]
+def block_ranges(model: GPT, num_stages: int, partition: str = "uniform") -> list[range]:
+    """Blocks of each stage; the embedding rides on the first stage and the final norm and head on
+    the last. uniform: as even as whole blocks allow (Megatron's uniform split); parameters:
+    DeepSpeed's balanced partition of each layer's parameters on this rank, as the planner cuts it
+    (plan/memory.py), so the stages holding the embedding and a large-vocabulary head take fewer
+    blocks (Megatron's --account-for-embedding-in-pipeline-split)."""
+    n = model.dims.num_layers
+    if partition == "uniform":
+        cuts = uniform_cuts(n, num_stages)
+        return [range(cuts[i], cuts[i + 1]) for i in range(num_stages)]
+    parts = partition_balanced(_layer_parameters(model), num_stages)  # embed | blocks | final norm | head
+    # a head heavier than a stage's share left alone on the last stage: its final norm goes with it
+    # (a stage passes hidden states or logits on; the planner counts one norm less there)
+    parts[-2] = min(parts[-2], n + 1)
+    ranges = [range(max(start - 1, 0), min(stop - 1, n)) for start, stop in zip(parts, parts[1:])]  # block i: layer i+1
+    if any(not blocks for blocks in ranges[1:-1]):  # not with fewer stages than blocks (rules.py)
+        raise ValueError(f"parallel.pipeline_partition={partition}: a middle stage without a block ({parts})")
+    return ranges
+
+
+def _layer_parameters(model: GPT) -> list[int]:
+    """This rank's parameters of each layer (built on the meta device or not), as the planner counts
+    them (plan/memory.py pipeline_layer_parameters): a tied head counts the embedding again, as
+    DeepSpeed's TiedLayerSpec does."""
+    def count(module: nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters())
+    embed = count(model.embed)
+    return [embed, *(count(block) for block in model.blocks), count(model.final_norm),
+            count(model.head) if model.head is not None else embed]
 
 
 class TiedHead(nn.Module):
@@ -160,10 +184,11 @@ class _Handles:
             handle.remove()
 
 
-def cut_stages(model: GPT, ps: ParallelState, schedule: str, virtual_stages: int) -> dict[int, Stage]:
+def cut_stages(model: GPT, ps: ParallelState, schedule: str, virtual_stages: int,
+               partition: str = "uniform") -> dict[int, Stage]:
     """This rank's stages of a GPT built on the meta device, by stage index."""
     num_stages = ps.pp * stages_per_rank(schedule, virtual_stages)
-    ranges = block_ranges(model.dims.num_layers, num_stages)
+    ranges = block_ranges(model, num_stages, partition)
     return {i: Stage(model, i, num_stages, ranges[i])
             for i in stage_indices(schedule, ps.pp, virtual_stages, ps.pp_rank)}
 

@@ -76,9 +76,6 @@ def _pipeline_problem(cfg: TrainConfig) -> Optional[str]:
         return (f"parallel.pipeline_schedule={p.pipeline_schedule} with zero=stage3: its split backward computes "
                 f"weight gradients after FSDP2 has resharded the block, and they are lost; use zero=stage2, or "
                 f"parallel.pipeline_schedule=1f1b or interleaved_1f1b with zero=stage3")
-    if p.pipeline_partition != "uniform":
-        return (f"parallel.pipeline_partition={p.pipeline_partition} with backend=fsdp2: its stages hold equal numbers "
-                f"of blocks; use parallel.pipeline_partition=uniform, {ALTERNATIVE}")
     return None
 
 

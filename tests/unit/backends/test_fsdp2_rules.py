@@ -54,8 +54,6 @@ def test_what_fsdp2_runs_passes(overrides):
      "parallel.pipeline_schedule=zbv runs two stages per rank in a V; use parallel.virtual_stages=2"),
     (["zero=stage2", "parallel.pp=2", "parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_stages=4"],
      "parallel.pp=2 x 4 stages per rank (interleaved_1f1b) makes 8 stages for model.num_layers=4"),
-    (["zero=stage2", "parallel.pp=2", "parallel.pipeline_partition=parameters"],
-     "parallel.pipeline_partition=parameters with backend=fsdp2"),
     (["zero=stage2", "parallel.pp=2", "parallel.micro_batch_size=4", "parallel.global_batch_size=4"],
      "parallel.pipeline_schedule=1f1b at parallel.pp=2 cannot run 1 micro-batches per step (parallel.global_batch_size "
      "/ (micro_batch_size x dp)); set parallel.global_batch_size=8 (2 micro-batches)"),
