@@ -70,6 +70,11 @@ def start(job: Job) -> Optional[int]:
     if rank() != 0:
         job.args.append("hydra.output_subdir=null")
     run_hydra(job.args)
+    from megaframe.launch.elastic import under_unshared_store
+    from megaframe.parallel.elastic import STOP_FILE_ENV, record_job_finished
+
+    if rank() == 0 and os.environ.get(STOP_FILE_ENV) and under_unshared_store():  # an elastic job's run ended
+        record_job_finished()
     return None
 
 

@@ -58,6 +58,23 @@ def record_job_stop(exit_code: int, message: str) -> bool:
         return False
 
 
+# what rank 0 of an elastic torchrun job records in the stop file once its run has ended normally
+JOB_FINISHED = "the job's run ended normally on its other nodes"
+
+
+def record_job_finished() -> None:
+    """Rank 0 of an elastic torchrun job (the stop file's path set), its run ended normally: a node
+    that joins after it (it came late, or SLURM restarted it) ends with 0 and says so, where the
+    rendezvous it finds closed, or gone with the job's first node, was an error (exit 1 or 7). Restart
+    attempts never read it (job_stop takes deterministic failures only)."""
+    if stop_file := os.environ.get(STOP_FILE_ENV):
+        try:
+            Path(stop_file).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(Path(stop_file), json.dumps({"exit_code": 0, "message": JOB_FINISHED}))
+        except OSError:  # a late node then ends as before: with the rendezvous's error
+            pass
+
+
 def job_stop() -> Optional[tuple[int, str]]:
     """(exit code, message) when an earlier attempt of this torchrun or Ray job stopped it, else None."""
     if stop_file := os.environ.get(STOP_FILE_ENV):
@@ -73,11 +90,11 @@ def job_stop() -> Optional[tuple[int, str]]:
     return int(stop["exit_code"]), str(stop["message"])
 
 
-def read_stop_file(path: str) -> Optional[tuple[int, str]]:
-    """The stop an earlier attempt recorded in the run dir, or None. The file is megaframe's own or
-    nothing: not through a link, a few KiB at most, a documented deterministic exit code, and its
-    message is quoted short and sanitised (a planted file must not write the job log or choose the
-    exit code)."""
+def read_stop_file(path: str, finished: bool = False) -> Optional[tuple[int, str]]:
+    """The stop an earlier attempt recorded in the run dir, or None; finished: a finished job's
+    record too, (0, JOB_FINISHED). The file is megaframe's own or nothing: not through a link, a few
+    KiB at most, a documented deterministic exit code, and its message is quoted short and sanitised
+    (a planted file must not write the job log or choose the exit code)."""
     from megaframe.common.failures import ExitCode
     from megaframe.common.safe_files import quote, read_capped
 
@@ -87,6 +104,8 @@ def read_stop_file(path: str) -> Optional[tuple[int, str]]:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     deterministic = (ExitCode.DIVERGED, ExitCode.BAD_DATA, ExitCode.BAD_CHECKPOINT, ExitCode.MISSING_SYSTEM)
+    if finished and code == ExitCode.OK and not isinstance(code, bool):
+        return ExitCode.OK, JOB_FINISHED
     if not isinstance(message, str) or isinstance(code, bool) or code not in deterministic:
         return None
     return code, quote(message, 1000)

@@ -21,6 +21,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 import megaframe.launch.local as local
 from megaframe.launch.elastic import STORE_ENV, stop_file
 from megaframe.launch.node_agent import main
+from megaframe.parallel.elastic import STOP_FILE_ENV, job_stop, record_job_finished
 from tests.support.helpers import REPO, cli_env, free_port
 
 RUN_ID = "megaframe-abc"
@@ -60,6 +61,22 @@ def test_a_host_it_cannot_reach_is_a_node_that_did_not_join(tmp_path, monkeypatc
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "rendezvous at head01:29400 (RendezvousConnectionError: The connection" in err, err
     assert "launcher.rdzv_endpoint" in err
+
+
+@pytest.mark.parametrize("error", [RendezvousClosedError(), RendezvousConnectionError("connection refused")],
+                         ids=["closed", "host gone"])
+def test_a_node_that_joins_after_the_job_finished_ends_with_0(error, tmp_path, monkeypatch, capsys):
+    """A node that came late, or that SLURM restarted, after the job's run ended normally: the
+    rendezvous it finds is closed, or gone with the first node's agent. It exited 1 or 7, which marks a
+    finished job failed (and a requeue would train it again). Rank 0 records the normal end."""
+    monkeypatch.setenv(STOP_FILE_ENV, str(stop_file(tmp_path, RUN_ID)))
+    record_job_finished()
+    agent_raising(monkeypatch, error)
+    assert main([f"--run-dir={tmp_path}", *FLAGS]) == 0
+    err = capsys.readouterr().err
+    assert err == ("megaframe-train: nothing to do: the job's run ended normally on its other nodes before this "
+                   "node joined [exit 0]\n"), err
+    assert job_stop() is None  # a restart attempt of a job in the same run dir is not stopped by it
 
 
 def test_an_unexpected_agent_error_is_one_line_and_a_traceback_file(tmp_path, monkeypatch, capsys):
@@ -172,3 +189,35 @@ def test_a_signal_while_a_node_waits_to_join_ends_it_with_its_code_and_leaves_th
     out, err = node.communicate(timeout=60)
     assert node.returncode == 128 + signum and "Traceback" not in out + err, (node.returncode, out + err)
     assert not _rendezvous_state(store).closed
+
+
+@pytest.mark.parametrize("rank, ends", [(0, None), (1, None), (0, SystemExit(130))], ids=["rank0", "rank1", "stopped"])
+def test_rank_0_of_an_elastic_job_records_a_normal_end_only(rank, ends, tmp_path, monkeypatch):
+    """What the late node above reads: written by rank 0 once its run returned, not by other ranks, not
+    after a stop (a signal's exit), nor outside an elastic job."""
+    from types import SimpleNamespace
+
+    import megaframe.launch.hydra_run as hydra_run
+    from megaframe.launch import torchrun
+
+    def run(args):
+        if ends is not None:
+            raise ends
+    monkeypatch.setattr(hydra_run, "run_hydra", run)
+    record = stop_file(tmp_path, RUN_ID)
+    monkeypatch.setenv(STOP_FILE_ENV, str(record))
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", RUN_ID)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    job = SimpleNamespace(layout=SimpleNamespace(world_size=1), args=[], run_dir=str(tmp_path))
+    if ends is None:
+        assert torchrun.start(job) is None
+    else:
+        with pytest.raises(SystemExit):
+            torchrun.start(job)
+    assert record.exists() == (rank == 0 and ends is None)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # not elastic: nothing recorded
+    record.unlink(missing_ok=True)
+    monkeypatch.setattr(hydra_run, "run_hydra", lambda args: None)
+    torchrun.start(job)
+    assert not record.exists()
