@@ -349,12 +349,16 @@ def empty_trash(save_dir: Path) -> None:
     _DELETING.add(child)
     try:
         child.wait()
+    except BaseException:  # a signal's exit during a synchronous save: no rm left behind
+        child.kill()
+        raise
     finally:
         _DELETING.discard(child)
 
 
-# rm children still deleting: killed when this process exits (a failed or stopped run leaves no
-# process behind; what they left keeps its tmp-del- name for the next resume)
+# rm children still deleting: killed when this process exits (a failed or stopped run leaves none
+# behind; what they left keeps its tmp-del- name for the next resume). An exit that skips Python's
+# (os._exit of the stop watchdog, SIGKILL) leaves one to finish deleting what is trash anyway.
 _DELETING: set[subprocess.Popen] = set()
 
 

@@ -12,8 +12,9 @@ line and a documented code (docs/elastic.md):
   rendezvous): the cause the job recorded in RUN_DIR/.job_stop (launch/elastic.py stop_file), else 1;
 - the job ended while this node waited as a spare (the rendezvous already had launcher.nodes nodes):
   the job's recorded cause, else 0;
-- the job's run had ended normally before this node joined (it came late, or was restarted), its
-  rendezvous closed or gone: 0, as rank 0 recorded in RUN_DIR/.job_stop;
+- the job's run had ended normally (rank 0 recorded it in RUN_DIR/.job_stop) when the rendezvous
+  closed under this node (it came late, or was restarted) or this spare's wait ended: 0. Not when the
+  host is unreachable: a job requeued under the same id must not lose a node to the last run's record;
 - this node could not join (no host at the endpoint, too few nodes in time): 7, as a rank that does
   not join;
 - a signal (SLURM's scancel or preemption, Ctrl-C): 128 + its number, the ranks stopped and saved as
@@ -65,16 +66,12 @@ def main(argv: list[str]) -> int:
             return _job_ended(run_dir, args.rdzv_id, spare=True)
         return _internal_error(err, run_dir)
     except RendezvousTimeoutError:
-        if (ended := _ended_normally(run_dir, args.rdzv_id)) is not None:
-            return ended
         min_nodes = str(args.nnodes).split(":")[0]
         return _say(f"error: fewer than {min_nodes} nodes joined the elastic job's rendezvous at "
                     f"{args.rdzv_endpoint} within torchrun's join timeout ({_join_timeout_s(args.rdzv_conf)} s); "
                     f"start the job's node line (RUN_DIR/{NODE_SCRIPT}, or the SLURM script's srun) on at least "
                     f"launcher.min_nodes={min_nodes} nodes", ExitCode.RANK_HUNG)
     except RendezvousError as err:  # the host is not there (yet), has gone, or its store broke
-        if (ended := _ended_normally(run_dir, args.rdzv_id)) is not None:  # gone with the finished job
-            return ended
         return _say(f"error: this node could not reach the elastic job's rendezvous at {args.rdzv_endpoint} "
                     f"({type(err).__name__}: {_one_line(err)}); start the node that hosts it "
                     "(launcher.rdzv_endpoint) first, and check that this node reaches it (on a job that was "
@@ -118,7 +115,7 @@ def _job_ended(run_dir: Path, rdzv_id: str, spare: bool = False) -> int:
     deterministic failure, else 1 for a node that was in the job and 0 for a spare, which did nothing."""
     from megaframe.parallel.elastic import read_stop_file
 
-    if (ended := _ended_normally(run_dir, rdzv_id)) is not None:
+    if (ended := _ended_normally(run_dir, rdzv_id, spare)) is not None:
         return ended
     stop = read_stop_file(str(stop_file(run_dir, rdzv_id)))
     if stop is not None:
@@ -132,14 +129,15 @@ def _job_ended(run_dir: Path, rdzv_id: str, spare: bool = False) -> int:
                 "deterministic failure recorded; that node's output and RUN_DIR/logs say why", ExitCode.INTERNAL)
 
 
-def _ended_normally(run_dir: Path, rdzv_id: str) -> int | None:
+def _ended_normally(run_dir: Path, rdzv_id: str, spare: bool) -> int | None:
     """0, with one line, when rank 0 recorded that the job's run ended normally; else None."""
     from megaframe.parallel.elastic import read_stop_file
 
     stop = read_stop_file(str(stop_file(run_dir, rdzv_id)), finished=True)
     if stop is None or stop[0] != ExitCode.OK:
         return None
-    return _say(f"nothing to do: {stop[1]} before this node joined", ExitCode.OK)
+    when = "while this one waited as a spare" if spare else "before this node joined"
+    return _say(f"nothing to do: {stop[1]} {when}", ExitCode.OK)
 
 
 def _internal_error(err: BaseException, run_dir: Path) -> int:

@@ -50,7 +50,7 @@ def join_job(job: Job) -> None:
     finds its job's stop record in the shared run dir, keyed by the rendezvous id, and exits at once
     when an earlier attempt wrote it."""
     from megaframe.launch.elastic import stop_file, under_unshared_store
-    from megaframe.parallel.elastic import STOP_FILE_ENV
+    from megaframe.parallel.elastic import STOP_FILE_ENV, forget_job_finished
 
     if launcher_world_size() is None or not under_unshared_store():
         return
@@ -59,6 +59,8 @@ def join_job(job: Job) -> None:
              "directory on every node; set hydra.run.dir to a path on storage all nodes share")
     os.environ[STOP_FILE_ENV] = str(stop_file(Path(job.run_dir).resolve(), os.environ["TORCHELASTIC_RUN_ID"]))
     stop_if_job_stopped()
+    if rank() == 0:
+        forget_job_finished()
 
 
 def start(job: Job) -> Optional[int]:

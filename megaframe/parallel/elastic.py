@@ -64,15 +64,23 @@ JOB_FINISHED = "the job's run ended normally on its other nodes"
 
 def record_job_finished() -> None:
     """Rank 0 of an elastic torchrun job (the stop file's path set), its run ended normally: a node
-    that joins after it (it came late, or SLURM restarted it) ends with 0 and says so, where the
-    rendezvous it finds closed, or gone with the job's first node, was an error (exit 1 or 7). Restart
-    attempts never read it (job_stop takes deterministic failures only)."""
+    that joins after it (it came late, or SLURM restarted it) and finds the rendezvous closed ends
+    with 0 and says so, where it was exit 1. Restart attempts never read it (job_stop takes
+    deterministic failures only), and rank 0 of a new run under the same id removes it
+    (forget_job_finished)."""
     if stop_file := os.environ.get(STOP_FILE_ENV):
         try:
             Path(stop_file).parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(Path(stop_file), json.dumps({"exit_code": 0, "message": JOB_FINISHED}))
         except OSError:  # a late node then ends as before: with the rendezvous's error
             pass
+
+
+def forget_job_finished() -> None:
+    """Rank 0 as an elastic job's run starts: a finished record of an earlier run under the same
+    rendezvous id (a requeued SLURM job keeps its id) is not this run's end."""
+    if (stop_file := os.environ.get(STOP_FILE_ENV)) and read_stop_file(stop_file, finished=True) == (0, JOB_FINISHED):
+        Path(stop_file).unlink(missing_ok=True)
 
 
 def job_stop() -> Optional[tuple[int, str]]:

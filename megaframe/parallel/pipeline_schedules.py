@@ -15,8 +15,6 @@ gradient backward (W) of one stage as equal in time, as the zero-bubble paper's 
 """
 from __future__ import annotations
 
-import numpy as np
-
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 ONE_STAGE_PER_RANK = ("1f1b", "gpipe")
 V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, rank r holding r and 2p-1-r
@@ -26,14 +24,18 @@ IN_ROUNDS = ("interleaved_1f1b", "zero_bubble")  # micro-batches run in rounds o
 
 def uniform_cuts(layers: int, parts: int) -> list[int]:
     """Where a list of `layers` is cut into `parts` as even as whole layers allow (Megatron's
-    uniform split): parts + 1 boundaries."""
-    return [round(i * layers / parts) for i in range(parts + 1)]
+    uniform split), the first layers % parts parts one more, as the planner counts them (plan/memory.py
+    uniform_stage_range; round() gave 6 in 4 as 2, 1, 1, 2): parts + 1 boundaries."""
+    q, r = divmod(layers, parts)
+    return [i * q + min(i, r) for i in range(parts + 1)]
 
 
 def partition_balanced(weights: list[float], num_parts: int) -> list[int]:
     """deepspeed.runtime.utils.partition_balanced, vectorised over the split point (same DP, same
     tie-breaking: the last split point of minimal cost), ~50x faster for 100+ layers x 64 stages.
     tests/unit/plan checks it equals DeepSpeed's on many shapes."""
+    import numpy as np  # here: the engines' rules import this module on the CLI's path
+
     n, m = len(weights), num_parts
     if n <= m:
         return [min(p, n) for p in range(m + 1)]

@@ -180,8 +180,9 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
         # DeepSpeed's last stage holds the whole tied embedding layer; FSDP2's copy is the token table alone
         params -= dims.seq_length * dims.hidden_size
     experts = sum(stage_expert_parameters(dims, lay.tp, cuts, c, lay.partition, ep) for c in chunks)
-    chunk_blocks = {c: stage_blocks(dims, lay.tp, cuts, c, lay.partition) for c in chunks}
-    chunk_moe_blocks = {c: stage_blocks(dims, lay.tp, cuts, c, lay.partition, moe_only=True) for c in chunks}
+    # cut as the parameters are (ep: a parameter-balanced cut weighs this rank's experts)
+    chunk_blocks = {c: stage_blocks(dims, lay.tp, cuts, c, lay.partition, ep=ep) for c in chunks}
+    chunk_moe_blocks = {c: stage_blocks(dims, lay.tp, cuts, c, lay.partition, moe_only=True, ep=ep) for c in chunks}
     blocks = sum(chunk_blocks.values())
     # ZeRO partitions over DeepSpeed's data axis, dp x cp; a rank's experts over their replicas, dp x cp / ep
     in_backward = lay.micro_batches == 1 and lay.pp == 1 and (zero.contiguous_gradients or zero.overlap_comm)
@@ -225,7 +226,7 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     sharded = OPTIMIZER_SHARDED[terms.states](lay)
     owners = owner_ranks(lay.tp, replicas if sharded else 1, lay.grid.edp if sharded else 1)
     assembled = assembled_matrices(dims, blocks - moe_blocks, moe_blocks, lay.tp, ep) if optim.ns_steps else []
-    block_kinds = [kind for c in chunks for kind in stage_block_kinds(dims, lay.tp, cuts, c, lay.partition)] \
+    block_kinds = [kind for c in chunks for kind in stage_block_kinds(dims, lay.tp, cuts, c, lay.partition, ep)] \
         if assembled else []
     step_working = step_working_bytes(assembled, owners, optim, block_kinds) if assembled and blocks else 0.0
     # on this host "offloaded" states stay in the same RAM the ranks share; the optimizer step runs
@@ -385,7 +386,10 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
         # each MoE block and micro-batch: tokens to their experts' ranks and back, forward and
         # backward (again in a recomputed forward); a rank sends (ep-1)/ep of its top_k copies. Each
         # TP rank routes 1/tp of the tokens.
-        moe_blocks = stage_blocks(dims, lay.tp, lay.pp, stage.stage, lay.partition, moe_only=True)
+        chunks = stage_indices(lay.pipeline_schedule, lay.pp, lay.virtual_stages, stage.stage) if lay.pp > 1 else [0]
+        # the stages this rank runs (several under FSDP2's multi-stage schedules)
+        moe_blocks = sum(stage_blocks(dims, lay.tp, lay.pp * len(chunks), c, lay.partition, moe_only=True,
+                                      ep=lay.grid.ep) for c in chunks)
         sent = local / lay.tp * dims.moe.top_k * dims.hidden_size * e * (lay.grid.ep - 1) / lay.grid.ep
         ep = moe_blocks * m * sent * (6 if lay.recompute else 4)
     sent = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}

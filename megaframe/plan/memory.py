@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-import numpy as np
 
 from megaframe.backends.facts import SHARDED_FP32, ZERO_PAPER
 from megaframe.backends.registry import DEFAULT
@@ -243,11 +242,12 @@ def stage_blocks(dims: GPTDims, tp: int, pp: int, stage: int, partition: str = "
     return dims.moe_blocks_in(first_block, last_block) if moe_only else last_block - first_block
 
 
-def stage_block_kinds(dims: GPTDims, tp: int, pp: int, stage: int, partition: str = "uniform") -> tuple[str, ...]:
+def stage_block_kinds(dims: GPTDims, tp: int, pp: int, stage: int, partition: str = "uniform",
+                      ep: int = 1) -> tuple[str, ...]:
     """A stage's blocks in the model's order, "moe" or "dense" each (model.moe.layer_freq interleaves
     them), as stage_blocks cuts them: the order the optimizer meets their matrices in."""
     routed = dims.moe.is_moe_block if dims.moe else (lambda index: False)
-    blocks = range(*_blocks_of(dims, *_stage_range(dims, tp, pp, stage, partition)))
+    blocks = range(*_blocks_of(dims, *_stage_range(dims, tp, pp, stage, partition, ep)))
     return tuple("moe" if routed(i) else "dense" for i in blocks)
 
 
@@ -255,7 +255,8 @@ def stage_windowed_blocks(dims: GPTDims, lay: PlanLayout, cuts: int, stage: int)
     """Of a stage's blocks (stage of `cuts` pipeline stages), those attending through a sliding window
     shorter than the sequence (their masks are activations: plan/activations.py), counted by the
     window pattern's period, never per layer."""
-    return dims.windowed_blocks_in(*_blocks_of(dims, *_stage_range(dims, lay.tp, cuts, stage, lay.partition)))
+    return dims.windowed_blocks_in(*_blocks_of(dims, *_stage_range(dims, lay.tp, cuts, stage, lay.partition,
+                                                                   lay.grid.ep)))
 
 
 def total_parameters(dims: GPTDims) -> int:

@@ -6,8 +6,8 @@ rank; a checkpoint written by a pipelined run read back by DeepSpeed at one rank
 Face converter. The models have 4 blocks, so that two stages per rank still hold a block each.
 
 Mixture-of-Experts stages (the router losses attached to each stage's output, aux-loss-free bias
-balancing beside them) with experts split over ep ranks, 1F1B at ZeRO-3 and zbv's split backward
-at ZeRO-2, follow the single-rank run too, router metrics included; a zbv checkpoint (experts,
+balancing beside them) with experts split over ep ranks, 1F1B at ZeRO-3 with recomputation and zbv's
+split backward at ZeRO-2, follow the single-rank run too, router metrics included; a zbv checkpoint (experts,
 router biases) is read back by DeepSpeed at one rank and the curve goes on."""
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.composed import composes_runs
 from tests.support.helpers import TINY, curve, read_metrics
 from tests.support.hf_logits import assert_same_hf_logits
 from tests.support.parity import RTOL, assert_deepspeed_continues, assert_exact_norm, assert_parity, exact_references, train_runs
@@ -48,7 +49,7 @@ LAYOUTS = {
                                     "parallel.virtual_stages=2", "train.compile=true"],
     },
     "moe": {
-        "1f1b-dp2-ep2-stage3": ["zero=stage3", "parallel.ep=2"],
+        "1f1b-dp2-ep2-stage3-recompute": ["zero=stage3", "parallel.ep=2", "parallel.activation_checkpointing=true"],
         "zbv-dp2-ep2": ["zero=stage2", "parallel.pipeline_schedule=zbv", "parallel.ep=2", "train.save_interval=4"],
     },
 }
@@ -112,24 +113,30 @@ def test_pp2_tp2_dp2_on_eight_ranks_and_its_checkpoint_in_hugging_face(reference
     assert_same_hf_logits(tmp_path / "pp2tp2dp2", reference_dirs["gpt2"], tmp_path)
 
 
+@composes_runs
+def train_reporting_stages(rank: int, world: int, runs: list[tuple[list[str], str]]) -> list[dict[int, int]]:
+    """parity.train_runs, returning the blocks of each stage this rank built, by stage index."""
+    from megaframe.backends.registry import validate_for_engine
+    from megaframe.training.trainer import Trainer
+    from tests.support.composed import composed
+
+    built = []
+    for overrides, run_dir in runs:
+        cfg = composed(overrides)
+        with Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(run_dir)) as trainer:
+            trainer.fit()
+            built.append({index: len(stage.blocks) for index, stage in trainer.backend.pipeline.stages.items()})
+    return built
+
+
 def test_stages_cut_by_parameters_follow_the_single_rank_run(tmp_path_factory, tmp_path):
     """parallel.pipeline_partition=parameters: six llama blocks in four stages (interleaved on two
-    ranks) are cut 1, 2, 2, 1, the ends holding the embedding and the head (uniform: 2, 2, 1, 1)."""
-    from megaframe.backends.fsdp2.build import parameters_on_meta
-    from megaframe.backends.fsdp2.pipeline import block_ranges
-    from megaframe.config.compose import compose
-    from megaframe.model.dims import resolve_dims
-    from megaframe.model.factory import build_model
-    from megaframe.parallel.dims import ParallelDims
-    from megaframe.parallel.state import ParallelState
-
+    ranks) are built 1, 2, 2, 1, the ends holding the embedding and the head (uniform: 2, 2, 1, 1),
+    and train the single-rank curve."""
     config = [*FLAVOURS["llama"], *STEPS, "model.num_layers=6"]
-    with parameters_on_meta():
-        model = build_model(resolve_dims(compose(config)[0].model, 257, tp=1), ParallelState(ParallelDims(), 0), 0,
-                            initialise=False)
-    assert [len(blocks) for blocks in block_ranges(model, 4, "parameters")] == [1, 2, 2, 1]
     reference = reference_runs({"six-blocks": config}, tmp_path_factory.mktemp("six"))["six-blocks"]
     run = [*config, *PIPE, "zero=stage2", "parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_stages=2",
            "parallel.pipeline_partition=parameters"]
-    run_ranks(train_runs, 2, tmp_path, runs=[(run, str(tmp_path / "parameters"))])
+    built = run_ranks(train_reporting_stages, 2, tmp_path, runs=[(run, str(tmp_path / "parameters"))])
+    assert {index: blocks for rank in built for index, blocks in rank[0].items()} == {0: 1, 1: 2, 2: 2, 3: 1}, built
     assert_parity(read_metrics(tmp_path / "parameters"), read_metrics(reference), "fsdp2 llama pp2 v2 by parameters")

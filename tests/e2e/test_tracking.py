@@ -106,3 +106,19 @@ def test_adamw_and_profile_tools_run():
                              cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert_ok(profile)
     assert profile.stdout.count("aten::mm") == 2  # one table per path, matmuls among the top rows
+
+
+def test_the_trash_bench_times_both_deletes_and_leaves_nothing(tmp_path):
+    """tools/bench_trash.py, whose figures BENCHMARKS.md cites for the trash's rm child."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.support.helpers import REPO, cli_env
+
+    result = subprocess.run([sys.executable, "tools/bench_trash.py", "--files", "3000", "--rounds", "1"], cwd=REPO,
+                            env=cli_env(TMPDIR=str(tmp_path)), capture_output=True, text=True, timeout=300)
+    assert_ok(result)
+    deletes = re.findall(r"^(python rmtree|rm child): 3,000 files deleted in [\d.]+ s", result.stdout, re.M)
+    assert deletes == ["python rmtree", "rm child"] and "no delete: step median" in result.stdout, result.stdout
+    assert list(tmp_path.iterdir()) == []

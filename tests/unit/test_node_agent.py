@@ -21,7 +21,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 import megaframe.launch.local as local
 from megaframe.launch.elastic import STORE_ENV, stop_file
 from megaframe.launch.node_agent import main
-from megaframe.parallel.elastic import STOP_FILE_ENV, job_stop, record_job_finished
+from megaframe.parallel.elastic import STOP_FILE_ENV, forget_job_finished, job_stop, record_job_finished
 from tests.support.helpers import REPO, cli_env, free_port
 
 RUN_ID = "megaframe-abc"
@@ -63,20 +63,35 @@ def test_a_host_it_cannot_reach_is_a_node_that_did_not_join(tmp_path, monkeypatc
     assert "launcher.rdzv_endpoint" in err
 
 
-@pytest.mark.parametrize("error", [RendezvousClosedError(), RendezvousConnectionError("connection refused")],
-                         ids=["closed", "host gone"])
-def test_a_node_that_joins_after_the_job_finished_ends_with_0(error, tmp_path, monkeypatch, capsys):
-    """A node that came late, or that SLURM restarted, after the job's run ended normally: the
-    rendezvous it finds is closed, or gone with the first node's agent. It exited 1 or 7, which marks a
-    finished job failed (and a requeue would train it again). Rank 0 records the normal end."""
+def test_a_node_that_joins_after_the_job_finished_ends_with_0(tmp_path, monkeypatch, capsys):
+    """A node that came late, or that SLURM restarted, after the job's run ended normally finds the
+    rendezvous closed. It exited 1, which marks a finished job failed (and a requeue would train it
+    again). Rank 0 records the normal end; a restart attempt never reads it, and a host it cannot reach
+    is still exit 7 (a requeued job keeps its id, and the record may be the last run's)."""
     monkeypatch.setenv(STOP_FILE_ENV, str(stop_file(tmp_path, RUN_ID)))
     record_job_finished()
-    agent_raising(monkeypatch, error)
+    agent_raising(monkeypatch, RendezvousClosedError())
     assert main([f"--run-dir={tmp_path}", *FLAGS]) == 0
     err = capsys.readouterr().err
     assert err == ("megaframe-train: nothing to do: the job's run ended normally on its other nodes before this "
                    "node joined [exit 0]\n"), err
-    assert job_stop() is None  # a restart attempt of a job in the same run dir is not stopped by it
+    assert job_stop() is None
+    agent_raising(monkeypatch, RendezvousConnectionError("connection refused"))
+    assert main([f"--run-dir={tmp_path}", *FLAGS]) == 7
+
+
+def test_a_new_run_under_the_same_id_forgets_the_last_runs_normal_end(tmp_path, monkeypatch):
+    """Rank 0 of a run starting (a requeued SLURM job keeps its rendezvous id) removes a finished record,
+    so a node of the new run whose rendezvous closes is not told the job ended normally; a
+    deterministic failure's record stays (it stops the new run's attempts, as documented)."""
+    record = stop_file(tmp_path, RUN_ID)
+    monkeypatch.setenv(STOP_FILE_ENV, str(record))
+    record_job_finished()
+    forget_job_finished()
+    assert not record.exists()
+    record.write_text(json.dumps({"exit_code": 3, "message": "diverged"}))
+    forget_job_finished()
+    assert record.exists()
 
 
 def test_an_unexpected_agent_error_is_one_line_and_a_traceback_file(tmp_path, monkeypatch, capsys):
@@ -139,7 +154,7 @@ def test_flags_torchrun_would_fail_on_are_refused_before_joining(flag, says, tmp
     assert not (tmp_path / "logs").exists()
 
 
-@pytest.mark.parametrize("recorded", [None, 3])
+@pytest.mark.parametrize("recorded", [None, 3, 0])  # 0: the run ended normally (record_job_finished)
 def test_a_spare_node_whose_job_ended_says_so(recorded, tmp_path, monkeypatch, capsys):
     """A node that came when the job had launcher.nodes nodes waits as a spare; when the job ends, torch's
     agent swallows the RendezvousGracefulExitError and torch's launcher fails on the missing result

@@ -120,7 +120,7 @@ def system_problem(offload: OffloadConfig, swap_bytes: float) -> Optional[str]:
 
 
 def stage_boundaries(weights: tuple, pp: int) -> tuple:
-    """Where the pipeline cuts a layer list into pp parts (uniform: as many layers each as whole
-    layers allow; pipeline.py cuts blocks the same way, with the embedding on the first stage and
-    the final norm and head on the last)."""
+    """Where a layer list is cut into pp parts as evenly as whole layers allow (the dry run's check;
+    pipeline.py block_ranges cuts FSDP2's blocks, the embedding on the first stage and the final norm
+    and head on the last)."""
     return tuple(uniform_cuts(len(weights), pp))

@@ -1,7 +1,7 @@
 """The checkpoints' trash (checkpoint/store.py TrashCollector): rank 0 deletes pruned checkpoints on
 a thread of its own (tests/dist/test_checkpoint_trash.py: no rank waits on it), by an rm child
-process (no per-file work on the interpreter, none left running when the rank exits). What must still
-hold: an error does not end the deleting for the rest of the run, the storage never holds more than
+process (no per-file work on the interpreter, none left running after the rank's exit). What must
+still hold: an error does not end the deleting for the rest of the run, the storage never holds more than
 keep + 1 checkpoints however slow the delete, a resume deletes what a crash left, and a rename the
 file system refuses deletes in place rather than raising on rank 0 alone."""
 from __future__ import annotations
