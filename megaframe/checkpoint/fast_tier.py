@@ -96,6 +96,11 @@ class FastTier:
         the rank's record), mark it done, swap parts with the buddies, then drop older parts."""
         if problem := private_problem(self.dir):  # made again after a restore or a clear() removed it
             raise SaveFailed(problem)
+        # an abandoned timeline's newer steps (a run that went back to an earlier checkpoint), before
+        # this save's folder exists: every node-mate is in this save or ending the one before, which
+        # drops older steps only (dropped after the barrier, a newer step could be the next save a
+        # node-mate had begun: its folder went under it, seen in CI)
+        self._drop_steps(lambda found: found > step)
         step_dir = self.dir / f"global_step{step}"
         part = step_dir / f"rank{self.rank}"
         (step_dir / f"rank{self.rank}.done.json").unlink(missing_ok=True)  # first: then the files are not used
@@ -115,7 +120,7 @@ class FastTier:
             # previous step while a peer that died mid-exchange left this one incomplete (seen in CI:
             # neither step could be restored)
             dist.barrier(group=self.group)
-        self._drop_older(step)
+        self._drop_steps(lambda found: found < step)
 
     def _swap_with_buddies(self, step_dir: Path, part: Path, marker: dict) -> None:
         """Send this part to the buddy and receive each sender's, as one uint8 tensor each: a JSON
@@ -137,12 +142,11 @@ class FastTier:
         for work in sent:
             work.wait()
 
-    def _drop_older(self, step: int) -> None:
-        """Delete this rank's and its sender's parts of every step but `step` (the new ones are done):
-        older ones, and newer ones a run that went back to an earlier checkpoint left behind."""
+    def _drop_steps(self, which: Callable[[int], bool]) -> None:
+        """Delete this rank's and its senders' parts of the steps `which` picks (by step number)."""
         mine = {self.rank, *self.senders}
         for step_dir in _step_dirs(self.dir):
-            if int(_STEP_DIR.fullmatch(step_dir.name).group(1)) == step:
+            if not which(int(_STEP_DIR.fullmatch(step_dir.name).group(1))):
                 continue
             for rank in mine:
                 (step_dir / f"rank{rank}.done.json").unlink(missing_ok=True)  # first: a part without it is not used

@@ -101,10 +101,11 @@ def test_packed_documents_and_windows_at_pp2_dp2_and_tp2_sp_train_as_one_documen
     one_rank = [losses for losses, _ in one_rank]
     # every rank of the layout reports the step's global loss, and builds a stage's mask of each kind
     # once per micro-batch (a mask per block: 3 a stage, 6 a model): the window's and the documents'
-    # global one; zbv's rank 0 holds stages of blocks 0-1 (windowed) and 4-5 (both), rank 1 of
-    # blocks 2 (global) and 3 (windowed); without documents only the windowed blocks mask
+    # global one; zbv's four stages hold blocks 0-1, 2-3, 4 and 5 (the first stages one more): its
+    # rank 0 holds stages 0 (windowed) and 3 (global), rank 1 stages 1 (both) and 2 (windowed);
+    # without documents only the windowed blocks mask
     assert [losses for losses, _ in got[1]] == [losses for losses, _ in got[0]]
-    for rank, zbv in ((0, 3.0), (1, 2.0)):
+    for rank, zbv in ((0, 2.0), (1, 3.0)):
         assert [builds for _, builds in got[rank]] == [*[2.0] * (len(runs) - 3), zbv, 1.0, 1.0], rank
     got = [losses for losses, _ in got[0]]
     assert got[-3] == pytest.approx(one_rank[1], rel=1e-5), "llama fsdp2 pp2 zbv"
