@@ -42,12 +42,7 @@ def record_job_stop(exit_code: int, message: str) -> bool:
     outside torchrun and Ray, where no restart can follow)."""
     record = json.dumps({"exit_code": int(exit_code), "message": message})
     if stop_file := os.environ.get(STOP_FILE_ENV):
-        try:  # several ranks, on several hosts, may record the same stop
-            Path(stop_file).parent.mkdir(parents=True, exist_ok=True)  # RUN_DIR/.job_stop/ (launch/elastic.py)
-            atomic_write_text(Path(stop_file), record)
-            return True
-        except OSError:
-            return False
+        return _write_stop_file(stop_file, record)  # several ranks, on several hosts, may record the same stop
     try:
         store = _agent_store()
         if store is None:
@@ -68,12 +63,18 @@ def record_job_finished() -> None:
     with 0 and says so, where it was exit 1. Restart attempts never read it (job_stop takes
     deterministic failures only), and rank 0 of a new run under the same id removes it
     (forget_job_finished)."""
-    if stop_file := os.environ.get(STOP_FILE_ENV):
-        try:
-            Path(stop_file).parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(Path(stop_file), json.dumps({"exit_code": 0, "message": JOB_FINISHED}))
-        except OSError:  # a late node then ends as before: with the rendezvous's error
-            pass
+    if stop_file := os.environ.get(STOP_FILE_ENV):  # unwritable: a late node ends with the rendezvous's error
+        _write_stop_file(stop_file, json.dumps({"exit_code": 0, "message": JOB_FINISHED}))
+
+
+def _write_stop_file(stop_file: str, record: str) -> bool:
+    """The record in RUN_DIR/.job_stop/ (launch/elastic.py), atomically; whether it was written."""
+    try:
+        Path(stop_file).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(stop_file), record)
+        return True
+    except OSError:
+        return False
 
 
 def forget_job_finished() -> None:
