@@ -206,10 +206,8 @@ def test_a_signal_while_a_node_waits_to_join_ends_it_with_its_code_and_leaves_th
     assert not _rendezvous_state(store).closed
 
 
-@pytest.mark.parametrize("rank, ends", [(0, None), (1, None), (0, SystemExit(130))], ids=["rank0", "rank1", "stopped"])
-def test_rank_0_of_an_elastic_job_records_a_normal_end_only(rank, ends, tmp_path, monkeypatch):
-    """What the late node above reads: written by rank 0 once its run returned, not by other ranks, not
-    after a stop (a signal's exit), nor outside an elastic job."""
+def _torchrun_start_after(monkeypatch, tmp_path, rank: int, ends: BaseException | None, elastic: bool):
+    """torchrun.start at `rank`, its run ending with `ends` (None: returned); the finished record's path."""
     from types import SimpleNamespace
 
     import megaframe.launch.hydra_run as hydra_run
@@ -222,7 +220,10 @@ def test_rank_0_of_an_elastic_job_records_a_normal_end_only(rank, ends, tmp_path
     record = stop_file(tmp_path, RUN_ID)
     monkeypatch.setenv(STOP_FILE_ENV, str(record))
     monkeypatch.setenv("RANK", str(rank))
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", RUN_ID)
+    if elastic:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", RUN_ID)
+    else:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     job = SimpleNamespace(layout=SimpleNamespace(world_size=1), args=[], run_dir=str(tmp_path))
     if ends is None:
@@ -230,9 +231,17 @@ def test_rank_0_of_an_elastic_job_records_a_normal_end_only(rank, ends, tmp_path
     else:
         with pytest.raises(SystemExit):
             torchrun.start(job)
+    return record
+
+
+@pytest.mark.parametrize("rank, ends", [(0, None), (1, None), (0, SystemExit(130))], ids=["rank0", "rank1", "stopped"])
+def test_rank_0_of_an_elastic_job_records_a_normal_end_only(rank, ends, tmp_path, monkeypatch):
+    """What the late node above reads: written by rank 0 once its run returned, not by other ranks, not
+    after a stop (a signal's exit)."""
+    record = _torchrun_start_after(monkeypatch, tmp_path, rank, ends, elastic=True)
     assert record.exists() == (rank == 0 and ends is None)
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # not elastic: nothing recorded
-    record.unlink(missing_ok=True)
-    monkeypatch.setattr(hydra_run, "run_hydra", lambda args: None)
-    torchrun.start(job)
-    assert not record.exists()
+
+
+def test_rank_0_outside_an_elastic_job_records_nothing(tmp_path, monkeypatch):
+    """The same normal end of rank 0 as above, under torchrun without an elastic rendezvous."""
+    assert not _torchrun_start_after(monkeypatch, tmp_path, 0, None, elastic=False).exists()
