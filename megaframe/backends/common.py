@@ -96,13 +96,16 @@ def on_device(batches: list[Batch], device: torch.device) -> list[Batch]:
     memory, so the copies are asynchronous on a GPU. Pinned by torch itself: DeepSpeed's
     accelerator.pin_memory adds every call to a process-wide total that never shrinks and logs
     "crossed 32 GB pinned" after a few hours of micro-batches that were each freed long ago."""
-    def moved(t: torch.Tensor) -> torch.Tensor:
-        if t.device == device:
-            return t
-        if device.type == "cpu":
-            return t.to(device)
-        return t.pin_memory().to(device, non_blocking=True)
-    return [(moved(inputs), moved(targets)) for inputs, targets in batches]
+    return [(to_device(inputs, device), to_device(targets, device)) for inputs, targets in batches]
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One tensor as on_device moves it."""
+    if t.device == device:
+        return t
+    if device.type == "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def step_targets_of(holder: StepTargets, dims: GPTDims) -> Optional[StepTargets]:

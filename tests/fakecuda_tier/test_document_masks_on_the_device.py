@@ -1,8 +1,9 @@
 """Document masking on the CUDA-shaped device (tests/support/fakecuda) at cp=2 ring, tp=2 and pp=2 x cp=2 (issue 54):
 each run has no violation, trains the plain CPU run's curve with the same keys (loss, gradient norm,
-eval loss at rtol 1e-5), and makes exactly the host reads, at the same call sites, of the same layout
-without document masking: the documents found on the device (and, under cp, the all-gather of the
-rows' token ids, the ring's pieces and the loss weights) add none."""
+eval loss at rtol 1e-5), and makes exactly the host reads, at the same call sites, and the same bytes of
+host-to-device copies per rank as the same layout without document masking: the documents found on the
+device (and, under cp, the all-gather of the rows' token ids, the ring's pieces and the loss weights)
+add none."""
 from __future__ import annotations
 
 import time
@@ -38,6 +39,16 @@ def _host_reads(tmp_path, name: str) -> Counter:
     return reads
 
 
+def _uploaded(tmp_path, name: str) -> Counter:
+    """Bytes each rank of the run copied from host memory to the device."""
+    sent: Counter = Counter()
+    for folder in tmp_path.glob(f"{name}-reports-*"):
+        for report in read_reports(folder):
+            if report["rank"] is not None:
+                sent[report["rank"]] += sum(report["uploads"].values())
+    return sent
+
+
 def test_document_masking_on_the_device_follows_the_cpu_run_without_new_host_reads(tmp_path):
     started = time.monotonic()
     corpus = [f"data.path={write_short_documents(tmp_path / 'short')}"]
@@ -49,4 +60,7 @@ def test_document_masking_on_the_device_follows_the_cpu_run_without_new_host_rea
         with_documents, without = _host_reads(tmp_path, f"{layout}-documents"), _host_reads(tmp_path, f"{layout}-plain")
         assert with_documents, f"{layout}: no host read counted at all: the counting is broken"
         assert with_documents == without, (layout, with_documents - without, without - with_documents)
+        # counting the targets (data.eod_mask_loss) moved every micro-batch's inputs and targets to every
+        # pipeline stage's device, where DeepSpeed's stages load the inputs on the first, targets on the last
+        assert _uploaded(tmp_path, f"{layout}-documents") == _uploaded(tmp_path, f"{layout}-plain"), layout
     print(f"device document masks: {time.monotonic() - started:.1f}s")

@@ -19,7 +19,7 @@ from deepspeed.accelerator import get_accelerator
 from megaframe.backends import Batch, StepResult
 from megaframe.backends.common import (counting_targets, dp_mean, local_device_index, on_device,
                                        process_group_defaults, model_state_parts, restore_schedule, router_metrics,
-                                       step_targets_of)
+                                       step_targets_of, to_device)
 from megaframe.backends.deepspeed import state_io
 from megaframe.backends.deepspeed.build_locks import load_ops, ops_for
 from megaframe.backends.deepspeed.build_step import undo_build_step
@@ -106,9 +106,10 @@ class DeepSpeedBackend:
         mark_expert_parallel(module, ps, cfg.zero.stage)
         self.compiled_blocks = compile_model(module, cfg.train.compile_scope) if cfg.train.compile else 0
         self.module = module
-        # the pipeline's loss function weighs the last stage's losses; the model itself elsewhere
-        self.step_targets = step_targets_of(module.loss_fn.step_targets if self.pipelined else module.step_targets,
-                                            dims)
+        # the pipeline's loss function weighs the last stage's losses (no other stage computes one, so
+        # none counts targets); the model itself elsewhere
+        self.step_targets = None if self.pipelined and not ps.is_last_stage else \
+            step_targets_of(module.loss_fn.step_targets if self.pipelined else module.step_targets, dims)
         self.num_parameters = self._count_parameters(module)
         self.writes_layout_free = not layout_free_unsupported(cfg, layout)
         # Muon: megaframe's, as ZeRO's client optimizer (muon_zero.py); AdamW: DeepSpeed's, from ds_config
@@ -200,8 +201,13 @@ class DeepSpeedBackend:
 
     def _fed(self, batches: list[Batch]) -> list[Batch]:
         """The micro-batches as the engine takes them: on the device, except for DeepSpeed's pipeline,
-        whose stages load what they need themselves, unless counting targets needs them there first."""
-        return on_device(batches, self.device) if self.step_targets is not None or not self.pipelined else batches
+        whose first stage loads the inputs and last stage the targets themselves; counting targets
+        (data.eod_mask_loss) needs the last stage's there first, and them only."""
+        if not self.pipelined:
+            return on_device(batches, self.device)
+        if self.step_targets is None:
+            return batches
+        return [(inputs, to_device(targets, self.device)) for inputs, targets in batches]
 
     def _dp_mean(self, value: torch.Tensor) -> float:
         return dp_mean(value, self.ps)

@@ -1,5 +1,6 @@
-"""What the device saw: refused operations (violations) and device-to-host reads (syncs), each with
-the call site outside torch and this tier, so a failing test names the line of megaframe to fix."""
+"""What the device saw: refused operations (violations), device-to-host reads (syncs) and host-to-device
+copies (uploads, in bytes), each with the call site outside torch and this tier, so a failing test
+names the line of megaframe to fix."""
 from __future__ import annotations
 
 import atexit
@@ -17,6 +18,7 @@ _lock = threading.Lock()
 syncs: Counter = Counter()  # (kind, call site) -> count
 violations: list[dict] = []  # {"message", "site"}, in order
 kernels: Counter = Counter()  # emulated CUDA-only kernel -> calls (kernels.py)
+uploads: Counter = Counter()  # call site -> bytes copied from host memory to the device
 
 
 class CudaError(RuntimeError):
@@ -40,6 +42,13 @@ def count_sync(kind: str) -> None:
         syncs[(kind, site)] += 1
 
 
+def count_upload(nbytes: int) -> None:
+    """A host-to-device copy of nbytes (Tensor.to, copy_ into a device tensor)."""
+    site = call_site()
+    with _lock:
+        uploads[site] += nbytes
+
+
 def refuse(message: str) -> CudaError:
     """Record a violation and return the error to raise (code may catch it; the ledger keeps it)."""
     with _lock:
@@ -51,7 +60,7 @@ def snapshot() -> dict:
     """A picklable copy: syncs as [kind, site, count] rows, violations as dicts."""
     with _lock:
         return {"syncs": [[kind, site, n] for (kind, site), n in syncs.items()], "violations": list(violations),
-                "kernels": dict(kernels)}
+                "kernels": dict(kernels), "uploads": dict(uploads)}
 
 
 def reset() -> None:
@@ -59,6 +68,7 @@ def reset() -> None:
         syncs.clear()
         violations.clear()
         kernels.clear()
+        uploads.clear()
 
 
 def _write_report() -> None:

@@ -200,6 +200,8 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         return _copy(args, kwargs)
     if func is aten._to_copy.default and target is not None and target[0] == "host":
         ledger.count_sync("to host")
+    elif func is aten._to_copy.default and not indices and target is not None:  # host tensor to the device
+        ledger.count_upload(args[0].numel() * args[0].element_size())
     elif func in INDEXING:
         _check_indexing(func, args, kwargs, indices)
     elif func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None and len(args) < 2:
@@ -256,6 +258,8 @@ def _copy(args, kwargs):
         pass  # peer copy: allowed on CUDA
     elif not isinstance(dst, CudaTensor):
         ledger.count_sync("copy_ to host")
+    elif not isinstance(src, CudaTensor) and isinstance(src, torch.Tensor) and src.device.type == "cpu":
+        ledger.count_upload(src.numel() * src.element_size())
     if isinstance(src, torch.Tensor) and src.device.type == "meta" and not isinstance(src, CudaTensor):
         raise ledger.refuse("copy_: " + _same_device_error(str(dst.device), "meta"))
     dst_elem = dst._elem if isinstance(dst, CudaTensor) else dst
