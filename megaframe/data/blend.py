@@ -21,7 +21,7 @@ does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -118,8 +118,10 @@ class BlendedSamples:
     path uses (step_indices, ordered, batch, len)."""
 
     def __init__(self, sources: Sequence[SampleSet], stages: Sequence[Stage], names: Sequence[str],
-                 shuffle: bool = True) -> None:
-        """`stages[0].start_step` must be 0; `names` label the sources in metrics."""
+                 shuffle: bool = True, orders: Optional[Callable[..., np.ndarray]] = None) -> None:
+        """`stages[0].start_step` must be 0; `names` label the sources in metrics; orders: where the
+        sources' epoch orders come from (epoch_orders.EpochOrders), else this process's memory."""
+        self.orders = orders or build_epoch_permutation
         if not stages or stages[0].start_step != 0:
             raise DataError("data.blend_schedule: the first stage must start at step 0")
         if any(len(stage.weights) != len(sources) for stage in stages):
@@ -222,7 +224,7 @@ class BlendedSamples:
         if (seed, epoch) not in kept:
             for old in sorted(kept, key=lambda key: key[1])[:-1]:
                 del kept[old]
-            kept[seed, epoch] = build_epoch_permutation(seed, epoch, count, stream=1 + source)
+            kept[seed, epoch] = self.orders(seed, epoch, count, stream=1 + source)
         return kept[seed, epoch]
 
     def ordered(self, positions: np.ndarray) -> np.ndarray:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -98,8 +98,11 @@ class TokenStream:
 class SampleSet:
     """Non-overlapping training windows over a TokenStream; sample i holds seq_length + 1 tokens."""
 
-    def __init__(self, stream: TokenStream, seq_length: int) -> None:
-        """Cut `stream` into (len(stream) - 1) // seq_length windows; DataError if that is zero."""
+    def __init__(self, stream: TokenStream, seq_length: int,
+                 orders: Optional[Callable[..., np.ndarray]] = None) -> None:
+        """Cut `stream` into (len(stream) - 1) // seq_length windows; DataError if that is zero.
+        orders: where epoch orders come from (epoch_orders.EpochOrders), else this process's memory."""
+        self.orders = orders or epoch_permutation
         if seq_length < 1:
             raise DataError(f"model.seq_length={seq_length}: must be at least 1")
         self.stream = stream
@@ -135,7 +138,7 @@ class SampleSet:
 
     def step_indices(self, step: int, global_batch_size: int, seed: int) -> np.ndarray:
         """Sample indices of global step `step` (global_batch_indices)."""
-        return global_batch_indices(step, global_batch_size, self.num_samples, seed)
+        return global_batch_indices(step, global_batch_size, self.num_samples, seed, self.orders)
 
     def ordered(self, positions: np.ndarray) -> np.ndarray:
         """The evaluation set's samples at `positions`: the samples in order."""
@@ -192,12 +195,14 @@ def build_epoch_permutation(seed: int, epoch: int, num_samples: int, stream: int
 epoch_permutation = lru_cache(maxsize=16)(build_epoch_permutation)
 
 
-def global_batch_indices(step: int, global_batch_size: int, num_samples: int, seed: int) -> np.ndarray:
+def global_batch_indices(step: int, global_batch_size: int, num_samples: int, seed: int,
+                         orders: Optional[Callable[..., np.ndarray]] = None) -> np.ndarray:
     """Sample indices of global step `step`: positions [step*G, (step+1)*G) of an endless chain of seeded epochs.
 
     Epoch e is np.random.default_rng([seed, e]).permutation(num_samples). The result depends only
     on the arguments (not on data-parallel size, micro-batch size or earlier calls), and only the
-    epochs this step touches are generated.
+    epochs this step touches are generated. orders: where they come from (default: this process's
+    memory, epoch_permutation).
     """
     if step < 0:
         raise DataError(f"step={step}: must be non-negative")
@@ -213,7 +218,8 @@ def global_batch_indices(step: int, global_batch_size: int, num_samples: int, se
     while filled < global_batch_size:
         epoch, offset = divmod(position, num_samples)
         take = min(num_samples - offset, global_batch_size - filled)
-        indices[filled : filled + take] = epoch_permutation(seed, epoch, num_samples)[offset : offset + take]
+        order = (orders or epoch_permutation)(seed, epoch, num_samples)
+        indices[filled : filled + take] = order[offset : offset + take]
         filled += take
         position += take
     return indices

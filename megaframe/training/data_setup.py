@@ -9,6 +9,7 @@ from typing import Optional, Union
 from megaframe.config.schema import DataConfig
 from megaframe.data import DataError, SampleSet, TokenStream, ensure_demo_dataset, open_dataset, split_documents
 from megaframe.data.blend import BlendedSamples, Stage, parse_blend
+from megaframe.data.epoch_orders import EpochOrders
 from megaframe.data.formats import Dataset
 from megaframe.common.paths import cache_dir
 
@@ -36,15 +37,16 @@ def dataset_prefix(cfg: DataConfig) -> Path:
     return ensure_demo_dataset(cache_dir(cfg.cache_dir))
 
 
-def _split(dataset: Dataset, valid_fraction: float, seq_length: int) -> tuple[SampleSet, Optional[SampleSet]]:
+def _split(dataset: Dataset, valid_fraction: float, seq_length: int,
+           orders: Optional[EpochOrders] = None) -> tuple[SampleSet, Optional[SampleSet]]:
     train_range, valid_range = split_documents(len(dataset), valid_fraction)
-    train = SampleSet(TokenStream(dataset, *train_range), seq_length)
+    train = SampleSet(TokenStream(dataset, *train_range), seq_length, orders)
     valid = SampleSet(TokenStream(dataset, *valid_range), seq_length) if valid_fraction > 0 else None
     return train, valid
 
 
-def _whole(dataset: Dataset, seq_length: int) -> SampleSet:
-    return SampleSet(TokenStream(dataset, 0, len(dataset)), seq_length)
+def _whole(dataset: Dataset, seq_length: int, orders: Optional[EpochOrders] = None) -> SampleSet:
+    return SampleSet(TokenStream(dataset, 0, len(dataset)), seq_length, orders)
 
 
 def source_names(prefixes: list[str]) -> list[str]:
@@ -87,9 +89,14 @@ def build_blend(cfg: DataConfig, seq_length: int) -> DataSplits:
         train_sets = [train for train, _ in splits]
         valid = BlendedSamples([v for _, v in splits], [Stage.of(0, weights)], names, shuffle=False) \
             if cfg.valid_fraction > 0 else None
-    train = BlendedSamples(train_sets, blend_stages(cfg, weights), names)
+    train = BlendedSamples(train_sets, blend_stages(cfg, weights), names, orders=_orders(cfg))
     return DataSplits(datasets=datasets + (valid_datasets if cfg.valid_blend else []), train=train, valid=valid,
                       vocab_size=datasets[0].vocab_size)
+
+
+def _orders(cfg: DataConfig) -> EpochOrders:
+    """The training set's epoch orders: shared by the host's ranks through data.cache_dir once large."""
+    return EpochOrders(cache_dir(cfg.cache_dir) / "orders")
 
 
 def build_data(cfg: DataConfig, seq_length: int) -> DataSplits:
@@ -98,12 +105,12 @@ def build_data(cfg: DataConfig, seq_length: int) -> DataSplits:
         return build_blend(cfg, seq_length)
     dataset = open_dataset(dataset_prefix(cfg), cfg.tokenizer)
     if cfg.valid_path is None:
-        train, valid = _split(dataset, cfg.valid_fraction, seq_length)
+        train, valid = _split(dataset, cfg.valid_fraction, seq_length, _orders(cfg))
         return DataSplits(datasets=[dataset], train=train, valid=valid, vocab_size=dataset.vocab_size)
     # a validation file of its own: both train whole (data.valid_fraction does not apply)
     held_out = open_dataset(cfg.valid_path, cfg.tokenizer)
     if (held_out.vocab_size, held_out.eod_id) != (dataset.vocab_size, dataset.eod_id):
         raise DataError(f"data.valid_path={cfg.valid_path}: built with another tokenizer than data.path's (vocabulary "
                         f"{held_out.vocab_size} against {dataset.vocab_size}); preprocess both with one tokenizer")
-    return DataSplits(datasets=[dataset, held_out], train=_whole(dataset, seq_length),
+    return DataSplits(datasets=[dataset, held_out], train=_whole(dataset, seq_length, _orders(cfg)),
                       valid=_whole(held_out, seq_length), vocab_size=dataset.vocab_size)

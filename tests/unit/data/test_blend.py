@@ -209,3 +209,16 @@ def test_a_blend_of_many_sources_picks_what_megatron_picks(tmp_path, monkeypatch
     walked = walk(blend(many, weights, schedule=schedule), steps=20, batch=30)
     monkeypatch.setattr(blend_module, "_ARRAY_PICK_SOURCES", 1 << 30)  # the loop, for any count
     assert np.array_equal(walked, walk(blend(many, weights, schedule=schedule), steps=20, batch=30))
+
+
+def test_a_blend_walks_the_same_samples_with_its_orders_shared_through_a_file(sources, tmp_path):
+    """data.cache_dir's shared orders (epoch_orders.py) give each source the order it had in memory:
+    over several epochs of every source, the same (source, sample) picks; one file per source and epoch."""
+    from megaframe.data.epoch_orders import EpochOrders
+
+    stages = [Stage(0, tuple(normalized([0.2, 0.5, 0.3])))]
+    names = ["s0", "s1", "s2"]
+    shared = BlendedSamples(sources, stages, names, orders=EpochOrders(tmp_path / "orders", shared_from=1))
+    np.testing.assert_array_equal(walk(shared, 12, 8), walk(BlendedSamples(sources, stages, names), 12, 8))
+    files = sorted(p.name for p in (tmp_path / "orders").glob("*.npy"))
+    assert {name.split("-stream")[1][0] for name in files} == {"1", "2", "3"} and len(files) > 3, files

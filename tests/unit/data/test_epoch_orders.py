@@ -1,0 +1,112 @@
+"""Epoch orders shared through data.cache_dir (megaframe/data/epoch_orders.py): bitwise the in-memory
+order, built once by the processes of a host that ask at once, mapped rather than held, and a cache
+that is damaged or cannot be written changes nothing but memory."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megaframe.data import epoch_orders
+from megaframe.data.dataset import build_epoch_permutation, global_batch_indices
+from megaframe.data.epoch_orders import EpochOrders
+
+N = 1000  # samples; shared_from=1 sends every order through the file
+
+
+@pytest.mark.parametrize("stream", [0, 3])
+def test_an_order_through_the_file_is_the_in_memory_order_mapped_read_only(tmp_path, stream):
+    orders = EpochOrders(tmp_path, shared_from=1)
+    order = orders(7, 2, N, stream)
+    assert isinstance(order, np.memmap) and not order.flags.writeable
+    np.testing.assert_array_equal(order, build_epoch_permutation(7, 2, N, stream))
+    assert order.dtype == np.int32
+    assert [p.name for p in tmp_path.glob("*.npy")] == [f"order-n{N}-seed7-stream{stream}-epoch2.npy"]
+    # another process (a later run) maps the same file: nothing new is written
+    again = EpochOrders(tmp_path, shared_from=1)(7, 2, N, stream)
+    assert isinstance(again, np.memmap) and Path(again.filename) == tmp_path / order.filename
+
+
+def test_step_indices_through_the_file_are_those_in_memory(tmp_path):
+    orders = EpochOrders(tmp_path, shared_from=1)
+    for step in (0, 3, 41):  # 41 x 48 crosses from epoch 1 into epoch 2
+        np.testing.assert_array_equal(global_batch_indices(step, 48, N, 5, orders),
+                                      global_batch_indices(step, 48, N, 5))
+    assert len(list(tmp_path.glob("*.npy"))) == 3
+
+
+def test_below_the_threshold_or_without_a_directory_nothing_is_written(tmp_path):
+    order = EpochOrders(tmp_path, shared_from=N + 1)(1, 0, N)
+    assert not isinstance(order, np.memmap) and not list(tmp_path.iterdir())
+    np.testing.assert_array_equal(EpochOrders(None, shared_from=1)(1, 0, N), order)
+
+
+def _ask(directory: str, counts: str, out: str) -> None:
+    built = epoch_orders.build_epoch_permutation
+
+    def counted(*args, **kwargs):
+        with open(counts, "a") as log:
+            log.write(f"{os.getpid()}\n")
+        time.sleep(0.5)  # long enough for the other process to ask while this one builds
+        return built(*args, **kwargs)
+
+    epoch_orders.build_epoch_permutation = counted  # this forked process only
+    np.save(out, EpochOrders(Path(directory), shared_from=1)(4, 1, N))
+
+
+def test_processes_that_ask_at_once_build_the_order_once(tmp_path):
+    context = multiprocessing.get_context("fork")
+    counts = tmp_path / "builds"
+    processes = [context.Process(target=_ask, args=(str(tmp_path / "orders"), str(counts), str(tmp_path / f"{i}.npy")))
+                 for i in range(3)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(60)
+        assert process.exitcode == 0
+    assert len(counts.read_text().splitlines()) == 1
+    for i in range(3):
+        np.testing.assert_array_equal(np.load(tmp_path / f"{i}.npy"), build_epoch_permutation(4, 1, N))
+    assert not list((tmp_path / "orders").glob("*.partial"))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "another shape", "not npy"])
+def test_a_damaged_file_is_rebuilt_not_read(tmp_path, damage):
+    orders = EpochOrders(tmp_path, shared_from=1)
+    path = orders.path(9, 0, N, 0)
+    if damage == "truncated":
+        np.save(path, build_epoch_permutation(9, 0, N))
+        path.write_bytes(path.read_bytes()[:-100])
+    elif damage == "another shape":
+        np.save(path, np.arange(N - 1, dtype=np.int32))
+    else:
+        path.write_text("hello")
+    np.testing.assert_array_equal(orders(9, 0, N), build_epoch_permutation(9, 0, N))
+    np.testing.assert_array_equal(np.load(path), build_epoch_permutation(9, 0, N))
+
+
+def test_a_cache_that_cannot_be_written_keeps_the_order_in_memory_and_says_so_once(tmp_path, capsys):
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the folder should be: mkdir fails (as a read-only cache would)
+    orders = EpochOrders(blocked / "orders", shared_from=1)
+    for epoch in (0, 1):
+        np.testing.assert_array_equal(orders(2, epoch, N), build_epoch_permutation(2, epoch, N))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot share epoch orders" in err and "data.cache_dir" in err, err
+
+
+def test_the_training_set_shares_its_orders_through_data_cache_dir(tmp_path, monkeypatch):
+    """build_data hands the training set (and a blend's) orders under data.cache_dir/orders."""
+    from megaframe.config.compose import compose
+    from megaframe.training.data_setup import build_data
+
+    monkeypatch.setattr(epoch_orders, "SHARED_FROM", 1)
+    cfg, _ = compose([f"data.cache_dir={tmp_path}", "model.seq_length=32"])
+    splits = build_data(cfg.data, cfg.model.seq_length)
+    np.testing.assert_array_equal(splits.train.step_indices(2, 8, 1234),
+                                  global_batch_indices(2, 8, splits.train.num_samples, 1234))
+    assert list((tmp_path / "orders").glob("order-*.npy"))
