@@ -110,3 +110,20 @@ def test_the_training_set_shares_its_orders_through_data_cache_dir(tmp_path, mon
     np.testing.assert_array_equal(splits.train.step_indices(2, 8, 1234),
                                   global_batch_indices(2, 8, splits.train.num_samples, 1234))
     assert list((tmp_path / "orders").glob("order-*.npy"))
+
+
+def test_the_orders_bench_measures_both_ways_and_leaves_nothing(tmp_path):
+    """tools/bench_orders.py, whose figures BENCHMARKS.md cites."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.support.helpers import REPO, cli_env
+
+    result = subprocess.run([sys.executable, "tools/bench_orders.py", "--samples", "100000", "--ranks", "2"],
+                            cwd=REPO, env=cli_env(TMPDIR=str(tmp_path)), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ways = re.findall(r"^(own order|shared file): 100,000 samples, 2 processes: first step [\d.]+ s \(slowest\), "
+                      r"PSS \d+ MiB per process", result.stdout, re.M)
+    assert ways == ["own order", "shared file"], result.stdout
+    assert list(tmp_path.iterdir()) == []
