@@ -26,6 +26,7 @@ from megaframe.common.failures import PROG
 
 STOP_FILE = ".job_stop.json"  # parallel/elastic.py: an earlier attempt's deterministic failure
 STOP_REQUEST_FILE = ".stop_request"  # a signal the driver got, for rank 0 to take as its own (stop_signal.py)
+STOPPED_FILE = ".stopped_on_request"  # written by a worker that stopped at a step boundary as the driver asked
 MISSING = 'launcher=ray needs Ray Train, which is not installed: pip install "megaframe[ray]"'
 
 
@@ -103,6 +104,7 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
     # a stop recorded or asked for by an earlier launch in this run dir is not this job's
     (run_dir / STOP_FILE).unlink(missing_ok=True)
     (run_dir / STOP_REQUEST_FILE).unlink(missing_ok=True)
+    (run_dir / STOPPED_FILE).unlink(missing_ok=True)
     # Ray Train v1 runs fit() through Tune, whose own SIGINT handler would end the trials unsaved
     os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")
     asked: list[int] = []
@@ -118,12 +120,20 @@ def run_on_ray(cfg: TrainConfig, world_size: int, overrides: list[str], run_dir:
               file=sys.stderr, flush=True)
         return 128 + signum
     if error is None:
-        return 128 + asked[0] if asked else 0
+        return finished_code(asked, (run_dir / STOPPED_FILE).exists())
     code = _exit_code(error)
     if code == 1:  # no rank said why (killed, out of memory, Ray itself): say it here, in one line
         print(f"{PROG}: error: Ray Train failed: {_first_line(error)} [exit 1; Ray's own logs: "
               f"/tmp/ray/session_latest/logs on the head node]", file=sys.stderr, flush=True)
     return code
+
+
+def finished_code(asked: list[int], stopped: bool) -> int:
+    """The driver's exit code when the workers ended without an error: 128 + the first signal taken
+    when they stopped on it, else 0. A signal that came after the last step (in the run's last save,
+    or as the workers ended) stops nothing: the run is complete, and a nonzero code would mark it
+    failed (a scheduler could requeue it), as torchrun's ranks already exit 0 then."""
+    return 128 + asked[0] if asked and stopped else 0
 
 
 @contextlib.contextmanager
@@ -279,6 +289,10 @@ def _worker(config: dict) -> None:
         # stopped at a step boundary as the driver asked: a success to Ray, which would restart a
         # failed worker group (FailureConfig) into training on; the driver returns the signal's code
         if isinstance(ended.code, int) and ended.code - 128 in SIGNALS and request.exists():
+            from megaframe.common.atomic_io import atomic_write_text
+
+            with contextlib.suppress(OSError):  # the driver then says 0: the steps done are saved either way
+                atomic_write_text(Path(config["run_dir"]) / STOPPED_FILE, f"{ended.code}\n")
             return
         raise
 

@@ -1,4 +1,4 @@
-"""megaframe/launch/ray.py without Ray: the job's exit code from what Ray reports."""
+"""megaframe/launch/ray.py without Ray: the job's exit code from what Ray reports and from a stop the driver asked for."""
 from __future__ import annotations
 
 from megaframe.launch.ray import _exit_code
@@ -36,3 +36,44 @@ def test_a_cluster_address_is_host_and_port():
     assert unreachable_cluster(None) is None and unreachable_cluster("auto") is None
     for bad in ("headnode", "ray://headnode", "headnode:port"):
         assert unreachable_cluster(bad) == f"launcher.ray_address={bad} is not HOST:PORT, ray://HOST:PORT or auto"
+
+
+def _worker_ending(tmp_path, ends, requested: bool) -> None:
+    from megaframe.launch import ray as ray_launch
+
+    if requested:
+        (tmp_path / ray_launch.STOP_REQUEST_FILE).write_text("15\n")
+
+    def entry(argv):
+        if ends is not None:
+            raise ends
+    ray_launch._worker({"run_dir": str(tmp_path), "overrides": [], "entry": entry})
+
+
+def test_a_worker_that_stopped_as_the_driver_asked_says_so_and_the_driver_exits_with_the_signal(tmp_path):
+    from megaframe.launch import ray as ray_launch
+
+    _worker_ending(tmp_path, SystemExit(143), requested=True)  # a success to Ray: no restart into training
+    stopped = (tmp_path / ray_launch.STOPPED_FILE).exists()
+    assert stopped and ray_launch.finished_code([15], stopped) == 143
+
+
+def test_a_signal_after_the_last_step_leaves_the_driver_at_0(tmp_path):
+    """The driver took a signal, but the workers' loop had ended: the run is complete, and 143 would
+    have marked it failed (torchrun's ranks exit 0 then)."""
+    from megaframe.launch import ray as ray_launch
+
+    _worker_ending(tmp_path, None, requested=True)
+    stopped = (tmp_path / ray_launch.STOPPED_FILE).exists()
+    assert not stopped and ray_launch.finished_code([15], stopped) == 0
+    assert ray_launch.finished_code([], False) == 0
+
+
+def test_a_signal_exit_without_the_drivers_request_is_a_failure_for_ray(tmp_path):
+    import pytest
+
+    from megaframe.launch import ray as ray_launch
+
+    with pytest.raises(SystemExit):
+        _worker_ending(tmp_path, SystemExit(143), requested=False)
+    assert not (tmp_path / ray_launch.STOPPED_FILE).exists()
