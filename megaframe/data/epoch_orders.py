@@ -9,16 +9,18 @@ read-only: the page cache holds one copy per host, and a later run of the same d
 it. The order is bitwise the in-memory one (dataset.build_epoch_permutation), so runs do not change
 their data when the size crosses SHARED_FROM or the cache is lost.
 
-The file lock only saves duplicate work: the content is a function of its name, written aside and
-renamed, so two hosts that build it at once on a shared file system (where flock may not reach
-across hosts) write the same bytes. A cache that cannot be written (read-only, full) is not an
-error: that process keeps its own order in memory, as before, and says so once."""
+The file lock only saves duplicate work: the content is a function of its name (which holds the
+format and numpy's version), written aside and linked to its name, so two hosts that build it at once
+on a shared file system (where flock may not reach across hosts) publish one file of the same bytes.
+A cache that cannot be written (read-only, full) is not an error: that process keeps its own order in
+memory, as before, and says so once."""
 from __future__ import annotations
 
 import fcntl
 import os
 import sys
 import tempfile
+import time
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -45,15 +47,20 @@ class EpochOrders:
 
     def __call__(self, seed: int, epoch: int, num_samples: int, stream: int = 0) -> np.ndarray:
         if self.directory is None or num_samples < self.shared_from or self._unwritable:
-            return epoch_permutation(seed, epoch, num_samples, stream) if stream == 0 else \
-                build_epoch_permutation(seed, epoch, num_samples, stream)
-        return self._mapped(seed, epoch, num_samples, stream)
+            return _in_memory(seed, epoch, num_samples, stream)
+        try:
+            return self._mapped(seed, epoch, num_samples, stream)
+        except _NotShared as failed:  # not cached: later calls go to memory at once
+            self._unwritable = True
+            print(f"megaframe: warning: data.cache_dir: cannot share epoch orders through {self.directory} "
+                  f"({failed.reason}); this process keeps its own in memory", file=sys.stderr, flush=True)
+            return failed.order if failed.order is not None else _in_memory(seed, epoch, num_samples, stream)
 
     def path(self, seed: int, epoch: int, num_samples: int, stream: int) -> Path:
-        return Path(self.directory) / f"order-n{num_samples}-seed{seed}-stream{stream}-epoch{epoch}.npy"
+        return Path(self.directory) / f"order-{FORMAT}-n{num_samples}-seed{seed}-stream{stream}-epoch{epoch}.npy"
 
     def _map(self, seed: int, epoch: int, num_samples: int, stream: int) -> np.ndarray:
-        path = self.path(seed, epoch, num_samples, stream)
+        path, order = self.path(seed, epoch, num_samples, stream), None
         try:
             found = _load(path, num_samples)
             if found is not None:
@@ -62,15 +69,33 @@ class EpochOrders:
             with _host_lock(path.with_name(path.name + ".lock")):
                 found = _load(path, num_samples)  # another process built it while this one waited
                 if found is None:
-                    _write(path, build_epoch_permutation(seed, epoch, num_samples, stream))
+                    _remove_stale_partials(path)
+                    order = build_epoch_permutation(seed, epoch, num_samples, stream)
+                    _publish(path, order)
                     found = _load(path, num_samples)
-            if found is not None:
-                return found
         except OSError as err:
-            print(f"megaframe: warning: data.cache_dir: cannot share epoch orders through {path.parent} "
-                  f"({err.strerror or err}); this process keeps its own in memory", file=sys.stderr, flush=True)
-        self._unwritable = True
-        return build_epoch_permutation(seed, epoch, num_samples, stream)
+            raise _NotShared(err.strerror or str(err), order) from None
+        if found is None:
+            raise _NotShared(f"{path.name} is not the order it names", order)
+        return found
+
+
+# in the file names: a change of the shuffle (ours, or numpy's Generator stream, which NEP 19 does not
+# fix across versions) must not serve an order built by another one
+FORMAT = "v1-numpy" + ".".join(np.__version__.split(".")[:2])
+PARTIAL_STALE_S = 3600.0  # a partial file this old was left by a process killed mid-write
+
+
+class _NotShared(Exception):
+    def __init__(self, reason: str, order: Optional[np.ndarray]) -> None:
+        super().__init__(reason)
+        self.reason, self.order = reason, order
+
+
+def _in_memory(seed: int, epoch: int, num_samples: int, stream: int) -> np.ndarray:
+    # a blend keeps its sources' orders itself (blend.py): only stream 0 goes through the process-wide cache
+    return epoch_permutation(seed, epoch, num_samples, stream) if stream == 0 else \
+        build_epoch_permutation(seed, epoch, num_samples, stream)
 
 
 def _load(path: Path, num_samples: int) -> Optional[np.ndarray]:
@@ -80,24 +105,44 @@ def _load(path: Path, num_samples: int) -> Optional[np.ndarray]:
         order = np.load(path, mmap_mode="r")
     except FileNotFoundError:
         return None
-    except ValueError:  # not a .npy file (damaged by hand: the writes are atomic)
+    except (ValueError, EOFError):  # not a .npy file, or empty (damaged by hand: the writes are atomic)
         return None
     expected = np.int32 if num_samples < 2**31 else np.int64
     return order if order.shape == (num_samples,) and order.dtype == expected else None
 
 
-def _write(path: Path, order: np.ndarray) -> None:
-    """Written aside and renamed: a reader sees the whole order or none."""
+def _publish(path: Path, order: np.ndarray) -> None:
+    """Written aside, then linked to its name: a reader sees the whole order or none, and a file
+    another host published meanwhile (where the lock does not reach across hosts) is kept, not
+    replaced under the ranks that map it (on NFS a replaced file's pages can no longer be read)."""
     handle, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
     try:
+        os.fchmod(handle, 0o644)  # mkstemp's 0600 would keep the other users of a shared cache out
         with os.fdopen(handle, "wb") as out:
             np.save(out, order)
             out.flush()
             os.fsync(out.fileno())
-        os.replace(partial, path)
-    except BaseException:
+        if _load(path, len(order)) is None:
+            path.unlink(missing_ok=True)  # damaged (rejected above): nobody can be reading it as an order
+        try:
+            os.link(partial, path)
+        except FileExistsError:
+            pass  # published by another host since: the same bytes
+        except OSError:  # a file system without hard links
+            os.replace(partial, path)
+    finally:
         Path(partial).unlink(missing_ok=True)
-        raise
+
+
+def _remove_stale_partials(path: Path) -> None:
+    """Partial files of this order that a process killed mid-write left (held under the lock: no
+    process of this host writes one now; another host's would be younger)."""
+    for partial in path.parent.glob(f".{path.name}.*.partial"):
+        try:
+            if time.time() - partial.stat().st_mtime > PARTIAL_STALE_S:
+                partial.unlink()
+        except OSError:
+            pass
 
 
 class _host_lock:

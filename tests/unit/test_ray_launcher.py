@@ -1,4 +1,4 @@
-"""megaframe/launch/ray.py without Ray: the job's exit code from what Ray reports and from a stop the driver asked for."""
+"""megaframe/launch/ray.py without Ray: the exit code from what Ray reports, and from a stop the driver asked for."""
 from __future__ import annotations
 
 from megaframe.launch.ray import _exit_code

@@ -19,16 +19,22 @@ N = 1000  # samples; shared_from=1 sends every order through the file
 
 
 @pytest.mark.parametrize("stream", [0, 3])
-def test_an_order_through_the_file_is_the_in_memory_order_mapped_read_only(tmp_path, stream):
+def test_an_order_through_the_file_is_the_in_memory_order_mapped_read_only(tmp_path, stream, monkeypatch):
     orders = EpochOrders(tmp_path, shared_from=1)
     order = orders(7, 2, N, stream)
     assert isinstance(order, np.memmap) and not order.flags.writeable
     np.testing.assert_array_equal(order, build_epoch_permutation(7, 2, N, stream))
     assert order.dtype == np.int32
-    assert [p.name for p in tmp_path.glob("*.npy")] == [f"order-n{N}-seed7-stream{stream}-epoch2.npy"]
-    # another process (a later run) maps the same file: nothing new is written
+    name = f"order-{epoch_orders.FORMAT}-n{N}-seed7-stream{stream}-epoch2.npy"
+    assert [p.name for p in tmp_path.glob("*.npy")] == [name]
+    written = os.stat(order.filename)
+    # another process (a later run) maps the same file: nothing new is built or written
+    monkeypatch.setattr(epoch_orders, "build_epoch_permutation", lambda *a, **k: pytest.fail("built again"))
     again = EpochOrders(tmp_path, shared_from=1)(7, 2, N, stream)
-    assert isinstance(again, np.memmap) and Path(again.filename) == tmp_path / order.filename
+    assert isinstance(again, np.memmap) and again.filename == order.filename
+    now = os.stat(again.filename)
+    assert (now.st_ino, now.st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
+    assert oct(written.st_mode & 0o777) == oct(0o644)  # other users of a shared cache read it
 
 
 def test_step_indices_through_the_file_are_those_in_memory(tmp_path):
@@ -74,7 +80,7 @@ def test_processes_that_ask_at_once_build_the_order_once(tmp_path):
     assert not list((tmp_path / "orders").glob("*.partial"))
 
 
-@pytest.mark.parametrize("damage", ["truncated", "another shape", "not npy"])
+@pytest.mark.parametrize("damage", ["truncated", "another shape", "not npy", "empty"])
 def test_a_damaged_file_is_rebuilt_not_read(tmp_path, damage):
     orders = EpochOrders(tmp_path, shared_from=1)
     path = orders.path(9, 0, N, 0)
@@ -83,10 +89,46 @@ def test_a_damaged_file_is_rebuilt_not_read(tmp_path, damage):
         path.write_bytes(path.read_bytes()[:-100])
     elif damage == "another shape":
         np.save(path, np.arange(N - 1, dtype=np.int32))
-    else:
+    elif damage == "not npy":
         path.write_text("hello")
+    else:
+        path.write_bytes(b"")
     np.testing.assert_array_equal(orders(9, 0, N), build_epoch_permutation(9, 0, N))
     np.testing.assert_array_equal(np.load(path), build_epoch_permutation(9, 0, N))
+
+
+def test_a_partial_file_a_killed_writer_left_is_removed_once_stale(tmp_path):
+    orders = EpochOrders(tmp_path, shared_from=1)
+    path = orders.path(3, 0, N, 0)
+    stale, fresh = tmp_path / f".{path.name}.a.partial", tmp_path / f".{path.name}.b.partial"
+    stale.write_bytes(b"x" * 100)
+    fresh.write_bytes(b"x" * 100)  # another host may be writing it now
+    old = time.time() - epoch_orders.PARTIAL_STALE_S - 10
+    os.utime(stale, (old, old))
+    orders(3, 0, N)
+    assert not stale.exists() and fresh.exists()
+
+
+def test_a_full_disk_uses_the_order_it_built_and_says_so(tmp_path, monkeypatch, capsys):
+    """The write fails (ENOSPC): the order built under the lock is returned, not built again at once,
+    nothing is left behind, and later calls go to the in-memory cache without trying the disk again."""
+    built = []
+    real = epoch_orders.build_epoch_permutation
+
+    def counted(*args, **kwargs):
+        built.append(args)
+        return real(*args, **kwargs)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(epoch_orders, "build_epoch_permutation", counted)
+    monkeypatch.setattr(epoch_orders.np, "save", full)
+    orders = EpochOrders(tmp_path, shared_from=1)
+    np.testing.assert_array_equal(orders(8, 0, N + 1), real(8, 0, N + 1))
+    np.testing.assert_array_equal(orders(8, 0, N + 1), real(8, 0, N + 1))
+    assert len(built) == 1 and not list(tmp_path.glob("*.npy")) and not list(tmp_path.glob(".*.partial"))
+    assert "No space left on device" in capsys.readouterr().err
 
 
 def test_a_cache_that_cannot_be_written_keeps_the_order_in_memory_and_says_so_once(tmp_path, capsys):
@@ -113,7 +155,7 @@ def test_the_training_set_shares_its_orders_through_data_cache_dir(tmp_path, mon
 
 
 def test_the_orders_bench_measures_both_ways_and_leaves_nothing(tmp_path):
-    """tools/bench_orders.py, whose figures BENCHMARKS.md cites."""
+    """tools/bench_orders.py, whose figures BENCHMARKS.md cites ("Epoch orders shared by a host's ranks")."""
     import re
     import subprocess
     import sys
