@@ -23,25 +23,26 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         Path(tempfile.gettempdir()) / f"megaframe-tests-inductor-{getpass.getuser()}-{capability}")
 
 
-# Seconds each of the longest files took in CI (-n 3 on the two cores, junit times of a fresh-clone run
-# at bb3e5e0, 2026-11-28). Only the order they start in depends on these: the guides' commands
-# (not listed before) started last and ran alone for the suite's last minutes.
+# Seconds each of the longest files took in CI (-n 3 on the two cores; junit times, the mean of two
+# fresh-clone runs at ea18611 and aaba852, 2026-11-30, rounded to 10 s). Only the order they start in
+# depends on these: a long file started late (test_sweep_cli.py, 230 s, was listed at 70 before) runs
+# on while the other workers have run out of files.
 _LONGEST_FILES = {
-    "e2e/test_doc_commands.py": 480, "dist/test_zero.py": 420, "e2e/test_elastic.py": 420,
-    "fakecuda_tier/test_checkpoints_and_offload.py": 410, "e2e/test_ray_launcher.py": 400,
-    "dist/test_fsdp2.py": 320, "dist/test_planner_peak.py": 220, "e2e/test_train_cli.py": 210,
-    "e2e/test_failures.py": 180, "e2e/test_cli_errors.py": 150, "dist/test_fsdp2_pipeline.py": 150,
-    "dist/test_context_parallel_training.py": 140, "dist/test_moe_training.py": 130,
-    "e2e/test_numerics_hosts.py": 130, "e2e/test_elastic_ray.py": 120, "dist/test_tensor_parallel.py": 120,
-    "e2e/test_elastic_recovery.py": 110, "fakecuda_tier/test_training_layouts.py": 110,
-    "dist/test_pipeline_parallel.py": 90, "fakecuda_tier/test_training_two_ranks.py": 80,
-    "e2e/test_fault_tolerance.py": 70, "e2e/test_sweep_cli.py": 70, "e2e/test_tracking.py": 70,
-    "fakecuda_tier/test_training_one_rank.py": 60, "e2e/test_moe_cli.py": 60, "dist/test_reshard.py": 60,
-    "dist/test_sharded_state.py": 60, "unit/test_static_checks.py": 30,
-    # files added since, timed by their authors on a loaded machine (estimates until a CI run times them)
-    "fakecuda_tier/test_document_masks_on_the_device.py": 150, "fakecuda_tier/test_fp8_on_the_device.py": 140,
-    "dist/test_fp8_layouts.py": 130, "dist/test_muon_layouts.py": 70, "dist/test_muon_zero.py": 60,
-    "dist/test_document_mask_layouts.py": 50, "dist/test_context_parallel_masks_training.py": 50,
+    "e2e/test_ray_launcher.py": 570, "e2e/test_doc_commands.py": 440, "dist/test_fsdp2.py": 390,
+    "dist/test_zero.py": 350, "dist/test_fp8_layouts.py": 270, "e2e/test_sweep_cli.py": 230,
+    "e2e/test_elastic.py": 230, "dist/test_context_parallel_training.py": 230, "dist/test_planner_peak.py": 230,
+    "dist/test_tensor_parallel.py": 230, "fakecuda_tier/test_checkpoints_and_offload.py": 210,
+    "dist/test_fsdp2_pipeline.py": 210, "e2e/test_train_cli.py": 190, "dist/test_moe_training.py": 190,
+    "e2e/test_numerics_hosts.py": 150, "e2e/test_failures.py": 140,
+    "fakecuda_tier/test_document_masks_on_the_device.py": 140, "e2e/test_elastic_ray.py": 130,
+    "e2e/test_tracking.py": 120, "fakecuda_tier/test_training_two_ranks.py": 110, "e2e/test_elastic_recovery.py": 90,
+    "dist/test_pipeline_parallel.py": 90, "fakecuda_tier/test_fp8_on_the_device.py": 90, "e2e/test_signals.py": 90,
+    "dist/test_sharded_state.py": 80, "fakecuda_tier/test_training_layouts.py": 80, "dist/test_reshard.py": 80,
+    "dist/test_context_parallel_masks_training.py": 80, "unit/plan/test_search.py": 80,
+    "fakecuda_tier/test_training_one_rank.py": 80, "e2e/test_moe_cli.py": 70, "e2e/test_fault_tolerance.py": 70,
+    "dist/test_document_mask_layouts.py": 70, "fakecuda_tier/test_muon_on_the_device.py": 60,
+    "unit/test_static_checks.py": 60, "fakecuda_tier/test_host_sync_budget.py": 60, "e2e/test_cli_errors.py": 60,
+    "dist/test_muon_zero.py": 60, "dist/test_skip_steps.py": 50, "unit/test_warm_ranks.py": 50,
 }
 
 
