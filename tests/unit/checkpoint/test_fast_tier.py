@@ -347,6 +347,22 @@ def test_a_save_drops_the_newer_steps_a_rolled_back_run_left(tmp_path):
     assert [p.name for p in tier.dir.iterdir()] == ["global_step6"]
 
 
+def test_a_save_leaves_the_next_step_a_node_mate_began_while_it_waited(tmp_path):
+    """A node-mate past this save's barrier may begin the next save before this rank's drop runs:
+    its `global_step{N+1}` folder, still empty an instant after its mkdir, went under it when the
+    newer steps were dropped after the barrier (FileNotFoundError in CI). Here the folder appears
+    while this rank writes its part, after the save's first drop and before its barrier."""
+    tier = _tier(tmp_path)
+    write = _writer(2)
+
+    def write_while_a_node_mate_begins_step_3(part: Path) -> dict:
+        (tier.dir / "global_step3").mkdir()  # the node-mate's mkdir(parents=True), before its own part
+        return write(part)
+
+    tier.save(2, write_while_a_node_mate_begins_step_3)
+    assert (tier.dir / "global_step3").is_dir() and sorted(tier.inventory()) == [2]
+
+
 def test_a_run_dir_that_cannot_keep_the_token_is_a_refusal_not_a_traceback(tmp_path):
     """Rank 0 reads or makes the lineage token while the other ranks wait for it in a broadcast: an
     OSError there (a read-only run dir) is the same SaveFailed line on every rank."""
