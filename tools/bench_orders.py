@@ -7,7 +7,9 @@ RANKS forked processes ask at once for the sample indices of steps 0 and 100 (gl
 sample set of SAMPLES samples, first each with its own order, then through a shared file in a temporary
 folder (removed after). Printed per way: the slowest process's first step (the shuffle, or waiting for
 the one process that builds the file) and each process's proportional set size (PSS, /proc's
-smaps_rollup: a page mapped by k processes counts 1/k to each) after both steps.
+smaps_rollup: a page mapped by k processes counts 1/k to each) after both steps, once the shared
+way's build of the next epoch's file (on a thread of one process) has ended; then the slowest
+process's step that crosses into the next epoch.
 """
 from __future__ import annotations
 
@@ -39,11 +41,17 @@ def _rank(directory: str | None, samples: int, results, barrier) -> None:
     global_batch_indices(0, 512, samples, 1234, orders)
     first = time.perf_counter() - started
     global_batch_indices(100, 512, samples, 1234, orders)
-    results.put((first, _pss_mib()))
+    for thread in orders.prefetches if orders else ():  # the next epoch's order, built meanwhile: settled
+        thread.join()
+    pss = _pss_mib()
+    barrier.wait()
+    started = time.perf_counter()
+    global_batch_indices(samples // 512, 512, samples, 1234, orders)  # crosses into epoch 1
+    results.put((first, pss, time.perf_counter() - started))
     barrier.wait()  # every process measured before any exits
 
 
-def _measure(directory: str | None, samples: int, ranks: int) -> list[tuple[float, float]]:
+def _measure(directory: str | None, samples: int, ranks: int) -> list[tuple[float, float, float]]:
     context = multiprocessing.get_context("fork")
     results, barrier = context.Queue(), context.Barrier(ranks)
     processes = [context.Process(target=_rank, args=(directory, samples, results, barrier)) for _ in range(ranks)]
@@ -65,10 +73,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-orders-") as folder:
         for way, directory in (("own order", None), ("shared file", folder)):
             measured = _measure(directory, args.samples, args.ranks)
-            pss = [mib for _, mib in measured]
-            slowest = max(t for t, _ in measured)
-            print(f"{way}: {args.samples:,} samples, {args.ranks} processes: first step {slowest:.2f} s (slowest), "
-                  f"PSS {statistics.mean(pss):.0f} MiB per process, {sum(pss):.0f} MiB in all", flush=True)
+            pss = [mib for _, mib, _ in measured]
+            first, boundary = max(t for t, _, _ in measured), max(t for _, _, t in measured)
+            print(f"{way}: {args.samples:,} samples, {args.ranks} processes: first step {first:.2f} s (slowest), "
+                  f"PSS {statistics.mean(pss):.0f} MiB per process, {sum(pss):.0f} MiB in all; the step into "
+                  f"the next epoch {boundary:.2f} s", flush=True)
 
 
 if __name__ == "__main__":

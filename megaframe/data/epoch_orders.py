@@ -20,6 +20,7 @@ import fcntl
 import os
 import sys
 import tempfile
+import threading
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -42,6 +43,8 @@ class EpochOrders:
         self.directory = directory
         self.shared_from = SHARED_FROM if shared_from is None else shared_from
         self._unwritable = False
+        self._prefetched: set[tuple[int, int, int, int]] = set()  # next epochs built on a thread
+        self.prefetches: list[threading.Thread] = []  # those threads (daemons: an exit does not wait)
         # a step reaches at most the next epoch of a source; a blend's sources have a stream each
         self._mapped = lru_cache(maxsize=16)(self._map)
 
@@ -63,21 +66,51 @@ class EpochOrders:
         path, order = self.path(seed, epoch, num_samples, stream), None
         try:
             found = _load(path, num_samples)
-            if found is not None:
-                return found
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with _host_lock(path.with_name(path.name + ".lock")):
-                found = _load(path, num_samples)  # another process built it while this one waited
-                if found is None:
-                    _remove_stale_partials(path)
-                    order = build_epoch_permutation(seed, epoch, num_samples, stream)
-                    _publish(path, order)
-                    found = _load(path, num_samples)
+            if found is None:
+                order = _build_once(path, seed, epoch, num_samples, stream)
+                found = _load(path, num_samples)
         except OSError as err:
-            raise _NotShared(err.strerror or str(err), order) from None
+            raise _NotShared(err.strerror or str(err), getattr(err, "order", order)) from None
         if found is None:
             raise _NotShared(f"{path.name} is not the order it names", order)
+        self._prefetch(seed, epoch + 1, num_samples, stream)
         return found
+
+    def _prefetch(self, seed: int, epoch: int, num_samples: int, stream: int) -> None:
+        """Build the next epoch's file on a thread, once per process, while this epoch trains: its
+        shuffle (seconds to minutes at scale, numpy's without the GIL) then stalls no step at the
+        epoch boundary. A failure here is left to the step that needs the order."""
+        if (key := (seed, epoch, num_samples, stream)) in self._prefetched:
+            return
+        self._prefetched.add(key)
+        path = self.path(seed, epoch, num_samples, stream)
+
+        def build() -> None:
+            try:
+                if _load(path, num_samples) is None:
+                    _build_once(path, seed, epoch, num_samples, stream)
+            except Exception:  # noqa: BLE001 - the foreground path says what is wrong, if anything
+                pass
+        thread = threading.Thread(target=build, name="megaframe-next-epoch-order", daemon=True)
+        self.prefetches.append(thread)
+        thread.start()
+
+
+def _build_once(path: Path, seed: int, epoch: int, num_samples: int, stream: int) -> Optional[np.ndarray]:
+    """Under the host's lock, build and publish the order unless another process did meanwhile;
+    the order built here, or None."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _host_lock(path.with_name(path.name + ".lock")):
+        if _load(path, num_samples) is not None:
+            return None
+        _remove_stale_partials(path)
+        order = build_epoch_permutation(seed, epoch, num_samples, stream)
+        try:
+            _publish(path, order)
+        except OSError as err:
+            err.order = order  # the caller uses it rather than shuffle again
+            raise
+        return order
 
 
 # in the file names: a change of the shuffle (ours, or numpy's Generator stream, which NEP 19 does not
