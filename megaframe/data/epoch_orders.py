@@ -79,13 +79,18 @@ class EpochOrders:
     def _prefetch(self, seed: int, epoch: int, num_samples: int, stream: int) -> None:
         """Build the next epoch's file on a thread, once per process, while this epoch trains: its
         shuffle (seconds to minutes at scale, numpy's without the GIL) then stalls no step at the
-        epoch boundary. A failure here is left to the step that needs the order."""
+        epoch boundary. One at a time (a blend's sources all start their first epoch at step 0: at
+        once, their next orders together would be the whole set's in memory). A failure here is left
+        to the step that needs the order."""
         if (key := (seed, epoch, num_samples, stream)) in self._prefetched:
             return
         self._prefetched.add(key)
         path = self.path(seed, epoch, num_samples, stream)
+        before = self.prefetches[-1] if self.prefetches else None
 
         def build() -> None:
+            if before is not None:
+                before.join()
             try:
                 if _load(path, num_samples) is None:
                     _build_once(path, seed, epoch, num_samples, stream)

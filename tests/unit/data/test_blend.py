@@ -220,7 +220,7 @@ def test_a_blend_walks_the_same_samples_with_its_orders_shared_through_a_file(so
     names = ["s0", "s1", "s2"]
     shared = BlendedSamples(sources, stages, names, orders=EpochOrders(tmp_path / "orders", shared_from=1))
     np.testing.assert_array_equal(walk(shared, 12, 8), walk(BlendedSamples(sources, stages, names), 12, 8))
-    for thread in shared.orders.prefetches:  # the next epochs' orders, built on threads
+    for thread in shared.orders.prefetches:  # the next epochs' orders, built on threads one at a time
         thread.join(60)
     files = sorted(p.name for p in (tmp_path / "orders").glob("*.npy"))
     assert {name.split("-stream")[1][0] for name in files} == {"1", "2", "3"} and len(files) > 3, files

@@ -202,3 +202,32 @@ def test_the_orders_bench_measures_both_ways_and_leaves_nothing(tmp_path):
                       result.stdout, re.M)
     assert ways == ["own order", "shared file"], result.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_next_orders_of_several_sources_are_built_one_at_a_time(tmp_path, monkeypatch):
+    """A blend's sources all start their first epoch at step 0; their next orders built at once would
+    hold the whole set's orders in memory together."""
+    running, most = [0], [0]
+    lock = threading.Lock()
+    real = epoch_orders.build_epoch_permutation
+
+    def watched(*args, **kwargs):
+        if threading.current_thread().name != "megaframe-next-epoch-order":
+            return real(*args, **kwargs)  # this epoch's, on the step's thread
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(epoch_orders, "build_epoch_permutation", watched)
+    orders = EpochOrders(tmp_path, shared_from=1)
+    for stream in range(1, 5):
+        orders(1, 0, N, stream)
+    _settled(orders)
+    assert len(orders.prefetches) == 4 and most[0] == 1
+    assert all(orders.path(1, 1, N, stream).exists() for stream in range(1, 5))
