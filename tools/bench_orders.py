@@ -7,9 +7,9 @@ RANKS forked processes ask at once for the sample indices of steps 0 and 100 (gl
 sample set of SAMPLES samples, first each with its own order, then through a shared file in a temporary
 folder (removed after). Printed per way: the slowest process's first step (the shuffle, or waiting for
 the one process that builds the file) and each process's proportional set size (PSS, /proc's
-smaps_rollup: a page mapped by k processes counts 1/k to each) after both steps, once the shared
-way's build of the next epoch's file (on a thread of one process) has ended; then the slowest
-process's step that crosses into the next epoch.
+smaps_rollup: a page mapped by k processes counts 1/k to each) after both steps; then, after a step
+at 95% of the epoch (from which the shared way builds the next epoch's file on a thread) and that
+build, the slowest process's step that crosses into the next epoch.
 """
 from __future__ import annotations
 
@@ -41,9 +41,10 @@ def _rank(directory: str | None, samples: int, results, barrier) -> None:
     global_batch_indices(0, 512, samples, 1234, orders)
     first = time.perf_counter() - started
     global_batch_indices(100, 512, samples, 1234, orders)
-    for thread in orders.prefetches if orders else ():  # the next epoch's order, built meanwhile: settled
-        thread.join()
     pss = _pss_mib()
+    global_batch_indices(int(0.95 * samples) // 512, 512, samples, 1234, orders)  # late in the epoch
+    for thread in orders.prefetches if orders else ():  # the next epoch's order, built ahead meanwhile
+        thread.join()
     barrier.wait()
     started = time.perf_counter()
     global_batch_indices(samples // 512, 512, samples, 1234, orders)  # crosses into epoch 1

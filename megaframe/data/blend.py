@@ -215,6 +215,8 @@ class BlendedSamples:
             for epoch in np.unique(epochs):
                 these = epochs == epoch
                 picks[rows[these], 1] = self._order(seed, int(source), int(epoch), count)[offsets[these]]
+                if hasattr(self.orders, "reached"):  # shared orders: the next epoch's built ahead
+                    self.orders.reached(seed, int(epoch), count, 1 + int(source), int(offsets[these].max()) + 1)
         return picks
 
     def _order(self, seed: int, source: int, epoch: int, count: int) -> np.ndarray:

@@ -220,6 +220,8 @@ def global_batch_indices(step: int, global_batch_size: int, num_samples: int, se
         take = min(num_samples - offset, global_batch_size - filled)
         order = (orders or epoch_permutation)(seed, epoch, num_samples)
         indices[filled : filled + take] = order[offset : offset + take]
+        if hasattr(orders, "reached"):  # shared orders: the next epoch's built ahead (epoch_orders.py)
+            orders.reached(seed, epoch, num_samples, 0, offset + take)
         filled += take
         position += take
     return indices

@@ -73,8 +73,15 @@ class EpochOrders:
             raise _NotShared(err.strerror or str(err), getattr(err, "order", order)) from None
         if found is None:
             raise _NotShared(f"{path.name} is not the order it names", order)
-        self._prefetch(seed, epoch + 1, num_samples, stream)
         return found
+
+    def reached(self, seed: int, epoch: int, num_samples: int, stream: int, position: int) -> None:
+        """A step took the epoch's order up to `position`: from PREFETCH_FROM of the epoch on, the next
+        epoch's file is built on a thread (most pre-training runs never finish an epoch: they build
+        none)."""
+        if (self.directory is not None and num_samples >= self.shared_from and not self._unwritable
+                and position >= PREFETCH_FROM * num_samples):
+            self._prefetch(seed, epoch + 1, num_samples, stream)
 
     def _prefetch(self, seed: int, epoch: int, num_samples: int, stream: int) -> None:
         """Build the next epoch's file on a thread, once per process, while this epoch trains: its
@@ -89,9 +96,9 @@ class EpochOrders:
         before = self.prefetches[-1] if self.prefetches else None
 
         def build() -> None:
-            if before is not None:
-                before.join()
             try:
+                if before is not None:
+                    before.join()
                 if _load(path, num_samples) is None:
                     _build_once(path, seed, epoch, num_samples, stream)
             except Exception:  # noqa: BLE001 - the foreground path says what is wrong, if anything
@@ -122,6 +129,7 @@ def _build_once(path: Path, seed: int, epoch: int, num_samples: int, stream: int
 # fix across versions) must not serve an order built by another one
 FORMAT = "v1-numpy" + ".".join(np.__version__.split(".")[:2])
 PARTIAL_STALE_S = 3600.0  # a partial file this old was left by a process killed mid-write
+PREFETCH_FROM = 0.9  # of an epoch's samples taken: then the next epoch's order is built ahead
 
 
 class _NotShared(Exception):
@@ -173,9 +181,9 @@ def _publish(path: Path, order: np.ndarray) -> None:
 
 
 def _remove_stale_partials(path: Path) -> None:
-    """Partial files of this order that a process killed mid-write left (held under the lock: no
-    process of this host writes one now; another host's would be younger)."""
-    for partial in path.parent.glob(f".{path.name}.*.partial"):
+    """Partial files that processes killed mid-write left in the folder (a rank killed, a prefetch
+    thread ended with its process): only old ones, which no live writer still writes."""
+    for partial in path.parent.glob(".order-*.partial"):
         try:
             if time.time() - partial.stat().st_mtime > PARTIAL_STALE_S:
                 partial.unlink()
@@ -191,7 +199,8 @@ class _host_lock:
         self.path, self.handle = path, None
 
     def __enter__(self) -> "_host_lock":
-        self.handle = open(self.path, "a")
+        # read-only: flock needs no write access, and another user of a shared cache has none
+        self.handle = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self.handle, fcntl.LOCK_EX)
         except OSError:
@@ -199,4 +208,4 @@ class _host_lock:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.handle.close()
+        os.close(self.handle)

@@ -219,8 +219,19 @@ def test_a_blend_walks_the_same_samples_with_its_orders_shared_through_a_file(so
     stages = [Stage(0, tuple(normalized([0.2, 0.5, 0.3])))]
     names = ["s0", "s1", "s2"]
     shared = BlendedSamples(sources, stages, names, orders=EpochOrders(tmp_path / "orders", shared_from=1))
+    reached, told = shared.orders.reached, []
+
+    def telling(seed, epoch, count, stream, position):  # how far each source's epoch got, for the build ahead
+        told.append((stream, epoch, position))
+        reached(seed, epoch, count, stream, position)
+    shared.orders.reached = telling
     np.testing.assert_array_equal(walk(shared, 12, 8), walk(BlendedSamples(sources, stages, names), 12, 8))
+    assert {stream for stream, _, _ in told} == {1, 2, 3}
+    assert all(0 < position <= len(sources[stream - 1]) for stream, _, position in told)
     for thread in shared.orders.prefetches:  # the next epochs' orders, built on threads one at a time
         thread.join(60)
+    ahead = [(stream, epoch) for stream, epoch, position in told if position >= 0.9 * len(sources[stream - 1])]
+    assert ahead and all(shared.orders.path(7, epoch + 1, len(sources[stream - 1]), stream).exists()
+                         for stream, epoch in ahead), ahead
     files = sorted(p.name for p in (tmp_path / "orders").glob("*.npy"))
     assert {name.split("-stream")[1][0] for name in files} == {"1", "2", "3"} and len(files) > 3, files
