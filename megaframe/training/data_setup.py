@@ -96,7 +96,10 @@ def build_blend(cfg: DataConfig, seq_length: int) -> DataSplits:
 
 def _orders(cfg: DataConfig) -> EpochOrders:
     """The training set's epoch orders: shared by the host's ranks through data.cache_dir once large."""
-    return EpochOrders(cache_dir(cfg.cache_dir) / "orders")
+    try:
+        return EpochOrders(cache_dir(cfg.cache_dir) / "orders")
+    except (RuntimeError, KeyError):  # no home directory (a container's user without one): in memory
+        return EpochOrders(None)
 
 
 def build_data(cfg: DataConfig, seq_length: int) -> DataSplits:

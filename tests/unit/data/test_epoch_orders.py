@@ -248,3 +248,20 @@ def test_the_next_orders_of_several_sources_are_built_one_at_a_time(tmp_path, mo
     _settled(orders)
     assert len(orders.prefetches) == 4 and most[0] == 1
     assert all(orders.path(1, 1, N, stream).exists() for stream in range(1, 5))
+
+
+def test_a_user_without_a_home_directory_trains_data_path_with_orders_in_memory(tmp_path, monkeypatch):
+    """data.path needs no cache (the demo corpus does): a container's user without a home directory
+    trains it, its orders in memory, as before there was a shared one."""
+    from pathlib import Path as RealPath
+
+    from megaframe.config.compose import compose
+    from megaframe.training.data_setup import _orders
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(RealPath, "home", staticmethod(no_home))
+    cfg, _ = compose(["data.path=/nowhere/corpus"])
+    assert _orders(cfg.data).directory is None
