@@ -19,9 +19,7 @@ from __future__ import annotations
 import fcntl
 import os
 import sys
-import tempfile
 import threading
-import time
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -29,6 +27,7 @@ from typing import Optional
 import numpy as np
 
 from megaframe.data.dataset import build_epoch_permutation, epoch_permutation
+from megaframe.data.temp_files import open_temp, remove_orphans
 
 # samples from which an order goes through the file (64 MiB of int32); smaller ones stay in memory
 SHARED_FROM = 1 << 24
@@ -115,7 +114,7 @@ def _build_once(path: Path, seed: int, epoch: int, num_samples: int, stream: int
     with _host_lock(path.with_name(path.name + ".lock")):
         if _load(path, num_samples) is not None:
             return None
-        _remove_stale_partials(path)
+        remove_orphans(path, suffixes=(TEMP_SUFFIX,))  # what a writer killed on this host left
         order = build_epoch_permutation(seed, epoch, num_samples, stream)
         try:
             _publish(path, order)
@@ -128,7 +127,7 @@ def _build_once(path: Path, seed: int, epoch: int, num_samples: int, stream: int
 # in the file names: a change of the shuffle (ours, or numpy's Generator stream, which NEP 19 does not
 # fix across versions) must not serve an order built by another one
 FORMAT = "v1-numpy" + ".".join(np.__version__.split(".")[:2])
-PARTIAL_STALE_S = 3600.0  # a partial file this old was left by a process killed mid-write
+TEMP_SUFFIX = "order"  # temp_files' naming: .NAME.order.HOST-PID.XXXXXXXX.tmp
 PREFETCH_FROM = 0.9  # of an epoch's samples taken: then the next epoch's order is built ahead
 
 
@@ -161,7 +160,7 @@ def _publish(path: Path, order: np.ndarray) -> None:
     """Written aside, then linked to its name: a reader sees the whole order or none, and a file
     another host published meanwhile (where the lock does not reach across hosts) is kept, not
     replaced under the ranks that map it (on NFS a replaced file's pages can no longer be read)."""
-    handle, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    handle, partial = open_temp(path.parent, path.name, TEMP_SUFFIX)
     try:
         os.fchmod(handle, 0o644)  # mkstemp's 0600 would keep the other users of a shared cache out
         with os.fdopen(handle, "wb") as out:
@@ -178,17 +177,6 @@ def _publish(path: Path, order: np.ndarray) -> None:
             os.replace(partial, path)
     finally:
         Path(partial).unlink(missing_ok=True)
-
-
-def _remove_stale_partials(path: Path) -> None:
-    """Partial files that processes killed mid-write left in the folder (a rank killed, a prefetch
-    thread ended with its process): only old ones, which no live writer still writes."""
-    for partial in path.parent.glob(".order-*.partial"):
-        try:
-            if time.time() - partial.stat().st_mtime > PARTIAL_STALE_S:
-                partial.unlink()
-        except OSError:
-            pass
 
 
 class _host_lock:

@@ -1,8 +1,8 @@
-"""The hidden temp files a dataset is written to before it moves into place, named after their
-writer (`.NAME.SUFFIX.HOST-PID.XXXXXXXX.tmp`), so that those a SIGKILLed megaframe-preprocess left
-behind (as large as its output; no handler runs on SIGKILL) are found and removed by the next
-writer of the same prefix. Only files of this host whose writing process is gone are removed: a
-live writer's, or one on another node of a shared file system, is never touched."""
+"""The hidden temp files a dataset (or an epoch order, epoch_orders.py) is written to before it
+moves into place, named after their writer (`.NAME.SUFFIX.HOST-PID.XXXXXXXX.tmp`), so that those a
+SIGKILLed writer left behind (as large as its output; no handler runs on SIGKILL) are found and
+removed by the next writer of the same name. Only files of this host whose writing process is gone
+are removed: a live writer's, or one on another node of a shared file system, is never touched."""
 from __future__ import annotations
 
 import os
@@ -34,9 +34,9 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def remove_orphans(prefix: Path) -> list[Path]:
+def remove_orphans(prefix: Path, suffixes: tuple[str, ...] = _SUFFIXES) -> list[Path]:
     """Remove the temp files that a writer of `prefix` on this host left when it was killed; return them."""
-    pattern = re.compile(rf"\.{re.escape(prefix.name)}\.(?:{'|'.join(_SUFFIXES)})\.(?P<host>.+)-(?P<pid>\d+)\.[^.]+\.tmp")
+    pattern = re.compile(rf"\.{re.escape(prefix.name)}\.(?:{'|'.join(suffixes)})\.(?P<host>.+)-(?P<pid>\d+)\.[^.]+\.tmp")
     removed = []
     try:
         entries = list(os.scandir(prefix.parent))

@@ -124,7 +124,7 @@ def test_processes_that_ask_at_once_build_the_order_once(tmp_path):
     assert len([line for line in counts.read_text().splitlines() if line.endswith(" epoch 1")]) == 1
     for i in range(3):
         np.testing.assert_array_equal(np.load(tmp_path / f"{i}.npy"), build_epoch_permutation(4, 1, N))
-    assert not list((tmp_path / "orders").glob("*.partial"))
+    assert not list((tmp_path / "orders").glob(".*.tmp"))
 
 
 @pytest.mark.parametrize("damage", ["truncated", "another shape", "not npy", "empty"])
@@ -144,14 +144,21 @@ def test_a_damaged_file_is_rebuilt_not_read(tmp_path, damage):
     np.testing.assert_array_equal(np.load(path), build_epoch_permutation(9, 0, N))
 
 
-def test_a_partial_file_a_killed_writer_left_is_removed_once_stale(tmp_path):
+def test_a_partial_file_a_killed_writer_left_is_removed_once_its_writer_is_gone(tmp_path):
+    """The temp file of a writer on this host that is gone (killed mid-write: a rank, or a build ahead
+    ended with its process) is removed by the next build; a live writer's is not (temp_files.py)."""
+    import subprocess
+
+    from megaframe.data.temp_files import _host
+
     orders = EpochOrders(tmp_path, shared_from=1)
     path = orders.path(3, 0, N, 0)
-    stale, fresh = tmp_path / f".{path.name}.a.partial", tmp_path / f".{path.name}.b.partial"
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    stale = tmp_path / f".{path.name}.order.{_host()}-{ended.pid}.abcd1234.tmp"
+    fresh = tmp_path / f".{path.name}.order.{_host()}-{os.getppid()}.abcd1234.tmp"  # a live writer
     stale.write_bytes(b"x" * 100)
-    fresh.write_bytes(b"x" * 100)  # another host may be writing it now
-    old = time.time() - epoch_orders.PARTIAL_STALE_S - 10
-    os.utime(stale, (old, old))
+    fresh.write_bytes(b"x" * 100)
     orders(3, 0, N)
     assert not stale.exists() and fresh.exists()
 
@@ -174,7 +181,7 @@ def test_a_full_disk_uses_the_order_it_built_and_says_so(tmp_path, monkeypatch, 
     orders = EpochOrders(tmp_path, shared_from=1)
     np.testing.assert_array_equal(orders(8, 0, N + 1), real(8, 0, N + 1))
     np.testing.assert_array_equal(orders(8, 0, N + 1), real(8, 0, N + 1))
-    assert len(built) == 1 and not list(tmp_path.glob("*.npy")) and not list(tmp_path.glob(".*.partial"))
+    assert len(built) == 1 and not list(tmp_path.glob("*.npy")) and not list(tmp_path.glob(".*.tmp"))
     assert "No space left on device" in capsys.readouterr().err
 
 
