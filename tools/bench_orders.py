@@ -33,9 +33,9 @@ def _pss_mib() -> float:
 
 def _rank(directory: str | None, samples: int, results, barrier) -> None:
     from megaframe.data.dataset import global_batch_indices
-    from megaframe.data.epoch_orders import EpochOrders
+    from megaframe.data.epoch_orders import IN_MEMORY, EpochOrders
 
-    orders = EpochOrders(Path(directory), shared_from=1) if directory else None
+    orders = EpochOrders(Path(directory), shared_from=1) if directory else IN_MEMORY
     barrier.wait()
     started = time.perf_counter()
     global_batch_indices(0, 512, samples, 1234, orders)
@@ -43,7 +43,7 @@ def _rank(directory: str | None, samples: int, results, barrier) -> None:
     global_batch_indices(100, 512, samples, 1234, orders)
     pss = _pss_mib()
     global_batch_indices(int(0.95 * samples) // 512, 512, samples, 1234, orders)  # late in the epoch
-    for thread in orders.prefetches if orders else ():  # the next epoch's order, built ahead meanwhile
+    for thread in orders.prefetches:  # the next epoch's order, built ahead meanwhile (shared way)
         thread.join()
     barrier.wait()
     started = time.perf_counter()

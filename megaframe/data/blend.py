@@ -21,12 +21,13 @@ does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from megaframe.config import blend_spec
-from megaframe.data.dataset import SampleSet, build_epoch_permutation, windows_batch
+from megaframe.data.dataset import SampleSet, windows_batch
+from megaframe.data.epoch_orders import IN_MEMORY, EpochOrders
 from megaframe.data.indexed import DataError
 
 __all__ = ["BlendCursor", "BlendedSamples", "Stage", "normalized", "parse_blend"]
@@ -118,10 +119,10 @@ class BlendedSamples:
     path uses (step_indices, ordered, batch, len)."""
 
     def __init__(self, sources: Sequence[SampleSet], stages: Sequence[Stage], names: Sequence[str],
-                 shuffle: bool = True, orders: Optional[Callable[..., np.ndarray]] = None) -> None:
+                 shuffle: bool = True, orders: EpochOrders = IN_MEMORY) -> None:
         """`stages[0].start_step` must be 0; `names` label the sources in metrics; orders: where the
-        sources' epoch orders come from (epoch_orders.EpochOrders), else this process's memory."""
-        self.orders = orders or build_epoch_permutation
+        sources' epoch orders come from (default: this process's memory)."""
+        self.orders = orders
         if not stages or stages[0].start_step != 0:
             raise DataError("data.blend_schedule: the first stage must start at step 0")
         if any(len(stage.weights) != len(sources) for stage in stages):
@@ -133,7 +134,7 @@ class BlendedSamples:
         self._eval_cursor = BlendCursor.start(len(sources))
         self._eval_picks = np.empty((0, 2), dtype=np.int64)
         # each source's epoch orders in use: {source: {(seed, epoch): permutation}}, at most two.
-        # dataset.epoch_permutation's process-wide cache holds 16, and a step walks every source in
+        # epoch_orders.epoch_permutation's process-wide cache holds 16, and a step walks every source in
         # turn: with more sources than that (a blend that lists each shard) every source's order
         # was rebuilt on every step, on every rank
         self._orders: dict[int, dict[tuple[int, int], np.ndarray]] = {}
@@ -215,8 +216,8 @@ class BlendedSamples:
             for epoch in np.unique(epochs):
                 these = epochs == epoch
                 picks[rows[these], 1] = self._order(seed, int(source), int(epoch), count)[offsets[these]]
-                if hasattr(self.orders, "reached"):  # shared orders: the next epoch's built ahead
-                    self.orders.reached(seed, int(epoch), count, 1 + int(source), int(offsets[these].max()) + 1)
+                # shared orders build the next epoch's ahead
+                self.orders.reached(seed, int(epoch), count, 1 + int(source), int(offsets[these].max()) + 1)
         return picks
 
     def _order(self, seed: int, source: int, epoch: int, count: int) -> np.ndarray:

@@ -8,11 +8,11 @@ the common case; fractions only appear when split_documents must split a single-
 from __future__ import annotations
 
 import math
-from functools import lru_cache
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 
+from megaframe.data.epoch_orders import IN_MEMORY, EpochOrders, build_epoch_permutation, epoch_permutation  # noqa: F401
 from megaframe.data.indexed import DataError, IndexedDataset
 
 if TYPE_CHECKING:
@@ -98,11 +98,10 @@ class TokenStream:
 class SampleSet:
     """Non-overlapping training windows over a TokenStream; sample i holds seq_length + 1 tokens."""
 
-    def __init__(self, stream: TokenStream, seq_length: int,
-                 orders: Optional[Callable[..., np.ndarray]] = None) -> None:
+    def __init__(self, stream: TokenStream, seq_length: int, orders: EpochOrders = IN_MEMORY) -> None:
         """Cut `stream` into (len(stream) - 1) // seq_length windows; DataError if that is zero.
-        orders: where epoch orders come from (epoch_orders.EpochOrders), else this process's memory."""
-        self.orders = orders or epoch_permutation
+        orders: where epoch orders come from (default: this process's memory)."""
+        self.orders = orders
         if seq_length < 1:
             raise DataError(f"model.seq_length={seq_length}: must be at least 1")
         self.stream = stream
@@ -178,31 +177,14 @@ def windows_batch(windows: Sequence[np.ndarray], positions: Optional[np.ndarray]
     return torch.from_numpy(np.ascontiguousarray(inputs)), torch.from_numpy(np.ascontiguousarray(targets))
 
 
-def build_epoch_permutation(seed: int, epoch: int, num_samples: int, stream: int = 0) -> np.ndarray:
-    """The order of a sample set's epoch: seeded by (seed, epoch), and by `stream` (a blend's source
-    number + 1) too when it is not 0. Read-only. int32 below 2^31 samples: every rank holds the
-    epochs it is in, and at 500M samples (2T tokens of 4k) int64 took 4 GB a rank; the shuffle draws
-    the same swaps whatever the dtype, so the order is Generator.permutation(num_samples)'s."""
-    key = [seed, epoch] if stream == 0 else [seed, stream, epoch]
-    permutation = np.arange(num_samples, dtype=np.int32 if num_samples < 2**31 else np.int64)
-    np.random.default_rng(key).shuffle(permutation)
-    permutation.setflags(write=False)
-    return permutation
-
-
-# one sample set's orders, cached: a step touches its current epoch and perhaps the next (a blend
-# keeps its sources' orders itself, BlendedSamples._order)
-epoch_permutation = lru_cache(maxsize=16)(build_epoch_permutation)
-
-
 def global_batch_indices(step: int, global_batch_size: int, num_samples: int, seed: int,
-                         orders: Optional[Callable[..., np.ndarray]] = None) -> np.ndarray:
+                         orders: EpochOrders = IN_MEMORY) -> np.ndarray:
     """Sample indices of global step `step`: positions [step*G, (step+1)*G) of an endless chain of seeded epochs.
 
     Epoch e is np.random.default_rng([seed, e]).permutation(num_samples). The result depends only
     on the arguments (not on data-parallel size, micro-batch size or earlier calls), and only the
     epochs this step touches are generated. orders: where they come from (default: this process's
-    memory, epoch_permutation).
+    memory).
     """
     if step < 0:
         raise DataError(f"step={step}: must be non-negative")
@@ -218,10 +200,8 @@ def global_batch_indices(step: int, global_batch_size: int, num_samples: int, se
     while filled < global_batch_size:
         epoch, offset = divmod(position, num_samples)
         take = min(num_samples - offset, global_batch_size - filled)
-        order = (orders or epoch_permutation)(seed, epoch, num_samples)
-        indices[filled : filled + take] = order[offset : offset + take]
-        if hasattr(orders, "reached"):  # shared orders: the next epoch's built ahead (epoch_orders.py)
-            orders.reached(seed, epoch, num_samples, 0, offset + take)
+        indices[filled : filled + take] = orders(seed, epoch, num_samples)[offset : offset + take]
+        orders.reached(seed, epoch, num_samples, 0, offset + take)  # shared orders build the next ahead
         filled += take
         position += take
     return indices

@@ -6,7 +6,7 @@ that is 2 GiB of int32 per rank, 16 GiB on a node of eight GPUs, and over 2^31 s
 boundary. As Megatron-LM caches its shuffle index (--data-cache-path), the first process on a host
 to need an epoch's order writes it to data.cache_dir/orders/ and every process maps that file
 read-only: the page cache holds one copy per host, and a later run of the same data and seed loads
-it. The order is bitwise the in-memory one (dataset.build_epoch_permutation), so runs do not change
+it. The order is bitwise the in-memory one (build_epoch_permutation), so runs do not change
 their data when the size crosses SHARED_FROM or the cache is lost.
 
 The file lock only saves duplicate work: the content is a function of its name (which holds the
@@ -26,11 +26,27 @@ from typing import Optional
 
 import numpy as np
 
-from megaframe.data.dataset import build_epoch_permutation, epoch_permutation
 from megaframe.data.temp_files import open_temp, remove_orphans
 
 # samples from which an order goes through the file (64 MiB of int32); smaller ones stay in memory
 SHARED_FROM = 1 << 24
+
+
+def build_epoch_permutation(seed: int, epoch: int, num_samples: int, stream: int = 0) -> np.ndarray:
+    """The order of a sample set's epoch: seeded by (seed, epoch), and by `stream` (a blend's source
+    number + 1) too when it is not 0. Read-only. int32 below 2^31 samples: every rank holds the
+    epochs it is in, and at 500M samples (2T tokens of 4k) int64 took 4 GB a rank; the shuffle draws
+    the same swaps whatever the dtype, so the order is Generator.permutation(num_samples)'s."""
+    key = [seed, epoch] if stream == 0 else [seed, stream, epoch]
+    permutation = np.arange(num_samples, dtype=np.int32 if num_samples < 2**31 else np.int64)
+    np.random.default_rng(key).shuffle(permutation)
+    permutation.setflags(write=False)
+    return permutation
+
+
+# one sample set's orders, cached: a step touches its current epoch and perhaps the next (a blend
+# keeps its sources' orders itself, BlendedSamples._order)
+epoch_permutation = lru_cache(maxsize=16)(build_epoch_permutation)
 
 
 class EpochOrders:
@@ -197,3 +213,6 @@ class _host_lock:
 
     def __exit__(self, *exc) -> None:
         os.close(self.handle)
+
+
+IN_MEMORY = EpochOrders(None)  # every order in this process's memory: small sets, and no data.cache_dir

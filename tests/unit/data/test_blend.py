@@ -140,7 +140,7 @@ def test_a_blend_of_many_sources_builds_each_sources_epoch_order_once(tmp_path, 
     every sample of the source: seconds at millions of samples, on every rank). Now each order is
     built once while the walk is in its epoch, and the picks are those of a fresh blend per step (a
     resumed run's), under any seed."""
-    import megaframe.data.blend as blend_module
+    import megaframe.data.epoch_orders as orders_module
 
     many = [sample_set(tmp_path / f"s{i}", i, 3 + i % 4) for i in range(20)]
     built = []
@@ -149,8 +149,8 @@ def test_a_blend_of_many_sources_builds_each_sources_epoch_order_once(tmp_path, 
         built.append((stream, epoch))
         return build(seed, epoch, count, stream)
 
-    build = blend_module.build_epoch_permutation
-    monkeypatch.setattr(blend_module, "build_epoch_permutation", counted)
+    build = orders_module.build_epoch_permutation
+    monkeypatch.setattr(orders_module, "build_epoch_permutation", counted)
     weights = [1.0] * len(many)
     samples = blend(many, weights)
     steps = walk(samples, steps=12, batch=40)
