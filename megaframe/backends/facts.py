@@ -45,7 +45,6 @@ class EngineFacts:
     pipeline_schedules: tuple[tuple[str, int], ...]  # (parallel.pipeline_schedule, virtual_stages) the search tries
     schedules_need_micro_batches: bool  # its pipeline refuses a micro-batch count its schedule cannot run
     split_backward_zero_stages: tuple[int, ...]  # stages a split-backward schedule (zbv, ...) runs at
-    dry_run_pipeline: bool  # megaframe-plan --dry-run builds its pipeline stages (DeepSpeed's partition)
     memory: MemoryTerms
     # its optimizer steps each parameter's own tensor (whole, or a DTensor's row shard), not flat
     # partitions of many: an optimizer that needs a parameter's shape (Muon: optim/rules.py) runs on it
@@ -53,3 +52,13 @@ class EngineFacts:
     # the ZeRO stages whose flat partitions it describes to the optimizer (where each matrix lies in
     # each rank's partition: optim/sharded.py's FlatPartition), so Muon assembles matrices from them
     described_partition_stages: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class MetaStages:
+    """One pipeline rank's share of a model as its engine builds it, on the meta device and without
+    process groups (the plug's meta_stages: megaframe-plan --dry-run)."""
+
+    stages: tuple[int, ...]  # the pipeline stages this rank runs (several under looped and V schedules)
+    layers: tuple[int, ...]  # what they hold: indices into ModelSpec's layer list, stage by stage
+    parameters: int  # the parameters the built modules hold on this rank

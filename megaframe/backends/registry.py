@@ -38,6 +38,8 @@ class EnginePlug:
     config_problem: Callable[[TrainConfig], Optional[str]]  # the engine's own rules, for validate()
     layout_problem: Callable[[TrainConfig, Layout], Optional[str]]  # its rules on the resolved layout
     config_warnings: Callable[[TrainConfig, Layout], list[str]]  # legal, but the engine will not do all asked
+    # (dims, grid, rank, partition, schedule, virtual_stages) -> MetaStages: rank's stages built on the meta device
+    meta_stages: Callable[..., Any]
     facts: EngineFacts  # what the planner and validation read of it (backends/facts.py)
 
 

@@ -20,7 +20,7 @@ from megaframe.plan.report import as_json, gib, table, verdict
 from megaframe.plan.search import fitting_layouts, layout_overrides
 
 PROG = "megaframe-plan"
-# --dry-run builds one rank's blocks as modules; the deepest real models have ~100 blocks a stage
+# --dry-run builds blocks as modules; the deepest real models have ~100 blocks a stage, ~130 in all
 DRY_RUN_MAX_BLOCKS = 10_000
 
 
@@ -118,32 +118,27 @@ def _dry_run_flag(args: list[str]) -> tuple[list[str], Optional[int]]:
 
 
 def dry_run_report(cfg: TrainConfig, layout: Layout, rank: int) -> dict:
-    """The meta-device build of `rank` next to the planner's count for its stage."""
-    from megaframe.backends.registry import engine_facts
+    """The meta-device build of `rank` by its engine next to the planner's count for that rank."""
     from megaframe.model.dims import resolve_dims
-    from megaframe.plan.estimate import planning_device_type, planning_vocab_size
-    from megaframe.plan.memory import stage_blocks, stage_parameters
+    from megaframe.plan.estimate import planning_device_type, planning_vocab_size, rank_parameters
 
     if not 0 <= rank < layout.world_size:
         raise ConfigError(f"--dry-run={rank}: the layout has ranks 0..{layout.world_size - 1}")
-    if layout.pp > 1 and not engine_facts(cfg.backend.name).dry_run_pipeline:
-        # its build is DeepSpeed's PipelineModule partition; FSDP2's stages per rank are checked
-        # against the planner by tests/unit/parallel/test_pipeline_schedules.py instead
-        raise ConfigError(f"--dry-run with backend={cfg.backend.name} and parallel.pp={layout.pp}: the meta-device build "
-                          f"follows DeepSpeed's pipeline; drop --dry-run (the table counts {cfg.backend.name}'s stages "
-                          f"per rank)")
     dims = resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp, device_type=planning_device_type(cfg))
-    blocks = stage_blocks(dims, layout.tp, layout.pp, layout.grid.coords(rank).pp, cfg.parallel.pipeline_partition)
+    # a whole model, and FSDP2's pipeline ranks (they cut the model built whole), build every block
+    blocks = dims.num_layers
     if blocks > DRY_RUN_MAX_BLOCKS:  # model.num_layers=100000000 --dry-run=0 took 20 GB before the OOM killer came
-        raise ConfigError(f"--dry-run={rank}: its stage holds {blocks:,} blocks, each built as Python modules on the "
+        raise ConfigError(f"--dry-run={rank}: the model holds {blocks:,} blocks, each built as Python modules on the "
                           f"meta device (beyond {DRY_RUN_MAX_BLOCKS:,} that takes minutes and gigabytes); drop "
                           f"--dry-run (the table counts them by kind) or check model.num_layers for a typo")
     from megaframe.plan.dryrun import dry_run  # torch and the model: imported once the checks have passed
 
-    built = dry_run(dims, layout.grid, rank, cfg.parallel.pipeline_partition)
-    planned = stage_parameters(dims, layout.tp, layout.pp, built.stage, cfg.parallel.pipeline_partition, layout.grid.ep)
-    return {"rank": rank, "stage": built.stage, "tp_rank": built.tp_rank, "layers": built.layers,
-            "parameters": built.parameters, "planner_parameters": planned}
+    p = cfg.parallel
+    built = dry_run(dims, layout.grid, rank, p.pipeline_partition, cfg.backend.name, p.pipeline_schedule,
+                    p.virtual_stages)
+    planned = rank_parameters(dims, plan_layout(cfg, layout), built.stage)
+    return {"rank": rank, "stage": built.stage, "stages": list(built.stages), "tp_rank": built.tp_rank,
+            "layers": built.layers, "parameters": built.parameters, "planner_parameters": planned}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -171,7 +166,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(table(est, cfg.plan.mfu, alternatives, auto))
         if dry is not None:
             layers = dry["layers"] if len(dry["layers"]) <= 6 else [*dry["layers"][:3], "...", *dry["layers"][-2:]]
-            print(f"\ndry run (meta device, no process group): rank {dry['rank']} = stage {dry['stage']}, tp rank "
+            stages = f"stage {dry['stage']}" if len(dry["stages"]) == 1 else \
+                f"pipeline rank {dry['stage']} (stages {', '.join(map(str, dry['stages']))})"
+            print(f"\ndry run (meta device, no process group): rank {dry['rank']} = {stages}, tp rank "
                   f"{dry['tp_rank']}: {', '.join(layers)}; {dry['parameters']:,} parameters "
                   f"(planner: {dry['planner_parameters']:,})")
 

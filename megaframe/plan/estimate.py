@@ -159,6 +159,25 @@ def _ring(n: int) -> float:
     return 2 * (n - 1) / n if n > 1 else 0.0
 
 
+def rank_stages(lay: PlanLayout, stage: int) -> list[int]:
+    """The pipeline stages pipeline rank `stage` runs: one, or under FSDP2's multi-stage schedules
+    several (the rank's share of pp x v stages; a V-shaped schedule's rank 0 holds the first and the last)."""
+    return stage_indices(lay.pipeline_schedule, lay.pp, lay.virtual_stages, stage) if lay.pp > 1 else [0]
+
+
+def rank_parameters(dims: GPTDims, lay: PlanLayout, stage: int) -> int:
+    """Parameters one rank of pipeline rank `stage` holds, over the stages it runs (megaframe-plan
+    --dry-run builds them and compares)."""
+    chunks = rank_stages(lay, stage)
+    cuts = lay.pp * len(chunks)
+    params = sum(stage_parameters(dims, lay.tp, cuts, c, lay.partition, lay.grid.ep) for c in chunks)
+    if not engine_facts(lay.engine).memory.tied_copy_holds_positions and cuts > 1 and cuts - 1 in chunks \
+            and dims.tie_embeddings and dims.position_embedding == "learned":
+        # DeepSpeed's last stage holds the whole tied embedding layer; FSDP2's copy is the token table alone
+        params -= dims.seq_length * dims.hidden_size
+    return params
+
+
 def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reserved: float,
                    host_counts_as_device: bool, zero: Optional[ZeroConfig] = None,
                    device: str = "cuda", optim: OptimizerTerms = ADAMW, fp8: Optional[Fp8Config] = None) -> StageEstimate:
@@ -170,15 +189,9 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     fp8 = fp8 or Fp8Config()
     ep = lay.grid.ep
     terms = engine_facts(lay.engine).memory  # how this engine holds what (backends/facts.py)
-    # the pipeline stages this rank runs: one, or under FSDP2's multi-stage schedules several (the
-    # rank's share of pp x v stages; a V-shaped schedule's rank 0 holds the first and the last)
-    chunks = stage_indices(lay.pipeline_schedule, lay.pp, lay.virtual_stages, stage) if lay.pp > 1 else [0]
+    chunks = rank_stages(lay, stage)
     cuts = lay.pp * len(chunks)
-    params = sum(stage_parameters(dims, lay.tp, cuts, c, lay.partition, ep) for c in chunks)
-    if not terms.tied_copy_holds_positions and cuts > 1 and cuts - 1 in chunks and dims.tie_embeddings \
-            and dims.position_embedding == "learned":
-        # DeepSpeed's last stage holds the whole tied embedding layer; FSDP2's copy is the token table alone
-        params -= dims.seq_length * dims.hidden_size
+    params = rank_parameters(dims, lay, stage)
     experts = sum(stage_expert_parameters(dims, lay.tp, cuts, c, lay.partition, ep) for c in chunks)
     # cut as the parameters are (ep: a parameter-balanced cut weighs this rank's experts)
     chunk_blocks = {c: stage_blocks(dims, lay.tp, cuts, c, lay.partition, ep=ep) for c in chunks}
@@ -386,8 +399,7 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
         # each MoE block and micro-batch: tokens to their experts' ranks and back, forward and
         # backward (again in a recomputed forward); a rank sends (ep-1)/ep of its top_k copies. Each
         # TP rank routes 1/tp of the tokens.
-        chunks = stage_indices(lay.pipeline_schedule, lay.pp, lay.virtual_stages, stage.stage) if lay.pp > 1 else [0]
-        # the stages this rank runs (several under FSDP2's multi-stage schedules)
+        chunks = rank_stages(lay, stage.stage)
         moe_blocks = sum(stage_blocks(dims, lay.tp, lay.pp * len(chunks), c, lay.partition, moe_only=True,
                                       ep=lay.grid.ep) for c in chunks)
         sent = local / lay.tp * dims.moe.top_k * dims.hidden_size * e * (lay.grid.ep - 1) / lay.grid.ep

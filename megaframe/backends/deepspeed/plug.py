@@ -9,7 +9,7 @@ FACTS = EngineFacts(
     zero_stages=(0, 1, 2, 3), pipeline_zero_stages=(0, 1),  # its pipeline engine: ZeRO 0-1 (rules.py)
     per_module_gather_stages=(3,), param_offload_stages=(3,),
     pipeline_schedules=(("1f1b", 1),), schedules_need_micro_batches=False,  # its 1F1B takes any count
-    split_backward_zero_stages=(), dry_run_pipeline=True,
+    split_backward_zero_stages=(),
     # its fp32 masters (and under ZeRO at fp32 a flat partition) by stage; a pipeline's tied embedding
     # is the TiedLayerSpec's whole module on both ends
     memory=MemoryTerms(states=ZERO_PAPER, unsharded=ZERO_BUFFERS, shards_within_replica=False,
@@ -22,4 +22,4 @@ PLUG = lazy_plug("deepspeed", FACTS, build="engine:DeepSpeedBackend", init_distr
                  device_supports_bf16="accelerator:device_supports_bf16",
                  system_problem="system:system_problem", expert_parallel_problem="system:expert_parallel_problem",
                  stage_boundaries="pipeline:stage_boundaries", config_problem="rules:config_problem", layout_problem="rules:layout_problem",
-                 config_warnings="rules:config_warnings")
+                 config_warnings="rules:config_warnings", meta_stages="meta_stages:meta_stages")

@@ -9,7 +9,7 @@ from megaframe.backends.registry import lazy_plug
 FACTS = EngineFacts(
     zero_stages=(2, 3), pipeline_zero_stages=(2, 3), per_module_gather_stages=(2, 3), param_offload_stages=(),
     pipeline_schedules=(("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2)), schedules_need_micro_batches=True,
-    split_backward_zero_stages=(2,), dry_run_pipeline=False,
+    split_backward_zero_stages=(2,),
     # fp32 shards are the masters; HSDP shards within a replica; a pipeline's last stage ties the token table alone
     memory=MemoryTerms(states=SHARDED_FP32, unsharded=SHARD_GROUPS, shards_within_replica=True,
                        tied_copy_holds_positions=False),
@@ -19,4 +19,4 @@ PLUG = lazy_plug("fsdp2", FACTS, build="engine:Fsdp2Backend", init_distributed="
                  device_supports_fp16="engine:device_supports_fp16", device_supports_bf16="engine:device_supports_bf16",
                  system_problem="rules:system_problem", expert_parallel_problem="rules:expert_parallel_problem",
                  stage_boundaries="rules:stage_boundaries", config_problem="rules:config_problem", layout_problem="rules:layout_problem",
-                 config_warnings="rules:config_warnings")
+                 config_warnings="rules:config_warnings", meta_stages="meta_stages:meta_stages")

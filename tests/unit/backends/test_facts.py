@@ -99,18 +99,3 @@ def test_the_planner_reads_the_facts_without_importing_torch_or_an_engine():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
-
-
-def test_the_dry_run_refuses_a_pipeline_it_does_not_build():
-    """megaframe-plan --dry-run builds DeepSpeed's pipeline partition on the meta device (its facts:
-    dry_run_pipeline; tests/dist/test_dryrun_pipeline.py builds it); for FSDP2, whose stages per
-    rank it does not follow, a pipelined dry run is refused before anything is built."""
-    from megaframe.plan.cli import dry_run_report
-
-    assert engine("deepspeed").facts.dry_run_pipeline and not engine("fsdp2").facts.dry_run_pipeline
-    cfg = _cfg("fsdp2", 3, 2)
-    with pytest.raises(ConfigError) as refused:
-        dry_run_report(cfg, resolve_layout(cfg, 2), 1)
-    assert str(refused.value) == (
-        "--dry-run with backend=fsdp2 and parallel.pp=2: the meta-device build follows DeepSpeed's pipeline; drop "
-        "--dry-run (the table counts fsdp2's stages per rank)")

@@ -108,14 +108,3 @@ def test_deepspeed_refuses_torch_schedules_naming_fsdp2(capsys):
         check(["parallel.pp=2", "parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_stages=2"])
     line = capsys.readouterr().err.strip()
     assert "DeepSpeed's pipeline engine runs 1f1b" in line and "backend=fsdp2" in line and "\n" not in line
-
-
-def test_the_dry_run_refuses_an_fsdp2_pipeline_in_one_line(capsys):
-    from megaframe.plan.cli import main
-
-    with pytest.raises(SystemExit) as ended:
-        main(["--dry-run=0", *FSDP2, "zero=stage2", "parallel.pp=2", "parallel.pipeline_schedule=zbv",
-              "parallel.micro_batch_size=2"])
-    assert ended.value.code == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("megaframe-plan: error: --dry-run with backend=fsdp2 and parallel.pp=2"), line

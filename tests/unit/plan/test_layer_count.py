@@ -113,7 +113,7 @@ def test_a_hundred_million_layers_plan_in_a_fraction_of_a_second(args, blocks, c
     (["model.num_layers=3000000000"], "model.num_layers=3000000000 is beyond the 32-bit sizes"),
     # the meta-device build of one rank is per layer by nature: 20 GB before the OOM killer came
     ([HUGE, "parallel.pp=2", "parallel.global_batch_size=32", "--dry-run=1"],
-     "--dry-run=1: its stage holds 50,000,000 blocks"),
+     "--dry-run=1: the model holds 100,000,000 blocks"),
 ])
 def test_what_no_machine_can_run_is_one_line(args, line, capsys):
     with pytest.raises(SystemExit) as ended:
