@@ -195,9 +195,26 @@ def _publish(path: Path, order: np.ndarray) -> None:
         Path(partial).unlink(missing_ok=True)
 
 
+# The lock handles this process holds. A flock belongs to the open file, which a fork shares: a child
+# forked while a build-ahead thread holds one (the thread is not in the child, so nothing there would
+# ever close it) would keep every other rank of the host waiting on that order for the child's life.
+_HELD: set[int] = set()
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child: close the lock handles the parent held (the parent's locks stay held)."""
+    for handle in list(_HELD):
+        _HELD.discard(handle)
+        os.close(handle)
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
 class _host_lock:
-    """flock on `path` while the order is built (released by the kernel if the holder dies); where
-    the file system has no flock, no lock: the build is then only done twice."""
+    """flock on `path` while the order is built (released by the kernel if the holder dies; never
+    passed on to a forked child); where the file system has no flock, no lock: the build is then
+    only done twice."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.handle = path, None
@@ -205,6 +222,7 @@ class _host_lock:
     def __enter__(self) -> "_host_lock":
         # read-only: flock needs no write access, and another user of a shared cache has none
         self.handle = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)
+        _HELD.add(self.handle)
         try:
             fcntl.flock(self.handle, fcntl.LOCK_EX)
         except OSError:
@@ -212,6 +230,7 @@ class _host_lock:
         return self
 
     def __exit__(self, *exc) -> None:
+        _HELD.discard(self.handle)
         os.close(self.handle)
 
 

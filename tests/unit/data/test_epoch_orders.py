@@ -272,3 +272,32 @@ def test_a_user_without_a_home_directory_trains_data_path_with_orders_in_memory(
     monkeypatch.setattr(RealPath, "home", staticmethod(no_home))
     cfg, _ = compose(["data.path=/nowhere/corpus"])
     assert _orders(cfg.data).directory is None
+
+
+def _hold_forever(ready) -> None:
+    ready.set()
+    time.sleep(60)
+
+
+def test_a_child_forked_while_an_order_is_built_does_not_keep_the_hosts_lock(tmp_path):
+    """A process forked while this one builds an order under the host lock (a build-ahead thread's)
+    does not hold that lock once the build is done: another process takes it at once."""
+    import fcntl
+
+    context = multiprocessing.get_context("fork")
+    lock = tmp_path / "order.lock"
+    ready, child = context.Event(), None
+    try:
+        with epoch_orders._host_lock(lock):
+            child = context.Process(target=_hold_forever, args=(ready,))
+            child.start()
+            assert ready.wait(30)
+        other = os.open(lock, os.O_RDONLY)
+        try:
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError if the child holds it
+        finally:
+            os.close(other)
+    finally:
+        if child is not None:
+            child.kill()
+            child.join()
