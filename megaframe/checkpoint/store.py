@@ -17,6 +17,7 @@ layout.
 from __future__ import annotations
 
 import atexit
+import functools
 import io
 import json
 import os
@@ -339,9 +340,11 @@ def empty_trash(save_dir: Path) -> None:
     trash = sorted(str(path) for path in Path(save_dir).glob(TRASH_PREFIX + "*"))
     if not trash:
         return
+    argv = ["rm", "-rf", "--", *trash]
+    if setpriv := _setpriv():  # killed with this process however it ends (SIGKILL, os._exit): not an orphan
+        argv = [setpriv, "--pdeathsig", "KILL", *argv]
     try:
-        child = subprocess.Popen(["rm", "-rf", "--", *trash], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL)
+        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     except OSError:  # no rm here: deleted in this process
         for path in trash:
             shutil.rmtree(path, ignore_errors=True)
@@ -358,8 +361,22 @@ def empty_trash(save_dir: Path) -> None:
 
 # rm children still deleting: killed when this process exits (a failed or stopped run leaves none
 # behind; what they left keeps its tmp-del- name for the next resume). An exit that skips Python's
-# (os._exit of the stop watchdog, SIGKILL) leaves one to finish deleting what is trash anyway.
+# (os._exit of the stop watchdog, SIGKILL) kills them through the parent-death signal util-linux's
+# setpriv sets (the thread that started one waits on it, so it is sent only when the process ends);
+# where setpriv is missing, such an rm finishes deleting what is trash anyway.
 _DELETING: set[subprocess.Popen] = set()
+
+
+@functools.cache
+def _setpriv() -> Optional[str]:
+    """util-linux's setpriv, if it has --pdeathsig (2.33 on; an older one would refuse the flag and
+    nothing would ever be deleted)."""
+    found = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+    try:
+        said = subprocess.run([found, "--help"], capture_output=True, text=True, timeout=10) if found else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return found if said is not None and "--pdeathsig" in said.stdout else None
 
 
 @atexit.register

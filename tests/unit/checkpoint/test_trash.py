@@ -167,21 +167,29 @@ while not (save_dir / "rm.pid").exists():
     if time.monotonic() > deadline:
         sys.exit("no rm child started")
     time.sleep(0.05)
-sys.exit(1)  # a failed run's exit: the trash thread is a daemon
+how = sys.argv[2]
+if how == "exit":
+    sys.exit(1)  # a failed run's exit: the trash thread is a daemon
+if how == "os._exit":
+    os._exit(1)  # the stop watchdog's exit: no atexit
+os.kill(os.getpid(), 9)  # SIGKILL: the OOM killer, a scheduler's hard stop
 """
 
 
-def test_a_run_that_exits_while_deleting_leaves_no_rm_behind(tmp_path):
-    """The rm child of a failed or stopped rank is killed at its exit (what it left keeps its
+@pytest.mark.parametrize("how, code", [("exit", 1), ("os._exit", 1), ("SIGKILL", -9)])
+def test_a_run_that_exits_while_deleting_leaves_no_rm_behind(tmp_path, how, code):
+    """The rm child of a failed, stopped or killed rank ends with it (what it left keeps its
     tmp-del- name for the next resume), not left running as an orphan."""
+    if how != "exit" and store._setpriv() is None:
+        pytest.skip("needs util-linux's setpriv (the parent-death signal); without it rm finishes deleting")
     slow_rm = tmp_path / "bin" / "rm"
     slow_rm.parent.mkdir()
     slow_rm.write_text(f"#!/bin/sh\necho $$ > {tmp_path}/rm.pid\nexec sleep 60\n")
     slow_rm.chmod(0o755)
     env = {**os.environ, "PATH": f"{slow_rm.parent}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_DELETING, str(tmp_path)], env=env, timeout=60,
+    done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_DELETING, str(tmp_path), how], env=env, timeout=60,
                           capture_output=True, text=True)
-    assert done.returncode == 1, done.stderr
+    assert done.returncode == code, done.stderr
     pid = int((tmp_path / "rm.pid").read_text())
     deadline = time.monotonic() + 10
     while _alive(pid) and time.monotonic() < deadline:
