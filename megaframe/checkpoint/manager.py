@@ -175,6 +175,7 @@ class CheckpointManager:
         if verified and self.is_logger:
             self._finish_interrupted_swap()  # before anything lists the checkpoints (rank 0 lists them)
         if self.is_logger and self.dir.is_dir():  # what a crash or a stop left in the trash: space for this run's saves
+            self._trash_unfinished_saves()
             self.trash.collect(self.dir)
         if verified and self.fast is not None:
             self._restore_fast_tier()
@@ -234,6 +235,19 @@ class CheckpointManager:
         for path in restored:
             print(f"megaframe: {path.name} was left aside by a crash while it was being saved again: put back",
                   file=sys.stderr, flush=True)
+
+    def _trash_unfinished_saves(self) -> None:
+        """Rank 0: the directories of saves a crash or a scheduler's kill cut short, in one line."""
+        named = self.cfg.train.resume
+        try:
+            gone = store.trash_unfinished_saves(self.dir, None if named in ("auto", "none") else Path(named))
+        except OSError as err:  # space only: the resume goes on, and the next one tries again
+            print(f"megaframe: warning: cannot set aside unfinished saves in {self.dir} ({err})", file=sys.stderr,
+                  flush=True)
+            return
+        if gone:
+            print(f"megaframe: {', '.join(p.name for p in gone)}: left by a save that did not finish; deleting "
+                  f"it", file=sys.stderr, flush=True)
 
     def _newest_verified(self) -> Optional[Path]:
         """train.resume=auto: the newest checkpoint that verifies, each fallback said in one line.

@@ -326,6 +326,25 @@ def prune(save_dir: Path, keep: int) -> list[Path]:
     return doomed
 
 
+def trash_unfinished_saves(save_dir: Path, spare: Optional[Path] = None) -> list[Path]:
+    """Rename to the trash the tmp-global_step{N} directories of saves that never finished: a stop's
+    save the scheduler's SIGKILL cut short, at a step the run never saves again, stayed on the
+    storage for good (only a later save of the same step set one aside), up to a whole checkpoint's
+    bytes each preemption. Rank 0, as a run resumes: no save of this run is in flight (the run lock),
+    and an interrupted swap's tmp- copy was put right before. Only beside a published checkpoint:
+    a directory of nothing but unfinished saves is what resume_checks reports (lost storage, or a
+    run killed in its first save). `spare`: a directory named to resume from, kept. Returns what went."""
+    gone: list[Path] = []
+    if not _complete_checkpoints(save_dir):
+        return gone
+    for path in sorted(Path(save_dir).glob(TMP_PREFIX + "global_step*")):
+        if re.fullmatch(TMP_PREFIX + r"global_step\d+", path.name) and path.is_dir() \
+                and (spare is None or path.resolve() != Path(spare).resolve()):
+            universal.to_trash(path)
+            gone.append(path)
+    return gone
+
+
 def empty_trash(save_dir: Path) -> None:
     """Delete every tmp-del-* of save_dir: pruned checkpoints, replaced copies, copies an interrupted
     swap left (universal.finish_interrupted_swaps), a crashed save's debris, and those an earlier

@@ -98,6 +98,46 @@ def test_a_resume_deletes_what_a_crash_left_in_the_trash(tmp_path, monkeypatch):
     assert not junk.exists()
 
 
+@pytest.mark.parametrize("resume", ["auto", "none", "PATH"])
+def test_a_resume_deletes_the_saves_a_kill_cut_short(tmp_path, monkeypatch, capsys, resume):
+    """A stop's save killed by the scheduler at step 4321 left tmp-global_step4321, which only a later
+    save of step 4321 would have set aside: a whole checkpoint's bytes each preemption, for good.
+    A directory named to resume from is kept."""
+    from megaframe.checkpoint import manager as manager_module
+    from megaframe.checkpoint.manager import CheckpointManager
+
+    class _Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise _Stop
+    save_dir = tmp_path / "checkpoints"
+    cut_short = save_dir / "tmp-global_step4321"
+    cut_short.mkdir(parents=True)
+    (cut_short / "rank0.safetensors").write_bytes(b"\0" * 64)
+    named = save_dir / "tmp-global_step12"
+    named.mkdir()
+    alone = tmp_path / "alone"  # unfinished saves alone: resume_checks says so (lost storage?); left for it
+    (alone / "tmp-global_step5").mkdir(parents=True)
+    assert store.trash_unfinished_saves(alone) == [] and (alone / "tmp-global_step5").is_dir()
+    (save_dir / "global_step4000").mkdir()
+    resume = str(named) if resume == "PATH" else resume
+    manager = CheckpointManager.__new__(CheckpointManager)  # only what resume() reads before the resume itself
+    manager.fast, manager.is_logger, manager.trash = None, True, store.TrashCollector()
+    manager.run_dir, manager.dir = tmp_path, save_dir
+    manager.metrics, manager.cfg = None, SimpleNamespace(train=SimpleNamespace(resume=resume))
+    monkeypatch.setattr(manager_module.resume_checks, "start_over", stop)
+    monkeypatch.setattr(manager_module.store, "newest_verified", stop)
+    monkeypatch.setattr(manager_module.store, "resolve_resume", stop)
+    with pytest.raises(_Stop):
+        manager.resume()
+    manager.trash.wait()
+    assert not cut_short.exists() and not list(save_dir.glob(store.TRASH_PREFIX + "*"))
+    assert named.exists() == (resume == str(named))
+    said = capsys.readouterr().err
+    assert "tmp-global_step4321" in said and "left by a save that did not finish" in said, said
+
+
 def test_a_rename_the_file_system_refuses_deletes_in_place(tmp_path, monkeypatch):
     """to_trash runs on rank 0 before a barrier: an OSError there left the other ranks waiting."""
     doomed = tmp_path / "tmp-global_step5"
