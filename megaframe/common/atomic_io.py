@@ -42,13 +42,20 @@ def sync_filesystem(path: Path) -> None:
     """Flush this node's writes to the file system holding `path` (Linux syncfs; os.sync where libc
     has none): for a writer that neither fsyncs nor names its files (DeepSpeed's engine). One call
     per rank, where listing a shared directory and fsyncing every rank's new files from every rank
-    would cost each of thousands of ranks as many fsyncs as there are ranks."""
+    would cost each of thousands of ranks as many fsyncs as there are ranks. A write-back error it
+    reports (EIO, ENOSPC, EDQUOT: Linux 5.8 on) is raised: the files' bytes may never reach the disk,
+    and a checkpoint hashed from the page cache would be published and the older ones pruned."""
     import ctypes
 
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         syncfs = getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None)
-        if syncfs is None or syncfs(fd) != 0:
+        if syncfs is None:
+            os.sync()
+        elif syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            if err != errno.ENOSYS:  # a kernel without syncfs: os.sync, which reports nothing, is all there is
+                raise OSError(err, os.strerror(err), str(path))
             os.sync()
     finally:
         os.close(fd)
