@@ -172,6 +172,13 @@ def _load(path: Path, num_samples: int) -> Optional[np.ndarray]:
     return order if order.shape == (num_samples,) and order.dtype == expected else None
 
 
+def _damaged(path: Path, num_samples: int) -> bool:
+    """Whether `path` holds a file that is not this order. A missing one is not: unlinking the name
+    after finding it missing would remove the file another host published meanwhile (all hosts build
+    the next epoch's order at 90% of this one), under the ranks there that map it (on NFS: ESTALE)."""
+    return path.exists() and _load(path, num_samples) is None
+
+
 def _publish(path: Path, order: np.ndarray) -> None:
     """Written aside, then linked to its name: a reader sees the whole order or none, and a file
     another host published meanwhile (where the lock does not reach across hosts) is kept, not
@@ -183,8 +190,8 @@ def _publish(path: Path, order: np.ndarray) -> None:
             np.save(out, order)
             out.flush()
             os.fsync(out.fileno())
-        if _load(path, len(order)) is None:
-            path.unlink(missing_ok=True)  # damaged (rejected above): nobody can be reading it as an order
+        if _damaged(path, len(order)):
+            path.unlink(missing_ok=True)  # nobody can be reading it as an order
         try:
             os.link(partial, path)
         except FileExistsError:

@@ -301,3 +301,20 @@ def test_a_child_forked_while_an_order_is_built_does_not_keep_the_hosts_lock(tmp
         if child is not None:
             child.kill()
             child.join()
+
+
+def test_publishing_a_missing_order_never_unlinks_its_name(tmp_path, monkeypatch):
+    """Every host builds the next epoch's order at once: one that found the name missing and then
+    unlinked it before linking its own would remove the file another host published in between,
+    under the ranks mapping it. Only a damaged file is unlinked."""
+    unlinked = []
+    real = Path.unlink
+    monkeypatch.setattr(Path, "unlink", lambda self, *a, **k: unlinked.append(self.name) or real(self, *a, **k))
+    path = tmp_path / "order-n10.npy"
+    epoch_orders._publish(path, build_epoch_permutation(1, 0, 10))
+    assert path.name not in unlinked and epoch_orders._load(path, 10) is not None
+    path.unlink()
+    path.write_bytes(b"damaged")
+    unlinked.clear()
+    epoch_orders._publish(path, build_epoch_permutation(1, 0, 10))
+    assert path.name in unlinked and epoch_orders._load(path, 10) is not None
