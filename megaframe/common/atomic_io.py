@@ -6,6 +6,7 @@ fsync_file and fsync_dir make a write and a directory's entries (a rename, a new
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
@@ -67,9 +68,14 @@ def atomic_write_text(path: Path, text: str) -> None:
     The temp file is named by host and process: ranks on several hosts may write the same path on
     shared storage (the last rename wins, whole)."""
     tmp = path.with_name(f".{path.name}.tmp.{socket.gethostname()}.{os.getpid()}")
-    with os.fdopen(create_fresh(tmp), "w") as f:  # a link planted at the temp name is not followed
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(create_fresh(tmp), "w") as f:  # a link planted at the temp name is not followed
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk: no second copy's worth of bytes left beside the file
+            tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(Path(path).parent)

@@ -47,3 +47,18 @@ def test_a_kernel_without_syncfs_falls_back_to_sync(tmp_path, monkeypatch, code,
 def test_the_real_syncfs_flushes_without_error(tmp_path):
     (tmp_path / "f").write_bytes(b"x")
     sync_filesystem(tmp_path)
+
+
+def test_a_write_that_fails_leaves_the_old_file_and_no_temp(tmp_path, monkeypatch):
+    """ENOSPC while writing metrics.jsonl's rewrite (truncate_after) left a temp as large as the file."""
+    from megaframe.common.atomic_io import atomic_write_text
+
+    target = tmp_path / "metrics.jsonl"
+    target.write_text("the last good copy\n")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError):
+        atomic_write_text(target, "x" * 100_000)
+    assert target.read_text() == "the last good copy\n" and sorted(p.name for p in tmp_path.iterdir()) == [target.name]
