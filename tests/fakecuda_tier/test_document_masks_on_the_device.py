@@ -61,7 +61,8 @@ def test_document_masking_on_the_device_follows_the_cpu_run_without_new_host_rea
         assert with_documents, f"{layout}: no host read counted at all: the counting is broken"
         assert with_documents == without, (layout, with_documents - without, without - with_documents)
         # counting the targets (data.eod_mask_loss) moved every micro-batch's inputs and targets to every
-        # pipeline stage's device, where DeepSpeed's stages load the inputs on the first, targets on the last
+        # pipeline stage's device; each stage now uploads only what it reads (inputs on the first, targets
+        # on the last), asynchronously, masked or not
         uploaded = _uploaded(tmp_path, f"{layout}-documents")
         assert all(uploaded[str(rank)] for rank in range(world)), f"{layout}: a rank uploaded nothing: {uploaded}"
         assert uploaded == _uploaded(tmp_path, f"{layout}-plain"), layout

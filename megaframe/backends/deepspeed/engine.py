@@ -200,14 +200,17 @@ class DeepSpeedBackend:
         return local
 
     def _fed(self, batches: list[Batch]) -> list[Batch]:
-        """The micro-batches as the engine takes them: on the device, except for DeepSpeed's pipeline,
-        whose first stage loads the inputs and last stage the targets themselves; counting targets
-        (data.eod_mask_loss) needs the last stage's there first, and them only."""
+        """The micro-batches as the engine takes them: on the device. DeepSpeed's pipeline loads the
+        inputs on the first stage and the targets on the last itself, by a plain .to(device) of each
+        micro-batch as its schedule reaches it: from ordinary host memory that copy waits for the
+        stream on a GPU, once per micro-batch. So those stages get theirs here, all at once and
+        asynchronously from pinned memory (DeepSpeed's copy is then a device clone), and the other
+        stages nothing they would not read."""
         if not self.pipelined:
             return on_device(batches, self.device)
-        if self.step_targets is None:
-            return batches
-        return [(inputs, to_device(targets, self.device)) for inputs, targets in batches]
+        first, last = self.ps.is_first_stage, self.ps.is_last_stage
+        return [(to_device(inputs, self.device) if first else inputs,
+                 to_device(targets, self.device) if last else targets) for inputs, targets in batches]
 
     def _dp_mean(self, value: torch.Tensor) -> float:
         return dp_mean(value, self.ps)

@@ -202,6 +202,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         ledger.count_sync("to host")
     elif func is aten._to_copy.default and not indices and target is not None:  # host tensor to the device
         ledger.count_upload(args[0].numel() * args[0].element_size())
+        _count_blocking_upload(args[0], kwargs.get("non_blocking", False))
     elif func in INDEXING:
         _check_indexing(func, args, kwargs, indices)
     elif func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None and len(args) < 2:
@@ -250,6 +251,14 @@ def refresh(wrapper) -> None:
             torch._C.TensorBase.data.__set__(wrapper, CudaTensor(elem, wrapper._index))
 
 
+def _count_blocking_upload(src: torch.Tensor, non_blocking: bool) -> None:
+    """A host-to-device copy the host waits for: CUDA's copy synchronises the stream unless it is
+    non_blocking from page-locked memory (a pageable source is staged after a stream sync), so the
+    host stops until the device has run everything queued before it, as a read back would."""
+    if not (non_blocking and src.is_pinned()):
+        ledger.count_sync("blocking upload")
+
+
 def _copy(args, kwargs):
     """copy_(dst, src): host to device and device to host are copies, not mixing (the latter a read back)."""
     dst, src = args[0], args[1]
@@ -260,6 +269,7 @@ def _copy(args, kwargs):
         ledger.count_sync("copy_ to host")
     elif not isinstance(src, CudaTensor) and isinstance(src, torch.Tensor) and src.device.type == "cpu":
         ledger.count_upload(src.numel() * src.element_size())
+        _count_blocking_upload(src, non_blocking)
     if isinstance(src, torch.Tensor) and src.device.type == "meta" and not isinstance(src, CudaTensor):
         raise ledger.refuse("copy_: " + _same_device_error(str(dst.device), "meta"))
     dst_elem = dst._elem if isinstance(dst, CudaTensor) else dst

@@ -246,17 +246,19 @@ def _patch_pinning() -> None:
     copy (here a plain one, remembered as pinned); a device tensor cannot be pinned."""
     import weakref
 
-    pinned = weakref.WeakSet()
+    # by id, forgotten when the tensor goes (a WeakSet compares two tensors with ==, elementwise)
+    pinned: set[int] = set()
 
     def pin_memory(self, device=None):
         if isinstance(self, CudaTensor):
             raise RuntimeError(f"cannot pin '{self.type()}' only dense CPU tensors can be pinned")
         copy = self.clone(memory_format=torch.contiguous_format)
-        pinned.add(copy)
+        pinned.add(id(copy))
+        weakref.finalize(copy, pinned.discard, id(copy))
         return copy
 
     def is_pinned(self, device=None):
-        return not isinstance(self, CudaTensor) and self in pinned
+        return not isinstance(self, CudaTensor) and id(self) in pinned
 
     torch.Tensor.pin_memory, torch.Tensor.is_pinned = pin_memory, is_pinned
 
