@@ -38,7 +38,7 @@ def task(dict_cfg) -> None:
     except ConfigError as err:
         fail(str(err))
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if rank() == 0:
+    if rank() == 0 and _owns(run_dir):
         # the composition typed by the schema writes what OmegaConf.structured(cfg) would, without
         # building the schema's node tree again (about 0.05 s of every start); with the ZeRO stage the
         # engine's default chose (zero=engine_default composes it as null)
@@ -49,6 +49,16 @@ def task(dict_cfg) -> None:
     exit_code = train(cfg, layout, run_dir, rank())  # after launch: one line and the cause's exit code
     if exit_code:
         sys.exit(exit_code)
+
+
+def _owns(run_dir: Path) -> bool:
+    """Whether this rank 0 holds the run dir (its launcher took it, or it takes it now), before it
+    writes config.yaml there: under torchrun or srun a second job's rank 0 used to replace the
+    running job's config.yaml (which megaframe-eval reads back) before the trainer's start-up check
+    refused it. Refused here, it writes nothing; that check then ends every rank with the reason."""
+    from megaframe.common import run_lock
+
+    return run_lock.held_by_parent(run_dir) or run_lock.acquire(run_dir) is None
 
 
 def _main_task(dict_cfg) -> None:

@@ -58,6 +58,8 @@ def test_ranks_under_torchrun_refuse_a_busy_run_dir_in_one_line(tmp_path):
                                "time.sleep(600)", str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
+        owners = "the running job's config, which megaframe-eval reads back\n"
+        (run_dir / "config.yaml").write_text(owners)
         result = run_cli([*TINY, "parallel.dp=2", "zero=stage1", "train.max_steps=2", f"hydra.run.dir={run_dir}"],
                          launcher=["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"])
         assert result.returncode != 0
@@ -65,6 +67,7 @@ def test_ranks_under_torchrun_refuse_a_busy_run_dir_in_one_line(tmp_path):
         assert len(refusals) == 1 and f"is in use by pid {holder.pid}" in refusals[0], result.stderr[-3000:]
         assert "[exit 2" in refusals[0]
         assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+        assert (run_dir / "config.yaml").read_text() == owners  # rank 0 wrote it before it was refused
     finally:
         holder.kill()
         holder.wait()
