@@ -36,12 +36,13 @@ def plan_summary(est: Optional[Estimate]) -> str:
             f"peak {_size(est.peak)} of {_size(est.capacity)} ({'fits' if est.fits else 'DOES NOT FIT'})")
 
 
-def gather_model_states(mine: dict[str, int]) -> list[dict[str, int]]:
-    """Every rank's held model states (a few integers each), on every rank (a collective)."""
+def gather_model_states(mine: dict[str, int]) -> Optional[list[dict[str, int]]]:
+    """Every rank's held model states (a few integers each), on rank 0, which reports them; None on
+    the others (a collective). Gathered to one rank: to every rank it was world² records on the wire."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [mine]
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone: Optional[list] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
     return everyone
 
 
