@@ -251,11 +251,29 @@ def _native_share(tmp: Path, rank: int, world: int) -> list[Path]:
     with DeepSpeed's optimizer states: about 1.1 TB at 70B, while every other rank waited on it past
     the collective timeout). Listed between two barriers: the engine's files are all written before
     any rank lists them, and no rank writes its own files into tmp while another lists. Hashed later,
-    by finish_rank (an async save's thread), not in the step loop."""
+    by finish_rank (an async save's thread), not in the step loop. Rank 0 lists, and scatters each
+    rank its share: every rank listing and stat-ing every file was world² metadata operations on a
+    parallel file system's metadata server each save (9M at 3,072 ranks)."""
     _barrier()
-    files = sorted(p for p in tmp.rglob("*") if p.is_file() and not p.name.startswith("."))
-    _barrier()
-    return files[rank::world]
+    if not dist.is_initialized() or world == 1:
+        return _engine_files(tmp)
+    shares: Optional[list] = None
+    if rank == 0:
+        try:
+            files = [path.relative_to(tmp).as_posix() for path in _engine_files(tmp)]
+            shares = [("files", files[r::world]) for r in range(world)]
+        except OSError as err:  # the storage: raised on every rank, none left waiting in the scatter
+            shares = [("failed", (err.errno, err.strerror or str(err), str(err.filename or tmp)))] * world
+    mine: list = [None]
+    dist.scatter_object_list(mine, shares, src=0)
+    kind, payload = mine[0]
+    if kind == "failed":
+        raise OSError(*payload)
+    return [tmp / name for name in payload]
+
+
+def _engine_files(tmp: Path) -> list[Path]:
+    return sorted(p for p in tmp.rglob("*") if p.is_file() and not p.name.startswith("."))
 
 
 def write_rank_part(directory: Path, rank: int, client_state: dict[str, Any], rng_state: Optional[dict[str, Any]],
