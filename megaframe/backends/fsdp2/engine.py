@@ -111,6 +111,7 @@ class Fsdp2Backend:
                 pipeline.embedding_groups(ps, p.pipeline_schedule, dims.tie_embeddings))
         else:
             self.module = module
+        self.parameters = list(self.module.parameters())  # listed once: the norm and the update ask every step
         # the whole model's, which the pipeline's loss function reads too (pipeline.loss_function)
         self.step_targets = step_targets_of(module.step_targets, dims)
         # fused where the shards live on the GPU; on the host torch's fused CPU kernel, which DeepSpeed's
@@ -140,12 +141,12 @@ class Fsdp2Backend:
             loss = dp_mean(total / len(batches), self.ps)  # one host read per step
         norm = grad_norm(self.module, self.ps, counted_elsewhere=lambda param: id(param) in self.tied_copies,
                          shard_group=self.shard_group, expert_shard_group=self.expert_shard_group,
-                         collective_device=self.device)
+                         collective_device=self.device, parameters=self.parameters)
         self._last_grad_norm = norm
         applied = math.isfinite(norm) and not (skip_if is not None and skip_if(loss))
         # gradients freed after: a step's first reduce-scatter then assigns its gradient instead of adding
         # to a zero one (which, offloaded, would be a blocking copy to the host per group and micro-batch)
-        apply_update(self.optimizer, self.lr_scheduler, self.module.parameters(), norm, self.cfg.optim.grad_clip, applied)
+        apply_update(self.optimizer, self.lr_scheduler, self.parameters, norm, self.cfg.optim.grad_clip, applied)
         # MoE bias balancing: a skipped step's routing moves no bias
         update_expert_biases(getattr(self.module, "moe_layers", []), self.dims.num_moe_blocks, self.dims.moe,
                              self.device, apply=applied)
