@@ -81,6 +81,22 @@ def _named(ranks: list[int], absent: int) -> str:
     return f"rank{'s' if absent > 1 else ''} {listed}{', …' if absent > len(ranks) else ''}"
 
 
+def _resolve(host: str, port: int, deadline: float) -> None:
+    """MASTER_ADDR resolves, or one line (exit 2) naming it: torch's store retried an unresolvable
+    address until the collective timeout, in C++ (stack dumps, and the blame on a collective). A
+    resolver that answers "try again" (thousands of ranks asking at once) is asked again until the deadline."""
+    while True:
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            return
+        except socket.gaierror as err:
+            if err.errno != socket.EAI_AGAIN or time.monotonic() >= deadline:
+                raise LaunchEnvError(f"MASTER_ADDR={host} does not resolve ({err.strerror}): set it to rank 0's host "
+                                     f"name or address as every rank sees it (torchrun: --master-addr; srun: the "
+                                     f"job's first host)") from None
+        time.sleep(_POLL_S)
+
+
 def _connect(host: str, port: int, rank: int, world: int, join_timeout_s: float, deadline: float) -> dist.TCPStore:
     """Rank 0 serves the store; the others connect to it, polling, until the deadline."""
     if rank == 0:
@@ -194,15 +210,17 @@ def join_world(backend: str, timeout: Optional[timedelta], join_timeout_s: Optio
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     agent_store = attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if world == 1 and not agent_store:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # RANK=0 WORLD_SIZE=1 by hand: env:// needs one
-        if not os.environ.get("MASTER_PORT"):
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
+        # RANK=0 WORLD_SIZE=1 by hand: env:// needs an address, and a world of one meets only itself, on
+        # this host: a MASTER_ADDR left in the environment that does not resolve kept torch's store
+        # retrying forever, deaf to SIGTERM
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(probe.getsockname()[1]))
         return False
     join_timeout_s = join_timeout_s or 600.0
     deadline = time.monotonic() + join_timeout_s
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    _resolve(host, port, deadline)
     if agent_store:
         # torchrun keeps one store for every restart attempt and env:// does not namespace its keys:
         # a new attempt's gloo ranks read a dead attempt's addresses and hang in connectFullMesh (torch

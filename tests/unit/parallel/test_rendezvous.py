@@ -174,6 +174,31 @@ def test_a_world_of_one_set_by_hand_gets_an_address_to_join(monkeypatch):
     assert os.environ["MASTER_ADDR"] == "127.0.0.1" and 0 < int(os.environ["MASTER_PORT"]) < 65536
 
 
+@pytest.mark.parametrize("port", ["29557", "99999", "abc"])
+def test_a_world_of_one_joins_on_this_host_whatever_address_is_left_in_the_environment(monkeypatch, port):
+    """A MASTER_ADDR that does not resolve kept torch's store retrying forever, deaf to SIGTERM; a
+    MASTER_PORT out of range ended in a ValueError naming no variable. A world of one meets itself."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "nonexistent.invalid",
+                        "MASTER_PORT": port}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert join_world("gloo", None, 5) is False
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1" and 0 < int(os.environ["MASTER_PORT"]) < 65536
+
+
+def test_a_master_addr_that_does_not_resolve_is_one_line_at_once(monkeypatch):
+    """torch's store retried it until the collective timeout: C++ stack dumps and a timeout's blame."""
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "nonexistent.invalid",
+                        "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    start = time.monotonic()
+    with pytest.raises(LaunchEnvError) as err:
+        join_world("gloo", None, 60)
+    assert time.monotonic() - start < 30 and err.value.exit_code == ExitCode.REFUSED
+    assert str(err.value).startswith("MASTER_ADDR=nonexistent.invalid does not resolve") and "\n" not in str(err.value)
+
+
 def test_contradicting_variables_are_refused_before_any_store(monkeypatch):
     for name, value in {"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(name, value)
