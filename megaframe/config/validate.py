@@ -285,6 +285,15 @@ def check_spike(spike) -> Optional[str]:
 
 
 def _missing_files(key: str, prefix: str) -> Optional[str]:
+    if all(Path(prefix + suffix).is_file() for suffix in (".bin", ".idx")):
+        return None
+    if prefix.endswith("/") or Path(prefix).is_dir():  # newdata/ looked for newdata/.bin
+        folder = Path(prefix)
+        found = sorted(p.stem for p in folder.glob("*.bin") if p.with_suffix(".idx").is_file())[:3] \
+            if folder.is_dir() else []
+        example = f"{folder / found[0]}" if found else f"{folder / 'NAME'} for NAME.bin and NAME.idx"
+        return (f"{key}: {prefix} names a folder, not a dataset; a dataset is named by the prefix of its files, "
+                f"e.g. {example}" + (f" (there: {', '.join(found)})" if found else ""))
     for suffix in (".bin", ".idx"):
         if not Path(prefix + suffix).is_file():
             return (f"{key}: {prefix}{suffix} not found; build it with "

@@ -5,7 +5,9 @@ Megatron-LM's layout by default; PREFIX.json: megaframe's sidecar). The work is 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from megaframe.data import DataError, build_tokenizer, preprocess
 from megaframe.data.indexed import LAYOUTS
@@ -66,10 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def blank_argument(args: argparse.Namespace) -> str | None:
-    """The first flag given an empty or blank value (`--input "$DIR"` with DIR unset), as one line, or
-    None: an empty --input walked the current directory, an empty --output-prefix wrote hidden
-    .bin/.idx/.json files into it, an empty --split read the train split."""
+def argument_problem(args: argparse.Namespace) -> str | None:
+    """The first flag given an empty or blank value (`--input "$DIR"` with DIR unset), or an output
+    prefix that names a folder, as one line, or None: an empty --input walked the current directory,
+    an empty --output-prefix wrote hidden .bin/.idx/.json files into it, an empty --split read the
+    train split."""
     given = [("--input", value, "give a file or directory") for value in args.input] + [
         ("--output-prefix", args.output_prefix, "give the prefix of the files to write, e.g. data/corpus"),
         ("--tokenizer", args.tokenizer, "give byte or a tokenizer directory, or leave the flag out (byte)"),
@@ -78,6 +81,12 @@ def blank_argument(args: argparse.Namespace) -> str | None:
     for flag, value, fix in given:
         if value is not None and not value.strip():
             return f"{flag} is empty (an unset shell variable?); {fix}"
+    for flag, value in (("--output-prefix", args.output_prefix), ("--valid-output-prefix", args.valid_output_prefix)):
+        if value is not None and (value.endswith(("/", os.sep)) or Path(value).name in ("", ".", "..")):
+            # newdata/ wrote newdata.bin beside the folder, and data.path=newdata/ then found nothing
+            folder = value.rstrip("/" + os.sep) or value
+            return (f"{flag} {value} names a folder; a prefix names the files to write: e.g. "
+                    f"{flag} {Path(folder) / 'corpus'} writes corpus.bin, corpus.idx and corpus.json in {folder}")
     return None
 
 
@@ -85,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the tool; returns the process exit code (2 on bad input, 128 + N when signal N stopped it
     before the datasets were in place, 0 when after)."""
     args = build_parser().parse_args(argv)
-    if problem := blank_argument(args):
+    if problem := argument_problem(args):
         print(f"{PROG}: error: {problem}", file=sys.stderr)
         return 2
     if args.valid_output_prefix and not args.valid_fraction:

@@ -280,3 +280,22 @@ def test_whole_model_compile_only_where_one_process_runs_the_forward(overrides, 
     assert message in str(err.value)
     cfg.parallel.tp, cfg.zero.stage, cfg.train.compile, cfg.train.compile_scope = 1, 1, True, "model"
     assert validate(cfg, 2).dp == 2  # dp-only at ZeRO-1: allowed
+
+
+def test_a_data_path_naming_a_folder_says_so_and_names_a_dataset_in_it(tmp_path):
+    """data.path=newdata/ looked for newdata/.bin and advised building it with that same prefix."""
+    import dataclasses
+
+    from megaframe.config.validate import validate
+
+    folder = tmp_path / "newdata"
+    folder.mkdir()
+    for suffix in (".bin", ".idx"):
+        (folder / f"corpus{suffix}").write_bytes(b"")
+    for given in (f"{folder}/", str(folder)):
+        cfg = TrainConfig()
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=given))
+        with pytest.raises(ConfigError) as err:
+            validate(cfg, 1, fp16_supported=lambda: False)
+        assert str(err.value) == (f"data.path={given}: {given} names a folder, not a dataset; a dataset is named by "
+                                  f"the prefix of its files, e.g. {folder / 'corpus'} (there: corpus)")

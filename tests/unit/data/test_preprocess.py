@@ -169,3 +169,17 @@ def test_help_runs() -> None:
     result = run_tool("--help")
     assert result.returncode == 0
     assert "--output-prefix" in result.stdout and "--json-key" in result.stdout
+
+
+@pytest.mark.parametrize("prefix", ["newdata/", ".", "..", "newdata/.."])
+def test_an_output_prefix_naming_a_folder_is_one_line(tmp_path: Path, prefix: str, capsys, monkeypatch) -> None:
+    """--output-prefix newdata/ wrote newdata.bin beside the folder, and data.path=newdata/ then found
+    nothing; --output-prefix . wrote ..bin."""
+    from megaframe.data.preprocess_cli import main
+
+    (tmp_path / "a.jsonl").write_text('{"text": "hello"}\n')
+    monkeypatch.chdir(tmp_path)
+    assert main(["--input", "a.jsonl", "--output-prefix", prefix]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"megaframe-preprocess: error: --output-prefix {prefix} names a folder"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl"]
