@@ -118,7 +118,14 @@ def import_hf(hf_dir: Path, out: Path, force: bool = False) -> tuple[ModelConfig
     hf_dir = Path(hf_dir)
     files.refuse_existing(out, force, source=hf_dir)  # before reading gigabytes of weights
     hf_config = files.read_hf_config(hf_dir)
-    cfg = config_from_hf(hf_config)  # refuse an unsupported model before reading gigabytes of weights
+    try:
+        cfg = config_from_hf(hf_config)  # refuse an unsupported model before reading gigabytes of weights
+    except ConvertError:
+        raise
+    except (KeyError, TypeError, ValueError, ArithmeticError, AttributeError) as err:  # a key missing or mistyped
+        reason = f"no {err.args[0]!r} key" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
+        raise ConvertError(f"{hf_dir / 'config.json'}: not a complete {hf_config.get('model_type')} config "
+                           f"({reason}); pass a directory written by save_pretrained()") from None
     weights = files.read_hf_weights(hf_dir)
     plan, shapes = state_from_hf_plan(cfg, {name: files.shape_of(weights, name) for name in weights})
     check_tied_copy(cfg, weights)
@@ -170,4 +177,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                   + f"{tokenizer} train.resume={args.out}", flush=True)
     except ConvertError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except OSError as err:  # an output folder that cannot be made (its parent a file, a read-only place), ...
+        where = f" ({err.filename})" if err.filename else ""
+        print(f"{PROG}: error: {err.strerror or err}{where}; choose an output directory you can write, and check "
+              f"the input's path", file=sys.stderr, flush=True)
         sys.exit(2)

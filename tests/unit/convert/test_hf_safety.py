@@ -199,3 +199,34 @@ def test_force_never_replaces_the_directory_that_holds_the_input(tmp_path):
 def _save_tiny(directory):
     tiny_hf("gpt2").save_pretrained(directory)
     return directory
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"intermediate_size": None}, "no 'intermediate_size' key"),
+    ({"num_attention_heads": 0}, "ZeroDivisionError"),
+    ({"num_attention_heads": "2"}, "TypeError"),
+    ({"rms_norm_eps": "x"}, "ValueError"),
+])
+def test_an_incomplete_or_mistyped_config_is_one_line(change, said, tmp_path, capsys):
+    """A hand-made config.json missing a key or holding a string for a number was a traceback."""
+    from megaframe.convert.cli import main
+
+    tiny_hf_config("llama").save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for key, value in change.items():
+        config.pop(key) if value is None else config.__setitem__(key, value)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as ended:
+        main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "out")])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert ended.value.code == 2 and line.startswith("megaframe-convert: error: ") and said in line, line
+    assert "not a complete llama config" in line and not (tmp_path / "out").exists()
+
+
+def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path):
+    """Its parent a file (or a read-only place): FileExistsError's traceback."""
+    tiny_hf("llama").save_pretrained(tmp_path / "hf")
+    (tmp_path / "a_file").write_text("x")
+    result = convert(tmp_path / "hf", tmp_path / "a_file" / "out")
+    (line,) = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and line.startswith("megaframe-convert: error: ") and "a_file" in line, line
