@@ -325,8 +325,10 @@ def check_blend(d) -> Optional[str]:
     last = 0
     example = f"data.blend_schedule='[[1000,[{','.join(['0.5'] * len(prefixes))}]]]'"
     for entry in d.blend_schedule or []:
-        ok = isinstance(entry, (list, tuple)) or hasattr(entry, "__len__")
-        if not ok or len(entry) != 2 or not isinstance(entry[0], int) or len(entry[1]) != len(prefixes):
+        ok = not isinstance(entry, str) and hasattr(entry, "__len__")
+        weights = entry[1] if ok and len(entry) == 2 else None  # [[5,1]]: a bare number where the weights go
+        if not ok or len(entry) != 2 or not isinstance(entry[0], int) or isinstance(weights, str) \
+                or not hasattr(weights, "__len__") or len(weights) != len(prefixes):
             return (f"data.blend_schedule: {list(entry) if ok else entry} must be [STEP, [{len(prefixes)} weights]], "
                     f"one weight per data.blend source, e.g. {example}")
         if entry[0] <= last:

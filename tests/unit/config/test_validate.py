@@ -299,3 +299,19 @@ def test_a_data_path_naming_a_folder_says_so_and_names_a_dataset_in_it(tmp_path)
             validate(cfg, 1, fp16_supported=lambda: False)
         assert str(err.value) == (f"data.path={given}: {given} names a folder, not a dataset; a dataset is named by "
                                   f"the prefix of its files, e.g. {folder / 'corpus'} (there: corpus)")
+
+
+@pytest.mark.parametrize("schedule", [[[5, 1]], [[5, "0.5"]], [[5, [0.5, 0.5], 3]], ["x"]])
+def test_a_blend_schedule_entry_of_the_wrong_shape_names_the_form(tmp_path, schedule):
+    """[[5,1]] (a bare number where the weights go) was a TypeError's traceback."""
+    from types import SimpleNamespace
+
+    from megaframe.config.validate import check_blend
+
+    for name in ("a", "b"):
+        for suffix in (".bin", ".idx"):
+            (tmp_path / f"{name}{suffix}").write_bytes(b"")
+    d = SimpleNamespace(path=None, blend=[1.0, str(tmp_path / "a"), 1.0, str(tmp_path / "b")], valid_blend=None,
+                        blend_schedule=schedule)
+    problem = check_blend(d)
+    assert problem is not None and "must be [STEP, [2 weights]]" in problem and "\n" not in problem, problem
