@@ -83,3 +83,20 @@ def check_args(args: list[str]) -> None:
         check_sweep([a for a in args if a not in flags], check_sweep_point)
     except ConfigError as err:
         fail(str(err))
+    if problem := sweep_dir_problem(args):
+        fail(problem)
+
+
+def sweep_dir_problem(args: list[str]) -> str | None:
+    """A hydra.sweep.dir that cannot be made (a file there, a read-only place), in one line, as
+    hydra.run.dir's is: Hydra's own attempt ended in a traceback. Made here, as Hydra would make it."""
+    from pathlib import Path
+
+    given = [a.split("=", 1)[1] for a in args if a.startswith("hydra.sweep.dir=")]
+    if not given or "${" in given[-1]:  # Hydra's default, or an interpolation only Hydra resolves
+        return None
+    try:
+        Path(given[-1]).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"hydra.sweep.dir={given[-1]}: cannot create the sweep directory ({err.strerror}); choose another"
+    return None

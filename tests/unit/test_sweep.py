@@ -75,3 +75,16 @@ def test_a_point_a_signal_killed_outright_counts_as_exit_1(tmp_path):
     code, stopped_by = run_point([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
     assert (code, stopped_by) == (1, None)
     assert run_point([sys.executable, "-c", "raise SystemExit(8)"]) == (8, None)
+
+
+def test_a_sweep_dir_that_cannot_be_made_is_one_line(tmp_path):
+    """A file where hydra.sweep.dir should be was Hydra's traceback; hydra.run.dir's was one line."""
+    from megaframe.launch.sweep import sweep_dir_problem
+
+    (tmp_path / "a_file").write_text("x")
+    for where, why in ((tmp_path / "a_file", "File exists"), (tmp_path / "a_file" / "sub", "Not a directory")):
+        assert sweep_dir_problem(["-m", "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={where}"]) == (
+            f"hydra.sweep.dir={where}: cannot create the sweep directory ({why}); choose another")
+    assert sweep_dir_problem([f"hydra.sweep.dir={tmp_path / 'new'}"]) is None and (tmp_path / "new").is_dir()
+    assert sweep_dir_problem(["hydra.sweep.dir=multirun/${now:%H-%M-%S}"]) is None  # Hydra resolves it
+    assert not (tmp_path / "multirun").exists()
