@@ -104,9 +104,9 @@ def check_system(cfg: TrainConfig, layout: Layout) -> None:
 def check_before_launch(cfg: TrainConfig, layout: Layout, run_dir: str) -> None:
     """The launcher's package or command, an online W&B run's key, the dataset, the run dir's
     history and the machine, in that order; then rank 0 prints the config's warnings."""
-    from megaframe.tracking.wandb_run import online_key_problem
+    from megaframe.tracking.wandb_run import env_mode_problem, online_key_problem
 
-    if problem := launcher_problem(cfg) or online_key_problem(cfg.logging.wandb.mode):
+    if problem := launcher_problem(cfg) or env_mode_problem() or online_key_problem(cfg.logging.wandb.mode):
         fail(problem)
     if problem := dataset_problem(cfg):
         fail(problem)

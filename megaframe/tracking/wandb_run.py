@@ -10,6 +10,20 @@ from megaframe.config.schema import WandbConfig
 from megaframe.common.atomic_io import atomic_write_text
 
 
+# what wandb's Settings accept in WANDB_MODE, which overrides logging.wandb.mode (wandb 0.2x)
+WANDB_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")
+
+
+def env_mode_problem(environ=os.environ) -> Optional[str]:
+    """WANDB_MODE in the environment overrides logging.wandb.mode; a value wandb does not know ended
+    rank 0 after launch with its ValidationError: one line before launch instead."""
+    mode = environ.get("WANDB_MODE")
+    if mode is None or mode in WANDB_MODES:
+        return None
+    return (f"WANDB_MODE={mode!r} (in the environment) is not a W&B mode and would override logging.wandb.mode; "
+            f"unset it and choose with logging.wandb.mode=offline, online or disabled")
+
+
 def online_key_problem(mode: str, environ=os.environ) -> Optional[str]:
     """logging.wandb.mode=online needs a W&B key, which wandb otherwise asks for on the terminal of
     every rank 0 (or fails with its own traceback): one line before launch instead. wandb finds a key

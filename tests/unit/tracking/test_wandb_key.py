@@ -25,3 +25,19 @@ def test_online_without_a_key_names_the_ways_to_give_one(tmp_path):
     problem = online_key_problem("online", {"WANDB_API_KEY": "", "NETRC": str(tmp_path / "none")})
     assert problem is not None and "\n" not in problem
     assert "WANDB_API_KEY" in problem and "wandb login" in problem and "logging.wandb.mode=offline" in problem
+
+
+def test_a_wandb_mode_in_the_environment_that_wandb_does_not_know_is_one_line():
+    """WANDB_MODE overrides logging.wandb.mode; WANDB_MODE=weird ended rank 0 after launch with
+    wandb's ValidationError (exit 1). What wandb accepts is read from its own Settings."""
+    import typing
+
+    from wandb.sdk.wandb_settings import Settings
+
+    from megaframe.tracking.wandb_run import env_mode_problem
+
+    accepted = typing.get_args(Settings.model_fields["mode"].annotation)
+    assert accepted and all(env_mode_problem({"WANDB_MODE": mode}) is None for mode in accepted)
+    assert env_mode_problem({}) is None
+    problem = env_mode_problem({"WANDB_MODE": "weird"})
+    assert problem.startswith("WANDB_MODE='weird' (in the environment) is not a W&B mode") and "\n" not in problem
