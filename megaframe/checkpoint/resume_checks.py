@@ -122,11 +122,29 @@ def start_over_problem(run_dir: Path, checkpoint_dir: Path, resume: str) -> Opti
             f"{_checkpoints_state(checkpoint_dir)}: mount or restore the checkpoints to resume, or {RESUME_NONE}")
 
 
+def resume_path_problem(path: Path) -> Optional[str]:
+    """train.resume=PATH naming a run directory or a Hugging Face model rather than a checkpoint (or a
+    checkpoints/ directory with its `latest`): one line with the fix before launch. Both failed after
+    launch with "no manifest.json: ... resume from an earlier checkpoint" (exit 5), the wrong fix."""
+    if not path.is_dir() or (path / "manifest.json").is_file() or (path / "latest").is_file():
+        return None  # a checkpoint, or checkpoints/ with its pointer: the ranks verify it
+    if (path / "checkpoints").is_dir():
+        return (f"train.resume={path}: a run directory, not a checkpoint; resume from its checkpoints with "
+                f"train.resume={path / 'checkpoints'} (the newest), or a checkpoint in it such as "
+                f"{path / 'checkpoints' / 'global_stepN'}")
+    if (path / "config.json").is_file() and (any(path.glob("*.safetensors")) or (path / "pytorch_model.bin").is_file()):
+        return (f"train.resume={path}: a Hugging Face model, not a megaframe checkpoint; convert it first "
+                f"(megaframe-convert from-hf {path} OUT) and resume from OUT")
+    return None
+
+
 def prelaunch_problem(run_dir: Path, resume: str) -> Optional[str]:
     """start_over_problem() as the launcher can ask it, before any rank starts: for train.resume=auto
     only when run_dir holds no complete checkpoint (which checkpoint verifies is the ranks' job)."""
     run_dir = Path(run_dir)
     checkpoint_dir = run_dir / "checkpoints"
+    if resume not in ("auto", "none") and (problem := resume_path_problem(Path(resume))):
+        return problem
     if resume == "auto" and checkpoint_dir.is_dir() and any(
             re.fullmatch(r"global_step\d+", p.name) and p.is_dir() for p in checkpoint_dir.iterdir()):
         return None  # a published checkpoint (checkpoint/store.py's names): which one verifies is the ranks' job

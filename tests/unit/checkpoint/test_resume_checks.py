@@ -322,3 +322,24 @@ def _start_over_on_unreadable_storage(rank: int, world: int, run: str):
     except OSError as err:
         return type(err).__name__, err.strerror
     return None
+
+
+def test_a_resume_path_naming_a_run_dir_or_a_hugging_face_model_says_what_to_name(tmp_path):
+    """Both failed after launch with "no manifest.json: ... resume from an earlier checkpoint" (exit 5)."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "global_step4").mkdir(parents=True)
+    problem = prelaunch_problem(tmp_path / "new", str(run))
+    assert problem == (f"train.resume={run}: a run directory, not a checkpoint; resume from its checkpoints with "
+                       f"train.resume={run / 'checkpoints'} (the newest), or a checkpoint in it such as "
+                       f"{run / 'checkpoints' / 'global_stepN'}")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    assert prelaunch_problem(tmp_path / "new", str(hf)) == (
+        f"train.resume={hf}: a Hugging Face model, not a megaframe checkpoint; convert it first "
+        f"(megaframe-convert from-hf {hf} OUT) and resume from OUT")
+    (hf / "manifest.json").write_text("{}")  # megaframe-convert from-hf's own output: a checkpoint
+    assert prelaunch_problem(tmp_path / "new", str(hf)) is None
+    (run / "checkpoints" / "latest").write_text("global_step4\n")  # checkpoints/ with its pointer
+    assert prelaunch_problem(tmp_path / "new", str(run / "checkpoints")) is None
