@@ -59,9 +59,30 @@ def dataset_problem(cfg: TrainConfig) -> Optional[str]:
             prefixes += parse_blend(list(blend), key)[1] if blend else []
         if prefixes:  # opened once, as the ranks open them; the built-in corpus is built after launch
             build_data(cfg.data, cfg.model.seq_length)
+        else:
+            return demo_cache_problem(cfg.data.cache_dir)
     except DataError as err:
         return str(err)
     return None
+
+
+def demo_cache_problem(configured: Optional[str]) -> Optional[str]:
+    """The built-in corpus is written to the cache (data.cache_dir, else $XDG_CACHE_HOME or ~/.cache)
+    after launch: a cache that cannot be made or written ended rank 0 with NotADirectoryError (exit 1)."""
+    from megaframe.common.paths import cache_dir
+
+    where = cache_dir(configured)
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        writable = os.access(where, os.W_OK | os.X_OK)
+        reason = "not writable"
+    except OSError as err:
+        writable, reason = False, err.strerror or str(err)
+    if writable:
+        return None
+    named = "data.cache_dir" if configured else ("XDG_CACHE_HOME" if os.environ.get("XDG_CACHE_HOME") else "HOME")
+    return (f"the built-in corpus is cached in {where} ({named}), which cannot be used ({reason}); set "
+            f"data.cache_dir to a folder you can write, or train on your own data with data.path")
 
 
 def launcher_problem(cfg: TrainConfig) -> Optional[str]:
