@@ -18,7 +18,7 @@ import sys
 from typing import Optional, Sequence
 
 from megaframe import resume_hint
-from megaframe.config.compose import config_dirs_as_searchpath, override_problem
+from megaframe.config.compose import compose, config_dirs_as_searchpath, override_problem
 from megaframe.config.validate import ConfigError
 from megaframe.common.failures import PROG
 from megaframe.launch import torchrun
@@ -38,6 +38,32 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
         sys.exit(130)
 
 
+# Hydra's flags that print the composed config, each with the value it takes as the next argument
+_PRINTING_FLAGS = {"-c": True, "--cfg": True, "--resolve": False, "-p": True, "--package": True}
+
+
+def printed_config_problem(args: Sequence[str]) -> Optional[str]:
+    """`--cfg job OVERRIDES` (the documented preview of a command) composes as a run would: a mistyped
+    key or group is one line, where Hydra printed its own multi-line error with exit 1. Left to Hydra
+    with -m or another primary config (--config-name, --config-path)."""
+    flags = {flag.split("=", 1)[0] for flag in hydra_flags(args)}
+    if not flags or not flags <= set(_PRINTING_FLAGS):
+        return None
+    overrides, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in _PRINTING_FLAGS:
+            skip = _PRINTING_FLAGS[arg]
+        elif arg.split("=", 1)[0] not in _PRINTING_FLAGS:
+            overrides.append(arg)
+    try:
+        compose(overrides)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
 def _train_main(argv: Optional[Sequence[str]]) -> None:
     typed = sys.argv[1:] if argv is None else argv
     try:
@@ -48,6 +74,8 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
     if hydra_flags(args):
         resume_collector()  # a sweep waits on its points' runs, and --cfg/--help only print
         if problem := override_problem(args):  # --cfg job, --help: Hydra's own error would not say where it went
+            fail(problem)
+        if problem := printed_config_problem(args):
             fail(problem)
         from megaframe.launch.sweep import check_args
 

@@ -1,0 +1,28 @@
+"""`megaframe-train --cfg job OVERRIDES` (the documented preview of a command) composes as a run
+would (megaframe/launch/main.py printed_config_problem): a mistyped key, group or value is one line,
+where Hydra printed its own multi-line error and exit 1."""
+from __future__ import annotations
+
+import pytest
+
+from megaframe.launch.main import printed_config_problem
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--cfg", "job", "model.hiden_size=1"], "unknown key 'model.hiden_size'"),
+    (["--cfg", "job", "model=foo"], "model=foo: no such option"),
+    (["--cfg=job", "--resolve", "train.max_steps=x"], "train.max_steps: Value 'x'"),
+    (["-c", "all", "-p", "model", "train.max_steps=x"], "train.max_steps: Value 'x'"),
+])
+def test_a_previewed_command_with_a_mistake_is_one_line(args, said):
+    problem = printed_config_problem(args)
+    assert problem is not None and said in problem and "\n" not in problem, problem
+
+
+@pytest.mark.parametrize("args", [
+    ["--cfg", "job", "model.hidden_size=128"],  # a good preview: Hydra prints it
+    ["-m", "--cfg", "job", "optim.lr=1e-3,2e-3"],  # a sweep: its own checks (launch/sweep.py)
+    ["--help"], ["--cfg", "job", "--config-name", "other"],  # not a preview of megaframe's config
+])
+def test_what_is_not_a_previewed_run_is_left_to_hydra(args):
+    assert printed_config_problem(args) is None
