@@ -101,6 +101,11 @@ def _unprintable(text: str) -> bool:
     return any(ord(c) < 32 or ord(c) == 127 for c in text)
 
 
+# sbatch's --time forms (man sbatch): minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+# days-hours:minutes, days-hours:minutes:seconds; "infinite" and "unlimited" (any case) for no limit
+_SLURM_TIME = re.compile(r"\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+|(?i:infinite|unlimited)")
+
+
 def check_sbatch_strings(launcher) -> Optional[str]:
     """What launcher=slurm writes into #SBATCH lines, which sbatch reads itself (no shell quoting
     applies): a newline would start a line of the caller's choosing (and sbatch ignores every
@@ -110,6 +115,10 @@ def check_sbatch_strings(launcher) -> Optional[str]:
         if value is not None and (_unprintable(str(value)) or any(c.isspace() for c in str(value)) or not str(value)):
             return (f"launcher.{key}={str(value)!r}: a job script value must be one word of printable "
                     f"characters (no spaces, tabs or newlines)")
+    if launcher.time is not None and not _SLURM_TIME.fullmatch(str(launcher.time)):
+        # sbatch refuses the script only once the job is submitted, in its own words
+        return (f"launcher.time={launcher.time}: not a SLURM time limit; give MINUTES, MM:SS, HH:MM:SS, D-HH, "
+                f"D-HH:MM, D-HH:MM:SS or UNLIMITED, e.g. launcher.time=2-00:00:00")
     for extra in launcher.sbatch_extra:
         if _unprintable(str(extra)) or not str(extra).startswith("--"):
             return (f"launcher.sbatch_extra entry {str(extra)!r}: each must be one sbatch option such as "

@@ -87,6 +87,24 @@ def test_sbatch_extra_entries_are_single_options(extra):
         validate(cfg, 1)
 
 
+@pytest.mark.parametrize("time, good", [("forever", False), ("1h", False), ("2-", False), ("24:00:00", True),
+                                        ("90", True), ("2-12:30", True), ("UNLIMITED", True)])
+def test_a_time_limit_sbatch_would_refuse_is_one_line_before_submitting(time, good):
+    """launcher.time=forever was written into the job script; sbatch refused it in its own words."""
+    from megaframe.config.schema import TrainConfig
+    from megaframe.config.validate import ConfigError, validate
+
+    cfg = TrainConfig()
+    cfg.launcher.name, cfg.launcher.time = "slurm", time
+    cfg.cluster.gpus_per_node, cfg.cluster.memory_gb = 8, 80.0
+    if good:
+        validate(cfg, 1)
+        return
+    with pytest.raises(ConfigError) as refused:
+        validate(cfg, 1)
+    assert str(refused.value).startswith(f"launcher.time={time}: not a SLURM time limit")
+
+
 def test_well_formed_launcher_values_pass():
     from megaframe.config.schema import TrainConfig
     from megaframe.config.validate import validate
