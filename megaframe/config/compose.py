@@ -97,11 +97,27 @@ RENAMED_KEYS = {
 }
 
 
+# Hydra's own flags (help, --cfg job, multirun, ...): Hydra handles them (launch/ routes them to it)
+HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-p", "--package",
+               "--resolve", "-m", "--multirun", "-cp", "--config-path", "-cn", "--config-name",
+               "-cd", "--config-dir", "--shell-completion", "-sc", "--version", "--experimental-rerun")
+
+
+def unknown_flag(overrides: Sequence[str]) -> str | None:
+    """A dashed argument that is none of Hydra's flags (--foo, --max-steps=10): Hydra's parser
+    answered with its lexer's exception text."""
+    for arg in overrides:
+        if arg.startswith("-") and arg.split("=", 1)[0] not in HYDRA_FLAGS:
+            return (f"{arg}: not an option; settings are overrides KEY=VALUE (e.g. train.max_steps=100), and the "
+                    f"flags are Hydra's (--cfg job, -m, --help)")
+    return None
+
+
 def override_problem(overrides: Sequence[str]) -> str | None:
     """One line for an override that names a recipe that does not exist or sets a key of
     RENAMED_KEYS, or None: both would otherwise reach Hydra, which reports the first in many lines
     and passes the second over in silence."""
-    if problem := unknown_recipe(overrides) or empty_override_problem(overrides):
+    if problem := unknown_flag(overrides) or unknown_recipe(overrides) or empty_override_problem(overrides):
         return problem
     for override in overrides:
         key = override.lstrip("+~").split("=", 1)[0]

@@ -7,10 +7,7 @@ from typing import NoReturn, Optional, Sequence
 
 from megaframe.common.failures import PROG
 
-# Hydra's own flags (help, --cfg job, multirun, ...): Hydra handles them, we do not pre-validate.
-HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-p", "--package",
-               "--resolve", "-m", "--multirun", "-cp", "--config-path", "-cn", "--config-name",
-               "-cd", "--config-dir", "--shell-completion", "-sc", "--version", "--experimental-rerun")
+from megaframe.config.compose import HYDRA_FLAGS  # noqa: F401 - launch/ reads them here
 
 
 def hydra_flags(args: Sequence[str]) -> set[str]:

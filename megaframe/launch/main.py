@@ -42,6 +42,19 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
 _PRINTING_FLAGS = {"-c": True, "--cfg": True, "--resolve": False, "-p": True, "--package": True}
 
 
+# Hydra's modes, of which a command takes one (Hydra raised a ValueError's traceback for two)
+_MODES = ({"-m", "--multirun"}, {"-c", "--cfg"}, {"-i", "--info"}, {"-sc", "--shell-completion"})
+
+
+def modes_problem(args: Sequence[str]) -> Optional[str]:
+    flags = {flag.split("=", 1)[0] for flag in hydra_flags(args)}
+    given = [sorted(mode & flags)[0] for mode in _MODES if mode & flags]
+    if len(given) > 1:
+        return (f"{' and '.join(given)}: Hydra runs one of -m, --cfg, --info and --shell-completion at a time; "
+                f"drop all but one")
+    return None
+
+
 def printed_config_problem(args: Sequence[str]) -> Optional[str]:
     """`--cfg job OVERRIDES` (the documented preview of a command) composes as a run would: a mistyped
     key or group is one line, where Hydra printed its own multi-line error with exit 1. Left to Hydra
@@ -75,7 +88,7 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
         resume_collector()  # a sweep waits on its points' runs, and --cfg/--help only print
         if problem := override_problem(args):  # --cfg job, --help: Hydra's own error would not say where it went
             fail(problem)
-        if problem := printed_config_problem(args):
+        if problem := modes_problem(args) or printed_config_problem(args):
             fail(problem)
         from megaframe.launch.sweep import check_args
 

@@ -26,3 +26,22 @@ def test_a_previewed_command_with_a_mistake_is_one_line(args, said):
 ])
 def test_what_is_not_a_previewed_run_is_left_to_hydra(args):
     assert printed_config_problem(args) is None
+
+
+def test_two_of_hydras_modes_at_once_are_one_line():
+    """-m with --cfg job was Hydra's ValueError traceback."""
+    from megaframe.launch.main import modes_problem
+
+    assert modes_problem(["-m", "--cfg", "job", "optim.lr=1e-3,2e-3"]) == (
+        "-m and --cfg: Hydra runs one of -m, --cfg, --info and --shell-completion at a time; drop all but one")
+    assert modes_problem(["--cfg=job", "--multirun"]) is not None
+    assert modes_problem(["-m", "optim.lr=1e-3,2e-3"]) is None and modes_problem(["--cfg", "job", "-p", "model"]) is None
+
+
+@pytest.mark.parametrize("arg", ["--foo", "--max-steps=3", "-x"])
+def test_a_dashed_argument_that_is_no_flag_is_one_line(arg):
+    """Hydra's parser answered with its lexer's exception text (LexerNoViableAltException: --foo ^)."""
+    from megaframe.config.compose import override_problem
+
+    assert override_problem([arg, "train.max_steps=3"]).startswith(f"{arg}: not an option; settings are overrides")
+    assert override_problem(["--cfg", "job", "train.max_steps=3"]) is None
