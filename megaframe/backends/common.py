@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 from datetime import timedelta
 from typing import Iterable, Iterator, Optional
 
@@ -25,15 +24,9 @@ from megaframe.optim.groups import decay_param_groups  # noqa: F401  (the seam's
 from megaframe.optim.state import ensure_state, step_tensor
 from megaframe.optim.table import ALL_TENSOR_STATE
 from megaframe.parallel.random import TPDropoutRNG
+from megaframe.parallel.rendezvous import free_port  # noqa: F401  (engines and tests import it here)
 from megaframe.parallel.rendezvous import join_world
 from megaframe.parallel.state import ParallelState
-
-
-def free_port() -> int:
-    """A TCP port free on this host now (a world of one picks its own rendezvous port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def set_collective_timeout(timeout: timedelta) -> None:

@@ -81,6 +81,13 @@ def _named(ranks: list[int], absent: int) -> str:
     return f"rank{'s' if absent > 1 else ''} {listed}{', …' if absent > len(ranks) else ''}"
 
 
+def free_port() -> int:
+    """A TCP port free on this host now (a world of one picks its own rendezvous port)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def _resolve(host: str, port: int, deadline: float) -> None:
     """MASTER_ADDR resolves, or one line (exit 2) naming it: torch's store retried an unresolvable
     address until the collective timeout, in C++ (stack dumps, and the blame on a collective). A
@@ -213,9 +220,7 @@ def join_world(backend: str, timeout: Optional[timedelta], join_timeout_s: Optio
         # RANK=0 WORLD_SIZE=1 by hand: env:// needs an address, and a world of one meets only itself, on
         # this host: a MASTER_ADDR left in the environment that does not resolve kept torch's store
         # retrying forever, deaf to SIGTERM
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(probe.getsockname()[1]))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         return False
     join_timeout_s = join_timeout_s or 600.0
     deadline = time.monotonic() + join_timeout_s

@@ -187,16 +187,33 @@ def test_a_world_of_one_joins_on_this_host_whatever_address_is_left_in_the_envir
 
 
 def test_a_master_addr_that_does_not_resolve_is_one_line_at_once(monkeypatch):
-    """torch's store retried it until the collective timeout: C++ stack dumps and a timeout's blame."""
+    """torch's store retried it until the collective timeout: C++ stack dumps and a timeout's blame.
+    The resolver's answer is planted (a host whose nameserver cannot be reached answers "try again",
+    which is asked again until the join deadline: the second case)."""
+    import socket
+
+    answers = []
+
+    def resolver(code):
+        def getaddrinfo(host, *args, **kwargs):
+            answers.append(host)
+            raise socket.gaierror(code, "Name or service not known" if code == socket.EAI_NONAME else "Try again")
+        return getaddrinfo
     for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "nonexistent.invalid",
                         "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    start = time.monotonic()
+    monkeypatch.setattr(socket, "getaddrinfo", resolver(socket.EAI_NONAME))
     with pytest.raises(LaunchEnvError) as err:
         join_world("gloo", None, 60)
-    assert time.monotonic() - start < 30 and err.value.exit_code == ExitCode.REFUSED
-    assert str(err.value).startswith("MASTER_ADDR=nonexistent.invalid does not resolve") and "\n" not in str(err.value)
+    assert answers == ["nonexistent.invalid"] and err.value.exit_code == ExitCode.REFUSED  # at once, no retry
+    assert str(err.value).startswith("MASTER_ADDR=nonexistent.invalid does not resolve (Name or service not known)")
+    assert "\n" not in str(err.value)
+    monkeypatch.setattr(socket, "getaddrinfo", resolver(socket.EAI_AGAIN))
+    start = time.monotonic()
+    with pytest.raises(LaunchEnvError, match="does not resolve \\(Try again\\)"):
+        join_world("gloo", None, 1)
+    assert len(answers) > 2 and 1 <= time.monotonic() - start < 10  # asked again until the deadline
 
 
 def test_contradicting_variables_are_refused_before_any_store(monkeypatch):
