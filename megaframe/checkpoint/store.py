@@ -349,14 +349,16 @@ def trash_unfinished_saves(save_dir: Path, spare: Optional[Path] = None) -> list
     save the scheduler's SIGKILL cut short, at a step the run never saves again, stayed on the
     storage for good (only a later save of the same step set one aside), up to a whole checkpoint's
     bytes each preemption. Rank 0, as a run resumes: no save of this run is in flight (the run lock),
-    and an interrupted swap's tmp- copy was put right before. Only beside a published checkpoint:
+    and the new copy of an interrupted swap (tmp-NAME beside tmp-old-NAME) is kept for
+    finish_interrupted_swaps, which only train.resume=auto runs. Only beside a published checkpoint:
     a directory of nothing but unfinished saves is what resume_checks reports (lost storage, or a
     run killed in its first save). `spare`: a directory named to resume from, kept. Returns what went."""
     gone: list[Path] = []
     if not _complete_checkpoints(save_dir):
         return gone
     for path in sorted(Path(save_dir).glob(TMP_PREFIX + "global_step*")):
-        if re.fullmatch(TMP_PREFIX + r"global_step\d+", path.name) and path.is_dir() \
+        swapping = os.path.lexists(path.with_name(universal.OLD_PREFIX + path.name.removeprefix(TMP_PREFIX)))
+        if re.fullmatch(TMP_PREFIX + r"global_step\d+", path.name) and path.is_dir() and not swapping \
                 and (spare is None or path.resolve() != Path(spare).resolve()):
             universal.to_trash(path)
             gone.append(path)

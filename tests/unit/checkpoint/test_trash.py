@@ -121,6 +121,8 @@ def test_a_resume_deletes_the_saves_a_kill_cut_short(tmp_path, monkeypatch, caps
     (alone / "tmp-global_step5").mkdir(parents=True)
     assert store.trash_unfinished_saves(alone) == [] and (alone / "tmp-global_step5").is_dir()
     (save_dir / "global_step4000").mkdir()
+    (save_dir / "tmp-old-global_step8").mkdir()  # an interrupted swap: its new copy is finish_interrupted_swaps'
+    (save_dir / "tmp-global_step8").mkdir()
     resume = str(named) if resume == "PATH" else resume
     manager = CheckpointManager.__new__(CheckpointManager)  # only what resume() reads before the resume itself
     manager.fast, manager.is_logger, manager.trash = None, True, store.TrashCollector()
@@ -133,6 +135,9 @@ def test_a_resume_deletes_the_saves_a_kill_cut_short(tmp_path, monkeypatch, caps
         manager.resume()
     manager.trash.wait()
     assert not cut_short.exists() and not list(save_dir.glob(store.TRASH_PREFIX + "*"))
+    # auto put the swap right (the old copy back); the others leave both copies for the next auto
+    assert (save_dir / "tmp-global_step8").is_dir() == (resume != "auto") == (save_dir / "tmp-old-global_step8").is_dir()
+    assert (save_dir / "global_step8").is_dir() == (resume == "auto")
     assert named.exists() == (resume == str(named))
     said = capsys.readouterr().err
     assert "tmp-global_step4321" in said and "left by a save that did not finish" in said, said
