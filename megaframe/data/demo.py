@@ -66,7 +66,15 @@ def _build(prefix: Path, max_bytes: int) -> None:
         )
 
 
-def ensure_demo_dataset(cache_dir: Path, max_bytes: int = 2_000_000) -> Path:
+DEMO_BYTES = 2_000_000  # the built-in corpus's size, in bytes of stdlib text
+
+
+def demo_built(cache_dir: Path, max_bytes: int = DEMO_BYTES) -> bool:
+    """Whether the built-in corpus is in `cache_dir` already (a cache that is then only read)."""
+    return (Path(cache_dir) / demo_cache_key(max_bytes)).is_dir()
+
+
+def ensure_demo_dataset(cache_dir: Path, max_bytes: int = DEMO_BYTES) -> Path:
     """Prefix of the demo dataset under `cache_dir`, building it (about max_bytes of stdlib text) if absent."""
     if max_bytes < 1:
         raise DataError(f"max_bytes={max_bytes}: the demo corpus needs at least 1 byte")

@@ -68,10 +68,14 @@ def dataset_problem(cfg: TrainConfig) -> Optional[str]:
 
 def demo_cache_problem(configured: Optional[str]) -> Optional[str]:
     """The built-in corpus is written to the cache (data.cache_dir, else $XDG_CACHE_HOME or ~/.cache)
-    after launch: a cache that cannot be made or written ended rank 0 with NotADirectoryError (exit 1)."""
+    after launch: a cache that cannot be made or written ended rank 0 with NotADirectoryError (exit 1).
+    One that holds it already is only read (a shared cache made read-only)."""
     from megaframe.common.paths import cache_dir
+    from megaframe.data.demo import demo_built
 
     where = cache_dir(configured)
+    if demo_built(where):
+        return None
     try:
         where.mkdir(parents=True, exist_ok=True)
         writable = os.access(where, os.W_OK | os.X_OK)
@@ -127,7 +131,8 @@ def check_before_launch(cfg: TrainConfig, layout: Layout, run_dir: str) -> None:
     history and the machine, in that order; then rank 0 prints the config's warnings."""
     from megaframe.tracking.wandb_run import env_mode_problem, online_key_problem
 
-    if problem := launcher_problem(cfg) or env_mode_problem() or online_key_problem(cfg.logging.wandb.mode):
+    mode = cfg.logging.wandb.mode
+    if problem := launcher_problem(cfg) or env_mode_problem(mode) or online_key_problem(mode):
         fail(problem)
     if problem := dataset_problem(cfg):
         fail(problem)

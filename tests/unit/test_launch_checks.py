@@ -23,3 +23,16 @@ def test_a_usable_cache_passes_and_is_made(tmp_path, monkeypatch):
     assert demo_cache_problem(str(tmp_path / "new" / "cache")) is None and (tmp_path / "new" / "cache").is_dir()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert demo_cache_problem(None) is None and (tmp_path / "xdg" / "megaframe").is_dir()
+
+
+def test_a_read_only_cache_that_holds_the_corpus_is_fine(tmp_path, monkeypatch):
+    """Only its build writes: a shared cache made read-only after the corpus was built trains as before."""
+    import os
+
+    from megaframe.data.demo import DEMO_BYTES, demo_cache_key
+
+    # built: ensure_demo_dataset's directory appears only by the rename of a finished build
+    (tmp_path / "cache" / demo_cache_key(DEMO_BYTES)).mkdir(parents=True)
+    monkeypatch.setattr(os, "access", lambda *a, **k: False)  # as a read-only folder answers (root's never does)
+    assert demo_cache_problem(str(tmp_path / "cache")) is None
+    assert "which cannot be used (not writable)" in demo_cache_problem(str(tmp_path / "other"))
