@@ -10,18 +10,20 @@ from megaframe.config.schema import WandbConfig
 from megaframe.common.atomic_io import atomic_write_text
 
 
-# what wandb's Settings accept in WANDB_MODE, which overrides logging.wandb.mode (wandb 0.2x)
+# what wandb's Settings accept in WANDB_MODE (tests/unit/tracking/test_wandb_key.py reads them from wandb)
 WANDB_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")
 
 
-def env_mode_problem(environ=os.environ) -> Optional[str]:
-    """WANDB_MODE in the environment overrides logging.wandb.mode; a value wandb does not know ended
-    rank 0 after launch with its ValidationError: one line before launch instead."""
-    mode = environ.get("WANDB_MODE")
-    if mode is None or mode in WANDB_MODES:
+def env_mode_problem(mode: str, environ=os.environ) -> Optional[str]:
+    """wandb reads WANDB_MODE from the environment as it loads its settings, whatever mode megaframe
+    passes (logging.wandb.mode decides), and refuses a value it does not know: rank 0 ended after
+    launch with its ValidationError. One line before launch instead; nothing when W&B is disabled
+    (wandb is never imported then)."""
+    value = environ.get("WANDB_MODE")
+    if mode == "disabled" or value is None or value in WANDB_MODES:
         return None
-    return (f"WANDB_MODE={mode!r} (in the environment) is not a W&B mode and would override logging.wandb.mode; "
-            f"unset it and choose with logging.wandb.mode=offline, online or disabled")
+    return (f"WANDB_MODE={value!r} (in the environment) is no W&B mode, and wandb refuses to start with it; unset "
+            f"it (logging.wandb.mode={mode} chooses the mode) or set it to one of {', '.join(WANDB_MODES)}")
 
 
 def online_key_problem(mode: str, environ=os.environ) -> Optional[str]:

@@ -28,8 +28,9 @@ def test_online_without_a_key_names_the_ways_to_give_one(tmp_path):
 
 
 def test_a_wandb_mode_in_the_environment_that_wandb_does_not_know_is_one_line():
-    """WANDB_MODE overrides logging.wandb.mode; WANDB_MODE=weird ended rank 0 after launch with
-    wandb's ValidationError (exit 1). What wandb accepts is read from its own Settings."""
+    """wandb reads WANDB_MODE as it loads its settings: WANDB_MODE=weird ended rank 0 after launch
+    with wandb's ValidationError (exit 1). What wandb accepts is read from its own Settings; with
+    W&B disabled wandb never starts, and the variable is no one's business."""
     import typing
 
     from wandb.sdk.wandb_settings import Settings
@@ -37,7 +38,8 @@ def test_a_wandb_mode_in_the_environment_that_wandb_does_not_know_is_one_line():
     from megaframe.tracking.wandb_run import env_mode_problem
 
     accepted = typing.get_args(Settings.model_fields["mode"].annotation)
-    assert accepted and all(env_mode_problem({"WANDB_MODE": mode}) is None for mode in accepted)
-    assert env_mode_problem({}) is None
-    problem = env_mode_problem({"WANDB_MODE": "weird"})
-    assert problem.startswith("WANDB_MODE='weird' (in the environment) is not a W&B mode") and "\n" not in problem
+    assert accepted and all(env_mode_problem("offline", {"WANDB_MODE": mode}) is None for mode in accepted)
+    assert env_mode_problem("offline", {}) is None
+    assert env_mode_problem("disabled", {"WANDB_MODE": "weird"}) is None
+    problem = env_mode_problem("offline", {"WANDB_MODE": "weird"})
+    assert problem.startswith("WANDB_MODE='weird' (in the environment) is no W&B mode") and "\n" not in problem
