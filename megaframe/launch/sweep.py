@@ -92,11 +92,17 @@ def sweep_dir_problem(args: list[str]) -> str | None:
     hydra.run.dir's is: Hydra's own attempt ended in a traceback. Made here, as Hydra would make it."""
     from pathlib import Path
 
-    given = [a.split("=", 1)[1] for a in args if a.startswith("hydra.sweep.dir=")]
-    if not given or "${" in given[-1]:  # Hydra's default, or an interpolation only Hydra resolves
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    given = [a for a in args if a.startswith("hydra.sweep.dir=")]
+    if not given:
+        return None
+    # the value as Hydra reads it: quoted ('/scratch/my sweep', as hydra_quoted writes), escaped
+    folder = str(OverridesParser.create().parse_overrides(given[-1:])[0].value())
+    if "${" in folder:  # an interpolation only Hydra resolves (its default, ${now:...})
         return None
     try:
-        Path(given[-1]).mkdir(parents=True, exist_ok=True)
+        Path(folder).mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        return f"hydra.sweep.dir={given[-1]}: cannot create the sweep directory ({err.strerror}); choose another"
+        return f"hydra.sweep.dir={folder}: cannot create the sweep directory ({err.strerror}); choose another"
     return None

@@ -86,5 +86,8 @@ def test_a_sweep_dir_that_cannot_be_made_is_one_line(tmp_path):
         assert sweep_dir_problem(["-m", "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={where}"]) == (
             f"hydra.sweep.dir={where}: cannot create the sweep directory ({why}); choose another")
     assert sweep_dir_problem([f"hydra.sweep.dir={tmp_path / 'new'}"]) is None and (tmp_path / "new").is_dir()
+    # quoted as hydra_quoted writes it: the folder is the value Hydra reads, not the override's text
+    assert sweep_dir_problem([f"hydra.sweep.dir='{tmp_path / 'my sweep'}'"]) is None
+    assert (tmp_path / "my sweep").is_dir() and not list(tmp_path.glob("'*"))
     assert sweep_dir_problem(["hydra.sweep.dir=multirun/${now:%H-%M-%S}"]) is None  # Hydra resolves it
     assert not (tmp_path / "multirun").exists()
