@@ -97,19 +97,21 @@ RENAMED_KEYS = {
 }
 
 
-# Hydra's own flags (help, --cfg job, multirun, ...): Hydra handles them (launch/ routes them to it)
+# Hydra's own flags (help, --cfg job, multirun, ...), as hydra-core 1.3's argument parser has them
+# (tests/unit/test_printed_config.py reads them from it): Hydra handles them (launch/ routes them to it)
 HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-p", "--package",
-               "--resolve", "-m", "--multirun", "-cp", "--config-path", "-cn", "--config-name",
+               "--resolve", "-m", "--multirun", "-r", "--run", "-cp", "--config-path", "-cn", "--config-name",
                "-cd", "--config-dir", "--shell-completion", "-sc", "--version", "--experimental-rerun")
 
 
 def unknown_flag(overrides: Sequence[str]) -> str | None:
-    """A dashed argument that is none of Hydra's flags (--foo, --max-steps=10): Hydra's parser
-    answered with its lexer's exception text."""
+    """A dashed argument that is none of Hydra's flags (--foo, --max-steps=10) among what reaches the
+    composition (each command has taken its own flags first): Hydra's parser answered with its
+    lexer's exception text."""
     for arg in overrides:
         if arg.startswith("-") and arg.split("=", 1)[0] not in HYDRA_FLAGS:
-            return (f"{arg}: not an option; settings are overrides KEY=VALUE (e.g. train.max_steps=100), and the "
-                    f"flags are Hydra's (--cfg job, -m, --help)")
+            return (f"{arg}: not an option of this command; settings are overrides KEY=VALUE (e.g. "
+                    f"train.max_steps=100): see --help for its options")
     return None
 
 

@@ -43,5 +43,15 @@ def test_a_dashed_argument_that_is_no_flag_is_one_line(arg):
     """Hydra's parser answered with its lexer's exception text (LexerNoViableAltException: --foo ^)."""
     from megaframe.config.compose import override_problem
 
-    assert override_problem([arg, "train.max_steps=3"]).startswith(f"{arg}: not an option; settings are overrides")
+    assert override_problem([arg, "train.max_steps=3"]).startswith(f"{arg}: not an option of this command")
     assert override_problem(["--cfg", "job", "train.max_steps=3"]) is None
+
+
+def test_the_flags_megaframe_leaves_to_hydra_are_hydras():
+    """HYDRA_FLAGS is what Hydra's own argument parser takes: none is called "not an option"."""
+    from hydra._internal.utils import get_args_parser
+
+    from megaframe.config.compose import HYDRA_FLAGS
+
+    hydras = {flag for action in get_args_parser()._actions for flag in action.option_strings}
+    assert set(HYDRA_FLAGS) == hydras
