@@ -178,8 +178,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except ConvertError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
-    except OSError as err:  # an output folder that cannot be made (its parent a file, a read-only place), ...
+    except OSError as err:  # the storage mid-way (ENOSPC, EIO): what and where, in one line
         where = f" ({err.filename})" if err.filename else ""
-        print(f"{PROG}: error: {err.strerror or err}{where}; choose an output directory you can write, and check "
-              f"the input's path", file=sys.stderr, flush=True)
-        sys.exit(2)
+        print(f"{PROG}: error: {err.strerror or err}{where}; nothing was published (an earlier output is untouched)",
+              file=sys.stderr, flush=True)
+        sys.exit(1)

@@ -180,9 +180,13 @@ def staging_dir(final: Path, force: bool) -> Path:
     """A fresh temporary sibling of `final` to write into (refusing an existing final without force)."""
     final = Path(final)
     refuse_existing(final, force)
-    final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as err:  # a file where a folder should be, a read-only place: a traceback before
+        raise ConvertError(f"{final}: cannot create the output directory ({err.strerror or err}); choose one you "
+                           f"can write") from None
     return tmp
 
 

@@ -230,3 +230,4 @@ def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path):
     result = convert(tmp_path / "hf", tmp_path / "a_file" / "out")
     (line,) = result.stderr.strip().splitlines()
     assert result.returncode == 2 and line.startswith("megaframe-convert: error: ") and "a_file" in line, line
+    assert "cannot create the output directory (File exists); choose one you can write" in line, line
