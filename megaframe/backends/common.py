@@ -24,8 +24,7 @@ from megaframe.optim.groups import decay_param_groups  # noqa: F401  (the seam's
 from megaframe.optim.state import ensure_state, step_tensor
 from megaframe.optim.table import ALL_TENSOR_STATE
 from megaframe.parallel.random import TPDropoutRNG
-from megaframe.parallel.rendezvous import free_port  # noqa: F401  (engines and tests import it here)
-from megaframe.parallel.rendezvous import join_world
+from megaframe.parallel.rendezvous import free_port, join_world
 from megaframe.parallel.state import ParallelState
 
 

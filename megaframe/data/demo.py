@@ -82,7 +82,7 @@ def ensure_demo_dataset(cache_dir: Path, max_bytes: int = DEMO_BYTES) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     final_dir = cache_dir / demo_cache_key(max_bytes)
     # The directory only ever appears through an atomic rename of a finished build, so existing means complete.
-    if final_dir.is_dir():
+    if demo_built(cache_dir, max_bytes):
         return final_dir / DEMO_PREFIX_NAME
     build_dir = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{final_dir.name}.building-"))
     try:
