@@ -24,7 +24,7 @@ from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.boxes import Box
 from megaframe.checkpoint.sharded import ShardReader
 from megaframe.checkpoint.stream import write_streaming
-from megaframe.common.atomic_io import fsync_dir, fsync_file
+from megaframe.common.atomic_io import fsync_file
 from megaframe.checkpoint.tokenizer_record import (RECORD_KEY, TOKENIZER_FILES, has_tokenizer,  # noqa: F401
                                                    tokenizer_files)
 from megaframe.convert.hf import ConvertError
@@ -195,11 +195,10 @@ def publish(tmp: Path, final: Path) -> Path:
     Every file and folder in tmp is flushed first: transformers' save_pretrained, the generation
     config and the tokenizer's copies are written without fsync, and a crash soon after the rename
     left an export with empty config or tokenizer files, its predecessor already deleted."""
-    for path in sorted(Path(tmp).rglob("*")):
-        if path.is_file() and not path.is_symlink():
-            fsync_file(path)
-        elif path.is_dir():
-            fsync_dir(path)
+    written = [path for path in sorted(Path(tmp).rglob("*")) if path.is_file() and not path.is_symlink()]
+    for path in written:
+        fsync_file(path)
+    universal.sync_dirs(tmp, [path.relative_to(tmp) for path in written])
     return universal.replace_dir(tmp, final)
 
 
