@@ -285,7 +285,8 @@ def check_spike(spike) -> Optional[str]:
 
 
 def _missing_files(key: str, prefix: str) -> Optional[str]:
-    if all(Path(prefix + suffix).is_file() for suffix in (".bin", ".idx")):
+    missing = next((suffix for suffix in (".bin", ".idx") if not Path(prefix + suffix).is_file()), None)
+    if missing is None:
         return None
     if prefix.endswith("/") or Path(prefix).is_dir():  # newdata/ looked for newdata/.bin
         folder = Path(prefix)
@@ -294,11 +295,8 @@ def _missing_files(key: str, prefix: str) -> Optional[str]:
         example = f"{folder / found[0]}" if found else f"{folder / 'NAME'} for NAME.bin and NAME.idx"
         return (f"{key}: {prefix} names a folder, not a dataset; a dataset is named by the prefix of its files, "
                 f"e.g. {example}" + (f" (there: {', '.join(found)})" if found else ""))
-    for suffix in (".bin", ".idx"):
-        if not Path(prefix + suffix).is_file():
-            return (f"{key}: {prefix}{suffix} not found; build it with "
-                    f"'megaframe-preprocess --input FILES --output-prefix {prefix}'")
-    return None
+    return (f"{key}: {prefix}{missing} not found; build it with "
+            f"'megaframe-preprocess --input FILES --output-prefix {prefix}'")
 
 
 def check_blend(d) -> Optional[str]:
