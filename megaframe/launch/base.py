@@ -10,6 +10,11 @@ from megaframe.common.failures import PROG
 from megaframe.config.compose import HYDRA_FLAGS  # noqa: F401 - launch/ reads them here
 
 
+def hydra_flag_names(args: Sequence[str]) -> set[str]:
+    """The Hydra flags among the arguments, by name (--cfg=job is --cfg)."""
+    return {flag.split("=", 1)[0] for flag in hydra_flags(args)}
+
+
 def hydra_flags(args: Sequence[str]) -> set[str]:
     """The Hydra flags among the arguments."""
     return {a for a in args if a.split("=", 1)[0] in HYDRA_FLAGS}

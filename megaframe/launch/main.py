@@ -22,7 +22,7 @@ from megaframe.config.compose import compose, config_dirs_as_searchpath, overrid
 from megaframe.config.validate import ConfigError
 from megaframe.common.failures import PROG
 from megaframe.launch import torchrun
-from megaframe.launch.base import fail, hydra_flags, launcher_world_size, rank
+from megaframe.launch.base import fail, hydra_flag_names, hydra_flags, launcher_world_size, rank
 from megaframe.launch.checks import check_before_launch, check_composed
 from megaframe.launch.hydra_run import run_hydra
 from megaframe.launch.registry import Job, launcher_for
@@ -47,7 +47,7 @@ _MODES = ({"-m", "--multirun"}, {"-c", "--cfg"}, {"-i", "--info"}, {"-sc", "--sh
 
 
 def modes_problem(args: Sequence[str]) -> Optional[str]:
-    flags = {flag.split("=", 1)[0] for flag in hydra_flags(args)}
+    flags = hydra_flag_names(args)
     given = [sorted(mode & flags)[0] for mode in _MODES if mode & flags]
     if len(given) > 1:
         return (f"{' and '.join(given)}: Hydra runs one of -m, --cfg, --info and --shell-completion at a time; "
@@ -59,7 +59,7 @@ def printed_config_problem(args: Sequence[str]) -> Optional[str]:
     """`--cfg job OVERRIDES` (the documented preview of a command) composes as a run would: a mistyped
     key or group is one line, where Hydra printed its own multi-line error with exit 1. Left to Hydra
     with -m or another primary config (--config-name, --config-path)."""
-    flags = {flag.split("=", 1)[0] for flag in hydra_flags(args)}
+    flags = hydra_flag_names(args)
     if not flags or not flags <= set(_PRINTING_FLAGS):
         return None
     overrides, skip = [], False
