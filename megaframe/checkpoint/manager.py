@@ -106,6 +106,8 @@ class CheckpointManager:
         with self.shield():  # a stop signal waits for the save, minutes on a 7B (not 3 steps)
             state, write_universal, native = self._state(defer=t.async_save)
             self.saved_step = step
+            if self.is_logger:
+                self.metrics.sync()
             try:
                 self.last = store.save(self.backend, self.dir, step, state, rng_state=self._rank_states(),
                                        write_extra=write_universal, keep=t.keep_checkpoints, native=native,

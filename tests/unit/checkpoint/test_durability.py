@@ -159,3 +159,25 @@ def test_atomic_write_text_fsyncs_the_file_then_its_directory(tmp_path, monkeypa
     calls = _record_fsyncs(monkeypatch)
     atomic_write_text(directory / "latest", "global_step4\n")
     assert len(calls) == 2 and Path(calls[0]).name.startswith(".latest.tmp") and calls[1] == str(directory)
+
+
+def test_a_checkpoint_is_published_after_the_records_of_its_steps_are_on_disk(tmp_path, monkeypatch):
+    """metrics.jsonl was flushed, never fsync'd: a node that crashed after a publish could resume at
+    step N with the records of the steps before it lost, a gap in the run's curve. Rank 0 now fsyncs
+    it before each save, with the step's own record already written."""
+    from megaframe.backends.registry import validate_for_engine
+    from megaframe.config.compose import compose
+    from megaframe.training.trainer import Trainer
+    from tests.support.helpers import TINY
+
+    cfg, _ = compose([*TINY, "train.max_steps=2", "train.eval_interval=0", "train.save_interval=2",
+                      "train.log_interval=1"])
+    run_dir = tmp_path / "run"
+    calls = _record_fsyncs(monkeypatch)
+    with Trainer(cfg, validate_for_engine(cfg, 1, ask_bf16=False), run_dir) as trainer:
+        trainer.fit()
+    metrics = run_dir / "metrics.jsonl"
+    synced = calls.inodes.get(_inode(metrics))
+    assert synced, "metrics.jsonl is never fsync'd"
+    latest_written = min(i for i, path in enumerate(calls) if Path(path).name.startswith(".latest.tmp"))
+    assert min(synced) < latest_written, "`latest` names step 2 before the records of steps 1-2 are on disk"

@@ -12,7 +12,7 @@ import pytest
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.config.schema import DataConfig
 from megaframe.data import IndexedDatasetWriter
-from megaframe.tracking.metrics import MetricsLog
+from megaframe.tracking.metrics import MetricsLog, read_metrics
 from megaframe.checkpoint import resume_checks, store as checkpoint
 from megaframe.training.data_setup import build_data
 from megaframe.checkpoint.resume_checks import (UNSAVED_MARKER, change_line, data_change_problem, data_changes,
@@ -343,3 +343,16 @@ def test_a_resume_path_naming_a_run_dir_or_a_hugging_face_model_says_what_to_nam
     assert prelaunch_problem(tmp_path / "new", str(hf)) is None
     (run / "checkpoints" / "latest").write_text("global_step4\n")  # checkpoints/ with its pointer
     assert prelaunch_problem(tmp_path / "new", str(run / "checkpoints")) is None
+
+
+def test_starting_over_drops_the_line_a_crash_cut_short_and_keeps_the_earlier_records(tmp_path, capsys):
+    """train.resume=none keeps the earlier run's records and appends the new run's: a last line cut
+    short by a crash swallowed the new run's first record, and the file no longer read as JSON lines."""
+    run = _trained(tmp_path / "run", steps=3)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "lo')
+    log = MetricsLog(run / "metrics.jsonl")
+    start_over(run, run / "checkpoints", "none", log, True)
+    assert "dropped the last line" in capsys.readouterr().out
+    log.append({"step": 1, "loss": 5.0})
+    assert [record["step"] for record in read_metrics(run / "metrics.jsonl")] == [0, 1, 2, 3, 1]
