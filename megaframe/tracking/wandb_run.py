@@ -1,7 +1,9 @@
-"""Weights & Biases: offline by default, never waits on a network, resumes the same run id."""
+"""Weights & Biases: offline by default (never waits on a network), resumes the same run id, and goes
+offline when online cannot start."""
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from pathlib import Path
 from typing import Any, Optional
@@ -63,12 +65,23 @@ class WandbRun:
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
         if not id_file.exists():
             atomic_write_text(id_file, run_id + "\n")
-        self.run = wandb.init(
+        start = lambda mode: wandb.init(  # noqa: E731
             project=cfg.project, entity=cfg.entity, name=cfg.name or default_name, group=cfg.group or default_group,
-            mode=cfg.mode,
-            dir=str(run_dir), config=config, id=run_id, resume="allow",
-            settings=wandb.Settings(console="off"),
-        )
+            mode=mode, dir=str(run_dir), config=config, id=run_id, resume="allow",
+            settings=wandb.Settings(console="off"))
+        try:
+            self.run = start(cfg.mode)
+        except wandb.errors.Error as err:
+            if cfg.mode != "online":
+                raise
+            # W&B unreachable (an outage, compute nodes without egress) or the key refused: the run
+            # goes on, its records kept for `wandb sync`, rather than a job of many nodes ending at
+            # step 0 after wandb's init_timeout (90 s) on every start
+            reason = " ".join(str(err).split())[:200]
+            print(f"megaframe: warning: W&B did not start online ({type(err).__name__}: {reason}): logging offline "
+                  f"in {run_dir / 'wandb'} instead; upload it later with `wandb sync`", file=sys.stderr, flush=True)
+            wandb.teardown()  # wandb's service still holds the run id the failed start registered
+            self.run = start("offline")
 
     def sync_hint(self) -> Optional[str]:
         """How to upload an offline run (None when online or disabled)."""
