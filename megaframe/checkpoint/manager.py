@@ -30,7 +30,6 @@ from megaframe.checkpoint.parts import RankStateful, Resume, Stateful
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.common.failures import save_failure
 from megaframe.parallel.dims import RANK_AXES
-from megaframe.parallel.rank_zero import decided_by_rank_zero
 
 
 class CheckpointManager:
@@ -180,8 +179,9 @@ class CheckpointManager:
             self._trash_unfinished_saves()
             self.trash.collect(self.dir)
         if verified and self.fast is not None:
-            self._restore_fast_tier()
-        path = self._newest_verified() if verified else store.resolve_resume(t.resume, self.dir)
+            path = self._restore_fast_tier()
+        else:
+            path = self._newest_verified() if verified else store.resolve_resume(t.resume, self.dir)
         if not verified and self.fast is not None and (path is None or path.is_dir()):
             # resume=none, or a PATH that is there: the parts of the run's other steps are no longer its
             # own (a mistyped PATH fails on without losing them)
@@ -251,10 +251,11 @@ class CheckpointManager:
             print(f"megaframe: {', '.join(p.name for p in gone)}: left by a save that did not finish; deleting "
                   f"it", file=sys.stderr, flush=True)
 
-    def _newest_verified(self) -> Optional[Path]:
+    def _newest_verified(self, found: Optional[tuple[Optional[Path], list[str]]] = None) -> Optional[Path]:
         """train.resume=auto: the newest checkpoint that verifies, each fallback said in one line.
-        Every rank calls it: the manifest check is a collective."""
-        path, skipped = store.newest_verified(self.dir)
+        Every rank calls it: the manifest check is a collective. found: store.newest_verified's
+        answer when the caller has it."""
+        path, skipped = found or store.newest_verified(self.dir)
         if not self.is_logger:
             return path
         if path is not None and not (self.dir / store.LATEST).is_file():
@@ -268,22 +269,29 @@ class CheckpointManager:
                   f"{'; '.join(skipped)}; resuming from {path.name}", file=sys.stderr, flush=True)
         return path
 
-    def _restore_fast_tier(self) -> None:
-        """Parts in node-local memory newer than the shared checkpoint become a shared checkpoint
-        first (checkpoint/fast_tier.py), which the resume then loads like any other."""
-        def shared_step() -> int:  # rank 0's view of shared storage decides, on every rank alike
-            try:
-                latest = store.find_latest(self.dir) if self.dir.is_dir() else None
-            except CheckpointError:
-                latest = None  # the resume says why
-            return int(latest.name.removeprefix("global_step")) if latest is not None else 0
-        shared = decided_by_rank_zero(shared_step)
+    def _restore_fast_tier(self) -> Optional[Path]:
+        """train.resume=auto with the fast tier: parts in node-local memory newer than the newest
+        shared checkpoint that verifies become a shared checkpoint first (checkpoint/fast_tier.py).
+        Returns the checkpoint to resume from. The floor is what verifies, not what `latest` names: a
+        damaged global_stepN whose step the nodes hold whole (the fast interval divides the save
+        interval) is replaced by their copy, where the resume fell back to an older checkpoint."""
+        try:
+            found: Optional[tuple[Optional[Path], list[str]]] = store.newest_verified(self.dir)
+            none_verifies = None
+        except CheckpointError as err:  # every checkpoint damaged: the nodes may still hold a whole step
+            found, none_verifies = None, err
+        floor = found[0] if found is not None else None
+        shared = int(floor.name.removeprefix("global_step")) if floor is not None else 0
         keep = self.cfg.train.keep_checkpoints
         line = self.fast.restore(self.dir, shared, lambda tmp, step, world: store.publish_dir(
             tmp, self.dir, step, world, keep, self.trash))
-        if line and self.is_logger:
+        if line is None:
+            if none_verifies is not None:
+                raise none_verifies
+            return self._newest_verified(found)
+        if self.is_logger:
             print(line, flush=True)
-
+        return self._newest_verified()  # the copy just published, checked like any other
     def _resize_event(self, saved: dict, step: int) -> Optional[dict]:
         """A resume into another world size (an elastic restart after a node left or joined, or a
         resharded run): one event for metrics.jsonl and W&B, and one console line, at the first step
