@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megaframe.parallel.context import AttentionDropout, ContextGroup, ulysses_attention
+from megaframe.parallel.context import AttentionDropout, ContextGroup, kv_heads_for_mask, ulysses_attention
 from megaframe.parallel.random import TPDropoutRNG
 from megaframe.parallel.ring import ring_attention
 
@@ -124,10 +124,13 @@ class SDPACore(nn.Module):
         dense = mask.dense if mask.dense is not None else mask.allowed(T, q.device) if mask.restricts(T) else None
         masked = {} if dense is None else {"attn_mask": dense}
         causal = not masked and mask.causal
+        gqa = self.gqa
+        if masked and gqa:
+            (k, v), gqa = kv_heads_for_mask(q, k, v), {}
         if p and self.rng is not None:
             with self.rng.fork():
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p, **masked, **self.gqa)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p, **masked, **self.gqa)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p, **masked, **gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p, **masked, **gqa)
 
 
 def _flex_functions(device_type: str) -> tuple[Callable[..., Any], Callable[..., Any]]:

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from megaframe.parallel.mappings import gather_values
 
-__all__ = ["AttentionDropout", "ContextGroup", "attention_allowed", "gather_sequence", "ulysses_attention",
-           "zigzag_positions", "zigzag_shard", "zigzag_unshard"]
+__all__ = ["AttentionDropout", "ContextGroup", "attention_allowed", "gather_sequence", "kv_heads_for_mask",
+           "ulysses_attention", "zigzag_positions", "zigzag_shard", "zigzag_unshard"]
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,18 @@ def attention_allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional
     return allowed
 
 
+def kv_heads_for_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v with as many heads as q, for an SDPA call with an attn_mask. On CUDA no fused kernel
+    takes a mask and grouped kv heads together (FlashAttention takes no mask; memory-efficient
+    attention, which takes masks, no GQA: torch's SDPA docs), so enable_gqa with a mask ran the math
+    kernel, whose (B, H, T, T) fp32 scores are GiBs a layer at 8k tokens. Repeated heads cost
+    (B, H, T, D) each and keep the memory-efficient kernel eligible."""
+    if k.shape[1] == q.shape[1]:
+        return k, v
+    repeats = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+
+
 # ---- Ulysses --------------------------------------------------------------------------------------
 class _AllToAll(torch.autograd.Function):
     """to_heads: (B, H, T/cp, D) sharded by sequence -> (B, H/cp, T, D) sharded by heads (the cp
@@ -194,7 +206,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Con
     if documents is not None or window is not None:  # natural order: positions 0..T-1
         positions = torch.arange(qh.shape[2], device=q.device)
         mask = {"attn_mask": attention_allowed(positions, positions, window, documents, documents).unsqueeze(1)}
-    y = F.scaled_dot_product_attention(qh[:, :, natural], kh[:, :, natural], vh[:, :, natural], is_causal=not mask,
-                                       scale=scale, enable_gqa=qh.shape[1] != kh.shape[1],
+    qn, kn, vn = qh[:, :, natural], kh[:, :, natural], vh[:, :, natural]
+    if mask:
+        kn, vn = kv_heads_for_mask(qn, kn, vn)
+    y = F.scaled_dot_product_attention(qn, kn, vn, is_causal=not mask, scale=scale,
+                                       enable_gqa=qn.shape[1] != kn.shape[1],
                                        dropout_p=0.0 if dropout is None else dropout.p, **mask)
     return _AllToAll.apply(y[:, :, order], cp, False)

@@ -58,10 +58,15 @@ def init_distributed(collective_timeout_s: Optional[float] = None, join_timeout_
     The device comes first: a collective issued before it (NCCL's communicator, a broadcast of
     the run directory) would otherwise put every rank of the node on device 0."""
     timeout = process_group_defaults(collective_timeout_s)
-    get_accelerator().set_device(local_device_index(int(os.environ.get("LOCAL_RANK", "0")),
-                                                    get_accelerator().device_count()))  # a no-op on the CPU
+    device = local_device_index(int(os.environ.get("LOCAL_RANK", "0")), get_accelerator().device_count())
+    get_accelerator().set_device(device)  # a no-op on the CPU
     # every rank awaited within join_timeout_s, a torchrun restart under its attempt's prefix (rendezvous.py)
     join_world(get_accelerator().communication_backend_name(), timeout, join_timeout_s)
+    if get_accelerator().device_name() != "cpu":
+        # DeepSpeed takes LOCAL_RANK for the device ordinal (the engine's set_device, zero.Init's
+        # device, PipelineModule's .to): local rank 3 that sees one device (SLURM --gpus-per-task,
+        # Ray) failed with "invalid device ordinal". After the join, whose one line per node reads it.
+        os.environ["LOCAL_RANK"] = str(device)
     if get_accelerator().device_name() == "cpu":
         # DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce op here (45 s on first use)
         # that only its inference path calls; training collectives go through torch.distributed.

@@ -47,18 +47,19 @@ os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="3", MASTER_ADDR="127.0.0
 from megaframe.backends.deepspeed.engine import init_distributed
 import torch.distributed as dist
 init_distributed()
-print("world", dist.get_world_size())
+print("world", dist.get_world_size(), "LOCAL_RANK", os.environ["LOCAL_RANK"])
 """
 
 
 def test_an_accelerator_other_than_the_cpu_joins_and_drives_a_device_it_sees(tmp_path):
     """The branch CUDA takes (no CPU-only op switch): it once died of UnboundLocalError. The rank is
-    local rank 3 of its node but sees one device (SLURM --gpus-per-task, Ray): it drives device 0."""
+    local rank 3 of its node but sees one device (SLURM --gpus-per-task, Ray): it drives device 0, and
+    so does DeepSpeed, which takes LOCAL_RANK for the ordinal (engine, zero.Init, PipelineModule)."""
     env = cli_env(TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"), DS_ACCELERATOR="cpu")
     result = subprocess.run([sys.executable, "-c", NOT_CPU], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=300)
     assert_ok(result)
-    assert "set_device 0" in result.stdout and "world 1" in result.stdout, result.stdout
+    assert "set_device 0" in result.stdout and "world 1 LOCAL_RANK 0" in result.stdout, result.stdout
 
 
 def test_each_rank_takes_its_share_of_the_devices_it_sees():

@@ -79,3 +79,30 @@ def test_decode_attention_continues_the_causal_mask_after_the_cache():
     for past, new in ((0, 12), (9, 3), (11, 1)):
         got = decode_attention(q[:, :, past:past + new], k[:, :, :past + new], v[:, :, :past + new], past, gqa=False)
         torch.testing.assert_close(got, full[:, :, past:past + new])
+
+
+def test_a_masked_sdpa_call_never_asks_for_gqa_which_no_fused_cuda_kernel_takes_with_a_mask(monkeypatch):
+    """On CUDA, FlashAttention takes no mask and memory-efficient attention no grouped kv heads, so
+    SDPA with both ran the math kernel: (B, H, T, T) fp32 scores a layer, out of memory at 16k
+    tokens. With a document or window mask the cores now repeat the kv heads; unmasked calls keep
+    enable_gqa (FlashAttention serves them without the copy)."""
+    doc = torch.nn.functional.scaled_dot_product_attention.__doc__
+    assert "It currently works only for Flash_attention" in doc, "torch's GQA kernels changed: revisit kv_heads_for_mask"
+    import megaframe.model.attention as attention
+
+    calls, sdpa = [], attention.F.scaled_dot_product_attention
+
+    def recording(q, k, v, **kwargs):
+        calls.append((q.shape[1], k.shape[1], "attn_mask" in kwargs, kwargs.get("enable_gqa", False)))
+        return sdpa(q, k, v, **kwargs)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording)
+    q, k, v = _qkv(heads=4, kv_heads=2)
+    core = SDPACore(0.0, None, gqa=True).eval()
+    documents = torch.tensor([[0] * 5 + [1] * 7] * 2)
+    masked = core(q, k, v, Mask(documents=documents))
+    core(q, k, v, CAUSAL)
+    assert calls == [(4, 4, True, False), (4, 2, False, True)]
+    repeated = [t.repeat_interleave(2, 1) for t in (k, v)]
+    allowed = torch.ones(12, 12, dtype=torch.bool).tril() & (documents.unsqueeze(2) == documents.unsqueeze(1))
+    scores = (q @ repeated[0].transpose(-1, -2) / math.sqrt(8)).masked_fill(~allowed.unsqueeze(1), float("-inf"))
+    torch.testing.assert_close(masked, scores.softmax(-1) @ repeated[1])
