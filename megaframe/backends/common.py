@@ -73,6 +73,12 @@ def local_device_index(local_rank: int, visible_devices: int) -> int:
     return local_rank % visible_devices if visible_devices > 0 else local_rank
 
 
+def pinned_offload(setting: Optional[bool], device: torch.device) -> bool:
+    """offload.pin_memory as the engine gets it: null pins on a GPU, where unpinned host buffers make
+    every offloaded copy synchronous (no prefetch overlaps compute), and not on the CPU."""
+    return device.type != "cpu" if setting is None else setting
+
+
 def dp_mean(value: torch.Tensor, ps: ParallelState) -> float:
     """Mean of a 0-d device tensor over the dp x cp ranks (each holds a like share of the step's
     tokens: its samples, or under cp its zig-zag shard of them): one host read."""

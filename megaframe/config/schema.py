@@ -122,7 +122,9 @@ class OffloadConfig:
     optimizer: str = "none"  # none | cpu | nvme (nvme needs ZeRO-3)
     param: str = "none"  # none | cpu | nvme (needs ZeRO-3)
     nvme_path: Optional[str] = None  # swap files go to NVME_PATH/megaframe-swap/HOST-PID, removed at exit
-    pin_memory: bool = False  # page-locked CPU buffers: faster copies to a GPU, no use on CPU
+    # page-locked host buffers: copies to and from a GPU run asynchronously, overlapping compute (torch's
+    # FSDP2 default). null: pinned on a GPU, never on the CPU (a CPU build has no pinned allocator)
+    pin_memory: Optional[bool] = None
     optimizer_buffer_count: int = 4  # nvme: optimizer-state swap buffers
     param_buffer_count: int = 5  # nvme: parameter swap buffers ...
     param_buffer_size: int = 100_000_000  # ... of this many elements each; >= the largest parameter

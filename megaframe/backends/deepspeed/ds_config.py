@@ -10,10 +10,11 @@ from megaframe.config.validate import Layout
 _NEVER = 10**9
 
 
-def _offload_block(kind: str, device: str, cfg: TrainConfig, swap_dir: Optional[str]) -> dict[str, Any]:
+def _offload_block(kind: str, device: str, cfg: TrainConfig, swap_dir: Optional[str],
+                   pin_memory: bool) -> dict[str, Any]:
     """offload_optimizer (kind "optimizer") or offload_param (kind "param")."""
     off = cfg.offload
-    block: dict[str, Any] = {"device": device, "pin_memory": off.pin_memory}
+    block: dict[str, Any] = {"device": device, "pin_memory": pin_memory}
     if device == "nvme":
         # DeepSpeed adds its own zero_stage_3/{optimizer,fp32params}/rankN folders below this
         block["nvme_path"] = swap_dir or off.nvme_path
@@ -25,7 +26,7 @@ def _offload_block(kind: str, device: str, cfg: TrainConfig, swap_dir: Optional[
     return block
 
 
-def zero_block(cfg: TrainConfig, swap_dir: Optional[str] = None) -> dict[str, Any]:
+def zero_block(cfg: TrainConfig, swap_dir: Optional[str] = None, pin_memory: bool = False) -> dict[str, Any]:
     """The zero_optimization section, offload included (swap_dir: this process's NVMe folder)."""
     z = cfg.zero
     block: dict[str, Any] = {"stage": z.stage}
@@ -44,9 +45,9 @@ def zero_block(cfg: TrainConfig, swap_dir: Optional[str] = None) -> dict[str, An
             stage3_max_live_parameters=z.stage3_max_live_parameters,
         )
     if cfg.offload.optimizer != "none":
-        block["offload_optimizer"] = _offload_block("optimizer", cfg.offload.optimizer, cfg, swap_dir)
+        block["offload_optimizer"] = _offload_block("optimizer", cfg.offload.optimizer, cfg, swap_dir, pin_memory)
     if cfg.offload.param != "none":
-        block["offload_param"] = _offload_block("param", cfg.offload.param, cfg, swap_dir)
+        block["offload_param"] = _offload_block("param", cfg.offload.param, cfg, swap_dir, pin_memory)
     return block
 
 
@@ -63,10 +64,12 @@ def precision_block(cfg: TrainConfig) -> dict[str, Any]:
     return {}
 
 
-def to_ds_config(cfg: TrainConfig, layout: Layout, swap_dir: Optional[str] = None) -> dict[str, Any]:
+def to_ds_config(cfg: TrainConfig, layout: Layout, swap_dir: Optional[str] = None,
+                 pin_memory: bool = False) -> dict[str, Any]:
     """Translate the typed config into DeepSpeed's config dict.
 
     swap_dir: where this process's NVMe swap files go (backends/deepspeed/nvme.py); None = offload.nvme_path.
+    pin_memory: offload.pin_memory as backends/common.pinned_offload resolves it for the rank's device.
 
     The LR schedule is not here: it is a torch LambdaLR handed to deepspeed.initialize (see
     training/schedule.py), because DeepSpeed's built-in schedulers warm up from min_lr (linear decay)
@@ -92,7 +95,7 @@ def to_ds_config(cfg: TrainConfig, layout: Layout, swap_dir: Optional[str] = Non
         # DeepSpeed's default when the key is absent is 1.0, not "off": always write it.
         "gradient_clipping": o.grad_clip,
         "optimizer": {"type": "AdamW", "params": optimizer_params},
-        "zero_optimization": zero_block(cfg, swap_dir),
+        "zero_optimization": zero_block(cfg, swap_dir, pin_memory),
         "steps_per_print": _NEVER,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from megaframe.backends import Batch, StepResult
-from megaframe.backends.common import (counting_targets, dp_mean, local_device_index, on_device,
+from megaframe.backends.common import (counting_targets, dp_mean, local_device_index, on_device, pinned_offload,
                                        process_group_defaults, model_state_parts, restore_schedule, router_metrics,
                                        step_targets_of, to_device)
 from megaframe.backends.deepspeed import state_io
@@ -92,7 +92,8 @@ class DeepSpeedBackend:
         self.nvme_swap = open_nvme_swap(cfg.offload)
         load_ops(ops_for(cfg.offload))  # before initialize, whose collectives must not wait on a JIT build
         import_muon_lazily()  # ZeRO and bf16 import it; eagerly it costs each rank ~1.9 CPU-s (muon_import.py)
-        ds_config = to_ds_config(cfg, layout, swap_dir=str(self.nvme_swap.path) if self.nvme_swap else None)
+        ds_config = to_ds_config(cfg, layout, swap_dir=str(self.nvme_swap.path) if self.nvme_swap else None,
+                                 pin_memory=pinned_offload(cfg.offload.pin_memory, self.device))
         self.built_partitioned = builds_partitioned(cfg.zero.stage, cfg.offload.param, self.pipelined)
         matmul = recipe_for(cfg.precision, dims.num_layers, self.device.type)  # fp8's, or the default
         if self.pipelined:

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from megaframe.backends import Batch, StepResult
 from megaframe.backends.common import (apply_update, counting_targets, dp_mean, eval_mean, join_torch_world,
-                                       on_device, model_state_parts, router_metrics, step_targets_of)
+                                       on_device, model_state_parts, pinned_offload, router_metrics, step_targets_of)
 from megaframe.backends.fsdp2 import build, pipeline, state_io
 from megaframe.backends.fsdp2.mesh import data_mesh
 from megaframe.config.schema import TrainConfig
@@ -97,7 +97,8 @@ class Fsdp2Backend:
             if self.expert_shard_group is not None else None
         for part in parts:  # each pipeline stage is sharded as the whole model is without pipelining
             build.shard_model(part, self.mesh, reshard_after_forward=cfg.zero.stage == 3, experts=experts,
-                              **build.policies(cfg.precision.dtype, offload, cfg.offload.pin_memory))
+                              **build.policies(cfg.precision.dtype, offload,
+                                                             pinned_offload(cfg.offload.pin_memory, self.device)))
             build.materialise(part, torch.device("cpu") if offload else self.device, self.device, dims,
                               cfg.train.seed, marks)
         self.pipeline: Optional[pipeline.Pipeline] = None

@@ -246,19 +246,28 @@ def _patch_pinning() -> None:
     copy (here a plain one, remembered as pinned); a device tensor cannot be pinned."""
     import weakref
 
-    # by id, forgotten when the tensor goes (a WeakSet compares two tensors with ==, elementwise)
+    # by storage, as CUDA's page-locked memory is a property of the storage: a view of a pinned tensor
+    # (FSDP2 narrows its padded shard) is pinned too. Forgotten when the pinned copy goes.
     pinned: set[int] = set()
+
+    def storage(tensor) -> int:
+        return tensor.untyped_storage().data_ptr()
 
     def pin_memory(self, device=None):
         if isinstance(self, CudaTensor):
             raise RuntimeError(f"cannot pin '{self.type()}' only dense CPU tensors can be pinned")
         copy = self.clone(memory_format=torch.contiguous_format)
-        pinned.add(id(copy))
-        weakref.finalize(copy, pinned.discard, id(copy))
+        pinned.add(storage(copy))
+        weakref.finalize(copy, pinned.discard, storage(copy))
         return copy
 
     def is_pinned(self, device=None):
-        return not isinstance(self, CudaTensor) and id(self) in pinned
+        if isinstance(self, CudaTensor) or self.is_meta:
+            return False
+        try:
+            return storage(self) in pinned
+        except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage of its own
+            return False
 
     torch.Tensor.pin_memory, torch.Tensor.is_pinned = pin_memory, is_pinned
 

@@ -2,6 +2,8 @@
 classes (which reject unknown keys), with the value the user set."""
 from __future__ import annotations
 
+import pytest
+import torch
 from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
@@ -29,13 +31,19 @@ def test_zero_knobs_reach_deepspeed():
     assert parsed.offload_optimizer is None and parsed.offload_param is None
 
 
-def test_cpu_offload_and_pin_memory_reach_deepspeed():
+@pytest.mark.parametrize("setting, device, pinned", [(None, "cuda", True), (None, "cpu", False), (True, "cpu", True),
+                                                     (False, "cuda", False)])
+def test_cpu_offload_and_pin_memory_reach_deepspeed(setting, device, pinned):
+    """offload.pin_memory=null (the default) pins on a GPU: unpinned, every offloaded copy was
+    synchronous (DeepSpeed's default and megaframe's was false). An explicit value stands."""
+    from megaframe.backends.common import pinned_offload
+
     cfg = TrainConfig()
-    cfg.zero.stage, cfg.offload.optimizer, cfg.offload.param, cfg.offload.pin_memory = 3, "cpu", "cpu", True
-    ds = _ds(cfg)
+    cfg.zero.stage, cfg.offload.optimizer, cfg.offload.param, cfg.offload.pin_memory = 3, "cpu", "cpu", setting
+    ds = to_ds_config(cfg, validate(cfg, 1, lambda: True), pin_memory=pinned_offload(setting, torch.device(device)))
     parsed = DeepSpeedZeroConfig(**ds["zero_optimization"])
-    assert parsed.offload_optimizer.device == "cpu" and parsed.offload_optimizer.pin_memory is True
-    assert parsed.offload_param.device == "cpu" and parsed.offload_param.pin_memory is True
+    assert parsed.offload_optimizer.device == "cpu" and parsed.offload_optimizer.pin_memory is pinned
+    assert parsed.offload_param.device == "cpu" and parsed.offload_param.pin_memory is pinned
     assert "torch_adam" not in ds["optimizer"]["params"], "offload must use DeepSpeed's CPU Adam"
     assert "aio" not in ds
 
