@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 from megaframe.config.choices import choice_problem
 from megaframe.config.schema import TrainConfig
-from megaframe.parallel.fp8 import EMULATE_CHOICES, FP8_RECIPES, emulate_choice
+from megaframe.parallel.fp8 import EMULATE_CHOICES, FP8_RECIPES, emulate_choice, emulated
 
 # the first compute capability with fp8 tensor cores (Ada, Hopper: sm89) and with MXFP8's
 # block-scaled ones (Blackwell: sm100)
@@ -102,3 +102,15 @@ def fp8_problem(cfg: TrainConfig, ffn_width: int,
     if not cfg.precision.fp8.enabled or fp8_device is None:
         return None
     return fp8_device_problem(cfg, fp8_device())
+
+
+def eager_fp8_warning(cfg: TrainConfig, device_type: str) -> Optional[str]:
+    """fp8 kernels without train.compile: each linear's amax, scale and cast run as separate eager
+    kernels per micro-batch (parallel/fp8/), which torchao measured slower than bf16 GEMMs from
+    width 512 to 4096 (torchtitan's float8 guide calls compile required). Said once at start-up, not
+    refused: the run is correct, and a first run may want to see eager numbers."""
+    fp8 = cfg.precision.fp8
+    if not fp8.enabled or cfg.train.compile or emulated(fp8.emulate, device_type):
+        return None
+    return ("precision.fp8 runs its fp8 casts eagerly without train.compile=true: expect it slower than "
+            "precision=bf16; set train.compile=true to fuse them into the matmuls")

@@ -18,6 +18,7 @@ import torch
 from megaframe.backends import StepResult
 from megaframe.backends.registry import engine_said
 from megaframe.checkpoint.universal import CheckpointError
+from megaframe.config.fp8_rules import eager_fp8_warning
 from megaframe.data.dataset import eval_wrap_problem
 from megaframe.parallel.fp8 import describe as fp8_said
 from megaframe.plan.startup import (gather_model_states, memory_plan, model_states_line, model_states_record,
@@ -111,14 +112,17 @@ class Reporting:
 # ---- the start and the end -------------------------------------------------------------------
 class StartupSummary(Callback):
     """Rank 0's start-up line (model, layout, engine settings, batch, data, device, run dir), the
-    memory plan under it, and a warning when an evaluation would wrap around the validation set."""
+    memory plan under it, and a warning when an evaluation would wrap around the validation set or
+    fp8 kernels run eagerly."""
 
     def on_start(self) -> None:
         if not self.out.is_logger:
             return
         print(startup_summary(self.trainer, self.out.plan), flush=True)
-        if problem := eval_wrap_warning(self.trainer):
-            print(f"megaframe: warning: {problem}", flush=True)
+        for problem in (eval_wrap_warning(self.trainer),
+                        eager_fp8_warning(self.trainer.cfg, self.trainer.backend.device.type)):
+            if problem:
+                print(f"megaframe: warning: {problem}", flush=True)
 
 
 class Wandb(Callback):

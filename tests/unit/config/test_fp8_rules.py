@@ -94,3 +94,16 @@ def test_megaframe_train_refuses_before_launch_with_exit_2(monkeypatch, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "precision=fp8 needs torchao" in err and "megaframe[fp8]" in err
+
+
+def test_fp8_kernels_without_compile_are_said_once_at_start_up():
+    """Eager fp8 (an amax, a scale and a cast per tensor per linear, unfused) is slower than bf16 on an
+    H100; emulation on the CPU is what the tests run, and a compiled run fuses the casts."""
+    from megaframe.config.fp8_rules import eager_fp8_warning
+
+    cfg, _ = compose(["precision=fp8"])
+    assert "set train.compile=true" in eager_fp8_warning(cfg, "cuda")
+    assert eager_fp8_warning(cfg, "cpu") is None  # emulate=auto: dequantised bf16 matmuls on the CPU
+    compiled, _ = compose(["precision=fp8", "train.compile=true"])
+    assert eager_fp8_warning(compiled, "cuda") is None
+    assert eager_fp8_warning(compose(["precision=bf16"])[0], "cuda") is None
