@@ -332,9 +332,11 @@ def _entry_ok(entry: Any) -> bool:
             and isinstance(entry.get("group"), str))
 
 
-def read_universal(directory: Path, verify: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor],
-                                                                 Optional[dict[str, torch.Tensor]]]:
+def read_universal(directory: Path, verify: bool = True, optimizer_state: bool = True,
+                   ) -> tuple[dict[str, Any], dict[str, torch.Tensor], Optional[dict[str, torch.Tensor]]]:
     """(state, model tensors, optimizer tensors or None), after verifying the manifest.
+    optimizer_state=False reads the model alone: a training checkpoint's AdamW moments and master
+    copy are about three times the fp32 weights, read to be dropped by whoever wants the model.
 
     Holds the whole model: for tests and small tools. Ranks read their boxes through ShardReader;
     the converter goes tensor by tensor."""
@@ -345,5 +347,8 @@ def read_universal(directory: Path, verify: bool = True) -> tuple[dict[str, Any]
     model, optimizer = {}, {}
     with ShardReader(directory) as reader:
         for key in reader.keys():
-            (optimizer if universal.is_optimizer_key(key) else model)[key] = reader.full(key)
+            if not universal.is_optimizer_key(key):
+                model[key] = reader.full(key)
+            elif optimizer_state:
+                optimizer[key] = reader.full(key)
     return state, model, (optimizer or None)
