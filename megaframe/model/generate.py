@@ -148,7 +148,10 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
     # the cached path attends to every cached key: a sliding-window model recomputes its context
     # through its cores instead (each block's window applied), slower but exact
     use_cache = use_cache and model.dims.sliding_window is None
-    cache = KVCache(len(model.blocks), window) if use_cache else None
+    # room for what the run can hold: the prompt's last window and the new tokens, at most the
+    # window (a 128k-context model's full-length cache is GiBs per sample for a short answer)
+    room = min(window, min(idx.shape[1], window) + max_new_tokens)
+    cache = KVCache(len(model.blocks), room) if use_cache else None
     pending = idx[:, -window:]  # the tokens the cache does not hold yet
     done = torch.zeros(idx.shape[0], 1, dtype=torch.bool, device=idx.device)
     was_training = model.training

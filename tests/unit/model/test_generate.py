@@ -138,3 +138,19 @@ def test_bad_sampling_settings_are_refused(kwargs, message):
         model.generate(torch.zeros(1, 2, dtype=torch.long), 3, **kwargs)
     with pytest.raises(ValueError, match="at least one token"):
         model.generate(torch.zeros(1, 0, dtype=torch.long), 3)
+
+
+def test_the_cache_holds_the_prompt_and_the_new_tokens_not_the_whole_context(monkeypatch):
+    """KVCache was sized to seq_length whatever the request: 32 GiB a sample at 128k context for a
+    few new tokens. It holds the prompt's last window and the new tokens now, with the same tokens out."""
+    model = model_of(dataclasses.replace(GPT2, seq_length=4096))
+    caches, real = [], gen.KVCache
+
+    def recording(num_layers, seq_length):
+        caches.append(real(num_layers, seq_length))
+        return caches[-1]
+    monkeypatch.setattr(gen, "KVCache", recording)
+    idx = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(1))
+    cached = gen.generate(model, idx, 3, temperature=0)
+    assert [tuple(keys.shape) for keys in caches[0].keys] == [(2, 4, 8, 16)] * 2
+    assert torch.equal(cached, gen.generate(model, idx, 3, temperature=0, use_cache=False))
