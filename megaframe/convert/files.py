@@ -166,7 +166,12 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
 
 def refuse_existing(final: Path, force: bool, source: Optional[Path] = None) -> None:
     """Refuse to touch an existing output directory unless the user passed --force, and never replace
-    one that holds the conversion's own input (--force would delete the run it converts)."""
+    one that holds the conversion's own input (--force would delete the run it converts), nor one that
+    holds the working directory ('', '.', '..': an unset $OUT in a script; the export ran to the end
+    and failed on publishing it with a traceback)."""
+    if Path(final).name in ("", ".", "..") or Path(final).resolve() in (Path.cwd(), *Path.cwd().parents):
+        raise ConvertError(f"output directory {str(final)!r} is the working directory or above it; name a directory "
+                           f"of its own for the output, e.g. hf-export")
     if not Path(final).exists():
         return
     if not force:
@@ -302,7 +307,7 @@ def read_layout_free(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(state.json, canonical fp32 model tensors) of a verified layout-free checkpoint."""
     path = resolve_checkpoint(path)
     try:
-        state, model, _ = sharded.read_universal(path)
+        state, model, _ = sharded.read_universal(path, optimizer_state=False)
     except universal.CheckpointError as err:
         raise ConvertError(str(err)) from err
     return state, model

@@ -231,3 +231,20 @@ def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path):
     (line,) = result.stderr.strip().splitlines()
     assert result.returncode == 2 and line.startswith("megaframe-convert: error: ") and "a_file" in line, line
     assert "cannot create the output directory (File exists); choose one you can write" in line, line
+
+
+@pytest.mark.parametrize("out", ["", ".", "..", "sub/.."])
+def test_an_output_that_names_the_working_directory_is_one_line_before_any_work(out, tmp_path, monkeypatch, capsys):
+    """An unset $OUT (`megaframe-convert from-hf HF "$OUT" --force`) ran the whole conversion, then
+    failed to publish it with ValueError's traceback; with --force, '.' or '..' is where the user is."""
+    from megaframe.convert.cli import main
+
+    tiny_hf("gpt2").save_pretrained(tmp_path / "hf")
+    (tmp_path / "work" / "sub").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "work")
+    with pytest.raises(SystemExit) as ended:
+        main(["from-hf", str(tmp_path / "hf"), out, "--force"])
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megaframe-convert")]
+    assert ended.value.code == 2 and "is the working directory or above it; name a directory" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "work"]  # no staging folder beside either
+    assert [p.name for p in (tmp_path / "work").iterdir()] == ["sub"]
