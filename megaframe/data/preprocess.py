@@ -2,7 +2,7 @@
 megaframe-preprocess (preprocess_cli.py).
 
 With workers > 1, documents are tokenized in a process pool a chunk at a time while the parent writes
-the tokens in input order. At most a few chunks per worker are in flight, so memory stays bounded
+the tokens in input order; a worker that dies ends the run in one line (never a wait for good). At most a few chunks per worker are in flight, so memory stays bounded
 however large the input (Pool.imap would read the whole input ahead into its task queue).
 """
 
@@ -16,6 +16,8 @@ import os
 import sys
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
@@ -82,16 +84,30 @@ def _encoded(texts: Iterable[str], tokenizer: Tokenizer, append_eod: bool, worke
     if workers == 1:
         yield from (_document(tokenizer, text, append_eod) for text in texts)
         return
-    # fork would copy a parent that may hold threads (tqdm's monitor, a tokenizer's pool); spawn is safe
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=_start_worker, initargs=(tokenizer.name, append_eod)) as pool:
+    # fork would copy a parent that may hold threads (tqdm's monitor, a tokenizer's pool); spawn is safe.
+    # An executor, not multiprocessing.Pool: a worker that dies (the OOM killer, on a long document)
+    # breaks it and every waiting result raises, where Pool lost the task and its result waited forever
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_start_worker, initargs=(tokenizer.name, append_eod))
+    finished = False
+    try:
         pending: deque = deque()
         for chunk in _chunks(texts):
-            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+            pending.append(pool.submit(_encode_chunk, chunk))  # raises too, once the pool is broken
             if len(pending) >= workers * _CHUNKS_IN_FLIGHT_PER_WORKER:
-                yield from pending.popleft().get()
+                yield from pending.popleft().result()
         while pending:
-            yield from pending.popleft().get()
+            yield from pending.popleft().result()
+        finished = True
+    except BrokenProcessPool:
+        raise DataError("--workers: a tokenizer worker died (killed, out of memory on a long document?); run again "
+                        "with fewer --workers, or split the input into smaller documents") from None
+    finally:
+        if not finished:  # a stop, an error, a dead worker: the others end now, not after their chunks
+            # ProcessPoolExecutor has no terminate(); its _processes is where CPython keeps them
+            for process in list((getattr(pool, "_processes", None) or {}).values()):
+                process.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def preprocess(

@@ -241,3 +241,42 @@ def test_the_pair_is_published_only_once_both_are_complete(tmp_path, capsys, mon
     assert line == (f"megaframe-preprocess: error: {tmp_path / 'ds'} was replaced, but moving {tmp_path / 'ds_val'} "
                     "into place failed (No space left on device): the two no longer match; run megaframe-preprocess "
                     "again")
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the processes whose parent is pid."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                found.append((int(stat.parent.name), (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def test_a_worker_that_dies_ends_the_run_in_one_line_not_a_wait_for_good(tmp_path):
+    """multiprocessing.Pool lost the task of a worker the OOM killer took: the tool waited for its
+    result for good, deaf to the scheduler's SIGTERM. Now: one line, exit 2, nothing left behind."""
+    (tmp_path / "new.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(2000)))
+    started = tmp_path.parent / f"{tmp_path.name}.started"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    tool = subprocess.Popen([sys.executable, "-c", _SLOW, str(started), "--input", str(tmp_path / "new.jsonl"),
+                             "--output-prefix", str(tmp_path / "ds"), "--workers", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = [pid for pid, command in _children(tool.pid) if "spawn_main" in command]
+    assert workers, _children(tool.pid)
+    os.kill(workers[0], signal.SIGKILL)
+    _, err = tool.communicate(timeout=120)
+    assert tool.returncode == 2, err
+    (line,) = err.strip().splitlines()
+    assert "a tokenizer worker died (killed, out of memory on a long document?)" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.jsonl"]
+    with pytest.raises(ProcessLookupError):  # no worker outlived the tool
+        for _ in range(50):
+            os.killpg(tool.pid, 0)
+            time.sleep(0.1)
