@@ -80,6 +80,7 @@ def export_hf(ckpt: Path, out: Path, force: bool = False, tokenizer: Union[str, 
             if record is not None:
                 tokens.set_special_ids(hf_config, record.get("eod_id"), record.get("bos_id"))
             hf_config.save_pretrained(str(tmp))
+            files.add_legacy_config_keys(tmp / "config.json", dtype="float32")
             tokens.write_generation_config(tmp, hf_config, cfg.seq_length)
             files.write_tensors(tmp / "model.safetensors",
                                 files.LazyTensors(shapes, lambda name: plan[name](weights)), metadata={"format": "pt"})

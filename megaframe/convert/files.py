@@ -164,6 +164,19 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
 
 # ---- atomic directories ----------------------------------------------------------------------
 
+def add_legacy_config_keys(config_file: Path, dtype: str) -> None:
+    """The keys transformers 5 no longer writes into config.json but 4.x and older vLLM, SGLang and
+    lmdeploy read: a top-level rope_theta (v5 keeps it only in rope_parameters; a 4.x LlamaConfig
+    then defaults to 10000, silently wrong for Llama 3's 500000) and torch_dtype (the weights'
+    dtype; without it vLLM's dtype=auto guesses). transformers 5 folds both back when it loads."""
+    config = json.loads(Path(config_file).read_text())
+    theta = (config.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None:
+        config.setdefault("rope_theta", theta)
+    config.setdefault("torch_dtype", dtype)
+    Path(config_file).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def refuse_existing(final: Path, force: bool, source: Optional[Path] = None) -> None:
     """Refuse to touch an existing output directory unless the user passed --force, and never replace
     one that holds the conversion's own input (--force would delete the run it converts), nor one that

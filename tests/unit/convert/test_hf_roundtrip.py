@@ -3,6 +3,7 @@ and importing the export gives back the same config and tensors."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -52,6 +53,11 @@ def test_export_matches_transformers_and_imports_back(name, tmp_path):
     write_layout_free(tmp_path / "ckpt", full, {"step": 3, "consumed_samples": 24, "model": dataclasses.asdict(cfg)})
 
     export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    # what transformers 4.x and older serving stacks read (v5 writes rope_theta only in rope_parameters):
+    # a Llama 3 export read with 4.x's default theta of 10000 is silently another model
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config.get("rope_theta") == (cfg.rope_theta if cfg.position_embedding == "rope" else None)
+    assert config["torch_dtype"] == "float32"
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert type(hf).__name__ == ("LlamaForCausalLM" if cfg.arch == "llama" else "GPT2LMHeadModel")
     ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
