@@ -25,6 +25,7 @@ from megaframe.config.schema import ModelConfig, MoEConfig
 from megaframe.convert import files
 from megaframe.checkpoint.tokenizer_record import RECORD_KEY
 from megaframe.convert import tokenizer_export as tokens
+from megaframe.data.preprocess_stop import Stopped, stop_on_signals
 from megaframe.convert.hf import (ConvertError, check_tied_copy, config_from_hf, plan_shapes, state_from_hf_plan,
                                   to_hf_plan)
 from megaframe.model.dims import model_config_from_record
@@ -168,14 +169,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of `megaframe-convert`."""
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "to-hf":
-            print(export_hf(args.ckpt, args.out, args.force, args.tokenizer), flush=True)
-        else:
-            cfg, summary = import_hf(args.hf_dir, args.out, args.force)
-            tokenizer = f" data.tokenizer={args.out}/tokenizer" if files.has_tokenizer(args.hf_dir) else ""
-            print(summary, flush=True)
-            print("continue pre-training with:\n  megaframe-train " + " ".join(model_overrides(cfg))
-                  + f"{tokenizer} train.resume={args.out}", flush=True)
+        with stop_on_signals():  # SIGTERM (a scheduler's time limit) cleans up as Ctrl-C does
+            _run(args)
+    except Stopped as stop:
+        print(f"{PROG}: stopped by {stop}: nothing was published (an earlier output is untouched)", file=sys.stderr,
+              flush=True)
+        sys.exit(stop.exit_code)
     except ConvertError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -184,3 +183,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"{PROG}: error: {err.strerror or err}{where}; nothing was published (an earlier output is untouched)",
               file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+def _run(args: argparse.Namespace) -> None:
+    """The subcommand, its summary printed."""
+    if args.command == "to-hf":
+        print(export_hf(args.ckpt, args.out, args.force, args.tokenizer), flush=True)
+    else:
+        cfg, summary = import_hf(args.hf_dir, args.out, args.force)
+        tokenizer = f" data.tokenizer={args.out}/tokenizer" if files.has_tokenizer(args.hf_dir) else ""
+        print(summary, flush=True)
+        print("continue pre-training with:\n  megaframe-train " + " ".join(model_overrides(cfg))
+              + f"{tokenizer} train.resume={args.out}", flush=True)

@@ -11,8 +11,11 @@ a half-written OUT and an existing OUT is only replaced (with force) once the ne
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import re
 import shutil
+import sys
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional
@@ -28,6 +31,8 @@ from megaframe.common.atomic_io import fsync_file
 from megaframe.checkpoint.tokenizer_record import (RECORD_KEY, TOKENIZER_FILES, has_tokenizer,  # noqa: F401
                                                    tokenizer_files)
 from megaframe.convert.hf import ConvertError
+from megaframe.data.preprocess_stop import signals_deferred
+from megaframe.data.temp_files import host_tag, process_gone
 
 TOKENIZER_DIR = "tokenizer"
 
@@ -194,11 +199,35 @@ def refuse_existing(final: Path, force: bool, source: Optional[Path] = None) -> 
                            f"outside it")
 
 
+def remove_dead_staging(final: Path) -> list[Path]:
+    """Remove the staging folders of OUT that a conversion on this host left when it was killed;
+    never a live one's, nor another host's on a shared file system. Returns them."""
+    pattern = re.compile(rf"\.tmp-{re.escape(final.name)}-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{{8}}")
+    try:
+        entries = list(os.scandir(final.parent))
+    except OSError:  # no such folder yet, or not one: making OUT says why in one line
+        return []
+    removed = []
+    for entry in entries:
+        found = pattern.fullmatch(entry.name)
+        if (found and found["host"] == host_tag() and int(found["pid"]) != os.getpid() and process_gone(int(found["pid"]))
+                and entry.is_dir(follow_symlinks=False)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(Path(entry.path))
+    if removed:
+        print(f"megaframe-convert: removed {', '.join(p.name for p in removed)}, left by a conversion that was killed",
+              file=sys.stderr, flush=True)
+    return removed
+
+
 def staging_dir(final: Path, force: bool) -> Path:
-    """A fresh temporary sibling of `final` to write into (refusing an existing final without force)."""
+    """A fresh temporary sibling of `final` to write into (refusing an existing final without force),
+    named after this host and process. The folders a killed conversion of the same OUT left (SIGKILL
+    runs no cleanup; each as large as the model) are removed first: this host's, whose process is gone."""
     final = Path(final)
     refuse_existing(final, force)
-    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    remove_dead_staging(final)
+    tmp = final.parent / f".tmp-{final.name}-{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
@@ -217,7 +246,8 @@ def publish(tmp: Path, final: Path) -> Path:
     for path in written:
         fsync_file(path)
     universal.sync_dirs(tmp, [path.relative_to(tmp) for path in written])
-    return universal.replace_dir(tmp, final)
+    with signals_deferred():  # a stop between the two renames would leave neither copy under OUT
+        return universal.replace_dir(tmp, final)
 
 
 # ---- layout-free megaframe checkpoints (megaframe/checkpoint/universal.py) --------------------

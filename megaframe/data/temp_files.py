@@ -14,17 +14,19 @@ from pathlib import Path
 _SUFFIXES = ("bin", "idx", "json")
 
 
-def _host() -> str:
+def host_tag() -> str:
+    """This host's name as temp names carry it (dots would split the name's fields)."""
     return socket.gethostname().replace(".", "_") or "host"
 
 
 def open_temp(directory: Path, name: str, suffix: str) -> tuple[int, Path]:
     """mkstemp beside the dataset (an os.replace into place is then a rename), named after its writer."""
-    fd, path = tempfile.mkstemp(dir=directory, prefix=f".{name}.{suffix}.{_host()}-{os.getpid()}.", suffix=".tmp")
+    fd, path = tempfile.mkstemp(dir=directory, prefix=f".{name}.{suffix}.{host_tag()}-{os.getpid()}.", suffix=".tmp")
     return fd, Path(path)
 
 
-def _gone(pid: int) -> bool:
+def process_gone(pid: int) -> bool:
+    """Whether no process of this host has this pid (a writer that was killed)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -44,7 +46,7 @@ def remove_orphans(prefix: Path, suffixes: tuple[str, ...] = _SUFFIXES) -> list[
         return removed
     for entry in entries:
         found = pattern.fullmatch(entry.name)
-        if found and found["host"] == _host() and int(found["pid"]) != os.getpid() and _gone(int(found["pid"])) \
+        if found and found["host"] == host_tag() and int(found["pid"]) != os.getpid() and process_gone(int(found["pid"])) \
                 and entry.is_file(follow_symlinks=False):
             Path(entry.path).unlink(missing_ok=True)
             removed.append(Path(entry.path))

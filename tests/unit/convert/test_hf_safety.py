@@ -248,3 +248,57 @@ def test_an_output_that_names_the_working_directory_is_one_line_before_any_work(
     assert ended.value.code == 2 and "is the working directory or above it; name a directory" in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "work"]  # no staging folder beside either
     assert [p.name for p in (tmp_path / "work").iterdir()] == ["sub"]
+
+
+# megaframe-convert as a user runs it, its tensor writing held up until a signal comes: the file named
+# by argv[1] says the staging folder exists and the weights are being written
+_HELD = """
+import pathlib, sys, time
+from megaframe.convert import files
+started, write = pathlib.Path(sys.argv.pop(1)), files.write_streaming
+def held(path, *args, **kwargs):
+    started.touch()
+    time.sleep(60)
+    return write(path, *args, **kwargs)
+files.write_streaming = held
+from megaframe.convert.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_conversion_stopped_by_sigterm_leaves_nothing_and_one_killed_is_cleaned_up_by_the_next(tmp_path):
+    """SIGTERM (a scheduler's time limit) left the hidden staging folder, as large as the model, for
+    good: now it ends as Ctrl-C does (one line, exit 143, the folder removed). SIGKILL runs no
+    handler: the next conversion of the same OUT on this host removes what the dead one left, never
+    a live conversion's or another host's."""
+    import os
+    import signal
+    import time
+
+    from megaframe.data.temp_files import host_tag
+
+    tiny_hf("gpt2").save_pretrained(tmp_path / "hf")
+    started = tmp_path / "started"
+    tool = subprocess.Popen([sys.executable, "-c", _HELD, str(started), "from-hf", str(tmp_path / "hf"),
+                             str(tmp_path / "out")], cwd=REPO, env=cli_env(), stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [p.name for p in tmp_path.glob(".tmp-out-*")], "no staging folder while writing"
+    tool.send_signal(signal.SIGTERM)
+    _, err = tool.communicate(timeout=60)
+    assert tool.returncode == 128 + signal.SIGTERM, err
+    assert [line for line in err.splitlines() if line.startswith("megaframe-convert")] == [
+        "megaframe-convert: stopped by SIGTERM: nothing was published (an earlier output is untouched)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "started"]
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f".tmp-out-{host_tag()}-{ended.stdout.strip()}-0123abcd"  # what SIGKILL leaves
+    live = tmp_path / f".tmp-out-{host_tag()}-{os.getppid()}-0123abcd"
+    elsewhere = tmp_path / f".tmp-out-another_host-{ended.stdout.strip()}-0123abcd"
+    for folder in (dead, live, elsewhere):
+        (folder / "shards").mkdir(parents=True)
+    result = convert(tmp_path / "hf", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    assert f"removed {dead.name}, left by a conversion that was killed" in result.stderr
+    assert not dead.exists() and live.is_dir() and elsewhere.is_dir() and (tmp_path / "out" / "manifest.json").is_file()

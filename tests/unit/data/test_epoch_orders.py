@@ -149,14 +149,14 @@ def test_a_partial_file_a_killed_writer_left_is_removed_once_its_writer_is_gone(
     ended with its process) is removed by the next build; a live writer's is not (temp_files.py)."""
     import subprocess
 
-    from megaframe.data.temp_files import _host
+    from megaframe.data.temp_files import host_tag
 
     orders = EpochOrders(tmp_path, shared_from=1)
     path = orders.path(3, 0, N, 0)
     ended = subprocess.Popen(["true"])
     ended.wait()
-    stale = tmp_path / f".{path.name}.order.{_host()}-{ended.pid}.abcd1234.tmp"
-    fresh = tmp_path / f".{path.name}.order.{_host()}-{os.getppid()}.abcd1234.tmp"  # a live writer
+    stale = tmp_path / f".{path.name}.order.{host_tag()}-{ended.pid}.abcd1234.tmp"
+    fresh = tmp_path / f".{path.name}.order.{host_tag()}-{os.getppid()}.abcd1234.tmp"  # a live writer
     stale.write_bytes(b"x" * 100)
     fresh.write_bytes(b"x" * 100)
     orders(3, 0, N)
