@@ -49,10 +49,16 @@ def model_overrides(cfg: ModelConfig) -> list[str]:
     return [f"model.{key}={value if isinstance(value, str) else json.dumps(value)}" for key, value in values.items()]
 
 
-def export_hf(ckpt: Path, out: Path, force: bool = False, tokenizer: Union[str, Path, None] = None) -> str:
+def export_hf(ckpt: Path, out: Path, force: bool = False, tokenizer: Union[str, Path, None] = None,
+              dtype: str = "float32", max_shard_size: Union[str, int] = "5GB") -> str:
     """Write the transformers directory for checkpoint `ckpt` to `out`, one tensor at a time (the
     model is never whole in memory), with the tokenizer the weights were trained with (`tokenizer`:
-    a directory holding it, checked against the checkpoint's record); return a summary line."""
+    a directory holding it, checked against the checkpoint's record); return a summary line.
+    dtype: the weights' (float32, exact; bfloat16 or float16 halve them); max_shard_size: the largest
+    weight file (save_pretrained's sharding)."""
+    if dtype not in files.HF_DTYPES:
+        raise ConvertError(f"--dtype {dtype}: use one of {', '.join(files.HF_DTYPES)}")
+    shard_bytes = files.parse_size(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
     from megaframe.run_config import named_checkpoint, run_dir_of
 
     named, ckpt = ckpt, files.resolve_checkpoint(ckpt)
@@ -81,10 +87,10 @@ def export_hf(ckpt: Path, out: Path, force: bool = False, tokenizer: Union[str, 
             if record is not None:
                 tokens.set_special_ids(hf_config, record.get("eod_id"), record.get("bos_id"))
             hf_config.save_pretrained(str(tmp))
-            files.add_legacy_config_keys(tmp / "config.json", dtype="float32")
+            files.add_legacy_config_keys(tmp / "config.json", dtype=dtype)
             tokens.write_generation_config(tmp, hf_config, cfg.seq_length)
-            files.write_tensors(tmp / "model.safetensors",
-                                files.LazyTensors(shapes, lambda name: plan[name](weights)), metadata={"format": "pt"})
+            written = files.write_hf_weights(tmp, files.LazyTensors(shapes, lambda name: plan[name](weights)),
+                                             files.HF_DTYPES[dtype], shard_bytes)
             files.publish(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -96,7 +102,7 @@ def export_hf(ckpt: Path, out: Path, force: bool = False, tokenizer: Union[str, 
             f"{params / 1e6:.2f}M parameters, vocab {hf_config.vocab_size}"
             + (f" ({dropped} padded rows dropped)" if dropped else "")
             + (f", routing dropless (the run capped experts at capacity_factor={capacity})" if capacity else "")
-            + f", {note}")
+            + f", {dtype}" + (f" in {written} files" if written > 1 else "") + f", {note}")
 
 
 def _set_special_tokens(hf_config, tokenizer_dir: Path) -> None:
@@ -153,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     to = sub.add_parser("to-hf", help="megaframe checkpoint -> transformers model directory")
     to.add_argument("ckpt", type=Path, help="layout-free checkpoint dir, or a run's checkpoints/ dir (uses `latest`)")
     to.add_argument("out", type=Path, help="output directory (AutoModelForCausalLM.from_pretrained loads it)")
+    to.add_argument("--dtype", default="float32", choices=list(files.HF_DTYPES),
+                    help="the exported weights' dtype (float32: exact; bfloat16 halves them, as models are served)")
+    to.add_argument("--max-shard-size", default="5GB",
+                    help="the largest weight file, e.g. 5GB (save_pretrained's sharding; the Hub takes none over 50GB)")
     to.add_argument("--tokenizer", default=None,  # a str: an empty one is refused, Path("") would be "."
                     help="a directory holding the HF tokenizer the run trained with, when neither the checkpoint's "
                          "copy nor the run's data.tokenizer does (its files must hash to the checkpoint's record)")
@@ -188,7 +198,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 def _run(args: argparse.Namespace) -> None:
     """The subcommand, its summary printed."""
     if args.command == "to-hf":
-        print(export_hf(args.ckpt, args.out, args.force, args.tokenizer), flush=True)
+        print(export_hf(args.ckpt, args.out, args.force, args.tokenizer, args.dtype, args.max_shard_size), flush=True)
     else:
         cfg, summary = import_hf(args.hf_dir, args.out, args.force)
         tokenizer = f" data.tokenizer={args.out}/tokenizer" if files.has_tokenizer(args.hf_dir) else ""

@@ -11,6 +11,7 @@ a half-written OUT and an existing OUT is only replaced (with force) once the ne
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import re
@@ -179,6 +180,7 @@ def add_legacy_config_keys(config_file: Path, dtype: str) -> None:
     if theta is not None:
         config.setdefault("rope_theta", theta)
     config.setdefault("torch_dtype", dtype)
+    config.setdefault("dtype", dtype)  # transformers 5's name for it
     Path(config_file).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
@@ -261,6 +263,51 @@ def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Opt
     only when the writer reaches it)."""
     write_streaming(path, [(name, torch.float32, shape_of(tensors, name)) for name in tensors],
                     lambda name: tensors[name].to(torch.float32).contiguous(), metadata)
+
+
+HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_size(text: str, flag: str = "--max-shard-size") -> int:
+    """'5GB', '500MB', '64KiB' or a number of bytes, as save_pretrained's max_shard_size reads them."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    if match is None or match[2].upper() not in units or float(match[1]) <= 0:
+        raise ConvertError(f"{flag} {text!r}: not a size; write it as 5GB, 500MB or a number of bytes")
+    return int(float(match[1]) * units[match[2].upper()])
+
+
+def write_hf_weights(out_dir: Path, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                     max_shard_bytes: int) -> int:
+    """A transformers model's weight files, one tensor at a time: model.safetensors when the weights
+    fit in max_shard_bytes, else model-0000K-of-0000N.safetensors of at most that size each (a
+    larger tensor alone in its file) and model.safetensors.index.json naming each tensor's file, as
+    save_pretrained shards them: the Hub takes no file over 50 GB, and a 70B model in one fp32 file
+    is 280 GB. Returns the number of files."""
+    size = lambda name: math.prod(shape_of(tensors, name)) * torch.empty((), dtype=dtype).element_size()  # noqa: E731
+    shards: list[list[str]] = [[]]
+    filled = 0
+    for name in tensors:
+        if shards[-1] and filled + size(name) > max_shard_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(name)
+        filled += size(name)
+    produce = lambda name: tensors[name].to(dtype).contiguous()  # noqa: E731
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        write_streaming(out_dir / "model.safetensors", [(n, dtype, shape_of(tensors, n)) for n in shards[0]],
+                        produce, metadata)
+        return 1
+    weight_map = {}
+    for number, shard in enumerate(shards, 1):
+        filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        write_streaming(out_dir / filename, [(n, dtype, shape_of(tensors, n)) for n in shard], produce, metadata)
+        weight_map.update({name: filename for name in shard})
+    index = {"metadata": {"total_size": sum(size(name) for name in tensors)}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return len(shards)
 
 
 def write_layout_free(out: Path, model: Mapping[str, torch.Tensor], state: dict, tokenizer_src: Optional[Path] = None,

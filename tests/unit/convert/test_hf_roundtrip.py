@@ -155,3 +155,54 @@ def test_a_float64_model_computes_in_float64_like_transformers(name, tmp_path):
     assert (got - want).abs().max().item() < 1e-10
     hf_loss = torch.nn.functional.cross_entropy(got[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
     assert abs(loss.item() - hf_loss.item()) < 1e-12
+
+
+def test_a_sharded_bf16_export_loads_in_transformers_and_imports_back(tmp_path):
+    """save_pretrained's layout: weight files of at most --max-shard-size and the index naming each
+    tensor's file (one fp32 file was 280 GB at 70B, over the Hub's 50 GB limit); --dtype bfloat16
+    halves them, recorded in config.json for transformers and serving stacks."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from megaframe.convert.cli import main
+
+    model = random_model(LLAMA)
+    full = full_state_dict(model)
+    write_layout_free(tmp_path / "ckpt", full, {"step": 3, "consumed_samples": 24, "model": dataclasses.asdict(LLAMA)})
+    main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--dtype", "bfloat16", "--max-shard-size", "40KB"])
+    files = sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors" and "model.safetensors" not in files
+    assert sorted(set(index["weight_map"].values())) == files
+    for name in files:
+        assert (tmp_path / "hf" / name).stat().st_size <= 40_000 + 2_000, name  # a tensor over the size would be alone
+        with safe_open(str(tmp_path / "hf" / name), framework="pt") as f:
+            assert {f.get_slice(key).get_dtype() for key in f.keys()} == {"BF16"}
+            assert all(index["weight_map"][key] == name for key in f.keys())
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["torch_dtype"] == config["dtype"] == "bfloat16"
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():  # megaframe's model with its weights rounded to bf16, as the export rounded them
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16).to(torch.float32))
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = model.logits(ids), hf(ids).logits
+    assert (got - want).abs().max().item() < 1e-4
+
+    import_hf(tmp_path / "hf", tmp_path / "back")
+    _, tensors = read_layout_free(tmp_path / "back")
+    assert tensors.keys() == full.keys()
+    for key, value in full.items():
+        assert torch.equal(tensors[key], value.to(torch.bfloat16).to(torch.float32)), key
+
+
+@pytest.mark.parametrize("size", ["5 parsecs", "-1GB", "0", ""])
+def test_a_max_shard_size_that_is_no_size_is_one_line(size, tmp_path, capsys):
+    from megaframe.convert.cli import main
+
+    with pytest.raises(SystemExit) as ended:
+        main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), f"--max-shard-size={size}"])
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megaframe-convert")]
+    assert ended.value.code == 2 and "--max-shard-size" in line and "write it as 5GB" in line, line
