@@ -219,3 +219,20 @@ def test_coverage_of_many_zero_partitions_is_fast_and_exact():
     assert time.perf_counter() - started < 2.0
     assert "no chunk covers element [1, 27]" in coverage_problem(shape, chunks[:5] + chunks[6:])
     assert "overlap" in coverage_problem(shape, chunks + chunks[100:101])
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_hashing_on_threads_names_the_first_bad_file_in_the_manifests_order(tmp_path, threads):
+    """The offline tools hash on several threads (one thread took hours at 1 TB): the verdict is the
+    single-threaded one, the first corrupted file in the listed order, whichever thread finished first."""
+    from megaframe.checkpoint.file_hash import hash_file
+
+    files = {}
+    for name in "abcde":
+        (tmp_path / name).write_bytes(name.encode() * 100_000)
+        files[name] = {"bytes": 100_000, "sha256": hash_file(tmp_path / name)}
+    universal.verify_files(tmp_path, files, threads=threads)
+    for name in ("d", "b"):
+        (tmp_path / name).write_bytes(b"x" * 100_000)  # same size, other bytes
+    with pytest.raises(universal.CheckpointError, match=r": b does not match its sha256"):
+        universal.verify_files(tmp_path, files, threads=threads)
