@@ -208,7 +208,7 @@ class IndexedDatasetWriter:
             os.fsync(self._bin_file.fileno())
             self._bin_file.close()
             offsets = np.frombuffer(self._offsets, dtype=np.int64).astype("<i8", copy=False)
-            self._hasher.update(offsets.tobytes())
+            self._hasher.update(offsets)  # its buffer: tobytes() copied 8 bytes a document
             checksum = self._hasher.digest()
             with self._open_temp("idx") as idx_file:
                 self._write_index(idx_file, offsets, checksum)

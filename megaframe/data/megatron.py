@@ -37,18 +37,27 @@ _CODES = {dtype: code for code, dtype in DTYPES.items()}
 _FIX = "rebuild it with Megatron's tools/preprocess_data.py or megaframe-preprocess"
 
 
+WRITE_CHUNK = 1 << 22  # documents per slice of the index written at a time
+
+
 def write_index(idx_file: BinaryIO, dtype: np.dtype, doc_offsets: np.ndarray) -> None:
     """Megatron's index of documents whose tokens lie back to back in the .bin, one sequence per
-    document, as its IndexedDatasetBuilder writes them (`doc_offsets`: D + 1 token offsets)."""
-    lengths = np.diff(doc_offsets).astype("<i4")
-    if len(lengths) and int(np.diff(doc_offsets).max()) > np.iinfo(np.int32).max:
-        raise DataError("a document holds more than 2^31 - 1 tokens, more than Megatron's index can record; "
-                        "split it")
-    documents = len(doc_offsets)  # the document index: 0, 1, ..., D
-    idx_file.write(_HEADER.pack(MAGIC, 1, _CODES[np.dtype(dtype)], len(lengths), documents))
-    idx_file.write(lengths.tobytes())
-    idx_file.write((doc_offsets[:-1].astype("<i8") * np.dtype(dtype).itemsize).tobytes())  # byte pointers
-    idx_file.write(np.arange(documents, dtype="<i8").tobytes())
+    document, as its IndexedDatasetBuilder writes them (`doc_offsets`: D + 1 token offsets). Written
+    a slice at a time: the lengths, pointers and document index made whole held 20 bytes a document
+    on top of the offsets (tracemalloc), 40 GB at the end of preprocessing two billion documents."""
+    count = len(doc_offsets) - 1  # sequences (one per document); the document index holds 0, 1, ..., D
+    idx_file.write(_HEADER.pack(MAGIC, 1, _CODES[np.dtype(dtype)], count, count + 1))
+    for start in range(0, count, WRITE_CHUNK):
+        lengths = np.diff(doc_offsets[start:start + WRITE_CHUNK + 1])
+        if int(lengths.max()) > np.iinfo(np.int32).max:
+            raise DataError("a document holds more than 2^31 - 1 tokens, more than Megatron's index can record; "
+                            "split it")
+        idx_file.write(lengths.astype("<i4").tobytes())
+    itemsize = np.dtype(dtype).itemsize
+    for start in range(0, count, WRITE_CHUNK):  # byte pointers
+        idx_file.write((doc_offsets[start:min(start + WRITE_CHUNK, count)].astype("<i8") * itemsize).tobytes())
+    for start in range(0, count + 1, WRITE_CHUNK):
+        idx_file.write(np.arange(start, min(start + WRITE_CHUNK, count + 1), dtype="<i8").tobytes())
 
 
 def read_sidecar(prefix: str | os.PathLike[str]) -> Optional[dict[str, Any]]:
