@@ -16,7 +16,8 @@ This code base's block differs, and the formula below follows it tensor by tenso
 - Llama flavour: RMSNorm computes in fp32 (keeps its fp32 input and normalised value); RoPE's
   multiplies by the constant cos/sin tables keep only the (shared, cached) tables, so q and k are
   kept once, rotated, by SDPA; SwiGLU keeps gate, silu(gate), up and their product;
-- grouped-query attention: K and V are kv_heads wide (SDPA repeats them without copies);
+- grouped-query attention: K and V are kv_heads wide (SDPA repeats them without copies), as wide as
+  the query heads in a block whose mask restricts more than causal (they are repeated for SDPA);
 - tensor parallelism t divides everything inside the TP regions; the norm inputs/outputs are
   replicated (Korthikanti's 10 + 24/t), and with sequence parallelism split along the sequence.
   Unlike Megatron, our SP saves the all-gathered norm output for the QKV/MLP linears (not the
@@ -112,8 +113,11 @@ def block_activation_bytes(dims: GPTDims, shape: ActivationShape, windowed: bool
         attention += 3 * sb * 4 * q + 3 * heads * dims.seq_length * sb * 4
     else:
         # flash / memory-efficient SDPA (dropout inside the kernel, regenerated from its RNG state):
-        # Q, K (rotated under RoPE), V and an fp32 logsumexp
-        attention += sb * e * (q + 2 * kv) + sb * heads * 4
+        # Q, K (rotated under RoPE), V and an fp32 logsumexp. With a restricting mask SDPA gets K
+        # and V repeated to every query head (no fused CUDA kernel takes a mask with GQA:
+        # parallel/context.py's kv_heads_for_mask), and keeps them so
+        masked = dims.attention_core == "sdpa" and attention_mask_bytes(dims, shape, windowed) > 0
+        attention += sb * e * (q + 2 * (q if masked else kv)) + sb * heads * 4
     attention += sb * e * q  # SDPA output (= out-projection input)
     if shape.cp > 1 and ((shape.cp_impl == "ulysses" and not math_path) or (shape.cp_impl == "ring" and e != 4)):
         # ring: its fp32 output besides the out-projection's input; Ulysses: the out-projection's
@@ -212,7 +216,8 @@ def stage_activation_bytes(dims: GPTDims, shape: ActivationShape, blocks: int, f
     total = blocks * per_block
     if not recompute:
         windowed = dims.windowed_blocks_in(0, blocks) if windowed_blocks is None else windowed_blocks
-        total += windowed * (attention_mask_bytes(dims, shape, True) - attention_mask_bytes(dims, shape, False))
+        # their mask, and K and V repeated to every query head for the masked call
+        total += windowed * (block_activation_bytes(dims, shape, True) - block_activation_bytes(dims, shape, False))
     if moe_blocks and not recompute:
         total += moe_blocks * moe_mlp_extra_bytes(dims, shape)
     if blocks and dims.position_embedding == "rope" and not recompute:
