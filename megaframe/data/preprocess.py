@@ -2,7 +2,8 @@
 megaframe-preprocess (preprocess_cli.py).
 
 With workers > 1, documents are tokenized in a process pool a chunk at a time while the parent writes
-the tokens in input order; a worker that dies ends the run in one line (never a wait for good). At most a few chunks per worker are in flight, so memory stays bounded
+the tokens in input order; a worker that dies ends the run in one line (Pool waited for its lost
+task for good). At most a few chunks per worker are in flight, so memory stays bounded
 however large the input (Pool.imap would read the whole input ahead into its task queue).
 """
 
@@ -89,7 +90,6 @@ def _encoded(texts: Iterable[str], tokenizer: Tokenizer, append_eod: bool, worke
     # breaks it and every waiting result raises, where Pool lost the task and its result waited forever
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_start_worker, initargs=(tokenizer.name, append_eod))
-    finished = False
     try:
         pending: deque = deque()
         for chunk in _chunks(texts):
@@ -98,15 +98,13 @@ def _encoded(texts: Iterable[str], tokenizer: Tokenizer, append_eod: bool, worke
                 yield from pending.popleft().result()
         while pending:
             yield from pending.popleft().result()
-        finished = True
     except BrokenProcessPool:
         raise DataError("--workers: a tokenizer worker died (killed, out of memory on a long document?); run again "
                         "with fewer --workers, or split the input into smaller documents") from None
     finally:
-        if not finished:  # a stop, an error, a dead worker: the others end now, not after their chunks
-            # ProcessPoolExecutor has no terminate(); its _processes is where CPython keeps them
-            for process in list((getattr(pool, "_processes", None) or {}).values()):
-                process.terminate()
+        # on a stop or an error the queued chunks are dropped and the workers finish the ones in hand
+        # (stop signals are theirs to ignore): terminating them could leave a result half sent, and
+        # the executor's reader waiting on it for good (reproduced by review)
         pool.shutdown(wait=True, cancel_futures=True)
 
 

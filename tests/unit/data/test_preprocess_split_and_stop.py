@@ -250,7 +250,8 @@ def _children(pid: int) -> list[tuple[int, str]]:
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
             if int(fields[1]) == pid:
-                found.append((int(stat.parent.name), (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
+                command = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                found.append((int(stat.parent.name), command))
         except (OSError, ValueError, IndexError):
             continue
     return found
@@ -264,14 +265,19 @@ def test_a_worker_that_dies_ends_the_run_in_one_line_not_a_wait_for_good(tmp_pat
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     tool = subprocess.Popen([sys.executable, "-c", _SLOW, str(started), "--input", str(tmp_path / "new.jsonl"),
                              "--output-prefix", str(tmp_path / "ds"), "--workers", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while not started.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    workers = [pid for pid, command in _children(tool.pid) if "spawn_main" in command]
-    assert workers, _children(tool.pid)
-    os.kill(workers[0], signal.SIGKILL)
-    _, err = tool.communicate(timeout=120)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = [pid for pid, command in _children(tool.pid) if "spawn_main" in command]
+        assert workers, _children(tool.pid)
+        os.kill(workers[0], signal.SIGKILL)
+        _, err = tool.communicate(timeout=120)
+    finally:
+        if tool.poll() is None:  # the wait for good this test is about: leave no process behind
+            os.killpg(tool.pid, signal.SIGKILL)
     assert tool.returncode == 2, err
     (line,) = err.strip().splitlines()
     assert "a tokenizer worker died (killed, out of memory on a long document?)" in line, line
