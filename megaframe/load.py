@@ -8,8 +8,8 @@
 Any layout-free checkpoint loads, whichever layout and engine wrote it: its tensors are stored
 whole with the vocabulary unpadded (checkpoint/universal.py). The model is megaframe's GPT at tp=1,
 built on `device` and padded for it. The whole model is read into memory once (its optimizer state is
-not read); for a model larger
-than one host's memory, convert it to Hugging Face (megaframe-convert) and load it sharded there.
+not read); for a model larger than one host's memory, convert it to Hugging Face (megaframe-convert)
+and load it sharded there.
 """
 from __future__ import annotations
 

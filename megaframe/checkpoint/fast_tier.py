@@ -181,15 +181,23 @@ class FastTier:
                 found.setdefault(step, {})[rank] = marker
         return found
 
-    def restore(self, save_dir: Path, shared_step: int, publish: Callable[[Path, int, int], None]) -> Optional[str]:
-        """Before a resume: publish the newest complete set of parts newer than shared_step into
-        save_dir as a normal checkpoint (publish(tmp, step, world) on rank 0). Collective over the
-        default group. Returns the line to print (on rank 0), or None when there is nothing newer."""
+    def _pooled(self) -> list:
+        """Every rank's inventory (collective over the default group)."""
         mine = self.inventory()
         everyone = [mine] if not dist.is_initialized() else [None] * dist.get_world_size()
         if dist.is_initialized():
             dist.all_gather_object(everyone, mine)
-        for step, holders, world in _complete_steps(everyone, shared_step):
+        return everyone
+
+    def newest_complete(self) -> int:
+        """The newest step whose every rank's part the nodes hold together, 0 for none. Collective."""
+        return next((step for step, _, _ in _complete_steps(self._pooled(), 0)), 0)
+
+    def restore(self, save_dir: Path, shared_step: int, publish: Callable[[Path, int, int], None]) -> Optional[str]:
+        """Before a resume: publish the newest complete set of parts newer than shared_step into
+        save_dir as a normal checkpoint (publish(tmp, step, world) on rank 0). Collective over the
+        default group. Returns the line to print (on rank 0), or None when there is nothing newer."""
+        for step, holders, world in _complete_steps(self._pooled(), shared_step):
             tmp = Path(save_dir) / f"tmp-global_step{step}"
             problem = None
             if self.rank == 0:

@@ -30,6 +30,7 @@ from megaframe.checkpoint.parts import RankStateful, Resume, Stateful
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.common.failures import save_failure
 from megaframe.parallel.dims import RANK_AXES
+from megaframe.parallel.rank_zero import decided_by_rank_zero
 
 
 class CheckpointManager:
@@ -105,9 +106,9 @@ class CheckpointManager:
         with self.shield():  # a stop signal waits for the save, minutes on a 7B (not 3 steps)
             state, write_universal, native = self._state(defer=t.async_save)
             self.saved_step = step
-            if self.is_logger:
-                self.metrics.sync()
             try:
+                if self.is_logger:
+                    self.metrics.sync()
                 self.last = store.save(self.backend, self.dir, step, state, rng_state=self._rank_states(),
                                        write_extra=write_universal, keep=t.keep_checkpoints, native=native,
                                        background=self.background if t.async_save else None,
@@ -270,18 +271,29 @@ class CheckpointManager:
         return path
 
     def _restore_fast_tier(self) -> Optional[Path]:
-        """train.resume=auto with the fast tier: parts in node-local memory newer than the newest
-        shared checkpoint that verifies become a shared checkpoint first (checkpoint/fast_tier.py).
-        Returns the checkpoint to resume from. The floor is what verifies, not what `latest` names: a
-        damaged global_stepN whose step the nodes hold whole (the fast interval divides the save
-        interval) is replaced by their copy, where the resume fell back to an older checkpoint."""
-        try:
-            found: Optional[tuple[Optional[Path], list[str]]] = store.newest_verified(self.dir)
-            none_verifies = None
-        except CheckpointError as err:  # every checkpoint damaged: the nodes may still hold a whole step
-            found, none_verifies = None, err
-        floor = found[0] if found is not None else None
-        shared = int(floor.name.removeprefix("global_step")) if floor is not None else 0
+        """train.resume=auto with the fast tier: parts in node-local memory newer than the shared
+        checkpoint become a shared checkpoint first (checkpoint/fast_tier.py). Returns the checkpoint
+        to resume from. Nodes that hold a step newer than the one `latest` names restore it, as
+        ever. Nodes that hold an older one (the fast tier skips the save steps: after a save at
+        step N it holds N - fast_save_interval) matter only when global_stepN does not verify: the
+        floor is then the newest checkpoint that does, and their step, if newer, is restored rather
+        than the resume falling back to that older checkpoint. The verification is the one the
+        resume does anyway; only a restore after a damaged checkpoint hashes more."""
+        def latest_step() -> int:  # rank 0's view of shared storage decides, on every rank alike
+            try:
+                latest = store.find_latest(self.dir) if self.dir.is_dir() else None
+            except CheckpointError:
+                latest = None  # the resume says why
+            return int(latest.name.removeprefix("global_step")) if latest is not None else 0
+        shared, held = decided_by_rank_zero(latest_step), self.fast.newest_complete()
+        found: Optional[tuple[Optional[Path], list[str]]] = None
+        none_verifies = None
+        if 0 < held <= shared:
+            try:
+                found = store.newest_verified(self.dir)
+                shared = int(found[0].name.removeprefix("global_step")) if found[0] is not None else 0
+            except CheckpointError as err:  # every checkpoint damaged: the nodes' step may still be whole
+                none_verifies, shared = err, 0
         keep = self.cfg.train.keep_checkpoints
         line = self.fast.restore(self.dir, shared, lambda tmp, step, world: store.publish_dir(
             tmp, self.dir, step, world, keep, self.trash))
@@ -292,6 +304,7 @@ class CheckpointManager:
         if self.is_logger:
             print(line, flush=True)
         return self._newest_verified()  # the copy just published, checked like any other
+
     def _resize_event(self, saved: dict, step: int) -> Optional[dict]:
         """A resume into another world size (an elastic restart after a node left or joined, or a
         resharded run): one event for metrics.jsonl and W&B, and one console line, at the first step

@@ -168,10 +168,10 @@ def start_over(run_dir: Path, checkpoint_dir: Path, resume: str, metrics, is_log
     if resume == "auto" and (dropped := metrics.truncate_after(-1)):
         print(f"no checkpoint to resume from: dropped {dropped} metrics records of an earlier attempt that saved none",
               flush=True)
-    elif resume != "auto" and metrics.truncate_after(math.inf):
+    elif resume != "auto" and (dropped := metrics.truncate_after(math.inf)):
         # train.resume=none keeps the earlier run's records; a line a crash cut short would swallow
         # this run's first record (appended to it) and make the file unreadable as JSON lines
-        print(f"dropped the last line of {metrics.path}: cut short by the earlier attempt's crash", flush=True)
+        print(f"dropped {dropped} line(s) of {metrics.path} that are not JSON (cut short by a crash)", flush=True)
     mark_unsaved(run_dir)
 
 

@@ -182,6 +182,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         with stop_on_signals():  # SIGTERM (a scheduler's time limit) cleans up as Ctrl-C does
             _run(args)
     except Stopped as stop:
+        if stop.written:  # during the publish's renames, which it waited for: the work is done (exit 0)
+            print(f"{PROG}: stopped by {stop} after {stop.written[0]} was written and in place: it is complete",
+                  file=sys.stderr, flush=True)
+            return
         print(f"{PROG}: stopped by {stop}: nothing was published (an earlier output is untouched)", file=sys.stderr,
               flush=True)
         sys.exit(stop.exit_code)

@@ -32,7 +32,7 @@ from megaframe.common.atomic_io import fsync_file
 from megaframe.checkpoint.tokenizer_record import (RECORD_KEY, TOKENIZER_FILES, has_tokenizer,  # noqa: F401
                                                    tokenizer_files)
 from megaframe.convert.hf import ConvertError
-from megaframe.data.preprocess_stop import signals_deferred
+from megaframe.data.preprocess_stop import Stopped, signals_deferred
 from megaframe.data.temp_files import host_tag, process_gone
 
 TOKENIZER_DIR = "tokenizer"
@@ -179,8 +179,7 @@ def add_legacy_config_keys(config_file: Path, dtype: str) -> None:
     theta = (config.get("rope_parameters") or {}).get("rope_theta")
     if theta is not None:
         config.setdefault("rope_theta", theta)
-    config.setdefault("torch_dtype", dtype)
-    config.setdefault("dtype", dtype)  # transformers 5's name for it
+    config["torch_dtype"] = config["dtype"] = dtype  # "dtype": transformers 5's name for it
     Path(config_file).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
@@ -212,7 +211,8 @@ def remove_dead_staging(final: Path) -> list[Path]:
     removed = []
     for entry in entries:
         found = pattern.fullmatch(entry.name)
-        if (found and found["host"] == host_tag() and int(found["pid"]) != os.getpid() and process_gone(int(found["pid"]))
+        pid = int(found["pid"]) if found else 0
+        if (found and found["host"] == host_tag() and pid != os.getpid() and process_gone(pid)
                 and entry.is_dir(follow_symlinks=False)):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(Path(entry.path))
@@ -248,8 +248,12 @@ def publish(tmp: Path, final: Path) -> Path:
     for path in written:
         fsync_file(path)
     universal.sync_dirs(tmp, [path.relative_to(tmp) for path in written])
-    with signals_deferred():  # a stop between the two renames would leave neither copy under OUT
-        return universal.replace_dir(tmp, final)
+    try:
+        with signals_deferred():  # a stop between the two renames would leave neither copy under OUT
+            return universal.replace_dir(tmp, final)
+    except Stopped as stop:  # it came during the renames: OUT is the new output, complete
+        stop.written.append(str(final))
+        raise
 
 
 # ---- layout-free megaframe checkpoints (megaframe/checkpoint/universal.py) --------------------

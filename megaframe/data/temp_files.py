@@ -46,7 +46,8 @@ def remove_orphans(prefix: Path, suffixes: tuple[str, ...] = _SUFFIXES) -> list[
         return removed
     for entry in entries:
         found = pattern.fullmatch(entry.name)
-        if found and found["host"] == host_tag() and int(found["pid"]) != os.getpid() and process_gone(int(found["pid"])) \
+        pid = int(found["pid"]) if found else 0
+        if found and found["host"] == host_tag() and pid != os.getpid() and process_gone(pid) \
                 and entry.is_file(follow_symlinks=False):
             Path(entry.path).unlink(missing_ok=True)
             removed.append(Path(entry.path))

@@ -374,10 +374,13 @@ def test_a_run_dir_that_cannot_keep_the_token_is_a_refusal_not_a_traceback(tmp_p
     assert ".fast_tier_lineage" in str(err.value) and "\n" not in str(err.value)
 
 
-def test_a_damaged_shared_checkpoint_of_the_step_the_nodes_hold_is_replaced_by_their_copy(tmp_path, monkeypatch):
-    """The fast tier's floor was the step `latest` names, verified or not: with global_step4 damaged
-    on the shared storage and step 4 whole in node-local memory (the fast interval divides the save
-    interval), the nodes' copy was dropped and the resume fell back to global_step2, two steps lost."""
+@pytest.mark.parametrize("damaged", [True, False])
+def test_the_nodes_older_step_is_restored_when_the_newest_shared_checkpoint_is_damaged(tmp_path, monkeypatch,
+                                                                                      damaged):
+    """The fast tier skips the save steps: after the save of step 6 the nodes hold step 5 until the
+    next fast save. The floor was the step `latest` names, verified or not: with global_step6 damaged
+    the nodes' step 5 was dropped and the resume fell back to global_step2, three steps lost. Now it
+    is restored; with global_step6 whole, the resume takes 6 and hashes it once, as before."""
     from types import SimpleNamespace
 
     from megaframe.checkpoint import manager as manager_module
@@ -386,21 +389,25 @@ def test_a_damaged_shared_checkpoint_of_the_step_the_nodes_hold_is_replaced_by_t
     run_dir = tmp_path / "run"
     save_dir = run_dir / "checkpoints"
     tier = FastTier(tmp_path / "shm", run_dir, rank=0, world=1)
-    for step in (2, 4):
-        tier.save(step, _writer(step))
+    for step in (2, 6):
         tmp = save_dir / f"tmp-global_step{step}"
         (tmp / "shards").mkdir(parents=True)
-        record = _writer(step)(tmp)
-        (tmp / "shards" / "rank00000.json").write_text(json.dumps(record))
+        (tmp / "shards" / "rank00000.json").write_text(json.dumps(_writer(step)(tmp)))
         checkpoint.publish_dir(tmp, save_dir, step, 1)
-    (save_dir / "global_step4" / "shards" / "rank00000.safetensors").write_bytes(b"bit rot of step 4")
-    assert checkpoint.manifest_problem(save_dir / "global_step4") is not None
+    tier.save(5, _writer(5))
+    if damaged:
+        (save_dir / "global_step6" / "shards" / "rank00000.safetensors").write_bytes(b"bit rot of step 6")
     manager = CheckpointManager.__new__(CheckpointManager)  # only what resume() reads before a load
     manager.fast, manager.is_logger, manager.whole, manager._engine_parts = tier, True, [], (0, 0)
     manager.trash, manager.dims = checkpoint.TrashCollector(), None
     manager.run_dir, manager.dir = run_dir, save_dir
     manager.cfg = SimpleNamespace(train=SimpleNamespace(resume="auto", keep_checkpoints=0))
-    resumed = []
+    resumed, hashed, verify = [], [], checkpoint.manifest_problem
+
+    def counting(path):
+        hashed.append(Path(path).name)
+        return verify(path)
+    monkeypatch.setattr(manager_module.store, "manifest_problem", counting)
 
     def stop(path, dims):
         resumed.append(path)
@@ -408,6 +415,9 @@ def test_a_damaged_shared_checkpoint_of_the_step_the_nodes_hold_is_replaced_by_t
     monkeypatch.setattr(manager_module.store, "check_model_shape", stop)
     with pytest.raises(_Stop):
         manager.resume()
-    assert resumed == [save_dir / "global_step4"]
-    assert checkpoint.manifest_problem(save_dir / "global_step4") is None
-    assert (save_dir / "global_step4" / "shards" / "rank00000.safetensors").read_bytes() == b"weights of step 4"
+    if damaged:
+        assert resumed == [save_dir / "global_step5"]
+        assert (save_dir / "global_step5" / "shards" / "rank00000.safetensors").read_bytes() == b"weights of step 5"
+    else:
+        assert resumed == [save_dir / "global_step6"] and hashed == ["global_step6"]
+    assert tier.inventory() == {}  # published, or older than what the resume takes

@@ -353,6 +353,6 @@ def test_starting_over_drops_the_line_a_crash_cut_short_and_keeps_the_earlier_re
         f.write('{"step": 4, "lo')
     log = MetricsLog(run / "metrics.jsonl")
     start_over(run, run / "checkpoints", "none", log, True)
-    assert "dropped the last line" in capsys.readouterr().out
+    assert "dropped 1 line(s) of" in capsys.readouterr().out
     log.append({"step": 1, "loss": 5.0})
     assert [record["step"] for record in read_metrics(run / "metrics.jsonl")] == [0, 1, 2, 3, 1]

@@ -301,4 +301,28 @@ def test_a_conversion_stopped_by_sigterm_leaves_nothing_and_one_killed_is_cleane
     result = convert(tmp_path / "hf", tmp_path / "out")
     assert result.returncode == 0, result.stderr
     assert f"removed {dead.name}, left by a conversion that was killed" in result.stderr
-    assert not dead.exists() and live.is_dir() and elsewhere.is_dir() and (tmp_path / "out" / "manifest.json").is_file()
+    assert not dead.exists() and live.is_dir() and elsewhere.is_dir()
+    assert (tmp_path / "out" / "manifest.json").is_file()
+
+
+def test_a_stop_during_the_publish_waits_for_it_and_says_the_output_is_complete(tmp_path, monkeypatch, capsys):
+    """A signal between the renames that put OUT in place is held until both are done; the output is
+    then the new one, complete, and the tool says so and exits 0 (it said nothing was published)."""
+    import os
+    import signal
+
+    from megaframe.checkpoint import universal
+    from megaframe.convert.cli import main
+
+    tiny_hf("gpt2").save_pretrained(tmp_path / "hf")
+    replace = universal.replace_dir
+
+    def signalled_mid_way(tmp, final, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # held by signals_deferred until the renames are done
+        return replace(tmp, final, *args, **kwargs)
+    monkeypatch.setattr(universal, "replace_dir", signalled_mid_way)
+    main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "out")])
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megaframe-convert")]
+    assert line == (f"megaframe-convert: stopped by SIGTERM after {tmp_path / 'out'} was written and in place: "
+                    f"it is complete")
+    assert read_layout_free(tmp_path / "out")[1]

@@ -87,7 +87,7 @@ def test_a_masked_sdpa_call_never_asks_for_gqa_which_no_fused_cuda_kernel_takes_
     tokens. With a document or window mask the cores now repeat the kv heads; unmasked calls keep
     enable_gqa (FlashAttention serves them without the copy)."""
     doc = torch.nn.functional.scaled_dot_product_attention.__doc__
-    assert "It currently works only for Flash_attention" in doc, "torch's GQA kernels changed: revisit kv_heads_for_mask"
+    assert "It currently works only for Flash_attention" in doc, "torch's GQA kernels changed: see kv_heads_for_mask"
     import megaframe.model.attention as attention
 
     calls, sdpa = [], attention.F.scaled_dot_product_attention
