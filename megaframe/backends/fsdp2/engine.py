@@ -96,9 +96,8 @@ class Fsdp2Backend:
             force_sum=dist.get_backend() == "gloo" and layout.grid.edp > 1) \
             if self.expert_shard_group is not None else None
         for part in parts:  # each pipeline stage is sharded as the whole model is without pipelining
-            build.shard_model(part, self.mesh, reshard_after_forward=cfg.zero.stage == 3, experts=experts,
-                              **build.policies(cfg.precision.dtype, offload,
-                                                             pinned_offload(cfg.offload.pin_memory, self.device)))
+            policies = build.policies(cfg.precision.dtype, offload, pinned_offload(cfg.offload.pin_memory, self.device))
+            build.shard_model(part, self.mesh, reshard_after_forward=cfg.zero.stage == 3, experts=experts, **policies)
             build.materialise(part, torch.device("cpu") if offload else self.device, self.device, dims,
                               cfg.train.seed, marks)
         self.pipeline: Optional[pipeline.Pipeline] = None
