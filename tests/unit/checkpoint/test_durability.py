@@ -167,15 +167,16 @@ def test_a_checkpoint_is_published_after_the_records_of_its_steps_are_on_disk(tm
     it before each save, with the step's own record already written."""
     from megaframe.backends.registry import validate_for_engine
     from megaframe.config.compose import compose
-    from megaframe.training.trainer import Trainer
+    from megaframe.training.trainer import train
     from tests.support.helpers import TINY
 
     cfg, _ = compose([*TINY, "train.max_steps=2", "train.eval_interval=0", "train.save_interval=2",
                       "train.log_interval=1"])
     run_dir = tmp_path / "run"
     calls = _record_fsyncs(monkeypatch)
-    with Trainer(cfg, validate_for_engine(cfg, 1, ask_bf16=False), run_dir) as trainer:
-        trainer.fit()
+    # train(), not a bare Trainer: it restores the signal handlers and destroys the process group,
+    # which a later test's forked ranks would otherwise inherit (and hang on, in this worker)
+    assert train(cfg, validate_for_engine(cfg, 1, ask_bf16=False), run_dir) == 0
     metrics = run_dir / "metrics.jsonl"
     synced = calls.inodes.get(_inode(metrics))
     assert synced, "metrics.jsonl is never fsync'd"

@@ -19,6 +19,9 @@ def test_an_unreachable_server_leaves_the_run_logging_offline_under_its_id(tmp_p
         run.log({"loss": 2.5}, step=1)
     finally:
         run.finish()
+        import wandb
+
+        wandb.teardown()  # its service's threads would be inherited by a later test's forked ranks
     warning = capsys.readouterr().err.strip().splitlines()
     assert len(warning) == 1 and warning[0].startswith("megaframe: warning: W&B did not start online (CommError")
     assert f"logging offline in {tmp_path / 'wandb'} instead" in warning[0]
