@@ -175,7 +175,11 @@ def test_a_checkpoint_is_published_after_the_records_of_its_steps_are_on_disk(tm
     run_dir = tmp_path / "run"
     calls = _record_fsyncs(monkeypatch)
     # train(), not a bare Trainer: it restores the signal handlers and destroys the process group,
-    # which a later test's forked ranks would otherwise inherit (and hang on, in this worker)
+    # which a later test's forked ranks would otherwise inherit (and hang on, in this worker); and
+    # the world of one's RANK/MASTER_* go with the test (later tests would think torchrun started them)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")  # recorded, so that the teardown puts back what was there, or nothing
+        monkeypatch.delenv(name)
     assert train(cfg, validate_for_engine(cfg, 1, ask_bf16=False), run_dir) == 0
     metrics = run_dir / "metrics.jsonl"
     synced = calls.inodes.get(_inode(metrics))
