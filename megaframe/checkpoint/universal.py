@@ -32,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megaframe.common.failures import ExitCode
+from megaframe.common.launch_env import usable_cores
 from megaframe.common.atomic_io import atomic_write_text, fsync_dir, fsync_file
 from megaframe.common.safe_files import quote, read_capped
 from megaframe.checkpoint.coverage import whole_number
@@ -204,11 +205,7 @@ def verify_manifest(directory: Path) -> dict:
     load_model) on up to 8 threads: one thread hashed a 70B AdamW checkpoint's 1.1 TB before
     anything was written. Ranks split the work among themselves instead (checkpoint/store.py)."""
     manifest = read_manifest(directory)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        cores = os.cpu_count() or 1
-    verify_files(directory, manifest["files"], threads=min(8, cores))
+    verify_files(directory, manifest["files"], threads=min(8, usable_cores()))
     return manifest
 
 

@@ -10,6 +10,15 @@ from typing import Mapping, Optional
 _INT_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (os.sched_getaffinity: a SLURM job's or a container's share,
+    not the whole machine)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS and Windows have no affinity mask
+        return os.cpu_count() or 1
+
+
 def _as_int(env: Mapping[str, str], name: str) -> Optional[int]:
     value = env.get(name)
     if value is None:

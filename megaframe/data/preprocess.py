@@ -25,6 +25,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from megaframe.common.launch_env import usable_cores
 from megaframe.data.dataset import split_documents
 from megaframe.data.indexed import LAYOUTS, DataError, IndexedDatasetWriter, best_dtype
 from megaframe.data.preprocess_stop import Stopped, ignore_stop_in_worker, signals_deferred
@@ -53,10 +54,7 @@ def usable_workers(requested: int) -> tuple[int, Optional[str]]:
     """At most one worker per core this process may run on (os.sched_getaffinity: a SLURM job's or a
     container's share, not the whole machine): more only add processes that wait for a core, since
     the output is the same for any count. Returns the count and, when capped, a line saying so."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS and Windows have no affinity mask
-        cores = os.cpu_count() or 1
+    cores = usable_cores()
     if requested <= cores:
         return requested, None
     return cores, f"--workers {requested}: capped at {cores}, the cores this process may use (os.sched_getaffinity)"
