@@ -33,7 +33,7 @@ from megaframe.checkpoint.tokenizer_record import (RECORD_KEY, TOKENIZER_FILES, 
                                                    tokenizer_files)
 from megaframe.convert.hf import ConvertError
 from megaframe.data.preprocess_stop import Stopped, signals_deferred
-from megaframe.data.temp_files import host_tag, process_gone
+from megaframe.data.temp_files import dead_writers, host_tag
 
 TOKENIZER_DIR = "tokenizer"
 
@@ -204,16 +204,9 @@ def remove_dead_staging(final: Path) -> list[Path]:
     """Remove the staging folders of OUT that a conversion on this host left when it was killed;
     never a live one's, nor another host's on a shared file system. Returns them."""
     pattern = re.compile(rf"\.tmp-{re.escape(final.name)}-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{{8}}")
-    try:
-        entries = list(os.scandir(final.parent))
-    except OSError:  # no such folder yet, or not one: making OUT says why in one line
-        return []
     removed = []
-    for entry in entries:
-        found = pattern.fullmatch(entry.name)
-        pid = int(found["pid"]) if found else 0
-        if (found and found["host"] == host_tag() and pid != os.getpid() and process_gone(pid)
-                and entry.is_dir(follow_symlinks=False)):
+    for entry in dead_writers(final.parent, pattern):
+        if entry.is_dir(follow_symlinks=False):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(Path(entry.path))
     if removed:

@@ -36,19 +36,29 @@ def process_gone(pid: int) -> bool:
     return False
 
 
+def dead_writers(directory: Path, pattern: re.Pattern) -> list[os.DirEntry]:
+    """The entries of `directory` whose name matches `pattern` (with groups `host` and `pid`) and was
+    given by a writer on this host whose process is gone: never a live writer's, nor another host's
+    on a shared file system."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:  # no such folder (yet), or not one
+        return []
+    dead = []
+    for entry in entries:
+        found = pattern.fullmatch(entry.name)
+        pid = int(found["pid"]) if found else 0
+        if found and found["host"] == host_tag() and pid != os.getpid() and process_gone(pid):
+            dead.append(entry)
+    return dead
+
+
 def remove_orphans(prefix: Path, suffixes: tuple[str, ...] = _SUFFIXES) -> list[Path]:
     """Remove the temp files that a writer of `prefix` on this host left when it was killed; return them."""
     pattern = re.compile(rf"\.{re.escape(prefix.name)}\.(?:{'|'.join(suffixes)})\.(?P<host>.+)-(?P<pid>\d+)\.[^.]+\.tmp")
     removed = []
-    try:
-        entries = list(os.scandir(prefix.parent))
-    except FileNotFoundError:
-        return removed
-    for entry in entries:
-        found = pattern.fullmatch(entry.name)
-        pid = int(found["pid"]) if found else 0
-        if found and found["host"] == host_tag() and pid != os.getpid() and process_gone(pid) \
-                and entry.is_file(follow_symlinks=False):
+    for entry in dead_writers(prefix.parent, pattern):
+        if entry.is_file(follow_symlinks=False):
             Path(entry.path).unlink(missing_ok=True)
             removed.append(Path(entry.path))
     return removed
