@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from megaframe.data import open_dataset, preprocess
@@ -243,20 +244,6 @@ def test_the_pair_is_published_only_once_both_are_complete(tmp_path, capsys, mon
                     "again")
 
 
-def _children(pid: int) -> list[tuple[int, str]]:
-    """(pid, command line) of the processes whose parent is pid."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid:
-                command = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-                found.append((int(stat.parent.name), command))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
-
-
 def test_a_worker_that_dies_ends_the_run_in_one_line_not_a_wait_for_good(tmp_path):
     """multiprocessing.Pool lost the task of a worker the OOM killer took: the tool waited for its
     result for good, deaf to the scheduler's SIGTERM. Now: one line, exit 2, nothing left behind."""
@@ -271,8 +258,9 @@ def test_a_worker_that_dies_ends_the_run_in_one_line_not_a_wait_for_good(tmp_pat
         deadline = time.monotonic() + 60
         while not started.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        workers = [pid for pid, command in _children(tool.pid) if "spawn_main" in command]
-        assert workers, _children(tool.pid)
+        children = psutil.Process(tool.pid).children()
+        workers = [child.pid for child in children if "spawn_main" in " ".join(child.cmdline())]
+        assert workers, [child.cmdline() for child in children]
         os.kill(workers[0], signal.SIGKILL)
         _, err = tool.communicate(timeout=120)
     finally:
