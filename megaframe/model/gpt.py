@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from megaframe.model.attention import CAUSAL, SDPA_HAS_GQA, Mask, build_attention_core, decode_attention
 from megaframe.model.dims import GPTDims
+from megaframe.model.init_values import InitValue
 from megaframe.model.mlp import MLP, Dropout
 from megaframe.model.moe import AddAux, MoE, RouterStats
 from megaframe.model.recompute import checkpointed
@@ -453,32 +454,27 @@ class GPT(nn.Module):
 
 # ---- layout-invariant initialisation ---------------------------------------------------------
 
-def _name_seed(seed: int, name: str) -> int:
-    """A stable 63-bit seed per (run seed, parameter name); Python's hash() is salted per process."""
-    import hashlib
-
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def full_init_value(name: str, shape: tuple[int, ...], dims: GPTDims, seed: int) -> torch.Tensor:
-    """The full (unsharded) initial value of a parameter, a pure function of its name and the seed."""
+def init_value(name: str, shape: tuple[int, ...], dims: GPTDims, seed: int) -> InitValue:
+    """The initial value of a parameter of full (unsharded) `shape`, a pure function of its name
+    and the seed, drawn only when (and where) a piece of it is asked for (model/init_values.py)."""
     leaf = name.rsplit(".", 1)[-1]
-    # on the host, always: under zero.Init a factory without device= lands on the accelerator, and
-    # a CUDA tensor refuses a CPU generator; the caller copies the value (or its shard) over
     if leaf == "bias":
-        return torch.zeros(shape, device="cpu")
+        return InitValue.whole(name, shape, "zeros", 0.0, seed)
     if "norm" in name:
-        return torch.ones(shape, device="cpu")
+        return InitValue.whole(name, shape, "ones", 1.0, seed)
     std = dims.init_std
     if name.endswith(("out_proj.weight", "down_proj.weight", "experts.down_proj")):
         std = std / math.sqrt(2 * dims.num_layers)  # GPT-2: scale residual-branch outputs by depth
-    generator = torch.Generator().manual_seed(_name_seed(seed, name))
-    return torch.randn(shape, generator=generator, device="cpu").mul_(std)  # in place: one full tensor at a time
+    return InitValue.whole(name, shape, "normal", std, seed)
 
 
-def _copy_into(param: nn.Parameter, value: torch.Tensor) -> None:
-    param.copy_(value.to(param.dtype))
+def full_init_value(name: str, shape: tuple[int, ...], dims: GPTDims, seed: int) -> torch.Tensor:
+    """The whole initial value of a parameter, on the host (tests and tools; training draws pieces)."""
+    return init_value(name, shape, dims, seed).tensor()
+
+
+def _copy_into(param: nn.Parameter, value: InitValue) -> None:
+    param.copy_(value.tensor().to(param.dtype))
 
 
 @torch.no_grad()
@@ -488,15 +484,16 @@ def init_parameters(module: nn.Module, prefix: str, dims: GPTDims, seed: int,
     """Fill every parameter of `module` from its canonical name `prefix.local_name`.
 
     A parameter that is a shard carries its ShardSpec (`shard`) and full shape (`partition_shape`);
-    the full value is generated and the shard taken out, so every layout starts from one model.
-    write(param, value) stores the shard's value: a copy, or (ZeRO-3 built partitioned) the
-    rank's piece of it; built_shape(param) its shape as built (an engine that partitions at
-    construction leaves the parameter empty and says). One parameter's full value exists at a time.
+    its value is that shard of the full one, so every layout starts from one model.
+    write(param, value) stores the shard's value (an InitValue, drawn when read): a copy, or the
+    rank's piece of it (FSDP2's box, ZeRO-3's flat range); built_shape(param) its shape as built
+    (an engine that partitions at construction leaves the parameter empty and says). A rank draws
+    only the tiles its pieces overlap, never a whole parameter it does not hold.
     """
     for local_name, param in module.named_parameters():
         name = f"{prefix}.{local_name}" if prefix else local_name
         full_shape = tuple(getattr(param, "partition_shape", None) or built_shape(param))
-        value = full_init_value(name, full_shape, dims, seed)
+        value = init_value(name, full_shape, dims, seed)
         shard = getattr(param, "shard", None)
         if shard is not None:
             value = shard.take(value, param.partition_index, param.partition_count)

@@ -5,7 +5,7 @@ partitions it afterwards: a 70B model needs 280 GB of fp32 on every rank before 
 Under deepspeed.zero.Init each module's parameters are partitioned over the data-parallel group (an
 expert over its expert-data-parallel ranks: the group it carries, parallel/experts.py) as soon as
 that module is constructed, and init_parameters then writes each rank's piece of the
-layout-invariant initial value straight into its partition (one parameter's value at a time), so
+layout-invariant initial value straight into its partition (drawing only that range), so
 the weights equal those of every other layout. zero.Init's own broadcast of the constructed values
 is overwritten by that write.
 
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megaframe.backends.deepspeed.topology import MegatronMpu
+from megaframe.model.init_values import InitValue
 from megaframe.parallel.state import ParallelState
 
 
@@ -53,14 +54,13 @@ def partition_range(param: torch.nn.Parameter, numel: int) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def write_partition(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    """Store this rank's ZeRO-3 partition of `value` (the parameter's full tensor-parallel shard),
-    zeros past its end."""
+def write_partition(param: torch.nn.Parameter, value: InitValue) -> None:
+    """Store this rank's ZeRO-3 partition of `value` (the parameter's tensor-parallel shard, drawn
+    only over the partition's range), zeros past its end."""
     partition = param.ds_tensor
-    flat = value.flatten()
-    start, stop = partition_range(param, flat.numel())
+    start, stop = partition_range(param, value.numel())
     partition.data.zero_()
-    partition.data[: stop - start].copy_(flat[start:stop].to(partition.dtype))
+    partition.data[: stop - start].copy_(value.flat(start, stop).to(partition.dtype))
 
 
 def built_shape(param: torch.nn.Parameter) -> tuple[int, ...]:

@@ -1,7 +1,7 @@
 """The model as FSDP2 holds it: built with its parameters on the meta device, wrapped block by block
 with fully_shard, then each rank's shard materialised and filled with its piece of the layout-free
-initial value (model/gpt.py init_parameters). No rank holds a whole parameter's shard beyond the one
-value init_parameters generates at a time."""
+initial value (model/gpt.py init_parameters): only that box is drawn (model/init_values.py), so no
+rank draws or holds more of any parameter than its shard."""
 from __future__ import annotations
 
 import contextlib
@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from megaframe.model.gpt import Block, init_parameters
+from megaframe.model.init_values import InitValue
 from megaframe.model.moe import MoE
 
 # What megaframe's parallel layers mark on a parameter (parallel/layers.py, parallel/experts.py).
@@ -118,13 +119,13 @@ def local_box(param: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 @torch.no_grad()
-def write_local_shard(param: nn.Parameter, value: torch.Tensor) -> None:
-    """Store this rank's FSDP shard of `value` (the parameter's whole TP shard, on the host)."""
+def write_local_shard(param: nn.Parameter, value: InitValue) -> None:
+    """Store this rank's FSDP shard of `value` (the parameter's TP shard): only its box is drawn."""
     local = param.to_local() if isinstance(param, DTensor) else param
     if local.numel() == 0:
         return
     shape, offset = local_box(param) if isinstance(param, DTensor) else (tuple(local.shape), (0,) * local.dim())
-    piece = value[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+    piece = value[tuple(slice(o, o + s) for o, s in zip(offset, shape))].tensor()
     local.copy_(piece.to(local.dtype))
 
 

@@ -9,17 +9,13 @@ import torch
 def _init_on_default_device() -> None:
     """Initial values drawn without device= (megaframe before a910607): under ZeRO-3's zero.Init the
     factory lands on the accelerator, which refuses the CPU generator."""
-    from megaframe.model import gpt
+    from megaframe.model import init_values
 
-    original = gpt.full_init_value
-
-    def drawn_on_default_device(name, shape, dims, seed):
-        value = original(name, shape, dims, seed)
-        if value.dim() < 2:
-            return value
-        generator = torch.Generator().manual_seed(gpt._name_seed(seed, name))
-        return torch.randn(shape, generator=generator).mul_(dims.init_std)
-    gpt.full_init_value = drawn_on_default_device
+    def drawn_on_default_device(seed, name, lead, row, col):
+        key = f"{name}#{'.'.join(map(str, lead))}#{row}.{col}"
+        generator = torch.Generator().manual_seed(init_values.name_seed(seed, key))
+        return torch.randn(init_values.TILE_ROWS, init_values.TILE_COLS, generator=generator)
+    init_values.draw_tile = drawn_on_default_device
 
 
 def _host_dp_mean() -> None:

@@ -1,0 +1,144 @@
+"""A parameter's layout-invariant initial value, drawn in fixed tiles so that a rank draws only its piece.
+
+Every layout must start from one model (parity with one rank depends on it), so a parameter's
+initial value is a pure function of (seed, name, full shape). Drawing the whole tensor and slicing
+a shard out of it cost every rank its whole pipeline stage: about 59B normal draws per rank for
+Qwen3-235B at pp=4 (minutes of one core, at every start and restart, eight ranks a node) and a host
+copy of the stage's largest tensor. Here the last two dimensions are cut into tiles of TILE_ROWS x
+TILE_COLS (a vector is one row; a stacked expert tensor's leading index is part of the tile's key),
+each drawn from its own generator seeded by (seed, name, tile): the value is the same in every
+layout, and a piece (a TP or EP shard, then an FSDP box or a ZeRO-3 flat range) costs the tiles it
+overlaps. Tiles are short and wide because rows are what gets cut finely: FSDP's Shard(0) and ZeRO-3's
+flat ranges split a TP shard's rows over up to hundreds of data-parallel ranks (16 rows of Llama-70B's
+q_proj each at tp=8, dp=64), while columns are cut only by a row-parallel layer's tp.
+
+Always on the host: under zero.Init a factory without device= lands on the accelerator, and a CUDA
+tensor refuses a CPU generator; the caller copies the piece over.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+TILE_ROWS, TILE_COLS = 16, 512  # 8K draws: seeding a generator costs about a sixth of drawing a tile
+
+
+def name_seed(seed: int, key: str) -> int:
+    """A stable 63-bit seed per (run seed, key); Python's hash() is salted per process."""
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def draw_tile(seed: int, name: str, lead: tuple[int, ...], row: int, col: int) -> torch.Tensor:
+    """Tile (row, col) of matrix `lead` of parameter `name`: standard normal draws, on the host.
+    Always whole, cropped by the caller: an element's value depends on its place and not on the
+    tensor's extent, which the vocabulary's padding makes differ between layouts (to a multiple
+    of make_vocab_size_divisible_by x tp)."""
+    key = f"{name}#{'.'.join(map(str, lead))}#{row}.{col}"
+    generator = torch.Generator().manual_seed(name_seed(seed, key))
+    return torch.randn(TILE_ROWS, TILE_COLS, generator=generator, device="cpu")
+
+
+@dataclass(frozen=True)
+class InitValue:
+    """A box [offset, offset + shape) of one parameter's initial value, drawn only when asked for:
+    narrow and basic slicing give smaller boxes (as a tensor's would), tensor() and flat() draw."""
+
+    name: str
+    full_shape: tuple[int, ...]
+    kind: str  # "zeros", "ones" or "normal"
+    std: float
+    seed: int
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @classmethod
+    def whole(cls, name: str, full_shape: tuple[int, ...], kind: str, std: float, seed: int) -> "InitValue":
+        return cls(name, tuple(full_shape), kind, std, seed, (0,) * len(full_shape), tuple(full_shape))
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> "InitValue":
+        if not 0 <= start <= start + length <= self.shape[dim]:
+            raise IndexError(f"{self.name}: [{start}, {start + length}) is outside dimension {dim} of {self.shape}")
+        offset, shape = list(self.offset), list(self.shape)
+        offset[dim] += start
+        shape[dim] = length
+        return replace(self, offset=tuple(offset), shape=tuple(shape))
+
+    def __getitem__(self, index: tuple[slice, ...]) -> "InitValue":
+        """Basic slicing with step 1 (what an FSDP box takes); dimensions not named are whole."""
+        box = self
+        for dim, part in enumerate(index if isinstance(index, tuple) else (index,)):
+            if not isinstance(part, slice) or part.step not in (None, 1):
+                raise TypeError(f"an initial value takes slices of step 1, got {part!r}")
+            start, stop, _ = part.indices(box.shape[dim])
+            box = box.narrow(dim, start, max(stop - start, 0))
+        return box
+
+    def tensor(self) -> torch.Tensor:
+        """The box's values, float32 on the host."""
+        if self.kind == "zeros":
+            return torch.zeros(self.shape, device="cpu")
+        if self.kind == "ones":
+            return torch.ones(self.shape, device="cpu")
+        out = torch.empty(self.shape, device="cpu")
+        if out.numel():
+            self._draw_into(out)
+        return out.mul_(self.std)
+
+    def flat(self, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of the box flattened in row-major order (a ZeRO-3 partition): the
+        whole rows inside are drawn at once, the partial ones at each end row by row."""
+        if self.dim() == 0:
+            return self.tensor().flatten()[start:stop]
+        return self._flat(0, start, stop)
+
+    def _flat(self, dim: int, start: int, stop: int) -> torch.Tensor:
+        # elements [start, stop) of dimensions dim.. flattened; the box is one index wide before dim
+        if dim == self.dim() - 1:
+            return self.narrow(dim, start, max(stop - start, 0)).tensor().flatten()
+        if stop <= start:
+            return torch.empty(0, device="cpu")
+        inner = math.prod(self.shape[dim + 1:])
+        first, last = start // inner, (stop - 1) // inner
+        if first == last:
+            return self.narrow(dim, first, 1)._flat(dim + 1, start - first * inner, stop - first * inner)
+        pieces, tail = [], None
+        if start % inner:
+            pieces.append(self.narrow(dim, first, 1)._flat(dim + 1, start - first * inner, inner))
+            first += 1
+        if stop % inner:
+            tail = self.narrow(dim, last, 1)._flat(dim + 1, 0, stop - last * inner)
+            last -= 1
+        if first <= last:
+            pieces.append(self.narrow(dim, first, last - first + 1).tensor().flatten())
+        if tail is not None:
+            pieces.append(tail)
+        return torch.cat(pieces)
+
+    def _draw_into(self, out: torch.Tensor) -> None:
+        full, offset, shape = self.full_shape, self.offset, self.shape
+        if len(full) < 2:  # a vector is one row, a scalar one element
+            full, offset, shape = (1, *(full or (1,))), (0, *(offset or (0,))), (1, *(shape or (1,)))
+        lead_dims = len(full) - 2
+        view = out.reshape(shape)
+        (r0, c0), (nr, nc) = offset[lead_dims:], shape[lead_dims:]
+        leads = itertools.product(*(range(o, o + n) for o, n in zip(offset[:lead_dims], shape[:lead_dims])))
+        for lead in leads:
+            target = view[tuple(i - o for i, o in zip(lead, offset))]
+            for row in range(r0 // TILE_ROWS, (r0 + nr - 1) // TILE_ROWS + 1):
+                for col in range(c0 // TILE_COLS, (c0 + nc - 1) // TILE_COLS + 1):
+                    top, left = row * TILE_ROWS, col * TILE_COLS
+                    tile = draw_tile(self.seed, self.name, lead, row, col)
+                    lo_r, hi_r = max(r0, top), min(r0 + nr, top + TILE_ROWS)
+                    lo_c, hi_c = max(c0, left), min(c0 + nc, left + TILE_COLS)
+                    target[lo_r - r0:hi_r - r0, lo_c - c0:hi_c - c0] = tile[lo_r - top:hi_r - top, lo_c - left:hi_c - left]
