@@ -38,16 +38,17 @@ def test_every_shard_and_box_is_that_part_of_the_whole_value(shape):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_a_flat_range_of_a_shard_is_that_range_of_the_shard_flattened(shape):
-    # a ZeRO-3 partition: a flat range of the (TP shard of the) parameter, from any element to any other
-    shard = _value(shape).narrow(0, 1, shape[0] - 2)
-    flat = shard.tensor().flatten()
-    inner = flat.numel() // shard.shape[0]
-    rng = random.Random(1)
-    ranges = [(0, flat.numel()), (0, 0), (inner, 3 * inner), (inner - 1, inner + 1), (5, 6)]
-    ranges += [tuple(sorted(rng.sample(range(flat.numel() + 1), 2))) for _ in range(30)]
-    for start, stop in ranges:
-        start, stop = min(start, flat.numel()), min(stop, flat.numel())
-        assert torch.equal(shard.flat(start, stop), flat[start:stop]), (start, stop)
+    # a ZeRO-3 partition: a flat range of the TP shard (column- or row-parallel) of the parameter
+    last = len(shape) - 1
+    for shard in (_value(shape).narrow(0, 1, shape[0] - 2), _value(shape).narrow(last, 3, shape[last] // 2)):
+        flat = shard.tensor().flatten()
+        inner = flat.numel() // shard.shape[0]
+        rng = random.Random(1)
+        ranges = [(0, flat.numel()), (0, 0), (inner, 3 * inner), (inner - 1, inner + 1), (5, 6)]
+        ranges += [tuple(sorted(rng.sample(range(flat.numel() + 1), 2))) for _ in range(30)]
+        for start, stop in ranges:
+            start, stop = min(start, flat.numel()), min(stop, flat.numel())
+            assert torch.equal(shard.flat(start, stop), flat[start:stop]), (shard.offset, start, stop)
 
 
 def test_a_piece_draws_only_the_tiles_it_overlaps(monkeypatch):
