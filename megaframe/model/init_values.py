@@ -21,6 +21,7 @@ import hashlib
 import itertools
 import math
 from dataclasses import dataclass, replace
+from typing import Optional
 
 import torch
 
@@ -33,13 +34,15 @@ def name_seed(seed: int, key: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def draw_tile(seed: int, name: str, lead: tuple[int, ...], row: int, col: int) -> torch.Tensor:
+def draw_tile(seed: int, name: str, lead: tuple[int, ...], row: int, col: int,
+              generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Tile (row, col) of matrix `lead` of parameter `name`: standard normal draws, on the host.
     Always whole, cropped by the caller: an element's value depends on its place and not on the
     tensor's extent, which the vocabulary's padding makes differ between layouts (to a multiple
-    of make_vocab_size_divisible_by x tp)."""
+    of make_vocab_size_divisible_by x tp). generator: one to reseed (making one costs as much as
+    a sixth of the tile's draws)."""
     key = f"{name}#{'.'.join(map(str, lead))}#{row}.{col}"
-    generator = torch.Generator().manual_seed(name_seed(seed, key))
+    generator = (generator or torch.Generator()).manual_seed(name_seed(seed, key))
     return torch.randn(TILE_ROWS, TILE_COLS, generator=generator, device="cpu")
 
 
@@ -132,13 +135,14 @@ class InitValue:
         lead_dims = len(full) - 2
         view = out.reshape(shape)
         (r0, c0), (nr, nc) = offset[lead_dims:], shape[lead_dims:]
+        generator = torch.Generator()
         leads = itertools.product(*(range(o, o + n) for o, n in zip(offset[:lead_dims], shape[:lead_dims])))
         for lead in leads:
             target = view[tuple(i - o for i, o in zip(lead, offset))]
             for row in range(r0 // TILE_ROWS, (r0 + nr - 1) // TILE_ROWS + 1):
                 for col in range(c0 // TILE_COLS, (c0 + nc - 1) // TILE_COLS + 1):
                     top, left = row * TILE_ROWS, col * TILE_COLS
-                    tile = draw_tile(self.seed, self.name, lead, row, col)
+                    tile = draw_tile(self.seed, self.name, lead, row, col, generator)
                     lo_r, hi_r = max(r0, top), min(r0 + nr, top + TILE_ROWS)
                     lo_c, hi_c = max(c0, left), min(c0 + nc, left + TILE_COLS)
                     target[lo_r - r0:hi_r - r0, lo_c - c0:hi_c - c0] = tile[lo_r - top:hi_r - top, lo_c - left:hi_c - left]

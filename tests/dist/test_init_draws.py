@@ -31,8 +31,8 @@ def _count_draws(rank: int, world: int, overrides: list[str], run_dir: str) -> i
     drawn = [0]
     original = init_values.draw_tile
 
-    def counted(seed, name, lead, row, col):
-        tile = original(seed, name, lead, row, col)
+    def counted(seed, name, lead, row, col, generator=None):
+        tile = original(seed, name, lead, row, col, generator)
         drawn[0] += tile.numel()
         return tile
     init_values.draw_tile = counted

@@ -11,7 +11,7 @@ def _init_on_default_device() -> None:
     factory lands on the accelerator, which refuses the CPU generator."""
     from megaframe.model import init_values
 
-    def drawn_on_default_device(seed, name, lead, row, col):
+    def drawn_on_default_device(seed, name, lead, row, col, generator=None):
         key = f"{name}#{'.'.join(map(str, lead))}#{row}.{col}"
         generator = torch.Generator().manual_seed(init_values.name_seed(seed, key))
         return torch.randn(init_values.TILE_ROWS, init_values.TILE_COLS, generator=generator)

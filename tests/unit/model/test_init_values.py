@@ -3,6 +3,9 @@ tiles it overlaps (model/init_values.py)."""
 from __future__ import annotations
 
 import random
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -55,9 +58,9 @@ def test_a_piece_draws_only_the_tiles_it_overlaps(monkeypatch):
     drawn = []
     original = init_values.draw_tile
 
-    def counting(seed, name, lead, row, col):
+    def counting(seed, name, lead, row, col, generator=None):
         drawn.append((lead, row, col))
-        return original(seed, name, lead, row, col)
+        return original(seed, name, lead, row, col, generator)
     monkeypatch.setattr(init_values, "draw_tile", counting)
     value = _value((4 * TILE_ROWS, 4 * TILE_COLS))
     value.narrow(1, 2 * TILE_COLS, TILE_COLS).tensor()  # a row-parallel shard at tp=4: one tile column of four
@@ -95,3 +98,14 @@ def test_only_plain_slices_are_taken():
         _value((8, 8))[::2]
     with pytest.raises(IndexError, match="outside"):
         _value((8, 8)).narrow(0, 6, 4)
+
+
+def test_bench_init_reports_half_the_draws_at_tp2():
+    """tools/bench_init.py, whose figures BENCHMARKS.md cites ("Initial values drawn per rank")."""
+    result = subprocess.run([sys.executable, "tools/bench_init.py", "--recipe", "", "model.vocab_size=1024",
+                             "model.hidden_size=1024", "model.num_attention_heads=8", "model.ffn_hidden_size=2048",
+                             "parallel.tp=2"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    drawn = [float(m) for m in re.findall(r"([\d.]+)M elements drawn", result.stdout)]
+    assert len(drawn) == 2 and drawn[0] == pytest.approx(8.4, abs=0.1), result.stdout  # 4 x 1024² + 2 x 1024 x 2048
+    assert drawn[1] == pytest.approx(drawn[0] / 2, rel=0.01), result.stdout
