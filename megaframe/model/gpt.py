@@ -479,7 +479,7 @@ def _copy_into(param: nn.Parameter, value: InitValue) -> None:
 
 @torch.no_grad()
 def init_parameters(module: nn.Module, prefix: str, dims: GPTDims, seed: int,
-                    write: Callable[[nn.Parameter, torch.Tensor], None] = _copy_into,
+                    write: Callable[[nn.Parameter, InitValue], None] = _copy_into,
                     built_shape: Callable[[nn.Parameter], tuple[int, ...]] = lambda p: tuple(p.shape)) -> None:
     """Fill every parameter of `module` from its canonical name `prefix.local_name`.
 

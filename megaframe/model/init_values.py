@@ -12,8 +12,11 @@ overlaps. Tiles are short and wide because rows are what gets cut finely: FSDP's
 flat ranges split a TP shard's rows over up to hundreds of data-parallel ranks (16 rows of Llama-70B's
 q_proj each at tp=8, dp=64), while columns are cut only by a row-parallel layer's tp.
 
-Always on the host: under zero.Init a factory without device= lands on the accelerator, and a CUDA
-tensor refuses a CPU generator; the caller copies the piece over.
+Always float32 on the host, made by a factory zero.Init leaves alone (host_float32): under it
+torch.randn, empty, zeros and ones land on the accelerator without device= (a CUDA tensor refuses a
+CPU generator) and come back in the run's bf16 or fp16 even with dtype= (DeepSpeed 0.19's
+zero_wrapper_for_fp_tensor_constructor), which rounded ZeRO-3's draws before they were scaled, one
+ulp off ZeRO-1's in a quarter of the weights. The caller casts and copies the piece over.
 """
 from __future__ import annotations
 
@@ -34,6 +37,14 @@ def name_seed(seed: int, key: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def host_float32(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised float32 host tensor, from a factory DeepSpeed's zero.Init does not wrap."""
+    strides = [1] * len(shape)
+    for dim in range(len(shape) - 2, -1, -1):
+        strides[dim] = strides[dim + 1] * shape[dim + 1]
+    return torch.empty_strided(tuple(shape), tuple(strides), dtype=torch.float32, device="cpu")
+
+
 def draw_tile(seed: int, name: str, lead: tuple[int, ...], row: int, col: int,
               generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Tile (row, col) of matrix `lead` of parameter `name`: standard normal draws, on the host.
@@ -43,7 +54,7 @@ def draw_tile(seed: int, name: str, lead: tuple[int, ...], row: int, col: int,
     a sixth of the tile's draws)."""
     key = f"{name}#{'.'.join(map(str, lead))}#{row}.{col}"
     generator = (generator or torch.Generator()).manual_seed(name_seed(seed, key))
-    return torch.randn(TILE_ROWS, TILE_COLS, generator=generator, device="cpu")
+    return host_float32((TILE_ROWS, TILE_COLS)).normal_(generator=generator)  # torch.randn's values
 
 
 @dataclass(frozen=True)
@@ -90,10 +101,10 @@ class InitValue:
     def tensor(self) -> torch.Tensor:
         """The box's values, float32 on the host."""
         if self.kind == "zeros":
-            return torch.zeros(self.shape, device="cpu")
+            return host_float32(self.shape).zero_()
         if self.kind == "ones":
-            return torch.ones(self.shape, device="cpu")
-        out = torch.empty(self.shape, device="cpu")
+            return host_float32(self.shape).fill_(1.0)
+        out = host_float32(self.shape)
         if out.numel():
             self._draw_into(out)
         return out.mul_(self.std)
@@ -110,7 +121,7 @@ class InitValue:
         if dim == self.dim() - 1:
             return self.narrow(dim, start, max(stop - start, 0)).tensor().flatten()
         if stop <= start:
-            return torch.empty(0, device="cpu")
+            return host_float32((0,))
         inner = math.prod(self.shape[dim + 1:])
         first, last = start // inner, (stop - 1) // inner
         if first == last:

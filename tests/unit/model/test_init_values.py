@@ -109,3 +109,18 @@ def test_bench_init_reports_half_the_draws_at_tp2():
     drawn = [float(m) for m in re.findall(r"([\d.]+)M elements drawn", result.stdout)]
     assert len(drawn) == 2 and drawn[0] == pytest.approx(8.4, abs=0.1), result.stdout  # 4 x 1024² + 2 x 1024 x 2048
     assert drawn[1] == pytest.approx(drawn[0] / 2, rel=0.01), result.stdout
+
+
+def test_values_stay_float32_on_the_host_under_zero_init_s_factories(monkeypatch):
+    # deepspeed.zero.Init wraps torch's factories: no device= lands on the accelerator, and a floating
+    # result is cast to the run's dtype even when dtype= says otherwise; ZeRO-3 draws under it
+    from deepspeed.runtime.zero.partition_parameters import zero_wrapper_for_fp_tensor_constructor
+
+    expected = {kind: InitValue.whole("w", (40, 600), kind, 0.02, 3).tensor() for kind in ("normal", "zeros", "ones")}
+    for name in ("randn", "empty", "zeros", "ones", "full", "tensor"):
+        monkeypatch.setattr(torch, name, zero_wrapper_for_fp_tensor_constructor(getattr(torch, name), torch.bfloat16,
+                                                                                None))
+    for kind, value in expected.items():
+        drawn = InitValue.whole("w", (40, 600), kind, 0.02, 3)
+        assert drawn.tensor().dtype == torch.float32 and torch.equal(drawn.tensor(), value), kind
+        assert torch.equal(drawn.flat(5, 700), value.flatten()[5:700]), kind
