@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megaframe.checkpoint import sharded, universal
+from megaframe.checkpoint.file_hash import hashing_shares
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.common.atomic_io import atomic_write_text, fsync_dir, fsync_file, sync_filesystem
 from megaframe.common.failures import save_failure
@@ -246,8 +247,8 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
 
 
 def _native_share(tmp: Path, rank: int, world: int) -> list[Path]:
-    """This rank's share of the engine's files in tmp, to hash for the manifest: every world-th of
-    them, sorted. The engine names no paths, so rank 0 used to hash them all (16 bytes a parameter
+    """This rank's share of the engine's files in tmp, to hash for the manifest, by bytes
+    (hashing_shares: DeepSpeed's optimizer shards dwarf its model-state files). The engine names no paths, so rank 0 used to hash them all (16 bytes a parameter
     with DeepSpeed's optimizer states: about 1.1 TB at 70B, while every other rank waited on it past
     the collective timeout). Listed between two barriers: the engine's files are all written before
     any rank lists them, and no rank writes its own files into tmp while another lists. Hashed later,
@@ -260,8 +261,8 @@ def _native_share(tmp: Path, rank: int, world: int) -> list[Path]:
     shares: Optional[list] = None
     if rank == 0:
         try:
-            files = [path.relative_to(tmp).as_posix() for path in _engine_files(tmp)]
-            shares = [("files", files[r::world]) for r in range(world)]
+            sizes = {path.relative_to(tmp).as_posix(): path.stat().st_size for path in _engine_files(tmp)}
+            shares = [("files", share) for share in hashing_shares(sizes, world)]
         except OSError as err:  # the storage: raised on every rank, none left waiting in the scatter
             shares = [("failed", (err.errno, err.strerror or str(err), str(err.filename or tmp)))] * world
     mine: list = [None]
@@ -508,13 +509,14 @@ def newest_verified(save_dir: Path) -> tuple[Optional[Path], list[str]]:
 
 
 def manifest_problem(path: Path) -> Optional[str]:
-    """Check the manifest (every file's size and sha256), the files split evenly over the ranks;
-    every rank gets the same answer: None when it verifies, else the one-line reason."""
+    """Check the manifest (every file's size and sha256), the files split over the ranks by bytes
+    (hashing_shares); every rank gets the same answer: None when it verifies, else the one-line reason."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     problem, unreadable = None, None
     try:
-        files = sorted(universal.read_manifest(path)["files"].items())
-        universal.verify_files(path, dict(files[_rank()::world]))
+        files = universal.read_manifest(path)["files"]
+        mine = hashing_shares({name: meta["bytes"] for name, meta in files.items()}, world)[_rank()]
+        universal.verify_files(path, {name: files[name] for name in mine})
     except CheckpointError as err:
         problem = str(err)
     except OSError as err:  # EIO, ESTALE, EACCES on shared storage: said on every rank, not a traceback on
