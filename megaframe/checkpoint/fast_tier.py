@@ -299,20 +299,25 @@ def buddies(nodes: list[str]) -> list[Optional[int]]:
 def _complete_steps(everyone: list[dict[int, dict[int, dict]]], shared_step: int):
     """(step, {old rank: (holder rank, marker)}, world) of every step newer than shared_step whose
     parts, over all nodes, cover every rank of its world, newest first. A node's own copy is
-    preferred to a buddy's; among equals, the lowest holding rank (each rank of a node lists the
-    same parts)."""
+    preferred to a buddy's. Every rank of a node lists the same parts, so among equals the part's
+    own rank restores it when it lists it, else the holders take turns by old rank: the lowest
+    holder restored all of its node's parts (8 to 16 of them, verified and copied one after
+    another) while the node's other ranks waited."""
     steps = sorted({step for inventory in everyone for step in inventory if step > shared_step}, reverse=True)
     for step in steps:
-        holders: dict[int, tuple[int, dict]] = {}
+        candidates: dict[int, list[tuple[int, dict]]] = {}
         worlds = set()
         for holder, inventory in enumerate(everyone):
             for old_rank, marker in inventory.get(step, {}).items():
                 worlds.add(int(marker["world"]))
-                best = holders.get(old_rank)
-                if best is None or (best[1]["copy"] == "buddy" and marker["copy"] == "own"):
-                    holders[old_rank] = (holder, marker)
-        if len(worlds) == 1 and set(holders) == set(range(worlds.pop())):
-            yield step, holders, len(holders)
+                candidates.setdefault(old_rank, []).append((holder, marker))
+        if len(worlds) != 1 or set(candidates) != set(range(next(iter(worlds)))):
+            continue
+        holders: dict[int, tuple[int, dict]] = {}
+        for old_rank, listed in candidates.items():
+            best = [c for c in listed if c[1]["copy"] == "own"] or listed
+            holders[old_rank] = next((c for c in best if c[0] == old_rank), best[old_rank % len(best)])
+        yield step, holders, len(holders)
 
 
 def _copy_part(step_dir: Path, old_rank: int, marker: dict, tmp: Path) -> Optional[str]:

@@ -421,3 +421,17 @@ def test_the_nodes_older_step_is_restored_when_the_newest_shared_checkpoint_is_d
     else:
         assert resumed == [save_dir / "global_step6"] and hashed == ["global_step6"]
     assert tier.inventory() == {}  # published, or older than what the resume takes
+
+
+def test_a_node_s_ranks_share_restoring_its_parts():
+    # two nodes of four ranks, each rank listing its node's four own parts and the other node's four
+    # buddy copies: each part is restored by its own rank, none by the node's lowest rank alone
+    node = lambda first: {6: {r: _marker(6, r, 8, "own" if first <= r < first + 4 else "buddy")  # noqa: E731
+                              for r in range(8)}}
+    everyone = [node(0)] * 4 + [node(4)] * 4
+    (_, holders, world), = _complete_steps(everyone, shared_step=0)
+    assert world == 8 and {rank: holder for rank, (holder, _) in holders.items()} == {r: r for r in range(8)}
+    # node 1 lost, its ranks now on node 0's four: the buddy copies of 4..7 spread over node 0's ranks
+    (_, holders, _), = _complete_steps([node(0)] * 4, shared_step=0)
+    assert {rank: holder for rank, (holder, _) in holders.items()} == {0: 0, 1: 1, 2: 2, 3: 3, 4: 0, 5: 1, 6: 2, 7: 3}
+    assert all(holders[r][1]["copy"] == ("own" if r < 4 else "buddy") for r in range(8))
