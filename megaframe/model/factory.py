@@ -36,6 +36,24 @@ def build_model(dims: GPTDims, ps: ParallelState, seed: int, activation_checkpoi
     return model
 
 
+def layer_parameters(model: GPT) -> list[int]:
+    """This rank's parameters of each layer of the layer list (embed | blocks | final norm | head), the
+    weights a "parameters" pipeline partition balances, from a GPT built on the meta device or not, as
+    the planner counts them (plan/memory.py pipeline_layer_parameters): a tied head counts the
+    embedding again, as DeepSpeed's TiedLayerSpec does."""
+    def count(module: nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters())
+    embed = count(model.embed)
+    return [embed, *(count(block) for block in model.blocks), count(model.final_norm),
+            count(model.head) if model.head is not None else embed]
+
+
+def meta_layer_parameters(dims: GPTDims, ps: ParallelState) -> list[int]:
+    """layer_parameters of this rank's layout, from a build on the meta device: no memory, nothing drawn."""
+    with torch.device("meta"):
+        return layer_parameters(build_model(dims, ps, 0, initialise=False))
+
+
 def compile_model(model: nn.Module, scope: str) -> int:
     """train.compile: scope "blocks" (compile_blocks), or "model": the whole module's forward as one
     graph, in place (names and checkpoints unchanged), which validation allows only where that

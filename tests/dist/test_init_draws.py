@@ -1,6 +1,6 @@
 """A rank draws only its own pieces of the initial values (model/init_values.py): under FSDP2 and
 ZeRO-3 at dp=4 a quarter of the weights, under tp=2 a half, where it drew every weight of its stage
-before. Counted on real gloo ranks building the engine, against the same count at one rank. That
+before; at pp=2 partitioned by parameters, its stage's (DeepSpeed's own count built every layer). Counted on real gloo ranks building the engine, against the same count at one rank. That
 the pieces hold the values every other layout holds is the parity tests' check (test_zero.py,
 test_fsdp2.py, test_tensor_parallel.py: step 1's loss equals the single-rank run's); the pieces'
 values against the whole tensor's are tests/unit/model/test_init_values.py's."""
@@ -37,8 +37,15 @@ def _count_draws(rank: int, world: int, overrides: list[str], run_dir: str) -> i
         return tile
     init_values.draw_tile = counted
     cfg, _ = compose(overrides)
-    Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(run_dir))
-    return drawn[0]
+    trainer = Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(run_dir))
+    count = drawn[0]
+    if cfg.parallel.pipeline_partition == "parameters":
+        from deepspeed.pipe import PipelineModule
+
+        # the counts the partition weighed, against DeepSpeed's own (which builds every layer: after the count)
+        module = trainer.backend.engine.module
+        assert module._layer_parameters == PipelineModule._count_layer_params(module), module._layer_parameters
+    return count
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +60,9 @@ def whole(tmp_path_factory) -> int:
     (["backend=fsdp2", "parallel.global_batch_size=4"], 4, 0.25),
     (["zero=stage3", "parallel.global_batch_size=4"], 4, 0.25),
     (["parallel.tp=2", "parallel.global_batch_size=1"], 2, 0.5),
-], ids=["fsdp2-dp4", "zero3-dp4", "tp2"])
+    # the stages hold embed + block 0 and block 1 + the tied head (the embedding again): 0.53 each
+    (["parallel.pp=2", "parallel.pipeline_partition=parameters", "parallel.global_batch_size=2"], 2, 0.53),
+], ids=["fsdp2-dp4", "zero3-dp4", "tp2", "pp2-by-parameters"])
 def test_each_rank_draws_its_share_of_the_weights(tmp_path, whole, layout, world, share):
     drawn = run_ranks(_count_draws, world, tmp_path, overrides=[*MODEL, *layout], run_dir=str(tmp_path / "run"))
     assert whole > 17e6  # the weights of the model above

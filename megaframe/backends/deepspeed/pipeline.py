@@ -25,6 +25,7 @@ from deepspeed.runtime.utils import partition_balanced
 
 from megaframe.backends.deepspeed.experts import deepspeed_expert_marks
 from megaframe.backends.deepspeed.topology import build_topology
+from megaframe.model.factory import meta_layer_parameters
 from megaframe.model.gpt import (BlockSpec, Embedding, GPTDims, RopeTables, build_layer, init_parameters,
                                  register_positions, run_block, tied_head_logits)
 from megaframe.model.masking import Documents, ForwardMasks, StepTargets, documents_of, forward_masks
@@ -164,6 +165,21 @@ class VocabParallelLoss:
 PARTITION_METHODS = {"uniform": "type:BlockPipe", "parameters": "parameters"}
 
 
+class CountedPipelineModule(PipelineModule):
+    """A PipelineModule whose "parameters" partition weighs each layer by counts from a build on the
+    meta device: DeepSpeed's own count builds every layer of the model on every rank, one at a time,
+    each initialised (drawn) and dropped: at gpt_1t's layout 128 blocks' TP shards per rank to keep 2."""
+
+    def __init__(self, *args, layer_parameters: Optional[list[int]] = None, **kwargs):
+        object.__setattr__(self, "_layer_parameters", layer_parameters)  # read during PipelineModule's __init__
+        super().__init__(*args, **kwargs)
+
+    def _count_layer_params(self) -> list[int]:
+        if self._layer_parameters is None:  # a partition by parameters always passes them
+            raise ValueError("CountedPipelineModule: partition_method=parameters needs layer_parameters")
+        return list(self._layer_parameters)
+
+
 def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition: str = "uniform",
                          activation_checkpointing: bool = False, sequence_parallel: bool = False,
                          spec: Optional[ModelSpec] = None, grad_bucket=None, cp_impl: str = "ring",
@@ -201,8 +217,10 @@ def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition:
     # no step of any loss; recorded by autograd, each rank's first backward warned that c10d's
     # broadcast_ has no autograd kernel and "may lead to silently incorrect behavior"
     with contextlib.redirect_stdout(io.StringIO()), torch.no_grad():
-        model = PipelineModule(layers=layers, loss_fn=VocabParallelLoss(dims, tp), topology=build_topology(ps.grid),
-                               partition_method=PARTITION_METHODS[partition], activation_checkpoint_interval=0)
+        counts = meta_layer_parameters(dims, ps) if partition == "parameters" else None
+        model = CountedPipelineModule(layers=layers, loss_fn=VocabParallelLoss(dims, tp), topology=build_topology(ps.grid),
+                                      partition_method=PARTITION_METHODS[partition], activation_checkpoint_interval=0,
+                                      layer_parameters=counts)
     model.rng = rng  # a tied embedding's non-owning copies carry DeepSpeed's ds_pipe_replicated=True
     model.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]  # this stage's, as GPT.moe_layers
     model.router_stats = router_stats

@@ -40,6 +40,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules
 
 from megaframe.model.dims import GPTDims
+from megaframe.model.factory import layer_parameters
 from megaframe.model.gpt import GPT, forward_layers
 from megaframe.model.moe import AttachAux, MoE
 from megaframe.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -64,7 +65,7 @@ def block_ranges(model: GPT, num_stages: int, partition: str = "uniform") -> lis
     if partition == "uniform":
         cuts = uniform_cuts(n, num_stages)
         return [range(cuts[i], cuts[i + 1]) for i in range(num_stages)]
-    parts = partition_balanced(_layer_parameters(model), num_stages)  # embed | blocks | final norm | head
+    parts = partition_balanced(layer_parameters(model), num_stages)  # embed | blocks | final norm | head
     # a head heavier than a stage's share left alone on the last stage: its final norm goes with it
     # (a stage passes hidden states or logits on; the planner counts one norm less there)
     parts[-2] = min(parts[-2], n + 1)
@@ -72,17 +73,6 @@ def block_ranges(model: GPT, num_stages: int, partition: str = "uniform") -> lis
     if any(not blocks for blocks in ranges[1:-1]):  # not with fewer stages than blocks (rules.py)
         raise ValueError(f"parallel.pipeline_partition={partition}: a middle stage without a block ({parts})")
     return ranges
-
-
-def _layer_parameters(model: GPT) -> list[int]:
-    """This rank's parameters of each layer (built on the meta device or not), as the planner counts
-    them (plan/memory.py pipeline_layer_parameters): a tied head counts the embedding again, as
-    DeepSpeed's TiedLayerSpec does."""
-    def count(module: nn.Module) -> int:
-        return sum(p.numel() for p in module.parameters())
-    embed = count(model.embed)
-    return [embed, *(count(block) for block in model.blocks), count(model.final_norm),
-            count(model.head) if model.head is not None else embed]
 
 
 class TiedHead(nn.Module):
