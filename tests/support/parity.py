@@ -117,15 +117,31 @@ def _build_in_float64() -> None:
 
 
 def assert_parity(got: list[dict], want: list[dict], what: str,
-                  keys: tuple[str, ...] = ("loss", "grad_norm", "eval_loss"), rtol: float = RTOL) -> None:
+                  keys: tuple[str, ...] = ("loss", "grad_norm", "eval_loss"), rtol: float = RTOL,
+                  order: Optional[list[dict]] = None, exact: Optional[list[dict]] = None) -> None:
     """Every logged value of `keys` (loss, gradient norm and eval loss) within rtol of the
-    reference run's."""
+    reference run's `want`, or, where the reference's own rounding at that step is larger, within
+    FACTOR x that rounding. The rounding is measured, per step, by what is given: `order`, the same
+    single-rank run summing in another order (train_other_order), and `exact`, the run in float64
+    (exact_references), as the reference's distance from them. An ill-conditioned step moves by more
+    than rtol under any reordering, the single-rank run's own included: at step 11 of the 4-block
+    llama of test_pipeline_parallel.py, a loss spike's gradient norm differs by 2.5e-3 between two
+    single-rank runs (ATEN_CPU_CAPABILITY avx512 and default), where dp=2 moved it by 4.4e-4; at
+    step 8 of test_fsdp2_pipeline.py's MoE the fp32 reference's router loss is 1.1e-5 from the
+    float64 run's, and the dp2 x ep2 layouts 1.3e-8. Elsewhere the allowance stays rtol."""
     for key in keys:
         g, w = curve(got, key), curve(want, key)
         assert [s for s, _ in g] == [s for s, _ in w] and len(w) >= 2, f"{what}: {key} steps differ"
+        own = {step: 0.0 for step, _ in w}
+        for other in (order, exact):
+            for (step, v), (_, b) in zip(curve(other, key) if other else [], w):
+                own[step] = max(own[step], abs(v - b) / abs(b) if b else 0.0)
         _report(what, key, max(abs(a - b) / abs(b) if b else abs(a) for (_, a), (_, b) in zip(g, w)))
         for (step, a), (_, b) in zip(g, w):
-            assert a == pytest.approx(b, rel=rtol), f"{what}: {key} at step {step}: {a} vs reference {b}"
+            allowed = max(rtol, FACTOR * own[step])
+            assert a == pytest.approx(b, rel=allowed), (f"{what}: {key} at step {step}: {a} vs reference {b} (allowed "
+                                                        f"{allowed:.3g}: rtol, or {FACTOR:g}x the reference's own "
+                                                        f"rounding there, {own[step]:.3g})")
 
 
 def assert_norm_parity(got: list[dict], fp32_runs: list[list[dict]], want64: list[dict], what: str) -> None:
