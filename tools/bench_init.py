@@ -70,7 +70,8 @@ def main() -> None:
     new_elements = tiles[0] * init_values.TILE_ROWS * init_values.TILE_COLS
 
     per_stage = dims.num_layers / p.pp
-    print(f"{args.recipe or 'the default config'} (tp={p.tp} ep={p.ep} pp={p.pp}), {args.blocks} block(s), rank 0 of tp/ep, one thread:")
+    name = args.recipe or "the default config"
+    print(f"{name} (tp={p.tp} ep={p.ep} pp={p.pp}), {args.blocks} block(s), rank 0 of tp/ep, one thread:")
     print(f"  whole, then the shard: {old_s:.2f} s, {old_elements / 1e6:.1f}M elements drawn")
     print(f"  the shard's tiles:     {new_s:.2f} s, {new_elements / 1e6:.1f}M elements drawn")
     print(f"  a rank holds {per_stage:.1f} blocks at pp={p.pp}")

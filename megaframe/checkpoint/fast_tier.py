@@ -300,9 +300,9 @@ def _complete_steps(everyone: list[dict[int, dict[int, dict]]], shared_step: int
     """(step, {old rank: (holder rank, marker)}, world) of every step newer than shared_step whose
     parts, over all nodes, cover every rank of its world, newest first. A node's own copy is
     preferred to a buddy's. Every rank of a node lists the same parts, so among equals the part's
-    own rank restores it when it lists it, else the holders take turns by old rank: the lowest
-    holder restored all of its node's parts (8 to 16 of them, verified and copied one after
-    another) while the node's other ranks waited."""
+    own rank restores it when it lists it, else the holder with the fewest parts so far (the same
+    answer on every rank: `everyone` is one gathered list). The lowest holder used to restore all of
+    its node's parts (8 to 16, verified and copied one after another) while the others waited."""
     steps = sorted({step for inventory in everyone for step in inventory if step > shared_step}, reverse=True)
     for step in steps:
         candidates: dict[int, list[tuple[int, dict]]] = {}
@@ -314,9 +314,12 @@ def _complete_steps(everyone: list[dict[int, dict[int, dict]]], shared_step: int
         if len(worlds) != 1 or set(candidates) != set(range(next(iter(worlds)))):
             continue
         holders: dict[int, tuple[int, dict]] = {}
-        for old_rank, listed in candidates.items():
-            best = [c for c in listed if c[1]["copy"] == "own"] or listed
-            holders[old_rank] = next((c for c in best if c[0] == old_rank), best[old_rank % len(best)])
+        load: dict[int, int] = {}  # parts given to each holder so far
+        for old_rank in sorted(candidates):
+            best = [c for c in candidates[old_rank] if c[1]["copy"] == "own"] or candidates[old_rank]
+            mine = next((c for c in best if c[0] == old_rank), None)
+            holders[old_rank] = mine or min(best, key=lambda c: (load.get(c[0], 0), c[0]))
+            load[holders[old_rank][0]] = load.get(holders[old_rank][0], 0) + 1
         yield step, holders, len(holders)
 
 

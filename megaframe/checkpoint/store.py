@@ -248,8 +248,9 @@ def save(backend, save_dir: Path, step: int, client_state: dict[str, Any],
 
 def _native_share(tmp: Path, rank: int, world: int) -> list[Path]:
     """This rank's share of the engine's files in tmp, to hash for the manifest, by bytes
-    (hashing_shares: DeepSpeed's optimizer shards dwarf its model-state files). The engine names no paths, so rank 0 used to hash them all (16 bytes a parameter
-    with DeepSpeed's optimizer states: about 1.1 TB at 70B, while every other rank waited on it past
+    (hashing_shares: DeepSpeed's optimizer shards dwarf its model-state files). The engine names no
+    paths, so rank 0 used to hash them all (16 bytes a parameter with DeepSpeed's optimizer states:
+    about 1.1 TB at 70B, while every other rank waited on it past
     the collective timeout). Listed between two barriers: the engine's files are all written before
     any rank lists them, and no rank writes its own files into tmp while another lists. Hashed later,
     by finish_rank (an async save's thread), not in the step loop. Rank 0 lists, and scatters each

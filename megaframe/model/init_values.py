@@ -111,7 +111,8 @@ class InitValue:
 
     def flat(self, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of the box flattened in row-major order (a ZeRO-3 partition): the
-        whole rows inside are drawn at once, the partial ones at each end row by row."""
+        whole rows inside are drawn at once, the partial ones at each end row by row (a tile row they
+        share with the whole rows is drawn twice: at most two per range)."""
         if self.dim() == 0:
             return self.tensor().flatten()[start:stop]
         return self._flat(0, start, stop)
@@ -156,4 +157,5 @@ class InitValue:
                     tile = draw_tile(self.seed, self.name, lead, row, col, generator)
                     lo_r, hi_r = max(r0, top), min(r0 + nr, top + TILE_ROWS)
                     lo_c, hi_c = max(c0, left), min(c0 + nc, left + TILE_COLS)
-                    target[lo_r - r0:hi_r - r0, lo_c - c0:hi_c - c0] = tile[lo_r - top:hi_r - top, lo_c - left:hi_c - left]
+                    box = (slice(lo_r - top, hi_r - top), slice(lo_c - left, hi_c - left))
+                    target[lo_r - r0:hi_r - r0, lo_c - c0:hi_c - c0] = tile[box]

@@ -1,6 +1,8 @@
 """backend=fsdp2 with pipeline stages (torch.distributed.pipelining) on real gloo ranks against
 DeepSpeed's single-rank run of the same seed: fp32, 8 steps, every logged loss, gradient norm and
-eval loss within rtol 1e-5, the gradient norm within the fp32 rounding of the exact one (tests/support/parity.py), for each schedule composed with dp, HSDP, tp/sp, cp
+eval loss within rtol 1e-5 (8x the reference's own rounding at a step where it is larger), the
+gradient norm within the fp32 rounding of the exact one (tests/support/parity.py), for each schedule
+composed with dp, HSDP, tp/sp, cp
 (ring and Ulysses), CPU offload, recomputation and compiled blocks; the gradient norm on every
 rank; a checkpoint written by a pipelined run read back by DeepSpeed at one rank and by the Hugging
 Face converter. The models have 4 blocks, so that two stages per rank still hold a block each.

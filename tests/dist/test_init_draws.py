@@ -1,6 +1,7 @@
 """A rank draws only its own pieces of the initial values (model/init_values.py): under FSDP2 and
 ZeRO-3 at dp=4 a quarter of the weights, under tp=2 a half, where it drew every weight of its stage
-before; at pp=2 partitioned by parameters, its stage's (DeepSpeed's own count built every layer). Counted on real gloo ranks building the engine, against the same count at one rank. That
+before; at pp=2 partitioned by parameters, its stage's (DeepSpeed's own count built every
+layer). Counted on real gloo ranks building the engine, against the same count at one rank. That
 the pieces hold the values every other layout holds is the parity tests' check (test_zero.py,
 test_fsdp2.py, test_tensor_parallel.py: step 1's loss equals the single-rank run's); the pieces'
 values against the whole tensor's are tests/unit/model/test_init_values.py's."""
@@ -18,7 +19,8 @@ pytestmark = pytest.mark.slow
 # columns, cut by tp's row-parallel layers, into whole tile columns (1024 / 2 = 512), and a vocabulary
 # padded to 1024 rows at tp=1 and tp=2 alike: each rank's share is whole tiles, so a draw beyond it is waste
 MODEL = ["model.num_layers=2", "model.hidden_size=1024", "model.num_attention_heads=8", "model.ffn_hidden_size=2048",
-         "model.seq_length=32", "model.vocab_size=1024", "model.make_vocab_size_divisible_by=512", "parallel.micro_batch_size=1",
+         "model.seq_length=32", "model.vocab_size=1024",
+         "model.make_vocab_size_divisible_by=512", "parallel.micro_batch_size=1",
          "train.max_steps=1", "logging.wandb.mode=disabled", "logging.progress_bar=false"]
 
 
@@ -37,14 +39,14 @@ def _count_draws(rank: int, world: int, overrides: list[str], run_dir: str) -> i
         return tile
     init_values.draw_tile = counted
     cfg, _ = compose(overrides)
-    trainer = Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(run_dir))
-    count = drawn[0]
-    if cfg.parallel.pipeline_partition == "parameters":
-        from deepspeed.pipe import PipelineModule
+    with Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(run_dir)) as trainer:
+        count = drawn[0]
+        if cfg.parallel.pipeline_partition == "parameters":
+            from deepspeed.pipe import PipelineModule
 
-        # the counts the partition weighed, against DeepSpeed's own (which builds every layer: after the count)
-        module = trainer.backend.engine.module
-        assert module._layer_parameters == PipelineModule._count_layer_params(module), module._layer_parameters
+            # the counts the partition weighed, against DeepSpeed's own (which builds every layer: after the count)
+            module = trainer.backend.engine.module
+            assert module._layer_parameters == PipelineModule._count_layer_params(module), module._layer_parameters
     return count
 
 

@@ -134,7 +134,9 @@ def assert_parity(got: list[dict], want: list[dict], what: str,
         assert [s for s, _ in g] == [s for s, _ in w] and len(w) >= 2, f"{what}: {key} steps differ"
         own = {step: 0.0 for step, _ in w}
         for other in (order, exact):
-            for (step, v), (_, b) in zip(curve(other, key) if other else [], w):
+            o = curve(other, key) if other else []
+            assert not other or [s for s, _ in o] == [s for s, _ in w], f"{what}: {key} steps of a rounding run differ"
+            for (step, v), (_, b) in zip(o, w):
                 own[step] = max(own[step], abs(v - b) / abs(b) if b else 0.0)
         _report(what, key, max(abs(a - b) / abs(b) if b else abs(a) for (_, a), (_, b) in zip(g, w)))
         for (step, a), (_, b) in zip(g, w):

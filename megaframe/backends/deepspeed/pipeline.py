@@ -218,8 +218,9 @@ def build_pipeline_model(dims: GPTDims, ps: ParallelState, seed: int, partition:
     # broadcast_ has no autograd kernel and "may lead to silently incorrect behavior"
     with contextlib.redirect_stdout(io.StringIO()), torch.no_grad():
         counts = meta_layer_parameters(dims, ps) if partition == "parameters" else None
-        model = CountedPipelineModule(layers=layers, loss_fn=VocabParallelLoss(dims, tp), topology=build_topology(ps.grid),
-                                      partition_method=PARTITION_METHODS[partition], activation_checkpoint_interval=0,
+        model = CountedPipelineModule(layers=layers, loss_fn=VocabParallelLoss(dims, tp),
+                                      topology=build_topology(ps.grid), partition_method=PARTITION_METHODS[partition],
+                                      activation_checkpoint_interval=0,
                                       layer_parameters=counts)
     model.rng = rng  # a tied embedding's non-owning copies carry DeepSpeed's ds_pipe_replicated=True
     model.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]  # this stage's, as GPT.moe_layers

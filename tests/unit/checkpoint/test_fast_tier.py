@@ -435,3 +435,13 @@ def test_a_node_s_ranks_share_restoring_its_parts():
     (_, holders, _), = _complete_steps([node(0)] * 4, shared_step=0)
     assert {rank: holder for rank, (holder, _) in holders.items()} == {0: 0, 1: 1, 2: 2, 3: 3, 4: 0, 5: 1, 6: 2, 7: 3}
     assert all(holders[r][1]["copy"] == ("own" if r < 4 else "buddy") for r in range(8))
+
+
+def test_buddy_copies_whose_ranks_share_a_stride_with_the_holders_still_spread():
+    # old ranks 4, 8, 12 and 16 (a stride of 4) restored by four ranks that list only buddy copies of them
+    parts = {r: _marker(6, r, 20, "own" if r < 4 else "buddy") for r in (0, 1, 2, 3, 4, 8, 12, 16)}
+    parts.update({r: _marker(6, r, 20, "own") for r in range(20) if r not in parts})
+    everyone = [{6: {r: m for r, m in parts.items() if r in (0, 1, 2, 3, 4, 8, 12, 16)}}] * 4
+    everyone += [{6: {r: m for r, m in parts.items() if r not in (0, 1, 2, 3, 4, 8, 12, 16)}}] * 16
+    (_, holders, _), = _complete_steps(everyone, shared_step=0)
+    assert sorted(holders[r][0] for r in (4, 8, 12, 16)) == [0, 1, 2, 3], holders

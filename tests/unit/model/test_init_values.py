@@ -13,7 +13,8 @@ import torch
 from megaframe.model import init_values
 from megaframe.model.init_values import TILE_COLS, TILE_ROWS, InitValue
 
-SHAPES = [(3 * TILE_ROWS + 12, 2 * TILE_COLS + 188), (3, 2 * TILE_ROWS + 8, TILE_COLS + 8), (3 * TILE_COLS + 20,), (5, 7)]
+SHAPES = [(3 * TILE_ROWS + 12, 2 * TILE_COLS + 188), (3, 2 * TILE_ROWS + 8, TILE_COLS + 8), (3 * TILE_COLS + 20,),
+          (5, 7)]
 
 
 def _value(shape, name="blocks.0.mlp.up_proj.weight", seed=3, std=0.02):
