@@ -27,20 +27,14 @@ MODEL = ["model.num_layers=2", "model.hidden_size=1024", "model.num_attention_he
 def _count_draws(rank: int, world: int, overrides: list[str], run_dir: str) -> int:
     from megaframe.backends.registry import validate_for_engine
     from megaframe.config.compose import compose
-    from megaframe.model import init_values
+    from megaframe.model.init_values import TILE_COLS, TILE_ROWS
     from megaframe.training.trainer import Trainer
+    from tests.support.init_draws import recorded_draws
 
-    drawn = [0]
-    original = init_values.draw_tile
-
-    def counted(seed, name, lead, row, col, generator=None):
-        tile = original(seed, name, lead, row, col, generator)
-        drawn[0] += tile.numel()
-        return tile
-    init_values.draw_tile = counted
     cfg, _ = compose(overrides)
-    with Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False), Path(run_dir)) as trainer:
-        count = drawn[0]
+    with recorded_draws() as drawn, Trainer(cfg, validate_for_engine(cfg, world, ask_bf16=False),
+                                            Path(run_dir)) as trainer:
+        count = len(drawn) * TILE_ROWS * TILE_COLS
         if cfg.parallel.pipeline_partition == "parameters":
             from deepspeed.pipe import PipelineModule
 

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from megaframe.model import init_values
 from megaframe.model.init_values import TILE_COLS, TILE_ROWS, InitValue
+from tests.support.init_draws import recorded_draws
 
 SHAPES = [(3 * TILE_ROWS + 12, 2 * TILE_COLS + 188), (3, 2 * TILE_ROWS + 8, TILE_COLS + 8), (3 * TILE_COLS + 20,),
           (5, 7)]
@@ -55,27 +55,21 @@ def test_a_flat_range_of_a_shard_is_that_range_of_the_shard_flattened(shape):
             assert torch.equal(shard.flat(start, stop), flat[start:stop]), (shard.offset, start, stop)
 
 
-def test_a_piece_draws_only_the_tiles_it_overlaps(monkeypatch):
-    drawn = []
-    original = init_values.draw_tile
-
-    def counting(seed, name, lead, row, col, generator=None):
-        drawn.append((lead, row, col))
-        return original(seed, name, lead, row, col, generator)
-    monkeypatch.setattr(init_values, "draw_tile", counting)
-    value = _value((4 * TILE_ROWS, 4 * TILE_COLS))
-    value.narrow(1, 2 * TILE_COLS, TILE_COLS).tensor()  # a row-parallel shard at tp=4: one tile column of four
-    assert sorted(drawn) == [((), row, 2) for row in range(4)]
-    drawn.clear()
-    value.narrow(0, TILE_ROWS + 3, 2).tensor()  # two rows (an FSDP box): the one tile row they are in
-    assert sorted(drawn) == [((), 1, col) for col in range(4)]
-    drawn.clear()
-    row = 4 * TILE_COLS
-    value.flat(TILE_ROWS * row + 10, TILE_ROWS * row + 20)  # ten elements of the first row of tile row 1
-    assert drawn == [((), 1, 0)]
-    drawn.clear()
-    _value((8, TILE_ROWS, TILE_COLS), name="blocks.0.mlp.experts.up_proj").narrow(0, 6, 2).tensor()  # experts 6, 7
-    assert drawn == [((6,), 0, 0), ((7,), 0, 0)]
+def test_a_piece_draws_only_the_tiles_it_overlaps():
+    with recorded_draws() as drawn:
+        value = _value((4 * TILE_ROWS, 4 * TILE_COLS))
+        value.narrow(1, 2 * TILE_COLS, TILE_COLS).tensor()  # a row-parallel shard at tp=4: one tile column of four
+        assert sorted(drawn) == [((), row, 2) for row in range(4)]
+        drawn.clear()
+        value.narrow(0, TILE_ROWS + 3, 2).tensor()  # two rows (an FSDP box): the one tile row they are in
+        assert sorted(drawn) == [((), 1, col) for col in range(4)]
+        drawn.clear()
+        row = 4 * TILE_COLS
+        value.flat(TILE_ROWS * row + 10, TILE_ROWS * row + 20)  # ten elements of the first row of tile row 1
+        assert drawn == [((), 1, 0)]
+        drawn.clear()
+        _value((8, TILE_ROWS, TILE_COLS), name="blocks.0.mlp.experts.up_proj").narrow(0, 6, 2).tensor()  # experts 6, 7
+        assert drawn == [((6,), 0, 0), ((7,), 0, 0)]
 
 
 def test_the_values_are_normal_with_the_asked_spread_and_every_tile_its_own():
