@@ -30,6 +30,7 @@ def main() -> None:
     import torch
 
     from megaframe.config.compose import compose
+    from megaframe.config.validate import ConfigError
     from megaframe.model.dims import resolve_dims
     from megaframe.model.gpt import init_value
     from megaframe.model import init_values
@@ -38,7 +39,13 @@ def main() -> None:
     from tests.support.init_draws import recorded_draws
 
     torch.set_num_threads(1)
-    cfg, _ = compose([f"recipe={args.recipe}"] * bool(args.recipe) + args.overrides)
+    try:
+        cfg, _ = compose([f"recipe={args.recipe}"] * bool(args.recipe) + args.overrides)
+    except ConfigError as err:
+        sys.exit(f"bench_init: {err}")
+    if cfg.model.vocab_size is None:
+        sys.exit("bench_init: model.vocab_size=null (taken from a dataset, which this reads none of): "
+                 "pass model.vocab_size=N or a --recipe")
     p = cfg.parallel
     dims = resolve_dims(cfg.model, cfg.model.vocab_size, tp=p.tp)
     counts = {"tp": p.tp, "ep": p.ep}

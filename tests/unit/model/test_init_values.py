@@ -119,3 +119,10 @@ def test_values_stay_float32_on_the_host_under_zero_init_s_factories(monkeypatch
         drawn = InitValue.whole("w", (40, 600), kind, 0.02, 3)
         assert drawn.tensor().dtype == torch.float32 and torch.equal(drawn.tensor(), value), kind
         assert torch.equal(drawn.flat(5, 700), value.flatten()[5:700]), kind
+
+
+@pytest.mark.parametrize("args, key", [(["--recipe", "nope"], "recipe=nope"), (["--recipe", ""], "model.vocab_size")])
+def test_bench_init_refuses_bad_input_in_one_line(args, key):
+    result = subprocess.run([sys.executable, "tools/bench_init.py", *args], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1 and key in result.stderr, result.stderr
