@@ -13,6 +13,7 @@ ranks, torchrun's, forked ones). It lives with the tests: megaframe never import
   torch_cuda.py   torch.cuda and the Python-level torch functions that read the C++ device
   accelerator.py  DeepSpeed's accelerator named cuda, gloo underneath
   ledger.py       violations and syncs, with call sites; per-process reports
+  downloads.py    non-blocking copies into page-locked memory, landed when the host waits for them
 """
 from __future__ import annotations
 

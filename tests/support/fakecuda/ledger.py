@@ -11,6 +11,8 @@ import threading
 from collections import Counter
 from pathlib import Path
 
+from tests.support.fakecuda import downloads
+
 _HERE = str(Path(__file__).resolve().parent) + os.sep
 _TORCH = os.path.dirname(os.path.dirname(os.path.abspath(__import__("torch").__file__)))
 _SKIP = (_HERE, os.path.join(_TORCH, "torch") + os.sep, "<frozen")
@@ -36,7 +38,8 @@ def call_site() -> str:
 
 
 def count_sync(kind: str) -> None:
-    """A device-to-host read: on CUDA the host waits for the stream here."""
+    """A device-to-host read: on CUDA the host waits for the stream here (and so for every copy queued)."""
+    downloads.land()
     site = call_site()
     with _lock:
         syncs[(kind, site)] += 1

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 import types
 import weakref
 
 import torch
 
-from tests.support.fakecuda import rng
+from tests.support.fakecuda import downloads, rng
 from tests.support.fakecuda.tensor import CudaTensor, resolve_index, state
 
 TOTAL_MEMORY = 80 * 2**30
@@ -72,10 +73,11 @@ class Stream(torch.Stream):
         return super().__new__(cls, device="cpu")
 
     def wait_stream(self, stream) -> None:
-        pass
+        downloads.wait(self, stream)
 
     def wait_event(self, event) -> None:
-        pass
+        if event.stream is not None:
+            downloads.wait(self, event.stream, event.covers)
 
     def record_event(self, event=None):
         event = event or Event()
@@ -83,9 +85,10 @@ class Stream(torch.Stream):
         return event
 
     def synchronize(self) -> None:
-        pass
+        downloads.land(self)
 
     def query(self) -> bool:
+        downloads.land(self)  # True: the host may now read what was queued on it
         return True
 
     @property
@@ -94,31 +97,49 @@ class Stream(torch.Stream):
 
 
 class Event:
-    """A CUDA event: recorded at the host's time (every op has finished by then)."""
+    """A CUDA event: recorded at the host's time (every op has finished by then, but the non-blocking
+    downloads queued before it, which land when the host waits on it: downloads.py)."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
         self.time = None
+        self.stream, self.covers = None, 0  # where it was recorded, after which of the downloads queued
 
     def record(self, stream=None) -> None:
         self.time = time.perf_counter()
+        self.stream, self.covers = stream if stream is not None else current_stream(), downloads.issued()
 
-    def wait(self, stream=None) -> None:
-        pass
+    def wait(self, stream=None) -> None:  # a stream waiting on the device: the host does not
+        if self.stream is not None:
+            downloads.wait(stream if stream is not None else current_stream(), self.stream, self.covers)
 
     def query(self) -> bool:
+        if self.stream is not None:
+            downloads.land(self.stream, self.covers)
         return True
 
     def synchronize(self) -> None:
-        pass
+        if self.stream is not None:
+            downloads.land(self.stream, self.covers)
 
     def elapsed_time(self, end: "Event") -> float:
         return (end.time - self.time) * 1000.0
 
 
 _stream = None
+_selected = threading.local()  # the stream `with torch.cuda.stream(s)` made current on this thread
 
 
 def current_stream(device=None) -> Stream:
+    global _stream
+    selected = getattr(_selected, "stream", None)
+    if selected is not None:
+        return selected
+    if _stream is None:
+        _stream = Stream()
+    return _stream
+
+
+def default_stream(device=None) -> Stream:
     global _stream
     if _stream is None:
         _stream = Stream()
@@ -127,11 +148,17 @@ def current_stream(device=None) -> Stream:
 
 @contextlib.contextmanager
 def stream(s=None):
-    yield
+    previous = getattr(_selected, "stream", None)
+    if s is not None:
+        _selected.stream = s
+    try:
+        yield
+    finally:
+        _selected.stream = previous
 
 
 def synchronize(device=None) -> None:
-    pass
+    downloads.land()
 
 
 # ---- memory: bytes of the device tensors' storages alive ---------------------------------------
@@ -192,7 +219,7 @@ def install_torch_cuda() -> None:
               reset_peak_memory_stats, memory_stats, mem_get_info):
         setattr(cuda, f.__name__, f)
     cuda.device, cuda.Stream, cuda.Event = device, Stream, Event
-    cuda.default_stream = current_stream
+    cuda.default_stream = default_stream
     cuda.set_stream = _noop
     cuda.is_available = lambda: True
     cuda.is_initialized = lambda: True
