@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 if TYPE_CHECKING:  # the planner reaches engines' facts through this package without importing torch
     import torch
 
+    from megaframe.checkpoint.staging import HostStaging
+
 Batch = tuple["torch.Tensor", "torch.Tensor"]  # (inputs, targets), each (micro_batch, seq)
 
 
@@ -78,10 +80,10 @@ class Backend(Protocol):
         """Whether a checkpoint directory holds the engine's own files."""
 
     def save_full_state(self, directory: Path, state: dict[str, Any], tokenizer_dir: Optional[Path],
-                        defer: bool = False) -> Optional[Callable[[], None]]:
+                        staging: Optional[HostStaging] = None) -> Optional[Callable[[], None]]:
         """This rank's shard of the layout-free checkpoint (every rank; no collectives): returns its
-        record (checkpoint/sharded.py). defer: copy the shard to host memory now and return the
-        function that writes it and returns the record, for a background save."""
+        record (checkpoint/sharded.py). staging (a background save): copy the shard into its host
+        buffers now and return the function that writes it and returns the record."""
 
     def load_full_state(self, directory: Path) -> dict[str, Any]:
         """Load a layout-free checkpoint in this layout; return its state.json."""

@@ -163,10 +163,11 @@ def eval_mean(module: torch.nn.Module, batches: list[Batch], device: torch.devic
     return dp_mean(total / len(batches), ps)
 
 
-def ensure_adam_state(optimizer: torch.optim.Optimizer, step: int) -> None:
+def ensure_adam_state(optimizer: torch.optim.Optimizer, step: int, reset_steps: bool = True) -> None:
     """Every parameter's optimizer state, zeros at `step` before its first step (optim/state.py:
-    named by the optimizer, Adam's moments or Muon's momentum)."""
-    ensure_state(optimizer, step)
+    named by the optimizer, Adam's moments or Muon's momentum); reset_steps: every count to `step`
+    (a resume), else the missing ones only (a save)."""
+    ensure_state(optimizer, step, reset_steps)
 
 
 def router_metrics(module: torch.nn.Module, ps: ParallelState, dims: GPTDims, device: torch.device) -> dict[str, float]:

@@ -27,6 +27,7 @@ import torch
 from megaframe.checkpoint import resume_checks, store, universal
 from megaframe.checkpoint.fast_tier import FastTier
 from megaframe.checkpoint.parts import RankStateful, Resume, Stateful
+from megaframe.checkpoint.staging import HostStaging
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.common.failures import save_failure
 from megaframe.parallel.dims import RANK_AXES
@@ -52,6 +53,7 @@ class CheckpointManager:
         self.last: Optional[Path] = None  # the last checkpoint this process wrote
         self.resized: Optional[dict] = None  # rank 0: the metrics event of a resume into another world size
         self.background = store.BackgroundWriter()  # train.async_save: each rank writes its shard on a thread
+        self.staging: Optional[HostStaging] = None  # train.async_save: the host copies' buffers, kept between saves
         self.trash = store.TrashCollector()  # rank 0 deletes pruned checkpoints off the step loop
         self.fast: Optional[FastTier] = None  # train.fast_save_interval: parts in node-local memory and a buddy's
         t = cfg.train
@@ -104,7 +106,7 @@ class CheckpointManager:
         time is the scheduler's). Returns its directory."""
         t = self.cfg.train
         with self.shield():  # a stop signal waits for the save, minutes on a 7B (not 3 steps)
-            state, write_universal, native = self._state(defer=t.async_save)
+            state, write_universal, native = self._state(staging=self._staging() if t.async_save else None)
             self.saved_step = step
             try:
                 if self.is_logger:
@@ -121,7 +123,7 @@ class CheckpointManager:
     def fast_save(self, step: int) -> None:
         """This rank's part of a checkpoint into node-local memory and its buddy's (no shared storage)."""
         with self.shield():
-            state, write_universal, _ = self._state(defer=False)
+            state, write_universal, _ = self._state(staging=None)
             rng = self._rank_states()
             try:
                 self.fast.save(step, lambda part: store.write_rank_part(part, self.rank, state, rng, write_universal)())
@@ -144,7 +146,13 @@ class CheckpointManager:
         if self.fast is not None and step >= self.cfg.train.max_steps and self.background.published():
             self.fast.clear()
 
-    def _state(self, defer: bool) -> tuple[dict[str, Any], Optional[Callable[[Path], Any]], bool]:
+    def _staging(self) -> HostStaging:
+        """The host buffers of this rank's background saves, made at the first one (page-locked on a GPU)."""
+        if self.staging is None:
+            self.staging = HostStaging(pinned=self.backend.device.type == "cuda")
+        return self.staging
+
+    def _state(self, staging: Optional[HostStaging]) -> tuple[dict[str, Any], Optional[Callable[[Path], Any]], bool]:
         """The client state (every whole part; a collective where a part's is), the function that
         writes this rank's layout-free shard (None without one), and whether the engine's own files
         are written."""
@@ -161,7 +169,7 @@ class CheckpointManager:
             universal_state = {**state, "model": {**dataclasses.asdict(c.model), "vocab_size": self.dims.vocab_size},
                                "tokenizer": c.data.tokenizer, "data_seed": c.train.seed}
             write_universal = lambda tmp_dir: self.backend.save_full_state(  # noqa: E731
-                tmp_dir, universal_state, tokenizer if tokenizer.is_dir() else None, defer=defer)
+                tmp_dir, universal_state, tokenizer if tokenizer.is_dir() else None, staging=staging)
         # one copy by default: the engine's own files only when asked, or when there is no layout-free copy
         return state, write_universal, c.train.native_checkpoint or write_universal is None
 

@@ -113,6 +113,14 @@ def rank_writer(directory: Path, rank: int, pieces: list[Piece], full_state: Opt
     return write
 
 
+def after(wait: Callable[[], None], write: Callable[[], dict]) -> Callable[[], dict]:
+    """write, once wait() has returned (a background save: its host copies are done)."""
+    def write_when_copied() -> dict:
+        wait()
+        return write()
+    return write_when_copied
+
+
 def check_stored(reader: "ShardReader", key: str, full_shape: tuple[int, ...]) -> None:
     """CheckpointError unless the checkpoint holds tensor `key` at `full_shape` (the model.* config
     decides both)."""

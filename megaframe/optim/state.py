@@ -47,10 +47,12 @@ def step_tensor(step: int, param: torch.Tensor, in_kernel: bool) -> torch.Tensor
     return torch.tensor(float(step))
 
 
-def ensure_state(optimizer: torch.optim.Optimizer, step: int) -> None:
+def ensure_state(optimizer: torch.optim.Optimizer, step: int, reset_steps: bool = True) -> None:
     """State exists only after a parameter's first applied step: made here (zeros, and a step count
     of `step` where the optimizer keeps one) so a checkpoint saved before it, or a resume into it,
-    has tensors to write and read. A sharded parameter (a DTensor) keeps its step where its local
+    has tensors to write and read. reset_steps (a resume): every step count becomes `step`, else
+    only missing ones are made (a save: a new count on the device is a host-to-device copy the host
+    waits for, one per parameter). A sharded parameter (a DTensor) keeps its step where its local
     shard lives."""
     for group in optimizer.param_groups:
         kind = group_optimizer(group)
@@ -60,5 +62,5 @@ def ensure_state(optimizer: torch.optim.Optimizer, step: int) -> None:
             for key in state_keys(group):
                 if key not in state:
                     state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if COUNTS_STEPS[kind]:
+            if COUNTS_STEPS[kind] and (reset_steps or "step" not in state):
                 state["step"] = step_tensor(step, p.to_local() if hasattr(p, "to_local") else p, in_kernel)

@@ -36,6 +36,7 @@ from megaframe.backends.deepspeed.skip_gate import LastMicroBatchGate, gate_plai
 from megaframe.backends.deepspeed.topology import MegatronMpu
 from megaframe.backends.deepspeed.zero_init import (built_shape, builds_partitioned, gathered_numel,
                                                     partitioned_construction, write_partition)
+from megaframe.checkpoint.staging import HostStaging
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims
@@ -328,8 +329,8 @@ class DeepSpeedBackend:
         return any(Path(path).glob("*model_states.pt"))
 
     def save_full_state(self, directory: Path, state: dict[str, Any], tokenizer_dir: Optional[Path],
-                        defer: bool = False) -> Optional[Callable[[], None]]:
-        return state_io.save_universal(self._view(), directory, state, self.lr_scheduler, tokenizer_dir, defer)
+                        staging: Optional[HostStaging] = None) -> Optional[Callable[[], None]]:
+        return state_io.save_universal(self._view(), directory, state, self.lr_scheduler, tokenizer_dir, staging)
 
     def load_full_state(self, directory: Path) -> dict[str, Any]:
         return state_io.resume_universal(self._view(), directory, self.lr_scheduler)

@@ -30,6 +30,7 @@ from megaframe.backends.deepspeed.zero_init import partition_range
 from megaframe.backends.common import adam_step, adam_step_tensor, jsonable, restore_schedule
 from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.boxes import Box, clip_rows, even_range, flat_range_boxes
+from megaframe.checkpoint.staging import HostStaging, Snapshot
 from megaframe.checkpoint.universal import MASTER_KEY, MOMENT_KEYS, CheckpointError
 from megaframe.optim.table import COUNTS_STEPS, group_optimizer, state_keys
 from megaframe.model.dims import GPTDims
@@ -148,11 +149,24 @@ def holdings(view: EngineView) -> list[Holding]:
 
 
 def _zero3_local(param, key: str) -> Optional[torch.Tensor]:
-    """ZeRO-3: this rank's flat fp32 partition of the master or an Adam moment (DeepSpeed's local
-    API, which swaps an NVMe-offloaded sub-group in and releases its buffers: use the result at
-    once); None before the first step."""
+    """ZeRO-3: this rank's flat fp32 partition of the master or an optimizer state; None before the
+    first step. Read in place, where the sub-group lives (device, or host memory under offload=cpu):
+    DeepSpeed's local API synchronises its reduce stream on every call (the default stream unless
+    zero.overlap_comm), so the step loop waited there for every copy an async save had already
+    queued, and it copied an offloaded partition to the device first. Through that API only where
+    NVMe holds the sub-group: it swaps the sub-group in and releases its buffers (use the result at once)."""
     from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
 
+    if not param.requires_grad:  # no partition of its own (as DeepSpeed's API answers)
+        return None
+    optimizer = param._z3_optimizer
+    group, offset, numel = optimizer.grad_position[optimizer.get_param_id(param)]
+    if not optimizer._swappable_optimizer_subgroup(group):
+        flat = optimizer.fp32_partitioned_groups_flat[group]
+        state = optimizer.optimizer.state.get(flat, {})
+        if key != MASTER_KEY and key not in state:
+            return None
+        return (flat if key == MASTER_KEY else state[key]).narrow(0, offset, numel)
     try:
         return safe_get_local_fp32_param(param) if key == MASTER_KEY else safe_get_local_optimizer_state(param, key)
     except KeyError:
@@ -213,8 +227,8 @@ def _tensor_key(key: str, name: str) -> str:
     return name if key == WEIGHT else f"{key}.{name}"
 
 
-def shard_pieces(view: EngineView, with_optimizer: bool, snapshot: bool) -> list[sharded.Piece]:
-    """The chunks this rank writes. snapshot: their values copied to host memory now (an async
+def shard_pieces(view: EngineView, with_optimizer: bool, snapshot: Optional[Snapshot] = None) -> list[sharded.Piece]:
+    """The chunks this rank writes. snapshot: their values copied into its host buffers now (an async
     save: training may change the live tensors while the writer runs); else each is read when the
     writer reaches it (a view of the live state, or one parameter's copy)."""
     if with_optimizer:
@@ -241,7 +255,7 @@ def shard_pieces(view: EngineView, with_optimizer: bool, snapshot: bool) -> list
         if not h.writes or h.own[0] == h.own[1]:
             continue
         for key in _stored_keys(view, with_optimizer, h.param):
-            copy = owned(h, key).detach().to("cpu", torch.float32, copy=True) if snapshot else None
+            copy = snapshot.copy(owned(h, key)) if snapshot is not None else None
             for position, box in h.boxes(*h.own):
                 def values(h=h, key=key, copy=copy, at=position, n=box.numel) -> torch.Tensor:
                     return (copy if copy is not None else owned(h, key))[at: at + n]
@@ -357,24 +371,28 @@ def layout_record(view: EngineView) -> dict[str, Any]:
 
 
 def save_universal(view: EngineView, directory: Path, state: dict[str, Any], lr_scheduler,
-                   tokenizer_dir: Optional[Path] = None, defer: bool = False) -> Union[dict, Callable[[], dict]]:
+                   tokenizer_dir: Optional[Path] = None,
+                   staging: Optional[HostStaging] = None) -> Union[dict, Callable[[], dict]]:
     """Write this rank's shard into `directory` (every rank; no collectives) and, on global rank 0,
     state.json (and a tokenizer copy). Returns the rank's record (sharded.write_rank_shard).
 
     `state` holds step, consumed_samples, model and whatever else the run wants in state.json.
-    defer: copy this rank's chunks to host memory now and return the function that writes them
-    (and rank 0's state.json) later, for a background save."""
+    staging (a background save): copy this rank's chunks into its host buffers now and return the
+    function that writes them (and rank 0's state.json) later."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    pieces = shard_pieces(view, with_optimizer=True, snapshot=defer)
+    # read once, before any copy is queued: a read of a device step count after them would wait for them all
+    optim_step = adam_step(view.base_optimizer)
+    snapshot = staging.start() if staging is not None else None
+    pieces = shard_pieces(view, with_optimizer=True, snapshot=snapshot)
     full_state = None
     if rank == 0:
-        full_state = {**state, "version": universal.SHARDED_VERSION, "optim_step": adam_step(view.base_optimizer),
+        full_state = {**state, "version": universal.SHARDED_VERSION, "optim_step": optim_step,
                       "layout": layout_record(view), "lr_scheduler": jsonable(lr_scheduler.state_dict())}
         if scaler := loss_scaler_state(view.engine.optimizer):
             full_state["loss_scaler"] = scaler
 
     write = sharded.rank_writer(directory, rank, pieces, full_state, tokenizer_dir)
-    return write if defer else write()
+    return sharded.after(snapshot.ready(), write) if snapshot is not None else write()
 
 
 # DeepSpeed's dynamic fp16 loss scaler: the scale, and the counters that decide when it next grows

@@ -21,6 +21,7 @@ from megaframe.backends.common import (apply_update, counting_targets, dp_mean, 
                                        on_device, model_state_parts, pinned_offload, router_metrics, step_targets_of)
 from megaframe.backends.fsdp2 import build, pipeline, state_io
 from megaframe.backends.fsdp2.mesh import data_mesh
+from megaframe.checkpoint.staging import HostStaging
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
 from megaframe.model.dims import GPTDims
@@ -202,8 +203,8 @@ class Fsdp2Backend:
         return False
 
     def save_full_state(self, directory: Path, state: dict[str, Any], tokenizer_dir: Optional[Path],
-                        defer: bool = False):
-        return state_io.save(self._view(), directory, state, tokenizer_dir, defer)
+                        staging: Optional[HostStaging] = None):
+        return state_io.save(self._view(), directory, state, tokenizer_dir, staging)
 
     def load_full_state(self, directory: Path) -> dict[str, Any]:
         return state_io.resume(self._view(), directory)

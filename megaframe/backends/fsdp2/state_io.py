@@ -24,6 +24,7 @@ from megaframe.backends.common import adam_step, ensure_adam_state, jsonable, re
 from megaframe.backends.fsdp2.build import compute_dtype, local_box
 from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.boxes import Box, clip_rows
+from megaframe.checkpoint.staging import HostStaging
 from megaframe.checkpoint.universal import MASTER_KEY
 from megaframe.config.schema import TrainConfig
 from megaframe.model.dims import GPTDims
@@ -103,27 +104,31 @@ def layout_record(ps: ParallelState, cfg: TrainConfig) -> dict[str, Any]:
 
 
 def save(view: ShardView, directory: Path, state: dict[str, Any], tokenizer_dir: Optional[Path],
-         defer: bool) -> Union[dict, Callable[[], dict]]:
-    """Write this rank's shard (every rank; no collective) and, on global rank 0, state.json. defer:
-    copy the chunks to host memory now and return the function that writes them later."""
+         staging: Optional[HostStaging]) -> Union[dict, Callable[[], dict]]:
+    """Write this rank's shard (every rank; no collective) and, on global rank 0, state.json. staging
+    (a background save): copy the chunks into its host buffers now and return the function that
+    writes them later."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    ensure_adam_state(view.optimizer, adam_step(view.optimizer))
+    # read once, before any copy is queued: a read of a device step count after them would wait for them all
+    optim_step = adam_step(view.optimizer)
+    ensure_adam_state(view.optimizer, optim_step, reset_steps=False)
     pieces, keys = [], state_keys_by_param(view.optimizer)
+    snapshot = staging.start() if staging is not None else None
     for part in local_parts(view):
         if not part.writes or part.box is None:
             continue
         for key, read in _stored(view, part, keys[id(part.param)]).items():
-            values = read().to("cpu", copy=True) if defer else None
-            pieces.append(sharded.Piece(key, part.full_shape, part.box,
-                                        (lambda v=values: v) if defer else read))
+            if snapshot is not None:
+                read = lambda v=snapshot.copy(read()): v  # noqa: E731  (the values as they are now)
+            pieces.append(sharded.Piece(key, part.full_shape, part.box, read))
     full_state = None
     if rank == 0:
-        full_state = {**state, "version": universal.SHARDED_VERSION, "optim_step": adam_step(view.optimizer),
+        full_state = {**state, "version": universal.SHARDED_VERSION, "optim_step": optim_step,
                       "layout": layout_record(view.ps, view.cfg),
                       "lr_scheduler": jsonable(view.lr_scheduler.state_dict())}
 
     write = sharded.rank_writer(directory, rank, pieces, full_state, tokenizer_dir)
-    return write if defer else write()
+    return sharded.after(snapshot.ready(), write) if snapshot is not None else write()
 
 
 def _read_box(reader: sharded.ShardReader, part: LocalPart, key: str) -> torch.Tensor:

@@ -24,6 +24,7 @@ from megaframe.backends.common import (apply_update, counting_targets, dp_mean, 
                                        join_torch_world, model_state_parts, on_device, router_metrics,
                                        step_targets_of)
 from megaframe.backends.plain import state_io
+from megaframe.checkpoint.staging import HostStaging
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import Layout
@@ -135,8 +136,8 @@ class PlainBackend:
         return any(Path(path).glob("*model_states.pt"))
 
     def save_full_state(self, directory: Path, state: dict[str, Any], tokenizer_dir: Optional[Path],
-                        defer: bool = False):
-        return state_io.save(self._view(), directory, state, tokenizer_dir, defer)
+                        staging: Optional[HostStaging] = None):
+        return state_io.save(self._view(), directory, state, tokenizer_dir, staging)
 
     def load_full_state(self, directory: Path) -> dict[str, Any]:
         return state_io.resume(self._view(), directory)

@@ -12,6 +12,7 @@ import torch
 from megaframe.backends.common import adam_step, ensure_adam_state, jsonable, restore_schedule
 from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.boxes import Box, clip_rows
+from megaframe.checkpoint.staging import HostStaging
 from megaframe.model.dims import GPTDims
 from megaframe.model.spec import VOCAB_PARAMS
 from megaframe.optim.state import optimizer_name, same_optimizer, state_keys_by_param
@@ -36,23 +37,27 @@ def _stored_box(name: str, param: torch.nn.Parameter, dims: GPTDims) -> tuple[tu
 
 
 def save(view: PlainView, directory: Path, state: dict[str, Any], tokenizer_dir: Optional[Path],
-         defer: bool) -> Union[dict, Callable[[], dict]]:
-    """Write the one shard and state.json. defer: copy the tensors to host memory now and return the
-    function that writes them later (a background save)."""
-    ensure_adam_state(view.optimizer, adam_step(view.optimizer))
+         staging: Optional[HostStaging]) -> Union[dict, Callable[[], dict]]:
+    """Write the one shard and state.json. staging (a background save): copy the tensors into its
+    host buffers now and return the function that writes them later."""
+    # read once, before any copy is queued: a read of a device step count after them would wait for them all
+    optim_step = adam_step(view.optimizer)
+    ensure_adam_state(view.optimizer, optim_step, reset_steps=False)
     pieces, keys = [], state_keys_by_param(view.optimizer)
+    snapshot = staging.start() if staging is not None else None
     for name, param in view.module.named_parameters():
         full_shape, box = _stored_box(name, param, view.dims)
         moments = view.optimizer.state[param]
         for key, tensor in ((name, param), *((f"{k}.{name}", moments[k]) for k in keys[id(param)])):
             def read(t=tensor, rows=box.shape[0]) -> torch.Tensor:
                 return t.detach()[:rows].float()
-            copy = read().to("cpu", copy=True) if defer else None
-            pieces.append(sharded.Piece(key, full_shape, box, (lambda c=copy: c) if defer else read))
-    full_state = {**state, "version": universal.SHARDED_VERSION, "optim_step": adam_step(view.optimizer),
+            if snapshot is not None:
+                read = lambda c=snapshot.copy(read()): c  # noqa: E731  (the values as they are now)
+            pieces.append(sharded.Piece(key, full_shape, box, read))
+    full_state = {**state, "version": universal.SHARDED_VERSION, "optim_step": optim_step,
                   "layout": view.layout, "lr_scheduler": jsonable(view.lr_scheduler.state_dict())}
     write = sharded.rank_writer(directory, 0, pieces, full_state, tokenizer_dir)
-    return write if defer else write()
+    return sharded.after(snapshot.ready(), write) if snapshot is not None else write()
 
 
 @torch.no_grad()
