@@ -13,6 +13,7 @@
 #      loop and transformers
 #   4. fp8 against bf16 at four of Llama-3-8B's layers (seq 8192), then data.document_mask at GPT-3 XL
 #   5. the two engines at ZeRO-3 (tools/bench_engines.py)
+#   6. how long a save stalls the step loop, sync against async (tools/bench_save.py, one GPU, bf16 ZeRO-1)
 # Every part runs under `timeout` within GPU_TIER_BUDGET_S (default 420 s after the install, so the
 # whole call stays under 8 minutes); a part with under 20 s left is skipped and the report says so.
 # The full logs sit beside the report. Exit status: pytest's (the benchmarks' failures are in the
@@ -94,5 +95,10 @@ cmd="torchrun --standalone --nproc_per_node=$gpus tools/bench_engines.py precisi
 echo "## $cmd" >> "$report"
 DS_ACCELERATOR=cuda part 120 bench-engines.log $cmd
 grep -E "median|ratio|FSDP2|DeepSpeed" "$out/bench-engines.log" 2>/dev/null | tail -6 >> "$report"
+
+# an async save's copies go to page-locked buffers without a wait (checkpoint/staging.py): its stall on a GPU
+echo "## python3 tools/bench_save.py --saves 3 precision=bf16 zero=stage1" >> "$report"
+DS_ACCELERATOR=cuda part 60 bench-save.log python3 tools/bench_save.py --saves 3 precision=bf16 zero=stage1
+grep -E "^\||^(sync|async)" "$out/bench-save.log" 2>/dev/null >> "$report"
 echo "report: $report ($(( SECONDS - started ))s of the ${budget}s budget used)"
 exit $tests_rc
