@@ -24,7 +24,7 @@ from megaframe.optim.groups import decay_param_groups  # noqa: F401  (the seam's
 from megaframe.optim.state import ensure_state, step_tensor
 from megaframe.optim.table import ALL_TENSOR_STATE
 from megaframe.parallel.random import TPDropoutRNG
-from megaframe.parallel.rendezvous import free_port, join_world
+from megaframe.parallel.rendezvous import bound_device, free_port, join_world
 from megaframe.parallel.state import ParallelState
 
 
@@ -63,7 +63,7 @@ def join_torch_world(device_type: str, collective_timeout_s: Optional[float],
         backend = "nccl" if dist.is_nccl_available() else "gloo"
     join_world(backend, timeout, join_timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, device_id=bound_device(backend))
 
 
 def local_device_index(local_rank: int, visible_devices: int) -> int:

@@ -20,6 +20,7 @@ import time
 from datetime import timedelta
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from megaframe.common.failures import ExitCode, RankHung, RunFailure
@@ -241,5 +242,13 @@ def join_world(backend: str, timeout: Optional[timedelta], join_timeout_s: Optio
     if timeout is not None:
         store.set_timeout(timeout)  # the group's own waits: the collective timeout from here on
     dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world,
-                            timeout=timeout)
+                            timeout=timeout, device_id=bound_device(backend))
     return True
+
+
+def bound_device(backend: str) -> Optional[torch.device]:
+    """init_process_group's device_id under NCCL: this rank's device, set before it joins. Bound, the
+    default group's communicator is made at the join (every rank has arrived by then), each later
+    group's (tp, dp, pp, ...) is split from it (ncclCommSplit) instead of being made from scratch,
+    and barrier() runs on it instead of a device guessed from the rank number. None for gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None

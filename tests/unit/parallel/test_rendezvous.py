@@ -222,3 +222,26 @@ def test_contradicting_variables_are_refused_before_any_store(monkeypatch):
     with pytest.raises(LaunchEnvError) as err:
         join_world("gloo", None, 5)
     assert err.value.exit_code == ExitCode.REFUSED and str(err.value).startswith("RANK=2 must be in [0, WORLD_SIZE=2)")
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_nccl_binds_the_group_to_the_ranks_device_and_gloo_to_none(backend, monkeypatch):
+    """Under NCCL the join passes this rank's device (set before the join) as device_id: the default
+    communicator is made at once and later groups are split from it; gloo gets none (torch refuses a
+    CPU device_id)."""
+    import torch
+
+    from megaframe.parallel import rendezvous
+
+    joined = {}
+    monkeypatch.setattr(rendezvous.dist, "init_process_group", lambda backend, **kw: joined.update(backend=backend, **kw))
+    monkeypatch.setattr(rendezvous, "_resolve", lambda *a: None)
+    monkeypatch.setattr(rendezvous, "_connect", lambda *a: _store())
+    monkeypatch.setattr(rendezvous, "wait_for_world", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # what set_device chose for this rank
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert join_world(backend, timedelta(seconds=60), 10.0)
+    assert joined["backend"] == backend and joined["rank"] == 1 and joined["world_size"] == 2
+    assert joined["device_id"] == (torch.device("cuda", 3) if backend == "nccl" else None)
