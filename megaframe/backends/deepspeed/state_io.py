@@ -328,7 +328,12 @@ def _load_holding(view: EngineView, reader: sharded.ShardReader, h: Holding, wit
             raise CheckpointError(f"{name}: its ZeRO-3 partition is on NVMe (offload.param=nvme), which loading a "
                                   f"layout-free checkpoint does not support yet; resume with offload.param=cpu")
         partition.data.flatten()[: stop - start].copy_(weight)
-    else:  # every DP rank computes with the whole TP shard
+    elif h.kind == "fragment":
+        # ZeRO-1/2: the rank's own range only. The module's weights are every rank's masters rounded
+        # (what DeepSpeed's step leaves them), rebuilt by load_shards' all-gather once every range is in:
+        # each replica reading its whole TP shard read the weights dp times (4.4 TB at 70B on 512 ranks)
+        weight = None
+    else:  # ZeRO-0: every DP rank holds the whole TP shard and its moments
         weight = _read_range(reader, h, name, 0, h.numel)
         h.param.data.copy_(weight.view(h.local_shape))
         weight = weight[start:stop]
@@ -338,7 +343,10 @@ def _load_holding(view: EngineView, reader: sharded.ShardReader, h: Holding, wit
                                                           .view(h.local_shape))
         return
     master_key = f"{MASTER_KEY}.{name}"
-    master = _read_range(reader, h, master_key, start, stop) if with_optimizer and master_key in reader else weight
+    if with_optimizer and master_key in reader:
+        master = _read_range(reader, h, master_key, start, stop)
+    else:  # fp32 (the weight is the master), or model only (the masters follow the weights)
+        master = weight if weight is not None else _read_range(reader, h, name, start, stop)
     targets = {None: master}
     for key in view.moment_keys(h.param) if with_optimizer else ():
         targets[key] = _read_range(reader, h, f"{key}.{name}", start, stop)
@@ -358,9 +366,14 @@ def load_shards(view: EngineView, directory: Path, optim_step: Optional[int]) ->
         with_optimizer = optim_step is not None and any(universal.is_optimizer_key(k) for k in reader.keys())
         if with_optimizer:
             _create_adam_state(view, optim_step)
-        for h in holdings(view):
+        held = holdings(view)
+        for h in held:
             _load_holding(view, reader, h, with_optimizer)
             reader.release()
+    if any(h.kind == "fragment" for h in held):
+        # ZeRO-1/2 read their masters' ranges only: the weights are the masters rounded, gathered over the
+        # dp ranks (collective: every rank of the engine calls it; DeepSpeed's own step ends the same way)
+        view.engine.optimizer.update_lp_params()
 
 
 # ---- what the trainer calls -------------------------------------------------------------------
