@@ -149,7 +149,7 @@ class CheckpointManager:
     def _staging(self) -> HostStaging:
         """The host buffers of this rank's background saves, made at the first one (page-locked on a GPU)."""
         if self.staging is None:
-            self.staging = HostStaging(pinned=self.backend.device.type == "cuda")
+            self.staging = HostStaging(pin_device_copies=self.backend.device.type == "cuda")
         return self.staging
 
     def _state(self, staging: Optional[HostStaging]) -> tuple[dict[str, Any], Optional[Callable[[Path], Any]], bool]:

@@ -38,6 +38,7 @@ from megaframe.checkpoint.boxes import Box, intersect
 from megaframe.checkpoint.coverage import coverage_problem
 from megaframe.checkpoint.stream import write_streaming
 from megaframe.checkpoint.universal import CheckpointError, _atomic_json
+from megaframe.common.launch_env import usable_cores
 
 SHARDS_DIR = "shards"
 INDEX_FILE = universal.INDEX_FILE
@@ -52,8 +53,11 @@ def index_group(key: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
 
 
-def shard_file(rank: int) -> str:
-    return f"{SHARDS_DIR}/rank{rank:05d}.safetensors"
+def shard_file(rank: int, optimizer: bool = False) -> str:
+    """Rank `rank`'s weights file, or (optimizer) the file of its optimizer state and fp32 masters: apart,
+    so a reader of the weights alone (megaframe-convert, load_model) verifies and reads the weights'
+    files, not the state three times their size beside them (AdamW's moments and masters)."""
+    return f"{SHARDS_DIR}/rank{rank:05d}{'.optimizer' if optimizer else ''}.safetensors"
 
 
 def record_file(rank: int) -> str:
@@ -81,7 +85,6 @@ def write_rank_shard(directory: Path, rank: int, pieces: list[Piece]) -> dict:
     record: dict = {"rank": rank, "files": {}, "tensors": {}}
     if not pieces:
         return record
-    rel = shard_file(rank)
     by_name = {chunk_key(p.key, p.box): p for p in pieces}
     if len(by_name) != len(pieces):
         raise ValueError("two pieces of the same tensor start at the same offset")
@@ -91,12 +94,19 @@ def write_rank_shard(directory: Path, rank: int, pieces: list[Piece]) -> dict:
         piece = by_name[name]
         return piece.values().reshape(piece.box.shape).float()
 
-    size, sha = write_streaming(Path(directory) / rel, [(name, torch.float32, p.box.shape) for name, p in by_name.items()],
-                                produce)
-    record["files"][rel] = {"bytes": size, "sha256": sha}
-    for name, piece in by_name.items():
-        entry = record["tensors"].setdefault(piece.key, {"shape": list(piece.full_shape), "chunks": []})
-        entry["chunks"].append({"file": rel, "key": name, "offset": list(piece.box.offset), "shape": list(piece.box.shape)})
+    for optimizer in (False, True):
+        names = [name for name, p in by_name.items() if universal.is_optimizer_key(p.key) == optimizer]
+        if not names:
+            continue
+        rel = shard_file(rank, optimizer)
+        size, sha = write_streaming(Path(directory) / rel, [(name, torch.float32, by_name[name].box.shape)
+                                                            for name in names], produce)
+        record["files"][rel] = {"bytes": size, "sha256": sha}
+        for name in names:
+            piece = by_name[name]
+            entry = record["tensors"].setdefault(piece.key, {"shape": list(piece.full_shape), "chunks": []})
+            entry["chunks"].append({"file": rel, "key": name, "offset": list(piece.box.offset),
+                                    "shape": list(piece.box.shape)})
     return record
 
 
@@ -340,6 +350,22 @@ def _entry_ok(entry: Any) -> bool:
             and isinstance(entry.get("group"), str))
 
 
+def verify_for_weights(directory: Path) -> dict:
+    """verify_manifest for a reader of the weights alone: every file the manifest lists but those that
+    hold optimizer state only (a rank's .optimizer file, AdamW's moments and masters: three times the
+    fp32 weights, 840 GB at 70B, hashed before an export could start). The index says which files those
+    are, and is itself verified with the rest, so a damaged index that misdirected the choice fails."""
+    manifest = universal.read_manifest(directory)
+    weights, state = set(), set()
+    with ShardReader(directory) as reader:
+        for key in reader.keys():
+            (state if universal.is_optimizer_key(key) else weights).update(c["file"] for c in reader.chunks(key))
+    skipped = state - weights
+    universal.verify_files(directory, {rel: entry for rel, entry in manifest["files"].items() if rel not in skipped},
+                           threads=min(8, usable_cores()))
+    return manifest
+
+
 def read_universal(directory: Path, verify: bool = True, optimizer_state: bool = True,
                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor], Optional[dict[str, torch.Tensor]]]:
     """(state, model tensors, optimizer tensors or None), after verifying the manifest.
@@ -350,7 +376,7 @@ def read_universal(directory: Path, verify: bool = True, optimizer_state: bool =
     the converter goes tensor by tensor."""
     directory = Path(directory)
     if verify:
-        universal.verify_manifest(directory)
+        universal.verify_manifest(directory) if optimizer_state else verify_for_weights(directory)
     state = universal.read_state(directory)
     model, optimizer = {}, {}
     with ShardReader(directory) as reader:

@@ -47,13 +47,28 @@ def step_tensor(step: int, param: torch.Tensor, in_kernel: bool) -> torch.Tensor
     return torch.tensor(float(step))
 
 
+def _step_counts_differ(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's step counts are not all equal: host counts compared on the host, counts
+    on the device in one read (their smallest and largest)."""
+    counts = [state["step"] for state in optimizer.state.values() if isinstance(state.get("step"), torch.Tensor)]
+    distinct = {float(count) for count in counts if count.device.type == "cpu"}
+    on_device = [count.reshape(()) for count in counts if count.device.type != "cpu"]
+    if on_device:
+        smallest, largest = torch.aminmax(torch.stack(on_device).float())
+        distinct.update(torch.stack([smallest, largest]).tolist())
+    return len(distinct) > 1
+
+
 def ensure_state(optimizer: torch.optim.Optimizer, step: int, reset_steps: bool = True) -> None:
     """State exists only after a parameter's first applied step: made here (zeros, and a step count
     of `step` where the optimizer keeps one) so a checkpoint saved before it, or a resume into it,
-    has tensors to write and read. reset_steps (a resume): every step count becomes `step`, else
-    only missing ones are made (a save: a new count on the device is a host-to-device copy the host
-    waits for, one per parameter). A sharded parameter (a DTensor) keeps its step where its local
-    shard lives."""
+    has tensors to write and read. reset_steps (a resume): every step count becomes `step`. Else (a
+    save) only missing ones are made, unless the counts differ (a parameter without a gradient in
+    some step was not stepped): then every count becomes `step`, the one count the checkpoint keeps,
+    so the run goes on as a resume from it would. Making every count anew at each save was a
+    host-to-device copy the host waited for, per parameter. A sharded parameter (a DTensor) keeps its
+    step where its local shard lives."""
+    reset_steps = reset_steps or _step_counts_differ(optimizer)
     for group in optimizer.param_groups:
         kind = group_optimizer(group)
         in_kernel = bool(group.get("fused") or group.get("capturable"))

@@ -82,8 +82,8 @@ def _save_and_load(rank: int, world: int, overrides: list[str], run_dir: str) ->
         read = sum(4 * (h.own[1] - h.own[0]) * keys for h in state_io.holdings(view))
         weights = sum(4 * h.numel for h in state_io.holdings(view))  # this rank's TP x PP shard of the weights
     spec = ModelSpec(trainer.dims)
-    shard = Path(path) / "shards" / f"rank{rank:05d}.safetensors"
-    return {**measured, "shard_bytes": shard.stat().st_size if shard.exists() else 0, "read_bytes": read,
+    shards = [Path(path) / sharded.shard_file(rank, optimizer) for optimizer in (False, True)]
+    return {**measured, "shard_bytes": sum(s.stat().st_size for s in shards if s.exists()), "read_bytes": read,
             "weight_bytes": weights,
             "largest_tensor": 4 * max(math.prod(p.shape) for p in spec.parameters.values()),
             "model_params": sum(math.prod(p.shape) for p in spec.parameters.values()), "state_keys": keys}

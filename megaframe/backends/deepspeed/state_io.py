@@ -160,8 +160,9 @@ def _zero3_local(param, key: str) -> Optional[torch.Tensor]:
     if not param.requires_grad:  # no partition of its own (as DeepSpeed's API answers)
         return None
     optimizer = param._z3_optimizer
-    group, offset, numel = optimizer.grad_position[optimizer.get_param_id(param)]
-    if not optimizer._swappable_optimizer_subgroup(group):
+    position = optimizer.grad_position.get(optimizer.get_param_id(param))  # None: not in the optimizer's groups
+    group, offset, numel = position if position is not None else (None, 0, 0)
+    if position is not None and not optimizer._swappable_optimizer_subgroup(group):
         flat = optimizer.fp32_partitioned_groups_flat[group]
         state = optimizer.optimizer.state.get(flat, {})
         if key != MASTER_KEY and key not in state:
@@ -194,7 +195,7 @@ def _owned(view: EngineView, h: Holding, key: str) -> Optional[torch.Tensor]:
         # the module's partition is the master rounded to the module dtype (DeepSpeed copies it after
         # every step); read through the master, which DeepSpeed swaps in when NVMe holds it
         master = _zero3_local(h.param, MASTER_KEY)
-        return master.flatten()[: stop - start].to(h.param.dtype).float()
+        return master.flatten()[: stop - start].to(h.param.dtype)  # the writer widens it to fp32
     if key == WEIGHT:
         return h.param.data.flatten()[start:stop]
     if h.kind == "zero3":

@@ -90,11 +90,12 @@ def local_parts(view: ShardView) -> list[LocalPart]:
 def _stored(view: ShardView, part: LocalPart, keys: tuple[str, ...]) -> dict[str, Callable[[], torch.Tensor]]:
     """The stored tensors of one part, by checkpoint key: how to read each from the live state."""
     state = view.optimizer.state.get(part.param, {})
-    out = {part.name: lambda: part.local(part.param).detach().to(compute_dtype(view.cfg.precision.dtype)).float()}
+    # each in its own dtype (an async save's host copy is as small as it can be); the writer widens it to fp32
+    out = {part.name: lambda: part.local(part.param).detach().to(compute_dtype(view.cfg.precision.dtype))}
     if view.cfg.precision.dtype != "fp32":  # the sharded fp32 parameter is the master
-        out[f"{MASTER_KEY}.{part.name}"] = lambda: part.local(part.param).detach().float()
+        out[f"{MASTER_KEY}.{part.name}"] = lambda: part.local(part.param).detach()
     for key in keys:
-        out[f"{key}.{part.name}"] = lambda key=key: part.local(state[key]).detach().float()
+        out[f"{key}.{part.name}"] = lambda key=key: part.local(state[key]).detach()
     return out
 
 

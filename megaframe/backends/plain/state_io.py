@@ -50,7 +50,7 @@ def save(view: PlainView, directory: Path, state: dict[str, Any], tokenizer_dir:
         moments = view.optimizer.state[param]
         for key, tensor in ((name, param), *((f"{k}.{name}", moments[k]) for k in keys[id(param)])):
             def read(t=tensor, rows=box.shape[0]) -> torch.Tensor:
-                return t.detach()[:rows].float()
+                return t.detach()[:rows]  # in its own dtype: the writer widens it to fp32
             if snapshot is not None:
                 read = lambda c=snapshot.copy(read()): c  # noqa: E731  (the values as they are now)
             pieces.append(sharded.Piece(key, full_shape, box, read))

@@ -103,7 +103,7 @@ class FakeCudaAccelerator(CPU_Accelerator):
         return torch.cuda.current_stream(device_index)
 
     def default_stream(self, device_index=None):
-        return torch.cuda.current_stream(device_index)
+        return torch.cuda.default_stream(device_index)
 
     @property
     def Event(self):

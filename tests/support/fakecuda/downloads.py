@@ -41,13 +41,13 @@ def queue(destination: torch.Tensor, values: torch.Tensor) -> None:
     on the current stream."""
     global _issued
     values, stream = values.clone(), torch.cuda.current_stream()
-    with _lock:
+    with _lock:  # the fill too: a land() on another thread between the two would be overwritten
         _issued += 1
         _queued.append(_Copy(_issued, destination, values, [stream]))
-    if destination.is_contiguous():
-        destination.view(torch.uint8).fill_(0xFF)
-    else:
-        destination.fill_(float("nan"))
+        if destination.is_contiguous():
+            destination.view(torch.uint8).fill_(0xFF)
+        else:
+            destination.fill_(float("nan"))
 
 
 def issued() -> int:
@@ -76,5 +76,5 @@ def land(stream: Any = None, upto: Optional[int] = None) -> None:
         _queued[:] = [copy for copy in _queued if not _covered(copy, stream, upto)]
         if landing:
             landed_by[threading.current_thread().name] += len(landing)
-    for copy in landing:
-        copy.destination.copy_(copy.values)
+        for copy in landing:
+            copy.destination.copy_(copy.values)

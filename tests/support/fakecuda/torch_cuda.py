@@ -297,6 +297,19 @@ def _patch_pinning() -> None:
             return False
 
     torch.Tensor.pin_memory, torch.Tensor.is_pinned = pin_memory, is_pinned
+    empty = torch.empty
+
+    def empty_pinnable(*args, pin_memory: bool = False, **kwargs):
+        """torch.empty(..., pin_memory=True): page-locked host memory (here remembered as pinned)."""
+        tensor = empty(*args, **kwargs)
+        if pin_memory:
+            if isinstance(tensor, CudaTensor):
+                raise RuntimeError("pin_memory=True: only dense CPU tensors can be pinned")
+            pinned.add(storage(tensor))
+            weakref.finalize(tensor, pinned.discard, storage(tensor))
+        return tensor
+
+    torch.empty = empty_pinnable
 
 
 def _indexed(device):

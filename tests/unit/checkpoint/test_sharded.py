@@ -130,3 +130,36 @@ def test_waiting_for_records_looks_again_only_for_the_missing_ones(tmp_path, mon
     record_1 = sharded.record_file(1).split("/")[-1]
     assert looked.count(record_1) == 11 and len(looked) == 2 + 11, looked
     assert pauses[0] == 0.05 and pauses[-1] == 1.0 and pauses == sorted(pauses)
+
+
+def test_a_ranks_optimizer_state_is_a_file_of_its_own_that_a_weights_reader_does_not_hash(tmp_path):
+    """Each rank writes its weights and its optimizer state to two files. A reader of the weights alone
+    (megaframe-convert, load_model) verifies every file but the optimizer's: bit rot there does not stop
+    an export, while damage to a weights file, the index or state.json still does."""
+    ckpt = tmp_path / "ckpt"
+    _save(ckpt, 2, 2, 0)
+    universal.write_state(ckpt, {"step": 1, "consumed_samples": 8, "model": {}})
+    hashed = sharded.merge_records(ckpt, 4)
+    universal.write_manifest(ckpt, hashed)
+    files = sorted(p.name for p in (ckpt / "shards").glob("*.safetensors"))
+    assert files == sorted([f"rank{r:05d}.safetensors" for r in range(4)] +
+                           [f"rank{r:05d}.optimizer.safetensors" for r in range(4)])
+    with sharded.ShardReader(ckpt) as reader:
+        assert {c["file"] for c in reader.chunks("exp_avg.w")} == {f"shards/rank{r:05d}.optimizer.safetensors"
+                                                                   for r in range(4)}
+        assert all(".optimizer." not in c["file"] for key in ("w", "b") for c in reader.chunks(key))
+    optimizer_file = ckpt / "shards" / "rank00003.optimizer.safetensors"
+    data = bytearray(optimizer_file.read_bytes())
+    data[-1] ^= 0xFF
+    optimizer_file.write_bytes(bytes(data))
+    _, model, _ = sharded.read_universal(ckpt, optimizer_state=False)
+    assert torch.equal(model["w"], FULL["w"]) and torch.equal(model["b"], FULL["b"])
+    with pytest.raises(CheckpointError, match="rank00003.optimizer.safetensors does not match its sha256"):
+        sharded.read_universal(ckpt)  # a reader of the optimizer state hashes it
+    for damaged in ("shards/rank00001.safetensors", "index.json"):
+        target = ckpt / damaged
+        original = target.read_bytes()
+        target.write_bytes(original[:-1] + bytes([original[-1] ^ 0x01]))
+        with pytest.raises(CheckpointError, match="does not match its sha256|is not valid JSON"):
+            sharded.verify_for_weights(ckpt)
+        target.write_bytes(original)
