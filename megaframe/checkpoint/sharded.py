@@ -354,12 +354,19 @@ def verify_for_weights(directory: Path) -> dict:
     """verify_manifest for a reader of the weights alone: every file the manifest lists but those that
     hold optimizer state only (a rank's .optimizer file, AdamW's moments and masters: three times the
     fp32 weights, 840 GB at 70B, hashed before an export could start). The index says which files those
-    are, and is itself verified with the rest, so a damaged index that misdirected the choice fails."""
+    are, and is itself verified with the rest, so a damaged index that misdirected the choice fails; an
+    index or a weights file the manifest does not list (planted beside it) is refused, not read unverified."""
     manifest = universal.read_manifest(directory)
     weights, state = set(), set()
     with ShardReader(directory) as reader:
         for key in reader.keys():
             (state if universal.is_optimizer_key(key) else weights).update(c["file"] for c in reader.chunks(key))
+    listed = set(manifest["files"])
+    index_files = {INDEX_FILE} if (Path(directory) / INDEX_FILE).is_file() else set()
+    index_files |= {f"{INDEX_DIR}/{p.name}" for p in (Path(directory) / INDEX_DIR).glob("*.json")}
+    if unlisted := sorted((weights | index_files) - listed):
+        raise CheckpointError(f"checkpoint {directory}: {unlisted[0]} is not in {universal.MANIFEST_FILE} (a file "
+                              f"nothing vouches for); use a checkpoint as megaframe saved it")
     skipped = state - weights
     universal.verify_files(directory, {rel: entry for rel, entry in manifest["files"].items() if rel not in skipped},
                            threads=min(8, usable_cores()))

@@ -1,6 +1,8 @@
 """Between a DeepSpeed engine in any layout and the layout-free checkpoint (checkpoint/).
 
-Every rank writes only what it owns and reads only what it needs; no collective moves state.
+Every rank writes only what it owns and reads only what it needs; no collective moves state, but
+one at a ZeRO-1/2 resume: the all-gather that rebuilds the weights from the masters' ranges, as each
+ZeRO-1/2 step ends (a rank that failed to read exits, and the launcher ends the others waiting in it).
 - What a rank owns of a parameter (a Holding): its tensor-parallel shard of the full tensor (where
   the shard sits comes from the parameter's ShardSpec), and of that shard the flat range whose
   optimizer state it holds: ZeRO-3's partition, the ZeRO-1/2 (and bf16 optimizer) fragment, or at

@@ -156,10 +156,17 @@ def test_a_ranks_optimizer_state_is_a_file_of_its_own_that_a_weights_reader_does
     assert torch.equal(model["w"], FULL["w"]) and torch.equal(model["b"], FULL["b"])
     with pytest.raises(CheckpointError, match="rank00003.optimizer.safetensors does not match its sha256"):
         sharded.read_universal(ckpt)  # a reader of the optimizer state hashes it
-    for damaged in ("shards/rank00001.safetensors", "index.json"):
-        target = ckpt / damaged
+    # a flipped byte in the weights, and an index edited but still one the reader accepts (only its hash can
+    # tell): the index that decides what is skipped is verified too
+    index = ckpt / "index.json"
+    edited = {**json.loads(index.read_text()), "edited": True}
+    for target, damaged in ((ckpt / "shards" / "rank00001.safetensors", None), (index, json.dumps(edited))):
         original = target.read_bytes()
-        target.write_bytes(original[:-1] + bytes([original[-1] ^ 0x01]))
-        with pytest.raises(CheckpointError, match="does not match its sha256|is not valid JSON"):
+        target.write_bytes(damaged.encode() if damaged else original[:-1] + bytes([original[-1] ^ 0x01]))
+        with pytest.raises(CheckpointError, match="does not match its sha256|is truncated or corrupted"):
             sharded.verify_for_weights(ckpt)
         target.write_bytes(original)
+    # a file nothing vouches for, planted where the index would lead a reader
+    (ckpt / "index" / "planted.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="index/planted.json is not in manifest.json"):
+        sharded.verify_for_weights(ckpt)
