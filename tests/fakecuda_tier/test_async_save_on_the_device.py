@@ -86,7 +86,8 @@ print("FOUND " + json.dumps({"found": found, "violations": ledger.violations}))
 def found(tmp_path_factory):
     root = tmp_path_factory.mktemp("async-save")
     args = [json.dumps(CASES), json.dumps(LAYERS), json.dumps(TINY)]
-    result = subprocess.run([sys.executable, "-c", SAVE, str(root), *args], cwd=REPO, env=fake_cuda_env(root / "reports"), capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-c", SAVE, str(root), *args], cwd=REPO,
+                            env=fake_cuda_env(root / "reports"), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-6000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("FOUND "))
     return json.loads(line[len("FOUND "):])

@@ -234,7 +234,8 @@ def test_nccl_binds_the_group_to_the_ranks_device_and_gloo_to_none(backend, monk
     from megaframe.parallel import rendezvous
 
     joined = {}
-    monkeypatch.setattr(rendezvous.dist, "init_process_group", lambda backend, **kw: joined.update(backend=backend, **kw))
+    monkeypatch.setattr(rendezvous.dist, "init_process_group",
+                        lambda backend, **kw: joined.update(backend=backend, **kw))
     monkeypatch.setattr(rendezvous, "_resolve", lambda *a: None)
     monkeypatch.setattr(rendezvous, "_connect", lambda *a: _store())
     monkeypatch.setattr(rendezvous, "wait_for_world", lambda *a: None)
