@@ -29,7 +29,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 
@@ -39,6 +39,9 @@ from megaframe.checkpoint.coverage import coverage_problem
 from megaframe.checkpoint.stream import write_streaming
 from megaframe.checkpoint.universal import CheckpointError, _atomic_json
 from megaframe.common.launch_env import usable_cores
+
+if TYPE_CHECKING:
+    from megaframe.checkpoint.staging import Snapshot
 
 SHARDS_DIR = "shards"
 INDEX_FILE = universal.INDEX_FILE
@@ -123,8 +126,13 @@ def rank_writer(directory: Path, rank: int, pieces: list[Piece], full_state: Opt
     return write
 
 
-def after(wait: Callable[[], None], write: Callable[[], dict]) -> Callable[[], dict]:
-    """write, once wait() has returned (a background save: its host copies are done)."""
+def write_or_defer(write: Callable[[], dict], snapshot: Optional["Snapshot"]) -> Union[dict, Callable[[], dict]]:
+    """A synchronous save writes now and returns the record; a background one (snapshot: its host copies
+    queued) returns the function that waits for the copies, then writes."""
+    if snapshot is None:
+        return write()
+    wait = snapshot.ready()
+
     def write_when_copied() -> dict:
         wait()
         return write()

@@ -82,11 +82,10 @@ class Snapshot:
     """One save's host copies (HostStaging.start)."""
 
     def __init__(self, staging: HostStaging):
-        self._device_copies = _Cursor(staging.pinned_slabs if staging.pin_device_copies else staging.host_slabs,
-                                      pinned=staging.pin_device_copies)
         self._host_copies = _Cursor(staging.host_slabs, pinned=False)
-        if not staging.pin_device_copies:
-            self._device_copies = self._host_copies  # one pageable list, one cursor
+        # without pinning, device copies share the pageable slabs and their cursor
+        self._device_copies = (_Cursor(staging.pinned_slabs, pinned=True) if staging.pin_device_copies
+                               else self._host_copies)
         self._queued_on: Optional[torch.device] = None  # the device whose stream holds copies not yet done
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -408,7 +408,7 @@ def save_universal(view: EngineView, directory: Path, state: dict[str, Any], lr_
             full_state["loss_scaler"] = scaler
 
     write = sharded.rank_writer(directory, rank, pieces, full_state, tokenizer_dir)
-    return sharded.after(snapshot.ready(), write) if snapshot is not None else write()
+    return sharded.write_or_defer(write, snapshot)
 
 
 # DeepSpeed's dynamic fp16 loss scaler: the scale, and the counters that decide when it next grows

@@ -129,7 +129,7 @@ def save(view: ShardView, directory: Path, state: dict[str, Any], tokenizer_dir:
                       "lr_scheduler": jsonable(view.lr_scheduler.state_dict())}
 
     write = sharded.rank_writer(directory, rank, pieces, full_state, tokenizer_dir)
-    return sharded.after(snapshot.ready(), write) if snapshot is not None else write()
+    return sharded.write_or_defer(write, snapshot)
 
 
 def _read_box(reader: sharded.ShardReader, part: LocalPart, key: str) -> torch.Tensor:

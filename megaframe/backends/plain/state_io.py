@@ -57,7 +57,7 @@ def save(view: PlainView, directory: Path, state: dict[str, Any], tokenizer_dir:
     full_state = {**state, "version": universal.SHARDED_VERSION, "optim_step": optim_step,
                   "layout": view.layout, "lr_scheduler": jsonable(view.lr_scheduler.state_dict())}
     write = sharded.rank_writer(directory, 0, pieces, full_state, tokenizer_dir)
-    return sharded.after(snapshot.ready(), write) if snapshot is not None else write()
+    return sharded.write_or_defer(write, snapshot)
 
 
 @torch.no_grad()
