@@ -26,6 +26,7 @@ from megaframe.launch.base import fail, hydra_flag_names, hydra_flags, launcher_
 from megaframe.launch.checks import check_before_launch, check_composed
 from megaframe.launch.hydra_run import run_hydra
 from megaframe.launch.registry import Job, launcher_for
+from megaframe.common.process_exit import exit_past_daemon_threads
 from megaframe.common.startup import resume_collector
 
 
@@ -118,4 +119,6 @@ def _train_main(argv: Optional[Sequence[str]]) -> None:
     if start.waits(job):
         resume_collector()  # start-up ends here: this process goes on to wait for the ranks or jobs it launches
     if (exit_code := start.start(job)) is not None:
-        sys.exit(exit_code)
+        # the job has ended; a waiting launcher ran torch's agent here, whose daemon threads can abort
+        # the interpreter's finalization (common/process_exit.py)
+        exit_past_daemon_threads(exit_code)

@@ -175,4 +175,6 @@ def _write_traceback(run_dir: Path) -> Path | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from megaframe.common.process_exit import exit_past_daemon_threads
+
+    exit_past_daemon_threads(main(sys.argv[1:]))  # the agent's daemon threads: common/process_exit.py
