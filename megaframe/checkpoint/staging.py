@@ -48,9 +48,11 @@ class HostStaging:
         self.pin_device_copies = pin_device_copies
         self.pinned_slabs: list[torch.Tensor] = []  # uint8, page-locked: copies from the device
         self.host_slabs: list[torch.Tensor] = []  # uint8, pageable: copies of host tensors
+        self.staged_bytes = 0  # what the latest save's copies filled (the planner's figure: plan/host.py)
 
     def start(self) -> "Snapshot":
         """The copies of one save; the previous save's writer must have finished reading them."""
+        self.staged_bytes = 0
         return Snapshot(self)
 
     @property
@@ -82,6 +84,7 @@ class Snapshot:
     """One save's host copies (HostStaging.start)."""
 
     def __init__(self, staging: HostStaging):
+        self._staging = staging
         self._host_copies = _Cursor(staging.host_slabs, pinned=False)
         # without pinning, device copies share the pageable slabs and their cursor
         self._device_copies = (_Cursor(staging.pinned_slabs, pinned=True) if staging.pin_device_copies
@@ -94,7 +97,9 @@ class Snapshot:
         source = tensor.detach()
         on_device = source.device.type != "cpu"
         cursor = self._device_copies if on_device else self._host_copies
-        host = cursor.region(source.numel() * source.element_size()).view(source.dtype).view(source.shape)
+        nbytes = source.numel() * source.element_size()
+        host = cursor.region(nbytes).view(source.dtype).view(source.shape)
+        self._staging.staged_bytes += nbytes
         queued = on_device and cursor.pinned
         if queued:
             if self._queued_on is not None and self._queued_on != source.device:

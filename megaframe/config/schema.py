@@ -331,6 +331,9 @@ class ClusterConfig:
     inter_node_gbps: float = 10.0  # GB/s per device and direction between nodes (InfiniBand)
     host_gbps: float = 10.0  # GB/s device <-> host memory per device (PCIe), for offload
     reserved_gb: float = 0.5  # per device, outside the model's plan: runtime context, comm buffers, allocator slack
+    # per node, GiB: the RAM the planner checks offloaded states and checkpoint copies against
+    # (plan/host.py); None = this host's RAM on cluster=local, unchecked on a named cluster
+    host_memory_gb: Optional[float] = None
 
 
 @dataclass

@@ -41,6 +41,9 @@ def _check_cluster(cfg: TrainConfig) -> None:
         raise ConfigError(f"launcher.nodes={cfg.launcher.nodes} must be >= 1 (or null: as many as the layout needs)")
     if c.memory_gb is not None and c.memory_gb <= 0:
         raise ConfigError(f"cluster.memory_gb={c.memory_gb} must be > 0 (or null: this host's RAM)")
+    if c.host_memory_gb is not None and c.host_memory_gb <= 0:
+        raise ConfigError(f"cluster.host_memory_gb={c.host_memory_gb} must be > 0 (or null: this host's RAM on "
+                          f"cluster=local, unchecked on a named cluster)")
     if not 0 < cfg.plan.mfu <= 1:
         raise ConfigError(f"plan.mfu={cfg.plan.mfu} must be in (0, 1], e.g. plan.mfu=0.4")
 
@@ -78,9 +81,23 @@ def preflight(cfg: TrainConfig, layout: Layout, args: list[str], prog: str) -> l
     if not est.fits:
         best = f"; a layout that fits: {alternatives[0].layout.describe()}" if alternatives else \
             "; no layout of this many ranks fits (add devices or shrink parallel.micro_batch_size)"
+        best += host_fixes(est)
         _fail(prog, f"the planner says this will not fit: {verdict(est)}{best}{profile_hint(cfg, layout) or ''} "
                     f"(plan.check=false skips this check)")
     return args
+
+
+def host_fixes(est: Estimate) -> str:
+    """What lowers the host memory the ranks keep, where that is what does not fit (plan/host.py)."""
+    host = est.host
+    if host is None or host.fits:
+        return ""
+    fixes = [fix for fix, term in (("train.async_save=false", host.async_copies), ("offload=nvme", host.offloaded),
+                                   ("train.fast_save_interval=0", host.fast_tier)) if term]
+    parts = [f"keep less in host memory ({', '.join(fixes)})"] if fixes else []
+    if est.cluster != "local":
+        parts.append("set cluster.host_memory_gb to the nodes' RAM if it is more")
+    return "; or " + ", or ".join(parts) if parts else ""
 
 
 def _on_a_profile(cfg: TrainConfig, layout: Layout) -> str:

@@ -26,6 +26,8 @@ from megaframe.plan.memory import (ACTIVATION_BYTES, GIB, OPTIMIZER_SHARDED, STA
                                    PlanLayout, active_parameters, embedding_parameters, largest_block_parameters,
                                    stage_block_kinds, stage_blocks, stage_expert_parameters, stage_parameters,
                                    stage_windowed_blocks, total_parameters)
+from megaframe.plan.host import (FAST_TIER_PARTS, CheckpointCopies, HostMemory, checkpoint_copies,
+                                  saved_bytes_per_parameter)
 from megaframe.plan.optimizer import (ADAMW, OptimizerTerms, assembled_matrices, matrix_parameters, optimizer_terms,
                                       owner_ranks, stage_assembly_bytes, stage_matrices, stage_newton_schulz_flops,
                                       step_working_bytes)
@@ -52,6 +54,9 @@ class StageEstimate:
     step_working: float = 0.0
     optimizer_flops: float = 0.0
     optimizer_bytes: float = 0.0
+    # this rank's shard of a checkpoint: as an async save copies it (live dtypes) and as written (fp32)
+    checkpoint_copy: float = 0.0
+    checkpoint_file: float = 0.0
 
 
 @dataclass
@@ -74,12 +79,17 @@ class Estimate:
     ranked_step_time_s: float  # with bubble, recomputation and exposed communication (see module doc)
     comm_bytes: dict = field(default_factory=dict)  # per rank per step: tp, pp, dp, cp, ep
     host_bytes: float = 0.0  # per rank, offloaded states
+    host: Optional[HostMemory] = None  # per node: what the ranks keep in host memory (plan/host.py)
     active_parameters: int = 0  # per token: MoE leaves the unchosen experts out (= total for a dense model)
     optimizer_flops_per_rank: float = 0.0  # Muon's Newton-Schulz on the busiest stage's rank, per step
     fp8_flops_per_step: float = 0.0  # of flops_per_step, those on fp8 tensor cores (precision=fp8)
 
     @property
     def fits(self) -> bool:
+        return self.fits_devices and (self.host is None or self.host.fits)
+
+    @property
+    def fits_devices(self) -> bool:
         return self.peak <= self.capacity
 
     @property
@@ -88,10 +98,12 @@ class Estimate:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(fits=self.fits, margin=self.margin, layout=asdict(self.layout),
+        d.update(fits=self.fits, fits_devices=self.fits_devices, margin=self.margin, layout=asdict(self.layout),
                  layout_text=self.layout.describe(), world_size=self.layout.world_size)
         for s, stage in zip(d["stages"], self.stages):
             s["states"]["device"] = stage.states.device
+        if self.host is not None:
+            d["host"].update(per_rank=self.host.per_rank, peak=self.host.peak, fits=self.host.fits)
         return d
 
 
@@ -206,12 +218,17 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     matrices = stage_matrices(dims, blocks - moe_blocks, moe_blocks, lay.tp, ep)
     row_split = matrix_parameters(matrices) - experts  # the 2D hidden matrices (experts: stacks)
     if optim.splits:  # e.g. Muon: one momentum buffer on the hidden matrices, AdamW's two on the rest
-        states = (states_of(params - experts - row_split, replicas, optim.other_states)
-                  + states_of(row_split, replicas, optim.matrix_states))
+        kinds = [(params - experts - row_split, replicas, optim.other_states),
+                 (row_split, replicas, optim.matrix_states)]
     else:
-        states = states_of(params - experts, replicas, optim.other_states)
+        kinds = [(params - experts, replicas, optim.other_states)]
     if experts:
-        states = states + states_of(experts, lay.grid.edp, optim.matrix_states)
+        kinds.append((experts, lay.grid.edp, optim.matrix_states))
+    states = sum((states_of(*kind) for kind in kinds[1:]), states_of(*kinds[0]))
+    # a checkpoint's shard: each rank writes the range whose optimizer state it holds (a replica group's
+    # first writes under HSDP), in both engines (backends/*/state_io.py)
+    def saved(widened: bool) -> float:
+        return sum(n / shards * saved_bytes_per_parameter(dtype, tensors, widened) for n, shards, tensors in kinds)
     shape = ActivationShape(lay.micro_batch_size, lay.tp, lay.sequence_parallel, dtype, device, lay.cp, lay.cp_impl)
     last = cuts - 1 in chunks
     per_micro = sum(stage_activation_bytes(dims, shape, chunk_blocks[c], c == 0, c == cuts - 1, lay.recompute,
@@ -248,7 +265,7 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
             + (states.host if host_counts_as_device else 0.0))
     return StageEstimate(stage, blocks, params, states, per_micro, in_flight, activations, working, peak,
                          step_working, stage_newton_schulz_flops(assembled, optim, owners, block_kinds),
-                         stage_assembly_bytes(assembled, owners))
+                         stage_assembly_bytes(assembled, owners), saved(widened=False), saved(widened=True))
 
 
 def zero_buffer_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, params: int, zero: ZeroConfig,
@@ -305,11 +322,12 @@ def _stages_to_report(pp: int) -> list[int]:
 
 def estimate(dims: GPTDims, lay: PlanLayout, dtype: str, cluster: ClusterConfig, mfu: float,
              all_stages: bool = False, zero: Optional[ZeroConfig] = None, tf32: bool = False,
-             fp8: Optional[Fp8Config] = None, optim: Optional[OptimConfig] = None) -> Estimate:
+             fp8: Optional[Fp8Config] = None, optim: Optional[OptimConfig] = None,
+             copies: CheckpointCopies = CheckpointCopies()) -> Estimate:
     """Memory, FLOPs, time and communication of `lay` for the model `dims` on `cluster` (tf32:
     precision.tf32, fp32 matmuls on TF32 tensor cores; fp8: precision.fp8, whose share of the FLOPs
     runs at the GPU's fp8 peak; optim: the optimizer, whose state and step the plan counts; None:
-    AdamW's)."""
+    AdamW's; copies: what the run's saves keep in host memory, counted against the node's RAM)."""
     fp8, terms = fp8 or Fp8Config(), optimizer_terms(optim)
     local = cluster.gpus_per_node is None
     ranks_on_host = lay.world_size if local else min(lay.world_size, cluster.gpus_per_node)
@@ -337,13 +355,29 @@ def estimate(dims: GPTDims, lay: PlanLayout, dtype: str, cluster: ClusterConfig,
     optimizer_seconds = optimizer_flops / ((peak or 1.0) * 1e12 * mfu)
     step_time = model_seconds(model_peak) + optimizer_seconds if peak else None
     comm = communication_bytes(dims, lay, dtype, worst)
+    host = host_memory(cluster, ranks_on_host, stages, worst.peak if host_is_device else None, lay, copies)
     ranked = _ranked_step_time(lay, cluster, model_seconds(model_peak or 1.0), comm, worst) + optimizer_seconds
     return Estimate(layout=lay, cluster=cluster.name, total_parameters=total_parameters(dims), stages=stages,
                     capacity=capacity, reserved=reserved, peak=worst.peak, peak_stage=worst.stage,
                     flops_per_step=flops, tokens_per_step=step_tokens, step_time_s=step_time,
-                    ranked_step_time_s=ranked, comm_bytes=comm, host_bytes=max(s.states.host for s in stages),
+                    ranked_step_time_s=ranked, comm_bytes=comm, host_bytes=max(s.states.host for s in stages), host=host,
                     active_parameters=active_parameters(dims), optimizer_flops_per_rank=optimizer_flops,
                     fp8_flops_per_step=fp8_flops_per_token(dims, fp8) * step_tokens)
+
+
+def host_memory(cluster: ClusterConfig, ranks: int, stages: list[StageEstimate], device_in_ram: Optional[float],
+                lay: PlanLayout, copies: CheckpointCopies) -> HostMemory:
+    """What one node's ranks keep in its RAM (plan/host.py), the busiest stage's figures for every rank.
+    device_in_ram: a rank's whole peak where its device is this RAM (it counts its offloaded states)."""
+    in_ram = "cpu" in (lay.offload_optimizer, lay.offload_param)  # offload=nvme: on the drive
+    capacity = (cluster.host_memory_gb * GIB if cluster.host_memory_gb is not None
+                else host_memory_bytes() if cluster.name == "local" else None)
+    return HostMemory(
+        ranks=ranks,
+        offloaded=max(s.states.host for s in stages) if in_ram and device_in_ram is None else 0.0,
+        async_copies=max(s.checkpoint_copy for s in stages) if copies.async_save else 0.0,
+        fast_tier=FAST_TIER_PARTS * max(s.checkpoint_file for s in stages) if copies.fast_tier else 0.0,
+        device_in_ram=device_in_ram or 0.0, capacity=capacity)
 
 
 def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: StageEstimate) -> dict:
@@ -451,4 +485,4 @@ def estimate_config(cfg: TrainConfig, layout: Layout, all_stages: bool = False) 
                           f"outgrow the memory of 10**5 GPUs together; check the model's sizes for a typo")
     dims = document_dims(dims, cfg.data, None)  # data.document_mask: its masks (plan/activations.py)
     return estimate(dims, plan_layout(cfg, layout), cfg.precision.dtype, cfg.cluster, cfg.plan.mfu, all_stages,
-                    cfg.zero, cfg.precision.tf32, cfg.precision.fp8, cfg.optim)
+                    cfg.zero, cfg.precision.tf32, cfg.precision.fp8, cfg.optim, checkpoint_copies(cfg))

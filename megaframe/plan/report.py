@@ -5,6 +5,7 @@ import json
 from typing import Optional
 
 from megaframe.plan.estimate import Estimate
+from megaframe.plan.host import HostMemory
 from megaframe.plan.memory import GIB
 
 
@@ -33,9 +34,26 @@ def _extra_flops(est: Estimate) -> str:
 
 def verdict(est: Estimate) -> str:
     """'fits' or 'does not fit', with the numbers."""
-    word = "fits" if est.fits else "does NOT fit"
-    return (f"{est.layout.describe()} {word} on {est.cluster}: peak {gib(est.peak)} (stage {est.peak_stage}) "
+    word = "fits" if est.fits_devices else "does NOT fit"
+    line = (f"{est.layout.describe()} {word} on {est.cluster}: peak {gib(est.peak)} (stage {est.peak_stage}) "
             f"vs {gib(est.capacity)} per device, margin {gib(est.margin)}")
+    if est.host is not None and not est.host.fits:
+        line += f"; {'but ' if est.fits_devices else ''}NOT the host memory: {host_line(est.host)}"
+    return line
+
+
+def host_terms(host: HostMemory) -> str:
+    """The host memory terms a rank has (plan/host.py), named by the setting that puts them there."""
+    named = {"its device's memory (cluster=local)": host.device_in_ram, "offload=cpu states": host.offloaded,
+             "train.async_save copies": host.async_copies, "train.fast_save_interval parts": host.fast_tier}
+    return " + ".join(f"{name} {gib(value)}" for name, value in named.items() if value)
+
+
+def host_line(host: HostMemory) -> str:
+    """Per node: what the ranks keep in RAM against what it has."""
+    capacity = gib(host.capacity) if host.capacity is not None else "unknown (set cluster.host_memory_gb)"
+    return (f"{host.ranks} rank{'s' if host.ranks > 1 else ''} x ({host_terms(host)}) = {gib(host.peak)} vs "
+            f"{capacity} per node")
 
 
 def table(est: Estimate, mfu: float, alternatives: list[Estimate] | None = None, auto: Optional[Estimate] = None) -> str:
@@ -58,10 +76,13 @@ def table(est: Estimate, mfu: float, alternatives: list[Estimate] | None = None,
                      f"{gib(s.working):>12} {gib(s.peak):>12}")
     lines += ["",
               f"peak {gib(est.peak)} (stage {est.peak_stage}, incl. {gib(est.reserved)} reserved) vs {gib(est.capacity)} "
-              f"per device: {'FITS' if est.fits else 'DOES NOT FIT'}, margin {gib(est.margin)}",
+              f"per device: {'FITS' if est.fits_devices else 'DOES NOT FIT'}, margin {gib(est.margin)}",
               f"per step: {est.flops_per_step:.3e} model FLOPs{_extra_flops(est)}, {est.tokens_per_step:,} tokens; "
               f"step time at {mfu:.0%} MFU {_seconds(est.step_time_s)}",
               "communication per rank per step: " + ", ".join(f"{k.upper()} {gib(v)}" for k, v in est.comm_bytes.items())]
+    if est.host is not None and est.host.per_rank and (est.host.offloaded or est.host.async_copies
+                                                       or est.host.fast_tier or not est.host.fits):
+        lines.append(f"host memory: {host_line(est.host)}: {'FITS' if est.host.fits else 'DOES NOT FIT'}")
     if step := max(s.step_working for s in est.stages):  # Muon: its exchange buffers, once activations are freed
         lines.append(f"optimizer step: {gib(step)} transient after the backward (the peak counts the larger of "
                      f"this and activations + working)")

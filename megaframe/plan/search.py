@@ -15,6 +15,7 @@ from megaframe.model.dims import document_dims, resolve_dims
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.pipeline_schedules import SPLIT_BACKWARD, runs_micro_batches, stages_per_rank
 from megaframe.plan.estimate import Estimate, estimate, planning_device_type, planning_vocab_size
+from megaframe.plan.host import checkpoint_copies
 from megaframe.plan.memory import PlanLayout
 
 
@@ -110,7 +111,7 @@ def fitting_layouts(cfg: TrainConfig, base: PlanLayout, limit: int = 10) -> list
         dims = dims_for_tp.setdefault(lay.tp, document_dims(resolve_dims(cfg.model, vocab, tp=lay.tp,
                                                                            device_type=device), cfg.data, None))
         est = estimate(dims, lay, cfg.precision.dtype, cfg.cluster, cfg.plan.mfu, zero=cfg.zero, tf32=cfg.precision.tf32,
-                       fp8=cfg.precision.fp8, optim=cfg.optim)
+                       fp8=cfg.precision.fp8, optim=cfg.optim, copies=checkpoint_copies(cfg))
         if est.fits:
             fitting.append(est)
     fitting.sort(key=lambda e: (round(e.ranked_step_time_s, 9), e.peak))

@@ -33,7 +33,17 @@ def plan_summary(est: Optional[Estimate]) -> str:
     return (f"memory plan per rank (stage {est.peak_stage}): weights {_size(worst.states.weights)} + grads "
             f"{_size(worst.states.gradients)} + optimizer {_size(worst.states.optimizer)} "
             f"(offloaded {_size(worst.states.host)}), activations {_size(worst.activations)}, "
-            f"peak {_size(est.peak)} of {_size(est.capacity)} ({'fits' if est.fits else 'DOES NOT FIT'})")
+            f"peak {_size(est.peak)} of {_size(est.capacity)} ({'fits' if est.fits_devices else 'DOES NOT FIT'})"
+            + _host_part(est))
+
+
+def _host_part(est: Estimate) -> str:
+    """The node's RAM, where the run keeps something in it on purpose (plan/host.py)."""
+    host = est.host
+    if host is None or not (host.offloaded or host.async_copies or host.fast_tier):
+        return ""
+    of = f" of {_size(host.capacity)}" if host.capacity is not None else ""
+    return f"; host memory per node {_size(host.peak)}{of} ({'fits' if host.fits else 'DOES NOT FIT'})"
 
 
 def gather_model_states(mine: dict[str, int]) -> Optional[list[dict[str, int]]]:

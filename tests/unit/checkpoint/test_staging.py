@@ -38,6 +38,8 @@ def test_a_second_save_of_the_same_shard_reuses_every_byte_and_allocates_nothing
     second_copies = [second.copy(t) for t in shard(2.0)]
     assert [s.data_ptr() for s in stager.host_slabs] == slabs and stager.nbytes == held == staging.SLAB_BYTES
     assert [c.data_ptr() for c in second_copies] == [c.data_ptr() for c in first_copies]
+    # what each save filled, the planner's figure (plan/host.py): the pieces' own bytes, alignment not counted
+    assert stager.staged_bytes == (15 * 4 + 7 * 2 + 4 + 0 + 11 * 8 + 24 * 8 + 7 * 2 * 4)
     assert all(torch.equal(c, t) for c, t in zip(second_copies, shard(2.0)))
 
 
