@@ -358,6 +358,29 @@ def _entry_ok(entry: Any) -> bool:
             and isinstance(entry.get("group"), str))
 
 
+def reader_entry_files(directory: Path) -> set[str]:
+    """The files in `directory` that tell ShardReader where tensors are (index.json and the index
+    groups; without an index, version 1's two whole-tensor files): a verified manifest must list
+    each, or a file planted among them would lead the reader to values nothing verified."""
+    directory = Path(directory)
+    if not (directory / INDEX_FILE).is_file():
+        return {name for name in (universal.MODEL_FILE, universal.OPTIMIZER_FILE) if (directory / name).is_file()}
+    return {INDEX_FILE} | {f"{INDEX_DIR}/{p.name}" for p in (directory / INDEX_DIR).glob("*.json")}
+
+
+def unvouched(directory: Path, rel: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint {directory}: {rel} is not in {universal.MANIFEST_FILE} (a file nothing "
+                           f"vouches for); use a checkpoint as megaframe saved it")
+
+
+def verify_all(directory: Path) -> dict:
+    """verify_manifest, refusing an index file the manifest does not list (reader_entry_files)."""
+    manifest = universal.verify_manifest(directory)
+    if unlisted := sorted(reader_entry_files(directory) - set(manifest["files"])):
+        raise unvouched(directory, unlisted[0])
+    return manifest
+
+
 def verify_for_weights(directory: Path) -> dict:
     """verify_manifest for a reader of the weights alone: every file the manifest lists but those that
     hold optimizer state only (a rank's .optimizer file, AdamW's moments and masters: three times the
@@ -369,12 +392,8 @@ def verify_for_weights(directory: Path) -> dict:
     with ShardReader(directory) as reader:
         for key in reader.keys():
             (state if universal.is_optimizer_key(key) else weights).update(c["file"] for c in reader.chunks(key))
-    listed = set(manifest["files"])
-    index_files = {INDEX_FILE} if (Path(directory) / INDEX_FILE).is_file() else set()
-    index_files |= {f"{INDEX_DIR}/{p.name}" for p in (Path(directory) / INDEX_DIR).glob("*.json")}
-    if unlisted := sorted((weights | index_files) - listed):
-        raise CheckpointError(f"checkpoint {directory}: {unlisted[0]} is not in {universal.MANIFEST_FILE} (a file "
-                              f"nothing vouches for); use a checkpoint as megaframe saved it")
+    if unlisted := sorted((weights | reader_entry_files(directory)) - set(manifest["files"])):
+        raise unvouched(directory, unlisted[0])
     skipped = state - weights
     universal.verify_files(directory, {rel: entry for rel, entry in manifest["files"].items() if rel not in skipped},
                            threads=min(8, usable_cores()))
@@ -391,7 +410,7 @@ def read_universal(directory: Path, verify: bool = True, optimizer_state: bool =
     the converter goes tensor by tensor."""
     directory = Path(directory)
     if verify:
-        universal.verify_manifest(directory) if optimizer_state else verify_for_weights(directory)
+        verify_all(directory) if optimizer_state else verify_for_weights(directory)
     state = universal.read_state(directory)
     model, optimizer = {}, {}
     with ShardReader(directory) as reader:

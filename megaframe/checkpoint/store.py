@@ -518,6 +518,10 @@ def manifest_problem(path: Path) -> Optional[str]:
         files = universal.read_manifest(path)["files"]
         mine = hashing_shares({name: meta["bytes"] for name, meta in files.items()}, world)[_rank()]
         universal.verify_files(path, {name: files[name] for name in mine})
+        # rank 0 alone lists the index (one listing of shared storage, not one per rank): a group file
+        # the manifest does not list would lead every rank's reader to values nothing verified
+        if _rank() == 0 and (unlisted := sorted(sharded.reader_entry_files(path) - set(files))):
+            raise sharded.unvouched(path, unlisted[0])
     except CheckpointError as err:
         problem = str(err)
     except OSError as err:  # EIO, ESTALE, EACCES on shared storage: said on every rank, not a traceback on

@@ -170,3 +170,26 @@ def test_a_ranks_optimizer_state_is_a_file_of_its_own_that_a_weights_reader_does
     (ckpt / "index" / "planted.json").write_text("{}")
     with pytest.raises(CheckpointError, match="index/planted.json is not in manifest.json"):
         sharded.verify_for_weights(ckpt)
+
+
+def test_an_index_the_manifest_does_not_list_is_refused_by_a_resume_and_by_a_full_read(tmp_path):
+    """A manifest vouches for the files it lists; the reader finds tensors through index.json and its
+    groups. An index outside the manifest (a version-1 checkpoint's manifest lists only its two files,
+    and an index.json planted beside them would be followed) is refused before anything is read, by a
+    resume (store.manifest_problem, every rank's verdict) and by a full read, as by a weights reader."""
+    from megaframe.checkpoint import store
+
+    ckpt = tmp_path / "ckpt"
+    _save(ckpt, 2, 1, 0)
+    universal.write_state(ckpt, {"step": 1, "consumed_samples": 8, "model": {}})
+    hashed = sharded.merge_records(ckpt, 2)
+    universal.write_manifest(ckpt, hashed)
+    assert store.manifest_problem(ckpt) is None
+    assert torch.equal(sharded.read_universal(ckpt)[1]["w"], FULL["w"])
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    del manifest["files"]["index.json"]  # as if index.json came after the manifest was written
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    assert "index.json is not in manifest.json" in (store.manifest_problem(ckpt) or "")
+    for read in (sharded.read_universal, lambda c: sharded.read_universal(c, optimizer_state=False)):
+        with pytest.raises(CheckpointError, match="index.json is not in manifest.json"):
+            read(ckpt)
