@@ -307,6 +307,31 @@ def write_hf_weights(out_dir: Path, tensors: Mapping[str, torch.Tensor], dtype: 
     return len(shards)
 
 
+CONVERTED_FILE_BYTES = 2 * 2**30  # fp32 bytes per shard file of a converted checkpoint (a larger tensor: its own)
+
+
+def write_sharded_model(directory: Path, model: Mapping[str, torch.Tensor]) -> dict[str, dict]:
+    """The tensors as a trained checkpoint stores them (shards/ files, index.json), whole, in files
+    of at most CONVERTED_FILE_BYTES each: a resume's verification splits the files over the ranks by bytes
+    (checkpoint/file_hash.py), and one model.safetensors (276 GB at 70B in fp32) was hashed by one
+    rank while the others waited. Returns {file: {bytes, sha256}}, hashed as written."""
+    files: list[list[str]] = [[]]
+    filled = 0
+    for name in model:
+        size = 4 * math.prod(shape_of(model, name))
+        if files[-1] and filled + size > CONVERTED_FILE_BYTES:
+            files.append([])
+            filled = 0
+        files[-1].append(name)
+        filled += size
+    for number, names in enumerate(files):
+        shapes = {name: tuple(shape_of(model, name)) for name in names}
+        pieces = [sharded.Piece(name, shape, Box((0,) * len(shape), shape), lambda name=name: model[name])
+                  for name, shape in shapes.items()]
+        sharded.write_record(directory, sharded.write_rank_shard(directory, number, pieces))
+    return sharded.merge_records(directory, len(files))
+
+
 def write_layout_free(out: Path, model: Mapping[str, torch.Tensor], state: dict, tokenizer_src: Optional[Path] = None,
                       force: bool = False) -> Path:
     """Write a model-only layout-free checkpoint (fp32 canonical tensors, state.json, manifest.json
@@ -320,9 +345,9 @@ def write_layout_free(out: Path, model: Mapping[str, torch.Tensor], state: dict,
             state = {**state, "tokenizer": str((out / TOKENIZER_DIR).resolve())}
             if RECORD_KEY in state:  # the copy is what the checkpoint names from now on
                 state[RECORD_KEY] = {**state[RECORD_KEY], "name": state["tokenizer"]}
-        write_tensors(tmp / universal.MODEL_FILE, model)
+        hashed = write_sharded_model(tmp, model)
         universal.write_state(tmp, state)
-        universal.write_manifest(tmp)
+        universal.write_manifest(tmp, hashed)
         return publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

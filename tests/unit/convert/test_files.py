@@ -35,3 +35,34 @@ def test_every_file_and_folder_is_flushed_before_the_export_replaces_the_old_one
     for name in ("config.json", "generation_config.json", "tokenizer.json", "sub/merges.txt", "sub"):
         assert str(staged / name) in before, (name, before)
     assert (out / "config.json").read_text() == "config.json"
+
+
+def test_a_converted_checkpoint_is_split_into_files_the_ranks_share_when_they_verify(tmp_path, monkeypatch):
+    """A from-hf checkpoint was one model.safetensors, which one rank hashed at every resume while
+    the others waited (276 GB at 70B in fp32). Now its tensors are whole chunks in shard files of at
+    most CONVERTED_FILE_BYTES (a larger tensor alone in its own), in the trained checkpoints' format."""
+    import torch
+
+    from megaframe.checkpoint import sharded, universal
+    from megaframe.checkpoint.file_hash import hashing_shares
+
+    monkeypatch.setattr(files, "CONVERTED_FILE_BYTES", 4096)
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(16, 32, generator=g), "b": torch.randn(300, generator=g),
+               "big": torch.randn(40, 40, generator=g), "c": torch.randn(8, 8, generator=g),
+               "d": torch.randn(5, generator=g)}
+    files.write_layout_free(tmp_path / "ckpt", tensors, {"step": 0, "consumed_samples": 0, "model": {}})
+    ckpt = tmp_path / "ckpt"
+    assert not (ckpt / universal.MODEL_FILE).exists()
+    with sharded.ShardReader(ckpt) as reader:
+        by_file: dict = {}
+        for key in reader.keys():
+            (chunk,) = reader.chunks(key)  # each tensor whole, in one file
+            by_file.setdefault(chunk["file"], []).append(key)
+    # in order, fp32 bytes a 2048 + b 1200 fit 4096; big (6400) alone; then c 256 + d 20
+    assert sorted(by_file.values()) == [["a", "b"], ["big"], ["c", "d"]], by_file
+    _, model, _ = sharded.read_universal(ckpt)
+    assert model.keys() == tensors.keys() and all(torch.equal(model[k], tensors[k]) for k in tensors)
+    sizes = {rel: meta["bytes"] for rel, meta in universal.read_manifest(ckpt)["files"].items()}
+    shares = hashing_shares(sizes, 3)
+    assert all(share for share in shares)  # every rank of three hashes a part

@@ -130,10 +130,11 @@ def test_malicious_pickle_is_refused_without_running_it(tmp_path):
 def test_corrupt_checkpoint_is_refused_by_its_manifest(tmp_path):
     tiny_hf("gpt2").save_pretrained(tmp_path / "hf")
     import_hf(tmp_path / "hf", tmp_path / "out")
-    with open(tmp_path / "out" / "model.safetensors", "r+b") as f:
+    with open(tmp_path / "out" / "shards" / "rank00000.safetensors", "r+b") as f:
         f.seek(-4, 2)
         f.write(b"\x00\x01\x02\x03")
-    with pytest.raises(ConvertError, match="corrupted: model.safetensors does not match its sha256 in manifest.json"):
+    with pytest.raises(ConvertError, match="corrupted: shards/rank00000.safetensors does not match its sha256 in "
+                                           "manifest.json"):
         read_layout_free(tmp_path / "out")
 
 
@@ -254,13 +255,13 @@ def test_an_output_that_names_the_working_directory_is_one_line_before_any_work(
 # by argv[1] says the staging folder exists and the weights are being written
 _HELD = """
 import pathlib, sys, time
-from megaframe.convert import files
-started, write = pathlib.Path(sys.argv.pop(1)), files.write_streaming
+from megaframe.checkpoint import sharded  # the shard files' writer
+started, write = pathlib.Path(sys.argv.pop(1)), sharded.write_streaming
 def held(path, *args, **kwargs):
     started.touch()
     time.sleep(60)
     return write(path, *args, **kwargs)
-files.write_streaming = held
+sharded.write_streaming = held
 from megaframe.convert.cli import main
 main(sys.argv[1:])
 """
