@@ -17,6 +17,7 @@ to Hugging Face (megaframe-convert) and load it sharded there.
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Union
 
@@ -37,6 +38,9 @@ def load_model(checkpoint: Union[str, Path], device: Union[str, torch.device] = 
     from megaframe.model.moe import load_router_biases
 
     device = torch.device(device)
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype}: a model's weights take a floating-point dtype (torch.float32, "
+                         f"torch.bfloat16 or torch.float16)")
     state, reader = open_layout_free(Path(checkpoint))  # verified against its manifest (the weights' files)
     with reader:
         tensors = model_tensors(reader)  # each read when copied in, then released
@@ -46,7 +50,12 @@ def load_model(checkpoint: Union[str, Path], device: Union[str, torch.device] = 
         model = _empty_model(dims, device, dtype)
         with torch.no_grad():
             load_full_state(model, tensors)
-            load_router_biases(getattr(model, "moe_layers", []), state.get("router_biases") or {})
+            biases = state.get("router_biases") or {}
+            if dims.moe is not None and dims.moe.bias_update_rate and not biases:
+                warnings.warn(f"{checkpoint}: the model balances its experts with routing biases "
+                              f"(model.moe.bias_update_rate) but the checkpoint holds none (saved before they were "
+                              f"recorded): it routes with them at zero", stacklevel=2)
+            load_router_biases(getattr(model, "moe_layers", []), biases)
     # anything the build made in another dtype or place (none today): as asked
     return model.to(device=device, dtype=dtype).eval()
 
@@ -58,6 +67,8 @@ def _empty_model(dims, device: torch.device, dtype: torch.dtype) -> GPT:
     from megaframe.parallel.dims import ParallelDims
     from megaframe.parallel.state import ParallelState
 
+    # the process's default dtype for the build, as transformers' from_pretrained(torch_dtype=) sets it:
+    # another thread making tensors meanwhile would get this dtype too
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -52,6 +52,8 @@ class EngineFacts:
     # the ZeRO stages whose flat partitions it describes to the optimizer (where each matrix lies in
     # each rank's partition: optim/sharded.py's FlatPartition), so Muon assembles matrices from them
     described_partition_stages: tuple[int, ...] = ()
+    # the ZeRO stages at which it swaps optimizer states and parameters to NVMe (offload=nvme)
+    nvme_offload_stages: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -365,7 +365,9 @@ def reader_entry_files(directory: Path) -> set[str]:
     directory = Path(directory)
     if not (directory / INDEX_FILE).is_file():
         return {name for name in (universal.MODEL_FILE, universal.OPTIMIZER_FILE) if (directory / name).is_file()}
-    return {INDEX_FILE} | {f"{INDEX_DIR}/{p.name}" for p in (directory / INDEX_DIR).glob("*.json")}
+    # hidden files are not the checkpoint's (write_manifest skips them; a copy made on macOS adds ._*.json)
+    return {INDEX_FILE} | {f"{INDEX_DIR}/{p.name}" for p in (directory / INDEX_DIR).glob("*.json")
+                           if not p.name.startswith(".")}
 
 
 def unvouched(directory: Path, rel: str) -> CheckpointError:

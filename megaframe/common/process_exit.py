@@ -17,13 +17,15 @@ from typing import NoReturn
 
 
 def exit_past_daemon_threads(code: int) -> NoReturn:
-    """Exit with `code` as sys.exit would, less the interpreter's finalization: wait for the
-    non-daemon threads, run the atexit handlers (logging's flush among them), flush the standard
-    streams, then end the process at once, with the daemon threads where they are."""
-    main = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main and not thread.daemon and thread is not threading.current_thread():
-            thread.join()
+    """Exit with `code` as sys.exit would, less the interpreter's finalization: threading's own
+    shutdown first (what Py_FinalizeEx runs first: its exit hooks, which tell a ThreadPoolExecutor's
+    idle workers to stop, then a join of every non-daemon thread, those started meanwhile too), the
+    atexit handlers (logging's flush among them), the standard streams; then the process ends at once,
+    with the daemon threads where they are. Objects' __del__ methods do not run."""
+    try:
+        threading._shutdown()  # private, but it is the interpreter's own first step of an exit
+    except KeyboardInterrupt:  # Ctrl-C while a thread is joined: the job is over, end with its code
+        pass
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -16,7 +16,7 @@ from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import ConfigError, Layout, requested_world_size
 from megaframe.plan.estimate import Estimate, estimate_config, plan_layout
 from megaframe.plan.profiles import profile_hint
-from megaframe.plan.report import as_json, gib, table, verdict
+from megaframe.plan.report import as_json, gib, host_line, table, verdict
 from megaframe.plan.search import fitting_layouts, layout_overrides
 
 PROG = "megaframe-plan"
@@ -73,14 +73,12 @@ def preflight(cfg: TrainConfig, layout: Layout, args: list[str], prog: str) -> l
     if cfg.parallel.auto:
         if not alternatives:
             _fail(prog, f"parallel=auto: no layout of {layout.world_size} ranks fits cluster={cfg.cluster.name} "
-                        f"({gib(est.capacity)} per device); add devices or shrink parallel.micro_batch_size"
-                        f"{_on_a_profile(cfg, layout)}")
+                        f"{_auto_capacity(est)}{host_fixes(est)}{_on_a_profile(cfg, layout)}")
         chosen = alternatives[0].layout
         print(f"{prog}: parallel=auto chose {chosen.describe()} (peak {gib(alternatives[0].peak)})", flush=True)
         return [*args, *layout_overrides(chosen)]
     if not est.fits:
-        best = f"; a layout that fits: {alternatives[0].layout.describe()}" if alternatives else \
-            "; no layout of this many ranks fits (add devices or shrink parallel.micro_batch_size)"
+        best = f"; a layout that fits: {alternatives[0].layout.describe()}" if alternatives else f"; {no_fit(est)}"
         best += host_fixes(est)
         _fail(prog, f"the planner says this will not fit: {verdict(est)}{best}{profile_hint(cfg, layout) or ''} "
                     f"(plan.check=false skips this check)")
@@ -89,15 +87,34 @@ def preflight(cfg: TrainConfig, layout: Layout, args: list[str], prog: str) -> l
 
 def host_fixes(est: Estimate) -> str:
     """What lowers the host memory the ranks keep, where that is what does not fit (plan/host.py)."""
+    from megaframe.backends.registry import engine_facts
+
     host = est.host
     if host is None or host.fits:
         return ""
-    fixes = [fix for fix, term in (("train.async_save=false", host.async_copies), ("offload=nvme", host.offloaded),
+    nvme = est.layout.zero_stage in engine_facts(est.layout.engine).nvme_offload_stages
+    fixes = [fix for fix, term in (("train.async_save=false", host.async_copies),
+                                   ("offload=nvme offload.nvme_path=DIR", host.offloaded if nvme else 0.0),
                                    ("train.fast_save_interval=0", host.fast_tier)) if term]
     parts = [f"keep less in host memory ({', '.join(fixes)})"] if fixes else []
     if est.cluster != "local":
         parts.append("set cluster.host_memory_gb to the nodes' RAM if it is more")
     return "; or " + ", or ".join(parts) if parts else ""
+
+
+def no_fit(est: Estimate) -> str:
+    """Why no layout of this world fits, and what would help: more devices and a smaller micro-batch
+    for the devices' memory; for the host's alone, more nodes (each rank's share of the states shrinks)."""
+    if est.fits_devices:  # the verdict before this has said what fills the host memory
+        return "no layout of this many ranks fits the host memory (more nodes shrink each rank's share)"
+    return "no layout of this many ranks fits (add devices or shrink parallel.micro_batch_size)"
+
+
+def _auto_capacity(est: Estimate) -> str:
+    """parallel=auto found nothing: the memory that stopped it, the devices' or the host's."""
+    if est.fits_devices and est.host is not None and not est.host.fits:
+        return f"(the host memory: {host_line(est.host)}); more nodes shrink each rank's share"
+    return f"({gib(est.capacity)} per device); add devices or shrink parallel.micro_batch_size"
 
 
 def _on_a_profile(cfg: TrainConfig, layout: Layout) -> str:
@@ -116,7 +133,7 @@ def fit_problem(cfg: TrainConfig, layout: Layout) -> Optional[str]:
     if cfg.parallel.auto:
         if fitting_layouts(cfg, plan_layout(cfg, layout), limit=1):
             return None
-        return f"parallel=auto: no layout of {layout.world_size} ranks fits cluster={cfg.cluster.name} ({gib(est.capacity)} per device)"
+        return f"parallel=auto: no layout of {layout.world_size} ranks fits cluster={cfg.cluster.name} {_auto_capacity(est)}"
     return None if est.fits else f"the planner says it will not fit: {verdict(est)}{profile_hint(cfg, layout) or ''}"
 
 

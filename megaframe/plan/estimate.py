@@ -369,12 +369,11 @@ def host_memory(cluster: ClusterConfig, ranks: int, stages: list[StageEstimate],
                 lay: PlanLayout, copies: CheckpointCopies) -> HostMemory:
     """What one node's ranks keep in its RAM (plan/host.py), the busiest stage's figures for every rank.
     device_in_ram: a rank's whole peak where its device is this RAM (it counts its offloaded states)."""
-    in_ram = "cpu" in (lay.offload_optimizer, lay.offload_param)  # offload=nvme: on the drive
     capacity = (cluster.host_memory_gb * GIB if cluster.host_memory_gb is not None
                 else host_memory_bytes() if cluster.name == "local" else None)
     return HostMemory(
         ranks=ranks,
-        offloaded=max(s.states.host for s in stages) if in_ram and device_in_ram is None else 0.0,
+        offloaded=max(s.states.host_ram for s in stages) if device_in_ram is None else 0.0,
         async_copies=max(s.checkpoint_copy for s in stages) if copies.async_save else 0.0,
         fast_tier=FAST_TIER_PARTS * max(s.checkpoint_file for s in stages) if copies.fast_tier else 0.0,
         device_in_ram=device_in_ram or 0.0, capacity=capacity)

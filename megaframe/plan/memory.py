@@ -283,6 +283,7 @@ class ModelStates:
     gradients: float
     optimizer: float
     host: float  # offloaded to CPU memory (or NVMe)
+    host_ram: float = 0.0  # of host, what offload=cpu keeps in RAM (offload.*=nvme: on the drive)
 
     @property
     def device(self) -> float:
@@ -290,7 +291,7 @@ class ModelStates:
 
     def __add__(self, other: "ModelStates") -> "ModelStates":
         return ModelStates(self.weights + other.weights, self.gradients + other.gradients,
-                           self.optimizer + other.optimizer, self.host + other.host)
+                           self.optimizer + other.optimizer, self.host + other.host, self.host_ram + other.host_ram)
 
 
 def fsdp2_state_bytes(params: int, dp: int, offload: bool, state_tensors: int = 2) -> ModelStates:
@@ -300,7 +301,7 @@ def fsdp2_state_bytes(params: int, dp: int, offload: bool, state_tensors: int = 
     master besides (measured at dp=4, tests/dist/test_fsdp2.py). CPU offload moves all three to the host.
     state_tensors: the optimizer's fp32 tensors per parameter (plan/optimizer.py: Muon's matrices 1)."""
     states = ModelStates(4 * params / dp, 4 * params / dp, 4 * state_tensors * params / dp, 0.0)
-    return ModelStates(0.0, 0.0, 0.0, states.device) if offload else states
+    return ModelStates(0.0, 0.0, 0.0, states.device, states.device) if offload else states  # RAM: FSDP2's CPU policy
 
 
 def model_state_bytes(params: int, dp: int, zero_stage: int, dtype: str, offload_optimizer: str = "none",
@@ -330,12 +331,14 @@ def model_state_bytes(params: int, dp: int, zero_stage: int, dtype: str, offload
     weights = params * w_bytes / (dp if zero_stage >= 3 else 1)
     gradients = params * g_bytes / (dp if zero_stage >= 2 or (zero_stage == 1 and reduces_in_backward) else 1)
     optimizer = params * o_bytes / (dp if zero_stage >= 1 else 1)
-    host = 0.0
+    host = host_ram = 0.0
     if offload_optimizer != "none":
-        host, optimizer = host + optimizer, 0.0
+        host, host_ram = host + optimizer, host_ram + (optimizer if offload_optimizer == "cpu" else 0.0)
+        optimizer = 0.0
     if offload_param != "none":
-        host, weights = host + weights, 0.0
-    return ModelStates(weights, gradients, optimizer, host)
+        host, host_ram = host + weights, host_ram + (weights if offload_param == "cpu" else 0.0)
+        weights = 0.0
+    return ModelStates(weights, gradients, optimizer, host, host_ram)
 
 
 # each engine's MemoryTerms.states (backends/facts.py): the model states of n parameters sharded

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from megaframe.checkpoint import sharded
@@ -62,6 +63,11 @@ def test_a_bias_balanced_moe_routes_with_its_trained_biases():
     with tempfile.TemporaryDirectory() as tmp:
         _write(Path(tmp) / "ckpt", moe, {"router_biases": biases})
         loaded = load_model(Path(tmp) / "ckpt")
+        _write(Path(tmp) / "older", moe)  # saved before the state recorded them
+        with pytest.warns(UserWarning, match="holds none .* it routes with them at zero"):
+            load_model(Path(tmp) / "older")
+        with pytest.raises(ValueError, match="dtype=torch.int8: a model's weights take a floating-point dtype"):
+            load_model(Path(tmp) / "older", dtype=torch.int8)
     assert {str(layer.row): layer.router.expert_bias.tolist() for layer in loaded.moe_layers} == biases
     idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -14,7 +14,8 @@ FACTS = EngineFacts(
     # is the TiedLayerSpec's whole module on both ends
     memory=MemoryTerms(states=ZERO_PAPER, unsharded=ZERO_BUFFERS, shards_within_replica=False,
                        tied_copy_holds_positions=True),
-    described_partition_stages=(1, 2, 3))  # ZeRO-1/2/3's flat partitions, for Muon (muon_zero.py)
+    described_partition_stages=(1, 2, 3),  # ZeRO-1/2/3's flat partitions, for Muon (muon_zero.py)
+    nvme_offload_stages=(3,))  # ZeRO-Infinity (conf/offload/nvme.yaml swaps the parameters too)
 
 PLUG = lazy_plug("deepspeed", FACTS, build="engine:DeepSpeedBackend", init_distributed="engine:init_distributed",
                  device_type="accelerator:device_type",

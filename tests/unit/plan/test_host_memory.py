@@ -47,8 +47,31 @@ def test_a_layout_that_fits_the_gpus_but_not_the_nodes_ram_is_refused_before_lau
     assert line.startswith("megaframe-train: error: the planner says this will not fit: "), line
     assert "but NOT the host memory: 8 ranks x (offload=cpu states 96.36 GiB + train.fast_save_interval parts " in line
     assert "vs 1,900.00 GiB per node" in line
-    assert "keep less in host memory (offload=nvme, train.fast_save_interval=0)" in line, line
+    assert "keep less in host memory (offload=nvme offload.nvme_path=DIR, train.fast_save_interval=0)" in line, line
     assert "set cluster.host_memory_gb" in line, line
+    # what does not help the host (a smaller micro-batch) is not offered; the host line is said once
+    assert "micro_batch_size" not in line and line.count("4,882.20 GiB") == 1, line
+
+
+def test_parallel_auto_says_when_the_host_memory_is_what_no_layout_fits(capsys):
+    cfg, layout, _ = check([*OFFLOADED_70B, "train.fast_save_interval=10", "parallel=auto"])
+    with pytest.raises(SystemExit) as ended:
+        preflight(cfg, layout, [], "megaframe-train")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert ended.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("megaframe-train: error: parallel=auto: no layout of 8 ranks fits cluster=h100_80g "
+                               "(the host memory: 8 ranks x (offload=cpu states"), lines[0]
+    assert "more nodes shrink each rank's share" in lines[0] and "train.fast_save_interval=0" in lines[0]
+
+
+def test_fsdp2_is_not_told_to_offload_to_nvme_which_it_cannot(capsys):
+    overrides = ["recipe=llama2_70b", "cluster=h100_80g", "backend=fsdp2", "zero=stage3", "offload=cpu",
+                 "parallel.tp=1", "parallel.pp=1", "parallel.dp=8", "train.fast_save_interval=10"]
+    cfg, layout, _ = check(overrides)
+    with pytest.raises(SystemExit):
+        preflight(cfg, layout, [], "megaframe-train")
+    line = capsys.readouterr().err.strip()
+    assert "keep less in host memory (train.fast_save_interval=0)" in line and "nvme" not in line, line
 
 
 def test_the_plan_table_says_what_fills_the_nodes_ram(capsys):
@@ -61,6 +84,10 @@ def test_the_plan_table_says_what_fills_the_nodes_ram(capsys):
 
 def test_states_offloaded_to_nvme_take_no_ram_and_an_unknown_node_is_not_checked():
     assert _plan(*OFFLOADED_70B[:3], "offload=nvme", "offload.nvme_path=/tmp", *OFFLOADED_70B[4:]).host.offloaded == 0
+    # optimizer states on the drive, parameters in RAM: the bf16 weights alone, as a rank holds them unoffloaded
+    mixed = _plan(*OFFLOADED_70B[:3], "offload=nvme", "offload.nvme_path=/tmp", "offload.param=cpu", *OFFLOADED_70B[4:])
+    on_device = _plan(*OFFLOADED_70B[:3], "offload=none", *OFFLOADED_70B[4:]).stages[0].states.weights
+    assert mixed.host.offloaded == on_device and on_device / GIB == pytest.approx(16.06, abs=0.01)
     est = _plan(*OFFLOADED_70B, "train.fast_save_interval=10", "cluster.host_memory_gb=null")
     assert est.host.capacity is None and est.fits
 
