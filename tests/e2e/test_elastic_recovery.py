@@ -39,7 +39,10 @@ def test_a_deterministic_failure_stops_an_elastic_job_once(tmp_path):
     said = "\n".join(outputs)
     assert "diverged" in said and "not retrying: an earlier attempt of this job failed with: diverged" in said, story
     assert said.count("megaframe: gpt2") == 1, story  # rank 0's start-up line: the first attempt trained, no restart did
-    assert said.count("not retrying") == 2, story  # launcher.max_restarts=2: each restart stopped at once
+    # launcher.max_restarts=2: each restart stopped at once, each node's rank saying so unless its agent
+    # stopped it first, when the other node's rank exited (it had said so: at least one line a restart;
+    # rank 0 alone used to say it, and the agent could stop rank 0 first, leaving a restart unexplained)
+    assert 2 <= said.count("not retrying") <= 4, story
     steps = [r["step"] for r in read_metrics(run) if "loss" in r]
     assert steps == sorted(set(steps)), f"a restart replayed steps: {steps}"
 
