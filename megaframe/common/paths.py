@@ -33,3 +33,11 @@ def cache_dir(configured: str | None = None) -> Path:
         return Path(configured).expanduser().resolve()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "megaframe"
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path`, or its closest ancestor that exists (where a folder to be made would live)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path

@@ -126,6 +126,38 @@ def check_system(cfg: TrainConfig, layout: Layout) -> None:
         fail(problem)
 
 
+def fast_tier_space_problem(cfg: TrainConfig, layout: Layout) -> Optional[str]:
+    """train.fast_save_interval: room in train.fast_save_dir (node memory, /dev/shm: 64 MB in a default
+    container) for what this host's ranks keep there, four parts each at their peak (plan/host.py).
+    Found full, it failed the first fast save with exit 8, minutes into the run. Checked where the
+    ranks run: by each rank under an external launcher (srun, torchrun), by megaframe-train for the
+    ranks it starts on this host; a submitting host's (SLURM's login node's) is not the nodes'."""
+    if not cfg.train.fast_save_interval or (launcher_world_size() is None and cfg.launcher.name != "local"):
+        return None
+    import shutil
+
+    from megaframe.common.paths import nearest_existing
+    from megaframe.plan.estimate import estimate_config
+
+    try:
+        per_rank = estimate_config(cfg, layout).host.fast_tier
+    except ConfigError:  # the planner cannot size this model: nothing to compare with
+        return None
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
+    where = nearest_existing(Path(cfg.train.fast_save_dir))
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:  # unreadable: the fast tier's own checks say why, at its first save
+        return None
+    if free >= per_rank * ranks_here:
+        return None
+    return (f"train.fast_save_dir={cfg.train.fast_save_dir}: {free / 2**30:.2f} GiB free in {where}, and the fast "
+            f"tier keeps up to {per_rank * ranks_here / 2**30:.2f} GiB there ({ranks_here} rank"
+            f"{'s' if ranks_here > 1 else ''} x 4 checkpoint parts of {per_rank / 4 / 2**30:.2f} GiB); give it "
+            f"more room (a container's /dev/shm: docker --shm-size), another node-local directory, or "
+            f"train.fast_save_interval=0")
+
+
 def check_before_launch(cfg: TrainConfig, layout: Layout, run_dir: str) -> None:
     """The launcher's package or command, an online W&B run's key, the dataset, the run dir's
     history and the machine, in that order; then rank 0 prints the config's warnings."""
@@ -138,6 +170,8 @@ def check_before_launch(cfg: TrainConfig, layout: Layout, run_dir: str) -> None:
         fail(problem)
     check_resume(cfg, run_dir)
     check_system(cfg, layout)
+    if problem := fast_tier_space_problem(cfg, layout):
+        fail(problem)
     if rank() == 0:
         for warning in validate_warnings(cfg, layout, engine(cfg.backend.name).config_warnings):
             print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)

@@ -36,3 +36,35 @@ def test_a_read_only_cache_that_holds_the_corpus_is_fine(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "access", lambda *a, **k: False)  # as a read-only folder answers (root's never does)
     assert demo_cache_problem(str(tmp_path / "cache")) is None
     assert "which cannot be used (not writable)" in demo_cache_problem(str(tmp_path / "other"))
+
+
+def test_a_fast_tier_directory_without_room_is_refused_before_launch(tmp_path, monkeypatch, capsys):
+    """A container's /dev/shm is 64 MB unless docker --shm-size says more: the first fast save failed
+    with exit 8 minutes into the run. The room the ranks need is the planner's (plan/host.py)."""
+    import shutil
+    from collections import namedtuple
+
+    import pytest
+
+    from megaframe.launch.checks import check, check_before_launch, fast_tier_space_problem
+    from megaframe.plan.estimate import estimate_config
+
+    fast = [f"train.fast_save_dir={tmp_path / 'shm' / 'megaframe'}", "train.fast_save_interval=5",
+            "parallel.dp=2", "zero=stage1", f"hydra.run.dir={tmp_path / 'run'}"]
+    cfg, layout, run_dir = check(fast)
+    need = 2 * estimate_config(cfg, layout).host.fast_tier  # two ranks on this host
+    assert need > 0 and fast_tier_space_problem(cfg, layout) is None  # this disk has room
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64 << 20, 0, int(need) - 1))
+    with pytest.raises(SystemExit) as ended:
+        check_before_launch(cfg, layout, run_dir)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert ended.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"megaframe-train: error: train.fast_save_dir={tmp_path / 'shm' / 'megaframe'}: "), lines
+    assert f"in {tmp_path}" in lines[0] and "2 ranks x 4 checkpoint parts" in lines[0], lines
+    assert "docker --shm-size" in lines[0] and "train.fast_save_interval=0" in lines[0], lines
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64 << 20, 0, int(need)))
+    assert fast_tier_space_problem(cfg, layout) is None  # exactly enough
+    cfg, layout, _ = check([*fast, "train.fast_save_interval=0"])
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, 0))
+    assert fast_tier_space_problem(cfg, layout) is None  # no fast tier: nothing kept there

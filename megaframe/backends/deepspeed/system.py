@@ -15,6 +15,7 @@ from typing import Optional
 from deepspeed.accelerator import get_accelerator
 
 from megaframe.backends.deepspeed.build_locks import extensions_dir
+from megaframe.common.paths import nearest_existing
 from megaframe.config.schema import OffloadConfig
 
 
@@ -27,16 +28,9 @@ def _compiler() -> Optional[str]:
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
-def _nearest_existing(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def check_nvme_path(nvme_path: str, swap_bytes: float) -> Optional[str]:
     """The swap folder's file system: writable, with room for swap_bytes."""
-    where = _nearest_existing(Path(nvme_path))
+    where = nearest_existing(Path(nvme_path))
     if not where.is_dir() or not os.access(where, os.W_OK | os.X_OK):
         return (f"offload.nvme_path={nvme_path} is not writable ({where} is the nearest existing folder); "
                 f"point it at a writable local NVMe folder")
