@@ -97,8 +97,8 @@ def shared_run_dir(run_dir: str, cfg: TrainConfig) -> str:
 
 def stop_if_job_stopped() -> None:
     """A restart after a deterministic failure (failures.py): exit with its code at once instead of
-    replaying it. Under torchrun (elastic too) each node's local rank 0 says why in one line. Under Ray the cause's line is already
-    on the driver's terminal (Ray shows early worker output twice): each rank notes the stop in its
+    replaying it. Under torchrun (elastic too) each node's local rank 0 says why in one line. Under Ray
+    the cause's line is already on the driver's terminal (Ray shows early worker output twice): each rank notes the stop in its
     log, RUN_DIR/logs/rankR.log, instead."""
     if launcher_world_size() is None:
         return
@@ -115,6 +115,6 @@ def stop_if_job_stopped() -> None:
         from megaframe.training.failure_report import append_to_log, log_path
 
         append_to_log(log_path(Path(os.environ[STOP_FILE_ENV]).parent, rank()), line)
-    elif os.environ.get("LOCAL_RANK", "0") == "0":  # each node says it (rank 0's node alone did), in its own output
+    elif os.environ.get("LOCAL_RANK", "0") == "0":  # each node says it in its own output (rank 0's alone did)
         print(line, file=sys.stderr, flush=True)
     sys.exit(exit_code)

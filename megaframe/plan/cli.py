@@ -133,7 +133,8 @@ def fit_problem(cfg: TrainConfig, layout: Layout) -> Optional[str]:
     if cfg.parallel.auto:
         if fitting_layouts(cfg, plan_layout(cfg, layout), limit=1):
             return None
-        return f"parallel=auto: no layout of {layout.world_size} ranks fits cluster={cfg.cluster.name} {_auto_capacity(est)}"
+        return (f"parallel=auto: no layout of {layout.world_size} ranks fits cluster={cfg.cluster.name} "
+                f"{_auto_capacity(est)}")
     return None if est.fits else f"the planner says it will not fit: {verdict(est)}{profile_hint(cfg, layout) or ''}"
 
 

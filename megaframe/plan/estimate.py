@@ -360,7 +360,8 @@ def estimate(dims: GPTDims, lay: PlanLayout, dtype: str, cluster: ClusterConfig,
     return Estimate(layout=lay, cluster=cluster.name, total_parameters=total_parameters(dims), stages=stages,
                     capacity=capacity, reserved=reserved, peak=worst.peak, peak_stage=worst.stage,
                     flops_per_step=flops, tokens_per_step=step_tokens, step_time_s=step_time,
-                    ranked_step_time_s=ranked, comm_bytes=comm, host_bytes=max(s.states.host for s in stages), host=host,
+                    ranked_step_time_s=ranked, comm_bytes=comm, host_bytes=max(s.states.host for s in stages),
+                    host=host,
                     active_parameters=active_parameters(dims), optimizer_flops_per_rank=optimizer_flops,
                     fp8_flops_per_step=fp8_flops_per_token(dims, fp8) * step_tokens)
 
