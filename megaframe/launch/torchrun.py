@@ -98,8 +98,8 @@ def shared_run_dir(run_dir: str, cfg: TrainConfig) -> str:
 def stop_if_job_stopped() -> None:
     """A restart after a deterministic failure (failures.py): exit with its code at once instead of
     replaying it. Under torchrun (elastic too) each node's local rank 0 says why in one line. Under Ray
-    the cause's line is already on the driver's terminal (Ray shows early worker output twice): each rank notes the stop in its
-    log, RUN_DIR/logs/rankR.log, instead."""
+    the cause's line is already on the driver's terminal (Ray shows early worker output twice): each
+    rank notes the stop in its log, RUN_DIR/logs/rankR.log, instead."""
     if launcher_world_size() is None:
         return
     from megaframe.parallel.elastic import STOP_FILE_ENV, job_stop
