@@ -15,7 +15,7 @@ A rank resuming reads index.json (a line per tensor) and the group files of the 
 not every chunk of the model (at gpt_1t's 3,072 ranks the chunk list runs to about 10^5 entries).
 A reader intersects the boxes it needs with the stored chunks and reads only those slices
 (memory-mapped). Version-1 checkpoints (whole tensors in model.safetensors / optimizer.safetensors,
-as the HF converter writes) are read through the same index, each tensor one chunk.
+as the HF converter wrote them before 2026-12-01) are read through the same index, each tensor one chunk.
 
 Why not torch.distributed.checkpoint: its metadata file is a pickle (the format promises that
 nothing is unpickled), and ZeRO's flat partitions are not rectangular pieces of a parameter, so

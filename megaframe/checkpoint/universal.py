@@ -4,8 +4,9 @@ Tensors are the canonical parameters (the tp=1 GPT's names, vocabulary unpadded)
 optimizer, each state tensor its optimizer names (megaframe/optim/table.py: AdamW's exp_avg.<name>,
 exp_avg_sq.<name>; Muon's momentum_buffer.<name>) and master.<name> (omitted in fp32); state.json's
 "optimizer_record" says whose (none: AdamW's). Two versions:
-  2 (training saves)   every rank writes the chunks it owns: shards/, index.json, index/ (checkpoint/sharded.py)
-  1 (the HF converter) whole tensors: model.safetensors, optional optimizer.safetensors
+  2 (training saves, and the HF converter's since 2026-12-01) every rank writes the chunks it owns:
+                       shards/, index.json, index/ (checkpoint/sharded.py); the converter whole tensors
+  1 (the HF converter before) whole tensors: model.safetensors, optional optimizer.safetensors
 Both hold
   state.json             {"format": "megaframe-universal", "version", "step", "consumed_samples", "model", ...}
   manifest.json          written last: bytes + sha256 of every other file (a shard's hash is computed by

@@ -23,7 +23,12 @@ def exit_past_daemon_threads(code: int) -> NoReturn:
     atexit handlers (logging's flush among them), the standard streams; then the process ends at once,
     with the daemon threads where they are. Objects' __del__ methods do not run."""
     try:
-        threading._shutdown()  # private, but it is the interpreter's own first step of an exit
+        if threading.current_thread() is threading.main_thread():
+            threading._shutdown()  # private, but it is the interpreter's own first step of an exit
+        else:  # _shutdown from another thread would wait for that thread itself
+            for thread in threading.enumerate():
+                if not thread.daemon and thread not in (threading.main_thread(), threading.current_thread()):
+                    thread.join()
     except KeyboardInterrupt:  # Ctrl-C while a thread is joined: the job is over, end with its code
         pass
     atexit._run_exitfuncs()

@@ -3,8 +3,9 @@
 - Hugging Face model directories: config.json plus safetensors (or, refusing anything but plain
   tensors, torch.load(weights_only=True) for pytorch_model*.bin), single-file or sharded.
 - Layout-free megaframe checkpoints, through megaframe/checkpoint/: read in either version (a
-  training save's shards, or whole tensors), written as version 1 (model.safetensors + state.json
-  + manifest.json, + tokenizer/). Tensors go one at a time (LazyTensors, checkpoint/stream.py).
+  training save's shards, or whole tensors), written as version 2, a training save's format (whole
+  tensors as chunks of shards/ files of at most 2 GiB, index.json, state.json, manifest.json, +
+  tokenizer/). Tensors go one at a time (LazyTensors, checkpoint/stream.py).
 Every directory is written to a temporary sibling and renamed into place, so a crash never leaves
 a half-written OUT and an existing OUT is only replaced (with force) once the new one is complete.
 """
@@ -255,13 +256,6 @@ def shape_of(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
     return tensors.shapes[name] if isinstance(tensors, LazyTensors) else tuple(tensors[name].shape)
 
 
-def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Optional[dict] = None) -> None:
-    """One safetensors file of fp32 tensors, written one tensor at a time (a LazyTensors makes each
-    only when the writer reaches it)."""
-    write_streaming(path, [(name, torch.float32, shape_of(tensors, name)) for name in tensors],
-                    lambda name: tensors[name].to(torch.float32).contiguous(), metadata)
-
-
 HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -346,7 +340,7 @@ def write_layout_free(out: Path, model: Mapping[str, torch.Tensor], state: dict,
             if RECORD_KEY in state:  # the copy is what the checkpoint names from now on
                 state[RECORD_KEY] = {**state[RECORD_KEY], "name": state["tokenizer"]}
         hashed = write_sharded_model(tmp, model)
-        universal.write_state(tmp, state)
+        universal.write_state(tmp, {**state, "version": universal.SHARDED_VERSION})
         universal.write_manifest(tmp, hashed)
         return publish(tmp, out)
     except BaseException:

@@ -117,45 +117,64 @@ def check_system(cfg: TrainConfig, layout: Layout) -> None:
         return
     from megaframe.plan.estimate import estimate_config
 
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
-    try:
-        swap_bytes = estimate_config(cfg, layout).host_bytes * ranks_here
+    ranks_here = ranks_on_this_host(cfg, layout)
+    try:  # what goes to the drive: offloaded states less those offload=cpu keeps in RAM
+        swap_bytes = max(st.states.host - st.states.host_ram for st in estimate_config(cfg, layout).stages) * ranks_here
     except ConfigError:  # the planner cannot size this model: check the pieces, not the space
         swap_bytes = 0.0
     if problem := engine(cfg.backend.name).system_problem(cfg.offload, swap_bytes):
         fail(problem)
 
 
-def fast_tier_space_problem(cfg: TrainConfig, layout: Layout) -> Optional[str]:
+def fast_tier_space_problem(cfg: TrainConfig, layout: Layout, run_dir: str) -> Optional[str]:
     """train.fast_save_interval: room in train.fast_save_dir (node memory, /dev/shm: 64 MB in a default
-    container) for what this host's ranks keep there, four parts each at their peak (plan/host.py).
-    Found full, it failed the first fast save with exit 8, minutes into the run. Checked where the
-    ranks run: by each rank under an external launcher (srun, torchrun), by megaframe-train for the
-    ranks it starts on this host; a submitting host's (SLURM's login node's) is not the nodes'."""
-    if not cfg.train.fast_save_interval or (launcher_world_size() is None and cfg.launcher.name != "local"):
+    container) for what this host's ranks keep there, FAST_TIER_PARTS parts each at their peak
+    (plan/host.py), counting this run's parts already there as room (a restart replaces them). Found
+    full, it failed the first fast save with exit 8, minutes into the run. Checked where the ranks
+    run: by each rank under an external launcher (srun, torchrun, a node's elastic agent), by
+    megaframe-train for the ranks it starts on this host; not on a host that only submits the job or
+    prints an elastic job's node command."""
+    if not cfg.train.fast_save_interval:
+        return None
+    if launcher_world_size() is None and (cfg.launcher.name != "local" or cfg.launcher.min_nodes is not None):
         return None
     import shutil
 
+    from megaframe.checkpoint.fast_tier import run_key
     from megaframe.common.paths import nearest_existing
     from megaframe.plan.estimate import estimate_config
+    from megaframe.plan.host import FAST_TIER_PARTS
 
     try:
         per_rank = estimate_config(cfg, layout).host.fast_tier
     except ConfigError:  # the planner cannot size this model: nothing to compare with
         return None
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
+    ranks_here = ranks_on_this_host(cfg, layout)
     where = nearest_existing(Path(cfg.train.fast_save_dir))
     try:
         free = shutil.disk_usage(where).free
     except OSError:  # unreadable: the fast tier's own checks say why, at its first save
         return None
+    ours = Path(cfg.train.fast_save_dir) / run_key(Path(run_dir))
+    free += sum(f.stat().st_size for f in ours.rglob("*") if f.is_file() and not f.is_symlink()) \
+        if ours.is_dir() and not ours.is_symlink() else 0
     if free >= per_rank * ranks_here:
         return None
     return (f"train.fast_save_dir={cfg.train.fast_save_dir}: {free / 2**30:.2f} GiB free in {where}, and the fast "
             f"tier keeps up to {per_rank * ranks_here / 2**30:.2f} GiB there ({ranks_here} rank"
-            f"{'s' if ranks_here > 1 else ''} x 4 checkpoint parts of {per_rank / 4 / 2**30:.2f} GiB); give it "
-            f"more room (a container's /dev/shm: docker --shm-size), another node-local directory, or "
-            f"train.fast_save_interval=0")
+            f"{'s' if ranks_here > 1 else ''} x {FAST_TIER_PARTS} checkpoint parts of "
+            f"{per_rank / FAST_TIER_PARTS / 2**30:.2f} GiB); give it more room (a container's /dev/shm: docker "
+            f"--shm-size), another node-local directory, or train.fast_save_interval=0")
+
+
+def ranks_on_this_host(cfg: TrainConfig, layout: Layout) -> int:
+    """The ranks that share this host: the launcher's LOCAL_WORLD_SIZE; else, under a launcher that
+    did not set it, a node's (cluster.gpus_per_node) when known; else every rank (all started here)."""
+    if local := os.environ.get("LOCAL_WORLD_SIZE"):
+        return int(local)
+    if launcher_world_size() is not None and cfg.cluster.gpus_per_node:
+        return min(layout.world_size, cfg.cluster.gpus_per_node)
+    return layout.world_size
 
 
 def check_before_launch(cfg: TrainConfig, layout: Layout, run_dir: str) -> None:
@@ -170,7 +189,9 @@ def check_before_launch(cfg: TrainConfig, layout: Layout, run_dir: str) -> None:
         fail(problem)
     check_resume(cfg, run_dir)
     check_system(cfg, layout)
-    if problem := fast_tier_space_problem(cfg, layout):
+    if problem := fast_tier_space_problem(cfg, layout, run_dir):
+        if os.environ.get("LOCAL_RANK", "0") != "0":  # the node's problem: its local rank 0 says it
+            sys.exit(2)
         fail(problem)
     if rank() == 0:
         for warning in validate_warnings(cfg, layout, engine(cfg.backend.name).config_warnings):

@@ -97,7 +97,9 @@ def shared_run_dir(run_dir: str, cfg: TrainConfig) -> str:
 
 def stop_if_job_stopped() -> None:
     """A restart after a deterministic failure (failures.py): exit with its code at once instead of
-    replaying it. Under torchrun (elastic too) each node's local rank 0 says why in one line. Under Ray
+    replaying it. Under torchrun (elastic too) each node's local rank 0 says why in one line (unless
+    another rank exits first and the agent stops it before it prints: then that node says nothing,
+    and a job of one node may leave a restart unexplained; its agent's log shows the exit code). Under Ray
     the cause's line is already on the driver's terminal (Ray shows early worker output twice): each
     rank notes the stop in its log, RUN_DIR/logs/rankR.log, instead."""
     if launcher_world_size() is None:

@@ -106,15 +106,23 @@ def no_fit(est: Estimate) -> str:
     """Why no layout of this world fits, and what would help: more devices and a smaller micro-batch
     for the devices' memory; for the host's alone, more nodes (each rank's share of the states shrinks)."""
     if est.fits_devices:  # the verdict before this has said what fills the host memory
-        return "no layout of this many ranks fits the host memory (more nodes shrink each rank's share)"
+        return f"no layout of this many ranks fits the host memory{_more_nodes(est)}"
     return "no layout of this many ranks fits (add devices or shrink parallel.micro_batch_size)"
+
+
+def _more_nodes(est: Estimate) -> str:
+    """On a cluster, more nodes split the states over more hosts; cluster=local is one host."""
+    return "" if est.cluster == "local" else " (more nodes shrink each rank's share)"
 
 
 def _auto_capacity(est: Estimate) -> str:
     """parallel=auto found nothing: the memory that stopped it, the devices' or the host's."""
-    if est.fits_devices and est.host is not None and not est.host.fits:
-        return f"(the host memory: {host_line(est.host)}); more nodes shrink each rank's share"
-    return f"({gib(est.capacity)} per device); add devices or shrink parallel.micro_batch_size"
+    host_short = est.host is not None and not est.host.fits
+    if est.fits_devices and host_short:
+        more = "" if est.cluster == "local" else "; more nodes shrink each rank's share"
+        return f"(the host memory: {host_line(est.host)}){more}"
+    also = f", nor the host memory ({host_line(est.host)})" if host_short else ""
+    return f"({gib(est.capacity)} per device{also}); add devices or shrink parallel.micro_batch_size"
 
 
 def _on_a_profile(cfg: TrainConfig, layout: Layout) -> str:

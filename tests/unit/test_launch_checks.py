@@ -53,7 +53,7 @@ def test_a_fast_tier_directory_without_room_is_refused_before_launch(tmp_path, m
             "parallel.dp=2", "zero=stage1", f"hydra.run.dir={tmp_path / 'run'}"]
     cfg, layout, run_dir = check(fast)
     need = 2 * estimate_config(cfg, layout).host.fast_tier  # two ranks on this host
-    assert need > 0 and fast_tier_space_problem(cfg, layout) is None  # this disk has room
+    assert need > 0 and fast_tier_space_problem(cfg, layout, run_dir) is None  # this disk has room
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64 << 20, 0, int(need) - 1))
     with pytest.raises(SystemExit) as ended:
@@ -64,7 +64,20 @@ def test_a_fast_tier_directory_without_room_is_refused_before_launch(tmp_path, m
     assert f"in {tmp_path}" in lines[0] and "2 ranks x 4 checkpoint parts" in lines[0], lines
     assert "docker --shm-size" in lines[0] and "train.fast_save_interval=0" in lines[0], lines
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64 << 20, 0, int(need)))
-    assert fast_tier_space_problem(cfg, layout) is None  # exactly enough
-    cfg, layout, _ = check([*fast, "train.fast_save_interval=0"])
+    assert fast_tier_space_problem(cfg, layout, run_dir) is None  # exactly enough
+    # a restart: this run's parts from the attempt before are there, and the new ones replace them
+    from megaframe.checkpoint.fast_tier import run_key
+
+    old_parts = tmp_path / "shm" / "megaframe" / run_key(tmp_path / "run") / "global_step5" / "rank0"
+    old_parts.mkdir(parents=True)
+    (old_parts / "part.safetensors").write_bytes(b"\0" * 4096)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64 << 20, 0, int(need) - 4096))
+    assert fast_tier_space_problem(cfg, layout, run_dir) is None
+    elastic, elastic_layout, elastic_dir = check([*fast, "launcher.min_nodes=1", "launcher.nodes=2",
+                                                  "cluster.gpus_per_node=2", "parallel.dp=null",
+                                                  "parallel.global_batch_size=32"])
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, 0))
-    assert fast_tier_space_problem(cfg, layout) is None  # no fast tier: nothing kept there
+    # this host prints an elastic job's node command, and may not be one of its nodes: not checked here
+    assert fast_tier_space_problem(elastic, elastic_layout, elastic_dir) is None
+    cfg, layout, _ = check([*fast, "train.fast_save_interval=0"])
+    assert fast_tier_space_problem(cfg, layout, run_dir) is None  # no fast tier: nothing kept there

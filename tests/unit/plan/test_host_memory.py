@@ -99,8 +99,16 @@ def test_a_local_cpu_run_counts_its_whole_peak_and_its_copies_against_this_hosts
     host = est.host
     assert host.device_in_ram == est.peak and host.offloaded == 0 and host.async_copies > 0
     assert host.fits and host.capacity > 0
-    refused = _plan(*tiny, f"cluster.host_memory_gb={host.peak / GIB * 0.99}")
+    small = f"cluster.host_memory_gb={host.peak / GIB * 0.05}"  # no layout of two ranks fits it
+    refused = _plan(*tiny, small)
     assert refused.fits_devices and not refused.fits
+    # one host: no advice to add nodes, and the copies are what can go
+    for auto in ([], ["parallel=auto"]):
+        cfg, layout, _ = check([*tiny, small, *auto])
+        with pytest.raises(SystemExit):
+            preflight(cfg, layout, [], "megaframe-train")
+        line = capsys.readouterr().err.strip()
+        assert "host memory" in line and "more nodes" not in line and "train.async_save=false" in line, line
 
 
 def test_a_host_memory_that_is_not_positive_is_one_line(capsys):
