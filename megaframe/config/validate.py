@@ -255,7 +255,8 @@ def check_cluster(cfg: TrainConfig) -> Optional[str]:
     if c.gpu is not None and not known_gpu(c.gpu):
         return (f"cluster.gpu={c.gpu}: no dense peaks known for it (known: "
                 f"{', '.join(key for key, _ in DENSE_PEAK_TFLOPS)}); set cluster.peak_tflops instead")
-    for key, value in (("cluster.peak_tflops", c.peak_tflops), ("cluster.memory_gb", c.memory_gb)):
+    for key, value in (("cluster.peak_tflops", c.peak_tflops), ("cluster.memory_gb", c.memory_gb),
+                       ("cluster.host_memory_gb", c.host_memory_gb)):
         if value is not None and not (math.isfinite(value) and value > 0):
             return f"{key}={value} must be a finite number > 0, or null"
     for key, value in (("cluster.intra_node_gbps", c.intra_node_gbps), ("cluster.inter_node_gbps", c.inter_node_gbps),
