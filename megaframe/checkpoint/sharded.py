@@ -370,16 +370,18 @@ def reader_entry_files(directory: Path) -> set[str]:
                            if not p.name.startswith(".")}
 
 
-def unvouched(directory: Path, rel: str) -> CheckpointError:
-    return CheckpointError(f"checkpoint {directory}: {rel} is not in {universal.MANIFEST_FILE} (a file nothing "
-                           f"vouches for); use a checkpoint as megaframe saved it")
+def refuse_unlisted(directory: Path, listed, read_too: set[str] = frozenset()) -> None:
+    """CheckpointError naming the first of the reader's entry files (reader_entry_files), and of
+    `read_too`, that the manifest's `listed` files leave out."""
+    if unlisted := sorted((reader_entry_files(directory) | read_too) - set(listed)):
+        raise CheckpointError(f"checkpoint {directory}: {unlisted[0]} is not in {universal.MANIFEST_FILE} (a file "
+                              f"nothing vouches for); use a checkpoint as megaframe saved it")
 
 
 def verify_all(directory: Path) -> dict:
     """verify_manifest, refusing an index file the manifest does not list (reader_entry_files)."""
     manifest = universal.verify_manifest(directory)
-    if unlisted := sorted(reader_entry_files(directory) - set(manifest["files"])):
-        raise unvouched(directory, unlisted[0])
+    refuse_unlisted(directory, manifest["files"])
     return manifest
 
 
@@ -394,8 +396,7 @@ def verify_for_weights(directory: Path) -> dict:
     with ShardReader(directory) as reader:
         for key in reader.keys():
             (state if universal.is_optimizer_key(key) else weights).update(c["file"] for c in reader.chunks(key))
-    if unlisted := sorted((weights | reader_entry_files(directory)) - set(manifest["files"])):
-        raise unvouched(directory, unlisted[0])
+    refuse_unlisted(directory, manifest["files"], read_too=weights)
     skipped = state - weights
     universal.verify_files(directory, {rel: entry for rel, entry in manifest["files"].items() if rel not in skipped},
                            threads=min(8, usable_cores()))

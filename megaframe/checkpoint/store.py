@@ -520,8 +520,8 @@ def manifest_problem(path: Path) -> Optional[str]:
         universal.verify_files(path, {name: files[name] for name in mine})
         # rank 0 alone lists the index (one listing of shared storage, not one per rank): a group file
         # the manifest does not list would lead every rank's reader to values nothing verified
-        if _rank() == 0 and (unlisted := sorted(sharded.reader_entry_files(path) - set(files))):
-            raise sharded.unvouched(path, unlisted[0])
+        if _rank() == 0:
+            sharded.refuse_unlisted(path, files)
     except CheckpointError as err:
         problem = str(err)
     except OSError as err:  # EIO, ESTALE, EACCES on shared storage: said on every rank, not a traceback on

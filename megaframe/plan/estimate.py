@@ -355,7 +355,7 @@ def estimate(dims: GPTDims, lay: PlanLayout, dtype: str, cluster: ClusterConfig,
     optimizer_seconds = optimizer_flops / ((peak or 1.0) * 1e12 * mfu)
     step_time = model_seconds(model_peak) + optimizer_seconds if peak else None
     comm = communication_bytes(dims, lay, dtype, worst)
-    host = host_memory(cluster, ranks_on_host, stages, worst.peak if host_is_device else None, lay, copies)
+    host = host_memory(cluster, ranks_on_host, stages, worst.peak if host_is_device else None, copies)
     ranked = _ranked_step_time(lay, cluster, model_seconds(model_peak or 1.0), comm, worst) + optimizer_seconds
     return Estimate(layout=lay, cluster=cluster.name, total_parameters=total_parameters(dims), stages=stages,
                     capacity=capacity, reserved=reserved, peak=worst.peak, peak_stage=worst.stage,
@@ -367,7 +367,7 @@ def estimate(dims: GPTDims, lay: PlanLayout, dtype: str, cluster: ClusterConfig,
 
 
 def host_memory(cluster: ClusterConfig, ranks: int, stages: list[StageEstimate], device_in_ram: Optional[float],
-                lay: PlanLayout, copies: CheckpointCopies) -> HostMemory:
+                copies: CheckpointCopies) -> HostMemory:
     """What one node's ranks keep in its RAM (plan/host.py), the busiest stage's figures for every rank.
     device_in_ram: a rank's whole peak where its device is this RAM (it counts its offloaded states)."""
     capacity = (cluster.host_memory_gb * GIB if cluster.host_memory_gb is not None
