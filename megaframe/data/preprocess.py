@@ -3,14 +3,14 @@ megaframe-preprocess (preprocess_cli.py).
 
 With workers > 1, documents are tokenized in a process pool a chunk at a time while the parent writes
 the tokens in input order; a worker that dies ends the run in one line (Pool waited for its lost
-task for good). At most a few chunks per worker are in flight, so memory stays bounded
-however large the input (Pool.imap would read the whole input ahead into its task queue).
+task for good). At most a few chunks per worker are in flight, and a few MB of text each (a larger
+.txt file alone), so memory stays bounded however large the input (Pool.imap would read the whole
+input ahead into its task queue). A .txt file is read and tokenized in pieces (long_text.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import multiprocessing
 import os
@@ -29,21 +29,26 @@ from megaframe.common.launch_env import usable_cores
 from megaframe.data.dataset import split_documents
 from megaframe.data.indexed import LAYOUTS, DataError, IndexedDatasetWriter, best_dtype
 from megaframe.data.preprocess_stop import Stopped, ignore_stop_in_worker, signals_deferred
-from megaframe.data.sources import Source, find_sources, iter_documents
+from megaframe.data.long_text import encode_text_file
+from megaframe.data.sources import Source, TextFile, find_sources, iter_documents
 from megaframe.data.temp_files import remove_orphans
 from megaframe.data.tokenizer import Tokenizer, build_tokenizer
 
 __all__ = ["preprocess", "usable_workers"]
 
 _CHUNK_DOCUMENTS = 64  # documents per task sent to a worker: large enough to amortise the pickling
-_CHUNKS_IN_FLIGHT_PER_WORKER = 4
+_CHUNK_CHARS = 4 << 20  # text per task at most (a larger .txt file is a task of its own)
+_CHUNKS_IN_FLIGHT_PER_WORKER = 4  # tasks sent ahead per worker, of at most this much text in all:
+_CHARS_IN_FLIGHT_PER_WORKER = 4 * _CHUNK_CHARS  # (or one task), whose tokens wait to be written
 
 _worker: Optional[tuple[Tokenizer, bool]] = None
 
 
-def _document(tokenizer: Tokenizer, text: str, append_eod: bool) -> np.ndarray:
+def _document(tokenizer: Tokenizer, text: str | TextFile, append_eod: bool) -> np.ndarray:
     """One document's token ids as an array: a worker sends it back as one buffer, where a list of
     Python ints would cost more to pickle than the byte tokenizer takes to make it."""
+    if isinstance(text, TextFile):
+        return encode_text_file(tokenizer, text.path, tokenizer.eod_id if append_eod else None)
     ids = tokenizer.encode(text)
     if append_eod:
         ids.append(tokenizer.eod_id)
@@ -72,10 +77,25 @@ def _encode_chunk(texts: list[str]) -> list[np.ndarray]:
     return [_document(tokenizer, text, append_eod) for text in texts]
 
 
-def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
-    iterator = iter(texts)
-    while chunk := list(itertools.islice(iterator, _CHUNK_DOCUMENTS)):
-        yield chunk
+def _size(text: str | TextFile) -> int:
+    """A document's characters, or a .txt file's bytes (at least its characters)."""
+    return text.path.stat().st_size if isinstance(text, TextFile) else len(text)
+
+
+def _chunks(texts: Iterable[str | TextFile]) -> Iterator[tuple[list[str | TextFile], int]]:
+    """The documents in tasks of at most _CHUNK_DOCUMENTS and _CHUNK_CHARS (or one document), with
+    their size: a directory of large .txt files is not sent to one worker 64 files at a time."""
+    chunk: list[str | TextFile] = []
+    size = 0
+    for text in texts:
+        n = _size(text)
+        if chunk and (len(chunk) == _CHUNK_DOCUMENTS or size + n > _CHUNK_CHARS):
+            yield chunk, size
+            chunk, size = [], 0
+        chunk.append(text)
+        size += n
+    if chunk:
+        yield chunk, size
 
 
 def _encoded(texts: Iterable[str], tokenizer: Tokenizer, append_eod: bool, workers: int) -> Iterator[np.ndarray]:
@@ -89,13 +109,18 @@ def _encoded(texts: Iterable[str], tokenizer: Tokenizer, append_eod: bool, worke
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_start_worker, initargs=(tokenizer.name, append_eod))
     try:
-        pending: deque = deque()
-        for chunk in _chunks(texts):
-            pending.append(pool.submit(_encode_chunk, chunk))  # raises too, once the pool is broken
-            if len(pending) >= workers * _CHUNKS_IN_FLIGHT_PER_WORKER:
-                yield from pending.popleft().result()
+        pending: deque = deque()  # (future, its text's size), in input order
+        in_flight = 0
+        for chunk, size in _chunks(texts):
+            while pending and (len(pending) >= workers * _CHUNKS_IN_FLIGHT_PER_WORKER
+                               or in_flight + size > workers * _CHARS_IN_FLIGHT_PER_WORKER):
+                done, done_size = pending.popleft()
+                in_flight -= done_size
+                yield from done.result()
+            pending.append((pool.submit(_encode_chunk, chunk), size))  # raises too, once the pool is broken
+            in_flight += size
         while pending:
-            yield from pending.popleft().result()
+            yield from pending.popleft()[0].result()
     except BrokenProcessPool:
         raise DataError("--workers: a tokenizer worker died (killed, out of memory on a long document?); run again "
                         "with fewer --workers, or split the input into smaller documents") from None

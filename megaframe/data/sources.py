@@ -14,7 +14,7 @@ from typing import Iterator, Optional, Sequence
 
 from megaframe.data.indexed import DataError
 
-__all__ = ["FILE_SUFFIXES", "Source", "find_sources", "iter_documents"]
+__all__ = ["FILE_SUFFIXES", "Source", "TextFile", "find_sources", "iter_documents"]
 
 FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
 _ARROW_BATCH_ROWS = 1024
@@ -62,11 +62,12 @@ def find_sources(inputs: Sequence[str | os.PathLike[str]]) -> list[Source]:
     return sources
 
 
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise DataError(f"--input {path}: not UTF-8 text (byte {error.start}); convert it to UTF-8") from None
+@dataclass(frozen=True)
+class TextFile:
+    """A .txt input's one document, read only as it is tokenized (long_text.encode_text_file: in
+    pieces, whatever the file's size), so counting documents reads nothing."""
+
+    path: Path
 
 
 def _check_text(value: object, location: str, key: str) -> str:
@@ -168,11 +169,11 @@ def _iter_hf(path: Path, key: str, split: Optional[str]) -> Iterator[str]:
     yield from _rows(path, batches, key, what)
 
 
-def iter_documents(source: Source, key: str = "text", split: Optional[str] = None) -> Iterator[str]:
-    """The documents of one source, in order: the whole .txt file; each non-blank .jsonl line's
+def iter_documents(source: Source, key: str = "text", split: Optional[str] = None) -> Iterator[str | TextFile]:
+    """The documents of one source, in order: the .txt file (a TextFile); each non-blank .jsonl line's
     `key` field; each .parquet or datasets row's `key` column."""
     if source.kind == "txt":
-        yield _read_text(source.path)
+        yield TextFile(source.path)
     elif source.kind == "jsonl":
         yield from _iter_jsonl(source.path, key)
     elif source.kind == "parquet":

@@ -1,0 +1,127 @@
+""".txt inputs of any size: each is one document, read and tokenized in pieces.
+
+Tokenizing a whole file at once held its text and the tokenizer's objects for all of it: a Python
+list costs 36 bytes a token and a Hugging Face encoding more than 100, so a 1 GB file (enwik9)
+needed tens of GB. Here memory holds one piece of text (about PIECE_CHARS characters) and the
+tokens as int32, twice at the end (about 8 bytes a token).
+
+A piece ends at a cut where tokenizing the two sides apart gives the tokens the whole text gives:
+after a line break between two non-blank characters, else before a space that follows a non-blank
+character, and only where the tokenizer agrees on the text around the cut (the tokens of
+CHECK_CHARS either side together equal those of each side apart). The tokenizers that split text
+into words first (GPT-2's and Llama 3's byte-level BPE, word-level ones, the byte tokenizer) agree
+there. One that adds something at the start of every text it is given (sentencepiece's dummy
+prefix) never agrees, and gets its file whole, as before. A file of one piece is tokenized whole.
+"""
+from __future__ import annotations
+
+import codecs
+import io
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+
+from megaframe.data.indexed import DataError
+from megaframe.data.tokenizer import Tokenizer
+
+PIECE_CHARS = 1 << 20  # text read and tokenized at a time (a few MB of the tokenizer's objects)
+CHECK_CHARS = 2048  # text on each side of a cut that the tokenizer must agree on
+_CHECKS_PER_PIECE = 16  # cuts tried (tokenized) per piece before the piece grows by another read
+_LOOKS_PER_RULE = 4096  # line breaks or spaces looked at per piece and rule
+
+
+def text_pieces(path: Path, chars: int = PIECE_CHARS) -> Iterator[str]:
+    """The text of a UTF-8 file, about `chars` characters at a time, with Python's universal newlines
+    ("\\r\\n" and "\\r" read as "\\n", as Path.read_text reads them). Not UTF-8: DataError naming the
+    byte's offset in the file."""
+    decoder = io.IncrementalNewlineDecoder(codecs.getincrementaldecoder("utf-8")(), translate=True)
+    offset = 0  # bytes of the file read before this block
+    with open(path, "rb") as file:
+        while True:
+            block = file.read(chars)
+            pending = len(decoder.getstate()[0])  # bytes of a character the last block cut in two
+            try:
+                text = decoder.decode(block, final=not block)
+            except UnicodeDecodeError as error:
+                raise DataError(f"--input {path}: not UTF-8 text (byte {offset - pending + error.start}); "
+                                "convert it to UTF-8") from None
+            offset += len(block)
+            if text:
+                yield text
+            if not block:
+                return
+
+
+def splits_text(tokenizer: Tokenizer) -> bool:
+    """Whether the tokenizer tokenizes text cut at the cuts this module makes as it tokenizes it
+    whole, on a probe (each cut is checked again on the file's own text)."""
+    return all(tokenizer.encode(left + right) == tokenizer.encode(left) + tokenizer.encode(right)
+               for left, right in (("one two.\n", "Three four"), ("one two", " three four")))
+
+
+def _agrees(tokenizer: Tokenizer, text: str, cut: int) -> bool:
+    left, right = text[cut - CHECK_CHARS:cut], text[cut:cut + CHECK_CHARS]
+    return tokenizer.encode(left + right) == tokenizer.encode(left) + tokenizer.encode(right)
+
+
+def _candidates(text: str, low: int, high: int) -> Iterator[int]:
+    """Cuts in text[low:high], last first: after a line break between non-blank characters, then
+    before a space after a non-blank character and before a non-blank one."""
+    for mark, before, after in (("\n", -2, 0), (" ", -1, 1)):
+        end = high
+        for _ in range(_LOOKS_PER_RULE):
+            found = text.rfind(mark, low, end)
+            if found < 0:
+                break
+            cut = found + 1 if mark == "\n" else found
+            if low <= cut and not text[cut + before].isspace() and not text[cut + after].isspace():
+                yield cut
+            end = found
+
+
+def find_cut(tokenizer: Tokenizer, text: str) -> Optional[int]:
+    """The last cut of `text` with CHECK_CHARS on each side that the tokenizer agrees on, of the last
+    few candidates; None when none is."""
+    low, high = CHECK_CHARS, len(text) - CHECK_CHARS
+    if high <= low:
+        return None
+    for checked, cut in enumerate(_candidates(text, low, high)):
+        if checked == _CHECKS_PER_PIECE:
+            return None
+        if _agrees(tokenizer, text, cut):
+            return cut
+    return None
+
+
+def encode_text_file(tokenizer: Tokenizer, path: Path, eod_id: Optional[int],
+                     chars: Optional[int] = None) -> np.ndarray:
+    """The token ids of the file's text (eod_id appended unless None): int64 for a file of one piece
+    (what tokenizing it whole always gave), int32 for a longer one, tokenized a piece at a time of
+    about 2 x `chars` characters (default PIECE_CHARS)."""
+    chars = chars or PIECE_CHARS
+    cuts = splits_text(tokenizer)
+    parts: list[np.ndarray] = []
+    blocks: list[str] = []  # text read and not yet tokenized
+    held, next_try = 0, 2 * chars  # its characters; how many before a cut is looked for again
+    for text in text_pieces(path, chars):
+        blocks.append(text)
+        held += len(text)
+        if not cuts or held < next_try:
+            continue
+        rest = "".join(blocks)
+        cut = find_cut(tokenizer, rest)
+        if cut is None:  # none the tokenizer agrees on near the end: look again once twice as much is read
+            blocks, next_try = [rest], 2 * held
+            continue
+        parts.append(np.asarray(tokenizer.encode(rest[:cut]), dtype=np.int32))
+        blocks, held, next_try = [rest[cut:]], len(rest) - cut, 2 * chars
+    ids = tokenizer.encode("".join(blocks))
+    if not parts:  # the whole file in one call, as before pieces
+        if eod_id is not None:
+            ids.append(eod_id)
+        return np.asarray(ids, dtype=np.int64)
+    parts.append(np.asarray(ids, dtype=np.int32))
+    if eod_id is not None:
+        parts.append(np.asarray([eod_id], dtype=np.int32))
+    return np.concatenate(parts)
