@@ -70,3 +70,19 @@ def test_the_fast_tier_saves_device_state_to_node_memory_and_restores_it_onto_th
     resumed = run_on_device(tmp_path, "fast", extra, world=2)
     assert (checkpoints / "global_step3").is_dir()  # published from the parts: shared saves are at even steps
     assert_parity(resumed, cpu_reference, "fakecuda fast tier restore")
+
+
+def test_fp16_resumes_on_the_device_with_its_loss_scale(tmp_path):
+    """precision=fp16 (DeepSpeed's loss scaler, ZeRO-2): a run stopped at step 3 and resumed on the
+    device logs the losses and loss scales of the run that never stopped, bit for bit. The scale
+    starts at 2^12 and halves on overflows and grows every 2 clean steps, so it moves on both sides
+    of the save and only a restored scaler (its scale and its count of clean steps) continues it."""
+    extra = ["zero=stage2", "precision=fp16", "precision.initial_scale_power=12", "precision.hysteresis=1",
+             "precision.loss_scale_window=2", "train.log_interval=1", "train.save_interval=3"]
+    straight = run_on_device(tmp_path, "straight", extra)
+    run_on_device(tmp_path, "stopped", [*extra, "train.exit_at_step=3"])
+    resumed = run_on_device(tmp_path, "stopped", extra)
+    logged = [(r["step"], r["loss"], r["loss_scale"]) for r in straight if "loss" in r]
+    assert len(logged) == 6 and len({scale for *_, scale in logged}) > 1, logged  # the scale moved
+    # the run folder's metrics.jsonl holds the first run's steps, then the resumed run's
+    assert [(r["step"], r["loss"], r["loss_scale"]) for r in resumed if "loss" in r] == logged
