@@ -9,7 +9,9 @@ The samples are those a training run evaluates: the first train.eval_steps globa
 (parallel.global_batch_size) of the validation set (data.valid_path when set, else the held-out
 data.valid_fraction of data.path or of data.blend's sources).
 
-The model (its shape and sequence length) comes from the checkpoint; the overrides change data.*
+The model (its shape and sequence length) and its tokenizer come from the checkpoint (the copy it
+keeps of a Hugging Face tokenizer): data made with another tokenizer is refused in one line saying to
+tokenize it with the checkpoint's. With data.valid_path only that file is opened. The overrides change data.*
 (or pick another option with `data=NAME`), train.eval_steps, parallel.micro_batch_size and
 parallel.global_batch_size. It runs in one process on the GPU when there is one, else the CPU,
 holding the whole model: a model larger than one device is evaluated by a training run's eval
@@ -92,8 +94,9 @@ def evaluate(checkpoint: Path, overrides: Sequence[str]) -> dict:
     from megaframe.data.dataset import eval_wrap_problem
     from megaframe.load import load_model
     from megaframe.run_config import named_checkpoint
+    from megaframe.data.formats import TokenizerMismatch
     from megaframe.tracking.loss_report import bits
-    from megaframe.training.data_setup import build_data
+    from megaframe.training.data_setup import build_eval_data
 
     for override in overrides:
         if not override.startswith(ALLOWED):
@@ -107,10 +110,17 @@ def evaluate(checkpoint: Path, overrides: Sequence[str]) -> dict:
     if cfg.train.eval_steps < 1:
         raise ConfigError(f"train.eval_steps={cfg.train.eval_steps} must be >= 1")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_model(path, device)
+    model = load_model(path, device)  # the checkpoint checked whole before its state is read again here
+    model_tokenizer = _model_tokenizer(path, overrides)
+    if model_tokenizer is not None:  # the data is scored as the model reads it, whatever the run's config says
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=model_tokenizer))
     where = describe_data(cfg.data)
     try:
-        data = build_data(cfg.data, model.dims.seq_length)
+        data = build_eval_data(cfg.data, model.dims.seq_length)
+    except TokenizerMismatch as err:
+        raise DataError(f"{err.prefix}: its tokens were made by {err.recorded} ({err.prefix}.json), but the checkpoint's "
+                        f"model reads {model_tokenizer or cfg.data.tokenizer}'s: tokenize its text with "
+                        f"megaframe-preprocess --tokenizer {model_tokenizer or cfg.data.tokenizer}") from None
     except (DataError, OSError) as err:  # the run's files moved or deleted: say whose they were
         origin = f"the run's data ({config_file})" if config_file else "the data"
         raise DataError(f"{origin}: {err}") from None
@@ -133,6 +143,35 @@ def evaluate(checkpoint: Path, overrides: Sequence[str]) -> dict:
     return {"checkpoint": str(path), "config": str(config_file) if config_file else None, "data": where,
             "samples": cfg.train.eval_steps * batch, "tokens_per_sample": model.dims.seq_length, "loss": loss,
             "perplexity": math.exp(loss) if loss < 700 else float("inf"), unit: value}
+
+
+def _model_tokenizer(path: Path, overrides: Sequence[str]) -> Optional[str]:
+    """The tokenizer the checkpoint's model was trained with, as data.tokenizer names it (byte, the
+    checkpoint's copy of a Hugging Face tokenizer, or the directory it records), or a data.tokenizer
+    override that is the same tokenizer (a moved copy); None when the checkpoint records none. An
+    override naming another tokenizer is refused: the model's ids would be read as other text."""
+    from megaframe.checkpoint import tokenizer_record as records
+    from megaframe.checkpoint import universal
+    from megaframe.checkpoint.tokenizer_check import run_record
+    from megaframe.config.schema import DataConfig
+    from megaframe.config.validate import ConfigError
+
+    saved = universal.read_state(path).get(records.RECORD_KEY)
+    if not records.is_record(saved):
+        return None
+    copy = path / "tokenizer"
+    own = "byte" if saved["kind"] == "byte" else str(copy) if records.has_tokenizer(copy) else str(saved.get("name"))
+    asked = [o.split("=", 1)[1] for o in overrides if o.startswith("data.tokenizer=")]
+    if not asked or asked[-1] == own:
+        return own
+    try:
+        same = records.difference(saved, records.under_scheme(run_record(DataConfig(tokenizer=asked[-1])), saved)) is None
+    except (OSError, ValueError):
+        same = False
+    if not same:
+        raise ConfigError(f"data.tokenizer={asked[-1]}: the checkpoint's model was trained with {records.describe(saved)}, "
+                          f"and reads no other tokenizer's ids; leave data.tokenizer out (the checkpoint's is used)")
+    return asked[-1]
 
 
 def _check_ids(inputs, targets, vocab_size: int, where: str) -> None:

@@ -17,6 +17,18 @@ from megaframe.data.megatron import MegatronDataset, read_sidecar
 Dataset = Union[IndexedDataset, MegatronDataset]
 
 
+class TokenizerMismatch(DataError):
+    """A dataset whose sidecar records another tokenizer than data.tokenizer (and another vocabulary
+    or end-of-document id): `recorded` made its tokens; megaframe-eval says it in its own words."""
+
+    def __init__(self, message: str, prefix: str, recorded: str):
+        super().__init__(message)
+        self.prefix, self.recorded = prefix, recorded
+
+    def __reduce__(self):  # a preprocess worker's error crosses a pipe: keep the fields
+        return type(self), (str(self), self.prefix, self.recorded)
+
+
 def open_dataset(prefix: Union[str, os.PathLike[str]], tokenizer: Optional[str] = None) -> Dataset:
     """The dataset at PREFIX.bin/.idx; `tokenizer` (data.tokenizer) supplies the vocabulary of a
     Megatron file that has no megaframe sidecar (without one either, DataError says to set it)."""
@@ -57,7 +69,8 @@ def _check_tokenizer(dataset: Dataset, prefix, tokenizer: Optional[str]) -> Data
     except (DataError, OSError, ValueError):
         same = False
     if not same:
-        raise DataError(f"data.tokenizer={tokenizer}, but {prefix}.json records that the dataset's tokens were made by "
-                        f"{recorded} (vocabulary {dataset.vocab_size}): checkpoints and Hugging Face exports would "
-                        f"name the wrong tokenizer; set data.tokenizer={recorded}")
+        raise TokenizerMismatch(f"data.tokenizer={tokenizer}, but {prefix}.json records that the dataset's tokens were "
+                                f"made by {recorded} (vocabulary {dataset.vocab_size}): checkpoints and Hugging Face "
+                                f"exports would name the wrong tokenizer; set data.tokenizer={recorded}",
+                                str(prefix), str(recorded))
     return dataset

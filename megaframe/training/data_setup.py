@@ -102,6 +102,16 @@ def _orders(cfg: DataConfig) -> EpochOrders:
         return EpochOrders(None)
 
 
+def build_eval_data(cfg: DataConfig, seq_length: int) -> DataSplits:
+    """build_data for scoring its validation set alone (megaframe-eval): a validation file of its own
+    is opened alone, so the training data need not be there nor match it; else build_data."""
+    if cfg.blend or cfg.valid_path is None:
+        return build_data(cfg, seq_length)
+    held_out = open_dataset(cfg.valid_path, cfg.tokenizer)
+    valid = _whole(held_out, seq_length)
+    return DataSplits(datasets=[held_out], train=valid, valid=valid, vocab_size=held_out.vocab_size)
+
+
 def build_data(cfg: DataConfig, seq_length: int) -> DataSplits:
     """Open the dataset(s) and split them by documents into train and validation samples."""
     if cfg.blend:

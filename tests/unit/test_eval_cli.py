@@ -188,3 +188,47 @@ def test_run_files_are_read_once_not_through_links_and_capped(tmp_path, monkeypa
     (run / ".hydra" / "hydra.yaml").unlink()
     (run / ".hydra" / "hydra.yaml").write_text((tmp_path / "hydra.yaml").read_text())
     assert run_config.training_directory(run) == started
+
+
+def test_the_data_is_scored_with_the_checkpoints_tokenizer_and_another_ones_tokens_are_one_line(tmp_path, capsys):
+    """A model trained with a Hugging Face tokenizer: megaframe-eval takes the tokenizer from the
+    checkpoint (its copy), so data made with it is scored without naming data.tokenizer; data made
+    with another is one line saying to tokenize it with the checkpoint's; a data.tokenizer naming
+    another is refused. It used to compare each dataset with the run config's data.tokenizer, and
+    sent the user back and forth between two "set data.tokenizer=..." fixes (one for data it was not
+    even scoring: data.path, beside data.valid_path)."""
+    from megaframe.checkpoint import tokenizer_record as records
+    from megaframe.data.preprocess import preprocess
+    from megaframe.data.tokenizer import HFTokenizer
+    from tests.unit.test_sample_cli import checkpoint, word_tokenizer
+
+    tok = word_tokenizer(tmp_path / "tok")
+    loaded = HFTokenizer(tok)
+    ckpt = tmp_path / "ckpt"
+    checkpoint(ckpt, tokenizer_src=tok, **{records.RECORD_KEY: records.hf_record(tok, loaded.vocab_size, loaded.eod_id)})
+    text = [" ".join(f"w{(d * 3 + i) % 11}" for i in range(40)) for d in range(40)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in text))
+    preprocess([tmp_path / "docs.jsonl"], tmp_path / "words", tokenizer=str(tok), progress=False)
+    preprocess([tmp_path / "docs.jsonl"], tmp_path / "bytes", progress=False)
+    batches = ["parallel.micro_batch_size=2", "parallel.global_batch_size=2", "train.eval_steps=2"]
+
+    # scored with the checkpoint's copy, whatever data.path holds: only the validation file is opened
+    result = eval_cli.evaluate(ckpt, [f"data.path={tmp_path / 'bytes'}", f"data.valid_path={tmp_path / 'words'}",
+                                      *batches])
+    assert math.isfinite(result["loss"]) and result["data"] == f"data.valid_path={tmp_path / 'words'}"
+    assert result["loss"] == eval_cli.evaluate(ckpt, [f"data.path={tmp_path / 'words'}", f"data.tokenizer={tok}",
+                                                      f"data.valid_path={tmp_path / 'words'}", *batches])["loss"]
+
+    def refusal(*overrides: str) -> str:
+        with pytest.raises(SystemExit) as done:
+            eval_cli.main([str(ckpt), *overrides, *batches])
+        err = capsys.readouterr().err
+        assert done.value.code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        return err.strip()
+
+    assert refusal(f"data.path={tmp_path / 'words'}", f"data.valid_path={tmp_path / 'bytes'}") == (
+        f"megaframe-eval: error: {tmp_path / 'bytes'}: its tokens were made by byte ({tmp_path / 'bytes'}.json), but "
+        f"the checkpoint's model reads {ckpt / 'tokenizer'}'s: tokenize its text with megaframe-preprocess "
+        f"--tokenizer {ckpt / 'tokenizer'}")
+    assert refusal(f"data.path={tmp_path / 'bytes'}", "data.tokenizer=byte").startswith(
+        "megaframe-eval: error: data.tokenizer=byte: the checkpoint's model was trained with ")
