@@ -203,7 +203,7 @@ class ClosingLine(Callback):
         except CheckpointError:  # an edited `latest`: the run's error line says so
             last = None
         parts.append(f"last checkpoint {last or 'none'}")
-        if last is not None and ended != "finished":
+        if last is not None and ended != "finished" and not t.fails_again:
             parts.append(f"resume: {resume_command(t.run_dir)}")
         if self.out.wandb and (hint := self.out.wandb.sync_hint()):
             parts.append(f"W&B offline: {hint}")

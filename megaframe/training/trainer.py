@@ -34,7 +34,7 @@ from megaframe.training.step_guard import StepGuard, loss_scale_can_shrink
 from megaframe.training.stop_signal import StopSignal, exit_code as signal_exit_code
 from megaframe.common import run_lock
 from megaframe.common.startup import resume_collector
-from megaframe.common.failures import Diverged, SaveFailed
+from megaframe.common.failures import Diverged, SaveFailed, classify
 from megaframe.model.dims import document_dims
 from megaframe.model.factory import resolve_dims
 from megaframe.parallel.context import zigzag_positions
@@ -50,6 +50,7 @@ class Trainer:
         # first: a Ctrl-C while the model builds stops the run before step 1 instead of a traceback
         self.stop_signal = StopSignal(layout.world_size).install()
         self.stopped_by = 0  # the signal that ended the run at a step boundary
+        self.fails_again = False  # it failed in a way a rerun repeats (__exit__)
         plug = run_engine(cfg, layout.world_size)
         self.engine = plug.name  # deepspeed, fsdp2, or plain (one process, DeepSpeed not imported)
         with self.stop_signal.joining():  # a signal while peers are awaited ends this rank at once
@@ -204,6 +205,8 @@ class Trainer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        # a failure a rerun repeats (a resume refused, bad data, divergence): the closing line offers no resume
+        self.fails_again = exc is not None and classify(exc).deterministic
         self.close(failed=exc_type is not None)
 
 

@@ -46,3 +46,17 @@ def test_a_sigint_default_run_prints_the_command_that_resumes_it(tmp_path):
     assert resumed.stdout.strip().splitlines()[-1].startswith("megaframe: finished at step 60/60")
     assert [r["step"] for r in read_metrics(run_dir) if "loss" in r] == list(range(1, 61))
     assert len(list(tmp_path.glob("outputs/*/*"))) == 1  # no second dated run
+
+
+def test_a_refused_resume_offers_no_resume_command(tmp_path):
+    """A resume refused on its checkpoint (here another global batch: exit 5) fails again when rerun
+    as it was: its closing line names the last checkpoint and no `resume:` command (it printed the
+    command that had just failed, before the error line that says what to change)."""
+    from tests.support.helpers import run_cli
+
+    run = [*TINY, "train.eval_interval=0", f"hydra.run.dir={tmp_path / 'run'}"]
+    assert_ok(run_cli([*run, "train.max_steps=4", "train.exit_at_step=2"]))
+    result = run_cli([*run, "train.max_steps=4", "parallel.global_batch_size=16"])
+    assert result.returncode == 5, result.stderr[-2000:]
+    closing = [line for line in result.stdout.splitlines() if line.startswith("megaframe: failed at step 2/4")]
+    assert len(closing) == 1 and "| last checkpoint " in closing[0] and "resume:" not in closing[0], result.stdout
