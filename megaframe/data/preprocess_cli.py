@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = None
     try:
         with stop_on_signals():
-            tokenizer = build_tokenizer(args.tokenizer)
+            tokenizer = build_tokenizer(args.tokenizer, named="--tokenizer ")
             summary = preprocess(args.input, args.output_prefix, tokenizer, args.json_key, args.append_eod,
                                  layout=args.layout, workers=workers, split=args.split,
                                  valid_fraction=args.valid_fraction, valid_prefix=args.valid_output_prefix)

@@ -83,25 +83,35 @@ def _check_text(value: object, location: str, key: str) -> str:
 
 
 def _iter_jsonl(path: Path, key: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as lines:
-        try:
-            for line_number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                location = f"--input {path}:{line_number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise DataError(
-                        f"{location}: invalid JSON ({error.msg}); each line must be one JSON object"
-                    ) from None
-                if not isinstance(record, dict) or key not in record:
-                    raise DataError(
-                        f"{location}: no {key!r} field; pass --json-key NAME for the field holding the text"
-                    )
-                yield _check_text(record[key], location, key)
-        except UnicodeDecodeError as error:
-            raise DataError(f"--input {path}: not UTF-8 text (byte {error.start}); convert it to UTF-8") from None
+    """Each non-blank line's `key` field. Read as bytes and decoded a line at a time, so a byte that is
+    not UTF-8 is named by its line and its offset in the file (a text reader's error counts from its
+    own buffer: "byte 7335" for a byte 1.2 MB in)."""
+    offset = 0
+    with open(path, "rb") as lines:
+        for line_number, raw in enumerate(lines, start=1):
+            location = f"--input {path}:{line_number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(f"{location}: not UTF-8 text (byte {offset + error.start} of the file); convert it "
+                                "to UTF-8") from None
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(
+                    f"{location}: invalid JSON ({error.msg}); each line must be one JSON object"
+                ) from None
+            if not isinstance(record, dict):
+                raise DataError(f"{location}: a JSON {type(record).__name__}, not an object; each line must be one "
+                                f"JSON object with a {key!r} field")
+            if key not in record:
+                fields = ", ".join(repr(name)[:40] for name in list(record)[:10]) + (", ..." if len(record) > 10 else "")
+                raise DataError(f"{location}: no {key!r} field (it has {fields or 'none'}); pass --json-key NAME for "
+                                "the field holding the text")
+            yield _check_text(record[key], location, key)
 
 
 def _text_column(path: Path, names: Sequence[str], key: str) -> None:

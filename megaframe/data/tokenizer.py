@@ -52,8 +52,9 @@ class ByteTokenizer:
 class HFTokenizer:
     """A Hugging Face tokenizer loaded from a local directory (never downloads)."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        """Load the tokenizer saved (save_pretrained) in directory `path`."""
+    def __init__(self, path: str | os.PathLike[str], named: str = "data.tokenizer=") -> None:
+        """Load the tokenizer saved (save_pretrained) in directory `path`; `named`: how errors name it
+        (the config key, or megaframe-preprocess's "--tokenizer ")."""
         # Imported here so byte-level runs never pay for importing transformers.
         from transformers import AutoTokenizer
 
@@ -64,20 +65,20 @@ class HFTokenizer:
         except Exception as error:  # transformers raises OSError, ValueError, KeyError... depending on what is missing
             reason = " ".join(str(error).split())[:300]
             raise DataError(
-                f"data.tokenizer={path}: cannot load a tokenizer from this directory "
+                f"{named}{path}: cannot load a tokenizer from this directory "
                 f"({type(error).__name__}: {reason}); "
                 "point it at a directory written by save_pretrained()"
             ) from None
         if self._tokenizer.eos_token_id is None:
             raise DataError(
-                f"data.tokenizer={path}: tokenizer has no eos_token to mark document ends; "
+                f"{named}{path}: tokenizer has no eos_token to mark document ends; "
                 "set eos_token in its tokenizer_config.json"
             )
         if len(self._tokenizer) <= len(set(self._tokenizer.all_special_ids)):
             # a tokenizer_config.json without its vocabulary files loads as a tokenizer of its special
             # tokens alone, which encodes every text to nothing
             raise DataError(
-                f"data.tokenizer={path}: the tokenizer has no tokens beyond its {len(self._tokenizer)} special "
+                f"{named}{path}: the tokenizer has no tokens beyond its {len(self._tokenizer)} special "
                 "ones (its vocabulary files are missing); point it at a directory written by save_pretrained()"
             )
         self.vocab_size = len(self._tokenizer)
@@ -95,13 +96,13 @@ class HFTokenizer:
         return self._tokenizer.decode([int(token) for token in ids if int(token) != self.eod_id])
 
 
-def build_tokenizer(spec: str | os.PathLike[str]) -> ByteTokenizer | HFTokenizer:
+def build_tokenizer(spec: str | os.PathLike[str], named: str = "data.tokenizer=") -> ByteTokenizer | HFTokenizer:
     """'byte' -> ByteTokenizer; an existing local directory -> HFTokenizer; anything else -> DataError."""
     if str(spec) == "byte":
         return ByteTokenizer()
     if Path(spec).is_dir():
-        return HFTokenizer(spec)
+        return HFTokenizer(spec, named)
     raise DataError(
-        f"data.tokenizer={spec}: not 'byte' and not a local directory; use 'byte' or the path of a "
+        f"{named}{spec}: not 'byte' and not a local directory; use 'byte' or the path of a "
         "directory saved with save_pretrained() (nothing is downloaded)"
     )

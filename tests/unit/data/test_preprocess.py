@@ -129,17 +129,23 @@ def test_tool_with_local_hf_tokenizer(tmp_path: Path, hf_tokenizer_dir: Path) ->
     [
         (lambda tmp: ["--input", tmp / "missing.txt"], "no such file or directory"),
         (lambda tmp: ["--input", tmp / "data.csv"], "unknown extension '.csv'"),
-        (lambda tmp: ["--input", tmp / "no_key.jsonl"], "no_key.jsonl:2: no 'text' field; pass --json-key"),
+        (lambda tmp: ["--input", tmp / "no_key.jsonl"], "no_key.jsonl:2: no 'text' field (it has 'body'); pass --json-key"),
+        (lambda tmp: ["--input", tmp / "list.jsonl"], "list.jsonl:1: a JSON list, not an object; each line must be"),
+        # a byte that is not UTF-8 on line 3, past what a text reader decodes at once: named by line and file offset
+        (lambda tmp: ["--input", tmp / "late.jsonl"], "late.jsonl:3: not UTF-8 text (byte 20036 of the file)"),
         (lambda tmp: ["--input", tmp / "bad.jsonl"], "bad.jsonl:1: invalid JSON"),
         (lambda tmp: ["--input", tmp / "blank.jsonl"], "produced no tokens"),
         (lambda tmp: ["--input", tmp / "empty_dir"], "holds no .txt/.jsonl/.parquet files"),
-        (lambda tmp: ["--input", tmp / "data.csv", "--tokenizer", "gpt2"], "data.tokenizer=gpt2: not 'byte'"),
+        (lambda tmp: ["--input", tmp / "data.csv", "--tokenizer", "gpt2"], "--tokenizer gpt2: not 'byte'"),
     ],
 )
 def test_tool_bad_input_exits_2_with_one_line(tmp_path: Path, make_args, expected: str) -> None:
     (tmp_path / "data.csv").write_text("a,b\n")
     write_jsonl(tmp_path / "no_key.jsonl", [{"text": "ok"}, {"body": "missing"}])
     (tmp_path / "bad.jsonl").write_text("{not json\n")
+    (tmp_path / "list.jsonl").write_text("[1, 2]\n")
+    long_line = b'{"text": "' + b"a" * 10000 + b'"}\n'  # 10,013 bytes
+    (tmp_path / "late.jsonl").write_bytes(long_line * 2 + b'{"text": "\xff"}\n')
     (tmp_path / "blank.jsonl").write_text("\n\n")
     (tmp_path / "empty_dir").mkdir()
     result = run_tool(*make_args(tmp_path), "--output-prefix", tmp_path / "out" / "ds")
