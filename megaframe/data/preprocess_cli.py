@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         required=True,
         metavar="PATH",
-        help="files or directories (walked recursively, sorted); .txt = one document per file, "
+        help="files or directories (walked recursively, sorted, hidden ones left out); .txt = one document per file, "
         ".jsonl = one per line, .parquet = one per row; a datasets save_to_disk directory = one per row",
     )
     parser.add_argument(

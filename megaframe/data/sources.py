@@ -35,18 +35,29 @@ def is_hf_dataset_dir(path: Path) -> bool:
                                                         and (path / "dataset_info.json").is_file())
 
 
+def _corpus_files(root: Path) -> Iterator[Path]:
+    """The .txt/.jsonl/.parquet files under root, hidden files and folders left out (not walked): they
+    are not the corpus, and `--input .` would take the text files of .git/ and .venv/. Symbolic links to
+    folders are not followed (as Path.rglob did not)."""
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+        for name in files:
+            candidate = Path(folder) / name
+            if not name.startswith(".") and candidate.suffix in FILE_SUFFIXES and candidate.is_file():
+                yield candidate
+
+
 def find_sources(inputs: Sequence[str | os.PathLike[str]]) -> list[Source]:
-    """Expand files and directories (walked recursively, sorted) into sources; a save_to_disk
-    directory is one source."""
+    """Expand files and directories (walked recursively, sorted, hidden files and folders left out)
+    into sources; a save_to_disk directory is one source. A file named on its own is taken even if
+    hidden."""
     sources: list[Source] = []
     for raw_input in inputs:
         path = Path(raw_input)
         if path.is_dir() and is_hf_dataset_dir(path):
             sources.append(Source(path, "hf"))
         elif path.is_dir():
-            found = sorted((candidate for candidate in path.rglob("*")
-                            if candidate.suffix in FILE_SUFFIXES and candidate.is_file()),
-                           key=lambda candidate: candidate.relative_to(path).parts)
+            found = sorted(_corpus_files(path), key=lambda candidate: candidate.relative_to(path).parts)
             if not found:
                 raise DataError(f"--input {path}: directory holds no {'/'.join(FILE_SUFFIXES)} files "
                                 f"and is not a datasets save_to_disk directory")

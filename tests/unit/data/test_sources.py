@@ -122,3 +122,15 @@ def test_a_lone_surrogate_in_the_json_is_one_line_naming_the_document(tmp_path) 
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert f"{source}:2" in lines[0] and "lone surrogate" in lines[0] and "character 7" in lines[0], lines[0]
+
+
+def test_a_directory_is_walked_without_its_hidden_files_and_folders(tmp_path) -> None:
+    """`--input .` in a project: the text files of .git/ and .venv/ are not the corpus (they were taken)."""
+    for name in ("a.txt", "sub/b.jsonl", "sub/deeper/c.parquet", ".hidden.txt", ".git/notes.txt",
+                 ".venv/lib/LICENSE.txt", "sub/.cache/d.jsonl", "other/readme.md"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x\n")
+    (tmp_path / "linked").symlink_to(tmp_path / "sub")  # a linked folder is not followed: no second copy
+    found = [source.path.relative_to(tmp_path).as_posix() for source in find_sources([tmp_path])]
+    assert found == ["a.txt", "sub/b.jsonl", "sub/deeper/c.parquet"]
+    assert [s.path.name for s in find_sources([tmp_path / ".hidden.txt"])] == [".hidden.txt"]  # named: taken
