@@ -8,6 +8,7 @@ ignore them), so they are refused up front.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -296,6 +297,13 @@ def _missing_files(key: str, prefix: str) -> Optional[str]:
         example = f"{folder / found[0]}" if found else f"{folder / 'NAME'} for NAME.bin and NAME.idx"
         return (f"{key}: {prefix} names a folder, not a dataset; a dataset is named by the prefix of its files, "
                 f"e.g. {example}" + (f" (there: {', '.join(found)})" if found else ""))
+    stem, suffix = os.path.splitext(prefix)
+    if suffix in (".bin", ".idx") and Path(stem + ".bin").is_file() and Path(stem + ".idx").is_file():
+        return f"{key}: {prefix} is one of a dataset's files; name the dataset by their prefix: {stem}"
+    if suffix in (".txt", ".jsonl", ".parquet") and Path(prefix).is_file():  # text, not yet tokenized
+        dataset = str(Path("data") / Path(stem).name)
+        return (f"{key}: {prefix} is text, not a dataset: tokenize it first with 'megaframe-preprocess --input "
+                f"{prefix} --output-prefix {dataset}', then name {dataset}")
     return (f"{key}: {prefix}{missing} not found; build it with "
             f"'megaframe-preprocess --input FILES --output-prefix {prefix}'")
 

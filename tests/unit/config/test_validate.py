@@ -301,6 +301,33 @@ def test_a_data_path_naming_a_folder_says_so_and_names_a_dataset_in_it(tmp_path)
                                   f"the prefix of its files, e.g. {folder / 'corpus'} (there: corpus)")
 
 
+def test_a_data_path_naming_a_file_says_what_to_name_instead(tmp_path):
+    """A newcomer's data.path=input.txt (text, not tokenized) or data.path=data/docs.bin (a dataset's
+    file) was told that input.txt.bin was not found and to build it with --output-prefix input.txt."""
+    import dataclasses
+
+    from megaframe.config.validate import validate
+
+    (tmp_path / "input.txt").write_text("some text\n")
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"docs{suffix}").write_bytes(b"")
+    cases = {
+        f"{tmp_path}/input.txt": f"{tmp_path}/input.txt is text, not a dataset: tokenize it first with "
+                                 f"'megaframe-preprocess --input {tmp_path}/input.txt --output-prefix data/input', "
+                                 f"then name data/input",
+        f"{tmp_path}/docs.bin": f"{tmp_path}/docs.bin is one of a dataset's files; name the dataset by their prefix: "
+                                f"{tmp_path}/docs",
+    }
+    for given, message in cases.items():
+        for key in ("path", "valid_path"):
+            cfg = TrainConfig()
+            data = dataclasses.replace(cfg.data, **({"path": given} if key == "path" else
+                                                    {"path": f"{tmp_path}/docs", "valid_path": given}))
+            with pytest.raises(ConfigError) as err:
+                validate(dataclasses.replace(cfg, data=data), 1, fp16_supported=lambda: False)
+            assert str(err.value) == f"data.{key}={given}: {message}"
+
+
 @pytest.mark.parametrize("schedule", [[[5, 1]], [[5, "0.5"]], [[5, [0.5, 0.5], 3]], ["x"]])
 def test_a_blend_schedule_entry_of_the_wrong_shape_names_the_form(tmp_path, schedule):
     """[[5,1]] (a bare number where the weights go) was a TypeError's traceback."""
