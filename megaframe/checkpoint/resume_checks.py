@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megaframe.common.atomic_io import atomic_write_text
-from megaframe.checkpoint.universal import LATEST_FILE, MANIFEST_FILE, CheckpointError
+from megaframe.checkpoint.universal import CheckpointError, misnamed_checkpoint
 from megaframe.parallel.dims import LAYOUT_AXES
 from megaframe.common.safe_files import UnsafeFile, open_regular
 
@@ -127,13 +127,12 @@ def resume_path_problem(path: Path) -> Optional[str]:
     """train.resume=PATH naming a run directory or a Hugging Face model rather than a checkpoint (or a
     checkpoints/ directory with its `latest`): one line with the fix before launch. Both failed after
     launch with "no manifest.json: ... resume from an earlier checkpoint" (exit 5), the wrong fix."""
-    if not path.is_dir() or (path / MANIFEST_FILE).is_file() or (path / LATEST_FILE).is_file():
-        return None  # a checkpoint, or checkpoints/ with its pointer: the ranks verify it
-    if (path / "checkpoints").is_dir():
+    kind = misnamed_checkpoint(path) if path.is_dir() else None  # a missing path: the ranks' own line
+    if kind == "run":
         return (f"train.resume={path}: a run directory, not a checkpoint; resume from its checkpoints with "
                 f"train.resume={path / 'checkpoints'} (the newest), or a checkpoint in it such as "
                 f"{path / 'checkpoints' / 'global_stepN'}")
-    if (path / "config.json").is_file() and (any(path.glob("*.safetensors")) or (path / "pytorch_model.bin").is_file()):
+    if kind == "hf":
         return (f"train.resume={path}: a Hugging Face model, not a megaframe checkpoint; convert it first "
                 f"(megaframe-convert from-hf {path} OUT) and resume from OUT")
     return None

@@ -389,6 +389,26 @@ def has_universal(directory: Path) -> bool:
                                                    or (directory / INDEX_FILE).is_file())
 
 
+def misnamed_checkpoint(path: Path) -> Optional[str]:
+    """What `path`, given where a checkpoint (or a run's checkpoints/ with its `latest`) is wanted, is
+    instead: "missing", "run" (a run directory: it holds checkpoints/), "hf" (a Hugging Face model
+    directory) or "unsaved" (a checkpoints/ directory no save has finished in: no `latest`); None
+    for anything else (a checkpoint, or a folder of another kind, which its reader judges)."""
+    path = Path(path)
+    if not path.exists():
+        return "missing"
+    if not path.is_dir() or has_universal(path) or (path / MANIFEST_FILE).is_file() or (path / LATEST_FILE).is_file():
+        return None
+    if (path / "checkpoints").is_dir():
+        return "run"
+    if (path / "config.json").is_file() and (any(path.glob("*.safetensors")) or (path / "pytorch_model.bin").is_file()):
+        return "hf"
+    if path.name == "checkpoints" and not any(re.fullmatch(r"global_step\d+", p.name) and has_universal(p)
+                                              for p in path.iterdir()):
+        return "unsaved"
+    return None
+
+
 def is_optimizer_key(key: str) -> bool:
     """Whether a stored tensor is optimizer state (any optimizer's state by name, master.*) rather than a weight."""
     return key.split(".", 1)[0] in (*ALL_TENSOR_STATE, MASTER_KEY)

@@ -356,6 +356,20 @@ def resolve_checkpoint(path: Path) -> Path:
     except universal.CheckpointError as err:
         raise ConvertError(str(err)) from None
     if not universal.has_universal(path):
+        kind = universal.misnamed_checkpoint(path)
+        if kind == "missing":
+            raise ConvertError(f"{path}: no such directory; pass a checkpoint (RUN/checkpoints/global_stepN) or a "
+                               f"run's checkpoints/ directory")
+        if kind == "run":
+            raise ConvertError(f"{path}: a run directory, not a checkpoint; pass its checkpoints, "
+                               f"{path / 'checkpoints'} (the newest), or one of them such as "
+                               f"{path / 'checkpoints' / 'global_stepN'}")
+        if kind == "hf":
+            raise ConvertError(f"{path}: a Hugging Face model, not a megaframe checkpoint; import it first with "
+                               f"megaframe-convert from-hf {path} OUT and pass OUT")
+        if kind == "unsaved":
+            raise ConvertError(f"{path}: no checkpoint in it yet (no `{universal.LATEST_FILE}`: the run has not "
+                               f"finished a save); train.save_interval sets how often a run saves")
         raise ConvertError(f"{path}: not a layout-free megaframe checkpoint (needs {universal.STATE_FILE} and "
                            f"{universal.INDEX_FILE} or {universal.MODEL_FILE}); pass a checkpoint directory or a "
                            f"run's checkpoints/ directory")

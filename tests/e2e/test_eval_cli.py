@@ -65,7 +65,7 @@ def test_load_model_gives_the_trained_module_and_bad_input_is_one_line(tmp_path)
         "megaframe-eval: error: model.num_layers: the model comes from the checkpoint; megaframe-eval takes "
         "data.*, train.eval_steps, parallel.micro_batch_size and parallel.global_batch_size"]
     result = run_eval(str(tmp_path / "nothing-here"))
-    assert result.returncode == 2 and "not a layout-free megaframe checkpoint" in result.stderr
+    assert result.returncode == 2 and "nothing-here: no such directory; pass a checkpoint" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     result = run_eval(str(run_dir / "checkpoints"))  # the defaults: a human line
     assert_ok(result)

@@ -141,7 +141,7 @@ def test_sampling_is_reproducible_by_seed_and_bad_input_is_one_line(checkpoints,
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     cases = {
-        (str(tmp_path / "nothing"),): "not a layout-free megaframe checkpoint",
+        (str(tmp_path / "nothing"),): "nothing: no such directory",
         (ckpt, "--prompt", ""): "--prompt is empty",
         (ckpt, "--prompt-file", str(empty)): "is empty",
         (ckpt, "--prompt-file", str(tmp_path / "missing.txt")): "cannot read it",

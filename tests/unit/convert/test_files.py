@@ -68,3 +68,33 @@ def test_a_converted_checkpoint_is_split_into_files_the_ranks_share_when_they_ve
     # three ranks verifying it hash one weights file each (the bytes split), not all on one rank
     assert sorted(sum(rel in by_file for rel in share) for share in shares) == [1, 1, 1], shares
     assert universal.read_state(ckpt)["version"] == universal.SHARDED_VERSION
+
+
+def test_a_path_that_is_not_a_checkpoint_says_what_it_is_and_what_to_pass(tmp_path):
+    """megaframe-eval, -sample, -convert and load_model said "not a layout-free megaframe checkpoint
+    (needs state.json and index.json or model.safetensors)" for a missing path, a run directory, a
+    run with no save yet and a Hugging Face export (which holds model.safetensors: the line
+    contradicted itself)."""
+    import pytest
+
+    from megaframe.convert.hf import ConvertError
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    other = tmp_path / "other"
+    other.mkdir()
+    cases = {
+        tmp_path / "gone": "gone: no such directory; pass a checkpoint (RUN/checkpoints/global_stepN)",
+        run: f"run: a run directory, not a checkpoint; pass its checkpoints, {run / 'checkpoints'} (the newest)",
+        run / "checkpoints": "checkpoints: no checkpoint in it yet (no `latest`: the run has not finished a save)",
+        hf: f"hf: a Hugging Face model, not a megaframe checkpoint; import it first with megaframe-convert from-hf {hf}",
+        other: "other: not a layout-free megaframe checkpoint (needs state.json",
+    }
+    for path, message in cases.items():
+        with pytest.raises(ConvertError) as refused:
+            files.resolve_checkpoint(path)
+        assert message in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
