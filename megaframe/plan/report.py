@@ -35,7 +35,7 @@ def _extra_flops(est: Estimate) -> str:
 def verdict(est: Estimate) -> str:
     """'fits' or 'does not fit', with the numbers."""
     word = "fits" if est.fits_devices else "does NOT fit"
-    line = (f"{est.layout.describe()} {word} on {est.cluster}: peak {gib(est.peak)} (stage {est.peak_stage}) "
+    line = (f"{est.layout.describe()} {word} on {est.cluster}: peak {gib(est.peak)} (pipeline stage {est.peak_stage}) "
             f"vs {gib(est.capacity)} per device, margin {gib(est.margin)}")
     if est.host is not None and not est.host.fits:
         line += f"; {'but ' if est.fits_devices else ''}NOT the host memory: {host_line(est.host)}"
@@ -75,7 +75,7 @@ def table(est: Estimate, mfu: float, alternatives: list[Estimate] | None = None,
                      f"{gib(s.activations_per_micro_batch):>12} {s.in_flight:>9} {gib(s.activations):>12} "
                      f"{gib(s.working):>12} {gib(s.peak):>12}")
     lines += ["",
-              f"peak {gib(est.peak)} (stage {est.peak_stage}, incl. {gib(est.reserved)} reserved) vs {gib(est.capacity)} "
+              f"peak {gib(est.peak)} (pipeline stage {est.peak_stage}, incl. {gib(est.reserved)} reserved) vs {gib(est.capacity)} "
               f"per device: {'FITS' if est.fits_devices else 'DOES NOT FIT'}, margin {gib(est.margin)}",
               f"per step: {est.flops_per_step:.3e} model FLOPs{_extra_flops(est)}, {est.tokens_per_step:,} tokens; "
               f"step time at {mfu:.0%} MFU {_seconds(est.step_time_s)}",

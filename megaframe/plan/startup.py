@@ -30,7 +30,7 @@ def plan_summary(est: Optional[Estimate]) -> str:
     if est is None:
         return "memory plan: unavailable"
     worst = next(s for s in est.stages if s.stage == est.peak_stage)
-    return (f"memory plan per rank (stage {est.peak_stage}): weights {_size(worst.states.weights)} + grads "
+    return (f"memory plan per rank (pipeline stage {est.peak_stage}): weights {_size(worst.states.weights)} + grads "
             f"{_size(worst.states.gradients)} + optimizer {_size(worst.states.optimizer)} "
             f"(offloaded {_size(worst.states.host)}), activations {_size(worst.activations)}, "
             f"peak {_size(est.peak)} of {_size(est.capacity)} ({'fits' if est.fits_devices else 'DOES NOT FIT'})"
