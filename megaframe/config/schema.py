@@ -294,7 +294,9 @@ class LoopConfig:
 class WandbConfig:
     """Weights & Biases run settings."""
 
-    mode: str = "offline"  # offline | online | disabled
+    # offline | online | disabled; null: WANDB_MODE from the environment as W&B reads it (dryrun is
+    # offline, run and shared online), else offline (tracking/wandb_run.py wandb_mode)
+    mode: Optional[str] = None
     project: str = "megaframe"
     name: Optional[str] = None
     entity: Optional[str] = None

@@ -215,7 +215,8 @@ def check_train(cfg: TrainConfig) -> Optional[str]:
         return UNRESOLVED
     if t.resume not in ("auto", "none") and not Path(t.resume).is_dir():
         return f"train.resume={t.resume!r}: no such checkpoint directory; use auto, none, latest-run or an existing path"
-    if err := choice_problem("logging.wandb.mode", cfg.logging.wandb.mode, ["offline", "online", "disabled"]):
+    if cfg.logging.wandb.mode is not None and (err := choice_problem("logging.wandb.mode", cfg.logging.wandb.mode,
+                                                                        ["offline", "online", "disabled"])):
         return err
     if t.max_consecutive_skips < 1:
         return f"train.max_consecutive_skips={t.max_consecutive_skips} must be >= 1 (skipped steps in a row that stop the run)"

@@ -180,9 +180,9 @@ def ranks_on_this_host(cfg: TrainConfig, layout: Layout) -> int:
 def check_before_launch(cfg: TrainConfig, layout: Layout, run_dir: str) -> None:
     """The launcher's package or command, an online W&B run's key, the dataset, the run dir's
     history and the machine, in that order; then rank 0 prints the config's warnings."""
-    from megaframe.tracking.wandb_run import env_mode_problem, online_key_problem
+    from megaframe.tracking.wandb_run import env_mode_problem, online_key_problem, wandb_mode
 
-    mode = cfg.logging.wandb.mode
+    mode = wandb_mode(cfg.logging.wandb.mode)
     if problem := launcher_problem(cfg) or env_mode_problem(mode) or online_key_problem(mode):
         fail(problem)
     if problem := dataset_problem(cfg):

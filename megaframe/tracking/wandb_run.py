@@ -16,6 +16,15 @@ from megaframe.common.atomic_io import atomic_write_text
 WANDB_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")
 
 
+def wandb_mode(mode: Optional[str], environ=os.environ) -> str:
+    """The mode a run logs in: logging.wandb.mode when set, else WANDB_MODE as W&B itself reads it
+    (a user's `WANDB_MODE=disabled` turns it off, as in every W&B integration), else offline."""
+    if mode is not None:
+        return mode
+    value = environ.get("WANDB_MODE")
+    return {"disabled": "disabled", "online": "online", "run": "online", "shared": "online"}.get(value, "offline")
+
+
 def env_mode_problem(mode: str, environ=os.environ) -> Optional[str]:
     """wandb reads WANDB_MODE from the environment as it loads its settings, whatever mode megaframe
     passes (logging.wandb.mode decides), and refuses a value it does not know: rank 0 ended after
@@ -54,7 +63,8 @@ class WandbRun:
     def __init__(self, cfg: WandbConfig, run_dir: Path, config: dict[str, Any],
                  default_name: Optional[str] = None, default_group: Optional[str] = None):
         self.run = None
-        if cfg.mode == "disabled":
+        mode = wandb_mode(cfg.mode)
+        if mode == "disabled":
             return
         # offline must never touch the network, and wandb's own files belong in the run dir
         os.environ.setdefault("WANDB_SILENT", "true")
@@ -70,9 +80,9 @@ class WandbRun:
             mode=mode, dir=str(run_dir), config=config, id=run_id, resume="allow",
             settings=wandb.Settings(console="off"))
         try:
-            self.run = start(cfg.mode)
+            self.run = start(mode)
         except wandb.errors.Error as err:
-            if cfg.mode != "online":
+            if mode != "online":
                 raise
             # W&B unreachable (an outage, compute nodes without egress) or the key refused: the run
             # goes on, its records kept for `wandb sync`, rather than a job of many nodes ending at

@@ -25,3 +25,21 @@ def test_an_unreachable_server_leaves_the_run_logging_offline_under_its_id(tmp_p
     warning = capsys.readouterr().err.strip().splitlines()
     assert len(warning) == 1 and warning[0].startswith("megaframe: warning: W&B did not start online (CommError")
     assert f"logging offline in {tmp_path / 'wandb'} instead" in warning[0]
+
+
+def test_wandb_mode_in_the_environment_chooses_when_the_config_does_not(tmp_path, monkeypatch):
+    """`WANDB_MODE=disabled megaframe-train` still wrote RUN_DIR/wandb and said `wandb sync`: the
+    config's default (offline) was passed to wandb, which takes it over the variable. Now a
+    logging.wandb.mode left null defers to WANDB_MODE as W&B reads it; one that is set wins."""
+    from megaframe.tracking.wandb_run import wandb_mode
+
+    modes = {None: "offline", "disabled": "disabled", "offline": "offline", "dryrun": "offline", "online": "online",
+             "run": "online", "shared": "online"}
+    for variable, mode in modes.items():
+        assert wandb_mode(None, {} if variable is None else {"WANDB_MODE": variable}) == mode, variable
+    assert wandb_mode("offline", {"WANDB_MODE": "disabled"}) == "offline"
+    assert wandb_mode("disabled", {"WANDB_MODE": "online"}) == "disabled"
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    run = WandbRun(WandbConfig(), tmp_path, {"lr": 1e-3})  # the default: null
+    assert run.run is None and run.sync_hint() is None and not (tmp_path / "wandb").exists()
