@@ -189,7 +189,7 @@ def preprocess(
         for index, tokens in enumerate(encoded):
             _add(writers, index, tokens, boundary, tokenizer.eod_id if append_eod else None, valid_fraction)
             bar.update(1)
-        _check_written(writers, inputs, valid_fraction)
+        _check_written(writers, inputs, valid_fraction, append_eod)
         metadata = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id,
                     "append_eod": append_eod, "json_key": json_key,
                     "source_files": [str(source.path) for source in sources]}
@@ -265,12 +265,17 @@ def _count_documents(sources: list[Source], json_key: str, split: Optional[str])
     return sum(1 for source in sources for _ in iter_documents(source, json_key, split))
 
 
-def _check_written(writers: list[IndexedDatasetWriter], inputs: Sequence[Any], valid_fraction: float) -> None:
-    """DataError for an output without tokens: an empty input, or a held-out part rounded to nothing."""
-    if writers[0].num_documents == 0 or sum(writer.num_tokens for writer in writers) == 0:
+def _check_written(writers: list[IndexedDatasetWriter], inputs: Sequence[Any], valid_fraction: float,
+                   append_eod: bool = True) -> None:
+    """DataError for an output without tokens of text (an empty input, documents that are all empty:
+    end-of-document tokens alone, which training then refused), or a held-out part rounded to nothing."""
+    documents = sum(writer.num_documents for writer in writers)
+    text_tokens = sum(writer.num_tokens for writer in writers) - (documents if append_eod else 0)
+    if writers[0].num_documents == 0 or text_tokens == 0:
         raise DataError(
-            f"--input {' '.join(str(raw) for raw in inputs)}: produced no tokens "
-            f"({writers[0].num_documents} documents); check the files and --json-key"
+            f"--input {' '.join(str(raw) for raw in inputs)}: produced no tokens of text "
+            f"({writers[0].num_documents} documents{', all empty' if documents else ''}); check the files and "
+            f"--json-key"
         )
     for writer, part in zip(writers if len(writers) == 2 else [], ("training", "validation")):
         if writer.num_tokens == 0:

@@ -135,6 +135,8 @@ def test_tool_with_local_hf_tokenizer(tmp_path: Path, hf_tokenizer_dir: Path) ->
         (lambda tmp: ["--input", tmp / "late.jsonl"], "late.jsonl:3: not UTF-8 text (byte 20036 of the file)"),
         (lambda tmp: ["--input", tmp / "bad.jsonl"], "bad.jsonl:1: invalid JSON"),
         (lambda tmp: ["--input", tmp / "blank.jsonl"], "produced no tokens"),
+        # an empty .txt was "1 documents, 1 tokens" (its end-of-document token), refused only by training
+        (lambda tmp: ["--input", tmp / "empty.txt"], "empty.txt: produced no tokens of text (1 documents, all empty)"),
         (lambda tmp: ["--input", tmp / "empty_dir"], "holds no .txt/.jsonl/.parquet files"),
         (lambda tmp: ["--input", tmp / "data.csv", "--tokenizer", "gpt2"], "--tokenizer gpt2: not 'byte'"),
     ],
@@ -147,6 +149,7 @@ def test_tool_bad_input_exits_2_with_one_line(tmp_path: Path, make_args, expecte
     long_line = b'{"text": "' + b"a" * 10000 + b'"}\n'  # 10,013 bytes
     (tmp_path / "late.jsonl").write_bytes(long_line * 2 + b'{"text": "\xff"}\n')
     (tmp_path / "blank.jsonl").write_text("\n\n")
+    (tmp_path / "empty.txt").write_text("")
     (tmp_path / "empty_dir").mkdir()
     result = run_tool(*make_args(tmp_path), "--output-prefix", tmp_path / "out" / "ds")
     assert result.returncode == 2
