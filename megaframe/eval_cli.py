@@ -48,7 +48,7 @@ def _eval_config(checkpoint: Path, overrides: Sequence[str]):
 
     config_file = run_config_file(checkpoint)
     if config_file is not None and (config_file.is_file() or config_file.is_symlink()):
-        return _checked(load_run_config(config_file, overrides), config_file), config_file
+        return _checked(load_run_config(config_file, overrides), config_file, overrides), config_file
     if any(o.startswith(("data.path=", "data.blend=", "data=")) for o in overrides):
         return _checked(compose(list(overrides))[0], None), None  # the user named the data: theirs, not the run's
     where = config_file or f"{checkpoint} (a checkpoint outside a run directory)"
@@ -56,7 +56,7 @@ def _eval_config(checkpoint: Path, overrides: Sequence[str]):
                       f"to score with data.path=PREFIX (and data.valid_path=PREFIX), data.blend=... or data=demo")
 
 
-def _checked(cfg, config_file: Optional[Path]):
+def _checked(cfg, config_file: Optional[Path], overrides: Sequence[str] = ()):
     """cfg, after the rules megaframe-train runs on data before launch: an empty value
     (`data.blend=[]`, `data.valid_path=`) falls back to other data (the demo corpus, a slice of the
     training set), which would be scored in silence; a missing file is named with whose it is."""
@@ -68,7 +68,10 @@ def _checked(cfg, config_file: Optional[Path]):
     # with no validation set evaluate() says what to override; check_data's line would name
     # train.eval_interval, which this command does not take
     if problem := check_data(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_interval=0))):
-        raise ConfigError(f"the run's data ({config_file}): {problem}" if config_file else problem)
+        # the run's config is blamed only for a key the command line did not set (a typo in data.path=... is the user's)
+        key = problem.split("=", 1)[0].split(":", 1)[0]
+        ours = config_file is not None and not any(o.startswith((f"{key}=", "data=")) for o in overrides)
+        raise ConfigError(f"the run's data ({config_file}): {problem}" if ours else problem)
     return cfg
 
 
@@ -122,14 +125,17 @@ def evaluate(checkpoint: Path, overrides: Sequence[str]) -> dict:
                         f"model reads {model_tokenizer or cfg.data.tokenizer}'s: tokenize its text with "
                         f"megaframe-preprocess --tokenizer {model_tokenizer or cfg.data.tokenizer}") from None
     except (DataError, OSError) as err:  # the run's files moved or deleted: say whose they were
-        origin = f"the run's data ({config_file})" if config_file else "the data"
+        named = any(o.startswith(("data.path=", "data.valid_path=", "data.blend=", "data.valid_blend=", "data="))
+                    for o in overrides)  # data the command line named is not the run's
+        origin = f"the run's data ({config_file})" if config_file and not named else "the data"
         raise DataError(f"{origin}: {err}") from None
     if data.valid is None:
         raise DataError(f"{where}: data.valid_fraction=0 leaves no validation set to evaluate; set "
                         f"data.valid_fraction > 0 or data.valid_path=PREFIX")
     if data.vocab_size > model.dims.vocab_size:
         raise DataError(f"the dataset's vocabulary ({data.vocab_size}) is larger than the checkpoint's model's "
-                        f"({model.dims.vocab_size}): it was tokenized for another model; check data.tokenizer")
+                        f"({model.dims.vocab_size}): it was tokenized for another model; tokenize its text with "
+                        f"megaframe-preprocess --tokenizer {model_tokenizer or cfg.data.tokenizer}")
     if problem := eval_wrap_problem(cfg.train.eval_steps, batch, data.valid.samples_before_a_repeat()):
         print(f"{PROG}: warning: {problem}", file=sys.stderr, flush=True)
     batches = eval_batches(data.valid, cfg.train.eval_steps * (batch // micro), micro, 0, 1)

@@ -151,6 +151,11 @@ def test_empty_data_overrides_are_refused_not_scored_as_other_data(tmp_path, mon
         eval_cli.main([str(run / "checkpoints")])
     err = capsys.readouterr().err
     assert f"the run's data ({run / 'config.yaml'})" in err and "gone/train" in err, err
+    # a typo on the command line is the user's, not the run config's (it was blamed on config.yaml)
+    with pytest.raises(SystemExit):
+        eval_cli.main([str(run / "checkpoints"), "data.path=typo/train"])
+    err = capsys.readouterr().err
+    assert err.startswith("megaframe-eval: error: data.path=typo/train: ") and "config.yaml" not in err, err
 
 
 def test_run_files_are_read_once_not_through_links_and_capped(tmp_path, monkeypatch):
