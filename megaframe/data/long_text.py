@@ -94,15 +94,13 @@ def find_cut(tokenizer: Tokenizer, text: str) -> Optional[int]:
     return None
 
 
-def encode_text_file(tokenizer: Tokenizer, path: Path, eod_id: Optional[int],
-                     chars: Optional[int] = None) -> np.ndarray:
-    """The token ids of the file's text (eod_id appended unless None): int64 for a file of one piece
-    (what tokenizing it whole always gave), int32 for a longer one, tokenized a piece at a time of
-    about 2 x `chars` characters (default PIECE_CHARS)."""
+def cut_text(tokenizer: Tokenizer, path: Path, chars: Optional[int] = None) -> Iterator[str]:
+    """The file's text in pieces of about 2 x `chars` characters (default PIECE_CHARS), each ending at
+    a cut the tokenizer agrees on (find_cut); the whole text as one piece when it is that short, or
+    when the tokenizer agrees on no cut (splits_text)."""
     chars = chars or PIECE_CHARS
     cuts = splits_text(tokenizer)
-    parts: list[np.ndarray] = []
-    blocks: list[str] = []  # text read and not yet tokenized
+    blocks: list[str] = []  # text read and not yet given out
     held, next_try = 0, 2 * chars  # its characters; how many before a cut is looked for again
     for text in text_pieces(path, chars):
         blocks.append(text)
@@ -114,14 +112,24 @@ def encode_text_file(tokenizer: Tokenizer, path: Path, eod_id: Optional[int],
         if cut is None:  # none the tokenizer agrees on near the end: look again once twice as much is read
             blocks, next_try = [rest], 2 * held
             continue
-        parts.append(np.asarray(tokenizer.encode(rest[:cut]), dtype=np.int32))
+        yield rest[:cut]
         blocks, held, next_try = [rest[cut:]], len(rest) - cut, 2 * chars
-    ids = tokenizer.encode("".join(blocks))
-    if not parts:  # the whole file in one call, as before pieces
-        if eod_id is not None:
-            ids.append(eod_id)
-        return np.asarray(ids, dtype=np.int64)
-    parts.append(np.asarray(ids, dtype=np.int32))
+    yield "".join(blocks)
+
+
+def encode_piece(tokenizer: Tokenizer, text: str, eod_id: Optional[int] = None) -> np.ndarray:
+    """One piece's token ids as int32 (eod_id appended unless None): half int64's memory, and every
+    vocabulary's ids fit."""
+    ids = tokenizer.encode(text)
     if eod_id is not None:
-        parts.append(np.asarray([eod_id], dtype=np.int32))
-    return np.concatenate(parts)
+        ids.append(eod_id)
+    return np.asarray(ids, dtype=np.int32)
+
+
+def encode_text_file(tokenizer: Tokenizer, path: Path, eod_id: Optional[int],
+                     chars: Optional[int] = None) -> np.ndarray:
+    """The token ids of the file's text (eod_id appended unless None), tokenized a piece at a time."""
+    parts = [encode_piece(tokenizer, piece) for piece in cut_text(tokenizer, path, chars)]
+    if len(parts) == 1 and eod_id is None:
+        return parts[0]
+    return np.concatenate([*parts, np.asarray([eod_id] if eod_id is not None else [], dtype=np.int32)])

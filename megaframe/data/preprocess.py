@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from collections import deque
+from dataclasses import dataclass
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -29,7 +30,7 @@ from megaframe.common.launch_env import usable_cores
 from megaframe.data.dataset import split_documents
 from megaframe.data.indexed import LAYOUTS, DataError, IndexedDatasetWriter, best_dtype
 from megaframe.data.preprocess_stop import Stopped, ignore_stop_in_worker, signals_deferred
-from megaframe.data.long_text import encode_text_file
+from megaframe.data.long_text import cut_text, encode_piece, encode_text_file, splits_text
 from megaframe.data.sources import Source, TextFile, find_sources, iter_documents
 from megaframe.data.temp_files import remove_orphans
 from megaframe.data.tokenizer import Tokenizer, build_tokenizer
@@ -37,18 +38,29 @@ from megaframe.data.tokenizer import Tokenizer, build_tokenizer
 __all__ = ["preprocess", "usable_workers"]
 
 _CHUNK_DOCUMENTS = 64  # documents per task sent to a worker: large enough to amortise the pickling
-_CHUNK_CHARS = 4 << 20  # text per task at most (a larger .txt file is a task of its own)
+_CHUNK_CHARS = 4 << 20  # text per task at most (a larger .txt file is cut into pieces: _pieces)
 _CHUNKS_IN_FLIGHT_PER_WORKER = 4  # tasks sent ahead per worker, of at most this much text in all:
 _CHARS_IN_FLIGHT_PER_WORKER = 4 * _CHUNK_CHARS  # (or one task), whose tokens wait to be written
 
 _worker: Optional[tuple[Tokenizer, bool]] = None
 
 
-def _document(tokenizer: Tokenizer, text: str | TextFile, append_eod: bool) -> np.ndarray:
-    """One document's token ids as an array: a worker sends it back as one buffer, where a list of
-    Python ints would cost more to pickle than the byte tokenizer takes to make it."""
+@dataclass(frozen=True)
+class _Piece:
+    """A piece of a large .txt file's one document, cut by the parent (long_text.cut_text) so that
+    the workers tokenize the file together; `last` ends the document."""
+
+    text: str
+    last: bool
+
+
+def _document(tokenizer: Tokenizer, text: str | TextFile | _Piece, append_eod: bool) -> np.ndarray:
+    """One document's token ids as an array (or a piece's): a worker sends it back as one buffer,
+    where a list of Python ints would cost more to pickle than the byte tokenizer takes to make it."""
     if isinstance(text, TextFile):
         return encode_text_file(tokenizer, text.path, tokenizer.eod_id if append_eod else None)
+    if isinstance(text, _Piece):
+        return encode_piece(tokenizer, text.text, tokenizer.eod_id if append_eod and text.last else None)
     ids = tokenizer.encode(text)
     if append_eod:
         ids.append(tokenizer.eod_id)
@@ -71,21 +83,39 @@ def _start_worker(tokenizer_spec: str, append_eod: bool) -> None:
     _worker = (build_tokenizer(tokenizer_spec), append_eod)
 
 
-def _encode_chunk(texts: list[str]) -> list[np.ndarray]:
+def _encode_chunk(texts: list[str | TextFile | _Piece]) -> list[np.ndarray]:
     assert _worker is not None, "worker started without a tokenizer"
     tokenizer, append_eod = _worker
     return [_document(tokenizer, text, append_eod) for text in texts]
 
 
-def _size(text: str | TextFile) -> int:
+def _size(text: str | TextFile | _Piece) -> int:
     """A document's characters, or a .txt file's bytes (at least its characters)."""
-    return text.path.stat().st_size if isinstance(text, TextFile) else len(text)
+    return text.path.stat().st_size if isinstance(text, TextFile) else len(getattr(text, "text", text))
 
 
-def _chunks(texts: Iterable[str | TextFile]) -> Iterator[tuple[list[str | TextFile], int]]:
+def _pieces(texts: Iterable[str | TextFile], tokenizer: Tokenizer) -> Iterator[str | TextFile | _Piece]:
+    """The documents, a .txt file larger than a task cut into _Pieces here (the cuts are checked with
+    the parent's tokenizer: a few short encodes a piece), so the workers tokenize it together where
+    one worker tokenized the whole file. A tokenizer that agrees on no cut gets the file whole, read by
+    the worker (its text is not sent through a pipe)."""
+    cuts = splits_text(tokenizer)
+    for text in texts:
+        if not isinstance(text, TextFile) or _size(text) <= _CHUNK_CHARS or not cuts:
+            yield text
+            continue
+        pieces = cut_text(tokenizer, text.path)
+        piece = next(pieces)
+        for following in pieces:
+            yield _Piece(piece, last=False)
+            piece = following
+        yield _Piece(piece, last=True)
+
+
+def _chunks(texts: Iterable[str | TextFile | _Piece]) -> Iterator[tuple[list[str | TextFile | _Piece], int]]:
     """The documents in tasks of at most _CHUNK_DOCUMENTS and _CHUNK_CHARS (or one document), with
     their size: a directory of large .txt files is not sent to one worker 64 files at a time."""
-    chunk: list[str | TextFile] = []
+    chunk: list[str | TextFile | _Piece] = []
     size = 0
     for text in texts:
         n = _size(text)
@@ -109,18 +139,22 @@ def _encoded(texts: Iterable[str], tokenizer: Tokenizer, append_eod: bool, worke
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_start_worker, initargs=(tokenizer.name, append_eod))
     try:
-        pending: deque = deque()  # (future, its text's size), in input order
+        pending: deque = deque()  # (future, its items, their text's size), in input order
         in_flight = 0
-        for chunk, size in _chunks(texts):
-            while pending and (len(pending) >= workers * _CHUNKS_IN_FLIGHT_PER_WORKER
-                               or in_flight + size > workers * _CHARS_IN_FLIGHT_PER_WORKER):
-                done, done_size = pending.popleft()
+        parts: list[np.ndarray] = []  # the pieces of a document tokenized so far
+        for chunk, size in _chunks(_pieces(texts, tokenizer)):
+            # a few tasks a worker, of a bounded size in all; but one a worker whatever their size (a
+            # directory of large files for a tokenizer that cuts none: one worker each, not one in all)
+            while len(pending) >= workers and (len(pending) >= workers * _CHUNKS_IN_FLIGHT_PER_WORKER
+                                               or in_flight + size > workers * _CHARS_IN_FLIGHT_PER_WORKER):
+                done, items, done_size = pending.popleft()
                 in_flight -= done_size
-                yield from done.result()
-            pending.append((pool.submit(_encode_chunk, chunk), size))  # raises too, once the pool is broken
+                yield from _assembled(done.result(), items, parts)
+            pending.append((pool.submit(_encode_chunk, chunk), chunk, size))  # raises once the pool is broken
             in_flight += size
         while pending:
-            yield from pending.popleft()[0].result()
+            done, items, _ = pending.popleft()
+            yield from _assembled(done.result(), items, parts)
     except BrokenProcessPool:
         raise DataError("--workers: a tokenizer worker died (killed, out of memory on a long document?); run again "
                         "with fewer --workers, or split the input into smaller documents") from None
@@ -129,6 +163,18 @@ def _encoded(texts: Iterable[str], tokenizer: Tokenizer, append_eod: bool, worke
         # (stop signals are theirs to ignore): terminating them could leave a result half sent, and
         # the executor's reader waiting on it for good (reproduced by review)
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _assembled(results: list[np.ndarray], items: list, parts: list[np.ndarray]) -> Iterator[np.ndarray]:
+    """The documents of a task's results: a piece's tokens wait in `parts` until its document's last."""
+    for tokens, item in zip(results, items):
+        if not isinstance(item, _Piece):
+            yield tokens
+            continue
+        parts.append(tokens)
+        if item.last:
+            yield np.concatenate(parts)
+            parts.clear()
 
 
 def preprocess(
@@ -255,7 +301,8 @@ def _add(writers: list[IndexedDatasetWriter], index: int, tokens: np.ndarray, bo
         if cut == 0:
             raise DataError(f"--valid-fraction {valid_fraction} leaves no training text of the input's "
                             f"{text.size} tokens; give more text or a smaller fraction")
-        writers[0].add_document(text[:cut] if eod_id is None else np.append(text[:cut], eod_id))
+        kept = text[:cut] if eod_id is None else np.append(text[:cut], np.asarray([eod_id], text.dtype))  # its dtype
+        writers[0].add_document(kept)
         writers[1].add_document(tokens[cut:])
 
 
