@@ -97,32 +97,37 @@ def _iter_jsonl(path: Path, key: str) -> Iterator[str]:
     """Each non-blank line's `key` field. Read as bytes and decoded a line at a time, so a byte that is
     not UTF-8 is named by its line and its offset in the file (a text reader's error counts from its
     own buffer: "byte 7335" for a byte 1.2 MB in)."""
-    offset = 0
-    with open(path, "rb") as lines:
-        for line_number, raw in enumerate(lines, start=1):
-            location = f"--input {path}:{line_number}"
+    offset, line_number = 0, 0
+    with open(path, "rb") as raw_lines:
+        for raw in raw_lines:
             try:
-                line = raw.decode("utf-8")
+                text = raw.decode("utf-8")
             except UnicodeDecodeError as error:
-                raise DataError(f"{location}: not UTF-8 text (byte {offset + error.start} of the file); convert it "
-                                "to UTF-8") from None
+                line = line_number + 1 + raw[:error.start].replace(b"\r\n", b"\n").count(b"\r")  # lone CRs before it
+                raise DataError(f"--input {path}:{line}: not UTF-8 text (byte {offset + error.start} of the file); "
+                                "convert it to UTF-8") from None
             offset += len(raw)
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(
-                    f"{location}: invalid JSON ({error.msg}); each line must be one JSON object"
-                ) from None
-            if not isinstance(record, dict):
-                raise DataError(f"{location}: a JSON {type(record).__name__}, not an object; each line must be one "
-                                f"JSON object with a {key!r} field")
-            if key not in record:
-                fields = ", ".join(repr(name)[:40] for name in list(record)[:10]) + (", ..." if len(record) > 10 else "")
-                raise DataError(f"{location}: no {key!r} field (it has {fields or 'none'}); pass --json-key NAME for "
-                                "the field holding the text")
-            yield _check_text(record[key], location, key)
+            # lines end as a text reader ends them (universal newlines): "\n", "\r\n" or a lone "\r"
+            for line in text.replace("\r\n", "\n").split("\r"):
+                line_number += 1
+                if line.strip():
+                    yield _jsonl_text(line, f"--input {path}:{line_number}", key)
+
+
+def _jsonl_text(line: str, location: str, key: str) -> str:
+    """The text in one .jsonl line's `key` field."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise DataError(f"{location}: invalid JSON ({error.msg}); each line must be one JSON object") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{location}: a JSON {type(record).__name__}, not an object; each line must be one "
+                        f"JSON object with a {key!r} field")
+    if key not in record:
+        fields = ", ".join(repr(name)[:40] for name in list(record)[:10]) + (", ..." if len(record) > 10 else "")
+        raise DataError(f"{location}: no {key!r} field (it has {fields or 'none'}); pass --json-key NAME for the "
+                        "field holding the text")
+    return _check_text(record[key], location, key)
 
 
 def _text_column(path: Path, names: Sequence[str], key: str) -> None:

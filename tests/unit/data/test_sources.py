@@ -134,3 +134,16 @@ def test_a_directory_is_walked_without_its_hidden_files_and_folders(tmp_path) ->
     found = [source.path.relative_to(tmp_path).as_posix() for source in find_sources([tmp_path])]
     assert found == ["a.txt", "sub/b.jsonl", "sub/deeper/c.parquet"]
     assert [s.path.name for s in find_sources([tmp_path / ".hidden.txt"])] == [".hidden.txt"]  # named: taken
+
+
+def test_jsonl_lines_end_as_a_text_reader_ends_them(tmp_path) -> None:
+    """.jsonl lines read as bytes (so a bad byte's file offset is known) still end at "\\n", "\\r\\n" or a
+    lone "\\r", as the text reader before read them; line numbers count each."""
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b'{"text": "a"}\r{"text": "b"}\r\n{"text": "c"}\n\r{"text": "\xff"}\n')
+    with pytest.raises(DataError, match=r"mixed\.jsonl:5: not UTF-8 text \(byte 54 of the file\)"):
+        preprocess([path], tmp_path / "ds", progress=False)
+    path.write_bytes(b'{"text": "a"}\r{"text": "b"}\r\n{"text": "c"}\n\r{"text": "d"}\n')
+    preprocess([path], tmp_path / "ds", progress=False)
+    dataset = open_dataset(tmp_path / "ds")
+    assert [bytes(dataset[i].tolist()[:-1]).decode() for i in range(len(dataset))] == ["a", "b", "c", "d"]
