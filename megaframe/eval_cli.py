@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -39,21 +40,30 @@ def _fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
-def _eval_config(checkpoint: Path, overrides: Sequence[str]):
+def _eval_config(checkpoint: Path, overrides: Sequence[str], tokenizer: Optional[str] = None):
     """(typed config, the run config file it came from or None): the run's own config with the
-    overrides applied; without one, only data the overrides name (never a default dataset)."""
+    overrides applied; without one, only data the overrides name (never a default dataset).
+    tokenizer: the checkpoint's (_model_tokenizer), in place of the config's data.tokenizer."""
     from megaframe.config.compose import compose
     from megaframe.config.validate import ConfigError
     from megaframe.run_config import load_run_config, run_config_file
 
     config_file = run_config_file(checkpoint)
     if config_file is not None and (config_file.is_file() or config_file.is_symlink()):
-        return _checked(load_run_config(config_file, overrides), config_file, overrides), config_file
+        return _checked(_with_tokenizer(load_run_config(config_file, overrides), tokenizer), config_file,
+                        overrides), config_file
     if any(o.startswith(("data.path=", "data.blend=", "data=")) for o in overrides):
-        return _checked(compose(list(overrides))[0], None), None  # the user named the data: theirs, not the run's
+        # the user named the data: theirs, not the run's
+        return _checked(_with_tokenizer(compose(list(overrides))[0], tokenizer), None), None
     where = config_file or f"{checkpoint} (a checkpoint outside a run directory)"
     raise ConfigError(f"{where}: the run's config is missing, so the data it trained on is unknown; name the data "
                       f"to score with data.path=PREFIX (and data.valid_path=PREFIX), data.blend=... or data=demo")
+
+
+def _with_tokenizer(cfg, tokenizer: Optional[str]):
+    if tokenizer is None:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
 
 
 def _checked(cfg, config_file: Optional[Path], overrides: Sequence[str] = ()):
@@ -67,9 +77,13 @@ def _checked(cfg, config_file: Optional[Path], overrides: Sequence[str] = ()):
         raise ConfigError(problem)
     # with no validation set evaluate() says what to override; check_data's line would name
     # train.eval_interval, which this command does not take
-    if problem := check_data(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_interval=0))):
+    data = cfg.data
+    if data.valid_path is not None and not data.blend:  # scored alone (build_eval_data): data.path may be gone
+        data = dataclasses.replace(data, path=None)
+    no_eval_interval = dataclasses.replace(cfg.train, eval_interval=0)
+    if problem := check_data(dataclasses.replace(cfg, data=data, train=no_eval_interval)):
         # the run's config is blamed only for a key the command line did not set (a typo in data.path=... is the user's)
-        key = problem.split("=", 1)[0].split(":", 1)[0]
+        key = match[0] if (match := re.match(r"data\.\w+", problem)) else ""
         ours = config_file is not None and not any(o.startswith((f"{key}=", "data=")) for o in overrides)
         raise ConfigError(f"the run's data ({config_file}): {problem}" if ours else problem)
     return cfg
@@ -106,24 +120,24 @@ def evaluate(checkpoint: Path, overrides: Sequence[str]) -> dict:
             raise ConfigError(f"{override.split('=', 1)[0]}: the model comes from the checkpoint; {PROG} takes "
                               f"data.*, train.eval_steps, parallel.micro_batch_size and parallel.global_batch_size")
     path = resolve_checkpoint(checkpoint)
-    cfg, config_file = _eval_config(named_checkpoint(checkpoint, path), overrides)
+    model_tokenizer = _model_tokenizer(path, overrides)  # the data is scored as the model reads it
+    cfg, config_file = _eval_config(named_checkpoint(checkpoint, path), overrides, model_tokenizer)
     batch, micro = cfg.parallel.global_batch_size, cfg.parallel.micro_batch_size
     if micro < 1 or batch % micro:
         raise ConfigError(f"parallel.global_batch_size={batch} must be a multiple of parallel.micro_batch_size={micro}")
     if cfg.train.eval_steps < 1:
         raise ConfigError(f"train.eval_steps={cfg.train.eval_steps} must be >= 1")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_model(path, device)  # the checkpoint checked whole before its state is read again here
-    model_tokenizer = _model_tokenizer(path, overrides)
-    if model_tokenizer is not None:  # the data is scored as the model reads it, whatever the run's config says
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=model_tokenizer))
+    model = load_model(path, device)
     where = describe_data(cfg.data)
     try:
         data = build_eval_data(cfg.data, model.dims.seq_length)
     except TokenizerMismatch as err:
-        raise DataError(f"{err.prefix}: its tokens were made by {err.recorded} ({err.prefix}.json), but the checkpoint's "
-                        f"model reads {model_tokenizer or cfg.data.tokenizer}'s: tokenize its text with "
-                        f"megaframe-preprocess --tokenizer {model_tokenizer or cfg.data.tokenizer}") from None
+        if model_tokenizer is None:  # a checkpoint without a tokenizer record: the run config's names it
+            raise DataError(str(err)) from None
+        raise DataError(f"{err.prefix}: its tokens were made by {err.recorded} ({err.prefix}.json), but the "
+                        f"checkpoint's model reads {model_tokenizer}'s: tokenize its text with megaframe-preprocess "
+                        f"--tokenizer {model_tokenizer}") from None
     except (DataError, OSError) as err:  # the run's files moved or deleted: say whose they were
         named = any(o.startswith(("data.path=", "data.valid_path=", "data.blend=", "data.valid_blend=", "data="))
                     for o in overrides)  # data the command line named is not the run's
@@ -162,7 +176,10 @@ def _model_tokenizer(path: Path, overrides: Sequence[str]) -> Optional[str]:
     from megaframe.config.schema import DataConfig
     from megaframe.config.validate import ConfigError
 
-    saved = universal.read_state(path).get(records.RECORD_KEY)
+    try:
+        saved = universal.read_state(path).get(records.RECORD_KEY)
+    except universal.CheckpointError:  # load_model names what is wrong with the checkpoint
+        return None
     if not records.is_record(saved):
         return None
     copy = path / "tokenizer"
@@ -171,12 +188,14 @@ def _model_tokenizer(path: Path, overrides: Sequence[str]) -> Optional[str]:
     if not asked or asked[-1] == own:
         return own
     try:
-        same = records.difference(saved, records.under_scheme(run_record(DataConfig(tokenizer=asked[-1])), saved)) is None
+        asked_record = records.under_scheme(run_record(DataConfig(tokenizer=asked[-1])), saved)
+        same = records.difference(saved, asked_record) is None
     except (OSError, ValueError):
         same = False
     if not same:
-        raise ConfigError(f"data.tokenizer={asked[-1]}: the checkpoint's model was trained with {records.describe(saved)}, "
-                          f"and reads no other tokenizer's ids; leave data.tokenizer out (the checkpoint's is used)")
+        raise ConfigError(f"data.tokenizer={asked[-1]}: the checkpoint's model was trained with "
+                          f"{records.describe(saved)}, and reads no other tokenizer's ids; leave data.tokenizer out "
+                          f"(the checkpoint's is used)")
     return asked[-1]
 
 

@@ -87,8 +87,8 @@ def _scored_config(monkeypatch, checkpoint, overrides=()):
     chosen = []
     real = eval_cli._eval_config
 
-    def record(path, given):
-        chosen.append(real(path, given))
+    def record(path, given, *tokenizer):
+        chosen.append(real(path, given, *tokenizer))
         return chosen[-1]
 
     def stop(*_):
@@ -210,7 +210,8 @@ def test_the_data_is_scored_with_the_checkpoints_tokenizer_and_another_ones_toke
     tok = word_tokenizer(tmp_path / "tok")
     loaded = HFTokenizer(tok)
     ckpt = tmp_path / "ckpt"
-    checkpoint(ckpt, tokenizer_src=tok, **{records.RECORD_KEY: records.hf_record(tok, loaded.vocab_size, loaded.eod_id)})
+    record = records.hf_record(tok, loaded.vocab_size, loaded.eod_id)
+    checkpoint(ckpt, tokenizer_src=tok, **{records.RECORD_KEY: record})
     text = [" ".join(f"w{(d * 3 + i) % 11}" for i in range(40)) for d in range(40)]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in text))
     preprocess([tmp_path / "docs.jsonl"], tmp_path / "words", tokenizer=str(tok), progress=False)
@@ -237,3 +238,15 @@ def test_the_data_is_scored_with_the_checkpoints_tokenizer_and_another_ones_toke
         f"--tokenizer {ckpt / 'tokenizer'}")
     assert refusal(f"data.path={tmp_path / 'bytes'}", "data.tokenizer=byte").startswith(
         "megaframe-eval: error: data.tokenizer=byte: the checkpoint's model was trained with ")
+
+    # the run's own config naming a tokenizer directory and a training set that are both gone: its
+    # checkpoint's copy serves, and data.valid_path is scored alone (both were refused, blaming config.yaml)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (ckpt).rename(run / "checkpoints" / "global_step1")
+    (run / "checkpoints" / "latest").write_text("global_step1\n")
+    (run / "config.yaml").write_text(f"data:\n  tokenizer: {tmp_path / 'gone-tok'}\n  path: {tmp_path / 'gone'}\n"
+                                     "  valid_path: null\ntrain:\n  eval_steps: 2\nparallel:\n  micro_batch_size: 2\n"
+                                     "  global_batch_size: 2\n")  # as a run saves them: every key overridden below
+    result = eval_cli.evaluate(run / "checkpoints", [f"data.valid_path={tmp_path / 'words'}"])
+    assert math.isfinite(result["loss"]) and result["config"] == str(run / "config.yaml")
