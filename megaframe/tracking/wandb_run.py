@@ -37,7 +37,7 @@ def env_mode_problem(mode: str, environ=os.environ) -> Optional[str]:
             f"it (logging.wandb.mode={mode} chooses the mode) or set it to one of {', '.join(WANDB_MODES)}")
 
 
-def online_key_problem(mode: str, environ=os.environ) -> Optional[str]:
+def online_key_problem(mode: str, environ=os.environ, named: Optional[str] = None) -> Optional[str]:
     """logging.wandb.mode=online needs a W&B key, which wandb otherwise asks for on the terminal of
     every rank 0 (or fails with its own traceback): one line before launch instead. wandb finds a key
     in WANDB_API_KEY, an identity-token file, or the netrc entry `wandb login` writes."""
@@ -53,8 +53,8 @@ def online_key_problem(mode: str, environ=os.environ) -> Optional[str]:
             return None
     except (OSError, netrc.NetrcParseError):
         pass
-    return (f"logging.wandb.mode=online but no W&B key for {host}: set WANDB_API_KEY (or run `wandb login`), "
-            f"or keep logging.wandb.mode=offline and `wandb sync` the run later")
+    return (f"{named or 'logging.wandb.mode=online'} but no W&B key for {host}: set WANDB_API_KEY (or run "
+            f"`wandb login`), or log offline (logging.wandb.mode=offline) and `wandb sync` the run later")
 
 
 class WandbRun:

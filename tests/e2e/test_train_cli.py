@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 def test_default_run_learns(tmp_path):
     """No arguments: the tiny GPT on the demo corpus, eval loss falls by at least 30%."""
     # about 100 s on an idle 2-core host; beside CI's other test files it ran past 600 s (-n 4)
-    env = {k: v for k, v in cli_env().items() if k != "DS_ACCELERATOR"}  # as a user's shell: unset
+    # as a user's shell: DS_ACCELERATOR unset; and no WANDB_MODE, which would choose W&B's mode
+    env = {k: v for k, v in cli_env().items() if k not in ("DS_ACCELERATOR", "WANDB_MODE")}
     result = subprocess.run(["megaframe-train"], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=1200)
     assert_ok(result)

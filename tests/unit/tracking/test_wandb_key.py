@@ -43,3 +43,24 @@ def test_a_wandb_mode_in_the_environment_that_wandb_does_not_know_is_one_line():
     assert env_mode_problem("disabled", {"WANDB_MODE": "weird"}) is None
     problem = env_mode_problem("offline", {"WANDB_MODE": "weird"})
     assert problem.startswith("WANDB_MODE='weird' (in the environment) is no W&B mode") and "\n" not in problem
+
+
+def test_online_from_the_environment_without_a_key_names_the_variable(tmp_path, monkeypatch, capsys):
+    """logging.wandb.mode left null and WANDB_MODE=online: the refusal names the variable, not a config
+    key the user never set."""
+    import pytest
+
+    from megaframe.backends.registry import validate_for_engine
+    from megaframe.config.compose import compose
+    from megaframe.launch.checks import check_before_launch
+
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_IDENTITY_TOKEN_FILE", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    cfg, _ = compose(["train.max_steps=1"])
+    with pytest.raises(SystemExit) as refused:
+        check_before_launch(cfg, validate_for_engine(cfg, 1), str(tmp_path / "run"))
+    err = capsys.readouterr().err.strip()
+    assert refused.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "WANDB_MODE=online (in the environment) but no W&B key for api.wandb.ai" in err, err
