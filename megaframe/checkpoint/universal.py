@@ -395,17 +395,22 @@ def misnamed_checkpoint(path: Path) -> Optional[str]:
     directory) or "unsaved" (a checkpoints/ directory no save has finished in: no `latest`); None
     for anything else (a checkpoint, or a folder of another kind, which its reader judges)."""
     path = Path(path)
-    if not path.exists():
-        return "missing"
-    if not path.is_dir() or has_universal(path) or (path / MANIFEST_FILE).is_file() or (path / LATEST_FILE).is_file():
+    try:
+        if not path.exists():
+            return "missing"
+        if not path.is_dir() or has_universal(path) or (path / MANIFEST_FILE).is_file() or \
+                (path / LATEST_FILE).is_file():
+            return None
+        if (path / "checkpoints").is_dir():
+            return "run"
+        if (path / "config.json").is_file() and (any(path.glob("*.safetensors"))
+                                                 or (path / "pytorch_model.bin").is_file()):
+            return "hf"
+        if path.name == "checkpoints" and not any(re.fullmatch(r"global_step\d+", p.name) and has_universal(p)
+                                                  for p in path.iterdir()):
+            return "unsaved"
+    except OSError:  # a folder this user cannot read: its reader's error names it
         return None
-    if (path / "checkpoints").is_dir():
-        return "run"
-    if (path / "config.json").is_file() and (any(path.glob("*.safetensors")) or (path / "pytorch_model.bin").is_file()):
-        return "hf"
-    if path.name == "checkpoints" and not any(re.fullmatch(r"global_step\d+", p.name) and has_universal(p)
-                                              for p in path.iterdir()):
-        return "unsaved"
     return None
 
 

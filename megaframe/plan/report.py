@@ -75,8 +75,9 @@ def table(est: Estimate, mfu: float, alternatives: list[Estimate] | None = None,
                      f"{gib(s.activations_per_micro_batch):>12} {s.in_flight:>9} {gib(s.activations):>12} "
                      f"{gib(s.working):>12} {gib(s.peak):>12}")
     lines += ["",
-              f"peak {gib(est.peak)} (pipeline stage {est.peak_stage}, incl. {gib(est.reserved)} reserved) vs {gib(est.capacity)} "
-              f"per device: {'FITS' if est.fits_devices else 'DOES NOT FIT'}, margin {gib(est.margin)}",
+              f"peak {gib(est.peak)} (pipeline stage {est.peak_stage}, incl. {gib(est.reserved)} "
+              f"reserved) vs {gib(est.capacity)} per device: {'FITS' if est.fits_devices else 'DOES NOT FIT'}, "
+              f"margin {gib(est.margin)}",
               f"per step: {est.flops_per_step:.3e} model FLOPs{_extra_flops(est)}, {est.tokens_per_step:,} tokens; "
               f"step time at {mfu:.0%} MFU {_seconds(est.step_time_s)}",
               "communication per rank per step: " + ", ".join(f"{k.upper()} {gib(v)}" for k, v in est.comm_bytes.items())]

@@ -91,7 +91,8 @@ def test_a_path_that_is_not_a_checkpoint_says_what_it_is_and_what_to_pass(tmp_pa
         tmp_path / "gone": "gone: no such directory; pass a checkpoint (RUN/checkpoints/global_stepN)",
         run: f"run: a run directory, not a checkpoint; pass its checkpoints, {run / 'checkpoints'} (the newest)",
         run / "checkpoints": "checkpoints: no checkpoint in it yet (no `latest`: the run has not finished a save)",
-        hf: f"hf: a Hugging Face model, not a megaframe checkpoint; import it first with megaframe-convert from-hf {hf}",
+        hf: f"hf: a Hugging Face model, not a megaframe checkpoint; import it first with megaframe-convert "
+            f"from-hf {hf}",
         other: "other: not a layout-free megaframe checkpoint (needs state.json",
     }
     for path, message in cases.items():

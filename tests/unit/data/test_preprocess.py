@@ -129,7 +129,8 @@ def test_tool_with_local_hf_tokenizer(tmp_path: Path, hf_tokenizer_dir: Path) ->
     [
         (lambda tmp: ["--input", tmp / "missing.txt"], "no such file or directory"),
         (lambda tmp: ["--input", tmp / "data.csv"], "unknown extension '.csv'"),
-        (lambda tmp: ["--input", tmp / "no_key.jsonl"], "no_key.jsonl:2: no 'text' field (it has 'body'); pass --json-key"),
+        (lambda tmp: ["--input", tmp / "no_key.jsonl"],
+         "no_key.jsonl:2: no 'text' field (it has 'body'); pass --json-key"),
         (lambda tmp: ["--input", tmp / "list.jsonl"], "list.jsonl:1: a JSON list, not an object; each line must be"),
         # a byte that is not UTF-8 on line 3, past what a text reader decodes at once: named by line and file offset
         (lambda tmp: ["--input", tmp / "late.jsonl"], "late.jsonl:3: not UTF-8 text (byte 20036 of the file)"),
