@@ -2,8 +2,8 @@
 
 Tokenizing a whole file at once held its text and the tokenizer's objects for all of it: a Python
 list costs 36 bytes a token and a Hugging Face encoding more than 100, so a 1 GB file (enwik9)
-needed tens of GB. Here memory holds one piece of text (about PIECE_CHARS characters) and the
-tokens as int32, twice at the end (about 8 bytes a token).
+needed tens of GB. Here memory holds a piece of text (about 2 x PIECE_CHARS characters) and the
+tokens as int32, twice at the end (8 to 10 bytes a token at the peak).
 
 A piece ends at a cut where tokenizing the two sides apart gives the tokens the whole text gives:
 after a line break between two non-blank characters, else before a space that follows a non-blank
@@ -32,7 +32,7 @@ _LOOKS_PER_RULE = 4096  # line breaks or spaces looked at per piece and rule
 
 
 def text_pieces(path: Path, chars: int = PIECE_CHARS) -> Iterator[str]:
-    """The text of a UTF-8 file, about `chars` characters at a time, with Python's universal newlines
+    """The text of a UTF-8 file, read `chars` bytes at a time, with Python's universal newlines
     ("\\r\\n" and "\\r" read as "\\n", as Path.read_text reads them). Not UTF-8: DataError naming the
     byte's offset in the file."""
     decoder = io.IncrementalNewlineDecoder(codecs.getincrementaldecoder("utf-8")(), translate=True)

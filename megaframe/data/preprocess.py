@@ -3,9 +3,10 @@ megaframe-preprocess (preprocess_cli.py).
 
 With workers > 1, documents are tokenized in a process pool a chunk at a time while the parent writes
 the tokens in input order; a worker that dies ends the run in one line (Pool waited for its lost
-task for good). At most a few chunks per worker are in flight, and a few MB of text each (a larger
-.txt file alone), so memory stays bounded however large the input (Pool.imap would read the whole
-input ahead into its task queue). A .txt file is read and tokenized in pieces (long_text.py).
+task for good). At most a few chunks per worker are in flight, of a few MB of text each, so memory
+stays bounded however large the input (Pool.imap would read the whole input ahead into its task
+queue). A .txt file is read and tokenized in pieces (long_text.py); a large one's pieces are cut here
+and shared by the workers.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ __all__ = ["preprocess", "usable_workers"]
 _CHUNK_DOCUMENTS = 64  # documents per task sent to a worker: large enough to amortise the pickling
 _CHUNK_CHARS = 4 << 20  # text per task at most (a larger .txt file is cut into pieces: _pieces)
 _CHUNKS_IN_FLIGHT_PER_WORKER = 4  # tasks sent ahead per worker, of at most this much text in all:
-_CHARS_IN_FLIGHT_PER_WORKER = 4 * _CHUNK_CHARS  # (or one task), whose tokens wait to be written
+_CHARS_IN_FLIGHT_PER_WORKER = 4 * _CHUNK_CHARS  # (or one task a worker), whose tokens wait to be written
 
 _worker: Optional[tuple[Tokenizer, bool]] = None
 
