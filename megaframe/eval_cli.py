@@ -120,8 +120,9 @@ def evaluate(checkpoint: Path, overrides: Sequence[str]) -> dict:
             raise ConfigError(f"{override.split('=', 1)[0]}: the model comes from the checkpoint; {PROG} takes "
                               f"data.*, train.eval_steps, parallel.micro_batch_size and parallel.global_batch_size")
     path = resolve_checkpoint(checkpoint)
-    model_tokenizer = _model_tokenizer(path, overrides)  # the data is scored as the model reads it
-    cfg, config_file = _eval_config(named_checkpoint(checkpoint, path), overrides, model_tokenizer)
+    named = named_checkpoint(checkpoint, path)
+    model_tokenizer = _model_tokenizer(path, overrides, named)  # the data is scored as the model reads it
+    cfg, config_file = _eval_config(named, overrides, model_tokenizer)
     batch, micro = cfg.parallel.global_batch_size, cfg.parallel.micro_batch_size
     if micro < 1 or batch % micro:
         raise ConfigError(f"parallel.global_batch_size={batch} must be a multiple of parallel.micro_batch_size={micro}")
@@ -165,38 +166,34 @@ def evaluate(checkpoint: Path, overrides: Sequence[str]) -> dict:
             "perplexity": math.exp(loss) if loss < 700 else float("inf"), unit: value}
 
 
-def _model_tokenizer(path: Path, overrides: Sequence[str]) -> Optional[str]:
-    """The tokenizer the checkpoint's model was trained with, as data.tokenizer names it (byte, the
-    checkpoint's copy of a Hugging Face tokenizer, or the directory it records), or a data.tokenizer
-    override that is the same tokenizer (a moved copy); None when the checkpoint records none. An
-    override naming another tokenizer is refused: the model's ids would be read as other text."""
+def _model_tokenizer(path: Path, overrides: Sequence[str], named: Path) -> Optional[str]:
+    """The tokenizer the checkpoint's model was trained with, as megaframe-sample and to-hf choose it
+    (tokenizer_export.tokenizer_source: a data.tokenizer override, the checkpoint's copy or the run's
+    recorded directory, each verified against the checkpoint's record); None when the checkpoint
+    records none. An override naming another tokenizer is refused: the model's ids would be read as
+    other text. `named`: the checkpoint as the user named it (its run dir)."""
     from megaframe.checkpoint import tokenizer_record as records
     from megaframe.checkpoint import universal
-    from megaframe.checkpoint.tokenizer_check import run_record
-    from megaframe.config.schema import DataConfig
     from megaframe.config.validate import ConfigError
+    from megaframe.convert.hf import ConvertError
+    from megaframe.convert.tokenizer_export import tokenizer_source
+    from megaframe.run_config import run_dir_of
 
     try:
-        saved = universal.read_state(path).get(records.RECORD_KEY)
+        state = universal.read_state(path)
     except universal.CheckpointError:  # load_model names what is wrong with the checkpoint
         return None
-    if not records.is_record(saved):
-        return None
-    copy = path / "tokenizer"
-    own = "byte" if saved["kind"] == "byte" else str(copy) if records.has_tokenizer(copy) else str(saved.get("name"))
-    asked = [o.split("=", 1)[1] for o in overrides if o.startswith("data.tokenizer=")]
-    if not asked or asked[-1] == own:
-        return own
+    asked = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("data.tokenizer=")), None)
     try:
-        asked_record = records.under_scheme(run_record(DataConfig(tokenizer=asked[-1])), saved)
-        same = records.difference(saved, asked_record) is None
-    except (OSError, ValueError):
-        same = False
-    if not same:
-        raise ConfigError(f"data.tokenizer={asked[-1]}: the checkpoint's model was trained with "
+        _, source, _ = tokenizer_source(path, state, asked, run_dir_of(named), flag="data.tokenizer=")
+    except ConvertError as err:
+        saved = state.get(records.RECORD_KEY)
+        if asked is None or not records.is_record(saved):
+            raise ConfigError(str(err)) from None
+        raise ConfigError(f"data.tokenizer={asked}: the checkpoint's model was trained with "
                           f"{records.describe(saved)}, and reads no other tokenizer's ids; leave data.tokenizer out "
-                          f"(the checkpoint's is used)")
-    return asked[-1]
+                          f"(the checkpoint's is used)") from None
+    return None if source is None else str(source)
 
 
 def _check_ids(inputs, targets, vocab_size: int, where: str) -> None:

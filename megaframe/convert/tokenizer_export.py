@@ -69,12 +69,14 @@ def checkpoint_record(ckpt: Path, state: dict) -> Optional[dict]:
 
 
 def tokenizer_source(ckpt: Path, state: dict, override: Union[str, Path, None],
-                     run_dir: Optional[Path] = None) -> tuple[Optional[dict], Union[str, Path, None], str]:
+                     run_dir: Optional[Path] = None, flag: str = "--tokenizer ") -> tuple[Optional[dict],
+                                                                                        Union[str, Path, None], str]:
     """(the checkpoint's record, the tokenizer to use, a note) for megaframe-sample and to-hf alike:
     "byte", a directory whose files hash to the record (--tokenizer, the checkpoint's tokenizer/
     copy, the run's recorded directory: a relative one read from where the run trained, `run_dir`'s
     .hydra record), or None when the checkpoint names none and no --tokenizer is given. A source
-    that is not the one the weights were trained with is refused in one line (ConvertError)."""
+    that is not the one the weights were trained with is refused in one line (ConvertError). `flag`:
+    how the hint names the setting that gives a directory (megaframe-eval's is data.tokenizer=)."""
     if override is not None and not str(override).strip():
         raise ConvertError("--tokenizer is empty (an unset shell variable?); give byte or a tokenizer directory, or "
                            "leave it out to use the checkpoint's own")
@@ -91,7 +93,7 @@ def tokenizer_source(ckpt: Path, state: dict, override: Union[str, Path, None],
         return record, "byte", "byte-level tokenizer"
     if wants_byte:
         raise ConvertError(f"--tokenizer byte: {ckpt} was trained with {records.describe(record)}; drop --tokenizer")
-    directory, note = hf_tokenizer_source(ckpt, record, None if override is None else Path(override), run_dir)
+    directory, note = hf_tokenizer_source(ckpt, record, None if override is None else Path(override), run_dir, flag)
     return record, directory, note
 
 
@@ -106,7 +108,7 @@ def _recorded_directory(record: dict, run_dir: Optional[Path]) -> Path:
 
 
 def hf_tokenizer_source(ckpt: Path, record: dict, override: Optional[Path],
-                        run_dir: Optional[Path] = None) -> tuple[Path, str]:
+                        run_dir: Optional[Path] = None, flag: str = "--tokenizer ") -> tuple[Path, str]:
     """(directory to copy, a note for the summary) of an HF-tokenizer run: the first of --tokenizer,
     the checkpoint's copy and the run's data.tokenizer whose files hash to the record."""
     candidates = [Path(override)] if override is not None else [ckpt / "tokenizer",
@@ -126,9 +128,9 @@ def hf_tokenizer_source(ckpt: Path, record: dict, override: Optional[Path],
         if digest == record["sha256"]:
             return directory, f"tokenizer from {directory}"
         seen.append(f"{directory}: other files (sha256 {digest[:12]}, trained with {record['sha256'][:12]})")
-    flag = "" if override is not None else "; pass --tokenizer DIR with the tokenizer the run trained with"
+    hint = "" if override is not None else f"; pass {flag}DIR with the tokenizer the run trained with"
     raise ConvertError(f"{ckpt}: no copy of the tokenizer the weights were trained with ({records.describe(record)}): "
-                       f"{'; '.join(seen)}{flag}")
+                       f"{'; '.join(seen)}{hint}")
 
 
 def import_record(hf_dir: Path) -> dict:
