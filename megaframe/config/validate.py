@@ -8,7 +8,6 @@ ignore them), so they are refused up front.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -298,7 +297,8 @@ def _missing_files(key: str, prefix: str) -> Optional[str]:
         example = f"{folder / found[0]}" if found else f"{folder / 'NAME'} for NAME.bin and NAME.idx"
         return (f"{key}: {prefix} names a folder, not a dataset; a dataset is named by the prefix of its files, "
                 f"e.g. {example}" + (f" (there: {', '.join(found)})" if found else ""))
-    stem, suffix = os.path.splitext(prefix)
+    suffix = Path(prefix).suffix
+    stem = prefix[:len(prefix) - len(suffix)]
     if suffix in (".bin", ".idx") and Path(stem + ".bin").is_file() and Path(stem + ".idx").is_file():
         return f"{key}: {prefix} is one of a dataset's files; name the dataset by their prefix: {stem}"
     if suffix in (".txt", ".jsonl", ".parquet") and Path(prefix).is_file():  # text, not yet tokenized

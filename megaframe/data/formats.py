@@ -25,9 +25,6 @@ class TokenizerMismatch(DataError):
         super().__init__(message)
         self.prefix, self.recorded = prefix, recorded
 
-    def __reduce__(self):  # a preprocess worker's error crosses a pipe: keep the fields
-        return type(self), (str(self), self.prefix, self.recorded)
-
 
 def open_dataset(prefix: Union[str, os.PathLike[str]], tokenizer: Optional[str] = None) -> Dataset:
     """The dataset at PREFIX.bin/.idx; `tokenizer` (data.tokenizer) supplies the vocabulary of a
