@@ -30,7 +30,7 @@ from tqdm import tqdm
 from megaframe.common.launch_env import usable_cores
 from megaframe.data.dataset import split_documents
 from megaframe.data.indexed import LAYOUTS, DataError, IndexedDatasetWriter, best_dtype
-from megaframe.data.preprocess_stop import Stopped, ignore_stop_in_worker, signals_deferred
+from megaframe.data.preprocess_stop import Stopped, ignore_stop_in_worker, signals_deferred, stops_held_while_spawning
 from megaframe.data.long_text import cut_text, encode_piece, encode_text_file, splits_text
 from megaframe.data.sources import Source, TextFile, find_sources, iter_documents
 from megaframe.data.temp_files import remove_orphans
@@ -151,7 +151,8 @@ def _encoded(texts: Iterable[str], tokenizer: Tokenizer, append_eod: bool, worke
                 done, items, done_size = pending.popleft()
                 in_flight -= done_size
                 yield from _assembled(done.result(), items, parts)
-            pending.append((pool.submit(_encode_chunk, chunk), chunk, size))  # raises once the pool is broken
+            with stops_held_while_spawning():  # submit may spawn a worker
+                pending.append((pool.submit(_encode_chunk, chunk), chunk, size))  # raises once the pool is broken
             in_flight += size
         while pending:
             done, items, _ = pending.popleft()

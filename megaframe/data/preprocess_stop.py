@@ -78,7 +78,23 @@ def signals_deferred() -> Iterator[None]:
         raise Stopped(signum)
 
 
+@contextlib.contextmanager
+def stops_held_while_spawning() -> Iterator[None]:
+    """Within the block, STOP_SIGNALS wait (blocked in this thread; one that arrives is raised as the
+    block ends). A worker spawned within it starts with them blocked, since a child inherits the
+    mask through fork and exec: Ctrl-C to the process group while a worker is still importing
+    Python (before ignore_stop_in_worker runs) printed a worker's KeyboardInterrupt traceback."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def ignore_stop_in_worker() -> None:
     """A tokenizer worker leaves Ctrl-C to the parent (the terminal sends it to the whole process
-    group): the parent terminates the pool, and no worker prints a KeyboardInterrupt traceback."""
+    group): the parent terminates the pool, and no worker prints a KeyboardInterrupt traceback.
+    The worker started with the stop signals blocked (stops_held_while_spawning): a Ctrl-C that came
+    during its start-up is dropped as SIGINT becomes ignored, and SIGTERM and SIGHUP act again."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)

@@ -158,6 +158,45 @@ def test_a_stopped_preprocess_leaves_no_temp_files_and_the_old_dataset(tmp_path,
             time.sleep(0.1)
 
 
+# a spawned worker (its argv ends in --multiprocessing-fork) that is slow to start: it leaves its pid in
+# the folder named by MEGAFRAME_TEST_WORKER_STARTS and sleeps before megaframe's initializer can run
+_SLOW_WORKER_START = """
+import os, pathlib, sys, time
+if "--multiprocessing-fork" in sys.argv:
+    pathlib.Path(os.environ["MEGAFRAME_TEST_WORKER_STARTS"], str(os.getpid())).touch()
+    time.sleep(2)
+"""
+
+
+def test_ctrl_c_while_a_worker_is_still_starting_prints_one_line(tmp_path):
+    """Ctrl-C to the process group while a tokenizer worker is still importing Python, before its
+    initializer ignores SIGINT (CI caught the race once: the worker's KeyboardInterrupt traceback)."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(_SLOW_WORKER_START)
+    (tmp_path / "starts").mkdir()
+    (tmp_path / "new.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(2000)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), *sys.path]),
+           "MEGAFRAME_TEST_WORKER_STARTS": str(tmp_path / "starts")}
+    tool = subprocess.Popen([sys.executable, "-m", "megaframe.data.preprocess_cli", "--input", str(tmp_path / "new.jsonl"),
+                             "--output-prefix", str(tmp_path / "ds"), "--workers", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not any((tmp_path / "starts").iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert tool.poll() is None
+    os.killpg(tool.pid, signal.SIGINT)  # a worker is asleep in its start-up
+    _, err = tool.communicate(timeout=60)
+    assert tool.returncode == 128 + signal.SIGINT, err
+    assert err.strip().splitlines() == [f"megaframe-preprocess: stopped by SIGINT: nothing written, temporary files "
+                                        f"removed; a dataset already at {tmp_path / 'ds'} is untouched"]
+    assert not list(tmp_path.glob("ds.*")) and not list(tmp_path.glob(".ds.*"))
+    with pytest.raises(ProcessLookupError):  # no worker outlived the tool
+        for _ in range(50):
+            os.killpg(tool.pid, 0)
+            time.sleep(0.1)
+
+
 def test_the_temp_files_of_a_killed_run_are_removed_by_the_next(tmp_path, capsys):
     """SIGKILL runs no handler: the next megaframe-preprocess of the prefix removes what the killed
     one left, and only that (not a live writer's, nor another host's on a shared file system)."""
