@@ -14,7 +14,7 @@ import struct
 from array import array
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO, Sequence
+from typing import Any, BinaryIO, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -100,6 +100,8 @@ class IndexedDatasetWriter:
         self._offsets = array("q", [0])
         self._max_token = -1
         self._hasher = hashlib.blake2b(digest_size=16)
+        self._open_tokens = 0  # of a document added in parts and not yet ended (add_part)
+        self._hasher_at_open: Optional[Any] = None  # the hash before that document: truncate_open_document
         self._temp_paths: list[Path] = []
         self._bin_file = self._open_temp("bin")
         self._state = "open"
@@ -122,8 +124,64 @@ class IndexedDatasetWriter:
 
     def add_document(self, tokens: Sequence[int] | np.ndarray) -> None:
         """Append one document's token ids to the temp .bin."""
+        if self._hasher_at_open is not None:
+            raise DataError(f"{self.prefix}: a document added in parts is open; call end_document() first")
+        self._write(tokens)
+        self.end_document()
+
+    def add_part(self, tokens: Sequence[int] | np.ndarray) -> None:
+        """Append token ids to the open document (end_document ends it): a document streamed in
+        pieces is never held whole, which a .txt of many GB would need."""
+        if self._hasher_at_open is None:  # the document's first part
+            self._hasher_at_open = self._hasher.copy()
+        self._write(tokens)
+
+    def end_document(self) -> None:
+        """End the document that add_part began (an empty one if none was begun)."""
+        self._check_open()
+        self._offsets.append(self._offsets[-1] + self._open_tokens)
+        self._open_tokens = 0
+        self._hasher_at_open = None
+
+    @property
+    def open_tokens(self) -> int:
+        """Tokens of the document begun by add_part and not yet ended."""
+        return self._open_tokens
+
+    def open_document_tokens(self, start: int, chunk_tokens: int = 1 << 22) -> Iterator[np.ndarray]:
+        """The open document's tokens from `start` on, read back from the temp .bin a chunk at a time."""
+        self._check_open()
+        self._bin_file.flush()
+        itemsize = self.dtype.itemsize
+        with open(self._temp_paths[0], "rb") as file:
+            file.seek((self._offsets[-1] + start) * itemsize)
+            for _ in range(start, self._open_tokens, chunk_tokens):
+                yield np.frombuffer(file.read(chunk_tokens * itemsize), dtype=self.dtype)
+
+    def truncate_open_document(self, keep: int) -> None:
+        """Keep the open document's first `keep` tokens (the rest is dropped from the .bin and the
+        checksum, whose state before the document is restored and the kept tokens hashed again)."""
+        self._check_open()
+        if not 0 <= keep <= self._open_tokens or self._hasher_at_open is None:
+            raise DataError(f"{self.prefix}: cannot keep {keep} of the open document's {self._open_tokens} tokens")
+        hasher, left = self._hasher_at_open.copy(), keep
+        for tokens in self.open_document_tokens(0):
+            kept = tokens[:left]
+            hasher.update(kept.tobytes())
+            left -= kept.size
+            if not left:
+                break
+        self._bin_file.truncate((self._offsets[-1] + keep) * self.dtype.itemsize)
+        self._bin_file.seek(0, os.SEEK_END)  # truncate leaves the position where it was
+        self._hasher, self._open_tokens = hasher, keep
+
+    def _check_open(self) -> None:
         if self._state != "open":
             raise DataError(f"{self.prefix}: writer is already {self._state}; create a new IndexedDatasetWriter")
+
+    def _write(self, tokens: Sequence[int] | np.ndarray) -> None:
+        """Validate token ids and append them to the temp .bin and the checksum."""
+        self._check_open()
         token_array = np.asarray(tokens)
         if token_array.ndim != 1:
             raise DataError(
@@ -143,7 +201,7 @@ class IndexedDatasetWriter:
         payload = token_array.astype(self.dtype, copy=False).tobytes()
         self._bin_file.write(payload)
         self._hasher.update(payload)
-        self._offsets.append(self._offsets[-1] + token_array.size)
+        self._open_tokens += token_array.size
 
     def _check_metadata(self, metadata: dict[str, Any]) -> None:
         missing = [key for key in _REQUIRED_METADATA if key not in metadata]
@@ -199,6 +257,8 @@ class IndexedDatasetWriter:
         """Write .idx and .json beside the .bin, all three under temporary names, synced to disk."""
         if self._state != "open":
             raise DataError(f"{self.prefix}: writer is already {self._state}; create a new IndexedDatasetWriter")
+        if self._open_tokens or self._hasher_at_open is not None:
+            raise DataError(f"{self.prefix}: a document added in parts was not ended; call end_document() first")
         if self.num_documents == 0:
             raise DataError(f"{self.prefix}: no documents were added; nothing to write")
         # Checked before touching the files so a caller can fix the metadata and call finalize() again.

@@ -2,8 +2,9 @@
 
 Tokenizing a whole file at once held its text and the tokenizer's objects for all of it: a Python
 list costs 36 bytes a token and a Hugging Face encoding more than 100, so a 1 GB file (enwik9)
-needed tens of GB. Here memory holds a piece of text (about 2 x PIECE_CHARS characters) and the
-tokens as int32, twice at the end (8 to 10 bytes a token at the peak).
+needed tens of GB. Here memory holds a piece of text (about 2 x PIECE_CHARS characters); preprocess.py
+writes each piece's tokens as they come (cut_text, encode_piece), while encode_text_file returns the
+whole file's tokens as int32 (8 to 10 bytes a token at the peak).
 
 A piece ends at a cut where tokenizing the two sides apart gives the tokens the whole text gives:
 after a line break between two non-blank characters, else before a space that follows a non-blank

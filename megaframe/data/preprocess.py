@@ -5,8 +5,8 @@ With workers > 1, documents are tokenized in a process pool a chunk at a time wh
 the tokens in input order; a worker that dies ends the run in one line (Pool waited for its lost
 task for good). At most a few chunks per worker are in flight, of a few MB of text each, so memory
 stays bounded however large the input (Pool.imap would read the whole input ahead into its task
-queue). A .txt file is read and tokenized in pieces (long_text.py); a large one's pieces are cut here
-and shared by the workers.
+queue). A .txt file is read and tokenized in pieces (long_text.py); a large one's pieces are cut here,
+shared by the workers, and written as they come back, so that the parent never holds its document whole.
 """
 
 from __future__ import annotations
@@ -129,10 +129,12 @@ def _chunks(texts: Iterable[str | TextFile | _Piece]) -> Iterator[tuple[list[str
         yield chunk, size
 
 
-def _encoded(texts: Iterable[str], tokenizer: Tokenizer, append_eod: bool, workers: int) -> Iterator[np.ndarray]:
-    """Token ids of each text (end-of-document appended when asked), in input order."""
+def _encoded(texts: Iterable[str | TextFile], tokenizer: Tokenizer, append_eod: bool,
+             workers: int) -> Iterator[tuple[np.ndarray, bool]]:
+    """Token ids of each text (end-of-document appended when asked), in input order, a large .txt
+    file's a piece at a time: (tokens, whether they end the document)."""
     if workers == 1:
-        yield from (_document(tokenizer, text, append_eod) for text in texts)
+        yield from ((_document(tokenizer, text, append_eod), _ends(text)) for text in _pieces(texts, tokenizer))
         return
     # fork would copy a parent that may hold threads (tqdm's monitor, a tokenizer's pool); spawn is safe.
     # An executor, not multiprocessing.Pool: a worker that dies (the OOM killer, on a long document)
@@ -142,7 +144,6 @@ def _encoded(texts: Iterable[str], tokenizer: Tokenizer, append_eod: bool, worke
     try:
         pending: deque = deque()  # (future, its items, their text's size), in input order
         in_flight = 0
-        parts: list[np.ndarray] = []  # the pieces of a document tokenized so far
         for chunk, size in _chunks(_pieces(texts, tokenizer)):
             # a few tasks a worker, of a bounded size in all; but one a worker whatever their size (a
             # directory of large files for a tokenizer that cuts none: one worker each, not one in all)
@@ -150,13 +151,13 @@ def _encoded(texts: Iterable[str], tokenizer: Tokenizer, append_eod: bool, worke
                                                or in_flight + size > workers * _CHARS_IN_FLIGHT_PER_WORKER):
                 done, items, done_size = pending.popleft()
                 in_flight -= done_size
-                yield from _assembled(done.result(), items, parts)
+                yield from zip(done.result(), map(_ends, items))
             with stops_held_while_spawning():  # submit may spawn a worker
                 pending.append((pool.submit(_encode_chunk, chunk), chunk, size))  # raises once the pool is broken
             in_flight += size
         while pending:
             done, items, _ = pending.popleft()
-            yield from _assembled(done.result(), items, parts)
+            yield from zip(done.result(), map(_ends, items))
     except BrokenProcessPool:
         raise DataError("--workers: a tokenizer worker died (killed, out of memory on a long document?); run again "
                         "with fewer --workers, or split the input into smaller documents") from None
@@ -167,16 +168,9 @@ def _encoded(texts: Iterable[str], tokenizer: Tokenizer, append_eod: bool, worke
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _assembled(results: list[np.ndarray], items: list, parts: list[np.ndarray]) -> Iterator[np.ndarray]:
-    """The documents of a task's results: a piece's tokens wait in `parts` until its document's last."""
-    for tokens, item in zip(results, items):
-        if not isinstance(item, _Piece):
-            yield tokens
-            continue
-        parts.append(tokens)
-        if item.last:
-            yield np.concatenate(parts)
-            parts.clear()
+def _ends(item: str | TextFile | _Piece) -> bool:
+    """Whether a task's item ends its document (all but a _Piece that is not its file's last)."""
+    return not isinstance(item, _Piece) or item.last
 
 
 def preprocess(
@@ -234,9 +228,11 @@ def preprocess(
                                        disable=None if progress is None else not progress))
         # closed with the stack: a stop signal terminates the worker pool before this returns
         encoded = stack.enter_context(contextlib.closing(_encoded(texts, tokenizer, append_eod, workers)))
-        for index, tokens in enumerate(encoded):
-            _add(writers, index, tokens, boundary, tokenizer.eod_id if append_eod else None, valid_fraction)
-            bar.update(1)
+        index = 0  # of the document the tokens belong to
+        for tokens, last in encoded:
+            _add(writers, index, tokens, last, boundary, tokenizer.eod_id if append_eod else None, valid_fraction)
+            index += last
+            bar.update(int(last))
         _check_written(writers, inputs, valid_fraction, append_eod)
         metadata = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id,
                     "append_eod": append_eod, "json_key": json_key,
@@ -289,23 +285,38 @@ def _publish(writers: list[IndexedDatasetWriter], published: list[str]) -> None:
         published.append(str(writer.prefix))
 
 
-def _add(writers: list[IndexedDatasetWriter], index: int, tokens: np.ndarray, boundary: float,
+def _add(writers: list[IndexedDatasetWriter], index: int, tokens: np.ndarray, last: bool, boundary: float,
          eod_id: Optional[int], valid_fraction: float) -> None:
-    """Document `index` to the training writer, the held-out one, or (the boundary inside it: a
-    single document) its text split as nanoGPT's prepare.py splits it, each part ending a document."""
-    if index + 1 <= boundary:
-        writers[0].add_document(tokens)
-    elif index >= boundary:
-        writers[1].add_document(tokens)
+    """Tokens of document `index` (a piece of it unless `last`) to the training writer, or the
+    held-out one; the document the boundary falls inside (a single document) is written to the
+    training writer, then its text split as nanoGPT's prepare.py splits it, each part ending a document."""
+    writer = writers[1] if index >= boundary else writers[0]
+    writer.add_part(tokens)
+    if not last:
+        return
+    if index < boundary < index + 1:
+        _split_document(writers, boundary - index, eod_id, valid_fraction)
     else:
-        text = tokens[:-1] if eod_id is not None else tokens
-        cut = int((boundary - index) * text.size)  # < text.size: the held-out part keeps a token
-        if cut == 0:
-            raise DataError(f"--valid-fraction {valid_fraction} leaves no training text of the input's "
-                            f"{text.size} tokens; give more text or a smaller fraction")
-        kept = text[:cut] if eod_id is None else np.append(text[:cut], np.asarray([eod_id], text.dtype))  # its dtype
-        writers[0].add_document(kept)
-        writers[1].add_document(tokens[cut:])
+        writer.end_document()
+
+
+def _split_document(writers: list[IndexedDatasetWriter], kept_fraction: float, eod_id: Optional[int],
+                    valid_fraction: float) -> None:
+    """The training writer's open document: its text's last (1 - kept_fraction) of tokens moved to the
+    held-out writer, read back from the temp file (never held whole), each part ending a document."""
+    train, valid = writers
+    text_size = train.open_tokens - (eod_id is not None)
+    cut = int(kept_fraction * text_size)  # < text_size: the held-out part keeps a token
+    if cut == 0:
+        raise DataError(f"--valid-fraction {valid_fraction} leaves no training text of the input's "
+                        f"{text_size} tokens; give more text or a smaller fraction")
+    for tokens in train.open_document_tokens(cut):  # the end-of-document token too, when appended
+        valid.add_part(tokens)
+    valid.end_document()
+    train.truncate_open_document(cut)
+    if eod_id is not None:
+        train.add_part(np.asarray([eod_id]))
+    train.end_document()
 
 
 def _count_documents(sources: list[Source], json_key: str, split: Optional[str]) -> int:

@@ -286,3 +286,55 @@ def test_data_tokenizer_must_be_the_one_the_sidecar_records(tmp_path: Path, layo
     assert f"data.tokenizer={hf_tokenizer_dir}, but {prefix}.json records" in str(error.value)
     assert "set data.tokenizer=byte" in str(error.value)
     assert_one_line(error)
+
+
+def _files(prefix: Path) -> list[bytes]:
+    return [path.read_bytes() for path in final_paths(prefix)]
+
+
+def test_a_document_written_in_parts_is_the_document_written_whole(tmp_path: Path, layout: str) -> None:
+    """add_part ... end_document (a .txt's pieces streamed) writes the bytes and checksum add_document does."""
+    write_dataset(tmp_path / "whole", DOCUMENTS, layout=layout)
+    with IndexedDatasetWriter(tmp_path / "parts", layout=layout) as writer:
+        for document in DOCUMENTS:
+            for start in range(0, len(document), 7):
+                writer.add_part(document[start:start + 7])
+            writer.end_document()
+        writer.finalize(dict(BYTE_METADATA))
+    assert _files(tmp_path / "parts")[:2] == _files(tmp_path / "whole")[:2]
+    assert json.loads(_files(tmp_path / "parts")[2]) == json.loads(_files(tmp_path / "whole")[2])
+    open_dataset(tmp_path / "parts").verify()
+
+
+@pytest.mark.parametrize("keep", [0, 5, 33, 100])
+def test_an_open_document_read_back_and_truncated_is_its_kept_part_written_whole(tmp_path: Path, layout: str,
+                                                                                  keep: int) -> None:
+    """What the held-out split of one long document does: read its tail back from the temp file, keep
+    its head; the files and checksum are those of the kept head written whole."""
+    document = [(7 * i) % 256 for i in range(100)]
+    write_dataset(tmp_path / "whole", [[1, 2], document[:keep] + [256]], layout=layout)
+    with IndexedDatasetWriter(tmp_path / "cut", layout=layout) as writer:
+        writer.add_document([1, 2])
+        for start in range(0, 100, 30):
+            writer.add_part(document[start:start + 30])
+        tail = np.concatenate([np.empty(0, np.uint16), *writer.open_document_tokens(keep, chunk_tokens=16)])
+        assert tail.tolist() == document[keep:] and writer.open_tokens == 100
+        writer.truncate_open_document(keep)
+        writer.add_part([256])
+        writer.end_document()
+        writer.finalize(dict(BYTE_METADATA))
+    assert json.loads(_files(tmp_path / "cut")[2]) == json.loads(_files(tmp_path / "whole")[2])
+    assert _files(tmp_path / "cut")[:2] == _files(tmp_path / "whole")[:2]
+    open_dataset(tmp_path / "cut").verify()
+
+
+def test_a_document_left_open_is_refused(tmp_path: Path) -> None:
+    with IndexedDatasetWriter(tmp_path / "ds") as writer:
+        writer.add_part([1, 2])
+        with pytest.raises(DataError, match="is open; call end_document"):
+            writer.add_document([3])
+        with pytest.raises(DataError, match="cannot keep 3 of the open document's 2 tokens"):
+            writer.truncate_open_document(3)
+        with pytest.raises(DataError, match="was not ended; call end_document"):
+            writer.finalize(dict(BYTE_METADATA))
+    assert not list(tmp_path.iterdir())

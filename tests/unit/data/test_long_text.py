@@ -208,3 +208,46 @@ def test_with_workers_a_large_file_is_cut_by_the_parent_and_tokenized_by_them_to
     assert "".join(item.text for item in items[:-1]) == path.read_text(encoding="utf-8") and items[-1] == "a short one"
     preprocess([path], tmp_path / "ds", tokenizer=str(tokenizer.name), workers=2, progress=False)
     assert open_dataset(tmp_path / "ds")[0].tolist() == _whole(tokenizer, path)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_large_file_in_pieces_splits_off_its_held_out_part_as_the_whole_text_would(tmp_path, monkeypatch, workers):
+    """The pieces are written as they come (the document is never held whole) and nanoGPT's split is
+    then cut from the written tokens: both datasets equal the whole text's tokens split at 90%."""
+    from megaframe.data import open_dataset, preprocess
+
+    module = importlib.import_module("megaframe.data.preprocess")
+    monkeypatch.setattr(module, "_CHUNK_CHARS", 20000)  # the 0.4 MB corpus: a large file, cut by the parent
+    monkeypatch.setattr(long_text, "PIECE_CHARS", 4096)
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(_corpus().encode("utf-8"))
+    whole = _whole(ByteTokenizer(), path)
+    assert len(list(module._pieces([module.TextFile(path)], ByteTokenizer()))) > 20
+    train, valid = tmp_path / "train", tmp_path / "val"
+    preprocess([path], train, valid_fraction=0.1, valid_prefix=valid, workers=workers, progress=False)
+    cut = int(0.9 * (len(whole) - 1))
+    assert open_dataset(train)[0].tolist() == whole[:cut] + [ByteTokenizer.eod_id]
+    assert open_dataset(valid)[0].tolist() == whole[cut:]
+    open_dataset(train).verify()
+    open_dataset(valid).verify()
+
+
+@pytest.mark.parametrize("valid_fraction", [0.0, 0.1])
+def test_preprocess_holds_a_piece_of_a_large_file_not_its_tokens(tmp_path, valid_fraction):
+    """megaframe-preprocess's peak memory (tracemalloc) does not grow with a .txt's size: it held the
+    document's tokens as int32 and their concatenation (8 bytes a token, 11 with the held-out split)."""
+    from megaframe.data import preprocess
+
+    line = "abcdefghij klmnopqrst uvwxyz 0123456789\n"
+    peaks = []
+    for megabytes in (8, 16):
+        path = tmp_path / f"{megabytes}.txt"
+        path.write_text(line * (megabytes * 1_000_000 // len(line)), encoding="utf-8")
+        tracemalloc.start()
+        try:
+            preprocess([path], tmp_path / f"ds{megabytes}", valid_fraction=valid_fraction, progress=False)
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+    assert peaks[1] < 1.2 * peaks[0], f"peaks {[peak >> 20 for peak in peaks]} MiB at 8 and 16 MB"
+    assert peaks[1] < 4 * 16_000_000, f"peak {peaks[1] >> 20} MiB for 16 M tokens"

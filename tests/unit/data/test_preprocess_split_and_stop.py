@@ -112,12 +112,12 @@ def test_a_signal_ignored_at_start_stays_ignored_as_nohup_asks():
 _SLOW = """
 import pathlib, sys, time
 from megaframe.data import indexed
-add, started = indexed.IndexedDatasetWriter.add_document, pathlib.Path(sys.argv.pop(1))
-def slow(self, tokens):
-    add(self, tokens)
+end, started = indexed.IndexedDatasetWriter.end_document, pathlib.Path(sys.argv.pop(1))
+def slow(self):
+    end(self)
     started.touch()
     time.sleep(0.02)
-indexed.IndexedDatasetWriter.add_document = slow
+indexed.IndexedDatasetWriter.end_document = slow
 from megaframe.data.preprocess_cli import console_main
 sys.argv = ["megaframe-preprocess", *sys.argv[1:]]
 console_main()
