@@ -162,8 +162,12 @@ class ClosingLine(Callback):
     def __init__(self, trainer, out: Outputs):
         super().__init__(trainer, out)
         self.started = time.monotonic()
+        self.first_step: Optional[int] = None  # where this process began training (a resume's step)
         self.last_loss: Optional[float] = None
         self.last_eval_loss: Optional[float] = None  # of a step trained here (not the one before step 1)
+
+    def on_start(self) -> None:
+        self.first_step = self.trainer.step
 
     def on_step(self, result: StepResult, lr: float, seconds: float) -> None:
         self.last_loss = result.loss
@@ -193,11 +197,12 @@ class ClosingLine(Callback):
             losses.append(eval_summary(self.last_eval_loss, t.dims.vocab_size, t.cfg.data.tokenizer))
         if losses:
             parts.append(" ".join(losses))
+        # the tokens this process trained in its time; a resumed run's whole count beside them
         minutes, seconds = divmod(int(time.monotonic() - self.started), 60)
-        tokens = t.step * t.layout.global_batch_size * t.cfg.model.seq_length
-        amount = next(f"{tokens / scale:.3g}{unit}" for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k"), (1, ""))
-                      if tokens >= scale or scale == 1)
-        parts.append(f"{amount} tokens in {minutes}m{seconds:02d}s")
+        first = t.step if self.first_step is None else self.first_step  # None: it failed before training
+        tokens_per_step = t.layout.global_batch_size * t.cfg.model.seq_length
+        trained = f"{_amount((t.step - first) * tokens_per_step)} tokens in {minutes}m{seconds:02d}s"
+        parts.append(f"{trained} (from step {first}; {_amount(t.step * tokens_per_step)} in all)" if first else trained)
         try:
             last = t.last_checkpoint or checkpoint.find_latest(t.checkpoint_dir)
         except CheckpointError:  # an edited `latest`: the run's error line says so
@@ -208,6 +213,12 @@ class ClosingLine(Callback):
         if self.out.wandb and (hint := self.out.wandb.sync_hint()):
             parts.append(f"W&B offline: {hint}")
         return " | ".join(parts)
+
+
+def _amount(tokens: int) -> str:
+    """1.02k, 41k, 3.2B: three significant figures."""
+    return next(f"{tokens / scale:.3g}{unit}" for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k"), (1, ""))
+                if tokens >= scale or scale == 1)
 
 
 # ---- during the run --------------------------------------------------------------------------

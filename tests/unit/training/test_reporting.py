@@ -13,7 +13,7 @@ from megaframe.config.compose import compose
 from megaframe.model.factory import resolve_dims
 from megaframe.parallel.dims import ParallelDims
 from megaframe.tracking.flops import flops_per_token, fp8_flops_per_token
-from megaframe.training.reporting import Callback, Reporting, StepRecord, wandb_names
+from megaframe.training.reporting import Callback, ClosingLine, Reporting, StepRecord, wandb_names
 
 
 def _trainer(tmp_path):
@@ -87,3 +87,27 @@ def test_mfu_is_against_the_bf16_peak_with_the_fp8_figure_beside_it():
     share = fp8_flops_per_token(dims, cfg.precision.fp8) / flops_per_token(dims)
     assert row["mfu_fp8"] == pytest.approx(tflops / (1 / ((1 - share) / 989 + share / 1979)))
     assert "mfu_fp8" not in _step_record("precision=bf16")[0]
+
+
+def _closing(tmp_path, step: int, last_checkpoint):
+    cfg = SimpleNamespace(train=SimpleNamespace(max_steps=20, exit_at_step=0), model=SimpleNamespace(seq_length=64),
+                          data=SimpleNamespace(tokenizer="byte"))
+    trainer = SimpleNamespace(cfg=cfg, step=step, stopped_by=None, fails_again=False, run_dir=tmp_path,
+                              layout=SimpleNamespace(global_batch_size=16), last_checkpoint=last_checkpoint,
+                              checkpoint_dir=tmp_path / "checkpoints", dims=SimpleNamespace(vocab_size=257))
+    return trainer, ClosingLine(trainer, SimpleNamespace(is_logger=True, wandb=None))
+
+
+def test_the_closing_line_counts_the_tokens_this_process_trained_in_its_time(tmp_path):
+    """A run resumed at step 10 of 20 trained 10 x 16 x 64 tokens in its time: its closing line
+    said the whole run's 20 steps' tokens next to this process's minutes."""
+    trainer, closing = _closing(tmp_path, step=10, last_checkpoint=tmp_path / "global_step20")
+    closing.on_start()
+    trainer.step = 20
+    assert closing.line(failed=False).split(" | ")[1] == "10.2k tokens in 0m00s (from step 10; 20.5k in all)"
+    fresh, closing = _closing(tmp_path, step=0, last_checkpoint=tmp_path / "global_step20")
+    closing.on_start()
+    fresh.step = 20
+    assert closing.line(failed=False).split(" | ")[1] == "20.5k tokens in 0m00s"
+    refused, closing = _closing(tmp_path, step=10, last_checkpoint=None)  # refused before training
+    assert closing.line(failed=True).split(" | ")[1] == "0 tokens in 0m00s (from step 10; 10.2k in all)"
