@@ -11,8 +11,10 @@ after a line break between two non-blank characters, else before a space that fo
 character, and only where the tokenizer agrees on the text around the cut (the tokens of
 CHECK_CHARS either side together equal those of each side apart). The tokenizers that split text
 into words first (GPT-2's and Llama 3's byte-level BPE, word-level ones, the byte tokenizer) agree
-there. One that adds something at the start of every text it is given (sentencepiece's dummy
-prefix) never agrees, and gets its file whole, as before. A file of one piece is tokenized whole.
+there. One that marks the start of every text it is given (sentencepiece's dummy prefix: Llama 2's,
+Mistral's) is cut only before a space, which the next piece drops: the tokenizer's mark at that
+piece's start stands where the space stood, as in the whole text ("▁word" either way). A tokenizer
+that agrees in neither way gets its file whole, as before. A file of one piece is tokenized whole.
 """
 from __future__ import annotations
 
@@ -54,22 +56,35 @@ def text_pieces(path: Path, chars: int = PIECE_CHARS) -> Iterator[str]:
                 return
 
 
+_PROBES = (("one two.\n", "Three four"), ("one two", " three four"))
+
+
+def cut_rule(tokenizer: Tokenizer) -> Optional[int]:
+    """How the tokenizer's text may be cut, on a probe (each cut is checked again on the file's own
+    text): 0, at a line break or before a space, the pieces tokenized as they are; 1, before a space
+    only, which the next piece drops (the tokenizer marks every text's start); None, not at all."""
+    encode = tokenizer.encode
+    if all(encode(left + right) == encode(left) + encode(right) for left, right in _PROBES):
+        return 0
+    left, right = _PROBES[1]
+    return 1 if encode(left + right) == encode(left) + encode(right[1:]) else None
+
+
 def splits_text(tokenizer: Tokenizer) -> bool:
-    """Whether the tokenizer tokenizes text cut at the cuts this module makes as it tokenizes it
-    whole, on a probe (each cut is checked again on the file's own text)."""
-    return all(tokenizer.encode(left + right) == tokenizer.encode(left) + tokenizer.encode(right)
-               for left, right in (("one two.\n", "Three four"), ("one two", " three four")))
+    """Whether the tokenizer's text can be cut into pieces that tokenize as the whole text (cut_rule)."""
+    return cut_rule(tokenizer) is not None
 
 
-def _agrees(tokenizer: Tokenizer, text: str, cut: int) -> bool:
+def _agrees(tokenizer: Tokenizer, text: str, cut: int, dropped: int = 0) -> bool:
     left, right = text[cut - CHECK_CHARS:cut], text[cut:cut + CHECK_CHARS]
-    return tokenizer.encode(left + right) == tokenizer.encode(left) + tokenizer.encode(right)
+    return tokenizer.encode(left + right) == tokenizer.encode(left) + tokenizer.encode(right[dropped:])
 
 
-def _candidates(text: str, low: int, high: int) -> Iterator[int]:
-    """Cuts in text[low:high], last first: after a line break between non-blank characters, then
-    before a space after a non-blank character and before a non-blank one."""
-    for mark, before, after in (("\n", -2, 0), (" ", -1, 1)):
+def _candidates(text: str, low: int, high: int, dropped: int = 0) -> Iterator[int]:
+    """Cuts in text[low:high], last first: after a line break between non-blank characters (unless
+    the next piece drops a space: `dropped`), then before a space after a non-blank character and
+    before a non-blank one."""
+    for mark, before, after in (("\n", -2, 0), (" ", -1, 1))[dropped:]:
         end = high
         for _ in range(_LOOKS_PER_RULE):
             found = text.rfind(mark, low, end)
@@ -81,40 +96,42 @@ def _candidates(text: str, low: int, high: int) -> Iterator[int]:
             end = found
 
 
-def find_cut(tokenizer: Tokenizer, text: str) -> Optional[int]:
+def find_cut(tokenizer: Tokenizer, text: str, dropped: int = 0) -> Optional[int]:
     """The last cut of `text` with CHECK_CHARS on each side that the tokenizer agrees on, of the last
-    few candidates; None when none is."""
+    few candidates, the next piece without its first `dropped` characters (cut_rule); None when none is."""
     low, high = CHECK_CHARS, len(text) - CHECK_CHARS
     if high <= low:
         return None
-    for checked, cut in enumerate(_candidates(text, low, high)):
+    for checked, cut in enumerate(_candidates(text, low, high, dropped)):
         if checked == _CHECKS_PER_PIECE:
             return None
-        if _agrees(tokenizer, text, cut):
+        if _agrees(tokenizer, text, cut, dropped):
             return cut
     return None
 
 
 def cut_text(tokenizer: Tokenizer, path: Path, chars: Optional[int] = None) -> Iterator[str]:
     """The file's text in pieces of about 2 x `chars` characters (default PIECE_CHARS), each ending at
-    a cut the tokenizer agrees on (find_cut); the whole text as one piece when it is that short, or
-    when the tokenizer agrees on no cut (splits_text)."""
+    a cut the tokenizer agrees on (find_cut), the space after it dropped for a tokenizer that marks a
+    text's start (cut_rule 1); the whole text as one piece when it is that short, or when the
+    tokenizer agrees on no cut."""
     chars = chars or PIECE_CHARS
-    cuts = splits_text(tokenizer)
+    dropped = cut_rule(tokenizer)
     blocks: list[str] = []  # text read and not yet given out
     held, next_try = 0, 2 * chars  # its characters; how many before a cut is looked for again
     for text in text_pieces(path, chars):
         blocks.append(text)
         held += len(text)
-        if not cuts or held < next_try:
+        if dropped is None or held < next_try:
             continue
         rest = "".join(blocks)
-        cut = find_cut(tokenizer, rest)
+        cut = find_cut(tokenizer, rest, dropped)
         if cut is None:  # none the tokenizer agrees on near the end: look again once twice as much is read
             blocks, next_try = [rest], 2 * held
             continue
         yield rest[:cut]
-        blocks, held, next_try = [rest[cut:]], len(rest) - cut, 2 * chars
+        rest = rest[cut + dropped:]  # the space a tokenizer that marks a text's start puts its mark for
+        blocks, held, next_try = [rest], len(rest), 2 * chars
     yield "".join(blocks)
 
 

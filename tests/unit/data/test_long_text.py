@@ -92,9 +92,33 @@ def test_a_file_of_many_pieces_gives_the_tokens_of_its_whole_text(kind, text_fil
     assert len(lengths) >= 8 and max(lengths) < 45000 and sorted(lengths)[-2] < 25000, lengths
 
 
-def test_a_tokenizer_that_marks_every_texts_start_gets_its_file_whole(text_file, tmp_path, monkeypatch):
+def test_a_tokenizer_that_marks_every_texts_start_is_cut_before_spaces_the_next_piece_drops(
+        text_file, tmp_path, monkeypatch):
+    """sentencepiece's dummy prefix (Llama 2's, Mistral's): cut before a space, the next piece starts
+    after it, and the tokenizer's mark at its start stands where the space stood (it got its file
+    whole: the tokenizer's objects for all of it, over 100 bytes a token)."""
     tokenizer = HFTokenizer(_bpe_dir(tmp_path, "metaspace"))
-    assert not splits_text(tokenizer)
+    assert long_text.cut_rule(tokenizer) == 1
+    expected = _whole(tokenizer, text_file)
+    lengths = _pieces_tokenized(monkeypatch, tokenizer)
+    ids = encode_text_file(tokenizer, text_file, tokenizer.eod_id, chars=PIECE)
+    assert ids.tolist() == expected
+    assert len(lengths) >= 8 and max(lengths) < 45000 and sorted(lengths)[-2] < 25000, lengths
+    pieces = list(long_text.cut_text(tokenizer, text_file, chars=PIECE))
+    assert " ".join(pieces) == text_file.read_text(encoding="utf-8")
+
+
+class _MarksEveryTextWithAToken(ByteTokenizer):
+    """Adds a token at the start of every text it is given (a BOS a tokenizer always adds): its tokens
+    of two pieces are never the whole text's, whatever is dropped at the cut."""
+
+    def encode(self, text: str) -> list[int]:
+        return [255, *super().encode(text)]
+
+
+def test_a_tokenizer_that_agrees_on_no_cut_gets_its_file_whole(text_file, monkeypatch):
+    tokenizer = _MarksEveryTextWithAToken()
+    assert long_text.cut_rule(tokenizer) is None and not splits_text(tokenizer)
     expected = _whole(tokenizer, text_file)
     lengths = _pieces_tokenized(monkeypatch, tokenizer)
     ids = encode_text_file(tokenizer, text_file, tokenizer.eod_id, chars=PIECE)
@@ -192,7 +216,9 @@ def test_tasks_for_workers_hold_a_few_mb_of_text_or_one_large_file(tmp_path, mon
     assert [doc for chunk, _ in chunks for doc in chunk] == documents
 
 
-def test_with_workers_a_large_file_is_cut_by_the_parent_and_tokenized_by_them_together(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind, joiner", [("bytelevel", ""), ("metaspace", " ")])
+def test_with_workers_a_large_file_is_cut_by_the_parent_and_tokenized_by_them_together(tmp_path, monkeypatch, kind,
+                                                                                        joiner):
     """--workers N on one large .txt: the parent cuts it (checked cuts) and the workers tokenize the
     pieces, where one worker tokenized the whole file; the dataset is the whole text's tokens."""
     from megaframe.data import open_dataset, preprocess
@@ -202,10 +228,11 @@ def test_with_workers_a_large_file_is_cut_by_the_parent_and_tokenized_by_them_to
     monkeypatch.setattr(long_text, "PIECE_CHARS", 4096)  # the parent's cuts: pieces of about 8 KiB
     path = tmp_path / "corpus.txt"
     path.write_bytes(_corpus().encode("utf-8"))
-    tokenizer = HFTokenizer(_bpe_dir(tmp_path, "bytelevel"))
+    tokenizer = HFTokenizer(_bpe_dir(tmp_path, kind))
     items = list(module._pieces([module.TextFile(path), "a short one"], tokenizer))
     assert len(items) > 10 and [item.last for item in items[:-1]] == [False] * (len(items) - 2) + [True]
-    assert "".join(item.text for item in items[:-1]) == path.read_text(encoding="utf-8") and items[-1] == "a short one"
+    assert joiner.join(item.text for item in items[:-1]) == path.read_text(encoding="utf-8")
+    assert items[-1] == "a short one"
     preprocess([path], tmp_path / "ds", tokenizer=str(tokenizer.name), workers=2, progress=False)
     assert open_dataset(tmp_path / "ds")[0].tolist() == _whole(tokenizer, path)
 
