@@ -132,9 +132,9 @@ class IndexedDatasetWriter:
     def add_part(self, tokens: Sequence[int] | np.ndarray) -> None:
         """Append token ids to the open document (end_document ends it): a document streamed in
         pieces is never held whole, which a .txt of many GB would need."""
-        if self._hasher_at_open is None:  # the document's first part
-            self._hasher_at_open = self._hasher.copy()
+        at_open = self._hasher.copy() if self._hasher_at_open is None else self._hasher_at_open  # a first part
         self._write(tokens)
+        self._hasher_at_open = at_open  # once written: refused tokens begin no document
 
     def end_document(self) -> None:
         """End the document that add_part began (an empty one if none was begun)."""

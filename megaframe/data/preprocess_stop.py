@@ -80,15 +80,19 @@ def signals_deferred() -> Iterator[None]:
 
 @contextlib.contextmanager
 def stops_held_while_spawning() -> Iterator[None]:
-    """Within the block, STOP_SIGNALS wait (blocked in this thread; one that arrives is raised as the
-    block ends). A worker spawned within it starts with them blocked, since a child inherits the
-    mask through fork and exec: Ctrl-C to the process group while a worker is still importing
-    Python (before ignore_stop_in_worker runs) printed a worker's KeyboardInterrupt traceback."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    """Within the block, STOP_SIGNALS are blocked in this thread and a stop is raised as the block
+    ends (signals_deferred: another thread, tqdm's monitor, may take the signal, and Python runs
+    the handler in this one, in the middle of a worker's start-up: the worker then read a broken
+    pipe, or outlived the pool, and printed a traceback). A worker spawned within the block starts
+    with them blocked, since a child inherits the mask through fork and exec: Ctrl-C to the process
+    group while a worker is still importing Python (before ignore_stop_in_worker runs) printed its
+    KeyboardInterrupt traceback."""
+    with signals_deferred():
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def ignore_stop_in_worker() -> None:

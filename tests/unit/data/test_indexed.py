@@ -328,6 +328,17 @@ def test_an_open_document_read_back_and_truncated_is_its_kept_part_written_whole
     open_dataset(tmp_path / "cut").verify()
 
 
+def test_a_refused_first_part_begins_no_document(tmp_path: Path) -> None:
+    """A part whose ids do not fit is refused and leaves the writer as it was (it was left 'open')."""
+    write_dataset(tmp_path / "direct", [[1]])
+    with IndexedDatasetWriter(tmp_path / "ds") as writer:
+        with pytest.raises(DataError, match="token id -1 does not fit"):
+            writer.add_part([-1])
+        writer.add_document([1])
+        writer.finalize(dict(BYTE_METADATA))
+    assert _files(tmp_path / "ds")[:2] == _files(tmp_path / "direct")[:2]
+
+
 def test_a_document_left_open_is_refused(tmp_path: Path) -> None:
     with IndexedDatasetWriter(tmp_path / "ds") as writer:
         writer.add_part([1, 2])

@@ -197,6 +197,54 @@ def test_ctrl_c_while_a_worker_is_still_starting_prints_one_line(tmp_path):
             time.sleep(0.1)
 
 
+# the tool run as a user runs it, a SIGINT sent to itself alone as a tokenizer worker is being
+# started: just after its process is spawned (argv[1] "spawn") or just after Process.start returns
+# ("start"), before the pool has sent it its start-up data or counted it; a short sleep widens the window
+_STOP_WHILE_SPAWNING = """
+import os, signal, sys, time
+from multiprocessing import process, util
+where = sys.argv.pop(1)
+spawn, start = util.spawnv_passfds, process.BaseProcess.start
+def stop_now():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.05)
+def spawning(path, args, passfds):
+    pid = spawn(path, args, passfds)
+    if where == "spawn" and args[-1] == "--multiprocessing-fork":
+        stop_now()
+    return pid
+def starting(self):
+    start(self)
+    if where == "start":
+        stop_now()
+util.spawnv_passfds, process.BaseProcess.start = spawning, starting
+from megaframe.data.preprocess_cli import console_main
+sys.argv = ["megaframe-preprocess", *sys.argv[1:]]
+console_main()
+"""
+
+
+@pytest.mark.parametrize("where", ["spawn", "start"])
+def test_a_stop_while_a_worker_is_being_started_waits_for_the_start(tmp_path, where):
+    """Another thread (tqdm's monitor) may take the signal and Python runs the handler in the main
+    thread inside pool.submit: a worker then read a broken pipe, or outlived the pool uncounted, and
+    printed a traceback (found by review)."""
+    (tmp_path / "new.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(200)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    tool = subprocess.Popen([sys.executable, "-c", _STOP_WHILE_SPAWNING, where, "--input", str(tmp_path / "new.jsonl"),
+                             "--output-prefix", str(tmp_path / "ds"), "--workers", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    _, err = tool.communicate(timeout=120)  # until every process holding stderr (a worker too) is gone
+    assert tool.returncode == 128 + signal.SIGINT, err
+    assert err.strip().splitlines() == [f"megaframe-preprocess: stopped by SIGINT: nothing written, temporary "
+                                        f"files removed; a dataset already at {tmp_path / 'ds'} is untouched"]
+    with pytest.raises(ProcessLookupError):  # no worker outlived the tool
+        for _ in range(50):
+            os.killpg(tool.pid, 0)
+            time.sleep(0.1)
+
+
 def test_the_temp_files_of_a_killed_run_are_removed_by_the_next(tmp_path, capsys):
     """SIGKILL runs no handler: the next megaframe-preprocess of the prefix removes what the killed
     one left, and only that (not a live writer's, nor another host's on a shared file system)."""
