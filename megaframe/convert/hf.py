@@ -377,7 +377,7 @@ def state_from_hf_plan(cfg: ModelConfig, hf_shapes: Mapping[str, Any]) -> tuple[
     if flavour(cfg) == "llama":
         plan = _llama_from_hf(cfg, _with_prefix(hf_shapes, "model."), hf_shapes)
     else:
-        plan = _gpt2_from_hf(cfg, _with_prefix(hf_shapes, "transformer."))
+        plan = _gpt2_from_hf(cfg, _with_prefix(hf_shapes, "transformer."), hf_shapes)
     shapes = plan_shapes(plan, hf_shapes)
     check_canonical(cfg, shapes, "the HF weights")
     return plan, shapes
@@ -621,7 +621,7 @@ def _stack(recipes: list[Recipe], state: Mapping[str, torch.Tensor]) -> torch.Te
     return out
 
 
-def _gpt2_from_hf(cfg: ModelConfig, source: dict[str, str]) -> dict[str, Recipe]:
+def _gpt2_from_hf(cfg: ModelConfig, source: dict[str, str], hf_shapes: dict[str, tuple]) -> dict[str, Recipe]:
     # the inverse of _gpt2_to_hf: split the fused q|k|v Conv1D, transpose Conv1D weights back
     h = cfg.hidden_size
     hf_names = {f"transformer.{n}" for n in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias")}
@@ -632,6 +632,15 @@ def _gpt2_from_hf(cfg: ModelConfig, source: dict[str, str]) -> dict[str, Recipe]
                  "mlp.c_proj.weight", "mlp.c_proj.bias"]
     hf_names |= {f"transformer.h.{i}.{n}" for i in range(cfg.num_layers) for n in per_block}
     s = _take(source, {name: name for name in hf_names}, cfg)
+    f = ffn_hidden_size(cfg)
+    # split and transposed, a fused q|k|v of another width lost its extra columns or failed to split
+    for i in range(cfg.num_layers):
+        for name, shape in (("attn.c_attn.weight", (h, 3 * h)), ("attn.c_attn.bias", (3 * h,)),
+                            ("attn.c_proj.weight", (h, h)), ("mlp.c_fc.weight", (h, f)), ("mlp.c_proj.weight", (f, h))):
+            stored = source[f"transformer.h.{i}.{name}"]
+            if tuple(hf_shapes[stored]) != shape:
+                raise ConvertError(f"the HF weights: tensor {stored} has shape {list(hf_shapes[stored])} but "
+                                   f"config.json (hidden {h}, MLP width {f}) needs {list(shape)}")
 
     def t(name: str) -> Recipe:
         return lambda state: s[name](state).t().contiguous()

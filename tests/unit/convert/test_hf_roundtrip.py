@@ -207,3 +207,23 @@ def test_a_max_shard_size_that_is_no_size_is_one_line(size, tmp_path, capsys):
         main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), f"--max-shard-size={size}"])
     (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megaframe-convert")]
     assert ended.value.code == 2 and "--max-shard-size" in line and "write it as 5GB" in line, line
+
+
+@pytest.mark.parametrize("name, shape", [("attn.c_attn.weight", (64, 256)), ("attn.c_attn.weight", (64, 100)),
+                                         ("attn.c_attn.weight", (64, 3, 64)), ("attn.c_attn.bias", (256,)),
+                                         ("mlp.c_fc.weight", (64, 3, 160))])
+def test_a_gpt2_conv1d_of_another_shape_is_refused_naming_the_tensor(name, shape):
+    """GPT-2's fused q|k|v was split without a look at its shape: a wider one lost its extra columns
+    silently (exit 0), a narrower or 3-D one was a traceback (found by review)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from megaframe.convert.hf import ConvertError, config_from_hf, state_from_hf_plan
+
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, n_inner=160, vocab_size=VOCAB, n_positions=32))
+    shapes = {key: tuple(value.shape) for key, value in hf.state_dict().items()}
+    cfg = config_from_hf(hf.config.to_dict())
+    state_from_hf_plan(cfg, shapes)  # the right shapes import
+    shapes[f"transformer.h.1.{name}"] = shape
+    with pytest.raises(ConvertError, match=rf"tensor transformer.h.1.{name} has shape \[{', '.join(map(str, shape))}\] "
+                                           rf"but config.json \(hidden 64, MLP width 160\) needs"):
+        state_from_hf_plan(cfg, shapes)
