@@ -51,11 +51,26 @@ def _register_schema() -> None:
 
 
 def unknown_recipe(overrides: Sequence[str]) -> Optional[str]:
-    """One line when `recipe=NAME` names no recipes/NAME.yaml, or None. The group is optional in
-    conf/config.yaml (a run need not use a recipe), and Hydra skips an optional group's missing
-    option without a word: `recipe=llama2_7x` trained the default model."""
-    missing = sorted((_named_recipes(overrides) or set()) - recipe_files().keys())
-    return f"recipe={missing[0]}: no such recipe; available: {', '.join(recipe_files())}" if missing else None
+    """One line when `recipe=VALUE` names no recipes/NAME.yaml (or a sweep's list holds such a name),
+    or None. The group is optional in conf/config.yaml (a run need not use a recipe), and Hydra skips
+    an optional group's missing option without a word: `recipe=llama2_7x`, `recipe=` and
+    `recipe=path/to/file` trained the default model."""
+    available = ", ".join(recipe_files())
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key.lstrip("+").split("@", 1)[0] != "recipe" or _SWEEP_FUNCTION.match(value):
+            continue  # another key, `~recipe` (none), or a sweep function Hydra expands
+        for name in value.split(","):  # a -m sweep's list
+            name = name.strip().strip("'\"")  # Hydra's grammar drops quotes and blanks around a value
+            if not re.fullmatch(r"[\w-]+", name):
+                return (f"recipe={value}: not a recipe name; give the name of a file in recipes/ without "
+                        f".yaml: {available}")
+            if name not in recipe_files():
+                return f"recipe={name}: no such recipe; available: {available}"
+    return None
+
+
+_SWEEP_FUNCTION = re.compile(r"\s*(choice|range|glob|interval|shuffle|sort|tag)\(")
 
 
 def _named_recipes(overrides: Sequence[str]) -> Optional[set[str]]:

@@ -4,6 +4,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+from megaframe.config.store import unknown_recipe
 from tests.support.helpers import REPO, cli_env
 
 _PROBE = """
@@ -23,3 +26,22 @@ def test_only_the_recipes_a_composition_names_are_parsed():
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines() == ["[]", "['llama2_7b.yaml'] 32"]
+
+
+@pytest.mark.parametrize("value", ["", " ", "/etc/passwd", "../conf/config", "llama2_7b/../gpt_1t", "llama2_7b.yaml"])
+def test_a_recipe_value_that_is_no_name_is_refused(value):
+    """Hydra skips the optional group's value that names no option: each of these planned (and
+    trained) the default model with exit 0 (found by review)."""
+    problem = unknown_recipe([f"recipe={value}"])
+    assert problem is not None and problem.startswith(f"recipe={value}: not a recipe name; give the name of a file "
+                                                      f"in recipes/ without .yaml: gpt3_175b, gpt_1t,")
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    (["recipe=llama2_7b"], None), (["recipe='llama2_7b'"], None), (["~recipe"], None),
+    (["recipe=glob(llama2_*)"], None), (["recipe=llama2_7b,llama3_8b"], None),
+    (["recipe=llama2_7b,llama2_7x"], "recipe=llama2_7x: no such recipe"),
+    (["+recipe@x=nope"], "recipe=nope: no such recipe")])
+def test_recipe_names_and_sweeps_pass_and_a_missing_name_is_named(overrides, problem):
+    found = unknown_recipe(overrides)
+    assert found == problem if problem is None else found.startswith(problem)
