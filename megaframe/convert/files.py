@@ -192,8 +192,13 @@ def refuse_existing(final: Path, force: bool, source: Optional[Path] = None) -> 
     if Path(final).name in ("", ".", "..") or Path(final).resolve() in (Path.cwd(), *Path.cwd().parents):
         raise ConvertError(f"output directory {str(final)!r} is the working directory or above it; name a directory "
                            f"of its own for the output, e.g. hf-export")
+    if Path(final).is_symlink():  # a dangling one too: the conversion ran, then failed on a temp name
+        raise ConvertError(f"{final} is a symbolic link; name a directory of its own for the output (--force would "
+                           f"replace the link, not the directory it points to)")
     if not Path(final).exists():
         return
+    if not Path(final).is_dir():  # --force replaced a file (a run's config.yaml, checkpoints/latest)
+        raise ConvertError(f"{final} is a file, not a directory; name a directory for the output")
     if not force:
         raise ConvertError(f"{final} already exists; choose a new output directory or pass --force to replace it")
     if source is not None and Path(final).resolve() in (Path(source).resolve(), *Path(source).resolve().parents):

@@ -197,6 +197,23 @@ def test_force_never_replaces_the_directory_that_holds_the_input(tmp_path):
     assert (run / "checkpoints" / "global_step4" / "manifest.json").is_file() and (tmp_path / "hf").is_dir()
 
 
+@pytest.mark.parametrize("kind", ["file", "link to a directory", "dangling link"])
+def test_an_output_that_is_a_file_or_a_link_is_refused_even_with_force(kind, tmp_path):
+    """--force onto checkpoints/latest (a file) or a symlink replaced it and left tmp-old-NAME behind;
+    a dangling link failed after the whole conversion, naming a temp directory (found by review)."""
+    out = tmp_path / "out"
+    if kind == "file":
+        out.write_text("global_step4\n")
+    else:
+        (tmp_path / "target").mkdir()
+        out.symlink_to(tmp_path / ("target" if kind == "link to a directory" else "missing"))
+    said = "is a file, not a directory" if kind == "file" else "is a symbolic link; name a directory of its own"
+    with pytest.raises(ConvertError, match=said):
+        import_hf(_save_tiny(tmp_path / "hf"), out, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["hf", "out", *(["target"] if kind != "file" else [])])
+    assert out.is_symlink() or out.read_text() == "global_step4\n"
+
+
 def _save_tiny(directory):
     tiny_hf("gpt2").save_pretrained(directory)
     return directory
