@@ -31,6 +31,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from megaframe.common.ctrl_c import interrupted_in_one_line
+
 PROG = "megaframe-eval"
 ALLOWED = ("data.", "data=", "train.eval_steps=", "parallel.micro_batch_size=", "parallel.global_batch_size=")
 
@@ -227,6 +229,11 @@ def human_line(result: dict) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    with interrupted_in_one_line(PROG):
+        _main(argv)
+
+
+def _main(argv: Optional[Sequence[str]]) -> None:
     from megaframe.common.failures import BadData
     from megaframe.tracking.metrics import strict_json
 

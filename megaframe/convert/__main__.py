@@ -1,5 +1,5 @@
 """`python -m megaframe.convert {to-hf,from-hf} ...`: the same as `megaframe-convert`."""
-from megaframe.convert.cli import main
+from megaframe.convert.console import main
 
 if __name__ == "__main__":
     main()

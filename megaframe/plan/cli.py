@@ -12,6 +12,7 @@ import contextlib
 import sys
 from typing import Optional, Sequence
 
+from megaframe.common.ctrl_c import interrupted_in_one_line
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import ConfigError, Layout, requested_world_size
 from megaframe.plan.estimate import Estimate, estimate_config, plan_layout
@@ -185,6 +186,11 @@ def dry_run_report(cfg: TrainConfig, layout: Layout, rank: int) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    with interrupted_in_one_line(PROG):
+        _main(argv)
+
+
+def _main(argv: Optional[Sequence[str]]) -> None:
     from megaframe.config.compose import compose, config_dirs_as_searchpath
 
     args = list(sys.argv[1:] if argv is None else argv)
