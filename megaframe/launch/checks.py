@@ -30,6 +30,7 @@ def check(overrides: Sequence[str]) -> tuple[TrainConfig, Layout, str]:
 def check_composed(overrides: Sequence[str]) -> tuple[TrainConfig, Layout, str, DictConfig]:
     """check(), and also Hydra's whole composition, which a one-process run hands to hydra_run.run_composed."""
     from megaframe.launch.slurm import job_world_size as slurm_world_size
+    from megaframe.plan.search import validated_to_search
 
     try:
         cfg, run_dir, composed = compose_for_run(overrides)
@@ -38,7 +39,9 @@ def check_composed(overrides: Sequence[str]) -> tuple[TrainConfig, Layout, str, 
 
             check_range(cfg, overrides)
         world = launcher_world_size() or slurm_world_size(cfg) or requested_world_size(cfg)
-        layout = validate_for_engine(cfg, world)
+        cfg, layout, note = validated_to_search(cfg, world, validate_for_engine)  # parallel=auto: the search's start
+        if note and rank() == 0:
+            print(f"{PROG}: {note}", flush=True)
     except ConfigError as err:
         fail(str(err))
     return cfg, layout, run_dir, composed

@@ -18,7 +18,7 @@ from megaframe.config.validate import ConfigError, Layout, requested_world_size
 from megaframe.plan.estimate import Estimate, estimate_config, plan_layout
 from megaframe.plan.profiles import profile_hint
 from megaframe.plan.report import as_json, gib, host_line, table, verdict
-from megaframe.plan.search import fitting_layouts, layout_overrides
+from megaframe.plan.search import fitting_layouts, layout_overrides, validated_to_search
 
 PROG = "megaframe-plan"
 # --dry-run builds blocks as modules; the deepest real models have ~100 blocks a stage, ~130 in all
@@ -51,13 +51,21 @@ def _check_cluster(cfg: TrainConfig) -> None:
 
 def plan(cfg: TrainConfig, world: int) -> tuple[Layout, Estimate, Optional[list[Estimate]]]:
     """Validate for `world` ranks and estimate; alternatives when it does not fit or parallel.auto."""
+    return _plan(cfg, world)[1:]
+
+
+def _plan(cfg: TrainConfig, world: int) -> tuple[TrainConfig, Layout, Estimate, Optional[list[Estimate]]]:
+    """plan(), and cfg with the layout it was planned from (validated_to_search: parallel=auto may
+    start from another, and says so on stderr)."""
     from megaframe.backends.registry import validate_for_engine
 
     _check_cluster(cfg)
-    layout = validate_for_engine(cfg, world, ask_bf16=False)
+    cfg, layout, note = validated_to_search(cfg, world, lambda c, w: validate_for_engine(c, w, ask_bf16=False))
+    if note:
+        print(f"{PROG}: {note}", file=sys.stderr, flush=True)
     est = estimate_config(cfg, layout)
     alternatives = fitting_layouts(cfg, plan_layout(cfg, layout)) if cfg.parallel.auto or not est.fits else None
-    return layout, est, alternatives
+    return cfg, layout, est, alternatives
 
 
 def preflight(cfg: TrainConfig, layout: Layout, args: list[str], prog: str) -> list[str]:
@@ -204,7 +212,7 @@ def _main(argv: Optional[Sequence[str]]) -> None:
         # must hold only the report, so that `megaframe-plan --json | jq` parses.
         with contextlib.redirect_stdout(sys.stderr):
             cfg, _ = compose(config_dirs_as_searchpath(args))
-            layout, est, alternatives = plan(cfg, planned_world_size(cfg))
+            cfg, layout, est, alternatives = _plan(cfg, planned_world_size(cfg))
             dry = dry_run_report(cfg, layout, dry_rank) if dry_rank is not None else None
     except ConfigError as err:
         _fail(PROG, str(err))

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 from itertools import product
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 from megaframe.backends.facts import EngineFacts
 from megaframe.backends.registry import engine_facts, optim_refuses
 from megaframe.config.attention_rules import core_problem, layout_problem as mask_layout_problem
 from megaframe.config.schema import ModelConfig, TrainConfig
-from megaframe.config.validate import _divisors, check_context_parallel, ffn_hidden_size  # O(sqrt(n)): 10**6 ranks
+from megaframe.config.validate import (ConfigError, Layout, _divisors, check_context_parallel,  # O(sqrt(n)): 10**6 ranks
+                                       ffn_hidden_size)
 from megaframe.model.dims import document_dims, resolve_dims
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.pipeline_schedules import SPLIT_BACKWARD, runs_micro_batches, stages_per_rank
@@ -127,6 +128,29 @@ def attention_refuses(cfg: TrainConfig, lay: PlanLayout) -> bool:
     c = replace(cfg, parallel=replace(cfg.parallel, tp=lay.tp, pp=lay.pp, cp=lay.cp, cp_impl=lay.cp_impl,
                                       sequence_parallel=lay.sequence_parallel))
     return any(rule(c) is not None for rule in (check_context_parallel, mask_layout_problem, core_problem))
+
+
+def validated_to_search(cfg: TrainConfig, world: int, validate: Callable[[TrainConfig, int], Layout]
+                        ) -> tuple[TrainConfig, Layout, Optional[str]]:
+    """The layout to plan from: cfg's, validated for `world` ranks; under parallel=auto, when cfg's
+    cannot run on them (a recipe's tp x pp that does not divide the world: llama2_70b's 32 on two
+    nodes of 8), one that can, tp=pp=cp=ep=1 and dp=world, since the search replaces it anyway (the
+    refusal came before any search), with a line that says so. The first error stands when neither
+    validates."""
+    try:
+        return cfg, validate(cfg, world), None
+    except ConfigError as error:
+        if not cfg.parallel.auto:
+            raise
+        start = replace(cfg, parallel=replace(cfg.parallel, tp=1, pp=1, cp=1, ep=1, dp=None, dp_replicate=1,
+                                              sequence_parallel=False, pipeline_schedule="1f1b", virtual_stages=1))
+        try:
+            layout = validate(start, world)
+        except ConfigError:
+            raise error from None
+        p = cfg.parallel
+        return start, layout, (f"parallel=auto: the layout given (tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep}) cannot run "
+                               f"on {world} ranks ({str(error).split(';')[0]}); the search starts from tp=1 pp=1 dp={layout.dp}")
 
 
 def layout_overrides(lay: PlanLayout) -> list[str]:

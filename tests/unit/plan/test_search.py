@@ -1,6 +1,8 @@
 """Layout search: only layouts validation and DeepSpeed accept, ranked, and parallel=auto's overrides."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from megaframe.backends.registry import engine
@@ -164,3 +166,40 @@ def test_parallel_auto_proposes_no_cp_layout_the_attention_cores_refuse(core):
     assert proposals and (cps == {1} if core == "flex" else 1 < max(cps) and all(8 % cp == 0 for cp in cps))
     for lay in proposals[::25]:
         validate_for_engine(compose([*args, *layout_overrides(lay)])[0], 64, ask_bf16=False)
+
+
+def test_parallel_auto_searches_a_world_the_recipes_layout_does_not_divide(capsys):
+    """llama2_70b's tp=8 pp=4 on two nodes of 8: parallel=auto refused before it searched ("world
+    size 16 is not divisible by 32"), where planner.md says to fix the nodes and add parallel=auto."""
+    from megaframe.plan.cli import main as plan_main
+
+    overrides = ["recipe=llama2_70b", "cluster=h100_80g", "launcher.nodes=2", "parallel.dp=null"]
+    plan_main([*overrides, "parallel=auto", "--json"])
+    out, err = capsys.readouterr()
+    chosen = json.loads(out)["auto"]
+    grid = chosen["layout"]["grid"]
+    assert chosen["fits"] and chosen["world_size"] == grid["tp"] * grid["pp"] * grid["dp"] == 16, chosen
+    assert err.strip().splitlines()[0] == (
+        "megaframe-plan: parallel=auto: the layout given (tp=8 pp=4 cp=1 ep=1) cannot run on 16 ranks (world size "
+        "16 is not divisible by parallel.tp*parallel.pp=32); the search starts from tp=1 pp=1 dp=16")
+    with pytest.raises(SystemExit) as ended:  # without parallel=auto the layout given is what runs
+        plan_main(overrides)
+    assert ended.value.code == 2
+    assert "world size 16 is not divisible by parallel.tp*parallel.pp=32" in capsys.readouterr().err
+
+
+def test_the_pre_launch_check_starts_parallel_auto_from_a_layout_the_world_runs(monkeypatch, capsys):
+    """megaframe-train's path (launch/checks.py): a launcher's world of 2 ranks and tp=4 asked."""
+    from megaframe.launch.checks import check
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    tiny = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+            "model.ffn_hidden_size=256", "model.seq_length=32", "parallel.micro_batch_size=2",
+            "parallel.global_batch_size=8", "parallel.tp=4", "parallel.dp=null"]
+    cfg, layout, _ = check([*tiny, "parallel=auto"])
+    assert (cfg.parallel.tp, layout.dp, layout.world_size) == (1, 2, 2)
+    assert "the search starts from tp=1 pp=1 dp=2" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as ended:
+        check(tiny)
+    assert ended.value.code == 2
