@@ -154,6 +154,10 @@ def evaluate(checkpoint: Path, overrides: Sequence[str]) -> dict:
                         f"({model.dims.vocab_size}): it was tokenized for another model; tokenize its text with "
                         f"megaframe-preprocess --tokenizer {model_tokenizer or cfg.data.tokenizer}")
     if problem := eval_wrap_problem(cfg.train.eval_steps, batch, data.valid.samples_before_a_repeat()):
+        # asked on this command line, it is refused (train.eval_steps=100000000 ran on for good);
+        # the run's own setting is evaluated as the run evaluated it, with the run's warning
+        if any(o.startswith(("train.eval_steps=", "parallel.global_batch_size=")) for o in overrides):
+            raise DataError(problem)
         print(f"{PROG}: warning: {problem}", file=sys.stderr, flush=True)
     batches = eval_batches(data.valid, cfg.train.eval_steps * (batch // micro), micro, 0, 1)
     total = torch.zeros((), dtype=torch.float64, device=device)

@@ -250,3 +250,37 @@ def test_the_data_is_scored_with_the_checkpoints_tokenizer_and_another_ones_toke
                                      "  global_batch_size: 2\n")  # as a run saves them: every key overridden below
     result = eval_cli.evaluate(run / "checkpoints", [f"data.valid_path={tmp_path / 'words'}"])
     assert math.isfinite(result["loss"]) and result["config"] == str(run / "config.yaml")
+
+
+def test_an_evaluation_asked_beyond_the_validation_set_is_refused_and_the_runs_own_is_warned(tmp_path, capsys):
+    """train.eval_steps=100000000 on the command line warned, then ran on for good (found by review);
+    a run's own setting is evaluated as the run evaluated it, with its warning."""
+    from megaframe.checkpoint import tokenizer_record as records
+    from megaframe.data.preprocess import preprocess
+    from megaframe.data.tokenizer import HFTokenizer
+    from tests.unit.test_sample_cli import checkpoint, word_tokenizer
+
+    tok = word_tokenizer(tmp_path / "tok")
+    loaded = HFTokenizer(tok)
+    ckpt = tmp_path / "ckpt"
+    checkpoint(ckpt, tokenizer_src=tok, **{records.RECORD_KEY: records.hf_record(tok, loaded.vocab_size, loaded.eod_id)})
+    text = [" ".join(f"w{(d * 3 + i) % 11}" for i in range(40)) for d in range(40)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in text))
+    preprocess([tmp_path / "docs.jsonl"], tmp_path / "words", tokenizer=str(tok), progress=False)
+    data = [f"data.path={tmp_path / 'words'}", "parallel.micro_batch_size=2"]
+    with pytest.raises(SystemExit) as done:
+        eval_cli.main([str(ckpt), *data, "parallel.global_batch_size=2", "train.eval_steps=100000000"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("megaframe-eval: error: train.eval_steps=100000000 evaluates 100000000 x 2 = 200000000 "
+                          "samples but the validation set holds "), err
+    assert "; set train.eval_steps<=" in err, err
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    ckpt.rename(run / "checkpoints" / "global_step1")
+    (run / "checkpoints" / "latest").write_text("global_step1\n")
+    (run / "config.yaml").write_text(f"data:\n  tokenizer: {tok}\n  path: {tmp_path / 'words'}\ntrain:\n  eval_steps: 400\n"
+                                     "parallel:\n  micro_batch_size: 2\n  global_batch_size: 2\n")
+    result = eval_cli.evaluate(run / "checkpoints", [])  # the run's own 400 x 2: warned, and evaluated
+    assert math.isfinite(result["loss"]) and result["samples"] == 800
+    assert "megaframe-eval: warning: train.eval_steps=400 evaluates 400 x 2 = 800 samples" in capsys.readouterr().err
