@@ -17,6 +17,7 @@ Bad input ends with one line `megaframe-sample: error: ...` and exit code 2.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
 PROG = "megaframe-sample"
+PROMPT_FILE_BYTES = 64 << 20  # a prompt file read beyond this is refused (the model reads its context)
 SEPARATOR = "---------------"  # between samples, as nanoGPT's sample.py prints them
 
 
@@ -72,6 +74,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
     if args.num_samples < 1:
         raise ValueError(f"--num-samples={args.num_samples} must be >= 1")
+    if not 0 <= args.seed < 2**63:  # torch.Generator's seed: an "Overflow when unpacking long long" otherwise
+        raise ValueError(f"--seed={args.seed} must be at least 0 and below 2^63")
     if args.prompt == "":
         raise ValueError("--prompt is empty: give some text, or leave --prompt out to start a new document")
 
@@ -121,7 +125,12 @@ def prompt_ids(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[int
         what = "--prompt-ids"
     elif args.prompt_file is not None:
         try:
-            text = args.prompt_file.read_text(encoding="utf-8")
+            with open(args.prompt_file, "rb") as file:  # at most a bound: /dev/zero or a corpus was read whole
+                raw = file.read(PROMPT_FILE_BYTES + 1)
+            if len(raw) > PROMPT_FILE_BYTES:
+                raise ValueError(f"--prompt-file={args.prompt_file}: larger than {PROMPT_FILE_BYTES >> 20} MiB; a "
+                                 f"prompt is at most the model's context, give its end only")
+            text = io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8").read()  # universal newlines, as read_text
         except (OSError, UnicodeDecodeError) as err:
             raise ValueError(f"--prompt-file={args.prompt_file}: cannot read it as UTF-8 text ({err})") from None
         if not text:

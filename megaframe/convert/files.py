@@ -192,6 +192,9 @@ def refuse_existing(final: Path, force: bool, source: Optional[Path] = None) -> 
     if Path(final).name in ("", ".", "..") or Path(final).resolve() in (Path.cwd(), *Path.cwd().parents):
         raise ConvertError(f"output directory {str(final)!r} is the working directory or above it; name a directory "
                            f"of its own for the output, e.g. hf-export")
+    if source is not None and Path(source).resolve() in Path(final).resolve().parents:
+        raise ConvertError(f"{final} is inside the input {source} (a checkpoint's folder is deleted whole when "
+                           f"train.keep_checkpoints prunes it); choose an output directory outside it")
     if Path(final).is_symlink():  # a dangling one too: the conversion ran, then failed on a temp name
         raise ConvertError(f"{final} is a symbolic link; name a directory of its own for the output (--force would "
                            f"replace the link, not the directory it points to)")

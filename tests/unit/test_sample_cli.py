@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,3 +133,20 @@ def test_the_tokenizer_is_verified_against_the_checkpoints_record_and_read_from_
     monkeypatch.chdir(tmp_path)
     main([str(run / "checkpoints"), "--prompt", "w3 w5", *args[2:]])
     assert json.loads(capsys.readouterr().out)["prompt_ids"] == [3, 5]
+
+
+def test_a_seed_torch_cannot_take_and_a_prompt_file_without_end_are_one_line(tmp_path, capsys):
+    """--seed 10^23 was "Overflow when unpacking long long" with no flag named; --prompt-file
+    /dev/zero was read whole until the OOM killer ended it (found by review)."""
+    ckpt = tmp_path / "ckpt"
+    checkpoint(ckpt)
+    assert refusal(capsys, ckpt, "--seed", "99999999999999999999999") == (
+        "megaframe-sample: error: --seed=99999999999999999999999 must be at least 0 and below 2^63")
+    assert refusal(capsys, ckpt, "--seed", "-1").endswith("must be at least 0 and below 2^63")
+    large = tmp_path / "large.txt"
+    with open(large, "wb") as file:  # sparse: 64 MiB and a byte, nothing written
+        file.truncate((64 << 20) + 1)
+    for path in (large, Path("/dev/zero")):
+        assert refusal(capsys, ckpt, "--tokenizer", "byte", "--prompt-file", path) == (
+            f"megaframe-sample: error: --prompt-file={path}: larger than 64 MiB; a prompt is at most the model's "
+            f"context, give its end only")

@@ -195,6 +195,10 @@ def test_force_never_replaces_the_directory_that_holds_the_input(tmp_path):
     with pytest.raises(ConvertError, match="holds the input"):
         import_hf(tmp_path / "hf", tmp_path, force=True)
     assert (run / "checkpoints" / "global_step4" / "manifest.json").is_file() and (tmp_path / "hf").is_dir()
+    # an export inside the checkpoint was written, and went when keep_checkpoints pruned its folder (review)
+    with pytest.raises(ConvertError, match="global_step4/hf is inside the input .*; choose an output directory"):
+        export_hf(run / "checkpoints" / "global_step4", run / "checkpoints" / "global_step4" / "hf")
+    assert not (run / "checkpoints" / "global_step4" / "hf").exists()
 
 
 @pytest.mark.parametrize("kind", ["file", "link to a directory", "dangling link"])
