@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Optional
 
 from megaframe.config.schema import DataConfig, ModelConfig, MoEConfig
-from megaframe.config.validate import ffn_hidden_size, padded_vocab_size
+from megaframe.config.validate import check_finite, check_model, ffn_hidden_size, padded_vocab_size
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,18 @@ def model_config_from_record(recorded: Any) -> ModelConfig:
         raise ValueError(f"state.json model.{unknown[0]} is not a ModelConfig field of this megaframe version")
     if isinstance(recorded.get("moe"), dict):  # nested dataclasses come back from JSON as dicts
         recorded = {**recorded, "moe": MoEConfig(**recorded["moe"])}
-    return ModelConfig(**recorded)
+    config = ModelConfig(**recorded)
+    # the values megaframe-train would refuse (a state.json edited by hand, its manifest hashed again):
+    # a negative size was a traceback in every tool, an unknown arch went through
+    try:
+        finite = check_finite(config)
+        problem = f"model.{finite}" if finite else check_model(SimpleNamespace(model=config))
+    except TypeError as err:  # a string where a number belongs
+        problem = f"a value of the wrong type ({err})"
+    if problem:
+        raise ValueError(f"state.json's model section: {problem}; it is not a model this "
+                         f"megaframe can build (edited by hand?)")
+    return config
 
 
 # GPTDims fields that decide a parameter's shape or whether it exists, with the key that sets each

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from megaframe.config.compose import compose
 from megaframe.convert.hf import config_from_hf
 from megaframe.model.dims import resolve_dims, shape_change
@@ -44,3 +46,24 @@ def test_model_ffn_hidden_size_still_shapes_a_dense_block():
     dense = compose([])[0].model
     assert shape_change(resolve_dims(dense, VOCAB), resolve_dims(dataclasses.replace(dense, ffn_hidden_size=99),
                                                                  VOCAB))[0] == "model.ffn_hidden_size"
+
+
+@pytest.mark.parametrize("key, value, said", [
+    ("seq_length", -5, "model.seq_length=-5 must be >= 1"),
+    ("arch", "foo", "model.arch='foo' is not one of ['gpt2', 'llama']"),
+    ("norm_eps", float("nan"), "model.norm_eps=nan must be a finite number"),
+    ("hidden_size", "64", "a value of the wrong type"),
+])
+def test_a_recorded_model_megaframe_train_would_refuse_is_one_line(key, value, said):
+    """A state.json edited by hand (its manifest hashed again): seq_length=-5 was a "negative
+    dimension" traceback in to-hf, sample and eval, and an unknown arch went through (review)."""
+    from megaframe.config.schema import ModelConfig
+    from megaframe.model.dims import model_config_from_record
+
+    record = dataclasses.asdict(ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32))
+    assert model_config_from_record(record).seq_length == 32
+    with pytest.raises(ValueError) as refused:
+        model_config_from_record({**record, key: value})
+    message = str(refused.value)
+    assert message.startswith(f"state.json's model section: {said}"), message
+    assert message.endswith("; it is not a model this megaframe can build (edited by hand?)"), message
