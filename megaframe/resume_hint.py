@@ -90,12 +90,12 @@ def resolve_latest_run(args: list[str], run_dir_pattern: Callable[[list[str]], s
     rest = [a for a in args if _key(a) != "train.resume"] + ["train.resume=auto"]
     pinned = [a.split("=", 1)[1] for a in args if _key(a) == "hydra.run.dir"]
     if pinned:
-        return rest, pinned[-1]
+        return rest, _checkpointed(pinned[-1], "hydra.run.dir")
     pattern = run_dir_pattern(rest)
     parts = Path(pattern).parts
     fixed = next((i for i, part in enumerate(parts) if "${" in part), len(parts))
     if fixed == len(parts):
-        return rest, pattern  # a fixed default run dir: it is the newest run
+        return rest, _checkpointed(pattern, "the run dir")  # a fixed default run dir: it is the newest run
     root = Path(*parts[:fixed]) if fixed else Path(".")
     newest = newest_run(root, len(parts) - fixed)
     if newest is None:
@@ -103,6 +103,15 @@ def resolve_latest_run(args: list[str], run_dir_pattern: Callable[[list[str]], s
                          f"{root}/{'/'.join(['*'] * (len(parts) - fixed))}/checkpoints/latest); name the run to "
                          f"resume with hydra.run.dir=DIR")
     return [*rest, f"hydra.run.dir={_quoted(str(newest))}"], str(newest)
+
+
+def _checkpointed(run_dir: str, named_by: str) -> str:
+    """run_dir, when it holds a checkpoint to resume; ValueError otherwise: latest-run asks to resume,
+    and such a run dir started a fresh run after "resuming DIR" was said."""
+    if "${" not in run_dir and not (Path(run_dir) / "checkpoints" / "latest").is_file():
+        raise ValueError(f"train.resume={LATEST_RUN}: {named_by} {run_dir} has no checkpoint to resume (no "
+                         f"checkpoints/latest); leave train.resume out to start a run there, or name a run that has one")
+    return run_dir
 
 
 def _quoted(path: str) -> str:

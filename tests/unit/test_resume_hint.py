@@ -55,7 +55,13 @@ def test_latest_run_is_the_newest_checkpointed_run_under_the_default_root(tmp_pa
     assert got == ["train.max_steps=20", "train.resume=auto", f"hydra.run.dir={older.resolve()}"]
     os.utime(newer / "checkpoints" / "latest", (5_000, 5_000))
     assert resume_hint.resolve_latest_run(args, lambda _: PATTERN)[1] == str(newer.resolve())
-    # with hydra.run.dir given, that run is the one
+    # with hydra.run.dir given, that run is the one; without a checkpoint it is refused, where it said
+    # "resuming mine" and started a fresh run (found by review)
+    with pytest.raises(ValueError, match=r"^train.resume=latest-run: hydra.run.dir mine has no checkpoint to "
+                                         r"resume \(no checkpoints/latest\); leave train.resume out"):
+        resume_hint.resolve_latest_run([*args, "hydra.run.dir=mine"], lambda _: PATTERN)
+    (tmp_path / "mine" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "mine" / "checkpoints" / "latest").write_text("global_step2\n")
     assert resume_hint.resolve_latest_run([*args, "hydra.run.dir=mine"], lambda _: PATTERN) == \
         (["train.max_steps=20", "hydra.run.dir=mine", "train.resume=auto"], "mine")
 
