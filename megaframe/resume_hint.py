@@ -110,7 +110,8 @@ def _checkpointed(run_dir: str, named_by: str) -> str:
     and such a run dir started a fresh run after "resuming DIR" was said."""
     if "${" not in run_dir and not (Path(run_dir) / "checkpoints" / "latest").is_file():
         raise ValueError(f"train.resume={LATEST_RUN}: {named_by} {run_dir} has no checkpoint to resume (no "
-                         f"checkpoints/latest); leave train.resume out to start a run there, or name a run that has one")
+                         f"checkpoints/latest); leave train.resume out to start a run there, or name a run that "
+                         f"has one")
     return run_dir
 
 

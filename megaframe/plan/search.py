@@ -10,8 +10,8 @@ from megaframe.backends.facts import EngineFacts
 from megaframe.backends.registry import engine_facts, optim_refuses
 from megaframe.config.attention_rules import core_problem, layout_problem as mask_layout_problem
 from megaframe.config.schema import ModelConfig, TrainConfig
-from megaframe.config.validate import (ConfigError, Layout, _divisors, check_context_parallel,  # O(sqrt(n)): 10**6 ranks
-                                       ffn_hidden_size)
+from megaframe.config.validate import _divisors  # O(sqrt(n)): 10**6 ranks
+from megaframe.config.validate import ConfigError, Layout, check_context_parallel, ffn_hidden_size
 from megaframe.model.dims import document_dims, resolve_dims
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.pipeline_schedules import SPLIT_BACKWARD, runs_micro_batches, stages_per_rank
@@ -149,8 +149,9 @@ def validated_to_search(cfg: TrainConfig, world: int, validate: Callable[[TrainC
         except ConfigError:
             raise error from None
         p = cfg.parallel
+        why = str(error).split(";")[0]  # its advice is for the layout given, which the search replaces
         return start, layout, (f"parallel=auto: the layout given (tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep}) cannot run "
-                               f"on {world} ranks ({str(error).split(';')[0]}); the search starts from tp=1 pp=1 dp={layout.dp}")
+                               f"on {world} ranks ({why}); the search starts from tp=1 pp=1 dp={layout.dp}")
 
 
 def layout_overrides(lay: PlanLayout) -> list[str]:

@@ -263,7 +263,8 @@ def test_an_evaluation_asked_beyond_the_validation_set_is_refused_and_the_runs_o
     tok = word_tokenizer(tmp_path / "tok")
     loaded = HFTokenizer(tok)
     ckpt = tmp_path / "ckpt"
-    checkpoint(ckpt, tokenizer_src=tok, **{records.RECORD_KEY: records.hf_record(tok, loaded.vocab_size, loaded.eod_id)})
+    record = records.hf_record(tok, loaded.vocab_size, loaded.eod_id)
+    checkpoint(ckpt, tokenizer_src=tok, **{records.RECORD_KEY: record})
     text = [" ".join(f"w{(d * 3 + i) % 11}" for i in range(40)) for d in range(40)]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in text))
     preprocess([tmp_path / "docs.jsonl"], tmp_path / "words", tokenizer=str(tok), progress=False)
@@ -279,8 +280,9 @@ def test_an_evaluation_asked_beyond_the_validation_set_is_refused_and_the_runs_o
     (run / "checkpoints").mkdir(parents=True)
     ckpt.rename(run / "checkpoints" / "global_step1")
     (run / "checkpoints" / "latest").write_text("global_step1\n")
-    (run / "config.yaml").write_text(f"data:\n  tokenizer: {tok}\n  path: {tmp_path / 'words'}\ntrain:\n  eval_steps: 400\n"
-                                     "parallel:\n  micro_batch_size: 2\n  global_batch_size: 2\n")
+    (run / "config.yaml").write_text(f"data:\n  tokenizer: {tok}\n  path: {tmp_path / 'words'}\n"
+                                     "train:\n  eval_steps: 400\nparallel:\n  micro_batch_size: 2\n"
+                                     "  global_batch_size: 2\n")
     result = eval_cli.evaluate(run / "checkpoints", [])  # the run's own 400 x 2: warned, and evaluated
     assert math.isfinite(result["loss"]) and result["samples"] == 800
     assert "megaframe-eval: warning: train.eval_steps=400 evaluates 400 x 2 = 800 samples" in capsys.readouterr().err

@@ -177,7 +177,8 @@ def test_ctrl_c_while_a_worker_is_still_starting_prints_one_line(tmp_path):
     (tmp_path / "new.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(2000)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), *sys.path]),
            "MEGAFRAME_TEST_WORKER_STARTS": str(tmp_path / "starts")}
-    tool = subprocess.Popen([sys.executable, "-m", "megaframe.data.preprocess_cli", "--input", str(tmp_path / "new.jsonl"),
+    tool = subprocess.Popen([sys.executable, "-m", "megaframe.data.preprocess_cli",
+                             "--input", str(tmp_path / "new.jsonl"),
                              "--output-prefix", str(tmp_path / "ds"), "--workers", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
