@@ -74,8 +74,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
     if args.num_samples < 1:
         raise ValueError(f"--num-samples={args.num_samples} must be >= 1")
-    if not 0 <= args.seed < 2**63:  # torch.Generator's seed: an "Overflow when unpacking long long" otherwise
-        raise ValueError(f"--seed={args.seed} must be at least 0 and below 2^63")
+    if not -2**63 <= args.seed < 2**64:  # torch.Generator's range: "Overflow when unpacking long long" beyond it
+        raise ValueError(f"--seed={args.seed} must be in [-2^63, 2^64)")
     if args.prompt == "":
         raise ValueError("--prompt is empty: give some text, or leave --prompt out to start a new document")
 

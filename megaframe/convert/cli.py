@@ -62,7 +62,7 @@ def export_hf(ckpt: Path, out: Path, force: bool = False, tokenizer: Union[str, 
     from megaframe.run_config import named_checkpoint, run_dir_of
 
     named, ckpt = ckpt, files.resolve_checkpoint(ckpt)
-    files.refuse_existing(out, force, source=ckpt)  # after `latest` is resolved: the checkpoint it names
+    files.refuse_existing(out, force, source=ckpt, pruned_source=True)  # after `latest` is resolved: the checkpoint
     state, reader = files.open_layout_free(ckpt)
     cfg = model_config(state, ckpt)
     if tokenizer is not None and tokens.checkpoint_record(ckpt, state) is None:  # nothing to check it against

@@ -184,15 +184,16 @@ def add_legacy_config_keys(config_file: Path, dtype: str) -> None:
     Path(config_file).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def refuse_existing(final: Path, force: bool, source: Optional[Path] = None) -> None:
+def refuse_existing(final: Path, force: bool, source: Optional[Path] = None, pruned_source: bool = False) -> None:
     """Refuse to touch an existing output directory unless the user passed --force, and never replace
     one that holds the conversion's own input (--force would delete the run it converts), nor one that
     holds the working directory ('', '.', '..': an unset $OUT in a script; the export ran to the end
-    and failed on publishing it with a traceback)."""
+    and failed on publishing it with a traceback). pruned_source: the input is a checkpoint, which
+    train.keep_checkpoints deletes whole, so an output inside it is refused too."""
     if Path(final).name in ("", ".", "..") or Path(final).resolve() in (Path.cwd(), *Path.cwd().parents):
         raise ConvertError(f"output directory {str(final)!r} is the working directory or above it; name a directory "
                            f"of its own for the output, e.g. hf-export")
-    if source is not None and Path(source).resolve() in Path(final).resolve().parents:
+    if pruned_source and source is not None and Path(source).resolve() in Path(final).resolve().parents:
         raise ConvertError(f"{final} is inside the input {source} (a checkpoint's folder is deleted whole when "
                            f"train.keep_checkpoints prunes it); choose an output directory outside it")
     if Path(final).is_symlink():  # a dangling one too: the conversion ran, then failed on a temp name

@@ -142,12 +142,17 @@ def validated_to_search(cfg: TrainConfig, world: int, validate: Callable[[TrainC
     except ConfigError as error:
         if not cfg.parallel.auto:
             raise
-        start = replace(cfg, parallel=replace(cfg.parallel, tp=1, pp=1, cp=1, ep=1, dp=None, dp_replicate=1,
-                                              sequence_parallel=False, pipeline_schedule="1f1b", virtual_stages=1))
-        try:
-            layout = validate(start, world)
-        except ConfigError:
-            raise error from None
+        layout = None
+        for replicas in dict.fromkeys((cfg.parallel.dp_replicate, 1)):  # HSDP's replicas as configured, if they fit
+            start = replace(cfg, parallel=replace(cfg.parallel, tp=1, pp=1, cp=1, ep=1, dp=None, dp_replicate=replicas,
+                                                  sequence_parallel=False, pipeline_schedule="1f1b", virtual_stages=1))
+            try:
+                layout = validate(start, world)
+                break
+            except ConfigError:
+                continue
+        if layout is None:
+            raise error
         p = cfg.parallel
         why = str(error).split(";")[0]  # its advice is for the layout given, which the search replaces
         return start, layout, (f"parallel=auto: the layout given (tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep}) cannot run "
@@ -157,7 +162,7 @@ def validated_to_search(cfg: TrainConfig, world: int, validate: Callable[[TrainC
 def layout_overrides(lay: PlanLayout) -> list[str]:
     """Command-line overrides that select `lay` (what parallel=auto hands to the ranks)."""
     return [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.cp={lay.cp}", f"parallel.cp_impl={lay.cp_impl}",
-            f"parallel.ep={lay.grid.ep}",
+            f"parallel.ep={lay.grid.ep}", f"parallel.dp_replicate={lay.grid.dp_replicate}",
             f"parallel.dp={lay.dp}", f"zero.stage={lay.zero_stage}",
             f"offload.optimizer={lay.offload_optimizer}", f"offload.param={lay.offload_param}",
             f"parallel.activation_checkpointing={str(lay.recompute).lower()}",

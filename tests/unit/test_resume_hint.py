@@ -64,6 +64,9 @@ def test_latest_run_is_the_newest_checkpointed_run_under_the_default_root(tmp_pa
     (tmp_path / "mine" / "checkpoints" / "latest").write_text("global_step2\n")
     assert resume_hint.resolve_latest_run([*args, "hydra.run.dir=mine"], lambda _: PATTERN) == \
         (["train.max_steps=20", "hydra.run.dir=mine", "train.resume=auto"], "mine")
+    (tmp_path / "my run" / "checkpoints").mkdir(parents=True)  # quoted as resume commands print it (review)
+    (tmp_path / "my run" / "checkpoints" / "latest").write_text("global_step2\n")
+    assert resume_hint.resolve_latest_run([*args, "hydra.run.dir='my run'"], lambda _: PATTERN)[1] == "'my run'"
 
 
 def test_latest_run_reads_the_default_root_from_the_composed_config(tmp_path, monkeypatch, capsys):

@@ -199,6 +199,7 @@ def test_force_never_replaces_the_directory_that_holds_the_input(tmp_path):
     with pytest.raises(ConvertError, match="global_step4/hf is inside the input .*; choose an output directory"):
         export_hf(run / "checkpoints" / "global_step4", run / "checkpoints" / "global_step4" / "hf")
     assert not (run / "checkpoints" / "global_step4" / "hf").exists()
+    import_hf(tmp_path / "hf", tmp_path / "hf" / "imported")  # an HF folder is never pruned: inside it is fine
 
 
 @pytest.mark.parametrize("kind", ["file", "link to a directory", "dangling link"])

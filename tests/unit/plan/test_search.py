@@ -203,3 +203,20 @@ def test_the_pre_launch_check_starts_parallel_auto_from_a_layout_the_world_runs(
     with pytest.raises(SystemExit) as ended:
         check(tiny)
     assert ended.value.code == 2
+
+
+def test_parallel_auto_from_a_start_keeps_hsdp_replicas_and_hands_them_to_the_ranks(monkeypatch, capsys):
+    """The start set dp_replicate=1 and layout_overrides left it out: the ranks ran the configured
+    replicas on a layout planned without them (review)."""
+    from megaframe.launch.checks import check
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "0")
+    tiny = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+            "model.ffn_hidden_size=256", "model.seq_length=32", "parallel.micro_batch_size=2",
+            "parallel.global_batch_size=16", "backend=fsdp2", "parallel.dp_replicate=2", "parallel.tp=3",
+            "parallel.dp=null", "parallel=auto"]
+    cfg, layout, _ = check(tiny)
+    assert (cfg.parallel.tp, layout.grid.dp_replicate, layout.dp) == (1, 2, 8)
+    chosen = fitting_layouts(cfg, plan_layout(cfg, layout), limit=1)[0].layout
+    assert chosen.grid.dp_replicate == 2 and "parallel.dp_replicate=2" in layout_overrides(chosen)
