@@ -195,13 +195,9 @@ def test_run_files_are_read_once_not_through_links_and_capped(tmp_path, monkeypa
     assert run_config.training_directory(run) == started
 
 
-def test_the_data_is_scored_with_the_checkpoints_tokenizer_and_another_ones_tokens_are_one_line(tmp_path, capsys):
-    """A model trained with a Hugging Face tokenizer: megaframe-eval takes the tokenizer from the
-    checkpoint (its copy), so data made with it is scored without naming data.tokenizer; data made
-    with another is one line saying to tokenize it with the checkpoint's; a data.tokenizer naming
-    another is refused. It used to compare each dataset with the run config's data.tokenizer, and
-    sent the user back and forth between two "set data.tokenizer=..." fixes (one for data it was not
-    even scoring: data.path, beside data.valid_path)."""
+def _word_model_and_data(tmp_path):
+    """A checkpoint trained with a word-level HF tokenizer (its copy and record inside), and
+    tmp/words, a dataset made with that tokenizer: (the tokenizer's directory, the checkpoint)."""
     from megaframe.checkpoint import tokenizer_record as records
     from megaframe.data.preprocess import preprocess
     from megaframe.data.tokenizer import HFTokenizer
@@ -215,6 +211,19 @@ def test_the_data_is_scored_with_the_checkpoints_tokenizer_and_another_ones_toke
     text = [" ".join(f"w{(d * 3 + i) % 11}" for i in range(40)) for d in range(40)]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in text))
     preprocess([tmp_path / "docs.jsonl"], tmp_path / "words", tokenizer=str(tok), progress=False)
+    return tok, ckpt
+
+
+def test_the_data_is_scored_with_the_checkpoints_tokenizer_and_another_ones_tokens_are_one_line(tmp_path, capsys):
+    """A model trained with a Hugging Face tokenizer: megaframe-eval takes the tokenizer from the
+    checkpoint (its copy), so data made with it is scored without naming data.tokenizer; data made
+    with another is one line saying to tokenize it with the checkpoint's; a data.tokenizer naming
+    another is refused. It used to compare each dataset with the run config's data.tokenizer, and
+    sent the user back and forth between two "set data.tokenizer=..." fixes (one for data it was not
+    even scoring: data.path, beside data.valid_path)."""
+    from megaframe.data.preprocess import preprocess
+
+    tok, ckpt = _word_model_and_data(tmp_path)
     preprocess([tmp_path / "docs.jsonl"], tmp_path / "bytes", progress=False)
     batches = ["parallel.micro_batch_size=2", "parallel.global_batch_size=2", "train.eval_steps=2"]
 
@@ -255,19 +264,7 @@ def test_the_data_is_scored_with_the_checkpoints_tokenizer_and_another_ones_toke
 def test_an_evaluation_asked_beyond_the_validation_set_is_refused_and_the_runs_own_is_warned(tmp_path, capsys):
     """train.eval_steps=100000000 on the command line warned, then ran on for good (found by review);
     a run's own setting is evaluated as the run evaluated it, with its warning."""
-    from megaframe.checkpoint import tokenizer_record as records
-    from megaframe.data.preprocess import preprocess
-    from megaframe.data.tokenizer import HFTokenizer
-    from tests.unit.test_sample_cli import checkpoint, word_tokenizer
-
-    tok = word_tokenizer(tmp_path / "tok")
-    loaded = HFTokenizer(tok)
-    ckpt = tmp_path / "ckpt"
-    record = records.hf_record(tok, loaded.vocab_size, loaded.eod_id)
-    checkpoint(ckpt, tokenizer_src=tok, **{records.RECORD_KEY: record})
-    text = [" ".join(f"w{(d * 3 + i) % 11}" for i in range(40)) for d in range(40)]
-    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in text))
-    preprocess([tmp_path / "docs.jsonl"], tmp_path / "words", tokenizer=str(tok), progress=False)
+    tok, ckpt = _word_model_and_data(tmp_path)
     data = [f"data.path={tmp_path / 'words'}", "parallel.micro_batch_size=2"]
     with pytest.raises(SystemExit) as done:
         eval_cli.main([str(ckpt), *data, "parallel.global_batch_size=2", "train.eval_steps=100000000"])
