@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
+from megaframe.common.ctrl_c import interrupted_in_one_line
+
 PROG = "megaframe-sample"
 PROMPT_FILE_BYTES = 64 << 20  # a prompt file read beyond this is refused (the model reads its context)
 SEPARATOR = "---------------"  # between samples, as nanoGPT's sample.py prints them
@@ -190,13 +192,11 @@ def sample(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
-    try:
-        results = sample(args)
-    except ValueError as err:  # ConvertError, DataError, StateMismatch and the checks above: one line each
-        _fail(str(err))
-    except KeyboardInterrupt:  # Ctrl-C: 130, as megaframe-train's (docs/failures.md), no traceback
-        print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
-        sys.exit(130)
+    with interrupted_in_one_line(PROG):  # Ctrl-C: 130, as megaframe-train's (docs/failures.md), no traceback
+        try:
+            results = sample(args)
+        except ValueError as err:  # ConvertError, DataError, StateMismatch and the checks above: one line each
+            _fail(str(err))
     try:
         for i, result in enumerate(results):
             if args.json:
