@@ -108,10 +108,10 @@ def resolve_latest_run(args: list[str], run_dir_pattern: Callable[[list[str]], s
 def _checkpointed(run_dir: str, named_by: str) -> str:
     """run_dir, when it holds a checkpoint to resume; ValueError otherwise: latest-run asks to resume,
     and such a run dir started a fresh run after "resuming DIR" was said."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from megaframe.config.compose import override_value
 
     try:  # the path the override names: hydra_quoted('runs/my run') is what resume commands print
-        path = str(OverridesParser.create().parse_override(f"hydra.run.dir={run_dir}").value())
+        path = override_value(f"hydra.run.dir={run_dir}")
     except Exception:  # noqa: BLE001 - Hydra's grammar errors are its own classes; the run reports them
         path = run_dir
     if "${" not in path and not (Path(path) / "checkpoints" / "latest").is_file():

@@ -223,6 +223,14 @@ def compose_for_run(overrides: Sequence[str]) -> tuple[TrainConfig, str, DictCon
     return typed, run_dir, composed
 
 
+def override_value(override: str) -> str:
+    """The value of one KEY=VALUE override as Hydra reads it: unquoted and unescaped (the inverse of
+    hydra_quoted: '/scratch/my run' is the folder /scratch/my run)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return str(OverridesParser.create().parse_overrides([override])[0].value())
+
+
 def hydra_quoted(value: str) -> str:
     """`value` as a quoted string of Hydra's override grammar, so ':', '=', ',' or brackets in a
     path stay part of it. Hydra reads a backslash as an escape only in a run of them before a quote

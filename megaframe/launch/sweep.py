@@ -92,13 +92,13 @@ def sweep_dir_problem(args: list[str]) -> str | None:
     hydra.run.dir's is: Hydra's own attempt ended in a traceback. Made here, as Hydra would make it."""
     from pathlib import Path
 
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from megaframe.config.compose import override_value
 
     given = [a for a in args if a.startswith("hydra.sweep.dir=")]
     if not given:
         return None
     # the value as Hydra reads it: quoted ('/scratch/my sweep', as hydra_quoted writes), escaped
-    folder = str(OverridesParser.create().parse_overrides(given[-1:])[0].value())
+    folder = override_value(given[-1])
     if "${" in folder:  # an interpolation only Hydra resolves (its default, ${now:...})
         return None
     try:
