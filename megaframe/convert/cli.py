@@ -81,7 +81,7 @@ def export_hf(ckpt: Path, out: Path, force: bool = False, tokenizer: Union[str, 
         try:
             if source is not None:
                 files.copy_tokenizer(source, tmp)
-                _set_special_tokens(hf_config, tmp)
+                _set_special_tokens(hf_config, tmp, named=source)  # the copy as users load it; errors name the source
             elif record is not None:
                 tokens.write_byte_tokenizer(tmp, cfg.seq_length)
             if record is not None:
@@ -105,16 +105,18 @@ def export_hf(ckpt: Path, out: Path, force: bool = False, tokenizer: Union[str, 
             + f", {dtype}" + (f" in {written} files" if written > 1 else "") + f", {note}")
 
 
-def _set_special_tokens(hf_config, tokenizer_dir: Path) -> None:
-    """bos/eos/pad ids of the copied tokenizer, so generate() stops where the model was taught to."""
+def _set_special_tokens(hf_config, tokenizer_dir: Path, named: Optional[Path] = None) -> None:
+    """bos/eos/pad ids of the copied tokenizer, so generate() stops where the model was taught to.
+    named: the directory an error names (the copy's source: the copy is in a staging folder)."""
     from transformers import AutoTokenizer
 
     try:  # never the directory's own Python (an auto_map): transformers would ask on the terminal to run it
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True, trust_remote_code=False)
     except Exception as error:  # transformers raises OSError, ValueError, KeyError... depending on what is wrong
         reason = " ".join(str(error).split())[:300]
-        raise ConvertError(f"{tokenizer_dir}: the checkpoint's tokenizer does not load ({type(error).__name__}: "
-                           f"{reason}); copy a tokenizer written by save_pretrained() there") from None
+        raise ConvertError(f"{named or tokenizer_dir}: the checkpoint's tokenizer does not load "
+                           f"({type(error).__name__}: {reason}); copy a tokenizer written by save_pretrained() there"
+                           ) from None
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = getattr(tokenizer, key, None)
         if value is not None and value < hf_config.vocab_size:
@@ -140,15 +142,20 @@ def import_hf(hf_dir: Path, out: Path, force: bool = False) -> tuple[ModelConfig
     state = files.LazyTensors(shapes, lambda name: plan[name](weights))
     record = {"step": 0, "consumed_samples": 0, "model": dataclasses.asdict(cfg),
               "source": {"hf_dir": str(hf_dir.resolve()), "model_type": hf_config["model_type"]}}
-    tokenizer = hf_dir if files.has_tokenizer(hf_dir) else None
+    tokenizer, left_behind = (hf_dir, "") if files.has_tokenizer(hf_dir) else (None, "")
     if tokenizer is not None:  # what a resume with data.tokenizer=OUT/tokenizer is checked against
-        record[RECORD_KEY] = tokens.import_record(hf_dir)
+        record[RECORD_KEY], left_behind = tokens.import_record(hf_dir)
+        if left_behind:  # not copied: every later use would refuse it
+            record.pop(RECORD_KEY)
+            tokenizer = None
     files.write_layout_free(out, state, record, tokenizer_src=tokenizer, force=force)
     params = sum(math.prod(shape) for shape in state.shapes.values())
     experts = (f" ({hf_config['model_type']}: {cfg.moe.num_experts} experts, top-{cfg.moe.top_k})"
                if cfg.moe.num_experts else "")
     summary = (f"wrote {out}: {cfg.arch} checkpoint{experts} from {hf_dir}, {params / 1e6:.2f}M parameters, "
-               f"vocab {cfg.vocab_size}" + (", tokenizer copied to tokenizer/" if tokenizer else ", no tokenizer found"))
+               f"vocab {cfg.vocab_size}" + (", tokenizer copied to tokenizer/" if tokenizer else
+                                            f", tokenizer not copied: {left_behind}" if left_behind else
+                                            ", no tokenizer found"))
     return cfg, summary
 
 
@@ -205,7 +212,8 @@ def _run(args: argparse.Namespace) -> None:
         print(export_hf(args.ckpt, args.out, args.force, args.tokenizer, args.dtype, args.max_shard_size), flush=True)
     else:
         cfg, summary = import_hf(args.hf_dir, args.out, args.force)
-        tokenizer = f" data.tokenizer={args.out}/tokenizer" if files.has_tokenizer(args.hf_dir) else ""
+        copied = args.out / files.TOKENIZER_DIR
+        tokenizer = f" data.tokenizer={copied}" if copied.is_dir() else ""
         print(summary, flush=True)
         print("continue pre-training with:\n  megaframe-train " + " ".join(model_overrides(cfg))
               + f"{tokenizer} train.resume={args.out}", flush=True)

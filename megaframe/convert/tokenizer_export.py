@@ -133,21 +133,37 @@ def hf_tokenizer_source(ckpt: Path, record: dict, override: Optional[Path],
                        f"{'; '.join(seen)}{hint}")
 
 
-def import_record(hf_dir: Path) -> dict:
-    """The tokenizer record of an HF model directory's tokenizer (from-hf): its ids where it loads
-    as a megaframe tokenizer (with an eos token), its files' hash always."""
+def import_record(hf_dir: Path) -> tuple[Optional[dict], str]:
+    """The tokenizer record of an HF model directory's tokenizer (from-hf) and "", or None and why the
+    tokenizer is left behind: one that does not load without its own code (an auto_map) or at all would
+    only be refused later, by training, sampling and to-hf. The record holds the ids where the tokenizer
+    has an eos token (training refuses one without, in its own line), its files' hash always."""
     from megaframe.data.indexed import DataError
-    from megaframe.data.tokenizer import HFTokenizer
+    from megaframe.data.tokenizer import HFTokenizer, TokenizerDoesNotLoad
 
     try:
-        tokenizer = HFTokenizer(hf_dir)
+        tokenizer = HFTokenizer(hf_dir, named="")
         ids = (tokenizer.vocab_size, tokenizer.eod_id, tokenizer.bos_id)
-    except DataError:  # no eos token: training with it is refused later, with its own line
+    except TokenizerDoesNotLoad as err:
+        return None, _why_it_does_not_load(hf_dir, err)
+    except DataError:  # no eos token
         ids = (None, None, None)
     try:
-        return records.hf_record(hf_dir, *ids)
+        return records.hf_record(hf_dir, *ids), ""
     except OSError as err:
         raise ConvertError(f"{hf_dir}: cannot read its tokenizer files ({err})") from None
+
+
+def _why_it_does_not_load(hf_dir: Path, err: Exception) -> str:
+    """A few words for the import's summary line."""
+    try:
+        code = "auto_map" in json.loads((hf_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):  # no file, not JSON, JSON but not an object
+        code = False
+    if code:
+        return "its tokenizer_config.json names its own Python (auto_map), which megaframe never runs"
+    detail = str(err).removeprefix(f"{hf_dir}: ").split("; point it at")[0]  # HFTokenizer's line, named=""
+    return f"it does not load: {detail}"
 
 
 def set_special_ids(hf_config: Any, eod_id: Optional[int], bos_id: Optional[int]) -> None:

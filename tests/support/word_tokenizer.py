@@ -31,6 +31,23 @@ def swap_words(directory: Path, first: str = "cat", second: str = "dog") -> None
     path.write_text(json.dumps(data))
 
 
+def give_own_code(directory: Path) -> Path:
+    """Edit the tokenizer in place to need its own Python: tokenizer_config.json names a class in a
+    file beside it (an `auto_map`, what trust_remote_code would run). The file, if it ever ran, writes
+    the returned marker path."""
+    directory = Path(directory)
+    marker = directory / "code-ran"
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config.pop("tokenizer_class", None)  # no class of transformers' own: only the directory's code would do
+    config["auto_map"] = {"AutoTokenizer": [None, "own_tokenizer.OwnTokenizer"]}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "own_tokenizer.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).write_text('yes')\n"
+        "from transformers import PreTrainedTokenizerFast\n\n\nclass OwnTokenizer(PreTrainedTokenizerFast):\n"
+        "    pass\n")
+    return marker
+
+
 def corpus(documents: int = 64, words: int = 40) -> list[str]:
     """Documents of the tokenizer's words (a fixed pseudo-random order)."""
     vocabulary = sorted({w for text in TEXTS for w in text.split()})

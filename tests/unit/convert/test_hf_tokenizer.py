@@ -22,7 +22,7 @@ from megaframe.model.factory import build_model, resolve_dims
 from megaframe.model.full_state import full_state_dict
 from megaframe.parallel.dims import ParallelDims
 from megaframe.parallel.state import ParallelState
-from tests.support.word_tokenizer import TEXTS, save_word_tokenizer, swap_words
+from tests.support.word_tokenizer import TEXTS, give_own_code, save_word_tokenizer, swap_words
 
 CONTEXT = 16
 # GPT-2's learned positions end at the context: generate() past it would index out of range
@@ -156,6 +156,43 @@ def test_from_hf_import_records_its_tokenizer(tmp_path):
     assert (record["vocab_size"], record["eod_id"]) == (11, 1)
     assert record["sha256"] == records.files_hash(tmp_path / "hf")
     json.loads((tmp_path / "imported" / "tokenizer" / "tokenizer_config.json").read_text())
+
+
+def test_from_hf_leaves_behind_a_tokenizer_that_needs_its_own_code(tmp_path, capsys):
+    """Copied, it would be refused by every later use (training, sample, to-hf, naming a staging
+    folder gone by then): the weights import, the tokenizer stays behind and the summary says why."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megaframe.checkpoint.universal import read_state
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=11, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, max_position_embeddings=CONTEXT)).save_pretrained(tmp_path / "hf")
+    marker = give_own_code(save_word_tokenizer(tmp_path / "hf"))
+    main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "imported")])
+    printed = capsys.readouterr().out
+    assert "tokenizer not copied: its tokenizer_config.json names its own Python (auto_map)" in printed
+    assert "data.tokenizer=" not in printed and f"train.resume={tmp_path / 'imported'}" in printed
+    assert not (tmp_path / "imported" / "tokenizer").exists()
+    assert records.RECORD_KEY not in read_state(tmp_path / "imported")
+    assert not marker.exists(), "the tokenizer directory's Python ran"
+    main(["to-hf", str(tmp_path / "imported"), str(tmp_path / "back")])  # and it exports, without a tokenizer
+    assert "no tokenizer (the checkpoint names none)" in capsys.readouterr().out
+
+
+def test_to_hf_names_the_checkpoints_copy_of_a_tokenizer_that_does_not_load(tmp_path, capsys):
+    """A checkpoint that holds such a copy (imported before it was left behind): refused in one line
+    naming that copy, not the export's staging folder (removed by the time the user reads the line)."""
+    tok = save_word_tokenizer(tmp_path / "tok")
+    give_own_code(tok)
+    ckpt = checkpoint(tmp_path / "ckpt", LLAMA, {records.RECORD_KEY: records.hf_record(tok, None, None)},
+                      tokenizer_src=tok)
+    with pytest.raises(SystemExit) as code:
+        main(["to-hf", str(ckpt), str(tmp_path / "hf")])
+    error = capsys.readouterr().err
+    assert code.value.code == 2 and error.count("\n") == 1, error
+    assert error.startswith(f"megaframe-convert: error: {ckpt / 'tokenizer'}: the checkpoint's tokenizer does not load")
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf*"))
 
 
 def test_tampered_copy_in_the_checkpoint_is_refused(tmp_path, capsys):

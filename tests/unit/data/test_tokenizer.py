@@ -3,7 +3,6 @@
 code and without asking on the terminal."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,26 +10,12 @@ from pathlib import Path
 import pytest
 
 from tests.support.helpers import REPO, cli_env
-
-CUSTOM_CODE = """
-from pathlib import Path
-Path({marker!r}).write_text("yes")  # transformers runs a copy of this file from its modules cache
-from transformers import PreTrainedTokenizerFast
-
-
-class RemoteTokenizer(PreTrainedTokenizerFast):
-    pass
-"""
+from tests.support.word_tokenizer import give_own_code
 
 
 @pytest.fixture
 def tokenizer_with_code(hf_tokenizer_dir: Path) -> Path:
-    config_path = hf_tokenizer_dir / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config.pop("tokenizer_class", None)  # no class of transformers' own: only the directory's code would do
-    config["auto_map"] = {"AutoTokenizer": [None, "remote_tokenizer.RemoteTokenizer"]}
-    config_path.write_text(json.dumps(config))
-    (hf_tokenizer_dir / "remote_tokenizer.py").write_text(CUSTOM_CODE.format(marker=str(hf_tokenizer_dir / "code-ran")))
+    give_own_code(hf_tokenizer_dir)  # its Python, if it ran, writes code-ran beside it
     return hf_tokenizer_dir
 
 
