@@ -117,8 +117,15 @@ class CheckpointManager:
                                        before_publish=self.save_hook(step), record_timeout_s=t.collective_timeout_s,
                                        trash=self.trash, trash_wait_s=0.0 if stopping else store.TRASH_WAIT_S)
             except OSError as err:  # a full disk or a quota: which checkpoint, why, and that the last one stands
-                raise save_failure(err, f"global_step{step}", str(self.dir)) from err
+                raise save_failure(err, f"global_step{step}", str(self.dir), self._newest_published()) from err
         return self.last
+
+    def _newest_published(self) -> Optional[str]:
+        """The checkpoint `latest` names, or None: what a save's failure says a restart continues from."""
+        try:
+            return (self.dir / store.LATEST).read_text().strip() or None
+        except OSError:  # none yet (or unreadable: then nothing is promised either)
+            return None
 
     def fast_save(self, step: int) -> None:
         """This rank's part of a checkpoint into node-local memory and its buddy's (no shared storage)."""

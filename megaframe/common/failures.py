@@ -9,6 +9,8 @@ piece) is *deterministic*: a restart by torchrun or Ray must not replay it (see 
 from __future__ import annotations
 
 import enum
+import errno
+import os
 from typing import Optional
 
 PROG = "megaframe-train"
@@ -86,12 +88,29 @@ class SaveFailed(RunFailure):
     exit_code = ExitCode.SAVE_FAILED
 
 
-def save_failure(err: OSError, checkpoint: str, checkpoints_dir: str) -> SaveFailed:
-    """One line for an OSError while writing a checkpoint: which one, why, and the fix."""
+def save_failure(err: OSError, checkpoint: str, checkpoints_dir: str, previous: Optional[str] = "") -> SaveFailed:
+    """One line for an OSError while writing a checkpoint: which one, why, and the fix. previous: the
+    newest checkpoint already there, None when there is none, "" when not known (a background save)."""
     reason = err.strerror or type(err).__name__
     where = f" ({err.filename})" if err.filename else ""
+    if previous is None:  # a restart has nothing to continue from: it starts over
+        stands = "no earlier checkpoint was written: a run started again begins at step 0"
+    else:
+        stands = f"the previous checkpoint{f', {previous},' if previous else ''} is untouched: train.resume=auto " \
+                 "continues from it"
     return SaveFailed(f"writing checkpoint {checkpoint} failed: {reason}{where}; free space or fix permissions in "
-                      f"{checkpoints_dir} (the previous checkpoint is untouched: train.resume=auto continues from it)")
+                      f"{checkpoints_dir} ({stands})")
+
+
+def output_failure(err: OSError, output: "str | os.PathLike[str]") -> str:
+    """An OSError while a tool (convert, preprocess) writes `output`, in words: why, where, and for a
+    full disk or quota the folder to free. Such a write's error names no file (the kernel reports
+    ENOSPC on a write to a file already open), so `output` stands in for it."""
+    reason = err.strerror or type(err).__name__
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        folder = os.path.dirname(os.path.abspath(output))
+        return f"{reason} writing {err.filename or output}; free space in {folder} or write elsewhere"
+    return f"{reason} ({err.filename})" if err.filename else reason
 
 
 class JobStopped(RunFailure):

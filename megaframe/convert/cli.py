@@ -24,6 +24,7 @@ from typing import Optional, Sequence, Union
 from megaframe.config.schema import ModelConfig, MoEConfig
 from megaframe.convert import files
 from megaframe.checkpoint.tokenizer_record import RECORD_KEY
+from megaframe.common.failures import output_failure
 from megaframe.convert import tokenizer_export as tokens
 from megaframe.data.preprocess_stop import Stopped, stop_on_signals
 from megaframe.convert.hf import (ConvertError, check_tied_copy, config_from_hf, plan_shapes, state_from_hf_plan,
@@ -200,9 +201,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
     except OSError as err:  # the storage mid-way (ENOSPC, EIO): what and where, in one line
-        where = f" ({err.filename})" if err.filename else ""
-        print(f"{PROG}: error: {err.strerror or err}{where}; nothing was published (an earlier output is untouched)",
-              file=sys.stderr, flush=True)
+        print(f"{PROG}: error: {output_failure(err, args.out)}; nothing was published (an earlier output is "
+              "untouched)", file=sys.stderr, flush=True)
         sys.exit(1)
 
 

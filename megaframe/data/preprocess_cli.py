@@ -5,10 +5,12 @@ Megatron-LM's layout by default; PREFIX.json: megaframe's sidecar). The work is 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from pathlib import Path
 
+from megaframe.common.failures import output_failure
 from megaframe.data import DataError, build_tokenizer, preprocess
 from megaframe.data.indexed import LAYOUTS
 from megaframe.data.preprocess import usable_workers
@@ -91,8 +93,8 @@ def argument_problem(args: argparse.Namespace) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the tool; returns the process exit code (2 on bad input, 128 + N when signal N stopped it
-    before the datasets were in place, 0 when after)."""
+    """Run the tool; returns the process exit code (2 on bad input, 1 on a full disk or quota, 128 + N
+    when signal N stopped it before the datasets were in place, 0 when after)."""
     args = build_parser().parse_args(argv)
     if problem := argument_problem(args):
         print(f"{PROG}: error: {problem}", file=sys.stderr)
@@ -110,10 +112,14 @@ def main(argv: list[str] | None = None) -> int:
             summary = preprocess(args.input, args.output_prefix, tokenizer, args.json_key, args.append_eod,
                                  layout=args.layout, workers=workers, split=args.split,
                                  valid_fraction=args.valid_fraction, valid_prefix=args.valid_output_prefix)
-    except (DataError, OSError) as error:
+    except DataError as error:
         message = " ".join(str(error).split())
         print(f"{PROG}: error: {message}", file=sys.stderr)
         return 2
+    except OSError as error:  # the storage mid-way: a full disk or quota is no fault of the input (exit 1)
+        print(f"{PROG}: error: {output_failure(error, args.output_prefix)}; nothing was published (a dataset "
+              f"already at {args.output_prefix} is untouched)", file=sys.stderr)
+        return 1 if error.errno in (errno.ENOSPC, errno.EDQUOT) else 2
     except Stopped as stop:
         if summary is None and not stop.written:
             print(f"{PROG}: stopped by {stop}: nothing written, temporary files removed; a dataset already at "

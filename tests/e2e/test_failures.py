@@ -382,6 +382,16 @@ def test_a_skipped_first_step_is_saved_with_zero_moments_and_resumes_exactly(zer
     assert _curves(resumed, ("loss", "grad_norm")) == _curves(whole, ("loss", "grad_norm"))
 
 
+def test_a_full_disk_at_the_first_save_promises_no_checkpoint_to_continue_from(tmp_path):
+    """The line said "the previous checkpoint is untouched: train.resume=auto continues from it" when
+    there was none."""
+    args = [*TINY, "train.max_steps=2", "train.save_interval=2", "train.eval_interval=0", f"hydra.run.dir={tmp_path}"]
+    line = assert_one_line_failure(run_cli(args, env=cli_env(MEGAFRAME_FAULTS="disk_full@2")), ExitCode.SAVE_FAILED,
+                                   "writing checkpoint global_step2 failed", "No space left on device")
+    assert "no earlier checkpoint was written: a run started again begins at step 0" in line
+    assert "continues from it" not in line
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_full_disk_during_a_save_is_one_line_with_exit_8_and_the_last_checkpoint_stands(mode, tmp_path):
     """It was a bare OSError naming neither the checkpoint nor the fix."""
@@ -391,6 +401,8 @@ def test_a_full_disk_during_a_save_is_one_line_with_exit_8_and_the_last_checkpoi
     line = assert_one_line_failure(result, ExitCode.SAVE_FAILED, "writing checkpoint global_step4 failed",
                                    "No space left on device", "free space or fix permissions")
     assert "train.resume=auto continues from it" in line
+    if mode == "sync":  # the background writer does not know which checkpoint stands
+        assert "the previous checkpoint, global_step2, is untouched" in line
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "global_step2"
     resumed = run_cli([*args, "train.resume=auto"])
     assert_ok(resumed)

@@ -319,7 +319,7 @@ def test_the_pair_is_published_only_once_both_are_complete(tmp_path, capsys, mon
         return failing
 
     monkeypatch.setattr(IndexedDatasetWriter, "prepare", full_disk(prepare))  # writing the second set's index
-    assert main(argv) == 2
+    assert main(argv) == 1  # a full disk: no fault of the input (2)
     assert {p.name: p.read_bytes() for p in tmp_path.glob("ds*.*")} == before  # both previous sets stand
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temp file left
     monkeypatch.setattr(IndexedDatasetWriter, "prepare", prepare)
@@ -330,6 +330,28 @@ def test_the_pair_is_published_only_once_both_are_complete(tmp_path, capsys, mon
     assert line == (f"megaframe-preprocess: error: {tmp_path / 'ds'} was replaced, but moving {tmp_path / 'ds_val'} "
                     "into place failed (No space left on device): the two no longer match; run megaframe-preprocess "
                     "again")
+
+
+def test_a_full_disk_names_the_folder_to_free(tmp_path, capsys, monkeypatch):
+    """The kernel's ENOSPC on a write to an open file names no file: the line said "[Errno 28] No space
+    left on device" (exit 2, bad input), and not which of the disks the user should free."""
+    from megaframe.data.indexed import IndexedDatasetWriter
+
+    before = _old_pair(tmp_path)
+    open_temp = IndexedDatasetWriter._open_temp
+
+    def to_dev_full(self, suffix):  # the temp file made as ever, its bytes sent where a full disk sends them
+        open_temp(self, suffix).close()
+        return open("/dev/full", "wb", buffering=0)
+    monkeypatch.setattr(IndexedDatasetWriter, "_open_temp", to_dev_full)
+    prefix = tmp_path / "ds"
+    argv = ["--input", str(tmp_path / "new.jsonl"), "--output-prefix", str(prefix), "--valid-fraction", "0.1"]
+    assert main(argv) == 1
+    assert capsys.readouterr().err == (
+        f"megaframe-preprocess: error: No space left on device writing {prefix}; free space in {tmp_path} or write "
+        f"elsewhere; nothing was published (a dataset already at {prefix} is untouched)\n")
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("ds*.*")} == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temp file left
 
 
 def test_a_worker_that_dies_ends_the_run_in_one_line_not_a_wait_for_good(tmp_path):
