@@ -1,4 +1,5 @@
-"""`megaframe-plan [--json] [--dry-run=RANK] [OVERRIDE ...]`: will this layout fit, and which layouts would?
+"""`megaframe-plan [--json] [--dry-run=RANK] [--config-dir DIR] [OVERRIDE ...]`: will this layout fit,
+and which layouts would?
 
 Same composition and validation as megaframe-train (one-line errors, exit code 2). The world size
 is launcher.nodes x cluster.gpus_per_node when both are set, otherwise tp*pp*cp*dp of the config.
@@ -208,10 +209,17 @@ def _main(argv: Optional[Sequence[str]]) -> None:
     want_json = "--json" in args
     args, dry_rank = _dry_run_flag([a for a in args if a != "--json"])
     try:
+        overrides = config_dirs_as_searchpath(args)
+        if flags := [a for a in overrides if a.startswith("-")]:  # Hydra's lexer: "LexerNoViableAltException: -m"
+            sweep = flags[0] in ("-m", "--multirun")
+            raise ConfigError(f"{flags[0]}: " + (
+                "megaframe-plan plans one layout; parallel=auto ranks the layouts that fit, or plan each point of "
+                "the sweep on its own" if sweep else "not an option; megaframe-plan takes --json, --dry-run=RANK, "
+                "--config-dir DIR and KEY=VALUE overrides"))
         # DeepSpeed logs to stdout (on a CPU-only login node: "Setting accelerator to CPU"); stdout
         # must hold only the report, so that `megaframe-plan --json | jq` parses.
         with contextlib.redirect_stdout(sys.stderr):
-            cfg, _ = compose(config_dirs_as_searchpath(args))
+            cfg, _ = compose(overrides)
             cfg, layout, est, alternatives = _plan(cfg, planned_world_size(cfg))
             dry = dry_run_report(cfg, layout, dry_rank) if dry_rank is not None else None
     except ConfigError as err:

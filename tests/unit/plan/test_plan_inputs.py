@@ -65,3 +65,23 @@ def test_a_damaged_sidecar_is_one_line_naming_it(case, tmp_path, capsys):
         lines = capsys.readouterr().err.strip().splitlines()
         assert ended.value.code == 2 and len(lines) == 1, lines
         assert f"{meta}" in lines[0] and "megaframe-preprocess" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["-m", "parallel.tp=1,2"], "-m: megaframe-plan plans one layout; parallel=auto ranks the layouts that fit"),
+    (["--multirun"], "--multirun: megaframe-plan plans one layout"),
+    (["parallel.tp=2", "--dry-run", "0"], "--dry-run: not an option; megaframe-plan takes --json, --dry-run=RANK"),
+])
+def test_a_flag_the_planner_does_not_take_is_one_line_naming_it(argv, expected, capsys):
+    """Hydra's override lexer met them: "LexerNoViableAltException: -m ^ See https://hydra.cc/..."."""
+    with pytest.raises(SystemExit) as ended:
+        plan_main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert ended.value.code == 2 and len(lines) == 1 and lines[0].startswith(f"megaframe-plan: error: {expected}"), lines
+
+
+def test_the_config_dir_flag_still_reaches_the_planner(tmp_path, capsys):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "mine.yaml").write_text("defaults:\n  - gpt_tiny\n  - _self_\nnum_layers: 3\n")
+    plan_main(["--json", "--config-dir", str(tmp_path), "model=mine"])
+    assert json.loads(capsys.readouterr().out)["plan"]["stages"][0]["blocks"] == 3  # gpt_tiny has 4
