@@ -195,6 +195,18 @@ def check_optim(cfg: TrainConfig) -> Optional[str]:
     return optim_problem(cfg)  # optim.name and its optimizer's own keys (optim.muon.*)
 
 
+def resume_path_problem(resume: str) -> str:
+    """train.resume=PATH that is not a directory: none there, or a file (state.json, a shard) where its
+    checkpoint's directory was meant."""
+    path = Path(resume)
+    if not path.exists():
+        return f"train.resume={resume!r}: no such checkpoint directory; use auto, none, latest-run or an existing path"
+    holder = path.parent if (path.parent / "state.json").is_file() else None
+    fix = f"its checkpoint, train.resume={holder}" if holder else \
+        "a checkpoint's directory (global_stepN) or a run's checkpoints directory"
+    return f"train.resume={resume!r}: a file, not a checkpoint directory; pass {fix}"
+
+
 def check_train(cfg: TrainConfig) -> Optional[str]:
     t = cfg.train
     if t.max_steps < 1:
@@ -213,7 +225,7 @@ def check_train(cfg: TrainConfig) -> Optional[str]:
     if t.resume == "latest-run":
         return UNRESOLVED
     if t.resume not in ("auto", "none") and not Path(t.resume).is_dir():
-        return f"train.resume={t.resume!r}: no such checkpoint directory; use auto, none, latest-run or an existing path"
+        return resume_path_problem(t.resume)
     if cfg.logging.wandb.mode is not None and (err := choice_problem("logging.wandb.mode", cfg.logging.wandb.mode,
                                                                         ["offline", "online", "disabled"])):
         return err

@@ -162,6 +162,24 @@ def test_keep_checkpoints_must_not_be_negative():
         validate(cfg, 1, _never_fp16)
 
 
+def test_a_resume_path_that_is_a_file_says_so_and_names_its_checkpoint(tmp_path):
+    """It said "no such checkpoint directory" of a file that is there (a checkpoint's state.json)."""
+    checkpoint = tmp_path / "global_step4"
+    checkpoint.mkdir()
+    (checkpoint / "state.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("")
+    cfg = TrainConfig()
+    file = "a file, not a checkpoint directory; pass "
+    for path, expected in ((checkpoint / "state.json", f"{file}its checkpoint, train.resume={checkpoint}$"),
+                           (tmp_path / "notes.txt", f"{file}a checkpoint's directory \\(global_stepN\\) or a run's"),
+                           (tmp_path / "absent", "no such checkpoint directory")):
+        cfg.train.resume = str(path)
+        with pytest.raises(ConfigError, match=f"^train.resume='{path}': " + expected):
+            validate(cfg, 1, _never_fp16)
+    cfg.train.resume = str(checkpoint)
+    validate(cfg, 1, _never_fp16)
+
+
 @pytest.mark.parametrize("world, refused", [(2, False), (8, False), (16, False), (12, True)])
 def test_a_slurm_job_without_nodes_is_whole_nodes_or_part_of_one(world, refused):
     cfg = TrainConfig()
