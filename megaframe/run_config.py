@@ -69,10 +69,13 @@ def load_run_config(path: Path, overrides: Sequence[str] = ()) -> TrainConfig:
 
     saved = saved_run_config(path)
     _from_training_directory(saved, path.parent)
-    _apply(saved, overrides)
+    typed = _apply(saved, overrides)
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), saved))
     except Exception as ex:  # a key this version does not know, a value of the wrong type
+        reason = " ".join(str(ex).split("\n")[0].split())[:200]
+        if (key := getattr(ex, "full_key", None)) in typed:  # the value came from the command line, not the file
+            raise ConfigError(f"{typed[key]}: {reason}") from None
         raise ConfigError(f"{path}: does not fit this megaframe's config schema "
                           f"({' '.join(str(ex).split())[:200]})") from None
 
@@ -157,9 +160,10 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def _apply(saved, overrides: Sequence[str]) -> None:
+def _apply(saved, overrides: Sequence[str]) -> dict[str, str]:
     """Hydra-syntax overrides onto the saved config: `KEY=VALUE` sets one key; `data=NAME` replaces
-    the data section with conf/data/NAME.yaml composed as megaframe-train would."""
+    the data section with conf/data/NAME.yaml composed as megaframe-train would. Returns {key: the
+    override as typed}, so that a value of the wrong type is blamed on it, not on the file."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
@@ -168,6 +172,7 @@ def _apply(saved, overrides: Sequence[str]) -> None:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except HydraException as ex:
         raise ConfigError(" ".join(str(ex).split())) from None
+    typed: dict[str, str] = {}
     for override in parsed:
         key = override.key_or_group
         if override.is_delete() or override.is_add() or override.is_sweep_override():
@@ -181,6 +186,8 @@ def _apply(saved, overrides: Sequence[str]) -> None:
         if OmegaConf.select(saved, key, default=_MISSING) is _MISSING:
             raise ConfigError(f"unknown key '{key}'")
         OmegaConf.update(saved, key, override.value(), merge=False)
+        typed[key] = override.input_line
+    return typed
 
 
 _MISSING = object()

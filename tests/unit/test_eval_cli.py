@@ -44,7 +44,11 @@ def test_overrides_change_single_keys_of_the_runs_config_or_pick_a_data_option(t
     assert cfg.data.path is None and cfg.data.valid_path is None
     assert eval_cli.describe_data(cfg.data) == "held-out 0.05 of the demo corpus"
     for bad, message in ((["data.vaild_path=x"], "unknown key 'data.vaild_path'"),
-                         (["~data.path"], "~data.path: give KEY=VALUE, or data=OPTION")):
+                         (["~data.path"], "~data.path: give KEY=VALUE, or data=OPTION"),
+                         # a value of the wrong type is the override's, not the file's ("config.yaml: does
+                         # not fit this megaframe's config schema", which sent the user to a good file)
+                         (["train.eval_steps=abc"], "^train.eval_steps=abc: Value 'abc' of type 'str' could not be "
+                                                    "converted to Integer$")):
         with pytest.raises(ConfigError, match=message):
             load_run_config(config, bad)
     config.write_text("data: [unclosed\n")
@@ -53,6 +57,10 @@ def test_overrides_change_single_keys_of_the_runs_config_or_pick_a_data_option(t
     config.write_text("data:\n  no_such_key: 1\n")
     with pytest.raises(ConfigError, match="does not fit this megaframe's config schema"):
         load_run_config(config)
+    # the file's own bad value, with a good override: the file is named
+    config.write_text("data:\n  tokenizer: byte\ntrain:\n  eval_steps: twenty\n")
+    with pytest.raises(ConfigError, match=f"^{config}: does not fit this megaframe's config schema"):
+        load_run_config(config, ["data.tokenizer=byte"])
     config.unlink()
     with pytest.raises(ConfigError, match="the run's config is missing"):
         load_run_config(config)
