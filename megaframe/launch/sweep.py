@@ -62,9 +62,12 @@ def check_sweep_point(point: list[str]) -> None:
     from megaframe.plan.estimate import estimate_config
     from megaframe.plan.profiles import profile_hint
     from megaframe.plan.report import verdict
+    from megaframe.plan.search import validated_to_search
 
     cfg, _ = compose(point)
-    layout = validate_for_engine(cfg, slurm_world_size(cfg) or requested_world_size(cfg), ask_bf16=False)
+    world = slurm_world_size(cfg) or requested_world_size(cfg)
+    # parallel=auto: a layout given that the world cannot divide is the search's to replace, as in a plain run
+    cfg, layout, _ = validated_to_search(cfg, world, lambda c, w: validate_for_engine(c, w, ask_bf16=False))
     if cfg.plan.check and not cfg.parallel.auto and not (est := estimate_config(cfg, layout)).fits:
         raise ConfigError(f"the planner says this will not fit: {verdict(est)}{profile_hint(cfg, layout) or ''} "
                           f"(plan.check=false skips this check)")

@@ -38,6 +38,18 @@ def test_the_failing_point_is_named_by_what_varies_and_later_points_are_not_chec
     assert len(seen) == 2
 
 
+def test_a_point_with_parallel_auto_is_checked_from_a_layout_its_world_runs():
+    """llama2_70b's tp=8 pp=4 on two nodes of 8: megaframe-train alone searches from tp=1 pp=1 dp=16
+    (plan/search.validated_to_search), while the sweep's check refused the point before any launched."""
+    from megaframe.launch.sweep import check_sweep_point
+
+    point = ["recipe=llama2_70b", "cluster=h100_80g", "launcher=slurm", "launcher.nodes=2", "launcher.dry_run=true",
+             "parallel.dp=null"]
+    check_sweep_point([*point, "parallel=auto"])
+    with pytest.raises(ConfigError, match="world size 16 is not divisible by parallel.tp\\*parallel.pp=32"):
+        check_sweep_point(point)  # without parallel=auto the layout given is what would run
+
+
 def test_every_point_is_checked_when_all_are_good():
     seen = []
     assert check_sweep(["optim.lr=1e-3,3e-3", "train.seed=0,1"], seen.append) == 4
