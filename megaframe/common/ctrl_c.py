@@ -1,19 +1,48 @@
 """Ctrl-C in a tool that has no stop handling of its own at that moment (its imports, a planner's
 search, an evaluation): one line and exit 130, as megaframe-train and megaframe-sample end, not the
-traceback of wherever the KeyboardInterrupt landed (torch's import machinery printed 50 lines)."""
+traceback of wherever the KeyboardInterrupt landed (torch's import machinery printed 50 lines).
+
+And once the tool is done: a stop signal during the interpreter's shutdown is ignored. It landed in
+torch's atexit and weakref finalizers, printing "KeyboardInterrupt" tracebacks under an output that
+was complete and reported, or, once Python had reset its handlers, killed the process silently
+(exit 130 for a finished job). The shutdown takes milliseconds; nothing is left to stop."""
 from __future__ import annotations
 
+import atexit
 import contextlib
+import signal
 import sys
+import threading
 from typing import Iterator
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @contextlib.contextmanager
 def interrupted_in_one_line(prog: str) -> Iterator[None]:
     """Within the block, a KeyboardInterrupt ends the process with `PROG: interrupted` and exit 130
-    (128 + SIGINT, docs/failures.md)."""
+    (128 + SIGINT, docs/failures.md). However the block ends, the shutdown after it is not stopped."""
     try:
         yield
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
+    finally:
+        shutdown_not_stopped()
+
+
+def shutdown_not_stopped() -> None:
+    """Ignore stop signals from the start of the interpreter's shutdown on. atexit runs its callbacks
+    last registered first, so this one, registered once the tool's work is done (after every import
+    registered its own), runs before torch's. Python resets a handler of its own to the default at
+    the end of its shutdown, but leaves an ignored signal ignored. In a process that goes on (a test
+    calling a tool's main), nothing changes until that process exits."""
+    atexit.unregister(ignore_stop_signals)  # registered again: last, whatever was registered since
+    atexit.register(ignore_stop_signals)
+
+
+def ignore_stop_signals() -> None:
+    """For a process that is exiting (only the main thread may set handlers; elsewhere a no-op)."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)

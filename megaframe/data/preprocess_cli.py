@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+from megaframe.common.ctrl_c import shutdown_not_stopped
 from megaframe.common.failures import output_failure
 from megaframe.data import DataError, build_tokenizer, preprocess
 from megaframe.data.indexed import LAYOUTS
@@ -162,8 +163,13 @@ def _stopped_after_writing(stop: Stopped, summary: dict | None) -> int:
 
 
 def console_main() -> None:
-    """The console script's entry point: main()'s return value as the exit code."""
-    sys.exit(main())
+    """The console script's entry point: main()'s return value as the exit code, the shutdown after
+    it not stopped by a late Ctrl-C (common/ctrl_c.py)."""
+    try:
+        code = main()
+    finally:
+        shutdown_not_stopped()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 from megaframe import resume_hint
 from megaframe.config.compose import compose, config_dirs_as_searchpath, override_problem
 from megaframe.config.validate import ConfigError
+from megaframe.common.ctrl_c import shutdown_not_stopped
 from megaframe.common.failures import PROG
 from megaframe.launch import torchrun
 from megaframe.launch.base import fail, hydra_flag_names, hydra_flags, launcher_world_size, rank
@@ -37,6 +38,8 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     except KeyboardInterrupt:  # Ctrl-C before the trainer took over SIGINT (training/stop_signal.py)
         print(f"{PROG}: interrupted (SIGINT) before the first step: nothing to save", file=sys.stderr, flush=True)
         sys.exit(130)
+    finally:  # the run is over and reported (its process group destroyed): a late Ctrl-C is no traceback
+        shutdown_not_stopped()
 
 
 # Hydra's flags that print the composed config, each with the value it takes as the next argument
