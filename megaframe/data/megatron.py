@@ -38,6 +38,7 @@ _FIX = "rebuild it with Megatron's tools/preprocess_data.py or megaframe-preproc
 
 
 WRITE_CHUNK = 1 << 22  # documents per slice of the index written at a time
+MAX_DOCUMENT_TOKENS = int(np.iinfo(np.int32).max)  # a document is one sequence, its length an int32
 
 
 def write_index(idx_file: BinaryIO, dtype: np.dtype, doc_offsets: np.ndarray) -> None:
@@ -49,7 +50,7 @@ def write_index(idx_file: BinaryIO, dtype: np.dtype, doc_offsets: np.ndarray) ->
     idx_file.write(_HEADER.pack(MAGIC, 1, _CODES[np.dtype(dtype)], count, count + 1))
     for start in range(0, count, WRITE_CHUNK):
         lengths = np.diff(doc_offsets[start:start + WRITE_CHUNK + 1])
-        if int(lengths.max()) > np.iinfo(np.int32).max:
+        if int(lengths.max()) > MAX_DOCUMENT_TOKENS:
             raise DataError("a document holds more than 2^31 - 1 tokens, more than Megatron's index can record; "
                             "split it")
         idx_file.write(lengths.astype("<i4").tobytes())

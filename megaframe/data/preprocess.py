@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from megaframe.common.launch_env import usable_cores
 from megaframe.data.dataset import split_documents
+from megaframe.data import megatron
 from megaframe.data.indexed import LAYOUTS, DataError, IndexedDatasetWriter, best_dtype
 from megaframe.data.preprocess_stop import Stopped, ignore_stop_in_worker, signals_deferred, stops_held_while_spawning
 from megaframe.data.long_text import cut_text, encode_piece, encode_text_file, splits_text
@@ -292,6 +293,11 @@ def _add(writers: list[IndexedDatasetWriter], index: int, tokens: np.ndarray, la
     training writer, then its text split as nanoGPT's prepare.py splits it, each part ending a document."""
     writer = writers[1] if index >= boundary else writers[0]
     writer.add_part(tokens)
+    if writer.layout == "megatron" and writer.open_tokens > megatron.MAX_DOCUMENT_TOKENS \
+            and not index < boundary < index + 1:  # refused now, not once the whole input is tokenized
+        raise DataError(f"document {index + 1} of the inputs holds more than {megatron.MAX_DOCUMENT_TOKENS:,} "
+                        "tokens, more than Megatron's index can record for one document; split it, or write "
+                        "--format megaframe")
     if not last:
         return
     if index < boundary < index + 1:

@@ -240,3 +240,25 @@ def test_writing_a_large_index_holds_a_slice_of_it_not_its_whole_arrays(tmp_path
             tracemalloc.stop()
     assert peak < 4e6, f"{peak / 1e6:.1f} MB held while writing"
     assert (tmp_path / "big.idx").stat().st_size == megatron._HEADER.size + 2_000_000 * 12 + 2_000_001 * 8
+
+
+def test_a_document_longer_than_megatrons_index_records_is_refused_as_it_streams(tmp_path, monkeypatch):
+    """A sequence length is an int32: a .txt of more than 2^31 - 1 tokens was refused only once the
+    whole file (8 GB of text and more) had been tokenized. The limit is lowered here to 1,000 tokens."""
+    from megaframe.data import megatron, preprocess
+    from megaframe.data.indexed import IndexedDatasetWriter
+
+    monkeypatch.setattr(megatron, "MAX_DOCUMENT_TOKENS", 1000)
+    book = tmp_path / "book.txt"
+    book.write_text("x" * (3 << 20))  # three pieces of text (long_text.PIECE_CHARS), 3 Mi byte tokens
+    parts, add_part = [], IndexedDatasetWriter.add_part
+    monkeypatch.setattr(IndexedDatasetWriter, "add_part", lambda self, tokens: add_part(self, parts.append(tokens)
+                                                                                         or tokens))
+    with pytest.raises(DataError, match="^document 1 of the inputs holds more than 1,000 tokens, more than "
+                                        "Megatron's index can record for one document; split it, or write "
+                                        "--format megaframe$"):
+        preprocess([book], tmp_path / "ds", "byte")
+    assert len(parts) == 1, "refused at its first piece"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["book.txt"]  # nothing written, no temporary file left
+    preprocess([book], tmp_path / "ds", "byte", layout="megaframe")  # the layout the line offers takes it
+    assert open_dataset(tmp_path / "ds").num_tokens == (3 << 20) + 1  # and its end-of-document token
