@@ -24,6 +24,7 @@ from typing import Optional, Sequence, Union
 from megaframe.config.schema import ModelConfig, MoEConfig
 from megaframe.convert import files
 from megaframe.checkpoint.tokenizer_record import RECORD_KEY
+from megaframe.checkpoint.universal import read_state
 from megaframe.common.failures import output_failure
 from megaframe.convert import tokenizer_export as tokens
 from megaframe.data.preprocess_stop import Stopped, stop_on_signals
@@ -148,6 +149,7 @@ def import_hf(hf_dir: Path, out: Path, force: bool = False) -> tuple[ModelConfig
         record[RECORD_KEY], left_behind = tokens.import_record(hf_dir)
         if left_behind:  # not copied: every later use would refuse it
             record.pop(RECORD_KEY)
+        if left_behind or record[RECORD_KEY]["kind"] == "byte":  # data.tokenizer=byte needs no copy
             tokenizer = None
     files.write_layout_free(out, state, record, tokenizer_src=tokenizer, force=force)
     params = sum(math.prod(shape) for shape in state.shapes.values())
@@ -156,7 +158,8 @@ def import_hf(hf_dir: Path, out: Path, force: bool = False) -> tuple[ModelConfig
     summary = (f"wrote {out}: {cfg.arch} checkpoint{experts} from {hf_dir}, {params / 1e6:.2f}M parameters, "
                f"vocab {cfg.vocab_size}" + (", tokenizer copied to tokenizer/" if tokenizer else
                                             f", tokenizer not copied: {left_behind}" if left_behind else
-                                            ", no tokenizer found"))
+                                            ", megaframe's byte-level tokenizer (data.tokenizer=byte)"
+                                            if RECORD_KEY in record else ", no tokenizer found"))
     return cfg, summary
 
 
@@ -212,8 +215,9 @@ def _run(args: argparse.Namespace) -> None:
         print(export_hf(args.ckpt, args.out, args.force, args.tokenizer, args.dtype, args.max_shard_size), flush=True)
     else:
         cfg, summary = import_hf(args.hf_dir, args.out, args.force)
-        copied = args.out / files.TOKENIZER_DIR
-        tokenizer = f" data.tokenizer={copied}" if copied.is_dir() else ""
+        kind = (read_state(args.out).get(RECORD_KEY) or {}).get("kind")
+        tokenizer = {"hf": f" data.tokenizer={args.out / files.TOKENIZER_DIR}", "byte": " data.tokenizer=byte"
+                     }.get(kind, "")
         print(summary, flush=True)
         print("continue pre-training with:\n  megaframe-train " + " ".join(model_overrides(cfg))
               + f"{tokenizer} train.resume={args.out}", flush=True)

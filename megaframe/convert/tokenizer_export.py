@@ -135,7 +135,7 @@ def hf_tokenizer_source(ckpt: Path, record: dict, override: Optional[Path],
 
 def import_record(hf_dir: Path) -> tuple[Optional[dict], str]:
     """The tokenizer record of an HF model directory's tokenizer (from-hf) and "", or None and why the
-    tokenizer is left behind: one that does not load without its own code (an auto_map) or at all would
+    tokenizer is left behind (byte_record() for one that gives megaframe's byte ids): one that does not load without its own code (an auto_map) or at all would
     only be refused later, by training, sampling and to-hf. The record holds the ids where the tokenizer
     has an eos token (training refuses one without, in its own line), its files' hash always."""
     from megaframe.data.indexed import DataError
@@ -148,10 +148,26 @@ def import_record(hf_dir: Path) -> tuple[Optional[dict], str]:
         return None, _why_it_does_not_load(hf_dir, err)
     except DataError:  # no eos token
         ids = (None, None, None)
+    else:
+        if gives_byte_ids(tokenizer):  # what to-hf wrote for a byte run: the run's own tokenizer comes back
+            return records.byte_record(), ""
     try:
         return records.hf_record(hf_dir, *ids), ""
     except OSError as err:
         raise ConvertError(f"{hf_dir}: cannot read its tokenizer files ({err})") from None
+
+
+# every byte value alone, text that spells the end-of-document token, combining marks and 4-byte characters
+_BYTE_PROBE = "".join(map(chr, range(0x180))) + "<|endoftext|> é∑😀e\u0301\r\n\t  <s></s>[UNK]"
+
+
+def gives_byte_ids(tokenizer: Any) -> bool:
+    """Whether an HF tokenizer (HFTokenizer) is megaframe's byte tokenizer in another form: vocabulary
+    257, end-of-document 256, and each text's UTF-8 bytes as its ids (to-hf's byte-level export is)."""
+    from megaframe.data.tokenizer import ByteTokenizer
+
+    return (tokenizer.vocab_size, tokenizer.eod_id) == (257, 256) and \
+        list(tokenizer.encode(_BYTE_PROBE)) == ByteTokenizer().encode(_BYTE_PROBE)
 
 
 def _why_it_does_not_load(hf_dir: Path, err: Exception) -> str:

@@ -75,6 +75,26 @@ def test_byte_run_exports_a_byte_level_tokenizer_with_megaframes_ids(tmp_path):
     assert out[0]["generated_text"].startswith("To be")
 
 
+def test_a_byte_runs_export_comes_back_as_a_byte_run(tmp_path, capsys):
+    """Imported back, the byte-level export was an HF tokenizer: the loss was reported in bits per
+    token, and a resume on the run's own byte-tokenized data was refused ("differs in kind (hf -> byte)")."""
+    from megaframe.checkpoint.universal import read_state
+
+    ckpt = checkpoint(tmp_path / "ckpt", GPT2, {"tokenizer": "byte", records.RECORD_KEY: records.byte_record()})
+    export_hf(ckpt, tmp_path / "hf")
+    main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "back")])
+    printed = capsys.readouterr().out
+    assert "megaframe's byte-level tokenizer (data.tokenizer=byte)" in printed
+    assert printed.rstrip().endswith(f" data.tokenizer=byte train.resume={tmp_path / 'back'}")
+    assert read_state(tmp_path / "back")[records.RECORD_KEY] == records.byte_record()
+    assert not (tmp_path / "back" / "tokenizer").exists()
+
+    swap_words(tmp_path / "hf", "a", "b")  # 257 tokens, end-of-document 256, but not the byte ids: an HF tokenizer
+    main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "swapped")])
+    assert read_state(tmp_path / "swapped")[records.RECORD_KEY]["kind"] == "hf"
+    assert f"data.tokenizer={tmp_path / 'swapped' / 'tokenizer'} " in capsys.readouterr().out
+
+
 def test_hf_tokenizer_run_ships_its_tokenizer_even_when_the_original_is_gone(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
