@@ -188,7 +188,9 @@ def check_before_launch(cfg: TrainConfig, layout: Layout, run_dir: str) -> None:
     mode = wandb_mode(cfg.logging.wandb.mode)
     from_env = f"WANDB_MODE={os.environ.get('WANDB_MODE')} (in the environment)"
     named = from_env if cfg.logging.wandb.mode is None else None
-    if problem := launcher_problem(cfg) or env_mode_problem(mode) or online_key_problem(mode, named=named):
+    configured = cfg.logging.wandb.mode is not None
+    if problem := launcher_problem(cfg) or env_mode_problem(mode, configured=configured) \
+            or online_key_problem(mode, named=named):
         fail(problem)
     if problem := dataset_problem(cfg):
         fail(problem)

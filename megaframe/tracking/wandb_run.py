@@ -25,16 +25,19 @@ def wandb_mode(mode: Optional[str], environ=os.environ) -> str:
     return {"disabled": "disabled", "online": "online", "run": "online", "shared": "online"}.get(value, "offline")
 
 
-def env_mode_problem(mode: str, environ=os.environ) -> Optional[str]:
+def env_mode_problem(mode: str, environ=os.environ, configured: bool = True) -> Optional[str]:
     """wandb reads WANDB_MODE from the environment as it loads its settings, whatever mode megaframe
     passes (logging.wandb.mode decides), and refuses a value it does not know: rank 0 ended after
     launch with its ValidationError. One line before launch instead; nothing when W&B is disabled
-    (wandb is never imported then)."""
+    (wandb is never imported then). configured: logging.wandb.mode was set (else the line names no
+    setting the user did not make)."""
     value = environ.get("WANDB_MODE")
     if mode == "disabled" or value is None or value in WANDB_MODES:
         return None
-    return (f"WANDB_MODE={value!r} (in the environment) is no W&B mode, and wandb refuses to start with it; unset "
-            f"it (logging.wandb.mode={mode} chooses the mode) or set it to one of {', '.join(WANDB_MODES)}")
+    unset = f"unset it (logging.wandb.mode={mode} chooses the mode)" if configured else \
+        "unset it (runs log offline then, or as logging.wandb.mode says)"
+    return (f"WANDB_MODE={value!r} (in the environment) is no W&B mode, and wandb refuses to start with it; {unset} "
+            f"or set it to one of {', '.join(WANDB_MODES)}")
 
 
 def online_key_problem(mode: str, environ=os.environ, named: Optional[str] = None) -> Optional[str]:

@@ -43,6 +43,10 @@ def test_a_wandb_mode_in_the_environment_that_wandb_does_not_know_is_one_line():
     assert env_mode_problem("disabled", {"WANDB_MODE": "weird"}) is None
     problem = env_mode_problem("offline", {"WANDB_MODE": "weird"})
     assert problem.startswith("WANDB_MODE='weird' (in the environment) is no W&B mode") and "\n" not in problem
+    assert "unset it (logging.wandb.mode=offline chooses the mode)" in problem
+    # logging.wandb.mode left null: the line named "logging.wandb.mode=offline", a setting the user never made
+    problem = env_mode_problem("offline", {"WANDB_MODE": "weird"}, configured=False)
+    assert "logging.wandb.mode=" not in problem and "unset it (runs log offline then" in problem
 
 
 def test_online_from_the_environment_without_a_key_names_the_variable(tmp_path, monkeypatch, capsys):
