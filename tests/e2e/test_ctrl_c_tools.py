@@ -31,6 +31,8 @@ sys.meta_path.insert(0, _SlowImport())
 @pytest.mark.parametrize("tool, args, slow", [
     ("megaframe-convert", ["from-hf", "hf", "out"], "megaframe.convert.hf"),  # torch, as cli.py loads
     ("megaframe-plan", ["recipe=llama2_7b"], "megaframe.config.compose"),  # the composition
+    ("megaframe-plan", ["recipe=llama2_7b"], "megaframe.plan.cli"),  # the tool itself, loaded by its entry point
+    ("megaframe-preprocess", ["--input", "x.txt", "--output-prefix", "x"], "megaframe.data.preprocess_cli"),
     ("megaframe-eval", ["run/checkpoints"], "megaframe.common.failures"),  # the first of main's imports
 ])
 def test_ctrl_c_before_a_tool_handles_it_is_one_line_and_130(tool, args, slow, tmp_path):

@@ -333,7 +333,7 @@ def test_only_the_entry_points_import_launch():
     """launch/ is the top floor (argv, the checks before launch, the launchers, Hydra's run): a
     module below it that imported it would make the layers a knot, so only the entry points do."""
     entry = _entry_points()
-    assert "megaframe.train" in entry and "megaframe.plan.cli" in entry, entry
+    assert "megaframe.train" in entry and "megaframe.plan.console" in entry, entry
     graph = _file_graph()
     assert "megaframe.launch.main" in graph.get("megaframe.train", set()), "megaframe-train starts in launch/"
     assert _importers_of("megaframe.launch", graph, entry) == []
