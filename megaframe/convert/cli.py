@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -189,12 +190,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of `megaframe-convert`."""
     args = build_parser().parse_args(argv)
+    before = _identity(args.out)
     try:
         with stop_on_signals():  # SIGTERM (a scheduler's time limit) cleans up as Ctrl-C does
             _run(args)
     except Stopped as stop:
-        if stop.written:  # during the publish's renames, which it waited for: the work is done (exit 0)
-            print(f"{PROG}: stopped by {stop} after {stop.written[0]} was written and in place: it is complete",
+        # during the publish's renames, which it waited for, or after them (the summary still to print):
+        # OUT is a directory other than the one there before, and complete (it came by one rename)
+        if stop.written or _identity(args.out) not in (None, before):
+            if args.command == "from-hf":  # the command that continues from it, which the user came for
+                print(_continue_command(args, model_config(read_state(args.out), args.out)), flush=True)
+            print(f"{PROG}: stopped by {stop} after {args.out} was written and in place: it is complete",
                   file=sys.stderr, flush=True)
             return
         print(f"{PROG}: stopped by {stop}: nothing was published (an earlier output is untouched)", file=sys.stderr,
@@ -215,9 +221,23 @@ def _run(args: argparse.Namespace) -> None:
         print(export_hf(args.ckpt, args.out, args.force, args.tokenizer, args.dtype, args.max_shard_size), flush=True)
     else:
         cfg, summary = import_hf(args.hf_dir, args.out, args.force)
-        kind = (read_state(args.out).get(RECORD_KEY) or {}).get("kind")
-        tokenizer = {"hf": f" data.tokenizer={args.out / files.TOKENIZER_DIR}", "byte": " data.tokenizer=byte"
-                     }.get(kind, "")
         print(summary, flush=True)
-        print("continue pre-training with:\n  megaframe-train " + " ".join(model_overrides(cfg))
-              + f"{tokenizer} train.resume={args.out}", flush=True)
+        print(_continue_command(args, cfg), flush=True)
+
+
+def _continue_command(args: argparse.Namespace, cfg: ModelConfig) -> str:
+    """from-hf's closing lines: the megaframe-train command that continues from the import."""
+    kind = (read_state(args.out).get(RECORD_KEY) or {}).get("kind")
+    tokenizer = {"hf": f" data.tokenizer={args.out / files.TOKENIZER_DIR}", "byte": " data.tokenizer=byte"
+                 }.get(kind, "")
+    return ("continue pre-training with:\n  megaframe-train " + " ".join(model_overrides(cfg))
+            + f"{tokenizer} train.resume={args.out}")
+
+
+def _identity(path: Path) -> Optional[tuple[int, int]]:
+    """(device, inode) of what is at `path` now, None when nothing is (a link is not followed)."""
+    try:
+        status = os.lstat(path)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino
