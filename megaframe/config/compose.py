@@ -9,7 +9,7 @@ import copy
 import dataclasses
 import re
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -191,6 +191,51 @@ def compose(overrides: Sequence[str]) -> tuple[TrainConfig, str]:
     return typed, run_dir
 
 
+# environment variables that make a process load code: hydra.job.env_set would set them for the run
+_CODE_LOADING_ENV = {"PYTHONPATH", "PYTHONSTARTUP", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONBREAKPOINT",
+                     "PYTHONEXECUTABLE", "PYTHONPLATLIBDIR", "BASH_ENV", "ENV"}
+
+
+def hydra_code_problem(hydra: DictConfig) -> Optional[str]:
+    """Code a config file (a --config-dir's, a recipe someone shared) names for Hydra to run: its
+    callbacks (functions by _target_), logging handlers, formatters and filters given as a class
+    outside the logging module, a `()` factory or an `ext://` object (dictConfig imports and calls
+    them), and hydra.job.env_set's variables that load code into the processes the run starts. A
+    config is data (docs/failures.md, "Nothing in your files runs"): one line, before anything runs."""
+    if callbacks := hydra.get("callbacks"):
+        return (f"hydra.callbacks.{next(iter(callbacks))}: Hydra would call the function a config names, and "
+                f"megaframe runs no code from a config; remove hydra.callbacks")
+    for section in ("job_logging", "hydra_logging"):
+        node = hydra.get(section)
+        where = _code_in_logging(OmegaConf.to_container(node, resolve=False), f"hydra.{section}") if node else None
+        if where:
+            return (f"{where}: Python's logging would import and call what it names, and megaframe runs no code from "
+                    f"a config; use logging's own classes (logging.StreamHandler, logging.FileHandler)")
+    for name in (hydra.get("job") or {}).get("env_set") or {}:
+        if name in _CODE_LOADING_ENV or name.startswith("LD_"):
+            return (f"hydra.job.env_set.{name}: it makes the run's processes load code, and megaframe runs no code "
+                    f"from a config; set it in the environment yourself if you mean to")
+    return None
+
+
+def _code_in_logging(node: Any, where: str) -> Optional[str]:
+    """The first key of a logging dictConfig that names code to import or call, as KEY.PATH=VALUE."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            path = f"{where}.{key}"
+            if key == "()" or (key == "class" and not str(value).startswith("logging.")):
+                return f"{path}={value}"
+            if found := _code_in_logging(value, path):
+                return found
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            if found := _code_in_logging(value, f"{where}[{index}]"):
+                return found
+    elif isinstance(node, str) and node.startswith("ext://") and node not in ("ext://sys.stdout", "ext://sys.stderr"):
+        return f"{where}={node}"
+    return None
+
+
 def compose_for_run(overrides: Sequence[str]) -> tuple[TrainConfig, str, DictConfig]:
     """compose(), and also the whole composition with its `hydra` node, as Hydra's own run composes
     it for the task named "cli" (megaframe-train's): launch/hydra_run.py's run_composed runs it
@@ -214,8 +259,8 @@ def compose_for_run(overrides: Sequence[str]) -> tuple[TrainConfig, str, DictCon
             typed = OmegaConf.to_object(task)
     except Exception as ex:  # Hydra / OmegaConf composition errors of every kind
         raise ConfigError(_one_line(ex)) from ex
-    if problem := run_dir_problem(run_dir):  # a config file's empty hydra.run.dir, as an override's
-        raise ConfigError(problem)
+    if problem := run_dir_problem(run_dir) or hydra_code_problem(composed.hydra):
+        raise ConfigError(problem)  # a config file's empty hydra.run.dir, as an override's; code it names
     if extra := _extra_keys(typed):
         # `+key=value` would otherwise attach a key that nothing reads: a typo the user never sees
         known = _known_keys(extra[0])

@@ -72,3 +72,40 @@ def test_bad_config_dirs_are_one_line_naming_the_flag(own, args, message):
     with pytest.raises(ConfigError, match=message) as err:
         config_dirs_as_searchpath([str(own) if a == "OWN" else a for a in args])
     assert "\n" not in str(err.value)
+
+
+CODE_HOOKS = {  # what a YAML file can ask Hydra and Python's logging to run, and the key the refusal names
+    "callback": ("hydra:\n  callbacks:\n    pwn:\n      _target_: shutil.copyfile\n"
+                 "      _args_: [MARKER_SRC, MARKER]\n", "hydra.callbacks.pwn: Hydra would call the function"),
+    "factory": ("hydra:\n  job_logging:\n    handlers:\n      pwn:\n        \"()\": shutil.copyfile\n"
+                "        src: MARKER_SRC\n        dst: MARKER\n", "hydra.job_logging.handlers.pwn.()=shutil.copyfile"),
+    "class": ("hydra:\n  hydra_logging:\n    handlers:\n      pwn:\n        class: own_module.Handler\n",
+              "hydra.hydra_logging.handlers.pwn.class=own_module.Handler"),
+    "ext": ("hydra:\n  job_logging:\n    handlers:\n      console:\n        stream: ext://os.system\n",
+            "hydra.job_logging.handlers.console.stream=ext://os.system"),
+    "preload": ("hydra:\n  job:\n    env_set:\n      LD_PRELOAD: /tmp/x.so\n", "hydra.job.env_set.LD_PRELOAD: it makes"),
+}
+
+
+@pytest.mark.parametrize("hook", sorted(CODE_HOOKS))
+def test_a_config_file_that_names_code_for_hydra_to_run_is_refused_before_it_runs(own, tmp_path, hook):
+    """A --config-dir file's hydra.callbacks ran shutil.copyfile (the run then trained and exited 0), and
+    a logging factory os.system; Hydra's blocklist stops a few names, and says it is no boundary."""
+    text, message = CODE_HOOKS[hook]
+    (tmp_path / "src").write_text("copied")
+    marker = tmp_path / "code-ran"
+    text = text.replace("MARKER_SRC", str(tmp_path / "src")).replace("MARKER", str(marker))
+    (own / "model" / "hook.yaml").write_text("# @package _global_\n" + text)
+    with pytest.raises(ConfigError) as refused:
+        compose(config_dirs_as_searchpath(["--config-dir", str(own), "model=hook"]))
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value), str(refused.value)
+    assert "megaframe runs no code from a config" in str(refused.value) and not marker.exists()
+
+
+def test_a_logging_config_of_loggings_own_classes_is_the_users_to_set(own):
+    (own / "model" / "quiet.yaml").write_text(
+        "# @package _global_\nhydra:\n  job_logging:\n    handlers:\n      console:\n"
+        "        class: logging.StreamHandler\n        stream: ext://sys.stderr\n  job:\n    env_set:\n"
+        "      NCCL_DEBUG: WARN\n")
+    compose(config_dirs_as_searchpath(["--config-dir", str(own), "model=quiet"]))
+    compose(["hydra/job_logging=disabled"])
