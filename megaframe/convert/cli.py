@@ -116,10 +116,14 @@ def _set_special_tokens(hf_config, tokenizer_dir: Path, named: Optional[Path] = 
     try:  # never the directory's own Python (an auto_map): transformers would ask on the terminal to run it
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True, trust_remote_code=False)
     except Exception as error:  # transformers raises OSError, ValueError, KeyError... depending on what is wrong
-        reason = " ".join(str(error).split())[:300]
-        raise ConvertError(f"{named or tokenizer_dir}: the checkpoint's tokenizer does not load "
-                           f"({type(error).__name__}: {reason}); copy a tokenizer written by save_pretrained() there"
-                           ) from None
+        named = named or tokenizer_dir
+        if tokens.names_own_code(tokenizer_dir):  # transformers' text names the staging folder, gone by then
+            raise ConvertError(f"{named}: the checkpoint's tokenizer does not load: its tokenizer_config.json names "
+                               f"its own Python (auto_map), which megaframe never runs, so it cannot ship with the "
+                               f"export") from None
+        reason = " ".join(str(error).replace(str(tokenizer_dir), str(named)).split())[:300]
+        raise ConvertError(f"{named}: the checkpoint's tokenizer does not load ({type(error).__name__}: {reason}); "
+                           f"install what it needs to load here (sentencepiece, tiktoken) and export again") from None
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = getattr(tokenizer, key, None)
         if value is not None and value < hf_config.vocab_size:

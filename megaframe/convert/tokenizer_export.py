@@ -135,18 +135,19 @@ def hf_tokenizer_source(ckpt: Path, record: dict, override: Optional[Path],
 
 def import_record(hf_dir: Path) -> tuple[Optional[dict], str]:
     """The tokenizer record of an HF model directory's tokenizer (from-hf) and "", or None and why the
-    tokenizer is left behind (byte_record() for one that gives megaframe's byte ids): one that does not load without its own code (an auto_map) or at all would
-    only be refused later, by training, sampling and to-hf. The record holds the ids where the tokenizer
-    has an eos token (training refuses one without, in its own line), its files' hash always."""
+    tokenizer is left behind: one that names its own Python (an auto_map), which megaframe never runs,
+    would only be refused later by training, sampling and to-hf. byte_record() for one that gives
+    megaframe's byte ids. The record holds the ids where the tokenizer loads with an eos token (one
+    that does not load here, for want of a package, is copied as before), its files' hash always."""
     from megaframe.data.indexed import DataError
-    from megaframe.data.tokenizer import HFTokenizer, TokenizerDoesNotLoad
+    from megaframe.data.tokenizer import HFTokenizer
 
+    if names_own_code(hf_dir):
+        return None, "its tokenizer_config.json names its own Python (auto_map), which megaframe never runs"
     try:
         tokenizer = HFTokenizer(hf_dir, named="")
         ids = (tokenizer.vocab_size, tokenizer.eod_id, tokenizer.bos_id)
-    except TokenizerDoesNotLoad as err:
-        return None, _why_it_does_not_load(hf_dir, err)
-    except DataError:  # no eos token
+    except DataError:  # no eos token, or it does not load here: training with it says why, in its own line
         ids = (None, None, None)
     else:
         if gives_byte_ids(tokenizer):  # what to-hf wrote for a byte run: the run's own tokenizer comes back
@@ -170,16 +171,12 @@ def gives_byte_ids(tokenizer: Any) -> bool:
         list(tokenizer.encode(_BYTE_PROBE)) == ByteTokenizer().encode(_BYTE_PROBE)
 
 
-def _why_it_does_not_load(hf_dir: Path, err: Exception) -> str:
-    """A few words for the import's summary line."""
+def names_own_code(directory: Path) -> bool:
+    """Whether a tokenizer directory's tokenizer_config.json names its own Python (an auto_map)."""
     try:
-        code = "auto_map" in json.loads((hf_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+        return "auto_map" in json.loads((Path(directory) / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, TypeError):  # no file, not JSON, JSON but not an object
-        code = False
-    if code:
-        return "its tokenizer_config.json names its own Python (auto_map), which megaframe never runs"
-    detail = str(err).removeprefix(f"{hf_dir}: ").split("; point it at")[0]  # HFTokenizer's line, named=""
-    return f"it does not load: {detail}"
+        return False
 
 
 def set_special_ids(hf_config: Any, eod_id: Optional[int], bos_id: Optional[int]) -> None:

@@ -49,11 +49,6 @@ class ByteTokenizer:
         return bytes(byte_values).decode("utf-8", errors="replace")
 
 
-class TokenizerDoesNotLoad(DataError):
-    """The directory holds no tokenizer megaframe can use: it does not load without running its own
-    code, or its vocabulary files are missing (a tokenizer with no eos token loads, and is a DataError)."""
-
-
 class HFTokenizer:
     """A Hugging Face tokenizer loaded from a local directory (never downloads)."""
 
@@ -69,7 +64,7 @@ class HFTokenizer:
             self._tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
         except Exception as error:  # transformers raises OSError, ValueError, KeyError... depending on what is missing
             reason = " ".join(str(error).split())[:300]
-            raise TokenizerDoesNotLoad(
+            raise DataError(
                 f"{named}{path}: cannot load a tokenizer from this directory "
                 f"({type(error).__name__}: {reason}); "
                 "point it at a directory written by save_pretrained()"
@@ -82,7 +77,7 @@ class HFTokenizer:
         if len(self._tokenizer) <= len(set(self._tokenizer.all_special_ids)):
             # a tokenizer_config.json without its vocabulary files loads as a tokenizer of its special
             # tokens alone, which encodes every text to nothing
-            raise TokenizerDoesNotLoad(
+            raise DataError(
                 f"{named}{path}: the tokenizer has no tokens beyond its {len(self._tokenizer)} special "
                 "ones (its vocabulary files are missing); point it at a directory written by save_pretrained()"
             )

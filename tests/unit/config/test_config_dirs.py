@@ -83,7 +83,8 @@ CODE_HOOKS = {  # what a YAML file can ask Hydra and Python's logging to run, an
               "hydra.hydra_logging.handlers.pwn.class=own_module.Handler"),
     "ext": ("hydra:\n  job_logging:\n    handlers:\n      console:\n        stream: ext://os.system\n",
             "hydra.job_logging.handlers.console.stream=ext://os.system"),
-    "preload": ("hydra:\n  job:\n    env_set:\n      LD_PRELOAD: /tmp/x.so\n", "hydra.job.env_set.LD_PRELOAD: it makes"),
+    "preload": ("hydra:\n  job:\n    env_set:\n      LD_PRELOAD: /tmp/x.so\n",
+                "hydra.job.env_set.LD_PRELOAD: it makes"),
 }
 
 

@@ -186,8 +186,9 @@ def test_from_hf_leaves_behind_a_tokenizer_that_needs_its_own_code(tmp_path, cap
     from megaframe.checkpoint.universal import read_state
 
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=11, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2, max_position_embeddings=CONTEXT)).save_pretrained(tmp_path / "hf")
+    config = LlamaConfig(vocab_size=11, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=CONTEXT)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
     marker = give_own_code(save_word_tokenizer(tmp_path / "hf"))
     main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "imported")])
     printed = capsys.readouterr().out
@@ -210,9 +211,24 @@ def test_to_hf_names_the_checkpoints_copy_of_a_tokenizer_that_does_not_load(tmp_
     with pytest.raises(SystemExit) as code:
         main(["to-hf", str(ckpt), str(tmp_path / "hf")])
     error = capsys.readouterr().err
-    assert code.value.code == 2 and error.count("\n") == 1, error
+    assert error == (f"megaframe-convert: error: {ckpt / 'tokenizer'}: the checkpoint's tokenizer does not load: its "
+                     f"tokenizer_config.json names its own Python (auto_map), which megaframe never runs, so it cannot "
+                     f"ship with the export\n") and code.value.code == 2  # no advice to write into the checkpoint
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".*hf*"))
+
+
+def test_to_hf_names_no_staging_folder_when_the_tokenizer_does_not_load_here(tmp_path, capsys):
+    """transformers' own text named the export's staging folder (deleted by the time the user reads
+    it), and the advice was to copy a tokenizer into the checkpoint, whose manifest then fails."""
+    tok = save_word_tokenizer(tmp_path / "tok")
+    (tok / "tokenizer.json").write_text("{not json")  # as a tokenizer missing the package it needs fails
+    ckpt = checkpoint(tmp_path / "ckpt", LLAMA, {records.RECORD_KEY: records.hf_record(tok, None, None)},
+                      tokenizer_src=tok)
+    with pytest.raises(SystemExit):
+        main(["to-hf", str(ckpt), str(tmp_path / "hf")])
+    error = capsys.readouterr().err
     assert error.startswith(f"megaframe-convert: error: {ckpt / 'tokenizer'}: the checkpoint's tokenizer does not load")
-    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf*"))
+    assert ".tmp" not in error and "install what it needs to load here" in error and error.count("\n") == 1, error
 
 
 def test_tampered_copy_in_the_checkpoint_is_refused(tmp_path, capsys):

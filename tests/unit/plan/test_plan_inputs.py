@@ -77,7 +77,8 @@ def test_a_flag_the_planner_does_not_take_is_one_line_naming_it(argv, expected, 
     with pytest.raises(SystemExit) as ended:
         plan_main(argv)
     lines = capsys.readouterr().err.strip().splitlines()
-    assert ended.value.code == 2 and len(lines) == 1 and lines[0].startswith(f"megaframe-plan: error: {expected}"), lines
+    assert ended.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"megaframe-plan: error: {expected}"), lines
 
 
 def test_the_config_dir_flag_still_reaches_the_planner(tmp_path, capsys):
