@@ -51,8 +51,8 @@ def write_index(idx_file: BinaryIO, dtype: np.dtype, doc_offsets: np.ndarray) ->
     for start in range(0, count, WRITE_CHUNK):
         lengths = np.diff(doc_offsets[start:start + WRITE_CHUNK + 1])
         if int(lengths.max()) > MAX_DOCUMENT_TOKENS:
-            raise DataError("a document holds more than 2^31 - 1 tokens, more than Megatron's index can record; "
-                            "split it")
+            raise DataError(f"a document holds more than {MAX_DOCUMENT_TOKENS:,} tokens, more than Megatron's index "
+                            "can record for one document; split it, or write --format megaframe")
         idx_file.write(lengths.astype("<i4").tobytes())
     itemsize = np.dtype(dtype).itemsize
     for start in range(0, count, WRITE_CHUNK):  # byte pointers

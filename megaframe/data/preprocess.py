@@ -293,8 +293,10 @@ def _add(writers: list[IndexedDatasetWriter], index: int, tokens: np.ndarray, la
     training writer, then its text split as nanoGPT's prepare.py splits it, each part ending a document."""
     writer = writers[1] if index >= boundary else writers[0]
     writer.add_part(tokens)
-    if writer.layout == "megatron" and writer.open_tokens > megatron.MAX_DOCUMENT_TOKENS \
-            and not index < boundary < index + 1:  # refused now, not once the whole input is tokenized
+    # refused as it grows, not once the whole input is tokenized; the document the held-out split cuts
+    # in two (a single .txt) counts by its larger part, which grows with it
+    larger_part = max(boundary - index, 1 - boundary + index) if index < boundary < index + 1 else 1
+    if writer.layout == "megatron" and writer.open_tokens * larger_part > megatron.MAX_DOCUMENT_TOKENS:
         raise DataError(f"document {index + 1} of the inputs holds more than {megatron.MAX_DOCUMENT_TOKENS:,} "
                         "tokens, more than Megatron's index can record for one document; split it, or write "
                         "--format megaframe")

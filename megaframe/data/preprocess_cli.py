@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             summary = preprocess(args.input, args.output_prefix, tokenizer, args.json_key, args.append_eod,
                                  layout=args.layout, workers=workers, split=args.split,
                                  valid_fraction=args.valid_fraction, valid_prefix=args.valid_output_prefix)
+            _report(summary)  # a signal meanwhile: reported in full below, exit 0 (the datasets are in place)
     except DataError as error:
         message = " ".join(str(error).split())
         print(f"{PROG}: error: {message}", file=sys.stderr)
@@ -127,7 +128,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.output_prefix} is untouched", file=sys.stderr)
             return stop.exit_code
         return _stopped_after_writing(stop, summary)
-    _report(summary)
     return 0
 
 

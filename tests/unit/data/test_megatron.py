@@ -260,5 +260,13 @@ def test_a_document_longer_than_megatrons_index_records_is_refused_as_it_streams
         preprocess([book], tmp_path / "ds", "byte")
     assert len(parts) == 1, "refused at its first piece"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["book.txt"]  # nothing written, no temporary file left
+    parts.clear()  # held out in part (--valid-fraction): the larger part grows with it, and is refused as early
+    with pytest.raises(DataError, match="^document 1 of the inputs holds more than 1,000 tokens"):
+        preprocess([book], tmp_path / "ds", "byte", valid_fraction=0.1)
+    assert len(parts) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["book.txt"]
+    monkeypatch.setattr(megatron, "MAX_DOCUMENT_TOKENS", 2 << 20)  # halves of 1.5 Mi tokens: each fits
+    preprocess([book], tmp_path / "half", "byte", valid_fraction=0.5)
+    halves = (open_dataset(tmp_path / "half").num_tokens, open_dataset(tmp_path / "half_val").num_tokens)
+    assert halves == ((3 << 19) + 1, (3 << 19) + 1)  # each half ends with an end-of-document token
     preprocess([book], tmp_path / "ds", "byte", layout="megaframe")  # the layout the line offers takes it
     assert open_dataset(tmp_path / "ds").num_tokens == (3 << 20) + 1  # and its end-of-document token

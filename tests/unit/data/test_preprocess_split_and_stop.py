@@ -332,6 +332,28 @@ def test_the_pair_is_published_only_once_both_are_complete(tmp_path, capsys, mon
                     "again")
 
 
+def test_a_signal_while_the_report_prints_reports_the_datasets_complete(tmp_path, capsys, monkeypatch):
+    """The report printed after the stop handlers were put back: a Ctrl-C there ended a complete run
+    with "interrupted" and 130 (a SIGTERM killed it, 143), against data.md's exit 0 (review)."""
+    from megaframe.data import preprocess_cli
+
+    _old_pair(tmp_path)
+    report = preprocess_cli._report
+    signalled = []
+
+    def report_then_signal(summary):
+        if not signalled:  # the first report only: the one the signal interrupts
+            signalled.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)  # bytecodes, where the handler runs
+        report(summary)
+    monkeypatch.setattr(preprocess_cli, "_report", report_then_signal)
+    assert main(["--input", str(tmp_path / "new.jsonl"), "--output-prefix", str(tmp_path / "ds")]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(f"megaframe-preprocess: wrote {tmp_path / 'ds'}.{{bin,idx,json}}: 20 documents")
+    assert err.endswith("stopped by SIGINT after the datasets were written and in place: they are complete\n")
+
+
 def test_a_full_disk_names_the_folder_to_free(tmp_path, capsys, monkeypatch):
     """The kernel's ENOSPC on a write to an open file names no file: the line said "[Errno 28] No space
     left on device" (exit 2, bad input), and not which of the disks the user should free."""
