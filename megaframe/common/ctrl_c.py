@@ -2,10 +2,12 @@
 search, an evaluation): one line and exit 130, as megaframe-train and megaframe-sample end, not the
 traceback of wherever the KeyboardInterrupt landed (torch's import machinery printed 50 lines).
 
-And once the tool is done: a stop signal during the interpreter's shutdown is ignored. It landed in
+And once the tool is done: a Ctrl-C during the interpreter's shutdown is ignored. It landed in
 torch's atexit and weakref finalizers, printing "KeyboardInterrupt" tracebacks under an output that
 was complete and reported, or, once Python had reset its handlers, killed the process silently
-(exit 130 for a finished job). The shutdown takes milliseconds; nothing is left to stop."""
+(exit 130 for a finished job). SIGTERM and SIGHUP keep their default action, which ends the process
+without a traceback: an exit callback that hangs (a large NVMe swap folder's removal, wandb's
+teardown) can still be ended by them, by torchrun's agent or a scheduler."""
 from __future__ import annotations
 
 import atexit
@@ -15,7 +17,6 @@ import sys
 import threading
 from typing import Iterator
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @contextlib.contextmanager
@@ -32,17 +33,16 @@ def interrupted_in_one_line(prog: str) -> Iterator[None]:
 
 
 def shutdown_not_stopped() -> None:
-    """Ignore stop signals from the start of the interpreter's shutdown on. atexit runs its callbacks
+    """Ignore Ctrl-C from the start of the interpreter's shutdown on. atexit runs its callbacks
     last registered first, so this one, registered once the tool's work is done (after every import
     registered its own), runs before torch's. Python resets a handler of its own to the default at
     the end of its shutdown, but leaves an ignored signal ignored. In a process that goes on (a test
     calling a tool's main), nothing changes until that process exits."""
-    atexit.unregister(ignore_stop_signals)  # registered again: last, whatever was registered since
-    atexit.register(ignore_stop_signals)
+    atexit.unregister(ignore_ctrl_c)  # registered again: last, whatever was registered since
+    atexit.register(ignore_ctrl_c)
 
 
-def ignore_stop_signals() -> None:
+def ignore_ctrl_c() -> None:
     """For a process that is exiting (only the main thread may set handlers; elsewhere a no-op)."""
     if threading.current_thread() is threading.main_thread():
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import NoReturn
 
-from megaframe.common.ctrl_c import ignore_stop_signals
+from megaframe.common.ctrl_c import ignore_ctrl_c
 
 
 def exit_past_daemon_threads(code: int) -> NoReturn:
@@ -33,7 +33,7 @@ def exit_past_daemon_threads(code: int) -> NoReturn:
                     thread.join()
     except KeyboardInterrupt:  # Ctrl-C while a thread is joined: the job is over, end with its code
         pass
-    ignore_stop_signals()  # nor while torch's exit callbacks run (common/ctrl_c.py)
+    ignore_ctrl_c()  # nor while torch's exit callbacks run (common/ctrl_c.py)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
