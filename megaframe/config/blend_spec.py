@@ -25,4 +25,6 @@ def parse_blend(blend: Sequence, key: str = "data.blend") -> tuple[list[float], 
                              f"PREFIX.bin/.idx)")
     if sum(weights) <= 0:
         raise ValueError(f"{key}: the weights sum to 0; give at least one source a positive weight")
+    if not math.isfinite(sum(weights)):  # 1.5e308 + 0.5e308: every share 0 / inf, an equal split after
+        raise ValueError(f"{key}: the weights sum past the largest float; scale them down (only their ratios count)")
     return [float(w) for w in weights], list(prefixes)

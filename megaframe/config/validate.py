@@ -347,14 +347,17 @@ def check_blend(d) -> Optional[str]:
     for entry in d.blend_schedule or []:
         ok = not isinstance(entry, str) and hasattr(entry, "__len__")
         weights = entry[1] if ok and len(entry) == 2 else None  # [[5,1]]: a bare number where the weights go
-        if not ok or len(entry) != 2 or not isinstance(entry[0], int) or isinstance(weights, str) \
+        if not ok or len(entry) != 2 or isinstance(entry[0], bool) or not isinstance(entry[0], int) \
+                or isinstance(weights, str) \
                 or not hasattr(weights, "__len__") or len(weights) != len(prefixes):
             return (f"data.blend_schedule: {list(entry) if ok else entry} must be [STEP, [{len(prefixes)} weights]], "
                     f"one weight per data.blend source, e.g. {example}")
         if entry[0] <= last:
             return f"data.blend_schedule: steps must increase from 1 (got {entry[0]} after {last}); e.g. {example}"
-        if any(isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0 for w in entry[1]) or sum(entry[1]) <= 0:
-            return f"data.blend_schedule: the weights at step {entry[0]} must be numbers >= 0, not all 0"
+        if any(isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0
+               for w in entry[1]) or not 0 < sum(entry[1]) < math.inf:  # nan and inf passed: a meaningless blend
+            return (f"data.blend_schedule: the weights at step {entry[0]} must be finite numbers >= 0, not all 0, "
+                    f"summing to a finite number")
         last = entry[0]
     return None
 

@@ -360,3 +360,29 @@ def test_a_blend_schedule_entry_of_the_wrong_shape_names_the_form(tmp_path, sche
                         blend_schedule=schedule)
     problem = check_blend(d)
     assert problem is not None and "must be [STEP, [2 weights]]" in problem and "\n" not in problem, problem
+
+
+@pytest.mark.parametrize("schedule, fragment", [
+    ([[2, [float("nan"), 0.5]]], "the weights at step 2 must be finite numbers >= 0"),
+    ([[2, [float("inf"), 0.5]]], "the weights at step 2 must be finite numbers >= 0"),
+    ([[2, [1.5e308, 0.5e308]]], "summing to a finite number"),
+    ([[True, [0.5, 0.5]]], "must be [STEP, [2 weights]]"),
+])
+def test_a_blend_schedule_of_weights_no_blend_can_use_is_refused(tmp_path, schedule, fragment):
+    """nan and inf weights, and true for a step, trained on a meaningless blend, exit 0; weights
+    summing past the largest float trained on an equal split (hostile review). data.blend's own
+    weights: the same sum."""
+    from types import SimpleNamespace
+
+    from megaframe.config.validate import check_blend
+
+    for name in ("a", "b"):
+        for suffix in (".bin", ".idx"):
+            (tmp_path / f"{name}{suffix}").write_bytes(b"")
+    d = SimpleNamespace(path=None, blend=[1.0, str(tmp_path / "a"), 1.0, str(tmp_path / "b")], valid_blend=None,
+                        blend_schedule=schedule)
+    problem = check_blend(d)
+    assert problem is not None and fragment in problem and "\n" not in problem, problem
+    d.blend, d.blend_schedule = [1.5e308, str(tmp_path / "a"), 0.5e308, str(tmp_path / "b")], None
+    assert check_blend(d) == "data.blend: the weights sum past the largest float; scale them down (only their " \
+                             "ratios count)"
