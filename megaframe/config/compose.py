@@ -191,6 +191,59 @@ def compose(overrides: Sequence[str]) -> tuple[TrainConfig, str]:
     return typed, run_dir
 
 
+CONFIG_FILE_BYTES = 1 << 20  # a config file is a few KB: a larger one in a searched folder is not one
+CONFIG_FILE_NODES = 100_000  # the values a file holds once YAML's aliases are expanded (a model config: ~50)
+
+
+def user_config_files_problem(overrides: Sequence[str]) -> Optional[str]:
+    """The YAML files of the folders hydra.searchpath adds (--config-dir's): Hydra reads every one it
+    composes whole and expands YAML's aliases, so a 279-byte file of aliases nested five deep (a
+    million values) composed for minutes, and a 200 MB file for more than two; refused at once."""
+    dirs = [Path(found) for override in overrides if override.lstrip("+").startswith("hydra.searchpath=")
+            for found in re.findall(r"file://([^'\",\]]+)", override)]
+    for directory in dirs:
+        for path in sorted(directory.rglob("*.y*ml")) if directory.is_dir() else []:
+            try:
+                size = path.stat().st_size
+                nodes = _expanded_nodes(path) if size <= CONFIG_FILE_BYTES else 0
+            except (OSError, ValueError):  # unreadable or not YAML: Hydra's own error names it, if it is used
+                continue
+            if size > CONFIG_FILE_BYTES:
+                return (f"{path}: {size / 2**20:.1f} MiB, more than a config file holds (at most "
+                        f"{CONFIG_FILE_BYTES >> 20} MiB); move it out of the config folder")
+            if nodes > CONFIG_FILE_NODES:
+                return (f"{path}: its YAML aliases expand to more than {CONFIG_FILE_NODES:,} values (an alias of "
+                        f"aliases, nested); write the values out, or drop the aliases")
+    return None
+
+
+def _expanded_nodes(path: Path) -> int:
+    """How many values a YAML file holds once its aliases are expanded, counted from the parser's
+    events (nothing is built, so an alias bomb costs its bytes, not its expansion)."""
+    import yaml
+
+    sizes: dict[str, int] = {}
+    stack: list[list] = [[0, None]]  # [values so far, anchor] of each open collection
+    with path.open("rb") as file:
+        for event in yaml.parse(file, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent):
+                stack[-1][0] += sizes.get(event.anchor, 1)
+            elif isinstance(event, yaml.ScalarEvent):
+                stack[-1][0] += 1
+                if event.anchor:
+                    sizes[event.anchor] = 1
+            elif isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+                stack.append([1, event.anchor])
+            elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+                count, anchor = stack.pop()
+                if anchor:
+                    sizes[anchor] = count
+                stack[-1][0] += count
+            if stack[0][0] > CONFIG_FILE_NODES:
+                break
+    return stack[0][0]
+
+
 # environment variables that make a process load code: hydra.job.env_set would set them for the run
 _CODE_LOADING_ENV = {"PYTHONPATH", "PYTHONSTARTUP", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONBREAKPOINT",
                      "PYTHONEXECUTABLE", "PYTHONPLATLIBDIR", "BASH_ENV", "ENV"}
@@ -243,7 +296,7 @@ def compose_for_run(overrides: Sequence[str]) -> tuple[TrainConfig, str, DictCon
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    if problem := override_problem(overrides):
+    if problem := override_problem(overrides) or user_config_files_problem(overrides):
         raise ConfigError(problem)
     register_configs(overrides)
     GlobalHydra.instance().clear()

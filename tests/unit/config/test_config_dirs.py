@@ -110,3 +110,25 @@ def test_a_logging_config_of_loggings_own_classes_is_the_users_to_set(own):
         "      NCCL_DEBUG: WARN\n")
     compose(config_dirs_as_searchpath(["--config-dir", str(own), "model=quiet"]))
     compose(["hydra/job_logging=disabled"])
+
+
+def test_a_config_file_that_would_compose_for_minutes_is_refused_at_once(own):
+    """279 bytes of YAML aliases nested five deep (a million values) composed for more than 90 s, and
+    a 200 MB file printed nothing for two minutes (hostile review): refused before Hydra reads them."""
+    import time
+
+    lines = ["arch: gpt2", "x: &a [" + ",".join(["1"] * 10) + "]"]
+    for level in range(5):
+        lines.append(f"y{level}: &b{level} [" + ",".join([f"*{'a' if level == 0 else f'b{level - 1}'}"] * 10) + "]")
+    (own / "model" / "bomb.yaml").write_text("\n".join(lines) + "\n")
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"bomb.yaml: its YAML aliases expand to more than 100,000 values"):
+        compose(config_dirs_as_searchpath(["--config-dir", str(own), "model=mine"]))
+    assert time.monotonic() - started < 5
+    (own / "model" / "bomb.yaml").unlink()
+    (own / "model" / "huge.yaml").write_text("a: 1\n" * 300_000)
+    with pytest.raises(ConfigError, match=r"huge.yaml: 1.4 MiB, more than a config file holds \(at most 1 MiB\)"):
+        compose(config_dirs_as_searchpath(["--config-dir", str(own), "model=mine"]))
+    (own / "model" / "huge.yaml").unlink()
+    (own / "model" / "anchored.yaml").write_text("defaults:\n  - gpt_tiny\n  - _self_\nnum_layers: &n 3\n")
+    assert compose(config_dirs_as_searchpath(["--config-dir", str(own), "model=anchored"]))[0].model.num_layers == 3
