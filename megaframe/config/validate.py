@@ -201,7 +201,7 @@ def resume_path_problem(resume: str) -> str:
     path = Path(resume)
     if not path.exists():
         return f"train.resume={resume!r}: no such checkpoint directory; use auto, none, latest-run or an existing path"
-    holder = path.parent if (path.parent / "state.json").is_file() else None
+    holder = next((folder for folder in path.parents if (folder / "state.json").is_file()), None)  # shards/X too
     fix = f"its checkpoint, train.resume={holder}" if holder else \
         "a checkpoint's directory (global_stepN) or a run's checkpoints directory"
     return f"train.resume={resume!r}: a file, not a checkpoint directory; pass {fix}"
@@ -217,7 +217,8 @@ def check_train(cfg: TrainConfig) -> Optional[str]:
     for key, value in (("train.eval_interval", t.eval_interval), ("train.save_interval", t.save_interval),
                        ("train.eval_steps", t.eval_steps), ("train.keep_checkpoints", t.keep_checkpoints)):
         if value < 0:
-            return f"{key}={value} must be >= 0 (0 disables it)"
+            zero = "0 keeps every checkpoint" if key == "train.keep_checkpoints" else "0 disables it"
+            return f"{key}={value} must be >= 0 ({zero})"
     if t.exit_at_step is not None and not 1 <= t.exit_at_step <= t.max_steps:
         return f"train.exit_at_step={t.exit_at_step} must be in [1, train.max_steps={t.max_steps}] or null"
     # a plain megaframe-train replaces latest-run (resume_hint.latest_run) before composing: one left

@@ -158,7 +158,7 @@ def test_loss_scaling_knobs_are_checked(key, value, fragment):
 def test_keep_checkpoints_must_not_be_negative():
     cfg = TrainConfig()
     cfg.train.keep_checkpoints = -1
-    with pytest.raises(ConfigError, match=r"train.keep_checkpoints=-1 must be >= 0"):
+    with pytest.raises(ConfigError, match=r"train.keep_checkpoints=-1 must be >= 0 \(0 keeps every checkpoint\)"):
         validate(cfg, 1, _never_fp16)
 
 
@@ -170,7 +170,11 @@ def test_a_resume_path_that_is_a_file_says_so_and_names_its_checkpoint(tmp_path)
     (tmp_path / "notes.txt").write_text("")
     cfg = TrainConfig()
     file = "a file, not a checkpoint directory; pass "
+    (checkpoint / "shards").mkdir()
+    (checkpoint / "shards" / "rank0.safetensors").write_bytes(b"")
     for path, expected in ((checkpoint / "state.json", f"{file}its checkpoint, train.resume={checkpoint}$"),
+                           (checkpoint / "shards" / "rank0.safetensors", f"{file}its checkpoint, "
+                                                                         f"train.resume={checkpoint}$"),
                            (tmp_path / "notes.txt", f"{file}a checkpoint's directory \\(global_stepN\\) or a run's"),
                            (tmp_path / "absent", "no such checkpoint directory")):
         cfg.train.resume = str(path)
