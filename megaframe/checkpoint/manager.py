@@ -52,7 +52,8 @@ class CheckpointManager:
         self.saved_step: Optional[int] = None  # the step of the last save this process began
         self.last: Optional[Path] = None  # the last checkpoint this process wrote
         self.resized: Optional[dict] = None  # rank 0: the metrics event of a resume into another world size
-        self.background = store.BackgroundWriter()  # train.async_save: each rank writes its shard on a thread
+        # train.async_save: each rank writes its shard on a thread
+        self.background = store.BackgroundWriter(self.dir, cfg.train.resume)
         self.staging: Optional[HostStaging] = None  # train.async_save: the host copies' buffers, kept between saves
         self.trash = store.TrashCollector()  # rank 0 deletes pruned checkpoints off the step loop
         self.fast: Optional[FastTier] = None  # train.fast_save_interval: parts in node-local memory and a buddy's
@@ -117,15 +118,9 @@ class CheckpointManager:
                                        before_publish=self.save_hook(step), record_timeout_s=t.collective_timeout_s,
                                        trash=self.trash, trash_wait_s=0.0 if stopping else store.TRASH_WAIT_S)
             except OSError as err:  # a full disk or a quota: which checkpoint, why, and that the last one stands
-                raise save_failure(err, f"global_step{step}", str(self.dir), self._newest_published()) from err
+                tag = f"global_step{step}"
+                raise save_failure(err, tag, str(self.dir), store.restart_point(self.dir, tag, t.resume)) from err
         return self.last
-
-    def _newest_published(self) -> Optional[str]:
-        """The checkpoint `latest` names, or None: what a save's failure says a restart continues from."""
-        try:
-            return (self.dir / store.LATEST).read_text().strip() or None
-        except OSError:  # none yet (or unreadable: then nothing is promised either)
-            return None
 
     def fast_save(self, step: int) -> None:
         """This rank's part of a checkpoint into node-local memory and its buddy's (no shared storage)."""

@@ -81,9 +81,11 @@ class BackgroundWriter:
     published); the next save and the end of the run wait for it. A failure surfaces at that wait;
     a crash mid-write leaves `latest` on the previous checkpoint, as a synchronous save does."""
 
-    def __init__(self):
+    def __init__(self, save_dir: Optional[Path] = None, resume: str = "auto"):
+        """save_dir, resume: what a failure says a restart continues from (restart_point)."""
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+        self._save_dir, self._resume = save_dir, resume
 
     def submit(self, job: Callable[[], None], what: str) -> None:
         self.wait()
@@ -92,7 +94,9 @@ class BackgroundWriter:
             try:
                 job()
             except BaseException as err:  # re-raised on the training thread by wait()
-                self._error = (save_failure(err, what, "the checkpoints directory") if isinstance(err, OSError)
+                self._error = (save_failure(err, what, str(self._save_dir or "the checkpoints directory"),
+                                            restart_point(self._save_dir, what, self._resume) if self._save_dir
+                                            else "") if isinstance(err, OSError)
                                else RuntimeError(f"train.async_save: writing {what} failed: {err}"))
                 self._error.__cause__ = err
         self._thread = threading.Thread(target=run, name=f"megaframe-save-{what}", daemon=False)
@@ -450,6 +454,22 @@ def set_aside_newer(save_dir: Path, step: int, resumed: Path) -> list[Path]:
         if Path(resumed).parent.resolve() == Path(save_dir).resolve():
             atomic_write_text(Path(save_dir) / LATEST, Path(resumed).name + "\n")
     return moved
+
+
+def restart_point(save_dir: Path, failed: str, resume: str) -> str:
+    """What a save's failure says stands, in words: the newest checkpoint a train.resume=auto restart
+    finds (not the one that failed), else the train.resume=PATH this run started from, else none."""
+    try:
+        latest = find_latest(save_dir)
+    except (CheckpointError, OSError):  # a damaged `latest`: a restart says so itself
+        latest = None
+    if latest is not None and latest.name == failed:  # the error came after its publish (pruning the oldest)
+        return f"{failed} itself was published before the error: train.resume=auto continues from it"
+    if latest is not None:
+        return f"the previous checkpoint, {latest.name}, is untouched: train.resume=auto continues from it"
+    if resume not in ("auto", "none"):
+        return f"the checkpoint this run started from, {resume}, is untouched: the same command starts from it again"
+    return "no earlier checkpoint was written: a run started again begins at step 0"
 
 
 def find_latest(save_dir: Path) -> Optional[Path]:

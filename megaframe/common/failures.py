@@ -88,16 +88,12 @@ class SaveFailed(RunFailure):
     exit_code = ExitCode.SAVE_FAILED
 
 
-def save_failure(err: OSError, checkpoint: str, checkpoints_dir: str, previous: Optional[str] = "") -> SaveFailed:
-    """One line for an OSError while writing a checkpoint: which one, why, and the fix. previous: the
-    newest checkpoint already there, None when there is none, "" when not known (a background save)."""
+def save_failure(err: OSError, checkpoint: str, checkpoints_dir: str, stands: str = "") -> SaveFailed:
+    """One line for an OSError while writing a checkpoint: which one, why, and the fix. stands: what a
+    restart continues from, in words (checkpoint/store.restart_point), when known."""
     reason = err.strerror or type(err).__name__
     where = f" ({err.filename})" if err.filename else ""
-    if previous is None:  # a restart has nothing to continue from: it starts over
-        stands = "no earlier checkpoint was written: a run started again begins at step 0"
-    else:
-        stands = f"the previous checkpoint{f', {previous},' if previous else ''} is untouched: train.resume=auto " \
-                 "continues from it"
+    stands = stands or "any earlier checkpoint is untouched: train.resume=auto continues from the newest"
     return SaveFailed(f"writing checkpoint {checkpoint} failed: {reason}{where}; free space or fix permissions in "
                       f"{checkpoints_dir} ({stands})")
 

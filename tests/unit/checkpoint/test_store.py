@@ -31,6 +31,24 @@ def test_save_publishes_tag_and_latest(tmp_path):
     assert not list(tmp_path.glob("tmp-*"))
 
 
+def test_a_failed_save_says_what_a_restart_continues_from(tmp_path):
+    """It promised "the previous checkpoint is untouched: train.resume=auto continues from it" when
+    there was none, when the run had started from train.resume=PATH, and of the checkpoint that
+    failed itself (an error after its publish, while pruning) (reviews)."""
+    assert checkpoint.restart_point(tmp_path, "global_step2", "auto") == \
+        "no earlier checkpoint was written: a run started again begins at step 0"
+    assert checkpoint.restart_point(tmp_path, "global_step2", "/runs/a/checkpoints/global_step9") == (
+        "the checkpoint this run started from, /runs/a/checkpoints/global_step9, is untouched: the same command "
+        "starts from it again")
+    checkpoint.save(FakeEngine(), tmp_path, 2, {"step": 2})
+    assert checkpoint.restart_point(tmp_path, "global_step4", "/runs/a/checkpoints/global_step9") == \
+        "the previous checkpoint, global_step2, is untouched: train.resume=auto continues from it"
+    (tmp_path / "latest").unlink()  # what find_latest falls back to: the newest published checkpoint
+    assert checkpoint.restart_point(tmp_path, "global_step4", "auto").startswith("the previous checkpoint, global_step2")
+    assert checkpoint.restart_point(tmp_path, "global_step2", "auto") == \
+        "global_step2 itself was published before the error: train.resume=auto continues from it"
+
+
 def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
     checkpoint.save(FakeEngine(), tmp_path, 4, {"step": 4})
     with pytest.raises(RuntimeError, match="killed mid-save"):
