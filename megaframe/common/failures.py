@@ -98,14 +98,16 @@ def save_failure(err: OSError, checkpoint: str, checkpoints_dir: str, stands: st
                       f"{checkpoints_dir} ({stands})")
 
 
-def output_failure(err: OSError, output: "str | os.PathLike[str]") -> str:
-    """An OSError while a tool (convert, preprocess) writes `output`, in words: why, where, and for a
-    full disk or quota the folder to free. Such a write's error names no file (the kernel reports
-    ENOSPC on a write to a file already open), so `output` stands in for it."""
+def output_failure(err: OSError, output: "str | os.PathLike[str]", *more: "str | os.PathLike[str]") -> str:
+    """An OSError while a tool (convert, preprocess) writes `output` (and `more`: a held-out set's
+    prefix), in words: why, where, and for a full disk or quota the folders to free. Such a write's
+    error names no file (the kernel reports ENOSPC on a write to a file already open), so the
+    outputs stand in for it."""
     reason = err.strerror or type(err).__name__
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        folder = os.path.dirname(os.path.abspath(output))
-        return f"{reason} writing {err.filename or output}; free space in {folder} or write elsewhere"
+        outputs = [str(err.filename)] if err.filename else [str(path) for path in (output, *more)]
+        folders = list(dict.fromkeys(os.path.dirname(os.path.abspath(path)) for path in outputs))
+        return f"{reason} writing {' and '.join(outputs)}; free space in {' or '.join(folders)} or write elsewhere"
     return f"{reason} ({err.filename})" if err.filename else reason
 
 

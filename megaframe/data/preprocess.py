@@ -279,8 +279,10 @@ def _publish(writers: list[IndexedDatasetWriter], published: list[str]) -> None:
         try:
             writer.commit()
         except OSError as err:
-            if not published:
-                raise
+            if not published:  # its renames began by removing the old .json: "untouched" would be untrue
+                raise DataError(f"moving {writer.prefix} into place failed ({err.strerror or err}): a dataset "
+                                f"that was there may be incomplete now (its .json goes first, so it will not load "
+                                f"unnoticed); run megaframe-preprocess again") from err
             raise DataError(f"{published[0]} was replaced, but moving {writer.prefix} into place failed "
                             f"({err.strerror or err}): the two no longer match; run megaframe-preprocess again") from err
         published.append(str(writer.prefix))

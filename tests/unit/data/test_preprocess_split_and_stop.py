@@ -332,6 +332,28 @@ def test_the_pair_is_published_only_once_both_are_complete(tmp_path, capsys, mon
                     "again")
 
 
+def test_renames_that_fail_midway_do_not_claim_the_old_dataset_untouched(tmp_path, capsys, monkeypatch):
+    """The first dataset's renames remove its old .json first: a failure after that left the old
+    dataset without it, and the line said it was untouched (review)."""
+    import errno
+
+    from megaframe.data.indexed import IndexedDatasetWriter
+
+    _old_pair(tmp_path)
+    commit = IndexedDatasetWriter._commit
+
+    def fails_after_the_json_went(self):
+        (self.prefix.parent / f"{self.prefix.name}.json").unlink()
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(IndexedDatasetWriter, "_commit", fails_after_the_json_went)
+    assert main(["--input", str(tmp_path / "new.jsonl"), "--output-prefix", str(tmp_path / "ds")]) == 2
+    assert capsys.readouterr().err == (
+        f"megaframe-preprocess: error: moving {tmp_path / 'ds'} into place failed (Input/output error): a dataset "
+        "that was there may be incomplete now (its .json goes first, so it will not load unnoticed); run "
+        "megaframe-preprocess again\n")
+    monkeypatch.setattr(IndexedDatasetWriter, "_commit", commit)
+
+
 def test_a_signal_while_the_report_prints_reports_the_datasets_complete(tmp_path, capsys, monkeypatch):
     """The report printed after the stop handlers were put back: a Ctrl-C there ended a complete run
     with "interrupted" and 130 (a SIGTERM killed it, 143), against data.md's exit 0 (review)."""
@@ -370,10 +392,14 @@ def test_a_full_disk_names_the_folder_to_free(tmp_path, capsys, monkeypatch):
     argv = ["--input", str(tmp_path / "new.jsonl"), "--output-prefix", str(prefix), "--valid-fraction", "0.1"]
     assert main(argv) == 1
     assert capsys.readouterr().err == (
-        f"megaframe-preprocess: error: No space left on device writing {prefix}; free space in {tmp_path} or write "
-        f"elsewhere; nothing was published (a dataset already at {prefix} is untouched)\n")
+        f"megaframe-preprocess: error: No space left on device writing {prefix} and {prefix}_val; free space in "
+        f"{tmp_path} or write elsewhere; nothing was published (a dataset already at {prefix} is untouched)\n")
     assert {p.name: p.read_bytes() for p in tmp_path.glob("ds*.*")} == before
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temp file left
+    other = tmp_path / "other" / "held"  # on another disk, perhaps: the line named only the training set's folder
+    assert main([*argv, "--valid-output-prefix", str(other)]) == 1
+    assert f"writing {prefix} and {other}; free space in {tmp_path} or {other.parent} or write" \
+        in capsys.readouterr().err
 
 
 def test_a_worker_that_dies_ends_the_run_in_one_line_not_a_wait_for_good(tmp_path):
