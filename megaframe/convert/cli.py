@@ -202,7 +202,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         # during the publish's renames, which it waited for, or after them (the summary still to print):
         # OUT is a directory other than the one there before, and complete (it came by one rename)
         if stop.written or _identity(args.out) not in (None, before):
-            if args.command == "from-hf":  # the command that continues from it, which the user came for
+            if args.command == "from-hf" and not getattr(args, "reported", False):  # the command the user came for
                 print(_continue_command(args, model_config(read_state(args.out), args.out)), flush=True)
             print(f"{PROG}: stopped by {stop} after {args.out} was written and in place: it is complete",
                   file=sys.stderr, flush=True)
@@ -227,6 +227,7 @@ def _run(args: argparse.Namespace) -> None:
         cfg, summary = import_hf(args.hf_dir, args.out, args.force)
         print(summary, flush=True)
         print(_continue_command(args, cfg), flush=True)
+    args.reported = True  # a stop from here on: the closing lines are out (main does not print them twice)
 
 
 def _continue_command(args: argparse.Namespace, cfg: ModelConfig) -> str:

@@ -65,6 +65,12 @@ def test_a_stop_after_the_output_is_in_place_reports_it_complete(tmp_path, capsy
                    "complete\n")
     assert (tmp_path / "back" / "state.json").is_file()
 
+    monkeypatch.undo()  # and once the closing lines are out: not printed twice
+    monkeypatch.setattr(cli, "_run", signal_once_done(cli._run))
+    main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "again")])
+    out, err = capsys.readouterr()
+    assert out.count("continue pre-training with:") == 1 and err.endswith("it is complete\n")
+
     def stopped_first(tmp, final):
         raise Stopped(signal.SIGTERM)
     monkeypatch.setattr(cli.files, "publish", stopped_first)
