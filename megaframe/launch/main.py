@@ -52,6 +52,10 @@ _MODES = ({"-m", "--multirun"}, {"-c", "--cfg"}, {"-i", "--info"}, {"-sc", "--sh
 
 def modes_problem(args: Sequence[str]) -> Optional[str]:
     flags = hydra_flag_names(args)
+    if primary := sorted(flags & {"-cn", "--config-name", "-cp", "--config-path"}):
+        # Hydra's multi-line "Cannot find primary config", exit 1: megaframe composes conf/config.yaml
+        return (f"{primary[0]}: megaframe composes its own primary config (conf/config.yaml); put your options in "
+                f"a group folder and pass it with --config-dir DIR GROUP=NAME (docs/configuration.md)")
     given = [sorted(mode & flags)[0] for mode in _MODES if mode & flags]
     if len(given) > 1:
         return (f"{' and '.join(given)}: Hydra runs one of -m, --cfg, --info and --shell-completion at a time; "
@@ -62,7 +66,7 @@ def modes_problem(args: Sequence[str]) -> Optional[str]:
 def printed_config_problem(args: Sequence[str]) -> Optional[str]:
     """`--cfg job OVERRIDES` (the documented preview of a command) composes as a run would: a mistyped
     key or group is one line, where Hydra printed its own multi-line error with exit 1. Left to Hydra
-    with -m or another primary config (--config-name, --config-path)."""
+    with -m (another primary config, --config-name or --config-path, is refused by modes_problem)."""
     flags = hydra_flag_names(args)
     if not flags or not flags <= set(_PRINTING_FLAGS):
         return None

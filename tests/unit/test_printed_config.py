@@ -38,6 +38,16 @@ def test_two_of_hydras_modes_at_once_are_one_line():
     assert modes_problem(["-m", "optim.lr=1e-3,2e-3"]) is None and modes_problem(["--cfg", "job", "-p", "model"]) is None
 
 
+@pytest.mark.parametrize("flag", ["--config-name", "-cn", "--config-path", "-cp"])
+def test_another_primary_config_is_one_line_naming_the_flag_and_the_way_in(flag):
+    """--config-name was Hydra's multi-line "Cannot find primary config" with exit 1 (hostile review)."""
+    from megaframe.launch.main import modes_problem
+
+    problem = modes_problem([flag, "mine", "train.max_steps=2"])
+    assert problem.startswith(f"{flag}: megaframe composes its own primary config (conf/config.yaml)")
+    assert "--config-dir DIR GROUP=NAME" in problem and "\n" not in problem
+
+
 @pytest.mark.parametrize("arg", ["--foo", "--max-steps=3", "-x"])
 def test_a_dashed_argument_that_is_no_flag_is_one_line(arg):
     """Hydra's parser answered with its lexer's exception text (LexerNoViableAltException: --foo ^)."""
