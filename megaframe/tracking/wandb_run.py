@@ -40,6 +40,23 @@ def env_mode_problem(mode: str, environ=os.environ, configured: bool = True) -> 
             f"or set it to one of {', '.join(WANDB_MODES)}")
 
 
+def project_problem(project: Optional[str], mode: str, environ=os.environ) -> Optional[str]:
+    """A project name W&B refuses (its Settings' rule: at most 128 characters, none of / \\ # ? % :)
+    ended rank 0 after launch with exit 1, the code of a bug: logging.wandb.project's, and
+    WANDB_PROJECT's, which wandb reads and checks as it loads its settings whatever megaframe passes.
+    Nothing when W&B is disabled."""
+    if mode == "disabled":
+        return None
+    for named, value in (("logging.wandb.project", project), ("WANDB_PROJECT", environ.get("WANDB_PROJECT"))):
+        found = sorted({char for char in "/\\#?%:" if char in (value or "")})
+        if value is not None and (len(value) > 128 or found):
+            why = f"holds {' '.join(found)}" if found else f"has {len(value)} characters"
+            where = " (in the environment)" if named == "WANDB_PROJECT" else ""
+            return (f"{named}={value!r}{where}: W&B refuses a project name that {why} (none of / \\ # ? % :, at "
+                    f"most 128 characters); choose another, e.g. {named}=my-project")
+    return None
+
+
 def online_key_problem(mode: str, environ=os.environ, named: Optional[str] = None) -> Optional[str]:
     """logging.wandb.mode=online needs a W&B key, which wandb otherwise asks for on the terminal of
     every rank 0 (or fails with its own traceback): one line before launch instead. wandb finds a key

@@ -68,3 +68,27 @@ def test_online_from_the_environment_without_a_key_names_the_variable(tmp_path, 
     err = capsys.readouterr().err.strip()
     assert refused.value.code == 2 and len(err.splitlines()) == 1, err
     assert "WANDB_MODE=online (in the environment) but no W&B key for api.wandb.ai" in err, err
+
+
+def test_a_project_name_wandb_refuses_is_refused_before_launch_as_wandb_would():
+    """'a/b c' or a 200-character name ended rank 0 after launch with W&B's UsageError, exit 1 (the
+    code of a bug); WANDB_PROJECT too, which wandb checks whatever project megaframe passes
+    (hostile review). Independent reference: wandb's own Settings."""
+    from wandb.sdk.wandb_settings import Settings
+
+    from megaframe.tracking.wandb_run import project_problem
+
+    names = ["megaframe", "a/b c", "a:b", "x" * 128, "x" * 129, "ok-name_1.2", "100%", "q?", "h#", "back\\slash", ""]
+    for name in names:
+        try:
+            Settings(project=name)
+            accepted = True
+        except Exception:
+            accepted = False
+        assert (project_problem(name, "offline", {}) is None) == accepted, name
+        assert (project_problem(None, "online", {"WANDB_PROJECT": name}) is None) == accepted, name
+    problem = project_problem("a/b c", "offline", {})
+    assert problem.startswith("logging.wandb.project='a/b c': W&B refuses a project name that holds /") and \
+        "\n" not in problem
+    assert project_problem("a/b", "disabled", {"WANDB_PROJECT": "c:d"}) is None  # wandb never starts
+    assert project_problem("fine", "offline", {"WANDB_PROJECT": "c:d"}).startswith("WANDB_PROJECT='c:d' (in the env")
