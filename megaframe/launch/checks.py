@@ -183,14 +183,16 @@ def ranks_on_this_host(cfg: TrainConfig, layout: Layout) -> int:
 def check_before_launch(cfg: TrainConfig, layout: Layout, run_dir: str) -> None:
     """The launcher's package or command, an online W&B run's key, the dataset, the run dir's
     history and the machine, in that order; then rank 0 prints the config's warnings."""
-    from megaframe.tracking.wandb_run import env_mode_problem, online_key_problem, project_problem, wandb_mode
+    from megaframe.tracking.wandb_run import (env_mode_problem, env_settings_problem, online_key_problem,
+                                              project_problem, wandb_mode)
 
     mode = wandb_mode(cfg.logging.wandb.mode)
     from_env = f"WANDB_MODE={os.environ.get('WANDB_MODE')} (in the environment)"
     named = from_env if cfg.logging.wandb.mode is None else None
     configured = cfg.logging.wandb.mode is not None
     if problem := launcher_problem(cfg) or env_mode_problem(mode, configured=configured) \
-            or project_problem(cfg.logging.wandb.project, mode) or online_key_problem(mode, named=named):
+            or project_problem(cfg.logging.wandb.project, mode) or env_settings_problem(mode) \
+            or online_key_problem(mode, named=named):
         fail(problem)
     if problem := dataset_problem(cfg):
         fail(problem)

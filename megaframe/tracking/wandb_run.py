@@ -57,6 +57,32 @@ def project_problem(project: Optional[str], mode: str, environ=os.environ) -> Op
     return None
 
 
+_CHECKED_APART = {"WANDB_MODE", "WANDB_API_KEY", "WANDB_PROJECT"}  # env_mode_problem, online_key_problem, project
+
+
+def env_settings_problem(mode: str, environ=os.environ) -> Optional[str]:
+    """A WANDB_* variable W&B's settings refuse (WANDB_INIT_TIMEOUT=abc, WANDB_SILENT=maybe,
+    WANDB_RUN_ID=a/b): wandb reads them as it starts, and rank 0 ended after launch with exit 1 and
+    "ValidationError: 1 validation error for Settings", naming no variable. Each is read here by
+    wandb's own Settings, one at a time, so the line names it; wandb is imported (0.5 s) only when
+    such a variable is set, and not at all with W&B disabled."""
+    variables = sorted(name for name in environ if name.startswith("WANDB_") and name not in _CHECKED_APART)
+    if mode == "disabled" or not variables:
+        return None
+    from wandb.sdk.wandb_settings import Settings
+
+    for name in variables:
+        try:
+            Settings().update_from_env_vars({name: environ[name]})
+        except Exception as err:  # pydantic's ValidationError, wandb's UsageError
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+            why = next((line.split(" [type=")[0] for line in lines if " [type=" in line),  # pydantic's reason
+                       lines[0] if lines else type(err).__name__)
+            return (f"{name}={environ[name]!r} (in the environment): W&B refuses it ({why[:200]}); fix or unset it, or "
+                    f"set logging.wandb.mode=disabled")
+    return None
+
+
 def online_key_problem(mode: str, environ=os.environ, named: Optional[str] = None) -> Optional[str]:
     """logging.wandb.mode=online needs a W&B key, which wandb otherwise asks for on the terminal of
     every rank 0 (or fails with its own traceback): one line before launch instead. wandb finds a key

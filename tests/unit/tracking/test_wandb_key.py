@@ -92,3 +92,21 @@ def test_a_project_name_wandb_refuses_is_refused_before_launch_as_wandb_would():
         "\n" not in problem
     assert project_problem("a/b", "disabled", {"WANDB_PROJECT": "c:d"}) is None  # wandb never starts
     assert project_problem("fine", "offline", {"WANDB_PROJECT": "c:d"}).startswith("WANDB_PROJECT='c:d' (in the env")
+
+
+def test_a_wandb_variable_wandb_refuses_is_named_before_launch():
+    """WANDB_INIT_TIMEOUT=abc (metrics.md suggests WANDB_INIT_TIMEOUT=30), WANDB_SILENT=maybe or
+    WANDB_RUN_ID=a/b ended rank 0 after launch: "ValidationError: 1 validation error for Settings",
+    exit 1, naming nothing (hostile review)."""
+    from megaframe.tracking.wandb_run import env_settings_problem
+
+    for name, value, reason in (("WANDB_INIT_TIMEOUT", "abc", "Input should be a valid number"),
+                                ("WANDB_SILENT", "maybe", "Input should be a valid boolean"),
+                                ("WANDB_RUN_ID", "bad/id", "Run ID cannot contain")):
+        problem = env_settings_problem("offline", {name: value, "WANDB_DIR": "/tmp"})
+        assert problem.startswith(f"{name}={value!r} (in the environment): W&B refuses it ({reason}"), problem
+        assert "\n" not in problem and "logging.wandb.mode=disabled" in problem
+        assert env_settings_problem("disabled", {name: value}) is None  # wandb never starts
+    assert env_settings_problem("offline", {"WANDB_INIT_TIMEOUT": "30", "WANDB_DIR": "/tmp", "WANDB_SILENT": "true"}) \
+        is None
+    assert env_settings_problem("online", {"WANDB_MODE": "weird", "WANDB_API_KEY": "x"}) is None  # checked apart
