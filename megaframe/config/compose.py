@@ -22,7 +22,7 @@ from megaframe.common.paths import conf_dir
 
 def _one_line(ex: BaseException) -> str:
     """Hydra/OmegaConf errors are multi-line; users get the key, the problem and the fix in one line."""
-    from hydra.errors import MissingConfigException
+    from hydra.errors import MissingConfigException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
     cause = ex.__cause__ if isinstance(ex.__cause__, OmegaConfBaseException) else ex
@@ -40,8 +40,29 @@ def _one_line(ex: BaseException) -> str:
     if isinstance(cause, ValidationError):
         full_key = getattr(cause, "full_key", "?")
         msg = str(getattr(cause, "msg", cause)).splitlines()[0]
-        return f"{full_key}: {msg}{_conversion_fix(full_key, msg)}"
-    return " ".join(part.strip() for part in str(ex).splitlines() if part.strip())
+        fix = _conversion_fix(full_key, msg) or _shape_fix(full_key, msg)
+        return f"{full_key}: {msg.rstrip('.') if fix else msg}{fix}"
+    if isinstance(ex, OverrideParseException):  # Hydra's lexer: the override, and the quoting that reads it
+        key = str(ex.override).split("=", 1)[0]
+        return (f"{ex.override}: Hydra's override grammar cannot read it ({str(ex.message).splitlines()[0]}); "
+                f"quote a value with ; = , or spaces in it: {key}='VALUE'")
+    text = " ".join(part.strip() for part in str(ex).splitlines() if part.strip())
+    if found := _KEY_IN_A_FILE.match(text):  # a key a config file sets that the schema lacks
+        known = _known_keys(found[2])
+        return f"{found[1]}.yaml: unknown key '{found[2]}'" + (f"; known keys there: {', '.join(known)}" if known else "")
+    return text
+
+
+_KEY_IN_A_FILE = re.compile(r"In '([^']+)': ConfigKeyError raised while composing config: .*?full_key: (\S+)")
+
+
+def _shape_fix(full_key: str, msg: str) -> str:
+    """The fix for OmegaConf's lines that name the key but not what to write."""
+    if "is not Optional" in msg:
+        return f"; give {full_key} a value (null is not one it takes)"
+    if "is not a ListConfig, list or tuple" in msg:
+        return f"; write a list in brackets, quoted: {full_key}='[...]'"
+    return ""
 
 
 _NOT_CONVERTED = re.compile(r"Value '(.*)' (?:of type '\w+' could not be converted to (Integer|Float)|is not a valid (bool))\b.*")

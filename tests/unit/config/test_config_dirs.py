@@ -132,3 +132,33 @@ def test_a_config_file_that_would_compose_for_minutes_is_refused_at_once(own):
     (own / "model" / "huge.yaml").unlink()
     (own / "model" / "anchored.yaml").write_text("defaults:\n  - gpt_tiny\n  - _self_\nnum_layers: &n 3\n")
     assert compose(config_dirs_as_searchpath(["--config-dir", str(own), "model=anchored"]))[0].model.num_layers == 3
+
+
+def test_a_config_files_unknown_key_is_named_with_its_file_and_the_keys_there(own):
+    """It was OmegaConf's text: "In 'model/typo': ConfigKeyError raised while composing config: Key
+    'num_layerz' not in 'ModelConfig' full_key: model.num_layerz reference_type=..." (hostile review)."""
+    (own / "model" / "typo.yaml").write_text("defaults:\n  - gpt_tiny\n  - _self_\nnum_layerz: 3\n")
+    with pytest.raises(ConfigError) as refused:
+        compose(config_dirs_as_searchpath(["--config-dir", str(own), "model=typo"]))
+    assert str(refused.value).startswith("model/typo.yaml: unknown key 'model.num_layerz'; known keys there: arch, "
+                                         "num_layers,")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("launcher.partition=gpu;rm", "launcher.partition=gpu;rm: Hydra's override grammar cannot read it "
+                                  "(LexerNoViableAltException: launcher.partition=gpu;rm); quote a value with ; = , or "
+                                  "spaces in it: launcher.partition='VALUE'"),
+    ("launcher.sbatch_extra=--qos=high", "launcher.sbatch_extra=--qos=high: Hydra's override grammar cannot read it "
+                                         "(mismatched input '=' expecting <EOF>); quote a value with ; = , or spaces "
+                                         "in it: launcher.sbatch_extra='VALUE'"),
+    ("train.keep_checkpoints=null", "train.keep_checkpoints: field 'train.keep_checkpoints' is not Optional; give "
+                                    "train.keep_checkpoints a value (null is not one it takes)"),
+    ("data.blend=data/code", "data.blend: Invalid value assigned: str is not a ListConfig, list or tuple; write a "
+                             "list in brackets, quoted: data.blend='[...]'"),
+])
+def test_an_override_hydra_or_omegaconf_cannot_take_says_what_to_write(override, message):
+    """The key was named, the fix not: a Megatron user's data.blend=PREFIX, a partition with a
+    semicolon, null for a key that takes none (hostile review)."""
+    with pytest.raises(ConfigError) as refused:
+        compose([override])
+    assert str(refused.value) == message
