@@ -26,6 +26,9 @@ def _one_line(ex: BaseException) -> str:
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
     cause = ex.__cause__ if isinstance(ex.__cause__, OmegaConfBaseException) else ex
+    if isinstance(ex, RecursionError):  # "maximum recursion depth exceeded in comparison", naming nothing
+        return ("the configs' defaults lists include one another in a loop (Python's recursion limit ended the "
+                "composition); check the defaults: of the files in your --config-dir folders")
     if isinstance(ex, MissingConfigException) and ex.options:
         group = ex.missing_cfg_file.rsplit("/", 1)[0] if ex.missing_cfg_file else "?"
         name = ex.missing_cfg_file.rsplit("/", 1)[-1] if ex.missing_cfg_file else "?"

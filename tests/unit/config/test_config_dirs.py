@@ -162,3 +162,11 @@ def test_an_override_hydra_or_omegaconf_cannot_take_says_what_to_write(override,
     with pytest.raises(ConfigError) as refused:
         compose([override])
     assert str(refused.value) == message
+
+
+def test_defaults_lists_that_include_one_another_are_one_line_saying_so(own):
+    """It was "maximum recursion depth exceeded in comparison", naming neither the files nor the loop."""
+    (own / "model" / "ping.yaml").write_text("defaults:\n  - pong\n")
+    (own / "model" / "pong.yaml").write_text("defaults:\n  - ping\n")
+    with pytest.raises(ConfigError, match="^the configs' defaults lists include one another in a loop"):
+        compose(config_dirs_as_searchpath(["--config-dir", str(own), "model=ping"]))
