@@ -113,10 +113,11 @@ def elastic_sbatch_script(launcher: LauncherConfig, per_node: int, overrides: li
     endpoint = rdzv_endpoint(launcher, "${RDZV_HOST}")  # the shell expands the first node's name
     agent = [python, *torchrun_args(launcher, per_node, "ENDPOINT", "RUN_ID", run_dir), "-m", "megaframe.train",
              *overrides, f"hydra.run.dir={hydra_quoted(str(run_dir))}"]
-    # the endpoint and id are the shell's to expand: quoted as words, then put back in double quotes
-    line = " ".join(shlex.quote(a) for a in agent)
-    line = line.replace("--rdzv-endpoint=ENDPOINT", f'"--rdzv-endpoint={endpoint}"')
-    line = line.replace("--rdzv-id=RUN_ID", '"--rdzv-id=megaframe-${SLURM_JOB_ID}"')
+    # the endpoint and id are the shell's to expand: in double quotes, the other words quoted; torchrun's
+    # two arguments are matched whole (a replace over the line rewrote a user's value that held the text)
+    shells = {"--rdzv-endpoint=ENDPOINT": f'"--rdzv-endpoint={endpoint}"',
+              "--rdzv-id=RUN_ID": '"--rdzv-id=megaframe-${SLURM_JOB_ID}"'}
+    line = " ".join(shells.get(a) or shlex.quote(a) for a in agent)
     lines += [f"#SBATCH --output={str(run_dir).replace('%', '%%')}/slurm-%j.out",
               "# written by megaframe-train launcher=slurm launcher.min_nodes: one torchrun elastic agent per node;",
               "# a lost node leaves the others training at the smaller data-parallel size, from the last checkpoint",

@@ -129,6 +129,11 @@ def test_the_elastic_slurm_job_is_one_agent_per_node_over_a_node_range(tmp_path)
     srun = next(l for l in script.splitlines() if l.startswith("srun"))
     assert "--kill-on-bad-exit=0 --no-kill --cpus-per-task=${SLURM_CPUS_PER_TASK}" in srun and "--nnodes=2:4" in srun
     assert '"--rdzv-endpoint=${RDZV_HOST}:29400"' in srun and '"--rdzv-id=megaframe-${SLURM_JOB_ID}"' in srun
+    # a user's value that holds torchrun's placeholder text is left as typed (a replace over the line rewrote
+    # it, and the ${SLURM_JOB_ID} it gained would read as an OmegaConf reference) (hostile review)
+    named = "logging.wandb.name='a --rdzv-id=RUN_ID'"
+    srun = next(l for l in elastic_sbatch_script(launcher, 8, [named], tmp_path).splitlines() if l.startswith("srun"))
+    assert shlex.quote(named) in srun and srun.count("SLURM_JOB_ID") == 1
 
 
 def test_the_stop_record_is_per_job_in_the_run_dir(tmp_path):
