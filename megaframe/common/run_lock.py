@@ -51,14 +51,16 @@ def held_by_parent(run_dir: Path) -> bool:
 
 
 def inside_a_run(run_dir: Path) -> Optional[str]:
-    """Why `run_dir` (resolved) cannot hold a run: a folder above it is another run's directory (it
-    holds LOCK_NAME). That run replaces and prunes what is under its checkpoints/ (global_stepN, tmp-*),
-    and a run directory put there vanished with its checkpoints at that run's next save, unsaid."""
-    for folder in run_dir.parents:
-        if os.path.lexists(folder / LOCK_NAME):
-            return (f"run dir {run_dir} is inside {folder}, another run's directory (it holds {LOCK_NAME}), whose "
-                    f"saves replace and prune what lies under its checkpoints/; choose a run dir outside it "
-                    f"(hydra.run.dir=...)")
+    """Why `run_dir` cannot hold a run: it lies in another run's checkpoints/ (a folder holding
+    LOCK_NAME is a run's directory), whose saves replace and prune what is there (global_stepN,
+    tmp-*): a run directory put there vanished with its checkpoints at that run's next save, unsaid.
+    Read as given (absolute) and with its links resolved; elsewhere under a run's folder is fine."""
+    for path in dict.fromkeys((Path(os.path.abspath(run_dir)), Path(run_dir).resolve())):
+        for folder in (path, *path.parents):
+            if folder.name == "checkpoints" and os.path.lexists(folder.parent / LOCK_NAME):
+                return (f"run dir {run_dir} is inside {folder}, the checkpoints of the run in {folder.parent}, "
+                        f"whose saves replace and prune what lies there; choose a run dir outside it "
+                        f"(hydra.run.dir=...)")
     return None
 
 
@@ -66,11 +68,11 @@ def acquire(run_dir: Path) -> Optional[str]:
     """Lock run_dir for this process (creating it); None on success (or when already held here),
     else the one-line reason. The lock file is never deleted: unlinking a locked file would let a
     third process lock a new inode while the second still holds the old one."""
+    if problem := inside_a_run(run_dir):
+        return problem
     run_dir = Path(run_dir).resolve()
     if run_dir in _held:
         return None
-    if problem := inside_a_run(run_dir):
-        return problem
     run_dir.mkdir(parents=True, exist_ok=True)
     try:  # a link planted as the lock is not followed: truncating it would overwrite its target
         fd = open_regular(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)

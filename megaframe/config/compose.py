@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import re
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -48,11 +49,13 @@ def _one_line(ex: BaseException) -> str:
     if isinstance(ex, OverrideParseException):  # Hydra's lexer: the override, and the quoting that reads it
         key = str(ex.override).split("=", 1)[0]
         return (f"{ex.override}: Hydra's override grammar cannot read it ({str(ex.message).splitlines()[0]}); "
-                f"quote a value with ; = , or spaces in it: {key}='VALUE'")
+                f"quote a value with ; = , or spaces in it, the override in double quotes for the shell: "
+                f"\"{key}='VALUE'\" (a list: \"{key}=['VALUE']\")")
     text = " ".join(part.strip() for part in str(ex).splitlines() if part.strip())
     if found := _KEY_IN_A_FILE.match(text):  # a key a config file sets that the schema lacks
         known = _known_keys(found[2])
-        return f"{found[1]}.yaml: unknown key '{found[2]}'" + (f"; known keys there: {', '.join(known)}" if known else "")
+        return f"{found[1]}.yaml: unknown key '{found[2]}'" + \
+            (f"; known keys there: {', '.join(known)}" if known else "")
     return text
 
 
@@ -64,7 +67,7 @@ def _shape_fix(full_key: str, msg: str) -> str:
     if "is not Optional" in msg:
         return f"; give {full_key} a value (null is not one it takes)"
     if "is not a ListConfig, list or tuple" in msg:
-        return f"; write a list in brackets, quoted: {full_key}='[...]'"
+        return f"; write a list in brackets, the override in double quotes for the shell: \"{full_key}=[...]\""
     return ""
 
 
@@ -222,23 +225,37 @@ CONFIG_FILE_NODES = 100_000  # the values a file holds once YAML's aliases are e
 def user_config_files_problem(overrides: Sequence[str]) -> Optional[str]:
     """The YAML files of the folders hydra.searchpath adds (--config-dir's): Hydra reads every one it
     composes whole and expands YAML's aliases, so a 279-byte file of aliases nested five deep (a
-    million values) composed for minutes, and a 200 MB file for more than two; refused at once."""
+    million values) composed for minutes, and a 200 MB file for more than two; refused at once. The
+    files where Hydra looks for options are read: DIR/NAME.yaml, DIR/GROUP/NAME.yaml and
+    DIR/GROUP/SUB/NAME.yaml (at most CONFIG_FILES_READ of them); one YAML cannot parse is Hydra's to
+    name, if the run uses it."""
+    import yaml
+
     dirs = [Path(found) for override in overrides if override.lstrip("+").startswith("hydra.searchpath=")
             for found in re.findall(r"file://([^'\",\]]+)", override)]
-    for directory in dirs:
-        for path in sorted(directory.rglob("*.y*ml")) if directory.is_dir() else []:
-            try:
-                size = path.stat().st_size
-                nodes = _expanded_nodes(path) if size <= CONFIG_FILE_BYTES else 0
-            except (OSError, ValueError):  # unreadable or not YAML: Hydra's own error names it, if it is used
-                continue
-            if size > CONFIG_FILE_BYTES:
-                return (f"{path}: {size / 2**20:.1f} MiB, more than a config file holds (at most "
-                        f"{CONFIG_FILE_BYTES >> 20} MiB); move it out of the config folder")
-            if nodes > CONFIG_FILE_NODES:
-                return (f"{path}: its YAML aliases expand to more than {CONFIG_FILE_NODES:,} values (an alias of "
-                        f"aliases, nested); write the values out, or drop the aliases")
+    for path in itertools.islice(_option_files(dirs), CONFIG_FILES_READ):
+        try:
+            size = path.stat().st_size
+            nodes = _expanded_nodes(path) if size <= CONFIG_FILE_BYTES else 0
+        except (OSError, ValueError, yaml.YAMLError):
+            continue
+        if size > CONFIG_FILE_BYTES:
+            return (f"{path}: {size / 2**20:.1f} MiB, more than a config file holds (at most "
+                    f"{CONFIG_FILE_BYTES >> 20} MiB); move it out of the config folder")
+        if nodes > CONFIG_FILE_NODES:
+            return (f"{path}: its YAML aliases expand to more than {CONFIG_FILE_NODES:,} values (an alias of "
+                    f"aliases, nested); write the values out, or drop the aliases")
     return None
+
+
+CONFIG_FILES_READ = 2000  # a config folder holds tens; a data folder passed by mistake is not walked whole
+
+
+def _option_files(dirs: Sequence[Path]) -> Iterator[Path]:
+    """The .yaml files at most two folders below each directory, in a stable order."""
+    for directory in dirs:
+        for pattern in ("*.yaml", "*/*.yaml", "*/*/*.yaml"):
+            yield from sorted(directory.glob(pattern)) if directory.is_dir() else ()
 
 
 def _expanded_nodes(path: Path) -> int:
@@ -270,39 +287,52 @@ def _expanded_nodes(path: Path) -> int:
 
 # environment variables that make a process load code: hydra.job.env_set would set them for the run
 _CODE_LOADING_ENV = {"PYTHONPATH", "PYTHONSTARTUP", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONBREAKPOINT",
-                     "PYTHONEXECUTABLE", "PYTHONPLATLIBDIR", "BASH_ENV", "ENV"}
+                     "PYTHONEXECUTABLE", "PYTHONPLATLIBDIR", "BASH_ENV", "ENV", "GCONV_PATH", "CUDA_INJECTION64_PATH"}
+# what a logging config may name: logging's own sinks and the two plugins Hydra's docs show (rich, colorlog);
+# a file only under the run directory (a config's FileHandler with mode w truncated any file it named)
+_LOGGING_CLASSES = {"logging.StreamHandler", "logging.NullHandler", "logging.Formatter", "logging.Filter",
+                    "rich.logging.RichHandler", "colorlog.ColoredFormatter"}
+_LOGGING_FILES = {"logging.FileHandler", "logging.handlers.RotatingFileHandler",
+                  "logging.handlers.TimedRotatingFileHandler", "logging.handlers.WatchedFileHandler"}
+_LOGGING_FACTORIES = {"colorlog.ColoredFormatter"}
+_RUN_DIR_PREFIXES = ("${hydra.runtime.output_dir}/", "${hydra:runtime.output_dir}/")
 
 
 def hydra_code_problem(hydra: DictConfig) -> Optional[str]:
     """Code a config file (a --config-dir's, a recipe someone shared) names for Hydra to run: its
-    callbacks (functions by _target_), logging handlers, formatters and filters given as a class
-    outside the logging module, a `()` factory or an `ext://` object (dictConfig imports and calls
-    them), and hydra.job.env_set's variables that load code into the processes the run starts. A
-    config is data (docs/failures.md, "Nothing in your files runs"): one line, before anything runs."""
+    callbacks (functions by _target_), logging handlers, formatters and filters other than logging's
+    own sinks (dictConfig imports and calls what a class, a `()` factory or an `ext://` names; a
+    SocketHandler sends the logs away), a log file outside the run directory (truncated on open),
+    and hydra.job.env_set's variables that load code into the run's processes. A config is data
+    (docs/failures.md, "Nothing in your files runs"): one line, before anything runs."""
     if callbacks := hydra.get("callbacks"):
         return (f"hydra.callbacks.{next(iter(callbacks))}: Hydra would call the function a config names, and "
                 f"megaframe runs no code from a config; remove hydra.callbacks")
     for section in ("job_logging", "hydra_logging"):
         node = hydra.get(section)
-        where = _code_in_logging(OmegaConf.to_container(node, resolve=False), f"hydra.{section}") if node else None
-        if where:
-            return (f"{where}: Python's logging would import and call what it names, and megaframe runs no code from "
-                    f"a config; use logging's own classes (logging.StreamHandler, logging.FileHandler)")
+        if node and (where := _code_in_logging(OmegaConf.to_container(node, resolve=False), f"hydra.{section}")):
+            return (f"{where}: megaframe runs no code from a config, nor lets one write outside the run; use "
+                    f"logging.StreamHandler, logging.NullHandler, a logging.FileHandler under "
+                    f"${{hydra.runtime.output_dir}}, rich.logging.RichHandler or colorlog.ColoredFormatter")
     for name in (hydra.get("job") or {}).get("env_set") or {}:
-        if name in _CODE_LOADING_ENV or name.startswith("LD_"):
+        if name in _CODE_LOADING_ENV or name.startswith("LD_") or name.endswith("_PLUGIN"):
             return (f"hydra.job.env_set.{name}: it makes the run's processes load code, and megaframe runs no code "
                     f"from a config; set it in the environment yourself if you mean to")
     return None
 
 
 def _code_in_logging(node: Any, where: str) -> Optional[str]:
-    """The first key of a logging dictConfig that names code to import or call, as KEY.PATH=VALUE."""
+    """The first entry of a logging dictConfig outside what a config may name, as KEY.PATH=VALUE."""
     if isinstance(node, dict):
+        if "()" in node and str(node["()"]) not in _LOGGING_FACTORIES:
+            return f"{where}.()={node['()']}"
+        kind = str(node["class"]) if "class" in node else None
+        if kind is not None and kind not in _LOGGING_CLASSES | _LOGGING_FILES:
+            return f"{where}.class={kind}"
+        if kind in _LOGGING_FILES and not str(node.get("filename", "")).startswith(_RUN_DIR_PREFIXES):
+            return f"{where}.filename={node.get('filename')}"
         for key, value in node.items():
-            path = f"{where}.{key}"
-            if key == "()" or (key == "class" and not str(value).startswith("logging.")):
-                return f"{path}={value}"
-            if found := _code_in_logging(value, path):
+            if found := _code_in_logging(value, f"{where}.{key}"):
                 return found
     elif isinstance(node, list):
         for index, value in enumerate(node):

@@ -297,8 +297,10 @@ def _add(writers: list[IndexedDatasetWriter], index: int, tokens: np.ndarray, la
     writer.add_part(tokens)
     # refused as it grows, not once the whole input is tokenized; the document the held-out split cuts
     # in two (a single .txt) counts by its larger part, which grows with it
-    larger_part = max(boundary - index, 1 - boundary + index) if index < boundary < index + 1 else 1
-    if writer.layout == "megatron" and writer.open_tokens * larger_part > megatron.MAX_DOCUMENT_TOKENS:
+    split = index < boundary < index + 1
+    larger_part = max(boundary - index, 1 - boundary + index) if split else 1
+    # a part the split makes ends with an end-of-document token of its own
+    if writer.layout == "megatron" and writer.open_tokens * larger_part + split > megatron.MAX_DOCUMENT_TOKENS:
         raise DataError(f"document {index + 1} of the inputs holds more than {megatron.MAX_DOCUMENT_TOKENS:,} "
                         "tokens, more than Megatron's index can record for one document; split it, or write "
                         "--format megaframe")

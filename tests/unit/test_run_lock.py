@@ -36,24 +36,29 @@ def test_a_second_owner_is_refused_naming_the_holder_and_the_fix(tmp_path):
         holder.wait()
 
 
-def test_a_run_dir_inside_another_runs_directory_is_refused_before_it_is_made(tmp_path):
+def test_a_run_dir_inside_another_runs_checkpoints_is_refused_before_it_is_made(tmp_path):
     """hydra.run.dir=R1/checkpoints/global_step2 was accepted: R1's next save pruned it, the nested run's
-    checkpoints with it, unsaid (hostile review). Running or finished, R1 is another run's directory."""
+    checkpoints with it, unsaid (hostile review). Running or finished, R1 is another run's directory;
+    elsewhere below it (R1/finetune) is the user's to use (review)."""
     holder = _holder(tmp_path / "R1")
     try:
         (tmp_path / "R1" / "checkpoints" / "global_step2").mkdir(parents=True)
         nested = tmp_path / "R1" / "checkpoints" / "global_step2" / "run"
         problem = run_lock.acquire(nested)
-        assert problem == (f"run dir {nested} is inside {tmp_path / 'R1'}, another run's directory (it holds "
-                           f".megaframe.lock), whose saves replace and prune what lies under its checkpoints/; choose "
-                           f"a run dir outside it (hydra.run.dir=...)")
+        assert problem == (f"run dir {nested} is inside {tmp_path / 'R1' / 'checkpoints'}, the checkpoints of the "
+                           f"run in {tmp_path / 'R1'}, whose saves replace and prune what lies there; choose a run "
+                           f"dir outside it (hydra.run.dir=...)")
         assert not nested.exists()
+        assert run_lock.acquire(tmp_path / "R1" / "checkpoints") is not None
     finally:
         holder.kill()
         holder.wait()
-    assert run_lock.acquire(tmp_path / "R1" / "sub") is not None  # its lock file stays when it has ended
-    assert run_lock.acquire(tmp_path / "R2") is None  # beside it: fine
-    run_lock.release(tmp_path / "R2")
+    assert run_lock.acquire(tmp_path / "R1" / "checkpoints" / "x") is not None  # its lock file stays once it ended
+    (tmp_path / "link").symlink_to(tmp_path / "R1" / "checkpoints")
+    assert run_lock.acquire(tmp_path / "link" / "x") is not None  # resolved, too
+    for fine in (tmp_path / "R1" / "finetune", tmp_path / "R2"):  # below the run, not in its checkpoints; beside
+        assert run_lock.acquire(fine) is None
+        run_lock.release(fine)
 
 
 def test_the_lock_is_free_again_once_its_holder_is_killed(tmp_path):

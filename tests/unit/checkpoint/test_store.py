@@ -44,7 +44,8 @@ def test_a_failed_save_says_what_a_restart_continues_from(tmp_path):
     assert checkpoint.restart_point(tmp_path, "global_step4", "/runs/a/checkpoints/global_step9") == \
         "the previous checkpoint, global_step2, is untouched: train.resume=auto continues from it"
     (tmp_path / "latest").unlink()  # what find_latest falls back to: the newest published checkpoint
-    assert checkpoint.restart_point(tmp_path, "global_step4", "auto").startswith("the previous checkpoint, global_step2")
+    assert checkpoint.restart_point(tmp_path, "global_step4", "auto").startswith(
+        "the previous checkpoint, global_step2")
     assert checkpoint.restart_point(tmp_path, "global_step2", "auto") == \
         "global_step2 itself was published before the error: train.resume=auto continues from it"
 

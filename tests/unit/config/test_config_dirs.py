@@ -83,6 +83,12 @@ CODE_HOOKS = {  # what a YAML file can ask Hydra and Python's logging to run, an
               "hydra.hydra_logging.handlers.pwn.class=own_module.Handler"),
     "ext": ("hydra:\n  job_logging:\n    handlers:\n      console:\n        stream: ext://os.system\n",
             "hydra.job_logging.handlers.console.stream=ext://os.system"),
+    "file": ("hydra:\n  job_logging:\n    handlers:\n      f:\n        class: logging.FileHandler\n"
+             "        filename: MARKER_SRC\n        mode: w\n", "hydra.job_logging.handlers.f.filename="),
+    "socket": ("hydra:\n  job_logging:\n    handlers:\n      s:\n        class: logging.handlers.SocketHandler\n"
+               "        host: example.org\n        port: 9\n", "hydra.job_logging.handlers.s.class=logging.handlers."),
+    "plugin": ("hydra:\n  job:\n    env_set:\n      NCCL_NET_PLUGIN: /tmp/x.so\n",
+               "hydra.job.env_set.NCCL_NET_PLUGIN: it makes"),
     "preload": ("hydra:\n  job:\n    env_set:\n      LD_PRELOAD: /tmp/x.so\n",
                 "hydra.job.env_set.LD_PRELOAD: it makes"),
 }
@@ -101,15 +107,22 @@ def test_a_config_file_that_names_code_for_hydra_to_run_is_refused_before_it_run
         compose(config_dirs_as_searchpath(["--config-dir", str(own), "model=hook"]))
     assert str(refused.value).startswith(message) and "\n" not in str(refused.value), str(refused.value)
     assert "megaframe runs no code from a config" in str(refused.value) and not marker.exists()
+    assert (tmp_path / "src").read_text() == "copied"  # a log file named outside the run: not truncated
 
 
-def test_a_logging_config_of_loggings_own_classes_is_the_users_to_set(own):
+def test_a_logging_config_of_loggings_own_sinks_and_the_common_plugins_is_the_users_to_set(own):
+    """Logging's own stream and null handlers, a file under the run directory, rich's handler and
+    colorlog's formatter (review: they were refused), and Hydra's own options."""
     (own / "model" / "quiet.yaml").write_text(
-        "# @package _global_\nhydra:\n  job_logging:\n    handlers:\n      console:\n"
-        "        class: logging.StreamHandler\n        stream: ext://sys.stderr\n  job:\n    env_set:\n"
-        "      NCCL_DEBUG: WARN\n")
+        "# @package _global_\nhydra:\n  job_logging:\n    formatters:\n      colored:\n"
+        "        \"()\": colorlog.ColoredFormatter\n    handlers:\n      console:\n"
+        "        class: logging.StreamHandler\n        stream: ext://sys.stderr\n      rich:\n"
+        "        class: rich.logging.RichHandler\n      file:\n        class: logging.handlers.RotatingFileHandler\n"
+        "        filename: ${hydra.runtime.output_dir}/train.log\n  job:\n    env_set:\n      NCCL_DEBUG: WARN\n")
     compose(config_dirs_as_searchpath(["--config-dir", str(own), "model=quiet"]))
-    compose(["hydra/job_logging=disabled"])
+    for option in ("disabled", "none", "stdout", "default"):
+        compose([f"hydra/job_logging={option}"])
+    compose(["hydra/hydra_logging=disabled"])
 
 
 def test_a_config_file_that_would_compose_for_minutes_is_refused_at_once(own):
@@ -130,6 +143,9 @@ def test_a_config_file_that_would_compose_for_minutes_is_refused_at_once(own):
     with pytest.raises(ConfigError, match=r"huge.yaml: 1.4 MiB, more than a config file holds \(at most 1 MiB\)"):
         compose(config_dirs_as_searchpath(["--config-dir", str(own), "model=mine"]))
     (own / "model" / "huge.yaml").unlink()
+    (own / "template.yaml").write_text("key: {{ jinja }}\n  bad: [\n")  # not YAML, and not used: Hydra's to name
+    (own / "a" / "b" / "c").mkdir(parents=True)
+    (own / "a" / "b" / "c" / "deep.yaml").write_text("a: 1\n" * 300_000)  # deeper than Hydra's options lie
     (own / "model" / "anchored.yaml").write_text("defaults:\n  - gpt_tiny\n  - _self_\nnum_layers: &n 3\n")
     assert compose(config_dirs_as_searchpath(["--config-dir", str(own), "model=anchored"]))[0].model.num_layers == 3
 
@@ -147,14 +163,17 @@ def test_a_config_files_unknown_key_is_named_with_its_file_and_the_keys_there(ow
 @pytest.mark.parametrize("override, message", [
     ("launcher.partition=gpu;rm", "launcher.partition=gpu;rm: Hydra's override grammar cannot read it "
                                   "(LexerNoViableAltException: launcher.partition=gpu;rm); quote a value with ; = , or "
-                                  "spaces in it: launcher.partition='VALUE'"),
+                                  "spaces in it, the override in double quotes for the shell: "
+                                  "\"launcher.partition='VALUE'\" (a list: \"launcher.partition=['VALUE']\")"),
     ("launcher.sbatch_extra=--qos=high", "launcher.sbatch_extra=--qos=high: Hydra's override grammar cannot read it "
                                          "(mismatched input '=' expecting <EOF>); quote a value with ; = , or spaces "
-                                         "in it: launcher.sbatch_extra='VALUE'"),
+                                         "in it, the override in double quotes for the shell: "
+                                         "\"launcher.sbatch_extra='VALUE'\" (a list: "
+                                         "\"launcher.sbatch_extra=['VALUE']\")"),
     ("train.keep_checkpoints=null", "train.keep_checkpoints: field 'train.keep_checkpoints' is not Optional; give "
                                     "train.keep_checkpoints a value (null is not one it takes)"),
     ("data.blend=data/code", "data.blend: Invalid value assigned: str is not a ListConfig, list or tuple; write a "
-                             "list in brackets, quoted: data.blend='[...]'"),
+                             "list in brackets, the override in double quotes for the shell: \"data.blend=[...]\""),
 ])
 def test_an_override_hydra_or_omegaconf_cannot_take_says_what_to_write(override, message):
     """The key was named, the fix not: a Megatron user's data.blend=PREFIX, a partition with a
