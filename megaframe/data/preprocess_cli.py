@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {message}", file=sys.stderr)
         return 2
     except OSError as error:  # the storage mid-way: a full disk or quota is no fault of the input (exit 1)
+        if summary is not None:  # the report's own write (stdout a closed pipe): the datasets are in place
+            return 0
         more = [args.valid_output_prefix or f"{args.output_prefix}_val"] if args.valid_fraction else []
         print(f"{PROG}: error: {output_failure(error, args.output_prefix, *more)}; nothing was published (a "
               f"dataset already at {args.output_prefix} is untouched)", file=sys.stderr)

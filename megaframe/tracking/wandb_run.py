@@ -71,6 +71,8 @@ def env_settings_problem(mode: str, environ=os.environ) -> Optional[str]:
         return None
     from wandb.sdk.wandb_settings import Settings
 
+    if not hasattr(Settings, "update_from_env_vars"):  # a wandb without it (before 0.19): it checks them itself
+        return None
     for name in variables:
         try:
             Settings().update_from_env_vars({name: environ[name]})

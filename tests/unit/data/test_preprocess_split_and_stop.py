@@ -376,6 +376,21 @@ def test_a_signal_while_the_report_prints_reports_the_datasets_complete(tmp_path
     assert err.endswith("stopped by SIGINT after the datasets were written and in place: they are complete\n")
 
 
+def test_a_report_that_cannot_be_printed_is_not_taken_for_a_failed_write(tmp_path, capsys, monkeypatch):
+    """With the report under the tool's error handling, stdout closed by `| head -0` (BrokenPipeError)
+    would have said "nothing was published" of datasets in place (reread)."""
+    from megaframe.data import preprocess_cli
+
+    _old_pair(tmp_path)
+
+    def closed_pipe(summary):
+        raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(preprocess_cli, "_report", closed_pipe)
+    assert main(["--input", str(tmp_path / "new.jsonl"), "--output-prefix", str(tmp_path / "ds")]) == 0
+    assert capsys.readouterr().err == ""
+    assert open_dataset(tmp_path / "ds").num_tokens > 0 and (tmp_path / "ds.json").is_file()
+
+
 def test_a_full_disk_names_the_folder_to_free(tmp_path, capsys, monkeypatch):
     """The kernel's ENOSPC on a write to an open file names no file: the line said "[Errno 28] No space
     left on device" (exit 2, bad input), and not which of the disks the user should free."""
