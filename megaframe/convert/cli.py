@@ -214,6 +214,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
     except OSError as err:  # the storage mid-way (ENOSPC, EIO): what and where, in one line
+        if getattr(args, "published", False):  # the summary's own write (stdout a closed pipe): OUT is in place
+            return
         print(f"{PROG}: error: {output_failure(err, args.out)}; nothing was published (an earlier output is "
               "untouched)", file=sys.stderr, flush=True)
         sys.exit(1)
@@ -222,9 +224,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 def _run(args: argparse.Namespace) -> None:
     """The subcommand, its summary printed."""
     if args.command == "to-hf":
-        print(export_hf(args.ckpt, args.out, args.force, args.tokenizer, args.dtype, args.max_shard_size), flush=True)
+        summary = export_hf(args.ckpt, args.out, args.force, args.tokenizer, args.dtype, args.max_shard_size)
+        args.published = True
+        print(summary, flush=True)
     else:
         cfg, summary = import_hf(args.hf_dir, args.out, args.force)
+        args.published = True
         print(summary, flush=True)
         print(_continue_command(args, cfg), flush=True)
     args.reported = True  # a stop from here on: the closing lines are out (main does not print them twice)

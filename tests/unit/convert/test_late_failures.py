@@ -71,6 +71,16 @@ def test_a_stop_after_the_output_is_in_place_reports_it_complete(tmp_path, capsy
     out, err = capsys.readouterr()
     assert out.count("continue pre-training with:") == 1 and err.endswith("it is complete\n")
 
+    monkeypatch.undo()  # the summary's write fails (stdout a closed pipe): not "nothing was published"
+
+    def closed_stdout(*args, **kwargs):
+        if args and str(args[0]).startswith("wrote "):
+            raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr("builtins.print", closed_stdout)
+    main(["to-hf", str(ckpt), str(tmp_path / "piped")])  # returns: exit 0
+    monkeypatch.undo()
+    assert capsys.readouterr().err == "" and (tmp_path / "piped" / "config.json").is_file()
+
     def stopped_first(tmp, final):
         raise Stopped(signal.SIGTERM)
     monkeypatch.setattr(cli.files, "publish", stopped_first)
