@@ -135,19 +135,21 @@ def hf_tokenizer_source(ckpt: Path, record: dict, override: Optional[Path],
 
 def import_record(hf_dir: Path) -> tuple[Optional[dict], str]:
     """The tokenizer record of an HF model directory's tokenizer (from-hf) and "", or None and why the
-    tokenizer is left behind: one that names its own Python (an auto_map), which megaframe never runs,
-    would only be refused later by training, sampling and to-hf. byte_record() for one that gives
+    tokenizer is left behind: one that loads only with its own Python (an auto_map), which megaframe
+    never runs, would only be refused later by training, sampling and to-hf. byte_record() for one that gives
     megaframe's byte ids. The record holds the ids where the tokenizer loads with an eos token (one
     that does not load here, for want of a package, is copied as before), its files' hash always."""
     from megaframe.data.indexed import DataError
-    from megaframe.data.tokenizer import HFTokenizer
+    from megaframe.data.tokenizer import HFTokenizer, TokenizerDoesNotLoad
 
-    if names_own_code(hf_dir):
-        return None, "its tokenizer_config.json names its own Python (auto_map), which megaframe never runs"
     try:
         tokenizer = HFTokenizer(hf_dir, named="")
         ids = (tokenizer.vocab_size, tokenizer.eod_id, tokenizer.bos_id)
-    except DataError:  # no eos token, or it does not load here: training with it says why, in its own line
+    except TokenizerDoesNotLoad:  # an auto_map with a class of transformers' own loads, and is copied
+        if names_own_code(hf_dir):
+            return None, "its tokenizer_config.json names its own Python (auto_map), which megaframe never runs"
+        ids = (None, None, None)  # for want of a package here: training with it says why, in its own line
+    except DataError:  # no eos token: the same
         ids = (None, None, None)
     else:
         if gives_byte_ids(tokenizer):  # what to-hf wrote for a byte run: the run's own tokenizer comes back

@@ -49,6 +49,11 @@ class ByteTokenizer:
         return bytes(byte_values).decode("utf-8", errors="replace")
 
 
+class TokenizerDoesNotLoad(DataError):
+    """The directory's tokenizer does not load here (without running its own code, or for want of a
+    package or of its vocabulary files); one that loads without an eos token is a plain DataError."""
+
+
 class HFTokenizer:
     """A Hugging Face tokenizer loaded from a local directory (never downloads)."""
 
@@ -64,7 +69,7 @@ class HFTokenizer:
             self._tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
         except Exception as error:  # transformers raises OSError, ValueError, KeyError... depending on what is missing
             reason = " ".join(str(error).split())[:300]
-            raise DataError(
+            raise TokenizerDoesNotLoad(
                 f"{named}{path}: cannot load a tokenizer from this directory "
                 f"({type(error).__name__}: {reason}); "
                 "point it at a directory written by save_pretrained()"

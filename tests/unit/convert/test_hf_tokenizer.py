@@ -200,6 +200,14 @@ def test_from_hf_leaves_behind_a_tokenizer_that_needs_its_own_code(tmp_path, cap
     main(["to-hf", str(tmp_path / "imported"), str(tmp_path / "back")])  # and it exports, without a tokenizer
     assert "no tokenizer (the checkpoint names none)" in capsys.readouterr().out
 
+    # an auto_map beside a class of transformers' own loads without the code: copied, as before (review)
+    config_file = tmp_path / "hf" / "tokenizer_config.json"
+    with_class = {**json.loads(config_file.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}
+    config_file.write_text(json.dumps(with_class))
+    main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "with-class")])
+    assert "tokenizer copied to tokenizer/" in capsys.readouterr().out
+    assert read_state(tmp_path / "with-class")[records.RECORD_KEY]["kind"] == "hf" and not marker.exists()
+
 
 def test_to_hf_names_the_checkpoints_copy_of_a_tokenizer_that_does_not_load(tmp_path, capsys):
     """A checkpoint that holds such a copy (imported before it was left behind): refused in one line
