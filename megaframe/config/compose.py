@@ -47,8 +47,10 @@ def _one_line(ex: BaseException) -> str:
         fix = _conversion_fix(full_key, msg) or _shape_fix(full_key, msg)
         return f"{full_key}: {msg.rstrip('.') if fix else msg}{fix}"
     if isinstance(ex, OverrideParseException):  # Hydra's lexer: the override, and the quoting that reads it
-        key = str(ex.override).split("=", 1)[0]
-        return (f"{ex.override}: Hydra's override grammar cannot read it ({str(ex.message).splitlines()[0]}); "
+        override = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(ex.override))  # one line: \n shown
+        key = override.split("=", 1)[0]
+        message = str(ex.message).splitlines()[0]
+        return (f"{override}: Hydra's override grammar cannot read it ({message}); "
                 f"quote a value with ; = , or spaces in it, the override in double quotes for the shell: "
                 f"\"{key}='VALUE'\" (a list: \"{key}=['VALUE']\")")
     text = " ".join(part.strip() for part in str(ex).splitlines() if part.strip())

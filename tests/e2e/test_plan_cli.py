@@ -104,4 +104,5 @@ def test_parallel_auto_picks_a_fitting_layout_and_trains(tmp_path):
 def test_help_is_the_usage_not_a_parse_error():
     result = run_plan(["--help"])
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.startswith("`megaframe-plan [--json] [--dry-run=RANK] [OVERRIDE ...]`") and not result.stderr
+    assert result.stdout.startswith("`megaframe-plan [--json] [--dry-run=RANK] [--config-dir DIR] [OVERRIDE ...]`") \
+        and not result.stderr

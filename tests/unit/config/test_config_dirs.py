@@ -183,6 +183,14 @@ def test_an_override_hydra_or_omegaconf_cannot_take_says_what_to_write(override,
     assert str(refused.value) == message
 
 
+def test_an_override_with_a_line_break_is_still_one_line():
+    """The grammar's line quoted the override as typed: a newline in a value made it two (CI)."""
+    with pytest.raises(ConfigError) as refused:
+        compose(["launcher.job_name=a\n#SBATCH --partition=x"])
+    assert str(refused.value).startswith("launcher.job_name=a\\n#SBATCH --partition=x: Hydra's override grammar")
+    assert "\n" not in str(refused.value)
+
+
 def test_defaults_lists_that_include_one_another_are_one_line_saying_so(own):
     """It was "maximum recursion depth exceeded in comparison", naming neither the files nor the loop."""
     (own / "model" / "ping.yaml").write_text("defaults:\n  - pong\n")
