@@ -18,7 +18,6 @@ import threading
 from typing import Iterator
 
 
-
 @contextlib.contextmanager
 def interrupted_in_one_line(prog: str) -> Iterator[None]:
     """Within the block, a KeyboardInterrupt ends the process with `PROG: interrupted` and exit 130

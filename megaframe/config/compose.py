@@ -282,8 +282,6 @@ def _expanded_nodes(path: Path) -> int:
                 if anchor:
                     sizes[anchor] = count
                 stack[-1][0] += count
-            if stack[0][0] > CONFIG_FILE_NODES:
-                break
     return stack[0][0]
 
 

@@ -149,12 +149,12 @@ def import_hf(hf_dir: Path, out: Path, force: bool = False) -> tuple[ModelConfig
     state = files.LazyTensors(shapes, lambda name: plan[name](weights))
     record = {"step": 0, "consumed_samples": 0, "model": dataclasses.asdict(cfg),
               "source": {"hf_dir": str(hf_dir.resolve()), "model_type": hf_config["model_type"]}}
-    tokenizer, left_behind = (hf_dir, "") if files.has_tokenizer(hf_dir) else (None, "")
+    tokenizer, left_behind = (hf_dir if files.has_tokenizer(hf_dir) else None), ""
     if tokenizer is not None:  # what a resume with data.tokenizer=OUT/tokenizer is checked against
-        record[RECORD_KEY], left_behind = tokens.import_record(hf_dir)
-        if left_behind:  # not copied: every later use would refuse it
-            record.pop(RECORD_KEY)
-        if left_behind or record[RECORD_KEY]["kind"] == "byte":  # data.tokenizer=byte needs no copy
+        tokenizer_record, left_behind = tokens.import_record(hf_dir)
+        if tokenizer_record is not None:  # None: not copied, every later use would refuse it
+            record[RECORD_KEY] = tokenizer_record
+        if tokenizer_record is None or tokenizer_record["kind"] == "byte":  # data.tokenizer=byte needs no copy
             tokenizer = None
     files.write_layout_free(out, state, record, tokenizer_src=tokenizer, force=force)
     params = sum(math.prod(shape) for shape in state.shapes.values())
@@ -201,7 +201,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except Stopped as stop:
         # during the publish's renames, which it waited for, or after them (the summary still to print):
         # OUT is a directory other than the one there before, and complete (it came by one rename)
-        if stop.written or _identity(args.out) not in (None, before):
+        if stop.written or _replaced(args.out, before):
             if args.command == "from-hf" and not getattr(args, "reported", False):  # the command the user came for
                 print(_continue_command(args, model_config(read_state(args.out), args.out)), flush=True)
             print(f"{PROG}: stopped by {stop} after {args.out} was written and in place: it is complete",
@@ -214,7 +214,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
     except OSError as err:  # the storage mid-way (ENOSPC, EIO): what and where, in one line
-        if getattr(args, "published", False):  # the summary's own write (stdout a closed pipe): OUT is in place
+        if _replaced(args.out, before):  # the summary's own write (stdout a closed pipe): OUT is in place
             return
         print(f"{PROG}: error: {output_failure(err, args.out)}; nothing was published (an earlier output is "
               "untouched)", file=sys.stderr, flush=True)
@@ -224,12 +224,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 def _run(args: argparse.Namespace) -> None:
     """The subcommand, its summary printed."""
     if args.command == "to-hf":
-        summary = export_hf(args.ckpt, args.out, args.force, args.tokenizer, args.dtype, args.max_shard_size)
-        args.published = True
-        print(summary, flush=True)
+        print(export_hf(args.ckpt, args.out, args.force, args.tokenizer, args.dtype, args.max_shard_size), flush=True)
     else:
         cfg, summary = import_hf(args.hf_dir, args.out, args.force)
-        args.published = True
         print(summary, flush=True)
         print(_continue_command(args, cfg), flush=True)
     args.reported = True  # a stop from here on: the closing lines are out (main does not print them twice)
@@ -242,6 +239,12 @@ def _continue_command(args: argparse.Namespace, cfg: ModelConfig) -> str:
                  }.get(kind, "")
     return ("continue pre-training with:\n  megaframe-train " + " ".join(model_overrides(cfg))
             + f"{tokenizer} train.resume={args.out}")
+
+
+def _replaced(out: Path, before: Optional[tuple[int, int]]) -> bool:
+    """Whether a new output is in place at `out`: another directory than the one there before (it came
+    by one rename, complete)."""
+    return _identity(out) not in (None, before)
 
 
 def _identity(path: Path) -> Optional[tuple[int, int]]:

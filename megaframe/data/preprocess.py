@@ -306,7 +306,7 @@ def _add(writers: list[IndexedDatasetWriter], index: int, tokens: np.ndarray, la
                         "--format megaframe")
     if not last:
         return
-    if index < boundary < index + 1:
+    if split:
         _split_document(writers, boundary - index, eod_id, valid_fraction)
     else:
         writer.end_document()

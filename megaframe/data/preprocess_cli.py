@@ -10,7 +10,6 @@ import os
 import sys
 from pathlib import Path
 
-from megaframe.common.ctrl_c import shutdown_not_stopped
 from megaframe.common.failures import output_failure
 from megaframe.data import DataError, build_tokenizer, preprocess
 from megaframe.data.indexed import LAYOUTS
@@ -166,13 +165,10 @@ def _stopped_after_writing(stop: Stopped, summary: dict | None) -> int:
 
 
 def console_main() -> None:
-    """The console script's entry point: main()'s return value as the exit code, the shutdown after
-    it not stopped by a late Ctrl-C (common/ctrl_c.py)."""
-    try:
-        code = main()
-    finally:
-        shutdown_not_stopped()
-    sys.exit(code)
+    """`python -m megaframe.data.preprocess_cli`: the console script's own entry (preprocess_console.py)."""
+    from megaframe.data.preprocess_console import main as console
+
+    console()
 
 
 if __name__ == "__main__":

@@ -187,9 +187,8 @@ def check_before_launch(cfg: TrainConfig, layout: Layout, run_dir: str) -> None:
                                               project_problem, wandb_mode)
 
     mode = wandb_mode(cfg.logging.wandb.mode)
-    from_env = f"WANDB_MODE={os.environ.get('WANDB_MODE')} (in the environment)"
-    named = from_env if cfg.logging.wandb.mode is None else None
     configured = cfg.logging.wandb.mode is not None
+    named = None if configured else f"WANDB_MODE={os.environ.get('WANDB_MODE')} (in the environment)"
     if problem := launcher_problem(cfg) or env_mode_problem(mode, configured=configured) \
             or project_problem(cfg.logging.wandb.project, mode) or env_settings_problem(mode) \
             or online_key_problem(mode, named=named):

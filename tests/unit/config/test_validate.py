@@ -350,18 +350,23 @@ def test_a_data_path_naming_a_file_says_what_to_name_instead(tmp_path):
             assert str(err.value) == f"data.{key}={given}: {message}"
 
 
-@pytest.mark.parametrize("schedule", [[[5, 1]], [[5, "0.5"]], [[5, [0.5, 0.5], 3]], ["x"]])
-def test_a_blend_schedule_entry_of_the_wrong_shape_names_the_form(tmp_path, schedule):
-    """[[5,1]] (a bare number where the weights go) was a TypeError's traceback."""
+def _two_source_blend(tmp_path, schedule):
+    """data's blend keys over two empty datasets a and b in tmp_path, with blend_schedule `schedule`."""
     from types import SimpleNamespace
-
-    from megaframe.config.validate import check_blend
 
     for name in ("a", "b"):
         for suffix in (".bin", ".idx"):
             (tmp_path / f"{name}{suffix}").write_bytes(b"")
-    d = SimpleNamespace(path=None, blend=[1.0, str(tmp_path / "a"), 1.0, str(tmp_path / "b")], valid_blend=None,
-                        blend_schedule=schedule)
+    return SimpleNamespace(path=None, blend=[1.0, str(tmp_path / "a"), 1.0, str(tmp_path / "b")], valid_blend=None,
+                           blend_schedule=schedule)
+
+
+@pytest.mark.parametrize("schedule", [[[5, 1]], [[5, "0.5"]], [[5, [0.5, 0.5], 3]], ["x"]])
+def test_a_blend_schedule_entry_of_the_wrong_shape_names_the_form(tmp_path, schedule):
+    """[[5,1]] (a bare number where the weights go) was a TypeError's traceback."""
+    from megaframe.config.validate import check_blend
+
+    d = _two_source_blend(tmp_path, schedule)
     problem = check_blend(d)
     assert problem is not None and "must be [STEP, [2 weights]]" in problem and "\n" not in problem, problem
 
@@ -376,15 +381,9 @@ def test_a_blend_schedule_of_weights_no_blend_can_use_is_refused(tmp_path, sched
     """nan and inf weights, and true for a step, trained on a meaningless blend, exit 0; weights
     summing past the largest float trained on an equal split (hostile review). data.blend's own
     weights: the same sum."""
-    from types import SimpleNamespace
-
     from megaframe.config.validate import check_blend
 
-    for name in ("a", "b"):
-        for suffix in (".bin", ".idx"):
-            (tmp_path / f"{name}{suffix}").write_bytes(b"")
-    d = SimpleNamespace(path=None, blend=[1.0, str(tmp_path / "a"), 1.0, str(tmp_path / "b")], valid_blend=None,
-                        blend_schedule=schedule)
+    d = _two_source_blend(tmp_path, schedule)
     problem = check_blend(d)
     assert problem is not None and fragment in problem and "\n" not in problem, problem
     d.blend, d.blend_schedule = [1.5e308, str(tmp_path / "a"), 0.5e308, str(tmp_path / "b")], None
