@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+from megaframe.common.ctrl_c import shutdown_not_stopped
 from megaframe.common.failures import output_failure
 from megaframe.data import DataError, build_tokenizer, preprocess
 from megaframe.data.indexed import LAYOUTS
@@ -165,10 +166,13 @@ def _stopped_after_writing(stop: Stopped, summary: dict | None) -> int:
 
 
 def console_main() -> None:
-    """`python -m megaframe.data.preprocess_cli`: the console script's own entry (preprocess_console.py)."""
-    from megaframe.data.preprocess_console import main as console
-
-    console()
+    """`python -m megaframe.data.preprocess_cli`: main()'s return value as the exit code, the shutdown
+    after it not stopped by a late Ctrl-C (common/ctrl_c.py; the console script's is preprocess_console.py)."""
+    try:
+        code = main()
+    finally:
+        shutdown_not_stopped()
+    sys.exit(code)
 
 
 if __name__ == "__main__":
