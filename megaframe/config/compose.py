@@ -314,11 +314,31 @@ def hydra_code_problem(hydra: DictConfig) -> Optional[str]:
             return (f"{where}: megaframe runs no code from a config, nor lets one write outside the run; use "
                     f"logging.StreamHandler, logging.NullHandler, a logging.FileHandler under "
                     f"${{hydra.runtime.output_dir}}, rich.logging.RichHandler or colorlog.ColoredFormatter")
+    for kind in ("sweeper", "launcher"):
+        # Hydra builds only a plugin class it has registered, but says so in a traceback
+        target = str((hydra.get(kind) or {}).get("_target_", ""))
+        if target and not _is_plugin(target, kind):
+            return (f"hydra.{kind}._target_={target}: not a Hydra {kind} installed here; choose one by its "
+                    f"option, hydra/{kind}=NAME ({_PLUGIN_EXAMPLES[kind]})")
     for name in (hydra.get("job") or {}).get("env_set") or {}:
         if name in _CODE_LOADING_ENV or name.startswith("LD_") or name.endswith("_PLUGIN"):
             return (f"hydra.job.env_set.{name}: it makes the run's processes load code, and megaframe runs no code "
                     f"from a config; set it in the environment yourself if you mean to")
     return None
+
+
+_PLUGIN_EXAMPLES = {"sweeper": "hydra/sweeper=basic, or an installed plugin's option",
+                    "launcher": "hydra/launcher=megaframe_local, or an installed plugin's option"}
+
+
+def _is_plugin(class_name: str, kind: str) -> bool:
+    """Whether Hydra has `class_name` registered as a plugin of this kind (what it would build)."""
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.launcher import Launcher
+    from hydra.plugins.sweeper import Sweeper
+
+    found = Plugins.instance().class_name_to_class.get(class_name)
+    return found is not None and issubclass(found, {"sweeper": Sweeper, "launcher": Launcher}[kind])
 
 
 def _code_in_logging(node: Any, where: str) -> Optional[str]:

@@ -110,6 +110,20 @@ def test_a_config_file_that_names_code_for_hydra_to_run_is_refused_before_it_run
     assert (tmp_path / "src").read_text() == "copied"  # a log file named outside the run: not truncated
 
 
+@pytest.mark.parametrize("kind, target", [("sweeper", "os.system"), ("launcher", "own_module.Launcher"),
+                                          ("launcher", "hydra._internal.core_plugins.basic_sweeper.BasicSweeper")])
+def test_a_sweeper_or_launcher_hydra_has_not_registered_is_one_line_naming_the_key(own, kind, target):
+    """Hydra refuses to build such a class, but in a traceback (review); an override and a file alike."""
+    for args in ([f"hydra.{kind}._target_={target}"],
+                 ["--config-dir", str(own), "model=plugin"]):
+        (own / "model" / "plugin.yaml").write_text(f"# @package _global_\nhydra:\n  {kind}:\n    _target_: {target}\n")
+        with pytest.raises(ConfigError) as refused:
+            compose(config_dirs_as_searchpath(args))
+        assert str(refused.value).startswith(f"hydra.{kind}._target_={target}: not a Hydra {kind} installed here; "
+                                             f"choose one by its option, hydra/{kind}=NAME"), str(refused.value)
+    compose(["hydra/sweeper=basic", "hydra/launcher=megaframe_local"])
+
+
 def test_a_logging_config_of_loggings_own_sinks_and_the_common_plugins_is_the_users_to_set(own):
     """Logging's own stream and null handlers, a file under the run directory, rich's handler and
     colorlog's formatter (review: they were refused), and Hydra's own options."""
