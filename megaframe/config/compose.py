@@ -68,6 +68,9 @@ def _shape_fix(full_key: str, msg: str) -> str:
     """The fix for OmegaConf's lines that name the key but not what to write."""
     if "is not Optional" in msg:
         return f"; give {full_key} a value (null is not one it takes)"
+    if found := re.match(r"Cannot convert '(list|dict)' to string", msg):
+        return (f"; {full_key} takes one string, not a {'list' if found[1] == 'list' else 'mapping'}"
+                f" (quote a value with brackets in it: \"{full_key}='VALUE'\")")
     if "is not a ListConfig, list or tuple" in msg:
         return f"; write a list in brackets, the override in double quotes for the shell: \"{full_key}=[...]\""
     return ""

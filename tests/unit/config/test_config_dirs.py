@@ -188,6 +188,12 @@ def test_a_config_files_unknown_key_is_named_with_its_file_and_the_keys_there(ow
                                     "train.keep_checkpoints a value (null is not one it takes)"),
     ("data.blend=data/code", "data.blend: Invalid value assigned: str is not a ListConfig, list or tuple; write a "
                              "list in brackets, the override in double quotes for the shell: \"data.blend=[...]\""),
+    ("launcher.partition=[a,b]", "launcher.partition: Cannot convert 'list' to string: '['a', 'b']'; "
+                                 "launcher.partition takes one string, not a list (quote a value with brackets in "
+                                 "it: \"launcher.partition='VALUE'\")"),
+    ("launcher.partition={a:1}", "launcher.partition: Cannot convert 'dict' to string: '{'a': 1}'; "
+                                 "launcher.partition takes one string, not a mapping (quote a value with brackets "
+                                 "in it: \"launcher.partition='VALUE'\")"),
 ])
 def test_an_override_hydra_or_omegaconf_cannot_take_says_what_to_write(override, message):
     """The key was named, the fix not: a Megatron user's data.blend=PREFIX, a partition with a
