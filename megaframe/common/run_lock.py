@@ -16,6 +16,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -54,14 +55,30 @@ def inside_a_run(run_dir: Path) -> Optional[str]:
     """Why `run_dir` cannot hold a run: it lies in another run's checkpoints/ (a folder holding
     LOCK_NAME is a run's directory), whose saves replace and prune what is there (global_stepN,
     tmp-*): a run directory put there vanished with its checkpoints at that run's next save, unsaid.
-    Read as given (absolute) and with its links resolved; elsewhere under a run's folder is fine."""
+    Read as given (absolute) and with its links resolved; elsewhere under a run's folder is fine.
+    A checkpoints/ linked to shared storage is known at its target by the `latest` its saves write."""
     for path in dict.fromkeys((Path(os.path.abspath(run_dir)), Path(run_dir).resolve())):
         for folder in (path, *path.parents):
             if folder.name == "checkpoints" and os.path.lexists(folder.parent / LOCK_NAME):
                 return (f"run dir {run_dir} is inside {folder}, the checkpoints of the run in {folder.parent}, "
                         f"whose saves replace and prune what lies there; choose a run dir outside it "
                         f"(hydra.run.dir=...)")
+            if _names_a_checkpoint(folder / "latest"):
+                return (f"run dir {run_dir} is inside {folder}, a run's checkpoints (its latest file names one), "
+                        f"whose saves replace and prune what lies there; choose a run dir outside it "
+                        f"(hydra.run.dir=...)")
     return None
+
+
+def _names_a_checkpoint(latest: Path) -> bool:
+    """Whether `latest` is a checkpoint store's pointer (megaframe's and DeepSpeed's: global_stepN)."""
+    try:
+        if not latest.is_file():  # a folder, a FIFO (whose open would wait) or nothing there: not one
+            return False
+        with open(latest, "rb") as pointer:
+            return re.fullmatch(rb"global_step\d+\s*", pointer.read(64)) is not None
+    except OSError:
+        return False
 
 
 def acquire(run_dir: Path) -> Optional[str]:

@@ -61,6 +61,34 @@ def test_a_run_dir_inside_another_runs_checkpoints_is_refused_before_it_is_made(
         run_lock.release(fine)
 
 
+def test_a_run_dir_inside_a_runs_checkpoints_on_shared_storage_is_refused(tmp_path):
+    """R1/checkpoints a link to shared storage: a run dir given at the link's target was accepted, and
+    R1's saves pruned it (review). Its saves' `latest` marks the target; a `latest` that names no
+    checkpoint, or a FIFO of that name (whose open would wait), does not."""
+    shared = tmp_path / "scratch" / "r1-checkpoints"
+    (shared / "global_step2").mkdir(parents=True)
+    holder = _holder(tmp_path / "R1")
+    holder.kill()
+    holder.wait()
+    (tmp_path / "R1" / "checkpoints").symlink_to(shared)
+    nested = shared / "global_step2" / "run"
+    assert run_lock.acquire(nested) is None  # no save has finished: nothing there is pruned yet
+    run_lock.release(nested)
+    (shared / "latest").write_text("global_step2")
+    problem = run_lock.acquire(shared / "global_step2" / "again")
+    assert problem == (f"run dir {shared / 'global_step2' / 'again'} is inside {shared}, a run's checkpoints (its "
+                       f"latest file names one), whose saves replace and prune what lies there; choose a run dir "
+                       f"outside it (hydra.run.dir=...)")
+    assert not (shared / "global_step2" / "again").exists()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "latest").write_text("my newest notes\n")
+    (tmp_path / "pipes").mkdir()
+    os.mkfifo(tmp_path / "pipes" / "latest")
+    for fine in (tmp_path / "notes" / "run", tmp_path / "pipes" / "run"):
+        assert run_lock.acquire(fine) is None
+        run_lock.release(fine)
+
+
 def test_the_lock_is_free_again_once_its_holder_is_killed(tmp_path):
     holder = _holder(tmp_path / "run")
     os.kill(holder.pid, signal.SIGKILL)  # the OOM killer's way: no cleanup code runs
