@@ -303,16 +303,23 @@ TRASH_PREFIX = "tmp-del-"  # a directory on its way out: the next publish delete
 def finish_interrupted_swaps(parent: Path) -> list[Path]:
     """Put right what a crash between replace_dir's two renames left in `parent`: NAME gone, its old
     copy at tmp-old-NAME and the new one at tmp-NAME. The old copy, which `latest` named, is renamed
-    back and the new one goes to the trash. Any other tmp-old-NAME (the swap done, or an empty husk a
-    delete left on NFS) goes to the trash too. Renames only, nothing deleted here: the next publish
+    back and the new one goes to the trash; so is a tmp-old-NAME `latest` names whose tmp-NAME is
+    gone (a user cleared it: a tmp-global_stepN is never a checkpoint). Any other tmp-old-NAME (the
+    swap done, or an empty husk a delete left on NFS) goes to the trash too. Renames only, nothing deleted here: the next publish
     empties the trash. Before this, a resume fell back past NAME (a step saved twice, as a stop right
     after a resume does) and the aside copy stayed on the storage for good. Returns what came back."""
     restored = []
+    try:
+        named = latest_pointer(parent)
+    except CheckpointError:
+        named = None  # resume_checks says what is wrong with `latest`
     for old in sorted(Path(parent).glob(f"{OLD_PREFIX}*")):
         name = old.name.removeprefix(OLD_PREFIX)
         final, new = old.with_name(name), old.with_name(f"tmp-{name}")
-        if not os.path.lexists(final) and old.is_dir() and new.is_dir():
-            os.replace(new, trash_name(new.with_name(name)))
+        cut_in_two = new.is_dir() or final == named  # `latest` names it: someone cleared tmp-NAME (review)
+        if not os.path.lexists(final) and old.is_dir() and not old.is_symlink() and cut_in_two:
+            if os.path.lexists(new):
+                os.replace(new, trash_name(new.with_name(name)))
             os.replace(old, final)
             restored.append(final)
         else:

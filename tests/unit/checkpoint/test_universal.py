@@ -138,6 +138,16 @@ def test_an_interrupted_swap_is_put_right_and_a_finished_one_cleared(tmp_path):
         "global_step2", "global_step4"]
     assert universal.finish_interrupted_swaps(tmp_path) == []
 
+    # the new copy cleared by hand (a tmp-global_stepN is never a checkpoint): the copy `latest` names
+    # went to the trash with it (review); a planted link is never made a checkpoint
+    directory("tmp-old-global_step5", "old 5")
+    (tmp_path / "latest").write_text("global_step5\n")
+    (tmp_path / "tmp-old-global_step7").symlink_to(tmp_path / "global_step2")
+    assert universal.finish_interrupted_swaps(tmp_path) == [tmp_path / "global_step5"]
+    assert (tmp_path / "global_step5" / "file").read_text() == "old 5"
+    assert not (tmp_path / "global_step7").exists() and not (tmp_path / "tmp-old-global_step7").exists()
+    assert (tmp_path / "global_step2" / "file").read_text() == "new 2"
+
     # and a save of the step whose swap was interrupted removes the aside copy the crash left
     directory("tmp-old-global_step6", "old 6")
     directory("tmp-global_step6", "new 6")
