@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megaframe.common.ctrl_c import interrupted_in_one_line
+from megaframe.common.result_output import printed_to_stdout
 
 PROG = "megaframe-eval"
 ALLOWED = ("data.", "data=", "train.eval_steps=", "parallel.micro_batch_size=", "parallel.global_batch_size=")
@@ -248,10 +249,11 @@ def _main(argv: Optional[Sequence[str]]) -> None:
         _fail(str(err), int(err.exit_code))
     except ValueError as err:  # ConfigError, ConvertError, DataError: one line each
         _fail(str(err))
-    if args.json:  # strict JSON: a non-finite loss is null, not NaN/Infinity
-        print(json.dumps(strict_json(result), allow_nan=False))
-        return
-    print(human_line(result))
+    with printed_to_stdout(PROG):  # a closed pipe, a full disk behind a redirect: no traceback
+        if args.json:  # strict JSON: a non-finite loss is null, not NaN/Infinity
+            print(json.dumps(strict_json(result), allow_nan=False))
+        else:
+            print(human_line(result))
 
 
 if __name__ == "__main__":

@@ -19,12 +19,12 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import sys
 from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
 from megaframe.common.ctrl_c import interrupted_in_one_line
+from megaframe.common.result_output import printed_to_stdout
 
 PROG = "megaframe-sample"
 PROMPT_FILE_BYTES = 64 << 20  # a prompt file read beyond this is refused (the model reads its context)
@@ -197,7 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             results = sample(args)
         except ValueError as err:  # ConvertError, DataError, StateMismatch and the checks above: one line each
             _fail(str(err))
-    try:
+    with printed_to_stdout(PROG):  # `| head`: the reader has what it wanted; a full disk: one line
         for i, result in enumerate(results):
             if args.json:
                 print(json.dumps({key: value for key, value in result.items() if key != "full_text"}), flush=True)
@@ -205,8 +205,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             if i:
                 print(SEPARATOR)
             print(result["full_text"], flush=True)
-    except BrokenPipeError:  # `| head`: the reader has what it wanted; no traceback at exit either
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import contextlib
 import signal
 import sys
 import threading
-from typing import Iterator
+from collections.abc import Iterator  # not typing: 2.5 ms more before the guard is up
 
 
 @contextlib.contextmanager

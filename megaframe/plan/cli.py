@@ -14,6 +14,7 @@ import sys
 from typing import Optional, Sequence
 
 from megaframe.common.ctrl_c import interrupted_in_one_line
+from megaframe.common.result_output import printed_to_stdout
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import ConfigError, Layout, requested_world_size
 from megaframe.plan.estimate import Estimate, estimate_config, plan_layout
@@ -225,9 +226,10 @@ def _main(argv: Optional[Sequence[str]]) -> None:
     except ConfigError as err:
         _fail(PROG, str(err))
     auto = alternatives[0] if cfg.parallel.auto and alternatives else None
-    if want_json or cfg.plan.json:
-        print(as_json(est, cfg.plan.mfu, alternatives, auto, dry))
-    else:
+    with printed_to_stdout(PROG):  # `| head`, a full disk behind a redirect: no traceback
+        if want_json or cfg.plan.json:
+            print(as_json(est, cfg.plan.mfu, alternatives, auto, dry))
+            return
         print(table(est, cfg.plan.mfu, alternatives, auto))
         if dry is not None:
             layers = dry["layers"] if len(dry["layers"]) <= 6 else [*dry["layers"][:3], "...", *dry["layers"][-2:]]

@@ -34,6 +34,8 @@ sys.meta_path.insert(0, _SlowImport())
     ("megaframe-plan", ["recipe=llama2_7b"], "megaframe.plan.cli"),  # the tool itself, loaded by its entry point
     ("megaframe-preprocess", ["--input", "x.txt", "--output-prefix", "x"], "megaframe.data.preprocess_cli"),
     ("megaframe-eval", ["run/checkpoints"], "megaframe.common.failures"),  # the first of main's imports
+    ("megaframe-eval", ["run/checkpoints"], "megaframe.eval_cli"),  # the tool itself (review: a traceback)
+    ("megaframe-sample", ["run/checkpoints"], "megaframe.sample_cli"),
 ])
 def test_ctrl_c_before_a_tool_handles_it_is_one_line_and_130(tool, args, slow, tmp_path):
     (tmp_path / "site").mkdir()

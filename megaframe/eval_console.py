@@ -1,0 +1,13 @@
+"""megaframe-eval's console entry point: the tool (eval_cli.py) imports argparse, dataclasses and
+megaframe's modules as it loads, so it is imported inside the Ctrl-C guard (common/ctrl_c.py), as
+megaframe-plan's is; a Ctrl-C during those imports printed a KeyboardInterrupt traceback (review)."""
+from __future__ import annotations
+
+from megaframe.common.ctrl_c import interrupted_in_one_line
+
+
+def main() -> None:
+    with interrupted_in_one_line("megaframe-eval"):
+        from megaframe.eval_cli import main as evaluate
+
+        evaluate()
