@@ -90,7 +90,10 @@ def pick_next(logits: torch.Tensor, temperature: float, top_k: Optional[int], to
     set whose probability reaches top_p (the most likely token always stays)."""
     if temperature == 0 or top_k == 1:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    # shifted by the row's largest first (softmax's own shift): logits / 1e-40 overflowed to inf, and
+    # softmax of inf is NaN (review: multinomial's traceback); (l - max) / T is at most 0 for any T > 0
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k and top_k < logits.shape[-1]:  # 0 or None: no cut
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -100,7 +103,13 @@ def pick_next(logits: torch.Tensor, temperature: float, top_k: Optional[int], to
         drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # the mass before it already reaches top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
+    try:
+        return torch.multinomial(probs, num_samples=1, generator=generator)
+    except RuntimeError as err:  # NaN logits: "probability tensor contains either inf, nan or element < 0"
+        if "probability tensor" not in str(err):
+            raise
+        raise ValueError("the model's next-token probabilities are not finite (its logits hold NaN or inf: "
+                         "are the checkpoint's weights finite?)") from None
 
 
 def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:

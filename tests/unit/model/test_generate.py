@@ -107,6 +107,17 @@ def test_top_k_and_top_p_keep_only_their_tokens():
     assert drawn(top_k=0, top_p=1.0) == {0, 1, 2, 3}  # 0 and 1: no cut
     low = set(gen.pick_next(logits, 0.05, None, None, generator).flatten().tolist())
     assert low == {0}  # a low temperature sharpens
+    for tiny in (1e-40, 1e-45):  # logits / T overflowed: softmax NaN, multinomial's traceback (review)
+        assert set(gen.pick_next(logits * 1e3, tiny, None, None, generator).flatten().tolist()) == {0}
+        assert set(gen.pick_next(logits * 1e3, tiny, 0, 0.9, generator).flatten().tolist()) == {0}
+
+
+def test_non_finite_logits_are_one_line_not_multinomials_error():
+    """A checkpoint whose weights hold NaN (hash-valid: saved that way) gives NaN logits."""
+    logits = torch.tensor([[0.0, float("nan"), 1.0]])
+    with pytest.raises(ValueError, match=r"^the model's next-token probabilities are not finite \(its logits hold "
+                                         r"NaN or inf: are the checkpoint's weights finite\?\)$"):
+        gen.pick_next(logits, 1.0, None, None, torch.Generator().manual_seed(0))
 
 
 def test_a_row_stops_at_the_end_of_document():
