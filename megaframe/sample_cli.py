@@ -28,6 +28,7 @@ from megaframe.common.result_output import printed_to_stdout
 
 PROG = "megaframe-sample"
 PROMPT_FILE_BYTES = 64 << 20  # a prompt file read beyond this is refused (the model reads its context)
+PROGRESS_EVERY_S = 10.0  # seconds between progress lines on stderr while a generation goes on
 SEPARATOR = "---------------"  # between samples, as nanoGPT's sample.py prints them
 
 
@@ -178,9 +179,16 @@ def sample(args: argparse.Namespace) -> list[dict]:
     if len(ids) > window:
         print(f"{PROG}: note: the prompt's {len(ids)} tokens exceed the model's context (model.seq_length="
               f"{window}): it sees the last {window}", file=sys.stderr, flush=True)
-    idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
-    out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, seed=args.seed, eod_id=tokenizer.eod_id)
+    try:
+        idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
+        out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                             top_p=args.top_p, seed=args.seed, eod_id=tokenizer.eod_id,
+                             progress=_Progress(args.max_new_tokens, args.num_samples))
+    except (MemoryError, RuntimeError) as err:  # torch: "can't allocate memory", "CUDA out of memory"
+        if not isinstance(err, MemoryError) and "alloc" not in str(err) and "out of memory" not in str(err):
+            raise
+        raise ValueError(f"--num-samples={args.num_samples} samples of {len(ids)} prompt tokens and --max-new-tokens="
+                         f"{args.max_new_tokens} new tokens do not fit in {device}'s memory; ask for fewer") from None
     results = []
     for row in out[:, len(ids):].tolist():
         stopped = tokenizer.eod_id in row
@@ -188,6 +196,23 @@ def sample(args: argparse.Namespace) -> list[dict]:
         results.append({"prompt_ids": ids, "new_ids": new, "text": tokenizer.decode(new), "stopped": stopped,
                         "full_text": tokenizer.decode(ids + new)})
     return results
+
+
+class _Progress:
+    """A line on stderr every PROGRESS_EVERY_S seconds of a generation that is still going, so that a
+    long one (or a mistyped --max-new-tokens) is not silent until it ends; stdout keeps the text."""
+
+    def __init__(self, total: int, samples: int):
+        import time
+
+        self.total, self.samples, self.clock = total, samples, time.monotonic
+        self.next_line = self.clock() + PROGRESS_EVERY_S
+
+    def __call__(self, done: int) -> None:
+        if done < self.total and self.clock() >= self.next_line:
+            print(f"{PROG}: {done:,} of {self.total:,} new tokens" + (f" ({self.samples:,} samples)" if
+                  self.samples > 1 else ""), file=sys.stderr, flush=True)
+            self.next_line = self.clock() + PROGRESS_EVERY_S
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

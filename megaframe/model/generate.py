@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -139,13 +139,17 @@ def dropless(model: nn.Module) -> Iterator[None]:
 @torch.no_grad()
 def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None, generator: Optional[torch.Generator] = None,
-             seed: Optional[int] = None, eod_id: Optional[int] = None, use_cache: bool = True) -> torch.Tensor:
+             seed: Optional[int] = None, eod_id: Optional[int] = None, use_cache: bool = True,
+             progress: Optional[Callable[[int], None]] = None) -> torch.Tensor:
     """idx (B, T) of token ids followed by up to max_new_tokens generated ones, (B, T + new).
 
     temperature 0 (or top_k 1) is greedy; else tokens are drawn with `generator`, or a generator
     seeded with `seed` (reproducible), or torch's global one. eod_id: a row that produces it stops
     there (later positions of that row repeat eod_id) and generation ends when every row has; None
-    generates max_new_tokens. use_cache=False recomputes the whole context for every token."""
+    generates max_new_tokens. use_cache=False recomputes the whole context for every token.
+    progress(n): called after each new token with the count so far (a tool's progress line).
+    The ids are written into one (B, T + max_new_tokens) buffer made first: a size that cannot be
+    held fails at once (torch.cat's growing copy cost time quadratic in the length, and failed late)."""
     check_sampling(temperature, top_k, top_p)
     if model.tp.size > 1 or model.positions is not None:
         raise ValueError("generate runs on a whole model (tp=1, no context parallelism): megaframe.load_model gives one")
@@ -161,28 +165,34 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
     # window (a 128k-context model's full-length cache is GiBs per sample for a short answer)
     room = min(window, min(idx.shape[1], window) + max_new_tokens)
     cache = KVCache(len(model.blocks), room) if use_cache else None
+    out = torch.empty(idx.shape[0], idx.shape[1] + max_new_tokens, dtype=idx.dtype, device=idx.device)
+    out[:, :idx.shape[1]] = idx
+    length = idx.shape[1]
     pending = idx[:, -window:]  # the tokens the cache does not hold yet
     done = torch.zeros(idx.shape[0], 1, dtype=torch.bool, device=idx.device)
     was_training = model.training
     model.eval()
     try:
         with dropless(model):
-            for _ in range(max_new_tokens):
+            for new in range(1, max_new_tokens + 1):
                 if cache is None:
-                    logits = full_forward(model, idx[:, -window:])
+                    logits = full_forward(model, out[:, max(0, length - window):length])
                 else:
                     if cache.length + pending.shape[1] > window:  # full: slide by recomputing the window
                         cache.reset()
-                        pending = idx[:, -window:]
+                        pending = out[:, max(0, length - window):length]
                     logits = forward_cached(model, pending, cache)
                 token = pick_next(logits, temperature, top_k, top_p, generator)
                 if eod_id is not None:
                     token = token.masked_fill(done, eod_id)
                     done = done | (token == eod_id)
-                idx = torch.cat([idx, token], dim=1)
+                out[:, length:length + 1] = token
+                length += 1
                 pending = token
+                if progress is not None:
+                    progress(new)
                 if eod_id is not None and bool(done.all()):  # one host read per token, as HF's generate
                     break
     finally:
         model.train(was_training)
-    return idx
+    return out[:, :length]

@@ -442,14 +442,15 @@ class GPT(nn.Module):
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
                  top_p: Optional[float] = None, generator: Optional[torch.Generator] = None,
-                 seed: Optional[int] = None, eod_id: Optional[int] = None, use_cache: bool = True) -> torch.Tensor:
+                 seed: Optional[int] = None, eod_id: Optional[int] = None, use_cache: bool = True,
+                 progress: Optional[Callable[[int], None]] = None) -> torch.Tensor:
         """idx (B, T) followed by up to max_new_tokens sampled tokens, with a key/value cache
         (megaframe/model/generate.py): temperature 0 or top_k 1 is greedy; seed or generator makes
-        sampling reproducible; a row stops at eod_id."""
+        sampling reproducible; a row stops at eod_id; progress(n) after each new token."""
         from megaframe.model.generate import generate
 
         return generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                        generator=generator, seed=seed, eod_id=eod_id, use_cache=use_cache)
+                        generator=generator, seed=seed, eod_id=eod_id, use_cache=use_cache, progress=progress)
 
 
 # ---- layout-invariant initialisation ---------------------------------------------------------

@@ -150,3 +150,21 @@ def test_a_seed_torch_cannot_take_and_a_prompt_file_without_end_are_one_line(tmp
         assert refusal(capsys, ckpt, "--tokenizer", "byte", "--prompt-file", path) == (
             f"megaframe-sample: error: --prompt-file={path}: larger than 64 MiB; a prompt is at most the model's "
             f"context, give its end only")
+
+
+def test_a_generation_that_cannot_be_held_is_one_line_at_once(tmp_path, capsys):
+    """--max-new-tokens 1e11 ran silent until killed, growing its ids by torch.cat (review): the ids'
+    buffer is made first, and a size memory cannot hold is refused before the first token."""
+    checkpoint(tmp_path / "ckpt", tokenizer="byte")
+    err = refusal(capsys, tmp_path / "ckpt", "--prompt-ids", "1,2", "--max-new-tokens", 10**15)
+    assert err == ("megaframe-sample: error: --num-samples=1 samples of 2 prompt tokens and --max-new-tokens="
+                   "1000000000000000 new tokens do not fit in cpu's memory; ask for fewer")
+
+
+def test_a_long_generation_says_how_far_it_is_on_stderr(tmp_path, capsys, monkeypatch):
+    checkpoint(tmp_path / "ckpt", tokenizer="byte")  # byte's end of document (256) is outside: never drawn
+    monkeypatch.setattr("megaframe.sample_cli.PROGRESS_EVERY_S", 0.0)
+    main([str(tmp_path / "ckpt"), "--prompt-ids", "1,2", "--max-new-tokens", "5", "--num-samples", "2", "--json"])
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [f"megaframe-sample: {n:,} of 5 new tokens (2 samples)" for n in range(1, 5)]
+    assert [len(json.loads(line)["new_ids"]) for line in captured.out.splitlines()] == [5, 5]
