@@ -49,13 +49,19 @@ def _eval_config(checkpoint: Path, overrides: Sequence[str], tokenizer: Optional
     tokenizer: the checkpoint's (_model_tokenizer), in place of the config's data.tokenizer."""
     from megaframe.config.compose import compose
     from megaframe.config.validate import ConfigError
-    from megaframe.run_config import load_run_config, run_config_file
+    from megaframe.run_config import IncompleteRunConfig, load_run_config, run_config_file
 
     config_file = run_config_file(checkpoint)
+    names_data = any(o.startswith(("data.path=", "data.blend=", "data=")) for o in overrides)
     if config_file is not None and (config_file.is_file() or config_file.is_symlink()):
-        return _checked(_with_tokenizer(load_run_config(config_file, overrides), tokenizer), config_file,
-                        overrides), config_file
-    if any(o.startswith(("data.path=", "data.blend=", "data=")) for o in overrides):
+        try:
+            return _checked(_with_tokenizer(load_run_config(config_file, overrides), tokenizer), config_file,
+                            overrides), config_file
+        except IncompleteRunConfig:
+            if not names_data:
+                raise
+            config_file = None  # a cut file, as a missing one: the data the user named, nothing of the file
+    if names_data:
         # the user named the data: theirs, not the run's
         return _checked(_with_tokenizer(compose(list(overrides))[0], tokenizer), None), None
     where = config_file or f"{checkpoint} (a checkpoint outside a run directory)"

@@ -68,6 +68,12 @@ def load_run_config(path: Path, overrides: Sequence[str] = ()) -> TrainConfig:
     from omegaconf import OmegaConf
 
     saved = saved_run_config(path)
+    # megaframe-train writes every section, each key in it: an empty or cut file is not the run's,
+    # and its gaps would be filled with defaults (the demo corpus scored in silence: review)
+    if missing := [key for key in _WRITTEN_KEYS if OmegaConf.select(saved, key, default=_ABSENT) is _ABSENT]:
+        raise IncompleteRunConfig(f"{path}: not the whole config megaframe-train wrote ({missing[0]} is missing), "
+                                  f"so the data the run trained on is unknown; put the run's config.yaml back, or "
+                                  f"name the data with data.path=PREFIX, data.blend=... or data=demo")
     _from_training_directory(saved, path.parent)
     typed = _apply(saved, overrides)
     try:
@@ -93,6 +99,16 @@ def saved_run_config(path: Path):
     if not OmegaConf.is_dict(saved):
         raise ConfigError(f"{path}: not a readable run config (a YAML mapping of config sections expected)")
     return saved
+
+
+class IncompleteRunConfig(ConfigError):
+    """RUN/config.yaml lacks keys every run's file holds: empty, cut, or written by hand."""
+
+
+_ABSENT = object()
+# the keys that name a run's data, which every run's config.yaml holds (a saved null counts): a
+# file without them is empty, cut, or not a run's, and the data it trained on is unknown
+_WRITTEN_KEYS = ("data.path", "data.tokenizer")
 
 
 def _read_run_file(path: Path, cap: int) -> str:

@@ -9,7 +9,7 @@ import pytest
 
 import megaframe.eval_cli as eval_cli
 from megaframe.config.validate import ConfigError
-from megaframe.run_config import load_run_config
+from megaframe.run_config import IncompleteRunConfig, load_run_config
 
 
 def test_json_output_is_strict_json_with_null_for_non_finite_figures(monkeypatch, capsys):
@@ -54,13 +54,20 @@ def test_overrides_change_single_keys_of_the_runs_config_or_pick_a_data_option(t
     config.write_text("data: [unclosed\n")
     with pytest.raises(ConfigError, match="not a readable run config"):
         load_run_config(config)
-    config.write_text("data:\n  no_such_key: 1\n")
+    config.write_text("data:\n  path: null\n  tokenizer: byte\n  no_such_key: 1\n")
     with pytest.raises(ConfigError, match="does not fit this megaframe's config schema"):
         load_run_config(config)
     # the file's own bad value, with a good override: the file is named
-    config.write_text("data:\n  tokenizer: byte\ntrain:\n  eval_steps: twenty\n")
+    config.write_text("data:\n  path: null\n  tokenizer: byte\ntrain:\n  eval_steps: twenty\n")
     with pytest.raises(ConfigError, match=f"^{config}: does not fit this megaframe's config schema"):
         load_run_config(config, ["data.tokenizer=byte"])
+    # an empty or cut file is not the run's: its gaps were the defaults (the demo corpus scored, review)
+    for cut in ("", "data:\n  valid_fraction: 0.5\n"):
+        config.write_text(cut)
+        with pytest.raises(IncompleteRunConfig, match=f"^{config}: not the whole config megaframe-train wrote "
+                                                      f"\\(data.path is missing\\), so the data the run trained on "
+                                                      f"is unknown; put the run's config.yaml back, or name the data"):
+            load_run_config(config)
     config.unlink()
     with pytest.raises(ConfigError, match="the run's config is missing"):
         load_run_config(config)
@@ -122,12 +129,18 @@ def test_a_linked_checkpoints_directory_is_scored_with_its_own_runs_config(tmp_p
     shared, run = tmp_path / "shared" / "proj", tmp_path / "run"
     _fake_checkpoint(shared / "checkpoints" / "global_step5")
     (shared / "checkpoints" / "latest").write_text("global_step5\n")
-    (shared / "config.yaml").write_text("data:\n  tokenizer: byte\ntrain:\n  eval_steps: 9\n")  # another run's
+    # another run's:
+    (shared / "config.yaml").write_text("data:\n  path: null\n  tokenizer: byte\ntrain:\n  eval_steps: 9\n")
     run.mkdir()
     (run / "checkpoints").symlink_to(shared / "checkpoints")
-    (run / "config.yaml").write_text("data:\n  tokenizer: byte\ntrain:\n  eval_steps: 3\n")
+    (run / "config.yaml").write_text("data:\n  path: null\n  tokenizer: byte\ntrain:\n  eval_steps: 3\n")
     cfg, config_file = _scored_config(monkeypatch, run / "checkpoints")
     assert (config_file, cfg.train.eval_steps) == (run / "config.yaml", 3)
+    (run / "config.yaml").write_text("")  # cut to nothing: only data the user names is scored, as with none
+    cfg, config_file = _scored_config(monkeypatch, run / "checkpoints", ["data=demo", "train.eval_steps=2"])
+    assert (config_file, cfg.train.eval_steps, eval_cli.describe_data(cfg.data)) == (
+        None, 2, "held-out 0.05 of the demo corpus")
+    (run / "config.yaml").write_text("data:\n  path: null\n  tokenizer: byte\ntrain:\n  eval_steps: 3\n")
     cfg, config_file = _scored_config(monkeypatch, run / "checkpoints" / "global_step5")
     assert (config_file, cfg.train.eval_steps) == (run / "config.yaml", 3)
     monkeypatch.chdir(run / "checkpoints")
@@ -145,8 +158,8 @@ def test_empty_data_overrides_are_refused_not_scored_as_other_data(tmp_path, mon
     for prefix in ("a", "b"):
         (tmp_path / f"{prefix}.bin").write_bytes(b"")
         (tmp_path / f"{prefix}.idx").write_bytes(b"")
-    (run / "config.yaml").write_text(f"data:\n  tokenizer: byte\n  valid_path: null\n"
-                                     f"  blend: [0.5, {tmp_path}/a, 0.5, {tmp_path}/b]\n")  # as a run saves it: every key
+    (run / "config.yaml").write_text(f"data:\n  path: null\n  tokenizer: byte\n  valid_path: null\n"
+                                     f"  blend: [0.5, {tmp_path}/a, 0.5, {tmp_path}/b]\n")  # as a run saves it
     monkeypatch.setattr("megaframe.load.load_model", lambda *_: pytest.fail("the model loaded"))
     for override, key in (("data.blend=[]", "data.blend=[] is empty"), ("data.valid_path=", "data.valid_path=''"),
                           ("data.tokenizer=", "data.tokenizer=''")):
