@@ -203,11 +203,19 @@ class ClosingLine(Callback):
         tokens_per_step = t.layout.global_batch_size * t.cfg.model.seq_length
         trained = f"{_amount((t.step - first) * tokens_per_step)} tokens in {minutes}m{seconds:02d}s"
         parts.append(f"{trained} (from step {first}; {_amount(t.step * tokens_per_step)} in all)" if first else trained)
-        try:
-            last = t.last_checkpoint or checkpoint.find_latest(t.checkpoint_dir)
-        except CheckpointError:  # an edited `latest`: the run's error line says so
+        if failed and self.first_step is None and t.fails_again and t.last_checkpoint is None and t.step == 0:
+            # refused before any checkpoint was read (a corrupt one, an edited `latest`): what
+            # `latest` names may be the one refused, and "none" beside good ones was wrong (review);
+            # the error line below says which checkpoint and why. One read and then refused (another
+            # global batch) set the step, and is still named: it is whole.
+            parts.append("no checkpoint written")
             last = None
-        parts.append(f"last checkpoint {last or 'none'}")
+        else:
+            try:
+                last = t.last_checkpoint or checkpoint.find_latest(t.checkpoint_dir)
+            except CheckpointError:  # an edited `latest`: the run's error line says so
+                last = None
+            parts.append(f"last checkpoint {last or 'none'}")
         if last is not None and ended != "finished" and not t.fails_again:
             parts.append(f"resume: {resume_command(t.run_dir)}")
         if self.out.wandb and (hint := self.out.wandb.sync_hint()):

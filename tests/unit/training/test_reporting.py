@@ -14,6 +14,7 @@ from megaframe.model.factory import resolve_dims
 from megaframe.parallel.dims import ParallelDims
 from megaframe.tracking.flops import flops_per_token, fp8_flops_per_token
 from megaframe.training.reporting import Callback, ClosingLine, Reporting, StepRecord, wandb_names
+from megaframe.resume_hint import resume_command
 
 
 def _trainer(tmp_path):
@@ -111,3 +112,22 @@ def test_the_closing_line_counts_the_tokens_this_process_trained_in_its_time(tmp
     assert closing.line(failed=False).split(" | ")[1] == "20.5k tokens in 0m00s"
     refused, closing = _closing(tmp_path, step=10, last_checkpoint=None)  # refused before training
     assert closing.line(failed=True).split(" | ")[1] == "0 tokens in 0m00s (from step 10; 10.2k in all)"
+
+
+def test_a_run_refused_before_training_names_no_checkpoint_as_its_last(tmp_path):
+    """A resume refused (exit 5: a truncated shard, `latest` edited to ../..) said "last checkpoint
+    none" beside three good ones, or named the checkpoint just refused (review). A failure a rerun
+    would not repeat still names what `latest` does, with the command that resumes."""
+    (tmp_path / "checkpoints" / "global_step30").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "latest").write_text("global_step30\n")
+    refused, closing = _closing(tmp_path, step=0, last_checkpoint=None)
+    refused.fails_again = True
+    assert closing.line(failed=True).split(" | ")[2] == "no checkpoint written"
+    (tmp_path / "checkpoints" / "latest").write_text("../..\n")
+    assert closing.line(failed=True).split(" | ")[2] == "no checkpoint written"
+    (tmp_path / "checkpoints" / "latest").write_text("global_step30\n")
+    refused.step = 30  # read, then refused (another global batch): it is whole, and named
+    assert closing.line(failed=True).split(" | ")[2] == f"last checkpoint {tmp_path / 'checkpoints' / 'global_step30'}"
+    refused.step, refused.fails_again = 0, False  # a node lost before the first step: the checkpoint stands
+    assert closing.line(failed=True).split(" | ")[2:4] == [
+        f"last checkpoint {tmp_path / 'checkpoints' / 'global_step30'}", f"resume: {resume_command(tmp_path)}"]
