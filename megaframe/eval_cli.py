@@ -133,7 +133,9 @@ def evaluate(checkpoint: Path, overrides: Sequence[str]) -> dict:
     model_tokenizer = _model_tokenizer(path, overrides, named)  # the data is scored as the model reads it
     cfg, config_file = _eval_config(named, overrides, model_tokenizer)
     batch, micro = cfg.parallel.global_batch_size, cfg.parallel.micro_batch_size
-    if micro < 1 or batch % micro:
+    if micro < 1 or batch < 1:  # -16 "must be a multiple of" -8, which it is (review)
+        raise ConfigError(f"parallel.micro_batch_size={micro} and parallel.global_batch_size={batch} must be >= 1")
+    if batch % micro:
         raise ConfigError(f"parallel.global_batch_size={batch} must be a multiple of parallel.micro_batch_size={micro}")
     if cfg.train.eval_steps < 1:
         raise ConfigError(f"train.eval_steps={cfg.train.eval_steps} must be >= 1")
@@ -222,8 +224,15 @@ def _check_ids(inputs, targets, vocab_size: int, where: str) -> None:
                           f"tokenized with another tokenizer or is corrupt: rebuild it with megaframe-preprocess")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose refusals are one line (no usage block), exit 2, as megaframe-sample's."""
+
+    def error(self, message: str) -> None:
+        _fail(f"{message} (see {PROG} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser = _Parser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1])
     parser.add_argument("checkpoint", type=Path, help="a layout-free checkpoint, or a run's checkpoints/ directory")
     parser.add_argument("overrides", nargs="*", help="data.* (or data=NAME), train.eval_steps, "
                                                       "parallel.micro_batch_size, parallel.global_batch_size")

@@ -141,6 +141,11 @@ def prompt_ids(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[int
                              "a new document")
         ids, what = tokenizer.encode(text), f"--prompt-file={args.prompt_file}"
     elif args.prompt is not None:
+        try:
+            args.prompt.encode("utf-8")
+        except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8 (Python keeps them as surrogates)
+            raise ValueError("--prompt holds bytes that are not UTF-8 text; write the prompt to a file in UTF-8 "
+                             "and pass --prompt-file FILE") from None
         ids, what = tokenizer.encode(args.prompt), "--prompt"
     else:  # a new document: what follows an end of document
         ids, what = [tokenizer.eod_id], f"the end-of-document id of {tokenizer.name}"

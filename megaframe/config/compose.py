@@ -31,8 +31,11 @@ def _one_line(ex: BaseException) -> str:
         return ("the configs' defaults lists include one another in a loop (Python's recursion limit ended the "
                 "composition); check the defaults: of the files in your --config-dir folders")
     if isinstance(ex, MissingConfigException) and ex.options:
-        group = ex.missing_cfg_file.rsplit("/", 1)[0] if ex.missing_cfg_file else "?"
-        name = ex.missing_cfg_file.rsplit("/", 1)[-1] if ex.missing_cfg_file else "?"
+        parts = (ex.missing_cfg_file or "?/?").split("/")
+        # the group is the path up to its last name, or up to a `..` the option held (data=../../etc
+        # read as "data/../..=etc": review)
+        cut = parts.index("..") if ".." in parts else len(parts) - 1
+        group, name = "/".join(parts[:cut]) or "?", "/".join(parts[cut:])
         hint = ("; megaframe submits SLURM jobs itself: launcher=slurm (docs/scaling.md)"
                 if group == "hydra/launcher" and name.startswith("submitit") else "")
         return f"{group}={name}: no such option; available: {', '.join(sorted(ex.options))}{hint}"

@@ -268,6 +268,18 @@ def test_the_data_is_scored_with_the_checkpoints_tokenizer_and_another_ones_toke
         f"--tokenizer {ckpt / 'tokenizer'}")
     assert refusal(f"data.path={tmp_path / 'bytes'}", "data.tokenizer=byte").startswith(
         "megaframe-eval: error: data.tokenizer=byte: the checkpoint's model was trained with ")
+    # -16 "must be a multiple of" -8, which it is; a path as a data option read as "data/../..=etc" (review)
+    with pytest.raises(SystemExit) as done:  # refusal() appends the good batch sizes
+        eval_cli.main([str(ckpt), f"data.path={tmp_path / 'words'}", "parallel.micro_batch_size=-8",
+                       "parallel.global_batch_size=-16"])
+    assert (done.value.code, capsys.readouterr().err) == (2, "megaframe-eval: error: parallel.micro_batch_size=-8 and "
+                                                             "parallel.global_batch_size=-16 must be >= 1\n")
+    assert refusal("data=../../etc") == "megaframe-eval: error: data=../../etc: no such option; available: demo"
+    with pytest.raises(SystemExit) as done:  # argparse's two-line usage block (review)
+        eval_cli.main(["--bogus"])
+    assert (done.value.code, capsys.readouterr().err) == (2, "megaframe-eval: error: the following arguments are "
+                                                             "required: checkpoint, overrides (see megaframe-eval "
+                                                             "--help)\n")
 
     # the run's own config naming a tokenizer directory and a training set that are both gone: its
     # checkpoint's copy serves, and data.valid_path is scored alone (both were refused, blaming config.yaml)

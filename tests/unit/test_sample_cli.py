@@ -168,3 +168,12 @@ def test_a_long_generation_says_how_far_it_is_on_stderr(tmp_path, capsys, monkey
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [f"megaframe-sample: {n:,} of 5 new tokens (2 samples)" for n in range(1, 5)]
     assert [len(json.loads(line)["new_ids"]) for line in captured.out.splitlines()] == [5, 5]
+
+
+def test_a_prompt_of_bytes_that_are_not_utf8_names_the_flag(tmp_path, capsys):
+    """The shell passes bytes Python keeps as surrogates: "'utf-8' codec can't encode characters in
+    position 2-3: surrogates not allowed", naming nothing (review)."""
+    checkpoint(tmp_path / "ckpt", tokenizer="byte")
+    assert refusal(capsys, tmp_path / "ckpt", "--prompt", "ab\udcff\udcfecd") == (
+        "megaframe-sample: error: --prompt holds bytes that are not UTF-8 text; write the prompt to a file in UTF-8 "
+        "and pass --prompt-file FILE")
