@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -53,7 +54,7 @@ def _eval_config(checkpoint: Path, overrides: Sequence[str], tokenizer: Optional
 
     config_file = run_config_file(checkpoint)
     names_data = any(o.startswith(("data.path=", "data.blend=", "data=")) for o in overrides)
-    if config_file is not None and (config_file.is_file() or config_file.is_symlink()):
+    if config_file is not None and os.path.lexists(config_file):  # a FIFO or folder: named, not "missing"
         try:
             return _checked(_with_tokenizer(load_run_config(config_file, overrides), tokenizer), config_file,
                             overrides), config_file

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from megaframe.common.failures import ExitCode
 from megaframe.common.launch_env import usable_cores
 from megaframe.common.atomic_io import atomic_write_text, fsync_dir, fsync_file
-from megaframe.common.safe_files import quote, read_capped
+from megaframe.common.safe_files import not_a_file, quote, read_capped
 from megaframe.checkpoint.coverage import whole_number
 from megaframe.checkpoint.file_hash import hash_file
 from megaframe.checkpoint.tokenizer_record import tokenizer_files
@@ -133,9 +133,25 @@ def inside(directory: Path, rel: str, source: str) -> Path:
     root = Path(directory).resolve()
     path = (root / rel).resolve() if isinstance(rel, str) else root
     if not isinstance(rel, str) or Path(rel).is_absolute() or path == root or root not in path.parents:
+        if isinstance(rel, str) and not Path(rel).is_absolute() and (link := _first_link(Path(directory), rel)):
+            # a link someone put there (a shard shared with another copy, a checkpoint on other storage):
+            # the name is megaframe's, so "the file was edited" sent the user to a good file (review)
+            raise CheckpointError(f"checkpoint {directory}: {link} is a symbolic link (to "
+                                  f"{quote(os.readlink(link), 200)}) leading outside {root}; megaframe reads no link "
+                                  f"out of a checkpoint: put the files themselves there")
         raise CheckpointError(f"checkpoint {directory}: {source} names {rel!r}, outside the checkpoint directory; "
                               f"the file was edited or is not a megaframe checkpoint")
     return path
+
+
+def _first_link(directory: Path, rel: str) -> Optional[Path]:
+    """The first component of directory/rel that is a symbolic link, if any."""
+    path = directory
+    for part in Path(rel).parts:
+        path = path / part
+        if path.is_symlink():
+            return path
+    return None
 
 
 LATEST_FILE = "latest"
@@ -163,6 +179,8 @@ def read_manifest(directory: Path) -> dict:
     """manifest.json of a checkpoint (CheckpointError when absent or unreadable)."""
     directory = Path(directory)
     manifest_path = directory / MANIFEST_FILE
+    if problem := not_a_file(manifest_path):
+        raise CheckpointError(f"checkpoint {directory}: {problem}; the checkpoint was changed since it was saved")
     if not manifest_path.is_file():
         raise CheckpointError(f"checkpoint {directory} has no {MANIFEST_FILE}: it is incomplete (a save that did not "
                               f"finish) or not a megaframe checkpoint")
@@ -183,6 +201,9 @@ def verify_files(directory: Path, files: dict[str, dict], threads: int = 1) -> N
     paths = {}
     for rel, meta in files.items():
         path = paths[rel] = inside(directory, rel, MANIFEST_FILE)
+        if problem := not_a_file(path):  # a FIFO or a folder of its name was called missing (review)
+            raise CheckpointError(f"checkpoint {directory}: {problem}; the checkpoint was changed since it was "
+                                  f"saved")
         if not path.is_file():
             raise CheckpointError(f"checkpoint {directory} is incomplete: {rel} is missing")
         size = path.stat().st_size

@@ -14,7 +14,7 @@ import errno
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 
 class UnsafeFile(OSError):
@@ -31,6 +31,20 @@ def _what(mode: int) -> str:
     if stat.S_ISSOCK(mode):
         return "a socket"
     return "a device or special file"
+
+
+def not_a_file(path: Path) -> Optional[str]:
+    """"PATH is a FIFO, not a file megaframe wrote" when something other than a regular file is at
+    `path` (not followed: a link is named as one); None when a regular file or nothing is there.
+    Where a file megaframe wrote is looked for, a FIFO or a folder of its name was called missing."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    target = f" (to {quote(os.readlink(path), 200)})" if stat.S_ISLNK(mode) else ""
+    return f"{path} is {_what(mode)}{target}, not a file megaframe wrote"
 
 
 def open_regular(path: Path, flags: int, mode: int = 0o644) -> int:

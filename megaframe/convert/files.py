@@ -30,6 +30,7 @@ from megaframe.checkpoint.boxes import Box
 from megaframe.checkpoint.sharded import ShardReader
 from megaframe.checkpoint.stream import write_streaming
 from megaframe.common.atomic_io import fsync_file
+from megaframe.common.safe_files import not_a_file
 from megaframe.checkpoint.tokenizer_record import (RECORD_KEY, TOKENIZER_FILES, has_tokenizer,  # noqa: F401
                                                    tokenizer_files)
 from megaframe.convert.hf import ConvertError
@@ -379,6 +380,9 @@ def resolve_checkpoint(path: Path) -> Path:
         if kind == "unsaved":
             raise ConvertError(f"{path}: no checkpoint in it yet (no `{universal.LATEST_FILE}`: the run has not "
                                f"finished a save); train.save_interval sets how often a run saves")
+        for name in (universal.STATE_FILE, universal.INDEX_FILE, universal.MODEL_FILE):
+            if problem := not_a_file(path / name):  # a FIFO of its name: "needs state.json" (review)
+                raise ConvertError(f"{problem}; the checkpoint was changed since it was saved")
         raise ConvertError(f"{path}: not a layout-free megaframe checkpoint (needs {universal.STATE_FILE} and "
                            f"{universal.INDEX_FILE} or {universal.MODEL_FILE}); pass a checkpoint directory or a "
                            f"run's checkpoints/ directory")

@@ -200,6 +200,9 @@ def test_run_files_are_read_once_not_through_links_and_capped(tmp_path, monkeypa
     os.mkfifo(run / "config.yaml")  # nobody writes it: reading it would wait forever
     with pytest.raises(ConfigError, match="config.yaml is a FIFO"):
         load_run_config(run / "config.yaml")
+    _fake_checkpoint(run / "checkpoints" / "global_step5")  # megaframe-eval called it "missing" (review)
+    with pytest.raises(ConfigError, match="config.yaml is a FIFO"):
+        _scored_config(monkeypatch, run / "checkpoints" / "global_step5")
     (run / "config.yaml").unlink()
     (run / "config.yaml").write_text("model:\n  seq_length: 32\n")
     assert _seq_length(run) == 32 and _seq_length(tmp_path) is None  # the plot: read, or no config at all

@@ -4,6 +4,7 @@ vocabulary padding, and the readers of the index, the manifest, state.json and t
 from __future__ import annotations
 
 import io
+import os
 import json
 from pathlib import Path
 
@@ -236,3 +237,43 @@ def test_hashing_on_threads_names_the_first_bad_file_in_the_manifests_order(tmp_
         (tmp_path / name).write_bytes(b"x" * 100_000)  # same size, other bytes
     with pytest.raises(universal.CheckpointError, match=r": b does not match its sha256"):
         universal.verify_files(tmp_path, files, threads=threads)
+
+
+def test_a_fifo_folder_or_link_where_a_checkpoint_file_was_is_named_as_what_it_is(saved, tmp_path):
+    """A FIFO or a folder in a listed file's place was "missing", manifest.json's "has no
+    manifest.json", state.json's "not a layout-free checkpoint (needs state.json ...)"; a shard or
+    a global_stepN linked to other storage "names ..., outside the checkpoint directory; the file
+    was edited", which sent the user to a good `latest` (review)."""
+    from megaframe.convert.files import ConvertError, resolve_checkpoint
+
+    universal.verify_manifest(saved)
+    shard = saved / "shards" / "rank00001.safetensors"
+    copy = tmp_path / "elsewhere.safetensors"
+    copy.write_bytes(shard.read_bytes())
+    shard.unlink()
+    shard.symlink_to(copy)
+    with pytest.raises(CheckpointError, match=f"^checkpoint {saved}: {shard} is a symbolic link \\(to {copy}\\) "
+                                              f"leading outside {saved}; megaframe reads no link out of a checkpoint"):
+        universal.verify_manifest(saved)
+    shard.unlink()
+    os.mkfifo(shard)  # nobody writes it: reading it would wait
+    with pytest.raises(CheckpointError, match=f"^checkpoint {saved}: {shard} is a FIFO, not a file megaframe wrote; "
+                                              f"the checkpoint was changed since it was saved$"):
+        universal.verify_manifest(saved)
+    manifest = saved / universal.MANIFEST_FILE
+    manifest.unlink()
+    manifest.mkdir()
+    with pytest.raises(CheckpointError, match=f"{manifest} is a directory, not a file megaframe wrote"):
+        universal.verify_manifest(saved)
+    state = saved / universal.STATE_FILE
+    state.unlink()
+    os.mkfifo(state)
+    with pytest.raises(ConvertError, match=f"^{state} is a FIFO, not a file megaframe wrote"):
+        resolve_checkpoint(saved)
+    run = tmp_path / "run" / "checkpoints"  # a global_stepN linked to other storage, `latest` naming it
+    run.mkdir(parents=True)
+    (run / "global_step5").symlink_to(saved)
+    (run / "latest").write_text("global_step5\n")
+    with pytest.raises(ConvertError, match=f"{run / 'global_step5'} is a symbolic link \\(to {saved}\\) leading "
+                                           f"outside {run}"):
+        resolve_checkpoint(run)
