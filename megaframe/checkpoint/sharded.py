@@ -237,7 +237,7 @@ class ShardReader:
             self._declared = isinstance(index, dict) and index.get("padding") == PADDING_DECLARED
             if not isinstance(self.tensors, dict) or not all(_entry_ok(e) for e in self.tensors.values()):
                 raise CheckpointError(f"checkpoint {directory}: {INDEX_FILE} is damaged (its tensor table is not "
-                                      f"{{name: {{shape, group}}}}); resume from an earlier checkpoint")
+                                      f"{{name: {{shape, group}}}}); use an earlier checkpoint")
         else:
             self.tensors = {}
             for filename in (universal.MODEL_FILE, universal.OPTIMIZER_FILE):
@@ -285,7 +285,7 @@ class ShardReader:
         if key not in self._covered:
             if problem := coverage_problem(self.shape(key), self._chunks[key]):
                 raise CheckpointError(f"checkpoint {self.directory}: tensor {key}: {problem}; the checkpoint is "
-                                      f"damaged: resume from an earlier one (train.resume=PATH)")
+                                      f"damaged: use an earlier one (train.resume=PATH to train on)")
             self._covered.add(key)
         return self._chunks[key]
 
@@ -301,7 +301,7 @@ class ShardReader:
                 handle = universal.open_tensors(self.directory, rel)
             except Exception as err:  # safetensors' own errors (truncated, garbage header) are no OSError
                 raise CheckpointError(f"checkpoint {self.directory}: {rel} (holding tensor {key}) is not a readable "
-                                      f"safetensors file ({universal.quote(err)}); resume from an earlier "
+                                      f"safetensors file ({universal.quote(err)}); use an earlier "
                                       f"checkpoint") from None
             self._handles[rel] = self._stack.enter_context(handle)
         return self._handles[rel]
@@ -318,7 +318,7 @@ class ShardReader:
         except Exception as err:  # a missing key or a file that lies about its data
             raise CheckpointError(f"checkpoint {self.directory}: tensor {key}: {chunk['file']} does not hold chunk "
                                   f"{chunk['key'][:80]!r} as indexed ({universal.quote(err)}); the checkpoint is "
-                                  f"damaged: resume from an earlier one") from None
+                                  f"damaged: use an earlier one") from None
 
     def read(self, key: str, box: Box, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The fp32 values of `box` of tensor `key`; only past the stored rows of a tensor declared

@@ -94,8 +94,8 @@ def read_json(path: Path, what: str) -> Any:
     except OSError as err:
         raise CheckpointError(f"{what} cannot be read ({err.strerror or err})") from None
     except ValueError as err:  # JSONDecodeError and UnicodeDecodeError: position only, no content
-        raise CheckpointError(f"{what} is not valid JSON ({quote(err, 100)}): damaged; resume from an "
-                              f"earlier checkpoint") from None
+        raise CheckpointError(f"{what} is not valid JSON ({quote(err, 100)}): damaged; use an earlier "
+                              f"checkpoint") from None
 
 
 def _atomic_json(path: Path, obj: Any) -> None:
@@ -190,7 +190,7 @@ def read_manifest(directory: Path) -> dict:
             isinstance(meta, dict) and isinstance(meta.get("bytes"), int) and isinstance(meta.get("sha256"), str)
             for meta in files.values()):
         raise CheckpointError(f"checkpoint {directory}: {MANIFEST_FILE} is unreadable (its file table is not "
-                              f"{{file: {{bytes, sha256}}}}); resume from an earlier checkpoint")
+                              f"{{file: {{bytes, sha256}}}}); use an earlier checkpoint")
     return manifest
 
 
@@ -375,14 +375,19 @@ def read_state(directory: Path) -> dict[str, Any]:
     path = Path(directory) / STATE_FILE
     state = read_json(path, f"checkpoint {directory}: {STATE_FILE}")
     if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint {directory}: {STATE_FILE} holds no JSON object; resume from an earlier "
+        raise CheckpointError(f"checkpoint {directory}: {STATE_FILE} holds no JSON object; use an earlier "
                               f"checkpoint")
     if state.get("format") != FORMAT or state.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(f"checkpoint {directory}: {STATE_FILE} is format {quote(state.get('format'))!r} "
                               f"version {quote(state.get('version'))!r}; this megaframe reads {FORMAT!r} versions "
                               f"{', '.join(map(str, READABLE_VERSIONS))}")
     if problem := _field_problem(state):
-        raise CheckpointError(f"checkpoint {directory}: {STATE_FILE}'s {problem}; resume from an earlier checkpoint")
+        raise CheckpointError(f"checkpoint {directory}: {STATE_FILE}'s {problem}; use an earlier checkpoint")
+    named = re.fullmatch(r"global_step(\d+)", Path(directory).name)
+    if named and int(named[1]) != state["step"]:  # a step of 10^15 in global_step30 trained on (review)
+        raise CheckpointError(f"checkpoint {directory}: {STATE_FILE}'s 'step' is {state['step']}, not the {named[1]} "
+                              f"its directory is named after (saves name it after the step): it was edited or "
+                              f"renamed; use an earlier checkpoint")
     return state
 
 
@@ -394,7 +399,7 @@ def _field_problem(state: dict[str, Any]) -> Optional[str]:
                           ("global_batch_size", False)):
         value = state.get(key)
         if (required or value is not None) and not (whole_number(value) and value >= 0):
-            return f"'{key}' is {quote(repr(value))}, not a whole number"
+            return f"'{key}' is {quote(repr(value))}, not a whole number" + (" >= 0" if whole_number(value) else "")
     for key in ("lr_scheduler", "loss_scaler", "layout", "run", "data", "guard"):
         if key in state and not isinstance(state[key], dict):
             return f"'{key}' is {quote(repr(state[key]))[:80]}, not a JSON object"

@@ -93,7 +93,7 @@ def test_an_index_written_before_the_declaration_pads_the_vocabulary_rows_by_nam
 
 def test_a_missing_chunk_is_exit_5_naming_the_tensor_not_zeros(saved):
     _edit_group(saved, "blocks.0", lambda chunks: chunks["blocks.0.w"].pop(1))
-    _refused(saved, "blocks.0.w", "no chunk covers element", "a chunk is missing", "resume from an earlier one")
+    _refused(saved, "blocks.0.w", "no chunk covers element", "a chunk is missing", "use an earlier one")
 
 
 def test_a_missing_chunk_is_refused_by_eval_and_export_too(saved):

@@ -84,7 +84,8 @@ def test_wrong_format_is_refused(tmp_path):
 
 @pytest.mark.parametrize("field, value, says", [
     ("step", "x", "'step' is 'x', not a whole number"), ("step", True, "'step' is True"),
-    ("consumed_samples", -4, "'consumed_samples' is -4"), ("optim_step", 2.5, "'optim_step' is 2.5"),
+    ("consumed_samples", -4, "'consumed_samples' is -4, not a whole number >= 0"),
+    ("optim_step", 2.5, "'optim_step' is 2.5, not a whole number"),
     ("lr_scheduler", [1, 2], "'lr_scheduler' is [1, 2], not a JSON object"),
     ("lr_scheduler", {"last_epoch": "7"}, "'lr_scheduler.last_epoch' is '7'"),
     ("loss_scaler", {"cur_scale": "big"}, "'loss_scaler.cur_scale' is 'big', not a number")])
@@ -96,8 +97,20 @@ def test_a_crafted_state_json_is_one_line_not_a_traceback(tmp_path, field, value
     (path / "state.json").write_text(json.dumps({**state, field: value}))
     with pytest.raises(CheckpointError, match="state.json's " + re.escape(says)) as err:
         universal.read_state(path)
-    assert "\n" not in str(err.value) and "resume from an earlier checkpoint" in str(err.value)
+    assert "\n" not in str(err.value) and "use an earlier checkpoint" in str(err.value)
     assert universal.read_state(_write(tmp_path / "good")[0])["step"] == 7
+
+
+def test_a_step_other_than_its_directory_names_is_refused(tmp_path):
+    """state.json's step set to 10^15 in global_step30 (manifest re-hashed) trained on, ending
+    "finished at step 1000000000000000/40" (review); saves name a checkpoint after its step."""
+    path, _, _ = _write(tmp_path / "global_step7")
+    assert universal.read_state(path)["step"] == 7
+    renamed = path.rename(tmp_path / "global_step30")
+    with pytest.raises(CheckpointError, match=f"^checkpoint {renamed}: state.json's 'step' is 7, not the 30 its "
+                                              f"directory is named after"):
+        universal.read_state(renamed)
+    assert universal.read_state(renamed.rename(tmp_path / "my-copy"))["step"] == 7  # a name of the user's own
 
 
 @pytest.mark.parametrize("module_name, canonical", [
