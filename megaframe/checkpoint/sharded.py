@@ -299,6 +299,8 @@ class ShardReader:
             universal.inside(self.directory, rel, INDEX_FILE)
             try:
                 handle = universal.open_tensors(self.directory, rel)
+            except CheckpointError:
+                raise
             except Exception as err:  # safetensors' own errors (truncated, garbage header) are no OSError
                 raise CheckpointError(f"checkpoint {self.directory}: {rel} (holding tensor {key}) is not a readable "
                                       f"safetensors file ({universal.quote(err)}); use an earlier "

@@ -454,4 +454,10 @@ def is_optimizer_key(key: str) -> bool:
 
 def open_tensors(directory: Path, filename: str):
     """A safetensors handle (memory-mapped; get_slice reads only the requested rows/columns)."""
-    return safe_open(str(Path(directory) / filename), framework="pt", device="cpu")
+    path = str(Path(directory) / filename)
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:  # bytes of another encoding in a folder's name: the checkpoint was blamed (review)
+        raise CheckpointError(f"checkpoint {quote(str(directory), 200)}: its path is not UTF-8 text, which safetensors "
+                              f"cannot open; rename the folder (or move the checkpoint) to a UTF-8 name") from None
+    return safe_open(path, framework="pt", device="cpu")

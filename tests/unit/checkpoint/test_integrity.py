@@ -277,3 +277,15 @@ def test_a_fifo_folder_or_link_where_a_checkpoint_file_was_is_named_as_what_it_i
     with pytest.raises(ConvertError, match=f"{run / 'global_step5'} is a symbolic link \\(to {saved}\\) leading "
                                            f"outside {run}"):
         resolve_checkpoint(run)
+
+
+def test_a_checkpoint_under_a_folder_name_that_is_not_utf8_names_the_path(saved, tmp_path):
+    """A good checkpoint below a folder named in another encoding was "not a readable safetensors
+    file ... use an earlier checkpoint": safetensors opens only UTF-8 paths (review)."""
+    odd = tmp_path / "odd\udcff"  # the byte 0xff, as Python keeps a name the file system gives it
+    odd.mkdir()
+    moved = saved.rename(odd / "ckpt")
+    with sharded.ShardReader(moved) as reader, pytest.raises(CheckpointError) as error:
+        reader.full("blocks.0.w")
+    assert str(error.value).endswith(": its path is not UTF-8 text, which safetensors cannot open; rename the folder "
+                                     "(or move the checkpoint) to a UTF-8 name"), str(error.value)
