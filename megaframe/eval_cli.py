@@ -179,7 +179,13 @@ def evaluate(checkpoint: Path, overrides: Sequence[str]) -> dict:
     unit, value = bits(loss, cfg.data.tokenizer)
     return {"checkpoint": str(path), "config": str(config_file) if config_file else None, "data": where,
             "samples": cfg.train.eval_steps * batch, "tokens_per_sample": model.dims.seq_length, "loss": loss,
-            "perplexity": math.exp(loss) if loss < 700 else float("inf"), unit: value}
+            "perplexity": perplexity(loss), unit: value}
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss): inf past exp's range; a NaN loss (a diverged checkpoint) is a NaN perplexity, not
+    the inf it was printed as (review)."""
+    return float("inf") if loss >= 700 else math.exp(loss)
 
 
 def _model_tokenizer(path: Path, overrides: Sequence[str], named: Path) -> Optional[str]:

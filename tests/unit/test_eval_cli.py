@@ -31,6 +31,12 @@ def test_json_output_is_strict_json_with_null_for_non_finite_figures(monkeypatch
                                        "over 8 samples of 32 tokens\n")
 
 
+def test_perplexity_is_nan_for_a_nan_loss_and_inf_past_exps_range():
+    assert math.isnan(eval_cli.perplexity(float("nan")))
+    assert eval_cli.perplexity(800.0) == eval_cli.perplexity(float("inf")) == float("inf")
+    assert eval_cli.perplexity(math.log(8.0)) == pytest.approx(8.0)
+
+
 def test_overrides_change_single_keys_of_the_runs_config_or_pick_a_data_option(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text("data:\n  path: data/train\n  valid_path: data/val\n  tokenizer: byte\n"
