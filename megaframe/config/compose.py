@@ -320,16 +320,26 @@ def hydra_code_problem(hydra: DictConfig) -> Optional[str]:
             return (f"{where}: megaframe runs no code from a config, nor lets one write outside the run; use "
                     f"logging.StreamHandler, logging.NullHandler, a logging.FileHandler under "
                     f"${{hydra.runtime.output_dir}}, rich.logging.RichHandler or colorlog.ColoredFormatter")
-    for kind in ("sweeper", "launcher"):
-        # Hydra builds only a plugin class it has registered, but says so in a traceback
-        target = str((hydra.get(kind) or {}).get("_target_", ""))
-        if target and not _is_plugin(target, kind):
-            return (f"hydra.{kind}._target_={target}: not a Hydra {kind} installed here; choose one by its "
-                    f"option, hydra/{kind}=NAME ({_PLUGIN_EXAMPLES[kind]})")
     for name in (hydra.get("job") or {}).get("env_set") or {}:
         if name in _CODE_LOADING_ENV or name.startswith("LD_") or name.endswith("_PLUGIN"):
             return (f"hydra.job.env_set.{name}: it makes the run's processes load code, and megaframe runs no code "
                     f"from a config; set it in the environment yourself if you mean to")
+    return None
+
+
+def hydra_plugin_problem(hydra: DictConfig) -> Optional[str]:
+    """For a -m sweep, which Hydra runs through its sweeper and launcher plugins: a _target_ Hydra has
+    not registered (it refuses to build one, but in a traceback), or an interpolation (read as written,
+    not resolved: one Hydra cannot resolve was its traceback too). A single run builds neither."""
+    for kind in ("sweeper", "launcher"):
+        node = hydra.get(kind)
+        target = OmegaConf.to_container(node, resolve=False).get("_target_") if node is not None else None
+        if isinstance(target, str) and "${" in target:
+            return (f"hydra.{kind}._target_={target}: a plugin is named by its class, not an interpolation; choose "
+                    f"one by its option, hydra/{kind}=NAME ({_PLUGIN_EXAMPLES[kind]})")
+        if isinstance(target, str) and not _is_plugin(target, kind):
+            return (f"hydra.{kind}._target_={target}: not a Hydra {kind} installed here; choose one by its "
+                    f"option, hydra/{kind}=NAME ({_PLUGIN_EXAMPLES[kind]})")
     return None
 
 

@@ -55,7 +55,7 @@ def check_sweep_point(point: list[str]) -> None:
     """One point of a -m sweep, as megaframe-train alone would check it before launching its ranks
     (compose, validate, the planner's fit, the launcher's package, the dataset's files)."""
     from megaframe.backends.registry import validate_for_engine
-    from megaframe.config.compose import compose
+    from megaframe.config.compose import compose_for_run, hydra_plugin_problem
     from megaframe.config.validate import requested_world_size
     from megaframe.launch.checks import dataset_problem, launcher_problem
     from megaframe.launch.slurm import job_world_size as slurm_world_size
@@ -64,7 +64,9 @@ def check_sweep_point(point: list[str]) -> None:
     from megaframe.plan.report import verdict
     from megaframe.plan.search import validated_to_search
 
-    cfg, _ = compose(point)
+    cfg, _, composed = compose_for_run(point)
+    if problem := hydra_plugin_problem(composed.hydra):
+        raise ConfigError(problem)
     world = slurm_world_size(cfg) or requested_world_size(cfg)
     # parallel=auto: a layout given that the world cannot divide is the search's to replace, as in a plain run
     cfg, layout, _ = validated_to_search(cfg, world, lambda c, w: validate_for_engine(c, w, ask_bf16=False))

@@ -110,18 +110,30 @@ def test_a_config_file_that_names_code_for_hydra_to_run_is_refused_before_it_run
     assert (tmp_path / "src").read_text() == "copied"  # a log file named outside the run: not truncated
 
 
-@pytest.mark.parametrize("kind, target", [("sweeper", "os.system"), ("launcher", "own_module.Launcher"),
-                                          ("launcher", "hydra._internal.core_plugins.basic_sweeper.BasicSweeper")])
-def test_a_sweeper_or_launcher_hydra_has_not_registered_is_one_line_naming_the_key(own, kind, target):
-    """Hydra refuses to build such a class, but in a traceback (review); an override and a file alike."""
-    for args in ([f"hydra.{kind}._target_={target}"],
-                 ["--config-dir", str(own), "model=plugin"]):
-        (own / "model" / "plugin.yaml").write_text(f"# @package _global_\nhydra:\n  {kind}:\n    _target_: {target}\n")
-        with pytest.raises(ConfigError) as refused:
-            compose(config_dirs_as_searchpath(args))
-        assert str(refused.value).startswith(f"hydra.{kind}._target_={target}: not a Hydra {kind} installed here; "
-                                             f"choose one by its option, hydra/{kind}=NAME"), str(refused.value)
-    compose(["hydra/sweeper=basic", "hydra/launcher=megaframe_local"])
+@pytest.mark.parametrize("kind, target, says", [
+    ("sweeper", "os.system", "not a Hydra sweeper installed here"),
+    ("launcher", "own_module.Launcher", "not a Hydra launcher installed here"),
+    ("launcher", "hydra._internal.core_plugins.basic_sweeper.BasicSweeper", "not a Hydra launcher installed here"),
+    ("sweeper", "${oc.env:NOPE}", "a plugin is named by its class, not an interpolation")])
+def test_a_sweeps_plugin_hydra_has_not_registered_is_one_line_naming_the_key(own, kind, target, says):
+    """Hydra refuses to build such a class, or to resolve such an interpolation, but in a traceback
+    (review): an override and a file alike. A single run builds no sweeper or launcher, so it trains
+    whatever a shared recipe pins there (review)."""
+    from megaframe.config.compose import compose_for_run, hydra_plugin_problem
+    from megaframe.launch.sweep import check_sweep_point
+
+    (own / "model" / "plugin.yaml").write_text(f"# @package _global_\nhydra:\n  {kind}:\n    _target_: '{target}'\n")
+    for args in ([f"hydra.{kind}._target_='{target}'"], ["--config-dir", str(own), "model=plugin"]):
+        args = config_dirs_as_searchpath(args)
+        problem = hydra_plugin_problem(compose_for_run(args)[2].hydra)
+        assert problem == (f"hydra.{kind}._target_={target}: {says}; choose one by its option, hydra/{kind}=NAME "
+                           f"(hydra/{kind}={'basic' if kind == 'sweeper' else 'megaframe_local'}, or an installed "
+                           f"plugin's option)"), problem
+        compose(args)  # a single run
+    with pytest.raises(ConfigError, match=f"^hydra.{kind}._target_="):
+        check_sweep_point(config_dirs_as_searchpath(["--config-dir", str(own), "model=plugin"]))
+    assert hydra_plugin_problem(compose_for_run(["hydra/sweeper=basic", "hydra/launcher=megaframe_local"])[2].hydra) \
+        is None
 
 
 def test_a_logging_config_of_loggings_own_sinks_and_the_common_plugins_is_the_users_to_set(own):
