@@ -324,11 +324,12 @@ TRASH_PREFIX = "tmp-del-"  # a directory on its way out: the next publish delete
 def finish_interrupted_swaps(parent: Path) -> list[Path]:
     """Put right what a crash between replace_dir's two renames left in `parent`: NAME gone, its old
     copy at tmp-old-NAME and the new one at tmp-NAME. The old copy, which `latest` named, is renamed
-    back and the new one goes to the trash; so is a tmp-old-NAME `latest` names whose tmp-NAME is
-    gone (a user cleared it: a tmp-global_stepN is never a checkpoint). Any other tmp-old-NAME (the
-    swap done, or an empty husk a delete left on NFS) goes to the trash too. Renames only, nothing deleted here: the next publish
-    empties the trash. Before this, a resume fell back past NAME (a step saved twice, as a stop right
-    after a resume does) and the aside copy stayed on the storage for good. Returns what came back."""
+    back and the new one goes to the trash. A tmp-old-NAME that `latest` names comes back too when
+    its tmp-NAME is gone (a user cleared it: a tmp-global_stepN is never a checkpoint). Any other
+    tmp-old-NAME (the swap done, or an empty husk a delete left on NFS) goes to the trash. Renames
+    only, nothing deleted here: the next publish empties the trash. Before this, a resume fell back
+    past NAME (a step saved twice, as a stop right after a resume does) and the aside copy stayed on
+    the storage for good. Returns what came back."""
     restored = []
     try:
         named = latest_pointer(parent)
@@ -337,7 +338,9 @@ def finish_interrupted_swaps(parent: Path) -> list[Path]:
     for old in sorted(Path(parent).glob(f"{OLD_PREFIX}*")):
         name = old.name.removeprefix(OLD_PREFIX)
         final, new = old.with_name(name), old.with_name(f"tmp-{name}")
-        cut_in_two = new.is_dir() or final == named  # `latest` names it: someone cleared tmp-NAME (review)
+        # `latest` names it: someone cleared tmp-NAME (review); by name, as `named` is resolved and
+        # `parent` may not be (a checkpoints/ linked to shared storage)
+        cut_in_two = new.is_dir() or (named is not None and named.name == name)
         if not os.path.lexists(final) and old.is_dir() and not old.is_symlink() and cut_in_two:
             if os.path.lexists(new):
                 os.replace(new, trash_name(new.with_name(name)))

@@ -161,6 +161,16 @@ def test_an_interrupted_swap_is_put_right_and_a_finished_one_cleared(tmp_path):
     assert not (tmp_path / "global_step7").exists() and not (tmp_path / "tmp-old-global_step7").exists()
     assert (tmp_path / "global_step2" / "file").read_text() == "new 2"
 
+    # the same through a checkpoints/ linked to shared storage (review: `latest`'s resolved path never
+    # equalled the unresolved one, and the copy went to the trash)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "tmp-old-global_step9").mkdir()
+    (shared / "latest").write_text("global_step9\n")
+    (tmp_path / "linked").symlink_to(shared)
+    assert universal.finish_interrupted_swaps(tmp_path / "linked") == [tmp_path / "linked" / "global_step9"]
+    assert (shared / "global_step9").is_dir()
+
     # and a save of the step whose swap was interrupted removes the aside copy the crash left
     directory("tmp-old-global_step6", "old 6")
     directory("tmp-global_step6", "new 6")
