@@ -215,9 +215,14 @@ class _Progress:
 
     def __call__(self, done: int) -> None:
         if done < self.total and self.clock() >= self.next_line:
-            print(f"{PROG}: {done:,} of {self.total:,} new tokens" + (f" ({self.samples:,} samples)" if
-                  self.samples > 1 else ""), file=sys.stderr, flush=True)
             self.next_line = self.clock() + PROGRESS_EVERY_S
+            if sys.stderr is None:  # started with 2>&-: print(file=None) would write into the result
+                return
+            try:
+                print(f"{PROG}: {done:,} of {self.total:,} new tokens" + (f" ({self.samples:,} samples)" if
+                      self.samples > 1 else ""), file=sys.stderr, flush=True)
+            except OSError:  # stderr's reader gone (2>&1 | head): the line is a courtesy, the text goes on
+                pass
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

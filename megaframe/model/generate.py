@@ -88,7 +88,8 @@ def pick_next(logits: torch.Tensor, temperature: float, top_k: Optional[int], to
     """The next token of each row, (B, 1): the argmax at temperature 0 or top_k 1; else a draw
     from softmax(logits / temperature) restricted to the top_k tokens and then to the smallest
     set whose probability reaches top_p (the most likely token always stays)."""
-    if temperature == 0 or top_k == 1:
+    # below float32's smallest normal, T became 0 in the division and 0/0 NaN (review): the limit is greedy
+    if temperature < torch.finfo(torch.float32).tiny or top_k == 1:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float()
     # shifted by the row's largest first (softmax's own shift): logits / 1e-40 overflowed to inf, and
@@ -151,6 +152,8 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
     The ids are written into one (B, T + max_new_tokens) buffer made first: a size that cannot be
     held fails at once (torch.cat's growing copy cost time quadratic in the length, and failed late)."""
     check_sampling(temperature, top_k, top_p)
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
     if model.tp.size > 1 or model.positions is not None:
         raise ValueError("generate runs on a whole model (tp=1, no context parallelism): megaframe.load_model gives one")
     if idx.dim() != 2 or idx.shape[1] == 0:
@@ -195,4 +198,5 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
                     break
     finally:
         model.train(was_training)
-    return out[:, :length]
+    # a copy when it stopped early: the view would keep the whole B x (T + max_new_tokens) buffer alive
+    return out if length == out.shape[1] else out[:, :length].clone()

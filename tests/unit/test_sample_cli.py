@@ -168,6 +168,9 @@ def test_a_long_generation_says_how_far_it_is_on_stderr(tmp_path, capsys, monkey
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [f"megaframe-sample: {n:,} of 5 new tokens (2 samples)" for n in range(1, 5)]
     assert [len(json.loads(line)["new_ids"]) for line in captured.out.splitlines()] == [5, 5]
+    monkeypatch.setattr("sys.stderr", None)  # started with 2>&-: the lines went into the result (review)
+    main([str(tmp_path / "ckpt"), "--prompt-ids", "1,2", "--max-new-tokens", "5", "--json"])
+    assert [len(json.loads(line)["new_ids"]) for line in capsys.readouterr().out.splitlines()] == [5]
 
 
 def test_a_prompt_of_bytes_that_are_not_utf8_names_the_flag(tmp_path, capsys):

@@ -107,7 +107,7 @@ def test_top_k_and_top_p_keep_only_their_tokens():
     assert drawn(top_k=0, top_p=1.0) == {0, 1, 2, 3}  # 0 and 1: no cut
     low = set(gen.pick_next(logits, 0.05, None, None, generator).flatten().tolist())
     assert low == {0}  # a low temperature sharpens
-    for tiny in (1e-40, 1e-45):  # logits / T overflowed: softmax NaN, multinomial's traceback (review)
+    for tiny in (1e-40, 1e-45, 1e-50, 1e-300):  # logits / T overflowed (or T became 0): NaN, a traceback
         assert set(gen.pick_next(logits * 1e3, tiny, None, None, generator).flatten().tolist()) == {0}
         assert set(gen.pick_next(logits * 1e3, tiny, 0, 0.9, generator).flatten().tolist()) == {0}
 
@@ -136,6 +136,8 @@ def test_a_row_stops_at_the_end_of_document():
     # one row: generation ends at its end of document
     single = model.generate(prompt[:1], 12, temperature=0, eod_id=eod)
     assert single[0].tolist() == free[0, : 3 + first + 1].tolist()
+    # stopped early: its own ids, not a view that keeps the whole B x (T + max_new) buffer (review)
+    assert single.shape[1] < 3 + 12 and single.untyped_storage().nbytes() == single.numel() * single.element_size()
 
 
 @pytest.mark.parametrize("kwargs, message", [({"temperature": -1.0}, "temperature=-1.0 must be >= 0"),
@@ -149,6 +151,8 @@ def test_bad_sampling_settings_are_refused(kwargs, message):
         model.generate(torch.zeros(1, 2, dtype=torch.long), 3, **kwargs)
     with pytest.raises(ValueError, match="at least one token"):
         model.generate(torch.zeros(1, 0, dtype=torch.long), 3)
+    with pytest.raises(ValueError, match="max_new_tokens=-1 must be >= 0"):  # torch's negative-size error (review)
+        model.generate(torch.zeros(1, 2, dtype=torch.long), -1)
 
 
 def test_the_cache_holds_the_prompt_and_the_new_tokens_not_the_whole_context(monkeypatch):
