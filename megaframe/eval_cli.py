@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megaframe.common.ctrl_c import interrupted_in_one_line
-from megaframe.common.result_output import printed_to_stdout
+from megaframe.common.result_output import printed_to_stdout, require_stdout
 
 PROG = "megaframe-eval"
 ALLOWED = ("data.", "data=", "train.eval_steps=", "parallel.micro_batch_size=", "parallel.global_batch_size=")
@@ -265,6 +265,7 @@ def _main(argv: Optional[Sequence[str]]) -> None:
     from megaframe.tracking.metrics import strict_json
 
     args = build_parser().parse_args(argv)
+    require_stdout(PROG)
     try:
         result = evaluate(args.checkpoint, args.overrides)
     except BadData as err:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
 from megaframe.common.ctrl_c import interrupted_in_one_line
-from megaframe.common.result_output import printed_to_stdout
+from megaframe.common.result_output import printed_to_stdout, require_stdout
 
 PROG = "megaframe-sample"
 PROMPT_FILE_BYTES = 64 << 20  # a prompt file read beyond this is refused (the model reads its context)
@@ -227,6 +227,7 @@ class _Progress:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
+    require_stdout(PROG)
     with interrupted_in_one_line(PROG):  # Ctrl-C: 130, as megaframe-train's (docs/failures.md), no traceback
         try:
             results = sample(args)

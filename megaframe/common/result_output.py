@@ -14,15 +14,21 @@ import os
 import sys
 from typing import Iterator
 
-EXIT_NOT_WRITTEN = 1  # docs/failures.md: the storage failed (a full disk, a quota, EIO)
+EXIT_NOT_WRITTEN = 1  # docs/failures.md's exit 1 for the tools: a write failed (as megaframe-preprocess's)
+
+
+def require_stdout(prog: str) -> None:
+    """Before the work: a tool started with stdout closed (`>&-`) would evaluate or generate for
+    hours and then print nothing (Python made print() a no-op)."""
+    if sys.stdout is None:
+        _fail(prog, "standard output is closed, so the result cannot be printed; run it with stdout open "
+                    "(a file or a pipe)")
 
 
 @contextlib.contextmanager
 def printed_to_stdout(prog: str) -> Iterator[None]:
     """Around the printing of a tool's result (flushed before the block ends)."""
-    if sys.stdout is None:  # started with fd 1 closed: Python made print() a no-op
-        _fail(prog, "standard output is closed, so the result cannot be printed; run it with stdout open "
-                    "(a file or a pipe)")
+    require_stdout(prog)
     try:
         yield
         sys.stdout.flush()

@@ -14,7 +14,7 @@ import sys
 from typing import Optional, Sequence
 
 from megaframe.common.ctrl_c import interrupted_in_one_line
-from megaframe.common.result_output import printed_to_stdout
+from megaframe.common.result_output import printed_to_stdout, require_stdout
 from megaframe.config.schema import TrainConfig
 from megaframe.config.validate import ConfigError, Layout, requested_world_size
 from megaframe.plan.estimate import Estimate, estimate_config, plan_layout
@@ -208,6 +208,7 @@ def _main(argv: Optional[Sequence[str]]) -> None:
         print(__doc__.strip())
         return
     want_json = "--json" in args
+    require_stdout(PROG)
     args, dry_rank = _dry_run_flag([a for a in args if a != "--json"])
     try:
         overrides = config_dirs_as_searchpath(args)

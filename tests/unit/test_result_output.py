@@ -37,11 +37,14 @@ def test_a_reader_that_closed_the_pipe_is_exit_0_without_a_traceback(tmp_path):
         done.stderr
 
 
-def test_a_closed_stdout_is_one_line_and_exit_1(tmp_path):
-    done = subprocess.run(f"exec {PLAN} --json >&-", shell=True, cwd=tmp_path, env=cli_env(),
-                          stderr=subprocess.PIPE, text=True, timeout=120)
-    assert (done.returncode, done.stderr.splitlines()[-1:]) == (1, [
-        "megaframe-plan: error: standard output is closed, so the result cannot be printed; run it with stdout "
+@pytest.mark.parametrize("tool, args", [("megaframe-plan", "--json"), ("megaframe-eval", "no-such-checkpoint"),
+                                        ("megaframe-sample", "no-such-checkpoint")])
+def test_a_closed_stdout_is_one_line_and_exit_1_before_the_work(tmp_path, tool, args):
+    """Said first: an evaluation or a generation ran to its end, then printed nothing (review)."""
+    done = subprocess.run(f"exec {Path(sys.executable).parent / tool} {args} >&-", shell=True, cwd=tmp_path,
+                          env=cli_env(), stderr=subprocess.PIPE, text=True, timeout=120)
+    assert (done.returncode, done.stderr.splitlines()) == (1, [
+        f"{tool}: error: standard output is closed, so the result cannot be printed; run it with stdout "
         "open (a file or a pipe)"]), done.stderr
 
 
