@@ -208,7 +208,7 @@ class ClosingLine(Callback):
             # `latest` names may be the one refused, and "none" beside good ones was wrong (review);
             # the error line below says which checkpoint and why. One read and then refused (another
             # global batch) set the step, and is still named: it is whole.
-            parts.append("no checkpoint written")
+            parts.append("nothing resumed: see the error below")
             last = None
         else:
             try:

@@ -122,9 +122,9 @@ def test_a_run_refused_before_training_names_no_checkpoint_as_its_last(tmp_path)
     (tmp_path / "checkpoints" / "latest").write_text("global_step30\n")
     refused, closing = _closing(tmp_path, step=0, last_checkpoint=None)
     refused.fails_again = True
-    assert closing.line(failed=True).split(" | ")[2] == "no checkpoint written"
+    assert closing.line(failed=True).split(" | ")[2] == "nothing resumed: see the error below"
     (tmp_path / "checkpoints" / "latest").write_text("../..\n")
-    assert closing.line(failed=True).split(" | ")[2] == "no checkpoint written"
+    assert closing.line(failed=True).split(" | ")[2] == "nothing resumed: see the error below"
     (tmp_path / "checkpoints" / "latest").write_text("global_step30\n")
     refused.step = 30  # read, then refused (another global batch): it is whole, and named
     assert closing.line(failed=True).split(" | ")[2] == f"last checkpoint {tmp_path / 'checkpoints' / 'global_step30'}"
