@@ -56,27 +56,35 @@ def inside_a_run(run_dir: Path) -> Optional[str]:
     LOCK_NAME is a run's directory), whose saves replace and prune what is there (global_stepN,
     tmp-*): a run directory put there vanished with its checkpoints at that run's next save, unsaid.
     Read as given (absolute) and with its links resolved; elsewhere under a run's folder is fine.
-    A checkpoints/ linked to shared storage is known at its target by the `latest` its saves write."""
+    A checkpoints/ linked to shared storage is known at its target by the `latest` its saves write
+    (there, only what its saves prune is refused: a global_stepN or tmp-* and what lies below)."""
     for path in dict.fromkeys((Path(os.path.abspath(run_dir)), Path(run_dir).resolve())):
         for folder in (path, *path.parents):
             if folder.name == "checkpoints" and os.path.lexists(folder.parent / LOCK_NAME):
                 return (f"run dir {run_dir} is inside {folder}, the checkpoints of the run in {folder.parent}, "
                         f"whose saves replace and prune what lies there; choose a run dir outside it "
                         f"(hydra.run.dir=...)")
-            if _names_a_checkpoint(folder / "latest"):
-                return (f"run dir {run_dir} is inside {folder}, a run's checkpoints (its latest file names one), "
-                        f"whose saves replace and prune what lies there; choose a run dir outside it "
+            if _PRUNED.fullmatch(folder.name) and _megaframes_checkpoints(folder.parent):
+                return (f"run dir {run_dir} is inside {folder}, a checkpoint of a run's checkpoints "
+                        f"({folder.parent}), whose saves replace and prune it; choose a run dir outside it "
                         f"(hydra.run.dir=...)")
     return None
 
 
-def _names_a_checkpoint(latest: Path) -> bool:
-    """Whether `latest` is a checkpoint store's pointer (megaframe's and DeepSpeed's: global_stepN)."""
+_PRUNED = re.compile(r"global_step\d+|tmp-.+")  # what a run's saves replace, prune and trash (checkpoint/store.py)
+
+
+def _megaframes_checkpoints(folder: Path) -> bool:
+    """Whether `folder` is megaframe's checkpoints/ (reached through a link to shared storage too):
+    its `latest` names a global_stepN that holds megaframe's manifest.json. DeepSpeed's own save
+    folder also has a `latest`, but no manifest, and nothing there prunes (review)."""
+    latest = folder / "latest"
     try:
         if not latest.is_file():  # a folder, a FIFO (whose open would wait) or nothing there: not one
             return False
         with open(latest, "rb") as pointer:
-            return re.fullmatch(rb"global_step\d+\s*", pointer.read(64)) is not None
+            named = re.fullmatch(rb"(global_step\d+)\s*", pointer.read(64))
+        return named is not None and (folder / named[1].decode() / "manifest.json").is_file()
     except OSError:
         return False
 

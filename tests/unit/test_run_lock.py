@@ -63,28 +63,34 @@ def test_a_run_dir_inside_another_runs_checkpoints_is_refused_before_it_is_made(
 
 def test_a_run_dir_inside_a_runs_checkpoints_on_shared_storage_is_refused(tmp_path):
     """R1/checkpoints a link to shared storage: a run dir given at the link's target was accepted, and
-    R1's saves pruned it (review). Its saves' `latest` marks the target; a `latest` that names no
-    checkpoint, or a FIFO of that name (whose open would wait), does not."""
+    R1's saves pruned it (review). Its saves' `latest`, naming a checkpoint with megaframe's manifest,
+    marks the target, and only what they prune (global_stepN, tmp-*) is refused there. DeepSpeed's
+    own save folder (a `latest`, no manifest), a `latest` naming no checkpoint, or a FIFO of that
+    name (whose open would wait) mark nothing (review)."""
     shared = tmp_path / "scratch" / "r1-checkpoints"
     (shared / "global_step2").mkdir(parents=True)
     holder = _holder(tmp_path / "R1")
     holder.kill()
     holder.wait()
     (tmp_path / "R1" / "checkpoints").symlink_to(shared)
-    nested = shared / "global_step2" / "run"
-    assert run_lock.acquire(nested) is None  # no save has finished: nothing there is pruned yet
-    run_lock.release(nested)
     (shared / "latest").write_text("global_step2")
-    problem = run_lock.acquire(shared / "global_step2" / "again")
-    assert problem == (f"run dir {shared / 'global_step2' / 'again'} is inside {shared}, a run's checkpoints (its "
-                       f"latest file names one), whose saves replace and prune what lies there; choose a run dir "
-                       f"outside it (hydra.run.dir=...)")
-    assert not (shared / "global_step2" / "again").exists()
-    (tmp_path / "notes").mkdir()
+    nested = shared / "global_step2" / "run"
+    assert run_lock.acquire(nested) is None  # DeepSpeed's layout: no manifest.json, nothing megaframe prunes
+    run_lock.release(nested)
+    (shared / "global_step2" / "manifest.json").write_text("{}")
+    for inside in (shared / "global_step2" / "again", shared / "tmp-global_step4" / "x"):
+        problem = run_lock.acquire(inside)
+        pruned = inside.parent
+        assert problem == (f"run dir {inside} is inside {pruned}, a checkpoint of a run's checkpoints ({shared}), "
+                           f"whose saves replace and prune it; choose a run dir outside it (hydra.run.dir=...)")
+        assert not inside.exists()
+    assert run_lock.acquire(shared / "beside") is None  # in the folder, but nothing its saves touch
+    run_lock.release(shared / "beside")
+    (tmp_path / "notes" / "global_step1").mkdir(parents=True)
     (tmp_path / "notes" / "latest").write_text("my newest notes\n")
-    (tmp_path / "pipes").mkdir()
+    (tmp_path / "pipes" / "global_step1").mkdir(parents=True)
     os.mkfifo(tmp_path / "pipes" / "latest")
-    for fine in (tmp_path / "notes" / "run", tmp_path / "pipes" / "run"):
+    for fine in (tmp_path / "notes" / "global_step1" / "run", tmp_path / "pipes" / "global_step1" / "run"):
         assert run_lock.acquire(fine) is None
         run_lock.release(fine)
 
