@@ -117,8 +117,19 @@ def read_hf_weights(hf_dir: Path) -> Mapping[str, torch.Tensor]:
     return LazyTensors(shapes, make, part)
 
 
+def _utf8_path(path: Path) -> None:
+    """safetensors opens only a path of UTF-8 text; a folder named in another encoding made a good
+    file "not a readable safetensors file" (review)."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConvertError(f"{universal.quote(str(path), 200)}: its path is not UTF-8 text, which safetensors cannot "
+                           f"open; rename the folder (or move it) to a UTF-8 name") from None
+
+
 def _weight_files(hf_dir: Path) -> list[Path]:
     """The weight files, safetensors first; sharded checkpoints through their index."""
+    _utf8_path(hf_dir)
     for single, index in (("model.safetensors", "model.safetensors.index.json"),
                           ("pytorch_model.bin", "pytorch_model.bin.index.json")):
         if (hf_dir / single).is_file():
@@ -142,6 +153,7 @@ def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
         raise ConvertError(f"{path}: weights file not found")
+    _utf8_path(path)
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 

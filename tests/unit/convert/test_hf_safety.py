@@ -219,6 +219,17 @@ def test_an_output_that_is_a_file_or_a_link_is_refused_even_with_force(kind, tmp
     assert out.is_symlink() or out.read_text() == "global_step4\n"
 
 
+def test_an_hf_directory_below_a_folder_name_that_is_not_utf8_names_the_path(tmp_path):
+    """safetensors opens only UTF-8 paths: a good model.safetensors was "not a readable safetensors
+    file" (review)."""
+    odd = tmp_path / "odd\udcff" / "hf"  # the byte 0xff, as Python keeps a name the file system gives it
+    _save_tiny(tmp_path / "hf").rename(odd.parent.mkdir() or odd)
+    with pytest.raises(ConvertError, match=r": its path is not UTF-8 text, which safetensors cannot open; rename the "
+                                           r"folder \(or move it\) to a UTF-8 name$"):
+        import_hf(odd, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def _save_tiny(directory):
     tiny_hf("gpt2").save_pretrained(directory)
     return directory
