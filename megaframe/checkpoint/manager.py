@@ -118,9 +118,20 @@ class CheckpointManager:
                                        before_publish=self.save_hook(step), record_timeout_s=t.collective_timeout_s,
                                        trash=self.trash, trash_wait_s=0.0 if stopping else store.TRASH_WAIT_S)
             except OSError as err:  # a full disk or a quota: which checkpoint, why, and that the last one stands
+                self._not_published(t.async_save)
                 tag = f"global_step{step}"
                 raise save_failure(err, tag, str(self.dir), store.restart_point(self.dir, tag, t.resume)) from err
+            except BaseException:
+                self._not_published(t.async_save)
+                raise
         return self.last
+
+    def _not_published(self, background: bool) -> None:
+        """A background save's failure surfaces at the next save or at the end: the checkpoint in
+        flight, which `last` named, was never published, and the closing line named it beside the
+        error saying the one before stands (review). Then `latest` says what is there."""
+        if background:
+            self.last = None
 
     def fast_save(self, step: int) -> None:
         """This rank's part of a checkpoint into node-local memory and its buddy's (no shared storage)."""
@@ -134,7 +145,11 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until the save in flight (train.async_save) is published; raise its error."""
-        self.background.wait()
+        try:
+            self.background.wait()
+        except BaseException:
+            self._not_published(True)
+            raise
 
     def trash_deleted(self) -> None:
         """Block until rank 0's thread has deleted the pruned checkpoints: a clean run's end, after its

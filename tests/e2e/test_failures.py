@@ -403,6 +403,9 @@ def test_a_full_disk_during_a_save_is_one_line_with_exit_8_and_the_last_checkpoi
     assert "train.resume=auto continues from it" in line
     assert "the previous checkpoint, global_step2, is untouched" in line  # async too (review)
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "global_step2"
+    # the closing line named the checkpoint in flight, never published (review)
+    closing = result.stdout.strip().splitlines()[-1]
+    assert f"| last checkpoint {tmp_path / 'checkpoints' / 'global_step2'}" in closing, closing
     resumed = run_cli([*args, "train.resume=auto"])
     assert_ok(resumed)
     assert "resumed from" in resumed.stdout and "global_step2" in resumed.stdout
