@@ -27,7 +27,7 @@ class ExitCode(enum.IntEnum):
     BAD_CHECKPOINT = 5  # the checkpoint to resume from is corrupt or incompatible
     MISSING_SYSTEM = 6  # a system piece failed after launch (a DeepSpeed op that does not load)
     RANK_HUNG = 7  # a rank did not reach a collective within train.collective_timeout_s (or join within join_timeout_s)
-    SAVE_FAILED = 8  # a checkpoint could not be written (a full disk, a quota, permissions); the last good one stands
+    SAVE_FAILED = 8  # a checkpoint (or, on a full disk, any run file) could not be written; the last good one stands
 
 
 class RunFailure(Exception):
@@ -145,10 +145,26 @@ def classify(err: BaseException) -> RunFailure:
     (data's DataError, checkpoint's CheckpointError) map to its failure; anything else is internal."""
     if isinstance(err, RunFailure):
         return err
+    if full_disk := _full_disk(err):
+        return SaveFailed(f"{full_disk} while the run wrote its files (metrics.jsonl, W&B's offline folder, the fast "
+                          f"tier, a checkpoint); free space or raise the quota where it writes, then resume: "
+                          f"train.resume=auto continues from the newest checkpoint, which a failed write leaves whole")
     kind = type(err).__name__
     first_line = (str(err).strip().splitlines() or [kind])[0]
     failure = _BY_CODE.get(getattr(err, "exit_code", None))
     return failure(first_line) if failure is not None else RunFailure(f"{kind}: {first_line}")
+
+
+def _full_disk(err: BaseException) -> Optional[str]:
+    """A full disk or quota, in words, wherever the run was writing (a record, a fast-tier part, a
+    restored checkpoint: review found each of them exit 1, "an internal error"). torch.save says it
+    as a RuntimeError of its zip writer ("unexpected pos"), naming no errno."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{err.strerror}" + (f" ({err.filename})" if err.filename else "")
+    text = str(err)
+    if isinstance(err, RuntimeError) and "inline_container" in text and ("unexpected pos" in text or "write" in text):
+        return f"torch.save could not write its file ({text.strip().splitlines()[0][:120]}): a full disk or a quota"
+    return None
 
 
 def exit_code_of_job(codes: list[Optional[int]]) -> int:

@@ -5,6 +5,7 @@ stderr and exit code 2 (docs/failures.md)."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -129,6 +130,26 @@ def check_system(cfg: TrainConfig, layout: Layout) -> None:
         fail(problem)
 
 
+RUN_DIR_MIN_FREE = 1 << 20  # below a MiB free, the run's first writes (config.yaml, logs) fail
+
+
+def run_dir_space_problem(run_dir: str) -> Optional[str]:
+    """A run dir on a disk that is full: the first write (config.yaml) was a Hydra traceback, exit 1
+    (review: the resume command a full disk's exit 8 printed, run before freeing space)."""
+    folder = Path(run_dir)
+    while not folder.exists() and folder != folder.parent:  # the run dir may not exist yet
+        folder = folder.parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return None  # the run dir's own checks say what is wrong with it
+    if free < RUN_DIR_MIN_FREE:
+        return (f"run dir {run_dir}: its disk has {free:,} bytes free, too few for the run's first files; free "
+                f"space there (train.resume=auto then continues from the newest checkpoint) or choose another "
+                f"run dir (hydra.run.dir=...)")
+    return None
+
+
 def fast_tier_space_problem(cfg: TrainConfig, layout: Layout, run_dir: str) -> Optional[str]:
     """train.fast_save_interval: room in train.fast_save_dir (node memory, /dev/shm: 64 MB in a default
     container) for what this host's ranks keep there, FAST_TIER_PARTS parts each at their peak
@@ -197,6 +218,8 @@ def check_before_launch(cfg: TrainConfig, layout: Layout, run_dir: str) -> None:
         fail(problem)
     check_resume(cfg, run_dir)
     check_system(cfg, layout)
+    if problem := run_dir_space_problem(run_dir):
+        fail(problem)
     if problem := fast_tier_space_problem(cfg, layout, run_dir):
         if os.environ.get("LOCAL_RANK", "0") != "0":  # the node's problem: its local rank 0 says it
             sys.exit(2)

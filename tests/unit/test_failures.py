@@ -47,3 +47,21 @@ def test_the_guides_exit_code_table_lists_every_code():
     guide = (REPO / "docs" / "failures.md").read_text().split("## Exit codes", 1)[1].split("\n## ", 1)[0]
     listed = {int(m) for m in re.findall(r"^\| (\d+) \|", guide, flags=re.M)}
     assert listed == {0, *(int(code) for code in ExitCode)}
+
+
+def test_a_full_disk_wherever_the_run_writes_is_exit_8_not_an_internal_error():
+    """metrics.jsonl, W&B's offline folder, a fast-tier part (torch.save's zip writer says it as a
+    RuntimeError, no errno) and a fast-tier checkpoint copied back to the run dir were exit 1, "an
+    internal error (a bug)", with a bare OSError line (review)."""
+    import errno
+
+    for err in (OSError(errno.ENOSPC, "No space left on device"),
+                OSError(errno.EDQUOT, "Disk quota exceeded", "/runs/r/metrics.jsonl"),
+                RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 832 vs 726")):
+        failure = classify(err)
+        assert failure.exit_code == ExitCode.SAVE_FAILED == 8 and "\n" not in str(failure), failure
+        assert "free space or raise the quota where it writes, then resume: train.resume=auto" in str(failure)
+    assert "(/runs/r/metrics.jsonl)" in str(classify(OSError(errno.EDQUOT, "Disk quota exceeded",
+                                                             "/runs/r/metrics.jsonl")))
+    for other in (OSError(errno.ENOENT, "No such file or directory", "x"), RuntimeError("shape mismatch")):
+        assert classify(other).exit_code == ExitCode.INTERNAL  # not every OSError is the disk's

@@ -81,3 +81,23 @@ def test_a_fast_tier_directory_without_room_is_refused_before_launch(tmp_path, m
     assert fast_tier_space_problem(elastic, elastic_layout, elastic_dir) is None
     cfg, layout, _ = check([*fast, "train.fast_save_interval=0"])
     assert fast_tier_space_problem(cfg, layout, run_dir) is None  # no fast tier: nothing kept there
+
+
+def test_a_run_dir_on_a_full_disk_is_refused_before_launch(tmp_path, monkeypatch):
+    """The resume command a full disk's exit 8 prints, run before freeing space, wrote config.yaml
+    first: a Hydra traceback, exit 1 (review). Asked of the nearest folder that exists."""
+    import shutil
+    from collections import namedtuple
+
+    from megaframe.launch import checks
+
+    usage = namedtuple("usage", "total used free")
+    asked = []
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: asked.append(path) or usage(10 << 20, 10 << 20, 4096))
+    run_dir = tmp_path / "runs" / "new"
+    assert checks.run_dir_space_problem(str(run_dir)) == (
+        f"run dir {run_dir}: its disk has 4,096 bytes free, too few for the run's first files; free space there "
+        f"(train.resume=auto then continues from the newest checkpoint) or choose another run dir (hydra.run.dir=...)")
+    assert asked == [tmp_path]
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 20, 8 << 20, 2 << 20))
+    assert checks.run_dir_space_problem(str(run_dir)) is None
