@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megaframe.common.failures import PROG, ExitCode, JobStopped, RankHung, RunFailure, classify, is_peer_failure
+from megaframe.common.failures import (PROG, ExitCode, JobStopped, RankHung, RunFailure, SaveFailed, classify,
+                                       is_peer_failure)
 from megaframe.parallel.elastic import record_job_stop
 from megaframe.parallel.hang import describe_hang, is_collective_timeout
 from megaframe.common.safe_files import open_regular
@@ -59,8 +60,14 @@ def translate(err: BaseException, step: int, collective_timeout_s: float) -> Bas
 def report_failure(err: BaseException, run_dir: Path, rank: int) -> int:
     """Log err's traceback, print its one line when this rank is the one to, return the exit code."""
     failure: RunFailure = classify(err)
+    if not Path(run_dir).is_dir():  # moved or deleted under the run: that is the cause, whatever failed on it
+        failure = SaveFailed(f"run dir {run_dir} is gone (moved or deleted while the run trained), so its files "
+                             f"could not be written; if it was moved, continue there: megaframe-train "
+                             f"train.resume=auto hydra.run.dir=NEW_PATH")
     path = log_path(run_dir, rank)
     try:
+        if not Path(run_dir).is_dir():
+            raise FileNotFoundError(run_dir)  # no logs/ made at the old path, which a resume would take for the run
         _write_traceback(path, err)
         where = f"; traceback in {path}"
     except OSError:  # an unwritable run dir must not hide the error itself
