@@ -136,11 +136,10 @@ RUN_DIR_MIN_FREE = 1 << 20  # below a MiB free, the run's first writes (config.y
 def run_dir_space_problem(run_dir: str) -> Optional[str]:
     """A run dir on a disk that is full: the first write (config.yaml) was a Hydra traceback, exit 1
     (review: the resume command a full disk's exit 8 printed, run before freeing space)."""
-    folder = Path(run_dir)
-    while not folder.exists() and folder != folder.parent:  # the run dir may not exist yet
-        folder = folder.parent
-    try:
-        free = shutil.disk_usage(folder).free
+    from megaframe.common.paths import nearest_existing
+
+    try:  # the run dir may not exist yet
+        free = shutil.disk_usage(nearest_existing(Path(run_dir))).free
     except OSError:
         return None  # the run dir's own checks say what is wrong with it
     if free < RUN_DIR_MIN_FREE:
@@ -162,8 +161,6 @@ def fast_tier_space_problem(cfg: TrainConfig, layout: Layout, run_dir: str) -> O
         return None
     if launcher_world_size() is None and (cfg.launcher.name != "local" or cfg.launcher.min_nodes is not None):
         return None
-    import shutil
-
     from megaframe.checkpoint.fast_tier import run_key
     from megaframe.common.paths import nearest_existing
     from megaframe.plan.estimate import estimate_config
