@@ -458,9 +458,17 @@ def is_optimizer_key(key: str) -> bool:
 def open_tensors(directory: Path, filename: str):
     """A safetensors handle (memory-mapped; get_slice reads only the requested rows/columns)."""
     path = str(Path(directory) / filename)
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:  # bytes of another encoding in a folder's name: the checkpoint was blamed (review)
-        raise CheckpointError(f"checkpoint {quote(str(directory), 200)}: its path is not UTF-8 text, which safetensors "
-                              f"cannot open; rename the folder (or move the checkpoint) to a UTF-8 name") from None
+    if problem := not_utf8(path, "the checkpoint"):  # a folder's name in another encoding: the checkpoint was blamed
+        raise CheckpointError(f"checkpoint {quote(str(directory), 200)}: {problem}")
     return safe_open(path, framework="pt", device="cpu")
+
+
+def not_utf8(path: "str | Path", what: str) -> Optional[str]:
+    """Why safetensors cannot open `path`, when its name is not UTF-8 text (bytes of another encoding
+    in a folder's name, which Python keeps as surrogates); `what` is what the user may move instead."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        return f"its path is not UTF-8 text, which safetensors cannot open; rename the folder (or move {what}) to a " \
+               f"UTF-8 name"
+    return None

@@ -120,11 +120,8 @@ def read_hf_weights(hf_dir: Path) -> Mapping[str, torch.Tensor]:
 def _utf8_path(path: Path) -> None:
     """safetensors opens only a path of UTF-8 text; a folder named in another encoding made a good
     file "not a readable safetensors file" (review)."""
-    try:
-        str(path).encode("utf-8")
-    except UnicodeEncodeError:
-        raise ConvertError(f"{universal.quote(str(path), 200)}: its path is not UTF-8 text, which safetensors cannot "
-                           f"open; rename the folder (or move it) to a UTF-8 name") from None
+    if problem := universal.not_utf8(path, "it"):
+        raise ConvertError(f"{universal.quote(str(path), 200)}: {problem}")
 
 
 def _weight_files(hf_dir: Path) -> list[Path]:
