@@ -243,6 +243,8 @@ class BlendedSamples:
 
     def batch(self, picks: np.ndarray, positions: Optional[np.ndarray] = None, unlearned_after: Optional[int] = None):
         """(inputs, targets) of (source, sample index) rows, as SampleSet.batch."""
+        for source in np.unique(picks[:, 0]) if len(picks) else ():
+            self.sources[int(source)].check_files()
         return windows_batch([self.sources[int(s)][int(i)] for s, i in picks], positions, unlearned_after)
 
     def consumed_tokens(self, step: int, global_batch_size: int) -> dict[str, int]:

@@ -147,7 +147,12 @@ class SampleSet:
               unlearned_after: Optional[int] = None) -> Batch:
         """(inputs, targets), each an int64 tensor of shape (len(indices), seq_length), targets shifted by
         one; only the tokens at `positions` of each sequence when given (windows_batch)."""
+        self.check_files()
         return windows_batch([self[index] for index in indices], positions, unlearned_after)
+
+    def check_files(self) -> None:
+        """DataError when the dataset's files shrank since they were opened (data/mapped.py)."""
+        self.stream.dataset.check_files()
 
 
 # torch's cross-entropy ignore_index: a target the loss leaves out

@@ -19,6 +19,7 @@ from typing import Any, BinaryIO, Iterator, Optional, Sequence
 import numpy as np
 
 from megaframe.data.index_scan import nondecreasing
+from megaframe.data.mapped import MappedFiles
 from megaframe.data.megatron import write_index
 from megaframe.data.sidecar import field_problem
 from megaframe.data.temp_files import open_temp
@@ -334,9 +335,8 @@ class IndexedDataset:
             if not path.is_file():
                 raise self._error(f"{path} not found; {_REBUILD_HINT}")
         self.dtype, num_documents, self.checksum = self._read_header()
-        self.doc_offsets: np.ndarray = np.memmap(
-            self.idx_path, dtype="<i8", mode="r", offset=_HEADER.size, shape=(num_documents + 1,)
-        )
+        self.files = MappedFiles()  # checked before every batch: see mapped.py
+        self.doc_offsets: np.ndarray = self.files.array(self.idx_path, "<i8", _HEADER.size, num_documents + 1)
         if self.doc_offsets[0] != 0 or not nondecreasing(self.doc_offsets):  # a chunk at a time
             raise self._error(f"{self.idx_path} holds non-monotonic document offsets (corrupt); {_REBUILD_HINT}")
         expected_bytes = int(self.doc_offsets[-1]) * self.dtype.itemsize
@@ -346,10 +346,7 @@ class IndexedDataset:
                 f"{self.bin_path} holds {actual_bytes} bytes but {self.idx_path} expects {expected_bytes} "
                 f"(truncated or from another build); {_REBUILD_HINT}"
             )
-        # np.memmap refuses zero-length files, and a dataset of empty documents is still valid.
-        self.tokens: np.ndarray = (
-            np.memmap(self.bin_path, dtype=self.dtype, mode="r") if actual_bytes else np.zeros(0, dtype=self.dtype)
-        )
+        self.tokens: np.ndarray = self.files.array(self.bin_path, self.dtype)
         self.metadata: dict[str, Any] = self._read_metadata()
 
     def _error(self, detail: str) -> DataError:
@@ -420,7 +417,7 @@ class IndexedDataset:
         return len(self.doc_offsets) - 1
 
     def __getitem__(self, index: int) -> np.ndarray:
-        """Tokens of document `index` (a read-only view into the memmap)."""
+        """Tokens of document `index` (a read-only view into the map)."""
         num_documents = len(self)
         position = int(index)
         if position < 0:
@@ -428,6 +425,11 @@ class IndexedDataset:
         if not 0 <= position < num_documents:
             raise IndexError(f"document {index} out of range for {num_documents} documents in {self.prefix}")
         return self.tokens[self.doc_offsets[position] : self.doc_offsets[position + 1]]
+
+    def check_files(self) -> None:
+        """DataError when a file has shrunk since it was opened (mapped.py): read, it would kill the run."""
+        if shrunk := self.files.shrunk():
+            raise self._error(shrunk)
 
     def verify(self) -> None:
         """Re-hash the .bin and .idx against the build checksum; DataError if any byte changed."""

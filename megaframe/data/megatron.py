@@ -25,6 +25,7 @@ from typing import Any, BinaryIO, Optional
 import numpy as np
 
 from megaframe.data.index_scan import DocumentOffsets, nondecreasing, scan_sequences
+from megaframe.data.mapped import MappedFiles
 from megaframe.data.token_files import DataError, content_checksum, read_head
 from megaframe.data.sidecar import field_problem
 
@@ -87,6 +88,7 @@ class MegatronDataset:
         for path in (self.idx_path, self.bin_path):
             if not path.is_file():
                 raise self._error(f"{path} not found; {_FIX}")
+        self.files = MappedFiles()  # checked before every batch: see mapped.py
         self.dtype, lengths, pointers, doc_index = self._read_index()
         if not np.issubdtype(self.dtype, np.integer):
             raise self._error(f"{self.idx_path} holds {self.dtype} values, not token ids; {_FIX}")
@@ -112,8 +114,7 @@ class MegatronDataset:
                               f"sequences in order (corrupt); {_FIX}")
         total = scan.last_end // item
         self.doc_offsets = DocumentOffsets(pointers, doc_index, item, total)  # token offset of every boundary
-        self.tokens = np.memmap(self.bin_path, dtype=self.dtype, mode="r", shape=(total,)) if total \
-            else np.zeros(0, dtype=self.dtype)
+        self.tokens = self.files.array(self.bin_path, self.dtype, count=total)
         self.sidecar = read_sidecar(self.prefix)
         if self.sidecar is not None:
             self._check_sidecar()
@@ -164,12 +165,9 @@ class MegatronDataset:
         if size not in (needed, needed + sequences):  # + the int8 modes of a multimodal file
             raise self._error(f"{self.idx_path} holds {size} bytes, {needed} expected for {sequences} sequences and "
                               f"{documents - 1} documents (truncated or corrupt); {_FIX}")
-        lengths = np.memmap(self.idx_path, dtype="<i4", mode="r", offset=_HEADER.size, shape=(sequences,)) \
-            if sequences else np.zeros(0, dtype="<i4")
-        pointers = np.memmap(self.idx_path, dtype="<i8", mode="r", offset=_HEADER.size + 4 * sequences,
-                             shape=(sequences,)) if sequences else np.zeros(0, dtype="<i8")
-        doc_index = np.memmap(self.idx_path, dtype="<i8", mode="r", offset=_HEADER.size + 12 * sequences,
-                              shape=(documents,)) if documents else np.zeros(0, dtype="<i8")
+        lengths = self.files.array(self.idx_path, "<i4", _HEADER.size, sequences)
+        pointers = self.files.array(self.idx_path, "<i8", _HEADER.size + 4 * sequences, sequences)
+        doc_index = self.files.array(self.idx_path, "<i8", _HEADER.size + 12 * sequences, documents)
         return DTYPES[code], lengths, pointers, doc_index
 
     @property
@@ -189,11 +187,16 @@ class MegatronDataset:
         return len(self.doc_offsets) - 1
 
     def __getitem__(self, index: int) -> np.ndarray:
-        """Tokens of document `index` (a read-only view into the memmap)."""
+        """Tokens of document `index` (a read-only view into the map)."""
         position = int(index) + (len(self) if int(index) < 0 else 0)
         if not 0 <= position < len(self):
             raise IndexError(f"document {index} out of range for {len(self)} documents in {self.prefix}")
         return self.tokens[self.doc_offsets[position]: self.doc_offsets[position + 1]]
+
+    def check_files(self) -> None:
+        """DataError when a file has shrunk since it was opened (mapped.py): read, it would kill the run."""
+        if shrunk := self.files.shrunk():
+            raise self._error(shrunk)
 
     def verify(self) -> None:
         """Re-hash the tokens and document offsets against the sidecar's build checksum. Without a

@@ -160,6 +160,39 @@ def test_a_token_changed_in_place_after_a_clean_run_is_exit_4_at_tp_2(tmp_path):
     _refused_before_step_1(prefix, 2, tmp_path, "token id 300 is outside the model's vocabulary of 257")
 
 
+def test_a_dataset_truncated_while_the_run_trains_is_exit_4_naming_the_file(tmp_path):
+    """`cp new.bin corpus.bin` over the file a run maps: the first read past its new end was SIGBUS,
+    exit 135 with no line and no log (data/mapped.py)."""
+    import threading
+
+    (tmp_path / "data").mkdir()
+    prefix = _byte_dataset_with(tmp_path / "data" / "corpus", np.uint16, slice(0, 0), 0, 4)
+    bin_path, run_dir = Path(f"{prefix}.bin"), tmp_path / "run"
+    size = bin_path.stat().st_size
+
+    def truncate_after_step_2() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not any(r.get("step", 0) >= 2 for r in _records(run_dir)):
+            time.sleep(0.05)
+        os.truncate(bin_path, 1000)
+
+    truncation = threading.Thread(target=truncate_after_step_2, daemon=True)
+    truncation.start()
+    result = run_cli([*TINY, f"data.path={prefix}", "train.max_steps=100000", f"data.cache_dir={tmp_path / 'cache'}",
+                      f"hydra.run.dir={run_dir}"])
+    truncation.join()
+    assert_one_line_failure(result, ExitCode.BAD_DATA, f"{bin_path} now holds 1000 bytes, {size} when this run opened "
+                            "it", "put back the files the run started with")
+    assert "megaframe: failed at step" in result.stdout
+
+
+def _records(run_dir: Path) -> list[dict]:
+    try:
+        return read_metrics(run_dir)
+    except (OSError, ValueError):  # not written yet, or a line half written
+        return []
+
+
 @pytest.fixture(scope="module")
 def negative_id_dataset(tmp_path_factory) -> Path:
     """Megatron's layout in int32, as some pipelines write it, the tail of document 150 padded with -1."""
