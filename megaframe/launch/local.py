@@ -14,6 +14,7 @@ from typing import Optional
 from megaframe.config.compose import hydra_quoted
 from megaframe.config.schema import LauncherConfig, TrainConfig
 from megaframe.common.failures import PROG
+from megaframe.common.startup_signals import default_in_place_of_startup
 from megaframe.launch.base import SELF_LAUNCHED, fail, pins_run_dir
 from megaframe.launch.elastic import STORE_ENV, rdzv_endpoint, torchrun_args
 from megaframe.launch.guard import LAUNCHER_PID
@@ -149,7 +150,7 @@ def run_agent(agent_args) -> int:
         return 128 + int(err.sigval)
     finally:
         for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, default_in_place_of_startup(handler))
     return 0
 
 

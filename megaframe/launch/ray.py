@@ -23,6 +23,7 @@ from typing import Callable, Iterator, Optional
 
 from megaframe.config.schema import TrainConfig
 from megaframe.common.failures import PROG
+from megaframe.common.startup_signals import default_in_place_of_startup
 
 STOP_FILE = ".job_stop.json"  # parallel/elastic.py: an earlier attempt's deterministic failure
 STOP_REQUEST_FILE = ".stop_request"  # a signal the driver got, for rank 0 to take as its own (stop_signal.py)
@@ -174,7 +175,7 @@ def _signals_to_the_workers(request: Path, asked: list[int], saves: bool) -> Ite
         yield
     finally:
         for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, default_in_place_of_startup(handler))
         request.unlink(missing_ok=True)
 
 

@@ -38,6 +38,8 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megaframe.common.startup_signals import default_in_place_of_startup
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 QUIT = signal.SIGQUIT  # ends the rank at once: what Ctrl-\ asks for (no save)
 GRACE_FLOOR_S = 2.0  # the least time a signalled rank is given to reach the next step boundary
@@ -117,7 +119,7 @@ class StopSignal:
     def restore(self) -> None:
         self._watching.set()
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, default_in_place_of_startup(handler))
         self._previous.clear()
         self._disarm()
 

@@ -99,6 +99,18 @@ def test_sigterm_to_one_rank_stops_them_all_and_save_on_signal_false_saves_nothi
     assert not (run_dir / "checkpoints").exists() or _saved_steps(run_dir) == []
 
 
+def test_sigterm_during_the_imports_is_one_line_and_the_signals_exit(tmp_path):
+    """0.6 s in, megaframe-train is still importing torch (2 s on the CI host): the default action ended
+    it with no word at all (common/startup_signals.py)."""
+    process = _start([*ARGS, f"hydra.run.dir={tmp_path / 'run'}"])
+    time.sleep(0.6)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGTERM, (process.returncode, err[-3000:])  # the shell's 143
+    assert err == "megaframe-train: SIGTERM during start-up: stopped before training, nothing saved\n", err[-3000:]
+    assert not out and not (tmp_path / "run").exists()
+
+
 def test_a_rank_killed_by_a_signal_is_named_with_it(tmp_path):
     result = run_cli([*TINY, "train.max_steps=6", "parallel.dp=2", "zero=stage1", f"hydra.run.dir={tmp_path / 'run'}"],
                      env=cli_env(MEGAFRAME_FAULTS="kill@3:1"))
