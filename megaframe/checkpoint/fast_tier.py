@@ -41,6 +41,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megaframe.common import json_text
 from megaframe.common.atomic_io import atomic_write_text, fsync_file
 from megaframe.common.failures import SaveFailed
 from megaframe.checkpoint import universal
@@ -172,7 +173,7 @@ class FastTier:
                 if not _DONE.fullmatch(done.name):
                     continue
                 try:  # node-local memory may be shared: a planted link or a foreign marker is no part of ours
-                    marker = json.loads(read_capped(done, universal.JSON_CAP))
+                    marker = json_text.loads(read_capped(done, universal.JSON_CAP))
                     step, rank = int(marker["step"]), int(marker["rank"])
                 except (OSError, ValueError, KeyError, TypeError):
                     continue
@@ -362,7 +363,7 @@ def _unpack(payload: torch.Tensor, step_dir: Path, sender: int) -> dict:
     fill the payload exactly (a torn or mis-sized message is refused rather than half-written)."""
     data = payload.numpy().tobytes()
     size = int.from_bytes(data[:8], "little")
-    marker = json.loads(data[8:8 + size])
+    marker = json_text.loads(data[8:8 + size])
     order = marker.pop("order")
     part = step_dir / f"rank{sender}"
     if marker.get("rank") != sender or sorted(order) != sorted(marker["files"]):

@@ -18,7 +18,6 @@ Three parts, each called from a few lines elsewhere:
 from __future__ import annotations
 
 import errno
-import json
 import math
 import os
 import re
@@ -27,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from megaframe.common import json_text
 from megaframe.common.atomic_io import atomic_write_text
 from megaframe.checkpoint.universal import CheckpointError, misnamed_checkpoint
 from megaframe.parallel.dims import LAYOUT_AXES
@@ -73,7 +73,7 @@ def last_logged_step(metrics_path: Path) -> Optional[int]:
     steps = []
     for line in tail:
         try:
-            record = json.loads(line)
+            record = json_text.loads(line)
         except ValueError:  # the first, cut line of the tail, or one torn by a crash
             continue
         step = record.get("step") if isinstance(record, dict) else None

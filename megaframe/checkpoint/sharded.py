@@ -25,7 +25,6 @@ slices do the reading.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from megaframe.checkpoint.boxes import Box, intersect
 from megaframe.checkpoint.coverage import coverage_problem
 from megaframe.checkpoint.stream import write_streaming
 from megaframe.checkpoint.universal import CheckpointError, _atomic_json
+from megaframe.common import json_text
 from megaframe.common.launch_env import usable_cores
 
 if TYPE_CHECKING:
@@ -181,7 +181,7 @@ def merge_records(directory: Path, world: int) -> dict[str, dict]:
     files: dict[str, dict] = {}
     tensors: dict[str, dict] = {}
     for rank in range(world):
-        record = json.loads((directory / record_file(rank)).read_text())
+        record = json_text.loads((directory / record_file(rank)).read_text())
         files.update(record["files"])
         for key, entry in record["tensors"].items():
             merged = tensors.setdefault(key, {"shape": entry["shape"], "chunks": []})

@@ -32,6 +32,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megaframe.common import json_text
 from megaframe.common.failures import ExitCode
 from megaframe.common.launch_env import usable_cores
 from megaframe.common.atomic_io import atomic_write_text, fsync_dir, fsync_file
@@ -68,7 +69,7 @@ def safetensors_header(path: Path) -> dict[str, dict]:
             (length,) = struct.unpack("<Q", f.read(8))
             if length > os.path.getsize(path) - 8:
                 raise ValueError(f"header length {length} exceeds the file")
-            header = json.loads(f.read(length))
+            header = json_text.loads(f.read(length))
         tensors = {name: meta for name, meta in header.items() if name != "__metadata__"}
         # the data the header promises must be there: a truncated file failed later, in the middle
         # of a conversion, with safetensors' own traceback
@@ -90,7 +91,7 @@ def read_json(path: Path, what: str) -> Any:
     """The JSON value of a checkpoint's own file (not a link, at most JSON_CAP bytes);
     CheckpointError naming `what` when it cannot be read or parsed, quoting nothing of its content."""
     try:
-        return json.loads(read_capped(path, JSON_CAP))
+        return json_text.loads(read_capped(path, JSON_CAP))
     except OSError as err:
         raise CheckpointError(f"{what} cannot be read ({err.strerror or err})") from None
     except ValueError as err:  # JSONDecodeError and UnicodeDecodeError: position only, no content

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from megaframe.common import json_text
 from megaframe.common.safe_files import UnsafeFile, open_regular, quote
 
 LOCK_NAME = ".megaframe.lock"
@@ -39,7 +40,7 @@ def _holder_text(fd: int) -> str:
     """Who holds the lock, from what the holder wrote into the file ('' when unreadable)."""
     try:
         raw = os.pread(fd, 4096, 0).decode("utf-8", "replace")
-        holder = json.loads(raw)
+        holder = json_text.loads(raw)
         return f" by pid {int(holder['pid'])} on {quote(holder['host'])} since {quote(holder['since'])}"
     except (OSError, ValueError, KeyError, TypeError):
         return ""

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from megaframe.common import json_text
 from megaframe.common.safe_files import UnsafeFile, read_capped
 
 _REBUILD = "rebuild it with megaframe-preprocess"
@@ -54,9 +55,10 @@ def _recorded(prefix: str) -> Optional[dict]:
     try:
         # the user's own data directory: a link they made is followed (resolve), but what it ends in must
         # be a regular file of sidecar size (a FIFO would hang validation, a huge file fill the memory)
-        recorded = json.loads(read_capped(meta.resolve(), MAX_SIDECAR_BYTES).decode("utf-8"))
+        recorded = json_text.loads(read_capped(meta.resolve(), MAX_SIDECAR_BYTES).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise SidecarError(f"{meta} is not valid JSON ({err.__class__.__name__} at byte "
+        what = err.msg if isinstance(err, json.JSONDecodeError) else "not UTF-8"
+        raise SidecarError(f"{meta} is not valid JSON ({what} at byte "
                            f"{getattr(err, 'pos', getattr(err, 'start', '?'))}); {_REBUILD}") from None
     except UnsafeFile as err:
         raise SidecarError(f"{err.strerror}; {_REBUILD}") from None

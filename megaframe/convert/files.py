@@ -29,6 +29,7 @@ from megaframe.checkpoint import sharded, universal
 from megaframe.checkpoint.boxes import Box
 from megaframe.checkpoint.sharded import ShardReader
 from megaframe.checkpoint.stream import write_streaming
+from megaframe.common import json_text
 from megaframe.common.atomic_io import fsync_file
 from megaframe.common.safe_files import not_a_file
 from megaframe.checkpoint.tokenizer_record import (RECORD_KEY, TOKENIZER_FILES, has_tokenizer,  # noqa: F401
@@ -48,7 +49,7 @@ def read_hf_config(hf_dir: Path) -> dict:
     if not config_file.is_file():
         raise ConvertError(f"{hf_dir}: no config.json; pass a directory written by save_pretrained()")
     try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
+        config = json_text.loads(config_file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ConvertError(f"{config_file}: not valid JSON ({err}); pass a directory written by save_pretrained()") \
             from None
@@ -133,7 +134,7 @@ def _weight_files(hf_dir: Path) -> list[Path]:
             return [hf_dir / single]
         if (hf_dir / index).is_file():
             try:
-                weight_map = json.loads((hf_dir / index).read_text(encoding="utf-8"))["weight_map"]
+                weight_map = json_text.loads((hf_dir / index).read_text(encoding="utf-8"))["weight_map"]
                 shards = sorted(set(weight_map.values()))
             except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
                 raise ConvertError(f"{hf_dir / index}: not a shard index with a weight_map ({type(err).__name__}: "
@@ -186,7 +187,7 @@ def add_legacy_config_keys(config_file: Path, dtype: str) -> None:
     lmdeploy read: a top-level rope_theta (v5 keeps it only in rope_parameters; a 4.x LlamaConfig
     then defaults to 10000, silently wrong for Llama 3's 500000) and torch_dtype (the weights'
     dtype; without it vLLM's dtype=auto guesses). transformers 5 folds both back when it loads."""
-    config = json.loads(Path(config_file).read_text())
+    config = json_text.loads(Path(config_file).read_text())
     theta = (config.get("rope_parameters") or {}).get("rope_theta")
     if theta is not None:
         config.setdefault("rope_theta", theta)

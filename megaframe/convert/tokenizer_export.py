@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from megaframe.checkpoint import tokenizer_record as records
+from megaframe.common import json_text
 from megaframe.convert.hf import ConvertError
 
 EOD_TOKEN = "<|endoftext|>"  # GPT-2's spelling; the ids, not the spelling, are megaframe's
@@ -176,7 +177,7 @@ def gives_byte_ids(tokenizer: Any) -> bool:
 def names_own_code(directory: Path) -> bool:
     """Whether a tokenizer directory's tokenizer_config.json names its own Python (an auto_map)."""
     try:
-        return "auto_map" in json.loads((Path(directory) / "tokenizer_config.json").read_text(encoding="utf-8"))
+        return "auto_map" in json_text.loads((Path(directory) / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, TypeError):  # no file, not JSON, JSON but not an object
         return False
 

@@ -18,6 +18,7 @@ from typing import Any, BinaryIO, Iterator, Optional, Sequence
 
 import numpy as np
 
+from megaframe.common import json_text
 from megaframe.data.index_scan import nondecreasing
 from megaframe.data.mapped import MappedFiles
 from megaframe.data.megatron import write_index
@@ -375,7 +376,7 @@ class IndexedDataset:
 
     def _read_metadata(self) -> dict[str, Any]:
         try:
-            metadata = json.loads(self.json_path.read_text(encoding="utf-8"))
+            metadata = json_text.loads(self.json_path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise self._error(f"{self.json_path} is not valid JSON ({error}); {_REBUILD_HINT}") from None
         if not isinstance(metadata, dict):

@@ -24,6 +24,7 @@ from typing import Any, BinaryIO, Optional
 
 import numpy as np
 
+from megaframe.common import json_text
 from megaframe.data.index_scan import DocumentOffsets, nondecreasing, scan_sequences
 from megaframe.data.mapped import MappedFiles
 from megaframe.data.token_files import DataError, content_checksum, read_head
@@ -69,7 +70,7 @@ def read_sidecar(prefix: str | os.PathLike[str]) -> Optional[dict[str, Any]]:
     if not path.is_file():
         return None
     try:
-        sidecar = json.loads(path.read_text(encoding="utf-8"))
+        sidecar = json_text.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise DataError(f"data.path={prefix}: {path} is not valid JSON ({error}); delete it or {_FIX}") from None
     return sidecar if isinstance(sidecar, dict) and sidecar.get("format") == "megatron" else None

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
+from megaframe.common import json_text
 from megaframe.data.indexed import DataError
 
 __all__ = ["FILE_SUFFIXES", "Source", "TextFile", "find_sources", "iter_documents"]
@@ -117,7 +118,7 @@ def _iter_jsonl(path: Path, key: str) -> Iterator[str]:
 def _jsonl_text(line: str, location: str, key: str) -> str:
     """The text in one .jsonl line's `key` field."""
     try:
-        record = json.loads(line)
+        record = json_text.loads(line)
     except json.JSONDecodeError as error:
         raise DataError(f"{location}: invalid JSON ({error.msg}); each line must be one JSON object") from None
     if not isinstance(record, dict):

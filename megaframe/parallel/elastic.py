@@ -8,6 +8,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from megaframe.common import json_text
 from megaframe.common.atomic_io import atomic_write_text
 from megaframe.parallel.rank_zero import decided_by_rank_zero  # torch only when called (2 CPU-s)
 
@@ -108,7 +109,7 @@ def read_stop_file(path: str, finished: bool = False) -> Optional[tuple[int, str
     from megaframe.common.safe_files import quote, read_capped
 
     try:
-        stop = json.loads(read_capped(Path(path), 1 << 16))
+        stop = json_text.loads(read_capped(Path(path), 1 << 16))
         code, message = stop["exit_code"], stop["message"]
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from megaframe.common import json_text
 from megaframe.common.atomic_io import atomic_write_text
 from megaframe.common.safe_files import open_regular
 
@@ -31,7 +32,7 @@ class MetricsLog:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json_text.loads(line)
             except json.JSONDecodeError:  # a line cut short by a crash mid-write
                 dropped += 1
                 continue
@@ -77,7 +78,7 @@ def strict_json(value: Any) -> Any:
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """All records of a metrics.jsonl file."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [json_text.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def memory_gb() -> float:
