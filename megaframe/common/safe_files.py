@@ -21,7 +21,8 @@ class UnsafeFile(OSError):
     """A path megaframe names in its directories is a link, a FIFO, a directory, or too large."""
 
 
-def _what(mode: int) -> str:
+def kind_of(mode: int) -> str:
+    """What a file of this st_mode is, for a message: "a FIFO", "a directory", ..."""
     if stat.S_ISLNK(mode):
         return "a symbolic link"
     if stat.S_ISDIR(mode):
@@ -44,7 +45,7 @@ def not_a_file(path: Path) -> Optional[str]:
     if stat.S_ISREG(mode):
         return None
     target = f" (to {quote(os.readlink(path), 200)})" if stat.S_ISLNK(mode) else ""
-    return f"{path} is {_what(mode)}{target}, not a file megaframe wrote"
+    return f"{path} is {kind_of(mode)}{target}, not a file megaframe wrote"
 
 
 def open_regular(path: Path, flags: int, mode: int = 0o644) -> int:
@@ -56,7 +57,7 @@ def open_regular(path: Path, flags: int, mode: int = 0o644) -> int:
     except OSError as err:
         if err.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):  # ENXIO: a FIFO opened write-only
             try:
-                kind = _what(os.lstat(path).st_mode)
+                kind = kind_of(os.lstat(path).st_mode)
             except OSError:
                 kind = "not a regular file"
             raise UnsafeFile(err.errno, f"{path} is {kind}, not a file megaframe wrote", str(path)) from None
@@ -64,7 +65,7 @@ def open_regular(path: Path, flags: int, mode: int = 0o644) -> int:
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
         os.close(fd)
-        raise UnsafeFile(errno.EINVAL, f"{path} is {_what(info.st_mode)}, not a file megaframe wrote", str(path))
+        raise UnsafeFile(errno.EINVAL, f"{path} is {kind_of(info.st_mode)}, not a file megaframe wrote", str(path))
     os.set_blocking(fd, True)
     return fd
 

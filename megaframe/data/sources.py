@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from megaframe.common import json_text
+from megaframe.common.safe_files import kind_of
 from megaframe.data.indexed import DataError
 
 __all__ = ["FILE_SUFFIXES", "Source", "TextFile", "find_sources", "iter_documents"]
@@ -37,15 +38,37 @@ def is_hf_dataset_dir(path: Path) -> bool:
 
 
 def _corpus_files(root: Path) -> Iterator[Path]:
-    """The .txt/.jsonl/.parquet files under root, hidden files and folders left out (not walked): they
-    are not the corpus, and `--input .` would take the text files of .git/ and .venv/. Symbolic links to
-    folders are not followed (as Path.rglob did not)."""
-    for folder, subfolders, files in os.walk(root):
-        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+    """The .txt/.jsonl/.parquet files under root (the suffix in any case: D.TXT too), hidden files and
+    folders left out (not walked): they are not the corpus, and `--input .` would take the text files
+    of .git/ and .venv/. A folder linked in from outside root is walked (shards linked in from elsewhere
+    were skipped without a word), each real folder once; a link to a folder inside root is not (that
+    folder is walked under its own name), nor one to a folder above root (a loop)."""
+    top = os.path.realpath(root)
+    walked = {top}
+    for folder, subfolders, files in os.walk(root, followlinks=True):
+        kept = []
+        for name in sorted(subfolders):
+            real = os.path.realpath(Path(folder) / name)
+            inside, above = _below(real, top), _below(top, real)
+            linked_back = os.path.islink(Path(folder) / name) and (inside or above)
+            if not name.startswith(".") and real not in walked and not linked_back:
+                walked.add(real)
+                kept.append(name)
+        subfolders[:] = kept
         for name in files:
             candidate = Path(folder) / name
-            if not name.startswith(".") and candidate.suffix in FILE_SUFFIXES and candidate.is_file():
+            if not name.startswith(".") and _kind(candidate) and candidate.is_file():
                 yield candidate
+
+
+def _below(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _kind(path: Path) -> Optional[str]:
+    """"txt", "jsonl" or "parquet" by the file's suffix, in any case; None for another suffix."""
+    suffix = path.suffix.lower()
+    return suffix[1:] if suffix in FILE_SUFFIXES else None
 
 
 def find_sources(inputs: Sequence[str | os.PathLike[str]]) -> list[Source]:
@@ -62,13 +85,16 @@ def find_sources(inputs: Sequence[str | os.PathLike[str]]) -> list[Source]:
             if not found:
                 raise DataError(f"--input {path}: directory holds no {'/'.join(FILE_SUFFIXES)} files "
                                 f"and is not a datasets save_to_disk directory")
-            sources.extend(Source(file, file.suffix[1:]) for file in found)
+            sources.extend(Source(file, _kind(file)) for file in found)
         elif path.is_file():
-            if path.suffix not in FILE_SUFFIXES:
+            if not _kind(path):
                 raise DataError(
                     f"--input {path}: unknown extension {path.suffix or '(none)'!r}; use {', '.join(FILE_SUFFIXES)} "
                     "(one document per .txt file, one per .jsonl line or .parquet row) or a datasets directory")
-            sources.append(Source(path, path.suffix[1:]))
+            sources.append(Source(path, _kind(path)))
+        elif path.exists():  # a FIFO, a socket, a device: there, but nothing to read documents from
+            raise DataError(f"--input {path}: is {kind_of(path.stat().st_mode)}, not a file or a directory; "
+                            f"name the corpus file itself")
         else:
             raise DataError(f"--input {path}: no such file or directory")
     return sources

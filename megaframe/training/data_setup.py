@@ -39,6 +39,8 @@ def dataset_prefix(cfg: DataConfig) -> Path:
 
 def _split(dataset: Dataset, valid_fraction: float, seq_length: int,
            orders: Optional[EpochOrders] = None) -> tuple[SampleSet, Optional[SampleSet]]:
+    if len(dataset) == 0:  # split_documents would say so without naming the dataset
+        raise DataError(f"{dataset.prefix}: the dataset holds no documents; rebuild it from more text or leave it out")
     train_range, valid_range = split_documents(len(dataset), valid_fraction)
     train = SampleSet(TokenStream(dataset, *train_range), seq_length, orders)
     valid = SampleSet(TokenStream(dataset, *valid_range), seq_length) if valid_fraction > 0 else None

@@ -3,6 +3,7 @@ workers; the Megatron layout read back by Megatron's own reader."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -130,10 +131,31 @@ def test_a_directory_is_walked_without_its_hidden_files_and_folders(tmp_path) ->
                  ".venv/lib/LICENSE.txt", "sub/.cache/d.jsonl", "other/readme.md"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x\n")
-    (tmp_path / "linked").symlink_to(tmp_path / "sub")  # a linked folder is not followed: no second copy
+    (tmp_path / "linked").symlink_to(tmp_path / "sub")  # a folder inside, linked: no second copy
+    (tmp_path / "sub" / "up").symlink_to(tmp_path)  # a link back up: no loop
     found = [source.path.relative_to(tmp_path).as_posix() for source in find_sources([tmp_path])]
     assert found == ["a.txt", "sub/b.jsonl", "sub/deeper/c.parquet"]
     assert [s.path.name for s in find_sources([tmp_path / ".hidden.txt"])] == [".hidden.txt"]  # named: taken
+
+
+def test_folders_linked_in_from_outside_and_upper_case_suffixes_are_taken(tmp_path) -> None:
+    """Shards linked in from elsewhere and C.JSONL, D.TXT were skipped without a word (1 of 4 documents
+    read, exit 0); C.JSONL named on its own was refused as an unknown extension."""
+    corpus, elsewhere = tmp_path / "corpus", tmp_path / "elsewhere"
+    for name in ("corpus/a.txt", "corpus/C.JSONL", "corpus/d.TXT", "elsewhere/part2/e.jsonl", "elsewhere/f.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x\n")
+    (corpus / "part2").symlink_to(elsewhere / "part2")
+    (corpus / "again").symlink_to(elsewhere / "part2")  # the same shards linked twice: taken once
+    found = [(s.path.relative_to(corpus).as_posix(), s.kind) for s in find_sources([corpus])]
+    assert found == [("C.JSONL", "jsonl"), ("a.txt", "txt"), ("again/e.jsonl", "jsonl"), ("d.TXT", "txt")]
+    assert [s.kind for s in find_sources([corpus / "C.JSONL"])] == ["jsonl"]
+
+
+def test_a_fifo_input_is_named_as_one(tmp_path) -> None:
+    os.mkfifo(tmp_path / "corpus.txt")
+    with pytest.raises(DataError, match=r"corpus.txt: is a FIFO, not a file or a directory"):
+        find_sources([tmp_path / "corpus.txt"])
 
 
 def test_jsonl_lines_end_as_a_text_reader_ends_them(tmp_path) -> None:
