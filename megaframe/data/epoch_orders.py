@@ -87,7 +87,8 @@ class EpochOrders:
         except OSError as err:
             raise _NotShared(err.strerror or str(err), getattr(err, "order", order)) from None
         if found is None:
-            raise _NotShared(f"{path.name} is not the order it names", order)
+            raise _NotShared(f"{path.name} is not the order it names (damaged); delete it to share the orders again",
+                             order)
         return found
 
     def reached(self, seed: int, epoch: int, num_samples: int, stream: int, position: int) -> None:
@@ -169,7 +170,28 @@ def _load(path: Path, num_samples: int) -> Optional[np.ndarray]:
     except (ValueError, EOFError):  # not a .npy file, or empty (damaged by hand: the writes are atomic)
         return None
     expected = np.int32 if num_samples < 2**31 else np.int64
-    return order if order.shape == (num_samples,) and order.dtype == expected else None
+    if order.shape != (num_samples,) or order.dtype != expected:
+        return None
+    return order if _sums_of_a_permutation(order) else None
+
+
+_CHECK_CHUNK = 1 << 22  # samples checked at a time (chunk.sum's int64 cannot overflow within one)
+
+
+def _sums_of_a_permutation(order: np.ndarray) -> bool:
+    """Whether the order's values lie in [0, n) and have the sum and the exclusive-or of 0..n-1. The
+    file's name vouched for its content, so one of zeros trained every step on sample 0 and exited 0.
+    Not a proof of a permutation, but damage by hand or by a disk does not pass it. 21 ms for 2^24
+    samples on the CI host, against 1.35 s for the shuffle it saves; once per epoch and process."""
+    n, total, xor = len(order), 0, 0
+    for start in range(0, n, _CHECK_CHUNK):
+        chunk = order[start:start + _CHECK_CHUNK]
+        if len(chunk) and (int(chunk.min()) < 0 or int(chunk.max()) >= n):
+            return False
+        total += int(chunk.sum(dtype=np.int64))
+        xor ^= int(np.bitwise_xor.reduce(chunk))
+    last = n - 1  # 0 ^ 1 ^ ... ^ last repeats with period 4
+    return total == n * last // 2 and xor == (last, 1, last + 1, 0)[last % 4] if n else True
 
 
 def _damaged(path: Path, num_samples: int) -> bool:

@@ -127,11 +127,22 @@ def test_processes_that_ask_at_once_build_the_order_once(tmp_path):
     assert not list((tmp_path / "orders").glob(".*.tmp"))
 
 
-@pytest.mark.parametrize("damage", ["truncated", "another shape", "not npy", "empty"])
+@pytest.mark.parametrize("damage", ["truncated", "another shape", "not npy", "empty", "zeros", "out of range",
+                                    "a sample twice"])
 def test_a_damaged_file_is_rebuilt_not_read(tmp_path, damage):
+    """Zeros of the right shape trained every step on sample 0, exit 0; 2^30 was an IndexError, exit 1."""
     orders = EpochOrders(tmp_path, shared_from=1)
     path = orders.path(9, 0, N, 0)
-    if damage == "truncated":
+    if damage in ("zeros", "out of range", "a sample twice"):
+        edited = build_epoch_permutation(9, 0, N).copy()
+        if damage == "zeros":
+            edited[:] = 0
+        elif damage == "out of range":
+            edited[17] = 2**30
+        else:
+            edited[5], edited[6] = edited[5] + 1, edited[6] - 1
+        np.save(path, edited)
+    elif damage == "truncated":
         np.save(path, build_epoch_permutation(9, 0, N))
         path.write_bytes(path.read_bytes()[:-100])
     elif damage == "another shape":
