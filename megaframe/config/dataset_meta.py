@@ -10,6 +10,7 @@ from typing import Optional
 
 from megaframe.common import json_text
 from megaframe.common.safe_files import UnsafeFile, read_capped
+from megaframe.config.sidecar_fields import field_problem
 
 _REBUILD = "rebuild it with megaframe-preprocess"
 # a sidecar is metadata (its longest part the list of source files: a few MB for 100k of them);
@@ -27,9 +28,10 @@ def recorded_vocab_size(prefix: str) -> Optional[int]:
     vocab = None if recorded is None else recorded.get("vocab_size")
     if vocab is None:
         return None
-    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
-        raise SidecarError(f"{prefix}.json: its vocab_size is {vocab!r}, not a whole number >= 1 (damaged or edited); "
-                           f"{_REBUILD}")
+    # the data reader's checks of these fields, before the planner sizes a model of 10^12 rows
+    vocabulary = {key: recorded[key] for key in ("tokenizer", "vocab_size", "eod_id") if key in recorded}
+    if problem := field_problem(vocabulary):
+        raise SidecarError(f"{prefix}.json: {problem} (damaged or edited); {_REBUILD}")
     return vocab
 
 

@@ -19,10 +19,10 @@ from typing import Any, BinaryIO, Iterator, Optional, Sequence
 import numpy as np
 
 from megaframe.common import json_text
+from megaframe.config.sidecar_fields import field_problem
 from megaframe.data.index_scan import nondecreasing
 from megaframe.data.mapped import MappedFiles
 from megaframe.data.megatron import write_index
-from megaframe.data.sidecar import field_problem
 from megaframe.data.temp_files import open_temp
 from megaframe.data.token_files import DataError, content_checksum, read_head
 
@@ -384,7 +384,7 @@ class IndexedDataset:
         missing = [key for key in _REQUIRED_METADATA if key not in metadata]
         if missing:
             raise self._error(f"{self.json_path} lacks {missing}; {_REBUILD_HINT}")
-        if problem := field_problem(metadata):
+        if problem := field_problem(metadata, self.dtype):
             raise self._error(f"{self.json_path}: {problem} (damaged or edited); {_REBUILD_HINT}")
         # The checksum ties the .json to this exact .idx/.bin build, catching mixed-up copies.
         if metadata.get("checksum") != self.checksum.hex():

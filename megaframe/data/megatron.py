@@ -25,10 +25,10 @@ from typing import Any, BinaryIO, Optional
 import numpy as np
 
 from megaframe.common import json_text
+from megaframe.config.sidecar_fields import field_problem
 from megaframe.data.index_scan import DocumentOffsets, nondecreasing, scan_sequences
 from megaframe.data.mapped import MappedFiles
 from megaframe.data.token_files import DataError, content_checksum, read_head
-from megaframe.data.sidecar import field_problem
 
 MAGIC = b"MMIDIDX\x00\x00"
 _HEADER = struct.Struct("<9sQBQQ")
@@ -140,7 +140,7 @@ class MegatronDataset:
                    if key not in sidecar]
         if missing:
             raise self._error(f"{json_path} lacks {missing}; {_FIX}")
-        if problem := field_problem(sidecar):
+        if problem := field_problem(sidecar, self.dtype):
             raise self._error(f"{json_path}: {problem} (damaged or edited); {_FIX}")
         if (sidecar["num_documents"], sidecar["num_tokens"], sidecar["index_bytes"]) != \
                 (len(self), self.num_tokens, self.idx_path.stat().st_size):

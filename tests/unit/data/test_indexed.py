@@ -276,6 +276,30 @@ def test_a_damaged_sidecar_field_is_one_line_naming_it(tmp_path: Path, layout: s
     assert_one_line(error)
 
 
+@pytest.mark.parametrize("edits, fragment", [
+    ({"vocab_size": 100000}, "it names the byte tokenizer but records vocab_size=100000, eod_id=256"),
+    ({"eod_id": 32}, "it names the byte tokenizer but records vocab_size=257, eod_id=32"),
+    ({"tokenizer": "tok", "vocab_size": 100000}, "its vocab_size is 100000, more ids than its uint16 tokens can hold"),
+    ({"tokenizer": "tok", "vocab_size": 10**12}, "its vocab_size is 1000000000000, more ids than its uint16"),
+])
+def test_a_vocabulary_the_tokens_or_the_tokenizer_contradict_is_refused(tmp_path: Path, layout: str, edits,
+                                                                        fragment) -> None:
+    """vocab_size edited from 257 to 100000 built a model of 100,000 rows and trained it, exit 0; eod_id
+    edited to 32 cut documents at every space under data.document_mask; 10^12 was blamed on the planner."""
+    from megaframe.config.dataset_meta import SidecarError, recorded_vocab_size
+
+    prefix = write_dataset(tmp_path / "ds", DOCUMENTS, layout=layout)
+    sidecar = Path(f"{prefix}.json")
+    sidecar.write_text(json.dumps({**json.loads(sidecar.read_text()), **edits}))
+    with pytest.raises(DataError) as error:
+        open_dataset(prefix)
+    assert fragment in str(error.value), str(error.value)
+    assert_one_line(error)
+    if "byte" in fragment or 10**12 in edits.values():  # before launch, as validation and the planner read it
+        with pytest.raises(SidecarError, match=fragment.split(", more")[0].replace("(", r"\(")):
+            recorded_vocab_size(str(prefix))
+
+
 def test_data_tokenizer_must_be_the_one_the_sidecar_records(tmp_path: Path, layout: str, hf_tokenizer_dir) -> None:
     """Another data.tokenizer used to be ignored for training but written into every checkpoint and
     shipped by megaframe-convert to-hf."""

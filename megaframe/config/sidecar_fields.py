@@ -8,6 +8,8 @@ from __future__ import annotations
 import string
 from typing import Any, Optional
 
+import numpy as np
+
 _COUNTS = ("num_documents", "num_tokens", "index_bytes")
 
 
@@ -15,9 +17,16 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def field_problem(sidecar: dict[str, Any]) -> Optional[str]:
+# the byte tokenizer's vocabulary and end-of-document id (tokenizer.py's ByteTokenizer, which imports
+# this package's indexed.py: not imported here)
+BYTE_VOCAB = (257, 256)
+
+
+def field_problem(sidecar: dict[str, Any], dtype: Optional[np.dtype] = None) -> Optional[str]:
     """What is wrong with the sidecar's fields, naming the first, or None. Absent fields are the
-    caller's business (each format requires its own)."""
+    caller's business (each format requires its own). `dtype`: the tokens' on-disk type, whose ids
+    bound the vocabulary (a vocab_size edited from 257 to 100000 beside uint16 tokens built a model
+    of 100,000 rows and trained it, exit 0)."""
     if "tokenizer" in sidecar and not isinstance(sidecar["tokenizer"], str):
         return f"its tokenizer is {sidecar['tokenizer']!r}, not a name or a directory"
     vocab = sidecar.get("vocab_size")
@@ -26,6 +35,12 @@ def field_problem(sidecar: dict[str, Any]) -> Optional[str]:
     eod = sidecar.get("eod_id")
     if eod is not None and not (_is_int(eod) and 0 <= eod < (vocab if _is_int(vocab) else eod + 1)):
         return f"its eod_id is {eod!r}, not a token id below vocab_size={vocab}"
+    if sidecar.get("tokenizer") == "byte" and _is_int(vocab) and _is_int(eod) and (vocab, eod) != BYTE_VOCAB:
+        return (f"it names the byte tokenizer but records vocab_size={vocab}, eod_id={eod} (the byte tokenizer's "
+                f"are {BYTE_VOCAB[0]} and {BYTE_VOCAB[1]})")
+    widest = np.dtype(dtype if dtype is not None and np.issubdtype(dtype, np.integer) else np.int32)
+    if _is_int(vocab) and vocab > int(np.iinfo(widest).max) + 1:  # megaframe writes uint16 or int32 tokens
+        return f"its vocab_size is {vocab}, more ids than its {widest.name} tokens can hold"
     checksum = sidecar.get("checksum")
     if checksum is not None and not (isinstance(checksum, str) and checksum and len(checksum) % 2 == 0
                                      and set(checksum) <= set(string.hexdigits)):
