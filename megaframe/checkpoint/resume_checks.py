@@ -18,6 +18,7 @@ Three parts, each called from a few lines elsewhere:
 from __future__ import annotations
 
 import errno
+import hashlib
 import math
 import os
 import re
@@ -25,6 +26,8 @@ import stat
 import sys
 from pathlib import Path
 from typing import Any, Optional
+
+import numpy as np
 
 from megaframe.common import json_text
 from megaframe.common.atomic_io import atomic_write_text
@@ -218,8 +221,9 @@ def data_record(seq_length: int, seed: int, data) -> dict[str, Any]:
         sources = [[Path(data.datasets[0].prefix).name, len(train)]]
         stages = [[0, [1.0]]]
     checksums = [_checksum(dataset) for dataset in data.datasets[:len(sources)]]  # the training sources, in order
+    tokens_sampled = [_tokens_sampled(dataset) for dataset in data.datasets[:len(sources)]]
     return {"seq_length": seq_length, "seed": seed, "sources": sources, "stages": stages, "blended": data.blended,
-            "checksums": checksums}
+            "checksums": checksums, "tokens_sampled": tokens_sampled}
 
 
 def _checksum(dataset) -> Optional[str]:
@@ -227,6 +231,25 @@ def _checksum(dataset) -> Optional[str]:
     again), hex; None for a dataset without one."""
     checksum = getattr(dataset, "checksum", None)
     return checksum.hex() if isinstance(checksum, bytes) else None
+
+
+SAMPLED_WINDOWS, SAMPLED_TOKENS = 16, 256  # places of a source's tokens hashed, and tokens at each
+
+
+def _tokens_sampled(dataset) -> Optional[str]:
+    """A hash of the source's tokens at SAMPLED_WINDOWS places spread over them, hex; None without
+    tokens. The build checksum comes from the sidecar or the index, which a .bin copied over another
+    of the same size leaves as it was: such a resume trained on other text, exit 0. Hashing the whole
+    .bin at every start would read terabytes; these 16 reads of 1 KiB tell another file apart."""
+    tokens = getattr(dataset, "tokens", None)
+    if tokens is None:
+        return None
+    hasher = hashlib.blake2b(str(len(tokens)).encode(), digest_size=16)
+    span = max(len(tokens) - SAMPLED_TOKENS, 0)
+    for window in range(SAMPLED_WINDOWS):
+        start = span * window // (SAMPLED_WINDOWS - 1)
+        hasher.update(np.ascontiguousarray(tokens[start:start + SAMPLED_TOKENS]).tobytes())
+    return hasher.hexdigest()
 
 
 def _saved_data(state: dict) -> dict[str, Any]:
@@ -265,7 +288,7 @@ def data_changes(state: dict, now: dict[str, Any]) -> list[str]:
         else:
             changes += [f"{key} {name}: {was} -> {samples} training samples (another file, or data.valid_fraction)"
                         for (name, was), (_, samples) in zip(before, after) if was != samples]
-            changes += _checksum_changes(key, saved, now)
+            changes += _checksum_changes(key, saved, now) or _content_changes(key, saved, now)
     if "stages" in saved and [[s, list(w)] for s, w in saved["stages"]] != now["stages"]:
         changes.append(f"{key} weights {_stages(saved['stages'])} -> {_stages(now['stages'])}")
     return changes
@@ -279,6 +302,18 @@ def _checksum_changes(key: str, saved: dict, now: dict[str, Any]) -> list[str]:
         return []
     return [f"{key} {name}: another file of the same name and {samples} training samples (build checksum "
             f"{old[:12]} -> {cur[:12]})"
+            for (name, samples), (_, before), old, cur in zip(now["sources"], saved["sources"], was, new)
+            if isinstance(old, str) and isinstance(cur, str) and old != cur and before == samples]
+
+
+def _content_changes(key: str, saved: dict, now: dict[str, Any]) -> list[str]:
+    """Sources of one name, sample count and build checksum whose tokens differ where sampled: a .bin
+    replaced or rewritten in place. Checkpoints written before records held samples say nothing."""
+    was, new = saved.get("tokens_sampled"), now.get("tokens_sampled")
+    if not isinstance(was, list) or not isinstance(new, list) or len(was) != len(new):
+        return []
+    return [f"{key} {name}: its tokens differ from those trained on, under the same build checksum (a .bin "
+            f"copied over or rewritten in place)"
             for (name, samples), (_, before), old, cur in zip(now["sources"], saved["sources"], was, new)
             if isinstance(old, str) and isinstance(cur, str) and old != cur and before == samples]
 

@@ -209,6 +209,25 @@ def test_changes_that_move_the_data_order_are_named(sources):
     assert data_changes(_saved(base), _record(sources, blend=[3, sources["web"], 7, sources["code"]])) == []
 
 
+def test_a_bin_copied_over_another_of_the_same_size_is_named(sources, tmp_path):
+    """`cp B.bin A.bin` with identical indexes: the build checksum comes from A's sidecar, unchanged, and
+    the resume trained on B's text, exit 0 (hostile-data review). The tokens sampled at 16 places differ."""
+    import shutil
+
+    copy = tmp_path / "web"
+    for suffix in (".bin", ".idx", ".json"):
+        shutil.copy(sources["web"] + suffix, f"{copy}{suffix}")
+    base = _record(sources, path=str(copy))
+    tokens = np.memmap(f"{copy}.bin", dtype="<u2", mode="r+")
+    tokens[:] = (tokens.astype(np.int64) + 13) % 256  # rot13-like: the same sizes, other tokens
+    tokens.flush()
+    del tokens
+    now = _record(sources, path=str(copy))
+    assert now["checksums"] == base["checksums"] and now["sources"] == base["sources"]
+    assert data_changes(_saved(base), now) == ["data.path web: its tokens differ from those trained on, under the "
+                                               "same build checksum (a .bin copied over or rewritten in place)"]
+
+
 def test_a_single_dataset_changing_its_training_samples(sources):
     base = _record(sources)
     changes = data_changes(_saved(base), _record(sources, path=sources["web"], valid_fraction=0.3))
@@ -232,7 +251,7 @@ def test_another_file_of_the_same_name_and_sample_count_is_named(sources, tmp_pa
     changes = data_changes(_saved(base), now)
     assert len(changes) == 1 and changes[0].startswith("data.path web: another file of the same name and ")
     assert "build checksum" in changes[0]
-    old = {key: value for key, value in base.items() if key != "checksums"}
+    old = {key: value for key, value in base.items() if key not in ("checksums", "tokens_sampled")}
     assert data_changes(_saved(old), now) == []
     blend = _record(sources, blend=[1, sources["web"], 1, sources["code"]])
     swapped = _record(sources, blend=[1, str(other / "web"), 1, sources["code"]])
