@@ -108,6 +108,23 @@ def test_a_tokenizer_that_marks_every_texts_start_is_cut_before_spaces_the_next_
     assert " ".join(pieces) == text_file.read_text(encoding="utf-8")
 
 
+@pytest.mark.parametrize("kind", ["byte", "bytelevel"])
+def test_text_without_a_break_or_a_space_is_cut_anywhere_the_tokenizer_agrees(kind, tmp_path, monkeypatch):
+    """A genome or base64 as one .txt: no line break or space to cut at, so the whole file was held
+    (100 MB of one run: 1.37 GB RSS). Cut anywhere the tokenizer agrees on: the byte tokenizer
+    everywhere, a byte-level BPE where its merges allow; the tokens are the whole text's either way."""
+    import random
+
+    path = tmp_path / "genome.txt"
+    path.write_text("".join(random.Random(5).choice("ACGT") for _ in range(30 * PIECE)), encoding="utf-8")
+    tokenizer = ByteTokenizer() if kind == "byte" else HFTokenizer(_bpe_dir(tmp_path, kind))
+    expected = _whole(tokenizer, path)
+    lengths = _pieces_tokenized(monkeypatch, tokenizer)
+    assert encode_text_file(tokenizer, path, tokenizer.eod_id, chars=PIECE).tolist() == expected
+    if kind == "byte":
+        assert len(lengths) >= 10 and max(lengths) < 3 * PIECE, lengths
+
+
 class _MarksEveryTextWithAToken(ByteTokenizer):
     """Adds a token at the start of every text it is given (a BOS a tokenizer always adds): its tokens
     of two pieces are never the whole text's, whatever is dropped at the cut."""
