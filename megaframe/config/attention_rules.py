@@ -33,7 +33,12 @@ def window_problem(cfg: TrainConfig) -> Optional[str]:
     if window is None:
         return (f"model.window_attn_skip_freq={freq} says which layers skip model.sliding_window, which is null; "
                 f"set model.sliding_window=W or drop the pattern")
+    unused = (f"model.window_attn_skip_freq={freq} makes every layer global: model.sliding_window={window} is "
+              f"unused and the model trains with full attention; drop the window (model.sliding_window=null) or "
+              f"window some layers (e.g. model.window_attn_skip_freq=4, every 4th layer global)")
     if _is_int(freq):
+        if freq == 1:
+            return unused
         return None if freq >= 1 else (f"model.window_attn_skip_freq={freq} must be >= 1 (every N-th layer global) "
                                        f"or a list of 1 (window) and 0 (global) per layer")
     entries = list(freq) if isinstance(freq, (list, tuple)) else None
@@ -43,7 +48,7 @@ def window_problem(cfg: TrainConfig) -> Optional[str]:
     if len(entries) > m.num_layers:
         return (f"model.window_attn_skip_freq lists {len(entries)} layers but model.num_layers={m.num_layers}; give "
                 f"at most {m.num_layers} entries (a shorter list repeats over the layers)")
-    return None
+    return None if 1 in entries else unused
 
 
 def _dataset_prefixes(cfg: TrainConfig) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Callable, Optional
 
-from megaframe.config.choices import choice_problem
+from megaframe.config.choices import choice_problem, unread_key
 from megaframe.config.schema import TrainConfig
 from megaframe.parallel.fp8 import EMULATE_CHOICES, FP8_RECIPES, emulate_choice, emulated
 
@@ -37,7 +37,7 @@ def fp8_config_problem(cfg: TrainConfig, ffn_width: int) -> Optional[str]:
     if fp8.bf16_layers < 0:
         return f"precision.fp8.bf16_layers={fp8.bf16_layers} must be >= 0 (blocks kept in bf16 at each end)"
     if not fp8.enabled:
-        return None
+        return unread_key(fp8, "precision.fp8", "enabled", "precision=fp8 (precision.fp8.enabled=true)")
     if cfg.precision.dtype == "fp16":
         return ("precision.fp8 with precision.dtype=fp16: fp8 recipes scale each tensor themselves and compute "
                 "beside bf16, not under fp16's loss scaling; use precision=fp8 (bf16 elsewhere)")

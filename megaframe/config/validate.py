@@ -16,7 +16,7 @@ from megaframe.config.attention_rules import check_attention, core_device_proble
 from megaframe.config.dataset_meta import SidecarError, recorded_vocab_size
 from megaframe.config.empty_values import empty_value_problem
 from megaframe.config.fp8_rules import fp8_problem
-from megaframe.config.choices import choice_problem
+from megaframe.config.choices import choice_problem, unread_key
 from megaframe.config.gpus import DENSE_PEAK_TFLOPS, known_gpu
 from megaframe.config.optim_rules import optim_problem
 from megaframe.config.launcher_rules import check_launcher, check_slurm_nodes, timeout_warning
@@ -484,7 +484,9 @@ def check_moe(cfg: TrainConfig) -> Optional[str]:
     if err := choice_problem("model.moe.router_score", m.router_score, ["softmax", "sigmoid"]):
         return err
     if m.num_experts == 0:
-        return f"parallel.ep={p.ep} needs experts to split; set model.moe.num_experts" if p.ep > 1 else None
+        if p.ep > 1:
+            return f"parallel.ep={p.ep} needs experts to split; set model.moe.num_experts"
+        return unread_key(m, "model.moe", "num_experts", "experts (model.moe.num_experts > 0)")
     if m.top_k > m.num_experts:
         return f"model.moe.top_k={m.top_k} must be between 1 and model.moe.num_experts={m.num_experts}"
     if m.first_dense_layers >= cfg.model.num_layers:

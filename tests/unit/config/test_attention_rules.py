@@ -32,6 +32,11 @@ def _cfg(**sections) -> TrainConfig:
     ({"model__sliding_window": 8, "model__window_attn_skip_freq": [1, 2]}, 1, "model.window_attn_skip_freq=[1, 2] must"),
     ({"model__sliding_window": 8, "model__num_layers": 2, "model__window_attn_skip_freq": [1, 1, 0]}, 1,
      "model.window_attn_skip_freq lists 3 layers but model.num_layers=2"),
+    # a window no layer takes trained full attention, exit 0, as if the window were there (review)
+    ({"model__sliding_window": 16, "model__window_attn_skip_freq": 1}, 1,
+     "model.window_attn_skip_freq=1 makes every layer global: model.sliding_window=16 is unused"),
+    ({"model__sliding_window": 16, "model__window_attn_skip_freq": [0, 0]}, 1,
+     "model.window_attn_skip_freq=[0, 0] makes every layer global"),
     ({"model__sliding_window": 8, "parallel__pp": 2, "parallel__cp": 2, "parallel__cp_impl": "ulysses"}, 4,
      "model.sliding_window=8 with parallel.cp_impl=ulysses and parallel.cp=2: Ulysses builds the mask dense"),
     ({"data__document_mask": True, "parallel__cp": 2, "parallel__cp_impl": "ulysses"}, 2,

@@ -58,7 +58,20 @@ def test_fp8_with_bf16_layers_left_over_and_every_recipe_is_accepted():
     # fp8 off: its keys are still checked (a typo waits for the day it is switched on), its needs are not
     with pytest.raises(ConfigError, match="precision.fp8.recipe='nonsense'"):
         validate(compose(["precision=bf16", "precision.fp8.recipe=nonsense"])[0], 1)
-    validate(compose(["precision=bf16", "precision.fp8.bf16_layers=5"])[0], 1, fp8_device=lambda: (7, 0))
+    validate(compose(["precision=bf16"])[0], 1, fp8_device=lambda: (7, 0))  # fp8 off: no fp8 tensor cores needed
+
+
+@pytest.mark.parametrize("key", ["precision.fp8.recipe=mxfp8", "precision.fp8.head=true", "precision.fp8.bf16_layers=1",
+                                 "model.moe.top_k=4", "model.moe.capacity_factor=1.0"])
+def test_a_key_of_a_feature_that_is_off_is_refused_not_ignored(key):
+    """fp8 recipes and MoE keys set without precision=fp8 or experts trained the plain model, exit 0,
+    with the default run's loss to the last digit (feature review); optim.muon's keys were refused so."""
+    name = key.split("=")[0]
+    with pytest.raises(ConfigError) as err:
+        validate(compose(["precision=bf16", key])[0], 1)
+    switch = "precision=fp8" if "fp8" in key else "experts (model.moe.num_experts > 0)"
+    assert str(err.value).startswith(f"{name} is read only with {switch}"), str(err.value)
+    validate(compose(["precision=fp8" if "fp8" in key else "model=moe_tiny", key])[0], 1, fp8_device=lambda: None)
 
 
 @pytest.mark.parametrize("recipe,emulate,capability,refused", [
