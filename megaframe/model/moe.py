@@ -34,14 +34,15 @@ from megaframe.parallel.mappings import all_to_all_rows, gather_tokens, split_to
 
 def _grouped_mm_works(x: torch.Tensor, *widths: int) -> bool:
     """Whether torch's grouped GEMM runs for inputs like x and weights `widths` (in and out
-    features): on the CPU in fp32, bf16 and fp16 (not fp64); on CUDA in bf16 from sm80 (torch's documented floor)
-    with every width a multiple of 16 bytes, as its kernel requires of the operands' strides. Where
-    it does not, the experts take the loop (one host read of the counts per layer)."""
+    features): on the CPU in fp32, bf16 and fp16 (not fp64); on CUDA in bf16 from sm80 (torch's documented floor);
+    on both with every width a multiple of 16 bytes, as torch requires of the operands' strides (an
+    expert width of 34 in fp32 was "strides should be multiple of 16 bytes" at step 0 on the CPU).
+    Where it does not, the experts take the loop (one host read of the counts per layer)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    if x.device.type == "cpu":
-        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     aligned = all(width * x.element_size() % 16 == 0 for width in (x.shape[-1], *widths))
+    if x.device.type == "cpu":
+        return aligned and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     return (x.device.type == "cuda" and x.dtype == torch.bfloat16 and aligned
             and torch.cuda.get_device_capability(x.device)[0] >= 8)
 

@@ -284,4 +284,20 @@ def test_the_grouped_gemm_gate_asks_for_what_the_cuda_kernel_needs(monkeypatch):
                                              ((9, 0), torch.bfloat16, (96, 60), False)]:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         assert moe_module._grouped_mm_works(like(dtype, widths[1]), *widths) is works, (capability, dtype, widths)
-    assert moe_module._grouped_mm_works(torch.empty(4, 60), 100, 60)  # the CPU kernel: any width
+    assert moe_module._grouped_mm_works(torch.empty(4, 60), 100, 60)  # the CPU kernel: 16-byte strides too
+    assert not moe_module._grouped_mm_works(torch.empty(4, 60), 34, 60)  # 136 bytes
+    assert not moe_module._grouped_mm_works(torch.empty(4, 36, dtype=torch.bfloat16), 64, 36)  # 72 bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_expert_width_off_16_bytes_loops_on_the_cpu(dtype):
+    """model.moe.ffn_hidden_size=34 (or 36 in bf16) was "strides should be multiple of 16 bytes" at step 0."""
+    from megaframe.model.moe import grouped_linear
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(10, 34, generator=generator).to(dtype)
+    weight = torch.randn(3, 36, 34, generator=generator).to(dtype)
+    counts = torch.tensor([4, 0, 6])
+    got = grouped_linear(x, weight, counts)
+    want = torch.cat([x[:4] @ weight[0].T, x[4:] @ weight[2].T])
+    torch.testing.assert_close(got, want)
