@@ -70,10 +70,12 @@ def _mx_shape_problem(cfg: TrainConfig, ffn_width: int) -> Optional[str]:
     return None
 
 
-def fp8_device_problem(cfg: TrainConfig, capability: Optional[tuple[int, int]]) -> Optional[str]:
+def fp8_device_problem(cfg: TrainConfig, capability: Optional[tuple[int, int]],
+                       ffn_width: Optional[int] = None) -> Optional[str]:
     """What this machine must have for precision.fp8: torchao, and unless emulated a GPU with fp8
     tensor cores (capability: its (major, minor), None on the CPU, where torch._scaled_mm runs
-    tensorwise and rowwise scales but not MXFP8's)."""
+    tensorwise and rowwise scales but not MXFP8's), and there the kernels' shapes (ffn_width: the
+    resolved MLP width; None leaves the MLP out)."""
     fp8 = cfg.precision.fp8
     if importlib.util.find_spec("torchao") is None:
         return "precision=fp8 needs torchao, which is not installed; pip install 'megaframe[fp8]'"
@@ -90,6 +92,32 @@ def fp8_device_problem(cfg: TrainConfig, capability: Optional[tuple[int, int]]) 
         return (f"precision.fp8.recipe={fp8.recipe} needs {'MXFP8' if mx else 'fp8'} tensor cores (SM "
                 f"{need[0]}.{need[1]} or later) and this GPU is SM {capability[0]}.{capability[1]}; set "
                 f"precision.fp8.emulate=true (correct but slower than bf16) or use precision=bf16")
+    return None if mx else _kernel_shape_problem(cfg, ffn_width)
+
+
+KERNEL_MULTIPLE = 16  # torch._scaled_mm's fp8 kernels take operands whose every dimension is a multiple of this
+
+
+def _kernel_shape_problem(cfg: TrainConfig, ffn_width: Optional[int]) -> Optional[str]:
+    """The fp8 kernels' shapes (tensorwise and rowwise, on a GPU): each fp8 linear's in and out widths
+    on its rank, and the tokens of a micro-batch, which the weight gradient's GEMM reduces over.
+    hidden_size=72 passed every check and died at step 0 ("mat2 shape (72x72) must be divisible by
+    16", exit 1)."""
+    m, p = cfg.model, cfg.parallel
+    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
+    kv_heads = m.num_kv_heads or m.num_attention_heads
+    dims = {"model.hidden_size": m.hidden_size,
+            "model.num_attention_heads x head_dim / parallel.tp": m.num_attention_heads * head_dim // p.tp,
+            "model.num_kv_heads x head_dim / parallel.tp": kv_heads * head_dim // p.tp,
+            "parallel.micro_batch_size x model.seq_length / parallel.cp (the tokens a linear takes)":
+                p.micro_batch_size * m.seq_length // p.cp}
+    if ffn_width and (not m.moe.num_experts or m.moe.first_dense_layers or m.moe.layer_freq > 1):  # a dense MLP
+        dims["the MLP width / parallel.tp"] = ffn_width // p.tp
+    for name, size in dims.items():
+        if size % KERNEL_MULTIPLE:
+            return (f"precision.fp8.recipe={cfg.precision.fp8.recipe} on fp8 kernels needs every dimension of a "
+                    f"matmul a multiple of {KERNEL_MULTIPLE}, and {name} is {size}; change it, or set "
+                    f"precision.fp8.emulate=true (slower than bf16)")
     return None
 
 
@@ -101,7 +129,7 @@ def fp8_problem(cfg: TrainConfig, ffn_width: int,
         return err
     if not cfg.precision.fp8.enabled or fp8_device is None:
         return None
-    return fp8_device_problem(cfg, fp8_device())
+    return fp8_device_problem(cfg, fp8_device(), ffn_width)
 
 
 def eager_fp8_warning(cfg: TrainConfig, device_type: str) -> Optional[str]:

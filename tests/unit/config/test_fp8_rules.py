@@ -95,6 +95,22 @@ def test_the_gpu_must_have_fp8_tensor_cores_unless_emulation_is_asked(recipe, em
             validate(cfg, 1, fp8_device=lambda: capability)
 
 
+@pytest.mark.parametrize("overrides, dimension", [
+    (["model.hidden_size=72"], "model.hidden_size is 72"),
+    (["model.seq_length=100", "parallel.micro_batch_size=1", "parallel.global_batch_size=2"],
+     "parallel.micro_batch_size x model.seq_length / parallel.cp (the tokens a linear takes) is 100"),
+    (["model.ffn_hidden_size=200"], "the MLP width / parallel.tp is 200"),
+])
+def test_fp8_kernels_need_every_dimension_a_multiple_of_16(overrides, dimension):
+    """On a GPU's fp8 kernels (simulated H100: _scaled_mm's 'mat2 shape (72x72) must be divisible by 16'
+    at step 0, exit 1); emulated, or on the CPU, any size computes."""
+    with pytest.raises(ConfigError) as err:
+        validate(_cfg(*overrides), 1, fp8_device=lambda: H100)
+    assert f"needs every dimension of a matmul a multiple of 16, and {dimension}" in str(err.value), str(err.value)
+    validate(_cfg(*overrides, "precision.fp8.emulate=true"), 1, fp8_device=lambda: H100)
+    validate(_cfg(*overrides), 1, fp8_device=lambda: None)
+
+
 def test_megaframe_train_refuses_before_launch_with_exit_2(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         check(["precision=fp8", "precision.fp8.recipe=fp4", "backend=fsdp2"])
