@@ -12,6 +12,7 @@ from megaframe.config.choices import choice_problem
 from megaframe.config.schema import MuonConfig, TrainConfig
 
 OPTIMIZERS = ("adamw", "muon")  # optim.name (conf/optim/NAME.yaml)
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch here
 ADJUST_LR = ("spectral", "match_rms_adamw")  # optim.muon.adjust_lr (optim/muon.py's adjusted_lr)
 
 
@@ -37,9 +38,11 @@ def optim_problem(cfg: TrainConfig) -> Optional[str]:
         return f"optim.muon.momentum={m.momentum} must be in [0, 1), e.g. 0.95"
     if not 1 <= m.ns_steps < 100:
         return f"optim.muon.ns_steps={m.ns_steps} must be in [1, 99], e.g. 5"
-    if len(m.ns_coefficients) != 3 or not all(_finite(c, -math.inf, False) for c in m.ns_coefficients):
-        return (f"optim.muon.ns_coefficients={list(m.ns_coefficients)} must be three finite numbers (a, b, c), "
-                f"e.g. [3.4445,-4.775,2.0315]")
+    if len(m.ns_coefficients) != 3 or not all(_finite(c, -math.inf, False) and abs(c) <= FLOAT32_MAX
+                                                  for c in m.ns_coefficients):
+        # Newton-Schulz runs in fp32 or bf16: 1e300 was "cannot be converted to type float" at step 0
+        return (f"optim.muon.ns_coefficients={list(m.ns_coefficients)} must be three finite numbers (a, b, c) "
+                f"within fp32's range, e.g. [3.4445,-4.775,2.0315]")
     if isinstance(m.exchange_bucket_size, bool) or not isinstance(m.exchange_bucket_size, int) \
             or m.exchange_bucket_size < 0:
         return (f"optim.muon.exchange_bucket_size={m.exchange_bucket_size} must be a whole number of matrix elements "

@@ -75,6 +75,8 @@ def test_muon_runs_on_fsdp2_in_every_layout(overrides, axis):
     ([*MUON, "optim.muon.momentum=1.0"], "optim.muon.momentum=1.0 must be in [0, 1)"),
     ([*MUON, "optim.muon.adjust_lr=rms"], "optim.muon.adjust_lr='rms' is not one of ['spectral', 'match_rms_adamw']"),
     ([*MUON, "optim.muon.ns_coefficients=[1,2]"], "optim.muon.ns_coefficients=[1.0, 2.0] must be three finite numbers"),
+    ([*MUON, "optim.muon.ns_coefficients=[1e300,1,1]"], "optim.muon.ns_coefficients=[1e+300, 1.0, 1.0] must be three "
+                                                        "finite numbers (a, b, c) within fp32's range"),
     ([*MUON, "optim.muon.exchange_bucket_size=-1"], "optim.muon.exchange_bucket_size=-1 must be a whole number"),
     ([*MUON, "optim.muon.exchange_bucket_size=1e9"], "optim.muon.exchange_bucket_size"),
     (["optim.muon.momentum=0.9"], "optim.muon.momentum is read only under optim=muon"),
