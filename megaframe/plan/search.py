@@ -9,6 +9,7 @@ from typing import Callable, Iterator, Optional
 from megaframe.backends.facts import EngineFacts
 from megaframe.backends.registry import engine_facts, optim_refuses
 from megaframe.config.attention_rules import core_problem, layout_problem as mask_layout_problem
+from megaframe.config.fp8_rules import fp8_config_problem
 from megaframe.config.schema import ModelConfig, TrainConfig
 from megaframe.config.validate import _divisors  # O(sqrt(n)): 10**6 ranks
 from megaframe.config.validate import ConfigError, Layout, check_context_parallel, ffn_hidden_size
@@ -107,7 +108,7 @@ def fitting_layouts(cfg: TrainConfig, base: PlanLayout, limit: int = 10) -> list
     bases = [base if name == base.engine else replace(base, engine=name, grid=replace(base.grid, dp_replicate=1))
              for name in (cfg.plan.engines or [base.engine])]
     for lay in (lay for b in bases for lay in candidate_layouts(cfg.model, b, cfg.cluster.gpus_per_node)):
-        if optim_refuses(cfg, lay) or attention_refuses(cfg, lay):  # rules validation applies to the layout
+        if optim_refuses(cfg, lay) or attention_refuses(cfg, lay) or fp8_refuses(cfg, lay):  # validation's rules
             continue
         dims = dims_for_tp.setdefault(lay.tp, document_dims(resolve_dims(cfg.model, vocab, tp=lay.tp,
                                                                            device_type=device), cfg.data, None))
@@ -130,6 +131,15 @@ def attention_refuses(cfg: TrainConfig, lay: PlanLayout) -> bool:
     return any(rule(c) is not None for rule in (check_context_parallel, mask_layout_problem, core_problem))
 
 
+def fp8_refuses(cfg: TrainConfig, lay: PlanLayout) -> bool:
+    """precision.fp8's widths on a candidate's tp (MXFP8's blocks of 32 along each local width): the
+    search chose tp=2 where the MLP width / tp was 2000, and the launch then refused it (review)."""
+    if not cfg.precision.fp8.enabled:
+        return False
+    c = replace(cfg, parallel=replace(cfg.parallel, tp=lay.tp))
+    return fp8_config_problem(c, ffn_hidden_size(c.model)) is not None
+
+
 def validated_to_search(cfg: TrainConfig, world: int, validate: Callable[[TrainConfig, int], Layout]
                         ) -> tuple[TrainConfig, Layout, Optional[str]]:
     """The layout to plan from: cfg's, validated for `world` ranks; under parallel=auto, when cfg's
@@ -143,9 +153,13 @@ def validated_to_search(cfg: TrainConfig, world: int, validate: Callable[[TrainC
         if not cfg.parallel.auto:
             raise
         layout = None
-        for replicas in dict.fromkeys((cfg.parallel.dp_replicate, 1)):  # HSDP's replicas as configured, if they fit
-            start = replace(cfg, parallel=replace(cfg.parallel, tp=1, pp=1, cp=1, ep=1, dp=None, dp_replicate=replicas,
-                                                  sequence_parallel=False, pipeline_schedule="1f1b", virtual_stages=1))
+        # HSDP's replicas as configured, if they fit; the ZeRO stage given, else stage 1, which the search
+        # may pick anyway (optim=muon at dp=2 refuses ZeRO-0 under DeepSpeed: refused before any search)
+        for replicas, stage in ((r, z) for r in dict.fromkeys((cfg.parallel.dp_replicate, 1))
+                                for z in dict.fromkeys((cfg.zero.stage, 1))):
+            start = replace(cfg, zero=replace(cfg.zero, stage=stage),
+                            parallel=replace(cfg.parallel, tp=1, pp=1, cp=1, ep=1, dp=None, dp_replicate=replicas,
+                                             sequence_parallel=False, pipeline_schedule="1f1b", virtual_stages=1))
             try:
                 layout = validate(start, world)
                 break
@@ -155,8 +169,10 @@ def validated_to_search(cfg: TrainConfig, world: int, validate: Callable[[TrainC
             raise error
         p = cfg.parallel
         why = str(error).split(";")[0]  # its advice is for the layout given, which the search replaces
-        return start, layout, (f"parallel=auto: the layout given (tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep}) cannot run "
-                               f"on {world} ranks ({why}); the search starts from tp=1 pp=1 dp={layout.dp}")
+        given, stage = ("", "") if start.zero.stage == cfg.zero.stage else \
+            (f" zero={cfg.zero.stage}", f" zero={start.zero.stage}")
+        return start, layout, (f"parallel=auto: the layout given (tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep}{given}) cannot "
+                               f"run on {world} ranks ({why}); the search starts from tp=1 pp=1 dp={layout.dp}{stage}")
 
 
 def layout_overrides(lay: PlanLayout) -> list[str]:

@@ -125,6 +125,21 @@ def test_parallel_auto_proposes_only_layouts_the_optimizer_steps():
         validate_for_engine(again, 4, ask_bf16=False)
 
 
+def test_parallel_auto_proposes_no_tp_the_mxfp8_widths_refuse():
+    """An MLP of 4000 under MXFP8: 4000/tp must be a multiple of 32, so tp=2 (2000) is refused at launch;
+    parallel=auto chose it and the launch refused it (feature review). tp=1 (4000) passes."""
+    from megaframe.backends.registry import validate_for_engine
+    args = ["model.hidden_size=1024", "model.num_attention_heads=8", "model.ffn_hidden_size=4000", "precision=fp8",
+            "precision.fp8.recipe=mxfp8", "parallel.dp=2", "cluster=h100_80g", "launcher.nodes=1",
+            "cluster.gpus_per_node=2"]
+    cfg, _ = compose(args)
+    base = plan_layout(cfg, validate_for_engine(cfg, 2, ask_bf16=False))
+    proposed = fitting_layouts(cfg, base, limit=10_000)
+    assert proposed and {e.layout.tp for e in proposed} == {1}
+    bf16 = fitting_layouts(compose([a for a in args if "fp8" not in a])[0], base, limit=10_000)
+    assert {e.layout.tp for e in bf16} == {1, 2}  # without the rule the search proposes tp=2
+
+
 @pytest.mark.parametrize("mask", ["data.document_mask=true", "model.sliding_window=4096"])
 def test_parallel_auto_proposes_no_cp_layout_the_masks_refuse(mask):
     """Llama 3 8B at 128k tokens with documents or a window: under Ulysses the search proposes no
@@ -200,6 +215,24 @@ def test_the_pre_launch_check_starts_parallel_auto_from_a_layout_the_world_runs(
     cfg, layout, _ = check([*tiny, "parallel=auto"])
     assert (cfg.parallel.tp, layout.dp, layout.world_size) == (1, 2, 2)
     assert "the search starts from tp=1 pp=1 dp=2" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as ended:
+        check(tiny)
+    assert ended.value.code == 2
+
+
+def test_parallel_auto_with_muon_starts_from_zero_1_where_zero_0_is_refused(monkeypatch, capsys):
+    """optim=muon at dp=2 under DeepSpeed refuses ZeRO-0; parallel=auto checked the stage given before
+    its search (which picks the stage) and refused with exit 2 (feature review)."""
+    from megaframe.launch.checks import check
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    tiny = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=256",
+            "model.seq_length=32", "parallel.micro_batch_size=2", "parallel.global_batch_size=8", "parallel.dp=null",
+            "optim=muon"]
+    cfg, layout, _ = check([*tiny, "parallel=auto"])
+    assert layout.dp == 2 and cfg.zero.stage >= 1
+    assert "the search starts from tp=1 pp=1 dp=2 zero=1" in capsys.readouterr().out
     with pytest.raises(SystemExit) as ended:
         check(tiny)
     assert ended.value.code == 2
