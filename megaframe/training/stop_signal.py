@@ -62,14 +62,17 @@ def exit_code(signum: int) -> int:
     return 128 + int(signum)
 
 
-def _exit_now(signum: int, why: str) -> None:
-    """One line on stderr and the signal's exit code, at once (no Python clean-up: none is owed)."""
-    os.write(2, f"{PROG}: {signal.Signals(signum).name} {why}\n".encode())
+def _exit_now(signum: int, why: str, every_rank: bool = False) -> None:
+    """One line on stderr and the signal's exit code, at once (no Python clean-up: none is owed). The
+    line is local rank 0's unless `every_rank`: the agent passes a second Ctrl-C to every rank, and a
+    node of eight printed eight identical lines."""
+    if every_rank or os.environ.get("LOCAL_RANK", "0") == "0":
+        os.write(2, f"{PROG}: {signal.Signals(signum).name} {why}\n".encode())
     os._exit(exit_code(signum))
 
 
 def _quit(signum: int, _frame) -> None:
-    _exit_now(signum, "received: stopping now, without saving")
+    _exit_now(signum, "received: stopping now, without saving", every_rank=True)  # docs/failures.md: one per rank
 
 
 @contextlib.contextmanager
@@ -194,8 +197,10 @@ class StopSignal:
         # A rank that never reaches a step boundary (hung, or torchrun ending the others after one
         # failed) must still end: SIGTERM is also how the agent stops the ranks of a failed job.
         grace = max(GRACE_FLOOR_S, 3 * self._slowest_step_s)
+        # every rank's line: the one that hung may not be local rank 0
         self._watchdog = threading.Timer(grace, _exit_now, (self.received, f"and no step boundary within {grace:.0f} s "
-                                                            "(a rank hung?): stopping now, without saving"))
+                                                            "(a rank hung?): stopping now, without saving"),
+                                         {"every_rank": True})
         self._watchdog.daemon = True
         self._watchdog.start()
 

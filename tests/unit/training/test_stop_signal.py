@@ -61,7 +61,7 @@ class _Exits:
     def __init__(self):
         self.calls: list[tuple[int, str]] = []
 
-    def __call__(self, signum: int, why: str) -> None:
+    def __call__(self, signum: int, why: str, every_rank: bool = False) -> None:
         self.calls.append((signum, why))
 
 
@@ -232,3 +232,19 @@ def test_the_ray_drivers_request_is_this_ranks_signal_and_arms_nothing_in_a_save
     request.write_text("15\n")  # after the loop ended
     time.sleep(0.3)  # six polls
     assert late.received == 0
+
+
+@pytest.mark.parametrize("local_rank, says", [(None, True), ("0", True), ("1", False)])
+def test_a_line_that_every_rank_would_print_is_local_rank_0s(local_rank, says):
+    """A second Ctrl-C reaches every rank through the agent: eight identical lines on a node of eight."""
+    import subprocess
+    import sys
+
+    from tests.support.helpers import REPO, cli_env
+
+    code = ("import signal; from megaframe.training.stop_signal import _exit_now; "
+            "_exit_now(signal.SIGTERM, 'again: stopping now, without saving')")
+    env = cli_env(**({"LOCAL_RANK": local_rank} if local_rank else {}))
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 143
+    assert result.stderr == ("megaframe-train: SIGTERM again: stopping now, without saving\n" if says else ""), result.stderr
