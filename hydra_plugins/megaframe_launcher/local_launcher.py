@@ -123,8 +123,10 @@ class _Stops:
         return self
 
     def __exit__(self, *exc) -> None:
+        from megaframe.common.startup_signals import default_in_place_of_startup
+
         for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, default_in_place_of_startup(handler))
 
     @property
     def stopped_by(self) -> Optional[int]:

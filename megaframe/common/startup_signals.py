@@ -27,7 +27,8 @@ def announce_stops_during_startup() -> None:
 
 
 def _stopped_during_startup(signum: int, _frame) -> None:
-    if os.environ.get("RANK", "0") == "0":  # rank 0 speaks for a job's ranks, as at a step boundary
+    # rank 0 speaks for a job's ranks, as at a step boundary; an srun task has no RANK yet (launch/slurm.py)
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         os.write(2, f"{PROG}: {signal.Signals(signum).name} during start-up: stopped before training, "
                     f"nothing saved\n".encode())
     signal.signal(signum, signal.SIG_DFL)

@@ -92,15 +92,16 @@ def fp8_device_problem(cfg: TrainConfig, capability: Optional[tuple[int, int]],
         return (f"precision.fp8.recipe={fp8.recipe} needs {'MXFP8' if mx else 'fp8'} tensor cores (SM "
                 f"{need[0]}.{need[1]} or later) and this GPU is SM {capability[0]}.{capability[1]}; set "
                 f"precision.fp8.emulate=true (correct but slower than bf16) or use precision=bf16")
-    return None if mx else _kernel_shape_problem(cfg, ffn_width)
+    return None if mx else kernel_shape_problem(cfg, ffn_width)
 
 
 KERNEL_MULTIPLE = 16  # torch._scaled_mm's fp8 kernels take operands whose every dimension is a multiple of this
 
 
-def _kernel_shape_problem(cfg: TrainConfig, ffn_width: Optional[int]) -> Optional[str]:
+def kernel_shape_problem(cfg: TrainConfig, ffn_width: Optional[int]) -> Optional[str]:
     """The fp8 kernels' shapes (tensorwise and rowwise, on a GPU): each fp8 linear's in and out widths
-    on its rank, and the tokens of a micro-batch, which the weight gradient's GEMM reduces over.
+    on its rank, and the tokens of a micro-batch, which the weight gradient's GEMM reduces over (in fp8
+    but for rowwise_with_gw_hp).
     hidden_size=72 passed every check and died at step 0 ("mat2 shape (72x72) must be divisible by
     16", exit 1)."""
     m, p = cfg.model, cfg.parallel
@@ -108,9 +109,10 @@ def _kernel_shape_problem(cfg: TrainConfig, ffn_width: Optional[int]) -> Optiona
     kv_heads = m.num_kv_heads or m.num_attention_heads
     dims = {"model.hidden_size": m.hidden_size,
             "model.num_attention_heads x head_dim / parallel.tp": m.num_attention_heads * head_dim // p.tp,
-            "model.num_kv_heads x head_dim / parallel.tp": kv_heads * head_dim // p.tp,
-            "parallel.micro_batch_size x model.seq_length / parallel.cp (the tokens a linear takes)":
-                p.micro_batch_size * m.seq_length // p.cp}
+            "model.num_kv_heads x head_dim / parallel.tp": kv_heads * head_dim // p.tp}
+    if cfg.precision.fp8.recipe != "rowwise_with_gw_hp":  # that recipe's weight gradient is a bf16 GEMM
+        dims["parallel.micro_batch_size x model.seq_length / parallel.cp (the tokens a linear takes)"] = \
+            p.micro_batch_size * m.seq_length // p.cp
     if ffn_width and (not m.moe.num_experts or m.moe.first_dense_layers or m.moe.layer_freq > 1):  # a dense MLP
         dims["the MLP width / parallel.tp"] = ffn_width // p.tp
     for name, size in dims.items():

@@ -489,12 +489,6 @@ def check_moe(cfg: TrainConfig) -> Optional[str]:
         return unread_key(m, "model.moe", "num_experts", "experts (model.moe.num_experts > 0)")
     if m.top_k > m.num_experts:
         return f"model.moe.top_k={m.top_k} must be between 1 and model.moe.num_experts={m.num_experts}"
-    if m.capacity_factor is not None and m.capacity_factor > m.num_experts / m.top_k:
-        # an expert's buffer is factor x top_k / num_experts of the tokens, and takes at most all of them:
-        # 1e9 passed the planner and asked for a petabyte at step 0
-        return (f"model.moe.capacity_factor={m.capacity_factor} makes each expert's buffer larger than every token "
-                f"of a micro-batch (above num_experts/top_k={m.num_experts / m.top_k:g}), which drops nothing null "
-                f"would keep; use at most {m.num_experts / m.top_k:g}, or null (dropless)")
     if m.first_dense_layers >= cfg.model.num_layers:
         return (f"model.moe.first_dense_layers={m.first_dense_layers} must be below model.num_layers="
                 f"{cfg.model.num_layers} (no block would hold experts)")

@@ -5,7 +5,8 @@ A mapped file truncated or overwritten in place while a run reads it (`cp new.bi
 the first read past its new end: exit 135, no line, no log. So each batch first asks the maps how big
 their files are now (mmap.size() stats the map's own descriptor: one fstat per file) and a shrunk
 file is a DataError naming it. A file replaced by a rename (megaframe-preprocess writes that way) is
-not a change here: the map keeps the old file, whole. What this cannot catch is a truncation in the
+not a change here: the map keeps the old file, whole (on a local file system; over NFS a file
+another client replaced may be unreadable, ESTALE, which this check cannot tell). What this cannot catch is a truncation in the
 microseconds between the check and the read; that one still ends in SIGBUS.
 """
 from __future__ import annotations
@@ -42,7 +43,10 @@ class MappedFiles:
     def shrunk(self) -> Optional[str]:
         """What shrank since it was mapped, and the fix, or None."""
         for path, (mapped, size) in self._maps.items():
-            now = mapped.size() if mapped is not None else size
+            try:
+                now = mapped.size() if mapped is not None else size
+            except OSError:  # NFS's ESTALE for a file another client replaced: not a size to compare
+                continue
             if now < size:
                 return (f"{path} now holds {now} bytes, {size} when this run opened it: changed in place while the "
                         f"run read it; put back the files the run started with and resume (write a new dataset "

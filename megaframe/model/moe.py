@@ -135,8 +135,10 @@ def expert_counts(top_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def capacity_slots(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
-    """Assignments one expert takes from one rank's tokens: factor x its even share (Megatron's rule)."""
-    return max(1, math.ceil(tokens * top_k / num_experts * factor))
+    """Assignments one expert takes from one rank's tokens: factor x its even share (Megatron's rule),
+    at most the tokens, which is all a token's distinct picks can send one expert: a factor of 1e9
+    asked for a petabyte of buffer at step 0, where any factor from num_experts/top_k up keeps all."""
+    return max(1, min(tokens, math.ceil(tokens * top_k / num_experts * factor)))
 
 
 class MoE(nn.Module):

@@ -9,12 +9,13 @@ from typing import Callable, Iterator, Optional
 from megaframe.backends.facts import EngineFacts
 from megaframe.backends.registry import engine_facts, optim_refuses
 from megaframe.config.attention_rules import core_problem, layout_problem as mask_layout_problem
-from megaframe.config.fp8_rules import fp8_config_problem
+from megaframe.config.fp8_rules import fp8_config_problem, kernel_shape_problem
 from megaframe.config.schema import ModelConfig, TrainConfig
 from megaframe.config.validate import _divisors  # O(sqrt(n)): 10**6 ranks
 from megaframe.config.validate import ConfigError, Layout, check_context_parallel, ffn_hidden_size
 from megaframe.model.dims import document_dims, resolve_dims
 from megaframe.parallel.dims import ParallelDims
+from megaframe.parallel.fp8 import emulate_choice
 from megaframe.parallel.pipeline_schedules import SPLIT_BACKWARD, runs_micro_batches, stages_per_rank
 from megaframe.plan.estimate import Estimate, estimate, planning_device_type, planning_vocab_size
 from megaframe.plan.host import checkpoint_copies
@@ -136,8 +137,12 @@ def fp8_refuses(cfg: TrainConfig, lay: PlanLayout) -> bool:
     search chose tp=2 where the MLP width / tp was 2000, and the launch then refused it (review)."""
     if not cfg.precision.fp8.enabled:
         return False
-    c = replace(cfg, parallel=replace(cfg.parallel, tp=lay.tp))
-    return fp8_config_problem(c, ffn_hidden_size(c.model)) is not None
+    c = replace(cfg, parallel=replace(cfg.parallel, tp=lay.tp, cp=lay.cp))
+    width = ffn_hidden_size(c.model)
+    fp8 = c.precision.fp8
+    # on a GPU cluster, fp8 kernels (not emulated) take dimensions of a multiple of 16 (fp8_device_problem)
+    kernels = planning_device_type(c) == "cuda" and emulate_choice(fp8.emulate) != "true" and fp8.recipe != "mxfp8"
+    return fp8_config_problem(c, width) is not None or (kernels and kernel_shape_problem(c, width) is not None)
 
 
 def validated_to_search(cfg: TrainConfig, world: int, validate: Callable[[TrainConfig, int], Layout]

@@ -111,6 +111,14 @@ def test_fp8_kernels_need_every_dimension_a_multiple_of_16(overrides, dimension)
     validate(_cfg(*overrides), 1, fp8_device=lambda: None)
 
 
+def test_rowwise_with_a_high_precision_weight_gradient_takes_any_token_count():
+    """Its weight gradient (where the tokens are the reduction) is a bf16 GEMM: 100 tokens run (review)."""
+    tokens = ["model.seq_length=100", "parallel.micro_batch_size=1", "parallel.global_batch_size=2"]
+    validate(_cfg(*tokens, "precision.fp8.recipe=rowwise_with_gw_hp"), 1, fp8_device=lambda: H100)
+    with pytest.raises(ConfigError, match="the tokens a linear takes"):
+        validate(_cfg(*tokens, "precision.fp8.recipe=rowwise"), 1, fp8_device=lambda: H100)
+
+
 def test_megaframe_train_refuses_before_launch_with_exit_2(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         check(["precision=fp8", "precision.fp8.recipe=fp4", "backend=fsdp2"])

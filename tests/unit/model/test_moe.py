@@ -139,6 +139,13 @@ def test_a_capacity_nobody_reaches_changes_nothing():
     dropless = layer(x)
     layer.moe = dataclasses.replace(layer.moe, capacity_factor=float(E))
     torch.testing.assert_close(layer(x), dropless, rtol=1e-6, atol=1e-7)
+    # a factor past what an expert can receive (every token of the rank) holds buffers of the tokens,
+    # not of the factor: 1e9 asked for a petabyte at step 0 (feature review)
+    from megaframe.model.moe import capacity_slots
+
+    assert capacity_slots(20, K, E, 1e9) == 20
+    layer.moe = dataclasses.replace(layer.moe, capacity_factor=1e9)
+    torch.testing.assert_close(layer(x), dropless, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])

@@ -138,6 +138,13 @@ def test_parallel_auto_proposes_no_tp_the_mxfp8_widths_refuse():
     assert proposed and {e.layout.tp for e in proposed} == {1}
     bf16 = fitting_layouts(compose([a for a in args if "fp8" not in a])[0], base, limit=10_000)
     assert {e.layout.tp for e in bf16} == {1, 2}  # without the rule the search proposes tp=2
+    # tensorwise fp8 kernels on the cluster's GPUs: widths per rank a multiple of 16; an MLP of 4016 / tp=2 is
+    # 2008 (refused at launch), / tp=1 passes. Emulated, both run.
+    kernels = ["model.ffn_hidden_size=4016", "precision=fp8", *args[0:2], *args[5:]]
+    cfg, _ = compose(kernels)
+    assert {e.layout.tp for e in fitting_layouts(cfg, base, limit=10_000)} == {1}
+    cfg, _ = compose([*kernels, "precision.fp8.emulate=true"])
+    assert {e.layout.tp for e in fitting_layouts(cfg, base, limit=10_000)} == {1, 2}
 
 
 @pytest.mark.parametrize("mask", ["data.document_mask=true", "model.sliding_window=4096"])
