@@ -11,7 +11,8 @@ after a line break between two non-blank characters, else before a space that fo
 character, and only where the tokenizer agrees on the text around the cut (the tokens of
 CHECK_CHARS either side together equal those of each side apart). The tokenizers that split text
 into words first (GPT-2's and Llama 3's byte-level BPE, word-level ones, the byte tokenizer) agree
-there. Text with neither (a genome, base64) is cut anywhere the tokenizer agrees, the same check. One that marks the start of every text it is given (sentencepiece's dummy prefix: Llama 2's,
+there. Text with neither (a genome, base64) is cut anywhere the tokenizer agrees, the same check.
+One that marks the start of every text it is given (sentencepiece's dummy prefix: Llama 2's,
 Mistral's) is cut only before a space, which the next piece drops: the tokenizer's mark at that
 piece's start stands where the space stood, as in the whole text ("▁word" either way). A tokenizer
 that agrees in neither way gets its file whole, as before. A file of one piece is tokenized whole.

@@ -176,8 +176,9 @@ def validated_to_search(cfg: TrainConfig, world: int, validate: Callable[[TrainC
         why = str(error).split(";")[0]  # its advice is for the layout given, which the search replaces
         given, stage = ("", "") if start.zero.stage == cfg.zero.stage else \
             (f" zero={cfg.zero.stage}", f" zero={start.zero.stage}")
-        return start, layout, (f"parallel=auto: the layout given (tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep}{given}) cannot "
-                               f"run on {world} ranks ({why}); the search starts from tp=1 pp=1 dp={layout.dp}{stage}")
+        return start, layout, (f"parallel=auto: the layout given (tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep}{given}) "
+                               f"cannot run on {world} ranks ({why}); the search starts from tp=1 pp=1 "
+                               f"dp={layout.dp}{stage}")
 
 
 def layout_overrides(lay: PlanLayout) -> list[str]:

@@ -245,6 +245,8 @@ def test_a_line_that_every_rank_would_print_is_local_rank_0s(local_rank, says):
     code = ("import signal; from megaframe.training.stop_signal import _exit_now; "
             "_exit_now(signal.SIGTERM, 'again: stopping now, without saving')")
     env = cli_env(**({"LOCAL_RANK": local_rank} if local_rank else {}))
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 143
-    assert result.stderr == ("megaframe-train: SIGTERM again: stopping now, without saving\n" if says else ""), result.stderr
+    said = "megaframe-train: SIGTERM again: stopping now, without saving\n"
+    assert result.stderr == (said if says else ""), result.stderr
