@@ -288,7 +288,7 @@ def data_changes(state: dict, now: dict[str, Any]) -> list[str]:
         else:
             changes += [f"{key} {name}: {was} -> {samples} training samples (another file, or data.valid_fraction)"
                         for (name, was), (_, samples) in zip(before, after) if was != samples]
-            changes += _checksum_changes(key, saved, now) or _content_changes(key, saved, now)
+            changes += _checksum_changes(key, saved, now)
     if "stages" in saved and [[s, list(w)] for s, w in saved["stages"]] != now["stages"]:
         changes.append(f"{key} weights {_stages(saved['stages'])} -> {_stages(now['stages'])}")
     return changes
@@ -296,24 +296,23 @@ def data_changes(state: dict, now: dict[str, Any]) -> list[str]:
 
 def _checksum_changes(key: str, saved: dict, now: dict[str, Any]) -> list[str]:
     """Sources of one name and sample count whose build checksums differ: another file put in the
-    place of the one trained on. Checkpoints written before records held checksums say nothing."""
-    was, new = saved.get("checksums"), now.get("checksums")
-    if not isinstance(was, list) or not isinstance(new, list) or len(was) != len(new):
-        return []
-    return [f"{key} {name}: another file of the same name and {samples} training samples (build checksum "
-            f"{old[:12]} -> {cur[:12]})"
-            for (name, samples), (_, before), old, cur in zip(now["sources"], saved["sources"], was, new)
-            if isinstance(old, str) and isinstance(cur, str) and old != cur and before == samples]
+    place of the one trained on; failing that, whose tokens differ where sampled under the same build
+    checksum: a .bin copied over or rewritten in place. Checkpoints written before records held
+    checksums (or samples) say nothing of them."""
+    return _differing(saved, now, "checksums", lambda name, samples, old, cur: (
+        f"{key} {name}: another file of the same name and {samples} training samples (build checksum "
+        f"{old[:12]} -> {cur[:12]})")) or \
+        _differing(saved, now, "tokens_sampled", lambda name, samples, old, cur: (
+            f"{key} {name}: its tokens differ from those trained on, under the same build checksum (a .bin "
+            f"copied over or rewritten in place)"))
 
 
-def _content_changes(key: str, saved: dict, now: dict[str, Any]) -> list[str]:
-    """Sources of one name, sample count and build checksum whose tokens differ where sampled: a .bin
-    replaced or rewritten in place. Checkpoints written before records held samples say nothing."""
-    was, new = saved.get("tokens_sampled"), now.get("tokens_sampled")
+def _differing(saved: dict, now: dict[str, Any], field: str, say) -> list[str]:
+    """say(name, samples, old, new) for each source of one name and sample count whose `field` differs."""
+    was, new = saved.get(field), now.get(field)
     if not isinstance(was, list) or not isinstance(new, list) or len(was) != len(new):
         return []
-    return [f"{key} {name}: its tokens differ from those trained on, under the same build checksum (a .bin "
-            f"copied over or rewritten in place)"
+    return [say(name, samples, old, cur)
             for (name, samples), (_, before), old, cur in zip(now["sources"], saved["sources"], was, new)
             if isinstance(old, str) and isinstance(cur, str) and old != cur and before == samples]
 
