@@ -126,10 +126,10 @@ def self_launch(overrides: list[str], world: int, run_dir: str) -> int:
     # stop and save as for SIGTERM (torch's agent, left to its default list, dies of it unsaved)
     grace = ["--shutdown-timeout", str(SIGNAL_GRACE_S), f"--signals-to-handle={agent_signals()}"]
     return run_agent(parse_args(["--standalone", f"--nproc-per-node={world}", *grace, "-m", "megaframe.train",
-                                 *overrides]))
+                                 *overrides]), run_dir)
 
 
-def run_agent(agent_args) -> int:
+def run_agent(agent_args, run_dir: Optional[str] = None) -> int:
     """torch's elastic agent in this process, given torchrun's parsed command line; returns the job's
     exit code (failures.py: the documented cause of the first failing rank) where torchrun would exit 1
     after its failure report, a traceback. The failing rank has printed its one line, and its
@@ -144,7 +144,8 @@ def run_agent(agent_args) -> int:
     try:
         run(agent_args)
     except ChildFailedError as err:
-        name_a_killed_rank(err)
+        if name_a_killed_rank(err) == 0 and run_dir is not None:
+            print(closing_line_for_rank_0(Path(run_dir)), flush=True)
         return exit_code_of_job([failure.exitcode for failure in err.failures.values()])
     except SignalException as err:  # the ranks have stopped (or were killed after the grace), or never started
         return 128 + int(err.sigval)
@@ -187,14 +188,36 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def name_a_killed_rank(err) -> None:
+def closing_line_for_rank_0(run_dir: Path) -> str:
+    """The run's closing line, which rank 0 prints, when a signal killed rank 0 (the OOM killer's
+    SIGKILL): the step of metrics.jsonl's last records, the last checkpoint and how to resume, as the
+    launcher sees them (rank 0's losses and times died with it)."""
+    from megaframe.checkpoint.resume_checks import last_logged_step
+    from megaframe.checkpoint.store import find_latest
+    from megaframe.checkpoint.universal import CheckpointError
+    from megaframe.resume_hint import resume_command
+
+    step = last_logged_step(run_dir / "metrics.jsonl")
+    try:
+        last = find_latest(run_dir / "checkpoints")
+    except (CheckpointError, OSError):  # an edited `latest`, storage gone: the resume says so
+        last = None
+    parts = [f"megaframe: failed at step {step if step and step > 0 else 0} (rank 0 killed: the step of "
+             f"metrics.jsonl's last record)", f"last checkpoint {last or 'none'}"]
+    if last is not None:
+        parts.append(f"resume: {resume_command(run_dir)}")
+    return " | ".join(parts)
+
+
+def name_a_killed_rank(err) -> Optional[int]:
     """A rank that a signal killed first (the OOM killer's SIGKILL) prints nothing itself: say which
     rank it was and by what. The others then end by the agent's SIGTERM or their peers' errors.
 
     torch stamps a failure without an error file in whole seconds and breaks ties by rank: the
     rank the kernel killed and a peer that failed on the broken connection a moment later often
     share the first second, and then the peer came first. So a SIGKILLed rank of that second is the
-    cause (nothing else kills without a word); failing that, the first failure, if a signal."""
+    cause (nothing else kills without a word); failing that, the first failure, if a signal.
+    Returns the rank named, or None."""
     first_second = min(failure.timestamp for failure in err.failures.values())
     killed = [rank for rank, failure in sorted(err.failures.items())
               if failure.timestamp == first_second and failure.exitcode == -signal.SIGKILL]
@@ -203,8 +226,9 @@ def name_a_killed_rank(err) -> None:
     else:
         rank, first = err.get_first_failure()
         if first.exitcode is None or first.exitcode >= 0:
-            return  # a rank that exited with a code has said why itself
+            return None  # a rank that exited with a code has said why itself
         exitcode = first.exitcode
     name = _signal_name(-exitcode)
     hint = " (the kernel's OOM killer sends it when memory runs out: see `dmesg`)" if name == "SIGKILL" else ""
     print(f"{PROG}: error (rank {rank}): killed by {name}{hint} [exit 1]", file=sys.stderr, flush=True)
+    return rank

@@ -121,6 +121,20 @@ def test_a_rank_killed_by_a_signal_is_named_with_it(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_rank_0_killed_by_a_signal_still_ends_with_a_closing_line(tmp_path):
+    """Rank 0 prints the closing line: killed by the OOM killer, the job ended with the error line alone,
+    without where it got to or how to resume."""
+    run = tmp_path / "run"
+    result = run_cli([*TINY, "train.max_steps=6", "train.save_interval=2", "parallel.dp=2", "zero=stage1",
+                      f"hydra.run.dir={run}"], env=cli_env(MEGAFRAME_FAULTS="kill@4:0"))
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "megaframe-train: error (rank 0): killed by SIGKILL" in result.stderr
+    closing = result.stdout.strip().splitlines()[-1]
+    assert closing.startswith("megaframe: failed at step 3 (rank 0 killed: the step of metrics.jsonl's last "
+                              "record) | last checkpoint "), closing
+    assert f"{run / 'checkpoints' / 'global_step2'} | resume: megaframe-train " in closing, closing
+
+
 @pytest.mark.parametrize("name, extra", [("SIGTERM", []), ("SIGUSR1", ["train.async_save=true"])])
 def test_a_signal_during_a_save_lets_it_finish_then_stops_with_the_closing_line(name, extra, tmp_path):
     """SLURM's preemption (SIGTERM), or its --signal=USR1@90 before the time limit, while every rank
