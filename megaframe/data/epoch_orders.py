@@ -160,11 +160,18 @@ def _in_memory(seed: int, epoch: int, num_samples: int, stream: int) -> np.ndarr
         build_epoch_permutation(seed, epoch, num_samples, stream)
 
 
+# np.load parses a .npy header with ast.literal_eval; two threads doing so at once (the next epoch's
+# prefetch and a step's load) raised "SystemError: AST constructor recursion depth mismatch" on
+# Python 3.11.7 (CPython gh-106905): one parse at a time
+_HEADER_PARSE = threading.Lock()
+
+
 def _load(path: Path, num_samples: int) -> Optional[np.ndarray]:
     """The order in `path`, mapped read-only, or None when it is missing or not an order of
     num_samples (a file of another shape is rebuilt, never read as this one)."""
     try:
-        order = np.load(path, mmap_mode="r")
+        with _HEADER_PARSE:
+            order = np.load(path, mmap_mode="r")
     except FileNotFoundError:
         return None
     except (ValueError, EOFError):  # not a .npy file, or empty (damaged by hand: the writes are atomic)
