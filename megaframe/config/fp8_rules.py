@@ -49,15 +49,24 @@ def fp8_config_problem(cfg: TrainConfig, ffn_width: int) -> Optional[str]:
     return None
 
 
-def _mx_shape_problem(cfg: TrainConfig, ffn_width: int) -> Optional[str]:
-    """MXFP8's 32-element blocks along every local GEMM dimension that a GEMM reduces over."""
+def _local_widths(cfg: TrainConfig, ffn_width: Optional[int]) -> dict[str, int]:
+    """The dense linears' widths on one TP rank, by the name a refusal gives them (ffn_width: the
+    resolved MLP width; None leaves the MLP out)."""
     m, tp = cfg.model, cfg.parallel.tp
     head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
     widths = {"model.hidden_size": m.hidden_size,
               "model.num_attention_heads x head_dim / parallel.tp": m.num_attention_heads * head_dim // tp}
     moe = m.moe
-    if not moe.num_experts or moe.first_dense_layers or moe.layer_freq > 1:  # some block has a dense MLP
+    if ffn_width and (not moe.num_experts or moe.first_dense_layers or moe.layer_freq > 1):  # a dense MLP
         widths["the MLP width / parallel.tp"] = ffn_width // tp
+    return widths
+
+
+def _mx_shape_problem(cfg: TrainConfig, ffn_width: int) -> Optional[str]:
+    """MXFP8's 32-element blocks along every local GEMM dimension that a GEMM reduces over."""
+    m, tp = cfg.model, cfg.parallel.tp
+    widths = _local_widths(cfg, ffn_width)
+    moe = m.moe
     if moe.num_experts:  # whole experts on their ranks; the shared experts' MLP split over TP
         expert = moe.ffn_hidden_size or ffn_width
         widths["the expert MLP width"] = expert
@@ -92,32 +101,32 @@ def fp8_device_problem(cfg: TrainConfig, capability: Optional[tuple[int, int]],
         return (f"precision.fp8.recipe={fp8.recipe} needs {'MXFP8' if mx else 'fp8'} tensor cores (SM "
                 f"{need[0]}.{need[1]} or later) and this GPU is SM {capability[0]}.{capability[1]}; set "
                 f"precision.fp8.emulate=true (correct but slower than bf16) or use precision=bf16")
-    return None if mx else kernel_shape_problem(cfg, ffn_width)
+    return kernel_shape_problem(cfg, ffn_width)
 
 
 KERNEL_MULTIPLE = 16  # torch._scaled_mm's fp8 kernels take operands whose every dimension is a multiple of this
 
 
 def kernel_shape_problem(cfg: TrainConfig, ffn_width: Optional[int]) -> Optional[str]:
-    """The fp8 kernels' shapes (tensorwise and rowwise, on a GPU): each fp8 linear's in and out widths
-    on its rank, and the tokens of a micro-batch, which the weight gradient's GEMM reduces over (in fp8
-    but for rowwise_with_gw_hp).
-    hidden_size=72 passed every check and died at step 0 ("mat2 shape (72x72) must be divisible by
-    16", exit 1)."""
-    m, p = cfg.model, cfg.parallel
+    """On a GPU, the shapes torch._scaled_mm's fp8 kernels take (tensorwise and rowwise; None when the
+    run emulates fp8 or uses MXFP8's own rule): each fp8 linear's in and out widths on its rank, and the
+    tokens of a micro-batch, which the weight gradient's GEMM reduces over (in fp8 but for
+    rowwise_with_gw_hp). hidden_size=72 passed every check and died at step 0 ("mat2 shape (72x72)
+    must be divisible by 16", exit 1). The planner asks it for a GPU cluster's layouts too."""
+    m, p, fp8 = cfg.model, cfg.parallel, cfg.precision.fp8
+    if emulate_choice(fp8.emulate) == "true" or fp8.recipe == "mxfp8":
+        return None
     head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
-    kv_heads = m.num_kv_heads or m.num_attention_heads
-    dims = {"model.hidden_size": m.hidden_size,
-            "model.num_attention_heads x head_dim / parallel.tp": m.num_attention_heads * head_dim // p.tp,
-            "model.num_kv_heads x head_dim / parallel.tp": kv_heads * head_dim // p.tp}
-    if cfg.precision.fp8.recipe != "rowwise_with_gw_hp":  # that recipe's weight gradient is a bf16 GEMM
+    dims = _local_widths(cfg, ffn_width)
+    dims["model.num_kv_heads x head_dim / parallel.tp"] = (m.num_kv_heads or m.num_attention_heads) * head_dim // p.tp
+    if fp8.recipe != "rowwise_with_gw_hp":  # that recipe's weight gradient is a bf16 GEMM
         dims["parallel.micro_batch_size x model.seq_length / parallel.cp (the tokens a linear takes)"] = \
             p.micro_batch_size * m.seq_length // p.cp
-    if ffn_width and (not m.moe.num_experts or m.moe.first_dense_layers or m.moe.layer_freq > 1):  # a dense MLP
-        dims["the MLP width / parallel.tp"] = ffn_width // p.tp
+    if "the MLP width / parallel.tp" in dims:  # named after the attention's and the tokens', as before
+        dims["the MLP width / parallel.tp"] = dims.pop("the MLP width / parallel.tp")
     for name, size in dims.items():
         if size % KERNEL_MULTIPLE:
-            return (f"precision.fp8.recipe={cfg.precision.fp8.recipe} on fp8 kernels needs every dimension of a "
+            return (f"precision.fp8.recipe={fp8.recipe} on fp8 kernels needs every dimension of a "
                     f"matmul a multiple of {KERNEL_MULTIPLE}, and {name} is {size}; change it, or set "
                     f"precision.fp8.emulate=true (slower than bf16)")
     return None

@@ -15,7 +15,6 @@ from megaframe.config.validate import _divisors  # O(sqrt(n)): 10**6 ranks
 from megaframe.config.validate import ConfigError, Layout, check_context_parallel, ffn_hidden_size
 from megaframe.model.dims import document_dims, resolve_dims
 from megaframe.parallel.dims import ParallelDims
-from megaframe.parallel.fp8 import emulate_choice
 from megaframe.parallel.pipeline_schedules import SPLIT_BACKWARD, runs_micro_batches, stages_per_rank
 from megaframe.plan.estimate import Estimate, estimate, planning_device_type, planning_vocab_size
 from megaframe.plan.host import checkpoint_copies
@@ -139,10 +138,8 @@ def fp8_refuses(cfg: TrainConfig, lay: PlanLayout) -> bool:
         return False
     c = replace(cfg, parallel=replace(cfg.parallel, tp=lay.tp, cp=lay.cp))
     width = ffn_hidden_size(c.model)
-    fp8 = c.precision.fp8
-    # on a GPU cluster, fp8 kernels (not emulated) take dimensions of a multiple of 16 (fp8_device_problem)
-    kernels = planning_device_type(c) == "cuda" and emulate_choice(fp8.emulate) != "true" and fp8.recipe != "mxfp8"
-    return fp8_config_problem(c, width) is not None or (kernels and kernel_shape_problem(c, width) is not None)
+    on_gpus = planning_device_type(c) == "cuda"  # where the fp8 kernels' shapes bind (fp8_device_problem)
+    return fp8_config_problem(c, width) is not None or (on_gpus and kernel_shape_problem(c, width) is not None)
 
 
 def validated_to_search(cfg: TrainConfig, world: int, validate: Callable[[TrainConfig, int], Layout]
