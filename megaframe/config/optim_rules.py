@@ -5,11 +5,10 @@ Which layouts each optimizer steps correctly is the seam's rule (megaframe/optim
 from __future__ import annotations
 
 import math
-from dataclasses import fields
 from typing import Optional
 
-from megaframe.config.choices import choice_problem
-from megaframe.config.schema import MuonConfig, TrainConfig
+from megaframe.config.choices import choice_problem, first_changed
+from megaframe.config.schema import TrainConfig
 
 OPTIMIZERS = ("adamw", "muon")  # optim.name (conf/optim/NAME.yaml)
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch here
@@ -26,10 +25,8 @@ def optim_problem(cfg: TrainConfig) -> Optional[str]:
     if err := choice_problem("optim.name", o.name, OPTIMIZERS):
         return f"{err} (optim=adamw or optim=muon)"
     if o.name != "muon":
-        default = MuonConfig()
-        changed = [f.name for f in fields(MuonConfig) if getattr(m, f.name) != getattr(default, f.name)]
-        if changed:
-            return (f"optim.muon.{changed[0]} is read only under optim=muon, and this run's optimizer is "
+        if changed := first_changed(m):
+            return (f"optim.muon.{changed} is read only under optim=muon, and this run's optimizer is "
                     f"optim.name={o.name}: select optim=muon, or drop the key")
         return None
     if err := choice_problem("optim.muon.adjust_lr", m.adjust_lr, ADJUST_LR):
