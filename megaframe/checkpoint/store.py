@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megaframe.checkpoint import sharded, universal
-from megaframe.checkpoint.file_hash import hashing_shares
+from megaframe.common.file_hash import hashing_shares
 from megaframe.checkpoint.universal import CheckpointError
 from megaframe.common.atomic_io import atomic_write_text, fsync_dir, fsync_file, sync_filesystem
 from megaframe.common.failures import save_failure

@@ -11,6 +11,7 @@ from typing import Optional
 from megaframe.checkpoint import tokenizer_record as records
 from megaframe.checkpoint import universal
 from megaframe.checkpoint.universal import CheckpointError
+from megaframe.common.tokenizer_files import has_tokenizer
 from megaframe.config.schema import DataConfig
 from megaframe.data.indexed import DataError
 
@@ -72,7 +73,7 @@ def check_resume(path: Path, current: dict, announce: bool, client_state: Option
                   f"{_FIELD_NAMES[field]}: {was} -> {now})", file=sys.stderr, flush=True)
         return
     copy = Path(path) / "tokenizer"
-    fix = (f"data.tokenizer={copy} (the checkpoint's copy)" if saved["kind"] == "hf" and records.has_tokenizer(copy)
+    fix = (f"data.tokenizer={copy} (the checkpoint's copy)" if saved["kind"] == "hf" and has_tokenizer(copy)
            else f"data.tokenizer={saved.get('name')}")
     raise CheckpointError(
         f"train.resume: checkpoint {path} was trained with data.tokenizer={records.describe(saved)}; this run's "

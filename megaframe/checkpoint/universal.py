@@ -38,8 +38,8 @@ from megaframe.common.launch_env import usable_cores
 from megaframe.common.atomic_io import atomic_write_text, fsync_dir, fsync_file
 from megaframe.common.safe_files import not_a_file, quote, read_capped
 from megaframe.checkpoint.coverage import whole_number
-from megaframe.checkpoint.file_hash import hash_file
-from megaframe.checkpoint.tokenizer_record import tokenizer_files
+from megaframe.common.file_hash import hash_file
+from megaframe.common.tokenizer_files import tokenizer_files
 from megaframe.optim.table import ALL_TENSOR_STATE
 
 FORMAT, VERSION, SHARDED_VERSION = "megaframe-universal", 1, 2

@@ -27,6 +27,7 @@ from megaframe.convert import files
 from megaframe.checkpoint.tokenizer_record import RECORD_KEY
 from megaframe.checkpoint.universal import read_state
 from megaframe.common.failures import output_failure
+from megaframe.common.tokenizer_files import has_tokenizer
 from megaframe.convert import tokenizer_export as tokens
 from megaframe.data.preprocess_stop import Stopped, stop_on_signals
 from megaframe.convert.hf import (ConvertError, check_tied_copy, config_from_hf, plan_shapes, state_from_hf_plan,
@@ -149,7 +150,7 @@ def import_hf(hf_dir: Path, out: Path, force: bool = False) -> tuple[ModelConfig
     state = files.LazyTensors(shapes, lambda name: plan[name](weights))
     record = {"step": 0, "consumed_samples": 0, "model": dataclasses.asdict(cfg),
               "source": {"hf_dir": str(hf_dir.resolve()), "model_type": hf_config["model_type"]}}
-    tokenizer, left_behind = (hf_dir if files.has_tokenizer(hf_dir) else None), ""
+    tokenizer, left_behind = (hf_dir if has_tokenizer(hf_dir) else None), ""
     if tokenizer is not None:  # what a resume with data.tokenizer=OUT/tokenizer is checked against
         tokenizer_record, left_behind = tokens.import_record(hf_dir)
         if tokenizer_record is not None:  # None: not copied, every later use would refuse it

@@ -32,8 +32,8 @@ from megaframe.checkpoint.stream import write_streaming
 from megaframe.common import json_text
 from megaframe.common.atomic_io import fsync_file
 from megaframe.common.safe_files import not_a_file
-from megaframe.checkpoint.tokenizer_record import (RECORD_KEY, TOKENIZER_FILES, has_tokenizer,  # noqa: F401
-                                                   tokenizer_files)
+from megaframe.checkpoint.tokenizer_record import RECORD_KEY
+from megaframe.common.tokenizer_files import tokenizer_files
 from megaframe.convert.hf import ConvertError
 from megaframe.data.preprocess_stop import Stopped, signals_deferred
 from megaframe.data.temp_files import dead_writers, host_tag
@@ -327,7 +327,7 @@ CONVERTED_FILE_BYTES = 2 * 2**30  # fp32 bytes per shard file of a converted che
 def write_sharded_model(directory: Path, model: Mapping[str, torch.Tensor]) -> dict[str, dict]:
     """The tensors as a trained checkpoint stores them (shards/ files, index.json), whole, in files
     of at most CONVERTED_FILE_BYTES each: a resume's verification splits the files over the ranks by bytes
-    (checkpoint/file_hash.py), and one model.safetensors (276 GB at 70B in fp32) was hashed by one
+    (common/file_hash.py), and one model.safetensors (276 GB at 70B in fp32) was hashed by one
     rank while the others waited. Returns {file: {bytes, sha256}}, hashed as written."""
     files: list[list[str]] = [[]]
     filled = 0

@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 
 from megaframe.checkpoint import tokenizer_record as records
 from megaframe.common import json_text
+from megaframe.common.tokenizer_files import files_hash, has_tokenizer
 from megaframe.convert.hf import ConvertError
 
 EOD_TOKEN = "<|endoftext|>"  # GPT-2's spelling; the ids, not the spelling, are megaframe's
@@ -116,13 +117,13 @@ def hf_tokenizer_source(ckpt: Path, record: dict, override: Optional[Path],
                                                                 _recorded_directory(record, run_dir)]
     seen = []
     for directory in candidates:
-        if not records.has_tokenizer(directory):
+        if not has_tokenizer(directory):
             seen.append(f"{directory}: no tokenizer files")
             continue
         if record.get("sha256") is None:  # an old checkpoint: nothing to check against
             return directory, f"tokenizer from {directory} (unverified: the checkpoint predates tokenizer records)"
         try:
-            digest = records.files_hash(directory, records.scheme_of(record))  # under the record's own scheme
+            digest = files_hash(directory, records.scheme_of(record))  # under the record's own scheme
         except OSError as err:
             seen.append(f"{directory}: unreadable ({err})")
             continue

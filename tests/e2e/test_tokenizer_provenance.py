@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.helpers import TINY
-from megaframe.checkpoint.tokenizer_record import RECORD_KEY, files_hash
+from megaframe.checkpoint.tokenizer_record import RECORD_KEY
+from megaframe.common.tokenizer_files import files_hash
 from megaframe.convert.cli import export_hf
 from megaframe.data.preprocess import preprocess
 from megaframe.data.tokenizer import HFTokenizer

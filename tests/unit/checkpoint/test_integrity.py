@@ -226,7 +226,7 @@ def test_coverage_of_many_zero_partitions_is_fast_and_exact():
 def test_hashing_on_threads_names_the_first_bad_file_in_the_manifests_order(tmp_path, threads):
     """The offline tools hash on several threads (one thread took hours at 1 TB): the verdict is the
     single-threaded one, the first corrupted file in the listed order, whichever thread finished first."""
-    from megaframe.checkpoint.file_hash import hash_file
+    from megaframe.common.file_hash import hash_file
 
     files = {}
     for name in "abcde":

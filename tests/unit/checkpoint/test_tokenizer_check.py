@@ -135,11 +135,11 @@ def test_tokenizer_linked_into_a_cache_snapshot_is_recorded_and_copied_as_files(
 def test_checkpoint_of_the_old_hash_scheme_resumes_and_still_refuses_another_tokenizer(tmp_path):
     """Records written before the hash left out tokenizer_config.json hashed every file: compared
     under that scheme, the same tokenizer resumes; an edited one is still refused."""
-    from megaframe.checkpoint import tokenizer_record as records
+    from megaframe.common import tokenizer_files
 
     tok = save_word_tokenizer(tmp_path / "tok")
     old = {k: v for k, v in run_record(DataConfig(tokenizer=str(tok))).items() if k != "hash_scheme"}
-    old["sha256"] = records.files_hash(tok, 1)
+    old["sha256"] = tokenizer_files.files_hash(tok, 1)
     ckpt = saved_checkpoint(tmp_path / "ckpt", old)
     check_resume(ckpt, run_record(DataConfig(tokenizer=str(tok))), announce=True)
     swap_words(tok)

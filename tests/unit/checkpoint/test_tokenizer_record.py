@@ -3,20 +3,21 @@ records differ in the first field that tells them apart."""
 from __future__ import annotations
 
 from megaframe.checkpoint import tokenizer_record as records
+from megaframe.common import tokenizer_files
 from tests.support.word_tokenizer import save_word_tokenizer, swap_words
 
 
 def test_files_hash_follows_content_not_place_nor_other_files(tmp_path):
     first, second = save_word_tokenizer(tmp_path / "a"), save_word_tokenizer(tmp_path / "b")
-    digest = records.files_hash(first)
-    assert digest == records.files_hash(second)  # a copy elsewhere is the same tokenizer
+    digest = tokenizer_files.files_hash(first)
+    assert digest == tokenizer_files.files_hash(second)  # a copy elsewhere is the same tokenizer
     (first / "model.safetensors").write_bytes(b"weights")  # a model directory's other files do not count
     (first / "README.md").write_text("notes")
-    assert records.files_hash(first) == digest
+    assert tokenizer_files.files_hash(first) == digest
     swap_words(second)
-    assert records.files_hash(second) != digest
+    assert tokenizer_files.files_hash(second) != digest
     (second / "link").symlink_to(first / "tokenizer.json")  # not a tokenizer file name: ignored
-    assert [p.name for p in records.tokenizer_files(first)] == ["tokenizer.json", "tokenizer_config.json"]
+    assert [p.name for p in tokenizer_files.tokenizer_files(first)] == ["tokenizer.json", "tokenizer_config.json"]
 
 
 def test_difference_names_the_first_field_that_differs(tmp_path):
@@ -42,27 +43,27 @@ def test_hash_ignores_what_save_pretrained_rewrites_by_version_and_scheme_1_is_t
     import hashlib
 
     directory = save_word_tokenizer(tmp_path / "tok")
-    digest, old = records.files_hash(directory), records.files_hash(directory, 1)
+    digest, old = tokenizer_files.files_hash(directory), tokenizer_files.files_hash(directory, 1)
     expected_old = hashlib.sha256()
-    for path in records.tokenizer_files(directory):
+    for path in tokenizer_files.tokenizer_files(directory):
         expected_old.update(f"{path.name}\0{hashlib.sha256(path.read_bytes()).hexdigest()}\n".encode())
     assert old == expected_old.hexdigest() and old != digest
     config = directory / "tokenizer_config.json"
     config.write_text(config.read_text().replace("{", '{"transformers_version": "9.9.9", ', 1))
     (directory / "special_tokens_map.json").write_text('{"eos_token": "</s>"}')
-    assert records.files_hash(directory) == digest  # the same mapping of ids to text
-    assert records.files_hash(directory, 1) != old
+    assert tokenizer_files.files_hash(directory) == digest  # the same mapping of ids to text
+    assert tokenizer_files.files_hash(directory, 1) != old
     record = records.hf_record(directory, 11, 1)
     assert record["hash_scheme"] == records.HASH_SCHEME and record["sha256"] == digest
     swap_words(directory)  # the mapping itself: still counts
-    assert records.files_hash(directory) != digest
+    assert tokenizer_files.files_hash(directory) != digest
 
 
 def test_a_record_of_the_old_scheme_is_compared_under_it(tmp_path):
     directory = save_word_tokenizer(tmp_path / "tok")
     current = records.hf_record(directory, 11, 1)
     old = {key: value for key, value in current.items() if key != "hash_scheme"}
-    old["sha256"] = records.files_hash(directory, 1)
+    old["sha256"] = tokenizer_files.files_hash(directory, 1)
     assert records.scheme_of(old) == 1 and records.difference(old, current) is not None
     assert records.difference(old, records.under_scheme(current, old)) is None
     assert records.under_scheme(current, current) is current

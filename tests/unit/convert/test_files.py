@@ -44,7 +44,7 @@ def test_a_converted_checkpoint_is_split_into_files_the_ranks_share_when_they_ve
     import torch
 
     from megaframe.checkpoint import sharded, universal
-    from megaframe.checkpoint.file_hash import hashing_shares
+    from megaframe.common.file_hash import hashing_shares
 
     monkeypatch.setattr(files, "CONVERTED_FILE_BYTES", 4096)
     g = torch.Generator().manual_seed(0)

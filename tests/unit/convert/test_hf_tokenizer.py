@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megaframe.checkpoint import tokenizer_record as records
+from megaframe.common import tokenizer_files
 from megaframe.config.schema import ModelConfig
 from megaframe.convert.cli import export_hf, main
 from megaframe.convert.files import write_layout_free
@@ -174,7 +175,7 @@ def test_from_hf_import_records_its_tokenizer(tmp_path):
     record = read_state(tmp_path / "imported")[records.RECORD_KEY]
     assert record["name"] == str((tmp_path / "imported" / "tokenizer").resolve())
     assert (record["vocab_size"], record["eod_id"]) == (11, 1)
-    assert record["sha256"] == records.files_hash(tmp_path / "hf")
+    assert record["sha256"] == tokenizer_files.files_hash(tmp_path / "hf")
     json.loads((tmp_path / "imported" / "tokenizer" / "tokenizer_config.json").read_text())
 
 
@@ -259,7 +260,7 @@ def test_export_checks_a_record_of_the_old_hash_scheme_under_it(tmp_path):
 
     tok = save_word_tokenizer(tmp_path / "tok")
     old = {"kind": "hf", "name": str(tok), "vocab_size": 11, "eod_id": 1, "bos_id": None,
-           "sha256": records.files_hash(tok, 1)}
+           "sha256": tokenizer_files.files_hash(tok, 1)}
     assert hf_tokenizer_source(tmp_path / "ckpt", old, None)[0] == tok
     swap_words(tok)
     with pytest.raises(ConvertError, match="no copy of the tokenizer"):

@@ -1,7 +1,7 @@
-"""How ranks share a checkpoint's files to hash: by bytes (checkpoint/file_hash.py hashing_shares)."""
+"""How ranks share a checkpoint's files to hash: by bytes (common/file_hash.py hashing_shares)."""
 from __future__ import annotations
 
-from megaframe.checkpoint.file_hash import hashing_shares
+from megaframe.common.file_hash import hashing_shares
 from megaframe.checkpoint.sharded import record_file, shard_file
 
 

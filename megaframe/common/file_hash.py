@@ -1,5 +1,6 @@
-"""The sha256 of a file, for checkpoint manifests and tokenizer records: a leaf both import (the
-manifest writer, universal.py, imports the tokenizer record, so the record cannot import it)."""
+"""The sha256 of a file, for checkpoint manifests, tokenizer records and dataset sidecars: a leaf all
+of them import (the manifest writer, universal.py, imports the tokenizer record, so the record cannot
+import it; data/ may not import checkpoint/)."""
 from __future__ import annotations
 
 import hashlib
