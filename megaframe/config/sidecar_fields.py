@@ -10,11 +10,17 @@ from typing import Any, Optional
 
 import numpy as np
 
+from megaframe.common.tokenizer_files import HASH_SCHEMES
+
 _COUNTS = ("num_documents", "num_tokens", "index_bytes")
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_hex(value: Any) -> bool:
+    return isinstance(value, str) and bool(value) and len(value) % 2 == 0 and set(value) <= set(string.hexdigits)
 
 
 # the byte tokenizer's vocabulary and end-of-document id (tokenizer.py's ByteTokenizer, which imports
@@ -41,10 +47,12 @@ def field_problem(sidecar: dict[str, Any], dtype: Optional[np.dtype] = None) -> 
     widest = np.dtype(dtype if dtype is not None and np.issubdtype(dtype, np.integer) else np.int32)
     if _is_int(vocab) and vocab > int(np.iinfo(widest).max) + 1:  # megaframe writes uint16 or int32 tokens
         return f"its vocab_size is {vocab}, more ids than its {widest.name} tokens can hold"
-    checksum = sidecar.get("checksum")
-    if checksum is not None and not (isinstance(checksum, str) and checksum and len(checksum) % 2 == 0
-                                     and set(checksum) <= set(string.hexdigits)):
-        return f"its checksum is {checksum!r}, not hexadecimal"
+    for key in ("checksum", "tokenizer_sha256"):
+        if sidecar.get(key) is not None and not _is_hex(sidecar[key]):
+            return f"its {key} is {sidecar[key]!r}, not hexadecimal"
+    scheme = sidecar.get("tokenizer_hash_scheme")
+    if sidecar.get("tokenizer_sha256") is not None and not (_is_int(scheme) and scheme in HASH_SCHEMES):
+        return f"its tokenizer_hash_scheme is {scheme!r}, not one of {sorted(HASH_SCHEMES)}"
     for key in _COUNTS:
         if key in sidecar and not (_is_int(sidecar[key]) and sidecar[key] >= 0):
             return f"its {key} is {sidecar[key]!r}, not a whole number >= 0"

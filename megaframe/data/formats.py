@@ -4,10 +4,12 @@ Megatron writes it, the vocabulary and end-of-document id come from data.tokeniz
 earlier MFTOKIDX (its sidecar names the tokenizer)."""
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Optional, Union
 
+from megaframe.common.tokenizer_files import files_hash, tokenizer_files
 from megaframe.data.indexed import MAGIC as OWN_MAGIC
 from megaframe.data.indexed import DataError, IndexedDataset
 from megaframe.data.token_files import read_head
@@ -49,11 +51,17 @@ def open_dataset(prefix: Union[str, os.PathLike[str]], tokenizer: Optional[str] 
 
 
 def _check_tokenizer(dataset: Dataset, prefix, tokenizer: Optional[str]) -> Dataset:
-    """data.tokenizer must be the tokenizer the dataset's sidecar records (or one with its vocabulary
-    and end-of-document id: a moved copy): training would not notice another, but every checkpoint
-    records data.tokenizer and megaframe-convert to-hf ships it with the model."""
+    """data.tokenizer must be the tokenizer the dataset's sidecar records: its files, where the sidecar
+    holds their hash (a moved copy passes, a tokenizer replaced in place does not); else one of the same
+    name, or with its vocabulary and end-of-document id. Training would not notice another, but every
+    checkpoint records data.tokenizer and megaframe-convert to-hf ships it with the model."""
     recorded = dataset.metadata.get("tokenizer") if tokenizer is not None else None
-    if recorded is None or str(recorded) == str(tokenizer):
+    if recorded is None:
+        return dataset
+    digest = dataset.metadata.get("tokenizer_sha256")
+    if digest is not None and str(tokenizer) != "byte" and Path(tokenizer).is_dir():
+        return _check_files(dataset, prefix, str(tokenizer), str(recorded))
+    if str(recorded) == str(tokenizer):
         return dataset
     if Path(str(recorded)).is_dir() and Path(tokenizer).is_dir() and \
             Path(str(recorded)).resolve() == Path(tokenizer).resolve():
@@ -71,3 +79,36 @@ def _check_tokenizer(dataset: Dataset, prefix, tokenizer: Optional[str]) -> Data
                                 f"exports would name the wrong tokenizer; set data.tokenizer={recorded}",
                                 str(prefix), str(recorded))
     return dataset
+
+
+def _check_files(dataset: Dataset, prefix, tokenizer: str, recorded: str) -> Dataset:
+    """data.tokenizer's files hash to what the sidecar records of the files that made the tokens."""
+    try:
+        same = _files_hash(str(Path(tokenizer).resolve()), dataset.metadata["tokenizer_hash_scheme"]) \
+            == dataset.metadata["tokenizer_sha256"]
+    except OSError as err:
+        raise DataError(f"data.tokenizer={tokenizer}: cannot read its files to compare them with those that made "
+                        f"{prefix}'s tokens ({err.strerror or err})") from None
+    if same:
+        return dataset
+    if Path(recorded).resolve() == Path(tokenizer).resolve():
+        raise TokenizerMismatch(f"data.tokenizer={tokenizer}: its files changed since they made {prefix}'s tokens "
+                                f"({prefix}.json records their sha256): the ids would mean other text; put the "
+                                f"tokenizer that made them back, or rebuild the dataset with megaframe-preprocess",
+                                str(prefix), recorded)
+    raise TokenizerMismatch(f"data.tokenizer={tokenizer} is not the tokenizer that made {prefix}'s tokens: its files "
+                            f"differ from those {prefix}.json records ({recorded}), so the ids would mean other text "
+                            f"(even with the same vocabulary {dataset.vocab_size}); set data.tokenizer={recorded}",
+                            str(prefix), recorded)
+
+
+def _files_hash(directory: str, scheme: int) -> str:
+    """files_hash once per process and state of the files: each dataset of a blend names the same
+    tokenizer (a file rewritten since has another size or time, and is hashed again)."""
+    stamps = tuple((path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in tokenizer_files(Path(directory)))
+    return _hash_of(directory, scheme, stamps)
+
+
+@functools.lru_cache(maxsize=8)
+def _hash_of(directory: str, scheme: int, stamps: tuple) -> str:
+    return files_hash(Path(directory), scheme)

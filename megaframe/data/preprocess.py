@@ -35,7 +35,7 @@ from megaframe.data.preprocess_stop import Stopped, ignore_stop_in_worker, signa
 from megaframe.data.long_text import cut_text, encode_piece, encode_text_file, splits_text
 from megaframe.data.sources import Source, TextFile, find_sources, iter_documents
 from megaframe.data.temp_files import remove_orphans
-from megaframe.data.tokenizer import Tokenizer, build_tokenizer
+from megaframe.data.tokenizer import Tokenizer, build_tokenizer, sidecar_record
 
 __all__ = ["preprocess", "usable_workers"]
 
@@ -210,6 +210,7 @@ def preprocess(
         raise DataError(f"--valid-fraction {valid_fraction}: must be at least 0 and below 1 (0.1 holds out 10%)")
     if isinstance(tokenizer, str):
         tokenizer = build_tokenizer(tokenizer)
+    made_by = sidecar_record(tokenizer)  # the files' hash as they loaded, before hours of tokenizing
     sources = find_sources(inputs)
     if not sources:
         raise DataError("--input: no input files given")
@@ -235,8 +236,7 @@ def preprocess(
             index += last
             bar.update(int(last))
         _check_written(writers, inputs, valid_fraction, append_eod)
-        metadata = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id,
-                    "append_eod": append_eod, "json_key": json_key,
+        metadata = {**made_by, "append_eod": append_eod, "json_key": json_key,
                     "source_files": [str(source.path) for source in sources]}
         for writer in writers:  # every dataset complete on disk before any replaces a previous one
             writer.prepare(metadata)

@@ -6,9 +6,10 @@ import os
 from pathlib import Path
 from typing import Iterable, Protocol, runtime_checkable
 
+from megaframe.common.tokenizer_files import HASH_SCHEME, files_hash
 from megaframe.data.indexed import DataError
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "build_tokenizer"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "build_tokenizer", "sidecar_record"]
 
 
 @runtime_checkable
@@ -99,6 +100,22 @@ class HFTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`, dropping the end-of-document token."""
         return self._tokenizer.decode([int(token) for token in ids if int(token) != self.eod_id])
+
+
+def sidecar_record(tokenizer: Tokenizer) -> dict:
+    """What a dataset's sidecar records of the tokenizer that made its tokens: its name, vocabulary and
+    end-of-document id, and for a Hugging Face one the sha256 of its files (another tokenizer with the
+    same vocabulary size and end-of-document id maps the ids to other text; data/formats.py compares)."""
+    record = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id}
+    if isinstance(tokenizer, HFTokenizer):
+        # its full path: a run started from another folder is told where it is (--tokenizer tok was "tok")
+        record["tokenizer"] = str(Path(tokenizer.name).resolve())
+        try:
+            record.update(tokenizer_sha256=files_hash(Path(tokenizer.name)), tokenizer_hash_scheme=HASH_SCHEME)
+        except OSError as err:
+            raise DataError(f"--tokenizer {tokenizer.name}: cannot read its files to record their hash "
+                            f"({err.strerror or err})") from None
+    return record
 
 
 def build_tokenizer(spec: str | os.PathLike[str], named: str = "data.tokenizer=") -> ByteTokenizer | HFTokenizer:

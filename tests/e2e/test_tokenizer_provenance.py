@@ -24,15 +24,17 @@ from tests.support.word_tokenizer import corpus, save_word_tokenizer, swap_words
 pytestmark = pytest.mark.slow
 
 
-def train_resume_and_switch(rank: int, world: int, run_dir: str, data: str, tok: str, edited: str) -> dict:
-    """Two steps, a resume with the same tokenizer to step 3, then one with the edited copy."""
+def train_resume_and_switch(rank: int, world: int, run_dir: str, data: str, tok: str, edited: str,
+                            edited_data: str) -> dict:
+    """Two steps, a resume with the same tokenizer to step 3, then one with the edited copy and the
+    text tokenized by it (the data alone is then consistent: only the checkpoint's record tells)."""
     from megaframe.config.compose import compose
     from megaframe.backends.registry import validate_for_engine
     from megaframe.training.failure_report import report_failure
     from megaframe.training.trainer import Trainer
 
-    def config(tokenizer: str, steps: int):
-        cfg, _ = compose([*TINY, f"data.path={data}", f"data.tokenizer={tokenizer}", f"train.max_steps={steps}",
+    def config(tokenizer: str, steps: int, path: str = data):
+        cfg, _ = compose([*TINY, f"data.path={path}", f"data.tokenizer={tokenizer}", f"train.max_steps={steps}",
                           "train.eval_interval=0"])
         return cfg, validate_for_engine(cfg, world, ask_bf16=False)
 
@@ -45,7 +47,7 @@ def train_resume_and_switch(rank: int, world: int, run_dir: str, data: str, tok:
     code = None
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:  # what train() does, short of ending the process group the test's ranks share
-            with Trainer(*config(edited, 4), Path(run_dir)) as refused:
+            with Trainer(*config(edited, 4, edited_data), Path(run_dir)) as refused:
                 refused.fit()
         except Exception as error:  # noqa: BLE001 - reported as megaframe-train reports it
             code = report_failure(error, Path(run_dir), rank)
@@ -61,9 +63,10 @@ def test_hf_tokenizer_run_is_recorded_guarded_on_resume_and_exported(tmp_path):
     swap_words(edited)  # same 11 tokens and eos, other text
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus()))
     preprocess([tmp_path / "docs.jsonl"], tmp_path / "data", str(tok), progress=False)
+    preprocess([tmp_path / "docs.jsonl"], tmp_path / "edited_data", str(edited), progress=False)
     run = tmp_path / "run"
     [result] = run_ranks(train_resume_and_switch, 1, tmp_path, run_dir=str(run), data=str(tmp_path / "data"),
-                         tok=str(tok), edited=str(edited))
+                         tok=str(tok), edited=str(edited), edited_data=str(tmp_path / "edited_data"))
 
     assert "resumed from" in result["resumed"] and result["step"] == 3  # the same tokenizer goes on
     assert result["code"] == 5

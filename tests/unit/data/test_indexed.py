@@ -260,6 +260,8 @@ def test_json_from_another_build_is_detected(tmp_path: Path, layout: str) -> Non
     ("vocab_size", True, "its vocab_size is True"),
     ("eod_id", 9999, "its eod_id is 9999, not a token id below vocab_size=257"),
     ("checksum", "not-hex!", "its checksum is 'not-hex!', not hexadecimal"),
+    ("tokenizer_sha256", "zz", "its tokenizer_sha256 is 'zz', not hexadecimal"),
+    ("tokenizer_sha256", "ab" * 32, "its tokenizer_hash_scheme is None, not one of [1, 2]"),
     ("tokenizer", 5, "its tokenizer is 5, not a name or a directory"),
     ("num_tokens", -1, "its num_tokens is -1"),
 ])
