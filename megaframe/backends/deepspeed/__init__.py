@@ -18,16 +18,23 @@ system.py      what offload needs of this machine; skip_gate.py, overflow.py, mu
 import logging as _logging
 
 
-class _NoCpuFallbackLine(_logging.Filter):
-    """Without a CUDA device DeepSpeed falls back to its CPU accelerator and says so on every rank
-    ("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect
-    it."), a line the user cannot act on: the start-up line names the device already. Dropped from
-    DeepSpeed's logger (by name, before DeepSpeed is imported: it logs while importing), not
-    avoided by setting DS_ACCELERATOR: the environment of the process that submits a SLURM or Ray
-    job travels with the job, and would put a GPU cluster's ranks on their CPUs."""
+class _NoLineTheUserCannotActOn(_logging.Filter):
+    """Two of DeepSpeed's lines, dropped from its logger (by name, before DeepSpeed is imported: it
+    logs while importing):
+    - Without a CUDA device DeepSpeed falls back to its CPU accelerator and says so on every rank
+      ("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect
+      it."): the start-up line names the device already. Not avoided by setting DS_ACCELERATOR: the
+      environment of the process that submits a SLURM or Ray job travels with the job, and would put
+      a GPU cluster's ranks on their CPUs.
+    - "**** You are using ZeRO with an untested optimizer, proceed with caution *****": DeepSpeed
+      knows only its own optimizer classes; the only other one megaframe hands it is its Muon, whose
+      steps under ZeRO-1/2/3 megaframe's tests compare with the single-rank run (tests/dist/
+      test_muon_zero.py), so the warning told a user of optim=muon to worry about nothing."""
+
+    DROPPED = ("Setting accelerator to CPU.", "**** You are using ZeRO with an untested optimizer")
 
     def filter(self, record: _logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Setting accelerator to CPU.")
+        return not record.getMessage().startswith(self.DROPPED)
 
 
-_logging.getLogger("DeepSpeed").addFilter(_NoCpuFallbackLine())
+_logging.getLogger("DeepSpeed").addFilter(_NoLineTheUserCannotActOn())
