@@ -23,6 +23,7 @@ then differ from the full recompute.
 from __future__ import annotations
 
 import contextlib
+import math
 import dataclasses
 from typing import Callable, Iterator, Optional
 
@@ -115,8 +116,9 @@ def pick_next(logits: torch.Tensor, temperature: float, top_k: Optional[int], to
 
 def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
     """Raise ValueError (one line) for settings that sample nothing sensible."""
-    if not temperature >= 0:  # also NaN
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if not 0 <= temperature < math.inf:  # also NaN; inf divided every logit to 0: every token alike
+        raise ValueError(f"temperature={temperature} must be >= 0 and finite (0 = greedy, 1 = the model's own "
+                         f"distribution)")
     if top_k is not None and top_k < 0:
         raise ValueError(f"top_k={top_k} must be >= 0 (0 = no top-k cut)")
     if top_p is not None and not 0 < top_p <= 1:

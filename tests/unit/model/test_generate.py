@@ -142,6 +142,7 @@ def test_a_row_stops_at_the_end_of_document():
 
 @pytest.mark.parametrize("kwargs, message", [({"temperature": -1.0}, "temperature=-1.0 must be >= 0"),
                                              ({"temperature": float("nan")}, "temperature=nan"),
+                                             ({"temperature": float("inf")}, "temperature=inf must be >= 0 and finite"),
                                              ({"top_k": -3}, "top_k=-3 must be >= 0"),
                                              ({"top_p": 0.0}, r"top_p=0.0 must be in \(0, 1\]"),
                                              ({"top_p": 1.5}, r"top_p=1.5 must be in \(0, 1\]")])
