@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megaframe.common.ctrl_c import interrupted_in_one_line
+from megaframe.common.one_line_args import OneLineParser
 from megaframe.common.result_output import printed_to_stdout, require_stdout
 
 PROG = "megaframe-eval"
@@ -231,15 +232,8 @@ def _check_ids(inputs, targets, vocab_size: int, where: str) -> None:
                           f"tokenized with another tokenizer or is corrupt: rebuild it with megaframe-preprocess")
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose refusals are one line (no usage block), exit 2, as megaframe-sample's."""
-
-    def error(self, message: str) -> None:
-        _fail(f"{message} (see {PROG} --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser = OneLineParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1])
     parser.add_argument("checkpoint", type=Path, help="a layout-free checkpoint, or a run's checkpoints/ directory")
     parser.add_argument("overrides", nargs="*", help="data.* (or data=NAME), train.eval_steps, "
                                                       "parallel.micro_batch_size, parallel.global_batch_size")

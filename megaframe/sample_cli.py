@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
 from megaframe.common.ctrl_c import interrupted_in_one_line
+from megaframe.common.one_line_args import OneLineParser
 from megaframe.common.result_output import printed_to_stdout, require_stdout
 
 PROG = "megaframe-sample"
@@ -32,20 +33,13 @@ PROGRESS_EVERY_S = 10.0  # seconds between progress lines on stderr while a gene
 SEPARATOR = "---------------"  # between samples, as nanoGPT's sample.py prints them
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose refusals are one line (no usage block), exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        _fail(f"{message} (see {PROG} --help)")
-
-
 def _fail(message: str) -> NoReturn:
     print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser = OneLineParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1])
     parser.add_argument("checkpoint", type=Path, help="a layout-free checkpoint, or a run's checkpoints/ directory")
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="the text to continue (default: start a new document)")

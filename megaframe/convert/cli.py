@@ -27,6 +27,7 @@ from megaframe.convert import files
 from megaframe.checkpoint.tokenizer_record import RECORD_KEY
 from megaframe.checkpoint.universal import read_state
 from megaframe.common.failures import output_failure
+from megaframe.common.one_line_args import OneLineParser
 from megaframe.common.tokenizer_files import has_tokenizer
 from megaframe.convert import tokenizer_export as tokens
 from megaframe.data.preprocess_stop import Stopped, stop_on_signals
@@ -171,7 +172,7 @@ def import_hf(hf_dir: Path, out: Path, force: bool = False) -> tuple[ModelConfig
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: two subcommands."""
-    parser = argparse.ArgumentParser(prog=PROG, description="Convert between megaframe checkpoints and Hugging Face models.")
+    parser = OneLineParser(prog=PROG, description="Convert between megaframe checkpoints and Hugging Face models.")
     sub = parser.add_subparsers(dest="command", required=True)
     to = sub.add_parser("to-hf", help="megaframe checkpoint -> transformers model directory")
     to.add_argument("ckpt", type=Path, help="layout-free checkpoint dir, or a run's checkpoints/ dir (uses `latest`)")

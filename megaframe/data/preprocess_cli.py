@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from megaframe.common.ctrl_c import shutdown_not_stopped
+from megaframe.common.one_line_args import OneLineParser
 from megaframe.common.failures import output_failure
 from megaframe.data import DataError, build_tokenizer, preprocess
 from megaframe.data.indexed import LAYOUTS
@@ -22,7 +23,7 @@ PROG = "megaframe-preprocess"
 
 def build_parser() -> argparse.ArgumentParser:
     """Command-line interface of the tool."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=PROG,
         description="Tokenize text files into PREFIX.bin/.idx/.json for megaframe training (data.path=PREFIX).",
     )
