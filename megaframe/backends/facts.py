@@ -8,6 +8,7 @@ over thousands of layouts, and a refused config, stay cheap."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 # How an engine holds a rank's model states (plan/memory.py: STATE_TERMS holds each formula)
 ZERO_PAPER = "zero_paper"  # by ZeRO stage (1: optimizer states sharded, 2: gradients too, 3: weights too)
@@ -28,6 +29,10 @@ class MemoryTerms:
     # a tied embedding under a pipeline: the last stage's copy is the whole embedding layer (learned
     # positions too), not the token table alone
     tied_copy_holds_positions: bool
+    # whether, at tp > 1, it sums the gradients of the parameters every TP rank holds whole (an MoE
+    # block's experts and router, norms under sequence parallelism) in one fp32 buffer kept for the
+    # whole run (parallel/grad_bucket.py), as f(zero stage, pipelined, precision.dtype)
+    replicated_grad_bucket: Callable[[int, bool, str], bool] = lambda zero_stage, pipelined, dtype: False
 
 
 @dataclass(frozen=True)

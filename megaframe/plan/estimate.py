@@ -25,6 +25,7 @@ from megaframe.plan.activations import (ActivationShape, block_activation_bytes,
 from megaframe.plan.memory import (ACTIVATION_BYTES, GIB, OPTIMIZER_SHARDED, STATE_BYTES, STATE_TERMS, ModelStates,
                                    PlanLayout, active_parameters, embedding_parameters, largest_block_parameters,
                                    stage_block_kinds, stage_blocks, stage_expert_parameters, stage_parameters,
+                                   stage_replicated_parameters,
                                    stage_windowed_blocks, total_parameters)
 from megaframe.plan.host import (FAST_TIER_PARTS, CheckpointCopies, HostMemory, checkpoint_copies,
                                   saved_bytes_per_parameter)
@@ -248,6 +249,11 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
         working += in_flight * tokens(dims, shape) * dims.hidden_size * ACTIVATION_BYTES[dtype]
     for held in UNSHARDED_TERMS[terms.unsharded](dims, lay, dtype, params, zero, blocks):
         working += held
+    if lay.tp > 1 and terms.replicated_grad_bucket(lay.zero_stage, lay.pp > 1, dtype):
+        # the fp32 bucket of the TP-replicated gradients, kept all run: an MoE model's experts (21 GiB
+        # a rank for mixtral_8x7b at tp=2 ZeRO-1)
+        working += 4 * stage_replicated_parameters(dims, lay.tp, lay.sequence_parallel, blocks - moe_blocks,
+                                                   moe_blocks, last, ep)
     if blocks or (last and fp8.head):  # torchao's per-matmul fp8 copies of one linear
         working += fp8_cast_bytes(dims, shape, fp8)
     activations = in_flight * per_micro

@@ -113,6 +113,37 @@ def block_kind_parameters(dims: GPTDims, tp: int, moe_block: bool, ep: int = 1) 
             + _moe_block_expert_parameters(dims, ep))
 
 
+def block_kind_replicated_parameters(dims: GPTDims, tp: int, moe_block: bool, sequence_parallel: bool,
+                                     ep: int = 1) -> int:
+    """Of block_kind_parameters, those every TP rank holds whole and applies to its own share of the
+    data, whose gradients are summed over TP (tp.sync_grad in model/gpt.py, model/moe.py and
+    parallel/layers.py): kv projections replicated when TP exceeds the kv heads, per-head q/k norms,
+    an MoE block's router and this rank's experts (each TP rank routes its own tokens), and under
+    sequence parallelism the norms and the row-parallel biases. None at tp=1."""
+    if tp == 1:
+        return 0
+    h, kv, bias = dims.hidden_size, dims.num_kv_heads * dims.head_dim, 1 if dims.bias else 0
+    replicated = 2 * (h * kv + bias * kv) if dims.num_kv_heads % tp else 0
+    replicated += 2 * dims.head_dim if dims.qk_norm else 0
+    # the MLP's row-parallel bias: a dense block's, an MoE block's shared experts' (routed experts have none)
+    mlp_bias = bias * h if not moe_block or dims.moe.shared_experts else 0
+    if sequence_parallel:
+        replicated += 2 * _norm_parameters(dims) + bias * h + mlp_bias
+    if moe_block:
+        replicated += dims.moe.num_experts * h + _moe_block_expert_parameters(dims, ep)
+    return replicated
+
+
+def stage_replicated_parameters(dims: GPTDims, tp: int, sequence_parallel: bool, dense_blocks: int,
+                                moe_blocks: int, last: bool, ep: int = 1) -> int:
+    """block_kind_replicated_parameters over a stage's blocks, and the final norm on the last stage
+    under sequence parallelism."""
+    final_norm = _norm_parameters(dims) if last and sequence_parallel and tp > 1 else 0
+    kinds = ((False, dense_blocks), (True, moe_blocks))
+    return final_norm + sum(count * block_kind_replicated_parameters(dims, tp, moe, sequence_parallel, ep)
+                            for moe, count in kinds if count)
+
+
 def largest_block_parameters(dims: GPTDims, tp: int, ep: int = 1) -> int:
     """The largest block's parameters on one rank, of the kinds the model has."""
     kinds = [moe for moe, count in ((False, dims.num_layers - dims.num_moe_blocks), (True, dims.num_moe_blocks))

@@ -29,6 +29,7 @@ from megaframe.backends.deepspeed.memory import held_model_states
 from megaframe.backends.deepspeed.muon_import import import_muon_lazily
 from megaframe.backends.deepspeed.muon_zero import describe_partitions
 from megaframe.backends.deepspeed.nvme import open_nvme_swap
+from megaframe.backends.deepspeed.plug import replicated_grad_bucket
 from megaframe.backends.deepspeed.pipeline import build_pipeline_model, counted_on_another_stage
 from megaframe.backends.deepspeed.overflow import batch_overflow_check
 from megaframe.backends.deepspeed.rules import layout_free_unsupported
@@ -172,12 +173,10 @@ class DeepSpeedBackend:
 
     def _replicated_grad_bucket(self) -> Optional[ReplicatedGradBucket]:
         """One bucket for the TP-replicated parameters' gradients (parallel/grad_bucket.py), where
-        DeepSpeed leaves gradients in .grad until the accumulation boundary: ZeRO-0/1, except the
-        pipeline's bf16 ZeRO-0 optimizer, which moves them to fp32 after every micro-batch. ZeRO-2/3
-        reduce each gradient inside the backward pass, so there the sum stays at each use."""
-        if self.layout.tp == 1 or self.cfg.zero.stage > 1:
-            return None
-        if self.pipelined and self.cfg.zero.stage == 0 and self.cfg.precision.dtype == "bf16":
+        DeepSpeed leaves them in .grad until the accumulation boundary (plug.py says where: the
+        planner counts the bucket from the same answer)."""
+        if self.layout.tp == 1 or not replicated_grad_bucket(self.cfg.zero.stage, self.pipelined,
+                                                             self.cfg.precision.dtype):
             return None
         return ReplicatedGradBucket(self.ps.tp_group)
 

@@ -5,6 +5,14 @@ from __future__ import annotations
 from megaframe.backends.facts import ZERO_BUFFERS, ZERO_PAPER, EngineFacts, MemoryTerms
 from megaframe.backends.registry import lazy_plug
 
+def replicated_grad_bucket(zero_stage: int, pipelined: bool, dtype: str) -> bool:
+    """Where DeepSpeed leaves gradients in .grad until the accumulation boundary, so one bucket can
+    sum the TP-replicated ones before it reads them (engine.py): ZeRO-0/1, except the pipeline's bf16
+    ZeRO-0 optimizer, which moves them to fp32 after every micro-batch. ZeRO-2/3 reduce each gradient
+    inside the backward pass, so there the sum stays at each use."""
+    return zero_stage <= 1 and not (pipelined and zero_stage == 0 and dtype == "bf16")
+
+
 FACTS = EngineFacts(
     zero_stages=(0, 1, 2, 3), pipeline_zero_stages=(0, 1),  # its pipeline engine: ZeRO 0-1 (rules.py)
     per_module_gather_stages=(3,), param_offload_stages=(3,),
@@ -13,7 +21,7 @@ FACTS = EngineFacts(
     # its fp32 masters (and under ZeRO at fp32 a flat partition) by stage; a pipeline's tied embedding
     # is the TiedLayerSpec's whole module on both ends
     memory=MemoryTerms(states=ZERO_PAPER, unsharded=ZERO_BUFFERS, shards_within_replica=False,
-                       tied_copy_holds_positions=True),
+                       tied_copy_holds_positions=True, replicated_grad_bucket=replicated_grad_bucket),
     described_partition_stages=(1, 2, 3),  # ZeRO-1/2/3's flat partitions, for Muon (muon_zero.py)
     nvme_offload_stages=(3,))  # ZeRO-Infinity (conf/offload/nvme.yaml swaps the parameters too)
 

@@ -58,6 +58,20 @@ def test_the_128k_recipe_fits_an_h100_only_with_context_parallelism():
     assert not estimate_config(whole, validate(whole, 64, fp16_supported=lambda: False, engine_problem=DEEPSPEED_RULES)).fits
 
 
+def test_mixtral_with_four_expert_ranks_does_not_fit_for_its_experts_fp32_gradient_bucket():
+    """At tp=4 ZeRO-1 every TP rank routes its own tokens through its experts, whose gradients DeepSpeed
+    sums over TP in one fp32 bucket kept all run (tests/dist/test_replicated_bucket_plan.py measures
+    it): 16 experts' worth at ep=4, 42 GiB. The planner left it out and called ep=4 64.3 GiB, fits."""
+    from megaframe.plan.estimate import estimate_config
+
+    cfg, layout, _ = _recipe("mixtral_8x7b")
+    assert (layout.tp, cfg.parallel.ep, cfg.zero.stage, cfg.cluster.name) == (4, 8, 1, "h100_80g")
+    assert estimate_config(cfg, layout).fits
+    fewer, _ = compose(["recipe=mixtral_8x7b", "parallel.ep=4"])
+    assert not estimate_config(fewer, validate(fewer, planned_world_size(fewer), fp16_supported=lambda: False,
+                                               engine_problem=DEEPSPEED_RULES)).fits
+
+
 def test_llama2_7b_is_exactly_its_reference_size():
     assert total_parameters(_recipe("llama2_7b")[2]) == 6_738_415_616
 
