@@ -308,6 +308,12 @@ def fsdp2_gathered_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, params: int
     group's gradients being reduced: in the compute dtype plus their fp32 copy that the
     reduce-scatter reads."""
     compute = ACTIVATION_BYTES[dtype]
+    if lay.pp > 1:
+        # torch's pipeline schedules run every backward but the step's reduction without resharding or
+        # reducing (pipelining/stage.py: set_reshard_after_backward(False), set_requires_gradient_sync(False)):
+        # from the first backward to the step's end the whole stage stays gathered and its gradients
+        # accumulate unsharded in fp32 (measured: tests/dist/test_planner_peak.py's fsdp2 pipeline)
+        return params * (compute + 4)
     block = largest_block_parameters(dims, lay.tp, lay.grid.ep)
     head = 0 if dims.tie_embeddings else dims.padded_vocab_size // lay.tp * dims.hidden_size
     root = embedding_parameters(dims, lay.tp) + head + dims.hidden_size
