@@ -13,6 +13,14 @@ def replicated_grad_bucket(zero_stage: int, pipelined: bool, dtype: str) -> bool
     return zero_stage <= 1 and not (pipelined and zero_stage == 0 and dtype == "bf16")
 
 
+def fp32_gradient_copy_at_step(zero_stage: int, pipelined: bool, dtype: str) -> bool:
+    """At ZeRO-0 in bf16 or fp16 without a pipeline DeepSpeed wraps the optimizer in its FP16
+    optimizers, whose step flattens (fused) or casts (unfused) every gradient to fp32 beside the
+    low-precision ones: 20 bytes a parameter at the step, not the ZeRO paper's 16 (measured:
+    tests/dist/test_planner_peak.py). ZeRO-1/2/3 reduce into fp32 partitions the states count."""
+    return zero_stage == 0 and not pipelined and dtype in ("bf16", "fp16")
+
+
 FACTS = EngineFacts(
     zero_stages=(0, 1, 2, 3), pipeline_zero_stages=(0, 1),  # its pipeline engine: ZeRO 0-1 (rules.py)
     per_module_gather_stages=(3,), param_offload_stages=(3,),
@@ -21,7 +29,8 @@ FACTS = EngineFacts(
     # its fp32 masters (and under ZeRO at fp32 a flat partition) by stage; a pipeline's tied embedding
     # is the TiedLayerSpec's whole module on both ends
     memory=MemoryTerms(states=ZERO_PAPER, unsharded=ZERO_BUFFERS, shards_within_replica=False,
-                       tied_copy_holds_positions=True, replicated_grad_bucket=replicated_grad_bucket),
+                       tied_copy_holds_positions=True, replicated_grad_bucket=replicated_grad_bucket,
+                       fp32_gradient_copy_at_step=fp32_gradient_copy_at_step),
     described_partition_stages=(1, 2, 3),  # ZeRO-1/2/3's flat partitions, for Muon (muon_zero.py)
     nvme_offload_stages=(3,))  # ZeRO-Infinity (conf/offload/nvme.yaml swaps the parameters too)
 
