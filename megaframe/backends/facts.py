@@ -33,9 +33,10 @@ class MemoryTerms:
     # block's experts and router, norms under sequence parallelism) in one fp32 buffer kept for the
     # whole run (parallel/grad_bucket.py), as f(zero stage, pipelined, precision.dtype)
     replicated_grad_bucket: Callable[[int, bool, str], bool] = lambda zero_stage, pipelined, dtype: False
-    # whether its optimizer step copies every gradient to fp32 while the low-precision ones are still
-    # held (4 bytes a parameter on top of the states), as f(zero stage, pipelined, precision.dtype)
-    fp32_gradient_copy_at_step: Callable[[int, bool, str], bool] = lambda zero_stage, pipelined, dtype: False
+    # whether its optimizer step copies the gradients it steps (at ZeRO >= 1 its partition's) to fp32 on
+    # the device while the low-precision ones are still held (4 bytes a parameter stepped, on top of the
+    # states), as f(zero stage, pipelined, precision.dtype, optimizer offloaded)
+    fp32_gradient_copy_at_step: Callable[[int, bool, str, bool], bool] = lambda stage, pipelined, dtype, off: False
 
 
 @dataclass(frozen=True)

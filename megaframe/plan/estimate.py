@@ -265,8 +265,8 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     block_kinds = [kind for c in chunks for kind in stage_block_kinds(dims, lay.tp, cuts, c, lay.partition, ep)] \
         if assembled else []
     step_working = step_working_bytes(assembled, owners, optim, block_kinds) if assembled and blocks else 0.0
-    if terms.fp32_gradient_copy_at_step(lay.zero_stage, lay.pp > 1, dtype):
-        step_working += 4 * params
+    if terms.fp32_gradient_copy_at_step(lay.zero_stage, lay.pp > 1, dtype, lay.offload_optimizer != "none"):
+        step_working += 4 * sum(n / (shards if lay.zero_stage >= 1 else 1) for n, shards, _ in kinds)
     # on this host "offloaded" states stay in the same RAM the ranks share; the optimizer step runs
     # after the backward has freed the activations
     peak = (states.device + max(activations + working, step_working) + reserved

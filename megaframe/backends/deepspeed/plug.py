@@ -13,12 +13,15 @@ def replicated_grad_bucket(zero_stage: int, pipelined: bool, dtype: str) -> bool
     return zero_stage <= 1 and not (pipelined and zero_stage == 0 and dtype == "bf16")
 
 
-def fp32_gradient_copy_at_step(zero_stage: int, pipelined: bool, dtype: str) -> bool:
-    """At ZeRO-0 in bf16 or fp16 without a pipeline DeepSpeed wraps the optimizer in its FP16
-    optimizers, whose step flattens (fused) or casts (unfused) every gradient to fp32 beside the
-    low-precision ones: 20 bytes a parameter at the step, not the ZeRO paper's 16 (measured:
-    tests/dist/test_planner_peak.py). ZeRO-1/2/3 reduce into fp32 partitions the states count."""
-    return zero_stage == 0 and not pipelined and dtype in ("bf16", "fp16")
+def fp32_gradient_copy_at_step(zero_stage: int, pipelined: bool, dtype: str, offloaded: bool) -> bool:
+    """In bf16 or fp16 DeepSpeed's step runs on an fp32 copy of the gradients beside the low-precision
+    ones: at ZeRO-0 without a pipeline its FP16 optimizers flatten (fused) or cast (unfused) every
+    gradient, 20 bytes a parameter at the step, not the ZeRO paper's 16; at ZeRO-1/2 its optimizer casts
+    the flattened partition it steps (stage_1_and_2.py: single_grad_partition), 4 bytes a parameter
+    over N more (both measured: tests/dist/test_planner_peak.py). Not with the optimizer offloaded
+    (the copy is on the host), nor at ZeRO-3 or in the pipeline's bf16 ZeRO-0 optimizer, whose fp32
+    gradients the plan already counts or which were not measured to hold one."""
+    return dtype in ("bf16", "fp16") and not offloaded and (zero_stage in (1, 2) or (zero_stage == 0 and not pipelined))
 
 
 FACTS = EngineFacts(
