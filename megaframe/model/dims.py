@@ -3,6 +3,7 @@ can reason about shapes without paying torch's import time in the launching proc
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -252,3 +253,11 @@ def shape_change(saved: GPTDims, now: GPTDims) -> Optional[tuple[str, Any, Any]]
         pairs += [(f"model.moe.{field}", getattr(saved_moe, field), getattr(now_moe, field))
                   for field in _MOE_SHAPE_KEYS]
     return next(((key, a, b) for key, a, b in pairs if a != b), None)
+
+
+def capacity_slots(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+    """Assignments one expert takes from one rank's tokens (model/moe.py's buffers; the planner counts
+    them): factor x its even share (Megatron's rule), at most the tokens, which is all a token's
+    distinct picks can send one expert: a factor of 1e9 asked for a petabyte of buffer at step 0,
+    where any factor from num_experts/top_k up keeps all."""
+    return max(1, min(tokens, math.ceil(tokens * top_k / num_experts * factor)))

@@ -14,7 +14,6 @@ tokens), so expert and router gradients are summed over TP like any replicated w
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
 
 import torch
@@ -23,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megaframe.common.compile_breaks import run_eagerly
-from megaframe.model.dims import GPTDims, MoEDims
+from megaframe.model.dims import GPTDims, MoEDims, capacity_slots
 from megaframe.model.mlp import MLP, Dropout, gelu
 from megaframe.model.recompute import recomputing
 from megaframe.parallel.experts import ExpertGroup, mark_expert_shard
@@ -132,13 +131,6 @@ def expert_counts(top_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     min and max to the host to size its output, which stalls the stream per layer and micro-batch."""
     flat = top_idx.flatten()
     return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-
-
-def capacity_slots(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
-    """Assignments one expert takes from one rank's tokens: factor x its even share (Megatron's rule),
-    at most the tokens, which is all a token's distinct picks can send one expert: a factor of 1e9
-    asked for a petabyte of buffer at step 0, where any factor from num_experts/top_k up keeps all."""
-    return max(1, min(tokens, math.ceil(tokens * top_k / num_experts * factor)))
 
 
 class MoE(nn.Module):

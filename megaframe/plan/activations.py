@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megaframe.model.dims import GPTDims
+from megaframe.model.dims import GPTDims, capacity_slots
 from megaframe.plan.memory import ACTIVATION_BYTES
 
 
@@ -200,9 +200,16 @@ def moe_mlp_extra_bytes(dims: GPTDims, shape: ActivationShape) -> float:
     if e != 4:
         router += routed * h * 4 - (0 if moe.shared_experts else sb * e * h)
     assignments = routed * moe.top_k
-    # sent rows, expert outputs, internals, weights, and three int64 indices (the choices, the
-    # rows to send, the way back)
-    experts = assignments * (2 * h * e + f * e * per_width + 4 + 3 * 8)
+    # the rows the experts compute: one per assignment dropless; under a capacity factor, fixed
+    # buffers of num_experts x capacity rows (a factor of 2 doubles them), which the assignments are
+    # copied into
+    rows = assignments if moe.capacity_factor is None else \
+        moe.num_experts * capacity_slots(int(routed), moe.top_k, moe.num_experts, moe.capacity_factor)
+    # per assignment: sent rows, expert outputs, weights and three int64 indices (the choices, the rows
+    # to send, the way back); per row computed: the experts' internals (and a capacity's buffer)
+    experts = assignments * (2 * h * e + 4 + 3 * 8) + rows * f * e * per_width
+    if moe.capacity_factor is not None:
+        experts += rows * h * e
     shared = sb * e * (moe.shared_experts * f // t) * per_width
     return router + experts + shared - dense_internals
 

@@ -141,7 +141,7 @@ def test_a_capacity_nobody_reaches_changes_nothing():
     torch.testing.assert_close(layer(x), dropless, rtol=1e-6, atol=1e-7)
     # a factor past what an expert can receive (every token of the rank) holds buffers of the tokens,
     # not of the factor: 1e9 asked for a petabyte at step 0 (feature review)
-    from megaframe.model.moe import capacity_slots
+    from megaframe.model.dims import capacity_slots
 
     assert capacity_slots(20, K, E, 1e9) == 20
     layer.moe = dataclasses.replace(layer.moe, capacity_factor=1e9)
