@@ -106,3 +106,23 @@ def test_kept_masks_are_activations(flavour, dtype, mask):
     # documents under learned positions: the causal model's (s,) position ids, 1 KiB, are not planned
     assert planned[1] - planned[0] == pytest.approx(measured[1] - measured[0], abs=1024)
     assert planned[1] > planned[0]
+
+
+def test_flex_keeps_no_dense_mask():
+    """model.attention_core=flex attends through a BlockMask (lists of 128-wide tiles), built once a
+    forward and shared by the blocks; the plan charged each block the dense s² mask SDPA keeps (4 GiB a
+    micro-batch for llama3_8b's 32 blocks at 8k with documents). The BlockMask, built here as FlexCore
+    builds it, is a thousandth of one such mask."""
+    from megaframe.model.attention import FlexCore, Mask
+    from megaframe.plan.activations import attention_mask_bytes
+
+    cfg = ModelConfig(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=1024, vocab_size=256,
+                      **FLAVOURS["llama"])
+    sdpa = dataclasses.replace(resolve_dims(cfg, 256), document_mask=True, eod_id=7)
+    flex = dataclasses.replace(sdpa, attention_core="flex")
+    shape = ActivationShape(2, dtype="bf16", device="cpu")
+    documents = torch.cat([torch.zeros(2, 512, dtype=torch.long), torch.ones(2, 512, dtype=torch.long)], dim=1)
+    blocks = FlexCore(0.0).prepare(Mask(True, documents, None), 1024, "cpu").blocks
+    held = sum(t.numel() * t.element_size() for t in blocks.as_tuple() if isinstance(t, torch.Tensor))
+    assert 0 < held < attention_mask_bytes(sdpa, shape) / 1000
+    assert attention_mask_bytes(flex, shape) == 0
