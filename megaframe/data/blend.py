@@ -241,11 +241,17 @@ class BlendedSamples:
             self._eval_picks = np.concatenate([self._eval_picks, self._sample_indices(more, None)])
         return self._eval_picks[positions]
 
-    def batch(self, picks: np.ndarray, positions: Optional[np.ndarray] = None, unlearned_after: Optional[int] = None):
+    def batch(self, picks: np.ndarray, positions: Optional[np.ndarray] = None, unlearned_after: Optional[int] = None,
+              check: bool = True):
         """(inputs, targets) of (source, sample index) rows, as SampleSet.batch."""
-        for source in np.unique(picks[:, 0]) if len(picks) else ():
+        for source in np.unique(picks[:, 0]) if check and len(picks) else ():
             self.sources[int(source)].check_files()
         return windows_batch([self.sources[int(s)][int(i)] for s, i in picks], positions, unlearned_after)
+
+    def check_files(self) -> None:
+        """DataError when a source's files shrank since they were opened (data/mapped.py)."""
+        for source in self.sources:
+            source.check_files()
 
     def consumed_tokens(self, step: int, global_batch_size: int) -> dict[str, int]:
         """Tokens trained on from each source over steps [0, step) (seq_length per sample)."""

@@ -144,10 +144,12 @@ class SampleSet:
         return positions
 
     def batch(self, indices: Sequence[int] | np.ndarray, positions: Optional[np.ndarray] = None,
-              unlearned_after: Optional[int] = None) -> Batch:
+              unlearned_after: Optional[int] = None, check: bool = True) -> Batch:
         """(inputs, targets), each an int64 tensor of shape (len(indices), seq_length), targets shifted by
-        one; only the tokens at `positions` of each sequence when given (windows_batch)."""
-        self.check_files()
+        one; only the tokens at `positions` of each sequence when given (windows_batch). check=False:
+        the caller has just called check_files (micro_batches: once for a step's micro-batches)."""
+        if check:
+            self.check_files()
         return windows_batch([self[index] for index in indices], positions, unlearned_after)
 
     def check_files(self) -> None:
@@ -240,8 +242,12 @@ def micro_batches(
     step_indices = samples.step_indices(step, global_batch_size, seed)
     per_rank = global_batch_size // dp
     rank_indices = step_indices[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    # the files' sizes once for the step's micro-batches, read back to back: an fstat per file and
+    # micro-batch was 128 a rank and step at a global batch of 1536 over dp=24 (on Lustre a size may
+    # cost a round trip to the storage servers)
+    samples.check_files()
     return [
-        samples.batch(rank_indices[start : start + micro_batch_size], positions, unlearned_after)
+        samples.batch(rank_indices[start : start + micro_batch_size], positions, unlearned_after, check=False)
         for start in range(0, per_rank, micro_batch_size)
     ]
 
@@ -273,8 +279,9 @@ def eval_batches(samples: SampleSet, num_batches: int, batch_size: int, dp_rank:
             f"eval num_batches={num_batches}, batch_size={batch_size}: need num_batches >= 0 and batch_size >= 1"
         )
     batches = []
+    samples.check_files()  # once for the batches, read back to back (micro_batches)
     for batch_number in range(num_batches):
         rank_start = (batch_number * dp + dp_rank) * batch_size
         sample_positions = np.arange(rank_start, rank_start + batch_size, dtype=np.int64) % len(samples)
-        batches.append(samples.batch(samples.ordered(sample_positions), positions, unlearned_after))
+        batches.append(samples.batch(samples.ordered(sample_positions), positions, unlearned_after, check=False))
     return batches

@@ -72,3 +72,25 @@ def test_a_dataset_of_empty_documents_maps_no_file_and_checks_clean(tmp_path):
     dataset = open_dataset(tmp_path / "empty")
     assert dataset.num_tokens == 0 and len(dataset[0]) == 0
     dataset.check_files()
+
+
+@pytest.mark.parametrize("blended", [False, True])
+def test_a_steps_micro_batches_stat_the_files_once(tmp_path, monkeypatch, blended):
+    """Every micro-batch stat'ed its dataset's files (128 fstat calls a rank and step at a global batch
+    of 1536 over dp=24, each possibly a round trip to Lustre's storage servers); the micro-batches of a
+    step are read back to back, so one look before them guards them all, as one does an evaluation's."""
+    from megaframe.data import eval_batches, micro_batches
+    from megaframe.data.mapped import MappedFiles
+
+    looks = []
+    original = MappedFiles.shrunk
+    monkeypatch.setattr(MappedFiles, "shrunk", lambda self: looks.append(self) or original(self))
+    sources = [sample_set(tmp_path / "a"), sample_set(tmp_path / "b")]
+    samples = BlendedSamples(sources, [Stage(0, (0.5, 0.5))], ["a", "b"]) if blended else sources[0]
+    batches = micro_batches(samples, 0, 16, 2, 0, 1, 0)
+    assert len(batches) == 8 and len(looks) == len(sources if blended else sources[:1])
+    looks.clear()
+    assert len(eval_batches(samples, 4, 2, 0, 1)) == 4 and len(looks) == len(sources if blended else sources[:1])
+    os.truncate(tmp_path / "a.bin", 0)
+    with pytest.raises(DataError, match="now holds 0 bytes"):
+        micro_batches(samples, 1, 16, 2, 0, 1, 0)
