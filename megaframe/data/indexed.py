@@ -20,7 +20,7 @@ import numpy as np
 
 from megaframe.common import json_text
 from megaframe.config.sidecar_fields import field_problem
-from megaframe.data.index_scan import nondecreasing
+from megaframe.data.index_scan import nondecreasing, walked_once
 from megaframe.data.mapped import MappedFiles
 from megaframe.data.megatron import write_index
 from megaframe.data.temp_files import open_temp
@@ -338,7 +338,8 @@ class IndexedDataset:
         self.dtype, num_documents, self.checksum = self._read_header()
         self.files = MappedFiles()  # checked before every batch: see mapped.py
         self.doc_offsets: np.ndarray = self.files.array(self.idx_path, "<i8", _HEADER.size, num_documents + 1)
-        if self.doc_offsets[0] != 0 or not nondecreasing(self.doc_offsets):  # a chunk at a time
+        offsets = self.doc_offsets  # walked a chunk at a time, once a process (index_scan.py)
+        if offsets[0] != 0 or not walked_once((self.idx_path,), "offsets in order", lambda: nondecreasing(offsets)):
             raise self._error(f"{self.idx_path} holds non-monotonic document offsets (corrupt); {_REBUILD_HINT}")
         expected_bytes = int(self.doc_offsets[-1]) * self.dtype.itemsize
         actual_bytes = self.bin_path.stat().st_size

@@ -26,7 +26,7 @@ import numpy as np
 
 from megaframe.common import json_text
 from megaframe.config.sidecar_fields import field_problem
-from megaframe.data.index_scan import DocumentOffsets, nondecreasing, scan_sequences
+from megaframe.data.index_scan import DocumentOffsets, nondecreasing, scan_sequences, walked_once
 from megaframe.data.mapped import MappedFiles
 from megaframe.data.token_files import DataError, content_checksum, read_head
 
@@ -95,7 +95,8 @@ class MegatronDataset:
             raise self._error(f"{self.idx_path} holds {self.dtype} values, not token ids; {_FIX}")
         bin_bytes = self.bin_path.stat().st_size
         item = self.dtype.itemsize
-        scan = scan_sequences(lengths, pointers, item)  # a chunk at a time: see index_scan.py
+        # a chunk at a time, once a process (index_scan.py)
+        scan = walked_once((self.idx_path, self.bin_path), "sequences", lambda: scan_sequences(lengths, pointers, item))
         if scan.negative_length:
             raise self._error(f"{self.idx_path} holds negative sequence lengths (corrupt); {_FIX}")
         if scan.max_end > bin_bytes or scan.min_pointer < 0:
@@ -110,7 +111,8 @@ class MegatronDataset:
         if not scan.back_to_back:
             raise self._error(f"{self.idx_path}: the sequences are not stored back to back in {self.bin_path}; "
                               f"megaframe reads datasets as IndexedDatasetBuilder writes them")
-        if len(doc_index) == 0 or doc_index[0] != 0 or doc_index[-1] != len(lengths) or not nondecreasing(doc_index):
+        if len(doc_index) == 0 or doc_index[0] != 0 or doc_index[-1] != len(lengths) or \
+                not walked_once((self.idx_path,), "documents in order", lambda: nondecreasing(doc_index)):
             raise self._error(f"{self.idx_path}: its document index does not run from 0 to the {len(lengths)} "
                               f"sequences in order (corrupt); {_FIX}")
         total = scan.last_end // item

@@ -55,6 +55,7 @@ def dataset_problem(cfg: TrainConfig) -> Optional[str]:
     in one line, or None."""
     from megaframe.data import DataError
     from megaframe.data.blend import parse_blend
+    from megaframe.data.index_scan import walks_remembered
     from megaframe.training.data_setup import build_data
 
     try:
@@ -62,7 +63,8 @@ def dataset_problem(cfg: TrainConfig) -> Optional[str]:
         for blend, key in ((cfg.data.blend, "data.blend"), (cfg.data.valid_blend, "data.valid_blend")):
             prefixes += parse_blend(list(blend), key)[1] if blend else []
         if prefixes:  # opened once, as the ranks open them; the built-in corpus is built after launch
-            build_data(cfg.data, cfg.model.seq_length)
+            with walks_remembered():  # what the indexes' walks found, for this process's trainer
+                build_data(cfg.data, cfg.model.seq_length)
         else:
             return demo_cache_problem(cfg.data.cache_dir)
     except DataError as err:
