@@ -61,7 +61,7 @@ def test_the_128k_recipe_fits_an_h100_only_with_context_parallelism():
 def test_mixtral_with_four_expert_ranks_does_not_fit_for_its_experts_fp32_gradient_bucket():
     """At tp=4 ZeRO-1 every TP rank routes its own tokens through its experts, whose gradients DeepSpeed
     sums over TP in one fp32 bucket kept all run (tests/dist/test_replicated_bucket_plan.py measures
-    it): 16 experts' worth at ep=4, 42 GiB. The planner left it out and called ep=4 64.3 GiB, fits."""
+    it): two experts a block at ep=4, 42 GiB. The planner left it out and called ep=4 64.3 GiB, fits."""
     from megaframe.plan.estimate import estimate_config
 
     cfg, layout, _ = _recipe("mixtral_8x7b")
