@@ -105,7 +105,8 @@ def _check_files(dataset: Dataset, prefix, tokenizer: str, recorded: str) -> Dat
 def _files_hash(directory: str, scheme: int) -> str:
     """files_hash once per process and state of the files: each dataset of a blend names the same
     tokenizer (a file rewritten since has another size or time, and is hashed again)."""
-    stamps = tuple((path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in tokenizer_files(Path(directory)))
+    stamps = tuple((path.name, stat.st_size, stat.st_mtime_ns)
+                   for path, stat in ((path, path.stat()) for path in tokenizer_files(Path(directory))))
     return _hash_of(directory, scheme, stamps)
 
 

@@ -1,14 +1,14 @@
 """The files a dataset reads in place, through read-only memory maps, and whether one has shrunk since.
 
-A mapped file truncated or overwritten in place while a run reads it (`cp new.bin data.bin`,
-`truncate`, a preprocess writing to the same path by another tool) kills the process with SIGBUS at
-the first read past its new end: exit 135, no line, no log. So a step's micro-batches (and an
-evaluation's batches), read back to back, first ask the maps how big their files are now (mmap.size()
-stats the map's own descriptor: one fstat per file) and a shrunk file is a DataError naming it. A file replaced by a rename (megaframe-preprocess writes that way) is
-not a change here: the map keeps the old file, whole (on a local file system; over NFS a file
-another client replaced may be unreadable, ESTALE, which this check cannot tell). What this cannot
-catch is a truncation in the milliseconds between the check and the reads; that one still ends in
-SIGBUS.
+A mapped file truncated or overwritten in place while a run reads it (`cp new.bin data.bin`, `truncate`,
+a preprocess writing to the same path by another tool) kills the process with SIGBUS at the first read
+past its new end: exit 135, no line, no log. So a step's micro-batches (and an evaluation's batches),
+read back to back, first ask the maps how big their files are now (mmap.size() stats the map's own
+descriptor: one fstat per file) and a shrunk file is a DataError naming it. A file replaced by a rename
+(megaframe-preprocess writes that way) is not a change here: the map keeps the old file, whole (on a
+local file system; over NFS a file another client replaced may be unreadable, ESTALE, which this check
+cannot tell). What this cannot catch is a truncation in the milliseconds between the check and the
+reads; that one still ends in SIGBUS.
 """
 from __future__ import annotations
 

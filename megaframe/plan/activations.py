@@ -77,11 +77,12 @@ def _norm_bytes(dims: GPTDims, n_tokens: float, e: int) -> float:
 def attention_mask_bytes(dims: GPTDims, shape: ActivationShape, windowed: bool = True) -> float:
     """What SDPA keeps of a block's restricting mask (module docstring), windowed: whether the block
     attends through model.sliding_window (the pattern's local layers). Plain causal attention keeps
-    none (SDPA's is_causal), nor does FlexAttention (model.attention_core=flex), whose BlockMask lists
-    tiles: (s/128)² int32 a sample, built once a forward for every block. Under context parallelism none either: validation refuses Ulysses with a
-    restricting mask (it would build the mask dense over the whole sequence: config/attention_rules.py),
-    and the ring keeps no mask for backward; it masks each score tile in the forward and again in the
-    backward, a transient of at most ring.py's _SCORE_ELEMENTS (2**26) scores, batch and heads included."""
+    none (SDPA's is_causal), nor does FlexAttention (model.attention_core=flex), whose BlockMask
+    lists tiles: (s/128)² int32 a sample, built once a forward for every block. Under context
+    parallelism none either: validation refuses Ulysses with a restricting mask (it would build the
+    mask dense over the whole sequence: config/attention_rules.py), and the ring keeps no mask for
+    backward; it masks each score tile in the forward and again in the backward, a transient of at
+    most ring.py's _SCORE_ELEMENTS (2**26) scores, batch and heads included."""
     if shape.cp > 1 or dims.attention_core == "flex":  # flex: a BlockMask of tile lists, KiBs, one a forward
         return 0.0
     s, e = dims.seq_length, ACTIVATION_BYTES[shape.dtype]
