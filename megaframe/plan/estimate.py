@@ -251,7 +251,7 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
         working += held
     if lay.tp > 1 and terms.replicated_grad_bucket(lay.zero_stage, lay.pp > 1, dtype):
         # the fp32 bucket of the TP-replicated gradients, kept all run: an MoE model's experts (21 GiB
-        # a rank for mixtral_8x7b at tp=2 ZeRO-1)
+        # a rank for mixtral_8x7b at tp=4 ep=8 ZeRO-1)
         working += 4 * stage_replicated_parameters(dims, lay.tp, lay.sequence_parallel, blocks - moe_blocks,
                                                    moe_blocks, last, ep)
     if blocks or (last and fp8.head):  # torchao's per-matmul fp8 copies of one linear

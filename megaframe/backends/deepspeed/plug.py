@@ -5,6 +5,7 @@ from __future__ import annotations
 from megaframe.backends.facts import ZERO_BUFFERS, ZERO_PAPER, EngineFacts, MemoryTerms
 from megaframe.backends.registry import lazy_plug
 
+
 def replicated_grad_bucket(zero_stage: int, pipelined: bool, dtype: str) -> bool:
     """Where DeepSpeed leaves gradients in .grad until the accumulation boundary, so one bucket can
     sum the TP-replicated ones before it reads them (engine.py): ZeRO-0/1, except the pipeline's bf16
