@@ -20,7 +20,7 @@ import hashlib
 from pathlib import Path
 from typing import Any, Optional
 
-from megaframe.common.tokenizer_files import HASH_SCHEME, HASH_SCHEMES, files_hash
+from megaframe.common.tokenizer_files import HASH_SCHEME, HASH_SCHEMES, files_hash, identity
 
 RECORD_KEY = "tokenizer_record"
 # the byte tokenizer has no files: its hash names what it computes, so a future change to it is a new hash
@@ -55,8 +55,9 @@ def byte_record() -> dict[str, Any]:
 def hf_record(directory: Path, vocab_size: Optional[int], eod_id: Optional[int],
               bos_id: Optional[int] = None) -> dict[str, Any]:
     """The record of the HF tokenizer saved in `directory` (None: not known)."""
-    return {"kind": "hf", "name": str(Path(directory).resolve()), "vocab_size": vocab_size, "eod_id": eod_id,
-            "bos_id": bos_id, "sha256": files_hash(directory), "hash_scheme": HASH_SCHEME}
+    name, sha256, scheme = identity(directory)
+    return {"kind": "hf", "name": name, "vocab_size": vocab_size, "eod_id": eod_id, "bos_id": bos_id,
+            "sha256": sha256, "hash_scheme": scheme}
 
 
 def difference(saved: dict, current: dict) -> Optional[tuple[str, Any, Any]]:

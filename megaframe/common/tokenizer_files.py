@@ -40,6 +40,12 @@ def has_tokenizer(directory: Path) -> bool:
     return bool(tokenizer_files(directory))
 
 
+def identity(directory: Path) -> tuple[str, str, int]:
+    """What a record of the tokenizer in `directory` names it by: its full path, its files' sha256 and
+    the hash scheme (a checkpoint's tokenizer record, a dataset's sidecar); OSError as files_hash."""
+    return str(Path(directory).resolve()), files_hash(directory), HASH_SCHEME
+
+
 def files_hash(directory: Path, scheme: int = HASH_SCHEME) -> str:
     """sha256 over the files of `directory` that hash scheme `scheme` covers (name and sha256 of
     each, in a fixed order); OSError when one cannot be read or is larger than a tokenizer file can be."""

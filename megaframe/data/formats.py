@@ -82,14 +82,21 @@ def _check_tokenizer(dataset: Dataset, prefix, tokenizer: Optional[str]) -> Data
 
 
 def _check_files(dataset: Dataset, prefix, tokenizer: str, recorded: str) -> Dataset:
-    """data.tokenizer's files hash to what the sidecar records of the files that made the tokens."""
-    try:
-        same = _files_hash(str(Path(tokenizer).resolve()), dataset.metadata["tokenizer_hash_scheme"]) \
-            == dataset.metadata["tokenizer_sha256"]
-    except OSError as err:
-        raise DataError(f"data.tokenizer={tokenizer}: cannot read its files to compare them with those that made "
-                        f"{prefix}'s tokens ({err.strerror or err})") from None
-    if same:
+    """data.tokenizer against what the sidecar records of the tokenizer that made the tokens: its files'
+    hash, vocabulary size and end-of-document id (the hash covers the vocabulary files, not the eos
+    token of tokenizer_config.json). Files that hash otherwise pass when they map every token to the
+    same id as the recorded tokenizer, still in place and unchanged: a copy re-saved by another
+    version of `tokenizers` writes other bytes for the same mapping."""
+    digest, scheme = dataset.metadata["tokenizer_sha256"], dataset.metadata["tokenizer_hash_scheme"]
+    same_files = _files_hash(tokenizer, scheme, prefix) == digest
+    loaded = _loaded(tokenizer)
+    ids = (loaded.vocab_size, loaded.eod_id)
+    if ids != (dataset.vocab_size, dataset.eod_id):
+        raise TokenizerMismatch(f"data.tokenizer={tokenizer} has vocabulary {ids[0]} and end-of-document id {ids[1]}, "
+                                f"but {prefix}'s tokens were made with {dataset.vocab_size} and {dataset.eod_id} "
+                                f"({prefix}.json): set data.tokenizer={recorded}, or rebuild the dataset with "
+                                f"megaframe-preprocess --tokenizer {tokenizer}", str(prefix), recorded)
+    if same_files or _same_mapping(loaded, recorded, digest, scheme, prefix):
         return dataset
     if Path(recorded).resolve() == Path(tokenizer).resolve():
         raise TokenizerMismatch(f"data.tokenizer={tokenizer}: its files changed since they made {prefix}'s tokens "
@@ -97,19 +104,58 @@ def _check_files(dataset: Dataset, prefix, tokenizer: str, recorded: str) -> Dat
                                 f"tokenizer that made them back, or rebuild the dataset with megaframe-preprocess",
                                 str(prefix), recorded)
     raise TokenizerMismatch(f"data.tokenizer={tokenizer} is not the tokenizer that made {prefix}'s tokens: its files "
-                            f"differ from those {prefix}.json records ({recorded}), so the ids would mean other text "
-                            f"(even with the same vocabulary {dataset.vocab_size}); set data.tokenizer={recorded}",
-                            str(prefix), recorded)
+                            f"differ from those {prefix}.json records ({recorded}) and map tokens to other ids, so the "
+                            f"ids would mean other text; set data.tokenizer={recorded}", str(prefix), recorded)
 
 
-def _files_hash(directory: str, scheme: int) -> str:
+def _same_mapping(loaded, recorded: str, digest: str, scheme: int, prefix) -> bool:
+    """Whether the recorded tokenizer is still in place, unchanged, and maps every token to the id
+    `loaded` does (and has its special ids)."""
+    if not Path(recorded).is_dir():
+        return False
+    try:
+        if _files_hash(recorded, scheme, prefix) != digest:
+            return False
+        other = _loaded(recorded)
+    except DataError:
+        return False
+    return (other.eod_id, other.bos_id) == (loaded.eod_id, loaded.bos_id) and other.vocabulary() == loaded.vocabulary()
+
+
+def _stamps(directory: str) -> tuple:
+    """The tokenizer files of `directory` as they are now: another content has another size, time or inode."""
+    stamps = []
+    for path in tokenizer_files(Path(directory)):
+        stat = path.stat()
+        stamps.append((path.name, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns))
+    return tuple(stamps)
+
+
+def _files_hash(directory: str, scheme: int, prefix) -> str:
     """files_hash once per process and state of the files: each dataset of a blend names the same
-    tokenizer (a file rewritten since has another size or time, and is hashed again)."""
-    stamps = tuple((path.name, stat.st_size, stat.st_mtime_ns)
-                   for path, stat in ((path, path.stat()) for path in tokenizer_files(Path(directory))))
-    return _hash_of(directory, scheme, stamps)
+    tokenizer. DataError (one line) when they cannot be read."""
+    resolved = str(Path(directory).resolve())
+    try:
+        return _hash_of(resolved, scheme, _stamps(resolved))
+    except OSError as err:
+        raise DataError(f"data.tokenizer={directory}: cannot read its files to compare them with those that made "
+                        f"{prefix}'s tokens ({err.strerror or err}); make them readable to this user, or point "
+                        f"data.tokenizer at a readable copy") from None
 
 
 @functools.lru_cache(maxsize=8)
 def _hash_of(directory: str, scheme: int, stamps: tuple) -> str:
     return files_hash(Path(directory), scheme)
+
+
+def _loaded(directory: str):
+    """The tokenizer in `directory`, loaded once per process and state of its files."""
+    resolved = str(Path(directory).resolve())
+    return _load(resolved, _stamps(resolved))
+
+
+@functools.lru_cache(maxsize=4)
+def _load(directory: str, stamps: tuple):
+    from megaframe.data.tokenizer import build_tokenizer
+
+    return build_tokenizer(directory)

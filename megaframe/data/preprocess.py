@@ -247,7 +247,7 @@ def preprocess(
             "num_files": len(sources),
             "num_documents": writers[0].num_documents,
             "num_tokens": writers[0].num_tokens,
-            "tokenizer": tokenizer.name,
+            "tokenizer": made_by["tokenizer"],
             "layout": layout,
             "workers": workers,
             "orphans_removed": len(orphans),

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Protocol, runtime_checkable
 
-from megaframe.common.tokenizer_files import HASH_SCHEME, files_hash
+from megaframe.common.tokenizer_files import identity
 from megaframe.data.indexed import DataError
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "build_tokenizer", "sidecar_record"]
@@ -92,6 +92,10 @@ class HFTokenizer:
         bos = self._tokenizer.bos_token_id
         self.bos_id = int(bos) if bos is not None else None  # recorded with checkpoints, set in HF exports
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token's id, added tokens included (two tokenizers mapping alike map these alike)."""
+        return dict(self._tokenizer.get_vocab())
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` without BOS/EOS or other special tokens."""
         # verbose=False: documents are routinely longer than model_max_length, which is fine here.
@@ -108,10 +112,8 @@ def sidecar_record(tokenizer: Tokenizer) -> dict:
     same vocabulary size and end-of-document id maps the ids to other text; data/formats.py compares)."""
     record = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id}
     if isinstance(tokenizer, HFTokenizer):
-        # its full path: a run started from another folder is told where it is (--tokenizer tok was "tok")
-        record["tokenizer"] = str(Path(tokenizer.name).resolve())
-        try:
-            record.update(tokenizer_sha256=files_hash(Path(tokenizer.name)), tokenizer_hash_scheme=HASH_SCHEME)
+        try:  # its full path: a run started from another folder is told where it is (--tokenizer tok was "tok")
+            record["tokenizer"], record["tokenizer_sha256"], record["tokenizer_hash_scheme"] = identity(tokenizer.name)
         except OSError as err:
             raise DataError(f"--tokenizer {tokenizer.name}: cannot read its files to record their hash "
                             f"({err.strerror or err})") from None

@@ -77,3 +77,31 @@ def test_the_sidecar_names_a_tokenizer_given_by_a_relative_path_by_its_full_path
     monkeypatch.chdir(tmp_path)
     preprocess(["docs.jsonl"], "ds", tokenizer="tok", progress=False)
     assert json.loads((tmp_path / "ds.json").read_text())["tokenizer"] == str((tmp_path / "tok").resolve())
+
+
+def test_a_copy_with_another_end_of_document_token_is_refused(tmp_path: Path) -> None:
+    """The hash covers the vocabulary files, not tokenizer_config.json's eos_token: a copy whose eos is
+    another token hashed alike and opened the dataset (its tokens end documents with the old id)."""
+    prefix, tokenizer = _dataset(tmp_path)
+    other = shutil.copytree(tokenizer, tmp_path / "other")
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["eos_token"] = "[UNK]"
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(DataError) as error:
+        open_dataset(prefix, str(other))
+    assert f"data.tokenizer={other} has vocabulary 11 and end-of-document id 0, but {prefix}'s tokens were made " \
+           f"with 11 and 1" in str(error.value)
+    assert_one_line(error)
+
+
+def test_a_copy_re_saved_with_other_bytes_for_the_same_mapping_opens_the_dataset(tmp_path: Path) -> None:
+    """Another version of `tokenizers` writes other bytes for the same tokenizer (merges as pairs or as
+    strings, another layout): it maps every token to the same id as the recorded one, which is still in
+    place and unchanged, so it opens the dataset; once the recorded one is gone nothing shows that."""
+    prefix, tokenizer = _dataset(tmp_path)
+    resaved = shutil.copytree(tokenizer, tmp_path / "resaved")
+    (resaved / "tokenizer.json").write_text(json.dumps(json.loads((resaved / "tokenizer.json").read_text()), indent=4))
+    assert open_dataset(prefix, str(resaved)).vocab_size == 11
+    shutil.rmtree(tokenizer)
+    with pytest.raises(DataError, match=f"data.tokenizer={resaved} is not the tokenizer that made"):
+        open_dataset(prefix, str(resaved))
