@@ -8,7 +8,7 @@ over thousands of layouts, and a refused config, stay cheap."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 # How an engine holds a rank's model states (plan/memory.py: STATE_TERMS holds each formula)
 ZERO_PAPER = "zero_paper"  # by ZeRO stage (1: optimizer states sharded, 2: gradients too, 3: weights too)
@@ -35,8 +35,10 @@ class MemoryTerms:
     replicated_grad_bucket: Callable[[int, bool, str], bool] = lambda zero_stage, pipelined, dtype: False
     # whether its optimizer step copies the gradients it steps (at ZeRO >= 1 its partition's) to fp32 on
     # the device while the low-precision ones are still held (4 bytes a parameter stepped, on top of the
-    # states), as f(zero stage, pipelined, precision.dtype, optimizer offloaded)
-    fp32_gradient_copy_at_step: Callable[[int, bool, str, bool], bool] = lambda stage, pipelined, dtype, off: False
+    # states): the most elements one copy holds (inf: all it steps), or None without one, as f(zero
+    # stage, pipelined, precision.dtype, optimizer offloaded)
+    fp32_gradient_copy_at_step: Callable[[int, bool, str, bool], Optional[float]] = \
+        lambda stage, pipelined, dtype, off: None
 
 
 @dataclass(frozen=True)

@@ -249,11 +249,13 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
         working += in_flight * tokens(dims, shape) * dims.hidden_size * ACTIVATION_BYTES[dtype]
     for held in UNSHARDED_TERMS[terms.unsharded](dims, lay, dtype, params, zero, blocks):
         working += held
+    bucket = 0.0
     if lay.tp > 1 and terms.replicated_grad_bucket(lay.zero_stage, lay.pp > 1, dtype):
-        # the fp32 bucket of the TP-replicated gradients, kept all run: an MoE model's experts (21 GiB
-        # a rank for mixtral_8x7b at tp=4 ep=8 ZeRO-1)
-        working += 4 * stage_replicated_parameters(dims, lay.tp, lay.sequence_parallel, blocks - moe_blocks,
-                                                   moe_blocks, last, ep)
+        # the fp32 bucket of the TP-replicated gradients, kept all run (held at the step too): an MoE
+        # model's experts (21 GiB a rank for mixtral_8x7b at tp=4 ep=8 ZeRO-1)
+        bucket = 4 * stage_replicated_parameters(dims, lay.tp, lay.sequence_parallel, blocks - moe_blocks,
+                                                 moe_blocks, last, ep)
+        working += bucket
     if blocks or (last and fp8.head):  # torchao's per-matmul fp8 copies of one linear
         working += fp8_cast_bytes(dims, shape, fp8)
     activations = in_flight * per_micro
@@ -265,8 +267,11 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     block_kinds = [kind for c in chunks for kind in stage_block_kinds(dims, lay.tp, cuts, c, lay.partition, ep)] \
         if assembled else []
     step_working = step_working_bytes(assembled, owners, optim, block_kinds) if assembled and blocks else 0.0
-    if terms.fp32_gradient_copy_at_step(lay.zero_stage, lay.pp > 1, dtype, lay.offload_optimizer != "none"):
-        step_working += 4 * sum(n / (shards if lay.zero_stage >= 1 else 1) for n, shards, _ in kinds)
+    copied = terms.fp32_gradient_copy_at_step(lay.zero_stage, lay.pp > 1, dtype, lay.offload_optimizer != "none")
+    if copied is not None:
+        step_working += 4 * min(copied, sum(n / (shards if lay.zero_stage >= 1 else 1) for n, shards, _ in kinds))
+    if step_working:
+        step_working += bucket  # kept all run: the step holds it too
     # on this host "offloaded" states stay in the same RAM the ranks share; the optimizer step runs
     # after the backward has freed the activations
     peak = (states.device + max(activations + working, step_working) + reserved

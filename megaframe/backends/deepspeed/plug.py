@@ -2,6 +2,9 @@
 when called: importing this file imports no DeepSpeed."""
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 from megaframe.backends.facts import ZERO_BUFFERS, ZERO_PAPER, EngineFacts, MemoryTerms
 from megaframe.backends.registry import lazy_plug
 
@@ -14,15 +17,23 @@ def replicated_grad_bucket(zero_stage: int, pipelined: bool, dtype: str) -> bool
     return zero_stage <= 1 and not (pipelined and zero_stage == 0 and dtype == "bf16")
 
 
-def fp32_gradient_copy_at_step(zero_stage: int, pipelined: bool, dtype: str, offloaded: bool) -> bool:
+# ZeRO-3 steps its partition a sub-group at a time: DeepSpeed's sub_group_size, which megaframe leaves
+# at its default
+ZERO3_SUB_GROUP = 1e9
+
+
+def fp32_gradient_copy_at_step(zero_stage: int, pipelined: bool, dtype: str, offloaded: bool) -> Optional[float]:
     """In bf16 or fp16 DeepSpeed's step runs on an fp32 copy of the gradients beside the low-precision
-    ones: at ZeRO-0 without a pipeline its FP16 optimizers flatten (fused) or cast (unfused) every
+    ones: at ZeRO-0 its FP16 optimizers (fp16 pipelines too) flatten (fused) or cast (unfused) every
     gradient, 20 bytes a parameter at the step, not the ZeRO paper's 16; at ZeRO-1/2 its optimizer casts
     the flattened partition it steps (stage_1_and_2.py: single_grad_partition), 4 bytes a parameter
-    over N more (both measured: tests/dist/test_planner_peak.py). Not with the optimizer offloaded
-    (the copy is on the host), nor at ZeRO-3 or in the pipeline's bf16 ZeRO-0 optimizer, whose fp32
-    gradients the plan already counts or which were not measured to hold one."""
-    return dtype in ("bf16", "fp16") and not offloaded and (zero_stage in (1, 2) or (zero_stage == 0 and not pipelined))
+    over N more (both measured: tests/dist/test_planner_peak.py); ZeRO-3 does the same a sub-group at a
+    time (stage3.py: _prepare_fp32_grad_for_sub_group). None with the optimizer offloaded (the copy is
+    on the host), and for the pipeline's bf16 ZeRO-0 optimizer, which accumulates its own gradients
+    (the plan's 16 bytes a parameter were measured within 8% there)."""
+    if dtype not in ("bf16", "fp16") or offloaded or (zero_stage == 0 and pipelined and dtype == "bf16"):
+        return None
+    return ZERO3_SUB_GROUP if zero_stage == 3 else math.inf
 
 
 FACTS = EngineFacts(

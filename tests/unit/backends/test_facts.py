@@ -99,3 +99,24 @@ def test_the_planner_reads_the_facts_without_importing_torch_or_an_engine():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_deepspeeds_zero0_gradient_copy_follows_the_optimizer_it_picks(dtype, pipelined):
+    """At ZeRO-0 the planner counts an fp32 copy of the gradients at the step exactly where DeepSpeed
+    wraps the optimizer in its FP16 optimizers (bf16 without a pipeline, fp16 with or without), not
+    where it keeps fp32 or uses the pipeline's BF16_Optimizer: asked of DeepSpeed's own choice
+    (DeepSpeedEngine._do_optimizer_sanity_check) for a stand-in engine of that precision."""
+    import types
+
+    import torch
+    from deepspeed.runtime.constants import DDP_BFLOAT16, FP16
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    model_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    stand_in = types.SimpleNamespace(get_data_types=lambda: (model_dtype, model_dtype),
+                                     zero_optimization=lambda: False, pipeline_parallelism=pipelined)
+    wrapper = DeepSpeedEngine._do_optimizer_sanity_check(stand_in, torch.optim.AdamW([torch.zeros(1)]))
+    copied = engine("deepspeed").facts.memory.fp32_gradient_copy_at_step(0, pipelined, dtype, False)
+    assert (copied is not None) == (wrapper in (FP16, DDP_BFLOAT16)), (wrapper, copied)
