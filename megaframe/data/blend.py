@@ -244,14 +244,16 @@ class BlendedSamples:
     def batch(self, picks: np.ndarray, positions: Optional[np.ndarray] = None, unlearned_after: Optional[int] = None,
               check: bool = True):
         """(inputs, targets) of (source, sample index) rows, as SampleSet.batch."""
-        for source in np.unique(picks[:, 0]) if check and len(picks) else ():
-            self.sources[int(source)].check_files()
+        if check:
+            self.check_files(picks)
         return windows_batch([self.sources[int(s)][int(i)] for s, i in picks], positions, unlearned_after)
 
-    def check_files(self) -> None:
-        """DataError when a source's files shrank since they were opened (data/mapped.py)."""
-        for source in self.sources:
-            source.check_files()
+    def check_files(self, picks: Optional[np.ndarray] = None) -> None:
+        """DataError when the files of a source `picks` reads (default: any source) shrank since they
+        were opened (data/mapped.py): a blend of many shards stats only those a step samples."""
+        sources = range(len(self.sources)) if picks is None else np.unique(picks[:, 0]) if len(picks) else ()
+        for source in sources:
+            self.sources[int(source)].check_files()
 
     def consumed_tokens(self, step: int, global_batch_size: int) -> dict[str, int]:
         """Tokens trained on from each source over steps [0, step) (seq_length per sample)."""

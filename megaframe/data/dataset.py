@@ -152,8 +152,9 @@ class SampleSet:
             self.check_files()
         return windows_batch([self[index] for index in indices], positions, unlearned_after)
 
-    def check_files(self) -> None:
-        """DataError when the dataset's files shrank since they were opened (data/mapped.py)."""
+    def check_files(self, indices: Optional[np.ndarray] = None) -> None:
+        """DataError when the dataset's files shrank since they were opened (data/mapped.py); `indices`:
+        the samples about to be read, all from these files (BlendedSamples.check_files's picks)."""
         self.stream.dataset.check_files()
 
 
@@ -245,7 +246,7 @@ def micro_batches(
     # the files' sizes once for the step's micro-batches, read back to back: an fstat per file and
     # micro-batch was 128 a rank and step at a global batch of 1536 over dp=24 (on Lustre a size may
     # cost a round trip to the storage servers)
-    samples.check_files()
+    samples.check_files(rank_indices)
     return [
         samples.batch(rank_indices[start : start + micro_batch_size], positions, unlearned_after, check=False)
         for start in range(0, per_rank, micro_batch_size)
@@ -279,7 +280,7 @@ def eval_batches(samples: SampleSet, num_batches: int, batch_size: int, dp_rank:
             f"eval num_batches={num_batches}, batch_size={batch_size}: need num_batches >= 0 and batch_size >= 1"
         )
     batches = []
-    samples.check_files()  # once for the batches, read back to back (micro_batches)
+    samples.check_files()  # once for the batches, read back to back (micro_batches); every source of a blend
     for batch_number in range(num_batches):
         rank_start = (batch_number * dp + dp_rank) * batch_size
         sample_positions = np.arange(rank_start, rank_start + batch_size, dtype=np.int64) % len(samples)

@@ -21,7 +21,7 @@ CHUNK = 1 << 20  # index entries a check reads at a time: 8 MB per temporary arr
 
 T = TypeVar("T")
 # what the pre-launch check's walks over whole index files found, by the files' identity (device,
-# inode, size, modification time), for the next open of the same files in this process (or a rank
+# inode, size, modification and change times), for the next open of the same files in this process (or a rank
 # forked from it): an srun or torchrun task checks the data before it trains, then opens it again to
 # train, and each walk reads every index entry (20 bytes a document: 100 GB for a blend of 5 billion
 # documents, about 40 s of one core). Kept only while remembering (walks_remembered), used once.
@@ -43,7 +43,9 @@ def walked_once(paths: tuple[os.PathLike, ...], what: str, walk: Callable[[], T]
     """walk()'s result: the one remembered for `what` of these files as they are now (then forgotten),
     else walked; files changed since (another size or time, or replaced) are walked again."""
     stats = [os.stat(path) for path in paths]
-    key = (what, *((str(path), s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns) for path, s in zip(paths, stats)))
+    # the change time too: a copy that keeps the modification time (cp -p, rsync -t) still changes it
+    key = (what, *((str(path), s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns)
+                   for path, s in zip(paths, stats)))
     if key in _WALKED:
         return _WALKED.pop(key)  # type: ignore[return-value]
     found = walk()

@@ -65,3 +65,18 @@ def test_the_pre_launch_check_leaves_its_walks_to_the_trainer(tmp_path: Path, wa
     walked = len(walks)
     build_data(cfg.data, cfg.model.seq_length)
     assert walked and len(walks) == walked
+
+
+def test_a_file_rewritten_with_its_old_modification_time_is_walked_again(tmp_path: Path, walks) -> None:
+    """cp -p and rsync -t keep the modification time of what they overwrite; the change time moves."""
+    prefix = write_dataset(tmp_path / "ds", DOCUMENTS, layout="megatron")
+    idx = Path(f"{prefix}.idx")
+    before = idx.stat()
+    with walks_remembered():
+        open_dataset(prefix)
+    walked = len(walks)
+    idx.write_bytes(idx.read_bytes())
+    os.utime(idx, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert idx.stat().st_mtime_ns == before.st_mtime_ns and idx.stat().st_size == before.st_size
+    open_dataset(prefix)
+    assert "scan_sequences" in walks[walked:]

@@ -94,3 +94,19 @@ def test_a_steps_micro_batches_stat_the_files_once(tmp_path, monkeypatch, blende
     os.truncate(tmp_path / "a.bin", 0)
     with pytest.raises(DataError, match="now holds 0 bytes"):
         micro_batches(samples, 1, 16, 2, 0, 1, 0)
+
+
+def test_a_step_stats_only_the_sources_it_samples(tmp_path, monkeypatch):
+    """A blend that lists each shard as a source stats the files of the shards a step reads, not of
+    every source (200 sources: 200 looks a step for the 33 a step read); a source with weight 0 that
+    shrank does not stop the run."""
+    from megaframe.data import micro_batches
+    from megaframe.data.mapped import MappedFiles
+
+    looks = []
+    original = MappedFiles.shrunk
+    monkeypatch.setattr(MappedFiles, "shrunk", lambda self: looks.append(self) or original(self))
+    sources = [sample_set(tmp_path / "a"), sample_set(tmp_path / "b")]
+    blend = BlendedSamples(sources, [Stage(0, (1.0, 0.0))], ["a", "b"])
+    os.truncate(tmp_path / "b.bin", 0)
+    assert len(micro_batches(blend, 0, 16, 2, 0, 1, 0)) == 8 and len(looks) == 1
