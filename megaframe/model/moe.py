@@ -31,19 +31,27 @@ from megaframe.parallel.matmul import MatmulSite
 from megaframe.parallel.mappings import all_to_all_rows, gather_tokens, split_tokens
 
 
+# the GPUs (compute capability majors) whose grouped GEMM kernel torch builds: Hopper and datacenter
+# Blackwell. torch accepts bf16 from sm80, but there (and on other majors) it runs its fallback, which
+# reads the group offsets to the host at every grouped GEMM: about 9 reads a layer and micro-batch
+# (3 forward, 6 backward), where megaframe's own loop reads the counts once a layer
+_GROUPED_MM_MAJORS = (9, 10)
+
+
 def _grouped_mm_works(x: torch.Tensor, *widths: int) -> bool:
-    """Whether torch's grouped GEMM runs for inputs like x and weights `widths` (in and out
-    features): on the CPU in fp32, bf16 and fp16 (not fp64); on CUDA in bf16 from sm80 (torch's documented floor);
-    on both with every width a multiple of 16 bytes, as torch requires of the operands' strides (an
-    expert width of 34 in fp32 was "strides should be multiple of 16 bytes" at step 0 on the CPU).
-    Where it does not, the experts take the loop (one host read of the counts per layer)."""
+    """Whether torch's grouped GEMM runs as one kernel for inputs like x and weights `widths` (in and
+    out features): on the CPU in fp32, bf16 and fp16 (not fp64); on CUDA in bf16 on sm90 and sm100
+    (_GROUPED_MM_MAJORS); on both with every width a multiple of 16 bytes, as torch requires of the
+    operands' strides (an expert width of 34 in fp32 was "strides should be multiple of 16 bytes" at
+    step 0 on the CPU). Where it does not, the experts take the loop (one host read of the counts per
+    layer, none under a capacity factor)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     aligned = all(width * x.element_size() % 16 == 0 for width in (x.shape[-1], *widths))
     if x.device.type == "cpu":
         return aligned and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     return (x.device.type == "cuda" and x.dtype == torch.bfloat16 and aligned
-            and torch.cuda.get_device_capability(x.device)[0] >= 8)
+            and torch.cuda.get_device_capability(x.device)[0] in _GROUPED_MM_MAJORS)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
@@ -108,12 +116,14 @@ class Experts(nn.Module):
         self.up_proj = stacked(f, h)
         self.down_proj = stacked(h, f)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x (M, C) grouped by local expert, counts (E_local,) rows per expert -> (M, C)."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, host_counts: Optional[list[int]] = None) -> torch.Tensor:
+        """x (M, C) grouped by local expert, counts (E_local,) rows per expert -> (M, C); host_counts:
+        the same counts where the caller knows them on the host (a capacity's fixed slots)."""
         w = self._summed_over_tp
-        # without a grouped GEMM (fp32/fp16 on CUDA, bf16 before Ampere or misaligned widths) the loop over experts reads
-        # the counts to the host: once per layer and micro-batch, as Megatron's SequentialMLP does
-        host = None if _grouped_mm_works(x, self.hidden, self.ffn) else counts.tolist()
+        # without a grouped GEMM (fp32/fp16 on CUDA, bf16 before Hopper or misaligned widths) the loop over
+        # experts reads the counts to the host: once per layer and micro-batch, as Megatron's SequentialMLP does
+        host = None if _grouped_mm_works(x, self.hidden, self.ffn) else \
+            host_counts if host_counts is not None else counts.tolist()
         up = grouped_linear(x, w(self.up_proj), counts, host, self.matmul)
         if self.swiglu:
             hidden = F.silu(grouped_linear(x, w(self.gate_proj), counts, host, self.matmul)) * up
@@ -259,7 +269,7 @@ class MoE(nn.Module):
         received = all_to_all_rows(buffer, None, None, ep.group)  # [source rank][my expert][slot]
         by_expert = received.view(ep.size, local, capacity, width).transpose(0, 1).reshape(-1, width)
         slots = torch.full((local,), ep.size * capacity, dtype=counts.dtype, device=counts.device)
-        computed = self.experts(by_expert, slots)
+        computed = self.experts(by_expert, slots, [ep.size * capacity] * local)  # known here: no read
         computed = computed.view(local, ep.size, capacity, width).transpose(0, 1).reshape(-1, width)
         returned = all_to_all_rows(computed, None, None, ep.group)
         returned = torch.cat([returned, returned.new_zeros(1, width)])

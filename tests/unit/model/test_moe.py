@@ -113,6 +113,25 @@ def test_the_loop_over_experts_where_no_grouped_gemm_runs_matches_the_per_token_
     assert_fp32_close(got_grad, want_grad64, want_grad, "expert loop input gradient")
 
 
+def test_a_capacitys_fixed_slots_are_not_read_back_by_the_expert_loop(monkeypatch):
+    """Under a capacity factor every expert computes the same fixed number of slots, known on the host;
+    the loop over experts (fp32/fp16 on CUDA, bf16 before Hopper) read them back from the device once
+    per layer and micro-batch all the same."""
+    from megaframe.model import moe as moe_module
+
+    layer = _layer(capacity_factor=1.0)
+    x = torch.randn(2, 10, H, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    want = layer(x)
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(moe_module, "_grouped_mm_works", lambda *args: False)
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real_tolist(t))
+    got = layer(x)
+    torch.autograd.grad(got.square().sum(), x)
+    assert reads == [], reads
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.numerics
 def test_capacity_drops_the_later_tokens_of_a_full_expert():
     layer = _layer(capacity_factor=0.5)
@@ -270,9 +289,11 @@ def test_the_kernel_sync_counter_sees_bincount():
 
 
 def test_the_grouped_gemm_gate_asks_for_what_the_cuda_kernel_needs(monkeypatch):
-    """On CUDA, torch._grouped_mm takes bf16 from sm80 with operand strides of 16 bytes: widths
-    that are multiples of 8 in bf16. Elsewhere the experts loop (the gate is asked on a meta tensor
-    posing as CUDA; the CPU kernel takes anything)."""
+    """On CUDA, torch._grouped_mm runs one kernel for bf16 on sm90 and sm100 with operand strides of
+    16 bytes: widths that are multiples of 8 in bf16. It takes bf16 from sm80, but there it falls back
+    to a loop that reads the offsets to the host at every grouped GEMM (about 9 a layer and
+    micro-batch, against the experts' own loop's one). Elsewhere the experts loop (the gate is asked
+    on a meta tensor posing as CUDA; the CPU kernel takes anything)."""
     from megaframe.model import moe as moe_module
 
     class OnCuda(torch.Tensor):
@@ -284,7 +305,9 @@ def test_the_grouped_gemm_gate_asks_for_what_the_cuda_kernel_needs(monkeypatch):
         return torch.empty(4, width, dtype=dtype, device="meta").as_subclass(OnCuda)
 
     for capability, dtype, widths, works in [((9, 0), torch.bfloat16, (96, 64), True),
-                                             ((8, 0), torch.bfloat16, (96, 64), True),
+                                             ((10, 0), torch.bfloat16, (96, 64), True),
+                                             ((8, 0), torch.bfloat16, (96, 64), False),
+                                             ((12, 0), torch.bfloat16, (96, 64), False),
                                              ((7, 5), torch.bfloat16, (96, 64), False),
                                              ((9, 0), torch.float32, (96, 64), False),
                                              ((9, 0), torch.bfloat16, (100, 64), False),
