@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from megaframe.common.tokenizer_files import files_hash, tokenizer_files
+from megaframe.data.index_scan import file_identity
 from megaframe.data.indexed import MAGIC as OWN_MAGIC
 from megaframe.data.indexed import DataError, IndexedDataset
 from megaframe.data.token_files import read_head
@@ -123,12 +124,8 @@ def _same_mapping(loaded, recorded: str, digest: str, scheme: int, prefix) -> bo
 
 
 def _stamps(directory: str) -> tuple:
-    """The tokenizer files of `directory` as they are now: another content has another size, time or inode."""
-    stamps = []
-    for path in tokenizer_files(Path(directory)):
-        stat = path.stat()
-        stamps.append((path.name, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns))
-    return tuple(stamps)
+    """The tokenizer files of `directory` as they are now (index_scan.file_identity)."""
+    return tuple(file_identity(path) for path in tokenizer_files(Path(directory)))
 
 
 def _files_hash(directory: str, scheme: int, prefix) -> str:

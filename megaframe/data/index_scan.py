@@ -39,13 +39,17 @@ def walks_remembered() -> Iterator[None]:
         _REMEMBERING.pop()
 
 
+def file_identity(path: os.PathLike) -> tuple:
+    """A file as it is now: another content has another size, time or inode (the change time too: a
+    copy that keeps the modification time, cp -p or rsync -t, still changes it)."""
+    s = os.stat(path)
+    return str(path), s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns
+
+
 def walked_once(paths: tuple[os.PathLike, ...], what: str, walk: Callable[[], T]) -> T:
     """walk()'s result: the one remembered for `what` of these files as they are now (then forgotten),
     else walked; files changed since (another size or time, or replaced) are walked again."""
-    stats = [os.stat(path) for path in paths]
-    # the change time too: a copy that keeps the modification time (cp -p, rsync -t) still changes it
-    key = (what, *((str(path), s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns)
-                   for path, s in zip(paths, stats)))
+    key = (what, *(file_identity(path) for path in paths))
     if key in _WALKED:
         return _WALKED.pop(key)  # type: ignore[return-value]
     found = walk()
