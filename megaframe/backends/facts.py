@@ -33,11 +33,12 @@ class MemoryTerms:
     # block's experts and router, norms under sequence parallelism) in one fp32 buffer kept for the
     # whole run (parallel/grad_bucket.py), as f(zero stage, pipelined, precision.dtype)
     replicated_grad_bucket: Callable[[int, bool, str], bool] = lambda zero_stage, pipelined, dtype: False
-    # whether its optimizer step copies the gradients it steps (at ZeRO >= 1 its partition's) to fp32 on
-    # the device while the low-precision ones are still held (4 bytes a parameter stepped, on top of the
-    # states): the most elements one copy holds (inf: all it steps), or None without one, as f(zero
-    # stage, pipelined, precision.dtype, optimizer offloaded)
-    fp32_gradient_copy_at_step: Callable[[int, bool, str, bool], Optional[float]] = \
+    # whether its optimizer step runs on an fp32 copy of the gradients it steps (at ZeRO >= 1 its
+    # partition's) made on the device while the ones it holds are still there, on top of the states:
+    # (the most elements one copy holds (inf: all it steps), bytes an element copied (4, or 6 with a
+    # 16-bit flat copy on the way)), or None without one, as f(zero stage, pipelined, precision.dtype,
+    # optimizer offloaded)
+    fp32_gradient_copy_at_step: Callable[[int, bool, str, bool], Optional[tuple[float, float]]] = \
         lambda stage, pipelined, dtype, off: None
 
 

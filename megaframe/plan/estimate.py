@@ -269,7 +269,9 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     step_working = step_working_bytes(assembled, owners, optim, block_kinds) if assembled and blocks else 0.0
     copied = terms.fp32_gradient_copy_at_step(lay.zero_stage, lay.pp > 1, dtype, lay.offload_optimizer != "none")
     if copied is not None:
-        step_working += 4 * min(copied, sum(n / (shards if lay.zero_stage >= 1 else 1) for n, shards, _ in kinds))
+        at_once, copy_bytes = copied
+        step_working += copy_bytes * min(at_once, sum(n / (shards if lay.zero_stage >= 1 else 1)
+                                                      for n, shards, _ in kinds))
     if step_working:
         step_working += bucket  # kept all run: the step holds it too
     # on this host "offloaded" states stay in the same RAM the ranks share; the optimizer step runs

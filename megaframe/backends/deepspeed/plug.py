@@ -22,18 +22,27 @@ def replicated_grad_bucket(zero_stage: int, pipelined: bool, dtype: str) -> bool
 ZERO3_SUB_GROUP = 1e9
 
 
-def fp32_gradient_copy_at_step(zero_stage: int, pipelined: bool, dtype: str, offloaded: bool) -> Optional[float]:
-    """In bf16 or fp16 DeepSpeed's step runs on an fp32 copy of the gradients beside the low-precision
-    ones: at ZeRO-0 its FP16 optimizers (fp16 pipelines too) flatten (fused) or cast (unfused) every
-    gradient, 20 bytes a parameter at the step, not the ZeRO paper's 16; at ZeRO-1/2 its optimizer casts
-    the flattened partition it steps (stage_1_and_2.py: single_grad_partition), 4 bytes a parameter
-    over N more (both measured: tests/dist/test_planner_peak.py); ZeRO-3 does the same a sub-group at a
-    time (stage3.py: _prepare_fp32_grad_for_sub_group). None with the optimizer offloaded (the copy is
-    on the host), and for the pipeline's bf16 ZeRO-0 optimizer, which accumulates its own gradients
-    (the plan's 16 bytes a parameter were measured within 8% there)."""
-    if dtype not in ("bf16", "fp16") or offloaded or (zero_stage == 0 and pipelined and dtype == "bf16"):
+def fp32_gradient_copy_at_step(zero_stage: int, pipelined: bool, dtype: str,
+                               offloaded: bool) -> Optional[tuple[float, float]]:
+    """The copy of the gradients DeepSpeed's step runs on, beside the gradients it holds, as (the most
+    elements copied at once, bytes an element). ZeRO-1/2 flatten the partition's gradients into a new
+    tensor and step on it (stage_1_and_2.py: flat_grad_partition), cast to fp32 in bf16 or fp16
+    (single_grad_partition), the 16-bit flat copy and its cast both held at the cast: 4 bytes a
+    parameter over N in fp32, 2 + 4 in bf16 or fp16 (with the cast alone, ZeRO-2 in bf16 peaked 11%
+    above the plan at dp=2; without the flat copy, 15% in fp32: tests/dist/test_planner_peak.py). At
+    ZeRO-0 in bf16 or fp16 its FP16 optimizers (fp16 pipelines too) flatten (fused) or cast (unfused)
+    every gradient, 20 bytes a parameter at the step, not the ZeRO paper's 16; ZeRO-3 casts its flat
+    partition a sub-group at a time (stage3.py: _prepare_fp32_grad_for_sub_group). None with the
+    optimizer offloaded (the copy is on the host), at ZeRO-0/3 in fp32 (torch's optimizer steps the
+    gradients in place), and for the pipeline's bf16 ZeRO-0 optimizer, which accumulates its own
+    gradients (the plan's 16 bytes a parameter were measured within 8% there)."""
+    if offloaded:
         return None
-    return ZERO3_SUB_GROUP if zero_stage == 3 else math.inf
+    if zero_stage in (1, 2):
+        return math.inf, 4.0 if dtype == "fp32" else 6.0
+    if dtype == "fp32" or (zero_stage == 0 and pipelined and dtype == "bf16"):
+        return None
+    return (ZERO3_SUB_GROUP if zero_stage == 3 else math.inf), 4.0
 
 
 FACTS = EngineFacts(
