@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,9 +22,9 @@ BLOCKS = all_blocks()
 FILE_COMMANDS = ("megaframe-eval", "megaframe-convert", "megaframe-preprocess", "megaframe-sample")
 
 
-def _validated() -> list[tuple[str, list[str]]]:
-    return [(f"{block.where} {' '.join(words[:3])}", words)
-            for block in BLOCKS if not block.run for words in block.megaframe_commands()]
+def _validated() -> list[tuple[str, list[str], str]]:
+    return [(f"{block.where} {' '.join(words[:3])}", words, comment)
+            for block in BLOCKS if not block.run for words, comment in block.commented_commands()]
 
 
 def _train_problem(args: list[str]) -> str | None:
@@ -80,8 +81,10 @@ def _parsers() -> dict:
             "megaframe-preprocess": preprocess_parser, "megaframe-sample": sample_parser}
 
 
-@pytest.mark.parametrize("where, words", _validated(), ids=[w for w, _ in _validated()])
-def test_a_documented_command_passes_the_checks_before_launch(where, words, capsys, monkeypatch, tmp_path):
+@pytest.mark.parametrize("where, words, comment", _validated(), ids=[w for w, _, _ in _validated()])
+def test_a_documented_command_passes_the_checks_before_launch(where, words, comment, capsys, monkeypatch, tmp_path):
+    """... and a plan's figures that the command's comment quotes ("# tp=8 dp=16: 19.42 GiB of 80") are the
+    ones it prints now: a planner change that moves them leaves no stale figure in a guide."""
     name, args = words[0], words[1:]
     if name in FILE_COMMANDS:  # its files are the user's: its arguments must parse (argparse exits 2 if not)
         _parsers()[name]().parse_args(args)
@@ -91,7 +94,10 @@ def test_a_documented_command_passes_the_checks_before_launch(where, words, caps
 
         with pytest.raises(SystemExit) if "--help" in args else contextlib.nullcontext():
             main(args)
-        assert "error" not in capsys.readouterr().err, where
+        printed = capsys.readouterr()
+        assert "error" not in printed.err, where
+        stale = [f for f in re.findall(r"\d[\d,]*\.\d+ GiB", comment) if f not in printed.out]
+        assert not stale, f"{where}: the comment quotes {stale}, the plan now prints:\n{printed.out}"
         return
     assert name == "megaframe-train", f"{where}: no check for {name}; run it in a <!-- doc-test: run --> block"
     monkeypatch.chdir(tmp_path)

@@ -41,15 +41,20 @@ class Block:
 
     def megaframe_commands(self) -> list[list[str]]:
         """Every megaframe-* command of the block, as argv (commands chained with && or ; split)."""
+        return [words for words, _ in self.commented_commands()]
+
+    def commented_commands(self) -> list[tuple[list[str], str]]:
+        """Every megaframe-* command of the block with the comment that ends its line ("" if none)."""
         found = []
         for line in self.lines:
             lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
             lexer.whitespace_split, lexer.commenters = True, "#"
+            comment = line.partition(" # ")[2].strip()
             words: list[str] = []
             for token in [*lexer, ";"]:
                 if token in _SEPARATORS:
                     if words and words[0].startswith("megaframe-"):
-                        found.append(words)
+                        found.append((words, comment))
                     words = []
                 else:
                     words.append(token)
