@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.console_zygote import console_scripts
-from tests.support.doc_commands import GUIDES, REPO, Block, all_blocks, guide_paths
+from tests.support.doc_commands import GUIDES, REPO, Block, all_blocks, guide_paths, shown_plans
 from tests.support.helpers import cli_env
 
 BLOCKS = all_blocks()
@@ -81,7 +81,7 @@ def _parsers() -> dict:
             "megaframe-preprocess": preprocess_parser, "megaframe-sample": sample_parser}
 
 
-@pytest.mark.parametrize("where, words, comment", _validated(), ids=[w for w, _, _ in _validated()])
+@pytest.mark.parametrize("where, words, comment", _validated(), ids=[w for w, *_ in _validated()])
 def test_a_documented_command_passes_the_checks_before_launch(where, words, comment, capsys, monkeypatch, tmp_path):
     """... and a plan's figures that the command's comment quotes ("# tp=8 dp=16: 19.42 GiB of 80") are the
     ones it prints now: a planner change that moves them leaves no stale figure in a guide."""
@@ -104,6 +104,32 @@ def test_a_documented_command_passes_the_checks_before_launch(where, words, comm
     _stand_in_user_files(args, tmp_path)
     problem = _train_problem(args)
     assert problem is None, f"{where}: refused as written: {problem}"
+
+
+@pytest.mark.parametrize("where, words, shown", shown_plans(), ids=[w for w, *_ in shown_plans()])
+def test_a_plan_output_a_guide_shows_is_what_the_plan_prints(where, words, shown, capsys):
+    """A guide's ```text block of megaframe-plan's output (of the last megaframe-plan command above it)
+    is what that command prints now, line for line, where "…" stands for lines left out."""
+    from megaframe.plan.cli import main
+
+    main(words[1:])
+    captured = capsys.readouterr()  # its notes (stderr) come before the plan, as a terminal shows them
+    printed = [line.rstrip() for line in (captured.err + captured.out).rstrip("\n").split("\n")]
+    parts, part = [], []
+    for line in (line.rstrip() for line in shown):
+        if line == "…":
+            parts.append(part)
+            part = []
+        else:
+            part.append(line)
+    parts.append(part)
+    at = 0
+    for n, part in enumerate(parts):  # each part in order; the first at the top
+        starts = [i for i in range(at, len(printed) - len(part) + 1) if printed[i:i + len(part)] == part]
+        assert starts and (n > 0 or starts[0] == 0), f"{where}: the guide shows {part}, the plan prints:\n" + \
+            "\n".join(printed)
+        at = starts[0] + len(part)
+    assert len(parts) > 1 or at == len(printed), f"{where}: the plan prints more:\n" + "\n".join(printed[at:])
 
 
 def _stand_in_user_files(args: list[str], cwd: Path) -> None:

@@ -107,6 +107,25 @@ def all_blocks() -> list[Block]:
     return [block for guide in GUIDES for block in blocks(guide)]
 
 
+def shown_plans() -> list[tuple[str, list[str], list[str]]]:
+    """(where, argv, lines) of every ```text block that shows megaframe-plan's output (its first line
+    starts "megaframe-plan:"), with the last megaframe-plan command above it in its guide; a line
+    "…" in it stands for lines left out."""
+    found = []
+    for guide in GUIDES:
+        text, commands = guide.read_text().splitlines(), []
+        for block in blocks(guide):
+            commands += [(block.line, words) for words in block.megaframe_commands() if words[0] == "megaframe-plan"]
+        for i, line in enumerate(text):
+            if line.strip() != "```text" or i + 1 >= len(text) or not text[i + 1].startswith("megaframe-plan:"):
+                continue
+            above = [words for at, words in commands if at < i + 1]
+            if above:
+                end = next(j for j in range(i + 1, len(text)) if text[j].startswith("```"))
+                found.append((f"{guide.relative_to(REPO)}:{i + 1}", above[-1], text[i + 1:end]))
+    return found
+
+
 _REDIRECT = re.compile(r"(?<![0-9&<])>\s*([\w./-]+)")
 _SAVED = re.compile(r"save_pretrained\('([^']+)'\)")
 _NOT_PATHS = {"auto", "none", "null", "byte"}
