@@ -42,6 +42,17 @@ class MemoryTerms:
         lambda stage, pipelined, dtype, off: None
 
 
+def zero_traffic(zero_stage: int, pipelined: bool, micro_batches: int, dtype: str) -> float:
+    """DeepSpeed's ZeRO over the data axis, bytes a parameter a step (gradients and weights both in the
+    compute dtype): ZeRO-0 all-reduces the gradients once (a reduce-scatter and an all-gather of them),
+    ZeRO-1 reduce-scatters them and all-gathers the updated weights, ZeRO-2 reduce-scatters after every
+    micro-batch's backward, and ZeRO-3 also gathers the weights in every micro-batch's forward and
+    backward. Its pipeline engine runs ZeRO 0-1 alike."""
+    m, width = micro_batches, (4 if dtype == "fp32" else 2)
+    gradient_passes, weight_passes = {0: (2, 0), 1: (1, 1), 2: (m, 1)}.get(zero_stage, (m, 2 * m))
+    return width * (gradient_passes + weight_passes)
+
+
 @dataclass(frozen=True)
 class EngineFacts:
     """What an engine runs, for the layout search and validation (its refusals, with their
@@ -66,6 +77,9 @@ class EngineFacts:
     described_partition_stages: tuple[int, ...] = ()
     # the ZeRO stages at which it swaps optimizer states and parameters to NVMe (offload=nvme)
     nvme_offload_stages: tuple[int, ...] = ()
+    # what a step moves of each parameter over the data axis, in bytes a parameter (each sent (n-1)/n
+    # from a rank: ring), as f(zero stage, pipelined, micro-batches, precision.dtype): the planner's DP traffic
+    data_parallel_bytes: Callable[[int, bool, int, str], float] = zero_traffic
 
 
 @dataclass(frozen=True)

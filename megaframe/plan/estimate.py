@@ -407,10 +407,10 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
     TP: 2 all-reduces forward and 2 backward per block and micro-batch of s·b·h (3 forward with
     recomputation; SP moves the same volume as all-gather + reduce-scatter). PP: each micro-batch's
     activation forward and its gradient back, split over TP ranks as DeepSpeed's pipe_partitioned does.
-    DP: gradient all-reduce 2Ψ·(n-1)/n once per step (ZeRO-0/1: reduce-scatter + all-gather, same
-    volume). DeepSpeed's ZeRO-2 reduce-scatters gradients after every micro-batch's backward, and
-    ZeRO-3 also all-gathers the weights in every micro-batch's forward and backward (1.5x of
-    ZeRO-0's volume when m = 1, growing with m). DP here is DeepSpeed's data axis, dp x cp.
+    DP: the engine's bytes a parameter a step (its facts' data_parallel_bytes), each sent (n-1)/n:
+    DeepSpeed's ZeRO-0 all-reduces the gradients (two passes), its ZeRO-2 reduce-scatters them after
+    every micro-batch's backward, its ZeRO-3 also gathers the weights twice a micro-batch; FSDP2 under
+    a pipeline reduces once a step. DP here is the data axis, dp x cp.
 
     CP, per block and micro-batch, with b the bytes of one of K or V on this rank's s/cp tokens
     (kv heads; sent in the activation dtype) and q_b those of Q: ring, (cp-1)·2b forward, again in a
@@ -430,14 +430,8 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
     collectives = 4 + (2 if lay.recompute else 0)
     tp = stage.blocks * m * collectives * _ring(lay.tp) * sbh
     pp = 2 * m * sbh / lay.tp if lay.pp > 1 else 0.0
-    weight_bytes, grad_bytes, _ = STATE_BYTES[dtype]
     one_way = _ring(lay.dp * lay.cp) / 2 * stage.parameters  # (n-1)/n of the rank's parameters
-    if lay.zero_stage <= 1:
-        dp = one_way * (grad_bytes + weight_bytes if lay.zero_stage == 1 else 2 * grad_bytes)
-    elif lay.zero_stage == 2:
-        dp = one_way * (m * grad_bytes + weight_bytes)
-    else:
-        dp = one_way * m * (grad_bytes + 2 * weight_bytes)
+    dp = one_way * engine_facts(lay.engine).data_parallel_bytes(lay.zero_stage, lay.pp > 1, m, dtype)
     cp = 0.0
     if lay.cp > 1:
         kv_heads = dims.num_kv_heads // lay.tp if dims.num_kv_heads % lay.tp == 0 else dims.num_kv_heads
