@@ -44,12 +44,14 @@ class MemoryTerms:
 
 def zero_traffic(zero_stage: int, pipelined: bool, micro_batches: int, dtype: str) -> float:
     """DeepSpeed's ZeRO over the data axis, bytes a parameter a step (gradients and weights both in the
-    compute dtype): ZeRO-0 all-reduces the gradients once (a reduce-scatter and an all-gather of them),
-    ZeRO-1 reduce-scatters them and all-gathers the updated weights, ZeRO-2 reduce-scatters after every
-    micro-batch's backward, and ZeRO-3 also gathers the weights in every micro-batch's forward and
-    backward. Its pipeline engine runs ZeRO 0-1 alike."""
+    compute dtype). Its gradient reductions are all-reduces, two passes each: ZeRO-0 and ZeRO-1 once a
+    step, and ZeRO-1 and -2 all-reduce their buckets (use_multi_rank_bucket_allreduce, on by default)
+    where a reduce-scatter would do; ZeRO-2 after every micro-batch's backward. ZeRO-1 and -2 then
+    all-gather the updated weights; ZeRO-3 reduce-scatters the gradients after every micro-batch and
+    gathers the weights in every forward and backward. Its pipeline engine runs ZeRO 0-1 alike
+    (counted on gloo ranks: tests/dist/test_planner_dp_traffic.py)."""
     m, width = micro_batches, (4 if dtype == "fp32" else 2)
-    gradient_passes, weight_passes = {0: (2, 0), 1: (1, 1), 2: (m, 1)}.get(zero_stage, (m, 2 * m))
+    gradient_passes, weight_passes = {0: (2, 0), 1: (2, 1), 2: (2 * m, 1)}.get(zero_stage, (m, 2 * m))
     return width * (gradient_passes + weight_passes)
 
 

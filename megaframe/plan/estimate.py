@@ -408,8 +408,8 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
     recomputation; SP moves the same volume as all-gather + reduce-scatter). PP: each micro-batch's
     activation forward and its gradient back, split over TP ranks as DeepSpeed's pipe_partitioned does.
     DP: the engine's bytes a parameter a step (its facts' data_parallel_bytes), each sent (n-1)/n:
-    DeepSpeed's ZeRO-0 all-reduces the gradients (two passes), its ZeRO-2 reduce-scatters them after
-    every micro-batch's backward, its ZeRO-3 also gathers the weights twice a micro-batch; FSDP2 under
+    DeepSpeed's ZeRO-0/1/2 all-reduce the gradients (two passes; ZeRO-2 after every micro-batch's
+    backward), its ZeRO-3 reduce-scatters them and gathers the weights twice a micro-batch; FSDP2 under
     a pipeline reduces once a step. DP here is the data axis, dp x cp.
 
     CP, per block and micro-batch, with b the bytes of one of K or V on this rank's s/cp tokens
