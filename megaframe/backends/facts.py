@@ -42,19 +42,6 @@ class MemoryTerms:
         lambda stage, pipelined, dtype, off: None
 
 
-def zero_traffic(zero_stage: int, pipelined: bool, micro_batches: int, dtype: str) -> float:
-    """DeepSpeed's ZeRO over the data axis, bytes a parameter a step (gradients and weights both in the
-    compute dtype). Its gradient reductions are all-reduces, two passes each: ZeRO-0 and ZeRO-1 once a
-    step, and ZeRO-1 and -2 all-reduce their buckets (use_multi_rank_bucket_allreduce, on by default)
-    where a reduce-scatter would do; ZeRO-2 after every micro-batch's backward. ZeRO-1 and -2 then
-    all-gather the updated weights; ZeRO-3 reduce-scatters the gradients after every micro-batch and
-    gathers the weights in every forward and backward. Its pipeline engine runs ZeRO 0-1 alike
-    (counted on gloo ranks: tests/dist/test_planner_dp_traffic.py)."""
-    m, width = micro_batches, (4 if dtype == "fp32" else 2)
-    gradient_passes, weight_passes = {0: (2, 0), 1: (2, 1), 2: (2 * m, 1)}.get(zero_stage, (m, 2 * m))
-    return width * (gradient_passes + weight_passes)
-
-
 @dataclass(frozen=True)
 class EngineFacts:
     """What an engine runs, for the layout search and validation (its refusals, with their
@@ -71,6 +58,9 @@ class EngineFacts:
     schedules_need_micro_batches: bool  # its pipeline refuses a micro-batch count its schedule cannot run
     split_backward_zero_stages: tuple[int, ...]  # stages a split-backward schedule (zbv, ...) runs at
     memory: MemoryTerms
+    # what a step moves of each parameter over the data axis, in bytes a parameter (each sent (n-1)/n
+    # from a rank: ring), as f(zero stage, pipelined, micro-batches, precision.dtype): the planner's DP traffic
+    data_parallel_bytes: Callable[[int, bool, int, str], float]
     # its optimizer steps each parameter's own tensor (whole, or a DTensor's row shard), not flat
     # partitions of many: an optimizer that needs a parameter's shape (Muon: optim/rules.py) runs on it
     optimizer_on_tensors: bool = False
@@ -79,9 +69,6 @@ class EngineFacts:
     described_partition_stages: tuple[int, ...] = ()
     # the ZeRO stages at which it swaps optimizer states and parameters to NVMe (offload=nvme)
     nvme_offload_stages: tuple[int, ...] = ()
-    # what a step moves of each parameter over the data axis, in bytes a parameter (each sent (n-1)/n
-    # from a rank: ring), as f(zero stage, pipelined, micro-batches, precision.dtype): the planner's DP traffic
-    data_parallel_bytes: Callable[[int, bool, int, str], float] = zero_traffic
 
 
 @dataclass(frozen=True)

@@ -32,14 +32,18 @@ LAYOUTS = {
     "fsdp2-dp2-stage2": (2, ["backend=fsdp2", "zero=stage2"]),
     # in bf16 the weights are gathered in bf16 and the gradients reduced in fp32 (backends/fsdp2/build.py)
     "fsdp2-dp2-stage3-bf16": (2, ["backend=fsdp2", "zero=stage3", "precision=bf16"]),
-    "fsdp2-pp2-dp2-stage3": (4, ["backend=fsdp2", "zero=stage3", "parallel.pp=2"]),
-    "fsdp2-pp2-dp2-stage2": (4, ["backend=fsdp2", "zero=stage2", "parallel.pp=2"]),
+    # under a pipeline the root module (embedding, head) is gathered once a step and the blocks about m + 1
+    # times: with eight blocks, four a stage, the blocks are most of what moves, as in a recipe's stage
+    "fsdp2-pp2-dp2-stage3": (4, ["backend=fsdp2", "zero=stage3", "parallel.pp=2", "model.num_layers=8"]),
+    "fsdp2-pp2-dp2-stage2": (4, ["backend=fsdp2", "zero=stage2", "parallel.pp=2", "model.num_layers=8"]),
     "deepspeed-dp2-zero0": (2, ["backend=deepspeed", "zero=stage0"]),
     "deepspeed-dp2-zero1": (2, ["backend=deepspeed", "zero=stage1"]),
     "deepspeed-dp2-zero2": (2, ["backend=deepspeed", "zero=stage2"]),
     "deepspeed-dp2-zero1-bf16": (2, ["backend=deepspeed", "zero=stage1", "precision=bf16"]),
     "deepspeed-dp2-zero2-bf16": (2, ["backend=deepspeed", "zero=stage2", "precision=bf16"]),
     "deepspeed-pp2-dp2-zero1": (4, ["backend=deepspeed", "zero=stage1", "parallel.pp=2"]),
+    # the pipeline's bf16 ZeRO-0 optimizer partitions its fp32 masters and gathers the bf16 weights each step
+    "deepspeed-pp2-dp2-zero0-bf16": (4, ["backend=deepspeed", "zero=stage0", "parallel.pp=2", "precision=bf16"]),
 }
 
 

@@ -29,20 +29,37 @@ def fp32_gradient_copy_at_step(zero_stage: int, pipelined: bool, dtype: str,
     tensor and step on it (stage_1_and_2.py: flat_grad_partition), cast to fp32 in bf16 or fp16
     (single_grad_partition), the 16-bit flat copy and its cast both held at the cast: 4 bytes a
     parameter over N in fp32, 2 + 4 in bf16 or fp16 (with the cast alone, ZeRO-2 in bf16 peaked 11%
-    above the plan at dp=2; without the flat copy, 15% in fp32: tests/dist/test_planner_peak.py). At
-    ZeRO-0 in bf16 or fp16 its FP16 optimizers (fp16 pipelines too) flatten (fused) or cast (unfused)
-    every gradient, 20 bytes a parameter at the step, not the ZeRO paper's 16; ZeRO-3 casts its flat
-    partition a sub-group at a time (stage3.py: _prepare_fp32_grad_for_sub_group). None with the
-    optimizer offloaded (the copy is on the host), at ZeRO-0/3 in fp32 (torch's optimizer steps the
-    gradients in place), and for the pipeline's bf16 ZeRO-0 optimizer, which accumulates its own
-    gradients (the plan's 16 bytes a parameter were measured within 8% there)."""
+    above the plan at dp=2; without the flat copy, 15% in fp32: tests/dist/test_planner_peak.py).
+    ZeRO-3 does the same a sub-group of its partition at a time (stage3.py:
+    _prepare_fp32_grad_for_sub_group). At ZeRO-0 in bf16 or fp16 its FP16 optimizers (fp16 pipelines
+    too) flatten (fused) or cast (unfused) every gradient, 20 bytes a parameter at the step, not the
+    ZeRO paper's 16. None with the optimizer offloaded (the copy is on the host), at ZeRO-0 in fp32
+    (torch's optimizer steps the gradients in place), and for the pipeline's bf16 ZeRO-0 optimizer,
+    which accumulates its own gradients (the plan's 16 bytes a parameter were measured within 8% there)."""
     if offloaded:
         return None
-    if zero_stage in (1, 2):
-        return math.inf, 4.0 if dtype == "fp32" else 6.0
-    if dtype == "fp32" or (zero_stage == 0 and pipelined and dtype == "bf16"):
+    if zero_stage >= 1:
+        return (ZERO3_SUB_GROUP if zero_stage == 3 else math.inf), 4.0 if dtype == "fp32" else 6.0
+    if dtype == "fp32" or (pipelined and dtype == "bf16"):
         return None
-    return (ZERO3_SUB_GROUP if zero_stage == 3 else math.inf), 4.0
+    return math.inf, 4.0
+
+
+def data_parallel_bytes(zero_stage: int, pipelined: bool, micro_batches: int, dtype: str) -> float:
+    """DeepSpeed's traffic over the data axis, bytes a parameter a step (gradients and weights both in
+    the compute dtype; counted on gloo ranks: tests/dist/test_planner_dp_traffic.py). Its gradient
+    reductions are all-reduces, two passes each: ZeRO-0 and ZeRO-1 once a step, ZeRO-2 after every
+    micro-batch's backward (ZeRO-1 and -2 all-reduce their buckets, use_multi_rank_bucket_allreduce,
+    on by default, where a reduce-scatter would do); ZeRO-1 and -2 then all-gather the updated
+    weights, and so does the pipeline's bf16 ZeRO-0 optimizer, which partitions its fp32 masters
+    (bf16_optimizer.py: update_lp_params). ZeRO-3 reduce-scatters the gradients after every
+    micro-batch and gathers the weights in every forward and backward: an upper bound, as it keeps
+    parameters resident up to stage3_max_live_parameters (1.5x over on a 6.5M-parameter model)."""
+    m, width = micro_batches, (4 if dtype == "fp32" else 2)
+    pipeline_bf16 = pipelined and dtype == "bf16"
+    gradient_passes, weight_passes = {0: (2, 1 if pipeline_bf16 else 0), 1: (2, 1), 2: (2 * m, 1)}.get(
+        zero_stage, (m, 2 * m))
+    return width * (gradient_passes + weight_passes)
 
 
 FACTS = EngineFacts(
@@ -55,6 +72,7 @@ FACTS = EngineFacts(
     memory=MemoryTerms(states=ZERO_PAPER, unsharded=ZERO_BUFFERS, shards_within_replica=False,
                        tied_copy_holds_positions=True, replicated_grad_bucket=replicated_grad_bucket,
                        fp32_gradient_copy_at_step=fp32_gradient_copy_at_step),
+    data_parallel_bytes=data_parallel_bytes,
     described_partition_stages=(1, 2, 3),  # ZeRO-1/2/3's flat partitions, for Muon (muon_zero.py)
     nvme_offload_stages=(3,))  # ZeRO-Infinity (conf/offload/nvme.yaml swaps the parameters too)
 

@@ -5,17 +5,21 @@ from __future__ import annotations
 from megaframe.backends.facts import SHARD_GROUPS, SHARDED_FP32, EngineFacts, MemoryTerms
 from megaframe.backends.registry import lazy_plug
 
+
 def fsdp2_traffic(zero_stage: int, pipelined: bool, micro_batches: int, dtype: str) -> float:
-    """FSDP2 over the data axis, bytes a parameter a step (counted on gloo ranks:
+    """FSDP2's traffic over the data axis, bytes a parameter a step (counted on gloo ranks:
     tests/dist/test_planner_dp_traffic.py). Alone it reduce-scatters the gradients after every
     micro-batch's backward and gathers the blocks in every forward, at zero=stage3 in every backward
     too (resharded after the forward). Under torch's pipeline schedules the gradients are reduced once,
-    after the last backward, and the stage stays gathered from a backward on (pipelining/stage.py): at
-    stage3 each forward that follows a forward gathers it again, about once a micro-batch; at stage2,
-    once a step. Weights travel in the compute dtype, gradients in fp32 (build.py: reduce_dtype)."""
+    after the last backward, and a backward leaves the stage gathered (pipelining/stage.py): at stage3
+    every forward still reshards it, so each backward and each forward after a forward gathers it
+    again, about m + 1 times a step; at stage2, once a step. The root module (embedding, final norm,
+    head) is gathered once a micro-batch alone and once a step under a pipeline: counted as a block,
+    an over-count where it is a large part of the stage. Weights travel in the compute dtype,
+    gradients in fp32 (build.py: reduce_dtype)."""
     m = micro_batches
     if pipelined:
-        gradient_passes, weight_passes = 1, (m if zero_stage == 3 else 1)
+        gradient_passes, weight_passes = 1, (m + 1 if zero_stage == 3 else 1)
     else:
         gradient_passes, weight_passes = m, (2 * m if zero_stage == 3 else m)
     return 4 * gradient_passes + (4 if dtype == "fp32" else 2) * weight_passes
@@ -29,8 +33,8 @@ FACTS = EngineFacts(
     # fp32 shards are the masters; HSDP shards within a replica; a pipeline's last stage ties the token table alone
     memory=MemoryTerms(states=SHARDED_FP32, unsharded=SHARD_GROUPS, shards_within_replica=True,
                        tied_copy_holds_positions=False),
-    optimizer_on_tensors=True,  # torch's optimizer on the DTensor shards
-    data_parallel_bytes=fsdp2_traffic)
+    data_parallel_bytes=fsdp2_traffic,
+    optimizer_on_tensors=True)  # torch's optimizer on the DTensor shards
 
 PLUG = lazy_plug("fsdp2", FACTS, build="engine:Fsdp2Backend", init_distributed="engine:init_distributed", device_type="engine:device_type",
                  device_supports_fp16="engine:device_supports_fp16", device_supports_bf16="engine:device_supports_bf16",
