@@ -108,16 +108,17 @@ def all_blocks() -> list[Block]:
 
 
 def shown_plans() -> list[tuple[str, list[str], list[str]]]:
-    """(where, argv, lines) of every ```text block that shows megaframe-plan's output (its first line
-    starts "megaframe-plan:"), with the last megaframe-plan command above it in its guide; a line
-    "…" in it stands for lines left out."""
+    """(where, argv, lines) of every ```text block that shows megaframe-plan's output (its first line,
+    after a "…" that stands for lines left out, starts "megaframe-plan:" or "parallel=auto picks:"),
+    with the last megaframe-plan command above it in its guide."""
     found = []
     for guide in GUIDES:
         text, commands = guide.read_text().splitlines(), []
         for block in blocks(guide):
             commands += [(block.line, words) for words in block.megaframe_commands() if words[0] == "megaframe-plan"]
         for i, line in enumerate(text):
-            if line.strip() != "```text" or i + 1 >= len(text) or not text[i + 1].startswith("megaframe-plan:"):
+            first = next((t for t in text[i + 1:i + 3] if t.strip() != "…"), "")
+            if line.strip() != "```text" or not first.startswith(("megaframe-plan:", "parallel=auto picks:")):
                 continue
             above = [words for at, words in commands if at < i + 1]
             if above:
