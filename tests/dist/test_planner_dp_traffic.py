@@ -47,18 +47,10 @@ LAYOUTS = {
 }
 
 
-def _tensor_bytes(obj) -> int:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(o) for o in obj)
-    return 0
-
-
 def _count_dp_traffic(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
     import torch
+
+    from tests.support.memory_probe import _tensor_bytes
 
     from megaframe.backends.registry import validate_for_engine
     from megaframe.config.compose import compose
