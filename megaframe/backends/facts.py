@@ -40,6 +40,9 @@ class MemoryTerms:
     # optimizer offloaded)
     fp32_gradient_copy_at_step: Callable[[int, bool, str, bool], Optional[tuple[float, float]]] = \
         lambda stage, pipelined, dtype, off: None
+    # whether, at this ZeRO stage, it has reduced the gradients into the partition it steps and freed the
+    # rest before its step, where its states count them whole (at the backward's peak)
+    frees_other_gradients_at_step: Callable[[int], bool] = lambda zero_stage: False
 
 
 @dataclass(frozen=True)

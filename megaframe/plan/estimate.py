@@ -274,9 +274,12 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
                                                       for n, shards, _ in kinds))
     if step_working:
         step_working += bucket  # kept all run: the step holds it too
+    freed = 0.0  # of the gradients the states count whole, what is gone by the step
+    if terms.frees_other_gradients_at_step(lay.zero_stage) and lay.offload_optimizer == "none":
+        freed = max(0.0, states.gradients - sum(n / shards for n, shards, _ in kinds) * STATE_BYTES[dtype][1])
     # on this host "offloaded" states stay in the same RAM the ranks share; the optimizer step runs
     # after the backward has freed the activations
-    peak = (states.device + max(activations + working, step_working) + reserved
+    peak = (states.device + max(activations + working, step_working - freed) + reserved
             + (states.host if host_counts_as_device else 0.0))
     return StageEstimate(stage, blocks, params, states, per_micro, in_flight, activations, working, peak,
                          step_working, stage_newton_schulz_flops(assembled, optim, owners, block_kinds),

@@ -71,7 +71,10 @@ FACTS = EngineFacts(
     # is the TiedLayerSpec's whole module on both ends
     memory=MemoryTerms(states=ZERO_PAPER, unsharded=ZERO_BUFFERS, shards_within_replica=False,
                        tied_copy_holds_positions=True, replicated_grad_bucket=replicated_grad_bucket,
-                       fp32_gradient_copy_at_step=fp32_gradient_copy_at_step),
+                       fp32_gradient_copy_at_step=fp32_gradient_copy_at_step,
+                       # ZeRO-1 reduces into its partition at the accumulation boundary and frees the
+                       # other gradients before it steps (stage_1_and_2.py: free_grad_in_param_list)
+                       frees_other_gradients_at_step=lambda zero_stage: zero_stage == 1),
     data_parallel_bytes=data_parallel_bytes,
     described_partition_stages=(1, 2, 3),  # ZeRO-1/2/3's flat partitions, for Muon (muon_zero.py)
     nvme_offload_stages=(3,))  # ZeRO-Infinity (conf/offload/nvme.yaml swaps the parameters too)
