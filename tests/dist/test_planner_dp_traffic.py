@@ -50,45 +50,34 @@ LAYOUTS = {
 def _count_dp_traffic(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
     import torch
 
-    from tests.support.memory_probe import _tensor_bytes
+    from tests.support.memory_probe import collective_calls
 
     from megaframe.backends.registry import validate_for_engine
     from megaframe.config.compose import compose
     from megaframe.plan.estimate import estimate_config
     from megaframe.training.trainer import Trainer
 
-    counting, sent, data_axis = [False], [0.0], [None]
-    group = torch._C._distributed_c10d.ProcessGroup
-
-    def counted(original, factor):
-        def call(self, *args, **kwargs):
-            if counting[0] and torch.distributed.get_process_group_ranks(self) == data_axis[0]:
-                n = self.size()
-                sent[0] += _tensor_bytes(list(args) + list(kwargs.values())) * factor(n)
-            return original(self, *args, **kwargs)
-        return call
-    for names, factor in ((GATHERS + SCATTERS, lambda n: (n - 1) / (n + 1)),  # in + out: (1 + 1/n) of the whole
-                          (REDUCTIONS, lambda n: 2 * (n - 1) / n)):  # one tensor, reduced and shared back
-        for name in names:
-            if hasattr(group, name):
-                setattr(group, name, counted(getattr(group, name), factor))
+    factors = {**{name: lambda n: (n - 1) / (n + 1) for name in GATHERS + SCATTERS},  # in + out: (1 + 1/n) of it
+               **{name: lambda n: 2 * (n - 1) / n for name in REDUCTIONS}}  # one tensor, reduced and shared back
     cfg, _ = compose(overrides)
     layout = validate_for_engine(cfg, world, ask_bf16=False)
     trainer = Trainer(cfg, layout, Path(run_dir))
     trainer.checkpoints.save = lambda step: None
-    step = trainer.backend.train_step
+    step, first_counted = trainer.backend.train_step, []
 
-    def train_step(*args, **kwargs):
-        result = step(*args, **kwargs)
-        data_axis[0] = trainer.ps.dp_ranks
-        counting[0] = True  # from the second step on
-        return result
-    trainer.backend.train_step = train_step
-    with trainer:
-        trainer.fit()
-    counting[0] = False
+    with collective_calls() as calls:
+        def train_step(*args, **kwargs):
+            result = step(*args, **kwargs)
+            first_counted[:] = first_counted or [len(calls)]  # from the second step on
+            return result
+        trainer.backend.train_step = train_step
+        with trainer:
+            trainer.fit()
+            data_axis = trainer.ps.dp_ranks
+            sent = sum(size * factors[name](group.size()) for name, group, size in calls[first_counted[0]:]
+                       if name in factors and torch.distributed.get_process_group_ranks(group) == data_axis)
     planned = estimate_config(cfg, layout, all_stages=True).comm_bytes["dp"]
-    return {"sent": sent[0] / (STEPS - 1), "planned": planned, "stage": trainer.ps.pp_rank}
+    return {"sent": sent / (STEPS - 1), "planned": planned, "stage": trainer.ps.pp_rank}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -58,21 +58,31 @@ def _tensor_bytes(obj) -> int:
 
 
 @contextlib.contextmanager
-def collective_bytes() -> Iterator[list[int]]:
-    """The tensor bytes (inputs and outputs) of every collective call inside the block."""
+def collective_calls() -> Iterator[list[tuple[str, object, int]]]:
+    """(ProcessGroup method, the group, tensor bytes of its inputs and outputs) of every collective call
+    inside the block."""
     cls = torch._C._distributed_c10d.ProcessGroup
-    calls: list[int] = []
+    calls: list[tuple[str, object, int]] = []
     originals = {name: getattr(cls, name) for name in _COLLECTIVES if hasattr(cls, name)}
 
-    def counting(original):
+    def counting(name, original):
         def call(self, *args, **kwargs):
-            calls.append(_tensor_bytes(list(args) + list(kwargs.values())))
+            calls.append((name, self, _tensor_bytes(list(args) + list(kwargs.values()))))
             return original(self, *args, **kwargs)
         return call
     for name, original in originals.items():
-        setattr(cls, name, counting(original))
+        setattr(cls, name, counting(name, original))
     try:
         yield calls
     finally:
         for name, original in originals.items():
             setattr(cls, name, original)
+
+
+@contextlib.contextmanager
+def collective_bytes() -> Iterator[list[int]]:
+    """The tensor bytes (inputs and outputs) of every collective call inside the block (filled as it ends)."""
+    sizes: list[int] = []
+    with collective_calls() as calls:
+        yield sizes
+    sizes.extend(size for _, _, size in calls)
