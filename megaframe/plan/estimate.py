@@ -267,16 +267,16 @@ def estimate_stage(dims: GPTDims, lay: PlanLayout, dtype: str, stage: int, reser
     block_kinds = [kind for c in chunks for kind in stage_block_kinds(dims, lay.tp, cuts, c, lay.partition, ep)] \
         if assembled else []
     step_working = step_working_bytes(assembled, owners, optim, block_kinds) if assembled and blocks else 0.0
+    stepped = sum(n / (shards if lay.zero_stage >= 1 else 1) for n, shards, _ in kinds)  # the parameters it steps
     copied = terms.fp32_gradient_copy_at_step(lay.zero_stage, lay.pp > 1, dtype, lay.offload_optimizer != "none")
     if copied is not None:
         at_once, copy_bytes = copied
-        step_working += copy_bytes * min(at_once, sum(n / (shards if lay.zero_stage >= 1 else 1)
-                                                      for n, shards, _ in kinds))
+        step_working += copy_bytes * min(at_once, stepped)
     if step_working:
         step_working += bucket  # kept all run: the step holds it too
     freed = 0.0  # of the gradients the states count whole, what is gone by the step
     if terms.frees_other_gradients_at_step(lay.zero_stage) and lay.offload_optimizer == "none":
-        freed = max(0.0, states.gradients - sum(n / shards for n, shards, _ in kinds) * STATE_BYTES[dtype][1])
+        freed = max(0.0, states.gradients - stepped * STATE_BYTES[dtype][1])
     # on this host "offloaded" states stay in the same RAM the ranks share; the optimizer step runs
     # after the backward has freed the activations
     peak = (states.device + max(activations + working, step_working - freed) + reserved
