@@ -64,6 +64,9 @@ class EngineFacts:
     # what a step moves of each parameter over the data axis, in bytes a parameter (each sent (n-1)/n
     # from a rank: ring), as f(zero stage, pipelined, micro-batches, precision.dtype): the planner's DP traffic
     data_parallel_bytes: Callable[[int, bool, int, str], float]
+    # HSDP (parallel.dp_replicate > 1): what a step all-reduces across the replicas, in bytes a parameter
+    # of the shard group's share (both passes of the all-reduce); 0 for an engine without replicas
+    replica_bytes: float = 0.0
     # its optimizer steps each parameter's own tensor (whole, or a DTensor's row shard), not flat
     # partitions of many: an optimizer that needs a parameter's shape (Muon: optim/rules.py) runs on it
     optimizer_on_tensors: bool = False

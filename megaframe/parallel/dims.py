@@ -157,11 +157,11 @@ class ParallelDims:
         return list(_group_of_rank(self, axes)[rank])
 
     def describe(self, style: str = "text") -> "str | dict[str, int]":
-        """The one spelling of a layout: tp, pp and dp, then cp and ep only when used. text:
-        `tp=2 pp=1 dp=4 ep=2` (start-up line, plans, errors); name: `tp2pp1dp4ep2` (W&B run names);
-        record: {"tp": 2, "pp": 1, "dp": 4, "ep": 2} (run metadata)."""
-        used = {"tp": self.tp, "pp": self.pp, "dp": self.dp, **{a: getattr(self, a) for a in ("cp", "ep")
-                                                                  if getattr(self, a) > 1}}
+        """The one spelling of a layout: tp, pp and dp, then cp, ep and HSDP's dp_replicate only when
+        used. text: `tp=2 pp=1 dp=4 ep=2` (start-up line, plans, errors); name: `tp2pp1dp4ep2` (W&B run
+        names); record: {"tp": 2, "pp": 1, "dp": 4, "ep": 2} (run metadata)."""
+        used = {"tp": self.tp, "pp": self.pp, "dp": self.dp,
+                **{a: getattr(self, a) for a in ("cp", "ep", "dp_replicate") if getattr(self, a) > 1}}
         if style == "record":
             return used
         sep, join = {"text": ("=", " "), "name": ("", "")}[style]

@@ -410,10 +410,14 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
     TP: 2 all-reduces forward and 2 backward per block and micro-batch of s·b·h (3 forward with
     recomputation; SP moves the same volume as all-gather + reduce-scatter). PP: each micro-batch's
     activation forward and its gradient back, split over TP ranks as DeepSpeed's pipe_partitioned does.
-    DP: the engine's bytes a parameter a step (its facts' data_parallel_bytes), each sent (n-1)/n:
+    DP: the engine's bytes a parameter a step (its facts' data_parallel_bytes), each sent (n-1)/n
+    (n: the data axis dp x cp, or HSDP's shard group of dp x cp / dp_replicate ranks):
     DeepSpeed's ZeRO-0/1/2 all-reduce the gradients (two passes; ZeRO-2 after every micro-batch's
     backward), its ZeRO-3 reduce-scatters them and gathers the weights twice a micro-batch; FSDP2 under
     a pipeline reduces once a step. DP here is the data axis, dp x cp.
+
+    dp_replicas (HSDP only): a shard group's share of the gradients all-reduced across the
+    dp_replicate replicas (the facts' replica_bytes), apart from DP: it crosses the slow links.
 
     CP, per block and micro-batch, with b the bytes of one of K or V on this rank's s/cp tokens
     (kv heads; sent in the activation dtype) and q_b those of Q: ring, (cp-1)·2b forward, again in a
@@ -433,8 +437,10 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
     collectives = 4 + (2 if lay.recompute else 0)
     tp = stage.blocks * m * collectives * _ring(lay.tp) * sbh
     pp = 2 * m * sbh / lay.tp if lay.pp > 1 else 0.0
-    one_way = _ring(lay.dp * lay.cp) / 2 * stage.parameters  # (n-1)/n of the rank's parameters
-    dp = one_way * engine_facts(lay.engine).data_parallel_bytes(lay.zero_stage, lay.pp > 1, m, dtype)
+    facts, replicas = engine_facts(lay.engine), lay.grid.dp_replicate
+    shard_ranks = lay.dp * lay.cp // replicas  # the data axis, or HSDP's shard group
+    one_way = _ring(shard_ranks) / 2 * stage.parameters  # (n-1)/n of the rank's parameters
+    dp = one_way * facts.data_parallel_bytes(lay.zero_stage, lay.pp > 1, m, dtype)
     cp = 0.0
     if lay.cp > 1:
         kv_heads = dims.num_kv_heads // lay.tp if dims.num_kv_heads % lay.tp == 0 else dims.num_kv_heads
@@ -457,6 +463,8 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
         sent = local / lay.tp * dims.moe.top_k * dims.hidden_size * e * (lay.grid.ep - 1) / lay.grid.ep
         ep = moe_blocks * m * sent * (6 if lay.recompute else 4)
     sent = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}
+    if replicas > 1:  # HSDP: each rank's shard of the gradients, all-reduced across the replicas
+        sent["dp_replicas"] = _ring(replicas) / 2 * stage.parameters / shard_ranks * facts.replica_bytes
     if stage.optimizer_bytes:  # Muon: matrices to their owners and back (plan/optimizer.py)
         sent["optimizer"] = stage.optimizer_bytes
     return sent
@@ -471,10 +479,15 @@ def _ranked_step_time(lay: PlanLayout, cluster: ClusterConfig, compute: float, c
     gbps = 1e9
     tp_bw = cluster.intra_node_gbps if lay.tp <= gpn else cluster.inter_node_gbps
     pp_bw = cluster.intra_node_gbps if lay.tp * lay.pp <= gpn else cluster.inter_node_gbps
-    dp_bw = cluster.intra_node_gbps if lay.world_size <= gpn else cluster.inter_node_gbps
+    # a stage's data axis is its tp x dp x cp neighbouring ranks (parallel/dims.py); HSDP's shard group
+    # is the fast run of them, tp x dp x cp / dp_replicate, its replicas span the axis
+    data_ranks = lay.tp * lay.dp * lay.cp
+    replica_bw = cluster.intra_node_gbps if data_ranks <= gpn else cluster.inter_node_gbps
+    dp_bw = cluster.intra_node_gbps if data_ranks // lay.grid.dp_replicate <= gpn else cluster.inter_node_gbps
     cp_bw = cluster.intra_node_gbps if lay.tp * lay.cp <= gpn else cluster.inter_node_gbps
     exposed = comm["tp"] / (tp_bw * gbps) + comm["pp"] / (pp_bw * gbps)
-    exposed += max(0.0, comm["dp"] / (dp_bw * gbps) - compute * 2 / 3)
+    data_parallel = comm["dp"] / (dp_bw * gbps) + comm.get("dp_replicas", 0.0) / (replica_bw * gbps)
+    exposed += max(0.0, data_parallel - compute * 2 / 3)
     # counted as exposed in full (conservative): the ring overlaps each hop with a block's compute,
     # but how much it hides depends on the attention kernel, which the planner does not model
     exposed += comm.get("cp", 0.0) / (cp_bw * gbps)
@@ -482,7 +495,7 @@ def _ranked_step_time(lay: PlanLayout, cluster: ClusterConfig, compute: float, c
     ep_bw = cluster.intra_node_gbps if lay.tp * lay.grid.ep <= gpn else cluster.inter_node_gbps
     exposed += comm.get("ep", 0.0) / (ep_bw * gbps)
     # the optimizer's exchanges (Muon's assembly) run in the optimizer step, after the backward: exposed
-    exposed += comm.get("optimizer", 0.0) / (dp_bw * gbps)
+    exposed += comm.get("optimizer", 0.0) / (replica_bw * gbps)
     if lay.offload_optimizer != "none" or lay.offload_param != "none":
         # gradients to the host and updated weights back, every step
         exposed += stage.parameters * 4 / (cluster.host_gbps * gbps)

@@ -9,6 +9,10 @@ from megaframe.plan.host import HostMemory
 from megaframe.plan.memory import GIB
 
 
+# comm_bytes keys whose upper-cased name would not say what they are
+COMM_LABELS = {"dp_replicas": "DP across HSDP replicas", "optimizer": "OPTIMIZER"}
+
+
 def gib(value: float) -> str:
     return f"{value / GIB:,.2f} GiB"
 
@@ -80,7 +84,8 @@ def table(est: Estimate, mfu: float, alternatives: list[Estimate] | None = None,
               f"margin {gib(est.margin)}",
               f"per step: {est.flops_per_step:.3e} model FLOPs{_extra_flops(est)}, {est.tokens_per_step:,} tokens; "
               f"step time at {mfu:.0%} MFU {_seconds(est.step_time_s)}",
-              "communication per rank per step: " + ", ".join(f"{k.upper()} {gib(v)}" for k, v in est.comm_bytes.items())]
+              "communication per rank per step: " + ", ".join(f"{COMM_LABELS.get(k, k.upper())} {gib(v)}"
+                                                               for k, v in est.comm_bytes.items())]
     if est.host is not None and est.host.per_rank and (est.host.offloaded or est.host.async_copies
                                                        or est.host.fast_tier or not est.host.fits):
         lines.append(f"host memory: {host_line(est.host)}: {'FITS' if est.host.fits else 'DOES NOT FIT'}")

@@ -8,7 +8,9 @@ Under torch's pipeline schedules FSDP2 reduces the gradients once a step, not af
 micro-batch: the planner counted them per micro-batch, 2.4 times the traffic at 4 micro-batches.
 DeepSpeed's ZeRO-1 and -2 all-reduce their gradient buckets (use_multi_rank_bucket_allreduce, on by
 default), twice a reduce-scatter's bytes: the planner had counted a reduce-scatter, 1.5 and 1.8 times
-under. ZeRO-3 is not here: TINY's matrices stay below its persistence threshold and are never gathered."""
+under. ZeRO-3 is not here: TINY's matrices stay below its persistence threshold and are never gathered.
+Under HSDP the shard group's traffic and the replicas' all-reduce are counted and planned apart: the
+plan had one ring over the whole data axis, 1.5-1.6 times the shard group's bytes, and no replicas."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -36,6 +38,11 @@ LAYOUTS = {
     # times: with eight blocks, four a stage, the blocks are most of what moves, as in a recipe's stage
     "fsdp2-pp2-dp2-stage3": (4, ["backend=fsdp2", "zero=stage3", "parallel.pp=2", "model.num_layers=8"]),
     "fsdp2-pp2-dp2-stage2": (4, ["backend=fsdp2", "zero=stage2", "parallel.pp=2", "model.num_layers=8"]),
+    # HSDP: gathers and reduce-scatters within a shard group of two, each shard's gradient all-reduced
+    # across the two replicas once a step (the plan had counted one ring over all four, at the slow links)
+    "fsdp2-hsdp-dp4-stage3": (4, ["backend=fsdp2", "zero=stage3", "parallel.dp=4", "parallel.dp_replicate=2"]),
+    "fsdp2-hsdp-dp4-stage2-bf16": (4, ["backend=fsdp2", "zero=stage2", "parallel.dp=4", "parallel.dp_replicate=2",
+                                       "precision=bf16"]),
     "deepspeed-dp2-zero0": (2, ["backend=deepspeed", "zero=stage0"]),
     "deepspeed-dp2-zero1": (2, ["backend=deepspeed", "zero=stage1"]),
     "deepspeed-dp2-zero2": (2, ["backend=deepspeed", "zero=stage2"]),
@@ -73,19 +80,27 @@ def _count_dp_traffic(rank: int, world: int, overrides: list[str], run_dir: str)
         trainer.backend.train_step = train_step
         with trainer:
             trainer.fit()
-            data_axis = trainer.ps.dp_ranks
-            sent = sum(size * factors[name](group.size()) for name, group, size in calls[first_counted[0]:]
-                       if name in factors and torch.distributed.get_process_group_ranks(group) == data_axis)
-    planned = estimate_config(cfg, layout, all_stages=True).comm_bytes["dp"]
-    return {"sent": sent / (STEPS - 1), "planned": planned, "stage": trainer.ps.pp_rank}
+            # the data axis, or HSDP's shard group within it; and HSDP's replicas (one rank without HSDP)
+            shards, replicas = (layout.grid.group_of(rank, axis) for axis in ("dp_shard", "dp_replicate"))
+
+            def sent(ranks: list[int]) -> float:
+                return sum(size * factors[name](group.size()) for name, group, size in calls[first_counted[0]:]
+                           if name in factors and torch.distributed.get_process_group_ranks(group) == ranks)
+            counted = {"sent": sent(shards) / (STEPS - 1), "sent_replicas": sent(replicas) / (STEPS - 1)}
+    planned = estimate_config(cfg, layout, all_stages=True).comm_bytes
+    return {**counted, "planned": planned["dp"], "planned_replicas": planned.get("dp_replicas", 0.0)}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_planned_dp_traffic_is_within_10_percent_of_what_the_engine_sends(layout, tmp_path):
     world, extra = LAYOUTS[layout]
-    overrides = [*TINY, f"parallel.dp={DP}", "parallel.global_batch_size=16",  # 4 micro-batches
+    dp = [] if any(o.startswith("parallel.dp=") for o in extra) else [f"parallel.dp={DP}"]
+    overrides = [*TINY, *dp, "parallel.global_batch_size=16",  # 4 micro-batches at dp=2
                  f"train.max_steps={STEPS}", "train.eval_interval=0", *extra]
     results = run_ranks(_count_dp_traffic, world, tmp_path, overrides=overrides, run_dir=str(tmp_path / "run"))
     for rank, r in enumerate(results):
         # the plan is the busiest stage's: the stages of TINY's two blocks differ by the embedding and the head
         assert r["planned"] == pytest.approx(r["sent"], rel=0.10), (layout, rank, r)
+        assert r["planned_replicas"] == pytest.approx(r["sent_replicas"], rel=0.10), (layout, rank, r)
+    if "parallel.dp_replicate=2" in extra:
+        assert all(r["sent_replicas"] > 0 for r in results), results  # the replicas' all-reduce was seen

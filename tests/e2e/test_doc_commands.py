@@ -23,8 +23,11 @@ FILE_COMMANDS = ("megaframe-eval", "megaframe-convert", "megaframe-preprocess", 
 
 
 def _validated() -> list[tuple[str, list[str], str]]:
+    """Every command of the blocks that do not run, and the plans a run block quotes figures of (its
+    run checks the exit code, not the figures)."""
     return [(f"{block.where} {' '.join(words[:3])}", words, comment)
-            for block in BLOCKS if not block.run for words, comment in block.commented_commands()]
+            for block in BLOCKS for words, comment in block.commented_commands()
+            if not block.run or (words[0] == "megaframe-plan" and "GiB" in comment)]
 
 
 def _train_problem(args: list[str]) -> str | None:

@@ -7,7 +7,7 @@ from megaframe.backends.registry import lazy_plug
 
 
 def fsdp2_traffic(zero_stage: int, pipelined: bool, micro_batches: int, dtype: str) -> float:
-    """FSDP2's traffic over the data axis, bytes a parameter a step (counted on gloo ranks:
+    """FSDP2's traffic over the data axis (HSDP's shard group), bytes a parameter a step (counted on gloo ranks:
     tests/dist/test_planner_dp_traffic.py). Alone it reduce-scatters the gradients after every
     micro-batch's backward and gathers the blocks in every forward, at zero=stage3 in every backward
     too (resharded after the forward). Under torch's pipeline schedules the gradients are reduced once,
@@ -34,6 +34,9 @@ FACTS = EngineFacts(
     memory=MemoryTerms(states=SHARDED_FP32, unsharded=SHARD_GROUPS, shards_within_replica=True,
                        tied_copy_holds_positions=False),
     data_parallel_bytes=fsdp2_traffic,
+    # HSDP all-reduces each shard's fp32 gradient across the replicas once a step: after the last
+    # micro-batch alone (engine.py: set_requires_all_reduce), after the last backward under a pipeline
+    replica_bytes=2 * 4,
     optimizer_on_tensors=True)  # torch's optimizer on the DTensor shards
 
 PLUG = lazy_plug("fsdp2", FACTS, build="engine:Fsdp2Backend", init_distributed="engine:init_distributed", device_type="engine:device_type",

@@ -59,6 +59,9 @@ def test_every_spelling_of_a_layout_names_the_same_axes():
     assert dims.describe("name") == "tp2pp1dp2cp2ep4"
     assert dims.describe("record") == {"tp": 2, "pp": 1, "dp": 2, "cp": 2, "ep": 4}
     assert ParallelDims(dp=2, ep=2).describe("name") == "tp1pp1dp2ep2"
+    # HSDP's replicas too: two runs that differ only there had one W&B name and one start-up line
+    hsdp = ParallelDims(dp=4, dp_replicate=2)
+    assert (hsdp.describe(), hsdp.describe("name")) == ("tp=1 pp=1 dp=4 dp_replicate=2", "tp1pp1dp4dp_replicate2")
 
 
 @pytest.mark.parametrize("kwargs,message", [
