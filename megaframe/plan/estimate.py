@@ -478,7 +478,8 @@ def _ranked_step_time(lay: PlanLayout, cluster: ClusterConfig, compute: float, c
     compute = compute * (1 + bubble) * (4 / 3 if lay.recompute else 1.0)
     gbps = 1e9
     tp_bw = cluster.intra_node_gbps if lay.tp <= gpn else cluster.inter_node_gbps
-    pp_bw = cluster.intra_node_gbps if lay.tp * lay.pp <= gpn else cluster.inter_node_gbps
+    # pp is the outermost axis: a stage's peer is tp x dp x cp ranks away, on another node once the world spans two
+    pp_bw = cluster.intra_node_gbps if lay.world_size <= gpn else cluster.inter_node_gbps
     # a stage's data axis is its tp x dp x cp neighbouring ranks (parallel/dims.py); HSDP's shard group
     # is the fast run of them, tp x dp x cp / dp_replicate, its replicas span the axis
     data_ranks = lay.tp * lay.dp * lay.cp
