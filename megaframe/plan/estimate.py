@@ -414,7 +414,8 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
     (n: the data axis dp x cp, or HSDP's shard group of dp x cp / dp_replicate ranks):
     DeepSpeed's ZeRO-0/1/2 all-reduce the gradients (two passes; ZeRO-2 after every micro-batch's
     backward), its ZeRO-3 reduce-scatters them and gathers the weights twice a micro-batch; FSDP2 under
-    a pipeline reduces once a step. DP here is the data axis, dp x cp.
+    a pipeline reduces once a step. DP here is the data axis, dp x cp; experts split over ep ranks
+    travel over their dp x cp / ep expert-data-parallel ranks alone.
 
     dp_replicas (HSDP only): a shard group's share of the gradients all-reduced across the
     dp_replicate replicas (the facts' replica_bytes), apart from DP: it crosses the slow links.
@@ -439,7 +440,12 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
     pp = 2 * m * sbh / lay.tp if lay.pp > 1 else 0.0
     facts, replicas = engine_facts(lay.engine), lay.grid.dp_replicate
     shard_ranks = lay.dp * lay.cp // replicas  # the data axis, or HSDP's shard group
-    one_way = _ring(shard_ranks) / 2 * stage.parameters  # (n-1)/n of the rank's parameters
+    chunks = rank_stages(lay, stage.stage)
+    # experts split over ep ranks are reduced (and sharded) over their expert-data-parallel ranks alone
+    experts = sum(stage_expert_parameters(dims, lay.tp, lay.pp * len(chunks), c, lay.partition, lay.grid.ep)
+                  for c in chunks) if lay.grid.ep > 1 else 0
+    dense = stage.parameters - experts
+    one_way = (_ring(shard_ranks) * dense + _ring(lay.grid.edp) * experts) / 2  # (n-1)/n of each group's parameters
     dp = one_way * facts.data_parallel_bytes(lay.zero_stage, lay.pp > 1, m, dtype)
     cp = 0.0
     if lay.cp > 1:
@@ -457,14 +463,13 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
         # each MoE block and micro-batch: tokens to their experts' ranks and back, forward and
         # backward (again in a recomputed forward); a rank sends (ep-1)/ep of its top_k copies. Each
         # TP rank routes 1/tp of the tokens.
-        chunks = rank_stages(lay, stage.stage)
         moe_blocks = sum(stage_blocks(dims, lay.tp, lay.pp * len(chunks), c, lay.partition, moe_only=True,
                                       ep=lay.grid.ep) for c in chunks)
         sent = local / lay.tp * dims.moe.top_k * dims.hidden_size * e * (lay.grid.ep - 1) / lay.grid.ep
         ep = moe_blocks * m * sent * (6 if lay.recompute else 4)
     sent = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}
     if replicas > 1:  # HSDP: each rank's shard of the gradients, all-reduced across the replicas
-        sent["dp_replicas"] = _ring(replicas) / 2 * stage.parameters / shard_ranks * facts.replica_bytes
+        sent["dp_replicas"] = _ring(replicas) / 2 * dense / shard_ranks * facts.replica_bytes
     if stage.optimizer_bytes:  # Muon: matrices to their owners and back (plan/optimizer.py)
         sent["optimizer"] = stage.optimizer_bytes
     return sent

@@ -43,6 +43,12 @@ LAYOUTS = {
     "fsdp2-hsdp-dp4-stage3": (4, ["backend=fsdp2", "zero=stage3", "parallel.dp=4", "parallel.dp_replicate=2"]),
     "fsdp2-hsdp-dp4-stage2-bf16": (4, ["backend=fsdp2", "zero=stage2", "parallel.dp=4", "parallel.dp_replicate=2",
                                        "precision=bf16"]),
+    # MoE with ep=2 of dp=4: the experts' gradients travel over their two expert-data-parallel ranks,
+    # the rest over all four (the plan had counted every parameter over the four)
+    "fsdp2-dp4-ep2-stage3-moe": (4, ["backend=fsdp2", "zero=stage3", "model=moe_tiny", "parallel.dp=4",
+                                     "parallel.ep=2"]),
+    "deepspeed-dp4-ep2-zero1-moe": (4, ["backend=deepspeed", "zero=stage1", "model=moe_tiny", "parallel.dp=4",
+                                        "parallel.ep=2"]),
     "deepspeed-dp2-zero0": (2, ["backend=deepspeed", "zero=stage0"]),
     "deepspeed-dp2-zero1": (2, ["backend=deepspeed", "zero=stage1"]),
     "deepspeed-dp2-zero2": (2, ["backend=deepspeed", "zero=stage2"]),
@@ -86,7 +92,9 @@ def _count_dp_traffic(rank: int, world: int, overrides: list[str], run_dir: str)
             def sent(ranks: list[int]) -> float:
                 return sum(size * factors[name](group.size()) for name, group, size in calls[first_counted[0]:]
                            if name in factors and torch.distributed.get_process_group_ranks(group) == ranks)
-            counted = {"sent": sent(shards) / (STEPS - 1), "sent_replicas": sent(replicas) / (STEPS - 1)}
+            # experts split over ep ranks: over their expert-data-parallel ranks
+            experts = sent(layout.grid.group_of(rank, "edp")) if layout.grid.ep > 1 else 0.0
+            counted = {"sent": (sent(shards) + experts) / (STEPS - 1), "sent_replicas": sent(replicas) / (STEPS - 1)}
     planned = estimate_config(cfg, layout, all_stages=True).comm_bytes
     return {**counted, "planned": planned["dp"], "planned_replicas": planned.get("dp_replicas", 0.0)}
 
