@@ -407,8 +407,9 @@ def host_memory(cluster: ClusterConfig, ranks: int, stages: list[StageEstimate],
 def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: StageEstimate) -> dict:
     """Bytes one rank sends per optimizer step (ring algorithms; REFERENCE.md, Pipeline and communication).
 
-    TP: 2 all-reduces forward and 2 backward per block and micro-batch of s·b·h (3 forward with
-    recomputation; SP moves the same volume as all-gather + reduce-scatter). PP: each micro-batch's
+    TP: 2 all-reduces forward and 2 backward per block and micro-batch of s·b·h (one more with
+    recomputation, 1.5 under SP; SP moves the same volume as all-gather + reduce-scatter), the
+    embedding's and the head's, and the loss's three sums per token. PP: each micro-batch's
     activation forward and its gradient back, split over TP ranks as DeepSpeed's pipe_partitioned does.
     DP: the engine's bytes a parameter a step (its facts' data_parallel_bytes), each sent (n-1)/n
     (n: the data axis dp x cp, or HSDP's shard group of dp x cp / dp_replicate ranks):
@@ -435,12 +436,33 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
     local = dims.seq_length // lay.cp * lay.micro_batch_size
     sbh = local * dims.hidden_size * e
     m = lay.micro_batches
-    collectives = 4 + (2 if lay.recompute else 0)
-    tp = stage.blocks * m * collectives * _ring(lay.tp) * sbh
+    chunks = rank_stages(lay, stage.stage)
+    # all-reduces of s·b·h a block and micro-batch (SP: an all-gather and a reduce-scatter for each):
+    # two forward, two backward; a recomputed forward ends with the last tensor backward needs (torch's
+    # non-reentrant checkpoint stops early), before the MLP's closing reduction: one more, 1.5 under SP,
+    # whose all-gather into the MLP is recomputed too
+    collectives = 4 + ((1.5 if lay.sequence_parallel else 1.0) if lay.recompute else 0.0)
+    # an MoE block's experts take 1/tp of the tokens each (a split) and all-gather their outputs: one
+    # all-reduce's bytes where the MLP has two; under SP they take the sequence shard as it is: none
+    # (nor the MLP's all-gather in a recomputed forward)
+    moe_blocks = sum(stage_blocks(dims, lay.tp, lay.pp * len(chunks), c, lay.partition, moe_only=True,
+                                  ep=lay.grid.ep) for c in chunks)
+    moe_saves = (2.5 if lay.recompute else 2.0) if lay.sequence_parallel else 1.0
+    tp = m * (stage.blocks * collectives - moe_blocks * moe_saves) * _ring(lay.tp) * sbh
+    last = lay.pp * len(chunks) - 1 in chunks
+    if 0 in chunks:  # the vocabulary-parallel embedding's all-reduce (SP: and the gather back through its scatter)
+        tp += m * (1.5 if lay.sequence_parallel else 1.0) * _ring(lay.tp) * sbh
+    if last:  # the head's input gradient; the vocabulary-parallel loss's 3 fp32 sums
+        tp += m * _ring(lay.tp) * (sbh + 3 * local * 4)
+    if lay.tp > 1:  # the gradients of what every TP rank holds whole (norms under SP, an MoE block's experts)
+        replicated = stage_replicated_parameters(dims, lay.tp, lay.sequence_parallel, stage.blocks - moe_blocks,
+                                                 moe_blocks, last, lay.grid.ep)
+        # summed once a step in an fp32 bucket where the engine leaves gradients in .grad, else at each use
+        bucket = engine_facts(lay.engine).memory.replicated_grad_bucket(lay.zero_stage, lay.pp > 1, dtype)
+        tp += _ring(lay.tp) * replicated * (4 if bucket else m * e)
     pp = 2 * m * sbh / lay.tp if lay.pp > 1 else 0.0
     facts, replicas = engine_facts(lay.engine), lay.grid.dp_replicate
     shard_ranks = lay.dp * lay.cp // replicas  # the data axis, or HSDP's shard group
-    chunks = rank_stages(lay, stage.stage)
     # experts split over ep ranks are reduced (and sharded) over their expert-data-parallel ranks alone
     experts = sum(stage_expert_parameters(dims, lay.tp, lay.pp * len(chunks), c, lay.partition, lay.grid.ep)
                   for c in chunks) if lay.grid.ep > 1 else 0
@@ -463,8 +485,6 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
         # each MoE block and micro-batch: tokens to their experts' ranks and back, forward and
         # backward (again in a recomputed forward); a rank sends (ep-1)/ep of its top_k copies. Each
         # TP rank routes 1/tp of the tokens.
-        moe_blocks = sum(stage_blocks(dims, lay.tp, lay.pp * len(chunks), c, lay.partition, moe_only=True,
-                                      ep=lay.grid.ep) for c in chunks)
         sent = local / lay.tp * dims.moe.top_k * dims.hidden_size * e * (lay.grid.ep - 1) / lay.grid.ep
         ep = moe_blocks * m * sent * (6 if lay.recompute else 4)
     sent = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}

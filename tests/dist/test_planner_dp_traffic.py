@@ -13,22 +13,16 @@ Under HSDP the shard group's traffic and the replicas' all-reduce are counted an
 plan had one ring over the whole data axis, 1.5-1.6 times the shard group's bytes, and no replicas."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tests.support.helpers import TINY
 from tests.support.ranks import run_ranks
+from tests.support.traffic import sent_per_step
 
 pytestmark = pytest.mark.slow
 
 DP = 2
 STEPS = 3  # the first builds and warms up; the two after it are counted
-# the data axis' collectives as ProcessGroup names them: gathers and scatters take (output, input)
-GATHERS = ("allgather", "_allgather_base", "all_gather_single", "allgather_into_tensor_coalesced",
-           "allgather_coalesced")
-SCATTERS = ("reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single", "reduce_scatter_tensor_coalesced")
-REDUCTIONS = ("allreduce", "allreduce_coalesced")
 LAYOUTS = {
     "fsdp2-dp2-stage3": (2, ["backend=fsdp2", "zero=stage3"]),
     "fsdp2-dp2-stage2": (2, ["backend=fsdp2", "zero=stage2"]),
@@ -61,42 +55,14 @@ LAYOUTS = {
 
 
 def _count_dp_traffic(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
-    import torch
-
-    from tests.support.memory_probe import collective_calls
-
-    from megaframe.backends.registry import validate_for_engine
-    from megaframe.config.compose import compose
-    from megaframe.plan.estimate import estimate_config
-    from megaframe.training.trainer import Trainer
-
-    factors = {**{name: lambda n: (n - 1) / (n + 1) for name in GATHERS + SCATTERS},  # in + out: (1 + 1/n) of it
-               **{name: lambda n: 2 * (n - 1) / n for name in REDUCTIONS}}  # one tensor, reduced and shared back
-    cfg, _ = compose(overrides)
-    layout = validate_for_engine(cfg, world, ask_bf16=False)
-    trainer = Trainer(cfg, layout, Path(run_dir))
-    trainer.checkpoints.save = lambda step: None
-    step, first_counted = trainer.backend.train_step, []
-
-    with collective_calls() as calls:
-        def train_step(*args, **kwargs):
-            result = step(*args, **kwargs)
-            first_counted[:] = first_counted or [len(calls)]  # from the second step on
-            return result
-        trainer.backend.train_step = train_step
-        with trainer:
-            trainer.fit()
-            # the data axis, or HSDP's shard group within it; and HSDP's replicas (one rank without HSDP)
-            shards, replicas = (layout.grid.group_of(rank, axis) for axis in ("dp_shard", "dp_replicate"))
-
-            def sent(ranks: list[int]) -> float:
-                return sum(size * factors[name](group.size()) for name, group, size in calls[first_counted[0]:]
-                           if name in factors and torch.distributed.get_process_group_ranks(group) == ranks)
-            # experts split over ep ranks: over their expert-data-parallel ranks
-            experts = sent(layout.grid.group_of(rank, "edp")) if layout.grid.ep > 1 else 0.0
-            counted = {"sent": (sent(shards) + experts) / (STEPS - 1), "sent_replicas": sent(replicas) / (STEPS - 1)}
-    planned = estimate_config(cfg, layout, all_stages=True).comm_bytes
-    return {**counted, "planned": planned["dp"], "planned_replicas": planned.get("dp_replicas", 0.0)}
+    def groups(layout) -> dict[str, list[int]]:
+        # the data axis, or HSDP's shard group within it; HSDP's replicas (one rank without HSDP); experts
+        # split over ep ranks, over their expert-data-parallel ranks
+        found = {axis: layout.grid.group_of(rank, axis) for axis in ("dp_shard", "dp_replicate")}
+        return {**found, "edp": layout.grid.group_of(rank, "edp")} if layout.grid.ep > 1 else found
+    sent, planned = sent_per_step(overrides, world, run_dir, STEPS, groups)
+    return {"sent": sent["dp_shard"] + sent.get("edp", 0.0), "sent_replicas": sent["dp_replicate"],
+            "planned": planned["dp"], "planned_replicas": planned.get("dp_replicas", 0.0)}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
