@@ -75,6 +75,9 @@ class EngineFacts:
     described_partition_stages: tuple[int, ...] = ()
     # the ZeRO stages at which it swaps optimizer states and parameters to NVMe (offload=nvme)
     nvme_offload_stages: tuple[int, ...] = ()
+    # its pipeline sends each TP rank's 1/tp slice of a replicated activation (or gradient) and
+    # all-gathers it over TP on arrival, and gathers a stage's own output again for its backward
+    pipeline_gathers_tp_slices: bool = False
 
 
 @dataclass(frozen=True)

@@ -454,6 +454,10 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
         tp += m * (1.5 if lay.sequence_parallel else 1.0) * _ring(lay.tp) * sbh
     if last:  # the head's input gradient; the vocabulary-parallel loss's 3 fp32 sums
         tp += m * _ring(lay.tp) * (sbh + 3 * local * 4)
+    first = 0 in chunks
+    if lay.pp > 1 and not lay.sequence_parallel and engine_facts(lay.engine).pipeline_gathers_tp_slices:
+        # an activation's slices gathered on arrival, and a gradient's with the stage's own output for the backward
+        tp += m * ((0 if first else 1) + (0 if last else 2)) * _ring(lay.tp) / 2 * sbh
     if lay.tp > 1:  # the gradients of what every TP rank holds whole (norms under SP, an MoE block's experts)
         replicated = stage_replicated_parameters(dims, lay.tp, lay.sequence_parallel, stage.blocks - moe_blocks,
                                                  moe_blocks, last, lay.grid.ep)

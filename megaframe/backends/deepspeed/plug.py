@@ -77,7 +77,9 @@ FACTS = EngineFacts(
                        frees_other_gradients_at_step=lambda zero_stage: zero_stage == 1),
     data_parallel_bytes=data_parallel_bytes,
     described_partition_stages=(1, 2, 3),  # ZeRO-1/2/3's flat partitions, for Muon (muon_zero.py)
-    nvme_offload_stages=(3,))  # ZeRO-Infinity (conf/offload/nvme.yaml swaps the parameters too)
+    nvme_offload_stages=(3,),  # ZeRO-Infinity (conf/offload/nvme.yaml swaps the parameters too)
+    # pipe_partitioned and grad_partitioned, off under SP (ds_config.py)
+    pipeline_gathers_tp_slices=True)
 
 PLUG = lazy_plug("deepspeed", FACTS, build="engine:DeepSpeedBackend", init_distributed="engine:init_distributed",
                  device_type="accelerator:device_type",
