@@ -410,7 +410,8 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
     TP: 2 all-reduces forward and 2 backward per block and micro-batch of s·b·h (one more with
     recomputation, 1.5 under SP; SP moves the same volume as all-gather + reduce-scatter), the
     embedding's and the head's, and the loss's three sums per token. PP: each micro-batch's
-    activation forward and its gradient back, split over TP ranks as DeepSpeed's pipe_partitioned does.
+    activation forward and its gradient back (a first or last stage one of them), split over TP ranks
+    under SP or where the engine slices them (DeepSpeed's pipe_partitioned, which gathers them over TP).
     DP: the engine's bytes a parameter a step (its facts' data_parallel_bytes), each sent (n-1)/n
     (n: the data axis dp x cp, or HSDP's shard group of dp x cp / dp_replicate ranks):
     DeepSpeed's ZeRO-0/1/2 all-reduce the gradients (two passes; ZeRO-2 after every micro-batch's
@@ -436,7 +437,8 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
     local = dims.seq_length // lay.cp * lay.micro_batch_size
     sbh = local * dims.hidden_size * e
     m = lay.micro_batches
-    chunks = rank_stages(lay, stage.stage)
+    facts, chunks = engine_facts(lay.engine), rank_stages(lay, stage.stage)
+    first, last = 0 in chunks, lay.pp * len(chunks) - 1 in chunks
     # all-reduces of s·b·h a block and micro-batch (SP: an all-gather and a reduce-scatter for each):
     # two forward, two backward; a recomputed forward ends with the last tensor backward needs (torch's
     # non-reentrant checkpoint stops early), before the MLP's closing reduction: one more, 1.5 under SP,
@@ -449,23 +451,24 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
                                   ep=lay.grid.ep) for c in chunks)
     moe_saves = (2.5 if lay.recompute else 2.0) if lay.sequence_parallel else 1.0
     tp = m * (stage.blocks * collectives - moe_blocks * moe_saves) * _ring(lay.tp) * sbh
-    last = lay.pp * len(chunks) - 1 in chunks
-    if 0 in chunks:  # the vocabulary-parallel embedding's all-reduce (SP: and the gather back through its scatter)
+    if first:  # the vocabulary-parallel embedding's all-reduce (SP: and the gather back through its scatter)
         tp += m * (1.5 if lay.sequence_parallel else 1.0) * _ring(lay.tp) * sbh
     if last:  # the head's input gradient; the vocabulary-parallel loss's 3 fp32 sums
         tp += m * _ring(lay.tp) * (sbh + 3 * local * 4)
-    first = 0 in chunks
-    if lay.pp > 1 and not lay.sequence_parallel and engine_facts(lay.engine).pipeline_gathers_tp_slices:
+    if lay.pp > 1 and not lay.sequence_parallel and facts.pipeline_gathers_tp_slices:
         # an activation's slices gathered on arrival, and a gradient's with the stage's own output for the backward
         tp += m * ((0 if first else 1) + (0 if last else 2)) * _ring(lay.tp) / 2 * sbh
     if lay.tp > 1:  # the gradients of what every TP rank holds whole (norms under SP, an MoE block's experts)
         replicated = stage_replicated_parameters(dims, lay.tp, lay.sequence_parallel, stage.blocks - moe_blocks,
                                                  moe_blocks, last, lay.grid.ep)
         # summed once a step in an fp32 bucket where the engine leaves gradients in .grad, else at each use
-        bucket = engine_facts(lay.engine).memory.replicated_grad_bucket(lay.zero_stage, lay.pp > 1, dtype)
+        bucket = facts.memory.replicated_grad_bucket(lay.zero_stage, lay.pp > 1, dtype)
         tp += _ring(lay.tp) * replicated * (4 if bucket else m * e)
-    pp = 2 * m * sbh / lay.tp if lay.pp > 1 else 0.0
-    facts, replicas = engine_facts(lay.engine), lay.grid.dp_replicate
+    # each of the rank's stages sends a micro-batch's activation on (but the model's last) and its
+    # gradient back (but the first); under SP, or sliced by the engine, 1/tp of it from each TP rank
+    sends = sum((c != lay.pp * len(chunks) - 1) + (c != 0) for c in chunks) if lay.pp > 1 else 0
+    pp = sends * m * sbh / (lay.tp if lay.sequence_parallel or facts.pipeline_gathers_tp_slices else 1)
+    replicas = lay.grid.dp_replicate
     shard_ranks = lay.dp * lay.cp // replicas  # the data axis, or HSDP's shard group
     # experts split over ep ranks are reduced (and sharded) over their expert-data-parallel ranks alone
     experts = sum(stage_expert_parameters(dims, lay.tp, lay.pp * len(chunks), c, lay.partition, lay.grid.ep)

@@ -8,7 +8,9 @@ holds whole and sums the gradients of over TP (21 GiB of fp32 a rank for mixtral
 recomputed forward runs is torch's non-reentrant checkpoint's: it stops after the last tensor the
 backward needs, before the MLP's closing reduction. DeepSpeed's pipeline with tp > 1 and no SP: its
 stages also all-gather what they receive over TP (pipe_partitioned; the plan had 17% too little on
-its first stage). Not here: the MoE all-to-alls over ep."""
+its first stage). The pipeline's sends are counted too: the plan had two a micro-batch on every
+stage (a first or last one sends one) and 1/tp of an activation from each TP rank (FSDP2's pipeline
+sends it whole without SP). Not here: the MoE all-to-alls over ep."""
 from __future__ import annotations
 
 import pytest
@@ -26,6 +28,8 @@ LAYOUTS = {
     "tp2-pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
     "tp2-pp2-sp": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]),
     "fsdp2-tp2-pp2": (4, ["backend=fsdp2", "zero=stage2", "parallel.tp=2", "parallel.pp=2"]),
+    "fsdp2-tp2-pp2-sp": (4, ["backend=fsdp2", "zero=stage2", "parallel.tp=2", "parallel.pp=2",
+                             "parallel.sequence_parallel=true"]),
     "tp2": (2, ["parallel.tp=2"]),
     "tp2-sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "tp2-recompute": (2, ["parallel.tp=2", "parallel.activation_checkpointing=true"]),
@@ -47,7 +51,7 @@ LAYOUTS = {
 def _count_tp_traffic(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
     sent, planned = sent_per_step(overrides, world, run_dir, STEPS,
                                   lambda layout: {"tp": layout.grid.group_of(rank, "tp")})
-    return {"sent": sent["tp"], "planned": planned["tp"]}
+    return {"sent": sent["tp"], "planned": planned["tp"], "sent_pp": sent["send"], "planned_pp": planned["pp"]}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -57,3 +61,5 @@ def test_planned_tp_traffic_is_within_10_percent_of_what_the_ranks_send(layout, 
     results = run_ranks(_count_tp_traffic, world, tmp_path, overrides=overrides, run_dir=str(tmp_path / "run"))
     for rank, r in enumerate(results):
         assert r["planned"] == pytest.approx(r["sent"], rel=0.10), (layout, rank, r)
+        # the pipeline's sends: DeepSpeed's without SP and both under SP are 1/tp slices
+        assert r["planned_pp"] == pytest.approx(r["sent_pp"], rel=0.10), (layout, rank, r)

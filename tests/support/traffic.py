@@ -23,7 +23,8 @@ RING_SHARE: dict[str, Callable[[int], float]] = {
 def sent_per_step(overrides: list[str], world: int, run_dir: str, steps: int,
                   groups: Callable[[object], dict[str, list[int]]]) -> tuple[dict[str, float], dict]:
     """Train `steps` steps (the first not counted) and return, for each named group of ranks that
-    groups(layout) gives, the bytes a step sent over it, with the plan's comm_bytes."""
+    groups(layout) gives, the bytes a step sent over it, and under "send" those of its point-to-point
+    sends (a pipeline's), with the plan's comm_bytes."""
     import torch
 
     from tests.support.memory_probe import collective_calls
@@ -51,4 +52,5 @@ def sent_per_step(overrides: list[str], world: int, run_dir: str, steps: int,
                               if op in RING_SHARE and torch.distributed.get_process_group_ranks(group) == ranks)
                     / (steps - 1)
                     for name, ranks in groups(layout).items()}
+            sent["send"] = sum(size for op, _, size in counted if op == "send") / (steps - 1)
     return sent, estimate_config(cfg, layout, all_stages=True).comm_bytes
