@@ -12,7 +12,8 @@ from typing import Iterator
 import torch
 
 _COLLECTIVES = ("allgather", "_allgather_base", "allgather_coalesced", "allgather_into_tensor_coalesced",
-                "all_gather_single", "allreduce", "allreduce_coalesced", "alltoall", "alltoall_base", "broadcast",
+                "all_gather_single", "allreduce", "allreduce_coalesced", "alltoall", "alltoall_base",
+                "all_to_all_single", "broadcast",
                 "gather", "scatter", "reduce", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
                 "reduce_scatter_tensor_coalesced", "send", "recv", "recv_anysource")
 

@@ -13,11 +13,14 @@ GATHERS = ("allgather", "_allgather_base", "all_gather_single", "allgather_into_
            "allgather_coalesced")
 SCATTERS = ("reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single", "reduce_scatter_tensor_coalesced")
 REDUCTIONS = ("allreduce", "allreduce_coalesced")
+ALL_TO_ALL = ("all_to_all_single", "alltoall_base", "alltoall")
 # bytes sent per recorded byte in a group of n: gathers and scatters record input and output, (1 + 1/n)
 # of the whole tensor; a reduction records its one tensor, reduced and shared back
 RING_SHARE: dict[str, Callable[[int], float]] = {
     **{name: lambda n: (n - 1) / (n + 1) for name in GATHERS + SCATTERS},
-    **{name: lambda n: 2 * (n - 1) / n for name in REDUCTIONS}}
+    **{name: lambda n: 2 * (n - 1) / n for name in REDUCTIONS},
+    # input and output recorded, about equal: a rank keeps 1/n of its input and sends the rest
+    **{name: lambda n: (n - 1) / n / 2 for name in ALL_TO_ALL}}
 
 
 def sent_per_step(overrides: list[str], world: int, run_dir: str, steps: int,
