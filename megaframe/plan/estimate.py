@@ -32,7 +32,8 @@ from megaframe.plan.host import (FAST_TIER_PARTS, CheckpointCopies, HostMemory, 
 from megaframe.plan.optimizer import (ADAMW, OptimizerTerms, assembled_matrices, matrix_parameters, optimizer_terms,
                                       owner_ranks, stage_assembly_bytes, stage_matrices, stage_newton_schulz_flops,
                                       step_working_bytes)
-from megaframe.parallel.pipeline_schedules import bubble_fraction, in_flight_micro_batches, stage_indices
+from megaframe.parallel.pipeline_schedules import (SPLIT_BACKWARD, bubble_fraction, in_flight_micro_batches,
+                                                   stage_indices)
 from megaframe.tracking.flops import flops_per_token, fp8_aware_peak, fp8_flops_per_token, peak_tflops
 
 
@@ -416,8 +417,8 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
     (n: the data axis dp x cp, or HSDP's shard group of dp x cp / dp_replicate ranks):
     DeepSpeed's ZeRO-0/1/2 all-reduce the gradients (two passes; ZeRO-2 after every micro-batch's
     backward), its ZeRO-3 reduce-scatters them and gathers the weights twice a micro-batch; FSDP2 under
-    a pipeline reduces once a step. DP here is the data axis, dp x cp; experts split over ep ranks
-    travel over their dp x cp / ep expert-data-parallel ranks alone.
+    a pipeline reduces once a step. DP here is the data axis, dp x cp, but for experts split over ep
+    ranks: edp, their traffic over their dp x cp / ep expert-data-parallel ranks.
 
     dp_replicas (HSDP only): a shard group's share of the gradients all-reduced across the
     dp_replicate replicas (the facts' replica_bytes), apart from DP: it crosses the slow links.
@@ -439,18 +440,11 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
     m = lay.micro_batches
     facts, chunks = engine_facts(lay.engine), rank_stages(lay, stage.stage)
     first, last = 0 in chunks, lay.pp * len(chunks) - 1 in chunks
-    # all-reduces of s·b·h a block and micro-batch (SP: an all-gather and a reduce-scatter for each):
-    # two forward, two backward; a recomputed forward ends with the last tensor backward needs (torch's
-    # non-reentrant checkpoint stops early), before the MLP's closing reduction: one more, 1.5 under SP,
-    # whose all-gather into the MLP is recomputed too
-    collectives = 4 + ((1.5 if lay.sequence_parallel else 1.0) if lay.recompute else 0.0)
-    # an MoE block's experts take 1/tp of the tokens each (a split) and all-gather their outputs: one
-    # all-reduce's bytes where the MLP has two; under SP they take the sequence shard as it is: none
-    # (nor the MLP's all-gather in a recomputed forward)
+    recomputes = (2 if lay.pipeline_schedule in SPLIT_BACKWARD else 1) if lay.recompute else 0
     moe_blocks = sum(stage_blocks(dims, lay.tp, lay.pp * len(chunks), c, lay.partition, moe_only=True,
                                   ep=lay.grid.ep) for c in chunks)
-    moe_saves = (2.5 if lay.recompute else 2.0) if lay.sequence_parallel else 1.0
-    tp = m * (stage.blocks * collectives - moe_blocks * moe_saves) * _ring(lay.tp) * sbh
+    units = {kind: _block_tp_units(kind, dims, lay.sequence_parallel, recomputes) for kind in ("dense", "moe")}
+    tp = m * ((stage.blocks - moe_blocks) * units["dense"] + moe_blocks * units["moe"]) * _ring(lay.tp) * sbh
     if first:  # the vocabulary-parallel embedding's all-reduce (SP: and the gather back through its scatter)
         tp += m * (1.5 if lay.sequence_parallel else 1.0) * _ring(lay.tp) * sbh
     if last:  # the head's input gradient; the vocabulary-parallel loss's 3 fp32 sums
@@ -465,8 +459,10 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
         bucket = facts.memory.replicated_grad_bucket(lay.zero_stage, lay.pp > 1, dtype)
         tp += _ring(lay.tp) * replicated * (4 if bucket else m * e)
     # each of the rank's stages sends a micro-batch's activation on (but the model's last) and its
-    # gradient back (but the first); under SP, or sliced by the engine, 1/tp of it from each TP rank
-    sends = sum((c != lay.pp * len(chunks) - 1) + (c != 0) for c in chunks) if lay.pp > 1 else 0
+    # gradient back (but the first), unless the next (previous) stage is its own (a V schedule's turn);
+    # under SP, or sliced by the engine, 1/tp of it from each TP rank
+    cuts = lay.pp * len(chunks)
+    sends = sum((c != cuts - 1 and c + 1 not in chunks) + (c != 0 and c - 1 not in chunks) for c in chunks)
     pp = sends * m * sbh / (lay.tp if lay.sequence_parallel or facts.pipeline_gathers_tp_slices else 1)
     replicas = lay.grid.dp_replicate
     shard_ranks = lay.dp * lay.cp // replicas  # the data axis, or HSDP's shard group
@@ -474,18 +470,19 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
     experts = sum(stage_expert_parameters(dims, lay.tp, lay.pp * len(chunks), c, lay.partition, lay.grid.ep)
                   for c in chunks) if lay.grid.ep > 1 else 0
     dense = stage.parameters - experts
-    one_way = (_ring(shard_ranks) * dense + _ring(lay.grid.edp) * experts) / 2  # (n-1)/n of each group's parameters
-    dp = one_way * facts.data_parallel_bytes(lay.zero_stage, lay.pp > 1, m, dtype)
+    per_parameter = facts.data_parallel_bytes(lay.zero_stage, lay.pp > 1, m, dtype)
+    dp = _ring(shard_ranks) / 2 * dense * per_parameter  # (n-1)/n of the group's parameters
+    edp = _ring(lay.grid.edp) / 2 * experts * per_parameter
     cp = 0.0
     if lay.cp > 1:
         kv_heads = dims.num_kv_heads // lay.tp if dims.num_kv_heads % lay.tp == 0 else dims.num_kv_heads
         b = local * kv_heads * dims.head_dim * e
         q_b = local * dims.num_heads // lay.tp * dims.head_dim * e
         if lay.cp_impl == "ring":
-            forwards = 2 if lay.recompute else 1
+            forwards = 1 + recomputes
             per_block = (lay.cp - 1) * 2 * b * (forwards + 1) + lay.cp * 2 * b * 4 / e
         else:
-            per_block = (2 * q_b + 2 * b) * (lay.cp - 1) / lay.cp * (3 if lay.recompute else 2)
+            per_block = (2 * q_b + 2 * b) * (lay.cp - 1) / lay.cp * (2 + recomputes)
         cp = stage.blocks * m * per_block
     ep = 0.0
     if lay.grid.ep > 1:
@@ -493,13 +490,35 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
         # backward (again in a recomputed forward); a rank sends (ep-1)/ep of its top_k copies. Each
         # TP rank routes 1/tp of the tokens.
         sent = local / lay.tp * dims.moe.top_k * dims.hidden_size * e * (lay.grid.ep - 1) / lay.grid.ep
-        ep = moe_blocks * m * sent * (6 if lay.recompute else 4)
+        ep = moe_blocks * m * sent * (4 + 2 * recomputes)
     sent = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}
+    if experts:  # their reduction spans the data axis (every ep-th rank), HSDP's shard group or not
+        sent["edp"] = edp
     if replicas > 1:  # HSDP: each rank's shard of the gradients, all-reduced across the replicas
         sent["dp_replicas"] = _ring(replicas) / 2 * dense / shard_ranks * facts.replica_bytes
     if stage.optimizer_bytes:  # Muon: matrices to their owners and back (plan/optimizer.py)
         sent["optimizer"] = stage.optimizer_bytes
     return sent
+
+
+def _block_tp_units(kind: str, dims: GPTDims, sp: bool, recomputes: int) -> float:
+    """A block's TP traffic a micro-batch, in all-reduces of s·b·h (SP: an all-gather and a
+    reduce-scatter each). Dense: attention and MLP, each one forward and one backward. A recomputed
+    forward (torch's non-reentrant checkpoint) stops after the last tensor backward needs: before the
+    MLP's closing reduction (one more all-reduce; 1.5 under SP, whose all-gather into the MLP reruns),
+    after it with dropout, whose mask is saved there (two). `recomputes`: 0, 1, or 2 under a
+    split-backward schedule (input and weight gradients recompute apart). An MoE block's routed
+    experts take 1/tp of the tokens (a split) and all-gather their outputs, half an all-reduce each
+    way (nothing under SP: they take the sequence shard as it is); its shared experts are an MLP,
+    after them, whose saved tensors make a recomputed forward rerun the experts' gather."""
+    dropout = dims.dropout > 0
+    if kind == "dense":
+        return 4 + recomputes * (2.0 if dropout else 1.5 if sp else 1.0)
+    shared = dims.moe is not None and dims.moe.shared_experts > 0
+    routed = 0.0 if sp else 1.0
+    routed_rerun = 0.0 if sp else 0.5 if (dropout or shared) else 0.0
+    shared_rerun = ((0.5 if sp else 0.0) + ((0.5 if sp else 1.0) if dropout else 0.0)) if shared else 0.0
+    return 2 + routed + (2.0 if shared else 0.0) + recomputes * (1 + routed_rerun + shared_rerun)
 
 
 def _ranked_step_time(lay: PlanLayout, cluster: ClusterConfig, compute: float, comm: dict,
@@ -519,7 +538,8 @@ def _ranked_step_time(lay: PlanLayout, cluster: ClusterConfig, compute: float, c
     dp_bw = cluster.intra_node_gbps if data_ranks // lay.grid.dp_replicate <= gpn else cluster.inter_node_gbps
     cp_bw = cluster.intra_node_gbps if lay.tp * lay.cp <= gpn else cluster.inter_node_gbps
     exposed = comm["tp"] / (tp_bw * gbps) + comm["pp"] / (pp_bw * gbps)
-    data_parallel = comm["dp"] / (dp_bw * gbps) + comm.get("dp_replicas", 0.0) / (replica_bw * gbps)
+    spanning = comm.get("dp_replicas", 0.0) + comm.get("edp", 0.0)  # across the whole data axis
+    data_parallel = comm["dp"] / (dp_bw * gbps) + spanning / (replica_bw * gbps)
     exposed += max(0.0, data_parallel - compute * 2 / 3)
     # counted as exposed in full (conservative): the ring overlaps each hop with a block's compute,
     # but how much it hides depends on the attention kernel, which the planner does not model

@@ -10,7 +10,7 @@ from megaframe.plan.memory import GIB
 
 
 # comm_bytes keys whose upper-cased name would not say what they are
-COMM_LABELS = {"dp_replicas": "DP across HSDP replicas", "optimizer": "OPTIMIZER"}
+COMM_LABELS = {"dp_replicas": "DP across HSDP replicas", "edp": "DP of experts", "optimizer": "OPTIMIZER"}
 
 
 def gib(value: float) -> str:

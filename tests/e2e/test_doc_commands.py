@@ -230,6 +230,11 @@ def _run_block(block: Block, cwd: Path, env: dict[str, str]) -> None:
                                                     f"says {block.exit_code}\nSTDERR:\n{done.stderr[-3000:]}")
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1, f"{block.where}: a refusal is one line, got:\n{done.stderr[-3000:]}"
+        # the refusal the guide shows below the block is the one printed now ("…" stands for what this
+        # host decides, such as its memory)
+        shown = [re.compile(".*".join(map(re.escape, text.split("…")))) for text in block.shown]
+        assert not shown or any(s.fullmatch(lines[0]) for s in shown), (
+            f"{block.where}: `{line}` now prints\n{lines[0]}\nthe guide shows\n" + "\n".join(block.shown))
 
 
 def test_every_guide_is_linked_from_the_readme():

@@ -34,6 +34,7 @@ class Block:
     run: bool
     exit_code: int = 0
     lines: list[str] = field(default_factory=list)  # the block's text, one logical line each
+    shown: list[str] = field(default_factory=list)  # the ```text block right after it, if any (its output)
 
     @property
     def where(self) -> str:
@@ -97,8 +98,11 @@ def blocks(guide: Path) -> list[Block]:
         mark = _MARK.search(before)
         end = next(j for j in range(i + 1, len(text)) if text[j].startswith("```"))
         body = [line[2:] if line.startswith("$ ") else line for line in text[i + 1:end]]  # a console's prompts
+        after = next((j for j in range(end + 1, len(text)) if text[j].strip()), len(text))
+        shown_end = next((j for j in range(after + 1, len(text)) if text[j].startswith("```")), after) \
+            if after < len(text) and text[after].strip() == "```text" else after
         found.append(Block(guide, i + 1, run=mark is not None, exit_code=int(mark.group(1) or 0) if mark else 0,
-                           lines=_logical_lines(body)))
+                           lines=_logical_lines(body), shown=text[after + 1:shown_end]))
         i = end + 1
     return found
 

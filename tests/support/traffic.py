@@ -27,14 +27,16 @@ def sent_per_step(overrides: list[str], world: int, run_dir: str, steps: int,
                   groups: Callable[[object], dict[str, list[int]]]) -> tuple[dict[str, float], dict]:
     """Train `steps` steps (the first not counted) and return, for each named group of ranks that
     groups(layout) gives, the bytes a step sent over it, and under "send" those of its point-to-point
-    sends (a pipeline's), with the plan's comm_bytes."""
+    sends (a pipeline's), with the plan's communication for this rank's pipeline stage."""
     import torch
 
     from tests.support.memory_probe import collective_calls
 
     from megaframe.backends.registry import validate_for_engine
     from megaframe.config.compose import compose
-    from megaframe.plan.estimate import estimate_config
+    from megaframe.model.dims import document_dims, resolve_dims
+    from megaframe.plan.estimate import (communication_bytes, estimate_config, planning_device_type,
+                                         planning_vocab_size)
     from megaframe.training.trainer import Trainer
 
     cfg, _ = compose(overrides)
@@ -56,4 +58,8 @@ def sent_per_step(overrides: list[str], world: int, run_dir: str, steps: int,
                     / (steps - 1)
                     for name, ranks in groups(layout).items()}
             sent["send"] = sum(size for op, _, size in counted if op == "send") / (steps - 1)
-    return sent, estimate_config(cfg, layout, all_stages=True).comm_bytes
+    est = estimate_config(cfg, layout, all_stages=True)  # comm_bytes: the stage with the highest peak's
+    dims = document_dims(resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp,
+                                      device_type=planning_device_type(cfg)), cfg.data, None)
+    own = next(s for s in est.stages if s.stage == trainer.ps.pp_rank)
+    return sent, communication_bytes(dims, est.layout, cfg.precision.dtype, own)
