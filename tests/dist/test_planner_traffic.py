@@ -34,6 +34,9 @@ LAYOUTS = {
     "tp2-pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
     "tp2-pp2-sp": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]),
     "fsdp2-tp2-pp2": (4, ["backend=fsdp2", "zero=stage2", "parallel.tp=2", "parallel.pp=2"]),
+    # a V schedule: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2 (its turn, 1 -> 2, sends nothing)
+    "fsdp2-tp2-pp2-zbv": (4, ["backend=fsdp2", "zero=stage2", "parallel.tp=2", "parallel.pp=2",
+                              "parallel.pipeline_schedule=zbv", "parallel.virtual_stages=2", "model.num_layers=4"]),
     "fsdp2-tp2-pp2-sp": (4, ["backend=fsdp2", "zero=stage2", "parallel.tp=2", "parallel.pp=2",
                              "parallel.sequence_parallel=true"]),
     "tp2": (2, ["parallel.tp=2"]),
