@@ -408,9 +408,10 @@ def host_memory(cluster: ClusterConfig, ranks: int, stages: list[StageEstimate],
 def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: StageEstimate) -> dict:
     """Bytes one rank sends per optimizer step (ring algorithms; REFERENCE.md, Pipeline and communication).
 
-    TP: 2 all-reduces forward and 2 backward per block and micro-batch of s·b·h (one more with
-    recomputation, 1.5 under SP; SP moves the same volume as all-gather + reduce-scatter), the
-    embedding's and the head's, and the loss's three sums per token. PP: each micro-batch's
+    TP: 2 all-reduces forward and 2 backward per block and micro-batch of s·b·h (SP moves the same
+    volume as all-gather + reduce-scatter), more in a recomputed forward and fewer in an MoE block
+    (_block_tp_units), the embedding's and the head's, the loss's three sums per token, and the sum of
+    the gradients every TP rank holds whole (tests/dist/test_planner_traffic.py). PP: each micro-batch's
     activation forward and its gradient back (a first or last stage one of them), split over TP ranks
     under SP or where the engine slices them (DeepSpeed's pipe_partitioned, which gathers them over TP).
     DP: the engine's bytes a parameter a step (its facts' data_parallel_bytes), each sent (n-1)/n
