@@ -440,10 +440,11 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
     sbh = local * dims.hidden_size * e
     m = lay.micro_batches
     facts, chunks = engine_facts(lay.engine), rank_stages(lay, stage.stage)
-    first, last = 0 in chunks, lay.pp * len(chunks) - 1 in chunks
+    cuts = lay.pp * len(chunks)  # pipeline stages in all (several a rank under looped and V schedules)
+    first, last = 0 in chunks, cuts - 1 in chunks
     recomputes = (2 if lay.pipeline_schedule in SPLIT_BACKWARD else 1) if lay.recompute else 0
-    moe_blocks = sum(stage_blocks(dims, lay.tp, lay.pp * len(chunks), c, lay.partition, moe_only=True,
-                                  ep=lay.grid.ep) for c in chunks)
+    moe_blocks = sum(stage_blocks(dims, lay.tp, cuts, c, lay.partition, moe_only=True, ep=lay.grid.ep)
+                     for c in chunks)
     units = {kind: _block_tp_units(kind, dims, lay.sequence_parallel, recomputes) for kind in ("dense", "moe")}
     tp = m * ((stage.blocks - moe_blocks) * units["dense"] + moe_blocks * units["moe"]) * _ring(lay.tp) * sbh
     if first:  # the vocabulary-parallel embedding's all-reduce (SP: and the gather back through its scatter)
@@ -462,13 +463,12 @@ def communication_bytes(dims: GPTDims, lay: PlanLayout, dtype: str, stage: Stage
     # each of the rank's stages sends a micro-batch's activation on (but the model's last) and its
     # gradient back (but the first), unless the next (previous) stage is its own (a V schedule's turn);
     # under SP, or sliced by the engine, 1/tp of it from each TP rank
-    cuts = lay.pp * len(chunks)
     sends = sum((c != cuts - 1 and c + 1 not in chunks) + (c != 0 and c - 1 not in chunks) for c in chunks)
     pp = sends * m * sbh / (lay.tp if lay.sequence_parallel or facts.pipeline_gathers_tp_slices else 1)
     replicas = lay.grid.dp_replicate
     shard_ranks = lay.dp * lay.cp // replicas  # the data axis, or HSDP's shard group
     # experts split over ep ranks are reduced (and sharded) over their expert-data-parallel ranks alone
-    experts = sum(stage_expert_parameters(dims, lay.tp, lay.pp * len(chunks), c, lay.partition, lay.grid.ep)
+    experts = sum(stage_expert_parameters(dims, lay.tp, cuts, c, lay.partition, lay.grid.ep)
                   for c in chunks) if lay.grid.ep > 1 else 0
     dense = stage.parameters - experts
     per_parameter = facts.data_parallel_bytes(lay.zero_stage, lay.pp > 1, m, dtype)
@@ -561,13 +561,18 @@ def _ranked_step_time(lay: PlanLayout, cluster: ClusterConfig, compute: float, c
 MAX_PARAMETERS = 10**15
 
 
-def estimate_config(cfg: TrainConfig, layout: Layout, all_stages: bool = False) -> Estimate:
-    """estimate() for a composed, validated config; ConfigError for a model beyond MAX_PARAMETERS."""
+def planning_dims(cfg: TrainConfig, layout: Layout) -> GPTDims:
+    """The model's dimensions as the planner sees them; ConfigError for a model beyond MAX_PARAMETERS."""
     dims = resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp, device_type=planning_device_type(cfg))
     if (count := total_parameters(dims)) > MAX_PARAMETERS:
         raise ConfigError(f"the model has {count:.3g} parameters (model.num_layers={dims.num_layers}, "
                           f"model.hidden_size={dims.hidden_size}): beyond 1e15, whose model states (16 bytes each) "
                           f"outgrow the memory of 10**5 GPUs together; check the model's sizes for a typo")
-    dims = document_dims(dims, cfg.data, None)  # data.document_mask: its masks (plan/activations.py)
+    return document_dims(dims, cfg.data, None)  # data.document_mask: its masks (plan/activations.py)
+
+
+def estimate_config(cfg: TrainConfig, layout: Layout, all_stages: bool = False) -> Estimate:
+    """estimate() for a composed, validated config; ConfigError for a model beyond MAX_PARAMETERS."""
+    dims = planning_dims(cfg, layout)
     return estimate(dims, plan_layout(cfg, layout), cfg.precision.dtype, cfg.cluster, cfg.plan.mfu, all_stages,
                     cfg.zero, cfg.precision.tf32, cfg.precision.fp8, cfg.optim, checkpoint_copies(cfg))

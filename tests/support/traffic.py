@@ -34,9 +34,7 @@ def sent_per_step(overrides: list[str], world: int, run_dir: str, steps: int,
 
     from megaframe.backends.registry import validate_for_engine
     from megaframe.config.compose import compose
-    from megaframe.model.dims import document_dims, resolve_dims
-    from megaframe.plan.estimate import (communication_bytes, estimate_config, planning_device_type,
-                                         planning_vocab_size)
+    from megaframe.plan.estimate import communication_bytes, estimate_config, planning_dims
     from megaframe.training.trainer import Trainer
 
     cfg, _ = compose(overrides)
@@ -59,7 +57,5 @@ def sent_per_step(overrides: list[str], world: int, run_dir: str, steps: int,
                     for name, ranks in groups(layout).items()}
             sent["send"] = sum(size for op, _, size in counted if op == "send") / (steps - 1)
     est = estimate_config(cfg, layout, all_stages=True)  # comm_bytes: the stage with the highest peak's
-    dims = document_dims(resolve_dims(cfg.model, planning_vocab_size(cfg), tp=layout.tp,
-                                      device_type=planning_device_type(cfg)), cfg.data, None)
     own = next(s for s in est.stages if s.stage == trainer.ps.pp_rank)
-    return sent, communication_bytes(dims, est.layout, cfg.precision.dtype, own)
+    return sent, communication_bytes(planning_dims(cfg, layout), est.layout, cfg.precision.dtype, own)
